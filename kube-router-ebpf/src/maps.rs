@@ -1,0 +1,41 @@
+//! The pinned maps. Names and layouts are documented in docs/maps.md.
+use aya_ebpf::{
+    macros::map,
+    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+};
+use kube_router_common::*;
+
+#[map(name = "svc_v4")]
+pub static SERVICES: HashMap<ServiceKeyV4, ServiceValue> =
+    HashMap::pinned(SERVICES_MAX_ENTRIES, 0);
+
+#[map(name = "svc_slots_v4")]
+pub static BACKEND_SLOTS: HashMap<BackendSlotKey, BackendSlotValue> =
+    HashMap::pinned(BACKEND_SLOTS_MAX_ENTRIES, 0);
+
+#[map(name = "backends_v4")]
+pub static BACKENDS: HashMap<u32, BackendV4> = HashMap::pinned(BACKENDS_MAX_ENTRIES, 0);
+
+#[map(name = "ct_v4")]
+pub static CONNTRACK: LruHashMap<CtKeyV4, CtValueV4> =
+    LruHashMap::pinned(CONNTRACK_MAX_ENTRIES, 0);
+
+#[map(name = "affinity_v4")]
+pub static AFFINITY: LruHashMap<AffinityKeyV4, AffinityValue> =
+    LruHashMap::pinned(AFFINITY_MAX_ENTRIES, 0);
+
+#[map(name = "lb_stats")]
+pub static LB_STATS: PerCpuArray<u64> = PerCpuArray::pinned(lb_stat::COUNT, 0);
+
+/// Written by the agent only; present so the layout version travels with the pinned maps.
+#[map(name = "meta")]
+pub static META: Array<u32> = Array::pinned(META_MAX_ENTRIES, 0);
+
+#[inline(always)]
+pub fn count(stat: u32) {
+    if let Some(counter) = LB_STATS.get_ptr_mut(stat) {
+        // Per-CPU slot: no other CPU writes it, a plain add is enough.
+        unsafe { *counter += 1 };
+    }
+}
+

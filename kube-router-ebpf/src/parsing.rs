@@ -1,0 +1,70 @@
+//! Ethernet / IPv4 / TCP / UDP header parsing with bounds-checked skb loads.
+use aya_ebpf::programs::TcContext;
+use kube_router_common::{IPPROTO_TCP, IPPROTO_UDP};
+
+pub const ETH_HDR_LEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+pub const IP_CSUM_OFF: usize = ETH_HDR_LEN + 10;
+pub const IP_SRC_OFF: usize = ETH_HDR_LEN + 12;
+pub const IP_DST_OFF: usize = ETH_HDR_LEN + 16;
+
+pub const TCP_FLAG_FIN: u8 = 0x01;
+pub const TCP_FLAG_RST: u8 = 0x04;
+
+/// What the load balancer needs of a packet. Addresses and ports stay in network byte order.
+pub struct Flow {
+    pub src_addr: u32,
+    pub dst_addr: u32,
+    pub src_port: u16,
+    pub dst_port: u16,
+    pub proto: u8,
+    pub tcp_flags: u8,
+    /// Offset of the L4 header from the start of the frame.
+    pub l4_off: usize,
+}
+
+pub enum Parsed {
+    Flow(Flow),
+    NotIpv4,
+    /// A non-first fragment (or a fragmented datagram): it carries no ports.
+    Fragment,
+    /// IPv4 but neither TCP nor UDP (ICMP and others pass untouched).
+    OtherProtocol,
+}
+
+#[inline(always)]
+pub fn parse(ctx: &TcContext) -> Result<Parsed, i64> {
+    let ether_type = u16::from_be(ctx.load::<u16>(12)?);
+    if ether_type != ETH_P_IP {
+        return Ok(Parsed::NotIpv4);
+    }
+    let version_ihl: u8 = ctx.load(ETH_HDR_LEN)?;
+    let header_len = ((version_ihl & 0x0f) as usize) * 4;
+    if version_ihl >> 4 != 4 || header_len < 20 {
+        return Ok(Parsed::NotIpv4);
+    }
+    let proto: u8 = ctx.load(ETH_HDR_LEN + 9)?;
+    if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
+        return Ok(Parsed::OtherProtocol);
+    }
+    // More-fragments flag or a fragment offset: ports are not (all) there.
+    let frag = u16::from_be(ctx.load::<u16>(ETH_HDR_LEN + 6)?);
+    if frag & 0x3fff != 0 {
+        return Ok(Parsed::Fragment);
+    }
+    let l4_off = ETH_HDR_LEN + header_len;
+    let tcp_flags = if proto == IPPROTO_TCP {
+        ctx.load::<u8>(l4_off + 13)?
+    } else {
+        0
+    };
+    Ok(Parsed::Flow(Flow {
+        src_addr: ctx.load(IP_SRC_OFF)?,
+        dst_addr: ctx.load(IP_DST_OFF)?,
+        src_port: ctx.load(l4_off)?,
+        dst_port: ctx.load(l4_off + 2)?,
+        proto,
+        tcp_flags,
+        l4_off,
+    }))
+}

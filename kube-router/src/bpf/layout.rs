@@ -1,0 +1,76 @@
+//! The expected layout of every pinned map, checked before the datapath is loaded so that a
+//! layout change is reported instead of the program silently using a map it cannot read.
+use std::path::Path;
+
+use aya::maps::{MapInfo, MapType};
+use kube_router_common::*;
+
+pub struct MapSpec {
+    pub name: &'static str,
+    pub map_type: MapType,
+    pub key_size: u32,
+    pub value_size: u32,
+    pub max_entries: u32,
+}
+
+const fn spec<K, V>(name: &'static str, map_type: MapType, max_entries: u32) -> MapSpec {
+    MapSpec {
+        name,
+        map_type,
+        key_size: size_of::<K>() as u32,
+        value_size: size_of::<V>() as u32,
+        max_entries,
+    }
+}
+
+pub const SERVICE_MAPS: [MapSpec; 7] = [
+    spec::<ServiceKeyV4, ServiceValue>(map_names::SERVICES, MapType::Hash, SERVICES_MAX_ENTRIES),
+    spec::<BackendSlotKey, BackendSlotValue>(map_names::BACKEND_SLOTS, MapType::Hash, BACKEND_SLOTS_MAX_ENTRIES),
+    spec::<u32, BackendV4>(map_names::BACKENDS, MapType::Hash, BACKENDS_MAX_ENTRIES),
+    spec::<CtKeyV4, CtValueV4>(map_names::CONNTRACK, MapType::LruHash, CONNTRACK_MAX_ENTRIES),
+    spec::<AffinityKeyV4, AffinityValue>(map_names::AFFINITY, MapType::LruHash, AFFINITY_MAX_ENTRIES),
+    spec::<u32, u64>(map_names::LB_STATS, MapType::PerCpuArray, lb_stat::COUNT),
+    spec::<u32, u32>(map_names::META, MapType::Array, META_MAX_ENTRIES),
+];
+
+#[derive(Debug, thiserror::Error)]
+#[error("pinned map {path} has layout {found} but this agent expects {expected} (map layout version {version}); \
+         refusing to load over it. Migrate or remove it with `kube-router cleanup`")]
+pub struct LayoutMismatch {
+    pub path: String,
+    pub found: String,
+    pub expected: String,
+    pub version: u32,
+}
+
+fn describe(map_type: &str, key: u32, value: u32, max: u32) -> String {
+    format!("{map_type} key={key}B value={value}B max_entries={max}")
+}
+
+/// Checks the maps already pinned in `pin_dir`. Missing maps are fine (they get created).
+pub fn check_pinned(pin_dir: &Path) -> Result<usize, LayoutMismatch> {
+    let mut adopted = 0;
+    for spec in &SERVICE_MAPS {
+        let path = pin_dir.join(spec.name);
+        if !path.exists() {
+            continue;
+        }
+        let mismatch = |found: String| LayoutMismatch {
+            path: path.display().to_string(),
+            found,
+            expected: describe(&format!("{:?}", spec.map_type), spec.key_size, spec.value_size, spec.max_entries),
+            version: LAYOUT_VERSION,
+        };
+        let info = MapInfo::from_pin(&path).map_err(|e| mismatch(format!("unreadable ({e})")))?;
+        let map_type = info.map_type().map(|t| format!("{t:?}")).unwrap_or_else(|_| "unknown".into());
+        let same = map_type == format!("{:?}", spec.map_type)
+            && info.key_size() == spec.key_size
+            && info.value_size() == spec.value_size
+            && info.max_entries() == spec.max_entries;
+        if !same {
+            return Err(mismatch(describe(&map_type, info.key_size(), info.value_size(), info.max_entries())));
+        }
+        adopted += 1;
+    }
+    Ok(adopted)
+}

@@ -1,0 +1,133 @@
+//! Reading and writing the pinned service, conntrack and stats maps.
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray};
+use kube_router_common::*;
+
+use crate::services::{
+    compile::MapContents,
+    diff::MapOp,
+    sync::{MapWriteError, ServiceMaps},
+};
+
+fn open(pin_dir: &Path, name: &str) -> Result<MapData> {
+    let path = pin_dir.join(name);
+    MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))
+}
+
+fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
+    let data = open(pin_dir, name)?;
+    let map = match name {
+        map_names::CONNTRACK | map_names::AFFINITY => Map::LruHashMap(data),
+        _ => Map::HashMap(data),
+    };
+    Ok(HashMap::try_from(map)?)
+}
+
+/// The three service maps the control plane writes.
+pub struct BpfServiceMaps {
+    services: HashMap<MapData, ServiceKeyV4, ServiceValue>,
+    slots: HashMap<MapData, BackendSlotKey, BackendSlotValue>,
+    backends: HashMap<MapData, u32, BackendV4>,
+}
+
+impl BpfServiceMaps {
+    pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
+        Ok(Self {
+            services: open_hash(pin_dir, map_names::SERVICES)?,
+            slots: open_hash(pin_dir, map_names::BACKEND_SLOTS)?,
+            backends: open_hash(pin_dir, map_names::BACKENDS)?,
+        })
+    }
+}
+
+fn write_error(map: &'static str, error: MapError) -> MapWriteError {
+    let full = matches!(&error, MapError::SyscallError(e) if matches!(e.io_error.raw_os_error(), Some(libc::E2BIG) | Some(libc::ENOMEM)));
+    MapWriteError { map, message: error.to_string(), full }
+}
+
+fn read_hash<K: aya::Pod + Ord, V: aya::Pod>(
+    map: &HashMap<MapData, K, V>,
+    name: &'static str,
+) -> Result<std::collections::BTreeMap<K, V>, MapWriteError> {
+    map.iter().map(|entry| entry.map_err(|e| write_error(name, e))).collect()
+}
+
+impl ServiceMaps for BpfServiceMaps {
+    fn write(&mut self, op: &MapOp) -> Result<(), MapWriteError> {
+        let name = op.map_name();
+        let result = match op {
+            MapOp::PutBackend(k, v) => self.backends.insert(k, v, 0),
+            MapOp::PutSlot(k, v) => self.slots.insert(k, v, 0),
+            MapOp::PutService(k, v) => self.services.insert(k, v, 0),
+            MapOp::DeleteService(k) => self.services.remove(k),
+            MapOp::DeleteSlot(k) => self.slots.remove(k),
+            MapOp::DeleteBackend(k) => self.backends.remove(k),
+        };
+        // A delete of a key that is already gone leaves the map as wanted.
+        match result {
+            Err(MapError::SyscallError(e)) if matches!(op, MapOp::DeleteService(_) | MapOp::DeleteSlot(_) | MapOp::DeleteBackend(_))
+                && e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+            other => other.map_err(|e| write_error(name, e)),
+        }
+    }
+
+    fn read_all(&self) -> Result<MapContents, MapWriteError> {
+        Ok(MapContents {
+            services: read_hash(&self.services, map_names::SERVICES)?,
+            slots: read_hash(&self.slots, map_names::BACKEND_SLOTS)?,
+            backends: read_hash(&self.backends, map_names::BACKENDS)?,
+        })
+    }
+}
+
+/// Sums the per-CPU packet counters of `lb_stats`, in `lb_stat` index order.
+pub fn read_lb_stats(pin_dir: &Path) -> Result<Vec<u64>> {
+    let stats: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(open(pin_dir, map_names::LB_STATS)?))?;
+    (0..lb_stat::COUNT)
+        .map(|i| Ok(stats.get(&i, 0)?.iter().sum()))
+        .collect()
+}
+
+pub struct Conntrack {
+    map: HashMap<MapData, CtKeyV4, CtValueV4>,
+}
+
+fn monotonic_now_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: plain syscall writing into a local timespec. bpf_ktime_get_ns is CLOCK_MONOTONIC.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+impl Conntrack {
+    pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
+        Ok(Self { map: open_hash(pin_dir, map_names::CONNTRACK)? })
+    }
+
+    pub fn entries(&self) -> Result<Vec<(CtKeyV4, CtValueV4)>> {
+        Ok(self.map.iter().collect::<Result<_, _>>()?)
+    }
+
+    /// Active GC: removes entries idle past their lifetime, so the LRU never has to evict live
+    /// flows to make room for new ones. Returns (entries left, entries removed).
+    pub fn collect_garbage(&mut self) -> Result<(usize, usize)> {
+        let now = monotonic_now_ns();
+        let expired: Vec<CtKeyV4> = self
+            .map
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(k, v)| now.saturating_sub(v.last_seen_ns) > v.lifetime_ns(k.proto))
+            .map(|(k, _)| k)
+            .collect();
+        let total = self.map.keys().count();
+        let mut removed = 0;
+        for key in &expired {
+            if self.map.remove(key).is_ok() {
+                removed += 1;
+            }
+        }
+        Ok((total - removed, removed))
+    }
+}

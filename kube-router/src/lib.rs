@@ -1,0 +1,6 @@
+//! kube-router agent library: the pure control-plane logic and the kernel edges it drives.
+pub mod agent;
+pub mod bpf;
+pub mod metrics;
+pub mod netif;
+pub mod services;

@@ -1,0 +1,143 @@
+//! kube-router: service proxy, network policy and BGP routing for Kubernetes, on eBPF.
+use std::{net::Ipv4Addr, path::PathBuf, process::ExitCode, time::Duration};
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use kube_router::{
+    agent::{self, AgentConfig},
+    bpf::{datapath, service_maps::{read_lb_stats, Conntrack}},
+    services::compile::Limits,
+};
+use kube_router_common::{lb_stat, DEFAULT_PIN_DIR};
+
+#[derive(Parser)]
+#[command(name = "kube-router", version, about = "Kubernetes service proxy, network policy and BGP routing on an eBPF datapath")]
+struct Cli {
+    /// bpffs directory holding the pinned maps and links.
+    #[arg(long, env = "KUBE_ROUTER_BPF_ROOT", default_value = DEFAULT_PIN_DIR, global = true)]
+    bpf_root: PathBuf,
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Load Services and EndpointSlices from this YAML/JSON file of Kubernetes objects (re-read
+    /// when it changes) instead of the API server.
+    #[arg(long, env = "KUBE_ROUTER_SERVICE_FILE")]
+    service_file: Option<PathBuf>,
+    /// Interfaces to attach the load balancer to (comma-separated). Default: every interface
+    /// but lo, re-scanned every 5 s.
+    #[arg(long, env = "KUBE_ROUTER_INTERFACES", value_delimiter = ',')]
+    interfaces: Option<Vec<String>>,
+    /// Node name used for externalTrafficPolicy: Local. Default: the hostname.
+    #[arg(long, env = "KUBE_ROUTER_HOSTNAME_OVERRIDE")]
+    hostname_override: Option<String>,
+    /// Addresses NodePorts listen on (comma-separated). Default: every IPv4 address of the node.
+    #[arg(long, env = "KUBE_ROUTER_NODEPORT_ADDRESSES", value_delimiter = ',')]
+    nodeport_addresses: Option<Vec<Ipv4Addr>>,
+    /// Endpoints per service port beyond this are left out (the first N by address are kept).
+    #[arg(long, env = "KUBE_ROUTER_MAX_BACKENDS_PER_SERVICE", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    max_backends_per_service: u32,
+    /// Port for /metrics (0 disables).
+    #[arg(long, env = "KUBE_ROUTER_METRICS_PORT", default_value_t = 0)]
+    metrics_port: u16,
+    /// Port for /healthz (0 disables).
+    #[arg(long, env = "KUBE_ROUTER_HEALTH_PORT", default_value_t = 20244)]
+    health_port: u16,
+    /// Seconds between conntrack garbage collections.
+    #[arg(long, env = "KUBE_ROUTER_CONNTRACK_GC_INTERVAL", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    conntrack_gc_interval: u64,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the agent (the default).
+    Run,
+    /// Show service frontends and their backends, read from the pinned maps.
+    Services,
+    /// Show conntrack entries.
+    Conntrack,
+    /// Show the datapath packet counters.
+    Stats,
+    /// Remove every pinned map and link (uninstall). Traffic to services stops.
+    Cleanup,
+}
+
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf.
+    unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+fn fmt_addr(addr_be: u32, port_be: u16) -> String {
+    format!("{}:{}", Ipv4Addr::from(addr_be.to_ne_bytes()), u16::from_be(port_be))
+}
+
+fn show_services(cli: &Cli) -> Result<()> {
+    let contents = agent::read_programmed(&cli.bpf_root)?;
+    for (key, value) in &contents.services {
+        let proto = if key.proto == 6 { "tcp" } else { "udp" };
+        let backends: Vec<String> = (0..value.backend_count)
+            .filter_map(|slot| contents.slots.get(&kube_router_common::BackendSlotKey { service_id: value.service_id, slot }))
+            .filter_map(|s| contents.backends.get(&s.backend_id))
+            .map(|b| fmt_addr(b.addr, b.port))
+            .collect();
+        println!("{proto} {} id={} flags={:#x} backends=[{}]", fmt_addr(key.addr, key.port), value.service_id, value.flags, backends.join(", "));
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command.as_ref().unwrap_or(&Command::Run) {
+        Command::Run => run(&cli),
+        Command::Services => show_services(&cli),
+        Command::Conntrack => Conntrack::open_pinned(&cli.bpf_root).and_then(|ct| {
+            for (k, v) in ct.entries()? {
+                let kind = if v.flags & kube_router_common::CT_FLAG_REVERSE != 0 { "reverse" } else { "forward" };
+                println!("{} {} -> {} nat={} flags={:#x} service={} backend={}", kind, fmt_addr(k.src_addr, k.src_port), fmt_addr(k.dst_addr, k.dst_port), fmt_addr(v.nat_addr, v.nat_port), v.flags, v.service_id, v.backend_id);
+            }
+            Ok(())
+        }),
+        Command::Stats => read_lb_stats(&cli.bpf_root).map(|stats| {
+            for (name, n) in lb_stat::NAMES.iter().zip(stats) {
+                println!("{name} {n}");
+            }
+        }),
+        Command::Cleanup => datapath::remove_all(&cli.bpf_root).map(|n| println!("removed {n} pinned objects from {}", cli.bpf_root.display())),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: &Cli) -> Result<()> {
+    let args = &cli.run;
+    let config = AgentConfig {
+        pin_dir: cli.bpf_root.clone(),
+        service_file: args.service_file.clone(),
+        interfaces: args.interfaces.clone(),
+        node_name: args.hostname_override.clone().unwrap_or_else(hostname),
+        nodeport_addresses: args.nodeport_addresses.clone(),
+        limits: Limits { max_backends_per_service: args.max_backends_per_service as usize },
+        metrics_port: args.metrics_port,
+        health_port: args.health_port,
+        conntrack_gc_interval: Duration::from_secs(args.conntrack_gc_interval),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    runtime.block_on(agent::run(config))
+}

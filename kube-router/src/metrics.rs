@@ -1,0 +1,166 @@
+//! Prometheus text-format metrics and the health endpoint, served over plain HTTP/1.1.
+use std::{
+    collections::BTreeMap,
+    fmt::Write as _,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpListener,
+};
+
+use crate::services::sync::SyncReport;
+
+/// Upper bounds (seconds) of the sync-duration histogram buckets.
+const SYNC_BUCKETS: [f64; 10] = [0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0];
+
+#[derive(Default)]
+pub struct Histogram {
+    counts: [u64; SYNC_BUCKETS.len()],
+    count: u64,
+    sum: f64,
+}
+
+impl Histogram {
+    pub fn observe(&mut self, value: f64) {
+        for (bucket, bound) in self.counts.iter_mut().zip(SYNC_BUCKETS) {
+            if value <= bound {
+                *bucket += 1;
+            }
+        }
+        self.count += 1;
+        self.sum += value;
+    }
+}
+
+#[derive(Default)]
+pub struct MetricsState {
+    /// (map, op) -> count, op in insert/update/delete/error/full.
+    pub map_writes: BTreeMap<(&'static str, &'static str), u64>,
+    pub map_entries: BTreeMap<&'static str, u64>,
+    pub sync_duration: Histogram,
+    pub syncs: u64,
+    pub last_sync_unix: Option<f64>,
+    pub rejected_objects: BTreeMap<&'static str, u64>,
+    pub dropped_endpoints: u64,
+    pub datapath_packets: Vec<(&'static str, u64)>,
+    pub conntrack_entries: u64,
+    pub conntrack_gc_removed: u64,
+    /// controller name -> last heartbeat.
+    pub heartbeats: BTreeMap<&'static str, Instant>,
+}
+
+#[derive(Clone, Default)]
+pub struct Metrics(pub Arc<Mutex<MetricsState>>);
+
+pub fn unix_now() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64()
+}
+
+impl Metrics {
+    pub fn with<R>(&self, f: impl FnOnce(&mut MetricsState) -> R) -> R {
+        let mut state = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        f(&mut state)
+    }
+
+    pub fn record_sync(&self, report: &SyncReport, duration: Duration) {
+        self.with(|m| {
+            for (map, c) in &report.per_map {
+                for (op, n) in [("insert", c.inserts), ("update", c.updates), ("delete", c.deletes), ("error", c.errors), ("full", c.full)] {
+                    if n > 0 {
+                        *m.map_writes.entry((map, op)).or_default() += n;
+                    }
+                }
+            }
+            m.sync_duration.observe(duration.as_secs_f64());
+            m.syncs += 1;
+            m.last_sync_unix = Some(unix_now());
+        })
+    }
+
+    pub fn heartbeat(&self, controller: &'static str) {
+        self.with(|m| {
+            m.heartbeats.insert(controller, Instant::now());
+        })
+    }
+
+    pub fn render(&self) -> String {
+        self.with(|m| {
+            let mut out = String::new();
+            let family = |out: &mut String, name: &str, kind: &str, help: &str| {
+                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            };
+            family(&mut out, "kube_router_map_writes_total", "counter", "Writes to pinned BPF maps by map and operation.");
+            for ((map, op), n) in &m.map_writes {
+                let _ = writeln!(out, "kube_router_map_writes_total{{map=\"{map}\",op=\"{op}\"}} {n}");
+            }
+            family(&mut out, "kube_router_map_entries", "gauge", "Entries in each pinned BPF map as last programmed.");
+            for (map, n) in &m.map_entries {
+                let _ = writeln!(out, "kube_router_map_entries{{map=\"{map}\"}} {n}");
+            }
+            family(&mut out, "kube_router_sync_duration_seconds", "histogram", "Time to compute and apply one service map sync.");
+            for (bound, n) in SYNC_BUCKETS.iter().zip(m.sync_duration.counts) {
+                let _ = writeln!(out, "kube_router_sync_duration_seconds_bucket{{le=\"{bound}\"}} {n}");
+            }
+            let h = &m.sync_duration;
+            let _ = writeln!(out, "kube_router_sync_duration_seconds_bucket{{le=\"+Inf\"}} {}", h.count);
+            let _ = writeln!(out, "kube_router_sync_duration_seconds_sum {}\nkube_router_sync_duration_seconds_count {}", h.sum, h.count);
+            family(&mut out, "kube_router_last_sync_timestamp_seconds", "gauge", "Unix time of the last successful sync.");
+            let _ = writeln!(out, "kube_router_last_sync_timestamp_seconds {}", m.last_sync_unix.unwrap_or(0.0));
+            family(&mut out, "kube_router_seconds_since_last_sync", "gauge", "Seconds since the last successful sync (-1 before the first).");
+            let since = m.last_sync_unix.map(|t| unix_now() - t).unwrap_or(-1.0);
+            let _ = writeln!(out, "kube_router_seconds_since_last_sync {since:.3}");
+            family(&mut out, "kube_router_rejected_objects_total", "counter", "Objects rejected as invalid (their programmed state is kept).");
+            for (kind, n) in &m.rejected_objects {
+                let _ = writeln!(out, "kube_router_rejected_objects_total{{kind=\"{kind}\"}} {n}");
+            }
+            family(&mut out, "kube_router_dropped_endpoints", "gauge", "Endpoints left out because a service exceeded --max-backends-per-service.");
+            let _ = writeln!(out, "kube_router_dropped_endpoints {}", m.dropped_endpoints);
+            family(&mut out, "kube_router_datapath_packets_total", "counter", "Packets seen by the load-balancer program, by outcome (per-CPU counters summed).");
+            for (what, n) in &m.datapath_packets {
+                let _ = writeln!(out, "kube_router_datapath_packets_total{{event=\"{what}\"}} {n}");
+            }
+            family(&mut out, "kube_router_conntrack_entries", "gauge", "Entries in ct_v4 after the last garbage collection.");
+            let _ = writeln!(out, "kube_router_conntrack_entries {}", m.conntrack_entries);
+            family(&mut out, "kube_router_conntrack_gc_removed_total", "counter", "Expired conntrack entries removed by garbage collection.");
+            let _ = writeln!(out, "kube_router_conntrack_gc_removed_total {}", m.conntrack_gc_removed);
+            out
+        })
+    }
+
+    /// Liveness: the process answers. Detail: seconds since each controller's last heartbeat.
+    pub fn health(&self) -> String {
+        self.with(|m| {
+            let detail: BTreeMap<&str, f64> = m.heartbeats.iter().map(|(k, t)| (*k, t.elapsed().as_secs_f64())).collect();
+            serde_json::json!({ "status": "ok", "seconds_since_heartbeat": detail }).to_string()
+        })
+    }
+}
+
+/// Serves /metrics and /healthz on `port` (all addresses) until the task is dropped.
+pub async fn serve(metrics: Metrics, port: u16) -> std::io::Result<()> {
+    let listener = TcpListener::bind(("0.0.0.0", port)).await?;
+    tracing::info!(port, "serving /metrics and /healthz");
+    loop {
+        let (mut stream, _) = listener.accept().await?;
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 2048];
+            let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await else { return };
+            let request = String::from_utf8_lossy(&buf[..n]);
+            let path = request.split_whitespace().nth(1).unwrap_or("/");
+            let (status, content_type, body) = match path {
+                "/metrics" => ("200 OK", "text/plain; version=0.0.4", metrics.render()),
+                "/healthz" | "/livez" | "/readyz" => ("200 OK", "application/json", metrics.health()),
+                _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
+            };
+            let response = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(response.as_bytes()).await;
+        });
+    }
+}

@@ -1,0 +1,299 @@
+//! Service model -> map contents: which frontends exist, which backends each one spreads over,
+//! and stable numeric IDs for both, re-adopted from what the maps already hold.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+};
+
+use kube_router_common::*;
+
+use super::model::*;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// More ready endpoints than this in one service port: the first N by address are kept.
+    pub max_backends_per_service: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self { max_backends_per_service: 1024 }
+    }
+}
+
+/// Names one list of backends: a service port, possibly restricted to node-local endpoints.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct BackendSetKey {
+    pub service: ServiceName,
+    pub port_name: String,
+    pub protocol: Protocol,
+    pub local_only: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Frontend {
+    pub flags: u32,
+    pub affinity_timeout_secs: u32,
+    pub backend_set: BackendSetKey,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CompileWarning {
+    FrontendConflict { frontend: ServiceKeyV4, kept: ServiceName, ignored: ServiceName },
+    EndpointsTruncated { service: ServiceName, port_name: String, kept: usize, dropped: usize },
+}
+
+/// The load-balancing plan before IDs are assigned.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LbPlan {
+    pub frontends: BTreeMap<ServiceKeyV4, Frontend>,
+    pub backend_sets: BTreeMap<BackendSetKey, Vec<BackendV4>>,
+    /// Frontend addresses / keys of rejected services: existing entries stay as they are.
+    pub protected_addrs: BTreeSet<u32>,
+    pub protected_frontends: BTreeSet<ServiceKeyV4>,
+    pub warnings: Vec<CompileWarning>,
+    pub dropped_endpoints: u64,
+}
+
+pub fn addr_be(addr: Ipv4Addr) -> u32 {
+    u32::from_ne_bytes(addr.octets())
+}
+
+pub fn frontend_key(addr: Ipv4Addr, port: u16, protocol: Protocol) -> ServiceKeyV4 {
+    ServiceKeyV4 { addr: addr_be(addr), port: port.to_be(), proto: protocol.ip_proto(), pad: 0 }
+}
+
+pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan {
+    let mut plan = LbPlan::default();
+    let mut owners: BTreeMap<ServiceKeyV4, ServiceName> = BTreeMap::new();
+
+    let mut slices_by_service: BTreeMap<&ServiceName, Vec<&EndpointSlice>> = BTreeMap::new();
+    for slice in state.slices.values() {
+        slices_by_service.entry(&slice.service).or_default().push(slice);
+    }
+
+    for service in state.services.values() {
+        let slices = slices_by_service.get(&service.name).map(Vec::as_slice).unwrap_or(&[]);
+        for port in &service.ports {
+            let affinity_flags = if service.affinity_timeout_secs.is_some() { SVC_FLAG_AFFINITY } else { 0 };
+            let affinity_timeout_secs = service.affinity_timeout_secs.unwrap_or(0);
+            let set = |local_only: bool| BackendSetKey {
+                service: service.name.clone(),
+                port_name: port.name.clone(),
+                protocol: port.protocol,
+                local_only,
+            };
+            let internal = set(service.internal_traffic_local);
+            let external = set(service.external_traffic_local);
+            let local_flag = |local: bool| if local { SVC_FLAG_LOCAL_ONLY } else { 0 };
+
+            let mut frontends = Vec::new();
+            for ip in &service.cluster_ips {
+                frontends.push((frontend_key(*ip, port.port, port.protocol), affinity_flags | local_flag(internal.local_only), internal.clone()));
+            }
+            for ip in service.external_ips.iter().chain(&service.load_balancer_ips) {
+                frontends.push((frontend_key(*ip, port.port, port.protocol), affinity_flags | local_flag(external.local_only), external.clone()));
+            }
+            if let Some(node_port) = port.node_port {
+                for ip in &node.node_port_addrs {
+                    frontends.push((
+                        frontend_key(*ip, node_port, port.protocol),
+                        affinity_flags | local_flag(external.local_only) | SVC_FLAG_NODEPORT,
+                        external.clone(),
+                    ));
+                }
+            }
+            for (key, flags, backend_set) in frontends {
+                if let Some(owner) = owners.get(&key) {
+                    if owner != &service.name {
+                        plan.warnings.push(CompileWarning::FrontendConflict {
+                            frontend: key,
+                            kept: owner.clone(),
+                            ignored: service.name.clone(),
+                        });
+                    }
+                    continue;
+                }
+                owners.insert(key, service.name.clone());
+                if !plan.backend_sets.contains_key(&backend_set) {
+                    let backends = backends_for(service, port, slices, backend_set.local_only, node, limits, &mut plan);
+                    plan.backend_sets.insert(backend_set.clone(), backends);
+                }
+                plan.frontends.insert(key, Frontend { flags, affinity_timeout_secs, backend_set });
+            }
+        }
+    }
+
+    for rejected in state.rejected.values() {
+        plan.protected_addrs.extend(rejected.addrs.iter().map(|a| addr_be(*a)));
+        for node_port in &rejected.node_ports {
+            for ip in &node.node_port_addrs {
+                for protocol in [Protocol::Tcp, Protocol::Udp] {
+                    plan.protected_frontends.insert(frontend_key(*ip, *node_port, protocol));
+                }
+            }
+        }
+    }
+    plan
+}
+
+/// kube-proxy's endpoint choice: ready endpoints; if there are none, serving-but-terminating
+/// ones so that connections drain gracefully during a rollout.
+fn backends_for(
+    service: &Service,
+    port: &ServicePort,
+    slices: &[&EndpointSlice],
+    local_only: bool,
+    node: &NodeContext,
+    limits: Limits,
+    plan: &mut LbPlan,
+) -> Vec<BackendV4> {
+    let mut ready = BTreeSet::new();
+    let mut terminating = BTreeSet::new();
+    for slice in slices {
+        let Some(endpoint_port) = slice.ports.iter().find(|p| p.name == port.name && p.protocol == port.protocol) else {
+            continue;
+        };
+        for endpoint in &slice.endpoints {
+            if local_only && endpoint.node_name.as_deref() != Some(node.name.as_str()) {
+                continue;
+            }
+            let key = (endpoint.addr, endpoint_port.port);
+            if endpoint.ready || service.publish_not_ready {
+                ready.insert(key);
+            } else if endpoint.serving && endpoint.terminating {
+                terminating.insert(key);
+            }
+        }
+    }
+    let chosen = if ready.is_empty() { terminating } else { ready };
+    let total = chosen.len();
+    let kept: Vec<BackendV4> = chosen
+        .into_iter()
+        .take(limits.max_backends_per_service)
+        .map(|(addr, port)| BackendV4 { addr: addr_be(addr), port: port.to_be(), pad: 0 })
+        .collect();
+    if kept.len() < total {
+        let dropped = total - kept.len();
+        plan.dropped_endpoints += dropped as u64;
+        plan.warnings.push(CompileWarning::EndpointsTruncated {
+            service: service.name.clone(),
+            port_name: port.name.clone(),
+            kept: kept.len(),
+            dropped,
+        });
+    }
+    kept
+}
+
+/// The exact contents of the three service maps.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MapContents {
+    pub services: BTreeMap<ServiceKeyV4, ServiceValue>,
+    pub slots: BTreeMap<BackendSlotKey, BackendSlotValue>,
+    pub backends: BTreeMap<u32, BackendV4>,
+}
+
+fn lowest_free(used: &BTreeSet<u32>, next: &mut u32) -> u32 {
+    while used.contains(next) {
+        *next += 1;
+    }
+    let id = *next;
+    *next += 1;
+    id
+}
+
+/// Turns a plan into map contents. IDs already used in `current` for the same frontend (service
+/// IDs) or the same address:port (backend IDs) are kept, so a restart or a resync rewrites
+/// nothing that is already right; new IDs never reuse one still present in `current`.
+pub fn assign_ids(plan: &LbPlan, current: &MapContents) -> MapContents {
+    let mut desired = MapContents::default();
+
+    // Backend IDs.
+    let current_backend_ids: BTreeMap<BackendV4, u32> = current.backends.iter().map(|(id, b)| (*b, *id)).collect();
+    let needed: BTreeSet<BackendV4> = plan.backend_sets.values().flatten().copied().collect();
+    let mut used: BTreeSet<u32> = current.backends.keys().copied().collect();
+    let mut backend_ids = BTreeMap::new();
+    let mut next = 1;
+    for backend in &needed {
+        let id = match current_backend_ids.get(backend) {
+            Some(id) => *id,
+            None => {
+                let id = lowest_free(&used, &mut next);
+                used.insert(id);
+                id
+            }
+        };
+        backend_ids.insert(*backend, id);
+        desired.backends.insert(id, *backend);
+    }
+
+    // Service (backend set) IDs, adopted through any frontend that already carries one.
+    let mut set_ids: BTreeMap<&BackendSetKey, u32> = BTreeMap::new();
+    let mut claimed = BTreeSet::new();
+    for (key, frontend) in &plan.frontends {
+        if set_ids.contains_key(&frontend.backend_set) {
+            continue;
+        }
+        if let Some(existing) = current.services.get(key) {
+            if claimed.insert(existing.service_id) {
+                set_ids.insert(&frontend.backend_set, existing.service_id);
+            }
+        }
+    }
+    let mut used: BTreeSet<u32> = current.services.values().map(|v| v.service_id).collect();
+    used.extend(&claimed);
+    let mut next = 1;
+    for set in plan.backend_sets.keys() {
+        set_ids.entry(set).or_insert_with(|| {
+            let id = lowest_free(&used, &mut next);
+            used.insert(id);
+            id
+        });
+    }
+
+    for (set, backends) in &plan.backend_sets {
+        let service_id = set_ids[set];
+        for (slot, backend) in backends.iter().enumerate() {
+            desired.slots.insert(
+                BackendSlotKey { service_id, slot: slot as u32 },
+                BackendSlotValue { backend_id: backend_ids[backend] },
+            );
+        }
+    }
+    for (key, frontend) in &plan.frontends {
+        let set = &frontend.backend_set;
+        desired.services.insert(
+            *key,
+            ServiceValue {
+                service_id: set_ids[set],
+                backend_count: plan.backend_sets[set].len() as u32,
+                flags: frontend.flags,
+                affinity_timeout_secs: frontend.affinity_timeout_secs,
+            },
+        );
+    }
+
+    keep_protected(plan, current, &mut desired);
+    desired
+}
+
+/// Entries of rejected services stay exactly as they are in the maps, with everything they use.
+fn keep_protected(plan: &LbPlan, current: &MapContents, desired: &mut MapContents) {
+    for (key, value) in &current.services {
+        let protected = plan.protected_addrs.contains(&key.addr) || plan.protected_frontends.contains(key);
+        if !protected || desired.services.contains_key(key) {
+            continue;
+        }
+        desired.services.insert(*key, *value);
+        for slot in 0..value.backend_count {
+            let slot_key = BackendSlotKey { service_id: value.service_id, slot };
+            if let Some(slot_value) = current.slots.get(&slot_key) {
+                desired.slots.insert(slot_key, *slot_value);
+                if let Some(backend) = current.backends.get(&slot_value.backend_id) {
+                    desired.backends.insert(slot_value.backend_id, *backend);
+                }
+            }
+        }
+    }
+}

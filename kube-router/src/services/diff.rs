@@ -1,0 +1,99 @@
+//! Differences between two sets of map contents, as ordered map writes.
+use std::collections::BTreeMap;
+
+use kube_router_common::*;
+
+use super::compile::MapContents;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MapOp {
+    PutBackend(u32, BackendV4),
+    PutSlot(BackendSlotKey, BackendSlotValue),
+    PutService(ServiceKeyV4, ServiceValue),
+    DeleteService(ServiceKeyV4),
+    DeleteSlot(BackendSlotKey),
+    DeleteBackend(u32),
+}
+
+impl MapOp {
+    pub fn map_name(&self) -> &'static str {
+        match self {
+            MapOp::PutBackend(..) | MapOp::DeleteBackend(_) => map_names::BACKENDS,
+            MapOp::PutSlot(..) | MapOp::DeleteSlot(_) => map_names::BACKEND_SLOTS,
+            MapOp::PutService(..) | MapOp::DeleteService(_) => map_names::SERVICES,
+        }
+    }
+}
+
+/// Writes that turn `current` into `desired`, ordered so the datapath never sees a frontend
+/// pointing at a slot, or a slot at a backend, that does not exist yet or any more:
+/// backends, slots and services are written first, then removed in the reverse order.
+/// With `allow_deletes` false (before the first complete sync after a restart) nothing is
+/// removed.
+pub fn diff(current: &MapContents, desired: &MapContents, allow_deletes: bool) -> Vec<MapOp> {
+    fn puts<K: Ord + Copy, V: PartialEq + Copy>(
+        current: &BTreeMap<K, V>,
+        desired: &BTreeMap<K, V>,
+        op: impl Fn(K, V) -> MapOp,
+        out: &mut Vec<MapOp>,
+    ) {
+        for (k, v) in desired {
+            if current.get(k) != Some(v) {
+                out.push(op(*k, *v));
+            }
+        }
+    }
+    fn deletes<K: Ord + Copy, V>(current: &BTreeMap<K, V>, desired: &BTreeMap<K, V>, op: impl Fn(K) -> MapOp, out: &mut Vec<MapOp>) {
+        for k in current.keys() {
+            if !desired.contains_key(k) {
+                out.push(op(*k));
+            }
+        }
+    }
+    let mut ops = Vec::new();
+    puts(&current.backends, &desired.backends, MapOp::PutBackend, &mut ops);
+    puts(&current.slots, &desired.slots, MapOp::PutSlot, &mut ops);
+    puts(&current.services, &desired.services, MapOp::PutService, &mut ops);
+    if allow_deletes {
+        deletes(&current.services, &desired.services, MapOp::DeleteService, &mut ops);
+        deletes(&current.slots, &desired.slots, MapOp::DeleteSlot, &mut ops);
+        deletes(&current.backends, &desired.backends, MapOp::DeleteBackend, &mut ops);
+    }
+    ops
+}
+
+impl MapContents {
+    /// Applies one write to an in-memory copy (the model of what the kernel maps hold).
+    pub fn apply(&mut self, op: &MapOp) {
+        match *op {
+            MapOp::PutBackend(k, v) => {
+                self.backends.insert(k, v);
+            }
+            MapOp::PutSlot(k, v) => {
+                self.slots.insert(k, v);
+            }
+            MapOp::PutService(k, v) => {
+                self.services.insert(k, v);
+            }
+            MapOp::DeleteService(k) => {
+                self.services.remove(&k);
+            }
+            MapOp::DeleteSlot(k) => {
+                self.slots.remove(&k);
+            }
+            MapOp::DeleteBackend(k) => {
+                self.backends.remove(&k);
+            }
+        }
+    }
+
+    /// Whether `op` creates a key that is not there yet (insert) rather than changing one.
+    pub fn is_insert(&self, op: &MapOp) -> bool {
+        match op {
+            MapOp::PutBackend(k, _) => !self.backends.contains_key(k),
+            MapOp::PutSlot(k, _) => !self.slots.contains_key(k),
+            MapOp::PutService(k, _) => !self.services.contains_key(k),
+            _ => false,
+        }
+    }
+}

@@ -1,0 +1,10 @@
+//! Service load-balancing control plane: objects -> model -> map contents -> map writes.
+pub mod compile;
+pub mod diff;
+pub mod from_k8s;
+pub mod model;
+pub mod source;
+pub mod sync;
+
+#[cfg(test)]
+mod tests;

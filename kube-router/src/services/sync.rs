@@ -1,0 +1,120 @@
+//! Applies the difference between desired and programmed map contents, counting every write.
+use std::collections::BTreeMap;
+
+use super::{
+    compile::MapContents,
+    diff::{diff, MapOp},
+};
+
+/// The service maps, as the sync engine sees them: the pinned BPF maps in the agent, an
+/// in-memory copy in tests.
+pub trait ServiceMaps {
+    fn write(&mut self, op: &MapOp) -> Result<(), MapWriteError>;
+    fn read_all(&self) -> Result<MapContents, MapWriteError>;
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{map}: {message}")]
+pub struct MapWriteError {
+    pub map: &'static str,
+    pub message: String,
+    /// The map had no room left (E2BIG / ENOMEM on insert).
+    pub full: bool,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OpCounts {
+    pub inserts: u64,
+    pub updates: u64,
+    pub deletes: u64,
+    pub errors: u64,
+    pub full: u64,
+}
+
+impl OpCounts {
+    pub fn writes(&self) -> u64 {
+        self.inserts + self.updates + self.deletes
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SyncReport {
+    pub per_map: BTreeMap<&'static str, OpCounts>,
+}
+
+impl SyncReport {
+    pub fn total(&self) -> OpCounts {
+        let mut total = OpCounts::default();
+        for c in self.per_map.values() {
+            total.inserts += c.inserts;
+            total.updates += c.updates;
+            total.deletes += c.deletes;
+            total.errors += c.errors;
+            total.full += c.full;
+        }
+        total
+    }
+}
+
+impl MapContents {
+    pub fn len(&self) -> usize {
+        self.services.len() + self.slots.len() + self.backends.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Keeps the model of what is programmed and brings the maps to a desired state.
+pub struct ServiceSync {
+    programmed: MapContents,
+}
+
+impl ServiceSync {
+    /// Starts from what the maps hold now (after a restart: the previous agent's work).
+    pub fn adopt(maps: &impl ServiceMaps) -> Result<Self, MapWriteError> {
+        Ok(Self { programmed: maps.read_all()? })
+    }
+
+    pub fn programmed(&self) -> &MapContents {
+        &self.programmed
+    }
+
+    /// Writes only the differences. A failed write is counted and left out of the model, so the
+    /// next sync retries it; nothing already programmed is touched because of it.
+    pub fn sync(&mut self, maps: &mut impl ServiceMaps, desired: &MapContents, allow_deletes: bool) -> SyncReport {
+        let mut report = SyncReport::default();
+        for op in diff(&self.programmed, desired, allow_deletes) {
+            let counts = report.per_map.entry(op.map_name()).or_default();
+            let insert = self.programmed.is_insert(&op);
+            match maps.write(&op) {
+                Ok(()) => {
+                    match op {
+                        MapOp::DeleteService(_) | MapOp::DeleteSlot(_) | MapOp::DeleteBackend(_) => counts.deletes += 1,
+                        _ if insert => counts.inserts += 1,
+                        _ => counts.updates += 1,
+                    }
+                    self.programmed.apply(&op);
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, ?op, "map write failed");
+                    counts.errors += 1;
+                    if e.full {
+                        counts.full += 1;
+                    }
+                }
+            }
+        }
+        report
+    }
+}
+
+impl ServiceMaps for MapContents {
+    fn write(&mut self, op: &MapOp) -> Result<(), MapWriteError> {
+        self.apply(op);
+        Ok(())
+    }
+    fn read_all(&self) -> Result<MapContents, MapWriteError> {
+        Ok(self.clone())
+    }
+}

@@ -1,0 +1,174 @@
+//! The real load-balancer program, loaded into the kernel and run on crafted packets with
+//! BPF_PROG_TEST_RUN: exact rewrites, valid checksums, conntrack and affinity. Needs root.
+use std::{net::Ipv4Addr, path::PathBuf};
+
+use kube_router::{
+    bpf::{
+        datapath::{self, Datapath, Hook},
+        service_maps::{read_lb_stats, BpfServiceMaps, Conntrack},
+        test_run::{packet, run},
+    },
+    services::{
+        compile::{assign_ids, plan, Limits, MapContents},
+        model::NodeContext,
+        source::parse_objects,
+        sync::ServiceSync,
+    },
+};
+use kube_router_common::lb_stat;
+
+const TC_ACT_UNSPEC: i32 = -1;
+const TC_ACT_SHOT: i32 = 2;
+
+struct Loaded {
+    datapath: Datapath,
+    pin_dir: PathBuf,
+}
+
+impl Drop for Loaded {
+    fn drop(&mut self) {
+        let _ = datapath::remove_all(&self.pin_dir);
+    }
+}
+
+fn services_yaml(backends: &[&str], affinity: bool) -> String {
+    let endpoints: String = backends.iter().map(|b| format!("- addresses: [{b}]\n  conditions: {{ready: true}}\n")).collect();
+    let affinity = if affinity { "  sessionAffinity: ClientIP\n" } else { "" };
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{namespace: default, name: web}}\nspec:\n  clusterIP: 10.96.0.10\n{affinity}  ports:\n  - {{name: http, protocol: TCP, port: 80}}\n  - {{name: dns, protocol: UDP, port: 53}}\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  namespace: default\n  name: web-1\n  labels: {{kubernetes.io/service-name: web}}\naddressType: IPv4\n\
+         ports:\n- {{name: http, protocol: TCP, port: 8080}}\n- {{name: dns, protocol: UDP, port: 5353}}\nendpoints:\n{endpoints}"
+    )
+}
+
+fn load(test: &str, yaml: &str) -> Loaded {
+    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/krt-unit-{test}"));
+    let _ = datapath::remove_all(&pin_dir);
+    let datapath = Datapath::load(&pin_dir).expect("load datapath (run as root)");
+    program(&pin_dir, yaml);
+    Loaded { datapath, pin_dir }
+}
+
+fn program(pin_dir: &std::path::Path, yaml: &str) {
+    let mut maps = BpfServiceMaps::open_pinned(pin_dir).unwrap();
+    let mut sync = ServiceSync::adopt(&maps).unwrap();
+    let builder = parse_objects(yaml).unwrap();
+    let desired = assign_ids(&plan(&builder.state, &NodeContext::default(), Limits::default()), sync.programmed());
+    let report = sync.sync(&mut maps, &desired, true);
+    assert_eq!(report.total().errors, 0);
+}
+
+const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 1, 0, 7);
+
+#[test]
+fn dnat_to_a_backend_with_valid_checksums_and_reverse_nat_of_the_reply() {
+    let loaded = load("dnat", &services_yaml(&["10.0.0.1", "10.0.0.2"], false));
+    let fd = loaded.datapath.program_fd(Hook::Ingress).unwrap();
+    let egress = loaded.datapath.program_fd(Hook::Egress).unwrap();
+    for (proto, vport, bport) in [(packet::TCP, 80, 8080), (packet::UDP, 53, 5353)] {
+        let syn = packet::ipv4(proto, (CLIENT, 40000), (VIP, vport), packet::TCP_SYN, b"hello");
+        let out = run(fd, &syn, 1).unwrap();
+        assert_eq!(out.retval, TC_ACT_UNSPEC);
+        let (src, dst) = packet::endpoints(&out.packet);
+        assert_eq!(src, (CLIENT, 40000), "source untouched");
+        assert!(dst.0 == Ipv4Addr::new(10, 0, 0, 1) || dst.0 == Ipv4Addr::new(10, 0, 0, 2), "{dst:?}");
+        assert_eq!(dst.1, bport);
+        assert!(packet::checksums_valid(&out.packet), "checksums after DNAT");
+        assert!(packet::checksums_valid(&syn));
+
+        // The same flow keeps its backend (conntrack hit).
+        for _ in 0..20 {
+            let again = run(fd, &packet::ipv4(proto, (CLIENT, 40000), (VIP, vport), packet::TCP_ACK, b"x"), 1).unwrap();
+            assert_eq!(packet::endpoints(&again.packet).1, dst);
+        }
+        // The backend's reply is rewritten to come from the VIP.
+        let reply = packet::ipv4(proto, dst, (CLIENT, 40000), packet::TCP_ACK, b"world");
+        let passed_in = run(fd, &reply, 1).unwrap();
+        assert_eq!(passed_in.packet, reply, "replies are left alone on ingress");
+        let out = run(egress, &reply, 1).unwrap();
+        assert_eq!(packet::endpoints(&out.packet), ((VIP, vport), (CLIENT, 40000)));
+        assert!(packet::checksums_valid(&out.packet), "checksums after reverse NAT");
+    }
+    let stats = read_lb_stats(&loaded.pin_dir).unwrap();
+    assert_eq!(stats[lb_stat::NEW_FLOW as usize], 2);
+    assert_eq!(stats[lb_stat::CT_HIT as usize], 40);
+    assert_eq!(stats[lb_stat::REVERSE_NAT as usize], 2);
+    let ct = Conntrack::open_pinned(&loaded.pin_dir).unwrap();
+    assert_eq!(ct.entries().unwrap().len(), 4, "forward + reverse per flow");
+}
+
+#[test]
+fn new_flows_spread_over_all_backends() {
+    let loaded = load("spread", &services_yaml(&["10.0.0.1", "10.0.0.2", "10.0.0.3"], false));
+    let fd = loaded.datapath.program_fd(Hook::Ingress).unwrap();
+    let mut seen = std::collections::BTreeMap::new();
+    for port in 0..300u16 {
+        let out = run(fd, &packet::ipv4(packet::TCP, (CLIENT, 20000 + port), (VIP, 80), packet::TCP_SYN, b""), 1).unwrap();
+        *seen.entry(packet::endpoints(&out.packet).1 .0).or_insert(0) += 1;
+    }
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    assert!(seen.values().all(|n| *n >= 50), "roughly even: {seen:?}");
+}
+
+#[test]
+fn client_ip_affinity_pins_new_flows_of_a_client_to_one_backend() {
+    let loaded = load("affinity", &services_yaml(&["10.0.0.1", "10.0.0.2", "10.0.0.3"], true));
+    let fd = loaded.datapath.program_fd(Hook::Ingress).unwrap();
+    let first = run(fd, &packet::ipv4(packet::TCP, (CLIENT, 1000), (VIP, 80), packet::TCP_SYN, b""), 1).unwrap();
+    let backend = packet::endpoints(&first.packet).1;
+    for port in 1001..1100 {
+        let out = run(fd, &packet::ipv4(packet::TCP, (CLIENT, port), (VIP, 80), packet::TCP_SYN, b""), 1).unwrap();
+        assert_eq!(packet::endpoints(&out.packet).1, backend);
+    }
+    assert_eq!(read_lb_stats(&loaded.pin_dir).unwrap()[lb_stat::AFFINITY_HIT as usize], 99);
+}
+
+#[test]
+fn removed_backend_gets_no_new_flows_but_established_ones_continue() {
+    let loaded = load("removal", &services_yaml(&["10.0.0.1", "10.0.0.2"], false));
+    let fd = loaded.datapath.program_fd(Hook::Ingress).unwrap();
+    // Find a flow that went to 10.0.0.2.
+    let mut port = 3000;
+    let established = loop {
+        let out = run(fd, &packet::ipv4(packet::TCP, (CLIENT, port), (VIP, 80), packet::TCP_SYN, b""), 1).unwrap();
+        if packet::endpoints(&out.packet).1 .0 == Ipv4Addr::new(10, 0, 0, 2) {
+            break port;
+        }
+        port += 1;
+    };
+    program(&loaded.pin_dir, &services_yaml(&["10.0.0.1"], false));
+    for p in 4000..4100 {
+        let out = run(fd, &packet::ipv4(packet::TCP, (CLIENT, p), (VIP, 80), packet::TCP_SYN, b""), 1).unwrap();
+        assert_eq!(packet::endpoints(&out.packet).1 .0, Ipv4Addr::new(10, 0, 0, 1));
+    }
+    let out = run(fd, &packet::ipv4(packet::TCP, (CLIENT, established), (VIP, 80), packet::TCP_ACK, b"more"), 1).unwrap();
+    assert_eq!(packet::endpoints(&out.packet).1 .0, Ipv4Addr::new(10, 0, 0, 2));
+}
+
+#[test]
+fn unknown_destinations_pass_untouched_and_empty_services_drop() {
+    let loaded = load("miss", &services_yaml(&[], false));
+    let fd = loaded.datapath.program_fd(Hook::Ingress).unwrap();
+    let other = packet::ipv4(packet::TCP, (CLIENT, 5000), (Ipv4Addr::new(10, 96, 0, 11), 80), packet::TCP_SYN, b"");
+    let out = run(fd, &other, 1).unwrap();
+    assert_eq!(out.retval, TC_ACT_UNSPEC);
+    assert_eq!(out.packet, other);
+    let to_empty = packet::ipv4(packet::TCP, (CLIENT, 5000), (VIP, 80), packet::TCP_SYN, b"");
+    assert_eq!(run(fd, &to_empty, 1).unwrap().retval, TC_ACT_SHOT);
+    let stats = read_lb_stats(&loaded.pin_dir).unwrap();
+    assert_eq!(stats[lb_stat::NO_SERVICE as usize], 1);
+    assert_eq!(stats[lb_stat::NO_BACKEND_DROP as usize], 1);
+}
+
+#[test]
+fn reloading_over_pinned_maps_keeps_their_contents() {
+    let loaded = load("reload", &services_yaml(&["10.0.0.1"], false));
+    let before = BpfServiceMaps::open_pinned(&loaded.pin_dir).unwrap();
+    let before = kube_router::services::sync::ServiceMaps::read_all(&before).unwrap();
+    assert_ne!(before, MapContents::default());
+    let again = Datapath::load(&loaded.pin_dir).unwrap();
+    drop(again);
+    let after = kube_router::agent::read_programmed(&loaded.pin_dir).unwrap();
+    assert_eq!(before, after);
+}

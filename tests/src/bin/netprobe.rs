@@ -1,0 +1,102 @@
+//! A tiny network tool for the end-to-end tests, run inside network namespaces.
+//!
+//!   krt-netprobe serve NAME PORT            TCP and UDP server on PORT answering every line / datagram with NAME
+//!   krt-netprobe request tcp|udp ADDR COUNT COUNT new connections (or datagrams); prints one reply (or ERR ...) per line
+//!   krt-netprobe hold ADDR INTERVAL_MS      one TCP connection, a request every INTERVAL_MS, prints each reply, forever
+use std::{
+    io::{BufRead, BufReader, Write},
+    net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
+    time::Duration,
+};
+
+const TIMEOUT: Duration = Duration::from_secs(2);
+
+fn serve(name: String, port: u16) -> ! {
+    let udp = UdpSocket::bind(("0.0.0.0", port)).expect("bind udp");
+    let udp_name = name.clone();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 1500];
+        loop {
+            if let Ok((_, peer)) = udp.recv_from(&mut buf) {
+                let _ = udp.send_to(format!("{udp_name}\n").as_bytes(), peer);
+            }
+        }
+    });
+    let listener = TcpListener::bind(("0.0.0.0", port)).expect("bind tcp");
+    println!("listening {port}");
+    for stream in listener.incoming().flatten() {
+        let name = name.clone();
+        std::thread::spawn(move || {
+            let mut writer = stream.try_clone().expect("clone");
+            for line in BufReader::new(stream).lines() {
+                if line.is_err() || writer.write_all(format!("{name}\n").as_bytes()).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    std::process::exit(1)
+}
+
+fn tcp_once(addr: SocketAddr) -> Result<String, String> {
+    let stream = TcpStream::connect_timeout(&addr, TIMEOUT).map_err(|e| format!("connect: {e}"))?;
+    stream.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
+    (&stream).write_all(b"hello\n").map_err(|e| format!("write: {e}"))?;
+    let mut line = String::new();
+    BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("read: {e}"))?;
+    if line.is_empty() {
+        return Err("closed".into());
+    }
+    Ok(line.trim().to_string())
+}
+
+fn udp_once(addr: SocketAddr) -> Result<String, String> {
+    let socket = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+    socket.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
+    socket.send_to(b"hello\n", addr).map_err(|e| format!("send: {e}"))?;
+    let mut buf = [0u8; 1500];
+    let (n, from) = socket.recv_from(&mut buf).map_err(|e| format!("recv: {e}"))?;
+    if from != addr {
+        return Err(format!("reply from {from}, not {addr}"));
+    }
+    Ok(String::from_utf8_lossy(&buf[..n]).trim().to_string())
+}
+
+fn hold(addr: SocketAddr, interval: Duration) -> ! {
+    let stream = TcpStream::connect_timeout(&addr, TIMEOUT).expect("connect");
+    stream.set_read_timeout(Some(TIMEOUT)).expect("timeout");
+    let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+    loop {
+        let mut line = String::new();
+        let ok = (&stream).write_all(b"ping\n").is_ok() && reader.read_line(&mut line).map(|n| n > 0).unwrap_or(false);
+        if ok {
+            println!("{}", line.trim());
+        } else {
+            println!("ERR connection broken");
+            std::process::exit(1);
+        }
+        let _ = std::io::stdout().flush();
+        std::thread::sleep(interval);
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let arg = |i: usize| args.get(i).cloned().unwrap_or_else(|| panic!("missing argument {i}: see the usage at the top of netprobe.rs"));
+    match arg(0).as_str() {
+        "serve" => serve(arg(1), arg(2).parse().expect("port")),
+        "request" => {
+            let addr: SocketAddr = arg(2).parse().expect("addr");
+            let count: usize = arg(3).parse().expect("count");
+            for _ in 0..count {
+                let result = if arg(1) == "udp" { udp_once(addr) } else { tcp_once(addr) };
+                match result {
+                    Ok(name) => println!("{name}"),
+                    Err(e) => println!("ERR {e}"),
+                }
+            }
+        }
+        "hold" => hold(arg(1).parse().expect("addr"), Duration::from_millis(arg(2).parse().expect("interval"))),
+        other => panic!("unknown command {other}"),
+    }
+}

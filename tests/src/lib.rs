@@ -1,0 +1,333 @@
+//! Test hosts as network namespaces, joined by veths, and the processes running in them.
+//!
+//! Everything created here is torn down on drop. The agent runs with `nsenter --net` (not
+//! `ip netns exec`, which remounts /sys and would hide the host's bpffs at /sys/fs/bpf).
+use std::{
+    collections::BTreeMap,
+    fs,
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{Arc, Mutex},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"))
+}
+
+/// The binaries under test: `KUBE_ROUTER_BIN` or the workspace's debug build.
+pub fn kube_router_bin() -> PathBuf {
+    std::env::var_os("KUBE_ROUTER_BIN").map(PathBuf::from).unwrap_or_else(|| target_dir().join("debug/kube-router"))
+}
+
+/// Cargo builds the package's binaries next to the test executables' `deps/` folder.
+pub fn netprobe_bin() -> PathBuf {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let profile_dir = exe.parent().and_then(Path::parent).map(Path::to_path_buf).unwrap_or_else(|| target_dir().join("debug"));
+    profile_dir.join("krt-netprobe")
+}
+
+pub fn sh(args: &[&str]) -> Result<String> {
+    let out = Command::new(args[0]).args(&args[1..]).output().with_context(|| format!("running {args:?}"))?;
+    if !out.status.success() {
+        bail!("{args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+pub struct Netns {
+    pub name: String,
+    children: Mutex<Vec<Child>>,
+}
+
+impl Netns {
+    pub fn new(name: &str) -> Result<Self> {
+        let _ = Command::new("ip").args(["netns", "delete", name]).output();
+        sh(&["ip", "netns", "add", name])?;
+        let ns = Self { name: name.to_string(), children: Mutex::new(Vec::new()) };
+        ns.run(&["ip", "link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+
+    pub fn path(&self) -> String {
+        format!("/run/netns/{}", self.name)
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net={}", self.path())).args(args);
+        cmd
+    }
+
+    /// Runs a command inside the namespace and returns its stdout.
+    pub fn run(&self, args: &[&str]) -> Result<String> {
+        let out = self.command(args).output().with_context(|| format!("running {args:?} in {}", self.name))?;
+        if !out.status.success() {
+            bail!("{args:?} in {} failed: {}", self.name, String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Starts a long-running process in the namespace; it is killed when the namespace drops.
+    pub fn spawn(&self, args: &[&str]) -> Result<()> {
+        let child = self.command(args).stdout(Stdio::null()).stderr(Stdio::null()).spawn()?;
+        self.children.lock().unwrap().push(child);
+        Ok(())
+    }
+
+    /// Starts a process whose stdout lines are collected into the returned buffer.
+    pub fn spawn_collecting(&self, args: &[&str]) -> Result<Arc<Mutex<Vec<String>>>> {
+        let mut child = self.command(args).stdout(Stdio::piped()).stderr(Stdio::null()).spawn()?;
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let stdout = child.stdout.take().context("stdout")?;
+        let sink = lines.clone();
+        thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push(line);
+            }
+        });
+        self.children.lock().unwrap().push(child);
+        Ok(lines)
+    }
+
+    pub fn sysctl(&self, key: &str, value: &str) -> Result<()> {
+        self.run(&["sysctl", "-qw", &format!("{key}={value}")]).map(|_| ())
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for child in self.children.lock().unwrap().iter_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = Command::new("ip").args(["netns", "delete", &self.name]).output();
+    }
+}
+
+/// A veth pair between two namespaces with an address (CIDR) on each end.
+pub fn veth(a: &Netns, a_if: &str, a_addr: &str, b: &Netns, b_if: &str, b_addr: &str) -> Result<()> {
+    a.run(&["ip", "link", "add", a_if, "type", "veth", "peer", "name", b_if, "netns", &b.path()])?;
+    for (ns, ifname, addr) in [(a, a_if, a_addr), (b, b_if, b_addr)] {
+        ns.run(&["ip", "addr", "add", addr, "dev", ifname])?;
+        ns.run(&["ip", "link", "set", ifname, "up"])?;
+    }
+    Ok(())
+}
+
+/// client --- node --- backend-1..n. The node routes; the agent runs in it.
+pub struct Topology {
+    pub prefix: String,
+    pub client: Netns,
+    pub node: Netns,
+    pub backends: Vec<Netns>,
+}
+
+pub const CLIENT_ADDR: &str = "10.0.1.2";
+pub const NODE_ADDR: &str = "10.0.1.1";
+
+pub fn backend_addr(i: usize) -> String {
+    format!("10.0.{}.2", 10 + i)
+}
+
+impl Topology {
+    pub fn new(prefix: &str, backends: usize) -> Result<Self> {
+        let client = Netns::new(&format!("{prefix}-client"))?;
+        let node = Netns::new(&format!("{prefix}-node"))?;
+        node.sysctl("net.ipv4.ip_forward", "1")?;
+        veth(&node, "to-client", &format!("{NODE_ADDR}/24"), &client, "eth0", &format!("{CLIENT_ADDR}/24"))?;
+        client.run(&["ip", "route", "add", "default", "via", NODE_ADDR])?;
+        let mut list = Vec::new();
+        for i in 0..backends {
+            let ns = Netns::new(&format!("{prefix}-b{}", i + 1))?;
+            let net = 10 + i;
+            veth(&node, &format!("to-b{}", i + 1), &format!("10.0.{net}.1/24"), &ns, "eth0", &format!("10.0.{net}.2/24"))?;
+            ns.run(&["ip", "route", "add", "default", "via", &format!("10.0.{net}.1")])?;
+            let name = format!("backend-{}", i + 1);
+            for port in ["8080", "5353"] {
+                ns.spawn(&[netprobe_bin().to_str().unwrap(), "serve", &name, port])?;
+            }
+            list.push(ns);
+        }
+        // Give the servers a moment to bind.
+        thread::sleep(Duration::from_millis(300));
+        Ok(Self { prefix: prefix.to_string(), client, node, backends: list })
+    }
+
+    pub fn bpf_root(&self) -> PathBuf {
+        PathBuf::from(format!("/sys/fs/bpf/{}", self.prefix))
+    }
+
+    /// `count` requests from the client; returns the replies (backend names or "ERR ...").
+    pub fn request(&self, proto: &str, addr: &str, count: usize) -> Result<Vec<String>> {
+        let out = self.client.run(&[netprobe_bin().to_str().unwrap(), "request", proto, addr, &count.to_string()])?;
+        Ok(out.lines().map(str::to_string).collect())
+    }
+}
+
+pub fn tally(replies: &[String]) -> BTreeMap<String, usize> {
+    let mut counts = BTreeMap::new();
+    for r in replies {
+        *counts.entry(r.clone()).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// A kube-router agent process running in a namespace, with its log captured.
+pub struct Agent {
+    child: Child,
+    pub log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Agent {
+    pub fn start(ns: &Netns, bpf_root: &Path, args: &[&str]) -> Result<Self> {
+        let mut child = Command::new("nsenter")
+            .arg(format!("--net={}", ns.path()))
+            .arg(kube_router_bin())
+            .arg("--bpf-root")
+            .arg(bpf_root)
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting kube-router")?;
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let sink = log.clone();
+        let stderr = child.stderr.take().context("stderr")?;
+        thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("    agent: {line}");
+                sink.lock().unwrap().push(line);
+            }
+        });
+        Ok(Self { child, log })
+    }
+
+    /// Waits until the log has `n` lines containing `needle`; returns the last of them.
+    pub fn wait_for_log(&mut self, needle: &str, n: usize, timeout: Duration) -> Result<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let matching: Vec<String> = self.log.lock().unwrap().iter().filter(|l| l.contains(needle)).cloned().collect();
+            if matching.len() >= n {
+                return Ok(matching[n - 1].clone());
+            }
+            if let Some(status) = self.child.try_wait()? {
+                bail!("agent exited ({status}) before logging {needle:?}");
+            }
+            if Instant::now() > deadline {
+                bail!("agent did not log {needle:?} {n} time(s) within {timeout:?}");
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// SIGTERM and wait: the graceful stop.
+    pub fn stop(mut self) -> Result<()> {
+        sh(&["kill", "-TERM", &self.child.id().to_string()])?;
+        let status = self.child.wait()?;
+        if !status.success() {
+            bail!("agent exited with {status} on SIGTERM");
+        }
+        Ok(())
+    }
+
+    /// SIGKILL: a crash.
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Parses `key=value` out of a log line (values end at whitespace).
+pub fn log_field(line: &str, key: &str) -> Option<u64> {
+    let start = line.find(&format!("{key}="))? + key.len() + 1;
+    line[start..].split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+}
+
+/// `bpftool map dump` of every pinned map under `root`, by map name.
+pub fn dump_maps(root: &Path) -> Result<BTreeMap<String, String>> {
+    let mut dumps = BTreeMap::new();
+    for entry in fs::read_dir(root)? {
+        let entry = entry?;
+        if entry.file_type()?.is_file() {
+            let path = entry.path();
+            let dump = sh(&["bpftool", "map", "dump", "pinned", path.to_str().unwrap()])?;
+            dumps.insert(entry.file_name().to_string_lossy().into_owned(), dump);
+        }
+    }
+    Ok(dumps)
+}
+
+/// Removes a test's pinned objects.
+pub fn remove_bpf_root(root: &Path) {
+    let _ = Command::new(kube_router_bin()).arg("--bpf-root").arg(root).arg("cleanup").output();
+}
+
+/// A services file the test rewrites to change desired state.
+pub struct ServiceFile {
+    pub path: PathBuf,
+}
+
+impl ServiceFile {
+    pub fn new(name: &str) -> Self {
+        let path = std::env::temp_dir().join(format!("{name}-services.yaml"));
+        Self { path }
+    }
+    pub fn write(&self, text: &str) -> Result<()> {
+        // Write-then-rename so the agent never reads half a file.
+        let tmp = self.path.with_extension("tmp");
+        fs::write(&tmp, text)?;
+        fs::rename(&tmp, &self.path)?;
+        Ok(())
+    }
+    pub fn arg(&self) -> String {
+        self.path.display().to_string()
+    }
+}
+
+/// Kubernetes objects for one service with the given backends.
+pub struct ServiceSpec<'a> {
+    pub name: &'a str,
+    pub cluster_ip: &'a str,
+    pub node_port: Option<u16>,
+    pub affinity: bool,
+    pub backends: &'a [String],
+}
+
+pub fn service_objects(spec: &ServiceSpec) -> String {
+    let (kind, node_port) = match spec.node_port {
+        Some(p) => ("NodePort", format!(", nodePort: {p}")),
+        None => ("ClusterIP", String::new()),
+    };
+    let affinity = if spec.affinity { "  sessionAffinity: ClientIP\n" } else { "" };
+    let endpoints: String = spec
+        .backends
+        .iter()
+        .map(|b| format!("- addresses: [\"{b}\"]\n  conditions: {{ready: true, serving: true, terminating: false}}\n"))
+        .collect();
+    let endpoints = if endpoints.is_empty() { "[]\n".to_string() } else { format!("\n{endpoints}") };
+    format!(
+        "---\napiVersion: v1\nkind: Service\nmetadata: {{namespace: default, name: {name}}}\nspec:\n  type: {kind}\n  clusterIP: {ip}\n{affinity}  ports:\n  - {{name: http, protocol: TCP, port: 80, targetPort: 8080{node_port}}}\n  - {{name: dns, protocol: UDP, port: 53, targetPort: 5353}}\n\
+         ---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  namespace: default\n  name: {name}-x1\n  labels: {{kubernetes.io/service-name: {name}}}\naddressType: IPv4\nports:\n- {{name: http, protocol: TCP, port: 8080}}\n- {{name: dns, protocol: UDP, port: 5353}}\nendpoints: {endpoints}",
+        name = spec.name,
+        ip = spec.cluster_ip,
+    )
+}

@@ -1,0 +1,145 @@
+//! End to end, as root: the agent programs the real datapath in a "node" namespace, and real
+//! TCP/UDP connections from a "client" namespace reach backends in their own namespaces.
+use std::{thread, time::Duration};
+
+use kube_router_tests::*;
+
+const VIP: &str = "10.96.0.10";
+const STICKY_VIP: &str = "10.96.0.11";
+
+fn backends(n: usize) -> Vec<String> {
+    (0..n).map(backend_addr).collect()
+}
+
+fn objects(web_backends: &[String]) -> String {
+    let web = service_objects(&ServiceSpec { name: "web", cluster_ip: VIP, node_port: Some(30080), affinity: false, backends: web_backends });
+    let all = backends(3);
+    let sticky = service_objects(&ServiceSpec { name: "sticky", cluster_ip: STICKY_VIP, node_port: None, affinity: true, backends: &all });
+    format!("{web}{sticky}")
+}
+
+struct Env {
+    topo: Topology,
+    file: ServiceFile,
+}
+
+impl Env {
+    fn new(prefix: &str) -> Env {
+        let topo = Topology::new(prefix, 3).expect("topology");
+        remove_bpf_root(&topo.bpf_root());
+        let file = ServiceFile::new(prefix);
+        file.write(&objects(&backends(3))).unwrap();
+        Env { topo, file }
+    }
+    fn agent(&self) -> Agent {
+        let root = self.topo.bpf_root();
+        let mut agent = Agent::start(&self.topo.node, &root, &["--service-file", &self.file.arg(), "--health-port", "0"]).unwrap();
+        agent.wait_for_log("service sync complete", 1, Duration::from_secs(20)).unwrap();
+        agent
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        remove_bpf_root(&self.topo.bpf_root());
+    }
+}
+
+fn assert_all_ok(replies: &[String]) {
+    assert!(replies.iter().all(|r| r.starts_with("backend-")), "failed requests: {replies:?}");
+}
+
+#[test]
+fn cluster_ip_node_port_spread_and_affinity() {
+    let env = Env::new("krt-lb");
+    let _agent = env.agent();
+    let topo = &env.topo;
+
+    for proto in ["tcp", "udp"] {
+        let port = if proto == "tcp" { 80 } else { 53 };
+        let replies = topo.request(proto, &format!("{VIP}:{port}"), 60).unwrap();
+        assert_all_ok(&replies);
+        let counts = tally(&replies);
+        assert_eq!(counts.len(), 3, "{proto} spread over every backend: {counts:?}");
+    }
+    // NodePort on the node's address facing the client.
+    let replies = topo.request("tcp", &format!("{NODE_ADDR}:30080"), 40).unwrap();
+    assert_all_ok(&replies);
+    assert!(tally(&replies).len() >= 2, "NodePort spreads: {:?}", tally(&replies));
+
+    // ClientIP affinity: every new connection of this client lands on the same backend.
+    let replies = topo.request("tcp", &format!("{STICKY_VIP}:80"), 30).unwrap();
+    assert_all_ok(&replies);
+    assert_eq!(tally(&replies).len(), 1, "affinity pins the client: {:?}", tally(&replies));
+
+    // A port that is not a service frontend is not intercepted: nothing listens, so it fails.
+    let replies = topo.request("tcp", &format!("{VIP}:81"), 1).unwrap();
+    assert!(replies[0].starts_with("ERR"), "{replies:?}");
+}
+
+#[test]
+fn removed_backend_gets_no_new_flows_while_established_flows_keep_working() {
+    let env = Env::new("krt-rm");
+    let mut agent = env.agent();
+    let topo = &env.topo;
+
+    let held = topo.client.spawn_collecting(&[netprobe_bin().to_str().unwrap(), "hold", &format!("{VIP}:80"), "100"]).unwrap();
+    thread::sleep(Duration::from_millis(500));
+    let pinned_to = held.lock().unwrap().first().cloned().expect("held connection answered");
+    let index: usize = pinned_to.trim_start_matches("backend-").parse().unwrap();
+
+    let remaining: Vec<String> = backends(3).into_iter().enumerate().filter(|(i, _)| i + 1 != index).map(|(_, b)| b).collect();
+    env.file.write(&objects(&remaining)).unwrap();
+    let line = agent.wait_for_log("service sync complete", 2, Duration::from_secs(10)).unwrap();
+    assert!(log_field(&line, "deletes").unwrap() > 0, "{line}");
+
+    let replies = topo.request("tcp", &format!("{VIP}:80"), 40).unwrap();
+    assert_all_ok(&replies);
+    assert!(!replies.contains(&pinned_to), "removed {pinned_to} still gets new flows: {:?}", tally(&replies));
+
+    let before = held.lock().unwrap().len();
+    thread::sleep(Duration::from_secs(2));
+    let lines = held.lock().unwrap().clone();
+    assert!(lines.len() >= before + 10, "established flow stalled: {} -> {}", before, lines.len());
+    assert!(lines.iter().all(|l| *l == pinned_to), "established flow moved or broke: {lines:?}");
+}
+
+#[test]
+fn restart_reuses_pinned_state_and_traffic_flows_without_the_agent() {
+    let env = Env::new("krt-rs");
+    let agent = env.agent();
+    let topo = &env.topo;
+    assert_all_ok(&topo.request("tcp", &format!("{VIP}:80"), 10).unwrap());
+
+    // lb_stats keeps counting (IPv6 neighbour discovery and the like); every other map must not move.
+    let dump = || {
+        let mut d = dump_maps(&topo.bpf_root()).unwrap();
+        d.remove("lb_stats");
+        d
+    };
+    let before = dump_maps(&topo.bpf_root()).unwrap();
+    for name in ["svc_v4", "svc_slots_v4", "backends_v4", "ct_v4", "affinity_v4", "lb_stats", "meta"] {
+        assert!(before.contains_key(name), "{name} pinned");
+    }
+    let before = dump();
+    agent.stop().unwrap();
+    assert_eq!(before, dump(), "stopping the agent changed the maps");
+
+    // No agent running: the pinned programs and maps keep serving.
+    assert_all_ok(&topo.request("tcp", &format!("{VIP}:80"), 20).unwrap());
+    assert_all_ok(&topo.request("udp", &format!("{VIP}:53"), 20).unwrap());
+
+    let service_maps = |d: &std::collections::BTreeMap<String, String>| {
+        ["svc_v4", "svc_slots_v4", "backends_v4", "meta"].map(|n| d[n].clone())
+    };
+    let mut agent = env.agent();
+    let line = agent.wait_for_log("service sync complete", 1, Duration::from_secs(5)).unwrap();
+    for field in ["inserts", "updates", "deletes", "errors"] {
+        assert_eq!(log_field(&line, field), Some(0), "restart with unchanged state wrote maps: {line}");
+    }
+    let adopted = agent.log.lock().unwrap().iter().filter(|l| l.contains("ingress=Adopted egress=Adopted")).count();
+    assert_eq!(adopted, 4, "every interface's links re-adopted, none re-created");
+    assert_eq!(service_maps(&before), service_maps(&dump()));
+    assert_all_ok(&topo.request("tcp", &format!("{VIP}:80"), 10).unwrap());
+    assert!(agent.is_running());
+}
