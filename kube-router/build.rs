@@ -3,20 +3,14 @@
 use anyhow::{anyhow, Context as _};
 
 fn main() -> anyhow::Result<()> {
-    let cargo_metadata::Metadata { packages, .. } = cargo_metadata::MetadataCommand::new()
-        .no_deps()
-        .exec()
-        .context("MetadataCommand::exec")?;
+    let cargo_metadata::Metadata { packages, .. } =
+        cargo_metadata::MetadataCommand::new().no_deps().exec().context("MetadataCommand::exec")?;
     let ebpf_package = packages
         .into_iter()
         .find(|cargo_metadata::Package { name, .. }| name.as_str() == "kube-router-ebpf")
         .ok_or_else(|| anyhow!("kube-router-ebpf package not found"))?;
     let cargo_metadata::Package { name, manifest_path, .. } = ebpf_package;
-    let root_dir = manifest_path
-        .parent()
-        .ok_or_else(|| anyhow!("no parent for {manifest_path}"))?
-        .as_str()
-        .to_string();
+    let root_dir = manifest_path.parent().ok_or_else(|| anyhow!("no parent for {manifest_path}"))?.as_str().to_string();
     let package = aya_build::Package { name: name.as_str(), root_dir: &root_dir, ..Default::default() };
     aya_build::build_ebpf([package], aya_build::Toolchain::default())
 }

@@ -2,7 +2,10 @@
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use kube_router_common::*;
 
-use crate::{maps::CONNTRACK, parsing::{Flow, TCP_FLAG_FIN, TCP_FLAG_RST}};
+use crate::{
+    maps::CONNTRACK,
+    parsing::{Flow, TCP_FLAG_FIN, TCP_FLAG_RST},
+};
 
 const REFRESH_INTERVAL_NS: u64 = 1_000_000_000;
 
@@ -57,12 +60,7 @@ pub fn create(flow: &Flow, backend: &BackendV4, service_id: u32, backend_id: u32
         proto: flow.proto,
         pad: [0; 3],
     };
-    let reverse = CtValueV4 {
-        nat_addr: flow.dst_addr,
-        nat_port: flow.dst_port,
-        flags: CT_FLAG_REVERSE,
-        ..forward
-    };
+    let reverse = CtValueV4 { nat_addr: flow.dst_addr, nat_port: flow.dst_port, flags: CT_FLAG_REVERSE, ..forward };
     // Reverse first: once the forward entry exists, replies must already be translatable.
     CONNTRACK.insert(reverse_key, reverse, 0).map_err(|e| e as i64)?;
     CONNTRACK.insert(key_of(flow), forward, 0).map_err(|e| e as i64)

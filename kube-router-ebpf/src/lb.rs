@@ -40,12 +40,7 @@ pub fn handle_ingress(ctx: &TcContext) -> Result<i32, i64> {
         return Ok(TC_ACT_UNSPEC);
     }
 
-    let frontend = ServiceKeyV4 {
-        addr: flow.dst_addr,
-        port: flow.dst_port,
-        proto: flow.proto,
-        pad: 0,
-    };
+    let frontend = ServiceKeyV4 { addr: flow.dst_addr, port: flow.dst_port, proto: flow.proto, pad: 0 };
     // SAFETY: read-only copy of a map value.
     let Some(service) = (unsafe { SERVICES.get(frontend) }).copied() else {
         count(lb_stat::NO_SERVICE);
@@ -53,7 +48,7 @@ pub fn handle_ingress(ctx: &TcContext) -> Result<i32, i64> {
     };
     let Some((backend_id, backend)) = select_backend(&flow, &service, now) else {
         count(lb_stat::NO_BACKEND_DROP);
-        return Ok(TC_ACT_SHOT as i32);
+        return Ok(TC_ACT_SHOT);
     };
     if conntrack::create(&flow, &backend, service.service_id, backend_id).is_err() {
         // Still forward this packet; the next one retries the insert.
@@ -85,7 +80,7 @@ pub fn handle_egress(ctx: &TcContext) -> Result<i32, i64> {
 fn translate(ctx: &TcContext, flow: &Flow, side: Side, addr: u32, port: u16) -> Result<i32, i64> {
     if rewrite(ctx, flow, side, addr, port).is_err() {
         count(lb_stat::REWRITE_FAILED);
-        return Ok(TC_ACT_SHOT as i32);
+        return Ok(TC_ACT_SHOT);
     }
     Ok(TC_ACT_UNSPEC)
 }
@@ -105,10 +100,7 @@ fn select_backend(flow: &Flow, service: &ServiceValue, now: u64) -> Option<(u32,
         return None;
     }
     let affinity = service.flags & SVC_FLAG_AFFINITY != 0;
-    let affinity_key = AffinityKeyV4 {
-        client_addr: flow.src_addr,
-        service_id: service.service_id,
-    };
+    let affinity_key = AffinityKeyV4 { client_addr: flow.src_addr, service_id: service.service_id };
     if affinity {
         if let Some(chosen) = affine_backend(&affinity_key, service, now) {
             count(lb_stat::AFFINITY_HIT);
@@ -118,11 +110,7 @@ fn select_backend(flow: &Flow, service: &ServiceValue, now: u64) -> Option<(u32,
     let slot = unsafe { bpf_get_prandom_u32() } % service.backend_count;
     let chosen = backend_in_slot(service.service_id, slot)?;
     if affinity {
-        let value = AffinityValue {
-            last_used_ns: now,
-            backend_id: chosen.0,
-            slot,
-        };
+        let value = AffinityValue { last_used_ns: now, backend_id: chosen.0, slot };
         let _ = AFFINITY.insert(affinity_key, value, 0);
     }
     Some(chosen)

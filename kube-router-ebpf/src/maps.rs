@@ -6,23 +6,19 @@ use aya_ebpf::{
 use kube_router_common::*;
 
 #[map(name = "svc_v4")]
-pub static SERVICES: HashMap<ServiceKeyV4, ServiceValue> =
-    HashMap::pinned(SERVICES_MAX_ENTRIES, 0);
+pub static SERVICES: HashMap<ServiceKeyV4, ServiceValue> = HashMap::pinned(SERVICES_MAX_ENTRIES, 0);
 
 #[map(name = "svc_slots_v4")]
-pub static BACKEND_SLOTS: HashMap<BackendSlotKey, BackendSlotValue> =
-    HashMap::pinned(BACKEND_SLOTS_MAX_ENTRIES, 0);
+pub static BACKEND_SLOTS: HashMap<BackendSlotKey, BackendSlotValue> = HashMap::pinned(BACKEND_SLOTS_MAX_ENTRIES, 0);
 
 #[map(name = "backends_v4")]
 pub static BACKENDS: HashMap<u32, BackendV4> = HashMap::pinned(BACKENDS_MAX_ENTRIES, 0);
 
 #[map(name = "ct_v4")]
-pub static CONNTRACK: LruHashMap<CtKeyV4, CtValueV4> =
-    LruHashMap::pinned(CONNTRACK_MAX_ENTRIES, 0);
+pub static CONNTRACK: LruHashMap<CtKeyV4, CtValueV4> = LruHashMap::pinned(CONNTRACK_MAX_ENTRIES, 0);
 
 #[map(name = "affinity_v4")]
-pub static AFFINITY: LruHashMap<AffinityKeyV4, AffinityValue> =
-    LruHashMap::pinned(AFFINITY_MAX_ENTRIES, 0);
+pub static AFFINITY: LruHashMap<AffinityKeyV4, AffinityValue> = LruHashMap::pinned(AFFINITY_MAX_ENTRIES, 0);
 
 #[map(name = "lb_stats")]
 pub static LB_STATS: PerCpuArray<u64> = PerCpuArray::pinned(lb_stat::COUNT, 0);
@@ -38,4 +34,3 @@ pub fn count(stat: u32) {
         unsafe { *counter += 1 };
     }
 }
-

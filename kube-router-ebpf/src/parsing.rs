@@ -53,11 +53,7 @@ pub fn parse(ctx: &TcContext) -> Result<Parsed, i64> {
         return Ok(Parsed::Fragment);
     }
     let l4_off = ETH_HDR_LEN + header_len;
-    let tcp_flags = if proto == IPPROTO_TCP {
-        ctx.load::<u8>(l4_off + 13)?
-    } else {
-        0
-    };
+    let tcp_flags = if proto == IPPROTO_TCP { ctx.load::<u8>(l4_off + 13)? } else { 0 };
     Ok(Parsed::Flow(Flow {
         src_addr: ctx.load(IP_SRC_OFF)?,
         dst_addr: ctx.load(IP_DST_OFF)?,

@@ -1,6 +1,8 @@
 //! kube-router agent library: the pure control-plane logic and the kernel edges it drives.
 pub mod agent;
+pub mod bgp;
 pub mod bpf;
 pub mod metrics;
 pub mod netif;
+pub mod policy;
 pub mod services;

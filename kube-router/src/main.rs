@@ -5,13 +5,20 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use kube_router::{
     agent::{self, AgentConfig},
-    bpf::{datapath, service_maps::{read_lb_stats, Conntrack}},
+    bpf::{
+        datapath,
+        service_maps::{read_lb_stats, Conntrack},
+    },
     services::compile::Limits,
 };
 use kube_router_common::{lb_stat, DEFAULT_PIN_DIR};
 
 #[derive(Parser)]
-#[command(name = "kube-router", version, about = "Kubernetes service proxy, network policy and BGP routing on an eBPF datapath")]
+#[command(
+    name = "kube-router",
+    version,
+    about = "Kubernetes service proxy, network policy and BGP routing on an eBPF datapath"
+)]
 struct Cli {
     /// bpffs directory holding the pinned maps and links.
     #[arg(long, env = "KUBE_ROUTER_BPF_ROOT", default_value = DEFAULT_PIN_DIR, global = true)]
@@ -83,11 +90,19 @@ fn show_services(cli: &Cli) -> Result<()> {
     for (key, value) in &contents.services {
         let proto = if key.proto == 6 { "tcp" } else { "udp" };
         let backends: Vec<String> = (0..value.backend_count)
-            .filter_map(|slot| contents.slots.get(&kube_router_common::BackendSlotKey { service_id: value.service_id, slot }))
+            .filter_map(|slot| {
+                contents.slots.get(&kube_router_common::BackendSlotKey { service_id: value.service_id, slot })
+            })
             .filter_map(|s| contents.backends.get(&s.backend_id))
             .map(|b| fmt_addr(b.addr, b.port))
             .collect();
-        println!("{proto} {} id={} flags={:#x} backends=[{}]", fmt_addr(key.addr, key.port), value.service_id, value.flags, backends.join(", "));
+        println!(
+            "{proto} {} id={} flags={:#x} backends=[{}]",
+            fmt_addr(key.addr, key.port),
+            value.service_id,
+            value.flags,
+            backends.join(", ")
+        );
     }
     Ok(())
 }
@@ -105,7 +120,16 @@ fn main() -> ExitCode {
         Command::Conntrack => Conntrack::open_pinned(&cli.bpf_root).and_then(|ct| {
             for (k, v) in ct.entries()? {
                 let kind = if v.flags & kube_router_common::CT_FLAG_REVERSE != 0 { "reverse" } else { "forward" };
-                println!("{} {} -> {} nat={} flags={:#x} service={} backend={}", kind, fmt_addr(k.src_addr, k.src_port), fmt_addr(k.dst_addr, k.dst_port), fmt_addr(v.nat_addr, v.nat_port), v.flags, v.service_id, v.backend_id);
+                println!(
+                    "{} {} -> {} nat={} flags={:#x} service={} backend={}",
+                    kind,
+                    fmt_addr(k.src_addr, k.src_port),
+                    fmt_addr(k.dst_addr, k.dst_port),
+                    fmt_addr(v.nat_addr, v.nat_port),
+                    v.flags,
+                    v.service_id,
+                    v.backend_id
+                );
             }
             Ok(())
         }),
@@ -114,7 +138,8 @@ fn main() -> ExitCode {
                 println!("{name} {n}");
             }
         }),
-        Command::Cleanup => datapath::remove_all(&cli.bpf_root).map(|n| println!("removed {n} pinned objects from {}", cli.bpf_root.display())),
+        Command::Cleanup => datapath::remove_all(&cli.bpf_root)
+            .map(|n| println!("removed {n} pinned objects from {}", cli.bpf_root.display())),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -68,7 +68,13 @@ impl Metrics {
     pub fn record_sync(&self, report: &SyncReport, duration: Duration) {
         self.with(|m| {
             for (map, c) in &report.per_map {
-                for (op, n) in [("insert", c.inserts), ("update", c.updates), ("delete", c.deletes), ("error", c.errors), ("full", c.full)] {
+                for (op, n) in [
+                    ("insert", c.inserts),
+                    ("update", c.updates),
+                    ("delete", c.deletes),
+                    ("error", c.errors),
+                    ("full", c.full),
+                ] {
                     if n > 0 {
                         *m.map_writes.entry((map, op)).or_default() += n;
                     }
@@ -92,7 +98,12 @@ impl Metrics {
             let family = |out: &mut String, name: &str, kind: &str, help: &str| {
                 let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
             };
-            family(&mut out, "kube_router_map_writes_total", "counter", "Writes to pinned BPF maps by map and operation.");
+            family(
+                &mut out,
+                "kube_router_map_writes_total",
+                "counter",
+                "Writes to pinned BPF maps by map and operation.",
+            );
             for ((map, op), n) in &m.map_writes {
                 let _ = writeln!(out, "kube_router_map_writes_total{{map=\"{map}\",op=\"{op}\"}} {n}");
             }
@@ -100,31 +111,75 @@ impl Metrics {
             for (map, n) in &m.map_entries {
                 let _ = writeln!(out, "kube_router_map_entries{{map=\"{map}\"}} {n}");
             }
-            family(&mut out, "kube_router_sync_duration_seconds", "histogram", "Time to compute and apply one service map sync.");
+            family(
+                &mut out,
+                "kube_router_sync_duration_seconds",
+                "histogram",
+                "Time to compute and apply one service map sync.",
+            );
             for (bound, n) in SYNC_BUCKETS.iter().zip(m.sync_duration.counts) {
                 let _ = writeln!(out, "kube_router_sync_duration_seconds_bucket{{le=\"{bound}\"}} {n}");
             }
             let h = &m.sync_duration;
             let _ = writeln!(out, "kube_router_sync_duration_seconds_bucket{{le=\"+Inf\"}} {}", h.count);
-            let _ = writeln!(out, "kube_router_sync_duration_seconds_sum {}\nkube_router_sync_duration_seconds_count {}", h.sum, h.count);
-            family(&mut out, "kube_router_last_sync_timestamp_seconds", "gauge", "Unix time of the last successful sync.");
+            let _ = writeln!(
+                out,
+                "kube_router_sync_duration_seconds_sum {}\nkube_router_sync_duration_seconds_count {}",
+                h.sum, h.count
+            );
+            family(
+                &mut out,
+                "kube_router_last_sync_timestamp_seconds",
+                "gauge",
+                "Unix time of the last successful sync.",
+            );
             let _ = writeln!(out, "kube_router_last_sync_timestamp_seconds {}", m.last_sync_unix.unwrap_or(0.0));
-            family(&mut out, "kube_router_seconds_since_last_sync", "gauge", "Seconds since the last successful sync (-1 before the first).");
+            family(
+                &mut out,
+                "kube_router_seconds_since_last_sync",
+                "gauge",
+                "Seconds since the last successful sync (-1 before the first).",
+            );
             let since = m.last_sync_unix.map(|t| unix_now() - t).unwrap_or(-1.0);
             let _ = writeln!(out, "kube_router_seconds_since_last_sync {since:.3}");
-            family(&mut out, "kube_router_rejected_objects_total", "counter", "Objects rejected as invalid (their programmed state is kept).");
+            family(
+                &mut out,
+                "kube_router_rejected_objects_total",
+                "counter",
+                "Objects rejected as invalid (their programmed state is kept).",
+            );
             for (kind, n) in &m.rejected_objects {
                 let _ = writeln!(out, "kube_router_rejected_objects_total{{kind=\"{kind}\"}} {n}");
             }
-            family(&mut out, "kube_router_dropped_endpoints", "gauge", "Endpoints left out because a service exceeded --max-backends-per-service.");
+            family(
+                &mut out,
+                "kube_router_dropped_endpoints",
+                "gauge",
+                "Endpoints left out because a service exceeded --max-backends-per-service.",
+            );
             let _ = writeln!(out, "kube_router_dropped_endpoints {}", m.dropped_endpoints);
-            family(&mut out, "kube_router_datapath_packets_total", "counter", "Packets seen by the load-balancer program, by outcome (per-CPU counters summed).");
+            family(
+                &mut out,
+                "kube_router_datapath_packets_total",
+                "counter",
+                "Packets seen by the load-balancer program, by outcome (per-CPU counters summed).",
+            );
             for (what, n) in &m.datapath_packets {
                 let _ = writeln!(out, "kube_router_datapath_packets_total{{event=\"{what}\"}} {n}");
             }
-            family(&mut out, "kube_router_conntrack_entries", "gauge", "Entries in ct_v4 after the last garbage collection.");
+            family(
+                &mut out,
+                "kube_router_conntrack_entries",
+                "gauge",
+                "Entries in ct_v4 after the last garbage collection.",
+            );
             let _ = writeln!(out, "kube_router_conntrack_entries {}", m.conntrack_entries);
-            family(&mut out, "kube_router_conntrack_gc_removed_total", "counter", "Expired conntrack entries removed by garbage collection.");
+            family(
+                &mut out,
+                "kube_router_conntrack_gc_removed_total",
+                "counter",
+                "Expired conntrack entries removed by garbage collection.",
+            );
             let _ = writeln!(out, "kube_router_conntrack_gc_removed_total {}", m.conntrack_gc_removed);
             out
         })
@@ -133,7 +188,8 @@ impl Metrics {
     /// Liveness: the process answers. Detail: seconds since each controller's last heartbeat.
     pub fn health(&self) -> String {
         self.with(|m| {
-            let detail: BTreeMap<&str, f64> = m.heartbeats.iter().map(|(k, t)| (*k, t.elapsed().as_secs_f64())).collect();
+            let detail: BTreeMap<&str, f64> =
+                m.heartbeats.iter().map(|(k, t)| (*k, t.elapsed().as_secs_f64())).collect();
             serde_json::json!({ "status": "ok", "seconds_since_heartbeat": detail }).to_string()
         })
     }

@@ -32,7 +32,8 @@ impl Drop for Loaded {
 }
 
 fn services_yaml(backends: &[&str], affinity: bool) -> String {
-    let endpoints: String = backends.iter().map(|b| format!("- addresses: [{b}]\n  conditions: {{ready: true}}\n")).collect();
+    let endpoints: String =
+        backends.iter().map(|b| format!("- addresses: [{b}]\n  conditions: {{ready: true}}\n")).collect();
     let affinity = if affinity { "  sessionAffinity: ClientIP\n" } else { "" };
     format!(
         "apiVersion: v1\nkind: Service\nmetadata: {{namespace: default, name: web}}\nspec:\n  clusterIP: 10.96.0.10\n{affinity}  ports:\n  - {{name: http, protocol: TCP, port: 80}}\n  - {{name: dns, protocol: UDP, port: 53}}\n---\n\
@@ -104,7 +105,8 @@ fn new_flows_spread_over_all_backends() {
     let fd = loaded.datapath.program_fd(Hook::Ingress).unwrap();
     let mut seen = std::collections::BTreeMap::new();
     for port in 0..300u16 {
-        let out = run(fd, &packet::ipv4(packet::TCP, (CLIENT, 20000 + port), (VIP, 80), packet::TCP_SYN, b""), 1).unwrap();
+        let out =
+            run(fd, &packet::ipv4(packet::TCP, (CLIENT, 20000 + port), (VIP, 80), packet::TCP_SYN, b""), 1).unwrap();
         *seen.entry(packet::endpoints(&out.packet).1 .0).or_insert(0) += 1;
     }
     assert_eq!(seen.len(), 3, "{seen:?}");
@@ -142,7 +144,8 @@ fn removed_backend_gets_no_new_flows_but_established_ones_continue() {
         let out = run(fd, &packet::ipv4(packet::TCP, (CLIENT, p), (VIP, 80), packet::TCP_SYN, b""), 1).unwrap();
         assert_eq!(packet::endpoints(&out.packet).1 .0, Ipv4Addr::new(10, 0, 0, 1));
     }
-    let out = run(fd, &packet::ipv4(packet::TCP, (CLIENT, established), (VIP, 80), packet::TCP_ACK, b"more"), 1).unwrap();
+    let out =
+        run(fd, &packet::ipv4(packet::TCP, (CLIENT, established), (VIP, 80), packet::TCP_ACK, b"more"), 1).unwrap();
     assert_eq!(packet::endpoints(&out.packet).1 .0, Ipv4Addr::new(10, 0, 0, 2));
 }
 
@@ -171,4 +174,24 @@ fn reloading_over_pinned_maps_keeps_their_contents() {
     drop(again);
     let after = kube_router::agent::read_programmed(&loaded.pin_dir).unwrap();
     assert_eq!(before, after);
+}
+
+#[test]
+fn a_pinned_map_with_another_layout_is_reported_and_left_alone() {
+    let pin_dir = PathBuf::from("/sys/fs/bpf/krt-unit-layout");
+    let _ = datapath::remove_all(&pin_dir);
+    std::fs::create_dir_all(&pin_dir).unwrap();
+    let path = pin_dir.join("svc_v4");
+    // An older layout: 4-byte keys.
+    let created = std::process::Command::new("bpftool")
+        .args(["map", "create", path.to_str().unwrap(), "type", "hash", "key", "4", "value", "16", "entries", "16", "name", "svc_v4"])
+        .status()
+        .unwrap();
+    assert!(created.success());
+    let error = Datapath::load(&pin_dir).err().expect("load must refuse a mismatched map");
+    let message = format!("{error:#}");
+    assert!(message.contains("svc_v4") && message.contains("key=4B") && message.contains("key=8B"), "{message}");
+    let info = aya::maps::MapInfo::from_pin(&path).expect("the old map is still pinned");
+    assert_eq!(info.key_size(), 4);
+    let _ = datapath::remove_all(&pin_dir);
 }

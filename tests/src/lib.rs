@@ -26,11 +26,16 @@ pub fn kube_router_bin() -> PathBuf {
     std::env::var_os("KUBE_ROUTER_BIN").map(PathBuf::from).unwrap_or_else(|| target_dir().join("debug/kube-router"))
 }
 
-/// Cargo builds the package's binaries next to the test executables' `deps/` folder.
+/// Cargo puts the package's binaries in the profile folder: beside a binary that uses this
+/// library, or one above a test executable (which lives in `deps/`).
 pub fn netprobe_bin() -> PathBuf {
     let exe = std::env::current_exe().unwrap_or_default();
-    let profile_dir = exe.parent().and_then(Path::parent).map(Path::to_path_buf).unwrap_or_else(|| target_dir().join("debug"));
-    profile_dir.join("krt-netprobe")
+    let exe_dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    [exe_dir.clone(), exe_dir.parent().map(Path::to_path_buf).unwrap_or_default()]
+        .into_iter()
+        .map(|dir| dir.join("krt-netprobe"))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| target_dir().join("debug/krt-netprobe"))
 }
 
 pub fn sh(args: &[&str]) -> Result<String> {
@@ -147,7 +152,14 @@ impl Topology {
         for i in 0..backends {
             let ns = Netns::new(&format!("{prefix}-b{}", i + 1))?;
             let net = 10 + i;
-            veth(&node, &format!("to-b{}", i + 1), &format!("10.0.{net}.1/24"), &ns, "eth0", &format!("10.0.{net}.2/24"))?;
+            veth(
+                &node,
+                &format!("to-b{}", i + 1),
+                &format!("10.0.{net}.1/24"),
+                &ns,
+                "eth0",
+                &format!("10.0.{net}.2/24"),
+            )?;
             ns.run(&["ip", "route", "add", "default", "via", &format!("10.0.{net}.1")])?;
             let name = format!("backend-{}", i + 1);
             for port in ["8080", "5353"] {
@@ -214,7 +226,8 @@ impl Agent {
     pub fn wait_for_log(&mut self, needle: &str, n: usize, timeout: Duration) -> Result<String> {
         let deadline = Instant::now() + timeout;
         loop {
-            let matching: Vec<String> = self.log.lock().unwrap().iter().filter(|l| l.contains(needle)).cloned().collect();
+            let matching: Vec<String> =
+                self.log.lock().unwrap().iter().filter(|l| l.contains(needle)).cloned().collect();
             if matching.len() >= n {
                 return Ok(matching[n - 1].clone());
             }

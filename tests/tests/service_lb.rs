@@ -12,9 +12,21 @@ fn backends(n: usize) -> Vec<String> {
 }
 
 fn objects(web_backends: &[String]) -> String {
-    let web = service_objects(&ServiceSpec { name: "web", cluster_ip: VIP, node_port: Some(30080), affinity: false, backends: web_backends });
+    let web = service_objects(&ServiceSpec {
+        name: "web",
+        cluster_ip: VIP,
+        node_port: Some(30080),
+        affinity: false,
+        backends: web_backends,
+    });
     let all = backends(3);
-    let sticky = service_objects(&ServiceSpec { name: "sticky", cluster_ip: STICKY_VIP, node_port: None, affinity: true, backends: &all });
+    let sticky = service_objects(&ServiceSpec {
+        name: "sticky",
+        cluster_ip: STICKY_VIP,
+        node_port: None,
+        affinity: true,
+        backends: &all,
+    });
     format!("{web}{sticky}")
 }
 
@@ -33,7 +45,8 @@ impl Env {
     }
     fn agent(&self) -> Agent {
         let root = self.topo.bpf_root();
-        let mut agent = Agent::start(&self.topo.node, &root, &["--service-file", &self.file.arg(), "--health-port", "0"]).unwrap();
+        let mut agent =
+            Agent::start(&self.topo.node, &root, &["--service-file", &self.file.arg(), "--health-port", "0"]).unwrap();
         agent.wait_for_log("service sync complete", 1, Duration::from_secs(20)).unwrap();
         agent
     }
@@ -83,12 +96,14 @@ fn removed_backend_gets_no_new_flows_while_established_flows_keep_working() {
     let mut agent = env.agent();
     let topo = &env.topo;
 
-    let held = topo.client.spawn_collecting(&[netprobe_bin().to_str().unwrap(), "hold", &format!("{VIP}:80"), "100"]).unwrap();
+    let held =
+        topo.client.spawn_collecting(&[netprobe_bin().to_str().unwrap(), "hold", &format!("{VIP}:80"), "100"]).unwrap();
     thread::sleep(Duration::from_millis(500));
     let pinned_to = held.lock().unwrap().first().cloned().expect("held connection answered");
     let index: usize = pinned_to.trim_start_matches("backend-").parse().unwrap();
 
-    let remaining: Vec<String> = backends(3).into_iter().enumerate().filter(|(i, _)| i + 1 != index).map(|(_, b)| b).collect();
+    let remaining: Vec<String> =
+        backends(3).into_iter().enumerate().filter(|(i, _)| i + 1 != index).map(|(_, b)| b).collect();
     env.file.write(&objects(&remaining)).unwrap();
     let line = agent.wait_for_log("service sync complete", 2, Duration::from_secs(10)).unwrap();
     assert!(log_field(&line, "deletes").unwrap() > 0, "{line}");

@@ -1,1 +1,105 @@
-fn main(){}
+//! Developer tasks: `cargo xtask build-ebpf | test | bench | demo`.
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+mod demo;
+
+#[derive(Parser)]
+#[command(name = "xtask")]
+struct Cli {
+    #[command(subcommand)]
+    command: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Build the eBPF datapath object (kube-router-ebpf) into target/bpf/kube-router.bpf.o.
+    BuildEbpf,
+    /// Everything CI checks: fmt, clippy, unit tests, in-kernel datapath tests, end-to-end tests (root).
+    Test,
+    /// Benchmarks: per-packet cost (BPF_PROG_TEST_RUN) and map sync time (root).
+    Bench,
+    /// Bring up a small cluster in network namespaces and show the datapath at work (root).
+    Demo,
+}
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
+}
+
+fn cargo(args: &[&str]) -> Result<()> {
+    run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())).args(args))
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    eprintln!("xtask: {cmd:?}");
+    let status = cmd.current_dir(workspace_root()).status().with_context(|| format!("starting {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed with {status}");
+    }
+    Ok(())
+}
+
+/// The same build kube-router's build.rs runs through aya-build, with its output kept in
+/// target/ for inspection (`llvm-objdump`, `bpftool btf dump file`).
+fn build_ebpf() -> Result<()> {
+    let root = workspace_root();
+    run(Command::new("rustup")
+        .args(["run", "nightly", "cargo", "build", "--package", "kube-router-ebpf", "--bins", "--release"])
+        .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
+        .env("CARGO_ENCODED_RUSTFLAGS", "--cfg=bpf_target_arch=\"x86_64\"\x1f-Cdebuginfo=2\x1f-Clink-arg=--btf")
+        .env_remove("RUSTC")
+        .env_remove("RUSTC_WORKSPACE_WRAPPER"))?;
+    let built = root.join("target/bpfel-unknown-none/release/kube-router");
+    let out_dir = root.join("target/bpf");
+    std::fs::create_dir_all(&out_dir)?;
+    let out = out_dir.join("kube-router.bpf.o");
+    std::fs::copy(&built, &out).with_context(|| format!("copying {}", built.display()))?;
+    println!("{}", out.display());
+    Ok(())
+}
+
+fn require_root() -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("this task loads BPF programs and creates network namespaces: run it as root");
+    }
+    Ok(())
+}
+
+fn test() -> Result<()> {
+    require_root()?;
+    cargo(&["fmt", "--all", "--check"])?;
+    cargo(&["clippy", "--all-targets", "--", "-D", "warnings"])?;
+    run(Command::new("rustup")
+        .args(["run", "nightly", "cargo", "clippy", "--package", "kube-router-ebpf", "--release"])
+        .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core", "--", "-D", "warnings"])
+        .env_remove("RUSTC")
+        .env_remove("RUSTC_WORKSPACE_WRAPPER"))?;
+    cargo(&["build", "-p", "kube-router", "--bins"])?;
+    // Unit, in-kernel and end-to-end tests, one at a time: the kernel-facing ones share bpffs.
+    cargo(&["test", "--", "--test-threads=1"])
+}
+
+fn bench() -> Result<()> {
+    require_root()?;
+    cargo(&["bench", "-p", "kube-router", "--bench", "datapath"])
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Task::BuildEbpf => build_ebpf(),
+        Task::Test => test(),
+        Task::Bench => bench(),
+        Task::Demo => {
+            require_root()?;
+            cargo(&["build", "-p", "kube-router", "-p", "kube-router-tests", "--bins"])?;
+            demo::run()
+        }
+    }
+}

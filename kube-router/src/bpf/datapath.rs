@@ -164,7 +164,8 @@ impl Datapath {
     pub fn program_fd(&self, hook: Hook) -> Result<std::os::fd::RawFd> {
         use std::os::fd::{AsFd, AsRawFd};
         let name = hook.program();
-        let program: &SchedClassifier = self.ebpf.program(name).ok_or_else(|| anyhow!("program {name} missing"))?.try_into()?;
+        let program: &SchedClassifier =
+            self.ebpf.program(name).ok_or_else(|| anyhow!("program {name} missing"))?.try_into()?;
         Ok(program.fd()?.as_fd().as_raw_fd())
     }
 }

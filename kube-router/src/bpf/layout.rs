@@ -14,13 +14,7 @@ pub struct MapSpec {
 }
 
 const fn spec<K, V>(name: &'static str, map_type: MapType, max_entries: u32) -> MapSpec {
-    MapSpec {
-        name,
-        map_type,
-        key_size: size_of::<K>() as u32,
-        value_size: size_of::<V>() as u32,
-        max_entries,
-    }
+    MapSpec { name, map_type, key_size: size_of::<K>() as u32, value_size: size_of::<V>() as u32, max_entries }
 }
 
 pub const SERVICE_MAPS: [MapSpec; 7] = [
@@ -34,8 +28,10 @@ pub const SERVICE_MAPS: [MapSpec; 7] = [
 ];
 
 #[derive(Debug, thiserror::Error)]
-#[error("pinned map {path} has layout {found} but this agent expects {expected} (map layout version {version}); \
-         refusing to load over it. Migrate or remove it with `kube-router cleanup`")]
+#[error(
+    "pinned map {path} has layout {found} but this agent expects {expected} (map layout version {version}); \
+         refusing to load over it. Migrate or remove it with `kube-router cleanup`"
+)]
 pub struct LayoutMismatch {
     pub path: String,
     pub found: String,

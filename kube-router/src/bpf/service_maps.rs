@@ -67,8 +67,12 @@ impl ServiceMaps for BpfServiceMaps {
         };
         // A delete of a key that is already gone leaves the map as wanted.
         match result {
-            Err(MapError::SyscallError(e)) if matches!(op, MapOp::DeleteService(_) | MapOp::DeleteSlot(_) | MapOp::DeleteBackend(_))
-                && e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+            Err(MapError::SyscallError(e))
+                if matches!(op, MapOp::DeleteService(_) | MapOp::DeleteSlot(_) | MapOp::DeleteBackend(_))
+                    && e.io_error.raw_os_error() == Some(libc::ENOENT) =>
+            {
+                Ok(())
+            }
             other => other.map_err(|e| write_error(name, e)),
         }
     }
@@ -84,10 +88,9 @@ impl ServiceMaps for BpfServiceMaps {
 
 /// Sums the per-CPU packet counters of `lb_stats`, in `lb_stat` index order.
 pub fn read_lb_stats(pin_dir: &Path) -> Result<Vec<u64>> {
-    let stats: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(open(pin_dir, map_names::LB_STATS)?))?;
-    (0..lb_stat::COUNT)
-        .map(|i| Ok(stats.get(&i, 0)?.iter().sum()))
-        .collect()
+    let stats: PerCpuArray<MapData, u64> =
+        PerCpuArray::try_from(Map::PerCpuArray(open(pin_dir, map_names::LB_STATS)?))?;
+    (0..lb_stat::COUNT).map(|i| Ok(stats.get(&i, 0)?.iter().sum())).collect()
 }
 
 pub struct Conntrack {

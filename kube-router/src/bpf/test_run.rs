@@ -78,10 +78,7 @@ pub mod packet {
     }
 
     fn sum_words(bytes: &[u8]) -> u32 {
-        bytes
-            .chunks(2)
-            .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
-            .sum()
+        bytes.chunks(2).map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]))).sum()
     }
 
     fn l4_checksum(src: [u8; 4], dst: [u8; 4], proto: u8, l4: &[u8]) -> u16 {

@@ -89,10 +89,18 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
 
             let mut frontends = Vec::new();
             for ip in &service.cluster_ips {
-                frontends.push((frontend_key(*ip, port.port, port.protocol), affinity_flags | local_flag(internal.local_only), internal.clone()));
+                frontends.push((
+                    frontend_key(*ip, port.port, port.protocol),
+                    affinity_flags | local_flag(internal.local_only),
+                    internal.clone(),
+                ));
             }
             for ip in service.external_ips.iter().chain(&service.load_balancer_ips) {
-                frontends.push((frontend_key(*ip, port.port, port.protocol), affinity_flags | local_flag(external.local_only), external.clone()));
+                frontends.push((
+                    frontend_key(*ip, port.port, port.protocol),
+                    affinity_flags | local_flag(external.local_only),
+                    external.clone(),
+                ));
             }
             if let Some(node_port) = port.node_port {
                 for ip in &node.node_port_addrs {
@@ -151,7 +159,8 @@ fn backends_for(
     let mut ready = BTreeSet::new();
     let mut terminating = BTreeSet::new();
     for slice in slices {
-        let Some(endpoint_port) = slice.ports.iter().find(|p| p.name == port.name && p.protocol == port.protocol) else {
+        let Some(endpoint_port) = slice.ports.iter().find(|p| p.name == port.name && p.protocol == port.protocol)
+        else {
             continue;
         };
         for endpoint in &slice.endpoints {

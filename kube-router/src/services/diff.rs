@@ -43,7 +43,12 @@ pub fn diff(current: &MapContents, desired: &MapContents, allow_deletes: bool) -
             }
         }
     }
-    fn deletes<K: Ord + Copy, V>(current: &BTreeMap<K, V>, desired: &BTreeMap<K, V>, op: impl Fn(K) -> MapOp, out: &mut Vec<MapOp>) {
+    fn deletes<K: Ord + Copy, V>(
+        current: &BTreeMap<K, V>,
+        desired: &BTreeMap<K, V>,
+        op: impl Fn(K) -> MapOp,
+        out: &mut Vec<MapOp>,
+    ) {
         for k in current.keys() {
             if !desired.contains_key(k) {
                 out.push(op(*k));

@@ -96,16 +96,9 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
         let mut addrs = readable_addrs(Some(&cluster_ip_strings));
         addrs.extend(readable_addrs(spec.external_ips.as_ref()));
         addrs.extend(readable_addrs(Some(&lb_strings)));
-        let node_ports = spec
-            .ports
-            .iter()
-            .flatten()
-            .filter_map(|p| p.node_port.and_then(|n| u16::try_from(n).ok()))
-            .collect();
-        Ok(ServiceOutcome::Rejected(
-            name.clone(),
-            RejectedService { reason: reason.to_string(), addrs, node_ports },
-        ))
+        let node_ports =
+            spec.ports.iter().flatten().filter_map(|p| p.node_port.and_then(|n| u16::try_from(n).ok())).collect();
+        Ok(ServiceOutcome::Rejected(name.clone(), RejectedService { reason: reason.to_string(), addrs, node_ports }))
     };
 
     let headless = cluster_ip_strings.iter().any(|ip| ip == "None");
@@ -173,7 +166,7 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
 }
 
 /// Converts an EndpointSlice. IPv6 slices yield `Ok(None)`: not load-balanced yet.
-pub fn endpoint_slice(object: &discovery::EndpointSlice) -> Result<Option<((String, String), EndpointSlice)>, ObjectError> {
+pub fn endpoint_slice(object: &discovery::EndpointSlice) -> Result<Option<(SliceKey, EndpointSlice)>, ObjectError> {
     let slice_name = name_of(&object.metadata)?;
     if object.address_type != "IPv4" {
         return Ok(None);
@@ -210,10 +203,6 @@ pub fn endpoint_slice(object: &discovery::EndpointSlice) -> Result<Option<((Stri
     }
     Ok(Some((
         (slice_name.namespace.clone(), slice_name.name),
-        EndpointSlice {
-            service: ServiceName::new(slice_name.namespace, service_name),
-            ports,
-            endpoints,
-        },
+        EndpointSlice { service: ServiceName::new(slice_name.namespace, service_name), ports, endpoints },
     )))
 }

@@ -1,10 +1,6 @@
 //! The desired-state model of services and their endpoints, independent of both the Kubernetes
 //! object shapes and the map layout.
-use std::{
-    collections::BTreeMap,
-    fmt,
-    net::Ipv4Addr,
-};
+use std::{collections::BTreeMap, fmt, net::Ipv4Addr};
 
 use serde::{Deserialize, Serialize};
 
@@ -91,11 +87,14 @@ pub struct EndpointSlice {
     pub endpoints: Vec<Endpoint>,
 }
 
-/// Everything the service compiler needs. Slices are keyed by (namespace, slice name).
+/// An EndpointSlice's identity: (namespace, slice name).
+pub type SliceKey = (String, String);
+
+/// Everything the service compiler needs. Slices are keyed by [`SliceKey`].
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServiceState {
     pub services: BTreeMap<ServiceName, Service>,
-    pub slices: BTreeMap<(String, String), EndpointSlice>,
+    pub slices: BTreeMap<SliceKey, EndpointSlice>,
     /// Services whose object could not be understood, with the reason. Their frontends already
     /// in the maps are left exactly as they are.
     pub rejected: BTreeMap<ServiceName, RejectedService>,

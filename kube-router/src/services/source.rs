@@ -51,7 +51,12 @@ impl StateBuilder {
     }
 
     fn problem(&mut self, kind: &str, name: &str, message: &str) {
-        tracing::error!(kind, object = name, error = message, "rejected object; its programmed state is kept as it was");
+        tracing::error!(
+            kind,
+            object = name,
+            error = message,
+            "rejected object; its programmed state is kept as it was"
+        );
         self.problems.push(ObjectProblem { kind: kind.into(), name: name.into(), message: message.into() });
     }
 

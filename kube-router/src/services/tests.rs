@@ -71,8 +71,14 @@ fn compiles_cluster_ip_and_node_port_frontends_to_ready_backends() {
     let dns = frontend_key(vip, 53, Protocol::Udp);
     let node_port = frontend_key(Ipv4Addr::new(192, 0, 2, 1), 30080, Protocol::Tcp);
     assert_eq!(contents.services.len(), 3);
-    assert_eq!(backends_of(&contents, &http), vec![(Ipv4Addr::new(10, 0, 0, 1), 8080), (Ipv4Addr::new(10, 0, 0, 2), 8080)]);
-    assert_eq!(backends_of(&contents, &dns), vec![(Ipv4Addr::new(10, 0, 0, 1), 5353), (Ipv4Addr::new(10, 0, 0, 2), 5353)]);
+    assert_eq!(
+        backends_of(&contents, &http),
+        vec![(Ipv4Addr::new(10, 0, 0, 1), 8080), (Ipv4Addr::new(10, 0, 0, 2), 8080)]
+    );
+    assert_eq!(
+        backends_of(&contents, &dns),
+        vec![(Ipv4Addr::new(10, 0, 0, 1), 5353), (Ipv4Addr::new(10, 0, 0, 2), 5353)]
+    );
     // NodePort shares the ClusterIP's backend set (externalTrafficPolicy: Cluster).
     assert_eq!(contents.services[&node_port].service_id, contents.services[&http].service_id);
     assert_eq!(contents.services[&node_port].flags, SVC_FLAG_AFFINITY | SVC_FLAG_NODEPORT);
@@ -91,7 +97,8 @@ fn terminating_endpoints_serve_when_none_is_ready() {
 
 #[test]
 fn external_traffic_policy_local_uses_only_this_nodes_endpoints() {
-    let text = OBJECTS.replace("  sessionAffinity: ClientIP", "  externalTrafficPolicy: Local\n  sessionAffinity: ClientIP");
+    let text =
+        OBJECTS.replace("  sessionAffinity: ClientIP", "  externalTrafficPolicy: Local\n  sessionAffinity: ClientIP");
     let contents = compile(&text, &MapContents::default());
     let node_port = frontend_key(Ipv4Addr::new(192, 0, 2, 1), 30080, Protocol::Tcp);
     let http = frontend_key(Ipv4Addr::new(10, 96, 0, 10), 80, Protocol::Tcp);
@@ -144,7 +151,8 @@ fn removing_an_endpoint_rewrites_only_that_service() {
 #[test]
 fn unsupported_protocol_rejects_the_service_and_keeps_what_was_programmed() {
     let first = compile(OBJECTS, &MapContents::default());
-    let bad = OBJECTS.replace("protocol: UDP, port: 53, targetPort: 5353", "protocol: SCTP, port: 53, targetPort: 5353");
+    let bad =
+        OBJECTS.replace("protocol: UDP, port: 53, targetPort: 5353", "protocol: SCTP, port: 53, targetPort: 5353");
     let builder = parse_objects(&bad).unwrap();
     assert_eq!(builder.problems.len(), 1);
     assert!(builder.problems[0].message.contains("unsupported protocol \"SCTP\""), "{:?}", builder.problems);
@@ -154,7 +162,10 @@ fn unsupported_protocol_rejects_the_service_and_keeps_what_was_programmed() {
 
 #[test]
 fn duplicate_ports_are_rejected() {
-    let bad = OBJECTS.replace("{name: dns, protocol: UDP, port: 53, targetPort: 5353}", "{name: dns, protocol: TCP, port: 80, targetPort: 5353}");
+    let bad = OBJECTS.replace(
+        "{name: dns, protocol: UDP, port: 53, targetPort: 5353}",
+        "{name: dns, protocol: TCP, port: 80, targetPort: 5353}",
+    );
     let builder = parse_objects(&bad).unwrap();
     assert!(builder.problems[0].message.contains("duplicate port 80"), "{:?}", builder.problems);
     assert!(builder.state.services.is_empty());
@@ -162,7 +173,9 @@ fn duplicate_ports_are_rejected() {
 
 #[test]
 fn invalid_yaml_object_is_reported_not_fatal() {
-    let text = format!("{OBJECTS}\n---\napiVersion: v1\nkind: Service\nmetadata: {{namespace: x, name: y}}\nspec: {{ports: 7}}\n");
+    let text = format!(
+        "{OBJECTS}\n---\napiVersion: v1\nkind: Service\nmetadata: {{namespace: x, name: y}}\nspec: {{ports: 7}}\n"
+    );
     let builder = parse_objects(&text).unwrap();
     assert_eq!(builder.problems.len(), 1);
     assert_eq!(builder.state.services.len(), 1);
@@ -181,11 +194,17 @@ fn too_many_endpoints_keeps_the_first_n_by_address_and_counts_the_rest() {
 
 #[test]
 fn a_frontend_claimed_twice_goes_to_the_first_service_by_name() {
-    let other = OBJECTS.replace("name: web}", "name: web2}").replace("service-name: web}", "service-name: web2}").replace("name: web-abc", "name: web2-abc");
+    let other = OBJECTS
+        .replace("name: web}", "name: web2}")
+        .replace("service-name: web}", "service-name: web2}")
+        .replace("name: web-abc", "name: web2-abc");
     let text = format!("{OBJECTS}\n---\n{other}");
     let builder = parse_objects(&text).unwrap();
     let plan = plan(&builder.state, &node(), Limits::default());
-    assert!(plan.warnings.iter().any(|w| matches!(w, CompileWarning::FrontendConflict { kept, .. } if kept.name == "web")));
+    assert!(plan
+        .warnings
+        .iter()
+        .any(|w| matches!(w, CompileWarning::FrontendConflict { kept, .. } if kept.name == "web")));
     assert_eq!(plan.frontends.len(), 3);
 }
 
@@ -217,12 +236,26 @@ fn without_deletes_allowed_nothing_is_removed() {
 
 fn arb_contents() -> impl Strategy<Value = MapContents> {
     let service = (0u32..8, 0u16..4, 1u32..6, 0u32..4, 0u32..3).prop_map(|(addr, port, id, count, flags)| {
-        (ServiceKeyV4 { addr, port, proto: 6, pad: 0 }, ServiceValue { service_id: id, backend_count: count, flags, affinity_timeout_secs: 0 })
+        (
+            ServiceKeyV4 { addr, port, proto: 6, pad: 0 },
+            ServiceValue { service_id: id, backend_count: count, flags, affinity_timeout_secs: 0 },
+        )
     });
-    let slot = (1u32..6, 0u32..4, 1u32..8).prop_map(|(service_id, slot, backend_id)| (BackendSlotKey { service_id, slot }, BackendSlotValue { backend_id }));
+    let slot = (1u32..6, 0u32..4, 1u32..8).prop_map(|(service_id, slot, backend_id)| {
+        (BackendSlotKey { service_id, slot }, BackendSlotValue { backend_id })
+    });
     let backend = (1u32..8, 0u32..4, 0u16..3).prop_map(|(id, addr, port)| (id, BackendV4 { addr, port, pad: 0 }));
     (
-        proptest::collection::btree_map(service.prop_map(|(k, _)| k), any::<u32>().prop_map(|id| ServiceValue { service_id: id % 5, backend_count: id % 3, flags: 0, affinity_timeout_secs: 0 }), 0..10),
+        proptest::collection::btree_map(
+            service.prop_map(|(k, _)| k),
+            any::<u32>().prop_map(|id| ServiceValue {
+                service_id: id % 5,
+                backend_count: id % 3,
+                flags: 0,
+                affinity_timeout_secs: 0,
+            }),
+            0..10,
+        ),
         proptest::collection::vec(slot, 0..10),
         proptest::collection::vec(backend, 0..10),
     )

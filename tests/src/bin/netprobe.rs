@@ -82,7 +82,9 @@ fn hold(addr: SocketAddr, interval: Duration) -> ! {
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let arg = |i: usize| args.get(i).cloned().unwrap_or_else(|| panic!("missing argument {i}: see the usage at the top of netprobe.rs"));
+    let arg = |i: usize| {
+        args.get(i).cloned().unwrap_or_else(|| panic!("missing argument {i}: see the usage at the top of netprobe.rs"))
+    };
     match arg(0).as_str() {
         "serve" => serve(arg(1), arg(2).parse().expect("port")),
         "request" => {

@@ -1,0 +1,903 @@
+//! Adj-RIB-In per peer, Loc-RIB with RFC 4271 §9.1 best-path selection, and
+//! Adj-RIB-Out per peer with iBGP split horizon / RFC 4456 route reflection.
+//!
+//! Every mutation returns the Loc-RIB deltas it caused, which the agent
+//! turns into kernel route changes; outbound UPDATEs are computed per peer
+//! from those deltas with [`Rib::sync_adj_rib_out`].
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use super::message::{
+    as_path_contains, as_path_length, neighbour_as, AsPathSegment, Family, Message, NextHop, PathAttributes, Prefix,
+    Update,
+};
+
+/// RFC 4271 §5.1.5: LOCAL_PREF assumed when absent (common default).
+pub const DEFAULT_LOCAL_PREF: u32 = 100;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RibConfig {
+    pub local_asn: u32,
+    pub router_id: Ipv4Addr,
+    /// RFC 4456 cluster id; used when any peer is a route-reflector client.
+    pub cluster_id: Ipv4Addr,
+}
+
+impl RibConfig {
+    pub fn new(local_asn: u32, router_id: Ipv4Addr) -> Self {
+        Self { local_asn, router_id, cluster_id: router_id }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerInfo {
+    pub address: IpAddr,
+    pub asn: u32,
+    pub router_id: Ipv4Addr,
+    /// We reflect iBGP routes to/from this peer (we are its RR server).
+    pub route_reflector_client: bool,
+    /// Our own addresses on this session; next hop for what we originate
+    /// and for eBGP (next-hop-self).
+    pub local_ipv4: Option<Ipv4Addr>,
+    pub local_ipv6: Option<Ipv6Addr>,
+    /// Families negotiated on the session; nothing else is exported.
+    pub families: Vec<Family>,
+}
+
+impl PeerInfo {
+    fn local_next_hop(&self, family: Family) -> Option<NextHop> {
+        match family {
+            Family::Ipv4Unicast => self.local_ipv4.map(NextHop::V4),
+            Family::Ipv6Unicast => self.local_ipv6.map(|global| NextHop::V6 { global, link_local: None }),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum RouteSource {
+    /// Originated by this node (e.g. its pod CIDR).
+    Local,
+    Peer(IpAddr),
+}
+
+/// One path in an Adj-RIB-In.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    pub next_hop: NextHop,
+    pub attributes: PathAttributes,
+    /// Retained across a peer's graceful restart and not yet refreshed.
+    pub stale: bool,
+}
+
+/// The selected path for a prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BestRoute {
+    pub source: RouteSource,
+    pub next_hop: NextHop,
+    pub attributes: PathAttributes,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BestPathChange {
+    Added { prefix: Prefix, new: BestRoute },
+    Changed { prefix: Prefix, old: BestRoute, new: BestRoute },
+    Removed { prefix: Prefix, old: BestRoute },
+}
+
+impl BestPathChange {
+    pub fn prefix(&self) -> Prefix {
+        match self {
+            BestPathChange::Added { prefix, .. }
+            | BestPathChange::Changed { prefix, .. }
+            | BestPathChange::Removed { prefix, .. } => *prefix,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RibError {
+    #[error("unknown peer {0}")]
+    UnknownPeer(IpAddr),
+}
+
+/// A best-path candidate as seen by the selection algorithm.
+#[derive(Debug, Clone, Copy)]
+pub struct Candidate<'a> {
+    pub source: &'a RouteSource,
+    pub route: &'a Route,
+    /// None for locally originated routes.
+    pub peer: Option<&'a PeerInfo>,
+}
+
+impl Candidate<'_> {
+    fn local_pref(&self) -> u32 {
+        self.route.attributes.local_pref.unwrap_or(DEFAULT_LOCAL_PREF)
+    }
+    fn is_ebgp(&self, local_asn: u32) -> bool {
+        self.peer.is_some_and(|p| p.asn != local_asn)
+    }
+    /// RFC 4456 §9: a reflected route is compared by its ORIGINATOR_ID.
+    fn effective_router_id(&self) -> u32 {
+        self.route.attributes.originator_id.or(self.peer.map(|p| p.router_id)).map(u32::from).unwrap_or(0)
+    }
+}
+
+fn keep_min<T: Ord + Copy>(set: &mut Vec<Candidate<'_>>, key: impl Fn(&Candidate<'_>) -> T) {
+    if let Some(min) = set.iter().map(&key).min() {
+        set.retain(|c| key(c) == min);
+    }
+}
+
+/// RFC 4271 §9.1.2.2 decision process, written as successive elimination
+/// over the whole candidate set (pairwise comparison would be wrong because
+/// MED is only comparable within one neighbouring AS). Returns the index of
+/// the winner in `candidates`.
+///
+/// Order: locally originated > highest LOCAL_PREF > shortest AS_PATH >
+/// lowest ORIGIN > lowest MED per neighbour AS (missing = 0) > eBGP over
+/// iBGP > lowest router id (ORIGINATOR_ID if reflected) > shortest
+/// CLUSTER_LIST > lowest peer address. IGP cost to the next hop is skipped
+/// (there is no IGP here).
+pub fn select_best(local_asn: u32, candidates: &[Candidate<'_>]) -> Option<usize> {
+    if let Some(i) = candidates.iter().position(|c| c.peer.is_none()) {
+        return Some(i);
+    }
+    let mut set: Vec<Candidate<'_>> = candidates.to_vec();
+    keep_min(&mut set, |c| std::cmp::Reverse(c.local_pref()));
+    keep_min(&mut set, |c| as_path_length(&c.route.attributes.as_path));
+    keep_min(&mut set, |c| c.route.attributes.origin);
+    // MED: within each neighbour-AS group drop everything above the group min.
+    let snapshot = set.clone();
+    set.retain(|c| {
+        let group = neighbour_as(&c.route.attributes.as_path);
+        let med = c.route.attributes.med.unwrap_or(0);
+        snapshot
+            .iter()
+            .filter(|o| neighbour_as(&o.route.attributes.as_path) == group)
+            .all(|o| med <= o.route.attributes.med.unwrap_or(0))
+    });
+    if set.iter().any(|c| c.is_ebgp(local_asn)) {
+        set.retain(|c| c.is_ebgp(local_asn));
+    }
+    keep_min(&mut set, |c| c.effective_router_id());
+    keep_min(&mut set, |c| c.route.attributes.cluster_list.len());
+    keep_min(&mut set, |c| c.peer.map(|p| p.address));
+    let winner = set.first()?;
+    candidates.iter().position(|c| std::ptr::eq(c.route, winner.route))
+}
+
+#[derive(Debug, Clone)]
+struct PeerEntry {
+    info: PeerInfo,
+    adj_rib_in: BTreeMap<Prefix, Route>,
+    /// What we last advertised to this peer.
+    adj_rib_out: BTreeMap<Prefix, (NextHop, PathAttributes)>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Rib {
+    config: RibConfig,
+    peers: BTreeMap<IpAddr, PeerEntry>,
+    local: BTreeMap<Prefix, Route>,
+    loc_rib: BTreeMap<Prefix, BestRoute>,
+}
+
+impl Rib {
+    pub fn new(config: RibConfig) -> Self {
+        Self { config, peers: BTreeMap::new(), local: BTreeMap::new(), loc_rib: BTreeMap::new() }
+    }
+
+    pub fn config(&self) -> &RibConfig {
+        &self.config
+    }
+
+    pub fn loc_rib(&self) -> &BTreeMap<Prefix, BestRoute> {
+        &self.loc_rib
+    }
+
+    pub fn best(&self, prefix: &Prefix) -> Option<&BestRoute> {
+        self.loc_rib.get(prefix)
+    }
+
+    pub fn adj_rib_in(&self, peer: IpAddr) -> Option<&BTreeMap<Prefix, Route>> {
+        self.peers.get(&peer).map(|p| &p.adj_rib_in)
+    }
+
+    pub fn adj_rib_out(&self, peer: IpAddr) -> Option<&BTreeMap<Prefix, (NextHop, PathAttributes)>> {
+        self.peers.get(&peer).map(|p| &p.adj_rib_out)
+    }
+
+    pub fn peer(&self, peer: IpAddr) -> Option<&PeerInfo> {
+        self.peers.get(&peer).map(|p| &p.info)
+    }
+
+    /// Register a peer or refresh its session parameters (router id and
+    /// families change per session). Existing Adj-RIB-In entries are kept,
+    /// which is what graceful-restart helpers need.
+    pub fn upsert_peer(&mut self, info: PeerInfo) -> Vec<BestPathChange> {
+        let address = info.address;
+        let prefixes: Vec<Prefix> = match self.peers.get_mut(&address) {
+            Some(entry) => {
+                entry.info = info;
+                entry.adj_rib_in.keys().copied().collect()
+            }
+            None => {
+                self.peers
+                    .insert(address, PeerEntry { info, adj_rib_in: BTreeMap::new(), adj_rib_out: BTreeMap::new() });
+                Vec::new()
+            }
+        };
+        self.recompute(prefixes)
+    }
+
+    /// Forget a peer and all of its routes (session down without GR, or
+    /// peer deconfigured).
+    pub fn remove_peer(&mut self, peer: IpAddr) -> Vec<BestPathChange> {
+        let Some(entry) = self.peers.remove(&peer) else {
+            return Vec::new();
+        };
+        self.recompute(entry.adj_rib_in.into_keys().collect())
+    }
+
+    /// Drop every route of `peer` in `families` but keep the peer.
+    pub fn clear_peer_routes(&mut self, peer: IpAddr, families: &[Family]) -> Vec<BestPathChange> {
+        self.remove_routes_where(peer, |p, _| families.contains(&p.family()))
+    }
+
+    /// RFC 4724 helper: keep the routes but flag them stale.
+    pub fn mark_stale(&mut self, peer: IpAddr, families: &[Family]) {
+        if let Some(entry) = self.peers.get_mut(&peer) {
+            for (prefix, route) in entry.adj_rib_in.iter_mut() {
+                if families.contains(&prefix.family()) {
+                    route.stale = true;
+                }
+            }
+        }
+    }
+
+    /// Delete the still-stale routes of `peer` in `families`.
+    pub fn purge_stale(&mut self, peer: IpAddr, families: &[Family]) -> Vec<BestPathChange> {
+        self.remove_routes_where(peer, |p, r| r.stale && families.contains(&p.family()))
+    }
+
+    pub fn stale_count(&self, peer: IpAddr) -> usize {
+        self.peers.get(&peer).map_or(0, |e| e.adj_rib_in.values().filter(|r| r.stale).count())
+    }
+
+    fn remove_routes_where(&mut self, peer: IpAddr, pred: impl Fn(&Prefix, &Route) -> bool) -> Vec<BestPathChange> {
+        let Some(entry) = self.peers.get_mut(&peer) else {
+            return Vec::new();
+        };
+        let doomed: Vec<Prefix> = entry.adj_rib_in.iter().filter(|(p, r)| pred(p, r)).map(|(p, _)| *p).collect();
+        for p in &doomed {
+            entry.adj_rib_in.remove(p);
+        }
+        self.recompute(doomed)
+    }
+
+    /// Apply an UPDATE received from `peer`. Announcements that fail import
+    /// checks (AS loop, RR loop) act as implicit withdrawals.
+    pub fn apply_update(&mut self, peer: IpAddr, update: &Update) -> Result<Vec<BestPathChange>, RibError> {
+        let accept = {
+            let entry = self.peers.get(&peer).ok_or(RibError::UnknownPeer(peer))?;
+            self.import_allowed(&entry.info, &update.attributes)
+        };
+        let entry = self.peers.get_mut(&peer).ok_or(RibError::UnknownPeer(peer))?;
+        let mut touched = Vec::with_capacity(update.withdrawn.len() + update.announced.len());
+        for prefix in &update.withdrawn {
+            entry.adj_rib_in.remove(prefix);
+            touched.push(*prefix);
+        }
+        for (prefix, next_hop) in &update.announced {
+            if accept {
+                entry.adj_rib_in.insert(
+                    *prefix,
+                    Route { next_hop: *next_hop, attributes: update.attributes.clone(), stale: false },
+                );
+            } else {
+                entry.adj_rib_in.remove(prefix);
+            }
+            touched.push(*prefix);
+        }
+        Ok(self.recompute(touched))
+    }
+
+    fn import_allowed(&self, from: &PeerInfo, attrs: &PathAttributes) -> bool {
+        let ebgp = from.asn != self.config.local_asn;
+        // RFC 4271 §9.1.2: our own AS in the path is a loop.
+        if ebgp && as_path_contains(&attrs.as_path, self.config.local_asn) {
+            return false;
+        }
+        // RFC 4456 §8: reflected back to us.
+        if attrs.originator_id == Some(self.config.router_id) || attrs.cluster_list.contains(&self.config.cluster_id) {
+            return false;
+        }
+        true
+    }
+
+    /// Originate (or replace) a local route, e.g. this node's pod CIDR.
+    pub fn originate(&mut self, prefix: Prefix, next_hop: NextHop, attributes: PathAttributes) -> Vec<BestPathChange> {
+        self.local.insert(prefix, Route { next_hop, attributes, stale: false });
+        self.recompute(vec![prefix])
+    }
+
+    pub fn withdraw_originated(&mut self, prefix: Prefix) -> Vec<BestPathChange> {
+        self.local.remove(&prefix);
+        self.recompute(vec![prefix])
+    }
+
+    fn recompute(&mut self, mut prefixes: Vec<Prefix>) -> Vec<BestPathChange> {
+        prefixes.sort();
+        prefixes.dedup();
+        let mut changes = Vec::new();
+        for prefix in prefixes {
+            let new = self.compute_best(&prefix);
+            let old = self.loc_rib.get(&prefix).cloned();
+            let change = match (old, new) {
+                (None, None) => None,
+                (None, Some(new)) => Some(BestPathChange::Added { prefix, new }),
+                (Some(old), None) => Some(BestPathChange::Removed { prefix, old }),
+                (Some(old), Some(new)) if old != new => Some(BestPathChange::Changed { prefix, old, new }),
+                (Some(_), Some(_)) => None,
+            };
+            if let Some(change) = change {
+                match &change {
+                    BestPathChange::Removed { .. } => {
+                        self.loc_rib.remove(&prefix);
+                    }
+                    BestPathChange::Added { new, .. } | BestPathChange::Changed { new, .. } => {
+                        self.loc_rib.insert(prefix, new.clone());
+                    }
+                }
+                changes.push(change);
+            }
+        }
+        changes
+    }
+
+    fn compute_best(&self, prefix: &Prefix) -> Option<BestRoute> {
+        const LOCAL: RouteSource = RouteSource::Local;
+        let sources: Vec<RouteSource> = self.peers.keys().map(|a| RouteSource::Peer(*a)).collect();
+        let mut candidates = Vec::new();
+        if let Some(route) = self.local.get(prefix) {
+            candidates.push(Candidate { source: &LOCAL, route, peer: None });
+        }
+        for (entry, source) in self.peers.values().zip(&sources) {
+            if let Some(route) = entry.adj_rib_in.get(prefix) {
+                candidates.push(Candidate { source, route, peer: Some(&entry.info) });
+            }
+        }
+        let winner = candidates.get(select_best(self.config.local_asn, &candidates)?)?;
+        Some(BestRoute {
+            source: winner.source.clone(),
+            next_hop: winner.route.next_hop,
+            attributes: winner.route.attributes.clone(),
+        })
+    }
+
+    /// What we would advertise to `target` for `best`, or None if export
+    /// rules forbid it (split horizon, family not negotiated, no next hop).
+    fn export(&self, target: &PeerInfo, prefix: &Prefix, best: &BestRoute) -> Option<(NextHop, PathAttributes)> {
+        let family = prefix.family();
+        if !target.families.contains(&family) {
+            return None;
+        }
+        let local_asn = self.config.local_asn;
+        let target_ibgp = target.asn == local_asn;
+        let source_peer = match &best.source {
+            RouteSource::Local => None,
+            RouteSource::Peer(addr) => {
+                if *addr == target.address {
+                    return None; // never send a route back to where it came from
+                }
+                Some(&self.peers.get(addr)?.info)
+            }
+        };
+        let source_ibgp = source_peer.is_some_and(|p| p.asn == local_asn);
+        let reflecting = target_ibgp && source_ibgp;
+        if reflecting {
+            // RFC 4456 §6: from a client -> everyone; from a non-client ->
+            // clients only. Without RR involvement: iBGP split horizon.
+            let source_client = source_peer.is_some_and(|p| p.route_reflector_client);
+            if !source_client && !target.route_reflector_client {
+                return None;
+            }
+        }
+
+        let mut attrs = best.attributes.clone();
+        let next_hop;
+        if target_ibgp {
+            attrs.local_pref = Some(attrs.local_pref.unwrap_or(DEFAULT_LOCAL_PREF));
+            next_hop = match source_peer {
+                None => target.local_next_hop(family)?,
+                Some(_) => best.next_hop,
+            };
+            if let (true, Some(src)) = (reflecting, source_peer) {
+                attrs.originator_id.get_or_insert(src.router_id);
+                attrs.cluster_list.insert(0, self.config.cluster_id);
+            }
+        } else {
+            attrs.local_pref = None;
+            attrs.originator_id = None;
+            attrs.cluster_list.clear();
+            // RFC 4271 §5.1.4: MED learned from a peer is not passed on to
+            // other ASes.
+            if source_peer.is_some() {
+                attrs.med = None;
+            }
+            match attrs.as_path.first_mut() {
+                Some(AsPathSegment::Sequence(asns)) if asns.len() < 255 => asns.insert(0, local_asn),
+                _ => attrs.as_path.insert(0, AsPathSegment::Sequence(vec![local_asn])),
+            }
+            next_hop = target.local_next_hop(family)?;
+        }
+        Some((next_hop, attrs))
+    }
+
+    /// Bring `peer`'s Adj-RIB-Out in line with the Loc-RIB for `prefixes`
+    /// (or all known prefixes if None) and return the UPDATEs to send.
+    /// Announcements sharing attributes are batched into one `Update`.
+    pub fn sync_adj_rib_out(&mut self, peer: IpAddr, prefixes: Option<&[Prefix]>) -> Vec<Update> {
+        let Some(entry) = self.peers.get(&peer) else {
+            return Vec::new();
+        };
+        let scope: Vec<Prefix> = match prefixes {
+            Some(p) => p.to_vec(),
+            None => {
+                let mut all: Vec<Prefix> = self.loc_rib.keys().copied().collect();
+                all.extend(entry.adj_rib_out.keys().copied());
+                all.sort();
+                all.dedup();
+                all
+            }
+        };
+        let mut withdrawn = Vec::new();
+        let mut desired_changes: Vec<(Prefix, NextHop, PathAttributes)> = Vec::new();
+        for prefix in scope {
+            let desired = self.loc_rib.get(&prefix).and_then(|best| self.export(&entry.info, &prefix, best));
+            let current = entry.adj_rib_out.get(&prefix);
+            match (current, desired) {
+                (Some(_), None) => withdrawn.push(prefix),
+                (cur, Some((nh, attrs))) if cur != Some(&(nh, attrs.clone())) => {
+                    desired_changes.push((prefix, nh, attrs))
+                }
+                _ => {}
+            }
+        }
+        let Some(entry) = self.peers.get_mut(&peer) else {
+            return Vec::new();
+        };
+        let mut updates = Vec::new();
+        if !withdrawn.is_empty() {
+            for p in &withdrawn {
+                entry.adj_rib_out.remove(p);
+            }
+            updates.push(Update { withdrawn, ..Update::default() });
+        }
+        let mut batches: Vec<Update> = Vec::new();
+        for (prefix, nh, attrs) in desired_changes {
+            entry.adj_rib_out.insert(prefix, (nh, attrs.clone()));
+            match batches.iter_mut().find(|u| u.attributes == attrs) {
+                Some(u) => u.announced.push((prefix, nh)),
+                None => batches.push(Update { withdrawn: vec![], announced: vec![(prefix, nh)], attributes: attrs }),
+            }
+        }
+        updates.extend(batches);
+        updates
+    }
+
+    /// Full table for a freshly established session followed by End-of-RIB
+    /// for each negotiated family (RFC 4724 §2: send EoR after the initial
+    /// update, whether or not we restarted).
+    pub fn initial_advertisement(&mut self, peer: IpAddr) -> Vec<Message> {
+        let Some(entry) = self.peers.get_mut(&peer) else {
+            return Vec::new();
+        };
+        entry.adj_rib_out.clear();
+        let families = entry.info.families.clone();
+        let mut msgs: Vec<Message> = self.sync_adj_rib_out(peer, None).into_iter().map(Message::Update).collect();
+        msgs.extend(families.into_iter().map(Message::end_of_rib));
+        msgs
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bgp::message::Origin;
+    use proptest::prelude::*;
+
+    const LOCAL_ASN: u32 = 64512;
+
+    fn pfx(s: &str) -> Prefix {
+        s.parse().unwrap()
+    }
+
+    fn peer(last: u8, asn: u32) -> PeerInfo {
+        PeerInfo {
+            address: IpAddr::V4(Ipv4Addr::new(192, 168, 0, last)),
+            asn,
+            router_id: Ipv4Addr::new(10, 0, 0, last),
+            route_reflector_client: false,
+            local_ipv4: Some(Ipv4Addr::new(192, 168, 0, 1)),
+            local_ipv6: Some("fd00::1".parse().unwrap()),
+            families: vec![Family::Ipv4Unicast, Family::Ipv6Unicast],
+        }
+    }
+
+    fn rib_with(peers: &[PeerInfo]) -> Rib {
+        let mut rib = Rib::new(RibConfig::new(LOCAL_ASN, Ipv4Addr::new(10, 0, 0, 1)));
+        for p in peers {
+            rib.upsert_peer(p.clone());
+        }
+        rib
+    }
+
+    fn attrs(path: &[u32]) -> PathAttributes {
+        PathAttributes {
+            as_path: if path.is_empty() { vec![] } else { vec![AsPathSegment::Sequence(path.to_vec())] },
+            ..PathAttributes::default()
+        }
+    }
+
+    fn announce(prefix: Prefix, nh: Ipv4Addr, attributes: PathAttributes) -> Update {
+        Update { withdrawn: vec![], announced: vec![(prefix, NextHop::V4(nh))], attributes }
+    }
+
+    fn nh(last: u8) -> Ipv4Addr {
+        Ipv4Addr::new(172, 16, 0, last)
+    }
+
+    /// Announce the same prefix from two peers with the given attributes;
+    /// return the winning peer address.
+    fn winner(a: (PeerInfo, PathAttributes), b: (PeerInfo, PathAttributes)) -> IpAddr {
+        let prefix = pfx("10.10.0.0/24");
+        let mut rib = rib_with(&[a.0.clone(), b.0.clone()]);
+        rib.apply_update(a.0.address, &announce(prefix, nh(1), a.1)).unwrap();
+        rib.apply_update(b.0.address, &announce(prefix, nh(2), b.1)).unwrap();
+        match &rib.best(&prefix).unwrap().source {
+            RouteSource::Peer(addr) => *addr,
+            RouteSource::Local => panic!("local"),
+        }
+    }
+
+    #[test]
+    fn best_path_tie_breaks_in_order() {
+        let (p2, p3) = (peer(2, 65002), peer(3, 65003));
+        // 1. local pref beats a shorter path.
+        let mut hi = attrs(&[65002, 1, 2]);
+        hi.local_pref = Some(200);
+        assert_eq!(winner((p2.clone(), hi), (p3.clone(), attrs(&[65003]))), p2.address);
+        // 2. shorter AS path.
+        assert_eq!(winner((p2.clone(), attrs(&[65002, 9])), (p3.clone(), attrs(&[65003]))), p3.address);
+        // 3. lower origin.
+        let mut incomplete = attrs(&[65002]);
+        incomplete.origin = Origin::Incomplete;
+        let mut egp = attrs(&[65003]);
+        egp.origin = Origin::Egp;
+        assert_eq!(winner((p2.clone(), incomplete), (p3.clone(), egp)), p3.address);
+        // 4. lower MED, same neighbour AS (both peers in AS 65002).
+        let p3_same_as = peer(3, 65002);
+        let mut med_hi = attrs(&[65002]);
+        med_hi.med = Some(50);
+        let mut med_lo = attrs(&[65002]);
+        med_lo.med = Some(10);
+        assert_eq!(winner((p2.clone(), med_hi.clone()), (p3_same_as.clone(), med_lo.clone())), p3_same_as.address);
+        // ... but MED is ignored across different neighbour ASes: falls
+        // through to router id (p2 lower).
+        let mut other_as_lo = attrs(&[65003]);
+        other_as_lo.med = Some(10);
+        assert_eq!(winner((p2.clone(), med_hi), (p3.clone(), other_as_lo)), p2.address);
+        // 5. eBGP over iBGP.
+        let ibgp = peer(2, LOCAL_ASN);
+        assert_eq!(winner((ibgp, attrs(&[65003])), (p3.clone(), attrs(&[65003]))), p3.address);
+        // 6. lowest router id.
+        let mut p9 = peer(9, 65009);
+        p9.router_id = Ipv4Addr::new(1, 1, 1, 1);
+        assert_eq!(winner((p2.clone(), attrs(&[1])), (p9.clone(), attrs(&[1]))), p9.address);
+        // 7. lowest peer address when router ids are equal.
+        let mut p4 = peer(4, 65004);
+        p4.router_id = p2.router_id;
+        assert_eq!(winner((p4, attrs(&[1])), (p2.clone(), attrs(&[1]))), p2.address);
+    }
+
+    #[test]
+    fn med_elimination_is_group_wise_not_pairwise() {
+        // Classic MED non-transitivity: A(AS1, med 10), B(AS1, med 5),
+        // C(AS2, med 0). B eliminates A; then router id picks among B, C.
+        let prefix = pfx("10.0.0.0/8");
+        let a = peer(2, 65001);
+        let b = peer(3, 65001);
+        let c = peer(4, 65002);
+        let mut rib = rib_with(&[a.clone(), b.clone(), c.clone()]);
+        let with_med = |asn, med| {
+            let mut x = attrs(&[asn]);
+            x.med = Some(med);
+            x
+        };
+        rib.apply_update(a.address, &announce(prefix, nh(1), with_med(65001, 10))).unwrap();
+        rib.apply_update(b.address, &announce(prefix, nh(2), with_med(65001, 5))).unwrap();
+        rib.apply_update(c.address, &announce(prefix, nh(3), with_med(65002, 0))).unwrap();
+        assert_eq!(rib.best(&prefix).unwrap().source, RouteSource::Peer(b.address));
+    }
+
+    #[test]
+    fn deltas_report_added_changed_removed() {
+        let (p2, p3) = (peer(2, 65002), peer(3, 65003));
+        let prefix = pfx("10.1.0.0/16");
+        let mut rib = rib_with(&[p2.clone(), p3.clone()]);
+        let d = rib.apply_update(p2.address, &announce(prefix, nh(2), attrs(&[65002, 1]))).unwrap();
+        assert!(matches!(d.as_slice(), [BestPathChange::Added { .. }]));
+        let d = rib.apply_update(p3.address, &announce(prefix, nh(3), attrs(&[65003]))).unwrap();
+        assert!(
+            matches!(d.as_slice(), [BestPathChange::Changed { new, .. }] if new.source == RouteSource::Peer(p3.address))
+        );
+        // Re-announcing the losing path unchanged: no delta.
+        let d = rib.apply_update(p2.address, &announce(prefix, nh(2), attrs(&[65002, 1]))).unwrap();
+        assert!(d.is_empty());
+        let d = rib.remove_peer(p3.address);
+        assert!(
+            matches!(d.as_slice(), [BestPathChange::Changed { new, .. }] if new.source == RouteSource::Peer(p2.address))
+        );
+        let withdraw = Update { withdrawn: vec![prefix], ..Update::default() };
+        let d = rib.apply_update(p2.address, &withdraw).unwrap();
+        assert!(matches!(d.as_slice(), [BestPathChange::Removed { .. }]));
+        assert!(rib.loc_rib().is_empty());
+        assert_eq!(
+            rib.apply_update(IpAddr::V4(Ipv4Addr::LOCALHOST), &withdraw),
+            Err(RibError::UnknownPeer(IpAddr::V4(Ipv4Addr::LOCALHOST)))
+        );
+    }
+
+    #[test]
+    fn as_loop_is_rejected_as_implicit_withdraw() {
+        let p2 = peer(2, 65002);
+        let prefix = pfx("10.2.0.0/16");
+        let mut rib = rib_with(std::slice::from_ref(&p2));
+        rib.apply_update(p2.address, &announce(prefix, nh(2), attrs(&[65002]))).unwrap();
+        let d = rib.apply_update(p2.address, &announce(prefix, nh(2), attrs(&[65002, LOCAL_ASN]))).unwrap();
+        assert!(matches!(d.as_slice(), [BestPathChange::Removed { .. }]));
+    }
+
+    #[test]
+    fn ibgp_split_horizon_and_route_reflection() {
+        let ibgp_a = peer(2, LOCAL_ASN);
+        let ibgp_b = peer(3, LOCAL_ASN);
+        let ebgp = peer(4, 65004);
+        let prefix = pfx("10.3.0.0/24");
+        let mut rib = rib_with(&[ibgp_a.clone(), ibgp_b.clone(), ebgp.clone()]);
+        rib.apply_update(ibgp_a.address, &announce(prefix, nh(2), attrs(&[]))).unwrap();
+        // Not reflected to the other iBGP peer, not echoed to the source...
+        assert!(rib.sync_adj_rib_out(ibgp_b.address, None).is_empty());
+        assert!(rib.sync_adj_rib_out(ibgp_a.address, None).is_empty());
+        // ...but sent to eBGP with our AS prepended and next-hop-self.
+        let out = rib.sync_adj_rib_out(ebgp.address, None);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].announced, vec![(prefix, NextHop::V4(Ipv4Addr::new(192, 168, 0, 1)))]);
+        assert_eq!(out[0].attributes.as_path, vec![AsPathSegment::Sequence(vec![LOCAL_ASN])]);
+        assert_eq!(out[0].attributes.local_pref, None);
+        // Syncing again is a no-op.
+        assert!(rib.sync_adj_rib_out(ebgp.address, None).is_empty());
+
+        // Make B a route-reflector client: now the route is reflected.
+        let mut client_b = ibgp_b.clone();
+        client_b.route_reflector_client = true;
+        rib.upsert_peer(client_b);
+        let out = rib.sync_adj_rib_out(ibgp_b.address, None);
+        assert_eq!(out.len(), 1);
+        let a = &out[0].attributes;
+        assert_eq!(a.originator_id, Some(ibgp_a.router_id));
+        assert_eq!(a.cluster_list, vec![rib.config().cluster_id]);
+        assert_eq!(a.local_pref, Some(DEFAULT_LOCAL_PREF));
+        assert_eq!(out[0].announced[0].1, NextHop::V4(nh(2)), "next hop unchanged on iBGP");
+
+        // A route from a client is reflected to non-clients too.
+        let prefix2 = pfx("10.4.0.0/24");
+        rib.apply_update(ibgp_b.address, &announce(prefix2, nh(3), attrs(&[]))).unwrap();
+        let out = rib.sync_adj_rib_out(ibgp_a.address, Some(&[prefix2]));
+        assert_eq!(out.len(), 1);
+
+        // Withdrawal propagates as a withdraw to peers that had it.
+        let d = rib.apply_update(ibgp_a.address, &Update { withdrawn: vec![prefix], ..Update::default() }).unwrap();
+        let prefixes: Vec<Prefix> = d.iter().map(|c| c.prefix()).collect();
+        let out = rib.sync_adj_rib_out(ebgp.address, Some(&prefixes));
+        assert_eq!(out, vec![Update { withdrawn: vec![prefix], ..Update::default() }]);
+    }
+
+    #[test]
+    fn reflected_route_coming_back_is_rejected() {
+        let ibgp = peer(2, LOCAL_ASN);
+        let mut rib = rib_with(std::slice::from_ref(&ibgp));
+        let mut a = attrs(&[]);
+        a.cluster_list = vec![rib.config().cluster_id];
+        let d = rib.apply_update(ibgp.address, &announce(pfx("10.5.0.0/24"), nh(2), a)).unwrap();
+        assert!(d.is_empty());
+    }
+
+    #[test]
+    fn local_routes_win_and_are_advertised_with_eor() {
+        let ebgp = peer(4, 65004);
+        let mut ebgp_v4_only = ebgp.clone();
+        ebgp_v4_only.families = vec![Family::Ipv4Unicast];
+        let mut rib = rib_with(&[ebgp_v4_only]);
+        let v4 = pfx("10.244.1.0/24");
+        let v6 = pfx("fd00:244:1::/64");
+        rib.apply_update(ebgp.address, &announce(v4, nh(4), attrs(&[65004]))).unwrap();
+        let d = rib.originate(v4, NextHop::V4(Ipv4Addr::new(192, 168, 0, 1)), PathAttributes::default());
+        assert!(matches!(d.as_slice(), [BestPathChange::Changed { new, .. }] if new.source == RouteSource::Local));
+        rib.originate(
+            v6,
+            NextHop::V6 { global: "fd00::1".parse().unwrap(), link_local: None },
+            PathAttributes::default(),
+        );
+        let msgs = rib.initial_advertisement(ebgp.address);
+        // v4 local route announced (v6 family not negotiated), then EoR.
+        assert_eq!(msgs.len(), 2, "{msgs:?}");
+        let Message::Update(u) = &msgs[0] else { panic!() };
+        assert_eq!(u.announced[0].0, v4);
+        assert_eq!(msgs[1], Message::end_of_rib(Family::Ipv4Unicast));
+        let d = rib.withdraw_originated(v4);
+        assert!(
+            matches!(d.as_slice(), [BestPathChange::Changed { new, .. }] if new.source == RouteSource::Peer(ebgp.address))
+        );
+    }
+
+    #[test]
+    fn stale_marking_and_purge() {
+        let p2 = peer(2, 65002);
+        let mut rib = rib_with(std::slice::from_ref(&p2));
+        let v4 = pfx("10.6.0.0/24");
+        let v6 = pfx("fd00:6::/64");
+        rib.apply_update(p2.address, &announce(v4, nh(2), attrs(&[65002]))).unwrap();
+        rib.apply_update(
+            p2.address,
+            &Update {
+                withdrawn: vec![],
+                announced: vec![(v6, NextHop::V6 { global: "fd00::2".parse().unwrap(), link_local: None })],
+                attributes: attrs(&[65002]),
+            },
+        )
+        .unwrap();
+        rib.mark_stale(p2.address, &Family::ALL);
+        assert_eq!(rib.stale_count(p2.address), 2);
+        assert_eq!(rib.loc_rib().len(), 2, "stale routes stay in Loc-RIB");
+        // Re-announce refreshes without a Loc-RIB delta.
+        let d = rib.apply_update(p2.address, &announce(v4, nh(2), attrs(&[65002]))).unwrap();
+        assert!(d.is_empty());
+        assert_eq!(rib.stale_count(p2.address), 1);
+        let d = rib.purge_stale(p2.address, &[Family::Ipv4Unicast]);
+        assert!(d.is_empty());
+        let d = rib.purge_stale(p2.address, &[Family::Ipv6Unicast]);
+        assert!(matches!(d.as_slice(), [BestPathChange::Removed { prefix, .. }] if *prefix == v6));
+    }
+
+    // ---------------- property test ----------------
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Announce { peer: usize, prefix: usize, path_len: usize, local_pref: u32, med: u32 },
+        Withdraw { peer: usize, prefix: usize },
+        RemovePeer { peer: usize },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0..4usize, 0..6usize, 0..3usize, 99..102u32, 0..3u32).prop_map(
+                |(peer, prefix, path_len, local_pref, med)| Op::Announce { peer, prefix, path_len, local_pref, med }
+            ),
+            2 => (0..4usize, 0..6usize).prop_map(|(peer, prefix)| Op::Withdraw { peer, prefix }),
+            1 => (0..4usize).prop_map(|peer| Op::RemovePeer { peer }),
+        ]
+    }
+
+    fn test_peers() -> Vec<PeerInfo> {
+        // Two eBGP peers in the same AS (MED comparable), one in another AS,
+        // one iBGP peer.
+        vec![peer(2, 65002), peer(3, 65002), peer(4, 65004), peer(5, LOCAL_ASN)]
+    }
+
+    fn test_prefix(i: usize) -> Prefix {
+        if i.is_multiple_of(2) {
+            Prefix::new(IpAddr::V4(Ipv4Addr::new(10, i as u8, 0, 0)), 16).unwrap()
+        } else {
+            Prefix::new(IpAddr::V6(Ipv6Addr::new(0xfd00, i as u16, 0, 0, 0, 0, 0, 0)), 48).unwrap()
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn loc_rib_matches_brute_force(ops in proptest::collection::vec(op(), 1..60)) {
+            let peers = test_peers();
+            let mut rib = rib_with(&peers);
+            // Model: (peer index, prefix) -> route, kept independently.
+            let mut model: BTreeMap<(usize, Prefix), Route> = BTreeMap::new();
+            for op in ops {
+                let deltas = match op {
+                    Op::Announce { peer, prefix, path_len, local_pref, med } => {
+                        let p = &peers[peer];
+                        let mut path = vec![p.asn];
+                        path.extend(std::iter::repeat_n(64999, path_len));
+                        if p.asn == LOCAL_ASN { path.clear(); }
+                        let mut a = attrs(&path);
+                        a.local_pref = Some(local_pref);
+                        a.med = Some(med);
+                        let prefix = test_prefix(prefix);
+                        let next_hop = match prefix {
+                            Prefix::V4 { .. } => NextHop::V4(nh(peer as u8)),
+                            Prefix::V6 { .. } => NextHop::V6 {
+                                global: Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, peer as u16),
+                                link_local: None,
+                            },
+                        };
+                        if rib.peer(p.address).is_none() {
+                            rib.upsert_peer(p.clone());
+                        }
+                        model.insert((peer, prefix), Route { next_hop, attributes: a.clone(), stale: false });
+                        rib.apply_update(p.address, &Update { withdrawn: vec![], announced: vec![(prefix, next_hop)], attributes: a }).unwrap()
+                    }
+                    Op::Withdraw { peer, prefix } => {
+                        let prefix = test_prefix(prefix);
+                        model.remove(&(peer, prefix));
+                        let w = Update { withdrawn: vec![prefix], ..Update::default() };
+                        rib.apply_update(peers[peer].address, &w).unwrap_or_default()
+                    }
+                    Op::RemovePeer { peer } => {
+                        model.retain(|(i, _), _| *i != peer);
+                        rib.remove_peer(peers[peer].address)
+                    }
+                };
+                // Every delta must describe the new Loc-RIB state.
+                for d in &deltas {
+                    match d {
+                        BestPathChange::Removed { prefix, .. } => prop_assert!(rib.best(prefix).is_none()),
+                        BestPathChange::Added { prefix, new } | BestPathChange::Changed { prefix, new, .. } => {
+                            prop_assert_eq!(rib.best(prefix), Some(new))
+                        }
+                    }
+                }
+            }
+            // Brute force: recompute every prefix from the model.
+            let mut expected: BTreeMap<Prefix, BestRoute> = BTreeMap::new();
+            for i in 0..6 {
+                let prefix = test_prefix(i);
+                let sources: Vec<RouteSource> = peers.iter().map(|p| RouteSource::Peer(p.address)).collect();
+                let cands: Vec<Candidate> = model
+                    .iter()
+                    .filter(|((_, p), _)| *p == prefix)
+                    .map(|((i, _), r)| Candidate { source: &sources[*i], route: r, peer: Some(&peers[*i]) })
+                    .collect();
+                if let Some(w) = select_best(LOCAL_ASN, &cands) {
+                    let w = &cands[w];
+                    expected.insert(prefix, BestRoute { source: w.source.clone(), next_hop: w.route.next_hop, attributes: w.route.attributes.clone() });
+                }
+            }
+            prop_assert_eq!(rib.loc_rib(), &expected);
+        }
+
+        #[test]
+        fn selection_is_independent_of_candidate_order(
+            seeds in proptest::collection::vec((0..4usize, 0..3usize, 99..102u32, 0..3u32), 1..6),
+        ) {
+            let peers = test_peers();
+            let mut routes = Vec::new();
+            let mut used = Vec::new();
+            for (peer, path_len, lp, med) in seeds {
+                if used.contains(&peer) { continue; }
+                used.push(peer);
+                let mut path = vec![peers[peer].asn];
+                path.extend(std::iter::repeat_n(64999, path_len));
+                let mut a = attrs(&path);
+                a.local_pref = Some(lp);
+                a.med = Some(med);
+                routes.push((peer, RouteSource::Peer(peers[peer].address), Route { next_hop: NextHop::V4(nh(1)), attributes: a, stale: false }));
+            }
+            let forward: Vec<Candidate> = routes.iter().map(|(i, s, r)| Candidate { source: s, route: r, peer: Some(&peers[*i]) }).collect();
+            let mut backward = forward.clone();
+            backward.reverse();
+            let f = select_best(LOCAL_ASN, &forward).map(|i| forward[i].source.clone());
+            let b = select_best(LOCAL_ASN, &backward).map(|i| backward[i].source.clone());
+            prop_assert_eq!(f, b);
+        }
+    }
+}

@@ -1,0 +1,87 @@
+//! From-scratch compilation of a full set of inputs.
+
+use std::collections::BTreeSet;
+
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+
+use super::error::{PolicyError, RuleLimitError};
+use super::inputs::Inputs;
+use super::model::{CompileOptions, CompiledModel, PodSetKey};
+use super::parse::{namespace_labels, PodInfo, ValidatedPolicy};
+
+/// Everything a compile produces.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CompileOutput {
+    pub model: CompiledModel,
+    /// Policies skipped as invalid, sorted by namespace/name.
+    pub policy_errors: Vec<PolicyError>,
+    /// Pods over the rule limit, sorted by IP and direction.
+    pub rule_limit_errors: Vec<RuleLimitError>,
+}
+
+impl CompileOutput {
+    pub fn skipped_policy_count(&self) -> usize {
+        self.policy_errors.len()
+    }
+}
+
+/// Loads objects into an input store (later duplicates replace earlier ones).
+pub(crate) fn load_inputs(pods: &[Pod], namespaces: &[Namespace], policies: &[NetworkPolicy]) -> Inputs {
+    let mut inputs = Inputs::default();
+    for namespace in namespaces {
+        if let Some((name, labels)) = namespace_labels(namespace) {
+            inputs.set_namespace(name, labels);
+        }
+    }
+    for pod in pods {
+        let pod_ref = super::parse::pod_ref(pod);
+        inputs.remove_pod(&pod_ref);
+        if let Some(info) = PodInfo::from_pod(pod) {
+            inputs.insert_pod(info);
+        }
+    }
+    for policy in policies {
+        let namespace = policy.metadata.namespace.clone().unwrap_or_default();
+        let name = policy.metadata.name.clone().unwrap_or_default();
+        inputs.set_policy(&namespace, &name, ValidatedPolicy::from_k8s(policy));
+    }
+    inputs
+}
+
+/// Compiles every pod entry and every referenced pod set of `inputs`.
+pub(crate) fn compile_inputs(inputs: &Inputs, options: &CompileOptions) -> CompileOutput {
+    let mut output = CompileOutput::default();
+    for ip in inputs.pod_ips() {
+        if let Some(computed) = inputs.compute_pod(ip, options) {
+            output.rule_limit_errors.extend(computed.limit_errors);
+            output.model.pods.insert(ip, computed.rules);
+        }
+    }
+    let referenced: BTreeSet<&PodSetKey> =
+        output.model.pods.values().flat_map(|rules| rules.referenced_pod_sets()).collect();
+    let pod_sets = referenced
+        .into_iter()
+        .map(|key| {
+            let members = inputs.pod_ips().filter(|ip| inputs.pod_set_contains(key, *ip)).collect();
+            (key.clone(), members)
+        })
+        .collect();
+    output.model.pod_sets = pod_sets;
+    output.policy_errors = inputs.policy_errors().cloned().collect();
+    output.policy_errors.sort();
+    output.rule_limit_errors.sort();
+    output
+}
+
+/// Compiles a complete snapshot of the cluster's pods, namespaces and
+/// NetworkPolicies. Invalid policies are skipped and reported; pods without
+/// IPs, in a terminal phase or on the host network are ignored.
+pub fn compile(
+    pods: &[Pod],
+    namespaces: &[Namespace],
+    policies: &[NetworkPolicy],
+    options: &CompileOptions,
+) -> CompileOutput {
+    compile_inputs(&load_inputs(pods, namespaces, policies), options)
+}

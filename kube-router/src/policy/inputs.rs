@@ -1,0 +1,323 @@
+//! The current inputs, indexed, plus the pure functions that derive one
+//! compiled entry from them. Both the from-scratch compile and the
+//! incremental compiler use these, so they cannot disagree on semantics;
+//! they differ only in *which* entries they recompute.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+
+use super::error::{PolicyError, RuleLimitError};
+use super::model::{
+    CompileOptions, Direction, Isolation, NamedPortFilter, NamespaceScope, PeerSet, PodRef, PodRules, PodSetKey,
+    PortRange, Ports, Protocol, Rule,
+};
+use super::parse::{implicit_namespace_labels, PeerSpec, PodInfo, PortSpec, ValidatedPolicy, ValidatedRule};
+use super::selector::{Labels, Selector};
+
+/// Result of compiling one pod IP.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ComputedPod {
+    pub rules: PodRules,
+    pub limit_errors: Vec<RuleLimitError>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Inputs {
+    pods: BTreeMap<PodRef, PodInfo>,
+    pods_by_namespace: BTreeMap<String, BTreeSet<PodRef>>,
+    /// Every pod claiming an IP. The smallest PodRef owns it, so conflicting
+    /// claims (stale objects, misbehaving IPAM) resolve deterministically.
+    ip_claims: BTreeMap<IpAddr, BTreeSet<PodRef>>,
+    /// Effective labels (including the metadata.name label).
+    namespaces: BTreeMap<String, Labels>,
+    /// namespace -> name -> policy.
+    policies: BTreeMap<String, BTreeMap<String, ValidatedPolicy>>,
+    policy_errors: BTreeMap<(String, String), PolicyError>,
+}
+
+impl Inputs {
+    // ---- mutation -------------------------------------------------------
+
+    pub fn insert_pod(&mut self, info: PodInfo) {
+        for ip in &info.ips {
+            self.ip_claims.entry(*ip).or_default().insert(info.pod.clone());
+        }
+        self.pods_by_namespace.entry(info.pod.namespace.clone()).or_default().insert(info.pod.clone());
+        self.pods.insert(info.pod.clone(), info);
+    }
+
+    pub fn remove_pod(&mut self, pod: &PodRef) -> Option<PodInfo> {
+        let info = self.pods.remove(pod)?;
+        for ip in &info.ips {
+            if let Some(claims) = self.ip_claims.get_mut(ip) {
+                claims.remove(pod);
+                if claims.is_empty() {
+                    self.ip_claims.remove(ip);
+                }
+            }
+        }
+        if let Some(names) = self.pods_by_namespace.get_mut(&pod.namespace) {
+            names.remove(pod);
+            if names.is_empty() {
+                self.pods_by_namespace.remove(&pod.namespace);
+            }
+        }
+        Some(info)
+    }
+
+    pub fn set_namespace(&mut self, name: String, labels: Labels) {
+        self.namespaces.insert(name, labels);
+    }
+
+    pub fn remove_namespace(&mut self, name: &str) {
+        self.namespaces.remove(name);
+    }
+
+    /// Stores a policy (or its error), replacing any previous version.
+    pub fn set_policy(&mut self, namespace: &str, name: &str, policy: Result<ValidatedPolicy, PolicyError>) {
+        self.remove_policy(namespace, name);
+        match policy {
+            Ok(policy) => {
+                self.policies.entry(namespace.to_string()).or_default().insert(name.to_string(), policy);
+            }
+            Err(error) => {
+                self.policy_errors.insert((namespace.to_string(), name.to_string()), error);
+            }
+        }
+    }
+
+    pub fn remove_policy(&mut self, namespace: &str, name: &str) -> Option<ValidatedPolicy> {
+        self.policy_errors.remove(&(namespace.to_string(), name.to_string()));
+        let in_namespace = self.policies.get_mut(namespace)?;
+        let removed = in_namespace.remove(name);
+        if in_namespace.is_empty() {
+            self.policies.remove(namespace);
+        }
+        removed
+    }
+
+    // ---- queries --------------------------------------------------------
+
+    pub fn pod(&self, pod: &PodRef) -> Option<&PodInfo> {
+        self.pods.get(pod)
+    }
+
+    pub fn policy(&self, namespace: &str, name: &str) -> Option<&ValidatedPolicy> {
+        self.policies.get(namespace)?.get(name)
+    }
+
+    pub fn policy_errors(&self) -> impl Iterator<Item = &PolicyError> {
+        self.policy_errors.values()
+    }
+
+    /// IPs that currently have an owner pod.
+    pub fn pod_ips(&self) -> impl Iterator<Item = IpAddr> + '_ {
+        self.ip_claims.keys().copied()
+    }
+
+    pub fn is_contested(&self, ip: IpAddr) -> bool {
+        self.ip_claims.get(&ip).is_some_and(|c| c.len() > 1)
+    }
+
+    pub fn owner(&self, ip: IpAddr) -> Option<&PodInfo> {
+        let owner = self.ip_claims.get(&ip)?.first()?;
+        self.pods.get(owner)
+    }
+
+    /// IPs owned by pods of `namespace`.
+    pub fn ips_in_namespace(&self, namespace: &str) -> BTreeSet<IpAddr> {
+        self.pods_by_namespace
+            .get(namespace)
+            .into_iter()
+            .flatten()
+            .filter_map(|pod| self.pods.get(pod))
+            .flat_map(|info| info.ips.iter().copied())
+            .collect()
+    }
+
+    fn namespace_matches(&self, selector: &Selector, namespace: &str) -> bool {
+        match self.namespaces.get(namespace) {
+            Some(labels) => selector.matches(labels),
+            None => selector.matches(&implicit_namespace_labels(namespace)),
+        }
+    }
+
+    /// Whether the pod owning `ip` belongs to the set `key`.
+    pub fn pod_set_contains(&self, key: &PodSetKey, ip: IpAddr) -> bool {
+        let Some(pod) = self.owner(ip) else {
+            return false;
+        };
+        let in_scope = match &key.namespaces {
+            NamespaceScope::Named(ns) => *ns == pod.pod.namespace,
+            NamespaceScope::Selected(sel) => self.namespace_matches(sel, &pod.pod.namespace),
+        };
+        in_scope
+            && key.pods.matches(&pod.labels)
+            && key.within.as_ref().is_none_or(|block| block.contains(ip))
+            && key
+                .named_port
+                .as_ref()
+                .is_none_or(|filter| pod.resolve_named_port(&filter.name, filter.protocol).any(|n| n == filter.port))
+    }
+
+    /// IPs of the pods a policy selects (its targets).
+    pub fn policy_targets(&self, policy: &ValidatedPolicy) -> BTreeSet<IpAddr> {
+        self.pods_by_namespace
+            .get(&policy.namespace)
+            .into_iter()
+            .flatten()
+            .filter_map(|pod| self.pods.get(pod))
+            .filter(|info| policy.pod_selector.matches(&info.labels))
+            .flat_map(|info| info.ips.iter().copied())
+            .collect()
+    }
+
+    /// Targets of every policy whose egress uses named ports: their rules
+    /// depend on the ports of other pods.
+    pub fn egress_named_port_targets(&self) -> BTreeSet<IpAddr> {
+        self.policies
+            .values()
+            .flat_map(|by_name| by_name.values())
+            .filter(|p| p.has_egress_named_ports())
+            .flat_map(|p| self.policy_targets(p))
+            .collect()
+    }
+
+    /// Compiles the entry of one IP; `None` if no pod owns it.
+    pub fn compute_pod(&self, ip: IpAddr, options: &CompileOptions) -> Option<ComputedPod> {
+        let pod = self.owner(ip)?;
+        let selecting: Vec<&ValidatedPolicy> = self
+            .policies
+            .get(&pod.pod.namespace)
+            .into_iter()
+            .flat_map(|by_name| by_name.values())
+            .filter(|p| p.pod_selector.matches(&pod.labels))
+            .collect();
+        let mut limit_errors = Vec::new();
+        let mut compile_direction = |direction: Direction| {
+            let isolation = self.compute_isolation(pod, &selecting, direction);
+            match isolation {
+                Isolation::Isolated(rules) if rules.len() > options.max_rules_per_pod => {
+                    limit_errors.push(RuleLimitError {
+                        ip,
+                        pod: pod.pod.clone(),
+                        direction,
+                        rule_count: rules.len(),
+                        limit: options.max_rules_per_pod,
+                    });
+                    // Fail closed: never allow more than the policies do.
+                    Isolation::Isolated(Vec::new())
+                }
+                other => other,
+            }
+        };
+        let ingress = compile_direction(Direction::Ingress);
+        let egress = compile_direction(Direction::Egress);
+        Some(ComputedPod { rules: PodRules { pod: pod.pod.clone(), ingress, egress }, limit_errors })
+    }
+
+    fn compute_isolation(&self, pod: &PodInfo, selecting: &[&ValidatedPolicy], direction: Direction) -> Isolation {
+        let mut isolated = false;
+        let mut rules = Vec::new();
+        for policy in selecting {
+            if let Some(policy_rules) = policy.rules(direction) {
+                isolated = true;
+                for rule in policy_rules {
+                    self.expand_rule(pod, rule, direction, &mut rules);
+                }
+            }
+        }
+        if !isolated {
+            return Isolation::NotIsolated;
+        }
+        rules.sort();
+        rules.dedup();
+        Isolation::Isolated(rules)
+    }
+
+    /// One k8s rule becomes one compiled rule per peer (peers x ports), with
+    /// named ports resolved to numbers.
+    fn expand_rule(&self, target: &PodInfo, rule: &ValidatedRule, direction: Direction, out: &mut Vec<Rule>) {
+        let peers: Vec<PeerSet> = if rule.peers.is_empty() {
+            vec![PeerSet::Any]
+        } else {
+            rule.peers
+                .iter()
+                .map(|peer| match peer {
+                    PeerSpec::Pods(key) => PeerSet::Pods(key.clone()),
+                    PeerSpec::Block(block) => PeerSet::Cidr { cidr: block.cidr, except: block.except.clone() },
+                })
+                .collect()
+        };
+        let Some(port_specs) = &rule.ports else {
+            out.extend(peers.into_iter().map(|peers| Rule { peers, ports: Ports::All }));
+            return;
+        };
+        let mut ranges: Vec<PortRange> = Vec::new();
+        let mut named: Vec<(Protocol, &str)> = Vec::new();
+        for spec in port_specs {
+            match spec {
+                PortSpec::Numbered(range) => ranges.push(*range),
+                PortSpec::Named { protocol, name } => named.push((*protocol, name)),
+            }
+        }
+        match direction {
+            // Ingress: the destination is the target pod itself.
+            Direction::Ingress => {
+                for (protocol, name) in named {
+                    ranges.extend(target.resolve_named_port(name, protocol).map(|n| PortRange::single(protocol, n)));
+                }
+                push_ranges(out, &peers, ranges);
+            }
+            // Egress: the destination is the peer; resolve against each one.
+            Direction::Egress => {
+                push_ranges(out, &peers, ranges);
+                for (protocol, name) in named {
+                    for peer in &peers {
+                        self.expand_egress_named_port(peer, protocol, name, out);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Splits the peer's pods by what `name` resolves to on each, giving one
+    /// rule per distinct port number. Non-pod destinations cannot match a
+    /// named port, so ipBlock/any peers are narrowed to the pods inside them.
+    fn expand_egress_named_port(&self, peer: &PeerSet, protocol: Protocol, name: &str, out: &mut Vec<Rule>) {
+        let base = match peer {
+            PeerSet::Any => PodSetKey::all_pods(),
+            PeerSet::Pods(key) => key.clone(),
+            PeerSet::Cidr { cidr, except } => PodSetKey {
+                within: Some(super::model::CidrBlock { cidr: *cidr, except: except.clone() }),
+                ..PodSetKey::all_pods()
+            },
+        };
+        let numbers: BTreeSet<u16> = self
+            .pod_ips()
+            .filter(|ip| self.pod_set_contains(&base, *ip))
+            .filter_map(|ip| self.owner(ip))
+            .flat_map(|pod| pod.resolve_named_port(name, protocol))
+            .collect();
+        for port in numbers {
+            out.push(Rule {
+                peers: PeerSet::Pods(PodSetKey {
+                    named_port: Some(NamedPortFilter { protocol, name: name.to_string(), port }),
+                    ..base.clone()
+                }),
+                ports: Ports::Ranges(vec![PortRange::single(protocol, port)]),
+            });
+        }
+    }
+}
+
+fn push_ranges(out: &mut Vec<Rule>, peers: &[PeerSet], mut ranges: Vec<PortRange>) {
+    // A rule whose ports all failed to resolve allows nothing: drop it
+    // rather than emitting an empty list that could be misread as "all".
+    if ranges.is_empty() {
+        return;
+    }
+    ranges.sort();
+    ranges.dedup();
+    out.extend(peers.iter().map(|peers| Rule { peers: peers.clone(), ports: Ports::Ranges(ranges.clone()) }));
+}

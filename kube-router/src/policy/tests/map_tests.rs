@@ -1,0 +1,111 @@
+//! The BPF-map flattening: layout, LPM except handling and id stability.
+
+use serde_json::json;
+
+use super::fixtures::{ip, policy, Cluster};
+use crate::policy::bpf_maps::{MapFlattener, PeerPrefixKey, PodSlotKey, PrefixVerdict, MAX_PORT_RANGES_PER_RULE};
+use crate::policy::{allows, CompileOptions, Direction, PolicyCompiler, Protocol};
+
+#[test]
+fn except_entries_become_deny_prefixes() {
+    let cluster = Cluster::xyz();
+    let out = cluster.compile(&[policy(
+        "x",
+        "block",
+        json!({"podSelector": {}, "ingress": [{"from": [{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}}]}]}),
+    )]);
+    let maps = MapFlattener::new().flatten(&out.model);
+    let verdicts: Vec<_> = maps.peer_prefixes.iter().map(|(k, v)| (k.prefix.to_string(), *v)).collect();
+    assert_eq!(
+        verdicts,
+        vec![("10.0.0.0/8".to_string(), PrefixVerdict::Allow), ("10.1.0.0/16".to_string(), PrefixVerdict::Deny)]
+    );
+    let peer_set = maps.peer_prefixes.keys().next().map(|k| k.peer_set).expect("one peer set");
+    assert!(maps.peer_set_contains(peer_set, ip("10.2.3.4")));
+    assert!(!maps.peer_set_contains(peer_set, ip("10.1.3.4")));
+    assert!(!maps.peer_set_contains(peer_set, ip("11.0.0.1")));
+}
+
+#[test]
+fn identical_rule_lists_share_a_slot_and_only_isolated_directions_get_entries() {
+    let cluster = Cluster::xyz();
+    let out = cluster.compile(&[policy("x", "deny", json!({"podSelector": {}}))]);
+    let maps = MapFlattener::new().flatten(&out.model);
+    assert_eq!(maps.pod_slots.len(), 3, "only x's ingress is isolated");
+    let slots: std::collections::BTreeSet<_> = maps.pod_slots.values().copied().collect();
+    assert_eq!(slots.len(), 1);
+    assert_eq!(slots.iter().next().map(|s| s.rule_count), Some(0));
+    assert!(maps.slot_rules.is_empty());
+    assert!(maps.pod_slots.contains_key(&PodSlotKey { pod_ip: ip("10.0.1.1"), direction: Direction::Ingress }));
+}
+
+#[test]
+fn long_port_lists_are_split_without_loss() {
+    let cluster = Cluster::xyz();
+    let ports: Vec<_> = (1000..1000 + MAX_PORT_RANGES_PER_RULE as u16 * 2 + 1).map(|p| json!({"port": p})).collect();
+    let out = cluster.compile(&[policy("x", "many-ports", json!({"podSelector": {}, "ingress": [{"ports": ports}]}))]);
+    let maps = MapFlattener::new().flatten(&out.model);
+    let slot = maps.pod_slots[&PodSlotKey { pod_ip: ip("10.0.1.1"), direction: Direction::Ingress }];
+    assert_eq!(slot.rule_count, 3);
+    for port in [1000, 1008, 1016, 1017] {
+        assert_eq!(
+            maps.allows(ip("10.0.2.1"), ip("10.0.1.1"), Protocol::Tcp, port),
+            allows(&out.model, ip("10.0.2.1"), ip("10.0.1.1"), Protocol::Tcp, port),
+            "port {port}"
+        );
+    }
+}
+
+#[test]
+fn ids_are_stable_across_recompiles_and_diffs_are_minimal() {
+    let cluster = Cluster::xyz();
+    let from_b = policy(
+        "x",
+        "from-b",
+        json!({"podSelector": {}, "ingress": [{"from": [{"podSelector": {"matchLabels": {"pod": "b"}}}]}]}),
+    );
+    let from_y = policy(
+        "x",
+        "from-y",
+        json!({"podSelector": {"matchLabels": {"pod": "a"}}, "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"ns": "y"}}}]}]}),
+    );
+    let mut compiler =
+        PolicyCompiler::from_snapshot(&cluster.pods, &cluster.namespaces, &[from_b], CompileOptions::default());
+    let mut flattener = MapFlattener::new();
+    let first = flattener.flatten(compiler.model());
+
+    // A label change only changes peer-set prefixes; slots and rules stay put.
+    compiler.upsert_pod(&super::fixtures::pod("x", "c", "10.0.1.3", &[("pod", "b")]));
+    let second = flattener.flatten(compiler.model());
+    let diff = first.diff(&second);
+    assert!(diff.pod_slots.is_empty() && diff.slot_rules.is_empty(), "{diff:?}");
+    assert_eq!(diff.peer_prefixes.upserts.len(), 1);
+    assert!(diff.peer_prefixes.deletes.is_empty());
+
+    // Adding a policy keeps the existing peer set's id.
+    let old_id = first.peer_prefixes.keys().next().map(|k| k.peer_set);
+    compiler.upsert_policy(&from_y);
+    let third = flattener.flatten(compiler.model());
+    assert!(third
+        .peer_prefixes
+        .keys()
+        .any(|k| Some(k.peer_set) == old_id && k.prefix == ipnet::IpNet::from(ip("10.0.1.2"))));
+    assert_eq!(second.diff(&third).peer_prefixes.deletes.len(), 0);
+}
+
+#[test]
+fn released_ids_are_not_reused_in_the_same_flatten() {
+    let cluster = Cluster::xyz();
+    let a = policy("x", "p", json!({"podSelector": {}, "ingress": [{"from": [{"ipBlock": {"cidr": "1.0.0.0/8"}}]}]}));
+    let b = policy("x", "p", json!({"podSelector": {}, "ingress": [{"from": [{"ipBlock": {"cidr": "2.0.0.0/8"}}]}]}));
+    let c = policy("x", "p", json!({"podSelector": {}, "ingress": [{"from": [{"ipBlock": {"cidr": "3.0.0.0/8"}}]}]}));
+    let mut flattener = MapFlattener::new();
+    let id_of = |maps: &crate::policy::bpf_maps::MapEntries| {
+        maps.peer_prefixes.keys().next().map(|k: &PeerPrefixKey| k.peer_set)
+    };
+    let first = flattener.flatten(&cluster.compile(&[a]).model);
+    let second = flattener.flatten(&cluster.compile(&[b]).model);
+    assert_ne!(id_of(&first), id_of(&second), "a just-released id must not be recycled immediately");
+    let third = flattener.flatten(&cluster.compile(&[c]).model);
+    assert_eq!(id_of(&third), id_of(&first), "recycled one generation later");
+}

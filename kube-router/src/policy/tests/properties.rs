@@ -1,0 +1,240 @@
+//! Property: any sequence of incremental operations ends in exactly the
+//! state a from-scratch compile of the final inputs gives, and the deltas,
+//! applied in order, reproduce that state.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use proptest::prelude::*;
+use serde_json::{json, Value};
+
+use super::fixtures::{namespace, pod_with_ports, policy};
+use crate::policy::{compile, CompileOptions, PolicyCompiler};
+
+const NAMESPACES: [&str; 3] = ["x", "y", "z"];
+const POD_NAMES: [&str; 4] = ["a", "b", "c", "d"];
+const POLICY_NAMES: [&str; 3] = ["p1", "p2", "p3"];
+
+/// Small deterministic generator so one random seed describes one object.
+struct Dice(u64);
+
+impl Dice {
+    fn roll(&mut self, sides: u64) -> u64 {
+        // splitmix64
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        (z ^ (z >> 31)) % sides.max(1)
+    }
+
+    fn pick<T: Clone>(&mut self, items: &[T]) -> T {
+        items[self.roll(items.len() as u64) as usize].clone()
+    }
+}
+
+fn make_pod(namespace: &str, name: &str, seed: u64) -> Pod {
+    let mut dice = Dice(seed);
+    // A small IP pool so pods collide and move between IPs.
+    let v4 = format!("10.0.0.{}", dice.roll(8) + 1);
+    let mut ips = vec![v4];
+    if dice.roll(3) == 0 {
+        ips.push(format!("fd00::{}", dice.roll(3) + 1));
+    }
+    let mut labels = Vec::new();
+    if let Some(v) = dice.pick(&[Some("a"), Some("b"), Some("c"), None]) {
+        labels.push(("pod", v));
+    }
+    if let Some(v) = dice.pick(&[Some("fe"), Some("be"), None]) {
+        labels.push(("tier", v));
+    }
+    let ports = dice.pick(&[
+        json!([]),
+        json!([{"name": "http", "containerPort": 81}]),
+        json!([{"name": "http", "containerPort": 80}]),
+        json!([{"name": "http", "containerPort": 8080}, {"name": "dns", "containerPort": 53, "protocol": "UDP"}]),
+        json!([{"name": "dns", "containerPort": 5353, "protocol": "UDP"}]),
+    ]);
+    let ip_refs: Vec<&str> = ips.iter().map(String::as_str).collect();
+    let mut pod = pod_with_ports(namespace, name, &ip_refs, &labels, ports);
+    if dice.roll(8) == 0 {
+        if let Some(status) = pod.status.as_mut() {
+            status.phase = Some("Succeeded".into());
+        }
+    }
+    pod
+}
+
+fn make_namespace(name: &str, seed: u64) -> Namespace {
+    let mut dice = Dice(seed);
+    let mut labels = vec![("ns", name)];
+    if let Some(env) = dice.pick(&[Some("prod"), Some("dev"), None]) {
+        labels.push(("env", env));
+    }
+    namespace(name, &labels)
+}
+
+fn selector(dice: &mut Dice) -> Value {
+    dice.pick(&[
+        json!({}),
+        json!({"matchLabels": {"pod": "a"}}),
+        json!({"matchLabels": {"pod": "b"}}),
+        json!({"matchExpressions": [{"key": "tier", "operator": "In", "values": ["fe"]}]}),
+        json!({"matchExpressions": [{"key": "pod", "operator": "NotIn", "values": ["a"]}]}),
+        json!({"matchExpressions": [{"key": "tier", "operator": "DoesNotExist"}]}),
+    ])
+}
+
+fn namespace_selector(dice: &mut Dice) -> Value {
+    dice.pick(&[
+        json!({}),
+        json!({"matchLabels": {"env": "prod"}}),
+        json!({"matchLabels": {"ns": "y"}}),
+        json!({"matchExpressions": [{"key": "env", "operator": "Exists"}]}),
+    ])
+}
+
+fn peer(dice: &mut Dice) -> Value {
+    match dice.roll(5) {
+        0 => json!({"podSelector": selector(dice)}),
+        1 => json!({"namespaceSelector": namespace_selector(dice)}),
+        2 => json!({"podSelector": selector(dice), "namespaceSelector": namespace_selector(dice)}),
+        3 => dice.pick(&[
+            json!({"ipBlock": {"cidr": "10.0.0.0/29", "except": ["10.0.0.4/30"]}}),
+            json!({"ipBlock": {"cidr": "fd00::/126"}}),
+            json!({"ipBlock": {"cidr": "10.0.0.0/24", "except": ["10.1.0.0/24"]}}), // invalid
+        ]),
+        _ => json!({"namespaceSelector": {}}),
+    }
+}
+
+fn port(dice: &mut Dice) -> Value {
+    dice.pick(&[
+        json!({"port": 80}),
+        json!({"port": "http"}),
+        json!({"port": "http"}),
+        json!({"port": "dns", "protocol": "UDP"}),
+        json!({"port": "dns", "protocol": "UDP"}),
+        json!({"port": 81, "endPort": 90}),
+        json!({"protocol": "UDP"}),
+        json!({"port": 0}), // invalid
+    ])
+}
+
+fn rules(dice: &mut Dice, peers_field: &str) -> Value {
+    let count = dice.roll(3);
+    let mut rules = Vec::new();
+    for _ in 0..count {
+        let mut rule = serde_json::Map::new();
+        let peer_count = dice.roll(3);
+        if peer_count > 0 || dice.roll(2) == 0 {
+            rule.insert(peers_field.into(), Value::Array((0..peer_count).map(|_| peer(dice)).collect()));
+        }
+        let port_count = dice.roll(3);
+        if port_count > 0 {
+            rule.insert("ports".into(), Value::Array((0..port_count).map(|_| port(dice)).collect()));
+        }
+        rules.push(Value::Object(rule));
+    }
+    Value::Array(rules)
+}
+
+fn make_policy(namespace: &str, name: &str, seed: u64) -> NetworkPolicy {
+    let mut dice = Dice(seed);
+    let mut spec = serde_json::Map::new();
+    spec.insert("podSelector".into(), selector(&mut dice));
+    match dice.roll(4) {
+        0 => {}
+        1 => {
+            spec.insert("policyTypes".into(), json!(["Ingress"]));
+        }
+        2 => {
+            spec.insert("policyTypes".into(), json!(["Egress"]));
+        }
+        _ => {
+            spec.insert("policyTypes".into(), json!(["Ingress", "Egress"]));
+        }
+    }
+    if dice.roll(4) != 0 {
+        spec.insert("ingress".into(), rules(&mut dice, "from"));
+    }
+    if dice.roll(3) != 0 {
+        spec.insert("egress".into(), rules(&mut dice, "to"));
+    }
+    policy(namespace, name, Value::Object(spec))
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    UpsertPod(usize, usize, u64),
+    DeletePod(usize, usize),
+    UpsertNamespace(usize, u64),
+    DeleteNamespace(usize),
+    UpsertPolicy(usize, usize, u64),
+    DeletePolicy(usize, usize),
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..3usize, 0..4usize, any::<u64>()).prop_map(|(n, p, s)| Op::UpsertPod(n, p, s)),
+        1 => (0..3usize, 0..4usize).prop_map(|(n, p)| Op::DeletePod(n, p)),
+        2 => (0..3usize, any::<u64>()).prop_map(|(n, s)| Op::UpsertNamespace(n, s)),
+        1 => (0..3usize).prop_map(Op::DeleteNamespace),
+        3 => (0..3usize, 0..3usize, any::<u64>()).prop_map(|(n, p, s)| Op::UpsertPolicy(n, p, s)),
+        1 => (0..3usize, 0..3usize).prop_map(|(n, p)| Op::DeletePolicy(n, p)),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn incremental_equals_from_scratch(ops in prop::collection::vec(op_strategy(), 1..40)) {
+        // A low limit so rule-limit errors are exercised too.
+        let options = CompileOptions { max_rules_per_pod: 6 };
+        let mut compiler = PolicyCompiler::new(options.clone());
+        let mut mirror = compiler.model().clone();
+        let mut pods: BTreeMap<(usize, usize), Pod> = BTreeMap::new();
+        let mut namespaces: BTreeMap<usize, Namespace> = BTreeMap::new();
+        let mut policies: BTreeMap<(usize, usize), NetworkPolicy> = BTreeMap::new();
+        for op in &ops {
+            let delta = match *op {
+                Op::UpsertPod(n, p, seed) => {
+                    let pod = make_pod(NAMESPACES[n], POD_NAMES[p], seed);
+                    pods.insert((n, p), pod.clone());
+                    compiler.upsert_pod(&pod)
+                }
+                Op::DeletePod(n, p) => {
+                    pods.remove(&(n, p));
+                    compiler.delete_pod(NAMESPACES[n], POD_NAMES[p])
+                }
+                Op::UpsertNamespace(n, seed) => {
+                    let ns = make_namespace(NAMESPACES[n], seed);
+                    namespaces.insert(n, ns.clone());
+                    compiler.upsert_namespace(&ns)
+                }
+                Op::DeleteNamespace(n) => {
+                    namespaces.remove(&n);
+                    compiler.delete_namespace(NAMESPACES[n])
+                }
+                Op::UpsertPolicy(n, p, seed) => {
+                    let np = make_policy(NAMESPACES[n], POLICY_NAMES[p], seed);
+                    policies.insert((n, p), np.clone());
+                    compiler.upsert_policy(&np)
+                }
+                Op::DeletePolicy(n, p) => {
+                    policies.remove(&(n, p));
+                    compiler.delete_policy(NAMESPACES[n], POLICY_NAMES[p])
+                }
+            };
+            delta.apply_to(&mut mirror);
+            prop_assert_eq!(&mirror, compiler.model(), "deltas diverged after {:?}", op);
+        }
+        let pods: Vec<Pod> = pods.into_values().collect();
+        let namespaces: Vec<Namespace> = namespaces.into_values().collect();
+        let policies: Vec<NetworkPolicy> = policies.into_values().collect();
+        let expected = compile(&pods, &namespaces, &policies, &options);
+        prop_assert_eq!(compiler.output(), expected);
+    }
+}
