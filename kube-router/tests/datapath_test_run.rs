@@ -184,7 +184,21 @@ fn a_pinned_map_with_another_layout_is_reported_and_left_alone() {
     let path = pin_dir.join("svc_v4");
     // An older layout: 4-byte keys.
     let created = std::process::Command::new("bpftool")
-        .args(["map", "create", path.to_str().unwrap(), "type", "hash", "key", "4", "value", "16", "entries", "16", "name", "svc_v4"])
+        .args([
+            "map",
+            "create",
+            path.to_str().unwrap(),
+            "type",
+            "hash",
+            "key",
+            "4",
+            "value",
+            "16",
+            "entries",
+            "16",
+            "name",
+            "svc_v4",
+        ])
         .status()
         .unwrap();
     assert!(created.success());
