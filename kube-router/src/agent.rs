@@ -1,4 +1,9 @@
 //! The agent's main loop: program the datapath from the desired state and keep it there.
+//!
+//! Desired state comes from the API server (watchers) or from a file. Whatever happens to the
+//! source — unreachable, slow, failing, an unreadable file — the maps are only ever written
+//! with a difference computed from a state we trust, and deletions only happen after a complete
+//! listing of every kind since start (mark, then sweep).
 use std::{
     net::Ipv4Addr,
     path::{Path, PathBuf},
@@ -7,26 +12,43 @@ use std::{
 
 use anyhow::{Context, Result};
 use kube_router_common::{lb_stat, map_names};
-use tokio::signal::unix::{signal, SignalKind};
+use tokio::{
+    signal::unix::{signal, SignalKind},
+    sync::mpsc,
+};
 
 use crate::{
     bpf::{
         datapath::Datapath,
         service_maps::{read_lb_stats, BpfServiceMaps, Conntrack},
     },
+    k8s::{
+        checkpoint,
+        watch::{self, ApiOptions, ClusterObjects, WatchUpdate},
+    },
     metrics::{self, Metrics},
     netif,
     services::{
         compile::{assign_ids, plan, CompileWarning, Limits},
         model::NodeContext,
-        source::load_file,
+        source::{load_file, StateBuilder},
         sync::{ServiceMaps, ServiceSync},
     },
 };
 
+pub enum DesiredSource {
+    /// A YAML/JSON file of Service and EndpointSlice objects, re-read when it changes.
+    File(PathBuf),
+    /// The API server.
+    Api(ApiOptions),
+}
+
 pub struct AgentConfig {
     pub pin_dir: PathBuf,
-    pub service_file: Option<PathBuf>,
+    pub source: DesiredSource,
+    pub state_dir: PathBuf,
+    /// Warn when the desired state is older than this while the API is unreachable.
+    pub max_stale: Option<Duration>,
     pub interfaces: Option<Vec<String>>,
     pub node_name: String,
     pub nodeport_addresses: Option<Vec<Ipv4Addr>>,
@@ -40,8 +62,6 @@ struct ServiceController {
     maps: BpfServiceMaps,
     sync: ServiceSync,
     metrics: Metrics,
-    file: PathBuf,
-    file_stamp: Option<SystemTime>,
     limits: Limits,
     node_name: String,
     nodeport_addresses: Option<Vec<Ipv4Addr>>,
@@ -55,23 +75,10 @@ impl ServiceController {
         }
     }
 
-    /// Re-reads the desired state if the file changed, and writes only the differences.
-    fn poll(&mut self, force: bool) {
-        let stamp = std::fs::metadata(&self.file).and_then(|m| m.modified()).ok();
-        if !force && stamp == self.file_stamp {
-            return;
-        }
+    /// Compiles `builder` and writes only the differences. `complete` says the state reflects a
+    /// full listing of every kind, which is what allows deletions.
+    fn apply(&mut self, builder: &StateBuilder, complete: bool) {
         let started = Instant::now();
-        let builder = match load_file(&self.file) {
-            Ok(builder) => builder,
-            Err(e) => {
-                // An unreadable desired state is not an empty one: keep everything programmed.
-                tracing::error!(error = format!("{e:#}"), "cannot read desired state; maps left as they are");
-                self.metrics.with(|m| *m.rejected_objects.entry("file").or_default() += 1);
-                return;
-            }
-        };
-        self.file_stamp = stamp;
         for problem in &builder.problems {
             let kind: &'static str = if problem.kind == "Service" { "Service" } else { "EndpointSlice" };
             self.metrics.with(|m| *m.rejected_objects.entry(kind).or_default() += 1);
@@ -84,7 +91,7 @@ impl ServiceController {
             }
         }
         let desired = assign_ids(&lb_plan, self.sync.programmed());
-        let report = self.sync.sync(&mut self.maps, &desired, true);
+        let report = self.sync.sync(&mut self.maps, &desired, complete);
         let total = report.total();
         let programmed = self.sync.programmed();
         tracing::info!(
@@ -92,6 +99,7 @@ impl ServiceController {
             updates = total.updates,
             deletes = total.deletes,
             errors = total.errors,
+            complete,
             services = programmed.services.len(),
             backends = programmed.backends.len(),
             "service sync complete"
@@ -105,6 +113,43 @@ impl ServiceController {
         });
         self.metrics.heartbeat("services");
     }
+}
+
+struct FileSource {
+    path: PathBuf,
+    stamp: Option<SystemTime>,
+}
+
+impl FileSource {
+    /// The file's objects if it changed since the last read.
+    fn poll(&mut self, metrics: &Metrics) -> Option<StateBuilder> {
+        let stamp = std::fs::metadata(&self.path).and_then(|m| m.modified()).ok();
+        if stamp.is_some() && stamp == self.stamp {
+            return None;
+        }
+        match load_file(&self.path) {
+            Ok(builder) => {
+                self.stamp = stamp;
+                Some(builder)
+            }
+            Err(e) => {
+                if stamp != self.stamp {
+                    // An unreadable desired state is not an empty one: keep everything programmed.
+                    tracing::error!(error = format!("{e:#}"), "cannot read desired state; maps left as they are");
+                    metrics.with(|m| *m.rejected_objects.entry("file").or_default() += 1);
+                    self.stamp = stamp;
+                }
+                None
+            }
+        }
+    }
+}
+
+struct ApiSource {
+    objects: ClusterObjects,
+    updates: mpsc::Receiver<WatchUpdate>,
+    dirty: bool,
+    restored_from_checkpoint: bool,
 }
 
 fn attach_all(datapath: &mut Datapath, wanted: &Option<Vec<String>>, attached: &mut Vec<String>) {
@@ -139,6 +184,35 @@ fn refresh_datapath_metrics(pin_dir: &Path, metrics: &Metrics, conntrack: &mut C
     }
 }
 
+async fn start_api_source(options: &ApiOptions, state_dir: &Path, metrics: &Metrics) -> Result<ApiSource> {
+    let client = watch::client(options).await?;
+    let (sender, updates) = mpsc::channel(1024);
+    watch::spawn_watchers(client, sender);
+    let mut objects = ClusterObjects::default();
+    let restored_from_checkpoint = match checkpoint::read(state_dir) {
+        Ok(saved) => {
+            let age = metrics::unix_now() - saved.written_unix;
+            tracing::info!(
+                services = saved.services.len(),
+                endpoint_slices = saved.endpoint_slices.len(),
+                age_secs = age as u64,
+                "restored desired state from checkpoint until the API server lists it"
+            );
+            metrics.with(|m| m.checkpoint_age_at_start = Some(age));
+            objects.restore(saved);
+            true
+        }
+        Err(checkpoint::CheckpointError::Missing(_)) => false,
+        Err(e) => {
+            // The maps stay as the previous agent left them; the API will tell us the truth.
+            tracing::error!(error = %e, "ignoring checkpoint");
+            metrics.with(|m| m.checkpoint_errors += 1);
+            false
+        }
+    };
+    Ok(ApiSource { objects, updates, dirty: restored_from_checkpoint, restored_from_checkpoint })
+}
+
 pub async fn run(config: AgentConfig) -> Result<()> {
     let metrics = Metrics::default();
     let mut ports = vec![config.health_port, config.metrics_port];
@@ -164,34 +238,76 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         backends = sync.programmed().backends.len(),
         "adopted programmed state"
     );
-    let mut controller = config.service_file.clone().map(|file| ServiceController {
+    let mut controller = ServiceController {
         maps,
         sync,
         metrics: metrics.clone(),
-        file,
-        file_stamp: None,
         limits: config.limits,
         node_name: config.node_name.clone(),
         nodeport_addresses: config.nodeport_addresses.clone(),
-    });
-    if let Some(c) = controller.as_mut() {
-        c.poll(true);
+    };
+    let mut file_source = None;
+    let mut api_source = None;
+    match &config.source {
+        DesiredSource::File(path) => file_source = Some(FileSource { path: path.clone(), stamp: None }),
+        DesiredSource::Api(options) => api_source = Some(start_api_source(options, &config.state_dir, &metrics).await?),
+    }
+    if let Some(builder) = file_source.as_mut().and_then(|f| f.poll(&metrics)) {
+        controller.apply(&builder, true);
     }
     let mut conntrack = Conntrack::open_pinned(&config.pin_dir)?;
 
     let mut terminate = signal(SignalKind::terminate())?;
     let mut interrupt = signal(SignalKind::interrupt())?;
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
     let mut last_gc = Instant::now();
     let mut last_rescan = Instant::now();
+    let mut last_housekeeping = Instant::now();
+    let mut last_stale_warning = Instant::now();
     tracing::info!("agent running");
     loop {
+        let update = async {
+            match api_source.as_mut() {
+                Some(api) => api.updates.recv().await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             _ = terminate.recv() => break,
             _ = interrupt.recv() => break,
+            Some(update) = update => {
+                let api = api_source.as_mut().expect("updates come from the API source");
+                match &update {
+                    WatchUpdate::Error { resource, message } => {
+                        tracing::warn!(resource, error = %message, "API watch failed; retrying with backoff, datapath unchanged");
+                        metrics.with(|m| { m.api_reachable = false; m.api_errors += 1; });
+                    }
+                    _ => metrics.with(|m| { m.api_reachable = true; m.last_api_contact_unix = Some(metrics::unix_now()); }),
+                }
+                api.dirty |= api.objects.apply(update);
+            }
             _ = tick.tick() => {
-                if let Some(c) = controller.as_mut() {
-                    c.poll(false);
+                if let Some(api) = api_source.as_mut() {
+                    let complete = api.objects.synced();
+                    // Before the first complete list, only a checkpoint-restored state is worth
+                    // applying (and then without deletions).
+                    if api.dirty && (complete || api.restored_from_checkpoint) {
+                        api.dirty = false;
+                        controller.apply(&api.objects.state(), complete);
+                        if complete {
+                            if let Err(e) = checkpoint::write(&config.state_dir, &api.objects.checkpoint()) {
+                                tracing::error!(error = %e, "cannot write checkpoint");
+                                metrics.with(|m| m.checkpoint_errors += 1);
+                            }
+                        }
+                    }
+                }
+                if last_housekeeping.elapsed() < Duration::from_secs(1) {
+                    continue;
+                }
+                last_housekeeping = Instant::now();
+                if let Some(builder) = file_source.as_mut().and_then(|f| f.poll(&metrics)) {
+                    controller.apply(&builder, true);
                 }
                 if config.interfaces.is_none() && last_rescan.elapsed() >= Duration::from_secs(5) {
                     attach_all(&mut datapath, &config.interfaces, &mut attached);
@@ -202,6 +318,13 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     last_gc = Instant::now();
                 }
                 refresh_datapath_metrics(&config.pin_dir, &metrics, &mut conntrack, gc);
+                if let Some(max_stale) = config.max_stale {
+                    let stale = metrics.with(|m| m.last_sync_unix.map(|t| metrics::unix_now() - t)).unwrap_or(0.0);
+                    if stale > max_stale.as_secs_f64() && last_stale_warning.elapsed() > Duration::from_secs(60) {
+                        tracing::warn!(stale_secs = stale as u64, "desired state older than --max-stale; still serving it");
+                        last_stale_warning = Instant::now();
+                    }
+                }
                 metrics.heartbeat("agent");
             }
         }

@@ -4,11 +4,12 @@ use std::{net::Ipv4Addr, path::PathBuf, process::ExitCode, time::Duration};
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use kube_router::{
-    agent::{self, AgentConfig},
+    agent::{self, AgentConfig, DesiredSource},
     bpf::{
         datapath,
         service_maps::{read_lb_stats, Conntrack},
     },
+    k8s::watch::ApiOptions,
     services::compile::Limits,
 };
 use kube_router_common::{lb_stat, DEFAULT_PIN_DIR};
@@ -31,10 +32,23 @@ struct Cli {
 
 #[derive(clap::Args)]
 struct RunArgs {
+    /// Path to a kubeconfig file. Without it (and without --master) the in-cluster config is used.
+    #[arg(long, env = "KUBE_ROUTER_KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+    /// The API server URL (overrides the kubeconfig's), e.g. https://10.0.0.1:6443.
+    #[arg(long, env = "KUBE_ROUTER_MASTER")]
+    master: Option<String>,
     /// Load Services and EndpointSlices from this YAML/JSON file of Kubernetes objects (re-read
     /// when it changes) instead of the API server.
-    #[arg(long, env = "KUBE_ROUTER_SERVICE_FILE")]
+    #[arg(long, env = "KUBE_ROUTER_SERVICE_FILE", conflicts_with_all = ["kubeconfig", "master"])]
     service_file: Option<PathBuf>,
+    /// Directory for the checkpoint of the last synced desired state.
+    #[arg(long, env = "KUBE_ROUTER_STATE_DIR", default_value = "/var/lib/kube-router")]
+    state_dir: PathBuf,
+    /// Warn (only warn) once the desired state is older than this many seconds because the API
+    /// server is unreachable. Default: never.
+    #[arg(long, env = "KUBE_ROUTER_MAX_STALE")]
+    max_stale: Option<u64>,
     /// Interfaces to attach the load balancer to (comma-separated). Default: every interface
     /// but lo, re-scanned every 5 s.
     #[arg(long, env = "KUBE_ROUTER_INTERFACES", value_delimiter = ',')]
@@ -154,7 +168,12 @@ fn run(cli: &Cli) -> Result<()> {
     let args = &cli.run;
     let config = AgentConfig {
         pin_dir: cli.bpf_root.clone(),
-        service_file: args.service_file.clone(),
+        source: match &args.service_file {
+            Some(path) => DesiredSource::File(path.clone()),
+            None => DesiredSource::Api(ApiOptions { kubeconfig: args.kubeconfig.clone(), master: args.master.clone() }),
+        },
+        state_dir: args.state_dir.clone(),
+        max_stale: args.max_stale.map(Duration::from_secs),
         interfaces: args.interfaces.clone(),
         node_name: args.hostname_override.clone().unwrap_or_else(hostname),
         nodeport_addresses: args.nodeport_addresses.clone(),

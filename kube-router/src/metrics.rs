@@ -48,6 +48,11 @@ pub struct MetricsState {
     pub datapath_packets: Vec<(&'static str, u64)>,
     pub conntrack_entries: u64,
     pub conntrack_gc_removed: u64,
+    pub api_reachable: bool,
+    pub api_errors: u64,
+    pub last_api_contact_unix: Option<f64>,
+    pub checkpoint_errors: u64,
+    pub checkpoint_age_at_start: Option<f64>,
     /// controller name -> last heartbeat.
     pub heartbeats: BTreeMap<&'static str, Instant>,
 }
@@ -181,6 +186,35 @@ impl Metrics {
                 "Expired conntrack entries removed by garbage collection.",
             );
             let _ = writeln!(out, "kube_router_conntrack_gc_removed_total {}", m.conntrack_gc_removed);
+            family(
+                &mut out,
+                "kube_router_api_reachable",
+                "gauge",
+                "1 while the last API request succeeded, 0 after a failure.",
+            );
+            let _ = writeln!(out, "kube_router_api_reachable {}", u8::from(m.api_reachable));
+            family(
+                &mut out,
+                "kube_router_api_errors_total",
+                "counter",
+                "Failed API list/watch requests (each retried with backoff).",
+            );
+            let _ = writeln!(out, "kube_router_api_errors_total {}", m.api_errors);
+            family(
+                &mut out,
+                "kube_router_seconds_since_api_contact",
+                "gauge",
+                "Seconds since the API server last answered (-1 before it ever did).",
+            );
+            let since = m.last_api_contact_unix.map(|t| unix_now() - t).unwrap_or(-1.0);
+            let _ = writeln!(out, "kube_router_seconds_since_api_contact {since:.3}");
+            family(
+                &mut out,
+                "kube_router_checkpoint_errors_total",
+                "counter",
+                "Checkpoints that could not be written or read.",
+            );
+            let _ = writeln!(out, "kube_router_checkpoint_errors_total {}", m.checkpoint_errors);
             out
         })
     }
@@ -190,7 +224,9 @@ impl Metrics {
         self.with(|m| {
             let detail: BTreeMap<&str, f64> =
                 m.heartbeats.iter().map(|(k, t)| (*k, t.elapsed().as_secs_f64())).collect();
-            serde_json::json!({ "status": "ok", "seconds_since_heartbeat": detail }).to_string()
+            // Always "ok" for liveness: an unreachable API server is degraded, never fatal.
+            let api = if m.last_api_contact_unix.is_none() || m.api_reachable { "reachable" } else { "unreachable" };
+            serde_json::json!({ "status": "ok", "api": api, "seconds_since_heartbeat": detail }).to_string()
         })
     }
 }

@@ -83,7 +83,42 @@ fn test() -> Result<()> {
         .env_remove("RUSTC_WORKSPACE_WRAPPER"))?;
     cargo(&["build", "-p", "kube-router", "--bins"])?;
     // Unit, in-kernel and end-to-end tests, one at a time: the kernel-facing ones share bpffs.
-    cargo(&["test", "--", "--test-threads=1"])
+    let (passed, failed) = cargo_test(&["test", "--lib", "--bins", "--tests", "--", "--test-threads=1"])?;
+    // One closing line for the whole run (cargo prints one per test binary).
+    println!("all tests: {passed} passed, {failed} failed");
+    if failed > 0 || passed == 0 {
+        bail!("{failed} tests failed, {passed} passed");
+    }
+    Ok(())
+}
+
+/// Runs cargo test, echoing its output, and adds up its "test result" lines.
+fn cargo_test(args: &[&str]) -> Result<(u64, u64)> {
+    use std::io::{BufRead, BufReader};
+    let mut child = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(args)
+        .current_dir(workspace_root())
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    let (mut passed, mut failed) = (0, 0);
+    let count = |line: &str, word: &str| -> u64 {
+        line.split(';')
+            .find_map(|part| part.trim().strip_suffix(word)?.trim().rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    for line in BufReader::new(child.stdout.take().expect("piped stdout")).lines() {
+        let line = line?;
+        println!("{line}");
+        if line.starts_with("test result:") {
+            passed += count(&line, "passed");
+            failed += count(&line, "failed");
+        }
+    }
+    let status = child.wait()?;
+    if !status.success() && failed == 0 {
+        bail!("cargo test failed with {status}");
+    }
+    Ok((passed, failed))
 }
 
 fn bench() -> Result<()> {

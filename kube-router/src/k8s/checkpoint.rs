@@ -1,0 +1,130 @@
+//! The last successfully synced desired state, on local disk, so a restarted agent can program
+//! the node while the API server is unreachable.
+//!
+//! Written atomically (temp file, fsync, rename, fsync of the directory) and self-checking: a
+//! truncated, edited or foreign file is rejected with a clear error, never half-applied.
+use std::{
+    fs::{self, File},
+    io::Write,
+    path::{Path, PathBuf},
+};
+
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use serde::{Deserialize, Serialize};
+
+pub const CHECKPOINT_VERSION: u32 = 1;
+pub const FILE_NAME: &str = "checkpoint.json";
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    /// Unix time of the sync it records.
+    pub written_unix: f64,
+    pub services: Vec<Service>,
+    pub endpoint_slices: Vec<EndpointSlice>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Envelope {
+    version: u32,
+    /// FNV-1a 64 of the payload's JSON text, hex.
+    checksum: String,
+    payload: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("no checkpoint at {0}")]
+    Missing(PathBuf),
+    #[error("cannot read checkpoint {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("checkpoint {path} is corrupt: {reason}")]
+    Corrupt { path: PathBuf, reason: String },
+    #[error("checkpoint {path} has version {found}, this agent reads version {CHECKPOINT_VERSION}")]
+    VersionMismatch { path: PathBuf, found: u32 },
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, b| (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+pub fn path_in(state_dir: &Path) -> PathBuf {
+    state_dir.join(FILE_NAME)
+}
+
+pub fn write(state_dir: &Path, checkpoint: &Checkpoint) -> std::io::Result<()> {
+    fs::create_dir_all(state_dir)?;
+    let payload = serde_json::to_string(checkpoint)?;
+    let envelope =
+        Envelope { version: CHECKPOINT_VERSION, checksum: format!("{:016x}", fnv1a(payload.as_bytes())), payload };
+    let final_path = path_in(state_dir);
+    let temp_path = state_dir.join(format!(".{FILE_NAME}.tmp"));
+    let mut file = File::create(&temp_path)?;
+    file.write_all(serde_json::to_string(&envelope)?.as_bytes())?;
+    file.sync_all()?;
+    fs::rename(&temp_path, &final_path)?;
+    // The rename itself must reach the disk before we call the checkpoint written.
+    File::open(state_dir)?.sync_all()
+}
+
+pub fn read(state_dir: &Path) -> Result<Checkpoint, CheckpointError> {
+    let path = path_in(state_dir);
+    let text = match fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(CheckpointError::Missing(path)),
+        Err(source) => return Err(CheckpointError::Io { path, source }),
+    };
+    let corrupt = |reason: String| CheckpointError::Corrupt { path: path.clone(), reason };
+    let envelope: Envelope =
+        serde_json::from_str(&text).map_err(|e| corrupt(format!("not a checkpoint envelope: {e}")))?;
+    if envelope.version != CHECKPOINT_VERSION {
+        return Err(CheckpointError::VersionMismatch { path, found: envelope.version });
+    }
+    let actual = format!("{:016x}", fnv1a(envelope.payload.as_bytes()));
+    if actual != envelope.checksum {
+        return Err(corrupt(format!("checksum {actual} does not match recorded {}", envelope.checksum)));
+    }
+    serde_json::from_str(&envelope.payload).map_err(|e| corrupt(format!("payload does not decode: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("krt-checkpoint-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        dir
+    }
+
+    fn sample() -> Checkpoint {
+        let service: Service = serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "default", "name": "web"},
+            "spec": {"clusterIP": "10.96.0.10", "ports": [{"port": 80}]}
+        }))
+        .unwrap();
+        Checkpoint { written_unix: 1.5, services: vec![service], endpoint_slices: vec![] }
+    }
+
+    #[test]
+    fn round_trips() {
+        let dir = temp_dir("rt");
+        write(&dir, &sample()).unwrap();
+        assert_eq!(read(&dir).unwrap(), sample());
+        assert!(!dir.join(format!(".{FILE_NAME}.tmp")).exists());
+    }
+
+    #[test]
+    fn missing_corrupt_and_foreign_versions_are_told_apart() {
+        let dir = temp_dir("bad");
+        assert!(matches!(read(&dir), Err(CheckpointError::Missing(_))));
+        write(&dir, &sample()).unwrap();
+        let text = fs::read_to_string(path_in(&dir)).unwrap();
+        fs::write(path_in(&dir), &text[..text.len() / 2]).unwrap();
+        assert!(matches!(read(&dir), Err(CheckpointError::Corrupt { .. })));
+        fs::write(path_in(&dir), text.replace("10.96.0.10", "10.96.0.11")).unwrap();
+        let error = read(&dir).unwrap_err();
+        assert!(error.to_string().contains("checksum"), "{error}");
+        fs::write(path_in(&dir), text.replace("\"version\":1", "\"version\":7")).unwrap();
+        assert!(matches!(read(&dir), Err(CheckpointError::VersionMismatch { found: 7, .. })));
+    }
+}

@@ -1,0 +1,4 @@
+//! The Kubernetes API side: client setup, watchers, the stores they fill, the checkpoint.
+pub mod checkpoint;
+pub mod store;
+pub mod watch;

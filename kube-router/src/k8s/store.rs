@@ -1,0 +1,208 @@
+//! What the watchers have seen of each resource kind, built from watcher events alone.
+//!
+//! The store never forgets an object because of an error: only an `Apply`/`Delete` or a
+//! completed relist changes it. A relist (`Init` .. `InitDone`) is buffered and swapped in whole
+//! at `InitDone`, so a list that breaks halfway (API outage) removes nothing — an empty or
+//! failed list is not "no services".
+use std::collections::BTreeMap;
+
+use kube::{runtime::watcher::Event, Resource, ResourceExt};
+
+/// (namespace, name); namespace is "" for cluster-scoped kinds.
+pub type ObjectKey = (String, String);
+
+pub struct ObjectStore<K> {
+    objects: BTreeMap<ObjectKey, K>,
+    relist: Option<BTreeMap<ObjectKey, K>>,
+    synced: bool,
+}
+
+impl<K> Default for ObjectStore<K> {
+    fn default() -> Self {
+        Self { objects: BTreeMap::new(), relist: None, synced: false }
+    }
+}
+
+fn key_of<K: Resource>(object: &K) -> ObjectKey {
+    (object.namespace().unwrap_or_default(), object.name_any())
+}
+
+/// resourceVersions are opaque to clients, but every real API server issues integers
+/// (etcd revisions); comparing them lets us ignore an older copy that arrives late.
+fn version_of<K: Resource>(object: &K) -> Option<u64> {
+    object.meta().resource_version.as_deref().and_then(|v| v.parse().ok())
+}
+
+impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
+    /// Applies one watcher event; returns whether the visible contents changed.
+    pub fn apply(&mut self, event: Event<K>) -> bool {
+        match event {
+            Event::Init => {
+                self.relist = Some(BTreeMap::new());
+                false
+            }
+            Event::InitApply(object) => {
+                let buffer = self.relist.get_or_insert_with(BTreeMap::new);
+                buffer.insert(key_of(&object), object);
+                false
+            }
+            Event::InitDone => {
+                let listed = self.relist.take().unwrap_or_default();
+                // The first complete list always counts: it is what allows deletions at all.
+                let changed = listed != self.objects || !self.synced;
+                self.objects = listed;
+                self.synced = true;
+                changed
+            }
+            Event::Apply(object) => self.upsert(object),
+            Event::Delete(object) => {
+                let key = key_of(&object);
+                if let Some(buffer) = self.relist.as_mut() {
+                    buffer.remove(&key);
+                }
+                let stale = matches!((self.objects.get(&key).and_then(version_of), version_of(&object)), (Some(have), Some(got)) if got < have);
+                !stale && self.objects.remove(&key).is_some()
+            }
+        }
+    }
+
+    fn upsert(&mut self, object: K) -> bool {
+        let key = key_of(&object);
+        if let Some(buffer) = self.relist.as_mut() {
+            buffer.insert(key.clone(), object.clone());
+        }
+        if let (Some(have), Some(got)) = (self.objects.get(&key).and_then(version_of), version_of(&object)) {
+            if got < have {
+                return false;
+            }
+        }
+        if self.objects.get(&key) == Some(&object) {
+            return false;
+        }
+        self.objects.insert(key, object);
+        true
+    }
+
+    /// A complete list has been seen at least once.
+    pub fn synced(&self) -> bool {
+        self.synced
+    }
+
+    pub fn objects(&self) -> impl Iterator<Item = &K> {
+        self.objects.values()
+    }
+
+    pub fn len(&self) -> usize {
+        self.objects.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.objects.is_empty()
+    }
+
+    /// Seeds the store from a checkpoint; it stays unsynced until the API lists it.
+    pub fn restore(&mut self, objects: impl IntoIterator<Item = K>) {
+        self.objects = objects.into_iter().map(|o| (key_of(&o), o)).collect();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::core::v1::Service;
+    use kube::api::ObjectMeta;
+
+    use super::*;
+
+    fn svc(name: &str, rv: u64) -> Service {
+        Service {
+            metadata: ObjectMeta {
+                namespace: Some("default".into()),
+                name: Some(name.into()),
+                resource_version: Some(rv.to_string()),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    fn names(store: &ObjectStore<Service>) -> Vec<String> {
+        store.objects().map(|s| s.name_any()).collect()
+    }
+
+    #[test]
+    fn initial_list_is_applied_at_init_done_only() {
+        let mut store = ObjectStore::default();
+        assert!(!store.apply(Event::Init));
+        assert!(!store.apply(Event::InitApply(svc("a", 1))));
+        assert!(store.is_empty() && !store.synced());
+        assert!(store.apply(Event::InitDone));
+        assert!(store.synced());
+        assert_eq!(names(&store), ["a"]);
+    }
+
+    #[test]
+    fn an_interrupted_relist_removes_nothing() {
+        let mut store = ObjectStore::default();
+        for e in [Event::Init, Event::InitApply(svc("a", 1)), Event::InitApply(svc("b", 2)), Event::InitDone] {
+            store.apply(e);
+        }
+        // The API goes away during the next relist: one page arrived, then nothing.
+        store.apply(Event::Init);
+        store.apply(Event::InitApply(svc("a", 1)));
+        assert_eq!(names(&store), ["a", "b"]);
+        // When the relist does complete, the real difference is applied.
+        store.apply(Event::Init);
+        store.apply(Event::InitApply(svc("b", 2)));
+        assert!(store.apply(Event::InitDone));
+        assert_eq!(names(&store), ["b"]);
+    }
+
+    #[test]
+    fn a_relist_with_the_same_objects_is_no_change() {
+        let mut store = ObjectStore::default();
+        for e in [Event::Init, Event::InitApply(svc("a", 1)), Event::InitDone] {
+            store.apply(e);
+        }
+        for e in [Event::Init, Event::InitApply(svc("a", 1))] {
+            assert!(!store.apply(e));
+        }
+        assert!(!store.apply(Event::InitDone));
+    }
+
+    #[test]
+    fn duplicate_and_out_of_order_events_are_ignored() {
+        let mut store = ObjectStore::default();
+        store.apply(Event::InitDone);
+        assert!(store.apply(Event::Apply(svc("a", 5))));
+        assert!(!store.apply(Event::Apply(svc("a", 5))), "duplicate");
+        assert!(!store.apply(Event::Apply(svc("a", 3))), "older copy arriving late");
+        assert_eq!(store.objects().next().unwrap().metadata.resource_version.as_deref(), Some("5"));
+        assert!(!store.apply(Event::Delete(svc("a", 4))), "delete older than what we have");
+        assert!(store.apply(Event::Delete(svc("a", 6))));
+        assert!(!store.apply(Event::Delete(svc("a", 6))), "duplicate delete");
+        assert!(store.is_empty());
+    }
+
+    #[test]
+    fn events_during_a_relist_also_land_in_the_new_list() {
+        let mut store = ObjectStore::default();
+        store.apply(Event::Init);
+        store.apply(Event::InitApply(svc("a", 1)));
+        store.apply(Event::Apply(svc("b", 2)));
+        store.apply(Event::Delete(svc("a", 3)));
+        store.apply(Event::InitDone);
+        assert_eq!(names(&store), ["b"]);
+    }
+
+    #[test]
+    fn restored_objects_survive_until_a_complete_list() {
+        let mut store = ObjectStore::default();
+        store.restore([svc("a", 1), svc("b", 1)]);
+        assert!(!store.synced());
+        store.apply(Event::Init);
+        assert_eq!(names(&store), ["a", "b"]);
+        store.apply(Event::InitApply(svc("a", 1)));
+        store.apply(Event::InitDone);
+        assert_eq!(names(&store), ["a"]);
+    }
+}

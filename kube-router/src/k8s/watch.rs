@@ -1,0 +1,235 @@
+//! Watching the API server with kube-rs, outage-proof.
+//!
+//! Each watcher runs forever with capped exponential backoff (kube-rs `default_backoff`: jittered,
+//! capped); errors are reported, never acted on. What the watchers deliver goes through
+//! [`ObjectStore`](super::store::ObjectStore), which only changes on real events or complete
+//! relists, so an outage leaves the desired state — and therefore the maps — as they were.
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::{Context, Result};
+use futures_util::StreamExt;
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use kube::{
+    config::{KubeConfigOptions, Kubeconfig},
+    runtime::{watcher, WatchStreamExt},
+    Api, Client, Config,
+};
+use tokio::sync::mpsc;
+
+use super::{checkpoint::Checkpoint, store::ObjectStore};
+use crate::services::source::StateBuilder;
+
+/// How to reach the API server (kube-router's `--kubeconfig` / `--master`).
+#[derive(Clone, Debug, Default)]
+pub struct ApiOptions {
+    pub kubeconfig: Option<PathBuf>,
+    pub master: Option<String>,
+}
+
+pub async fn client(options: &ApiOptions) -> Result<Client> {
+    let mut config = match (&options.kubeconfig, &options.master) {
+        (Some(path), _) => {
+            let kubeconfig =
+                Kubeconfig::read_from(path).with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?
+        }
+        (None, Some(master)) => {
+            Config::new(master.parse().with_context(|| format!("--master {master:?} is not a URL"))?)
+        }
+        (None, None) => Config::infer().await.context("no --kubeconfig/--master and no in-cluster config")?,
+    };
+    if let (Some(_), Some(master)) = (&options.kubeconfig, &options.master) {
+        config.cluster_url = master.parse().with_context(|| format!("--master {master:?} is not a URL"))?;
+    }
+    // Bounded reads so a black-holed API server is noticed and retried instead of hanging.
+    config.read_timeout = Some(Duration::from_secs(30));
+    config.connect_timeout = Some(Duration::from_secs(10));
+    Ok(Client::try_from(config)?)
+}
+
+/// One watcher's news for the agent loop.
+// Moved once through a channel, never stored in bulk: boxing would only add an allocation.
+#[allow(clippy::large_enum_variant)]
+pub enum WatchUpdate {
+    Services(watcher::Event<Service>),
+    EndpointSlices(watcher::Event<EndpointSlice>),
+    /// A watch or list failed; the watcher backs off and retries by itself.
+    Error {
+        resource: &'static str,
+        message: String,
+    },
+}
+
+/// Starts the watchers; they run until the receiver is dropped.
+pub fn spawn_watchers(client: Client, updates: mpsc::Sender<WatchUpdate>) {
+    // Watch requests time out server-side after this; shorter than any client read timeout.
+    let config = watcher::Config::default().timeout(20);
+    spawn_one(Api::<Service>::all(client.clone()), config.clone(), updates.clone(), "services", WatchUpdate::Services);
+    spawn_one(Api::<EndpointSlice>::all(client), config, updates, "endpointslices", WatchUpdate::EndpointSlices);
+}
+
+fn spawn_one<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    updates: mpsc::Sender<WatchUpdate>,
+    resource: &'static str,
+    wrap: fn(watcher::Event<K>) -> WatchUpdate,
+) where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
+    K::DynamicType: Default,
+{
+    tokio::spawn(async move {
+        let mut stream = watcher(api, config).default_backoff().boxed();
+        while let Some(item) = stream.next().await {
+            let update = match item {
+                Ok(event) => wrap(event),
+                Err(e) => WatchUpdate::Error { resource, message: e.to_string() },
+            };
+            if updates.send(update).await.is_err() {
+                return;
+            }
+        }
+    });
+}
+
+/// The objects the service proxy needs, as last seen.
+#[derive(Default)]
+pub struct ClusterObjects {
+    pub services: ObjectStore<Service>,
+    pub endpoint_slices: ObjectStore<EndpointSlice>,
+}
+
+impl ClusterObjects {
+    /// Applies a watcher update; returns whether the desired state may have changed.
+    pub fn apply(&mut self, update: WatchUpdate) -> bool {
+        match update {
+            WatchUpdate::Services(event) => self.services.apply(event),
+            WatchUpdate::EndpointSlices(event) => self.endpoint_slices.apply(event),
+            WatchUpdate::Error { .. } => false,
+        }
+    }
+
+    /// Every kind has been listed completely since start: deletions are safe.
+    pub fn synced(&self) -> bool {
+        self.services.synced() && self.endpoint_slices.synced()
+    }
+
+    pub fn state(&self) -> StateBuilder {
+        let mut builder = StateBuilder::default();
+        for service in self.services.objects() {
+            builder.add_service(service);
+        }
+        for slice in self.endpoint_slices.objects() {
+            builder.add_endpoint_slice(slice);
+        }
+        builder
+    }
+
+    pub fn checkpoint(&self) -> Checkpoint {
+        Checkpoint {
+            written_unix: crate::metrics::unix_now(),
+            services: self.services.objects().cloned().collect(),
+            endpoint_slices: self.endpoint_slices.objects().cloned().collect(),
+        }
+    }
+
+    pub fn restore(&mut self, checkpoint: Checkpoint) {
+        self.services.restore(checkpoint.services);
+        self.endpoint_slices.restore(checkpoint.endpoint_slices);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::runtime::watcher::Event;
+
+    use super::*;
+    use crate::services::{
+        compile::{assign_ids, plan, Limits, MapContents},
+        diff::diff,
+        model::NodeContext,
+    };
+
+    fn service(name: &str, ip: &str, rv: u64) -> Service {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "default", "name": name, "resourceVersion": rv.to_string()},
+            "spec": {"clusterIP": ip, "ports": [{"name": "http", "port": 80}]}
+        }))
+        .unwrap()
+    }
+
+    fn slice(service: &str, addr: &str, rv: u64) -> EndpointSlice {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "default", "name": format!("{service}-1"), "resourceVersion": rv.to_string(),
+                         "labels": {"kubernetes.io/service-name": service}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080}],
+            "endpoints": [{"addresses": [addr]}]
+        }))
+        .unwrap()
+    }
+
+    fn contents(objects: &ClusterObjects, current: &MapContents) -> MapContents {
+        assign_ids(&plan(&objects.state().state, &NodeContext::default(), Limits::default()), current)
+    }
+
+    fn listed(objects: &mut ClusterObjects, services: Vec<Service>, slices: Vec<EndpointSlice>) {
+        objects.apply(WatchUpdate::Services(Event::Init));
+        for s in services {
+            objects.apply(WatchUpdate::Services(Event::InitApply(s)));
+        }
+        objects.apply(WatchUpdate::Services(Event::InitDone));
+        objects.apply(WatchUpdate::EndpointSlices(Event::Init));
+        for s in slices {
+            objects.apply(WatchUpdate::EndpointSlices(Event::InitApply(s)));
+        }
+        objects.apply(WatchUpdate::EndpointSlices(Event::InitDone));
+    }
+
+    #[test]
+    fn errors_and_broken_relists_leave_the_desired_state_as_it_was() {
+        let mut objects = ClusterObjects::default();
+        listed(
+            &mut objects,
+            vec![service("a", "10.96.0.1", 1), service("b", "10.96.0.2", 2)],
+            vec![slice("a", "10.0.0.1", 3)],
+        );
+        assert!(objects.synced());
+        let programmed = contents(&objects, &MapContents::default());
+        // Outage: errors, then a relist that never completes.
+        assert!(!objects.apply(WatchUpdate::Error { resource: "services", message: "connection refused".into() }));
+        objects.apply(WatchUpdate::Services(Event::Init));
+        objects.apply(WatchUpdate::EndpointSlices(Event::Init));
+        assert!(diff(&programmed, &contents(&objects, &programmed), true).is_empty());
+    }
+
+    #[test]
+    fn a_completed_relist_yields_exactly_the_real_difference() {
+        let mut objects = ClusterObjects::default();
+        listed(
+            &mut objects,
+            vec![service("a", "10.96.0.1", 1), service("b", "10.96.0.2", 2)],
+            vec![slice("a", "10.0.0.1", 3)],
+        );
+        let programmed = contents(&objects, &MapContents::default());
+        // While we were away: b was deleted and a's endpoint changed.
+        listed(&mut objects, vec![service("a", "10.96.0.1", 1)], vec![slice("a", "10.0.0.9", 7)]);
+        let next = contents(&objects, &programmed);
+        let ops = diff(&programmed, &next, true);
+        // The new backend, a's slot pointing at it, b's frontend removed, the old backend removed.
+        use crate::services::diff::MapOp::*;
+        assert_eq!(next.services.len(), 1);
+        assert!(matches!(ops.as_slice(), [PutBackend(..), PutSlot(..), DeleteService(_), DeleteBackend(_)]), "{ops:?}");
+    }
+
+    #[test]
+    fn checkpoint_round_trip_restores_the_same_desired_state() {
+        let mut objects = ClusterObjects::default();
+        listed(&mut objects, vec![service("a", "10.96.0.1", 1)], vec![slice("a", "10.0.0.1", 3)]);
+        let programmed = contents(&objects, &MapContents::default());
+        let mut restored = ClusterObjects::default();
+        restored.restore(objects.checkpoint());
+        assert!(!restored.synced(), "a checkpoint is not a complete listing");
+        assert_eq!(contents(&restored, &programmed), programmed);
+    }
+}
