@@ -158,3 +158,31 @@ fn restart_reuses_pinned_state_and_traffic_flows_without_the_agent() {
     assert_all_ok(&topo.request("tcp", &format!("{VIP}:80"), 10).unwrap());
     assert!(agent.is_running());
 }
+
+#[test]
+fn bad_input_is_rejected_and_changes_nothing() {
+    let env = Env::new("krt-bad");
+    let mut agent = env.agent();
+    let topo = &env.topo;
+    let before = dump_maps(&topo.bpf_root()).unwrap()["svc_v4"].clone();
+
+    // An unsupported protocol in one Service: that Service is rejected, its entries stay.
+    env.file.write(&objects(&backends(3)).replacen("protocol: UDP, port: 53", "protocol: SCTP, port: 53", 1)).unwrap();
+    let line = agent.wait_for_log("service sync complete", 2, Duration::from_secs(10)).unwrap();
+    assert_eq!(log_field(&line, "deletes"), Some(0), "{line}");
+    assert_eq!(log_field(&line, "updates"), Some(0), "{line}");
+    assert!(agent
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|l| l.contains("rejected object") && l.contains("unsupported protocol") && l.contains("SCTP")));
+    assert_all_ok(&topo.request("udp", &format!("{VIP}:53"), 10).unwrap());
+
+    // A file that is not YAML at all: logged, nothing written.
+    env.file.write("{{{ not yaml").unwrap();
+    agent.wait_for_log("cannot read desired state", 1, Duration::from_secs(10)).unwrap();
+    assert_eq!(dump_maps(&topo.bpf_root()).unwrap()["svc_v4"], before);
+    assert_all_ok(&topo.request("tcp", &format!("{VIP}:80"), 10).unwrap());
+    assert!(agent.is_running());
+}
