@@ -47,6 +47,10 @@ pub async fn client(options: &ApiOptions) -> Result<Client> {
     Ok(Client::try_from(config)?)
 }
 
+/// (API group, resource) of everything the agent lists and watches; the RBAC in
+/// manifests/ grants exactly these (checked by a test).
+pub const WATCHED_RESOURCES: [(&str, &str); 2] = [("", "services"), ("discovery.k8s.io", "endpointslices")];
+
 /// One watcher's news for the agent loop.
 // Moved once through a channel, never stored in bulk: boxing would only add an allocation.
 #[allow(clippy::large_enum_variant)]
