@@ -15,6 +15,8 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 
+pub mod apiserver;
+
 pub fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
@@ -343,4 +345,47 @@ pub fn service_objects(spec: &ServiceSpec) -> String {
         name = spec.name,
         ip = spec.cluster_ip,
     )
+}
+
+/// A tokio runtime whose threads live in a network namespace: sockets it opens (a fake API
+/// server's listener, say) are in that namespace, while the test drives it from outside.
+pub struct NetnsRuntime {
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl NetnsRuntime {
+    pub fn new(ns: &Netns) -> Result<Self> {
+        let path = ns.path();
+        // Namespaces are per thread and inherited by threads it creates: enter the namespace on
+        // a fresh thread and build the runtime (and so its workers) there.
+        let runtime = thread::spawn(move || -> Result<tokio::runtime::Runtime> {
+            let file = fs::File::open(&path).with_context(|| format!("opening {path}"))?;
+            // SAFETY: setns on this thread only, with a valid namespace fd.
+            if unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&file), libc::CLONE_NEWNET) } != 0 {
+                bail!("setns {path}: {}", std::io::Error::last_os_error());
+            }
+            Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?)
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("netns thread panicked"))??;
+        Ok(Self { runtime: Some(runtime) })
+    }
+
+    /// Runs `future` on the namespace's worker threads and waits for it.
+    pub fn run<F>(&self, future: F) -> F::Output
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let runtime = self.runtime.as_ref().expect("runtime");
+        runtime.block_on(runtime.spawn(future)).expect("task panicked")
+    }
+}
+
+impl Drop for NetnsRuntime {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_timeout(Duration::from_secs(2));
+        }
+    }
 }

@@ -9,7 +9,11 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::{Namespace, Node, Pod, Service},
+    discovery::v1::EndpointSlice,
+    networking::v1::NetworkPolicy,
+};
 use serde::{Deserialize, Serialize};
 
 pub const CHECKPOINT_VERSION: u32 = 1;
@@ -21,6 +25,10 @@ pub struct Checkpoint {
     pub written_unix: f64,
     pub services: Vec<Service>,
     pub endpoint_slices: Vec<EndpointSlice>,
+    pub pods: Vec<Pod>,
+    pub namespaces: Vec<Namespace>,
+    pub nodes: Vec<Node>,
+    pub network_policies: Vec<NetworkPolicy>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -102,7 +110,7 @@ mod tests {
             "spec": {"clusterIP": "10.96.0.10", "ports": [{"port": 80}]}
         }))
         .unwrap();
-        Checkpoint { written_unix: 1.5, services: vec![service], endpoint_slices: vec![] }
+        Checkpoint { written_unix: 1.5, services: vec![service], ..Default::default() }
     }
 
     #[test]

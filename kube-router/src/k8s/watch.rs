@@ -8,7 +8,11 @@ use std::{path::PathBuf, time::Duration};
 
 use anyhow::{Context, Result};
 use futures_util::StreamExt;
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::{Namespace, Node, Pod, Service},
+    discovery::v1::EndpointSlice,
+    networking::v1::NetworkPolicy,
+};
 use kube::{
     config::{KubeConfigOptions, Kubeconfig},
     runtime::{watcher, WatchStreamExt},
@@ -49,7 +53,14 @@ pub async fn client(options: &ApiOptions) -> Result<Client> {
 
 /// (API group, resource) of everything the agent lists and watches; the RBAC in
 /// manifests/ grants exactly these (checked by a test).
-pub const WATCHED_RESOURCES: [(&str, &str); 2] = [("", "services"), ("discovery.k8s.io", "endpointslices")];
+pub const WATCHED_RESOURCES: [(&str, &str); 6] = [
+    ("", "services"),
+    ("discovery.k8s.io", "endpointslices"),
+    ("", "pods"),
+    ("", "namespaces"),
+    ("", "nodes"),
+    ("networking.k8s.io", "networkpolicies"),
+];
 
 /// One watcher's news for the agent loop.
 // Moved once through a channel, never stored in bulk: boxing would only add an allocation.
@@ -57,6 +68,10 @@ pub const WATCHED_RESOURCES: [(&str, &str); 2] = [("", "services"), ("discovery.
 pub enum WatchUpdate {
     Services(watcher::Event<Service>),
     EndpointSlices(watcher::Event<EndpointSlice>),
+    Pods(watcher::Event<Pod>),
+    Namespaces(watcher::Event<Namespace>),
+    Nodes(watcher::Event<Node>),
+    NetworkPolicies(watcher::Event<NetworkPolicy>),
     /// A watch or list failed; the watcher backs off and retries by itself.
     Error {
         resource: &'static str,
@@ -69,7 +84,23 @@ pub fn spawn_watchers(client: Client, updates: mpsc::Sender<WatchUpdate>) {
     // Watch requests time out server-side after this; shorter than any client read timeout.
     let config = watcher::Config::default().timeout(20);
     spawn_one(Api::<Service>::all(client.clone()), config.clone(), updates.clone(), "services", WatchUpdate::Services);
-    spawn_one(Api::<EndpointSlice>::all(client), config, updates, "endpointslices", WatchUpdate::EndpointSlices);
+    spawn_one(
+        Api::<EndpointSlice>::all(client.clone()),
+        config.clone(),
+        updates.clone(),
+        "endpointslices",
+        WatchUpdate::EndpointSlices,
+    );
+    spawn_one(Api::<Pod>::all(client.clone()), config.clone(), updates.clone(), "pods", WatchUpdate::Pods);
+    spawn_one(
+        Api::<Namespace>::all(client.clone()),
+        config.clone(),
+        updates.clone(),
+        "namespaces",
+        WatchUpdate::Namespaces,
+    );
+    spawn_one(Api::<Node>::all(client.clone()), config.clone(), updates.clone(), "nodes", WatchUpdate::Nodes);
+    spawn_one(Api::<NetworkPolicy>::all(client), config, updates, "networkpolicies", WatchUpdate::NetworkPolicies);
 }
 
 fn spawn_one<K>(
@@ -96,24 +127,46 @@ fn spawn_one<K>(
     });
 }
 
-/// The objects the service proxy needs, as last seen.
+/// Every watched object, as last seen. Pods, Namespaces, Nodes and NetworkPolicies are kept
+/// (and checkpointed) for the policy and BGP controllers; the service proxy reads the first two.
 #[derive(Default)]
 pub struct ClusterObjects {
     pub services: ObjectStore<Service>,
     pub endpoint_slices: ObjectStore<EndpointSlice>,
+    pub pods: ObjectStore<Pod>,
+    pub namespaces: ObjectStore<Namespace>,
+    pub nodes: ObjectStore<Node>,
+    pub network_policies: ObjectStore<NetworkPolicy>,
 }
 
 impl ClusterObjects {
-    /// Applies a watcher update; returns whether the desired state may have changed.
+    /// Applies a watcher update; returns whether the service proxy's desired state may have changed.
     pub fn apply(&mut self, update: WatchUpdate) -> bool {
         match update {
             WatchUpdate::Services(event) => self.services.apply(event),
             WatchUpdate::EndpointSlices(event) => self.endpoint_slices.apply(event),
+            WatchUpdate::Pods(event) => {
+                self.pods.apply(event);
+                false
+            }
+            WatchUpdate::Namespaces(event) => {
+                self.namespaces.apply(event);
+                false
+            }
+            WatchUpdate::Nodes(event) => {
+                self.nodes.apply(event);
+                false
+            }
+            WatchUpdate::NetworkPolicies(event) => {
+                self.network_policies.apply(event);
+                false
+            }
             WatchUpdate::Error { .. } => false,
         }
     }
 
-    /// Every kind has been listed completely since start: deletions are safe.
+    /// Services and EndpointSlices have been listed completely since start: deletions of
+    /// service map entries are safe.
     pub fn synced(&self) -> bool {
         self.services.synced() && self.endpoint_slices.synced()
     }
@@ -134,12 +187,20 @@ impl ClusterObjects {
             written_unix: crate::metrics::unix_now(),
             services: self.services.objects().cloned().collect(),
             endpoint_slices: self.endpoint_slices.objects().cloned().collect(),
+            pods: self.pods.objects().cloned().collect(),
+            namespaces: self.namespaces.objects().cloned().collect(),
+            nodes: self.nodes.objects().cloned().collect(),
+            network_policies: self.network_policies.objects().cloned().collect(),
         }
     }
 
     pub fn restore(&mut self, checkpoint: Checkpoint) {
         self.services.restore(checkpoint.services);
         self.endpoint_slices.restore(checkpoint.endpoint_slices);
+        self.pods.restore(checkpoint.pods);
+        self.namespaces.restore(checkpoint.namespaces);
+        self.nodes.restore(checkpoint.nodes);
+        self.network_policies.restore(checkpoint.network_policies);
     }
 }
 

@@ -3,6 +3,8 @@
 //!   krt-netprobe serve NAME PORT            TCP and UDP server on PORT answering every line / datagram with NAME
 //!   krt-netprobe request tcp|udp ADDR COUNT COUNT new connections (or datagrams); prints one reply (or ERR ...) per line
 //!   krt-netprobe hold ADDR INTERVAL_MS      one TCP connection, a request every INTERVAL_MS, prints each reply, forever
+//!   krt-netprobe probe ADDR INTERVAL_MS     a new TCP connection every INTERVAL_MS, prints each reply (or ERR ...), forever
+//!   krt-netprobe http ADDR PATH             one HTTP/1.0 GET; prints the status code, then the body
 use std::{
     io::{BufRead, BufReader, Write},
     net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
@@ -62,6 +64,18 @@ fn udp_once(addr: SocketAddr) -> Result<String, String> {
     Ok(String::from_utf8_lossy(&buf[..n]).trim().to_string())
 }
 
+fn http_get(addr: SocketAddr, path: &str) -> Result<(String, String), String> {
+    use std::io::Read;
+    let mut stream = TcpStream::connect_timeout(&addr, TIMEOUT).map_err(|e| format!("connect: {e}"))?;
+    stream.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
+    stream.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).map_err(|e| e.to_string())?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).map_err(|e| format!("read: {e}"))?;
+    let status = response.split_whitespace().nth(1).unwrap_or("?").to_string();
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    Ok((status, body))
+}
+
 fn hold(addr: SocketAddr, interval: Duration) -> ! {
     let stream = TcpStream::connect_timeout(&addr, TIMEOUT).expect("connect");
     stream.set_read_timeout(Some(TIMEOUT)).expect("timeout");
@@ -98,6 +112,22 @@ fn main() {
                 }
             }
         }
+        "probe" => {
+            let addr: SocketAddr = arg(1).parse().expect("addr");
+            let interval = Duration::from_millis(arg(2).parse().expect("interval"));
+            loop {
+                match tcp_once(addr) {
+                    Ok(name) => println!("{name}"),
+                    Err(e) => println!("ERR {e}"),
+                }
+                let _ = std::io::stdout().flush();
+                std::thread::sleep(interval);
+            }
+        }
+        "http" => match http_get(arg(1).parse().expect("addr"), &arg(2)) {
+            Ok((status, body)) => println!("{status}\n{body}"),
+            Err(e) => println!("ERR {e}"),
+        },
         "hold" => hold(arg(1).parse().expect("addr"), Duration::from_millis(arg(2).parse().expect("interval"))),
         other => panic!("unknown command {other}"),
     }

@@ -1,0 +1,53 @@
+//! The command line: bad values get a clear message and exit code 2; help reads well.
+use std::process::Command;
+
+fn kube_router(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kube-router")).args(args).env_remove("RUST_LOG").output().unwrap()
+}
+
+#[test]
+fn bad_flag_values_exit_2_with_a_message_naming_the_flag() {
+    for (args, needle) in [
+        (&["--metrics-port", "70000"][..], "--metrics-port"),
+        (&["--max-backends-per-service", "0"][..], "--max-backends-per-service"),
+        (&["--nodeport-addresses", "10.0.0.300"][..], "--nodeport-addresses"),
+        (&["--no-such-flag"][..], "--no-such-flag"),
+        (&["--service-file", "x.yaml", "--kubeconfig", "k"][..], "cannot be used with"),
+    ] {
+        let out = kube_router(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn help_lists_the_commands_and_the_familiar_flags() {
+    let out = kube_router(&["--help"]);
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    for word in [
+        "services",
+        "conntrack",
+        "cleanup",
+        "--kubeconfig",
+        "--master",
+        "--hostname-override",
+        "--metrics-port",
+        "--health-port",
+        "KUBE_ROUTER_",
+    ] {
+        assert!(help.contains(word), "help lacks {word}:\n{help}");
+    }
+}
+
+#[test]
+fn inspecting_a_node_without_state_is_a_clear_error() {
+    let out = kube_router(&["--bpf-root", "/sys/fs/bpf/krt-cli-nothing-here", "services"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("opening pinned map"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -1,0 +1,300 @@
+//! End to end against a fake API server that speaks the real list/watch protocol (the agent
+//! runs the real kube-rs client): programming from the API, an outage that changes nothing,
+//! a crash during the outage, and a 410 relist. As root, in network namespaces.
+use std::{
+    sync::Arc,
+    thread,
+    time::{Duration, Instant},
+};
+
+use kube_router_tests::{
+    apiserver::{FakeApiServer, FakeApiServerConfig, FaultMode},
+    *,
+};
+use serde::Deserialize;
+
+const VIP: &str = "10.96.0.10";
+const STICKY_VIP: &str = "10.96.0.11";
+const HEALTH_PORT: &str = "20244";
+
+fn backends(n: usize) -> Vec<String> {
+    (0..n).map(backend_addr).collect()
+}
+
+fn objects(web_backends: &[String]) -> String {
+    let web = service_objects(&ServiceSpec {
+        name: "web",
+        cluster_ip: VIP,
+        node_port: Some(30080),
+        affinity: false,
+        backends: web_backends,
+    });
+    let all = backends(3);
+    let sticky = service_objects(&ServiceSpec {
+        name: "sticky",
+        cluster_ip: STICKY_VIP,
+        node_port: None,
+        affinity: true,
+        backends: &all,
+    });
+    format!("{web}{sticky}")
+}
+
+struct Env {
+    topo: Topology,
+    runtime: NetnsRuntime,
+    server: Arc<FakeApiServer>,
+    state_dir: std::path::PathBuf,
+}
+
+impl Env {
+    fn new(prefix: &str) -> Env {
+        let topo = Topology::new(prefix, 3).expect("topology");
+        remove_bpf_root(&topo.bpf_root());
+        // The API server listens on the node namespace's loopback, where the agent runs.
+        let runtime = NetnsRuntime::new(&topo.node).unwrap();
+        let server =
+            Arc::new(runtime.run(async { FakeApiServer::spawn(FakeApiServerConfig::default()).await.unwrap() }));
+        let state_dir = std::env::temp_dir().join(format!("{prefix}-state"));
+        let _ = std::fs::remove_dir_all(&state_dir);
+        let env = Env { topo, runtime, server, state_dir };
+        env.apply(&objects(&backends(3)));
+        env
+    }
+
+    fn apply(&self, yaml: &str) {
+        for doc in serde_yaml::Deserializer::from_str(yaml) {
+            let value = serde_yaml::Value::deserialize(doc).unwrap();
+            if !value.is_null() {
+                self.server.apply(serde_json::to_value(value).unwrap()).unwrap();
+            }
+        }
+    }
+
+    fn set_mode(&self, mode: FaultMode) {
+        let server = self.server.clone();
+        self.runtime.run(async move { server.set_mode(mode).await.unwrap() });
+    }
+
+    fn agent(&self) -> Agent {
+        let master = self.server.url();
+        let state_dir = self.state_dir.display().to_string();
+        Agent::start(
+            &self.topo.node,
+            &self.topo.bpf_root(),
+            &["--master", &master, "--state-dir", &state_dir, "--health-port", HEALTH_PORT],
+        )
+        .unwrap()
+    }
+
+    /// The maps the agent writes (the datapath itself writes ct_v4, affinity_v4, lb_stats).
+    fn agent_maps(&self) -> Vec<String> {
+        let dumps = dump_maps(&self.topo.bpf_root()).unwrap();
+        ["svc_v4", "svc_slots_v4", "backends_v4", "meta"].iter().map(|n| dumps[*n].clone()).collect()
+    }
+
+    fn routes(&self) -> String {
+        self.topo.node.run(&["ip", "route", "show", "table", "all"]).unwrap()
+    }
+
+    fn health(&self) -> (String, String) {
+        let out = self
+            .topo
+            .node
+            .run(&[netprobe_bin().to_str().unwrap(), "http", &format!("127.0.0.1:{HEALTH_PORT}"), "/healthz"])
+            .unwrap();
+        let (status, body) = out.split_once('\n').unwrap_or((&out, ""));
+        (status.trim().to_string(), body.trim().to_string())
+    }
+
+    /// A client opening a new connection to the ClusterIP every 200 ms, until the test ends.
+    fn prober(&self) -> Arc<std::sync::Mutex<Vec<String>>> {
+        self.topo
+            .client
+            .spawn_collecting(&[netprobe_bin().to_str().unwrap(), "probe", &format!("{VIP}:80"), "200"])
+            .unwrap()
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        remove_bpf_root(&self.topo.bpf_root());
+    }
+}
+
+fn failures(probes: &[String]) -> Vec<&String> {
+    probes.iter().filter(|p| !p.starts_with("backend-")).collect()
+}
+
+fn assert_all_ok(replies: &[String]) {
+    assert!(failures(replies).is_empty(), "failed requests: {replies:?}");
+}
+
+fn outage_secs() -> u64 {
+    // Longest client-side timeout in the agent: 30 s (read timeout, and the watcher's backoff
+    // cap); the outage lasts three times that.
+    std::env::var("KRT_OUTAGE_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(95)
+}
+
+#[test]
+fn programs_from_the_api_and_applies_changes() {
+    let env = Env::new("krt-api");
+    let mut agent = env.agent();
+    let line = agent.wait_for_log("complete=true", 1, Duration::from_secs(30)).unwrap();
+    assert!(log_field(&line, "inserts").unwrap() > 0, "{line}");
+    let replies = env.topo.request("tcp", &format!("{VIP}:80"), 30).unwrap();
+    assert_all_ok(&replies);
+    assert_eq!(tally(&replies).len(), 3);
+
+    env.apply(&objects(&backends(2)));
+    let line = agent.wait_for_log("complete=true", 2, Duration::from_secs(30)).unwrap();
+    // web loses backend-3 on both ports: 2 slots deleted, 6 frontends (ClusterIP tcp + udp,
+    // 4 NodePort addresses) get a new count; the backend stays (sticky still uses it).
+    assert_eq!(
+        (log_field(&line, "inserts"), log_field(&line, "updates"), log_field(&line, "deletes")),
+        (Some(0), Some(6), Some(2)),
+        "{line}"
+    );
+    let replies = env.topo.request("tcp", &format!("{VIP}:80"), 30).unwrap();
+    assert_all_ok(&replies);
+    assert!(!replies.iter().any(|r| r == "backend-3"));
+}
+
+#[test]
+fn an_api_outage_changes_nothing_and_recovery_applies_only_the_real_difference() {
+    let env = Env::new("krt-out");
+    let mut agent = env.agent();
+    agent.wait_for_log("complete=true", 1, Duration::from_secs(30)).unwrap();
+    let probes = env.prober();
+    thread::sleep(Duration::from_secs(1));
+    let maps_before = env.agent_maps();
+    let routes_before = env.routes();
+
+    env.set_mode(FaultMode::BlackHole);
+    let started = Instant::now();
+    let mut checks = 0;
+    while started.elapsed() < Duration::from_secs(outage_secs()) {
+        thread::sleep(Duration::from_secs(5));
+        assert!(agent.is_running(), "agent died {:?} into the outage", started.elapsed());
+        let (status, body) = env.health();
+        assert_eq!(status, "200", "liveness must stay OK during an outage: {body}");
+        assert_eq!(env.agent_maps(), maps_before, "maps changed {:?} into the outage", started.elapsed());
+        checks += 1;
+    }
+    assert!(checks as u64 >= outage_secs() / 6, "{checks} checks");
+    let (_, body) = env.health();
+    assert!(body.contains("\"api\":\"unreachable\""), "health reports the outage: {body}");
+    assert!(agent.log.lock().unwrap().iter().any(|l| l.contains("API watch failed")), "outage logged");
+    assert_eq!(env.routes(), routes_before);
+    let outage_probes = probes.lock().unwrap().clone();
+    assert!(outage_probes.len() as u64 >= outage_secs() * 3, "prober ran: {} probes", outage_probes.len());
+    assert!(
+        failures(&outage_probes).is_empty(),
+        "connections failed during the outage: {:?}",
+        failures(&outage_probes)
+    );
+
+    // The API comes back with one Service changed: exactly that change is applied.
+    env.apply(&objects(&backends(2)));
+    env.set_mode(FaultMode::Normal);
+    let line = agent.wait_for_log("complete=true", 2, Duration::from_secs(90)).unwrap();
+    assert_eq!(
+        (log_field(&line, "inserts"), log_field(&line, "updates"), log_field(&line, "deletes")),
+        (Some(0), Some(6), Some(2)),
+        "{line}"
+    );
+    thread::sleep(Duration::from_secs(1));
+    let all = probes.lock().unwrap().clone();
+    assert!(failures(&all).is_empty(), "connections failed: {:?}", failures(&all));
+    let (_, body) = env.health();
+    assert!(body.contains("\"api\":\"reachable\""), "{body}");
+}
+
+#[test]
+fn killed_during_an_outage_the_agent_restarts_from_its_checkpoint() {
+    let env = Env::new("krt-ck");
+    let mut agent = env.agent();
+    agent.wait_for_log("complete=true", 1, Duration::from_secs(30)).unwrap();
+    let probes = env.prober();
+    let maps_before = env.agent_maps();
+
+    env.set_mode(FaultMode::Refuse);
+    agent.kill();
+    let mut agent = env.agent();
+    agent.wait_for_log("restored desired state from checkpoint", 1, Duration::from_secs(20)).unwrap();
+    let line = agent.wait_for_log("service sync complete", 1, Duration::from_secs(20)).unwrap();
+    assert!(line.contains("complete=false"), "a checkpoint is not a complete listing: {line}");
+    for field in ["inserts", "updates", "deletes", "errors"] {
+        assert_eq!(log_field(&line, field), Some(0), "restore rewrote maps: {line}");
+    }
+    assert_eq!(agent.log.lock().unwrap().iter().filter(|l| l.contains("ingress=Adopted egress=Adopted")).count(), 4);
+    thread::sleep(Duration::from_secs(3));
+    assert_eq!(env.agent_maps(), maps_before);
+    assert!(agent.is_running());
+
+    // A 500-answering API is no better; then it recovers with nothing changed.
+    env.set_mode(FaultMode::Errors500);
+    thread::sleep(Duration::from_secs(3));
+    env.set_mode(FaultMode::Normal);
+    let line = agent.wait_for_log("complete=true", 1, Duration::from_secs(60)).unwrap();
+    assert_eq!(
+        log_field(&line, "inserts").unwrap()
+            + log_field(&line, "updates").unwrap()
+            + log_field(&line, "deletes").unwrap(),
+        0,
+        "{line}"
+    );
+    assert_eq!(env.agent_maps(), maps_before);
+    let all = probes.lock().unwrap().clone();
+    assert!(all.len() > 20);
+    assert!(failures(&all).is_empty(), "traffic stopped: {:?}", failures(&all));
+}
+
+#[test]
+fn a_corrupt_checkpoint_is_rejected_and_the_maps_are_left_alone() {
+    let env = Env::new("krt-cc");
+    let mut agent = env.agent();
+    agent.wait_for_log("complete=true", 1, Duration::from_secs(30)).unwrap();
+    let maps_before = env.agent_maps();
+    agent.kill();
+    let checkpoint = env.state_dir.join("checkpoint.json");
+    let text = std::fs::read_to_string(&checkpoint).unwrap();
+    std::fs::write(&checkpoint, &text[..text.len() / 2]).unwrap();
+
+    env.set_mode(FaultMode::Refuse);
+    let mut agent = env.agent();
+    agent.wait_for_log("ignoring checkpoint", 1, Duration::from_secs(20)).unwrap();
+    thread::sleep(Duration::from_secs(3));
+    assert!(agent.is_running());
+    assert!(
+        !agent.log.lock().unwrap().iter().any(|l| l.contains("service sync complete")),
+        "nothing synced from a corrupt checkpoint"
+    );
+    assert_eq!(env.agent_maps(), maps_before);
+    assert_all_ok(&env.topo.request("tcp", &format!("{VIP}:80"), 10).unwrap());
+
+    env.set_mode(FaultMode::Normal);
+    let line = agent.wait_for_log("complete=true", 1, Duration::from_secs(60)).unwrap();
+    assert_eq!(log_field(&line, "updates"), Some(0), "{line}");
+    assert_eq!(env.agent_maps(), maps_before);
+}
+
+#[test]
+fn a_410_relist_flushes_nothing() {
+    let env = Env::new("krt-410");
+    let mut agent = env.agent();
+    agent.wait_for_log("complete=true", 1, Duration::from_secs(30)).unwrap();
+    let maps_before = env.agent_maps();
+    env.server.compact();
+    env.server.close_watches();
+    // The watchers resume from a version that is gone, get 410 in-stream, and relist.
+    agent.wait_for_log("too old resource version", 1, Duration::from_secs(30)).unwrap();
+    thread::sleep(Duration::from_secs(2));
+    assert_eq!(env.agent_maps(), maps_before);
+    assert_eq!(
+        agent.log.lock().unwrap().iter().filter(|l| l.contains("service sync complete")).count(),
+        1,
+        "an identical relist syncs nothing"
+    );
+    assert_all_ok(&env.topo.request("tcp", &format!("{VIP}:80"), 10).unwrap());
+}
