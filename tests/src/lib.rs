@@ -216,8 +216,11 @@ impl Agent {
         let sink = log.clone();
         let stderr = child.stderr.take().context("stderr")?;
         thread::spawn(move || {
+            let quiet = std::env::var_os("KRT_QUIET_AGENT").is_some();
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                eprintln!("    agent: {line}");
+                if !quiet {
+                    eprintln!("    agent: {line}");
+                }
                 sink.lock().unwrap().push(line);
             }
         });
@@ -241,6 +244,20 @@ impl Agent {
             }
             thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Peak resident memory (VmHWM) of the agent process, in KiB.
+    pub fn peak_rss_kib(&self) -> Option<u64> {
+        let status = fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;
+        status.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()
+    }
+
+    pub fn log_count(&self, needle: &str) -> usize {
+        self.log.lock().unwrap().iter().filter(|l| l.contains(needle)).count()
     }
 
     pub fn is_running(&mut self) -> bool {

@@ -123,7 +123,13 @@ fn cargo_test(args: &[&str]) -> Result<(u64, u64)> {
 
 fn bench() -> Result<()> {
     require_root()?;
-    cargo(&["bench", "-p", "kube-router", "--bench", "datapath"])
+    cargo(&["bench", "-p", "kube-router", "--bench", "datapath"])?;
+    // The API benchmark runs the agent as a process: measure the optimised build.
+    cargo(&["build", "--release", "-p", "kube-router"])?;
+    let agent = workspace_root().join("target/release/kube-router");
+    run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["bench", "-p", "kube-router-tests", "--bench", "api_sync"])
+        .env("KUBE_ROUTER_BIN", agent))
 }
 
 fn main() -> Result<()> {
