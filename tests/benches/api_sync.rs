@@ -32,7 +32,11 @@ fn slice(i: usize, generation: usize) -> Value {
     let endpoints: Vec<Value> = (0..ENDPOINTS_PER_SERVICE)
         .map(|e| {
             let n = i * ENDPOINTS_PER_SERVICE + e;
-            let addr = if e == 0 && generation > 0 { ip([10, 200], generation) } else { format!("10.{}.{}.{}", 128 + (n >> 16), (n >> 8) & 0xff, n & 0xff) };
+            let addr = if e == 0 && generation > 0 {
+                ip([10, 200], generation)
+            } else {
+                format!("10.{}.{}.{}", 128 + (n >> 16), (n >> 8) & 0xff, n & 0xff)
+            };
             json!({"addresses": [addr], "conditions": {"ready": true}})
         })
         .collect();
@@ -54,10 +58,12 @@ fn main() {
     // Baseline: the same objects from a file.
     let items: Vec<Value> = (0..SERVICES).flat_map(|i| [service(i), slice(i, 0)]).collect();
     let file = std::env::temp_dir().join("krt-bench-objects.json");
-    std::fs::write(&file, serde_json::to_string(&json!({"apiVersion": "v1", "kind": "List", "items": items})).unwrap()).unwrap();
+    std::fs::write(&file, serde_json::to_string(&json!({"apiVersion": "v1", "kind": "List", "items": items})).unwrap())
+        .unwrap();
     remove_bpf_root(&root);
     let started = Instant::now();
-    let mut agent = Agent::start(&node, &root, &["--service-file", file.to_str().unwrap(), "--health-port", "0"]).unwrap();
+    let mut agent =
+        Agent::start(&node, &root, &["--service-file", file.to_str().unwrap(), "--health-port", "0"]).unwrap();
     agent.wait_for_log("service sync complete", 1, Duration::from_secs(300)).unwrap();
     let file_time = started.elapsed();
     let file_rss = agent.peak_rss_kib().unwrap_or(0);
@@ -95,11 +101,27 @@ fn main() {
 
     let secs = |d: Duration| d.as_secs_f64();
     println!("== cold start to programmed maps: {SERVICES} services, {} endpoints", SERVICES * ENDPOINTS_PER_SERVICE);
-    println!("from the API server (kube-rs list + watch) {:>8.2} s   peak RSS {:>6.1} MiB", secs(api_time), api_rss as f64 / 1024.0);
-    println!("from a file (baseline)                     {:>8.2} s   peak RSS {:>6.1} MiB", secs(file_time), file_rss as f64 / 1024.0);
-    println!("ratio API / file                           {:>8.2}x  memory {:.2}x", secs(api_time) / secs(file_time), api_rss as f64 / file_rss.max(1) as f64);
+    println!(
+        "from the API server (kube-rs list + watch) {:>8.2} s   peak RSS {:>6.1} MiB",
+        secs(api_time),
+        api_rss as f64 / 1024.0
+    );
+    println!(
+        "from a file (baseline)                     {:>8.2} s   peak RSS {:>6.1} MiB",
+        secs(file_time),
+        file_rss as f64 / 1024.0
+    );
+    println!(
+        "ratio API / file                           {:>8.2}x  memory {:.2}x",
+        secs(api_time) / secs(file_time),
+        api_rss as f64 / file_rss.max(1) as f64
+    );
     println!("== one endpoint changed -> maps updated ({CHANGES} changes, includes the log pipe)");
-    println!("p50 {:>7.1} ms   p99 {:>7.1} ms   max {:>7.1} ms   peak RSS after changes {:.1} MiB",
-        percentile(&latencies, 0.5).as_secs_f64() * 1e3, percentile(&latencies, 0.99).as_secs_f64() * 1e3,
-        latencies.last().unwrap().as_secs_f64() * 1e3, total_rss as f64 / 1024.0);
+    println!(
+        "p50 {:>7.1} ms   p99 {:>7.1} ms   max {:>7.1} ms   peak RSS after changes {:.1} MiB",
+        percentile(&latencies, 0.5).as_secs_f64() * 1e3,
+        percentile(&latencies, 0.99).as_secs_f64() * 1e3,
+        latencies.last().unwrap().as_secs_f64() * 1e3,
+        total_rss as f64 / 1024.0
+    );
 }

@@ -143,6 +143,35 @@ pub fn backend_addr(i: usize) -> String {
     format!("10.0.{}.2", 10 + i)
 }
 
+/// Addresses of the first `n` backends.
+pub fn backend_addrs(n: usize) -> Vec<String> {
+    (0..n).map(backend_addr).collect()
+}
+
+pub const VIP: &str = "10.96.0.10";
+pub const STICKY_VIP: &str = "10.96.0.11";
+
+/// The tests' two Services: `web` (ClusterIP [`VIP`], NodePort 30080) over `web_backends`, and
+/// `sticky` (ClusterIP [`STICKY_VIP`], ClientIP affinity) over backends 1-3.
+pub fn web_and_sticky(web_backends: &[String]) -> String {
+    let web = service_objects(&ServiceSpec {
+        name: "web",
+        cluster_ip: VIP,
+        node_port: Some(30080),
+        affinity: false,
+        backends: web_backends,
+    });
+    let all = backend_addrs(3);
+    let sticky = service_objects(&ServiceSpec {
+        name: "sticky",
+        cluster_ip: STICKY_VIP,
+        node_port: None,
+        affinity: true,
+        backends: &all,
+    });
+    format!("{web}{sticky}")
+}
+
 impl Topology {
     pub fn new(prefix: &str, backends: usize) -> Result<Self> {
         let client = Netns::new(&format!("{prefix}-client"))?;

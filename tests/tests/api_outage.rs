@@ -13,32 +13,7 @@ use kube_router_tests::{
 };
 use serde::Deserialize;
 
-const VIP: &str = "10.96.0.10";
-const STICKY_VIP: &str = "10.96.0.11";
 const HEALTH_PORT: &str = "20244";
-
-fn backends(n: usize) -> Vec<String> {
-    (0..n).map(backend_addr).collect()
-}
-
-fn objects(web_backends: &[String]) -> String {
-    let web = service_objects(&ServiceSpec {
-        name: "web",
-        cluster_ip: VIP,
-        node_port: Some(30080),
-        affinity: false,
-        backends: web_backends,
-    });
-    let all = backends(3);
-    let sticky = service_objects(&ServiceSpec {
-        name: "sticky",
-        cluster_ip: STICKY_VIP,
-        node_port: None,
-        affinity: true,
-        backends: &all,
-    });
-    format!("{web}{sticky}")
-}
 
 struct Env {
     topo: Topology,
@@ -58,7 +33,7 @@ impl Env {
         let state_dir = std::env::temp_dir().join(format!("{prefix}-state"));
         let _ = std::fs::remove_dir_all(&state_dir);
         let env = Env { topo, runtime, server, state_dir };
-        env.apply(&objects(&backends(3)));
+        env.apply(&web_and_sticky(&backend_addrs(3)));
         env
     }
 
@@ -146,7 +121,7 @@ fn programs_from_the_api_and_applies_changes() {
     assert_all_ok(&replies);
     assert_eq!(tally(&replies).len(), 3);
 
-    env.apply(&objects(&backends(2)));
+    env.apply(&web_and_sticky(&backend_addrs(2)));
     let line = agent.wait_for_log("complete=true", 2, Duration::from_secs(30)).unwrap();
     // web loses backend-3 on both ports: 2 slots deleted, 6 frontends (ClusterIP tcp + udp,
     // 4 NodePort addresses) get a new count; the backend stays (sticky still uses it).
@@ -195,7 +170,7 @@ fn an_api_outage_changes_nothing_and_recovery_applies_only_the_real_difference()
     );
 
     // The API comes back with one Service changed: exactly that change is applied.
-    env.apply(&objects(&backends(2)));
+    env.apply(&web_and_sticky(&backend_addrs(2)));
     env.set_mode(FaultMode::Normal);
     let line = agent.wait_for_log("complete=true", 2, Duration::from_secs(90)).unwrap();
     assert_eq!(

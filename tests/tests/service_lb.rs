@@ -4,32 +4,6 @@ use std::{thread, time::Duration};
 
 use kube_router_tests::*;
 
-const VIP: &str = "10.96.0.10";
-const STICKY_VIP: &str = "10.96.0.11";
-
-fn backends(n: usize) -> Vec<String> {
-    (0..n).map(backend_addr).collect()
-}
-
-fn objects(web_backends: &[String]) -> String {
-    let web = service_objects(&ServiceSpec {
-        name: "web",
-        cluster_ip: VIP,
-        node_port: Some(30080),
-        affinity: false,
-        backends: web_backends,
-    });
-    let all = backends(3);
-    let sticky = service_objects(&ServiceSpec {
-        name: "sticky",
-        cluster_ip: STICKY_VIP,
-        node_port: None,
-        affinity: true,
-        backends: &all,
-    });
-    format!("{web}{sticky}")
-}
-
 struct Env {
     topo: Topology,
     file: ServiceFile,
@@ -40,7 +14,7 @@ impl Env {
         let topo = Topology::new(prefix, 3).expect("topology");
         remove_bpf_root(&topo.bpf_root());
         let file = ServiceFile::new(prefix);
-        file.write(&objects(&backends(3))).unwrap();
+        file.write(&web_and_sticky(&backend_addrs(3))).unwrap();
         Env { topo, file }
     }
     fn agent(&self) -> Agent {
@@ -103,8 +77,8 @@ fn removed_backend_gets_no_new_flows_while_established_flows_keep_working() {
     let index: usize = pinned_to.trim_start_matches("backend-").parse().unwrap();
 
     let remaining: Vec<String> =
-        backends(3).into_iter().enumerate().filter(|(i, _)| i + 1 != index).map(|(_, b)| b).collect();
-    env.file.write(&objects(&remaining)).unwrap();
+        backend_addrs(3).into_iter().enumerate().filter(|(i, _)| i + 1 != index).map(|(_, b)| b).collect();
+    env.file.write(&web_and_sticky(&remaining)).unwrap();
     let line = agent.wait_for_log("service sync complete", 2, Duration::from_secs(10)).unwrap();
     assert!(log_field(&line, "deletes").unwrap() > 0, "{line}");
 
@@ -167,7 +141,9 @@ fn bad_input_is_rejected_and_changes_nothing() {
     let before = dump_maps(&topo.bpf_root()).unwrap()["svc_v4"].clone();
 
     // An unsupported protocol in one Service: that Service is rejected, its entries stay.
-    env.file.write(&objects(&backends(3)).replacen("protocol: UDP, port: 53", "protocol: SCTP, port: 53", 1)).unwrap();
+    env.file
+        .write(&web_and_sticky(&backend_addrs(3)).replacen("protocol: UDP, port: 53", "protocol: SCTP, port: 53", 1))
+        .unwrap();
     let line = agent.wait_for_log("service sync complete", 2, Duration::from_secs(10)).unwrap();
     assert_eq!(log_field(&line, "deletes"), Some(0), "{line}");
     assert_eq!(log_field(&line, "updates"), Some(0), "{line}");
