@@ -226,7 +226,14 @@ impl Metrics {
                 m.heartbeats.iter().map(|(k, t)| (*k, t.elapsed().as_secs_f64())).collect();
             // Always "ok" for liveness: an unreachable API server is degraded, never fatal.
             let api = if m.last_api_contact_unix.is_none() || m.api_reachable { "reachable" } else { "unreachable" };
-            serde_json::json!({ "status": "ok", "api": api, "seconds_since_heartbeat": detail }).to_string()
+            let api_contact = m.last_api_contact_unix.map(|t| (unix_now() - t).round());
+            serde_json::json!({
+                "status": "ok",
+                "api": api,
+                "seconds_since_api_contact": api_contact,
+                "seconds_since_heartbeat": detail,
+            })
+            .to_string()
         })
     }
 }
@@ -254,5 +261,63 @@ pub async fn serve(metrics: Metrics, port: u16) -> std::io::Result<()> {
             );
             let _ = stream.write_all(response.as_bytes()).await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::services::sync::OpCounts;
+
+    /// A minimal Prometheus text-format reader: family -> type, and every sample's family.
+    fn parse(text: &str) -> (BTreeMap<String, String>, Vec<(String, f64)>) {
+        let mut types = BTreeMap::new();
+        let mut samples = Vec::new();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').expect("TYPE name kind");
+                types.insert(name.to_string(), kind.to_string());
+            } else if !line.starts_with('#') && !line.is_empty() {
+                let (series, value) = line.rsplit_once(' ').expect("sample value");
+                let name = series.split('{').next().unwrap().to_string();
+                samples.push((name, value.parse().expect("numeric value")));
+            }
+        }
+        (types, samples)
+    }
+
+    #[test]
+    fn every_sample_belongs_to_a_typed_family_with_the_documented_names() {
+        let metrics = Metrics::default();
+        let mut report = SyncReport::default();
+        report.per_map.insert("svc_v4", OpCounts { inserts: 3, updates: 1, ..Default::default() });
+        metrics.record_sync(&report, Duration::from_millis(3));
+        let (types, samples) = parse(&metrics.render());
+        for (name, _) in &samples {
+            let family = name.trim_end_matches("_bucket").trim_end_matches("_sum").trim_end_matches("_count");
+            assert!(types.contains_key(name) || types.contains_key(family), "{name} has no TYPE");
+        }
+        assert_eq!(types["kube_router_map_writes_total"], "counter");
+        assert_eq!(types["kube_router_sync_duration_seconds"], "histogram");
+        assert_eq!(types["kube_router_api_reachable"], "gauge");
+        assert_eq!(types["kube_router_seconds_since_last_sync"], "gauge");
+        assert!(samples.contains(&("kube_router_map_writes_total".into(), 3.0)));
+        assert!(samples.contains(&("kube_router_sync_duration_seconds_count".into(), 1.0)));
+        assert!(metrics.render().contains("kube_router_map_writes_total{map=\"svc_v4\",op=\"update\"} 1"));
+    }
+
+    #[test]
+    fn health_is_ok_even_when_the_api_is_unreachable() {
+        let metrics = Metrics::default();
+        metrics.with(|m| {
+            m.last_api_contact_unix = Some(unix_now() - 100.0);
+            m.api_reachable = false;
+        });
+        let health: serde_json::Value = serde_json::from_str(&metrics.health()).unwrap();
+        assert_eq!(health["status"], "ok");
+        assert_eq!(health["api"], "unreachable");
+        assert!(health["seconds_since_api_contact"].as_f64().unwrap() >= 100.0);
     }
 }

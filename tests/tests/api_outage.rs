@@ -57,7 +57,7 @@ impl Env {
         Agent::start(
             &self.topo.node,
             &self.topo.bpf_root(),
-            &["--master", &master, "--state-dir", &state_dir, "--health-port", HEALTH_PORT],
+            &["--master", &master, "--state-dir", &state_dir, "--health-port", HEALTH_PORT, "--metrics-port", "20241"],
         )
         .unwrap()
     }
@@ -120,6 +120,15 @@ fn programs_from_the_api_and_applies_changes() {
     let replies = env.topo.request("tcp", &format!("{VIP}:80"), 30).unwrap();
     assert_all_ok(&replies);
     assert_eq!(tally(&replies).len(), 3);
+    let scrape = env.topo.node.run(&[netprobe_bin().to_str().unwrap(), "http", "127.0.0.1:20241", "/metrics"]).unwrap();
+    for needle in [
+        "kube_router_map_writes_total{map=\"svc_v4\",op=\"insert\"} 8",
+        "kube_router_map_entries{map=\"backends_v4\"} 6",
+        "kube_router_api_reachable 1",
+        "# TYPE kube_router_sync_duration_seconds histogram",
+    ] {
+        assert!(scrape.contains(needle), "metrics lack {needle}:\n{scrape}");
+    }
 
     env.apply(&web_and_sticky(&backend_addrs(2)));
     let line = agent.wait_for_log("complete=true", 2, Duration::from_secs(30)).unwrap();

@@ -1,11 +1,19 @@
-//! The demo: a node namespace running kube-router between a client and three backend pods.
+//! The demo: a node namespace running kube-router between a client and three backend pods,
+//! fed by a fake API server (the real kube-rs client talks to it), which is then black-holed.
 use std::{
-    sync::atomic::{AtomicBool, Ordering},
-    time::Duration,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    thread,
+    time::{Duration, Instant},
 };
 
 use anyhow::{bail, Result};
-use kube_router_tests::*;
+use kube_router_tests::{
+    apiserver::{FakeApiServer, FakeApiServerConfig, FaultMode},
+    *,
+};
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
@@ -30,6 +38,10 @@ fn kube_router(root: &std::path::Path, command: &str) -> Result<String> {
     sh(&[kube_router_bin().to_str().unwrap(), "--bpf-root", root.to_str().unwrap(), command])
 }
 
+fn summary(line: &str) -> &str {
+    line.split("INFO").last().unwrap_or(line).trim()
+}
+
 pub fn run() -> Result<()> {
     // SAFETY: the handler only stores to an atomic.
     unsafe {
@@ -45,26 +57,38 @@ pub fn run() -> Result<()> {
     result
 }
 
+fn apply(server: &FakeApiServer, yaml: &str) -> Result<()> {
+    use serde::Deserialize;
+    for doc in serde_yaml::Deserializer::from_str(yaml) {
+        let value = serde_yaml::Value::deserialize(doc)?;
+        if !value.is_null() {
+            server.apply(serde_json::to_value(value)?)?;
+        }
+    }
+    Ok(())
+}
+
 fn demo(topo: &Topology) -> Result<()> {
     let root = topo.bpf_root();
-    let file = ServiceFile::new("krt-demo");
-    let all: Vec<String> = (0..3).map(backend_addr).collect();
-    let web = |backends: &[String]| {
-        service_objects(&ServiceSpec {
-            name: "web",
-            cluster_ip: "10.96.0.10",
-            node_port: Some(30080),
-            affinity: false,
-            backends,
-        })
+    let runtime = NetnsRuntime::new(&topo.node)?;
+    let server = Arc::new(runtime.run(async { FakeApiServer::spawn(FakeApiServerConfig::default()).await })?);
+    let set_mode = |mode: FaultMode| {
+        let server = server.clone();
+        runtime.run(async move { server.set_mode(mode).await })
     };
-    file.write(&web(&all))?;
-    let args = ["--service-file", &file.arg(), "--health-port", "0"];
+    apply(&server, &web_and_sticky(&backend_addrs(3)))?;
+    let state_dir = std::env::temp_dir().join("krt-demo-state");
+    let _ = std::fs::remove_dir_all(&state_dir);
+    let master = server.url();
+    let args = ["--master", &master, "--state-dir", state_dir.to_str().unwrap(), "--health-port", "20244"];
+    let health = || -> Result<String> {
+        let out = topo.node.run(&[netprobe_bin().to_str().unwrap(), "http", "127.0.0.1:20244", "/healthz"])?;
+        Ok(out.replace('\n', " "))
+    };
 
-    step("Starting kube-router in the node namespace (Service web: ClusterIP 10.96.0.10, NodePort 30080)")?;
+    step(&format!("Starting kube-router in the node namespace, watching the API server at {master}"))?;
     let mut agent = Agent::start(&topo.node, &root, &args)?;
-    let line = agent.wait_for_log("service sync complete", 1, Duration::from_secs(20))?;
-    println!("{}", line.split("INFO").last().unwrap_or(&line).trim());
+    println!("{}", summary(&agent.wait_for_log("complete=true", 1, Duration::from_secs(30))?));
 
     step("Services, read back from the pinned maps (kube-router services)")?;
     print!("{}", kube_router(&root, "services")?);
@@ -72,28 +96,56 @@ fn demo(topo: &Topology) -> Result<()> {
     step("bpftool map dump pinned /sys/fs/bpf/krt-demo/svc_v4  (key: VIP, port, proto | value: id, count, flags, affinity)")?;
     print!("{}", sh(&["bpftool", "map", "dump", "pinned", root.join("svc_v4").to_str().unwrap()])?);
 
-    step("Client traffic: 30 TCP connections and 30 UDP requests to the ClusterIP, 30 to the NodePort")?;
+    step(
+        "Client traffic: 30 TCP connections and 30 UDP requests to web's ClusterIP, 30 to its NodePort, 30 to sticky",
+    )?;
     show("tcp 10.96.0.10:80  ", &topo.request("tcp", "10.96.0.10:80", 30)?);
     show("udp 10.96.0.10:53  ", &topo.request("udp", "10.96.0.10:53", 30)?);
     show("tcp 10.0.1.1:30080 ", &topo.request("tcp", "10.0.1.1:30080", 30)?);
+    show("tcp 10.96.0.11:80 (ClientIP affinity)", &topo.request("tcp", "10.96.0.11:80", 30)?);
 
-    step("Removing backend-3 from the EndpointSlice")?;
-    file.write(&web(&all[..2]))?;
-    let line = agent.wait_for_log("service sync complete", 2, Duration::from_secs(10))?;
-    println!("{}", line.split("INFO").last().unwrap_or(&line).trim());
+    step(
+        "Black-holing the API server for 40 s (connections accepted, never answered); a client connects every second",
+    )?;
+    let programmed = kube_router(&root, "services")?;
+    set_mode(FaultMode::BlackHole)?;
+    let started = Instant::now();
+    let mut replies = Vec::new();
+    while started.elapsed() < Duration::from_secs(40) {
+        step_quietly()?;
+        replies.extend(topo.request("tcp", "10.96.0.10:80", 1)?);
+        thread::sleep(Duration::from_millis(900));
+    }
+    show("tcp 10.96.0.10:80 during the outage", &replies);
+    println!("agent running: {}   /healthz: {}", agent.is_running(), health()?);
+    println!("service maps unchanged: {}", kube_router(&root, "services")? == programmed);
+
+    step("The API server returns, with backend-3 removed from web: only that difference is written")?;
+    apply(&server, &web_and_sticky(&backend_addrs(2)))?;
+    set_mode(FaultMode::Normal)?;
+    println!("{}", summary(&agent.wait_for_log("complete=true", 2, Duration::from_secs(90))?));
     show("tcp 10.96.0.10:80  ", &topo.request("tcp", "10.96.0.10:80", 30)?);
+    println!("/healthz: {}", health()?);
 
     step("Stopping the agent: programs, links and maps stay pinned, traffic keeps flowing")?;
     agent.stop()?;
     show("tcp 10.96.0.10:80 (no agent running)", &topo.request("tcp", "10.96.0.10:80", 30)?);
 
-    step("Restarting the agent: it re-adopts maps and links and writes nothing")?;
+    step("Restarting the agent with the API server down: it programs from its checkpoint and writes nothing")?;
+    set_mode(FaultMode::Refuse)?;
     let mut agent = Agent::start(&topo.node, &root, &args)?;
-    let line = agent.wait_for_log("service sync complete", 1, Duration::from_secs(20))?;
-    println!("{}", line.split("INFO").last().unwrap_or(&line).trim());
+    println!("{}", summary(&agent.wait_for_log("service sync complete", 1, Duration::from_secs(30))?));
+    show("tcp 10.96.0.10:80  ", &topo.request("tcp", "10.96.0.10:80", 20)?);
     print!("{}", kube_router(&root, "stats")?);
     agent.stop()?;
 
     step("Cleaning up (namespaces and pinned objects)")?;
+    Ok(())
+}
+
+fn step_quietly() -> Result<()> {
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        bail!("interrupted: cleaning up");
+    }
     Ok(())
 }
