@@ -76,8 +76,9 @@ impl ServiceController {
     }
 
     /// Compiles `builder` and writes only the differences. `complete` says the state reflects a
-    /// full listing of every kind, which is what allows deletions.
-    fn apply(&mut self, builder: &StateBuilder, complete: bool) {
+    /// full listing of every kind, which is what allows deletions. Returns the number of failed
+    /// writes (left for a retry).
+    fn apply(&mut self, builder: &StateBuilder, complete: bool) -> u64 {
         let started = Instant::now();
         for problem in &builder.problems {
             let kind: &'static str = if problem.kind == "Service" { "Service" } else { "EndpointSlice" };
@@ -112,8 +113,12 @@ impl ServiceController {
             m.map_entries.insert(map_names::BACKENDS, programmed.backends.len() as u64);
         });
         self.metrics.heartbeat("services");
+        total.errors
     }
 }
+
+/// Failed map writes (a full map, say) are retried this long after, even if nothing changes.
+const WRITE_RETRY_INTERVAL: Duration = Duration::from_secs(10);
 
 struct FileSource {
     path: PathBuf,
@@ -145,11 +150,23 @@ impl FileSource {
     }
 }
 
+impl FileSource {
+    /// Applies the file if it changed; failed writes make the next poll re-apply it.
+    fn sync(&mut self, controller: &mut ServiceController, metrics: &Metrics) {
+        if let Some(builder) = self.poll(metrics) {
+            if controller.apply(&builder, true) > 0 {
+                self.stamp = None;
+            }
+        }
+    }
+}
+
 struct ApiSource {
     objects: ClusterObjects,
     updates: mpsc::Receiver<WatchUpdate>,
     dirty: bool,
     restored_from_checkpoint: bool,
+    retry_at: Option<Instant>,
 }
 
 fn attach_all(datapath: &mut Datapath, wanted: &Option<Vec<String>>, attached: &mut Vec<String>) {
@@ -210,7 +227,7 @@ async fn start_api_source(options: &ApiOptions, state_dir: &Path, metrics: &Metr
             false
         }
     };
-    Ok(ApiSource { objects, updates, dirty: restored_from_checkpoint, restored_from_checkpoint })
+    Ok(ApiSource { objects, updates, dirty: restored_from_checkpoint, restored_from_checkpoint, retry_at: None })
 }
 
 pub async fn run(config: AgentConfig) -> Result<()> {
@@ -252,8 +269,8 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         DesiredSource::File(path) => file_source = Some(FileSource { path: path.clone(), stamp: None }),
         DesiredSource::Api(options) => api_source = Some(start_api_source(options, &config.state_dir, &metrics).await?),
     }
-    if let Some(builder) = file_source.as_mut().and_then(|f| f.poll(&metrics)) {
-        controller.apply(&builder, true);
+    if let Some(file) = file_source.as_mut() {
+        file.sync(&mut controller, &metrics);
     }
     let mut conntrack = Conntrack::open_pinned(&config.pin_dir)?;
 
@@ -291,9 +308,11 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     let complete = api.objects.synced();
                     // Before the first complete list, only a checkpoint-restored state is worth
                     // applying (and then without deletions).
-                    if api.dirty && (complete || api.restored_from_checkpoint) {
+                    let retry = api.retry_at.is_some_and(|at| Instant::now() >= at);
+                    if (api.dirty || retry) && (complete || api.restored_from_checkpoint) {
                         api.dirty = false;
-                        controller.apply(&api.objects.state(), complete);
+                        let failed = controller.apply(&api.objects.state(), complete);
+                        api.retry_at = (failed > 0).then(|| Instant::now() + WRITE_RETRY_INTERVAL);
                         if complete {
                             if let Err(e) = checkpoint::write(&config.state_dir, &api.objects.checkpoint()) {
                                 tracing::error!(error = %e, "cannot write checkpoint");
@@ -306,8 +325,8 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     continue;
                 }
                 last_housekeeping = Instant::now();
-                if let Some(builder) = file_source.as_mut().and_then(|f| f.poll(&metrics)) {
-                    controller.apply(&builder, true);
+                if let Some(file) = file_source.as_mut() {
+                    file.sync(&mut controller, &metrics);
                 }
                 if config.interfaces.is_none() && last_rescan.elapsed() >= Duration::from_secs(5) {
                     attach_all(&mut datapath, &config.interfaces, &mut attached);

@@ -209,3 +209,33 @@ fn a_pinned_map_with_another_layout_is_reported_and_left_alone() {
     assert_eq!(info.key_size(), 4);
     let _ = datapath::remove_all(&pin_dir);
 }
+
+#[test]
+fn a_full_map_is_counted_and_does_not_disturb_what_is_programmed() {
+    use kube_router_common::{ServiceKeyV4, ServiceValue, SERVICES_MAX_ENTRIES};
+    let loaded = load("full", &services_yaml(&["10.0.0.1"], false));
+    let mut maps = BpfServiceMaps::open_pinned(&loaded.pin_dir).unwrap();
+    let mut sync = ServiceSync::adopt(&maps).unwrap();
+    let mut desired = sync.programmed().clone();
+    let existing = desired.services.len() as u32;
+    let extra = SERVICES_MAX_ENTRIES - existing + 5;
+    for i in 0..extra {
+        let key = ServiceKeyV4 {
+            addr: u32::from_ne_bytes([10, 200, (i >> 8) as u8, i as u8]),
+            port: (i >> 16) as u16 + 1,
+            proto: 6,
+            pad: 0,
+        };
+        desired
+            .services
+            .insert(key, ServiceValue { service_id: 9999, backend_count: 0, flags: 0, affinity_timeout_secs: 0 });
+    }
+    let report = sync.sync(&mut maps, &desired, true).total();
+    assert_eq!(report.errors, 5, "{report:?}");
+    assert_eq!(report.full, 5, "reported as map-full");
+    assert_eq!(report.inserts, u64::from(extra - 5));
+    // The service that was there still works.
+    let fd = loaded.datapath.program_fd(Hook::Ingress).unwrap();
+    let out = run(fd, &packet::ipv4(packet::TCP, (CLIENT, 7000), (VIP, 80), packet::TCP_SYN, b""), 1).unwrap();
+    assert_eq!(packet::endpoints(&out.packet).1, (Ipv4Addr::new(10, 0, 0, 1), 8080));
+}
