@@ -52,14 +52,14 @@ impl Env {
     }
 
     fn agent(&self) -> Agent {
-        let master = self.server.url();
+        self.agent_with(&["--master", &self.server.url()])
+    }
+
+    fn agent_with(&self, source: &[&str]) -> Agent {
         let state_dir = self.state_dir.display().to_string();
-        Agent::start(
-            &self.topo.node,
-            &self.topo.bpf_root(),
-            &["--master", &master, "--state-dir", &state_dir, "--health-port", HEALTH_PORT, "--metrics-port", "20241"],
-        )
-        .unwrap()
+        let mut args = source.to_vec();
+        args.extend(["--state-dir", &state_dir, "--health-port", HEALTH_PORT, "--metrics-port", "20241"]);
+        Agent::start(&self.topo.node, &self.topo.bpf_root(), &args).unwrap()
     }
 
     /// The maps the agent writes (the datapath itself writes ct_v4, affinity_v4, lb_stats).
@@ -114,7 +114,10 @@ fn outage_secs() -> u64 {
 #[test]
 fn programs_from_the_api_and_applies_changes() {
     let env = Env::new("krt-api");
-    let mut agent = env.agent();
+    // Through a kubeconfig file this time, as on a real node.
+    let kubeconfig = env.state_dir.with_extension("kubeconfig");
+    std::fs::write(&kubeconfig, env.server.kubeconfig_yaml()).unwrap();
+    let mut agent = env.agent_with(&["--kubeconfig", kubeconfig.to_str().unwrap()]);
     let line = agent.wait_for_log("complete=true", 1, Duration::from_secs(30)).unwrap();
     assert!(log_field(&line, "inserts").unwrap() > 0, "{line}");
     let replies = env.topo.request("tcp", &format!("{VIP}:80"), 30).unwrap();
