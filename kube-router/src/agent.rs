@@ -123,26 +123,34 @@ const WRITE_RETRY_INTERVAL: Duration = Duration::from_secs(10);
 struct FileSource {
     path: PathBuf,
     stamp: Option<SystemTime>,
+    /// The last read error, so a file that stays broken is reported once, not every second.
+    last_error: Option<String>,
 }
 
 impl FileSource {
+    fn new(path: PathBuf) -> Self {
+        Self { path, stamp: None, last_error: None }
+    }
+
     /// The file's objects if it changed since the last read.
     fn poll(&mut self, metrics: &Metrics) -> Option<StateBuilder> {
         let stamp = std::fs::metadata(&self.path).and_then(|m| m.modified()).ok();
         if stamp.is_some() && stamp == self.stamp {
             return None;
         }
+        self.stamp = stamp;
         match load_file(&self.path) {
             Ok(builder) => {
-                self.stamp = stamp;
+                self.last_error = None;
                 Some(builder)
             }
             Err(e) => {
-                if stamp != self.stamp {
+                let error = format!("{e:#}");
+                if self.last_error.as_ref() != Some(&error) {
                     // An unreadable desired state is not an empty one: keep everything programmed.
-                    tracing::error!(error = format!("{e:#}"), "cannot read desired state; maps left as they are");
+                    tracing::error!(error, "cannot read desired state; maps left as they are");
                     metrics.with(|m| *m.rejected_objects.entry("file").or_default() += 1);
-                    self.stamp = stamp;
+                    self.last_error = Some(error);
                 }
                 None
             }
@@ -266,7 +274,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let mut file_source = None;
     let mut api_source = None;
     match &config.source {
-        DesiredSource::File(path) => file_source = Some(FileSource { path: path.clone(), stamp: None }),
+        DesiredSource::File(path) => file_source = Some(FileSource::new(path.clone())),
         DesiredSource::Api(options) => api_source = Some(start_api_source(options, &config.state_dir, &metrics).await?),
     }
     if let Some(file) = file_source.as_mut() {
