@@ -117,14 +117,15 @@ impl Conntrack {
     /// flows to make room for new ones. Returns (entries left, entries removed).
     pub fn collect_garbage(&mut self) -> Result<(usize, usize)> {
         let now = monotonic_now_ns();
-        let expired: Vec<CtKeyV4> = self
-            .map
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(k, v)| now.saturating_sub(v.last_seen_ns) > v.lifetime_ns(k.proto))
-            .map(|(k, _)| k)
-            .collect();
-        let total = self.map.keys().count();
+        // One pass over the map: count every entry and pick the expired ones.
+        let mut total = 0;
+        let mut expired: Vec<CtKeyV4> = Vec::new();
+        for (key, value) in self.map.iter().filter_map(Result::ok) {
+            total += 1;
+            if now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(key.proto) {
+                expired.push(key);
+            }
+        }
         let mut removed = 0;
         for key in &expired {
             if self.map.remove(key).is_ok() {
