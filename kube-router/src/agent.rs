@@ -28,6 +28,7 @@ use crate::{
     },
     metrics::{self, Metrics},
     netif,
+    router::{RouterController, RouterOptions},
     services::{
         compile::{assign_ids, plan, CompileWarning, Limits},
         model::NodeContext,
@@ -56,6 +57,10 @@ pub struct AgentConfig {
     pub metrics_port: u16,
     pub health_port: u16,
     pub conntrack_gc_interval: Duration,
+    /// Program the service load balancer (`--run-service-proxy`).
+    pub run_service_proxy: bool,
+    /// BGP pod routing (`--run-router`), when enabled.
+    pub router: Option<RouterOptions>,
 }
 
 struct ServiceController {
@@ -238,6 +243,39 @@ async fn start_api_source(options: &ApiOptions, state_dir: &Path, metrics: &Metr
     Ok(ApiSource { objects, updates, dirty: restored_from_checkpoint, restored_from_checkpoint, retry_at: None })
 }
 
+/// The load balancer: programs, maps and the controller that writes them.
+struct ServiceProxy {
+    datapath: Datapath,
+    attached: Vec<String>,
+    controller: ServiceController,
+    conntrack: Conntrack,
+}
+
+impl ServiceProxy {
+    fn start(config: &AgentConfig, metrics: &Metrics) -> Result<Self> {
+        let mut datapath = Datapath::load(&config.pin_dir)?;
+        let mut attached = Vec::new();
+        attach_all(&mut datapath, &config.interfaces, &mut attached);
+        let maps = BpfServiceMaps::open_pinned(&config.pin_dir)?;
+        let sync = ServiceSync::adopt(&maps).context("reading the programmed service maps")?;
+        tracing::info!(
+            services = sync.programmed().services.len(),
+            backends = sync.programmed().backends.len(),
+            "adopted programmed state"
+        );
+        let controller = ServiceController {
+            maps,
+            sync,
+            metrics: metrics.clone(),
+            limits: config.limits,
+            node_name: config.node_name.clone(),
+            nodeport_addresses: config.nodeport_addresses.clone(),
+        };
+        let conntrack = Conntrack::open_pinned(&config.pin_dir)?;
+        Ok(Self { datapath, attached, controller, conntrack })
+    }
+}
+
 pub async fn run(config: AgentConfig) -> Result<()> {
     let metrics = Metrics::default();
     let mut ports = vec![config.health_port, config.metrics_port];
@@ -252,35 +290,27 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         });
     }
 
-    let mut datapath = Datapath::load(&config.pin_dir)?;
-    let mut attached = Vec::new();
-    attach_all(&mut datapath, &config.interfaces, &mut attached);
-
-    let maps = BpfServiceMaps::open_pinned(&config.pin_dir)?;
-    let sync = ServiceSync::adopt(&maps).context("reading the programmed service maps")?;
-    tracing::info!(
-        services = sync.programmed().services.len(),
-        backends = sync.programmed().backends.len(),
-        "adopted programmed state"
-    );
-    let mut controller = ServiceController {
-        maps,
-        sync,
-        metrics: metrics.clone(),
-        limits: config.limits,
-        node_name: config.node_name.clone(),
-        nodeport_addresses: config.nodeport_addresses.clone(),
-    };
+    let mut service_proxy = if config.run_service_proxy { Some(ServiceProxy::start(&config, &metrics)?) } else { None };
     let mut file_source = None;
     let mut api_source = None;
     match &config.source {
         DesiredSource::File(path) => file_source = Some(FileSource::new(path.clone())),
         DesiredSource::Api(options) => api_source = Some(start_api_source(options, &config.state_dir, &metrics).await?),
     }
-    if let Some(file) = file_source.as_mut() {
-        file.sync(&mut controller, &metrics);
+    if let (Some(file), Some(proxy)) = (file_source.as_mut(), service_proxy.as_mut()) {
+        file.sync(&mut proxy.controller, &metrics);
     }
-    let mut conntrack = Conntrack::open_pinned(&config.pin_dir)?;
+
+    let mut router = config.router.clone().map(|options| RouterController::new(options, metrics.clone()));
+    // Without the API the configuration comes from flags; with it, from the Node objects
+    // (or their checkpoint), as soon as they are known.
+    let mut router_dirty = api_source.as_ref().is_some_and(|api| api.restored_from_checkpoint);
+    if let (Some(router), None) = (router.as_mut(), api_source.as_ref()) {
+        match router.static_config() {
+            Ok(bgp) => router.apply(bgp).await,
+            Err(e) => tracing::info!(reason = %e, "BGP not started"),
+        }
+    }
 
     let mut terminate = signal(SignalKind::terminate())?;
     let mut interrupt = signal(SignalKind::interrupt())?;
@@ -309,6 +339,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     }
                     _ => metrics.with(|m| { m.api_reachable = true; m.last_api_contact_unix = Some(metrics::unix_now()); }),
                 }
+                router_dirty |= matches!(update, WatchUpdate::Nodes(_));
                 api.dirty |= api.objects.apply(update);
             }
             _ = tick.tick() => {
@@ -319,8 +350,10 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     let retry = api.retry_at.is_some_and(|at| Instant::now() >= at);
                     if (api.dirty || retry) && (complete || api.restored_from_checkpoint) {
                         api.dirty = false;
-                        let failed = controller.apply(&api.objects.state(), complete);
-                        api.retry_at = (failed > 0).then(|| Instant::now() + WRITE_RETRY_INTERVAL);
+                        if let Some(proxy) = service_proxy.as_mut() {
+                            let failed = proxy.controller.apply(&api.objects.state(), complete);
+                            api.retry_at = (failed > 0).then(|| Instant::now() + WRITE_RETRY_INTERVAL);
+                        }
                         if complete {
                             if let Err(e) = checkpoint::write(&config.state_dir, &api.objects.checkpoint()) {
                                 tracing::error!(error = %e, "cannot write checkpoint");
@@ -329,22 +362,35 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                         }
                     }
                 }
+                if let (Some(router), Some(api)) = (router.as_mut(), api_source.as_ref()) {
+                    // Peers leave the mesh only on a complete listing of Nodes, never because a
+                    // list failed; the store keeps the last complete one through an outage.
+                    if router_dirty && (api.objects.nodes.synced() || api.restored_from_checkpoint) {
+                        router_dirty = false;
+                        router.update_from_nodes(api.objects.nodes.objects()).await;
+                    }
+                }
                 if last_housekeeping.elapsed() < Duration::from_secs(1) {
                     continue;
                 }
                 last_housekeeping = Instant::now();
-                if let Some(file) = file_source.as_mut() {
-                    file.sync(&mut controller, &metrics);
+                if let Some(router) = router.as_ref() {
+                    router.publish_metrics();
                 }
-                if config.interfaces.is_none() && last_rescan.elapsed() >= Duration::from_secs(5) {
-                    attach_all(&mut datapath, &config.interfaces, &mut attached);
-                    last_rescan = Instant::now();
+                if let Some(proxy) = service_proxy.as_mut() {
+                    if let Some(file) = file_source.as_mut() {
+                        file.sync(&mut proxy.controller, &metrics);
+                    }
+                    if config.interfaces.is_none() && last_rescan.elapsed() >= Duration::from_secs(5) {
+                        attach_all(&mut proxy.datapath, &config.interfaces, &mut proxy.attached);
+                        last_rescan = Instant::now();
+                    }
+                    let gc = last_gc.elapsed() >= config.conntrack_gc_interval;
+                    if gc {
+                        last_gc = Instant::now();
+                    }
+                    refresh_datapath_metrics(&config.pin_dir, &metrics, &mut proxy.conntrack, gc);
                 }
-                let gc = last_gc.elapsed() >= config.conntrack_gc_interval;
-                if gc {
-                    last_gc = Instant::now();
-                }
-                refresh_datapath_metrics(&config.pin_dir, &metrics, &mut conntrack, gc);
                 if let Some(max_stale) = config.max_stale {
                     let stale = metrics.with(|m| m.last_sync_unix.map(|t| metrics::unix_now() - t)).unwrap_or(0.0);
                     if stale > max_stale.as_secs_f64() && last_stale_warning.elapsed() > Duration::from_secs(60) {
@@ -356,8 +402,13 @@ pub async fn run(config: AgentConfig) -> Result<()> {
             }
         }
     }
-    // Leave programs, links and maps exactly as they are: traffic keeps flowing without us.
-    tracing::info!("stopping; datapath left in place");
+    // Leave programs, links, maps and kernel routes exactly as they are: traffic keeps flowing
+    // without us. With graceful restart the BGP sessions close without a Cease, so peers keep
+    // our routes until we are back.
+    tracing::info!("stopping; datapath and routes left in place");
+    if let Some(router) = router.as_ref() {
+        router.shutdown().await;
+    }
     Ok(())
 }
 

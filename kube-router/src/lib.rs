@@ -7,4 +7,5 @@ pub mod k8s;
 pub mod metrics;
 pub mod netif;
 pub mod policy;
+pub mod router;
 pub mod services;

@@ -5,11 +5,13 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use kube_router::{
     agent::{self, AgentConfig, DesiredSource},
+    bgp::peers::parse_external_peer_flags,
     bpf::{
         datapath,
         service_maps::{read_lb_stats, Conntrack},
     },
     k8s::watch::ApiOptions,
+    router::RouterOptions,
     services::compile::Limits,
 };
 use kube_router_common::{lb_stat, DEFAULT_PIN_DIR};
@@ -68,6 +70,52 @@ struct RunArgs {
     /// Port for /healthz (0 disables).
     #[arg(long, env = "KUBE_ROUTER_HEALTH_PORT", default_value_t = 20244)]
     health_port: u16,
+    /// Program the eBPF service load balancer (ClusterIP, NodePort, ExternalIP, LoadBalancer).
+    #[arg(long, env = "KUBE_ROUTER_RUN_SERVICE_PROXY", default_value_t = true, action = clap::ArgAction::Set)]
+    run_service_proxy: bool,
+    /// Advertise this node's pod CIDR over BGP and install the routes learned from peers.
+    #[arg(long, env = "KUBE_ROUTER_RUN_ROUTER", default_value_t = true, action = clap::ArgAction::Set)]
+    run_router: bool,
+    /// ASN of the cluster's nodes (a node's `kube-router.io/node.asn` annotation overrides it).
+    #[arg(long, env = "KUBE_ROUTER_CLUSTER_ASN", default_value_t = 64512, value_parser = clap::value_parser!(u32).range(1..=4_294_967_294))]
+    cluster_asn: u32,
+    /// BGP router id. Default: the node's IPv4 InternalIP (needed without the API server).
+    #[arg(long, env = "KUBE_ROUTER_ROUTER_ID")]
+    router_id: Option<Ipv4Addr>,
+    /// Prefixes to advertise instead of the Node's spec.podCIDRs (comma-separated).
+    #[arg(long, env = "KUBE_ROUTER_POD_CIDRS", value_delimiter = ',')]
+    pod_cidrs: Option<Vec<ipnet::IpNet>>,
+    /// External BGP peers every node peers with (comma-separated addresses).
+    #[arg(long, env = "KUBE_ROUTER_PEER_ROUTER_IPS", value_delimiter = ',')]
+    peer_router_ips: Vec<String>,
+    /// ASN of each --peer-router-ips entry, in the same order.
+    #[arg(long, env = "KUBE_ROUTER_PEER_ROUTER_ASNS", value_delimiter = ',')]
+    peer_router_asns: Vec<String>,
+    /// Base64-encoded TCP MD5 password of each --peer-router-ips entry (empty for none).
+    #[arg(long, env = "KUBE_ROUTER_PEER_ROUTER_PASSWORDS", value_delimiter = ',', hide_env_values = true)]
+    peer_router_passwords: Vec<String>,
+    /// Peer with every other node of the same ASN (iBGP full mesh).
+    #[arg(long, env = "KUBE_ROUTER_NODES_FULL_MESH", default_value_t = true, action = clap::ArgAction::Set)]
+    nodes_full_mesh: bool,
+    /// TCP port for BGP, listened on and connected to.
+    #[arg(long, env = "KUBE_ROUTER_BGP_PORT", default_value_t = 179, value_parser = clap::value_parser!(u16).range(1..))]
+    bgp_port: u16,
+    /// BGP hold time proposed to peers (e.g. 90s; 0 disables keepalives, else at least 3s).
+    #[arg(long, env = "KUBE_ROUTER_BGP_HOLDTIME", default_value = "90s", value_parser = parse_hold_time)]
+    bgp_holdtime: Duration,
+    /// BGP graceful restart (RFC 4724): peers keep our routes while the agent restarts, and we
+    /// keep theirs while they do.
+    #[arg(long, env = "KUBE_ROUTER_BGP_GRACEFUL_RESTART", default_value_t = true, action = clap::ArgAction::Set)]
+    bgp_graceful_restart: bool,
+    /// Restart time advertised to peers: how long they keep our routes (at most 4095s).
+    #[arg(long, env = "KUBE_ROUTER_BGP_GRACEFUL_RESTART_TIME", default_value = "90s", value_parser = parse_restart_time)]
+    bgp_graceful_restart_time: Duration,
+    /// After a start, the longest wait for peers' End-of-RIB before stale kernel routes go.
+    #[arg(long, env = "KUBE_ROUTER_BGP_GRACEFUL_RESTART_DEFERRAL_TIME", default_value = "360s", value_parser = parse_duration)]
+    bgp_graceful_restart_deferral_time: Duration,
+    /// Routing protocol number on the kernel routes we install (`ip route show proto N`).
+    #[arg(long, env = "KUBE_ROUTER_ROUTE_PROTOCOL", default_value_t = kube_router::fib::DEFAULT_ROUTE_PROTOCOL)]
+    route_protocol: u8,
     /// Seconds between conntrack garbage collections.
     #[arg(long, env = "KUBE_ROUTER_CONNTRACK_GC_INTERVAL", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     conntrack_gc_interval: u64,
@@ -83,8 +131,56 @@ enum Command {
     Conntrack,
     /// Show the datapath packet counters.
     Stats,
+    /// Show BGP neighbors and routes of the running agent (asks its health port).
+    Bgp,
     /// Remove every pinned map and link (uninstall). Traffic to services stops.
     Cleanup,
+}
+
+/// "90", "90s", "5m", "1h" -> Duration.
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let (number, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => text.split_at(i),
+        None => (text, "s"),
+    };
+    let n: u64 = number.parse().map_err(|_| format!("{text:?} is not a duration like 90s, 5m or 1h"))?;
+    let secs = match unit {
+        "s" => n,
+        "m" => n * 60,
+        "h" => n * 3600,
+        _ => return Err(format!("{text:?}: unknown unit {unit:?} (use s, m or h)")),
+    };
+    Ok(Duration::from_secs(secs))
+}
+
+fn parse_hold_time(text: &str) -> Result<Duration, String> {
+    let d = parse_duration(text)?;
+    match d.as_secs() {
+        0 | 3..=65535 => Ok(d),
+        _ => Err(format!("{text}: a BGP hold time is 0 or 3s to 65535s (RFC 4271)")),
+    }
+}
+
+fn parse_restart_time(text: &str) -> Result<Duration, String> {
+    let d = parse_duration(text)?;
+    if d.as_secs() > 4095 {
+        return Err(format!("{text}: the graceful restart time field holds at most 4095s (RFC 4724)"));
+    }
+    Ok(d)
+}
+
+fn show_bgp(cli: &Cli) -> Result<()> {
+    use std::io::{Read, Write};
+    let port = cli.run.health_port;
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port))
+        .map_err(|e| anyhow::anyhow!("cannot reach the agent on 127.0.0.1:{port} (--health-port): {e}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    stream.write_all(b"GET /bgp HTTP/1.0\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let body = response.split_once("\r\n\r\n").map_or(response.as_str(), |(_, b)| b);
+    print!("{body}");
+    Ok(())
 }
 
 fn hostname() -> String {
@@ -147,6 +243,7 @@ fn main() -> ExitCode {
             }
             Ok(())
         }),
+        Command::Bgp => show_bgp(&cli),
         Command::Stats => read_lb_stats(&cli.bpf_root).map(|stats| {
             for (name, n) in lb_stat::NAMES.iter().zip(stats) {
                 println!("{name} {n}");
@@ -166,6 +263,31 @@ fn main() -> ExitCode {
 
 fn run(cli: &Cli) -> Result<()> {
     let args = &cli.run;
+    let external_peers =
+        match parse_external_peer_flags(&args.peer_router_ips, &args.peer_router_asns, &args.peer_router_passwords) {
+            Ok(peers) => peers,
+            Err(e) => {
+                use clap::CommandFactory;
+                Cli::command().error(clap::error::ErrorKind::ValueValidation, e.to_string()).exit()
+            }
+        };
+    let node_name = args.hostname_override.clone().unwrap_or_else(hostname);
+    let router = args.run_router.then(|| RouterOptions {
+        node_name: node_name.clone(),
+        cluster_asn: args.cluster_asn,
+        router_id: args.router_id,
+        pod_cidrs: args.pod_cidrs.clone(),
+        external_peers,
+        ibgp_mesh: args.nodes_full_mesh,
+        bgp_port: args.bgp_port,
+        hold_time: args.bgp_holdtime,
+        graceful_restart: args.bgp_graceful_restart,
+        graceful_restart_time: args.bgp_graceful_restart_time,
+        graceful_restart_deferral: args.bgp_graceful_restart_deferral_time,
+        route_protocol: args.route_protocol,
+        route_table: 254,
+        state_dir: args.state_dir.clone(),
+    });
     let config = AgentConfig {
         pin_dir: cli.bpf_root.clone(),
         source: match &args.service_file {
@@ -175,12 +297,14 @@ fn run(cli: &Cli) -> Result<()> {
         state_dir: args.state_dir.clone(),
         max_stale: args.max_stale.map(Duration::from_secs),
         interfaces: args.interfaces.clone(),
-        node_name: args.hostname_override.clone().unwrap_or_else(hostname),
+        node_name,
         nodeport_addresses: args.nodeport_addresses.clone(),
         limits: Limits { max_backends_per_service: args.max_backends_per_service as usize },
         metrics_port: args.metrics_port,
         health_port: args.health_port,
         conntrack_gc_interval: Duration::from_secs(args.conntrack_gc_interval),
+        run_service_proxy: args.run_service_proxy,
+        router,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     runtime.block_on(agent::run(config))

@@ -55,6 +55,8 @@ pub struct MetricsState {
     pub checkpoint_age_at_start: Option<f64>,
     /// controller name -> last heartbeat.
     pub heartbeats: BTreeMap<&'static str, Instant>,
+    /// Last snapshot of the BGP speaker, if it runs.
+    pub bgp: Option<crate::bgp::speaker::SpeakerStatus>,
 }
 
 #[derive(Clone, Default)]
@@ -215,8 +217,15 @@ impl Metrics {
                 "Checkpoints that could not be written or read.",
             );
             let _ = writeln!(out, "kube_router_checkpoint_errors_total {}", m.checkpoint_errors);
+            if let Some(bgp) = &m.bgp {
+                render_bgp(&mut out, bgp);
+            }
             out
         })
+    }
+
+    pub fn bgp_text(&self) -> String {
+        self.with(|m| crate::router::render_status(m.bgp.as_ref()))
     }
 
     /// Liveness: the process answers. Detail: seconds since each controller's last heartbeat.
@@ -238,6 +247,57 @@ impl Metrics {
     }
 }
 
+fn render_bgp(out: &mut String, bgp: &crate::bgp::speaker::SpeakerStatus) {
+    let family = |out: &mut String, name: &str, kind: &str, help: &str| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    };
+    family(out, "kube_router_bgp_session_established", "gauge", "1 if the BGP session with the peer is Established.");
+    for p in &bgp.peers {
+        let up = u8::from(p.state == crate::bgp::fsm::State::Established);
+        let _ = writeln!(out, "kube_router_bgp_session_established{{peer=\"{}\",asn=\"{}\"}} {up}", p.address, p.asn);
+    }
+    family(
+        out,
+        "kube_router_bgp_session_state",
+        "gauge",
+        "BGP FSM state of each peer (the current state has value 1).",
+    );
+    for p in &bgp.peers {
+        let _ = writeln!(out, "kube_router_bgp_session_state{{peer=\"{}\",state=\"{:?}\"}} 1", p.address, p.state);
+    }
+    for (name, help, pick) in [
+        ("kube_router_bgp_prefixes_received", "Prefixes in the peer's Adj-RIB-In.", 0),
+        ("kube_router_bgp_prefixes_stale", "Prefixes kept as stale while the peer restarts.", 1),
+        ("kube_router_bgp_prefixes_advertised", "Prefixes in the peer's Adj-RIB-Out.", 2),
+    ] {
+        family(out, name, "gauge", help);
+        for p in &bgp.peers {
+            let n = [p.prefixes_received, p.prefixes_stale, p.prefixes_advertised][pick];
+            let _ = writeln!(out, "{name}{{peer=\"{}\"}} {n}", p.address);
+        }
+    }
+    for (name, help, pick) in [
+        ("kube_router_bgp_updates_received_total", "UPDATE messages received.", 0),
+        ("kube_router_bgp_notifications_received_total", "NOTIFICATION messages received.", 1),
+        ("kube_router_bgp_notifications_sent_total", "NOTIFICATION messages sent.", 2),
+    ] {
+        family(out, name, "counter", help);
+        for p in &bgp.peers {
+            let n = [p.updates_received, p.notifications_received, p.notifications_sent][pick];
+            let _ = writeln!(out, "{name}{{peer=\"{}\"}} {n}", p.address);
+        }
+    }
+    family(
+        out,
+        "kube_router_bgp_malformed_messages_total",
+        "counter",
+        "Malformed BGP messages received (RFC 7606 handling).",
+    );
+    let _ = writeln!(out, "kube_router_bgp_malformed_messages_total {}", bgp.malformed_messages);
+    family(out, "kube_router_bgp_routes", "gauge", "Prefixes in the Loc-RIB (best paths, local and learned).");
+    let _ = writeln!(out, "kube_router_bgp_routes {}", bgp.loc_rib_size);
+}
+
 /// Serves /metrics and /healthz on `port` (all addresses) until the task is dropped.
 pub async fn serve(metrics: Metrics, port: u16) -> std::io::Result<()> {
     let listener = TcpListener::bind(("0.0.0.0", port)).await?;
@@ -253,6 +313,7 @@ pub async fn serve(metrics: Metrics, port: u16) -> std::io::Result<()> {
             let (status, content_type, body) = match path {
                 "/metrics" => ("200 OK", "text/plain; version=0.0.4", metrics.render()),
                 "/healthz" | "/livez" | "/readyz" => ("200 OK", "application/json", metrics.health()),
+                "/bgp" => ("200 OK", "text/plain", metrics.bgp_text()),
                 _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
             };
             let response = format!(

@@ -106,6 +106,26 @@ impl Netns {
     pub fn sysctl(&self, key: &str, value: &str) -> Result<()> {
         self.run(&["sysctl", "-qw", &format!("{key}={value}")]).map(|_| ())
     }
+
+    /// Waits until the kernel has finished IPv6 duplicate address detection on every link, so
+    /// the link-local addresses and their `local` routes exist. Before that the route table is
+    /// still changing by itself, which would make a before/after comparison meaningless.
+    pub fn wait_addresses_settled(&self) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let tentative = self.run(&["ip", "-6", "addr", "show", "tentative"])?;
+            let links_up = self.run(&["ip", "-o", "link", "show", "up"])?.lines().count();
+            let link_locals = self.run(&["ip", "-6", "-o", "addr", "show", "scope", "link"])?.lines().count();
+            // lo has no link-local address; every other up link gets one.
+            if tentative.trim().is_empty() && link_locals + 1 >= links_up {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("addresses in {} still tentative after 15 s: {tentative}", self.name);
+            }
+            thread::sleep(Duration::from_millis(100));
+        }
+    }
 }
 
 impl Drop for Netns {

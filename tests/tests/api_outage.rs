@@ -69,6 +69,7 @@ impl Env {
     }
 
     fn routes(&self) -> String {
+        self.topo.node.wait_addresses_settled().unwrap();
         self.topo.node.run(&["ip", "route", "show", "table", "all"]).unwrap()
     }
 

@@ -244,6 +244,20 @@ impl RestartingSpeaker {
         self.check(rib, true).unwrap_or_default()
     }
 
+    /// A GR peer configured after start: wait for its End-of-RIB too, unless the initial
+    /// picture is already complete.
+    pub fn add_peer(&mut self, peer: IpAddr) {
+        if !self.complete {
+            self.waiting.entry(peer).or_insert(None);
+        }
+    }
+
+    /// A peer removed from the configuration is no longer waited for.
+    pub fn remove_peer(&mut self, rib: &Rib, peer: IpAddr) -> RestartOutput {
+        self.waiting.remove(&peer);
+        self.check(rib, false).unwrap_or_default()
+    }
+
     fn check(&mut self, rib: &Rib, timed_out: bool) -> Option<RestartOutput> {
         if self.complete || !self.waiting.is_empty() {
             return None;
@@ -537,5 +551,17 @@ mod tests {
         let (speaker, out) = RestartingSpeaker::start([pfx("10.9.0.0/24")], [], Duration::from_secs(1), &rib);
         assert!(!speaker.is_deferring());
         assert_eq!(out.completion.unwrap().gone_routes, vec![pfx("10.9.0.0/24")]);
+    }
+
+    #[test]
+    fn peers_added_late_are_waited_for_and_removed_ones_release_the_wait() {
+        let rib = Rib::new(RibConfig::new(LOCAL_ASN, Ipv4Addr::new(10, 0, 0, 1)));
+        let (mut speaker, out) = RestartingSpeaker::start(Vec::new(), [peer_addr(2)], Duration::from_secs(60), &rib);
+        assert!(out.completion.is_none());
+        speaker.add_peer(peer_addr(3));
+        assert!(speaker.remove_peer(&rib, peer_addr(2)).completion.is_none(), "still waiting for peer 3");
+        assert!(speaker.remove_peer(&rib, peer_addr(3)).completion.is_some());
+        speaker.add_peer(peer_addr(4));
+        assert!(!speaker.is_deferring(), "a completed picture is not reopened");
     }
 }

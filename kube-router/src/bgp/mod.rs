@@ -1,10 +1,15 @@
-//! Pure BGP-4 core: message model, wire adapter, session FSM, RIBs and
-//! graceful restart. Nothing in here performs I/O or reads a clock: the
-//! embedding agent feeds events (bytes, timer expiries, TCP state) in and
-//! executes the returned outputs.
+//! BGP-4 for pod routing.
+//!
+//! The core is pure: message model, wire adapter (codec), session FSM, RIBs, graceful restart
+//! and the Node-derived peer configuration (peers) perform no I/O and read no clock. The
+//! speaker feeds them events (bytes, timer expiries, TCP state) and executes their outputs;
+//! it and md5 (TCP_MD5SIG) are the only modules that touch sockets.
 
 pub mod codec;
 pub mod fsm;
 pub mod graceful_restart;
+pub mod md5;
 pub mod message;
+pub mod peers;
 pub mod rib;
+pub mod speaker;

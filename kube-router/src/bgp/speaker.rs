@@ -1,0 +1,1096 @@
+//! The BGP speaker: TCP sessions, timers and the kernel FIB around the pure core.
+//!
+//! One task owns every [`Session`], the [`Rib`] and both graceful-restart roles; it reacts to
+//! events (connections, decoded messages, timer expiries, configuration changes) and turns the
+//! core's outputs into I/O. Each TCP connection runs in its own task with one [`WireCodec`]
+//! (encode and decode share the 4-octet-AS negotiation). The kernel routes are written by a
+//! separate FIB task from a `watch` of the desired route set, so a slow netlink socket never
+//! stalls keepalives.
+//!
+//! What survives what:
+//! * API outage: nothing here depends on the API; peers and prefixes stay as last configured.
+//! * Agent stop with graceful restart: no NOTIFICATION is sent, kernel routes stay, peers keep
+//!   our routes as stale. On start the OPEN carries R=1/F=1, our advertisements wait until every
+//!   peer has sent End-of-RIB (or the selection-deferral timer fires), and only then are kernel
+//!   routes that are really gone deleted.
+//! * Even without a restart, FIB deletions wait for that first complete picture: a route of our
+//!   protocol found at start is never removed just because its session is not up yet.
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    os::fd::AsRawFd,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use bytes::BytesMut;
+use ipnet::IpNet;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpSocket, TcpStream},
+    sync::{mpsc, oneshot, watch},
+    task::JoinHandle,
+    time::{sleep_until, Instant},
+};
+use tracing::{debug, info, warn};
+
+use super::{
+    codec::{DecodeOutcome, WireCodec},
+    fsm::{
+        resolve_collision, ConnectRetryBackoff, Direction, DownReason, Event, GracefulRestartConfig, Negotiated,
+        Output, Session, SessionConfig, State, TimerKind,
+    },
+    graceful_restart::{GrTimer, GracefulRestartHelper, RestartOutput, RestartingSpeaker, TimerCommand},
+    md5::set_tcp_md5_key,
+    message::{Family, Message, NextHop, Origin, PathAttributes, Prefix},
+    peers::PeerConfig,
+    rib::{BestPathChange, PeerInfo, Rib, RibConfig, RouteSource},
+};
+use crate::fib::{reconcile, RouteSet};
+
+#[derive(Debug, Clone)]
+pub struct GracefulRestartSettings {
+    /// Restart time we advertise: how long peers keep our routes while we are away.
+    pub restart_time: Duration,
+    /// How long we keep a restarted peer's stale routes waiting for its End-of-RIB.
+    pub stale_path_time: Duration,
+    /// Upper bound on waiting for peers' End-of-RIB after our own start.
+    pub selection_deferral: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct SpeakerConfig {
+    pub local_asn: u32,
+    pub router_id: Ipv4Addr,
+    /// Where to accept sessions; None only connects out.
+    pub listen: Option<SocketAddr>,
+    pub hold_time_secs: u16,
+    pub connect_retry: ConnectRetryBackoff,
+    pub families: Vec<Family>,
+    pub graceful_restart: Option<GracefulRestartSettings>,
+    /// Next hops for the family the session's transport does not give (an IPv6 prefix over an
+    /// IPv4 session and vice versa).
+    pub ipv4_next_hop: Option<Ipv4Addr>,
+    pub ipv6_next_hop: Option<Ipv6Addr>,
+    /// Kept across restarts: its presence at start means we are restarting (R-bit).
+    pub state_dir: Option<PathBuf>,
+}
+
+impl SpeakerConfig {
+    pub fn new(local_asn: u32, router_id: Ipv4Addr) -> Self {
+        Self {
+            local_asn,
+            router_id,
+            listen: Some(SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 179)),
+            hold_time_secs: 90,
+            connect_retry: ConnectRetryBackoff { initial: Duration::from_secs(2), max: Duration::from_secs(60) },
+            families: vec![Family::Ipv4Unicast, Family::Ipv6Unicast],
+            graceful_restart: Some(GracefulRestartSettings {
+                restart_time: Duration::from_secs(90),
+                stale_path_time: Duration::from_secs(360),
+                selection_deferral: Duration::from_secs(120),
+            }),
+            ipv4_next_hop: None,
+            ipv6_next_hop: None,
+            state_dir: None,
+        }
+    }
+}
+
+/// Routes the kernel should have (our protocol only) and whether stale ones may go yet.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FibTarget {
+    pub routes: RouteSet,
+    pub allow_deletes: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerStatus {
+    pub address: IpAddr,
+    pub asn: u32,
+    pub state: State,
+    pub established_secs: Option<u64>,
+    pub prefixes_received: usize,
+    pub prefixes_stale: usize,
+    pub prefixes_advertised: usize,
+    pub updates_received: u64,
+    pub notifications_received: u64,
+    pub notifications_sent: u64,
+    pub last_error: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SpeakerStatus {
+    pub local_asn: u32,
+    pub router_id: Option<Ipv4Addr>,
+    pub restarting: bool,
+    pub deferring: bool,
+    pub peers: Vec<PeerStatus>,
+    /// prefix, next hop, learned from (None = local).
+    pub loc_rib: Vec<(Prefix, IpAddr, Option<IpAddr>)>,
+    pub loc_rib_size: usize,
+    pub malformed_messages: u64,
+}
+
+enum CoreEvent {
+    Connected { peer: IpAddr, id: u64, stream: TcpStream },
+    ConnectFailed { peer: IpAddr, id: u64, error: String },
+    Accepted { remote: SocketAddr, stream: TcpStream },
+    Received { peer: IpAddr, id: u64, outcome: DecodeOutcome },
+    Closed { peer: IpAddr, id: u64, error: Option<String> },
+    SetPeers(Vec<PeerConfig>),
+    SetPrefixes(Vec<Prefix>),
+    Shutdown { graceful: bool, done: oneshot::Sender<()> },
+}
+
+/// Handle to the running speaker.
+#[derive(Clone)]
+pub struct Speaker {
+    events: mpsc::UnboundedSender<CoreEvent>,
+    status: Arc<Mutex<SpeakerStatus>>,
+}
+
+impl Speaker {
+    /// Starts the speaker. `installed` are the routes of our protocol already in the kernel:
+    /// they stay until the first complete routing picture says they are gone.
+    pub async fn start(
+        config: SpeakerConfig,
+        peers: Vec<PeerConfig>,
+        prefixes: Vec<Prefix>,
+        installed: RouteSet,
+    ) -> anyhow::Result<(Self, watch::Receiver<FibTarget>)> {
+        let (events, rx) = mpsc::unbounded_channel();
+        let listener = match config.listen {
+            Some(addr) => Some(bind_listener(addr)?),
+            None => None,
+        };
+        let restarting = config.graceful_restart.is_some() && marker_path(&config).is_some_and(|p| p.exists());
+        let (fib_tx, fib_rx) = watch::channel(FibTarget { routes: installed.clone(), allow_deletes: false });
+        let status = Arc::new(Mutex::new(SpeakerStatus::default()));
+        let mut core = Core::new(config, restarting, installed, &peers, events.clone(), fib_tx, status.clone());
+        if let Some(listener) = listener {
+            core.listener_fd = Some(listener.as_raw_fd());
+            tokio::spawn(accept_loop(listener, events.clone()));
+        }
+        core.set_prefixes(prefixes);
+        core.set_peers(peers);
+        core.publish();
+        tokio::spawn(core.run(rx));
+        Ok((Self { events, status }, fib_rx))
+    }
+
+    pub fn set_peers(&self, peers: Vec<PeerConfig>) {
+        let _ = self.events.send(CoreEvent::SetPeers(peers));
+    }
+
+    pub fn set_prefixes(&self, prefixes: Vec<Prefix>) {
+        let _ = self.events.send(CoreEvent::SetPrefixes(prefixes));
+    }
+
+    pub fn status(&self) -> SpeakerStatus {
+        self.status.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Closes every session. With `graceful` (and graceful restart configured) no Cease is
+    /// sent, so peers keep our routes; either way kernel routes are left alone.
+    pub async fn shutdown(&self, graceful: bool) {
+        let (done, wait) = oneshot::channel();
+        if self.events.send(CoreEvent::Shutdown { graceful, done }).is_ok() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), wait).await;
+        }
+    }
+}
+
+fn marker_path(config: &SpeakerConfig) -> Option<PathBuf> {
+    config.state_dir.as_ref().map(|d| d.join("bgp-graceful-restart"))
+}
+
+fn bind_listener(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+    let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr).map_err(|e| anyhow::anyhow!("binding the BGP listener to {addr}: {e}"))?;
+    Ok(socket.listen(64)?)
+}
+
+async fn accept_loop(listener: TcpListener, events: mpsc::UnboundedSender<CoreEvent>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, remote)) => {
+                if events.send(CoreEvent::Accepted { remote, stream }).is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                warn!(error = %e, "accepting a BGP connection failed");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+}
+
+/// A v4-mapped IPv6 address (from a dual-stack listener) as the IPv4 address it is.
+fn canonical(addr: IpAddr) -> IpAddr {
+    match addr {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(addr),
+        v4 => v4,
+    }
+}
+
+async fn connect(peer: PeerConfig, events: mpsc::UnboundedSender<CoreEvent>, id: u64) {
+    let result = async {
+        let socket = if peer.address.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+        if let Some(password) = &peer.password {
+            set_tcp_md5_key(socket.as_raw_fd(), peer.address, password.as_bytes())?;
+        }
+        let stream =
+            tokio::time::timeout(Duration::from_secs(10), socket.connect(SocketAddr::new(peer.address, peer.port)))
+                .await
+                .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))??;
+        Ok::<_, std::io::Error>(stream)
+    }
+    .await;
+    let event = match result {
+        Ok(stream) => CoreEvent::Connected { peer: peer.address, id, stream },
+        Err(e) => CoreEvent::ConnectFailed { peer: peer.address, id, error: e.to_string() },
+    };
+    let _ = events.send(event);
+}
+
+/// Reads and writes one BGP connection until the core drops its sender (after flushing what
+/// is queued, so a NOTIFICATION goes out before the close) or the socket fails.
+async fn run_connection(
+    peer: IpAddr,
+    id: u64,
+    stream: TcpStream,
+    mut outgoing: mpsc::UnboundedReceiver<Message>,
+    events: mpsc::UnboundedSender<CoreEvent>,
+) {
+    let _ = stream.set_nodelay(true);
+    let (mut reader, mut writer) = stream.into_split();
+    let mut codec = WireCodec::new();
+    let mut inbuf = BytesMut::with_capacity(64 * 1024);
+    let mut outbuf = BytesMut::new();
+    let mut reading = true;
+    loop {
+        tokio::select! {
+            message = outgoing.recv() => {
+                let Some(message) = message else {
+                    let _ = writer.shutdown().await;
+                    return;
+                };
+                outbuf.clear();
+                let mut batch = vec![message];
+                while let Ok(more) = outgoing.try_recv() {
+                    batch.push(more);
+                    if batch.len() >= 256 {
+                        break;
+                    }
+                }
+                for message in &batch {
+                    if let Err(e) = codec.encode(message, &mut outbuf) {
+                        warn!(%peer, error = %e, "cannot encode a BGP message; dropped");
+                    }
+                }
+                if let Err(e) = writer.write_all(&outbuf).await {
+                    let _ = events.send(CoreEvent::Closed { peer, id, error: Some(e.to_string()) });
+                    return;
+                }
+            }
+            read = reader.read_buf(&mut inbuf), if reading => {
+                match read {
+                    Ok(0) => {
+                        let _ = events.send(CoreEvent::Closed { peer, id, error: Some("peer closed the connection".into()) });
+                        reading = false;
+                    }
+                    Err(e) => {
+                        let _ = events.send(CoreEvent::Closed { peer, id, error: Some(e.to_string()) });
+                        reading = false;
+                    }
+                    Ok(_) => {
+                        while let Some(outcome) = codec.decode(&mut inbuf) {
+                            let fatal = matches!(outcome, DecodeOutcome::Notify(_) | DecodeOutcome::ConnectionError(_));
+                            let _ = events.send(CoreEvent::Received { peer, id, outcome });
+                            if fatal {
+                                // The core answers with a NOTIFICATION and closes; nothing after
+                                // a framing error can be trusted.
+                                reading = false;
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+struct Connection {
+    id: u64,
+    direction: Direction,
+    local: Option<SocketAddr>,
+    outgoing: mpsc::UnboundedSender<Message>,
+    task: JoinHandle<()>,
+}
+
+struct Peer {
+    config: PeerConfig,
+    session: Option<Session>,
+    connection: Option<Connection>,
+    pending_connect: Option<u64>,
+    timers: HashMap<TimerKind, Instant>,
+    established_at: Option<Instant>,
+    updates_received: u64,
+    notifications_received: u64,
+    notifications_sent: u64,
+    last_error: Option<String>,
+}
+
+impl Peer {
+    fn state(&self) -> State {
+        self.session.as_ref().map_or(State::Idle, Session::state)
+    }
+}
+
+struct Core {
+    config: SpeakerConfig,
+    rib: Rib,
+    helper: GracefulRestartHelper,
+    restart: RestartingSpeaker,
+    /// We came back from a restart: hold our advertisements until the deferral completes.
+    restarting: bool,
+    peers: BTreeMap<IpAddr, Peer>,
+    prefixes: BTreeSet<Prefix>,
+    gr_timers: HashMap<GrTimer, Instant>,
+    events: mpsc::UnboundedSender<CoreEvent>,
+    fib: watch::Sender<FibTarget>,
+    fib_allow_deletes: bool,
+    fib_dirty: bool,
+    status: Arc<Mutex<SpeakerStatus>>,
+    listener_fd: Option<std::os::fd::RawFd>,
+    next_connection_id: u64,
+    malformed_messages: u64,
+    closing: Vec<JoinHandle<()>>,
+}
+
+impl Core {
+    fn new(
+        config: SpeakerConfig,
+        restarting: bool,
+        installed: RouteSet,
+        initial_peers: &[PeerConfig],
+        events: mpsc::UnboundedSender<CoreEvent>,
+        fib: watch::Sender<FibTarget>,
+        status: Arc<Mutex<SpeakerStatus>>,
+    ) -> Self {
+        let rib = Rib::new(RibConfig::new(config.local_asn, config.router_id));
+        let gr = config.graceful_restart.clone();
+        let stale_path_time = gr.as_ref().map_or(Duration::from_secs(360), |g| g.stale_path_time);
+        let deferral = gr.as_ref().map_or(Duration::from_secs(120), |g| g.selection_deferral);
+        let previously_installed: Vec<Prefix> =
+            installed.keys().filter_map(|net| Prefix::new(net.addr(), net.prefix_len()).ok()).collect();
+        let (restart, out) =
+            RestartingSpeaker::start(previously_installed, initial_peers.iter().map(|p| p.address), deferral, &rib);
+        let mut core = Self {
+            config,
+            rib,
+            helper: GracefulRestartHelper::new(stale_path_time),
+            restart,
+            restarting,
+            peers: BTreeMap::new(),
+            prefixes: BTreeSet::new(),
+            gr_timers: HashMap::new(),
+            events,
+            fib,
+            fib_allow_deletes: false,
+            fib_dirty: false,
+            status,
+            listener_fd: None,
+            next_connection_id: 1,
+            malformed_messages: 0,
+            closing: Vec::new(),
+        };
+        if restarting {
+            info!("BGP graceful restart: restarting with forwarding state preserved (R-bit set)");
+        }
+        core.restart_output(out);
+        core
+    }
+
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<CoreEvent>) {
+        loop {
+            let deadline = self.next_deadline();
+            tokio::select! {
+                event = rx.recv() => {
+                    let Some(event) = event else { return };
+                    if let CoreEvent::Shutdown { graceful, done } = event {
+                        self.shutdown(graceful).await;
+                        let _ = done.send(());
+                        return;
+                    }
+                    self.handle(event);
+                    // Drain what is already queued before publishing: one FIB update per burst.
+                    while let Ok(event) = rx.try_recv() {
+                        if let CoreEvent::Shutdown { graceful, done } = event {
+                            self.shutdown(graceful).await;
+                            let _ = done.send(());
+                            return;
+                        }
+                        self.handle(event);
+                    }
+                }
+                _ = sleep_until(deadline) => self.fire_timers(),
+            }
+            self.publish();
+        }
+    }
+
+    fn next_deadline(&self) -> Instant {
+        let far = Instant::now() + Duration::from_secs(3600);
+        self.peers
+            .values()
+            .flat_map(|p| p.timers.values())
+            .chain(self.gr_timers.values())
+            .copied()
+            .min()
+            .unwrap_or(far)
+            .min(far)
+    }
+
+    fn fire_timers(&mut self) {
+        let now = Instant::now();
+        let mut due = Vec::new();
+        for (addr, peer) in &mut self.peers {
+            let expired: Vec<TimerKind> = peer.timers.iter().filter(|(_, at)| **at <= now).map(|(k, _)| *k).collect();
+            for kind in expired {
+                peer.timers.remove(&kind);
+                due.push((*addr, kind));
+            }
+        }
+        for (addr, kind) in due {
+            let event = match kind {
+                TimerKind::ConnectRetry => Event::ConnectRetryTimerExpires,
+                TimerKind::Hold => Event::HoldTimerExpires,
+                TimerKind::Keepalive => Event::KeepaliveTimerExpires,
+            };
+            if kind == TimerKind::Hold {
+                warn!(peer = %addr, "BGP hold timer expired");
+            }
+            self.step(addr, event);
+        }
+        let expired: Vec<GrTimer> = self.gr_timers.iter().filter(|(_, at)| **at <= now).map(|(t, _)| *t).collect();
+        for timer in expired {
+            self.gr_timers.remove(&timer);
+            match timer {
+                GrTimer::SelectionDeferral => {
+                    let out = self.restart.on_deferral_timer_expired(&self.rib);
+                    self.restart_output(out);
+                }
+                other => {
+                    if let GrTimer::Restart(peer) | GrTimer::StalePath(peer) = other {
+                        info!(%peer, timer = ?other, "graceful restart timer expired: removing the peer's stale routes");
+                    }
+                    let out = self.helper.on_timer(&mut self.rib, other);
+                    self.gr_timers_apply(out.timers);
+                    self.rib_changed(out.rib_changes);
+                }
+            }
+        }
+    }
+
+    fn handle(&mut self, event: CoreEvent) {
+        match event {
+            CoreEvent::Connected { peer, id, stream } => {
+                let Some(p) = self.peers.get_mut(&peer) else { return };
+                if p.pending_connect != Some(id) || p.connection.is_some() {
+                    return; // superseded (an inbound connection won, or the attempt was abandoned)
+                }
+                p.pending_connect = None;
+                self.attach(peer, stream, Direction::Outbound);
+                self.step(peer, Event::TcpConnectionAcknowledged);
+            }
+            CoreEvent::ConnectFailed { peer, id, error } => {
+                let Some(p) = self.peers.get_mut(&peer) else { return };
+                if p.pending_connect != Some(id) {
+                    return;
+                }
+                p.pending_connect = None;
+                debug!(%peer, %error, "BGP connect failed");
+                p.last_error = Some(error);
+                self.step(peer, Event::TcpConnectionFails);
+            }
+            CoreEvent::Accepted { remote, stream } => self.accepted(canonical(remote.ip()), stream),
+            CoreEvent::Received { peer, id, outcome } => {
+                if !self.current(peer, id) {
+                    return;
+                }
+                match &outcome {
+                    DecodeOutcome::Notify(n) => {
+                        self.malformed_messages += 1;
+                        warn!(%peer, code = n.code, subcode = n.subcode, "malformed BGP message from peer; closing the session");
+                    }
+                    DecodeOutcome::TreatAsWithdraw { withdrawn, reason } => {
+                        self.malformed_messages += 1;
+                        warn!(%peer, prefixes = withdrawn.len(), %reason, "malformed UPDATE attribute: its prefixes are treated as withdrawn (RFC 7606)");
+                    }
+                    _ => {}
+                }
+                if let DecodeOutcome::Message(Message::Notification(n)) = &outcome {
+                    if let Some(p) = self.peers.get_mut(&peer) {
+                        p.notifications_received += 1;
+                        p.last_error = Some(format!("NOTIFICATION received: code {} subcode {}", n.code, n.subcode));
+                    }
+                    warn!(%peer, code = n.code, subcode = n.subcode, "BGP NOTIFICATION received; session closed, will retry");
+                }
+                if let DecodeOutcome::Message(Message::Update(_)) = &outcome {
+                    if let Some(p) = self.peers.get_mut(&peer) {
+                        p.updates_received += 1;
+                    }
+                }
+                self.step(peer, Event::from(outcome));
+            }
+            CoreEvent::Closed { peer, id, error } => {
+                if !self.current(peer, id) {
+                    return;
+                }
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    p.last_error = error.clone();
+                    if p.state() == State::Established {
+                        warn!(%peer, error = error.as_deref().unwrap_or(""), "BGP connection lost");
+                    }
+                }
+                self.step(peer, Event::TcpConnectionFails);
+            }
+            CoreEvent::SetPeers(peers) => self.set_peers(peers),
+            CoreEvent::SetPrefixes(prefixes) => self.set_prefixes(prefixes),
+            CoreEvent::Shutdown { .. } => unreachable!("handled by run"),
+        }
+    }
+
+    fn current(&self, peer: IpAddr, id: u64) -> bool {
+        self.peers.get(&peer).and_then(|p| p.connection.as_ref()).is_some_and(|c| c.id == id)
+    }
+
+    fn attach(&mut self, peer: IpAddr, stream: TcpStream, direction: Direction) {
+        let id = self.next_connection_id;
+        self.next_connection_id += 1;
+        let local = stream.local_addr().ok();
+        let (outgoing, rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(run_connection(peer, id, stream, rx, self.events.clone()));
+        if let Some(p) = self.peers.get_mut(&peer) {
+            p.connection = Some(Connection { id, direction, local, outgoing, task });
+        }
+    }
+
+    fn accepted(&mut self, remote: IpAddr, stream: TcpStream) {
+        let Some(p) = self.peers.get_mut(&remote) else {
+            debug!(%remote, "BGP connection from an unconfigured address refused");
+            return;
+        };
+        match p.state() {
+            State::Established => {
+                debug!(peer = %remote, "second connection while Established; refused");
+            }
+            State::Idle | State::Connect | State::Active => {
+                p.pending_connect = None;
+                if let Some(old) = p.connection.take() {
+                    old.task.abort();
+                }
+                let was_idle = p.state() == State::Idle;
+                self.attach(remote, stream, Direction::Inbound);
+                if was_idle {
+                    // Waiting for the retry timer: the peer is here now, start at once.
+                    self.step_filtered(remote, Event::ManualStart, |o| !matches!(o, Output::Connect));
+                }
+                self.step(remote, Event::TcpConnectionConfirmed);
+            }
+            State::OpenSent | State::OpenConfirm => {
+                let existing = p.connection.as_ref().map_or(Direction::Outbound, |c| c.direction);
+                let remote_id = p
+                    .session
+                    .as_ref()
+                    .and_then(|s| s.negotiated())
+                    .map(|n| n.peer_router_id)
+                    .or(match remote {
+                        // Before its OPEN the peer's identifier is unknown; nodes use their
+                        // address as router id, which is the best guess.
+                        IpAddr::V4(v4) => Some(v4),
+                        IpAddr::V6(_) => None,
+                    })
+                    .unwrap_or(Ipv4Addr::UNSPECIFIED);
+                let keep = resolve_collision(
+                    self.config.router_id,
+                    self.config.local_asn,
+                    remote_id,
+                    p.config.asn,
+                    existing,
+                    false,
+                );
+                if keep == existing {
+                    debug!(peer = %remote, "connection collision: keeping the existing connection");
+                    return;
+                }
+                debug!(peer = %remote, "connection collision: switching to the peer's connection");
+                self.step(remote, Event::CollisionLost);
+                self.attach(remote, stream, Direction::Inbound);
+                self.step_filtered(remote, Event::ManualStart, |o| !matches!(o, Output::Connect));
+                self.step(remote, Event::TcpConnectionConfirmed);
+            }
+        }
+    }
+
+    fn step(&mut self, peer: IpAddr, event: Event) {
+        self.step_filtered(peer, event, |_| true);
+    }
+
+    fn step_filtered(&mut self, peer: IpAddr, event: Event, keep: impl Fn(&Output) -> bool) {
+        let Some(p) = self.peers.get_mut(&peer) else { return };
+        let Some(session) = p.session.take() else { return };
+        let before = session.state();
+        let (session, outputs) = session.step(event);
+        let after = session.state();
+        p.session = Some(session);
+        if before != after {
+            debug!(%peer, from = ?before, to = ?after, "BGP state change");
+        }
+        for output in outputs.into_iter().filter(|o| keep(o)) {
+            self.output(peer, output);
+        }
+    }
+
+    fn output(&mut self, peer: IpAddr, output: Output) {
+        match output {
+            Output::Connect => {
+                let id = self.next_connection_id;
+                self.next_connection_id += 1;
+                let Some(p) = self.peers.get_mut(&peer) else { return };
+                if p.config.passive {
+                    return;
+                }
+                p.pending_connect = Some(id);
+                tokio::spawn(connect(p.config.clone(), self.events.clone(), id));
+            }
+            Output::CloseConnection => {
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    p.pending_connect = None;
+                    if let Some(c) = p.connection.take() {
+                        // Dropping the sender lets the task flush and close.
+                        self.closing.push(c.task);
+                        self.closing.retain(|t| !t.is_finished());
+                    }
+                }
+            }
+            Output::SendMessage(message) => {
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    if let Message::Notification(n) = &message {
+                        p.notifications_sent += 1;
+                        warn!(%peer, code = n.code, subcode = n.subcode, "sending BGP NOTIFICATION");
+                    }
+                    if let Some(c) = &p.connection {
+                        let _ = c.outgoing.send(message);
+                    }
+                }
+            }
+            Output::StartTimer(kind, after) => {
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    p.timers.insert(kind, Instant::now() + after);
+                }
+            }
+            Output::StopTimer(kind) => {
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    p.timers.remove(&kind);
+                }
+            }
+            Output::SessionEstablished(negotiated) => self.established(peer, negotiated),
+            Output::SessionDown { reason, negotiated } => self.down(peer, reason, negotiated),
+            Output::RoutesReceived(update) => match self.rib.apply_update(peer, &update) {
+                Ok(changes) => self.rib_changed(changes),
+                Err(e) => warn!(%peer, error = %e, "UPDATE for a peer the RIB does not know"),
+            },
+            Output::EndOfRibReceived(afi, safi) => {
+                let Some(family) = Family::from_afi_safi(afi, safi) else { return };
+                debug!(%peer, ?family, "End-of-RIB received");
+                let out = self.helper.on_end_of_rib(&mut self.rib, peer, family);
+                self.gr_timers_apply(out.timers);
+                self.rib_changed(out.rib_changes);
+                let out = self.restart.on_end_of_rib(&self.rib, peer, family);
+                self.restart_output(out);
+            }
+            Output::RouteRefreshRequested(_, _) => {
+                // Re-send everything we advertise (RFC 2918); the End-of-RIB markers that come
+                // with the full table are only meaningful after a session start, so drop them.
+                if !self.advertising() {
+                    return;
+                }
+                let messages: Vec<Message> = self
+                    .rib
+                    .initial_advertisement(peer)
+                    .into_iter()
+                    .filter(|m| !matches!(m, Message::EndOfRib(..)))
+                    .collect();
+                self.send_all(peer, messages);
+            }
+        }
+    }
+
+    fn advertising(&self) -> bool {
+        !(self.restarting && self.restart.is_deferring())
+    }
+
+    fn send_all(&mut self, peer: IpAddr, messages: Vec<Message>) {
+        if let Some(c) = self.peers.get(&peer).and_then(|p| p.connection.as_ref()) {
+            for m in messages {
+                let _ = c.outgoing.send(m);
+            }
+        }
+    }
+
+    fn established(&mut self, peer: IpAddr, negotiated: Negotiated) {
+        let Some(p) = self.peers.get_mut(&peer) else { return };
+        p.established_at = Some(Instant::now());
+        p.last_error = None;
+        let local = p.connection.as_ref().and_then(|c| c.local).map(|a| canonical(a.ip()));
+        info!(%peer, asn = negotiated.peer_asn, router_id = %negotiated.peer_router_id,
+            families = ?negotiated.families, graceful_restart = negotiated.peer_graceful_restart.is_some(),
+            "BGP session established");
+        let info = PeerInfo {
+            address: peer,
+            asn: negotiated.peer_asn,
+            router_id: negotiated.peer_router_id,
+            route_reflector_client: p.config.route_reflector_client,
+            local_ipv4: match local {
+                Some(IpAddr::V4(v4)) => Some(v4),
+                _ => self.config.ipv4_next_hop,
+            },
+            local_ipv6: match local {
+                Some(IpAddr::V6(v6)) if !v6.is_unicast_link_local() => Some(v6),
+                _ => self.config.ipv6_next_hop,
+            },
+            families: negotiated.families.clone(),
+        };
+        let changes = self.rib.upsert_peer(info);
+        self.rib_changed(changes);
+        let out = self.helper.on_session_established(&mut self.rib, peer, &negotiated);
+        self.gr_timers_apply(out.timers);
+        self.rib_changed(out.rib_changes);
+        let mut restart = self.restart.on_session_established(&self.rib, peer, &negotiated);
+        if negotiated.peer_graceful_restart.as_ref().is_some_and(|gr| gr.restart_state) {
+            // A peer that is itself restarting waits for *our* End-of-RIB first (RFC 4724
+            // §4.1); waiting for its own would deadlock until the deferral timer.
+            for family in &negotiated.families {
+                let out = self.restart.on_end_of_rib(&self.rib, peer, *family);
+                if out.completion.is_some() {
+                    restart = out;
+                }
+            }
+        }
+        // While we defer after our own restart, restart_output sends every established peer
+        // its table once the picture is complete; otherwise this peer gets it now.
+        if self.advertising() {
+            let messages = self.rib.initial_advertisement(peer);
+            self.send_all(peer, messages);
+        }
+        self.restart_output(restart);
+        self.write_marker();
+    }
+
+    fn down(&mut self, peer: IpAddr, reason: DownReason, negotiated: Negotiated) {
+        if let Some(p) = self.peers.get_mut(&peer) {
+            p.established_at = None;
+        }
+        if matches!(reason, DownReason::AgentShutdown { .. }) {
+            return; // we are going away; the kernel keeps what it has
+        }
+        warn!(%peer, ?reason, "BGP session down");
+        let out = self.helper.on_session_down(&mut self.rib, peer, &reason, &negotiated);
+        if self.helper.is_helping(peer) {
+            info!(%peer, stale = self.rib.stale_count(peer), "graceful restart helper: keeping the peer's routes as stale");
+        }
+        self.gr_timers_apply(out.timers);
+        self.rib_changed(out.rib_changes);
+    }
+
+    fn restart_output(&mut self, out: RestartOutput) {
+        self.gr_timers_apply(out.timers);
+        let Some(completion) = out.completion else { return };
+        info!(
+            gone = completion.gone_routes.len(),
+            timed_out = completion.timed_out,
+            "initial routing picture complete: stale kernel routes may now be removed"
+        );
+        self.fib_allow_deletes = true;
+        self.fib_dirty = true;
+        let was_deferring = self.restarting;
+        self.restarting = false;
+        let established: Vec<IpAddr> =
+            self.peers.iter().filter(|(_, p)| p.state() == State::Established).map(|(a, _)| *a).collect();
+        for p in self.peers.values_mut() {
+            if let Some(s) = &mut p.session {
+                s.set_restarting(false);
+            }
+        }
+        if was_deferring {
+            for peer in established {
+                let messages = self.rib.initial_advertisement(peer);
+                self.send_all(peer, messages);
+            }
+        }
+    }
+
+    fn gr_timers_apply(&mut self, commands: Vec<TimerCommand>) {
+        for command in commands {
+            match command {
+                TimerCommand::Start(timer, after) => {
+                    self.gr_timers.insert(timer, Instant::now() + after);
+                }
+                TimerCommand::Stop(timer) => {
+                    self.gr_timers.remove(&timer);
+                }
+            }
+        }
+    }
+
+    /// Pushes Loc-RIB changes to established peers and marks the FIB for an update.
+    fn rib_changed(&mut self, changes: Vec<BestPathChange>) {
+        if changes.is_empty() {
+            return;
+        }
+        self.fib_dirty = true;
+        if !self.advertising() {
+            return;
+        }
+        let prefixes: Vec<Prefix> = changes.iter().map(BestPathChange::prefix).collect();
+        let established: Vec<IpAddr> =
+            self.peers.iter().filter(|(_, p)| p.state() == State::Established).map(|(a, _)| *a).collect();
+        for peer in established {
+            let updates = self.rib.sync_adj_rib_out(peer, Some(&prefixes));
+            self.send_all(peer, updates.into_iter().map(Message::Update).collect());
+        }
+    }
+
+    fn session_config(&self, peer: &PeerConfig) -> SessionConfig {
+        let mut config = SessionConfig::new(self.config.local_asn, peer.asn, self.config.router_id);
+        config.hold_time_secs = self.config.hold_time_secs;
+        config.connect_retry = self.config.connect_retry.clone();
+        config.passive = peer.passive;
+        config.families = self.config.families.clone();
+        config.graceful_restart = self.config.graceful_restart.as_ref().map(|gr| GracefulRestartConfig {
+            restart_time_secs: gr.restart_time.as_secs().min(u64::from(u16::MAX)) as u16,
+            restarting: self.restarting,
+        });
+        config
+    }
+
+    fn set_peers(&mut self, peers: Vec<PeerConfig>) {
+        let wanted: BTreeMap<IpAddr, PeerConfig> = peers.into_iter().map(|p| (p.address, p)).collect();
+        let gone: Vec<IpAddr> =
+            self.peers.iter().filter(|(addr, p)| wanted.get(*addr) != Some(&p.config)).map(|(addr, _)| *addr).collect();
+        for addr in gone {
+            info!(peer = %addr, "BGP peer removed from the configuration");
+            self.step(addr, Event::ManualStop);
+            if let Some(p) = self.peers.remove(&addr) {
+                if let Some(c) = p.connection {
+                    self.closing.push(c.task);
+                }
+            }
+            let changes = self.rib.remove_peer(addr);
+            self.rib_changed(changes);
+            let out = self.restart.remove_peer(&self.rib, addr);
+            self.restart_output(out);
+        }
+        for (addr, config) in wanted {
+            if self.peers.contains_key(&addr) {
+                continue;
+            }
+            info!(peer = %addr, asn = config.asn, md5 = config.password.is_some(), "BGP peer configured");
+            if let (Some(fd), Some(password)) = (self.listener_fd, &config.password) {
+                if let Err(e) = set_tcp_md5_key(fd, addr, password.as_bytes()) {
+                    warn!(peer = %addr, error = %e, "cannot set the TCP MD5 key on the listener");
+                }
+            }
+            let session = Session::new(self.session_config(&config));
+            self.peers.insert(
+                addr,
+                Peer {
+                    config,
+                    session: Some(session),
+                    connection: None,
+                    pending_connect: None,
+                    timers: HashMap::new(),
+                    established_at: None,
+                    updates_received: 0,
+                    notifications_received: 0,
+                    notifications_sent: 0,
+                    last_error: None,
+                },
+            );
+            self.restart_wait_for(addr);
+            self.step(addr, Event::ManualStart);
+        }
+    }
+
+    /// Adds a peer to those whose End-of-RIB the first complete routing picture waits for.
+    fn restart_wait_for(&mut self, peer: IpAddr) {
+        self.restart.add_peer(peer);
+    }
+
+    fn set_prefixes(&mut self, prefixes: Vec<Prefix>) {
+        let wanted: BTreeSet<Prefix> = prefixes.into_iter().collect();
+        let mut changes = Vec::new();
+        for gone in self.prefixes.difference(&wanted) {
+            changes.extend(self.rib.withdraw_originated(*gone));
+        }
+        for new in wanted.difference(&self.prefixes) {
+            let next_hop = match new.family() {
+                Family::Ipv4Unicast => NextHop::V4(self.config.ipv4_next_hop.unwrap_or(self.config.router_id)),
+                Family::Ipv6Unicast => {
+                    NextHop::V6 { global: self.config.ipv6_next_hop.unwrap_or(Ipv6Addr::UNSPECIFIED), link_local: None }
+                }
+            };
+            let attributes = PathAttributes { origin: Origin::Igp, ..PathAttributes::default() };
+            changes.extend(self.rib.originate(*new, next_hop, attributes));
+        }
+        if self.prefixes != wanted {
+            let list: Vec<String> = wanted.iter().map(Prefix::to_string).collect();
+            info!(prefixes = %list.join(","), "advertising");
+        }
+        self.prefixes = wanted;
+        self.rib_changed(changes);
+    }
+
+    async fn shutdown(&mut self, graceful: bool) {
+        info!(graceful, "BGP speaker stopping; kernel routes stay");
+        let addrs: Vec<IpAddr> = self.peers.keys().copied().collect();
+        for addr in addrs {
+            self.step(addr, Event::AgentShutdown { graceful_restart: graceful });
+        }
+        for task in self.closing.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
+        }
+        if !graceful || self.config.graceful_restart.is_none() {
+            if let Some(path) = marker_path(&self.config) {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+    }
+
+    fn write_marker(&self) {
+        if self.config.graceful_restart.is_none() {
+            return;
+        }
+        if let Some(path) = marker_path(&self.config) {
+            if !path.exists() {
+                if let Err(e) = std::fs::write(&path, b"graceful restart: routes were advertised\n") {
+                    warn!(path = %path.display(), error = %e, "cannot write the graceful-restart marker");
+                }
+            }
+        }
+    }
+
+    fn fib_target(&self) -> FibTarget {
+        let own: BTreeSet<IpAddr> = self
+            .peers
+            .values()
+            .filter_map(|p| p.connection.as_ref().and_then(|c| c.local).map(|a| canonical(a.ip())))
+            .chain(std::iter::once(IpAddr::V4(self.config.router_id)))
+            .collect();
+        let routes = self
+            .rib
+            .loc_rib()
+            .iter()
+            .filter(|(_, best)| matches!(best.source, RouteSource::Peer(_)))
+            .filter(|(_, best)| !own.contains(&best.next_hop.addr()) && !best.next_hop.addr().is_unspecified())
+            .filter_map(|(prefix, best)| {
+                IpNet::new(prefix.addr(), prefix.prefix_len()).ok().map(|net| (net, best.next_hop.addr()))
+            })
+            .collect();
+        FibTarget { routes, allow_deletes: self.fib_allow_deletes }
+    }
+
+    fn publish(&mut self) {
+        if self.fib_dirty {
+            self.fib_dirty = false;
+            let target = self.fib_target();
+            self.fib.send_if_modified(|current| {
+                if *current == target {
+                    false
+                } else {
+                    *current = target;
+                    true
+                }
+            });
+        }
+        let peers = self
+            .peers
+            .iter()
+            .map(|(addr, p)| PeerStatus {
+                address: *addr,
+                asn: p.config.asn,
+                state: p.state(),
+                established_secs: p
+                    .established_at
+                    .filter(|_| p.state() == State::Established)
+                    .map(|t| t.elapsed().as_secs()),
+                prefixes_received: self.rib.adj_rib_in(*addr).map_or(0, |r| r.len()),
+                prefixes_stale: self.rib.stale_count(*addr),
+                prefixes_advertised: self.rib.adj_rib_out(*addr).map_or(0, |r| r.len()),
+                updates_received: p.updates_received,
+                notifications_received: p.notifications_received,
+                notifications_sent: p.notifications_sent,
+                last_error: p.last_error.clone(),
+            })
+            .collect();
+        let loc_rib = if self.rib.loc_rib().len() <= 10_000 {
+            self.rib
+                .loc_rib()
+                .iter()
+                .map(|(prefix, best)| {
+                    let from = match best.source {
+                        RouteSource::Local => None,
+                        RouteSource::Peer(a) => Some(a),
+                    };
+                    (*prefix, best.next_hop.addr(), from)
+                })
+                .collect()
+        } else {
+            Vec::new() // too large to copy on every event; the counts above still report it
+        };
+        let status = SpeakerStatus {
+            local_asn: self.config.local_asn,
+            router_id: Some(self.config.router_id),
+            restarting: self.restarting,
+            deferring: self.restart.is_deferring(),
+            peers,
+            loc_rib,
+            loc_rib_size: self.rib.loc_rib().len(),
+            malformed_messages: self.malformed_messages,
+        };
+        *self.status.lock().unwrap_or_else(|p| p.into_inner()) = status;
+    }
+}
+
+/// Keeps the kernel's routes of our protocol equal to the speaker's target, writing only
+/// differences; re-checks every 30 s so a route removed by hand comes back.
+pub async fn run_fib(routes: crate::fib::netlink::NetlinkRoutes, mut target: watch::Receiver<FibTarget>) {
+    loop {
+        let wanted = target.borrow_and_update().clone();
+        match routes.list().await {
+            Ok(installed) => {
+                let ops = reconcile(&installed, &wanted.routes, wanted.allow_deletes);
+                if !ops.is_empty() {
+                    info!(changes = ops.len(), routes = wanted.routes.len(), "updating kernel routes");
+                }
+                for op in ops {
+                    if let Err(e) = routes.apply(op).await {
+                        warn!(?op, error = %e, "kernel route update failed; retrying later");
+                    }
+                }
+            }
+            Err(e) => warn!(error = %e, "listing kernel routes failed; retrying"),
+        }
+        tokio::select! {
+            changed = target.changed() => if changed.is_err() { return },
+            _ = tokio::time::sleep(Duration::from_secs(30)) => {}
+        }
+    }
+}

@@ -1,0 +1,258 @@
+//! Pod routing: runs the BGP speaker from this node's configuration (Node objects or flags)
+//! and keeps the kernel routes it learned.
+//!
+//! The speaker starts once this node's configuration is known (from the API, from the
+//! checkpoint while the API is down, or from flags) and is then only ever *updated*: an API
+//! outage leaves the last configuration, the sessions, the RIB and the kernel routes alone.
+use std::{
+    fmt::Write as _,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    path::PathBuf,
+    time::Duration,
+};
+
+use anyhow::{Context, Result};
+use ipnet::IpNet;
+use k8s_openapi::api::core::v1::Node;
+
+use crate::{
+    bgp::{
+        fsm::State,
+        message::{Family, Prefix},
+        peers::{node_bgp_config, ExternalPeerFlag, GlobalSettings, NodeBgpConfig, PeerConfig, PeerKind},
+        speaker::{run_fib, GracefulRestartSettings, Speaker, SpeakerConfig, SpeakerStatus},
+    },
+    fib::netlink::NetlinkRoutes,
+    metrics::Metrics,
+};
+
+#[derive(Debug, Clone)]
+pub struct RouterOptions {
+    pub node_name: String,
+    pub cluster_asn: u32,
+    /// Overrides the Node-derived router id (needed without the API).
+    pub router_id: Option<Ipv4Addr>,
+    /// Overrides the Node's spec.podCIDRs (needed without the API).
+    pub pod_cidrs: Option<Vec<IpNet>>,
+    pub external_peers: Vec<ExternalPeerFlag>,
+    pub ibgp_mesh: bool,
+    pub bgp_port: u16,
+    pub hold_time: Duration,
+    pub graceful_restart: bool,
+    pub graceful_restart_time: Duration,
+    pub graceful_restart_deferral: Duration,
+    pub route_protocol: u8,
+    pub route_table: u32,
+    pub state_dir: PathBuf,
+}
+
+pub struct RouterController {
+    options: RouterOptions,
+    speaker: Option<Speaker>,
+    applied: Option<(Vec<PeerConfig>, Vec<Prefix>)>,
+    last_problem: Option<String>,
+    metrics: Metrics,
+}
+
+impl RouterController {
+    pub fn new(options: RouterOptions, metrics: Metrics) -> Self {
+        Self { options, speaker: None, applied: None, last_problem: None, metrics }
+    }
+
+    fn settings(&self) -> GlobalSettings {
+        GlobalSettings {
+            node_name: self.options.node_name.clone(),
+            cluster_asn: self.options.cluster_asn,
+            enable_ibgp_mesh: self.options.ibgp_mesh,
+            external_peers: self.options.external_peers.clone(),
+            peer_port: self.options.bgp_port,
+            advertise_pod_cidr: true,
+        }
+    }
+
+    /// Configuration from flags alone, for running without the API server.
+    pub fn static_config(&self) -> Result<NodeBgpConfig> {
+        let router_id = self.options.router_id.context("--router-id is needed to run BGP without the API server")?;
+        let peers = self
+            .options
+            .external_peers
+            .iter()
+            .map(|p| PeerConfig {
+                address: p.address,
+                asn: p.asn,
+                password: p.password.clone(),
+                port: self.options.bgp_port,
+                passive: false,
+                route_reflector_client: false,
+                kind: PeerKind::External,
+            })
+            .collect();
+        Ok(NodeBgpConfig {
+            router_id,
+            local_asn: self.options.cluster_asn,
+            local_address: Some(IpAddr::V4(router_id)),
+            pod_cidrs: self.options.pod_cidrs.clone().unwrap_or_default(),
+            peers,
+            route_reflector: crate::bgp::peers::RrRole::None,
+            warnings: Vec::new(),
+        })
+    }
+
+    /// Re-derives the configuration from the Node objects we know. A problem (this node not
+    /// found yet, a broken annotation on it) is logged once and changes nothing.
+    pub async fn update_from_nodes<'a>(&mut self, nodes: impl Iterator<Item = &'a Node>) {
+        let nodes: Vec<Node> = nodes.cloned().collect();
+        match node_bgp_config(&nodes, &self.settings()) {
+            Ok(mut config) => {
+                self.last_problem = None;
+                for warning in &config.warnings {
+                    tracing::warn!(%warning, "BGP peer configuration");
+                }
+                if let Some(router_id) = self.options.router_id {
+                    config.router_id = router_id;
+                }
+                if let Some(cidrs) = &self.options.pod_cidrs {
+                    config.pod_cidrs = cidrs.clone();
+                }
+                self.apply(config).await;
+            }
+            Err(e) => {
+                let problem = e.to_string();
+                if self.last_problem.as_ref() != Some(&problem) {
+                    tracing::warn!(error = %problem, "BGP configuration from Node objects unavailable; routing left as it is");
+                    self.metrics.with(|m| *m.rejected_objects.entry("Node").or_default() += 1);
+                    self.last_problem = Some(problem);
+                }
+            }
+        }
+    }
+
+    pub async fn apply(&mut self, config: NodeBgpConfig) {
+        let prefixes: Vec<Prefix> =
+            config.pod_cidrs.iter().filter_map(|net| Prefix::new(net.addr(), net.prefix_len()).ok()).collect();
+        let wanted = (config.peers.clone(), prefixes.clone());
+        if self.applied.as_ref() == Some(&wanted) {
+            return;
+        }
+        match &self.speaker {
+            Some(speaker) => {
+                speaker.set_peers(config.peers.clone());
+                speaker.set_prefixes(prefixes);
+            }
+            None => match self.start(&config, prefixes).await {
+                Ok(speaker) => self.speaker = Some(speaker),
+                Err(e) => {
+                    tracing::error!(error = format!("{e:#}"), "cannot start the BGP speaker; will retry");
+                    return;
+                }
+            },
+        }
+        self.applied = Some(wanted);
+    }
+
+    async fn start(&self, config: &NodeBgpConfig, prefixes: Vec<Prefix>) -> Result<Speaker> {
+        let o = &self.options;
+        let routes = NetlinkRoutes::connect(o.route_protocol, o.route_table)?;
+        let installed = routes.list().await.context("listing our kernel routes")?;
+        let mut speaker_config = SpeakerConfig::new(config.local_asn, config.router_id);
+        speaker_config.listen = Some(SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), o.bgp_port));
+        speaker_config.hold_time_secs = o.hold_time.as_secs().min(u64::from(u16::MAX)) as u16;
+        speaker_config.families = vec![Family::Ipv4Unicast, Family::Ipv6Unicast];
+        speaker_config.graceful_restart = o.graceful_restart.then(|| GracefulRestartSettings {
+            restart_time: o.graceful_restart_time,
+            stale_path_time: Duration::from_secs(360),
+            selection_deferral: o.graceful_restart_deferral,
+        });
+        speaker_config.ipv4_next_hop = match config.local_address {
+            Some(IpAddr::V4(v4)) => Some(v4),
+            _ => Some(config.router_id),
+        };
+        speaker_config.ipv6_next_hop = match config.local_address {
+            Some(IpAddr::V6(v6)) => Some(v6),
+            _ => first_global_ipv6(),
+        };
+        speaker_config.state_dir = Some(o.state_dir.clone());
+        std::fs::create_dir_all(&o.state_dir).ok();
+        tracing::info!(asn = config.local_asn, router_id = %config.router_id, peers = config.peers.len(),
+            kept_routes = installed.len(), "starting BGP speaker");
+        let (speaker, fib) = Speaker::start(speaker_config, config.peers.clone(), prefixes, installed).await?;
+        tokio::spawn(run_fib(routes, fib));
+        Ok(speaker)
+    }
+
+    pub fn status(&self) -> Option<SpeakerStatus> {
+        self.speaker.as_ref().map(Speaker::status)
+    }
+
+    pub fn publish_metrics(&self) {
+        let status = self.status();
+        self.metrics.with(|m| m.bgp = status);
+        if self.speaker.is_some() {
+            self.metrics.heartbeat("bgp");
+        }
+    }
+
+    /// SIGTERM: with graceful restart, peers keep our routes; kernel routes always stay.
+    pub async fn shutdown(&self) {
+        if let Some(speaker) = &self.speaker {
+            speaker.shutdown(self.options.graceful_restart).await;
+        }
+    }
+}
+
+fn first_global_ipv6() -> Option<Ipv6Addr> {
+    let text = std::fs::read_to_string("/proc/net/if_inet6").ok()?;
+    text.lines().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        let hex = fields.next()?;
+        let scope = fields.nth(2)?;
+        (scope == "00").then(|| u128::from_str_radix(hex, 16).ok().map(Ipv6Addr::from)).flatten()
+    })
+}
+
+/// Human-readable neighbors and routes, served on /bgp and printed by `kube-router bgp`.
+pub fn render_status(status: Option<&SpeakerStatus>) -> String {
+    let Some(status) = status else {
+        return "BGP speaker not running\n".to_string();
+    };
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "local AS {} router-id {}{}",
+        status.local_asn,
+        status.router_id.map(|r| r.to_string()).unwrap_or_default(),
+        if status.deferring { " (waiting for peers' End-of-RIB)" } else { "" }
+    );
+    let _ = writeln!(
+        out,
+        "{:<40} {:>10} {:<12} {:>8} {:>8} {:>6} {:>8}",
+        "neighbor", "AS", "state", "up(s)", "recv", "stale", "sent"
+    );
+    for p in &status.peers {
+        let _ = writeln!(
+            out,
+            "{:<40} {:>10} {:<12} {:>8} {:>8} {:>6} {:>8}{}",
+            p.address,
+            p.asn,
+            format!("{:?}", p.state),
+            p.established_secs.map(|s| s.to_string()).unwrap_or_else(|| "-".into()),
+            p.prefixes_received,
+            p.prefixes_stale,
+            p.prefixes_advertised,
+            p.last_error
+                .as_ref()
+                .filter(|_| p.state != State::Established)
+                .map(|e| format!("  ({e})"))
+                .unwrap_or_default()
+        );
+    }
+    let _ = writeln!(out, "routes:");
+    for (prefix, next_hop, from) in &status.loc_rib {
+        let _ = writeln!(
+            out,
+            "  {prefix:<43} via {next_hop:<39} {}",
+            from.map(|f| format!("from {f}")).unwrap_or_else(|| "local".into())
+        );
+    }
+    out
+}

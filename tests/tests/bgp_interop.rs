@@ -1,0 +1,454 @@
+//! BGP interop with real peers (GoBGP, BIRD 2, FRR), each in its own network namespace, and
+//! graceful restart across agent crashes and restarts. Run as root.
+//!
+//! Topology per test: `<p>-node` runs kube-router (BGP only) and is wired by veth to
+//! `<p>-peer`, which runs the peer daemon. IPv4 10.77.0.1 <-> 10.77.0.2, IPv6 fd77::1 <-> fd77::2.
+use std::{
+    fs,
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Result};
+use kube_router_tests::{remove_bpf_root, veth, Agent, Netns};
+
+const NODE_V4: &str = "10.77.0.1";
+const PEER_V4: &str = "10.77.0.2";
+const NODE_V6: &str = "fd77::1";
+const PEER_V6: &str = "fd77::2";
+const NODE_ASN: &str = "65001";
+const PEER_ASN: &str = "65002";
+const POD_CIDR_V4: &str = "10.244.1.0/24";
+const POD_CIDR_V6: &str = "fd00:244:1::/64";
+const HEALTH_PORT: &str = "20260";
+
+struct Lab {
+    node: Netns,
+    peer: Netns,
+    dir: PathBuf,
+    daemon: Option<Child>,
+}
+
+impl Lab {
+    fn new(prefix: &str) -> Self {
+        let node = Netns::new(&format!("{prefix}-node")).unwrap();
+        let peer = Netns::new(&format!("{prefix}-peer")).unwrap();
+        veth(&node, "to-peer", &format!("{NODE_V4}/24"), &peer, "eth0", &format!("{PEER_V4}/24")).unwrap();
+        node.run(&["ip", "-6", "addr", "add", &format!("{NODE_V6}/64"), "dev", "to-peer", "nodad"]).unwrap();
+        peer.run(&["ip", "-6", "addr", "add", &format!("{PEER_V6}/64"), "dev", "eth0", "nodad"]).unwrap();
+        let dir = PathBuf::from(format!("/tmp/{prefix}"));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        Self { node, peer, dir, daemon: None }
+    }
+
+    fn state_dir(&self) -> String {
+        self.dir.join("state").to_string_lossy().into_owned()
+    }
+
+    fn agent_args(&self, extra: &[&str]) -> Vec<String> {
+        let empty = self.dir.join("no-services.yaml");
+        fs::write(&empty, "").unwrap();
+        let mut args: Vec<String> = [
+            "--run-service-proxy=false",
+            "--service-file",
+            empty.to_str().unwrap(),
+            "--state-dir",
+            &self.state_dir(),
+            "--router-id",
+            NODE_V4,
+            "--cluster-asn",
+            NODE_ASN,
+            "--pod-cidrs",
+            &format!("{POD_CIDR_V4},{POD_CIDR_V6}"),
+            "--peer-router-ips",
+            &format!("{PEER_V4},{PEER_V6}"),
+            "--peer-router-asns",
+            &format!("{PEER_ASN},{PEER_ASN}"),
+            "--health-port",
+            HEALTH_PORT,
+            "--bgp-holdtime",
+            "9s",
+            "--bgp-graceful-restart-time",
+            "60s",
+            "--bgp-graceful-restart-deferral-time",
+            "30s",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args
+    }
+
+    fn start_agent(&self, extra: &[&str]) -> Agent {
+        let args = self.agent_args(extra);
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        Agent::start(&self.node, &PathBuf::from("/sys/fs/bpf/krt-bgp-unused"), &refs).unwrap()
+    }
+
+    fn spawn_daemon(&mut self, args: &[&str]) {
+        let log = fs::File::create(self.dir.join("daemon.log")).unwrap();
+        let child = Command::new("nsenter")
+            .arg(format!("--net={}", self.peer.path()))
+            .args(args)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.daemon = Some(child);
+    }
+
+    fn daemon_log(&self) -> String {
+        fs::read_to_string(self.dir.join("daemon.log")).unwrap_or_default()
+    }
+
+    /// Our routes (protocol 186) in the node's kernel, both families.
+    fn kernel_routes(&self) -> String {
+        let v4 = self.node.run(&["ip", "route", "show", "proto", "186"]).unwrap();
+        let v6 = self.node.run(&["ip", "-6", "route", "show", "proto", "186"]).unwrap();
+        format!("{v4}{v6}")
+    }
+
+    fn agent_bgp(&self) -> String {
+        self.node
+            .run(&[kube_router_tests::kube_router_bin().to_str().unwrap(), "--health-port", HEALTH_PORT, "bgp"])
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.daemon.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        remove_bpf_root(&PathBuf::from("/sys/fs/bpf/krt-bgp-unused"));
+    }
+}
+
+fn wait_until(what: &str, timeout: Duration, mut check: impl FnMut() -> Result<bool>) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    let mut last_error = String::new();
+    loop {
+        match check() {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(e) => last_error = format!("{e:#}"),
+        }
+        if Instant::now() > deadline {
+            bail!("timed out after {timeout:?} waiting for {what} {last_error}");
+        }
+        thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// How each peer daemon is started, fed prefixes and asked for its RIB.
+trait PeerDaemon {
+    fn start(&self, lab: &mut Lab);
+    /// The peer's RIB as its own CLI prints it (both families).
+    fn rib(&self, lab: &Lab) -> Result<String>;
+    fn established(&self, lab: &Lab) -> Result<bool>;
+}
+
+struct GoBgp;
+
+impl GoBgp {
+    fn cli(lab: &Lab, args: &[&str]) -> Result<String> {
+        let mut full = vec!["gobgp"];
+        full.extend_from_slice(args);
+        lab.peer.run(&full)
+    }
+}
+
+impl PeerDaemon for GoBgp {
+    fn start(&self, lab: &mut Lab) {
+        let neighbor = |addr: &str, family: &str| {
+            format!(
+                r#"
+[[neighbors]]
+  [neighbors.config]
+    neighbor-address = "{addr}"
+    peer-as = {NODE_ASN}
+  [neighbors.timers.config]
+    connect-retry = 1
+    hold-time = 9
+    keepalive-interval = 3
+  [neighbors.graceful-restart.config]
+    enabled = true
+    restart-time = 60
+  [[neighbors.afi-safis]]
+    [neighbors.afi-safis.config]
+      afi-safi-name = "{family}"
+    [neighbors.afi-safis.mp-graceful-restart.config]
+      enabled = true
+"#
+            )
+        };
+        let config = format!(
+            "[global.config]\n  as = {PEER_ASN}\n  router-id = \"{PEER_V4}\"\n{}{}",
+            neighbor(NODE_V4, "ipv4-unicast"),
+            neighbor(NODE_V6, "ipv6-unicast")
+        );
+        let path = lab.dir.join("gobgpd.toml");
+        fs::write(&path, config).unwrap();
+        lab.spawn_daemon(&["gobgpd", "-f", path.to_str().unwrap(), "--disable-stdlog", "-l", "info"]);
+        wait_until("gobgpd's API", Duration::from_secs(20), || Ok(GoBgp::cli(lab, &["global"]).is_ok())).unwrap();
+        for (prefix, family) in [("10.100.0.0/24", "ipv4"), ("10.101.0.0/24", "ipv4"), ("fd00:100::/64", "ipv6")] {
+            GoBgp::cli(lab, &["global", "rib", "add", prefix, "-a", family]).unwrap();
+        }
+    }
+
+    fn rib(&self, lab: &Lab) -> Result<String> {
+        Ok(format!(
+            "{}{}",
+            GoBgp::cli(lab, &["global", "rib", "-a", "ipv4"])?,
+            GoBgp::cli(lab, &["global", "rib", "-a", "ipv6"])?
+        ))
+    }
+
+    fn established(&self, lab: &Lab) -> Result<bool> {
+        let out = GoBgp::cli(lab, &["neighbor"])?;
+        Ok(out.lines().filter(|l| l.contains("Establ")).count() == 2)
+    }
+}
+
+struct Bird;
+
+impl Bird {
+    fn socket(lab: &Lab) -> String {
+        lab.dir.join("bird.ctl").to_string_lossy().into_owned()
+    }
+    fn cli(lab: &Lab, command: &str) -> Result<String> {
+        lab.peer.run(&["birdc", "-s", &Bird::socket(lab), command])
+    }
+}
+
+impl PeerDaemon for Bird {
+    fn start(&self, lab: &mut Lab) {
+        let config = format!(
+            r#"
+router id {PEER_V4};
+protocol device {{ }}
+protocol static s4 {{ ipv4; route 10.100.0.0/24 blackhole; route 10.101.0.0/24 blackhole; }}
+protocol static s6 {{ ipv6; route fd00:100::/64 blackhole; }}
+template bgp kr {{
+  local as {PEER_ASN};
+  hold time 9;
+  connect retry time 1;
+  graceful restart on;
+  graceful restart time 60;
+}}
+protocol bgp node4 from kr {{
+  neighbor {NODE_V4} as {NODE_ASN};
+  ipv4 {{ import all; export where source = RTS_STATIC; }};
+}}
+protocol bgp node6 from kr {{
+  neighbor {NODE_V6} as {NODE_ASN};
+  ipv6 {{ import all; export where source = RTS_STATIC; }};
+}}
+"#
+        );
+        let path = lab.dir.join("bird.conf");
+        fs::write(&path, config).unwrap();
+        let socket = Bird::socket(lab);
+        lab.spawn_daemon(&["bird", "-f", "-c", path.to_str().unwrap(), "-s", &socket]);
+        wait_until("bird's control socket", Duration::from_secs(20), || Ok(Bird::cli(lab, "show status").is_ok()))
+            .unwrap();
+    }
+
+    fn rib(&self, lab: &Lab) -> Result<String> {
+        Bird::cli(lab, "show route")
+    }
+
+    fn established(&self, lab: &Lab) -> Result<bool> {
+        let out = Bird::cli(lab, "show protocols")?;
+        Ok(out.lines().filter(|l| l.contains("node") && l.contains("Established")).count() == 2)
+    }
+}
+
+struct Frr;
+
+impl Frr {
+    fn vty_dir(lab: &Lab) -> String {
+        lab.dir.join("frr").to_string_lossy().into_owned()
+    }
+    fn cli(lab: &Lab, command: &str) -> Result<String> {
+        lab.peer.run(&["vtysh", "--vty_socket", &Frr::vty_dir(lab), "-d", "bgpd", "-c", command])
+    }
+}
+
+impl PeerDaemon for Frr {
+    fn start(&self, lab: &mut Lab) {
+        let config = format!(
+            r#"
+hostname frr-peer
+router bgp {PEER_ASN}
+ bgp router-id {PEER_V4}
+ no bgp ebgp-requires-policy
+ no bgp network import-check
+ bgp graceful-restart
+ bgp graceful-restart restart-time 60
+ timers bgp 3 9
+ neighbor {NODE_V4} remote-as {NODE_ASN}
+ neighbor {NODE_V4} timers connect 1
+ neighbor {NODE_V6} remote-as {NODE_ASN}
+ neighbor {NODE_V6} timers connect 1
+ address-family ipv4 unicast
+  network 10.100.0.0/24
+  network 10.101.0.0/24
+  no neighbor {NODE_V6} activate
+ exit-address-family
+ address-family ipv6 unicast
+  network fd00:100::/64
+  neighbor {NODE_V6} activate
+ exit-address-family
+"#
+        );
+        let path = lab.dir.join("bgpd.conf");
+        fs::write(&path, config).unwrap();
+        let vty = Frr::vty_dir(lab);
+        fs::create_dir_all(&vty).unwrap();
+        let pid = lab.dir.join("bgpd.pid");
+        lab.spawn_daemon(&[
+            "/usr/lib/frr/bgpd",
+            "-f",
+            path.to_str().unwrap(),
+            "-Z",
+            "-S",
+            "--vty_socket",
+            &vty,
+            "-i",
+            pid.to_str().unwrap(),
+            "-A",
+            "127.0.0.1",
+            "-P",
+            "0",
+        ]);
+        wait_until("FRR bgpd's vty", Duration::from_secs(20), || Ok(Frr::cli(lab, "show bgp summary").is_ok()))
+            .unwrap();
+    }
+
+    fn rib(&self, lab: &Lab) -> Result<String> {
+        Ok(format!("{}{}", Frr::cli(lab, "show bgp ipv4 unicast")?, Frr::cli(lab, "show bgp ipv6 unicast")?))
+    }
+
+    fn established(&self, lab: &Lab) -> Result<bool> {
+        let v4 = Frr::cli(lab, &format!("show bgp neighbors {NODE_V4}"))?;
+        let v6 = Frr::cli(lab, &format!("show bgp neighbors {NODE_V6}"))?;
+        Ok(v4.contains("BGP state = Established") && v6.contains("BGP state = Established"))
+    }
+}
+
+/// Both sessions up, our pod CIDRs in the peer's RIB (its own CLI), its prefixes in our
+/// kernel table with protocol 186, both families.
+fn assert_routes_exchanged(lab: &Lab, daemon: &dyn PeerDaemon) {
+    wait_until("both sessions Established", Duration::from_secs(60), || daemon.established(lab))
+        .unwrap_or_else(|e| panic!("{e}\nagent:\n{}\ndaemon log:\n{}", lab.agent_bgp(), lab.daemon_log()));
+    wait_until("our pod CIDRs in the peer's RIB", Duration::from_secs(30), || {
+        let rib = daemon.rib(lab)?;
+        Ok(rib.contains(POD_CIDR_V4) && rib.contains("fd00:244:1::/64"))
+    })
+    .unwrap_or_else(|e| panic!("{e}\npeer RIB:\n{}", daemon.rib(lab).unwrap_or_default()));
+    wait_until("the peer's prefixes in our kernel table", Duration::from_secs(30), || {
+        let routes = lab.kernel_routes();
+        Ok(routes.contains(&format!("10.100.0.0/24 via {PEER_V4}"))
+            && routes.contains(&format!("10.101.0.0/24 via {PEER_V4}"))
+            && routes.contains(&format!("fd00:100::/64 via {PEER_V6}")))
+    })
+    .unwrap_or_else(|e| panic!("{e}\nkernel:\n{}\nagent:\n{}", lab.kernel_routes(), lab.agent_bgp()));
+    wait_until("the agent to report both sessions", Duration::from_secs(10), || {
+        Ok(lab.agent_bgp().matches("Established").count() == 2)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", lab.agent_bgp()));
+}
+
+fn interop(prefix: &str, daemon: &dyn PeerDaemon) {
+    let mut lab = Lab::new(prefix);
+    daemon.start(&mut lab);
+    let mut agent = lab.start_agent(&[]);
+    agent.wait_for_log("starting BGP speaker", 1, Duration::from_secs(30)).unwrap();
+    assert_routes_exchanged(&lab, daemon);
+    // Only our protocol's routes are ours: the connected routes are untouched.
+    assert!(lab.node.run(&["ip", "route", "show", "proto", "kernel"]).unwrap().contains("10.77.0.0/24"));
+    agent.stop().unwrap();
+}
+
+#[test]
+fn gobgp_session_exchanges_ipv4_and_ipv6_routes() {
+    interop("krt-bgp-gobgp", &GoBgp);
+}
+
+#[test]
+fn bird_session_exchanges_ipv4_and_ipv6_routes() {
+    interop("krt-bgp-bird", &Bird);
+}
+
+#[test]
+fn frr_session_exchanges_ipv4_and_ipv6_routes() {
+    interop("krt-bgp-frr", &Frr);
+}
+
+/// kill -9 the agent: GoBGP keeps our routes (stale, graceful restart helper), our kernel
+/// routes stay. A prefix withdrawn while we are away disappears from the kernel only after
+/// the restarted agent has the peer's End-of-RIB; the others never leave the kernel.
+#[test]
+fn graceful_restart_across_an_agent_crash_keeps_routes_everywhere() {
+    let mut lab = Lab::new("krt-bgp-gr");
+    GoBgp.start(&mut lab);
+    let agent = lab.start_agent(&[]);
+    assert_routes_exchanged(&lab, &GoBgp);
+
+    agent.kill();
+    thread::sleep(Duration::from_secs(3));
+    let rib = GoBgp.rib(&lab).unwrap();
+    assert!(rib.contains(POD_CIDR_V4), "GoBGP dropped our route while we were away:\n{rib}");
+    let routes = lab.kernel_routes();
+    assert!(routes.contains("10.100.0.0/24") && routes.contains("10.101.0.0/24"), "{routes}");
+
+    GoBgp::cli(&lab, &["global", "rib", "del", "10.101.0.0/24", "-a", "ipv4"]).unwrap();
+    let mut agent = lab.start_agent(&[]);
+    agent.wait_for_log("BGP graceful restart: restarting", 1, Duration::from_secs(30)).unwrap();
+    let started = Instant::now();
+    let mut samples = 0;
+    while started.elapsed() < Duration::from_secs(40) {
+        let routes = lab.kernel_routes();
+        assert!(routes.contains("10.100.0.0/24"), "a route still announced left the kernel:\n{routes}");
+        samples += 1;
+        if !routes.contains("10.101.0.0/24") {
+            break;
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+    assert!(!lab.kernel_routes().contains("10.101.0.0/24"), "withdrawn route never removed");
+    assert!(samples > 1, "the withdrawn route went before the session was back");
+    agent.wait_for_log("initial routing picture complete", 1, Duration::from_secs(30)).unwrap();
+    assert!(GoBgp.rib(&lab).unwrap().contains(POD_CIDR_V4));
+    assert!(lab.kernel_routes().contains("fd00:100::/64"));
+}
+
+/// SIGTERM with graceful restart sends no Cease: GoBGP keeps our routes as stale. Without
+/// graceful restart, SIGTERM sends a Cease and GoBGP withdraws them at once.
+#[test]
+fn sigterm_keeps_peer_routes_only_with_graceful_restart() {
+    let mut lab = Lab::new("krt-bgp-term");
+    GoBgp.start(&mut lab);
+    let agent = lab.start_agent(&[]);
+    assert_routes_exchanged(&lab, &GoBgp);
+    agent.stop().unwrap();
+    thread::sleep(Duration::from_secs(2));
+    assert!(GoBgp.rib(&lab).unwrap().contains(POD_CIDR_V4), "graceful stop must leave our routes with the peer");
+    assert!(lab.kernel_routes().contains("10.100.0.0/24"), "graceful stop must leave kernel routes");
+
+    let agent = lab.start_agent(&["--bgp-graceful-restart=false"]);
+    assert_routes_exchanged(&lab, &GoBgp);
+    agent.stop().unwrap();
+    wait_until("GoBGP to withdraw our routes after the Cease", Duration::from_secs(10), || {
+        Ok(!GoBgp.rib(&lab)?.contains(POD_CIDR_V4))
+    })
+    .unwrap();
+    assert!(lab.kernel_routes().contains("10.100.0.0/24"), "kernel routes stay even then");
+}
