@@ -55,8 +55,8 @@ pub struct MetricsState {
     pub checkpoint_age_at_start: Option<f64>,
     /// controller name -> last heartbeat.
     pub heartbeats: BTreeMap<&'static str, Instant>,
-    /// Last snapshot of the BGP speaker, if it runs.
-    pub bgp: Option<crate::bgp::speaker::SpeakerStatus>,
+    /// The BGP speaker, if it runs; its status is read fresh on every scrape.
+    pub bgp: Option<crate::bgp::speaker::Speaker>,
 }
 
 #[derive(Clone, Default)]
@@ -218,14 +218,14 @@ impl Metrics {
             );
             let _ = writeln!(out, "kube_router_checkpoint_errors_total {}", m.checkpoint_errors);
             if let Some(bgp) = &m.bgp {
-                render_bgp(&mut out, bgp);
+                render_bgp(&mut out, &bgp.status());
             }
             out
         })
     }
 
     pub fn bgp_text(&self) -> String {
-        self.with(|m| crate::router::render_status(m.bgp.as_ref()))
+        self.with(|m| crate::router::render_status(m.bgp.as_ref().map(|s| s.status()).as_ref()))
     }
 
     /// Liveness: the process answers. Detail: seconds since each controller's last heartbeat.

@@ -185,9 +185,10 @@ impl RouterController {
     }
 
     pub fn publish_metrics(&self) {
-        let status = self.status();
-        self.metrics.with(|m| m.bgp = status);
-        if self.speaker.is_some() {
+        if let Some(speaker) = &self.speaker {
+            self.metrics.with(|m| {
+                m.bgp.get_or_insert_with(|| speaker.clone());
+            });
             self.metrics.heartbeat("bgp");
         }
     }

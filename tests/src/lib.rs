@@ -295,6 +295,43 @@ impl Agent {
         }
     }
 
+    /// Sums (inserts, updates, deletes) over the service syncs logged after the first `skip`.
+    pub fn sync_totals_after(&self, skip: usize) -> (u64, u64, u64) {
+        let log = self.log.lock().unwrap();
+        log.iter().filter(|l| l.contains("service sync complete")).skip(skip).fold((0, 0, 0), |acc, line| {
+            let field = |k| log_field(line, k).unwrap_or(0);
+            (acc.0 + field("inserts"), acc.1 + field("updates"), acc.2 + field("deletes"))
+        })
+    }
+
+    /// Waits until the syncs after the first `skip` add up to `expected` writes, then checks
+    /// for a second that nothing more is written. A change can arrive in several syncs (a
+    /// Service and its EndpointSlice are separate watch events); what counts is the total.
+    pub fn wait_for_sync_totals(&mut self, skip: usize, expected: (u64, u64, u64), timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let totals = self.sync_totals_after(skip);
+            if totals == expected {
+                thread::sleep(Duration::from_secs(1));
+                let after = self.sync_totals_after(skip);
+                if after != expected {
+                    bail!("expected {expected:?} (inserts, updates, deletes), then {after:?} were written");
+                }
+                return Ok(());
+            }
+            if totals.0 > expected.0 || totals.1 > expected.1 || totals.2 > expected.2 {
+                bail!("expected {expected:?} (inserts, updates, deletes), {totals:?} were written");
+            }
+            if let Some(status) = self.child.try_wait()? {
+                bail!("agent exited ({status}) while {expected:?} writes were expected, {totals:?} so far");
+            }
+            if Instant::now() > deadline {
+                bail!("only {totals:?} of {expected:?} (inserts, updates, deletes) written within {timeout:?}");
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }

@@ -135,14 +135,9 @@ fn programs_from_the_api_and_applies_changes() {
     }
 
     env.apply(&web_and_sticky(&backend_addrs(2)));
-    let line = agent.wait_for_log("complete=true", 2, Duration::from_secs(30)).unwrap();
     // web loses backend-3 on both ports: 2 slots deleted, 6 frontends (ClusterIP tcp + udp,
     // 4 NodePort addresses) get a new count; the backend stays (sticky still uses it).
-    assert_eq!(
-        (log_field(&line, "inserts"), log_field(&line, "updates"), log_field(&line, "deletes")),
-        (Some(0), Some(6), Some(2)),
-        "{line}"
-    );
+    agent.wait_for_sync_totals(1, (0, 6, 2), Duration::from_secs(30)).unwrap();
     let replies = env.topo.request("tcp", &format!("{VIP}:80"), 30).unwrap();
     assert_all_ok(&replies);
     assert!(!replies.iter().any(|r| r == "backend-3"));
@@ -185,12 +180,7 @@ fn an_api_outage_changes_nothing_and_recovery_applies_only_the_real_difference()
     // The API comes back with one Service changed: exactly that change is applied.
     env.apply(&web_and_sticky(&backend_addrs(2)));
     env.set_mode(FaultMode::Normal);
-    let line = agent.wait_for_log("complete=true", 2, Duration::from_secs(90)).unwrap();
-    assert_eq!(
-        (log_field(&line, "inserts"), log_field(&line, "updates"), log_field(&line, "deletes")),
-        (Some(0), Some(6), Some(2)),
-        "{line}"
-    );
+    agent.wait_for_sync_totals(1, (0, 6, 2), Duration::from_secs(90)).unwrap();
     thread::sleep(Duration::from_secs(1));
     let all = probes.lock().unwrap().clone();
     assert!(failures(&all).is_empty(), "connections failed: {:?}", failures(&all));

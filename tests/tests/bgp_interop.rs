@@ -189,7 +189,7 @@ impl PeerDaemon for GoBgp {
             )
         };
         let config = format!(
-            "[global.config]\n  as = {PEER_ASN}\n  router-id = \"{PEER_V4}\"\n{}{}",
+            "[global.config]\n  as = {PEER_ASN}\n  router-id = \"{PEER_V4}\"\n  local-address-list = [\"{PEER_V4}\", \"{PEER_V6}\"]\n{}{}",
             neighbor(NODE_V4, "ipv4-unicast"),
             neighbor(NODE_V6, "ipv6-unicast")
         );
@@ -361,7 +361,9 @@ fn assert_routes_exchanged(lab: &Lab, daemon: &dyn PeerDaemon) {
     })
     .unwrap_or_else(|e| panic!("{e}\nkernel:\n{}\nagent:\n{}", lab.kernel_routes(), lab.agent_bgp()));
     wait_until("the agent to report both sessions", Duration::from_secs(10), || {
-        Ok(lab.agent_bgp().matches("Established").count() == 2)
+        let bgp = lab.agent_bgp();
+        let up = |peer: &str| bgp.lines().any(|l| l.starts_with(peer) && l.contains("Established"));
+        Ok(up(PEER_V4) && up(PEER_V6))
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", lab.agent_bgp()));
 }
@@ -451,4 +453,226 @@ fn sigterm_keeps_peer_routes_only_with_graceful_restart() {
     })
     .unwrap();
     assert!(lab.kernel_routes().contains("10.100.0.0/24"), "kernel routes stay even then");
+}
+
+/// A hand-driven BGP peer: raw bytes on the wire, so it can send what real daemons never do.
+mod raw_peer {
+    use std::sync::{Arc, Mutex};
+
+    use tokio::{
+        io::{AsyncReadExt, AsyncWriteExt},
+        net::{tcp::OwnedWriteHalf, TcpListener},
+    };
+
+    pub const OPEN: u8 = 1;
+    pub const UPDATE: u8 = 2;
+    pub const NOTIFICATION: u8 = 3;
+    pub const KEEPALIVE: u8 = 4;
+
+    pub fn message(kind: u8, body: &[u8]) -> Vec<u8> {
+        let mut m = vec![0xff; 16];
+        m.extend_from_slice(&((19 + body.len()) as u16).to_be_bytes());
+        m.push(kind);
+        m.extend_from_slice(body);
+        m
+    }
+
+    /// OPEN with hold time 0 (no keepalives needed), IPv4 unicast and 4-octet AS.
+    pub fn open(asn: u16, router_id: [u8; 4]) -> Vec<u8> {
+        let mut body = vec![4];
+        body.extend_from_slice(&asn.to_be_bytes());
+        body.extend_from_slice(&0u16.to_be_bytes());
+        body.extend_from_slice(&router_id);
+        let caps = [
+            2,
+            6,
+            1,
+            4,
+            0,
+            1,
+            0,
+            1, // MP: IPv4 unicast
+            2,
+            6,
+            65,
+            4,
+            0,
+            0,
+            (asn >> 8) as u8,
+            asn as u8, // 4-octet AS
+        ];
+        body.push(caps.len() as u8);
+        body.extend_from_slice(&caps);
+        message(OPEN, &body)
+    }
+
+    /// UPDATE announcing `prefix`/24 with the given ORIGIN value (0..=2 valid).
+    pub fn update(asn: u32, next_hop: [u8; 4], prefix: [u8; 3], origin: u8) -> Vec<u8> {
+        let mut attrs = vec![0x40, 1, 1, origin];
+        attrs.extend_from_slice(&[0x40, 2, 6, 2, 1]);
+        attrs.extend_from_slice(&asn.to_be_bytes());
+        attrs.extend_from_slice(&[0x40, 3, 4]);
+        attrs.extend_from_slice(&next_hop);
+        let mut body = vec![0, 0];
+        body.extend_from_slice(&(attrs.len() as u16).to_be_bytes());
+        body.extend_from_slice(&attrs);
+        body.push(24);
+        body.extend_from_slice(&prefix);
+        message(UPDATE, &body)
+    }
+
+    pub struct Peer {
+        pub received: Arc<Mutex<Vec<(u8, Vec<u8>)>>>,
+        writer: Arc<tokio::sync::Mutex<OwnedWriteHalf>>,
+    }
+
+    impl Peer {
+        /// Waits for the agent to connect to `listen`, answers its OPEN and starts collecting
+        /// what it sends.
+        pub async fn accept(listen: &str, asn: u16, router_id: [u8; 4]) -> Peer {
+            let listener = TcpListener::bind(listen).await.unwrap();
+            let (stream, _) = listener.accept().await.unwrap();
+            let (mut reader, mut writer) = stream.into_split();
+            writer.write_all(&open(asn, router_id)).await.unwrap();
+            writer.write_all(&message(KEEPALIVE, &[])).await.unwrap();
+            let received = Arc::new(Mutex::new(Vec::new()));
+            let sink = received.clone();
+            tokio::spawn(async move {
+                loop {
+                    let mut header = [0u8; 19];
+                    if reader.read_exact(&mut header).await.is_err() {
+                        return;
+                    }
+                    let len = u16::from_be_bytes([header[16], header[17]]) as usize;
+                    let mut body = vec![0u8; len.saturating_sub(19)];
+                    if reader.read_exact(&mut body).await.is_err() {
+                        return;
+                    }
+                    sink.lock().unwrap().push((header[18], body));
+                }
+            });
+            Peer { received, writer: Arc::new(tokio::sync::Mutex::new(writer)) }
+        }
+
+        pub fn sender(&self) -> Arc<tokio::sync::Mutex<OwnedWriteHalf>> {
+            self.writer.clone()
+        }
+
+        pub fn kinds(&self) -> Vec<u8> {
+            self.received.lock().unwrap().iter().map(|(k, _)| *k).collect()
+        }
+    }
+}
+
+fn metric(scrape: &str, series: &str) -> f64 {
+    scrape
+        .lines()
+        .find(|l| l.starts_with(series))
+        .and_then(|l| l.rsplit_once(' '))
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in:\n{scrape}"))
+}
+
+/// Bad input from one peer never disturbs another: a malformed attribute is treated as a
+/// withdrawal (RFC 7606) with the session kept, a broken message resets only that session
+/// with a NOTIFICATION, and a NOTIFICATION received is logged and counted.
+#[test]
+fn a_misbehaving_peer_is_isolated_and_reported() {
+    use raw_peer::*;
+    let mut lab = Lab::new("krt-bgp-bad");
+    lab.peer.run(&["ip", "addr", "add", "10.77.0.3/24", "dev", "eth0"]).unwrap();
+    GoBgp.start(&mut lab);
+    let runtime = kube_router_tests::NetnsRuntime::new(&lab.peer).unwrap();
+    let mut args = lab.agent_args(&[]);
+    for (flag, value) in
+        [("--peer-router-ips", "10.77.0.2,fd77::2,10.77.0.3"), ("--peer-router-asns", "65002,65002,65003")]
+    {
+        let at = args.iter().position(|a| a == flag).unwrap();
+        args[at + 1] = value.to_string();
+    }
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let accept = std::thread::spawn({
+        let runtime = std::sync::Arc::new(runtime);
+        let r = runtime.clone();
+        move || (r.run(async { Peer::accept("10.77.0.3:179", 65003, [10, 77, 0, 3]).await }), runtime)
+    });
+    let mut agent = Agent::start(&lab.node, &PathBuf::from("/sys/fs/bpf/krt-bgp-unused"), &refs).unwrap();
+    let (peer, runtime) = accept.join().unwrap();
+    assert_routes_exchanged(&lab, &GoBgp);
+    let send = |bytes: Vec<u8>| {
+        let writer = peer.sender();
+        runtime.run(async move { writer.lock().await.write_all(&bytes).await.unwrap() });
+    };
+    use tokio::io::AsyncWriteExt;
+    let scrape = || {
+        lab.node
+            .run(&[
+                kube_router_tests::netprobe_bin().to_str().unwrap(),
+                "http",
+                &format!("127.0.0.1:{HEALTH_PORT}"),
+                "/metrics",
+            ])
+            .unwrap()
+    };
+
+    // A good UPDATE first: the raw peer really is a peer.
+    send(update(65003, [10, 77, 0, 3], [10, 200, 0], 0));
+    wait_until("the raw peer's route in the kernel", Duration::from_secs(10), || {
+        Ok(lab.kernel_routes().contains("10.200.0.0/24 via 10.77.0.3"))
+    })
+    .unwrap();
+    let gobgp_uptime = || {
+        let bgp = lab.agent_bgp();
+        bgp.lines().find(|l| l.starts_with(PEER_V4)).and_then(|l| l.split_whitespace().nth(3)?.parse::<u64>().ok())
+    };
+    let uptime_before = gobgp_uptime().unwrap();
+
+    // ORIGIN 5 does not exist: treat-as-withdraw, the session stays.
+    send(update(65003, [10, 77, 0, 3], [10, 200, 0], 5));
+    wait_until("the malformed announcement treated as a withdrawal", Duration::from_secs(10), || {
+        Ok(!lab.kernel_routes().contains("10.200.0.0/24"))
+    })
+    .unwrap();
+    agent.wait_for_log("treated as withdrawn", 1, Duration::from_secs(5)).unwrap();
+    assert!(!peer.kinds().contains(&NOTIFICATION), "treat-as-withdraw must not reset the session");
+    wait_until("the malformed message counted", Duration::from_secs(5), || {
+        Ok(metric(&scrape(), "kube_router_bgp_malformed_messages_total") == 1.0)
+    })
+    .unwrap();
+
+    // An UPDATE cut short after the withdrawn-routes length: NOTIFICATION, this session only
+    // goes down.
+    send(update(65003, [10, 77, 0, 3], [10, 201, 0], 0));
+    wait_until("the raw peer's second route", Duration::from_secs(10), || {
+        Ok(lab.kernel_routes().contains("10.201.0.0/24"))
+    })
+    .unwrap();
+    send(message(UPDATE, &[0, 0]));
+    wait_until("a NOTIFICATION to the broken peer", Duration::from_secs(10), || {
+        Ok(peer.kinds().contains(&NOTIFICATION))
+    })
+    .unwrap();
+    let notification = peer.received.lock().unwrap().iter().find(|(k, _)| *k == NOTIFICATION).unwrap().1.clone();
+    // RFC 4271 §6.3: an UPDATE whose lengths do not add up is a Malformed Attribute List.
+    assert_eq!(&notification[..2], &[3, 1], "UPDATE message error / malformed attribute list");
+    wait_until("the broken peer's routes gone", Duration::from_secs(10), || {
+        Ok(!lab.kernel_routes().contains("10.201.0.0/24"))
+    })
+    .unwrap();
+    agent.wait_for_log("sending BGP NOTIFICATION", 1, Duration::from_secs(5)).unwrap();
+
+    // The good peer never noticed.
+    let routes = lab.kernel_routes();
+    assert!(routes.contains("10.100.0.0/24") && routes.contains("fd00:100::/64"), "{routes}");
+    assert!(gobgp_uptime().unwrap() >= uptime_before, "the GoBGP session must not have flapped");
+    wait_until("the NOTIFICATION counted", Duration::from_secs(5), || {
+        Ok(metric(&scrape(), "kube_router_bgp_notifications_sent_total{peer=\"10.77.0.3\"}") >= 1.0)
+    })
+    .unwrap();
+    let scrape = scrape();
+    assert_eq!(metric(&scrape, &format!("kube_router_bgp_session_established{{peer=\"{PEER_V4}\"")), 1.0);
+    assert!(metric(&scrape, "kube_router_bgp_malformed_messages_total") >= 2.0);
+    assert!(metric(&scrape, "kube_router_bgp_notifications_sent_total{peer=\"10.77.0.3\"}") >= 1.0);
+    drop(peer);
+    agent.stop().unwrap();
 }
