@@ -337,7 +337,18 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                         tracing::warn!(resource, error = %message, "API watch failed; retrying with backoff, datapath unchanged");
                         metrics.with(|m| { m.api_reachable = false; m.api_errors += 1; });
                     }
-                    _ => metrics.with(|m| { m.api_reachable = true; m.last_api_contact_unix = Some(metrics::unix_now()); }),
+                    WatchUpdate::Probe { reachable: false, message } => {
+                        if metrics.with(|m| std::mem::replace(&mut m.api_reachable, false)) {
+                            tracing::warn!(error = %message, "API server unreachable; datapath, routes and BGP stay as they are");
+                        }
+                        metrics.with(|m| m.api_errors += 1);
+                    }
+                    _ => {
+                        if !metrics.with(|m| std::mem::replace(&mut m.api_reachable, true)) {
+                            tracing::info!("API server reachable");
+                        }
+                        metrics.with(|m| m.last_api_contact_unix = Some(metrics::unix_now()));
+                    }
                 }
                 router_dirty |= matches!(update, WatchUpdate::Nodes(_));
                 api.dirty |= api.objects.apply(update);

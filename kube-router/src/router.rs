@@ -236,7 +236,7 @@ pub fn render_status(status: Option<&SpeakerStatus>) -> String {
             p.address,
             p.asn,
             format!("{:?}", p.state),
-            p.established_secs.map(|s| s.to_string()).unwrap_or_else(|| "-".into()),
+            p.established_at.map(|t| t.elapsed().as_secs().to_string()).unwrap_or_else(|| "-".into()),
             p.prefixes_received,
             p.prefixes_stale,
             p.prefixes_advertised,

@@ -161,6 +161,10 @@ fn an_api_outage_changes_nothing_and_recovery_applies_only_the_real_difference()
         assert!(agent.is_running(), "agent died {:?} into the outage", started.elapsed());
         let (status, body) = env.health();
         assert_eq!(status, "200", "liveness must stay OK during an outage: {body}");
+        // The reachability probe runs every 5 s with a 5 s timeout.
+        if started.elapsed() > Duration::from_secs(15) {
+            assert!(body.contains("\"api\":\"unreachable\""), "{:?} into the outage: {body}", started.elapsed());
+        }
         assert_eq!(env.agent_maps(), maps_before, "maps changed {:?} into the outage", started.elapsed());
         checks += 1;
     }

@@ -521,8 +521,11 @@ mod raw_peer {
         message(UPDATE, &body)
     }
 
+    /// (message type, body) of everything the agent sent.
+    pub type Received = Arc<Mutex<Vec<(u8, Vec<u8>)>>>;
+
     pub struct Peer {
-        pub received: Arc<Mutex<Vec<(u8, Vec<u8>)>>>,
+        pub received: Received,
         writer: Arc<tokio::sync::Mutex<OwnedWriteHalf>>,
     }
 

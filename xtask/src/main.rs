@@ -129,7 +129,10 @@ fn bench() -> Result<()> {
     let agent = workspace_root().join("target/release/kube-router");
     run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .args(["bench", "-p", "kube-router-tests", "--bench", "api_sync"])
-        .env("KUBE_ROUTER_BIN", agent))
+        .env("KUBE_ROUTER_BIN", &agent))?;
+    run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["bench", "-p", "kube-router-tests", "--bench", "bgp_convergence"])
+        .env("KUBE_ROUTER_BIN", &agent))
 }
 
 fn main() -> Result<()> {

@@ -110,7 +110,8 @@ pub struct PeerStatus {
     pub address: IpAddr,
     pub asn: u32,
     pub state: State,
-    pub established_secs: Option<u64>,
+    /// When the session reached Established (None unless it is).
+    pub established_at: Option<std::time::Instant>,
     pub prefixes_received: usize,
     pub prefixes_stale: usize,
     pub prefixes_advertised: usize,
@@ -1027,10 +1028,7 @@ impl Core {
                 address: *addr,
                 asn: p.config.asn,
                 state: p.state(),
-                established_secs: p
-                    .established_at
-                    .filter(|_| p.state() == State::Established)
-                    .map(|t| t.elapsed().as_secs()),
+                established_at: p.established_at.filter(|_| p.state() == State::Established).map(Instant::into_std),
                 prefixes_received: self.rib.adj_rib_in(*addr).map_or(0, |r| r.len()),
                 prefixes_stale: self.rib.stale_count(*addr),
                 prefixes_advertised: self.rib.adj_rib_out(*addr).map_or(0, |r| r.len()),

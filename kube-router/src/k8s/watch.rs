@@ -77,6 +77,39 @@ pub enum WatchUpdate {
         resource: &'static str,
         message: String,
     },
+    /// Result of the periodic reachability probe (`GET /version`). Watches can be quiet for
+    /// long stretches and only fail after their read timeout; the probe notices a dead API
+    /// server within seconds. Any HTTP answer, even an error status, counts as reachable.
+    Probe {
+        reachable: bool,
+        message: String,
+    },
+}
+
+/// How often, and how patiently, the API server's reachability is probed.
+pub const PROBE_INTERVAL: Duration = Duration::from_secs(5);
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+fn spawn_probe(client: Client, updates: mpsc::Sender<WatchUpdate>) {
+    tokio::spawn(async move {
+        loop {
+            let update = match tokio::time::timeout(PROBE_TIMEOUT, client.apiserver_version()).await {
+                Ok(Ok(_)) => WatchUpdate::Probe { reachable: true, message: String::new() },
+                Ok(Err(kube::Error::Api(status))) => {
+                    WatchUpdate::Probe { reachable: true, message: status.to_string() }
+                }
+                Ok(Err(e)) => WatchUpdate::Probe { reachable: false, message: e.to_string() },
+                Err(_) => WatchUpdate::Probe {
+                    reachable: false,
+                    message: format!("no answer to GET /version within {PROBE_TIMEOUT:?}"),
+                },
+            };
+            if updates.send(update).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(PROBE_INTERVAL).await;
+        }
+    });
 }
 
 /// Starts the watchers; they run until the receiver is dropped.
@@ -100,7 +133,14 @@ pub fn spawn_watchers(client: Client, updates: mpsc::Sender<WatchUpdate>) {
         WatchUpdate::Namespaces,
     );
     spawn_one(Api::<Node>::all(client.clone()), config.clone(), updates.clone(), "nodes", WatchUpdate::Nodes);
-    spawn_one(Api::<NetworkPolicy>::all(client), config, updates, "networkpolicies", WatchUpdate::NetworkPolicies);
+    spawn_one(
+        Api::<NetworkPolicy>::all(client.clone()),
+        config,
+        updates.clone(),
+        "networkpolicies",
+        WatchUpdate::NetworkPolicies,
+    );
+    spawn_probe(client, updates);
 }
 
 fn spawn_one<K>(
@@ -161,7 +201,7 @@ impl ClusterObjects {
                 self.network_policies.apply(event);
                 false
             }
-            WatchUpdate::Error { .. } => false,
+            WatchUpdate::Error { .. } | WatchUpdate::Probe { .. } => false,
         }
     }
 
