@@ -6,6 +6,9 @@
 //! changing a layout means bumping [`LAYOUT_VERSION`] and the `_vN` suffix of the map name.
 #![no_std]
 
+mod policy;
+pub use policy::*;
+
 /// Version of the whole map layout. Stored in the `meta` map at index [`META_LAYOUT_VERSION`].
 pub const LAYOUT_VERSION: u32 = 1;
 
@@ -21,6 +24,11 @@ pub mod map_names {
     pub const AFFINITY: &str = "affinity_v4";
     pub const LB_STATS: &str = "lb_stats";
     pub const META: &str = "meta";
+    pub const POLICY_PODS: &str = "pol_pods_v4";
+    pub const POLICY_RULES: &str = "pol_rules";
+    pub const POLICY_PEERS: &str = "pol_peers_v4";
+    pub const POLICY_CONNTRACK: &str = "pol_ct_v4";
+    pub const POLICY_STATS: &str = "pol_stats";
 }
 
 pub const SERVICES_MAX_ENTRIES: u32 = 65_536;
@@ -35,6 +43,8 @@ pub const META_LAYOUT_VERSION: u32 = 0;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
+pub const IPPROTO_ICMP: u8 = 1;
+pub const IPPROTO_SCTP: u8 = 132;
 
 /// A service frontend: ClusterIP, ExternalIP, LoadBalancer IP or node IP (NodePort) + port.
 #[repr(C)]

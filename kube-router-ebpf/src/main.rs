@@ -1,4 +1,4 @@
-//! kube-router datapath: TC programs for service load-balancing.
+//! kube-router datapath: TC programs for service load-balancing and NetworkPolicy.
 //!
 //! `kr_lb_ingress` runs at TC ingress of every node interface and DNATs packets addressed to a
 //! service frontend (ClusterIP, ExternalIP, LoadBalancer IP, node IP + NodePort) to a backend;
@@ -6,6 +6,9 @@
 //! flow on its backend. TC rather
 //! than XDP because the checksum helpers need an skb (and handle CHECKSUM_PARTIAL packets from
 //! local veths), and TC also sees traffic that XDP cannot (pod veths, locally routed packets).
+//!
+//! `kr_pol_ingress` / `kr_pol_egress` enforce NetworkPolicy on the host side of pod veths (see
+//! `policy`): TC ingress there carries the pod's egress traffic, TC egress its ingress traffic.
 #![no_std]
 #![no_main]
 
@@ -14,6 +17,7 @@ mod lb;
 mod maps;
 mod nat;
 mod parsing;
+mod policy;
 
 use aya_ebpf::{bindings::TC_ACT_UNSPEC, macros::classifier, programs::TcContext};
 
@@ -26,6 +30,18 @@ pub fn kr_lb_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn kr_lb_egress(ctx: TcContext) -> i32 {
     lb::handle_egress(&ctx).unwrap_or(TC_ACT_UNSPEC)
+}
+
+/// Host side of a pod veth, TC ingress: packets from the pod, judged by its egress policy.
+#[classifier]
+pub fn kr_pol_ingress(ctx: TcContext) -> i32 {
+    policy::enforce(&ctx, policy::VethHook::FromPod).unwrap_or(TC_ACT_UNSPEC)
+}
+
+/// Host side of a pod veth, TC egress: packets to the pod, judged by its ingress policy.
+#[classifier]
+pub fn kr_pol_egress(ctx: TcContext) -> i32 {
+    policy::enforce(&ctx, policy::VethHook::ToPod).unwrap_or(TC_ACT_UNSPEC)
 }
 
 #[cfg(not(test))]

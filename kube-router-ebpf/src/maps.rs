@@ -1,7 +1,7 @@
 //! The pinned maps. Names and layouts are documented in docs/maps.md.
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use kube_router_common::*;
 
@@ -30,6 +30,32 @@ pub static META: Array<u32> = Array::pinned(META_MAX_ENTRIES, 0);
 #[inline(always)]
 pub fn count(stat: u32) {
     if let Some(counter) = LB_STATS.get_ptr_mut(stat) {
+        // Per-CPU slot: no other CPU writes it, a plain add is enough.
+        unsafe { *counter += 1 };
+    }
+}
+
+// NetworkPolicy (see kube_router_common::policy and docs/policy-layout.md).
+
+#[map(name = "pol_pods_v4")]
+pub static POLICY_PODS: HashMap<PolicyPodKeyV4, PolicyPodValue> = HashMap::pinned(POLICY_PODS_MAX_ENTRIES, 0);
+
+#[map(name = "pol_rules")]
+pub static POLICY_RULES: HashMap<PolicyRuleKey, PolicyRuleValue> = HashMap::pinned(POLICY_RULES_MAX_ENTRIES, 0);
+
+#[map(name = "pol_peers_v4")]
+pub static POLICY_PEERS: LpmTrie<PeerPrefixV4, u8> = LpmTrie::pinned(POLICY_PEERS_MAX_ENTRIES, 0);
+
+#[map(name = "pol_ct_v4")]
+pub static POLICY_CONNTRACK: LruHashMap<PolicyCtKeyV4, PolicyCtValue> =
+    LruHashMap::pinned(POLICY_CONNTRACK_MAX_ENTRIES, 0);
+
+#[map(name = "pol_stats")]
+pub static POLICY_STATS: PerCpuArray<u64> = PerCpuArray::pinned(pol_stat::COUNT, 0);
+
+#[inline(always)]
+pub fn count_policy(stat: u32) {
+    if let Some(counter) = POLICY_STATS.get_ptr_mut(stat) {
         // Per-CPU slot: no other CPU writes it, a plain add is enough.
         unsafe { *counter += 1 };
     }

@@ -124,6 +124,7 @@ fn cargo_test(args: &[&str]) -> Result<(u64, u64)> {
 fn bench() -> Result<()> {
     require_root()?;
     cargo(&["bench", "-p", "kube-router", "--bench", "datapath"])?;
+    cargo(&["bench", "-p", "kube-router", "--bench", "policy_datapath"])?;
     // The API benchmark runs the agent as a process: measure the optimised build.
     cargo(&["build", "--release", "-p", "kube-router"])?;
     let agent = workspace_root().join("target/release/kube-router");

@@ -21,24 +21,35 @@ use super::{layout, DATAPATH_OBJECT};
 /// A TC hook and the program that runs there.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Hook {
+    /// Load balancer, TC ingress of node interfaces: DNAT to a backend.
     Ingress,
+    /// Load balancer, TC egress: reverse NAT of replies.
     Egress,
+    /// NetworkPolicy, TC ingress of a pod veth's host side: packets *from* the pod (its egress policy).
+    PolicyIngress,
+    /// NetworkPolicy, TC egress of a pod veth's host side: packets *to* the pod (its ingress policy).
+    PolicyEgress,
 }
 
 impl Hook {
-    pub const ALL: [Hook; 2] = [Hook::Ingress, Hook::Egress];
+    /// Every program of the object (all are loaded).
+    pub const ALL: [Hook; 4] = [Hook::Ingress, Hook::Egress, Hook::PolicyIngress, Hook::PolicyEgress];
+    pub const LOAD_BALANCER: [Hook; 2] = [Hook::Ingress, Hook::Egress];
+    pub const POLICY: [Hook; 2] = [Hook::PolicyIngress, Hook::PolicyEgress];
 
     pub fn program(self) -> &'static str {
         match self {
             Hook::Ingress => "kr_lb_ingress",
             Hook::Egress => "kr_lb_egress",
+            Hook::PolicyIngress => "kr_pol_ingress",
+            Hook::PolicyEgress => "kr_pol_egress",
         }
     }
 
     fn attach_type(self) -> TcAttachType {
         match self {
-            Hook::Ingress => TcAttachType::Ingress,
-            Hook::Egress => TcAttachType::Egress,
+            Hook::Ingress | Hook::PolicyIngress => TcAttachType::Ingress,
+            Hook::Egress | Hook::PolicyEgress => TcAttachType::Egress,
         }
     }
 
@@ -46,6 +57,21 @@ impl Hook {
         match self {
             Hook::Ingress => format!("tc_ingress_{interface}"),
             Hook::Egress => format!("tc_egress_{interface}"),
+            Hook::PolicyIngress => format!("pol_ingress_{interface}"),
+            Hook::PolicyEgress => format!("pol_egress_{interface}"),
+        }
+    }
+
+    /// Where a new link goes in the interface's TCX chain, so that policy always sees real pod
+    /// addresses whichever program is attached first: on ingress the LB's DNAT runs before the
+    /// policy check (which must judge the backend, not the ClusterIP); on egress the policy check
+    /// runs before the LB's reverse NAT (whose rewritten source, the frontend, would miss the
+    /// policy conntrack entry of the backend connection). Re-adopted or updated links keep
+    /// their place.
+    fn order(self) -> LinkOrder {
+        match self {
+            Hook::Ingress | Hook::PolicyEgress => LinkOrder::first(),
+            Hook::Egress | Hook::PolicyIngress => LinkOrder::last(),
         }
     }
 }
@@ -120,6 +146,12 @@ impl Datapath {
         Ok([self.attach_hook(Hook::Ingress, interface)?, self.attach_hook(Hook::Egress, interface)?])
     }
 
+    /// Attaches both NetworkPolicy programs to `interface`, the host side of a pod's veth.
+    /// Links are pinned as `links/pol_ingress_<if>` and `links/pol_egress_<if>`.
+    pub fn attach_policy(&mut self, interface: &str) -> Result<[AttachOutcome; 2]> {
+        Ok([self.attach_hook(Hook::PolicyIngress, interface)?, self.attach_hook(Hook::PolicyEgress, interface)?])
+    }
+
     /// Attaches the hook's program through a pinned TCX link, re-adopting the link a previous
     /// agent left if it is still attached.
     pub fn attach_hook(&mut self, hook: Hook, interface: &str) -> Result<AttachOutcome> {
@@ -154,7 +186,7 @@ impl Datapath {
             fs::remove_file(&link_path).with_context(|| format!("removing stale {}", link_path.display()))?;
         }
         let id = program
-            .attach_with_options(interface, hook.attach_type(), TcAttachOptions::TcxOrder(LinkOrder::default()))
+            .attach_with_options(interface, hook.attach_type(), TcAttachOptions::TcxOrder(hook.order()))
             .with_context(|| format!("attaching {} to {interface}", hook.program()))?;
         let link: FdLink = program.take_link(id)?.try_into()?;
         link.pin(&link_path).with_context(|| format!("pinning {}", link_path.display()))?;

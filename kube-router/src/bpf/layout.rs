@@ -2,7 +2,7 @@
 //! layout change is reported instead of the program silently using a map it cannot read.
 use std::path::Path;
 
-use aya::maps::{MapInfo, MapType};
+use aya::maps::{lpm_trie::Key, MapInfo, MapType};
 use kube_router_common::*;
 
 pub struct MapSpec {
@@ -27,6 +27,15 @@ pub const SERVICE_MAPS: [MapSpec; 7] = [
     spec::<u32, u32>(map_names::META, MapType::Array, META_MAX_ENTRIES),
 ];
 
+/// The NetworkPolicy maps. `pol_peers_v4` keys are aya's LPM `Key` (u32 prefix length + data).
+pub const POLICY_MAPS: [MapSpec; 5] = [
+    spec::<PolicyPodKeyV4, PolicyPodValue>(map_names::POLICY_PODS, MapType::Hash, POLICY_PODS_MAX_ENTRIES),
+    spec::<PolicyRuleKey, PolicyRuleValue>(map_names::POLICY_RULES, MapType::Hash, POLICY_RULES_MAX_ENTRIES),
+    spec::<Key<PeerPrefixV4>, u8>(map_names::POLICY_PEERS, MapType::LpmTrie, POLICY_PEERS_MAX_ENTRIES),
+    spec::<PolicyCtKeyV4, PolicyCtValue>(map_names::POLICY_CONNTRACK, MapType::LruHash, POLICY_CONNTRACK_MAX_ENTRIES),
+    spec::<u32, u64>(map_names::POLICY_STATS, MapType::PerCpuArray, pol_stat::COUNT),
+];
+
 #[derive(Debug, thiserror::Error)]
 #[error(
     "pinned map {path} has layout {found} but this agent expects {expected} (map layout version {version}); \
@@ -46,7 +55,7 @@ fn describe(map_type: &str, key: u32, value: u32, max: u32) -> String {
 /// Checks the maps already pinned in `pin_dir`. Missing maps are fine (they get created).
 pub fn check_pinned(pin_dir: &Path) -> Result<usize, LayoutMismatch> {
     let mut adopted = 0;
-    for spec in &SERVICE_MAPS {
+    for spec in SERVICE_MAPS.iter().chain(&POLICY_MAPS) {
         let path = pin_dir.join(spec.name);
         if !path.exists() {
             continue;

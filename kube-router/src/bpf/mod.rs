@@ -1,6 +1,7 @@
 //! The kernel side of the agent: loading the datapath, pinned maps and links, map writes.
 pub mod datapath;
 pub mod layout;
+pub mod policy_maps;
 pub mod service_maps;
 pub mod test_run;
 

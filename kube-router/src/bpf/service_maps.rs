@@ -42,7 +42,7 @@ impl BpfServiceMaps {
     }
 }
 
-fn write_error(map: &'static str, error: MapError) -> MapWriteError {
+pub(crate) fn write_error(map: &'static str, error: MapError) -> MapWriteError {
     let full = matches!(&error, MapError::SyscallError(e) if matches!(e.io_error.raw_os_error(), Some(libc::E2BIG) | Some(libc::ENOMEM)));
     MapWriteError { map, message: error.to_string(), full }
 }
@@ -97,7 +97,7 @@ pub struct Conntrack {
     map: HashMap<MapData, CtKeyV4, CtValueV4>,
 }
 
-fn monotonic_now_ns() -> u64 {
+pub(crate) fn monotonic_now_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: plain syscall writing into a local timespec. bpf_ktime_get_ns is CLOCK_MONOTONIC.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };

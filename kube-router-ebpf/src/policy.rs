@@ -1,0 +1,162 @@
+//! NetworkPolicy enforcement on the host side of pod veths.
+//!
+//! On the host end of a pod's veth, TC **ingress** sees packets *from* the pod, so it enforces
+//! the pod's **egress** policy (peer = destination); TC **egress** sees packets *to* the pod and
+//! enforces its **ingress** policy (peer = source). Each hook checks only the side of the pod it
+//! is attached to; the other end of the connection is checked at that pod's own veth (on this or
+//! another node), so a pod-to-pod connection on one node passes both checks.
+//!
+//! Replies are never judged: an allowed new flow is recorded in `pol_ct_v4` under a key
+//! normalised to the local pod (pod, peer, pod port, peer port), which the reply — seen by the
+//! other hook of the same veth — looks up identically.
+use aya_ebpf::{
+    bindings::{TC_ACT_SHOT, TC_ACT_UNSPEC},
+    helpers::bpf_ktime_get_ns,
+    maps::lpm_trie::Key,
+    programs::TcContext,
+};
+use kube_router_common::*;
+
+use crate::{
+    maps::{count_policy as count, POLICY_CONNTRACK, POLICY_PEERS, POLICY_PODS, POLICY_RULES},
+    parsing::{parse_for_policy, Parsed, TCP_FLAG_FIN, TCP_FLAG_RST},
+};
+
+const REFRESH_INTERVAL_NS: u64 = 1_000_000_000;
+
+/// Which end of the pod's veth the program is attached to.
+#[derive(Clone, Copy)]
+pub enum VethHook {
+    /// TC ingress of the host-side veth: the packet comes from the pod.
+    FromPod,
+    /// TC egress of the host-side veth: the packet goes to the pod.
+    ToPod,
+}
+
+enum Verdict {
+    Allow,
+    Deny,
+    /// `rule_count` beyond what the bounded loop can read: fail closed.
+    OverRuleLimit,
+}
+
+#[inline(always)]
+pub fn enforce(ctx: &TcContext, hook: VethHook) -> Result<i32, i64> {
+    count(pol_stat::PACKETS);
+    let flow = match parse_for_policy(ctx)? {
+        Parsed::Flow(flow) => flow,
+        Parsed::Fragment => {
+            count(pol_stat::FRAGMENT_PASS);
+            return Ok(TC_ACT_UNSPEC);
+        }
+        Parsed::NotIpv4 | Parsed::OtherProtocol => {
+            count(pol_stat::NOT_EVALUATED);
+            return Ok(TC_ACT_UNSPEC);
+        }
+    };
+    let (pod_addr, peer_addr, pod_port, peer_port, direction, origin, denied) = match hook {
+        VethHook::FromPod => (
+            flow.src_addr,
+            flow.dst_addr,
+            flow.src_port,
+            flow.dst_port,
+            POLICY_DIR_EGRESS,
+            POLICY_CT_FROM_POD,
+            pol_stat::DENIED_EGRESS,
+        ),
+        VethHook::ToPod => (
+            flow.dst_addr,
+            flow.src_addr,
+            flow.dst_port,
+            flow.src_port,
+            POLICY_DIR_INGRESS,
+            POLICY_CT_TO_POD,
+            pol_stat::DENIED_INGRESS,
+        ),
+    };
+    let ct_key = PolicyCtKeyV4 { pod_addr, peer_addr, pod_port, peer_port, proto: flow.proto, pad: [0; 3] };
+    let now = unsafe { bpf_ktime_get_ns() };
+    let closing = flow.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST) != 0;
+    if established(&ct_key, flow.proto, closing, now) {
+        count(pol_stat::CT_ESTABLISHED);
+        return Ok(TC_ACT_UNSPEC);
+    }
+
+    // A new connection: its destination port is this packet's, whichever hook sees it.
+    let pod_key = PolicyPodKeyV4 { addr: pod_addr, direction, pad: [0; 3] };
+    // SAFETY: read-only copy of a map value.
+    match unsafe { POLICY_PODS.get(pod_key) }.copied() {
+        None => count(pol_stat::NOT_ISOLATED),
+        Some(pod) => match evaluate(&pod, peer_addr, flow.proto, u16::from_be(flow.dst_port)) {
+            Verdict::Allow => count(pol_stat::ALLOWED),
+            Verdict::Deny => {
+                count(denied);
+                return Ok(TC_ACT_SHOT);
+            }
+            Verdict::OverRuleLimit => {
+                count(pol_stat::RULE_LIMIT_DENIED);
+                count(denied);
+                return Ok(TC_ACT_SHOT);
+            }
+        },
+    }
+    // Tracked even when not isolated: the reply is judged by the *other* direction of this pod,
+    // which may be isolated (or become so while the connection lives).
+    let flags = origin | if closing { POLICY_CT_CLOSING } else { 0 };
+    let entry = PolicyCtValue { last_seen_ns: now, flags, pad: [0; 7] };
+    if POLICY_CONNTRACK.insert(ct_key, entry, 0).is_err() {
+        count(pol_stat::CT_INSERT_FAILED);
+    }
+    Ok(TC_ACT_UNSPEC)
+}
+
+/// A live entry for this connection at this pod, refreshed; expired entries count as absent.
+#[inline(always)]
+fn established(key: &PolicyCtKeyV4, proto: u8, closing: bool, now: u64) -> bool {
+    let Some(entry) = POLICY_CONNTRACK.get_ptr_mut(key) else {
+        return false;
+    };
+    // SAFETY: the pointer comes from a successful lookup and stays valid for this program run.
+    let entry = unsafe { &mut *entry };
+    if now.saturating_sub(entry.last_seen_ns) > entry.lifetime_ns(proto) {
+        return false;
+    }
+    if closing {
+        entry.flags |= POLICY_CT_CLOSING;
+    }
+    // Refresh at most once a second so a busy flow does not write the shared entry per packet.
+    if now.saturating_sub(entry.last_seen_ns) > REFRESH_INTERVAL_NS {
+        entry.last_seen_ns = now;
+    }
+    true
+}
+
+/// The reference lookup of `MapEntries::side_allows`: any rule whose ports admit the packet and
+/// whose peer set holds the peer allows it.
+#[inline(always)]
+fn evaluate(pod: &PolicyPodValue, peer_addr: u32, proto: u8, dst_port: u16) -> Verdict {
+    if pod.rule_count > MAX_RULES_PER_POD {
+        return Verdict::OverRuleLimit;
+    }
+    for rule_index in 0..MAX_RULES_PER_POD {
+        if rule_index >= pod.rule_count {
+            break;
+        }
+        let key = PolicyRuleKey { slot: pod.slot, rule_index };
+        // SAFETY: read-only use of a map value within this run.
+        let Some(rule) = (unsafe { POLICY_RULES.get(key) }) else {
+            continue;
+        };
+        if rule.ports_match(proto, dst_port) && peer_in_set(rule.peer_set, peer_addr) {
+            return Verdict::Allow;
+        }
+    }
+    Verdict::Deny
+}
+
+/// Longest-prefix match of `addr` within one peer set: the set id takes the first 32 key bits.
+#[inline(always)]
+fn peer_in_set(peer_set: u32, addr: u32) -> bool {
+    let key = Key::new(PEER_SET_PREFIX_BITS + 32, PeerPrefixV4 { peer_set_be: peer_set.to_be(), addr });
+    matches!(POLICY_PEERS.get(&key), Some(verdict) if *verdict == PEER_ALLOW)
+}

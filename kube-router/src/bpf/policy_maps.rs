@@ -1,0 +1,656 @@
+//! The pinned NetworkPolicy maps (`pol_pods_v4`, `pol_rules`, `pol_peers_v4`, `pol_ct_v4`,
+//! `pol_stats`): encoding of the compiler's [`MapEntries`] / [`MapDiff`] into their byte layouts,
+//! a writer that applies a diff in an order that never leaves the datapath following a dangling
+//! id, and readers for dumps, stats and conntrack GC.
+//!
+//! The maps are created and pinned by [`super::datapath::Datapath::load`] (they are part of the
+//! datapath object); this module only opens them. IPv4 only: IPv6 pods and prefixes in a diff
+//! are skipped and counted until `_v6` maps exist.
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, Ipv4Addr},
+    path::Path,
+};
+
+use anyhow::{Context, Result};
+use aya::maps::{
+    lpm_trie::{Key, LpmTrie},
+    HashMap, Map, MapData, MapError, PerCpuArray,
+};
+use ipnet::{IpNet, Ipv4Net};
+use kube_router_common::*;
+
+use super::service_maps::{monotonic_now_ns, write_error};
+use crate::{
+    policy::{
+        bpf_maps::{
+            MapDiff, MapEntries, PeerPrefixKey, PeerSetId, PodSlotKey, PodSlotValue, PrefixVerdict, SlotId,
+            SlotRuleKey, SlotRuleValue,
+        },
+        Direction, PortRange, Protocol,
+    },
+    services::sync::MapWriteError,
+};
+
+/// A `pol_peers_v4` key as stored: LPM prefix length (32 peer-set bits + address bits) and data.
+/// aya's `Key` is packed and not `Ord`; this is the same 12 bytes in a comparable form.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerKeyV4 {
+    pub prefix_len: u32,
+    pub data: PeerPrefixV4,
+}
+
+impl PeerKeyV4 {
+    fn to_lpm(self) -> Key<PeerPrefixV4> {
+        Key::new(self.prefix_len, self.data)
+    }
+
+    fn from_lpm(key: &Key<PeerPrefixV4>) -> Self {
+        PeerKeyV4 { prefix_len: key.prefix_len(), data: key.data() }
+    }
+}
+
+/// One write to the policy maps, already in map byte layout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PolicyMapOp {
+    PutPeerPrefix(PeerKeyV4, u8),
+    PutRule(PolicyRuleKey, PolicyRuleValue),
+    PutPod(PolicyPodKeyV4, PolicyPodValue),
+    DeletePod(PolicyPodKeyV4),
+    DeleteRule(PolicyRuleKey),
+    DeletePeerPrefix(PeerKeyV4),
+}
+
+impl PolicyMapOp {
+    pub fn map_name(&self) -> &'static str {
+        match self {
+            PolicyMapOp::PutPeerPrefix(..) | PolicyMapOp::DeletePeerPrefix(_) => map_names::POLICY_PEERS,
+            PolicyMapOp::PutRule(..) | PolicyMapOp::DeleteRule(_) => map_names::POLICY_RULES,
+            PolicyMapOp::PutPod(..) | PolicyMapOp::DeletePod(_) => map_names::POLICY_PODS,
+        }
+    }
+
+    pub fn is_delete(&self) -> bool {
+        matches!(self, PolicyMapOp::DeletePod(_) | PolicyMapOp::DeleteRule(_) | PolicyMapOp::DeletePeerPrefix(_))
+    }
+}
+
+/// Contents of the three compiled-policy maps, in map byte layout.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PolicyMapContents {
+    pub pods: BTreeMap<PolicyPodKeyV4, PolicyPodValue>,
+    pub rules: BTreeMap<PolicyRuleKey, PolicyRuleValue>,
+    pub peers: BTreeMap<PeerKeyV4, u8>,
+}
+
+impl PolicyMapContents {
+    pub fn len(&self) -> usize {
+        self.pods.len() + self.rules.len() + self.peers.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn apply(&mut self, op: &PolicyMapOp) {
+        match op {
+            PolicyMapOp::PutPeerPrefix(k, v) => drop(self.peers.insert(*k, *v)),
+            PolicyMapOp::PutRule(k, v) => drop(self.rules.insert(*k, *v)),
+            PolicyMapOp::PutPod(k, v) => drop(self.pods.insert(*k, *v)),
+            PolicyMapOp::DeletePod(k) => drop(self.pods.remove(k)),
+            PolicyMapOp::DeleteRule(k) => drop(self.rules.remove(k)),
+            PolicyMapOp::DeletePeerPrefix(k) => drop(self.peers.remove(k)),
+        }
+    }
+}
+
+/// Where policy map writes go: the pinned maps, or an in-memory copy in tests.
+pub trait PolicyMaps {
+    fn write(&mut self, op: &PolicyMapOp) -> Result<(), MapWriteError>;
+    fn read_all(&self) -> Result<PolicyMapContents, MapWriteError>;
+}
+
+impl PolicyMaps for PolicyMapContents {
+    fn write(&mut self, op: &PolicyMapOp) -> Result<(), MapWriteError> {
+        self.apply(op);
+        Ok(())
+    }
+
+    fn read_all(&self) -> Result<PolicyMapContents, MapWriteError> {
+        Ok(self.clone())
+    }
+}
+
+// ---- encoding -------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EncodeError {
+    #[error("IPv6 entries need the (not yet existing) _v6 maps")]
+    Ipv6,
+    #[error("rule has {0} port ranges; one pol_rules value holds {POLICY_PORT_RANGES_PER_RULE}")]
+    TooManyRanges(usize),
+}
+
+fn direction_code(direction: Direction) -> u8 {
+    match direction {
+        Direction::Ingress => POLICY_DIR_INGRESS,
+        Direction::Egress => POLICY_DIR_EGRESS,
+    }
+}
+
+fn ipv4_nbo(addr: Ipv4Addr) -> u32 {
+    // Network byte order in memory: the octets as they appear in a packet.
+    u32::from_ne_bytes(addr.octets())
+}
+
+pub fn encode_pod_key(key: &PodSlotKey) -> Result<PolicyPodKeyV4, EncodeError> {
+    let IpAddr::V4(addr) = key.pod_ip else { return Err(EncodeError::Ipv6) };
+    Ok(PolicyPodKeyV4 { addr: ipv4_nbo(addr), direction: direction_code(key.direction), pad: [0; 3] })
+}
+
+pub fn encode_pod_value(value: &PodSlotValue) -> PolicyPodValue {
+    PolicyPodValue { slot: value.slot.0, rule_count: value.rule_count }
+}
+
+pub fn encode_rule_key(key: &SlotRuleKey) -> PolicyRuleKey {
+    PolicyRuleKey { slot: key.slot.0, rule_index: key.rule_index }
+}
+
+/// Packs a rule: `ports: None` becomes [`POLICY_ALL_PORTS`]; ranges keep their order, unused
+/// slots stay zero (protocol 0 never matches a packet).
+pub fn encode_rule_value(value: &SlotRuleValue) -> Result<PolicyRuleValue, EncodeError> {
+    let mut packed = PolicyRuleValue {
+        peer_set: value.peer_set.0,
+        range_count: POLICY_ALL_PORTS,
+        pad: [0; 3],
+        ranges: [PolicyPortRange::default(); POLICY_PORT_RANGES_PER_RULE],
+    };
+    if let Some(ranges) = &value.ports {
+        if ranges.len() > POLICY_PORT_RANGES_PER_RULE {
+            return Err(EncodeError::TooManyRanges(ranges.len()));
+        }
+        packed.range_count = ranges.len() as u8;
+        for (slot, range) in packed.ranges.iter_mut().zip(ranges) {
+            *slot = PolicyPortRange {
+                proto: range.protocol.ip_protocol_number(),
+                pad: 0,
+                start: range.start,
+                end: range.end,
+            };
+        }
+    }
+    Ok(packed)
+}
+
+/// The LPM key of a peer prefix: the peer-set id (big-endian) is matched in full before the
+/// address, so `prefix_len = 32 + prefix length`.
+pub fn encode_peer_key(key: &PeerPrefixKey) -> Result<PeerKeyV4, EncodeError> {
+    let IpNet::V4(net) = key.prefix else { return Err(EncodeError::Ipv6) };
+    let net = net.trunc();
+    Ok(PeerKeyV4 {
+        prefix_len: PEER_SET_PREFIX_BITS + u32::from(net.prefix_len()),
+        data: PeerPrefixV4 { peer_set_be: key.peer_set.0.to_be(), addr: ipv4_nbo(net.network()) },
+    })
+}
+
+pub fn encode_verdict(verdict: PrefixVerdict) -> u8 {
+    match verdict {
+        PrefixVerdict::Allow => PEER_ALLOW,
+        PrefixVerdict::Deny => PEER_DENY,
+    }
+}
+
+/// Encoded ops for a diff, in write order, and what could not be encoded.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EncodedDiff {
+    pub ops: Vec<PolicyMapOp>,
+    /// IPv6 pod directions and prefixes left out (no `_v6` maps yet).
+    pub skipped_ipv6: u64,
+    /// Rules that could not be packed (more ranges than a value holds; the flattener never
+    /// produces them). Their pods fail closed: a missing rule matches nothing.
+    pub unencodable: u64,
+    /// Pod directions written with `rule_count` > [`MAX_RULES_PER_POD`]: the datapath denies
+    /// them (fail closed) and counts `rule_limit_denied`.
+    pub over_rule_limit: u64,
+}
+
+/// Orders the writes as `bpf_maps::MapDiff` requires: peer prefixes and rules first (nothing
+/// refers to a new one yet), then pod slots (now pointing at complete rules), then deletes of
+/// pod slots, rules and peer prefixes (nothing refers to them any more).
+pub fn encode_diff(diff: &MapDiff) -> EncodedDiff {
+    let mut out = EncodedDiff::default();
+    let skip = |out: &mut EncodedDiff, error: EncodeError| match error {
+        EncodeError::Ipv6 => out.skipped_ipv6 += 1,
+        EncodeError::TooManyRanges(_) => out.unencodable += 1,
+    };
+    for (key, verdict) in &diff.peer_prefixes.upserts {
+        match encode_peer_key(key) {
+            Ok(k) => out.ops.push(PolicyMapOp::PutPeerPrefix(k, encode_verdict(*verdict))),
+            Err(e) => skip(&mut out, e),
+        }
+    }
+    for (key, value) in &diff.slot_rules.upserts {
+        match encode_rule_value(value) {
+            Ok(v) => out.ops.push(PolicyMapOp::PutRule(encode_rule_key(key), v)),
+            Err(e) => skip(&mut out, e),
+        }
+    }
+    for (key, value) in &diff.pod_slots.upserts {
+        match encode_pod_key(key) {
+            Ok(k) => {
+                if value.rule_count > MAX_RULES_PER_POD {
+                    out.over_rule_limit += 1;
+                }
+                out.ops.push(PolicyMapOp::PutPod(k, encode_pod_value(value)));
+            }
+            Err(e) => skip(&mut out, e),
+        }
+    }
+    for key in &diff.pod_slots.deletes {
+        match encode_pod_key(key) {
+            Ok(k) => out.ops.push(PolicyMapOp::DeletePod(k)),
+            Err(e) => skip(&mut out, e),
+        }
+    }
+    out.ops.extend(diff.slot_rules.deletes.iter().map(|key| PolicyMapOp::DeleteRule(encode_rule_key(key))));
+    for key in &diff.peer_prefixes.deletes {
+        match encode_peer_key(key) {
+            Ok(k) => out.ops.push(PolicyMapOp::DeletePeerPrefix(k)),
+            Err(e) => skip(&mut out, e),
+        }
+    }
+    out
+}
+
+/// The full IPv4 contents the maps should hold for `entries`.
+pub fn encode_entries(entries: &MapEntries) -> PolicyMapContents {
+    let mut contents = PolicyMapContents::default();
+    for op in encode_diff(&MapEntries::default().diff(entries)).ops {
+        contents.apply(&op);
+    }
+    contents
+}
+
+// ---- decoding (dumps, adoption after a restart) ---------------------------------------------
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("{map}: unknown {what} {value}")]
+    Unknown { map: &'static str, what: &'static str, value: u32 },
+}
+
+fn unknown(map: &'static str, what: &'static str, value: u32) -> DecodeError {
+    DecodeError::Unknown { map, what, value }
+}
+
+fn protocol_from_number(number: u8) -> Option<Protocol> {
+    [Protocol::Tcp, Protocol::Udp, Protocol::Sctp].into_iter().find(|p| p.ip_protocol_number() == number)
+}
+
+/// Turns map contents back into the compiler's terms (the inverse of [`encode_entries`]).
+pub fn decode(contents: &PolicyMapContents) -> Result<MapEntries, DecodeError> {
+    let mut entries = MapEntries::default();
+    for (key, value) in &contents.pods {
+        let direction = match key.direction {
+            POLICY_DIR_INGRESS => Direction::Ingress,
+            POLICY_DIR_EGRESS => Direction::Egress,
+            other => return Err(unknown(map_names::POLICY_PODS, "direction", other.into())),
+        };
+        let pod_ip = IpAddr::V4(Ipv4Addr::from(key.addr.to_ne_bytes()));
+        entries.pod_slots.insert(
+            PodSlotKey { pod_ip, direction },
+            PodSlotValue { slot: SlotId(value.slot), rule_count: value.rule_count },
+        );
+    }
+    for (key, value) in &contents.rules {
+        let ports = if value.range_count == POLICY_ALL_PORTS {
+            None
+        } else {
+            let used = value
+                .ranges
+                .get(..usize::from(value.range_count))
+                .ok_or_else(|| unknown(map_names::POLICY_RULES, "range_count", value.range_count.into()))?;
+            let ranges = used
+                .iter()
+                .map(|r| {
+                    let protocol = protocol_from_number(r.proto)
+                        .ok_or_else(|| unknown(map_names::POLICY_RULES, "protocol", r.proto.into()))?;
+                    Ok(PortRange { protocol, start: r.start, end: r.end })
+                })
+                .collect::<Result<Vec<_>, DecodeError>>()?;
+            Some(ranges)
+        };
+        entries.slot_rules.insert(
+            SlotRuleKey { slot: SlotId(key.slot), rule_index: key.rule_index },
+            SlotRuleValue { peer_set: PeerSetId(value.peer_set), ports },
+        );
+    }
+    for (key, verdict) in &contents.peers {
+        let bits = key.prefix_len.checked_sub(PEER_SET_PREFIX_BITS).filter(|bits| *bits <= 32);
+        let bits = bits.ok_or_else(|| unknown(map_names::POLICY_PEERS, "prefix length", key.prefix_len))?;
+        let addr = Ipv4Addr::from(key.data.addr.to_ne_bytes());
+        let net = Ipv4Net::new(addr, bits as u8)
+            .map_err(|_| unknown(map_names::POLICY_PEERS, "prefix length", key.prefix_len))?;
+        let verdict = match *verdict {
+            PEER_ALLOW => PrefixVerdict::Allow,
+            PEER_DENY => PrefixVerdict::Deny,
+            other => return Err(unknown(map_names::POLICY_PEERS, "verdict", other.into())),
+        };
+        let key = PeerPrefixKey { peer_set: PeerSetId(u32::from_be(key.data.peer_set_be)), prefix: IpNet::V4(net) };
+        entries.peer_prefixes.insert(key, verdict);
+    }
+    Ok(entries)
+}
+
+// ---- applying a diff ------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PolicyWriteReport {
+    /// Successful inserts/updates and deletes, over all three maps.
+    pub puts: u64,
+    pub deletes: u64,
+    pub errors: u64,
+    /// Errors that were a full map (E2BIG / ENOMEM).
+    pub full: u64,
+    /// Deletes not attempted because an upsert failed: the old entries stay, so a pod whose new
+    /// entry could not be written keeps a complete old policy instead of a dangling one.
+    pub deletes_deferred: u64,
+    pub skipped_ipv6: u64,
+    pub unencodable: u64,
+    pub over_rule_limit: u64,
+}
+
+impl PolicyWriteReport {
+    pub fn writes(&self) -> u64 {
+        self.puts + self.deletes
+    }
+}
+
+/// Applies `diff` in the safe order. A failed upsert is counted and the writes go on (a missing
+/// rule or prefix makes the datapath deny, never allow); the deletes are then held back and left
+/// for the next sync, which retries everything that is still different.
+pub fn apply_diff(maps: &mut impl PolicyMaps, diff: &MapDiff) -> PolicyWriteReport {
+    let encoded = encode_diff(diff);
+    let mut report = PolicyWriteReport {
+        skipped_ipv6: encoded.skipped_ipv6,
+        unencodable: encoded.unencodable,
+        over_rule_limit: encoded.over_rule_limit,
+        ..Default::default()
+    };
+    for op in &encoded.ops {
+        if op.is_delete() && report.errors > 0 {
+            report.deletes_deferred += 1;
+            continue;
+        }
+        match maps.write(op) {
+            Ok(()) if op.is_delete() => report.deletes += 1,
+            Ok(()) => report.puts += 1,
+            Err(error) => {
+                tracing::warn!(map = error.map, error = %error.message, "policy map write failed");
+                report.errors += 1;
+                if error.full {
+                    report.full += 1;
+                }
+            }
+        }
+    }
+    report
+}
+
+// ---- the pinned maps ------------------------------------------------------------------------
+
+fn open(pin_dir: &Path, name: &str) -> Result<MapData> {
+    let path = pin_dir.join(name);
+    MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))
+}
+
+/// The three compiled-policy maps of a pin directory.
+pub struct BpfPolicyMaps {
+    pods: HashMap<MapData, PolicyPodKeyV4, PolicyPodValue>,
+    rules: HashMap<MapData, PolicyRuleKey, PolicyRuleValue>,
+    peers: LpmTrie<MapData, PeerPrefixV4, u8>,
+}
+
+impl BpfPolicyMaps {
+    pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
+        Ok(Self {
+            pods: HashMap::try_from(Map::HashMap(open(pin_dir, map_names::POLICY_PODS)?))?,
+            rules: HashMap::try_from(Map::HashMap(open(pin_dir, map_names::POLICY_RULES)?))?,
+            peers: LpmTrie::try_from(Map::LpmTrie(open(pin_dir, map_names::POLICY_PEERS)?))?,
+        })
+    }
+}
+
+impl PolicyMaps for BpfPolicyMaps {
+    fn write(&mut self, op: &PolicyMapOp) -> Result<(), MapWriteError> {
+        let result = match op {
+            PolicyMapOp::PutPeerPrefix(k, v) => self.peers.insert(&k.to_lpm(), v, 0),
+            PolicyMapOp::PutRule(k, v) => self.rules.insert(k, v, 0),
+            PolicyMapOp::PutPod(k, v) => self.pods.insert(k, v, 0),
+            PolicyMapOp::DeletePod(k) => self.pods.remove(k),
+            PolicyMapOp::DeleteRule(k) => self.rules.remove(k),
+            PolicyMapOp::DeletePeerPrefix(k) => self.peers.remove(&k.to_lpm()),
+        };
+        match result {
+            // A delete of a key that is already gone leaves the map as wanted.
+            Err(MapError::SyscallError(e)) if op.is_delete() && e.io_error.raw_os_error() == Some(libc::ENOENT) => {
+                Ok(())
+            }
+            other => other.map_err(|e| write_error(op.map_name(), e)),
+        }
+    }
+
+    fn read_all(&self) -> Result<PolicyMapContents, MapWriteError> {
+        let error = |name| move |e| write_error(name, e);
+        Ok(PolicyMapContents {
+            pods: self.pods.iter().map(|r| r.map_err(error(map_names::POLICY_PODS))).collect::<Result<_, _>>()?,
+            rules: self.rules.iter().map(|r| r.map_err(error(map_names::POLICY_RULES))).collect::<Result<_, _>>()?,
+            peers: self
+                .peers
+                .iter()
+                .map(|r| r.map(|(k, v)| (PeerKeyV4::from_lpm(&k), v)).map_err(error(map_names::POLICY_PEERS)))
+                .collect::<Result<_, _>>()?,
+        })
+    }
+}
+
+/// Sums the per-CPU counters of `pol_stats`, in `pol_stat` index order.
+pub fn read_policy_stats(pin_dir: &Path) -> Result<Vec<u64>> {
+    let stats: PerCpuArray<MapData, u64> =
+        PerCpuArray::try_from(Map::PerCpuArray(open(pin_dir, map_names::POLICY_STATS)?))?;
+    (0..pol_stat::COUNT).map(|i| Ok(stats.get(&i, 0)?.iter().sum())).collect()
+}
+
+/// `pol_ct_v4`: allowed connections per local pod, written by the datapath.
+pub struct PolicyConntrack {
+    map: HashMap<MapData, PolicyCtKeyV4, PolicyCtValue>,
+}
+
+impl PolicyConntrack {
+    pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
+        Ok(Self { map: HashMap::try_from(Map::LruHashMap(open(pin_dir, map_names::POLICY_CONNTRACK)?))? })
+    }
+
+    pub fn entries(&self) -> Result<Vec<(PolicyCtKeyV4, PolicyCtValue)>> {
+        Ok(self.map.iter().collect::<Result<_, _>>()?)
+    }
+
+    /// Removes entries idle past their lifetime, so the LRU never has to evict live
+    /// connections (whose replies would then be judged as new flows). Returns (left, removed).
+    pub fn collect_garbage(&mut self) -> Result<(usize, usize)> {
+        let now = monotonic_now_ns();
+        let mut total = 0;
+        let mut expired = Vec::new();
+        for (key, value) in self.map.iter().filter_map(Result::ok) {
+            total += 1;
+            if now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(key.proto) {
+                expired.push(key);
+            }
+        }
+        let removed = expired.iter().filter(|key| self.map.remove(key).is_ok()).count();
+        Ok((total - removed, removed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(text: &str) -> IpAddr {
+        text.parse().unwrap()
+    }
+
+    #[test]
+    fn peer_keys_put_the_big_endian_set_id_before_the_truncated_network() {
+        let key = PeerPrefixKey { peer_set: PeerSetId(0x0102_0304), prefix: "10.1.2.3/16".parse().unwrap() };
+        let encoded = encode_peer_key(&key).unwrap();
+        assert_eq!(encoded.prefix_len, 32 + 16);
+        // The bytes the trie matches, most significant first: set id, then 10.1.0.0.
+        let lpm = encoded.to_lpm();
+        // SAFETY: Key<PeerPrefixV4> is 12 plain bytes (packed).
+        let bytes: [u8; 12] = unsafe { std::mem::transmute(lpm) };
+        assert_eq!(bytes[4..], [1, 2, 3, 4, 10, 1, 0, 0]);
+        assert_eq!(u32::from_ne_bytes(bytes[..4].try_into().unwrap()), 48);
+        let everything = PeerPrefixKey { peer_set: PeerSetId(7), prefix: "0.0.0.0/0".parse().unwrap() };
+        assert_eq!(encode_peer_key(&everything).unwrap().prefix_len, 32);
+        let v6 = PeerPrefixKey { peer_set: PeerSetId(7), prefix: "::/0".parse().unwrap() };
+        assert_eq!(encode_peer_key(&v6), Err(EncodeError::Ipv6));
+    }
+
+    #[test]
+    fn rules_pack_ranges_in_order_and_no_ports_means_all() {
+        let all = encode_rule_value(&SlotRuleValue { peer_set: PeerSetId(3), ports: None }).unwrap();
+        assert_eq!((all.peer_set, all.range_count), (3, POLICY_ALL_PORTS));
+        let ranges = vec![
+            PortRange { protocol: Protocol::Tcp, start: 80, end: 90 },
+            PortRange::single(Protocol::Udp, 53),
+            PortRange::all_of(Protocol::Sctp),
+        ];
+        let packed = encode_rule_value(&SlotRuleValue { peer_set: PeerSetId(4), ports: Some(ranges) }).unwrap();
+        assert_eq!(packed.range_count, 3);
+        assert_eq!(packed.ranges[0], PolicyPortRange { proto: 6, pad: 0, start: 80, end: 90 });
+        assert_eq!(packed.ranges[1], PolicyPortRange { proto: 17, pad: 0, start: 53, end: 53 });
+        assert_eq!(packed.ranges[2], PolicyPortRange { proto: 132, pad: 0, start: 0, end: 65535 });
+        assert_eq!(packed.ranges[3], PolicyPortRange::default());
+        assert!(packed.ports_match(6, 85) && packed.ports_match(132, 9) && !packed.ports_match(17, 54));
+        let nine = vec![PortRange::single(Protocol::Tcp, 1); 9];
+        assert_eq!(
+            encode_rule_value(&SlotRuleValue { peer_set: PeerSetId(1), ports: Some(nine) }),
+            Err(EncodeError::TooManyRanges(9))
+        );
+    }
+
+    #[test]
+    fn pod_keys_are_network_order_with_a_nonzero_direction() {
+        let key = encode_pod_key(&PodSlotKey { pod_ip: ip("10.0.1.2"), direction: Direction::Egress }).unwrap();
+        assert_eq!(key.addr.to_ne_bytes(), [10, 0, 1, 2]);
+        assert_eq!(key.direction, POLICY_DIR_EGRESS);
+        assert_ne!(POLICY_DIR_INGRESS, 0);
+        let v6 = PodSlotKey { pod_ip: ip("fd00::1"), direction: Direction::Ingress };
+        assert_eq!(encode_pod_key(&v6), Err(EncodeError::Ipv6));
+    }
+
+    fn sample_entries() -> MapEntries {
+        let mut entries = MapEntries::default();
+        let pod = |addr: &str, direction| PodSlotKey { pod_ip: ip(addr), direction };
+        entries.pod_slots.insert(pod("10.0.1.1", Direction::Ingress), PodSlotValue { slot: SlotId(1), rule_count: 2 });
+        entries.pod_slots.insert(pod("fd00::1", Direction::Ingress), PodSlotValue { slot: SlotId(1), rule_count: 2 });
+        entries.slot_rules.insert(
+            SlotRuleKey { slot: SlotId(1), rule_index: 0 },
+            SlotRuleValue { peer_set: PeerSetId(1), ports: None },
+        );
+        entries.slot_rules.insert(
+            SlotRuleKey { slot: SlotId(1), rule_index: 1 },
+            SlotRuleValue { peer_set: PeerSetId(2), ports: Some(vec![PortRange::single(Protocol::Tcp, 80)]) },
+        );
+        let prefix = |set, net: &str| PeerPrefixKey { peer_set: PeerSetId(set), prefix: net.parse().unwrap() };
+        entries.peer_prefixes.insert(prefix(1, "10.0.0.0/8"), PrefixVerdict::Allow);
+        entries.peer_prefixes.insert(prefix(1, "10.1.0.0/16"), PrefixVerdict::Deny);
+        entries.peer_prefixes.insert(prefix(1, "::/0"), PrefixVerdict::Allow);
+        entries.peer_prefixes.insert(prefix(2, "10.0.2.1/32"), PrefixVerdict::Allow);
+        entries
+    }
+
+    #[test]
+    fn decode_inverts_encode_for_the_ipv4_part() {
+        let entries = sample_entries();
+        let contents = encode_entries(&entries);
+        assert_eq!(contents.pods.len(), 1, "IPv6 pod left out");
+        assert_eq!(contents.peers.len(), 3, "IPv6 prefix left out");
+        let mut ipv4_only = entries.clone();
+        ipv4_only.pod_slots.retain(|k, _| k.pod_ip.is_ipv4());
+        ipv4_only.peer_prefixes.retain(|k, _| k.prefix.addr().is_ipv4());
+        assert_eq!(decode(&contents), Ok(ipv4_only));
+    }
+
+    #[test]
+    fn diff_is_written_prefixes_and_rules_first_then_pods_then_deletes() {
+        let old = sample_entries();
+        let mut new = old.clone();
+        // A pod moves to a new slot with a new rule; the old slot and one prefix go away.
+        let pod = PodSlotKey { pod_ip: ip("10.0.1.1"), direction: Direction::Ingress };
+        new.pod_slots.insert(pod, PodSlotValue { slot: SlotId(2), rule_count: 1 });
+        new.pod_slots.remove(&PodSlotKey { pod_ip: ip("fd00::1"), direction: Direction::Ingress });
+        new.slot_rules.clear();
+        new.slot_rules.insert(
+            SlotRuleKey { slot: SlotId(2), rule_index: 0 },
+            SlotRuleValue { peer_set: PeerSetId(3), ports: None },
+        );
+        new.peer_prefixes.retain(|k, _| k.peer_set != PeerSetId(2));
+        new.peer_prefixes.insert(
+            PeerPrefixKey { peer_set: PeerSetId(3), prefix: "10.0.3.0/24".parse().unwrap() },
+            PrefixVerdict::Allow,
+        );
+        let encoded = encode_diff(&old.diff(&new));
+        let kinds: Vec<&str> = encoded
+            .ops
+            .iter()
+            .map(|op| match op {
+                PolicyMapOp::PutPeerPrefix(..) => "put-peer",
+                PolicyMapOp::PutRule(..) => "put-rule",
+                PolicyMapOp::PutPod(..) => "put-pod",
+                PolicyMapOp::DeletePod(_) => "del-pod",
+                PolicyMapOp::DeleteRule(_) => "del-rule",
+                PolicyMapOp::DeletePeerPrefix(_) => "del-peer",
+            })
+            .collect();
+        assert_eq!(kinds, ["put-peer", "put-rule", "put-pod", "del-rule", "del-rule", "del-peer"]);
+        assert_eq!(encoded.skipped_ipv6, 1, "the IPv6 pod's delete");
+
+        let mut maps = encode_entries(&old);
+        let report = apply_diff(&mut maps, &old.diff(&new));
+        assert_eq!((report.puts, report.deletes, report.errors), (3, 3, 0));
+        assert_eq!(maps, encode_entries(&new));
+    }
+
+    /// Fails every write to one map, as a full map would.
+    struct FullRules(PolicyMapContents);
+
+    impl PolicyMaps for FullRules {
+        fn write(&mut self, op: &PolicyMapOp) -> Result<(), MapWriteError> {
+            if matches!(op, PolicyMapOp::PutRule(..)) {
+                return Err(MapWriteError { map: map_names::POLICY_RULES, message: "full".into(), full: true });
+            }
+            self.0.write(op)
+        }
+        fn read_all(&self) -> Result<PolicyMapContents, MapWriteError> {
+            Ok(self.0.clone())
+        }
+    }
+
+    #[test]
+    fn a_failed_upsert_holds_back_the_deletes() {
+        let old = sample_entries();
+        let mut new = MapEntries::default();
+        new.slot_rules.insert(
+            SlotRuleKey { slot: SlotId(9), rule_index: 0 },
+            SlotRuleValue { peer_set: PeerSetId(1), ports: None },
+        );
+        let mut maps = FullRules(encode_entries(&old));
+        let report = apply_diff(&mut maps, &old.diff(&new));
+        assert_eq!((report.errors, report.full), (1, 1));
+        assert_eq!(report.deletes, 0);
+        assert!(report.deletes_deferred > 0);
+        assert_eq!(maps.0, encode_entries(&old), "the old, complete policy is still there");
+    }
+}

@@ -1,0 +1,603 @@
+//! The real NetworkPolicy programs, loaded into the kernel and run with BPF_PROG_TEST_RUN over
+//! maps written by `PolicyMaps` from the policy compiler's output. The verdict of the programs
+//! must equal the compiler's reference decision (`policy::allows`, and `MapEntries::allows` over
+//! the flattened maps) on every probe. Needs root; each test uses its own pin directory under
+//! /sys/fs/bpf/krt-pol-test-*.
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    path::PathBuf,
+};
+
+use k8s_openapi::api::{
+    core::v1::{Namespace, Pod},
+    networking::v1::NetworkPolicy,
+};
+use kube_router::{
+    bpf::{
+        datapath::{self, Datapath, Hook},
+        policy_maps::{apply_diff, decode, BpfPolicyMaps, PolicyConntrack, PolicyMaps, PolicyWriteReport},
+        test_run::{packet, run},
+    },
+    policy::{
+        allows,
+        bpf_maps::{MapEntries, MapFlattener},
+        compile, CompileOptions, CompileOutput, Protocol,
+    },
+};
+use kube_router_common::{pol_stat, MAX_RULES_PER_POD};
+use serde_json::{json, Value};
+
+const TC_ACT_UNSPEC: i32 = -1;
+const TC_ACT_SHOT: i32 = 2;
+const SCTP: u8 = 132;
+const ICMP: u8 = 1;
+
+// ---- cluster objects ------------------------------------------------------------------------
+
+fn labels(pairs: &[(&str, &str)]) -> Value {
+    Value::Object(pairs.iter().map(|(k, v)| (k.to_string(), Value::String(v.to_string()))).collect())
+}
+
+fn pod(namespace: &str, name: &str, ip: &str, pod_labels: &[(&str, &str)]) -> Pod {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"namespace": namespace, "name": name, "labels": labels(pod_labels)},
+        "spec": {"containers": [{"name": "c", "image": "agnhost",
+            "ports": [{"name": "http", "containerPort": 80, "protocol": "TCP"}]}]},
+        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}
+    }))
+    .unwrap()
+}
+
+fn namespace(name: &str) -> Namespace {
+    serde_json::from_value(json!({"apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": name, "labels": {"ns": name}}}))
+    .unwrap()
+}
+
+fn policy(namespace: &str, name: &str, spec: Value) -> NetworkPolicy {
+    serde_json::from_value(json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"namespace": namespace, "name": name}, "spec": spec}))
+    .unwrap()
+}
+
+/// Namespaces x, y, z (label ns=<name>), pods a, b, c (label pod=<name>) at 10.0.<ns>.<pod>.
+struct Cluster {
+    pods: Vec<Pod>,
+    namespaces: Vec<Namespace>,
+}
+
+fn ip(ns: usize, pod: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 0, ns as u8 + 1, pod as u8 + 1)
+}
+
+const OUTSIDE: Ipv4Addr = Ipv4Addr::new(192, 168, 7, 7);
+
+impl Cluster {
+    fn xyz() -> Cluster {
+        let mut cluster = Cluster { pods: Vec::new(), namespaces: Vec::new() };
+        for (n, ns) in ["x", "y", "z"].into_iter().enumerate() {
+            cluster.namespaces.push(namespace(ns));
+            for (p, name) in ["a", "b", "c"].into_iter().enumerate() {
+                cluster.pods.push(pod(ns, name, &ip(n, p).to_string(), &[("pod", name)]));
+            }
+        }
+        cluster
+    }
+
+    fn compile(&self, policies: &[NetworkPolicy]) -> CompileOutput {
+        let out = compile(&self.pods, &self.namespaces, policies, &CompileOptions::default());
+        assert!(out.policy_errors.is_empty(), "{:?}", out.policy_errors);
+        out
+    }
+
+    /// Every pod IP and one address outside the cluster.
+    fn endpoints() -> Vec<Ipv4Addr> {
+        let mut all: Vec<Ipv4Addr> = (0..3).flat_map(|n| (0..3).map(move |p| ip(n, p))).collect();
+        all.push(OUTSIDE);
+        all
+    }
+}
+
+// ---- the loaded datapath ----------------------------------------------------------------------
+
+struct Loaded {
+    datapath: Datapath,
+    pin_dir: PathBuf,
+    flattener: MapFlattener,
+    programmed: MapEntries,
+    next_port: u16,
+}
+
+impl Drop for Loaded {
+    fn drop(&mut self) {
+        let _ = datapath::remove_all(&self.pin_dir);
+    }
+}
+
+fn load(test: &str) -> Loaded {
+    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/krt-pol-test-{test}"));
+    let _ = datapath::remove_all(&pin_dir);
+    let datapath = Datapath::load(&pin_dir).expect("load datapath (run as root)");
+    Loaded { datapath, pin_dir, flattener: MapFlattener::new(), programmed: MapEntries::default(), next_port: 20000 }
+}
+
+impl Loaded {
+    /// Flattens `output` and writes only the difference to what was programmed before.
+    fn program(&mut self, output: &CompileOutput) -> PolicyWriteReport {
+        let entries = self.flattener.flatten(&output.model);
+        let mut maps = BpfPolicyMaps::open_pinned(&self.pin_dir).unwrap();
+        let report = apply_diff(&mut maps, &self.programmed.diff(&entries));
+        assert_eq!(report.errors, 0, "{report:?}");
+        self.programmed = entries;
+        report
+    }
+
+    fn stats(&self) -> Vec<u64> {
+        kube_router::bpf::policy_maps::read_policy_stats(&self.pin_dir).unwrap()
+    }
+
+    fn fd(&self, hook: Hook) -> i32 {
+        self.datapath.program_fd(hook).unwrap()
+    }
+
+    /// The hook verdicts for one packet of a same-node connection: it passes the source pod's
+    /// veth at TC ingress (`kr_pol_ingress`), then the destination pod's veth at TC egress
+    /// (`kr_pol_egress`), unless the first dropped it. An address outside the cluster has no
+    /// pod and no policy, so its hook passes everything: the same program does for it.
+    fn send(&self, frame: &[u8]) -> bool {
+        let from_pod = run(self.fd(Hook::PolicyIngress), frame, 1).unwrap();
+        assert!(from_pod.retval == TC_ACT_UNSPEC || from_pod.retval == TC_ACT_SHOT, "{}", from_pod.retval);
+        assert_eq!(from_pod.packet, frame, "policy never rewrites packets");
+        if from_pod.retval == TC_ACT_SHOT {
+            return false;
+        }
+        let to_pod = run(self.fd(Hook::PolicyEgress), frame, 1).unwrap();
+        assert!(to_pod.retval == TC_ACT_UNSPEC || to_pod.retval == TC_ACT_SHOT, "{}", to_pod.retval);
+        to_pod.retval == TC_ACT_UNSPEC
+    }
+
+    /// A new connection (fresh source port): whether its first packet gets through.
+    fn connect(&mut self, proto: u8, src: Ipv4Addr, dst: Ipv4Addr, port: u16) -> (u16, bool) {
+        self.next_port += 1;
+        let sport = self.next_port;
+        (sport, self.send(&packet::ipv4(proto, (src, sport), (dst, port), packet::TCP_SYN, b"probe")))
+    }
+}
+
+fn protocol(proto: u8) -> Protocol {
+    match proto {
+        packet::TCP => Protocol::Tcp,
+        packet::UDP => Protocol::Udp,
+        SCTP => Protocol::Sctp,
+        other => panic!("no NetworkPolicy protocol {other}"),
+    }
+}
+
+/// Probes every (source, destination) pair of cluster pods and the outside address on each
+/// (protocol, port), asserting datapath == compiler reference == flattened-map reference.
+/// Returns (allowed, denied) counts so a scenario can check it is not trivially all one way.
+fn assert_matrix(loaded: &mut Loaded, output: &CompileOutput, ports: &[(u8, u16)]) -> (usize, usize) {
+    let (mut allowed, mut denied) = (0, 0);
+    let mut mismatches = Vec::new();
+    for &(proto, port) in ports {
+        for src in Cluster::endpoints() {
+            for dst in Cluster::endpoints() {
+                if src == dst {
+                    continue;
+                }
+                let expected = allows(&output.model, IpAddr::V4(src), IpAddr::V4(dst), protocol(proto), port);
+                let flattened = loaded.programmed.allows(IpAddr::V4(src), IpAddr::V4(dst), protocol(proto), port);
+                assert_eq!(expected, flattened, "reference lookups disagree: {src} -> {dst}:{port}/{proto}");
+                let (_, got) = loaded.connect(proto, src, dst, port);
+                if got != expected {
+                    mismatches.push(format!("{src} -> {dst}:{port}/{proto}: datapath {got}, expected {expected}"));
+                }
+                if expected {
+                    allowed += 1;
+                } else {
+                    denied += 1;
+                }
+            }
+        }
+    }
+    assert!(mismatches.is_empty(), "{} mismatches:\n{}", mismatches.len(), mismatches.join("\n"));
+    (allowed, denied)
+}
+
+const COMMON_PORTS: [(u8, u16); 5] =
+    [(packet::TCP, 80), (packet::TCP, 81), (packet::UDP, 53), (packet::UDP, 80), (SCTP, 80)];
+
+fn scenario(test: &str, policies: &[NetworkPolicy], extra_ports: &[(u8, u16)]) -> (Loaded, CompileOutput) {
+    let cluster = Cluster::xyz();
+    let output = cluster.compile(policies);
+    let mut loaded = load(test);
+    loaded.program(&output);
+    let mut ports = COMMON_PORTS.to_vec();
+    ports.extend_from_slice(extra_ports);
+    let (allowed, denied) = assert_matrix(&mut loaded, &output, &ports);
+    assert!(allowed > 0 && denied > 0, "scenario {test} is trivial: {allowed} allowed, {denied} denied");
+    (loaded, output)
+}
+
+// ---- scenarios: datapath verdict == compiler reference --------------------------------------
+
+#[test]
+fn default_deny_ingress() {
+    let (loaded, _) = scenario("deny-in", &[policy("x", "deny", json!({"podSelector": {}}))], &[]);
+    let stats = loaded.stats();
+    assert!(stats[pol_stat::DENIED_INGRESS as usize] > 0);
+    assert_eq!(stats[pol_stat::DENIED_EGRESS as usize], 0, "no pod is egress-isolated");
+}
+
+#[test]
+fn allow_from_a_namespace() {
+    let np = policy(
+        "x",
+        "from-y",
+        json!({"podSelector": {}, "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"ns": "y"}}}]}]}),
+    );
+    scenario("from-ns", &[np], &[]);
+}
+
+#[test]
+fn ip_block_with_except() {
+    let np = policy(
+        "x",
+        "block",
+        json!({"podSelector": {"matchLabels": {"pod": "a"}}, "ingress": [{"from": [
+            {"ipBlock": {"cidr": "10.0.0.0/16", "except": ["10.0.2.0/24", "10.0.3.3/32"]}},
+            {"ipBlock": {"cidr": "192.168.0.0/16"}}
+        ]}]}),
+    );
+    let (mut loaded, _) = scenario("ipblock", &[np], &[]);
+    // Spot checks of the LPM semantics (the matrix already compared them all).
+    assert!(loaded.connect(packet::TCP, ip(2, 0), ip(0, 0), 80).1, "z/a is inside the cidr");
+    assert!(!loaded.connect(packet::TCP, ip(1, 0), ip(0, 0), 80).1, "y is an except range");
+    assert!(!loaded.connect(packet::TCP, ip(2, 2), ip(0, 0), 80).1, "z/c is a /32 except");
+    assert!(loaded.connect(packet::TCP, OUTSIDE, ip(0, 0), 80).1, "second ipBlock");
+    assert!(!loaded.connect(packet::TCP, Ipv4Addr::new(172, 16, 0, 1), ip(0, 0), 80).1);
+}
+
+#[test]
+fn port_ranges_and_end_port() {
+    let np = policy(
+        "x",
+        "ports",
+        json!({"podSelector": {}, "ingress": [{"ports": [
+            {"protocol": "TCP", "port": 8000, "endPort": 8080},
+            {"protocol": "UDP", "port": 53},
+            {"protocol": "SCTP", "port": 9000, "endPort": 9001},
+            {"port": "http"}
+        ]}]}),
+    );
+    let edges = [
+        (packet::TCP, 7999),
+        (packet::TCP, 8000),
+        (packet::TCP, 8040),
+        (packet::TCP, 8080),
+        (packet::TCP, 8081),
+        (packet::UDP, 52),
+        (packet::UDP, 8000),
+        (SCTP, 9000),
+        (SCTP, 9001),
+        (SCTP, 9002),
+        (SCTP, 8000),
+    ];
+    let (mut loaded, _) = scenario("ports", &[np], &edges);
+    assert!(loaded.connect(packet::TCP, ip(1, 0), ip(0, 1), 8080).1);
+    assert!(!loaded.connect(packet::TCP, ip(1, 0), ip(0, 1), 8081).1);
+    // Named port "http" resolves to 80 on the target pods.
+    assert!(loaded.connect(packet::TCP, ip(1, 0), ip(0, 1), 80).1);
+}
+
+#[test]
+fn egress_deny_with_one_allowed_destination() {
+    let np = policy(
+        "y",
+        "egress",
+        json!({"podSelector": {}, "policyTypes": ["Egress"], "egress": [
+            {"to": [{"namespaceSelector": {"matchLabels": {"ns": "x"}}, "podSelector": {"matchLabels": {"pod": "a"}}}],
+             "ports": [{"protocol": "TCP", "port": 80}]}
+        ]}),
+    );
+    let (mut loaded, _) = scenario("deny-out", &[np], &[]);
+    let before = loaded.stats();
+    assert!(loaded.connect(packet::TCP, ip(1, 1), ip(0, 0), 80).1);
+    assert!(!loaded.connect(packet::TCP, ip(1, 1), ip(0, 1), 80).1);
+    assert!(!loaded.connect(packet::UDP, ip(1, 1), OUTSIDE, 53).1);
+    let after = loaded.stats();
+    let delta = |i: u32| after[i as usize] - before[i as usize];
+    assert_eq!(delta(pol_stat::DENIED_EGRESS), 2, "each denied flow is counted once, at the source's veth");
+    assert_eq!(delta(pol_stat::DENIED_INGRESS), 0);
+    assert_eq!(delta(pol_stat::ALLOWED), 1, "y/b's egress rule allowed one flow");
+    assert_eq!(delta(pol_stat::NOT_ISOLATED), 1, "x/a's ingress is not isolated");
+}
+
+#[test]
+fn multiple_policies_are_a_union_per_side_and_both_sides_must_allow() {
+    let policies = [
+        policy("x", "deny-all", json!({"podSelector": {}, "policyTypes": ["Ingress", "Egress"]})),
+        policy(
+            "x",
+            "from-y-80",
+            json!({"podSelector": {"matchLabels": {"pod": "a"}},
+                "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"ns": "y"}}}], "ports": [{"port": 80}]}]}),
+        ),
+        policy(
+            "x",
+            "from-z-b",
+            json!({"podSelector": {}, "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"ns": "z"}},
+                "podSelector": {"matchLabels": {"pod": "b"}}}]}]}),
+        ),
+        policy(
+            "x",
+            "to-z",
+            json!({"podSelector": {"matchLabels": {"pod": "b"}}, "policyTypes": ["Egress"],
+                "egress": [{"to": [{"namespaceSelector": {"matchLabels": {"ns": "z"}}}]}]}),
+        ),
+        policy("z", "deny-in", json!({"podSelector": {"matchLabels": {"pod": "c"}}})),
+    ];
+    let (mut loaded, _) = scenario("multi", &policies, &[(packet::TCP, 443)]);
+    // x/b may send to z, but z/c denies all ingress: both sides are checked.
+    assert!(loaded.connect(packet::TCP, ip(0, 1), ip(2, 0), 443).1);
+    assert!(!loaded.connect(packet::TCP, ip(0, 1), ip(2, 2), 443).1);
+}
+
+// ---- conntrack -------------------------------------------------------------------------------
+
+#[test]
+fn replies_of_an_allowed_connection_pass_both_hooks_through_conntrack() {
+    // y/a may connect to x/a:80. Every other flow between them is denied in both directions,
+    // so a reply can only get through on the connection's conntrack entries.
+    let policies = [
+        policy(
+            "x",
+            "in",
+            json!({"podSelector": {}, "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"ns": "y"}}}], "ports": [{"port": 80}]}]}),
+        ),
+        policy(
+            "y",
+            "out",
+            json!({"podSelector": {}, "policyTypes": ["Ingress", "Egress"],
+            "egress": [{"to": [{"namespaceSelector": {"matchLabels": {"ns": "x"}}}], "ports": [{"port": 80}]}]}),
+        ),
+    ];
+    let cluster = Cluster::xyz();
+    let output = cluster.compile(&policies);
+    let mut loaded = load("ct");
+    loaded.program(&output);
+    let (client, server) = (ip(1, 0), ip(0, 0));
+
+    let (sport, opened) = loaded.connect(packet::TCP, client, server, 80);
+    assert!(opened);
+    let before = loaded.stats();
+    let reply = packet::ipv4(packet::TCP, (server, 80), (client, sport), packet::TCP_SYN | packet::TCP_ACK, b"");
+    assert!(!allows(&output.model, IpAddr::V4(server), IpAddr::V4(client), Protocol::Tcp, sport));
+    assert!(loaded.send(&reply), "the reply passes x/a's veth ingress and y/a's veth egress");
+    let more = packet::ipv4(packet::TCP, (client, sport), (server, 80), packet::TCP_ACK, b"data");
+    assert!(loaded.send(&more), "later packets of the connection are established");
+    let after = loaded.stats();
+    assert_eq!(after[pol_stat::CT_ESTABLISHED as usize] - before[pol_stat::CT_ESTABLISHED as usize], 4);
+    assert_eq!(after[pol_stat::ALLOWED as usize], before[pol_stat::ALLOWED as usize], "nothing re-evaluated");
+
+    // Not a reply: another client port, and the reverse direction as a new connection.
+    let stray = packet::ipv4(packet::TCP, (server, 80), (client, sport + 1), packet::TCP_ACK, b"");
+    assert!(!loaded.send(&stray));
+    assert!(!loaded.connect(packet::TCP, server, client, 80).1);
+
+    // One entry per pod veth the connection crosses, keyed to that pod.
+    let entries = PolicyConntrack::open_pinned(&loaded.pin_dir).unwrap().entries().unwrap();
+    let pods: std::collections::BTreeSet<_> = entries
+        .iter()
+        .filter(|(k, _)| k.pod_port == sport.to_be() || k.peer_port == sport.to_be())
+        .map(|(k, _)| Ipv4Addr::from(k.pod_addr.to_ne_bytes()))
+        .collect();
+    assert_eq!(pods, [client, server].into_iter().collect());
+}
+
+fn icmp_echo(src: Ipv4Addr, dst: Ipv4Addr, icmp_type: u8, id: u16) -> Vec<u8> {
+    let mut frame = vec![0x02, 0, 0, 0, 0, 2, 0x02, 0, 0, 0, 0, 1, 0x08, 0x00];
+    frame.extend_from_slice(&[0x45, 0, 0, 28, 0, 1, 0x40, 0, 64, ICMP, 0, 0]);
+    frame.extend_from_slice(&src.octets());
+    frame.extend_from_slice(&dst.octets());
+    frame.extend_from_slice(&[icmp_type, 0, 0, 0]);
+    frame.extend_from_slice(&id.to_be_bytes());
+    frame.extend_from_slice(&[0, 1]);
+    frame
+}
+
+#[test]
+fn icmp_is_allowed_only_by_rules_without_ports_and_echo_replies_are_tracked() {
+    let policies = [
+        policy(
+            "x",
+            "from-y",
+            json!({"podSelector": {}, "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"ns": "y"}}}]}]}),
+        ),
+        policy("x", "from-z-80", json!({"podSelector": {}, "ingress": [{"ports": [{"port": 80}]}]})),
+    ];
+    let mut loaded = load("icmp");
+    loaded.program(&Cluster::xyz().compile(&policies));
+    assert!(loaded.send(&icmp_echo(ip(1, 0), ip(0, 0), 8, 77)), "y -> x, rule without ports");
+    assert!(loaded.send(&icmp_echo(ip(0, 0), ip(1, 0), 0, 77)), "the echo reply, although x's egress denies all");
+    assert!(!loaded.send(&icmp_echo(ip(0, 0), ip(1, 0), 0, 78)), "a reply to nothing");
+    assert!(!loaded.send(&icmp_echo(ip(2, 0), ip(0, 0), 8, 79)), "z is only allowed TCP 80, not ICMP");
+}
+
+// ---- limits, stats and diffs -----------------------------------------------------------------
+
+fn many_blocks(count: usize) -> NetworkPolicy {
+    let from: Vec<Value> = (0..count).map(|i| json!({"ipBlock": {"cidr": format!("10.100.{i}.0/24")}})).collect();
+    policy("x", "blocks", json!({"podSelector": {"matchLabels": {"pod": "a"}}, "ingress": [{"from": from}]}))
+}
+
+#[test]
+fn every_rule_up_to_the_limit_is_read_and_one_more_denies_and_counts() {
+    let cluster = Cluster::xyz();
+    let limit = MAX_RULES_PER_POD as usize;
+    let mut loaded = load("limit");
+    let report = loaded.program(&cluster.compile(&[many_blocks(limit)]));
+    assert_eq!(report.over_rule_limit, 0);
+    // One source in each block: whatever order the rules are in, index 63 gets read too.
+    for i in 0..limit {
+        assert!(loaded.connect(packet::TCP, Ipv4Addr::new(10, 100, i as u8, 9), ip(0, 0), 80).1, "rule for block {i}");
+    }
+    assert!(!loaded.connect(packet::TCP, Ipv4Addr::new(10, 101, 0, 9), ip(0, 0), 80).1);
+
+    let report = loaded.program(&cluster.compile(&[many_blocks(limit + 1)]));
+    assert_eq!(report.over_rule_limit, 1, "x/a ingress is written with {} rules", limit + 1);
+    let before = loaded.stats();
+    let source = Ipv4Addr::new(10, 100, 0, 9);
+    assert!(loaded.programmed.allows(IpAddr::V4(source), IpAddr::V4(ip(0, 0)), Protocol::Tcp, 80));
+    assert!(!loaded.connect(packet::TCP, source, ip(0, 0), 80).1, "over the limit: fail closed");
+    assert!(loaded.connect(packet::TCP, source, ip(0, 1), 80).1, "x/b is not selected");
+    let after = loaded.stats();
+    assert_eq!(after[pol_stat::RULE_LIMIT_DENIED as usize] - before[pol_stat::RULE_LIMIT_DENIED as usize], 1);
+    assert_eq!(after[pol_stat::DENIED_INGRESS as usize] - before[pol_stat::DENIED_INGRESS as usize], 1);
+}
+
+#[test]
+fn a_change_to_one_pod_writes_only_its_entries() {
+    let cluster = Cluster::xyz();
+    let base = policy(
+        "x",
+        "from-y",
+        json!({"podSelector": {}, "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"ns": "y"}}}]}]}),
+    );
+    let mut loaded = load("diff");
+    let first = loaded.program(&cluster.compile(std::slice::from_ref(&base)));
+    // 3 pod slots (one shared slot), 1 rule, 3 prefixes (y's pods).
+    assert_eq!((first.puts, first.deletes), (7, 0));
+    let maps = BpfPolicyMaps::open_pinned(&loaded.pin_dir).unwrap();
+    let before = maps.read_all().unwrap();
+
+    // A second policy selects only x/a: it gets a slot of its own; nobody else changes.
+    let only_a = policy(
+        "x",
+        "a-from-z-80",
+        json!({"podSelector": {"matchLabels": {"pod": "a"}},
+            "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"ns": "z"}}}], "ports": [{"port": 80}]}]}),
+    );
+    let output = cluster.compile(&[base, only_a]);
+    let report = loaded.program(&output);
+    // x/a's pod entry, its new slot's 2 rules, z's 3 prefixes for the new peer set.
+    assert_eq!((report.puts, report.deletes), (6, 0), "{report:?}");
+    let after = maps.read_all().unwrap();
+    let x_a = kube_router_common::PolicyPodKeyV4 {
+        addr: u32::from_ne_bytes(ip(0, 0).octets()),
+        direction: kube_router_common::POLICY_DIR_INGRESS,
+        pad: [0; 3],
+    };
+    let mut untouched = after.pods.clone();
+    untouched.remove(&x_a);
+    let mut expected = before.pods.clone();
+    expected.remove(&x_a);
+    assert_eq!(untouched, expected, "other pods' entries are byte-identical");
+    assert!(before.rules.iter().all(|(k, v)| after.rules.get(k) == Some(v)), "old rules untouched");
+    assert!(before.peers.iter().all(|(k, v)| after.peers.get(k) == Some(v)), "old prefixes untouched");
+    assert_eq!(decode(&after).unwrap(), loaded.programmed, "the maps hold exactly the flattened entries");
+    assert_matrix(&mut loaded, &output, &[(packet::TCP, 80), (packet::TCP, 81)]);
+
+    // Re-programming the same model writes nothing.
+    let again = loaded.program(&output);
+    assert_eq!(again.writes(), 0);
+}
+
+#[test]
+fn traffic_that_is_not_judged_passes_and_is_counted() {
+    let mut loaded = load("other");
+    loaded.program(&Cluster::xyz().compile(&[policy("x", "deny", json!({"podSelector": {}}))]));
+    let mut arp = packet::ipv4(packet::TCP, (ip(1, 0), 1), (ip(0, 0), 80), packet::TCP_SYN, b"");
+    arp[12..14].copy_from_slice(&[0x08, 0x06]);
+    assert!(loaded.send(&arp));
+    let mut gre = packet::ipv4(packet::TCP, (ip(1, 0), 1), (ip(0, 0), 80), packet::TCP_SYN, b"");
+    gre[14 + 9] = 47;
+    assert!(loaded.send(&gre));
+    // A later fragment carries no ports: passed; its first fragment is judged (and denied here).
+    let mut tail = packet::ipv4(packet::UDP, (ip(1, 0), 1), (ip(0, 0), 53), 0, b"12345678");
+    tail[14 + 6..14 + 8].copy_from_slice(&0x0001u16.to_be_bytes());
+    assert!(loaded.send(&tail));
+    let mut first = packet::ipv4(packet::UDP, (ip(1, 0), 1), (ip(0, 0), 53), 0, b"12345678");
+    first[14 + 6..14 + 8].copy_from_slice(&0x2000u16.to_be_bytes());
+    assert!(!loaded.send(&first));
+    let stats = loaded.stats();
+    assert_eq!(stats[pol_stat::NOT_EVALUATED as usize], 4, "arp and gre, at both hooks");
+    assert_eq!(stats[pol_stat::FRAGMENT_PASS as usize], 2);
+    assert_eq!(stats[pol_stat::DENIED_INGRESS as usize], 1);
+}
+
+// ---- layout check and attachment -------------------------------------------------------------
+
+#[test]
+fn a_policy_map_with_another_layout_is_refused() {
+    let pin_dir = PathBuf::from("/sys/fs/bpf/krt-pol-test-layout");
+    let _ = datapath::remove_all(&pin_dir);
+    std::fs::create_dir_all(&pin_dir).unwrap();
+    let path = pin_dir.join("pol_rules");
+    let created = std::process::Command::new("bpftool")
+        .args(["map", "create", path.to_str().unwrap(), "type", "hash", "key", "8", "value", "40"])
+        .args(["entries", "16", "name", "pol_rules"])
+        .status()
+        .unwrap();
+    assert!(created.success());
+    let message = format!("{:#}", Datapath::load(&pin_dir).err().expect("must refuse"));
+    assert!(
+        message.contains("pol_rules") && message.contains("value=40B") && message.contains("value=56B"),
+        "{message}"
+    );
+    let _ = datapath::remove_all(&pin_dir);
+}
+
+/// A veth pair in the test's namespace (the kernel here has no dummy driver), like a pod's.
+struct VethPair(&'static str);
+
+impl VethPair {
+    fn create(name: &'static str) -> VethPair {
+        let _ =
+            std::process::Command::new("ip").args(["link", "del", name]).stderr(std::process::Stdio::null()).status();
+        let peer = format!("{name}p");
+        let ok = std::process::Command::new("ip")
+            .args(["link", "add", name, "type", "veth", "peer", "name", &peer])
+            .status()
+            .unwrap();
+        assert!(ok.success(), "ip link add {name}");
+        VethPair(name)
+    }
+}
+
+impl Drop for VethPair {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip").args(["link", "del", self.0]).status();
+    }
+}
+
+fn chain(interface: &str, attach_type: aya::programs::TcAttachType) -> Vec<String> {
+    let (_, programs) = aya::programs::SchedClassifier::query_tcx(interface, attach_type).unwrap();
+    programs.iter().map(|p| p.name_as_str().unwrap_or("?").to_string()).collect()
+}
+
+#[test]
+fn policy_and_lb_on_one_interface_run_in_the_right_order_whichever_is_attached_first() {
+    use aya::programs::TcAttachType::{Egress, Ingress};
+    let mut loaded = load("attach");
+    for (name, lb_first) in [("krpoltest0", true), ("krpoltest1", false)] {
+        let _interface = VethPair::create(name);
+        if lb_first {
+            loaded.datapath.attach(name).unwrap();
+            loaded.datapath.attach_policy(name).unwrap();
+        } else {
+            loaded.datapath.attach_policy(name).unwrap();
+            loaded.datapath.attach(name).unwrap();
+        }
+        assert_eq!(chain(name, Ingress), ["kr_lb_ingress", "kr_pol_ingress"], "{name}: DNAT, then the check");
+        assert_eq!(chain(name, Egress), ["kr_pol_egress", "kr_lb_egress"], "{name}: the check, then reverse NAT");
+        assert!(Datapath::link_path(&loaded.pin_dir, Hook::PolicyIngress, name).exists());
+        assert!(loaded.pin_dir.join("links").join(format!("pol_egress_{name}")).exists());
+        // Attaching again adopts the pinned links.
+        let again = loaded.datapath.attach_policy(name).unwrap();
+        assert_eq!(again, [datapath::AttachOutcome::Adopted; 2]);
+    }
+}
