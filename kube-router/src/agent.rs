@@ -11,7 +11,7 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use kube_router_common::{lb_stat, map_names};
+use kube_router_common::{lb_stat, map_names, pol_stat};
 use tokio::{
     signal::unix::{signal, SignalKind},
     sync::mpsc,
@@ -20,8 +20,10 @@ use tokio::{
 use crate::{
     bpf::{
         datapath::Datapath,
+        policy_maps::{read_policy_stats, PolicyConntrack},
         service_maps::{read_lb_stats, BpfServiceMaps, Conntrack},
     },
+    firewall::FirewallController,
     k8s::{
         checkpoint,
         watch::{self, ApiOptions, ClusterObjects, WatchUpdate},
@@ -59,6 +61,8 @@ pub struct AgentConfig {
     pub conntrack_gc_interval: Duration,
     /// Program the service load balancer (`--run-service-proxy`).
     pub run_service_proxy: bool,
+    /// Enforce NetworkPolicy (`--run-firewall`).
+    pub run_firewall: bool,
     /// BGP pod routing (`--run-router`), when enabled.
     pub router: Option<RouterOptions>,
 }
@@ -182,18 +186,58 @@ struct ApiSource {
     retry_at: Option<Instant>,
 }
 
-fn attach_all(datapath: &mut Datapath, wanted: &Option<Vec<String>>, attached: &mut Vec<String>) {
+fn attach_all(
+    datapath: &mut Datapath,
+    wanted: &Option<Vec<String>>,
+    attached: &mut Vec<String>,
+    load_balancer: bool,
+    firewall: bool,
+) {
     let interfaces = wanted.clone().unwrap_or_else(netif::interfaces);
     for interface in interfaces {
         if attached.contains(&interface) {
             continue;
         }
-        match datapath.attach(&interface) {
-            Ok([ingress, egress]) => {
-                tracing::info!(interface, ?ingress, ?egress, "load balancer attached at TC ingress and egress");
-                attached.push(interface);
+        let mut ok = true;
+        if load_balancer {
+            match datapath.attach(&interface) {
+                Ok([ingress, egress]) => {
+                    tracing::info!(interface, ?ingress, ?egress, "load balancer attached at TC ingress and egress")
+                }
+                Err(e) => {
+                    tracing::error!(interface, error = format!("{e:#}"), "cannot attach the load balancer");
+                    ok = false;
+                }
             }
-            Err(e) => tracing::error!(interface, error = format!("{e:#}"), "cannot attach"),
+        }
+        if firewall {
+            match datapath.attach_policy(&interface) {
+                Ok([ingress, egress]) => {
+                    tracing::info!(interface, ?ingress, ?egress, "network policy attached at TC ingress and egress")
+                }
+                Err(e) => {
+                    tracing::error!(interface, error = format!("{e:#}"), "cannot attach network policy");
+                    ok = false;
+                }
+            }
+        }
+        if ok {
+            attached.push(interface);
+        }
+    }
+}
+
+fn refresh_policy_metrics(pin_dir: &Path, metrics: &Metrics, conntrack: &mut PolicyConntrack, gc: bool) {
+    if let Ok(stats) = read_policy_stats(pin_dir) {
+        metrics.with(|m| m.policy_packets = pol_stat::NAMES.iter().copied().zip(stats).collect());
+    }
+    if gc {
+        match conntrack.collect_garbage() {
+            Ok((left, removed)) => metrics.with(|m| {
+                m.policy_conntrack_entries = left as u64;
+                m.conntrack_gc_removed += removed as u64;
+            }),
+            Err(e) => tracing::warn!(error = %e, "policy conntrack GC failed"),
         }
     }
 }
@@ -243,19 +287,14 @@ async fn start_api_source(options: &ApiOptions, state_dir: &Path, metrics: &Metr
     Ok(ApiSource { objects, updates, dirty: restored_from_checkpoint, restored_from_checkpoint, retry_at: None })
 }
 
-/// The load balancer: programs, maps and the controller that writes them.
+/// The load balancer's maps and the controller that writes them.
 struct ServiceProxy {
-    datapath: Datapath,
-    attached: Vec<String>,
     controller: ServiceController,
     conntrack: Conntrack,
 }
 
 impl ServiceProxy {
     fn start(config: &AgentConfig, metrics: &Metrics) -> Result<Self> {
-        let mut datapath = Datapath::load(&config.pin_dir)?;
-        let mut attached = Vec::new();
-        attach_all(&mut datapath, &config.interfaces, &mut attached);
         let maps = BpfServiceMaps::open_pinned(&config.pin_dir)?;
         let sync = ServiceSync::adopt(&maps).context("reading the programmed service maps")?;
         tracing::info!(
@@ -272,7 +311,7 @@ impl ServiceProxy {
             nodeport_addresses: config.nodeport_addresses.clone(),
         };
         let conntrack = Conntrack::open_pinned(&config.pin_dir)?;
-        Ok(Self { datapath, attached, controller, conntrack })
+        Ok(Self { controller, conntrack })
     }
 }
 
@@ -290,7 +329,21 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         });
     }
 
+    // The object holds every program; loading it creates (or re-adopts) every pinned map.
+    let mut datapath =
+        if config.run_service_proxy || config.run_firewall { Some(Datapath::load(&config.pin_dir)?) } else { None };
+    let mut attached = Vec::new();
+    if let Some(datapath) = datapath.as_mut() {
+        attach_all(datapath, &config.interfaces, &mut attached, config.run_service_proxy, config.run_firewall);
+    }
     let mut service_proxy = if config.run_service_proxy { Some(ServiceProxy::start(&config, &metrics)?) } else { None };
+    let mut firewall = if config.run_firewall {
+        Some(FirewallController::start(&config.pin_dir, &config.node_name, metrics.clone())?)
+    } else {
+        None
+    };
+    let mut policy_conntrack =
+        if config.run_firewall { Some(PolicyConntrack::open_pinned(&config.pin_dir)?) } else { None };
     let mut file_source = None;
     let mut api_source = None;
     match &config.source {
@@ -305,6 +358,10 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     // Without the API the configuration comes from flags; with it, from the Node objects
     // (or their checkpoint), as soon as they are known.
     let mut router_dirty = api_source.as_ref().is_some_and(|api| api.restored_from_checkpoint);
+    let mut policy_dirty = router_dirty;
+    let mut policy_retry_at: Option<Instant> = None;
+    let mut checkpoint_due = false;
+    let mut last_checkpoint = Instant::now() - Duration::from_secs(60);
     if let (Some(router), None) = (router.as_mut(), api_source.as_ref()) {
         match router.static_config() {
             Ok(bgp) => router.apply(bgp).await,
@@ -317,6 +374,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let mut tick = tokio::time::interval(Duration::from_millis(200));
     let mut last_gc = Instant::now();
     let mut last_rescan = Instant::now();
+    let mut last_policy_gc = Instant::now();
     let mut last_housekeeping = Instant::now();
     let mut last_stale_warning = Instant::now();
     tracing::info!("agent running");
@@ -350,7 +408,9 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                         metrics.with(|m| m.last_api_contact_unix = Some(metrics::unix_now()));
                     }
                 }
+                checkpoint_due |= !matches!(update, WatchUpdate::Error { .. } | WatchUpdate::Probe { .. });
                 router_dirty |= matches!(update, WatchUpdate::Nodes(_));
+                policy_dirty |= matches!(update, WatchUpdate::Pods(_) | WatchUpdate::Namespaces(_) | WatchUpdate::NetworkPolicies(_));
                 api.dirty |= api.objects.apply(update);
             }
             _ = tick.tick() => {
@@ -365,12 +425,31 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                             let failed = proxy.controller.apply(&api.objects.state(), complete);
                             api.retry_at = (failed > 0).then(|| Instant::now() + WRITE_RETRY_INTERVAL);
                         }
-                        if complete {
-                            if let Err(e) = checkpoint::write(&config.state_dir, &api.objects.checkpoint()) {
-                                tracing::error!(error = %e, "cannot write checkpoint");
-                                metrics.with(|m| m.checkpoint_errors += 1);
-                            }
+
+                    }
+                }
+                if let Some(api) = api_source.as_ref() {
+                    // Every kind, after each change, once all have been listed completely: a
+                    // restart during an outage then has the same Services, Nodes and policies.
+                    if checkpoint_due && api.objects.all_synced() && last_checkpoint.elapsed() >= Duration::from_secs(1) {
+                        checkpoint_due = false;
+                        last_checkpoint = Instant::now();
+                        if let Err(e) = checkpoint::write(&config.state_dir, &api.objects.checkpoint()) {
+                            tracing::error!(error = %e, "cannot write checkpoint");
+                            metrics.with(|m| m.checkpoint_errors += 1);
                         }
+                    }
+                }
+                if let (Some(firewall), Some(api)) = (firewall.as_mut(), api_source.as_ref()) {
+                    let o = &api.objects;
+                    let complete = o.pods.synced() && o.namespaces.synced() && o.network_policies.synced();
+                    let retry = policy_retry_at.is_some_and(|at| Instant::now() >= at);
+                    // Policy is only ever compiled from a complete picture (or its checkpoint):
+                    // half a list of pods would deny traffic that is allowed.
+                    if (policy_dirty || retry) && (complete || api.restored_from_checkpoint) {
+                        policy_dirty = false;
+                        let failed = firewall.apply(o.pods.objects(), o.namespaces.objects(), o.network_policies.objects(), complete);
+                        policy_retry_at = (failed > 0).then(|| Instant::now() + WRITE_RETRY_INTERVAL);
                     }
                 }
                 if let (Some(router), Some(api)) = (router.as_mut(), api_source.as_ref()) {
@@ -388,13 +467,21 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                 if let Some(router) = router.as_ref() {
                     router.publish_metrics();
                 }
+                if let Some(datapath) = datapath.as_mut() {
+                    if config.interfaces.is_none() && last_rescan.elapsed() >= Duration::from_secs(5) {
+                        attach_all(datapath, &config.interfaces, &mut attached, config.run_service_proxy, config.run_firewall);
+                        last_rescan = Instant::now();
+                    }
+                }
+                if let Some(ct) = policy_conntrack.as_mut() {
+                    refresh_policy_metrics(&config.pin_dir, &metrics, ct, last_policy_gc.elapsed() >= config.conntrack_gc_interval);
+                    if last_policy_gc.elapsed() >= config.conntrack_gc_interval {
+                        last_policy_gc = Instant::now();
+                    }
+                }
                 if let Some(proxy) = service_proxy.as_mut() {
                     if let Some(file) = file_source.as_mut() {
                         file.sync(&mut proxy.controller, &metrics);
-                    }
-                    if config.interfaces.is_none() && last_rescan.elapsed() >= Duration::from_secs(5) {
-                        attach_all(&mut proxy.datapath, &config.interfaces, &mut proxy.attached);
-                        last_rescan = Instant::now();
                     }
                     let gc = last_gc.elapsed() >= config.conntrack_gc_interval;
                     if gc {

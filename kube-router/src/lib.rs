@@ -3,6 +3,7 @@ pub mod agent;
 pub mod bgp;
 pub mod bpf;
 pub mod fib;
+pub mod firewall;
 pub mod k8s;
 pub mod metrics;
 pub mod netif;

@@ -73,6 +73,9 @@ struct RunArgs {
     /// Program the eBPF service load balancer (ClusterIP, NodePort, ExternalIP, LoadBalancer).
     #[arg(long, env = "KUBE_ROUTER_RUN_SERVICE_PROXY", default_value_t = true, action = clap::ArgAction::Set)]
     run_service_proxy: bool,
+    /// Enforce Kubernetes NetworkPolicy in the eBPF datapath (needs the API server).
+    #[arg(long, env = "KUBE_ROUTER_RUN_FIREWALL", default_value_t = true, action = clap::ArgAction::Set)]
+    run_firewall: bool,
     /// Advertise this node's pod CIDR over BGP and install the routes learned from peers.
     #[arg(long, env = "KUBE_ROUTER_RUN_ROUTER", default_value_t = true, action = clap::ArgAction::Set)]
     run_router: bool,
@@ -304,6 +307,7 @@ fn run(cli: &Cli) -> Result<()> {
         health_port: args.health_port,
         conntrack_gc_interval: Duration::from_secs(args.conntrack_gc_interval),
         run_service_proxy: args.run_service_proxy,
+        run_firewall: args.run_firewall,
         router,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

@@ -55,6 +55,10 @@ pub struct MetricsState {
     pub checkpoint_age_at_start: Option<f64>,
     /// controller name -> last heartbeat.
     pub heartbeats: BTreeMap<&'static str, Instant>,
+    /// `pol_stats` counters, summed over CPUs.
+    pub policy_packets: Vec<(&'static str, u64)>,
+    pub policy_conntrack_entries: u64,
+    pub policy_sync_seconds: Option<f64>,
     /// The BGP speaker, if it runs; its status is read fresh on every scrape.
     pub bgp: Option<crate::bgp::speaker::Speaker>,
 }
@@ -217,6 +221,33 @@ impl Metrics {
                 "Checkpoints that could not be written or read.",
             );
             let _ = writeln!(out, "kube_router_checkpoint_errors_total {}", m.checkpoint_errors);
+            if !m.policy_packets.is_empty() {
+                family(
+                    &mut out,
+                    "kube_router_policy_packets_total",
+                    "counter",
+                    "NetworkPolicy datapath verdicts and passes (pol_stats), summed over CPUs.",
+                );
+                for (name, n) in &m.policy_packets {
+                    let _ = writeln!(out, "kube_router_policy_packets_total{{result=\"{name}\"}} {n}");
+                }
+                family(
+                    &mut out,
+                    "kube_router_policy_conntrack_entries",
+                    "gauge",
+                    "Entries in pol_ct_v4 after the last GC.",
+                );
+                let _ = writeln!(out, "kube_router_policy_conntrack_entries {}", m.policy_conntrack_entries);
+            }
+            if let Some(seconds) = m.policy_sync_seconds {
+                family(
+                    &mut out,
+                    "kube_router_policy_sync_seconds",
+                    "gauge",
+                    "Duration of the last policy compile and sync.",
+                );
+                let _ = writeln!(out, "kube_router_policy_sync_seconds {seconds}");
+            }
             if let Some(bgp) = &m.bgp {
                 render_bgp(&mut out, &bgp.status());
             }

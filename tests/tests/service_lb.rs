@@ -100,10 +100,12 @@ fn restart_reuses_pinned_state_and_traffic_flows_without_the_agent() {
     let topo = &env.topo;
     assert_all_ok(&topo.request("tcp", &format!("{VIP}:80"), 10).unwrap());
 
-    // lb_stats keeps counting (IPv6 neighbour discovery and the like); every other map must not move.
+    // lb_stats and pol_stats keep counting (IPv6 neighbour discovery and the like); every other
+    // map must not move.
     let dump = || {
         let mut d = dump_maps(&topo.bpf_root()).unwrap();
         d.remove("lb_stats");
+        d.remove("pol_stats");
         d
     };
     let before = dump_maps(&topo.bpf_root()).unwrap();
@@ -127,7 +129,8 @@ fn restart_reuses_pinned_state_and_traffic_flows_without_the_agent() {
         assert_eq!(log_field(&line, field), Some(0), "restart with unchanged state wrote maps: {line}");
     }
     let adopted = agent.log.lock().unwrap().iter().filter(|l| l.contains("ingress=Adopted egress=Adopted")).count();
-    assert_eq!(adopted, 4, "every interface's links re-adopted, none re-created");
+    // Four interfaces, each with the load balancer's and the network policy's pair of links.
+    assert_eq!(adopted, 8, "every interface's links re-adopted, none re-created");
     assert_eq!(service_maps(&before), service_maps(&dump()));
     assert_all_ok(&topo.request("tcp", &format!("{VIP}:80"), 10).unwrap());
     assert!(agent.is_running());

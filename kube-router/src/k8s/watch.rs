@@ -211,6 +211,15 @@ impl ClusterObjects {
         self.services.synced() && self.endpoint_slices.synced()
     }
 
+    /// Every kind has been listed completely since start: the checkpoint is a whole picture.
+    pub fn all_synced(&self) -> bool {
+        self.synced()
+            && self.pods.synced()
+            && self.namespaces.synced()
+            && self.nodes.synced()
+            && self.network_policies.synced()
+    }
+
     pub fn state(&self) -> StateBuilder {
         let mut builder = StateBuilder::default();
         for service in self.services.objects() {

@@ -287,4 +287,75 @@ impl MapFlattener {
         self.slot_ids.release_unused(&used_slots);
         entries
     }
+
+    /// Flattens `model` re-using the ids of `programmed` (what a previous agent left in the
+    /// maps) wherever a peer set or rule list has the same content, so a restarted agent
+    /// writes only real differences. Content without a match gets ids unused by `programmed`,
+    /// so nothing a pod still points at is overwritten before its new entry is in place.
+    pub fn adopt(&mut self, model: &CompiledModel, programmed: &MapEntries) -> MapEntries {
+        let fresh = self.flatten(model);
+        let contents = |entries: &MapEntries| {
+            let mut by_id: BTreeMap<u32, BTreeSet<(IpNet, PrefixVerdict)>> = BTreeMap::new();
+            for (key, verdict) in &entries.peer_prefixes {
+                by_id.entry(key.peer_set.0).or_default().insert((key.prefix, *verdict));
+            }
+            by_id
+        };
+        let old_sets = contents(programmed);
+        let new_sets = contents(&fresh);
+        let mut taken: BTreeSet<u32> = old_sets.keys().copied().collect();
+        taken.extend(programmed.slot_rules.keys().map(|k| k.slot.0));
+        let mut next = taken.iter().max().copied().unwrap_or(0).max(self.peer_set_ids.next).max(self.slot_ids.next) + 1;
+        let mut fresh_id = || {
+            let id = next;
+            next += 1;
+            id
+        };
+        let mut peer_remap = BTreeMap::new();
+        let mut claimed = BTreeSet::new();
+        for (id, content) in &new_sets {
+            let old = old_sets.iter().find(|(old, c)| *c == content && !claimed.contains(*old)).map(|(o, _)| *o);
+            let target = old.unwrap_or_else(&mut fresh_id);
+            claimed.insert(target);
+            peer_remap.insert(*id, target);
+        }
+        let rule_lists = |entries: &MapEntries, remap: &BTreeMap<u32, u32>| {
+            let mut by_slot: BTreeMap<u32, Vec<SlotRuleValue>> = BTreeMap::new();
+            for (key, value) in &entries.slot_rules {
+                let mut value = value.clone();
+                value.peer_set = PeerSetId(remap.get(&value.peer_set.0).copied().unwrap_or(value.peer_set.0));
+                by_slot.entry(key.slot.0).or_default().push(value);
+            }
+            by_slot
+        };
+        let old_slots = rule_lists(programmed, &BTreeMap::new());
+        let new_slots = rule_lists(&fresh, &peer_remap);
+        let mut slot_remap = BTreeMap::new();
+        let mut claimed = BTreeSet::new();
+        for (id, rules) in &new_slots {
+            let old = old_slots.iter().find(|(old, r)| *r == rules && !claimed.contains(*old)).map(|(o, _)| *o);
+            let target = old.unwrap_or_else(&mut fresh_id);
+            claimed.insert(target);
+            slot_remap.insert(*id, target);
+        }
+        for id in self.peer_set_ids.ids.values_mut() {
+            *id = peer_remap.get(id).copied().unwrap_or(*id);
+        }
+        // Rule lists are keyed by their content, which names peer sets: rename those too.
+        let slot_ids = std::mem::take(&mut self.slot_ids.ids);
+        self.slot_ids.ids = slot_ids
+            .into_iter()
+            .map(|(mut rules, id)| {
+                for rule in &mut rules {
+                    rule.peer_set = PeerSetId(peer_remap.get(&rule.peer_set.0).copied().unwrap_or(rule.peer_set.0));
+                }
+                (rules, slot_remap.get(&id).copied().unwrap_or(id))
+            })
+            .collect();
+        self.peer_set_ids.free.clear();
+        self.slot_ids.free.clear();
+        self.peer_set_ids.next = next;
+        self.slot_ids.next = next;
+        self.flatten(model)
+    }
 }

@@ -5,6 +5,8 @@
 //!   krt-netprobe hold ADDR INTERVAL_MS      one TCP connection, a request every INTERVAL_MS, prints each reply, forever
 //!   krt-netprobe probe ADDR INTERVAL_MS     a new TCP connection every INTERVAL_MS, prints each reply (or ERR ...), forever
 //!   krt-netprobe http ADDR PATH             one HTTP/1.0 GET; prints the status code, then the body
+//!   krt-netprobe matrix TIMEOUT_MS PROTO:ADDR...  one attempt per target, all at once; prints
+//!                                           "PROTO:ADDR OK NAME" or "PROTO:ADDR ERR ..." per target, in order
 use std::{
     io::{BufRead, BufReader, Write},
     net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
@@ -50,6 +52,34 @@ fn tcp_once(addr: SocketAddr) -> Result<String, String> {
         return Err("closed".into());
     }
     Ok(line.trim().to_string())
+}
+
+/// One TCP connection (or UDP exchange) to "tcp:ADDR" / "udp:ADDR" within `timeout`.
+fn probe_once(target: &str, timeout: Duration) -> Result<String, String> {
+    let (proto, addr) = target.split_once(':').ok_or("target is PROTO:ADDR")?;
+    let addr: SocketAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
+    match proto {
+        "tcp" => {
+            let stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| format!("connect: {e}"))?;
+            stream.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
+            (&stream).write_all(b"hello\n").map_err(|e| format!("write: {e}"))?;
+            let mut line = String::new();
+            BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("read: {e}"))?;
+            if line.is_empty() {
+                return Err("closed".into());
+            }
+            Ok(line.trim().to_string())
+        }
+        "udp" => {
+            let socket = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+            socket.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
+            socket.send_to(b"hello\n", addr).map_err(|e| format!("send: {e}"))?;
+            let mut buf = [0u8; 1500];
+            let (n, _) = socket.recv_from(&mut buf).map_err(|e| format!("recv: {e}"))?;
+            Ok(String::from_utf8_lossy(&buf[..n]).trim().to_string())
+        }
+        other => Err(format!("unknown protocol {other}")),
+    }
 }
 
 fn udp_once(addr: SocketAddr) -> Result<String, String> {
@@ -128,6 +158,21 @@ fn main() {
             Ok((status, body)) => println!("{status}\n{body}"),
             Err(e) => println!("ERR {e}"),
         },
+        "matrix" => {
+            let timeout = Duration::from_millis(arg(1).parse().expect("timeout"));
+            let targets: Vec<String> = std::env::args().skip(3).collect();
+            let handles: Vec<_> = targets
+                .iter()
+                .cloned()
+                .map(|target| std::thread::spawn(move || probe_once(&target, timeout)))
+                .collect();
+            for (target, handle) in targets.iter().zip(handles) {
+                match handle.join().expect("probe thread") {
+                    Ok(name) => println!("{target} OK {name}"),
+                    Err(e) => println!("{target} ERR {e}"),
+                }
+            }
+        }
         "hold" => hold(arg(1).parse().expect("addr"), Duration::from_millis(arg(2).parse().expect("interval"))),
         other => panic!("unknown command {other}"),
     }

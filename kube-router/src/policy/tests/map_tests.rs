@@ -109,3 +109,43 @@ fn released_ids_are_not_reused_in_the_same_flatten() {
     let third = flattener.flatten(&cluster.compile(&[c]).model);
     assert_eq!(id_of(&third), id_of(&first), "recycled one generation later");
 }
+
+#[test]
+fn a_restarted_flattener_adopts_the_programmed_ids_and_writes_nothing() {
+    let cluster = Cluster::xyz();
+    let p =
+        |cidr: &str| policy("x", "p", json!({"podSelector": {}, "ingress": [{"from": [{"ipBlock": {"cidr": cidr}}]}]}));
+    let from_y = policy(
+        "x",
+        "q",
+        json!({"podSelector": {"matchLabels": {"pod": "a"}}, "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"ns": "y"}}}]}]}),
+    );
+    // A long-running agent: churn moves its ids away from what a fresh flattener would pick.
+    let mut live = MapFlattener::new();
+    live.flatten(&cluster.compile(&[p("1.0.0.0/8"), from_y.clone()]).model);
+    live.flatten(&cluster.compile(&[p("1.0.0.0/8"), p("3.0.0.0/8"), from_y.clone()]).model);
+    let model = cluster.compile(&[p("3.0.0.0/8"), from_y.clone()]).model;
+    let programmed = live.flatten(&model);
+    assert_ne!(
+        MapFlattener::new().flatten(&model),
+        programmed,
+        "the churn must have moved ids for this test to mean anything"
+    );
+
+    let mut restarted = MapFlattener::new();
+    let adopted = restarted.adopt(&model, &programmed);
+    assert!(programmed.diff(&adopted).is_empty(), "{:?}", programmed.diff(&adopted));
+    // And it keeps them: the next change touches only what changed.
+    let changed = restarted.flatten(&cluster.compile(&[p("4.0.0.0/8"), from_y]).model);
+    assert!(adopted
+        .peer_prefixes
+        .keys()
+        .filter(|k| k.prefix.to_string() != "3.0.0.0/8")
+        .all(|k| changed.peer_prefixes.contains_key(k)));
+
+    // Content the maps do not have gets ids the maps do not use.
+    let mut other = MapFlattener::new();
+    let unrelated = other.adopt(&cluster.compile(&[p("5.0.0.0/8")]).model, &programmed);
+    let old_ids: std::collections::BTreeSet<_> = programmed.peer_prefixes.keys().map(|k| k.peer_set).collect();
+    assert!(unrelated.peer_prefixes.keys().all(|k| !old_ids.contains(&k.peer_set)));
+}

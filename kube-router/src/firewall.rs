@@ -1,0 +1,156 @@
+//! NetworkPolicy enforcement: compiles Pods, Namespaces and NetworkPolicies into the pinned
+//! policy maps and keeps them there.
+//!
+//! Only pods on this node get `pol_pods_v4` entries (their veths are where the programs judge);
+//! peer sets stay cluster-wide. Like the service maps, the policy maps are written with
+//! differences only, and before the first complete listing of all three kinds nothing is
+//! deleted. A policy the compiler rejects (bad CIDR, bad port) is skipped with an error and
+//! leaves every other policy as it is.
+use std::{
+    collections::{BTreeSet, HashSet},
+    net::IpAddr,
+    path::Path,
+    time::Instant,
+};
+
+use anyhow::{Context, Result};
+use k8s_openapi::api::{
+    core::v1::{Namespace, Pod},
+    networking::v1::NetworkPolicy,
+};
+use kube_router_common::MAX_RULES_PER_POD;
+
+use crate::{
+    bpf::policy_maps::{apply_diff, decode, BpfPolicyMaps, PolicyMaps},
+    metrics::Metrics,
+    policy::{
+        bpf_maps::{MapEntries, MapFlattener},
+        compile, CompileOptions,
+    },
+};
+
+pub struct FirewallController {
+    maps: BpfPolicyMaps,
+    flattener: MapFlattener,
+    /// What the maps hold, as far as we know.
+    programmed: MapEntries,
+    node_name: String,
+    metrics: Metrics,
+    /// Rejected policies already reported, so one that stays broken is logged once.
+    reported: BTreeSet<String>,
+    adopted: bool,
+}
+
+impl FirewallController {
+    /// Opens the pinned policy maps and reads what a previous agent left in them.
+    pub fn start(pin_dir: &Path, node_name: &str, metrics: Metrics) -> Result<Self> {
+        let maps = BpfPolicyMaps::open_pinned(pin_dir)?;
+        let contents = maps.read_all().map_err(|e| anyhow::anyhow!("{}: {}", e.map, e.message))?;
+        let programmed = decode(&contents).context("decoding the programmed policy maps")?;
+        tracing::info!(
+            pod_entries = programmed.pod_slots.len(),
+            rules = programmed.slot_rules.len(),
+            peer_prefixes = programmed.peer_prefixes.len(),
+            "adopted programmed network policy"
+        );
+        Ok(Self {
+            maps,
+            flattener: MapFlattener::new(),
+            programmed,
+            node_name: node_name.to_string(),
+            metrics,
+            reported: BTreeSet::new(),
+            adopted: false,
+        })
+    }
+
+    /// Compiles the objects and writes the differences. `complete`: every kind has been listed
+    /// completely since start, so entries that are no longer wanted may go. Returns failed writes.
+    pub fn apply<'a>(
+        &mut self,
+        pods: impl Iterator<Item = &'a Pod>,
+        namespaces: impl Iterator<Item = &'a Namespace>,
+        policies: impl Iterator<Item = &'a NetworkPolicy>,
+        complete: bool,
+    ) -> u64 {
+        let started = Instant::now();
+        let pods: Vec<Pod> = pods.cloned().collect();
+        let namespaces: Vec<Namespace> = namespaces.cloned().collect();
+        let policies: Vec<NetworkPolicy> = policies.cloned().collect();
+        let options = CompileOptions { max_rules_per_pod: MAX_RULES_PER_POD as usize };
+        let mut output = compile(&pods, &namespaces, &policies, &options);
+        let mut broken = BTreeSet::new();
+        for error in &output.policy_errors {
+            let id = format!("{}/{}", error.namespace, error.name);
+            if !self.reported.contains(&id) {
+                tracing::error!(policy = %id, error = %error.kind, "NetworkPolicy rejected; other policies unaffected");
+                self.metrics.with(|m| *m.rejected_objects.entry("NetworkPolicy").or_default() += 1);
+            }
+            broken.insert(id);
+        }
+        self.reported = broken;
+        for error in &output.rule_limit_errors {
+            tracing::warn!(?error, "pod over the rule limit: denied in that direction (fail closed)");
+        }
+        let local: HashSet<IpAddr> = pods
+            .iter()
+            .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(self.node_name.as_str()))
+            .flat_map(|p| p.status.iter().flat_map(|s| s.pod_ips.iter().flatten().map(|i| i.ip.clone())))
+            .filter_map(|ip| ip.parse().ok())
+            .collect();
+        output.model.pods.retain(|ip, _| local.contains(ip));
+        // The first time, take over the ids a previous agent left, so a restart writes nothing.
+        let wanted = if self.adopted {
+            self.flattener.flatten(&output.model)
+        } else {
+            self.adopted = true;
+            self.flattener.adopt(&output.model, &self.programmed)
+        };
+        let mut diff = self.programmed.diff(&wanted);
+        if !complete {
+            diff.pod_slots.deletes.clear();
+            diff.slot_rules.deletes.clear();
+            diff.peer_prefixes.deletes.clear();
+        }
+        let report = apply_diff(&mut self.maps, &diff);
+        // Re-read rather than assume: a failed write leaves the old entry, and the next sync
+        // must see the real difference.
+        self.programmed = match self.maps.read_all().ok().and_then(|c| decode(&c).ok()) {
+            Some(entries) => entries,
+            None if report.errors == 0 && complete => wanted,
+            None => self.programmed.clone(),
+        };
+        tracing::info!(
+            writes = report.puts,
+            deletes = report.deletes,
+            errors = report.errors,
+            full = report.full,
+            complete,
+            local_pods = local.len(),
+            policies = policies.len(),
+            rejected = output.policy_errors.len(),
+            "policy sync complete"
+        );
+        self.metrics.with(|m| {
+            use kube_router_common::map_names as n;
+            for (map, op, count) in [
+                (n::POLICY_PODS, "write", report.puts),
+                (n::POLICY_PODS, "delete", report.deletes),
+                (n::POLICY_PODS, "error", report.errors),
+                (n::POLICY_PODS, "full", report.full),
+            ] {
+                if count > 0 {
+                    // One series per operation for all three policy maps: the writer reports
+                    // them together.
+                    *m.map_writes.entry((map, op)).or_default() += count;
+                }
+            }
+            m.map_entries.insert(n::POLICY_PODS, self.programmed.pod_slots.len() as u64);
+            m.map_entries.insert(n::POLICY_RULES, self.programmed.slot_rules.len() as u64);
+            m.map_entries.insert(n::POLICY_PEERS, self.programmed.peer_prefixes.len() as u64);
+            m.policy_sync_seconds = Some(started.elapsed().as_secs_f64());
+        });
+        self.metrics.heartbeat("firewall");
+        report.errors
+    }
+}
