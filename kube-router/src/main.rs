@@ -136,6 +136,10 @@ enum Command {
     Stats,
     /// Show BGP neighbors and routes of the running agent (asks its health port).
     Bgp,
+    /// Show NetworkPolicy verdict counters and what the policy maps hold.
+    Policy,
+    /// Show the age and contents of the checkpoint in --state-dir.
+    Checkpoint,
     /// Remove every pinned map and link (uninstall). Traffic to services stops.
     Cleanup,
 }
@@ -170,6 +174,50 @@ fn parse_restart_time(text: &str) -> Result<Duration, String> {
         return Err(format!("{text}: the graceful restart time field holds at most 4095s (RFC 4724)"));
     }
     Ok(d)
+}
+
+fn show_policy(cli: &Cli) -> Result<()> {
+    use kube_router::bpf::policy_maps::{decode, read_policy_stats, BpfPolicyMaps, PolicyMaps};
+    use kube_router_common::pol_stat;
+    for (name, n) in pol_stat::NAMES.iter().zip(read_policy_stats(&cli.bpf_root)?) {
+        println!("{name} {n}");
+    }
+    let maps = BpfPolicyMaps::open_pinned(&cli.bpf_root)?;
+    let contents = maps.read_all().map_err(|e| anyhow::anyhow!("{}: {}", e.map, e.message))?;
+    let entries = decode(&contents)?;
+    for (key, value) in &entries.pod_slots {
+        println!(
+            "pod {} {:?}: {} rule(s) in slot {}{}",
+            key.pod_ip,
+            key.direction,
+            value.rule_count,
+            value.slot.0,
+            if value.rule_count == 0 { " (default deny)" } else { "" }
+        );
+    }
+    println!(
+        "{} isolated pod directions, {} rules, {} peer prefixes",
+        entries.pod_slots.len(),
+        entries.slot_rules.len(),
+        entries.peer_prefixes.len()
+    );
+    Ok(())
+}
+
+fn show_checkpoint(cli: &Cli) -> Result<()> {
+    let saved = kube_router::k8s::checkpoint::read(&cli.run.state_dir)?;
+    let age = kube_router::metrics::unix_now() - saved.written_unix;
+    println!("checkpoint in {}: written {:.0} s ago", cli.run.state_dir.display(), age);
+    println!(
+        "services {}  endpointslices {}  pods {}  namespaces {}  nodes {}  networkpolicies {}",
+        saved.services.len(),
+        saved.endpoint_slices.len(),
+        saved.pods.len(),
+        saved.namespaces.len(),
+        saved.nodes.len(),
+        saved.network_policies.len()
+    );
+    Ok(())
 }
 
 fn show_bgp(cli: &Cli) -> Result<()> {
@@ -247,6 +295,8 @@ fn main() -> ExitCode {
             Ok(())
         }),
         Command::Bgp => show_bgp(&cli),
+        Command::Policy => show_policy(&cli),
+        Command::Checkpoint => show_checkpoint(&cli),
         Command::Stats => read_lb_stats(&cli.bpf_root).map(|stats| {
             for (name, n) in lb_stat::NAMES.iter().zip(stats) {
                 println!("{name} {n}");

@@ -13,6 +13,12 @@ fn bad_flag_values_exit_2_with_a_message_naming_the_flag() {
         (&["--nodeport-addresses", "10.0.0.300"][..], "--nodeport-addresses"),
         (&["--no-such-flag"][..], "--no-such-flag"),
         (&["--service-file", "x.yaml", "--kubeconfig", "k"][..], "cannot be used with"),
+        (&["--cluster-asn", "0"][..], "--cluster-asn"),
+        (&["--bgp-holdtime", "2s"][..], "hold time"),
+        (&["--bgp-graceful-restart-time", "5000s"][..], "4095"),
+        (&["--bgp-graceful-restart", "maybe"][..], "--bgp-graceful-restart"),
+        (&["--pod-cidrs", "10.0.0.0/33"][..], "--pod-cidrs"),
+        (&["--peer-router-ips", "10.0.0.1,10.0.0.2", "--peer-router-asns", "65000"][..], "asns"),
     ] {
         let out = kube_router(args);
         assert_eq!(out.status.code(), Some(2), "{args:?}");
@@ -35,6 +41,17 @@ fn help_lists_the_commands_and_the_familiar_flags() {
         "--hostname-override",
         "--metrics-port",
         "--health-port",
+        "--run-router",
+        "--run-firewall",
+        "--run-service-proxy",
+        "--cluster-asn",
+        "--peer-router-ips",
+        "--peer-router-asns",
+        "--bgp-graceful-restart",
+        "--bgp-graceful-restart-time",
+        "bgp",
+        "policy",
+        "checkpoint",
         "KUBE_ROUTER_",
     ] {
         assert!(help.contains(word), "help lacks {word}:\n{help}");
@@ -50,4 +67,14 @@ fn inspecting_a_node_without_state_is_a_clear_error() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+#[test]
+fn a_missing_checkpoint_and_an_absent_agent_are_clear_errors() {
+    let out = kube_router(&["--state-dir", "/tmp/krt-cli-no-state", "checkpoint"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("checkpoint"), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = kube_router(&["--health-port", "1", "bgp"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach the agent"));
 }
