@@ -359,6 +359,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     // (or their checkpoint), as soon as they are known.
     let mut router_dirty = api_source.as_ref().is_some_and(|api| api.restored_from_checkpoint);
     let mut policy_dirty = router_dirty;
+    let advertise_services = config.router.as_ref().is_some_and(|r| r.advertise.any());
     let mut policy_retry_at: Option<Instant> = None;
     let mut checkpoint_due = false;
     let mut last_checkpoint = Instant::now() - Duration::from_secs(60);
@@ -409,7 +410,8 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     }
                 }
                 checkpoint_due |= !matches!(update, WatchUpdate::Error { .. } | WatchUpdate::Probe { .. });
-                router_dirty |= matches!(update, WatchUpdate::Nodes(_));
+                router_dirty |= matches!(update, WatchUpdate::Nodes(_))
+                    || (advertise_services && matches!(update, WatchUpdate::Services(_)));
                 policy_dirty |= matches!(update, WatchUpdate::Pods(_) | WatchUpdate::Namespaces(_) | WatchUpdate::NetworkPolicies(_));
                 api.dirty |= api.objects.apply(update);
             }
@@ -457,7 +459,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     // list failed; the store keeps the last complete one through an outage.
                     if router_dirty && (api.objects.nodes.synced() || api.restored_from_checkpoint) {
                         router_dirty = false;
-                        router.update_from_nodes(api.objects.nodes.objects()).await;
+                        router.update_from_nodes(api.objects.nodes.objects(), api.objects.services.objects()).await;
                     }
                 }
                 if last_housekeeping.elapsed() < Duration::from_secs(1) {

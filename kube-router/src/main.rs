@@ -11,7 +11,7 @@ use kube_router::{
         service_maps::{read_lb_stats, Conntrack},
     },
     k8s::watch::ApiOptions,
-    router::RouterOptions,
+    router::{AdvertiseServices, RouterOptions},
     services::compile::Limits,
 };
 use kube_router_common::{lb_stat, DEFAULT_PIN_DIR};
@@ -116,6 +116,15 @@ struct RunArgs {
     /// After a start, the longest wait for peers' End-of-RIB before stale kernel routes go.
     #[arg(long, env = "KUBE_ROUTER_BGP_GRACEFUL_RESTART_DEFERRAL_TIME", default_value = "360s", value_parser = parse_duration)]
     bgp_graceful_restart_deferral_time: Duration,
+    /// Advertise every Service's ClusterIP(s) over BGP as host routes.
+    #[arg(long, env = "KUBE_ROUTER_ADVERTISE_CLUSTER_IP", default_value_t = false, action = clap::ArgAction::Set)]
+    advertise_cluster_ip: bool,
+    /// Advertise every Service's externalIPs over BGP as host routes.
+    #[arg(long, env = "KUBE_ROUTER_ADVERTISE_EXTERNAL_IP", default_value_t = false, action = clap::ArgAction::Set)]
+    advertise_external_ip: bool,
+    /// Advertise every Service's LoadBalancer ingress IPs over BGP as host routes.
+    #[arg(long, env = "KUBE_ROUTER_ADVERTISE_LOADBALANCER_IP", default_value_t = false, action = clap::ArgAction::Set)]
+    advertise_loadbalancer_ip: bool,
     /// Routing protocol number on the kernel routes we install (`ip route show proto N`).
     #[arg(long, env = "KUBE_ROUTER_ROUTE_PROTOCOL", default_value_t = kube_router::fib::DEFAULT_ROUTE_PROTOCOL)]
     route_protocol: u8,
@@ -340,6 +349,11 @@ fn run(cli: &Cli) -> Result<()> {
         route_protocol: args.route_protocol,
         route_table: 254,
         state_dir: args.state_dir.clone(),
+        advertise: AdvertiseServices {
+            cluster_ip: args.advertise_cluster_ip,
+            external_ip: args.advertise_external_ip,
+            load_balancer_ip: args.advertise_loadbalancer_ip,
+        },
     });
     let config = AgentConfig {
         pin_dir: cli.bpf_root.clone(),

@@ -13,7 +13,7 @@ use std::{
 
 use anyhow::{Context, Result};
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Service};
 
 use crate::{
     bgp::{
@@ -44,6 +44,57 @@ pub struct RouterOptions {
     pub route_protocol: u8,
     pub route_table: u32,
     pub state_dir: PathBuf,
+    pub advertise: AdvertiseServices,
+}
+
+/// Which Service addresses every node advertises as host routes (kube-router's
+/// `--advertise-cluster-ip`, `--advertise-external-ip`, `--advertise-loadbalancer-ip`). A
+/// Service can override each with the annotation `kube-router.io/service.advertise.<kind>`
+/// set to "true" or "false".
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AdvertiseServices {
+    pub cluster_ip: bool,
+    pub external_ip: bool,
+    pub load_balancer_ip: bool,
+}
+
+impl AdvertiseServices {
+    pub fn any(&self) -> bool {
+        self.cluster_ip || self.external_ip || self.load_balancer_ip
+    }
+}
+
+/// Host prefixes (/32, /128) of the Service addresses to advertise, sorted, without duplicates.
+/// Headless Services (clusterIP None) and unparsable addresses contribute nothing.
+pub fn service_prefixes<'a>(services: impl Iterator<Item = &'a Service>, advertise: AdvertiseServices) -> Vec<IpNet> {
+    let mut out = std::collections::BTreeSet::new();
+    for service in services {
+        let annotations = service.metadata.annotations.as_ref();
+        let wants = |kind: &str, default: bool| {
+            let key = format!("kube-router.io/service.advertise.{kind}");
+            match annotations.and_then(|a| a.get(&key)).map(String::as_str) {
+                Some("true") => true,
+                Some("false") => false,
+                _ => default,
+            }
+        };
+        let spec = service.spec.as_ref();
+        let mut addresses: Vec<&String> = Vec::new();
+        if wants("clusterip", advertise.cluster_ip) {
+            addresses.extend(spec.and_then(|s| s.cluster_ips.as_ref()).into_iter().flatten());
+            addresses.extend(spec.and_then(|s| s.cluster_ip.as_ref()));
+        }
+        if wants("externalip", advertise.external_ip) {
+            addresses.extend(spec.and_then(|s| s.external_ips.as_ref()).into_iter().flatten());
+        }
+        if wants("loadbalancerip", advertise.load_balancer_ip) {
+            let ingress =
+                service.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
+            addresses.extend(ingress.into_iter().flatten().filter_map(|i| i.ip.as_ref()));
+        }
+        out.extend(addresses.into_iter().filter_map(|a| a.parse::<IpAddr>().ok()).map(IpNet::from));
+    }
+    out.into_iter().collect()
 }
 
 pub struct RouterController {
@@ -100,8 +151,13 @@ impl RouterController {
 
     /// Re-derives the configuration from the Node objects we know. A problem (this node not
     /// found yet, a broken annotation on it) is logged once and changes nothing.
-    pub async fn update_from_nodes<'a>(&mut self, nodes: impl Iterator<Item = &'a Node>) {
+    pub async fn update_from_nodes<'a>(
+        &mut self,
+        nodes: impl Iterator<Item = &'a Node>,
+        services: impl Iterator<Item = &'a Service>,
+    ) {
         let nodes: Vec<Node> = nodes.cloned().collect();
+        let service_prefixes = service_prefixes(services, self.options.advertise);
         match node_bgp_config(&nodes, &self.settings()) {
             Ok(mut config) => {
                 self.last_problem = None;
@@ -114,6 +170,7 @@ impl RouterController {
                 if let Some(cidrs) = &self.options.pod_cidrs {
                     config.pod_cidrs = cidrs.clone();
                 }
+                config.pod_cidrs.extend(service_prefixes);
                 self.apply(config).await;
             }
             Err(e) => {
@@ -256,4 +313,44 @@ pub fn render_status(status: Option<&SpeakerStatus>) -> String {
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn service(value: serde_json::Value) -> Service {
+        serde_json::from_value(value).unwrap()
+    }
+
+    #[test]
+    fn service_addresses_follow_the_flags_and_the_per_service_annotations() {
+        let services = [
+            service(serde_json::json!({"metadata": {"name": "web"},
+                "spec": {"clusterIP": "10.96.0.10", "clusterIPs": ["10.96.0.10", "fd00:96::10"], "externalIPs": ["192.0.2.7"]},
+                "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.1"}, {"hostname": "lb.example"}]}}})),
+            service(serde_json::json!({"metadata": {"name": "headless"}, "spec": {"clusterIP": "None"}})),
+            service(serde_json::json!({"metadata": {"name": "private",
+                    "annotations": {"kube-router.io/service.advertise.clusterip": "false"}},
+                "spec": {"clusterIP": "10.96.0.20"}})),
+            service(serde_json::json!({"metadata": {"name": "opt-in",
+                    "annotations": {"kube-router.io/service.advertise.externalip": "true"}},
+                "spec": {"clusterIP": "10.96.0.30", "externalIPs": ["192.0.2.30"]}})),
+        ];
+        let text = |v: Vec<IpNet>| v.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        assert!(
+            service_prefixes(services.iter(), AdvertiseServices::default())
+                == vec!["192.0.2.30/32".parse::<IpNet>().unwrap()]
+        );
+        let cluster = AdvertiseServices { cluster_ip: true, ..Default::default() };
+        assert_eq!(
+            text(service_prefixes(services.iter(), cluster)),
+            ["10.96.0.10/32", "10.96.0.30/32", "192.0.2.30/32", "fd00:96::10/128"]
+        );
+        let all = AdvertiseServices { cluster_ip: true, external_ip: true, load_balancer_ip: true };
+        assert_eq!(
+            text(service_prefixes(services.iter(), all)),
+            ["10.96.0.10/32", "10.96.0.30/32", "192.0.2.7/32", "192.0.2.30/32", "198.51.100.1/32", "fd00:96::10/128"]
+        );
+    }
 }

@@ -154,7 +154,12 @@ trait PeerDaemon {
     fn established(&self, lab: &Lab) -> Result<bool>;
 }
 
-struct GoBgp;
+/// GoBGP, optionally requiring a TCP MD5 password on both sessions.
+struct GoBgp {
+    password: Option<&'static str>,
+}
+
+const GOBGP: GoBgp = GoBgp { password: None };
 
 impl GoBgp {
     fn cli(lab: &Lab, args: &[&str]) -> Result<String> {
@@ -166,13 +171,14 @@ impl GoBgp {
 
 impl PeerDaemon for GoBgp {
     fn start(&self, lab: &mut Lab) {
+        let auth = self.password.map(|p| format!("\n    auth-password = \"{p}\"")).unwrap_or_default();
         let neighbor = |addr: &str, family: &str| {
             format!(
                 r#"
 [[neighbors]]
   [neighbors.config]
     neighbor-address = "{addr}"
-    peer-as = {NODE_ASN}
+    peer-as = {NODE_ASN}{auth}
   [neighbors.timers.config]
     connect-retry = 1
     hold-time = 9
@@ -381,7 +387,7 @@ fn interop(prefix: &str, daemon: &dyn PeerDaemon) {
 
 #[test]
 fn gobgp_session_exchanges_ipv4_and_ipv6_routes() {
-    interop("krt-bgp-gobgp", &GoBgp);
+    interop("krt-bgp-gobgp", &GOBGP);
 }
 
 #[test]
@@ -400,13 +406,13 @@ fn frr_session_exchanges_ipv4_and_ipv6_routes() {
 #[test]
 fn graceful_restart_across_an_agent_crash_keeps_routes_everywhere() {
     let mut lab = Lab::new("krt-bgp-gr");
-    GoBgp.start(&mut lab);
+    GOBGP.start(&mut lab);
     let agent = lab.start_agent(&[]);
-    assert_routes_exchanged(&lab, &GoBgp);
+    assert_routes_exchanged(&lab, &GOBGP);
 
     agent.kill();
     thread::sleep(Duration::from_secs(3));
-    let rib = GoBgp.rib(&lab).unwrap();
+    let rib = GOBGP.rib(&lab).unwrap();
     assert!(rib.contains(POD_CIDR_V4), "GoBGP dropped our route while we were away:\n{rib}");
     let routes = lab.kernel_routes();
     assert!(routes.contains("10.100.0.0/24") && routes.contains("10.101.0.0/24"), "{routes}");
@@ -428,7 +434,7 @@ fn graceful_restart_across_an_agent_crash_keeps_routes_everywhere() {
     assert!(!lab.kernel_routes().contains("10.101.0.0/24"), "withdrawn route never removed");
     assert!(samples > 1, "the withdrawn route went before the session was back");
     agent.wait_for_log("initial routing picture complete", 1, Duration::from_secs(30)).unwrap();
-    assert!(GoBgp.rib(&lab).unwrap().contains(POD_CIDR_V4));
+    assert!(GOBGP.rib(&lab).unwrap().contains(POD_CIDR_V4));
     assert!(lab.kernel_routes().contains("fd00:100::/64"));
 }
 
@@ -437,19 +443,19 @@ fn graceful_restart_across_an_agent_crash_keeps_routes_everywhere() {
 #[test]
 fn sigterm_keeps_peer_routes_only_with_graceful_restart() {
     let mut lab = Lab::new("krt-bgp-term");
-    GoBgp.start(&mut lab);
+    GOBGP.start(&mut lab);
     let agent = lab.start_agent(&[]);
-    assert_routes_exchanged(&lab, &GoBgp);
+    assert_routes_exchanged(&lab, &GOBGP);
     agent.stop().unwrap();
     thread::sleep(Duration::from_secs(2));
-    assert!(GoBgp.rib(&lab).unwrap().contains(POD_CIDR_V4), "graceful stop must leave our routes with the peer");
+    assert!(GOBGP.rib(&lab).unwrap().contains(POD_CIDR_V4), "graceful stop must leave our routes with the peer");
     assert!(lab.kernel_routes().contains("10.100.0.0/24"), "graceful stop must leave kernel routes");
 
     let agent = lab.start_agent(&["--bgp-graceful-restart=false"]);
-    assert_routes_exchanged(&lab, &GoBgp);
+    assert_routes_exchanged(&lab, &GOBGP);
     agent.stop().unwrap();
     wait_until("GoBGP to withdraw our routes after the Cease", Duration::from_secs(10), || {
-        Ok(!GoBgp.rib(&lab)?.contains(POD_CIDR_V4))
+        Ok(!GOBGP.rib(&lab)?.contains(POD_CIDR_V4))
     })
     .unwrap();
     assert!(lab.kernel_routes().contains("10.100.0.0/24"), "kernel routes stay even then");
@@ -584,7 +590,7 @@ fn a_misbehaving_peer_is_isolated_and_reported() {
     use raw_peer::*;
     let mut lab = Lab::new("krt-bgp-bad");
     lab.peer.run(&["ip", "addr", "add", "10.77.0.3/24", "dev", "eth0"]).unwrap();
-    GoBgp.start(&mut lab);
+    GOBGP.start(&mut lab);
     let runtime = kube_router_tests::NetnsRuntime::new(&lab.peer).unwrap();
     let mut args = lab.agent_args(&[]);
     for (flag, value) in
@@ -601,7 +607,7 @@ fn a_misbehaving_peer_is_isolated_and_reported() {
     });
     let mut agent = Agent::start(&lab.node, &PathBuf::from("/sys/fs/bpf/krt-bgp-unused"), &refs).unwrap();
     let (peer, runtime) = accept.join().unwrap();
-    assert_routes_exchanged(&lab, &GoBgp);
+    assert_routes_exchanged(&lab, &GOBGP);
     let send = |bytes: Vec<u8>| {
         let writer = peer.sender();
         runtime.run(async move { writer.lock().await.write_all(&bytes).await.unwrap() });
@@ -678,4 +684,28 @@ fn a_misbehaving_peer_is_isolated_and_reported() {
     assert!(metric(&scrape, "kube_router_bgp_notifications_sent_total{peer=\"10.77.0.3\"}") >= 1.0);
     drop(peer);
     agent.stop().unwrap();
+}
+
+/// TCP MD5 (RFC 2385): with the right password the sessions come up; with a wrong one the
+/// kernel drops every segment, so nothing is ever established.
+#[test]
+fn tcp_md5_passwords_protect_the_sessions() {
+    let daemon = GoBgp { password: Some("s3cret-Pa55") };
+    let mut lab = Lab::new("krt-bgp-md5");
+    daemon.start(&mut lab);
+    // base64("s3cret-Pa55"), as kube-router's --peer-router-passwords takes it.
+    let good = "czNjcmV0LVBhNTU=";
+    let agent = lab.start_agent(&["--peer-router-passwords", &format!("{good},{good}")]);
+    assert_routes_exchanged(&lab, &daemon);
+    agent.kill();
+
+    let _ = GoBgp::cli(&lab, &["neighbor", NODE_V4, "reset"]);
+    let wrong = "d3Jvbmc="; // "wrong"
+    let agent =
+        lab.start_agent(&["--peer-router-passwords", &format!("{wrong},{wrong}"), "--bgp-graceful-restart=false"]);
+    thread::sleep(Duration::from_secs(8));
+    let neighbors = GoBgp::cli(&lab, &["neighbor"]).unwrap();
+    assert!(!neighbors.contains("Establ"), "a wrong MD5 password must not establish:\n{neighbors}");
+    assert!(lab.agent_bgp().lines().all(|l| !l.contains("Established")), "{}", lab.agent_bgp());
+    agent.kill();
 }
