@@ -26,7 +26,7 @@ use crate::{
     firewall::FirewallController,
     k8s::{
         checkpoint,
-        watch::{self, ApiOptions, ClusterObjects, WatchUpdate},
+        watch::{self, ApiOptions, ClusterObjects, Kind, WatchUpdate},
     },
     metrics::{self, Metrics},
     netif,
@@ -393,8 +393,9 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                 let api = api_source.as_mut().expect("updates come from the API source");
                 match &update {
                     WatchUpdate::Error { resource, message } => {
+                        // Reachability is the probe's to say: a 500 is an answer, a timeout is not.
                         tracing::warn!(resource, error = %message, "API watch failed; retrying with backoff, datapath unchanged");
-                        metrics.with(|m| { m.api_reachable = false; m.api_errors += 1; });
+                        metrics.with(|m| m.api_errors += 1);
                     }
                     WatchUpdate::Probe { reachable: false, message } => {
                         if metrics.with(|m| std::mem::replace(&mut m.api_reachable, false)) {
@@ -409,11 +410,14 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                         metrics.with(|m| m.last_api_contact_unix = Some(metrics::unix_now()));
                     }
                 }
-                checkpoint_due |= !matches!(update, WatchUpdate::Error { .. } | WatchUpdate::Probe { .. });
-                router_dirty |= matches!(update, WatchUpdate::Nodes(_))
-                    || (advertise_services && matches!(update, WatchUpdate::Services(_)));
-                policy_dirty |= matches!(update, WatchUpdate::Pods(_) | WatchUpdate::Namespaces(_) | WatchUpdate::NetworkPolicies(_));
-                api.dirty |= api.objects.apply(update);
+                // Only a real change of a kind wakes its controller (a relist that starts and
+                // fails, or brings back the same objects, changes nothing).
+                if let Some(kind) = api.objects.apply_kind(update) {
+                    checkpoint_due = true;
+                    api.dirty |= matches!(kind, Kind::Services | Kind::EndpointSlices);
+                    router_dirty |= kind == Kind::Nodes || (advertise_services && kind == Kind::Services);
+                    policy_dirty |= matches!(kind, Kind::Pods | Kind::Namespaces | Kind::NetworkPolicies);
+                }
             }
             _ = tick.tick() => {
                 if let Some(api) = api_source.as_mut() {

@@ -125,7 +125,8 @@ impl FirewallController {
             deletes = report.deletes,
             errors = report.errors,
             full = report.full,
-            complete,
+            // Not "complete": "complete=true" is what tests and operators grep for service syncs.
+            full_listing = complete,
             local_pods = local.len(),
             policies = policies.len(),
             rejected = output.policy_errors.len(),

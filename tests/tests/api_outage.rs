@@ -209,7 +209,8 @@ fn killed_during_an_outage_the_agent_restarts_from_its_checkpoint() {
     for field in ["inserts", "updates", "deletes", "errors"] {
         assert_eq!(log_field(&line, field), Some(0), "restore rewrote maps: {line}");
     }
-    assert_eq!(agent.log.lock().unwrap().iter().filter(|l| l.contains("ingress=Adopted egress=Adopted")).count(), 4);
+    // Four interfaces, each with the load balancer's and the network policy's pair of links.
+    assert_eq!(agent.log.lock().unwrap().iter().filter(|l| l.contains("ingress=Adopted egress=Adopted")).count(), 8);
     thread::sleep(Duration::from_secs(3));
     assert_eq!(env.agent_maps(), maps_before);
     assert!(agent.is_running());

@@ -167,6 +167,17 @@ fn spawn_one<K>(
     });
 }
 
+/// The watched kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Services,
+    EndpointSlices,
+    Pods,
+    Namespaces,
+    Nodes,
+    NetworkPolicies,
+}
+
 /// Every watched object, as last seen. Pods, Namespaces, Nodes and NetworkPolicies are kept
 /// (and checkpointed) for the policy and BGP controllers; the service proxy reads the first two.
 #[derive(Default)]
@@ -180,29 +191,24 @@ pub struct ClusterObjects {
 }
 
 impl ClusterObjects {
-    /// Applies a watcher update; returns whether the service proxy's desired state may have changed.
+    /// Applies a watcher update; returns whether the service proxy's desired state may have
+    /// changed. [`Self::apply_kind`] says which kind changed.
     pub fn apply(&mut self, update: WatchUpdate) -> bool {
-        match update {
-            WatchUpdate::Services(event) => self.services.apply(event),
-            WatchUpdate::EndpointSlices(event) => self.endpoint_slices.apply(event),
-            WatchUpdate::Pods(event) => {
-                self.pods.apply(event);
-                false
-            }
-            WatchUpdate::Namespaces(event) => {
-                self.namespaces.apply(event);
-                false
-            }
-            WatchUpdate::Nodes(event) => {
-                self.nodes.apply(event);
-                false
-            }
-            WatchUpdate::NetworkPolicies(event) => {
-                self.network_policies.apply(event);
-                false
-            }
-            WatchUpdate::Error { .. } | WatchUpdate::Probe { .. } => false,
-        }
+        self.apply_kind(update).is_some_and(|kind| matches!(kind, Kind::Services | Kind::EndpointSlices))
+    }
+
+    /// Applies a watcher update; returns the kind whose visible contents changed, if any.
+    pub fn apply_kind(&mut self, update: WatchUpdate) -> Option<Kind> {
+        let (kind, changed) = match update {
+            WatchUpdate::Services(event) => (Kind::Services, self.services.apply(event)),
+            WatchUpdate::EndpointSlices(event) => (Kind::EndpointSlices, self.endpoint_slices.apply(event)),
+            WatchUpdate::Pods(event) => (Kind::Pods, self.pods.apply(event)),
+            WatchUpdate::Namespaces(event) => (Kind::Namespaces, self.namespaces.apply(event)),
+            WatchUpdate::Nodes(event) => (Kind::Nodes, self.nodes.apply(event)),
+            WatchUpdate::NetworkPolicies(event) => (Kind::NetworkPolicies, self.network_policies.apply(event)),
+            WatchUpdate::Error { .. } | WatchUpdate::Probe { .. } => return None,
+        };
+        changed.then_some(kind)
     }
 
     /// Services and EndpointSlices have been listed completely since start: deletions of

@@ -43,8 +43,12 @@ fn serve(name: String, port: u16) -> ! {
 }
 
 fn tcp_once(addr: SocketAddr) -> Result<String, String> {
-    let stream = TcpStream::connect_timeout(&addr, TIMEOUT).map_err(|e| format!("connect: {e}"))?;
-    stream.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
+    tcp_exchange(addr, TIMEOUT)
+}
+
+fn tcp_exchange(addr: SocketAddr, timeout: Duration) -> Result<String, String> {
+    let stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| format!("connect: {e}"))?;
+    stream.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
     (&stream).write_all(b"hello\n").map_err(|e| format!("write: {e}"))?;
     let mut line = String::new();
     BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("read: {e}"))?;
@@ -59,32 +63,19 @@ fn probe_once(target: &str, timeout: Duration) -> Result<String, String> {
     let (proto, addr) = target.split_once(':').ok_or("target is PROTO:ADDR")?;
     let addr: SocketAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
     match proto {
-        "tcp" => {
-            let stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| format!("connect: {e}"))?;
-            stream.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
-            (&stream).write_all(b"hello\n").map_err(|e| format!("write: {e}"))?;
-            let mut line = String::new();
-            BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("read: {e}"))?;
-            if line.is_empty() {
-                return Err("closed".into());
-            }
-            Ok(line.trim().to_string())
-        }
-        "udp" => {
-            let socket = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
-            socket.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
-            socket.send_to(b"hello\n", addr).map_err(|e| format!("send: {e}"))?;
-            let mut buf = [0u8; 1500];
-            let (n, _) = socket.recv_from(&mut buf).map_err(|e| format!("recv: {e}"))?;
-            Ok(String::from_utf8_lossy(&buf[..n]).trim().to_string())
-        }
+        "tcp" => tcp_exchange(addr, timeout),
+        "udp" => udp_exchange(addr, timeout),
         other => Err(format!("unknown protocol {other}")),
     }
 }
 
 fn udp_once(addr: SocketAddr) -> Result<String, String> {
+    udp_exchange(addr, TIMEOUT)
+}
+
+fn udp_exchange(addr: SocketAddr, timeout: Duration) -> Result<String, String> {
     let socket = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
-    socket.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
+    socket.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
     socket.send_to(b"hello\n", addr).map_err(|e| format!("send: {e}"))?;
     let mut buf = [0u8; 1500];
     let (n, from) = socket.recv_from(&mut buf).map_err(|e| format!("recv: {e}"))?;
