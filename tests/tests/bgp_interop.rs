@@ -152,6 +152,8 @@ trait PeerDaemon {
     /// The peer's RIB as its own CLI prints it (both families).
     fn rib(&self, lab: &Lab) -> Result<String>;
     fn established(&self, lab: &Lab) -> Result<bool>;
+    /// Stops announcing 10.101.0.0/24.
+    fn withdraw_second_prefix(&self, lab: &Lab);
 }
 
 /// GoBGP, optionally requiring a TCP MD5 password on both sessions.
@@ -220,6 +222,10 @@ impl PeerDaemon for GoBgp {
         let out = GoBgp::cli(lab, &["neighbor"])?;
         Ok(out.lines().filter(|l| l.contains("Establ")).count() == 2)
     }
+
+    fn withdraw_second_prefix(&self, lab: &Lab) {
+        GoBgp::cli(lab, &["global", "rib", "del", "10.101.0.0/24", "-a", "ipv4"]).unwrap();
+    }
 }
 
 struct Bird;
@@ -239,7 +245,8 @@ impl PeerDaemon for Bird {
             r#"
 router id {PEER_V4};
 protocol device {{ }}
-protocol static s4 {{ ipv4; route 10.100.0.0/24 blackhole; route 10.101.0.0/24 blackhole; }}
+protocol static s4 {{ ipv4; route 10.100.0.0/24 blackhole; }}
+protocol static s4b {{ ipv4; route 10.101.0.0/24 blackhole; }}
 protocol static s6 {{ ipv6; route fd00:100::/64 blackhole; }}
 template bgp kr {{
   local as {PEER_ASN};
@@ -273,6 +280,10 @@ protocol bgp node6 from kr {{
     fn established(&self, lab: &Lab) -> Result<bool> {
         let out = Bird::cli(lab, "show protocols")?;
         Ok(out.lines().filter(|l| l.contains("node") && l.contains("Established")).count() == 2)
+    }
+
+    fn withdraw_second_prefix(&self, lab: &Lab) {
+        Bird::cli(lab, "disable s4b").unwrap();
     }
 }
 
@@ -347,6 +358,26 @@ router bgp {PEER_ASN}
         let v6 = Frr::cli(lab, &format!("show bgp neighbors {NODE_V6}"))?;
         Ok(v4.contains("BGP state = Established") && v6.contains("BGP state = Established"))
     }
+
+    fn withdraw_second_prefix(&self, lab: &Lab) {
+        lab.peer
+            .run(&[
+                "vtysh",
+                "--vty_socket",
+                &Frr::vty_dir(lab),
+                "-d",
+                "bgpd",
+                "-c",
+                "configure terminal",
+                "-c",
+                &format!("router bgp {PEER_ASN}"),
+                "-c",
+                "address-family ipv4 unicast",
+                "-c",
+                "no network 10.101.0.0/24",
+            ])
+            .unwrap();
+    }
 }
 
 /// Both sessions up, our pod CIDRs in the peer's RIB (its own CLI), its prefixes in our
@@ -400,47 +431,117 @@ fn frr_session_exchanges_ipv4_and_ipv6_routes() {
     interop("krt-bgp-frr", &Frr);
 }
 
-/// kill -9 the agent: GoBGP keeps our routes (stale, graceful restart helper), our kernel
-/// routes stay. A prefix withdrawn while we are away disappears from the kernel only after
-/// the restarted agent has the peer's End-of-RIB; the others never leave the kernel.
-#[test]
-fn graceful_restart_across_an_agent_crash_keeps_routes_everywhere() {
-    let mut lab = Lab::new("krt-bgp-gr");
-    GOBGP.start(&mut lab);
+/// kill -9 the agent: the peer keeps our routes (stale, graceful restart helper) and never
+/// withdraws them, our kernel routes stay and traffic to the peer's prefix keeps flowing. A
+/// prefix withdrawn while we are away disappears from the kernel only after the restarted
+/// agent has the peer's End-of-RIB; the others never leave the kernel.
+fn graceful_restart_across_an_agent_crash(prefix: &str, daemon: &dyn PeerDaemon) {
+    let mut lab = Lab::new(prefix);
+    // An address inside the peer's prefix: pinging it uses the BGP-learned route.
+    lab.peer.run(&["ip", "addr", "add", "10.100.0.1/32", "dev", "lo"]).unwrap();
+    daemon.start(&mut lab);
     let agent = lab.start_agent(&[]);
-    assert_routes_exchanged(&lab, &GOBGP);
+    assert_routes_exchanged(&lab, daemon);
+    let ping = || lab.node.run(&["ping", "-c1", "-W1", "-q", "10.100.0.1"]).is_ok();
+    assert!(ping(), "traffic over the learned route");
 
     agent.kill();
-    thread::sleep(Duration::from_secs(3));
-    let rib = GOBGP.rib(&lab).unwrap();
-    assert!(rib.contains(POD_CIDR_V4), "GoBGP dropped our route while we were away:\n{rib}");
+    let down = Instant::now();
+    while down.elapsed() < Duration::from_secs(3) {
+        let rib = daemon.rib(&lab).unwrap();
+        assert!(rib.contains(POD_CIDR_V4), "the peer dropped our route while we were away:\n{rib}");
+        assert!(ping(), "traffic stopped while the agent was down");
+    }
     let routes = lab.kernel_routes();
     assert!(routes.contains("10.100.0.0/24") && routes.contains("10.101.0.0/24"), "{routes}");
 
-    GoBgp::cli(&lab, &["global", "rib", "del", "10.101.0.0/24", "-a", "ipv4"]).unwrap();
+    daemon.withdraw_second_prefix(&lab);
     let mut agent = lab.start_agent(&[]);
     agent.wait_for_log("BGP graceful restart: restarting", 1, Duration::from_secs(30)).unwrap();
     let started = Instant::now();
-    let mut samples = 0;
     while started.elapsed() < Duration::from_secs(40) {
         let routes = lab.kernel_routes();
         assert!(routes.contains("10.100.0.0/24"), "a route still announced left the kernel:\n{routes}");
-        samples += 1;
+        let rib = daemon.rib(&lab).unwrap();
+        assert!(rib.contains(POD_CIDR_V4), "the peer withdrew our route during the restart:\n{rib}");
         if !routes.contains("10.101.0.0/24") {
             break;
         }
         thread::sleep(Duration::from_millis(100));
     }
     assert!(!lab.kernel_routes().contains("10.101.0.0/24"), "withdrawn route never removed");
-    assert!(samples >= 1);
     agent.wait_for_log("initial routing picture complete", 1, Duration::from_secs(30)).unwrap();
     // The kernel was not touched before the peer's End-of-RIB completed the picture.
     let log = agent.log.lock().unwrap().clone();
     let complete = log.iter().position(|l| l.contains("initial routing picture complete")).unwrap();
     let first_write = log.iter().position(|l| l.contains("updating kernel routes"));
     assert!(first_write.is_none_or(|w| w > complete), "kernel routes written before End-of-RIB:\n{}", log.join("\n"));
-    assert!(GOBGP.rib(&lab).unwrap().contains(POD_CIDR_V4));
+    assert!(daemon.rib(&lab).unwrap().contains(POD_CIDR_V4));
     assert!(lab.kernel_routes().contains("fd00:100::/64"));
+    assert!(ping());
+}
+
+#[test]
+fn graceful_restart_across_an_agent_crash_with_gobgp() {
+    graceful_restart_across_an_agent_crash("krt-bgp-gr", &GOBGP);
+}
+
+#[test]
+fn graceful_restart_across_an_agent_crash_with_bird() {
+    graceful_restart_across_an_agent_crash("krt-bgp-grb", &Bird);
+}
+
+#[test]
+fn graceful_restart_across_an_agent_crash_with_frr() {
+    graceful_restart_across_an_agent_crash("krt-bgp-grf", &Frr);
+}
+
+/// The other role: GoBGP is killed and restarted with its restart flag; we keep its routes
+/// (stale) in the RIB and the kernel meanwhile, and the refreshed routes replace them without
+/// a withdrawal.
+#[test]
+fn we_keep_a_restarting_peers_routes_as_stale_until_it_refreshes_them() {
+    let mut lab = Lab::new("krt-bgp-help");
+    lab.peer.run(&["ip", "addr", "add", "10.100.0.1/32", "dev", "lo"]).unwrap();
+    GOBGP.start(&mut lab);
+    let mut agent = lab.start_agent(&[]);
+    assert_routes_exchanged(&lab, &GOBGP);
+    let stale = |bgp: &str| -> u64 {
+        bgp.lines()
+            .filter(|l| l.starts_with(PEER_V4))
+            .filter_map(|l| l.split_whitespace().nth(5)?.parse::<u64>().ok())
+            .sum()
+    };
+
+    let mut gobgpd = lab.daemon.take().unwrap();
+    let _ = gobgpd.kill();
+    let _ = gobgpd.wait();
+    wait_until("the agent to mark GoBGP's routes stale", Duration::from_secs(15), || Ok(stale(&lab.agent_bgp()) == 2))
+        .unwrap_or_else(|e| panic!("{e}\n{}", lab.agent_bgp()));
+    agent.wait_for_log("keeping the peer's routes as stale", 1, Duration::from_secs(5)).unwrap();
+    let routes = lab.kernel_routes();
+    assert!(routes.contains("10.100.0.0/24") && routes.contains("10.101.0.0/24"), "{routes}");
+    assert!(lab.node.run(&["ping", "-c1", "-W1", "-q", "10.100.0.1"]).is_ok(), "traffic while the peer is away");
+
+    // Back, as a restarting speaker (R-bit), announcing the same prefixes again.
+    let config = lab.dir.join("gobgpd.toml");
+    lab.spawn_daemon(&["gobgpd", "-f", config.to_str().unwrap(), "--disable-stdlog", "-l", "info", "-r"]);
+    wait_until("gobgpd's API", Duration::from_secs(20), || Ok(GoBgp::cli(&lab, &["global"]).is_ok())).unwrap();
+    for (prefix, family) in [("10.100.0.0/24", "ipv4"), ("10.101.0.0/24", "ipv4"), ("fd00:100::/64", "ipv6")] {
+        GoBgp::cli(&lab, &["global", "rib", "add", prefix, "-a", family]).unwrap();
+    }
+    let started = Instant::now();
+    loop {
+        let routes = lab.kernel_routes();
+        assert!(routes.contains("10.100.0.0/24") && routes.contains("10.101.0.0/24"), "route withdrawn: {routes}");
+        let bgp = lab.agent_bgp();
+        if stale(&bgp) == 0 && bgp.lines().any(|l| l.starts_with(PEER_V4) && l.contains("Established")) {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "stale routes never refreshed:\n{bgp}");
+        thread::sleep(Duration::from_millis(200));
+    }
+    agent.stop().unwrap();
 }
 
 /// SIGTERM with graceful restart sends no Cease: GoBGP keeps our routes as stale. Without
