@@ -7,7 +7,7 @@
 //! deleted. A policy the compiler rejects (bad CIDR, bad port) is skipped with an error and
 //! leaves every other policy as it is.
 use std::{
-    collections::{BTreeSet, HashSet},
+    collections::{BTreeMap, BTreeSet, HashSet},
     net::IpAddr,
     path::Path,
     time::Instant,
@@ -25,7 +25,7 @@ use crate::{
     metrics::Metrics,
     policy::{
         bpf_maps::{MapEntries, MapFlattener},
-        compile, CompileOptions,
+        CompileOptions, PolicyCompiler,
     },
 };
 
@@ -39,6 +39,38 @@ pub struct FirewallController {
     /// Rejected policies already reported, so one that stays broken is logged once.
     reported: BTreeSet<String>,
     adopted: bool,
+    /// Incremental compiler, fed only the objects that changed since the last sync: one pod's
+    /// label change recompiles what depends on it, not the cluster.
+    compiler: Option<PolicyCompiler>,
+    seen: Seen,
+}
+
+/// The objects the compiler was last fed, by key.
+#[derive(Default)]
+struct Seen {
+    pods: BTreeMap<(String, String), Pod>,
+    namespaces: BTreeMap<String, Namespace>,
+    policies: BTreeMap<(String, String), NetworkPolicy>,
+}
+
+fn values<Id, K: Clone>(map: &BTreeMap<Id, K>) -> Vec<K> {
+    map.values().cloned().collect()
+}
+
+fn namespaced_key<K: kube::Resource>(object: &K) -> (String, String) {
+    let meta = object.meta();
+    (meta.namespace.clone().unwrap_or_default(), meta.name.clone().unwrap_or_default())
+}
+
+/// What differs between `seen` and `now` (objects to upsert, ids to delete); `seen` becomes `now`.
+fn changes<K: Clone + PartialEq, Id: Ord + Clone>(
+    seen: &mut BTreeMap<Id, K>,
+    now: BTreeMap<Id, K>,
+) -> (Vec<K>, Vec<Id>) {
+    let upserts = now.iter().filter(|(id, object)| seen.get(*id) != Some(*object)).map(|(_, o)| o.clone()).collect();
+    let deletes = seen.keys().filter(|id| !now.contains_key(*id)).cloned().collect();
+    *seen = now;
+    (upserts, deletes)
 }
 
 impl FirewallController {
@@ -61,6 +93,8 @@ impl FirewallController {
             metrics,
             reported: BTreeSet::new(),
             adopted: false,
+            compiler: None,
+            seen: Seen::default(),
         })
     }
 
@@ -74,13 +108,46 @@ impl FirewallController {
         complete: bool,
     ) -> u64 {
         let started = Instant::now();
-        let pods: Vec<Pod> = pods.cloned().collect();
-        let namespaces: Vec<Namespace> = namespaces.cloned().collect();
-        let policies: Vec<NetworkPolicy> = policies.cloned().collect();
-        let options = CompileOptions { max_rules_per_pod: MAX_RULES_PER_POD as usize };
-        let mut output = compile(&pods, &namespaces, &policies, &options);
+        let pods: BTreeMap<(String, String), Pod> = pods.map(|p| (namespaced_key(p), p.clone())).collect();
+        let namespaces: BTreeMap<String, Namespace> =
+            namespaces.map(|n| (n.metadata.name.clone().unwrap_or_default(), n.clone())).collect();
+        let policies: BTreeMap<(String, String), NetworkPolicy> =
+            policies.map(|p| (namespaced_key(p), p.clone())).collect();
+        let local: HashSet<IpAddr> = pods
+            .values()
+            .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(self.node_name.as_str()))
+            .flat_map(|p| p.status.iter().flat_map(|s| s.pod_ips.iter().flatten().map(|i| i.ip.clone())))
+            .filter_map(|ip| ip.parse().ok())
+            .collect();
+        let policy_count = policies.len();
+        let compiler = match self.compiler.as_mut() {
+            Some(compiler) => {
+                // Namespaces first: pods and policies resolve against their labels.
+                let (upserts, deletes) = changes(&mut self.seen.namespaces, namespaces);
+                upserts.iter().for_each(|n| drop(compiler.upsert_namespace(n)));
+                deletes.iter().for_each(|name| drop(compiler.delete_namespace(name)));
+                let (upserts, deletes) = changes(&mut self.seen.pods, pods);
+                upserts.iter().for_each(|p| drop(compiler.upsert_pod(p)));
+                deletes.iter().for_each(|(ns, name)| drop(compiler.delete_pod(ns, name)));
+                let (upserts, deletes) = changes(&mut self.seen.policies, policies);
+                upserts.iter().for_each(|p| drop(compiler.upsert_policy(p)));
+                deletes.iter().for_each(|(ns, name)| drop(compiler.delete_policy(ns, name)));
+                compiler
+            }
+            None => {
+                let options = CompileOptions { max_rules_per_pod: MAX_RULES_PER_POD as usize };
+                let compiler =
+                    PolicyCompiler::from_snapshot(&values(&pods), &values(&namespaces), &values(&policies), options);
+                self.seen = Seen { pods, namespaces, policies };
+                self.compiler.insert(compiler)
+            }
+        };
+        let policy_errors = compiler.policy_errors();
+        let rule_limit_errors = compiler.rule_limit_errors();
+        let mut model = compiler.model().clone();
+        model.pods.retain(|ip, _| local.contains(ip));
         let mut broken = BTreeSet::new();
-        for error in &output.policy_errors {
+        for error in &policy_errors {
             let id = format!("{}/{}", error.namespace, error.name);
             if !self.reported.contains(&id) {
                 tracing::error!(policy = %id, error = %error.kind, "NetworkPolicy rejected; other policies unaffected");
@@ -89,22 +156,15 @@ impl FirewallController {
             broken.insert(id);
         }
         self.reported = broken;
-        for error in &output.rule_limit_errors {
+        for error in &rule_limit_errors {
             tracing::warn!(?error, "pod over the rule limit: denied in that direction (fail closed)");
         }
-        let local: HashSet<IpAddr> = pods
-            .iter()
-            .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(self.node_name.as_str()))
-            .flat_map(|p| p.status.iter().flat_map(|s| s.pod_ips.iter().flatten().map(|i| i.ip.clone())))
-            .filter_map(|ip| ip.parse().ok())
-            .collect();
-        output.model.pods.retain(|ip, _| local.contains(ip));
         // The first time, take over the ids a previous agent left, so a restart writes nothing.
         let wanted = if self.adopted {
-            self.flattener.flatten(&output.model)
+            self.flattener.flatten(&model)
         } else {
             self.adopted = true;
-            self.flattener.adopt(&output.model, &self.programmed)
+            self.flattener.adopt(&model, &self.programmed)
         };
         let mut diff = self.programmed.diff(&wanted);
         if !complete {
@@ -128,8 +188,8 @@ impl FirewallController {
             // Not "complete": "complete=true" is what tests and operators grep for service syncs.
             full_listing = complete,
             local_pods = local.len(),
-            policies = policies.len(),
-            rejected = output.policy_errors.len(),
+            policies = policy_count,
+            rejected = policy_errors.len(),
             "policy sync complete"
         );
         self.metrics.with(|m| {
