@@ -1238,4 +1238,56 @@ mod tests {
             let _ = WireCodec::new().decode(&mut buf);
         }
     }
+
+    #[test]
+    fn mutated_updates_always_decode_to_a_defined_outcome() {
+        // Start from real UPDATEs (IPv4 NLRI and MP_REACH IPv6) and corrupt them the ways a
+        // broken peer would: flipped bytes, wrong inner lengths, truncated attributes. Every
+        // complete frame must yield an outcome (message, treat-as-withdraw or NOTIFICATION),
+        // never a panic and never a silent stall.
+        let v4 = Message::Update(Update {
+            withdrawn: vec!["10.9.0.0/16".parse().unwrap()],
+            announced: vec![("10.1.0.0/24".parse().unwrap(), NextHop::V4(Ipv4Addr::new(192, 0, 2, 1)))],
+            attributes: sample_attrs(),
+        });
+        let v6 = Message::Update(Update {
+            withdrawn: vec![],
+            announced: vec![(
+                "2001:db8:1::/48".parse().unwrap(),
+                NextHop::V6 { global: "2001:db8::1".parse().unwrap(), link_local: None },
+            )],
+            attributes: sample_attrs(),
+        });
+        let mut seed: u32 = 0x9e37_79b9;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            seed
+        };
+        let mut outcomes = [0usize; 3];
+        for original in [v4, v6] {
+            let mut wire = BytesMut::new();
+            WireCodec::new().encode(&original, &mut wire).unwrap();
+            for _ in 0..3000 {
+                let mut frame = wire.clone();
+                for _ in 0..=(next() % 3) {
+                    // Only the body: a broken marker or length is covered elsewhere.
+                    let at = HEADER_LEN + (next() as usize % (frame.len() - HEADER_LEN));
+                    frame[at] = next() as u8;
+                }
+                match WireCodec::new().decode(&mut frame) {
+                    Some(DecodeOutcome::Message(_)) => outcomes[0] += 1,
+                    Some(DecodeOutcome::TreatAsWithdraw { .. }) => outcomes[1] += 1,
+                    Some(DecodeOutcome::Notify(n)) => {
+                        assert!((1..=6).contains(&n.code), "{n:?}");
+                        outcomes[2] += 1
+                    }
+                    other => panic!("a complete frame must decode to an outcome, got {other:?}"),
+                }
+            }
+        }
+        // The corruption really exercised the error paths.
+        assert!(outcomes.iter().all(|n| *n > 0), "{outcomes:?}");
+    }
 }
