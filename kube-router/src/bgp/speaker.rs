@@ -357,7 +357,13 @@ struct Core {
     config: SpeakerConfig,
     rib: Rib,
     helper: GracefulRestartHelper,
+    /// Gates our advertisements after a restart (RFC 4724 §4.1): until every GR peer has sent
+    /// End-of-RIB, except peers that are restarting themselves (they wait for ours).
     restart: RestartingSpeaker,
+    /// Gates kernel route deletions: until every GR peer has sent End-of-RIB, restarting or
+    /// not, so a route is never removed just because its peer has not re-sent it yet.
+    fib_gate: RestartingSpeaker,
+    fib_deadline: Option<Instant>,
     /// We came back from a restart: hold our advertisements until the deferral completes.
     restarting: bool,
     peers: BTreeMap<IpAddr, Peer>,
@@ -390,13 +396,17 @@ impl Core {
         let deferral = gr.as_ref().map_or(Duration::from_secs(120), |g| g.selection_deferral);
         let previously_installed: Vec<Prefix> =
             installed.keys().filter_map(|net| Prefix::new(net.addr(), net.prefix_len()).ok()).collect();
-        let (restart, out) =
-            RestartingSpeaker::start(previously_installed, initial_peers.iter().map(|p| p.address), deferral, &rib);
+        let peers = || initial_peers.iter().map(|p| p.address);
+        let (restart, out) = RestartingSpeaker::start(previously_installed.clone(), peers(), deferral, &rib);
+        // Its own timer below; the shared SelectionDeferral timer belongs to `restart`.
+        let (fib_gate, fib_out) = RestartingSpeaker::start(previously_installed, peers(), deferral, &rib);
         let mut core = Self {
             config,
             rib,
             helper: GracefulRestartHelper::new(stale_path_time),
             restart,
+            fib_gate,
+            fib_deadline: Some(Instant::now() + deferral),
             restarting,
             peers: BTreeMap::new(),
             prefixes: BTreeSet::new(),
@@ -415,6 +425,7 @@ impl Core {
             info!("BGP graceful restart: restarting with forwarding state preserved (R-bit set)");
         }
         core.restart_output(out);
+        core.fib_gate_output(fib_out);
         core
     }
 
@@ -452,6 +463,7 @@ impl Core {
             .values()
             .flat_map(|p| p.timers.values())
             .chain(self.gr_timers.values())
+            .chain(self.fib_deadline.iter())
             .copied()
             .min()
             .unwrap_or(far)
@@ -478,6 +490,11 @@ impl Core {
                 warn!(peer = %addr, "BGP hold timer expired");
             }
             self.step(addr, event);
+        }
+        if self.fib_deadline.is_some_and(|at| at <= now) {
+            self.fib_deadline = None;
+            let out = self.fib_gate.on_deferral_timer_expired(&self.rib);
+            self.fib_gate_output(out);
         }
         let expired: Vec<GrTimer> = self.gr_timers.iter().filter(|(_, at)| **at <= now).map(|(t, _)| *t).collect();
         for timer in expired {
@@ -716,6 +733,8 @@ impl Core {
                 self.rib_changed(out.rib_changes);
                 let out = self.restart.on_end_of_rib(&self.rib, peer, family);
                 self.restart_output(out);
+                let out = self.fib_gate.on_end_of_rib(&self.rib, peer, family);
+                self.fib_gate_output(out);
             }
             Output::RouteRefreshRequested(_, _) => {
                 // Re-send everything we advertise (RFC 2918); the End-of-RIB markers that come
@@ -774,6 +793,7 @@ impl Core {
         let out = self.helper.on_session_established(&mut self.rib, peer, &negotiated);
         self.gr_timers_apply(out.timers);
         self.rib_changed(out.rib_changes);
+        let fib_out = self.fib_gate.on_session_established(&self.rib, peer, &negotiated);
         let mut restart = self.restart.on_session_established(&self.rib, peer, &negotiated);
         if negotiated.peer_graceful_restart.as_ref().is_some_and(|gr| gr.restart_state) {
             // A peer that is itself restarting waits for *our* End-of-RIB first (RFC 4724
@@ -792,6 +812,7 @@ impl Core {
             self.send_all(peer, messages);
         }
         self.restart_output(restart);
+        self.fib_gate_output(fib_out);
         self.write_marker();
     }
 
@@ -811,9 +832,9 @@ impl Core {
         self.rib_changed(out.rib_changes);
     }
 
-    fn restart_output(&mut self, out: RestartOutput) {
-        self.gr_timers_apply(out.timers);
+    fn fib_gate_output(&mut self, out: RestartOutput) {
         let Some(completion) = out.completion else { return };
+        self.fib_deadline = None;
         info!(
             gone = completion.gone_routes.len(),
             timed_out = completion.timed_out,
@@ -821,6 +842,14 @@ impl Core {
         );
         self.fib_allow_deletes = true;
         self.fib_dirty = true;
+    }
+
+    fn restart_output(&mut self, out: RestartOutput) {
+        self.gr_timers_apply(out.timers);
+        let Some(completion) = out.completion else { return };
+        if self.restarting {
+            info!(timed_out = completion.timed_out, "graceful restart: peers' End-of-RIB received, advertising");
+        }
         let was_deferring = self.restarting;
         self.restarting = false;
         let established: Vec<IpAddr> =
@@ -898,6 +927,8 @@ impl Core {
             self.rib_changed(changes);
             let out = self.restart.remove_peer(&self.rib, addr);
             self.restart_output(out);
+            let out = self.fib_gate.remove_peer(&self.rib, addr);
+            self.fib_gate_output(out);
         }
         for (addr, config) in wanted {
             if self.peers.contains_key(&addr) {
@@ -933,6 +964,7 @@ impl Core {
     /// Adds a peer to those whose End-of-RIB the first complete routing picture waits for.
     fn restart_wait_for(&mut self, peer: IpAddr) {
         self.restart.add_peer(peer);
+        self.fib_gate.add_peer(peer);
     }
 
     fn set_prefixes(&mut self, prefixes: Vec<Prefix>) {
@@ -1057,7 +1089,7 @@ impl Core {
             local_asn: self.config.local_asn,
             router_id: Some(self.config.router_id),
             restarting: self.restarting,
-            deferring: self.restart.is_deferring(),
+            deferring: self.restart.is_deferring() || self.fib_gate.is_deferring(),
             peers,
             loc_rib,
             loc_rib_size: self.rib.loc_rib().len(),
