@@ -149,7 +149,8 @@ enum Command {
     Policy,
     /// Show the age and contents of the checkpoint in --state-dir.
     Checkpoint,
-    /// Remove every pinned map and link (uninstall). Traffic to services stops.
+    /// Uninstall: remove every pinned map and link, the kernel routes of our protocol and the
+    /// graceful-restart marker. Traffic to services and across nodes stops.
     Cleanup,
 }
 
@@ -183,6 +184,27 @@ fn parse_restart_time(text: &str) -> Result<Duration, String> {
         return Err(format!("{text}: the graceful restart time field holds at most 4095s (RFC 4724)"));
     }
     Ok(d)
+}
+
+/// Uninstall: pinned programs, links and maps, our kernel routes and the graceful-restart marker.
+fn cleanup(cli: &Cli) -> Result<()> {
+    let removed = datapath::remove_all(&cli.bpf_root)?;
+    println!("removed {removed} pinned objects from {}", cli.bpf_root.display());
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let routes = runtime.block_on(async {
+        let fib = kube_router::fib::netlink::NetlinkRoutes::connect(cli.run.route_protocol, 254)?;
+        let installed = fib.list().await?;
+        for destination in installed.keys() {
+            fib.apply(kube_router::fib::RouteOp::Delete(*destination)).await?;
+        }
+        anyhow::Ok(installed.len())
+    })?;
+    println!("removed {routes} kernel routes with protocol {}", cli.run.route_protocol);
+    let marker = cli.run.state_dir.join("bgp-graceful-restart");
+    if std::fs::remove_file(&marker).is_ok() {
+        println!("removed {}", marker.display());
+    }
+    Ok(())
 }
 
 fn show_policy(cli: &Cli) -> Result<()> {
@@ -311,8 +333,7 @@ fn main() -> ExitCode {
                 println!("{name} {n}");
             }
         }),
-        Command::Cleanup => datapath::remove_all(&cli.bpf_root)
-            .map(|n| println!("removed {n} pinned objects from {}", cli.bpf_root.display())),
+        Command::Cleanup => cleanup(&cli),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

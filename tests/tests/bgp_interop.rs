@@ -565,6 +565,23 @@ fn sigterm_keeps_peer_routes_only_with_graceful_restart() {
     })
     .unwrap();
     assert!(lab.kernel_routes().contains("10.100.0.0/24"), "kernel routes stay even then");
+
+    // Uninstall removes what a stop leaves: pinned objects, our routes (only ours), the marker.
+    let out = lab
+        .node
+        .run(&[
+            kube_router_tests::kube_router_bin().to_str().unwrap(),
+            "--bpf-root",
+            "/sys/fs/bpf/krt-bgp-unused",
+            "--state-dir",
+            &lab.state_dir(),
+            "cleanup",
+        ])
+        .unwrap();
+    assert!(out.contains("kernel routes with protocol 186"), "{out}");
+    assert_eq!(lab.kernel_routes(), "", "cleanup leaves no route of ours");
+    assert!(lab.node.run(&["ip", "route", "show", "proto", "kernel"]).unwrap().contains("10.77.0.0/24"));
+    assert!(!std::path::Path::new("/sys/fs/bpf/krt-bgp-unused").join("pol_stats").exists());
 }
 
 /// A hand-driven BGP peer: raw bytes on the wire, so it can send what real daemons never do.

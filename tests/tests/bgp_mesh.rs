@@ -30,6 +30,10 @@ fn pod_cidr(i: usize) -> String {
     format!("10.244.{i}.0/24")
 }
 
+fn bpf_root(i: usize) -> PathBuf {
+    PathBuf::from(format!("/sys/fs/bpf/krt-mesh-n{i}"))
+}
+
 fn node_object(i: usize) -> serde_json::Value {
     json!({
         "apiVersion": "v1", "kind": "Node",
@@ -97,7 +101,8 @@ impl Mesh {
             "--bgp-graceful-restart-deferral-time",
             "30s",
         ];
-        Agent::start(&self.nodes[i - 1], &PathBuf::from("/sys/fs/bpf/krt-mesh-unused"), &args).unwrap()
+        // One bpffs directory per node, as on real nodes (each agent loads the datapath).
+        Agent::start(&self.nodes[i - 1], &bpf_root(i), &args).unwrap()
     }
 
     fn routes(&self, i: usize) -> String {
@@ -163,7 +168,9 @@ impl Mesh {
 
 impl Drop for Mesh {
     fn drop(&mut self) {
-        remove_bpf_root(&PathBuf::from("/sys/fs/bpf/krt-mesh-unused"));
+        for i in 1..=NODES {
+            remove_bpf_root(&bpf_root(i));
+        }
         let _ = &self.switch;
     }
 }
