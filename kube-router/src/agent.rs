@@ -19,7 +19,7 @@ use tokio::{
 
 use crate::{
     bpf::{
-        datapath::Datapath,
+        datapath::{AttachOutcome, Datapath},
         policy_maps::{read_policy_stats, PolicyConntrack},
         service_maps::{read_lb_stats, BpfServiceMaps, Conntrack},
     },
@@ -186,6 +186,9 @@ struct ApiSource {
     retry_at: Option<Instant>,
 }
 
+/// Attaches one feature's ingress and egress programs to an interface.
+type AttachFn = fn(&mut Datapath, &str) -> Result<[AttachOutcome; 2]>;
+
 fn attach_all(
     datapath: &mut Datapath,
     wanted: &Option<Vec<String>>,
@@ -199,24 +202,15 @@ fn attach_all(
             continue;
         }
         let mut ok = true;
-        if load_balancer {
-            match datapath.attach(&interface) {
+        let hooks: [(bool, &str, AttachFn); 2] =
+            [(load_balancer, "load balancer", Datapath::attach), (firewall, "network policy", Datapath::attach_policy)];
+        for (_, what, attach) in hooks.into_iter().filter(|(enabled, _, _)| *enabled) {
+            match attach(datapath, &interface) {
                 Ok([ingress, egress]) => {
-                    tracing::info!(interface, ?ingress, ?egress, "load balancer attached at TC ingress and egress")
+                    tracing::info!(interface, ?ingress, ?egress, "{what} attached at TC ingress and egress")
                 }
                 Err(e) => {
-                    tracing::error!(interface, error = format!("{e:#}"), "cannot attach the load balancer");
-                    ok = false;
-                }
-            }
-        }
-        if firewall {
-            match datapath.attach_policy(&interface) {
-                Ok([ingress, egress]) => {
-                    tracing::info!(interface, ?ingress, ?egress, "network policy attached at TC ingress and egress")
-                }
-                Err(e) => {
-                    tracing::error!(interface, error = format!("{e:#}"), "cannot attach network policy");
+                    tracing::error!(interface, error = format!("{e:#}"), "cannot attach the {what}");
                     ok = false;
                 }
             }
@@ -375,7 +369,6 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let mut tick = tokio::time::interval(Duration::from_millis(200));
     let mut last_gc = Instant::now();
     let mut last_rescan = Instant::now();
-    let mut last_policy_gc = Instant::now();
     let mut last_housekeeping = Instant::now();
     let mut last_stale_warning = Instant::now();
     tracing::info!("agent running");
@@ -479,19 +472,17 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                         last_rescan = Instant::now();
                     }
                 }
+                // One GC schedule for both conntrack maps.
+                let gc = last_gc.elapsed() >= config.conntrack_gc_interval;
+                if gc {
+                    last_gc = Instant::now();
+                }
                 if let Some(ct) = policy_conntrack.as_mut() {
-                    refresh_policy_metrics(&config.pin_dir, &metrics, ct, last_policy_gc.elapsed() >= config.conntrack_gc_interval);
-                    if last_policy_gc.elapsed() >= config.conntrack_gc_interval {
-                        last_policy_gc = Instant::now();
-                    }
+                    refresh_policy_metrics(&config.pin_dir, &metrics, ct, gc);
                 }
                 if let Some(proxy) = service_proxy.as_mut() {
                     if let Some(file) = file_source.as_mut() {
                         file.sync(&mut proxy.controller, &metrics);
-                    }
-                    let gc = last_gc.elapsed() >= config.conntrack_gc_interval;
-                    if gc {
-                        last_gc = Instant::now();
                     }
                     refresh_datapath_metrics(&config.pin_dir, &metrics, &mut proxy.conntrack, gc);
                 }

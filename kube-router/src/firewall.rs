@@ -173,12 +173,26 @@ impl FirewallController {
             diff.peer_prefixes.deletes.clear();
         }
         let report = apply_diff(&mut self.maps, &diff);
-        // Re-read rather than assume: a failed write leaves the old entry, and the next sync
-        // must see the real difference.
-        self.programmed = match self.maps.read_all().ok().and_then(|c| decode(&c).ok()) {
-            Some(entries) => entries,
-            None if report.errors == 0 && complete => wanted,
-            None => self.programmed.clone(),
+        let everything_written = report.errors == 0 && report.skipped_ipv6 == 0 && report.unencodable == 0;
+        self.programmed = if everything_written {
+            // Every write took: the maps now hold the old entries with the diff applied, which
+            // is `wanted` itself unless deletions were held back.
+            if complete {
+                wanted
+            } else {
+                let mut programmed = std::mem::take(&mut self.programmed);
+                programmed.pod_slots.extend(diff.pod_slots.upserts);
+                programmed.slot_rules.extend(diff.slot_rules.upserts);
+                programmed.peer_prefixes.extend(diff.peer_prefixes.upserts);
+                programmed
+            }
+        } else {
+            // Re-read rather than assume: a failed or skipped write leaves the old entry, and
+            // the next sync must see the real difference.
+            match self.maps.read_all().ok().and_then(|c| decode(&c).ok()) {
+                Some(entries) => entries,
+                None => self.programmed.clone(),
+            }
         };
         tracing::info!(
             writes = report.puts,

@@ -193,11 +193,12 @@ fn cleanup(cli: &Cli) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let routes = runtime.block_on(async {
         let fib = kube_router::fib::netlink::NetlinkRoutes::connect(cli.run.route_protocol, 254)?;
-        let installed = fib.list().await?;
-        for destination in installed.keys() {
-            fib.apply(kube_router::fib::RouteOp::Delete(*destination)).await?;
+        // Reconciling towards nothing deletes exactly our routes.
+        let ops = kube_router::fib::reconcile(&fib.list().await?, &Default::default(), true);
+        for op in &ops {
+            fib.apply(*op).await?;
         }
-        anyhow::Ok(installed.len())
+        anyhow::Ok(ops.len())
     })?;
     println!("removed {routes} kernel routes with protocol {}", cli.run.route_protocol);
     let marker = cli.run.state_dir.join("bgp-graceful-restart");

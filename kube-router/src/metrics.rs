@@ -106,9 +106,6 @@ impl Metrics {
     pub fn render(&self) -> String {
         self.with(|m| {
             let mut out = String::new();
-            let family = |out: &mut String, name: &str, kind: &str, help: &str| {
-                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-            };
             family(
                 &mut out,
                 "kube_router_map_writes_total",
@@ -278,10 +275,12 @@ impl Metrics {
     }
 }
 
+/// The HELP and TYPE lines that open a metric family.
+fn family(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
 fn render_bgp(out: &mut String, bgp: &crate::bgp::speaker::SpeakerStatus) {
-    let family = |out: &mut String, name: &str, kind: &str, help: &str| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-    };
     family(out, "kube_router_bgp_session_established", "gauge", "1 if the BGP session with the peer is Established.");
     for p in &bgp.peers {
         let up = u8::from(p.state == crate::bgp::fsm::State::Established);

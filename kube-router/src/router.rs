@@ -19,7 +19,7 @@ use crate::{
     bgp::{
         fsm::State,
         message::{Family, Prefix},
-        peers::{node_bgp_config, ExternalPeerFlag, GlobalSettings, NodeBgpConfig, PeerConfig, PeerKind},
+        peers::{node_bgp_config, ExternalPeerFlag, GlobalSettings, NodeBgpConfig, PeerConfig},
         speaker::{run_fib, GracefulRestartSettings, Speaker, SpeakerConfig, SpeakerStatus},
     },
     fib::netlink::NetlinkRoutes,
@@ -124,20 +124,7 @@ impl RouterController {
     /// Configuration from flags alone, for running without the API server.
     pub fn static_config(&self) -> Result<NodeBgpConfig> {
         let router_id = self.options.router_id.context("--router-id is needed to run BGP without the API server")?;
-        let peers = self
-            .options
-            .external_peers
-            .iter()
-            .map(|p| PeerConfig {
-                address: p.address,
-                asn: p.asn,
-                password: p.password.clone(),
-                port: self.options.bgp_port,
-                passive: false,
-                route_reflector_client: false,
-                kind: PeerKind::External,
-            })
-            .collect();
+        let peers = self.options.external_peers.iter().map(|p| p.peer_config(self.options.bgp_port)).collect();
         Ok(NodeBgpConfig {
             router_id,
             local_asn: self.options.cluster_asn,

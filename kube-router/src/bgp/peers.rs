@@ -108,6 +108,13 @@ pub struct ExternalPeerFlag {
     pub password: Option<String>,
 }
 
+impl ExternalPeerFlag {
+    /// The session configuration for this peer on `port`.
+    pub fn peer_config(&self, port: u16) -> PeerConfig {
+        external_peer(self.address, self.asn, self.password.clone(), port)
+    }
+}
+
 impl fmt::Debug for ExternalPeerFlag {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ExternalPeerFlag")
@@ -654,7 +661,7 @@ pub fn node_bgp_config(nodes: &[Node], settings: &GlobalSettings) -> Result<Node
     }
 
     for flag in &settings.external_peers {
-        set.add(Source::Flag, external_peer(flag.address, flag.asn, flag.password.clone(), settings.peer_port));
+        set.add(Source::Flag, flag.peer_config(settings.peer_port));
     }
 
     match node_annotation_peers(me) {
