@@ -12,6 +12,7 @@
 #![no_std]
 #![no_main]
 
+mod backend;
 mod conntrack;
 mod lb;
 mod maps;
