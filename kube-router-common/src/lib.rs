@@ -29,6 +29,8 @@ pub mod map_names {
     pub const POLICY_PEERS: &str = "pol_peers_v4";
     pub const POLICY_CONNTRACK: &str = "pol_ct_v4";
     pub const POLICY_STATS: &str = "pol_stats";
+    pub const LB_CONFIG: &str = "lb_config";
+    pub const FRAGMENTS: &str = "frag_v4";
 }
 
 pub const SERVICES_MAX_ENTRIES: u32 = 65_536;
@@ -37,6 +39,7 @@ pub const BACKENDS_MAX_ENTRIES: u32 = 262_144;
 pub const CONNTRACK_MAX_ENTRIES: u32 = 262_144;
 pub const AFFINITY_MAX_ENTRIES: u32 = 65_536;
 pub const META_MAX_ENTRIES: u32 = 4;
+pub const FRAGMENTS_MAX_ENTRIES: u32 = 8_192;
 
 /// Index in the `meta` array holding [`LAYOUT_VERSION`].
 pub const META_LAYOUT_VERSION: u32 = 0;
@@ -64,13 +67,21 @@ pub const SVC_FLAG_AFFINITY: u32 = 1 << 0;
 pub const SVC_FLAG_LOCAL_ONLY: u32 = 1 << 1;
 /// Frontend is a NodePort on a node address.
 pub const SVC_FLAG_NODEPORT: u32 = 1 << 2;
+/// Frontend is reached from outside the cluster (NodePort, ExternalIP, LoadBalancer IP): with
+/// externalTrafficPolicy Cluster a flow to a backend on another node is source-NATed to this node
+/// so the reply comes back through it.
+pub const SVC_FLAG_EXTERNAL: u32 = 1 << 3;
+/// A backend connecting to its own service is source-NATed to the frontend address (hairpin),
+/// so its own reply is not dropped as coming from itself.
+pub const SVC_FLAG_HAIRPIN: u32 = 1 << 4;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ServiceValue {
     /// Names the backend set in `svc_slots_v4`. Stable across agent restarts.
     pub service_id: u32,
-    /// Slots `0..backend_count` exist in `svc_slots_v4`; 0 means "no endpoints": drop.
+    /// Slots `0..backend_count` exist in `svc_slots_v4`; 0 means "no endpoints": new flows are
+    /// refused at once (TCP RST, UDP ICMP port unreachable), as kube-proxy's REJECT does.
     pub backend_count: u32,
     pub flags: u32,
     pub affinity_timeout_secs: u32,
@@ -89,6 +100,9 @@ pub struct BackendSlotValue {
     pub backend_id: u32,
 }
 
+/// The endpoint runs on this node (its traffic needs no source NAT to come back).
+pub const BACKEND_FLAG_LOCAL: u16 = 1 << 0;
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BackendV4 {
@@ -96,7 +110,8 @@ pub struct BackendV4 {
     pub addr: u32,
     /// Network byte order.
     pub port: u16,
-    pub pad: u16,
+    /// `BACKEND_FLAG_*`.
+    pub flags: u16,
 }
 
 /// Conntrack key: the 5-tuple exactly as seen in the packet that looks it up.
@@ -111,27 +126,41 @@ pub struct CtKeyV4 {
     pub pad: [u8; 3],
 }
 
-/// Forward entry: client -> frontend; rewrite the destination to the backend.
-pub const CT_FLAG_FORWARD: u8 = 1 << 0;
-/// Reverse entry: backend -> client; rewrite the source back to the frontend.
-pub const CT_FLAG_REVERSE: u8 = 1 << 1;
+/// The flow's original direction (client -> frontend). Translated at TC ingress.
+pub const CT_FLAG_FORWARD: u16 = 1 << 0;
+/// The reply direction. Translated at TC egress, after routing (the restored source may be a
+/// node address, which the kernel drops as a martian on ingress) — unless [`CT_FLAG_FULL_NAT`].
+pub const CT_FLAG_REVERSE: u16 = 1 << 1;
 /// A FIN or RST was seen: the entry expires after [`CT_LIFETIME_CLOSING_SECS`].
-pub const CT_FLAG_CLOSING: u8 = 1 << 2;
+pub const CT_FLAG_CLOSING: u16 = 1 << 2;
+/// Source and destination are both translated (SNAT + DNAT), in both directions at TC ingress.
+pub const CT_FLAG_FULL_NAT: u16 = 1 << 3;
+/// After translation the packet's source is a node address: it is routed by the program
+/// (`bpf_fib_lookup` + `bpf_redirect_neigh`) instead of entering the stack as a martian.
+pub const CT_FLAG_REDIRECT: u16 = 1 << 4;
+/// A reply has been seen (TCP: the handshake completed). Until then a flow whose backend went
+/// away is re-balanced; afterwards it stays on its backend.
+pub const CT_FLAG_SEEN_REPLY: u16 = 1 << 5;
 
 pub const CT_LIFETIME_TCP_SECS: u64 = 6 * 3600;
 pub const CT_LIFETIME_NON_TCP_SECS: u64 = 60;
 pub const CT_LIFETIME_CLOSING_SECS: u64 = 10;
 
+/// What a packet whose 5-tuple is the key becomes: its whole tuple after translation, so every
+/// kind of NAT (DNAT, SNAT, both, reverse) is one rewrite to `nat_*`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CtValueV4 {
     /// Monotonic clock (`bpf_ktime_get_ns`) of the last packet, refreshed at most once a second.
     pub last_seen_ns: u64,
-    /// Forward: backend address; reverse: frontend address. Network byte order.
-    pub nat_addr: u32,
-    pub nat_port: u16,
-    pub flags: u8,
-    pub pad: u8,
+    /// Network byte order, like the key.
+    pub nat_src_addr: u32,
+    pub nat_dst_addr: u32,
+    pub nat_src_port: u16,
+    pub nat_dst_port: u16,
+    /// `CT_FLAG_*`.
+    pub flags: u16,
+    pub pad: u16,
     pub service_id: u32,
     pub backend_id: u32,
 }
@@ -148,6 +177,55 @@ impl CtValueV4 {
         };
         secs * 1_000_000_000
     }
+
+    /// The key of the opposite direction's entry: the translated packet, reversed.
+    pub const fn reverse_key(&self, proto: u8) -> CtKeyV4 {
+        CtKeyV4 {
+            src_addr: self.nat_dst_addr,
+            dst_addr: self.nat_src_addr,
+            src_port: self.nat_dst_port,
+            dst_port: self.nat_src_port,
+            proto,
+            pad: [0; 3],
+        }
+    }
+}
+
+/// `lb_config` (one entry): the node's settings the datapath needs, written by the agent.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LbConfigV4 {
+    /// Node address that source-NATed flows leave with (network byte order); 0 = no SNAT.
+    pub snat_addr: u32,
+    /// Inclusive range of source ports for SNAT, host byte order.
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
+    /// `LB_CONFIG_*`.
+    pub flags: u32,
+    pub pad: u32,
+}
+
+/// Source-NAT every service flow to the node (`--masquerade-all`).
+pub const LB_CONFIG_MASQUERADE_ALL: u32 = 1 << 0;
+
+/// A fragmented datagram: its later fragments carry no ports, so the first fragment's are
+/// remembered under (source, destination, IP ID, protocol) as they arrive.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FragKeyV4 {
+    pub src_addr: u32,
+    pub dst_addr: u32,
+    /// Network byte order.
+    pub id: u16,
+    pub proto: u8,
+    pub pad: u8,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FragPorts {
+    pub src_port: u16,
+    pub dst_port: u16,
 }
 
 #[repr(C)]
@@ -174,12 +252,30 @@ pub mod lb_stat {
     pub const NEW_FLOW: u32 = 3;
     pub const CT_HIT: u32 = 4;
     pub const REVERSE_NAT: u32 = 5;
+    /// A new flow to a frontend without endpoints, refused (see [`REJECT_SENT`]).
     pub const NO_BACKEND_DROP: u32 = 6;
     pub const AFFINITY_HIT: u32 = 7;
     pub const CT_INSERT_FAILED: u32 = 8;
+    /// A later fragment that could not be matched to its first fragment's ports: passed as is.
     pub const FRAGMENT_PASS: u32 = 9;
     pub const REWRITE_FAILED: u32 = 10;
-    pub const COUNT: u32 = 11;
+    /// New flows source-NATed (north-south to another node, hairpin, --masquerade-all).
+    pub const SNAT_NEW_FLOW: u32 = 11;
+    /// New flows refused because every SNAT port tried was taken.
+    pub const SNAT_PORTS_EXHAUSTED: u32 = 12;
+    /// A TCP RST or ICMP port unreachable sent for a frontend without endpoints.
+    pub const REJECT_SENT: u32 = 13;
+    /// ICMP errors about a translated flow, translated back.
+    pub const ICMP_ERROR_NAT: u32 = 14;
+    /// Later fragments of a translated flow, translated with their first fragment's ports.
+    pub const FRAGMENT_NAT: u32 = 15;
+    /// Packets routed by the program after translation (`bpf_redirect_neigh`).
+    pub const REDIRECTED: u32 = 16;
+    /// Packets that needed that but had no route (or TTL left): dropped.
+    pub const REDIRECT_FAILED: u32 = 17;
+    /// Flows moved off a backend that is gone (UDP, or TCP before the handshake completed).
+    pub const CT_RESELECTED: u32 = 18;
+    pub const COUNT: u32 = 19;
     /// Metric label of each index, in index order.
     pub const NAMES: [&str; COUNT as usize] = [
         "packets",
@@ -193,6 +289,14 @@ pub mod lb_stat {
         "ct_insert_failed",
         "fragment_pass",
         "rewrite_failed",
+        "snat_new_flow",
+        "snat_ports_exhausted",
+        "reject_sent",
+        "icmp_error_nat",
+        "fragment_nat",
+        "redirected",
+        "redirect_failed",
+        "ct_reselected",
     ];
 }
 
@@ -210,6 +314,9 @@ mod user {
     unsafe impl aya::Pod for CtValueV4 {}
     unsafe impl aya::Pod for AffinityKeyV4 {}
     unsafe impl aya::Pod for AffinityValue {}
+    unsafe impl aya::Pod for LbConfigV4 {}
+    unsafe impl aya::Pod for FragKeyV4 {}
+    unsafe impl aya::Pod for FragPorts {}
 }
 
 #[cfg(test)]
@@ -226,8 +333,11 @@ mod tests {
         assert_eq!(size_of::<BackendSlotValue>(), 4);
         assert_eq!(size_of::<BackendV4>(), 8);
         assert_eq!(size_of::<CtKeyV4>(), 16);
-        assert_eq!(size_of::<CtValueV4>(), 24);
+        assert_eq!(size_of::<CtValueV4>(), 32);
         assert_eq!(size_of::<AffinityKeyV4>(), 8);
         assert_eq!(size_of::<AffinityValue>(), 16);
+        assert_eq!(size_of::<LbConfigV4>(), 16);
+        assert_eq!(size_of::<FragKeyV4>(), 12);
+        assert_eq!(size_of::<FragPorts>(), 4);
     }
 }

@@ -1,67 +1,136 @@
-//! Connection tracking: a forward and a reverse entry per load-balanced flow in `ct_v4`.
-use aya_ebpf::helpers::bpf_ktime_get_ns;
+//! Connection tracking for load-balanced flows: two entries per flow in `ct_v4`, one per
+//! direction, each keyed by the 5-tuple as its packets arrive and holding the tuple they become.
+use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_get_prandom_u32};
 use kube_router_common::*;
 
 use crate::{
     maps::CONNTRACK,
-    parsing::{Flow, TCP_FLAG_FIN, TCP_FLAG_RST},
+    parsing::{LbFlow, TCP_FLAG_FIN, TCP_FLAG_RST},
 };
 
 const REFRESH_INTERVAL_NS: u64 = 1_000_000_000;
 
-pub fn key_of(flow: &Flow) -> CtKeyV4 {
-    CtKeyV4 {
-        src_addr: flow.src_addr,
-        dst_addr: flow.dst_addr,
-        src_port: flow.src_port,
-        dst_port: flow.dst_port,
-        proto: flow.proto,
-        pad: [0; 3],
-    }
+/// Ports tried for a new source-NATed flow before it is refused. Random probes, so a range that
+/// is mostly free almost always succeeds on the first try.
+const SNAT_PORT_TRIES: u32 = 16;
+/// Used before the agent has written `lb_config` (hairpin must work from the first packet).
+pub const DEFAULT_SNAT_PORT_MIN: u16 = 10_000;
+pub const DEFAULT_SNAT_PORT_MAX: u16 = 29_999;
+
+#[inline(always)]
+pub fn key(src: (u32, u16), dst: (u32, u16), proto: u8) -> CtKeyV4 {
+    CtKeyV4 { src_addr: src.0, dst_addr: dst.0, src_port: src.1, dst_port: dst.1, proto, pad: [0; 3] }
 }
 
-/// A live entry for this packet's 5-tuple, refreshed; `None` if absent or expired.
 #[inline(always)]
-pub fn lookup(flow: &Flow, now: u64) -> Option<CtValueV4> {
-    let entry = CONNTRACK.get_ptr_mut(key_of(flow))?;
+pub fn key_of(flow: &LbFlow) -> CtKeyV4 {
+    key((flow.src_addr, flow.src_port), (flow.dst_addr, flow.dst_port), flow.proto)
+}
+
+/// A live entry for `key`, refreshed; `None` if absent or expired.
+#[inline(always)]
+pub fn lookup(key: &CtKeyV4, tcp_flags: u8, now: u64) -> Option<&'static mut CtValueV4> {
+    let entry = CONNTRACK.get_ptr_mut(key)?;
     // SAFETY: the pointer comes from a successful map lookup and stays valid for this program run.
     let entry = unsafe { &mut *entry };
-    if now.saturating_sub(entry.last_seen_ns) > entry.lifetime_ns(flow.proto) {
+    if now.saturating_sub(entry.last_seen_ns) > entry.lifetime_ns(key.proto) {
         return None;
     }
-    if flow.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST) != 0 {
+    if tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST) != 0 {
         entry.flags |= CT_FLAG_CLOSING;
     }
     // Refresh at most once a second so a busy flow does not write the shared entry per packet.
     if now.saturating_sub(entry.last_seen_ns) > REFRESH_INTERVAL_NS {
         entry.last_seen_ns = now;
     }
-    Some(*entry)
+    Some(entry)
 }
 
-/// Records a new flow `client -> frontend` that was sent to `backend`.
+/// Marks the flow as answered, on the entry that was hit and on its opposite (once per flow).
 #[inline(always)]
-pub fn create(flow: &Flow, backend: &BackendV4, service_id: u32, backend_id: u32) -> Result<(), i64> {
-    let now = unsafe { bpf_ktime_get_ns() };
+pub fn mark_seen_reply(entry: &mut CtValueV4, proto: u8) {
+    if entry.flags & CT_FLAG_SEEN_REPLY != 0 {
+        return;
+    }
+    entry.flags |= CT_FLAG_SEEN_REPLY;
+    if let Some(forward) = CONNTRACK.get_ptr_mut(entry.reverse_key(proto)) {
+        // SAFETY: pointer from a successful lookup, valid for this run.
+        unsafe { (*forward).flags |= CT_FLAG_SEEN_REPLY };
+    }
+}
+
+/// Removes a flow's two entries, given one of them.
+#[inline(always)]
+pub fn forget(key: &CtKeyV4, entry: &CtValueV4) {
+    let _ = CONNTRACK.remove(entry.reverse_key(key.proto));
+    let _ = CONNTRACK.remove(key);
+}
+
+/// What a new flow's forward packets become, and how each direction is handled.
+pub struct NewFlow {
+    pub nat_src: (u32, u16),
+    pub nat_dst: (u32, u16),
+    pub forward_flags: u16,
+    pub reverse_flags: u16,
+    pub service_id: u32,
+    pub backend_id: u32,
+}
+
+#[inline(always)]
+fn entries(flow: &LbFlow, new: &NewFlow, now: u64) -> (CtValueV4, CtKeyV4, CtValueV4) {
     let forward = CtValueV4 {
         last_seen_ns: now,
-        nat_addr: backend.addr,
-        nat_port: backend.port,
-        flags: CT_FLAG_FORWARD,
+        nat_src_addr: new.nat_src.0,
+        nat_dst_addr: new.nat_dst.0,
+        nat_src_port: new.nat_src.1,
+        nat_dst_port: new.nat_dst.1,
+        flags: CT_FLAG_FORWARD | new.forward_flags,
         pad: 0,
-        service_id,
-        backend_id,
+        service_id: new.service_id,
+        backend_id: new.backend_id,
     };
-    let reverse_key = CtKeyV4 {
-        src_addr: backend.addr,
-        dst_addr: flow.src_addr,
-        src_port: backend.port,
-        dst_port: flow.src_port,
-        proto: flow.proto,
-        pad: [0; 3],
+    let reverse = CtValueV4 {
+        nat_src_addr: flow.dst_addr,
+        nat_dst_addr: flow.src_addr,
+        nat_src_port: flow.dst_port,
+        nat_dst_port: flow.src_port,
+        flags: CT_FLAG_REVERSE | new.reverse_flags,
+        ..forward
     };
-    let reverse = CtValueV4 { nat_addr: flow.dst_addr, nat_port: flow.dst_port, flags: CT_FLAG_REVERSE, ..forward };
-    // Reverse first: once the forward entry exists, replies must already be translatable.
+    (forward, forward.reverse_key(flow.proto), reverse)
+}
+
+/// Records a new flow. The reverse entry goes in first: once the forward entry exists, replies
+/// must already be translatable.
+#[inline(always)]
+pub fn create(flow: &LbFlow, new: &NewFlow, now: u64) -> Result<(), i64> {
+    let (forward, reverse_key, reverse) = entries(flow, new, now);
     CONNTRACK.insert(reverse_key, reverse, 0).map_err(|e| e as i64)?;
     CONNTRACK.insert(key_of(flow), forward, 0).map_err(|e| e as i64)
+}
+
+pub enum SnatError {
+    /// Every port tried is in use towards this backend: the flow is refused.
+    PortsExhausted,
+    Insert,
+}
+
+/// Records a new source-NATed flow, choosing a source port from `ports` that no other flow to
+/// the same backend uses (the reverse key must be unique). `new.nat_src.1` is ignored.
+#[inline(always)]
+pub fn create_snat(flow: &LbFlow, new: &mut NewFlow, ports: (u16, u16), now: u64) -> Result<(), SnatError> {
+    let (min, max) =
+        if ports.0 == 0 || ports.1 < ports.0 { (DEFAULT_SNAT_PORT_MIN, DEFAULT_SNAT_PORT_MAX) } else { ports };
+    let range = (max - min) as u32 + 1;
+    let start = unsafe { bpf_get_prandom_u32() };
+    for attempt in 0..SNAT_PORT_TRIES {
+        let port = min + (start.wrapping_add(attempt.wrapping_mul(7919)) % range) as u16;
+        new.nat_src.1 = port.to_be();
+        let (forward, reverse_key, reverse) = entries(flow, new, now);
+        // NOEXIST: the port is ours only if no live flow holds this reverse key.
+        if CONNTRACK.insert(reverse_key, reverse, BPF_NOEXIST as u64).is_ok() {
+            return CONNTRACK.insert(key_of(flow), forward, 0).map_err(|_| SnatError::Insert);
+        }
+    }
+    Err(SnatError::PortsExhausted)
 }

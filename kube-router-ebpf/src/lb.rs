@@ -1,4 +1,10 @@
-//! Service frontend lookup and DNAT at TC (backend choice is `backend`'s).
+//! Service load-balancing at TC: frontend lookup, DNAT (and SNAT where the reply would not come
+//! back otherwise) of new flows, translation of known ones in both directions.
+//!
+//! Ingress DNATs packets to service frontends and translates replies of source-NATed flows;
+//! egress reverse-NATs replies of the others after routing (their restored source may be a node
+//! address, which the stack drops as a martian on ingress). A source-NATed packet whose new source
+//! is a node address is routed by the program itself (`route`).
 use aya_ebpf::{
     bindings::{TC_ACT_SHOT, TC_ACT_UNSPEC},
     helpers::bpf_ktime_get_ns,
@@ -8,36 +14,65 @@ use kube_router_common::*;
 
 use crate::{
     backend::select_backend,
-    conntrack,
-    maps::{count, SERVICES},
-    nat::{rewrite, Side},
-    parsing::{parse, Flow, Parsed},
+    conntrack::{self, NewFlow, SnatError},
+    frag,
+    icmp::{self, Hook},
+    maps::{count, BACKENDS, LB_CONFIG, SERVICES},
+    nat::{rewrite, Tuple},
+    parsing::{parse_lb, Fragment, LbFlow, LbPacket},
+    reject, route,
 };
 
-/// Ingress: DNAT of packets to service frontends (new flows and conntrack hits).
+/// The packet as our parser sees it, ready for translation (ports resolved for fragments).
+#[inline(always)]
+fn flow_of(ctx: &TcContext, hook: Hook) -> Result<Result<LbFlow, i32>, i64> {
+    let mut flow = match parse_lb(ctx)? {
+        LbPacket::Flow(flow) => flow,
+        LbPacket::IcmpError(error) => return Ok(Err(icmp::translate(ctx, &error, hook))),
+        LbPacket::NotIpv4 => {
+            if hook == Hook::Ingress {
+                count(lb_stat::NOT_IPV4);
+            }
+            return Ok(Err(TC_ACT_UNSPEC));
+        }
+        LbPacket::Other => return Ok(Err(TC_ACT_UNSPEC)),
+    };
+    if !frag::resolve_ports(&mut flow) {
+        return Ok(Err(TC_ACT_UNSPEC));
+    }
+    Ok(Ok(flow))
+}
+
+/// Ingress: DNAT of packets to service frontends (new flows and conntrack hits), and the replies
+/// of source-NATed flows.
 #[inline(always)]
 pub fn handle_ingress(ctx: &TcContext) -> Result<i32, i64> {
     count(lb_stat::PACKETS);
-    let flow = match parse(ctx)? {
-        Parsed::Flow(flow) => flow,
-        Parsed::Fragment => {
-            count(lb_stat::FRAGMENT_PASS);
-            return Ok(TC_ACT_UNSPEC);
-        }
-        Parsed::NotIpv4 => {
-            count(lb_stat::NOT_IPV4);
-            return Ok(TC_ACT_UNSPEC);
-        }
-        Parsed::OtherProtocol => return Ok(TC_ACT_UNSPEC),
+    let flow = match flow_of(ctx, Hook::Ingress)? {
+        Ok(flow) => flow,
+        Err(verdict) => return Ok(verdict),
     };
     let now = unsafe { bpf_ktime_get_ns() };
-
-    if let Some(entry) = conntrack::lookup(&flow, now) {
+    let key = conntrack::key_of(&flow);
+    if let Some(entry) = conntrack::lookup(&key, flow.tcp_flags, now) {
         if entry.flags & CT_FLAG_FORWARD != 0 {
-            count(lb_stat::CT_HIT);
-            return translate(ctx, &flow, Side::Destination, entry.nat_addr, entry.nat_port);
+            if !(flow.has_l4() && backend_gone(entry) && may_move(entry, flow.proto)) {
+                count(if flow.fragment == Fragment::Later { lb_stat::FRAGMENT_NAT } else { lb_stat::CT_HIT });
+                return translate(ctx, &flow, entry);
+            }
+            // Its backend is gone and nothing was answered yet: balance it again.
+            count(lb_stat::CT_RESELECTED);
+            conntrack::forget(&key, entry);
+        } else if entry.flags & CT_FLAG_FULL_NAT != 0 {
+            count(lb_stat::REVERSE_NAT);
+            conntrack::mark_seen_reply(entry, flow.proto);
+            return translate(ctx, &flow, entry);
+        } else {
+            // A backend's reply: translated on its way out (egress), after routing.
+            return Ok(TC_ACT_UNSPEC);
         }
-        // A backend's reply: translated on its way out (egress), after routing.
+    }
+    if !flow.has_l4() {
         return Ok(TC_ACT_UNSPEC);
     }
 
@@ -47,41 +82,143 @@ pub fn handle_ingress(ctx: &TcContext) -> Result<i32, i64> {
         count(lb_stat::NO_SERVICE);
         return Ok(TC_ACT_UNSPEC);
     };
-    let Some((backend_id, backend)) = select_backend(flow.src_addr, &service, now) else {
+    let Some(chosen) = select_backend(flow.src_addr, &service, now) else {
         count(lb_stat::NO_BACKEND_DROP);
-        return Ok(TC_ACT_SHOT);
+        return Ok(reject::refuse(ctx, &flow));
     };
-    if conntrack::create(&flow, &backend, service.service_id, backend_id).is_err() {
-        // Still forward this packet; the next one retries the insert.
-        count(lb_stat::CT_INSERT_FAILED);
+    let mut to = Tuple { src: (0, 0), dst: (0, 0) };
+    match new_flow(&flow, &service, &chosen, now, &mut to) {
+        NewFlowVerdict::DROP => Ok(TC_ACT_SHOT),
+        verdict => apply(ctx, &flow, &to, verdict == NewFlowVerdict::ROUTE),
     }
-    count(lb_stat::NEW_FLOW);
-    translate(ctx, &flow, Side::Destination, backend.addr, backend.port)
+}
+
+/// What to do with a new flow's first packet (an integer: it crosses a BPF function call).
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(transparent)]
+struct NewFlowVerdict(i32);
+
+impl NewFlowVerdict {
+    const TRANSLATE: Self = Self(0);
+    /// Translate, then route it ourselves (its new source is a node address).
+    const ROUTE: Self = Self(1);
+    const DROP: Self = Self(2);
 }
 
 /// Egress: reverse NAT of backend replies, so the client sees the frontend it connected to.
-/// Done after routing because the restored source may be a local address (NodePort on the
-/// node IP), which the kernel drops as a martian if it arrives on ingress.
 #[inline(always)]
 pub fn handle_egress(ctx: &TcContext) -> Result<i32, i64> {
-    let Parsed::Flow(flow) = parse(ctx)? else {
-        return Ok(TC_ACT_UNSPEC);
+    let flow = match flow_of(ctx, Hook::Egress)? {
+        Ok(flow) => flow,
+        Err(verdict) => return Ok(verdict),
     };
     let now = unsafe { bpf_ktime_get_ns() };
-    match conntrack::lookup(&flow, now) {
-        Some(entry) if entry.flags & CT_FLAG_REVERSE != 0 => {
-            count(lb_stat::REVERSE_NAT);
-            translate(ctx, &flow, Side::Source, entry.nat_addr, entry.nat_port)
+    match conntrack::lookup(&conntrack::key_of(&flow), flow.tcp_flags, now) {
+        Some(entry) if entry.flags & (CT_FLAG_REVERSE | CT_FLAG_FULL_NAT) == CT_FLAG_REVERSE => {
+            count(if flow.fragment == Fragment::Later { lb_stat::FRAGMENT_NAT } else { lb_stat::REVERSE_NAT });
+            conntrack::mark_seen_reply(entry, flow.proto);
+            translate(ctx, &flow, entry)
         }
         _ => Ok(TC_ACT_UNSPEC),
     }
 }
 
+/// The backend the entry was made for is no longer programmed at that id.
 #[inline(always)]
-fn translate(ctx: &TcContext, flow: &Flow, side: Side, addr: u32, port: u16) -> Result<i32, i64> {
-    if rewrite(ctx, flow, side, addr, port).is_err() {
+fn backend_gone(entry: &CtValueV4) -> bool {
+    // SAFETY: read-only use of a map value within this run.
+    match unsafe { BACKENDS.get(entry.backend_id) } {
+        Some(backend) => backend.addr != entry.nat_dst_addr || backend.port != entry.nat_dst_port,
+        None => true,
+    }
+}
+
+/// A flow may move to another backend while nothing depends on the old one: UDP, or TCP whose
+/// handshake never completed. Established TCP stays (the backend may still be draining).
+#[inline(always)]
+fn may_move(entry: &CtValueV4, proto: u8) -> bool {
+    proto != IPPROTO_TCP || entry.flags & CT_FLAG_SEEN_REPLY == 0
+}
+
+#[inline(always)]
+fn translate(ctx: &TcContext, flow: &LbFlow, entry: &CtValueV4) -> Result<i32, i64> {
+    let to = Tuple { src: (entry.nat_src_addr, entry.nat_src_port), dst: (entry.nat_dst_addr, entry.nat_dst_port) };
+    apply(ctx, flow, &to, entry.flags & CT_FLAG_REDIRECT != 0)
+}
+
+#[inline(always)]
+fn apply(ctx: &TcContext, flow: &LbFlow, to: &Tuple, redirect: bool) -> Result<i32, i64> {
+    if rewrite(ctx, flow, to).is_err() {
         count(lb_stat::REWRITE_FAILED);
         return Ok(TC_ACT_SHOT);
     }
+    if redirect {
+        return Ok(route::redirect(ctx, to.src.0, to.dst.0, flow.proto));
+    }
     Ok(TC_ACT_UNSPEC)
+}
+
+/// Records and translates the first packet of a flow. Source NAT where the reply would
+/// otherwise not come back through this node's translation: a north-south flow sent to another
+/// node (to this node's address, as kube-proxy masquerades), a backend reaching itself through
+/// its service (hairpin, to the frontend address), or every flow with `--masquerade-all`.
+// Not inlined: its stack would not fit beside the caller's in 512 bytes.
+#[inline(never)]
+fn new_flow(
+    flow: &LbFlow,
+    service: &ServiceValue,
+    chosen: &(u32, BackendV4),
+    now: u64,
+    to: &mut Tuple,
+) -> NewFlowVerdict {
+    let (backend_id, backend) = (chosen.0, &chosen.1);
+    // Absent or zero: no node address configured (no north-south SNAT yet).
+    let config = LB_CONFIG.get(0).copied().unwrap_or_default();
+    let mut new = NewFlow {
+        nat_src: (flow.src_addr, flow.src_port),
+        nat_dst: (backend.addr, backend.port),
+        forward_flags: 0,
+        reverse_flags: 0,
+        service_id: service.service_id,
+        backend_id,
+    };
+    let hairpin = service.flags & SVC_FLAG_HAIRPIN != 0 && backend.addr == flow.src_addr;
+    let leaves_node = service.flags & (SVC_FLAG_EXTERNAL | SVC_FLAG_LOCAL_ONLY) == SVC_FLAG_EXTERNAL
+        && backend.flags & BACKEND_FLAG_LOCAL == 0;
+    let masquerade = config.snat_addr != 0 && (leaves_node || config.flags & LB_CONFIG_MASQUERADE_ALL != 0);
+    if hairpin || masquerade {
+        // A NodePort frontend is a node address: whichever direction gets it as its new source
+        // must be routed by us.
+        let nodeport = if service.flags & SVC_FLAG_NODEPORT != 0 { CT_FLAG_REDIRECT } else { 0 };
+        new.reverse_flags = CT_FLAG_FULL_NAT | nodeport;
+        if hairpin {
+            new.nat_src.0 = flow.dst_addr;
+            new.forward_flags = CT_FLAG_FULL_NAT | nodeport;
+        } else {
+            new.nat_src.0 = config.snat_addr;
+            new.forward_flags = CT_FLAG_FULL_NAT | CT_FLAG_REDIRECT;
+        }
+        match conntrack::create_snat(flow, &mut new, (config.snat_port_min, config.snat_port_max), now) {
+            Ok(()) => count(lb_stat::SNAT_NEW_FLOW),
+            Err(SnatError::PortsExhausted) => {
+                count(lb_stat::SNAT_PORTS_EXHAUSTED);
+                return NewFlowVerdict::DROP;
+            }
+            Err(SnatError::Insert) => {
+                // Without its entries the reply could not be translated back: refuse the flow.
+                count(lb_stat::CT_INSERT_FAILED);
+                return NewFlowVerdict::DROP;
+            }
+        }
+    } else if conntrack::create(flow, &new, now).is_err() {
+        // Still forward this packet; the next one retries the insert.
+        count(lb_stat::CT_INSERT_FAILED);
+    }
+    count(lb_stat::NEW_FLOW);
+    *to = Tuple { src: new.nat_src, dst: new.nat_dst };
+    if new.forward_flags & CT_FLAG_REDIRECT != 0 {
+        NewFlowVerdict::ROUTE
+    } else {
+        NewFlowVerdict::TRANSLATE
+    }
 }

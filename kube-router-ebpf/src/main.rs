@@ -14,11 +14,15 @@
 
 mod backend;
 mod conntrack;
+mod frag;
+mod icmp;
 mod lb;
 mod maps;
 mod nat;
 mod parsing;
 mod policy;
+mod reject;
+mod route;
 
 use aya_ebpf::{bindings::TC_ACT_UNSPEC, macros::classifier, programs::TcContext};
 

@@ -20,6 +20,12 @@ pub static CONNTRACK: LruHashMap<CtKeyV4, CtValueV4> = LruHashMap::pinned(CONNTR
 #[map(name = "affinity_v4")]
 pub static AFFINITY: LruHashMap<AffinityKeyV4, AffinityValue> = LruHashMap::pinned(AFFINITY_MAX_ENTRIES, 0);
 
+#[map(name = "lb_config")]
+pub static LB_CONFIG: Array<LbConfigV4> = Array::pinned(1, 0);
+
+#[map(name = "frag_v4")]
+pub static FRAGMENTS: LruHashMap<FragKeyV4, FragPorts> = LruHashMap::pinned(FRAGMENTS_MAX_ENTRIES, 0);
+
 #[map(name = "lb_stats")]
 pub static LB_STATS: PerCpuArray<u64> = PerCpuArray::pinned(lb_stat::COUNT, 0);
 

@@ -11,7 +11,7 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use kube_router_common::{lb_stat, map_names, pol_stat};
+use kube_router_common::{lb_stat, map_names, pol_stat, LbConfigV4, LB_CONFIG_MASQUERADE_ALL};
 use tokio::{
     signal::unix::{signal, SignalKind},
     sync::mpsc,
@@ -21,7 +21,7 @@ use crate::{
     bpf::{
         datapath::{AttachOutcome, Datapath},
         policy_maps::{read_policy_stats, PolicyConntrack},
-        service_maps::{read_lb_stats, BpfServiceMaps, Conntrack},
+        service_maps::{read_lb_stats, write_lb_config, BpfServiceMaps, Conntrack},
     },
     firewall::FirewallController,
     k8s::{
@@ -59,6 +59,14 @@ pub struct AgentConfig {
     pub metrics_port: u16,
     pub health_port: u16,
     pub conntrack_gc_interval: Duration,
+    /// `--hairpin-mode`.
+    pub hairpin_mode: bool,
+    /// `--masquerade-all`.
+    pub masquerade_all: bool,
+    /// `--snat-port-range`, inclusive.
+    pub snat_port_range: (u16, u16),
+    /// `--node-ip`: the address source-NATed flows leave with.
+    pub node_ip: Option<Ipv4Addr>,
     /// Program the service load balancer (`--run-service-proxy`).
     pub run_service_proxy: bool,
     /// Enforce NetworkPolicy (`--run-firewall`).
@@ -74,6 +82,7 @@ struct ServiceController {
     limits: Limits,
     node_name: String,
     nodeport_addresses: Option<Vec<Ipv4Addr>>,
+    hairpin_all: bool,
 }
 
 impl ServiceController {
@@ -81,6 +90,7 @@ impl ServiceController {
         NodeContext {
             name: self.node_name.clone(),
             node_port_addrs: self.nodeport_addresses.clone().unwrap_or_else(netif::ipv4_addresses),
+            hairpin_all: self.hairpin_all,
         }
     }
 
@@ -303,7 +313,19 @@ impl ServiceProxy {
             limits: config.limits,
             node_name: config.node_name.clone(),
             nodeport_addresses: config.nodeport_addresses.clone(),
+            hairpin_all: config.hairpin_mode,
         };
+        let snat_addr =
+            config.node_ip.or_else(netif::default_route_source).or_else(|| netif::ipv4_addresses().first().copied());
+        let lb_config = LbConfigV4 {
+            snat_addr: snat_addr.map(crate::services::compile::addr_be).unwrap_or(0),
+            snat_port_min: config.snat_port_range.0,
+            snat_port_max: config.snat_port_range.1,
+            flags: if config.masquerade_all { LB_CONFIG_MASQUERADE_ALL } else { 0 },
+            pad: 0,
+        };
+        write_lb_config(&config.pin_dir, &lb_config)?;
+        tracing::info!(snat_address = ?snat_addr, ports = ?config.snat_port_range, masquerade_all = config.masquerade_all, "source NAT configured");
         let conntrack = Conntrack::open_pinned(&config.pin_dir)?;
         Ok(Self { controller, conntrack })
     }

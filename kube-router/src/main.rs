@@ -128,6 +128,22 @@ struct RunArgs {
     /// Routing protocol number on the kernel routes we install (`ip route show proto N`).
     #[arg(long, env = "KUBE_ROUTER_ROUTE_PROTOCOL", default_value_t = kube_router::fib::DEFAULT_ROUTE_PROTOCOL)]
     route_protocol: u8,
+    /// Let a Service's backends reach themselves through it (source-NATed to the Service
+    /// address). kube-router's flag; on by default here because the eBPF datapath needs no
+    /// per-endpoint rules for it. Per Service: the `kube-router.io/service.hairpin` annotation.
+    #[arg(long, env = "KUBE_ROUTER_HAIRPIN_MODE", default_value_t = true, action = clap::ArgAction::Set)]
+    hairpin_mode: bool,
+    /// Source-NAT every Service flow to the node address, not only those that need it.
+    #[arg(long, env = "KUBE_ROUTER_MASQUERADE_ALL", default_value_t = false, action = clap::ArgAction::Set)]
+    masquerade_all: bool,
+    /// Source ports for source-NATed flows (north-south to another node, hairpin, masquerade).
+    /// Keep it clear of the kernel's ephemeral range (net.ipv4.ip_local_port_range) and NodePorts.
+    #[arg(long, env = "KUBE_ROUTER_SNAT_PORT_RANGE", default_value = "10000-29999", value_parser = parse_port_range)]
+    snat_port_range: (u16, u16),
+    /// Address source-NATed flows leave with. Default: the source address of the node's default
+    /// route (else its first address).
+    #[arg(long, env = "KUBE_ROUTER_NODE_IP")]
+    node_ip: Option<Ipv4Addr>,
     /// Seconds between conntrack garbage collections.
     #[arg(long, env = "KUBE_ROUTER_CONNTRACK_GC_INTERVAL", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     conntrack_gc_interval: u64,
@@ -168,6 +184,17 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
         _ => return Err(format!("{text:?}: unknown unit {unit:?} (use s, m or h)")),
     };
     Ok(Duration::from_secs(secs))
+}
+
+/// "10000-29999" -> (10000, 29999).
+fn parse_port_range(text: &str) -> Result<(u16, u16), String> {
+    let bad = || format!("{text:?} is not a port range like 10000-29999");
+    let (low, high) = text.split_once('-').ok_or_else(bad)?;
+    let (low, high): (u16, u16) = (low.trim().parse().map_err(|_| bad())?, high.trim().parse().map_err(|_| bad())?);
+    if low == 0 || high < low {
+        return Err(bad());
+    }
+    Ok((low, high))
 }
 
 fn parse_hold_time(text: &str) -> Result<Duration, String> {
@@ -312,13 +339,17 @@ fn main() -> ExitCode {
         Command::Services => show_services(&cli),
         Command::Conntrack => Conntrack::open_pinned(&cli.bpf_root).and_then(|ct| {
             for (k, v) in ct.entries()? {
-                let kind = if v.flags & kube_router_common::CT_FLAG_REVERSE != 0 { "reverse" } else { "forward" };
+                use kube_router_common::{CT_FLAG_FULL_NAT, CT_FLAG_REVERSE};
+                let kind = if v.flags & CT_FLAG_REVERSE != 0 { "reverse" } else { "forward" };
+                let nat = if v.flags & CT_FLAG_FULL_NAT != 0 { " snat" } else { "" };
                 println!(
-                    "{} {} -> {} nat={} flags={:#x} service={} backend={}",
+                    "{}{} {} -> {} becomes {} -> {} flags={:#x} service={} backend={}",
                     kind,
+                    nat,
                     fmt_addr(k.src_addr, k.src_port),
                     fmt_addr(k.dst_addr, k.dst_port),
-                    fmt_addr(v.nat_addr, v.nat_port),
+                    fmt_addr(v.nat_src_addr, v.nat_src_port),
+                    fmt_addr(v.nat_dst_addr, v.nat_dst_port),
                     v.flags,
                     v.service_id,
                     v.backend_id
@@ -392,6 +423,10 @@ fn run(cli: &Cli) -> Result<()> {
         metrics_port: args.metrics_port,
         health_port: args.health_port,
         conntrack_gc_interval: Duration::from_secs(args.conntrack_gc_interval),
+        hairpin_mode: args.hairpin_mode,
+        masquerade_all: args.masquerade_all,
+        snat_port_range: args.snat_port_range,
+        node_ip: args.node_ip,
         run_service_proxy: args.run_service_proxy,
         run_firewall: args.run_firewall,
         router,

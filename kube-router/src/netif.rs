@@ -52,3 +52,15 @@ pub fn ipv4_addresses() -> Vec<Ipv4Addr> {
     addrs.dedup();
     addrs
 }
+
+/// The source address the kernel picks for the default route (a UDP "connect" sends nothing),
+/// i.e. the address the node talks to the world with.
+pub fn default_route_source() -> Option<Ipv4Addr> {
+    let socket = std::net::UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).ok()?;
+    // Any address outside every private range works; nothing is sent.
+    socket.connect((Ipv4Addr::new(192, 0, 2, 1), 9)).ok()?;
+    match socket.local_addr().ok()?.ip() {
+        std::net::IpAddr::V4(addr) if !addr.is_unspecified() && !addr.is_loopback() => Some(addr),
+        _ => None,
+    }
+}

@@ -18,7 +18,7 @@ use kube_router::{
 use kube_router_common::lb_stat;
 
 const TC_ACT_UNSPEC: i32 = -1;
-const TC_ACT_SHOT: i32 = 2;
+const TC_ACT_REDIRECT: i32 = 7;
 
 struct Loaded {
     datapath: Datapath,
@@ -139,6 +139,11 @@ fn removed_backend_gets_no_new_flows_but_established_ones_continue() {
         }
         port += 1;
     };
+    // The backend answered: the connection is established (an unanswered one would move).
+    let egress = loaded.datapath.program_fd(Hook::Egress).unwrap();
+    let reply =
+        packet::ipv4(packet::TCP, (Ipv4Addr::new(10, 0, 0, 2), 8080), (CLIENT, established), packet::TCP_ACK, b"");
+    run(egress, &reply, 1).unwrap();
     program(&loaded.pin_dir, &services_yaml(&["10.0.0.1"], false));
     for p in 4000..4100 {
         let out = run(fd, &packet::ipv4(packet::TCP, (CLIENT, p), (VIP, 80), packet::TCP_SYN, b""), 1).unwrap();
@@ -150,7 +155,7 @@ fn removed_backend_gets_no_new_flows_but_established_ones_continue() {
 }
 
 #[test]
-fn unknown_destinations_pass_untouched_and_empty_services_drop() {
+fn unknown_destinations_pass_untouched_and_empty_services_refuse() {
     let loaded = load("miss", &services_yaml(&[], false));
     let fd = loaded.datapath.program_fd(Hook::Ingress).unwrap();
     let other = packet::ipv4(packet::TCP, (CLIENT, 5000), (Ipv4Addr::new(10, 96, 0, 11), 80), packet::TCP_SYN, b"");
@@ -158,10 +163,12 @@ fn unknown_destinations_pass_untouched_and_empty_services_drop() {
     assert_eq!(out.retval, TC_ACT_UNSPEC);
     assert_eq!(out.packet, other);
     let to_empty = packet::ipv4(packet::TCP, (CLIENT, 5000), (VIP, 80), packet::TCP_SYN, b"");
-    assert_eq!(run(fd, &to_empty, 1).unwrap().retval, TC_ACT_SHOT);
+    // Answered with a RST sent back out of the interface (datapath_nat.rs checks the packet).
+    assert_eq!(run(fd, &to_empty, 1).unwrap().retval, TC_ACT_REDIRECT);
     let stats = read_lb_stats(&loaded.pin_dir).unwrap();
     assert_eq!(stats[lb_stat::NO_SERVICE as usize], 1);
     assert_eq!(stats[lb_stat::NO_BACKEND_DROP as usize], 1);
+    assert_eq!(stats[lb_stat::REJECT_SENT as usize], 1);
 }
 
 #[test]

@@ -86,6 +86,16 @@ impl ServiceMaps for BpfServiceMaps {
     }
 }
 
+/// Writes the node settings the datapath reads (`lb_config`), only if they differ.
+pub fn write_lb_config(pin_dir: &Path, config: &LbConfigV4) -> Result<()> {
+    let mut map: aya::maps::Array<MapData, LbConfigV4> =
+        aya::maps::Array::try_from(Map::Array(open(pin_dir, map_names::LB_CONFIG)?))?;
+    if map.get(&0, 0)? != *config {
+        map.set(0, config, 0)?;
+    }
+    Ok(())
+}
+
 /// Sums the per-CPU packet counters of `lb_stats`, in `lb_stat` index order.
 pub fn read_lb_stats(pin_dir: &Path) -> Result<Vec<u64>> {
     let stats: PerCpuArray<MapData, u64> =

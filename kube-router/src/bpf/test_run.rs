@@ -35,7 +35,21 @@ pub struct TestRunResult {
 }
 
 pub fn run(prog_fd: RawFd, packet: &[u8], repeat: u32) -> io::Result<TestRunResult> {
+    run_on(prog_fd, packet, repeat, None)
+}
+
+/// Size of the kernel's `struct __sk_buff` and the offset of its `ifindex` field.
+const SK_BUFF_SIZE: usize = 192;
+const SK_BUFF_IFINDEX_OFF: usize = 40;
+
+/// Like [`run`], with the packet arriving on interface `ifindex` of the calling thread's network
+/// namespace (so FIB lookups and redirects in the program see that namespace's routes).
+pub fn run_on(prog_fd: RawFd, packet: &[u8], repeat: u32, ifindex: Option<u32>) -> io::Result<TestRunResult> {
     let mut out = vec![0u8; packet.len() + 256];
+    let mut ctx = [0u8; SK_BUFF_SIZE];
+    if let Some(ifindex) = ifindex {
+        ctx[SK_BUFF_IFINDEX_OFF..SK_BUFF_IFINDEX_OFF + 4].copy_from_slice(&ifindex.to_ne_bytes());
+    }
     let mut attr = TestRunAttr {
         prog_fd: prog_fd as u32,
         data_size_in: packet.len() as u32,
@@ -45,6 +59,10 @@ pub fn run(prog_fd: RawFd, packet: &[u8], repeat: u32) -> io::Result<TestRunResu
         repeat,
         ..Default::default()
     };
+    if ifindex.is_some() {
+        attr.ctx_size_in = SK_BUFF_SIZE as u32;
+        attr.ctx_in = ctx.as_ptr() as u64;
+    }
     // SAFETY: attr points at valid buffers of the stated sizes for the duration of the call.
     let rc = unsafe {
         libc::syscall(
@@ -61,14 +79,68 @@ pub fn run(prog_fd: RawFd, packet: &[u8], repeat: u32) -> io::Result<TestRunResu
     Ok(TestRunResult { retval: attr.retval as i32, duration_ns: attr.duration, packet: out })
 }
 
+/// A network namespace for packets that programs route themselves (FIB lookup + redirect): the
+/// calling thread enters it, so TEST_RUN packets given one of its interfaces arrive there and
+/// lookups see its routes. Deleted on drop.
+pub struct NodeNetns {
+    name: String,
+}
+
+impl NodeNetns {
+    /// Creates `name`, runs each `ip` command in it (e.g. `["link", "add", ...]`), turns on
+    /// forwarding and enters it on this thread.
+    pub fn enter(name: &str, ip_commands: &[&[&str]]) -> io::Result<Self> {
+        use std::{os::fd::AsRawFd, process::Command};
+        let failed = |what: String| io::Error::other(what);
+        let _ = Command::new("ip").args(["netns", "delete", name]).output();
+        let ns = Self { name: name.to_string() };
+        let run = |args: &[&str]| -> io::Result<()> {
+            let out = Command::new("ip").args(args).output()?;
+            if !out.status.success() {
+                return Err(failed(format!("ip {args:?}: {}", String::from_utf8_lossy(&out.stderr))));
+            }
+            Ok(())
+        };
+        run(&["netns", "add", name])?;
+        run(&["-n", name, "link", "set", "lo", "up"])?;
+        for args in ip_commands {
+            let mut full = vec!["-n", name];
+            full.extend_from_slice(args);
+            run(&full)?;
+        }
+        run(&["netns", "exec", name, "sysctl", "-qw", "net.ipv4.ip_forward=1"])?;
+        let file = std::fs::File::open(format!("/run/netns/{name}"))?;
+        // SAFETY: setns on the calling thread only, with a valid namespace fd.
+        if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(ns)
+    }
+
+    /// The index of `interface` in the namespace (the calling thread must be in it).
+    pub fn ifindex(&self, interface: &str) -> u32 {
+        let name = std::ffi::CString::new(interface).expect("interface name");
+        // SAFETY: a valid NUL-terminated name, looked up in this thread's namespace.
+        unsafe { libc::if_nametoindex(name.as_ptr()) }
+    }
+}
+
+impl Drop for NodeNetns {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip").args(["netns", "delete", &self.name]).output();
+    }
+}
+
 /// Minimal packet crafting and checking for IPv4 TCP/UDP frames.
 pub mod packet {
     use super::*;
 
     pub const TCP: u8 = 6;
     pub const UDP: u8 = 17;
+    pub const ICMP: u8 = 1;
     pub const TCP_SYN: u8 = 0x02;
     pub const TCP_ACK: u8 = 0x10;
+    pub const TCP_RST: u8 = 0x04;
 
     fn fold(mut sum: u32) -> u16 {
         while sum > 0xffff {
@@ -86,17 +158,32 @@ pub mod packet {
         fold(pseudo + sum_words(l4))
     }
 
-    /// An Ethernet + IPv4 + TCP (flags given) or UDP frame with valid checksums.
-    pub fn ipv4(proto: u8, src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16), tcp_flags: u8, payload: &[u8]) -> Vec<u8> {
-        let mut frame = vec![0x02, 0, 0, 0, 0, 2, 0x02, 0, 0, 0, 0, 1, 0x08, 0x00];
-        let l4_len = if proto == TCP { 20 } else { 8 } + payload.len();
-        let total = (20 + l4_len) as u16;
-        let mut ip = vec![0x45, 0, 0, 0, 0x12, 0x34, 0x40, 0, 64, proto, 0, 0];
+    /// Source and destination MAC of the frames built here.
+    pub const SRC_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 1];
+    pub const DST_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 2];
+
+    /// An Ethernet + IPv4 header (no options, TTL 64, id 0x1234) around `l4`, checksum valid.
+    /// `fragment`: the flags + offset field (0x4000 = DF, 0x2000 = more fragments).
+    pub fn ipv4_frame(proto: u8, src: Ipv4Addr, dst: Ipv4Addr, fragment: u16, l4: &[u8]) -> Vec<u8> {
+        let mut frame = DST_MAC.to_vec();
+        frame.extend_from_slice(&SRC_MAC);
+        frame.extend_from_slice(&[0x08, 0x00]);
+        let total = (20 + l4.len()) as u16;
+        let mut ip = vec![0x45, 0, 0, 0, 0x12, 0x34, 0, 0, 64, proto, 0, 0];
         ip[2..4].copy_from_slice(&total.to_be_bytes());
-        ip.extend_from_slice(&src.0.octets());
-        ip.extend_from_slice(&dst.0.octets());
+        ip[6..8].copy_from_slice(&fragment.to_be_bytes());
+        ip.extend_from_slice(&src.octets());
+        ip.extend_from_slice(&dst.octets());
         let ip_sum = fold(sum_words(&ip));
         ip[10..12].copy_from_slice(&ip_sum.to_be_bytes());
+        frame.extend(ip);
+        frame.extend_from_slice(l4);
+        frame
+    }
+
+    /// The L4 header and payload of a TCP (flags given) or UDP segment with a valid checksum.
+    pub fn l4_segment(proto: u8, src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16), tcp_flags: u8, payload: &[u8]) -> Vec<u8> {
+        let l4_len = if proto == TCP { 20 } else { 8 } + payload.len();
         let mut l4 = Vec::new();
         l4.extend_from_slice(&src.1.to_be_bytes());
         l4.extend_from_slice(&dst.1.to_be_bytes());
@@ -110,9 +197,43 @@ pub mod packet {
         let sum = l4_checksum(src.0.octets(), dst.0.octets(), proto, &l4);
         let off = if proto == TCP { 16 } else { 6 };
         l4[off..off + 2].copy_from_slice(&sum.to_be_bytes());
-        frame.extend(ip);
-        frame.extend(l4);
-        frame
+        l4
+    }
+
+    /// An Ethernet + IPv4 + TCP (flags given) or UDP frame with valid checksums (DF set).
+    pub fn ipv4(proto: u8, src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16), tcp_flags: u8, payload: &[u8]) -> Vec<u8> {
+        ipv4_frame(proto, src.0, dst.0, 0x4000, &l4_segment(proto, src, dst, tcp_flags, payload))
+    }
+
+    /// An ICMP error (`icmp_type`/`code`, e.g. 3/4 "fragmentation needed") from `from` to `to`
+    /// quoting the IPv4 packet inside `quoted_frame` (its header and first 8 L4 bytes).
+    pub fn icmp_error(icmp_type: u8, code: u8, from: Ipv4Addr, to: Ipv4Addr, quoted_frame: &[u8]) -> Vec<u8> {
+        let quoted = &quoted_frame[14..14 + 20 + 8];
+        let mut icmp = vec![icmp_type, code, 0, 0, 0, 0, 0x05, 0x78]; // next-hop MTU 1400
+        icmp.extend_from_slice(quoted);
+        let sum = fold(sum_words(&icmp));
+        icmp[2..4].copy_from_slice(&sum.to_be_bytes());
+        ipv4_frame(ICMP, from, to, 0, &icmp)
+    }
+
+    /// An IPv4 header's checksum verifies.
+    pub fn ip_header_valid(ip: &[u8]) -> bool {
+        fold(sum_words(&ip[..usize::from(ip[0] & 0xf) * 4])) == 0
+    }
+
+    /// The ICMP checksum and the quoted IPv4 header's checksum of an ICMP message verify.
+    pub fn icmp_checksums_valid(frame: &[u8]) -> bool {
+        let ip = &frame[14..];
+        let total = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+        let icmp = &ip[20..total];
+        ip_header_valid(ip) && fold(sum_words(icmp)) == 0 && ip_header_valid(&icmp[8..])
+    }
+
+    /// (source, destination) of the packet quoted in an ICMP message.
+    pub fn quoted_endpoints(frame: &[u8]) -> ((Ipv4Addr, u16), (Ipv4Addr, u16)) {
+        let mut inner = frame[..14].to_vec();
+        inner.extend_from_slice(&frame[14 + 20 + 8..]);
+        endpoints(&inner)
     }
 
     /// (source, destination) as written in the frame.

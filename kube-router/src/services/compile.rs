@@ -86,6 +86,8 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
             let internal = set(service.internal_traffic_local);
             let external = set(service.external_traffic_local);
             let local_flag = |local: bool| if local { SVC_FLAG_LOCAL_ONLY } else { 0 };
+            let hairpin = if service.hairpin || node.hairpin_all { SVC_FLAG_HAIRPIN } else { 0 };
+            let affinity_flags = affinity_flags | hairpin;
 
             let mut frontends = Vec::new();
             for ip in &service.cluster_ips {
@@ -98,7 +100,7 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
             for ip in service.external_ips.iter().chain(&service.load_balancer_ips) {
                 frontends.push((
                     frontend_key(*ip, port.port, port.protocol),
-                    affinity_flags | local_flag(external.local_only),
+                    affinity_flags | local_flag(external.local_only) | SVC_FLAG_EXTERNAL,
                     external.clone(),
                 ));
             }
@@ -106,7 +108,7 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
                 for ip in &node.node_port_addrs {
                     frontends.push((
                         frontend_key(*ip, node_port, port.protocol),
-                        affinity_flags | local_flag(external.local_only) | SVC_FLAG_NODEPORT,
+                        affinity_flags | local_flag(external.local_only) | SVC_FLAG_EXTERNAL | SVC_FLAG_NODEPORT,
                         external.clone(),
                     ));
                 }
@@ -164,10 +166,11 @@ fn backends_for(
             continue;
         };
         for endpoint in &slice.endpoints {
-            if local_only && endpoint.node_name.as_deref() != Some(node.name.as_str()) {
+            let local = endpoint.node_name.as_deref() == Some(node.name.as_str());
+            if local_only && !local {
                 continue;
             }
-            let key = (endpoint.addr, endpoint_port.port);
+            let key = (endpoint.addr, endpoint_port.port, local);
             if endpoint.ready || service.publish_not_ready {
                 ready.insert(key);
             } else if endpoint.serving && endpoint.terminating {
@@ -180,7 +183,11 @@ fn backends_for(
     let kept: Vec<BackendV4> = chosen
         .into_iter()
         .take(limits.max_backends_per_service)
-        .map(|(addr, port)| BackendV4 { addr: addr_be(addr), port: port.to_be(), pad: 0 })
+        .map(|(addr, port, local)| BackendV4 {
+            addr: addr_be(addr),
+            port: port.to_be(),
+            flags: if local { BACKEND_FLAG_LOCAL } else { 0 },
+        })
         .collect();
     if kept.len() < total {
         let dropped = total - kept.len();

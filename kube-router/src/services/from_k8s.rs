@@ -7,6 +7,8 @@ use thiserror::Error;
 use super::model::*;
 
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+/// kube-router's per-Service hairpin switch (its presence turns hairpin on).
+pub const HAIRPIN_ANNOTATION: &str = "kube-router.io/service.hairpin";
 const DEFAULT_AFFINITY_TIMEOUT_SECS: u32 = 10_800;
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -162,6 +164,7 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
         external_traffic_local: spec.external_traffic_policy.as_deref() == Some("Local"),
         internal_traffic_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
         publish_not_ready: spec.publish_not_ready_addresses.unwrap_or(false),
+        hairpin: object.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(HAIRPIN_ANNOTATION)),
     }))
 }
 

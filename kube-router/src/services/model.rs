@@ -61,6 +61,9 @@ pub struct Service {
     pub internal_traffic_local: bool,
     /// publishNotReadyAddresses: every endpoint counts as ready.
     pub publish_not_ready: bool,
+    /// `kube-router.io/service.hairpin`: a backend may reach itself through the service.
+    #[serde(default)]
+    pub hairpin: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -114,4 +117,6 @@ pub struct NodeContext {
     pub name: String,
     /// Addresses NodePort frontends listen on.
     pub node_port_addrs: Vec<Ipv4Addr>,
+    /// `--hairpin-mode`: every service lets its backends reach themselves through it.
+    pub hairpin_all: bool,
 }

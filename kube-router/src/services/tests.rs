@@ -12,7 +12,7 @@ use super::{
 };
 
 fn node() -> NodeContext {
-    NodeContext { name: "node-a".into(), node_port_addrs: vec![Ipv4Addr::new(192, 0, 2, 1)] }
+    NodeContext { name: "node-a".into(), node_port_addrs: vec![Ipv4Addr::new(192, 0, 2, 1)], hairpin_all: false }
 }
 
 const OBJECTS: &str = r#"
@@ -81,10 +81,36 @@ fn compiles_cluster_ip_and_node_port_frontends_to_ready_backends() {
     );
     // NodePort shares the ClusterIP's backend set (externalTrafficPolicy: Cluster).
     assert_eq!(contents.services[&node_port].service_id, contents.services[&http].service_id);
-    assert_eq!(contents.services[&node_port].flags, SVC_FLAG_AFFINITY | SVC_FLAG_NODEPORT);
+    assert_eq!(contents.services[&node_port].flags, SVC_FLAG_AFFINITY | SVC_FLAG_EXTERNAL | SVC_FLAG_NODEPORT);
+    assert_eq!(contents.services[&http].flags, SVC_FLAG_AFFINITY, "a ClusterIP is not a north-south frontend");
+    // Endpoints on this node are marked: their flows need no source NAT to come back.
+    let local: Vec<(Ipv4Addr, bool)> = contents
+        .backends
+        .values()
+        .map(|b| (Ipv4Addr::from(b.addr.to_ne_bytes()), b.flags & BACKEND_FLAG_LOCAL != 0))
+        .collect();
+    assert!(
+        local.contains(&(Ipv4Addr::new(10, 0, 0, 2), true)) && local.contains(&(Ipv4Addr::new(10, 0, 0, 1), false))
+    );
     assert_eq!(contents.services[&http].affinity_timeout_secs, 60);
     // Not ready, terminating endpoints are not used while ready ones exist.
     assert!(!contents.backends.values().any(|b| b.addr == addr_be(Ipv4Addr::new(10, 0, 0, 3))));
+}
+
+#[test]
+fn hairpin_follows_the_flag_and_the_annotation() {
+    let http = frontend_key(Ipv4Addr::new(10, 96, 0, 10), 80, Protocol::Tcp);
+    let flags = |text: &str, hairpin_all: bool| {
+        let builder = parse_objects(text).expect("parse");
+        let node = NodeContext { hairpin_all, ..node() };
+        assign_ids(&plan(&builder.state, &node, Limits::default()), &MapContents::default()).services[&http].flags
+    };
+    assert_eq!(flags(OBJECTS, false) & SVC_FLAG_HAIRPIN, 0);
+    assert_ne!(flags(OBJECTS, true) & SVC_FLAG_HAIRPIN, 0);
+    let annotated =
+        OBJECTS.replacen("name: web}", "name: web, annotations: {kube-router.io/service.hairpin: \"\"}}", 1);
+    assert_ne!(annotated, OBJECTS);
+    assert_ne!(flags(&annotated, false) & SVC_FLAG_HAIRPIN, 0);
 }
 
 #[test]
@@ -244,7 +270,7 @@ fn arb_contents() -> impl Strategy<Value = MapContents> {
     let slot = (1u32..6, 0u32..4, 1u32..8).prop_map(|(service_id, slot, backend_id)| {
         (BackendSlotKey { service_id, slot }, BackendSlotValue { backend_id })
     });
-    let backend = (1u32..8, 0u32..4, 0u16..3).prop_map(|(id, addr, port)| (id, BackendV4 { addr, port, pad: 0 }));
+    let backend = (1u32..8, 0u32..4, 0u16..3).prop_map(|(id, addr, port)| (id, BackendV4 { addr, port, flags: 0 }));
     (
         proptest::collection::btree_map(
             service.prop_map(|(k, _)| k),

@@ -1,0 +1,166 @@
+//! Refusing a new flow to a frontend without endpoints at once, as kube-proxy's REJECT does:
+//! the packet is turned into the answer (a TCP RST, or an ICMP port unreachable quoting it) and
+//! sent back out of the interface it arrived on, so the client fails in a round trip instead of
+//! waiting for a timeout.
+use aya_ebpf::{
+    bindings::{bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, TC_ACT_SHOT},
+    helpers::{bpf_csum_diff, bpf_redirect, bpf_skb_change_tail},
+    programs::TcContext,
+    EbpfContext,
+};
+use kube_router_common::{lb_stat, IPPROTO_ICMP, IPPROTO_TCP};
+
+use crate::maps::count;
+use crate::parsing::{LbFlow, ETH_HDR_LEN, IP_TOT_LEN_OFF, TCP_FLAG_FIN, TCP_FLAG_RST};
+
+const TCP_FLAG_SYN: u8 = 0x02;
+const TCP_FLAG_ACK: u8 = 0x10;
+const IP_HDR_LEN: usize = 20;
+const TCP_HDR_LEN: usize = 20;
+const ICMP_HDR_LEN: usize = 8;
+/// What an ICMP error quotes of the refused packet: its (option-less) IPv4 header and 8 bytes.
+const QUOTE_LEN: usize = IP_HDR_LEN + 8;
+const TTL: u8 = 64;
+
+/// Word-aligned scratch for `bpf_csum_diff`, which sums 32-bit words.
+#[repr(C, align(4))]
+struct Words<const N: usize>([u8; N]);
+
+/// The ones'-complement checksum of `bytes` (N a multiple of 4), ready to store as is.
+#[inline(always)]
+fn checksum<const N: usize>(bytes: &mut Words<N>) -> Result<u16, i64> {
+    // SAFETY: the buffer is N bytes, word aligned; no "from" buffer.
+    let sum = unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, bytes.0.as_mut_ptr().cast(), N as u32, 0) };
+    if sum < 0 {
+        return Err(sum);
+    }
+    let mut sum = sum as u64;
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    Ok(!(sum as u16))
+}
+
+/// An IPv4 header from `src` to `dst`, checksum filled in.
+#[inline(always)]
+fn ipv4_header(proto: u8, total_len: u16, src: u32, dst: u32) -> Result<Words<IP_HDR_LEN>, i64> {
+    let mut header = Words([0u8; IP_HDR_LEN]);
+    let h = &mut header.0;
+    h[0] = 0x45;
+    h[2..4].copy_from_slice(&total_len.to_be_bytes());
+    h[8] = TTL;
+    h[9] = proto;
+    h[12..16].copy_from_slice(&src.to_ne_bytes());
+    h[16..20].copy_from_slice(&dst.to_ne_bytes());
+    let csum = checksum(&mut header)?;
+    header.0[10..12].copy_from_slice(&csum.to_ne_bytes());
+    Ok(header)
+}
+
+/// Sends the (rewritten) packet back out of the interface it came in on, MACs swapped.
+#[inline(always)]
+fn bounce(ctx: &TcContext, macs: &[u8; 12]) -> Result<i32, i64> {
+    let mut swapped = [0u8; 12];
+    swapped[..6].copy_from_slice(&macs[6..]);
+    swapped[6..].copy_from_slice(&macs[..6]);
+    ctx.store(0, &swapped, 0)?;
+    // SAFETY: reading the ingress interface index from the skb context.
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    // SAFETY: plain helper call; redirects to that interface's egress.
+    Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
+}
+
+#[inline(always)]
+fn truncate(ctx: &TcContext, len: usize) -> Result<(), i64> {
+    // SAFETY: the context is this program's skb.
+    let rc = unsafe { bpf_skb_change_tail(ctx.as_ptr().cast(), len as u32, 0) };
+    if rc < 0 {
+        return Err(rc);
+    }
+    Ok(())
+}
+
+/// Answers the packet with a refusal; returns the TC verdict (a drop if it cannot be built).
+// Not inlined: its scratch buffers would not fit beside the caller's stack.
+#[inline(never)]
+pub fn refuse(ctx: &TcContext, flow: &LbFlow) -> i32 {
+    let answer = if flow.proto == IPPROTO_TCP { tcp_reset(ctx, flow) } else { icmp_port_unreachable(ctx, flow) };
+    match answer {
+        Ok(verdict) => {
+            count(lb_stat::REJECT_SENT);
+            verdict
+        }
+        Err(_) => TC_ACT_SHOT,
+    }
+}
+
+#[inline(always)]
+fn tcp_reset(ctx: &TcContext, flow: &LbFlow) -> Result<i32, i64> {
+    if flow.tcp_flags & TCP_FLAG_RST != 0 {
+        return Ok(TC_ACT_SHOT);
+    }
+    let macs: [u8; 12] = ctx.load(0)?;
+    let seq = u32::from_be(ctx.load::<u32>(flow.l4_off + 4)?);
+    let ack: u32 = ctx.load(flow.l4_off + 8)?;
+    let data_off = ((ctx.load::<u8>(flow.l4_off + 12)? >> 4) as u32) * 4;
+    let total_len = u16::from_be(ctx.load::<u16>(IP_TOT_LEN_OFF)?) as u32;
+    let ip_len = (flow.l4_off - ETH_HDR_LEN) as u32;
+    let payload = total_len.saturating_sub(ip_len + data_off);
+    // RFC 9293 3.10.7.1: answer an ACK with its acknowledgment number as sequence number;
+    // otherwise acknowledge everything the segment occupied.
+    let (rst_seq, rst_ack, rst_flags) = if flow.tcp_flags & TCP_FLAG_ACK != 0 {
+        (ack, 0u32, TCP_FLAG_RST)
+    } else {
+        let occupied =
+            payload + u32::from(flow.tcp_flags & TCP_FLAG_SYN != 0) + u32::from(flow.tcp_flags & TCP_FLAG_FIN != 0);
+        (0u32, seq.wrapping_add(occupied).to_be(), TCP_FLAG_RST | TCP_FLAG_ACK)
+    };
+
+    // Pseudo-header then the TCP header, summed together.
+    let mut segment = Words([0u8; 12 + TCP_HDR_LEN]);
+    let s = &mut segment.0;
+    s[0..4].copy_from_slice(&flow.dst_addr.to_ne_bytes());
+    s[4..8].copy_from_slice(&flow.src_addr.to_ne_bytes());
+    s[9] = IPPROTO_TCP;
+    s[11] = TCP_HDR_LEN as u8;
+    let t = &mut s[12..];
+    t[0..2].copy_from_slice(&flow.dst_port.to_ne_bytes());
+    t[2..4].copy_from_slice(&flow.src_port.to_ne_bytes());
+    t[4..8].copy_from_slice(&rst_seq.to_ne_bytes());
+    t[8..12].copy_from_slice(&rst_ack.to_ne_bytes());
+    t[12] = (TCP_HDR_LEN as u8 / 4) << 4;
+    t[13] = rst_flags;
+    let csum = checksum(&mut segment)?;
+    segment.0[12 + 16..12 + 18].copy_from_slice(&csum.to_ne_bytes());
+    let ip = ipv4_header(IPPROTO_TCP, (IP_HDR_LEN + TCP_HDR_LEN) as u16, flow.dst_addr, flow.src_addr)?;
+
+    truncate(ctx, ETH_HDR_LEN + IP_HDR_LEN + TCP_HDR_LEN)?;
+    ctx.store(ETH_HDR_LEN, &ip.0, 0)?;
+    let tcp: [u8; TCP_HDR_LEN] = segment.0[12..].try_into().map_err(|_| -1i64)?;
+    ctx.store(ETH_HDR_LEN + IP_HDR_LEN, &tcp, 0)?;
+    bounce(ctx, &macs)
+}
+
+#[inline(always)]
+fn icmp_port_unreachable(ctx: &TcContext, flow: &LbFlow) -> Result<i32, i64> {
+    // A datagram with IP options is rare enough to be dropped rather than quoted.
+    if flow.l4_off != ETH_HDR_LEN + IP_HDR_LEN {
+        return Ok(TC_ACT_SHOT);
+    }
+    let macs: [u8; 12] = ctx.load(0)?;
+    let mut message = Words([0u8; ICMP_HDR_LEN + QUOTE_LEN]);
+    message.0[0] = 3; // destination unreachable
+    message.0[1] = 3; // port unreachable
+    let quote: [u8; QUOTE_LEN] = ctx.load(ETH_HDR_LEN)?;
+    message.0[ICMP_HDR_LEN..].copy_from_slice(&quote);
+    let csum = checksum(&mut message)?;
+    let icmp_header: [u8; ICMP_HDR_LEN] = [3, 3, csum.to_ne_bytes()[0], csum.to_ne_bytes()[1], 0, 0, 0, 0];
+    let ip = ipv4_header(IPPROTO_ICMP, (IP_HDR_LEN + ICMP_HDR_LEN + QUOTE_LEN) as u16, flow.dst_addr, flow.src_addr)?;
+
+    // Keep the quote, then open room for the new IPv4 and ICMP headers in front of it.
+    truncate(ctx, ETH_HDR_LEN + QUOTE_LEN)?;
+    ctx.adjust_room((IP_HDR_LEN + ICMP_HDR_LEN) as i32, BPF_ADJ_ROOM_MAC, 0)?;
+    ctx.store(ETH_HDR_LEN, &ip.0, 0)?;
+    ctx.store(ETH_HDR_LEN + IP_HDR_LEN, &icmp_header, 0)?;
+    bounce(ctx, &macs)
+}

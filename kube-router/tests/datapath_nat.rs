@@ -1,0 +1,401 @@
+//! The load balancer's translations beyond plain DNAT, run in the kernel with BPF_PROG_TEST_RUN:
+//! source NAT of north-south flows to another node and of hairpin flows (with the program routing
+//! the packet itself), refusals for Services without endpoints, ICMP errors and fragments of
+//! translated flows, and flows moving off a removed backend. Needs root.
+//!
+//! Packets that the program routes (FIB lookup + redirect) are run "arriving" on an interface of
+//! a network namespace made for the test, so the lookup sees that namespace's routes.
+use std::{net::Ipv4Addr, path::PathBuf};
+
+use kube_router::{
+    bpf::{
+        datapath::{self, Datapath, Hook},
+        service_maps::{read_lb_stats, write_lb_config, BpfServiceMaps, Conntrack},
+        test_run::{packet, run_on, NodeNetns},
+    },
+    services::{
+        compile::{addr_be, assign_ids, plan, Limits},
+        model::NodeContext,
+        source::parse_objects,
+        sync::ServiceSync,
+    },
+};
+use kube_router_common::{lb_stat, LbConfigV4, CT_FLAG_SEEN_REPLY};
+
+const TC_ACT_UNSPEC: i32 = -1;
+const TC_ACT_SHOT: i32 = 2;
+const TC_ACT_REDIRECT: i32 = 7;
+
+const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 100, 0, 1);
+const CLIENT: Ipv4Addr = Ipv4Addr::new(192, 168, 100, 2);
+const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
+/// A pod on this node ("node-a") and one on another node.
+const LOCAL_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 5);
+const REMOTE_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 5);
+const SNAT_PORTS: (u16, u16) = (20_000, 20_003);
+
+/// A Service `web`: ClusterIP VIP:80/TCP and :53/UDP, NodePort 30080/TCP and 30053/UDP, an
+/// ExternalIP, over the given endpoints (address, node).
+fn service_yaml(endpoints: &[(Ipv4Addr, &str)], annotations: &str) -> String {
+    let endpoints: String = endpoints
+        .iter()
+        .map(|(addr, node)| format!("- addresses: [\"{addr}\"]\n  nodeName: {node}\n  conditions: {{ready: true}}\n"))
+        .collect();
+    let endpoints = if endpoints.is_empty() { " []\n".to_string() } else { format!("\n{endpoints}") };
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{namespace: default, name: web{annotations}}}\nspec:\n  type: NodePort\n  clusterIP: {VIP}\n  externalIPs: [{EXTERNAL_IP}]\n  ports:\n  - {{name: http, protocol: TCP, port: 80, nodePort: 30080}}\n  - {{name: dns, protocol: UDP, port: 53, nodePort: 30053}}\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  namespace: default\n  name: web-1\n  labels: {{kubernetes.io/service-name: web}}\naddressType: IPv4\n\
+         ports:\n- {{name: http, protocol: TCP, port: 8080}}\n- {{name: dns, protocol: UDP, port: 5353}}\nendpoints:{endpoints}"
+    )
+}
+
+/// The node's network namespace: `up0` (NODE_IP/24) towards the fabric, the other node's pod
+/// CIDR and the client's subnet routed via the fabric, this node's pods on `pod0`.
+fn node_netns(test: &str) -> NodeNetns {
+    NodeNetns::enter(
+        &format!("krt-unit-nat-{test}"),
+        &[
+            &["link", "add", "up0", "type", "veth", "peer", "name", "up1"],
+            &["addr", "add", "10.100.0.1/24", "dev", "up0"],
+            &["link", "set", "up0", "up"],
+            &["link", "set", "up1", "up"],
+            &["route", "add", "10.244.2.0/24", "via", "10.100.0.2"],
+            &["route", "add", "192.168.100.0/24", "via", "10.100.0.254"],
+            &["link", "add", "pod0", "type", "veth", "peer", "name", "pod1"],
+            &["addr", "add", "10.244.1.1/24", "dev", "pod0"],
+            &["link", "set", "pod0", "up"],
+            &["link", "set", "pod1", "up"],
+        ],
+    )
+    .expect("node netns")
+}
+
+struct Loaded {
+    datapath: Datapath,
+    pin_dir: PathBuf,
+    ifindex: u32,
+    _node: NodeNetns,
+}
+
+impl Drop for Loaded {
+    fn drop(&mut self) {
+        let _ = datapath::remove_all(&self.pin_dir);
+    }
+}
+
+fn node_context() -> NodeContext {
+    NodeContext { name: "node-a".into(), node_port_addrs: vec![NODE_IP], hairpin_all: true }
+}
+
+fn program(pin_dir: &std::path::Path, yaml: &str) {
+    let mut maps = BpfServiceMaps::open_pinned(pin_dir).unwrap();
+    let mut sync = ServiceSync::adopt(&maps).unwrap();
+    let builder = parse_objects(yaml).unwrap();
+    let desired = assign_ids(&plan(&builder.state, &node_context(), Limits::default()), sync.programmed());
+    assert_eq!(sync.sync(&mut maps, &desired, true).total().errors, 0);
+}
+
+fn load(test: &str, yaml: &str) -> Loaded {
+    let node = node_netns(test);
+    let ifindex = node.ifindex("up0");
+    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/krt-unit-nat-{test}"));
+    let _ = datapath::remove_all(&pin_dir);
+    let datapath = Datapath::load(&pin_dir).expect("load datapath (run as root)");
+    program(&pin_dir, yaml);
+    let config = LbConfigV4 {
+        snat_addr: addr_be(NODE_IP),
+        snat_port_min: SNAT_PORTS.0,
+        snat_port_max: SNAT_PORTS.1,
+        flags: 0,
+        pad: 0,
+    };
+    write_lb_config(&pin_dir, &config).unwrap();
+    Loaded { datapath, pin_dir, ifindex, _node: node }
+}
+
+impl Loaded {
+    fn ingress(&self, frame: &[u8]) -> (i32, Vec<u8>) {
+        let fd = self.datapath.program_fd(Hook::Ingress).unwrap();
+        let out = run_on(fd, frame, 1, Some(self.ifindex)).unwrap();
+        (out.retval, out.packet)
+    }
+    fn egress(&self, frame: &[u8]) -> (i32, Vec<u8>) {
+        let fd = self.datapath.program_fd(Hook::Egress).unwrap();
+        let out = run_on(fd, frame, 1, Some(self.ifindex)).unwrap();
+        (out.retval, out.packet)
+    }
+    fn stat(&self, index: u32) -> u64 {
+        read_lb_stats(&self.pin_dir).unwrap()[index as usize]
+    }
+}
+
+fn ttl(frame: &[u8]) -> u8 {
+    frame[14 + 8]
+}
+
+#[test]
+fn north_south_to_another_node_is_source_natted_and_routed_both_ways() {
+    let lb = load("ns", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+    for (proto, node_port, backend_port) in [(packet::TCP, 30080, 8080), (packet::UDP, 30053, 5353)] {
+        let syn = packet::ipv4(proto, (CLIENT, 40000), (NODE_IP, node_port), packet::TCP_SYN, b"hi");
+        let (verdict, out) = lb.ingress(&syn);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "routed by the program (its new source is a node address)");
+        let (src, dst) = packet::endpoints(&out);
+        assert_eq!(dst, (REMOTE_POD, backend_port));
+        assert_eq!(src.0, NODE_IP, "source-NATed to this node");
+        assert!((SNAT_PORTS.0..=SNAT_PORTS.1).contains(&src.1), "port {} from the SNAT range", src.1);
+        assert_eq!(ttl(&out), 63, "forwarded like a router: TTL decremented");
+        assert!(packet::checksums_valid(&out));
+
+        // The backend's reply comes back to the node's address and leaves as the NodePort's.
+        let reply = packet::ipv4(proto, dst, src, packet::TCP_ACK, b"hello");
+        let (verdict, back) = lb.ingress(&reply);
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+        assert_eq!(packet::endpoints(&back), ((NODE_IP, node_port), (CLIENT, 40000)));
+        assert!(packet::checksums_valid(&back));
+        // Later packets of the flow keep port and backend.
+        let (_, again) = lb.ingress(&packet::ipv4(proto, (CLIENT, 40000), (NODE_IP, node_port), packet::TCP_ACK, b"x"));
+        assert_eq!(packet::endpoints(&again), (src, dst));
+    }
+    // An ExternalIP is not a node address: the reply goes back through the stack untouched by
+    // routing, only translated.
+    let syn = packet::ipv4(packet::TCP, (CLIENT, 40001), (EXTERNAL_IP, 80), packet::TCP_SYN, b"");
+    let (verdict, out) = lb.ingress(&syn);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    let (src, dst) = packet::endpoints(&out);
+    assert_eq!((src.0, dst), (NODE_IP, (REMOTE_POD, 8080)));
+    let (verdict, back) = lb.ingress(&packet::ipv4(packet::TCP, dst, src, packet::TCP_ACK, b""));
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    assert_eq!(packet::endpoints(&back), ((EXTERNAL_IP, 80), (CLIENT, 40001)));
+    assert_eq!(lb.stat(lb_stat::SNAT_NEW_FLOW), 3);
+    // Every packet of the NodePort flows both ways, and the ExternalIP flow's first packet.
+    assert_eq!(lb.stat(lb_stat::REDIRECTED), 7);
+
+    // A ClusterIP flow from a pod keeps the pod's address (no source NAT for east-west).
+    let (verdict, out) = lb.ingress(&packet::ipv4(packet::TCP, (LOCAL_POD, 41000), (VIP, 80), packet::TCP_SYN, b""));
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    assert_eq!(packet::endpoints(&out), ((LOCAL_POD, 41000), (REMOTE_POD, 8080)));
+}
+
+#[test]
+fn local_backends_and_traffic_policy_local_keep_the_client_address() {
+    let lb = load("local", &service_yaml(&[(LOCAL_POD, "node-a")], ""));
+    let (verdict, out) =
+        lb.ingress(&packet::ipv4(packet::TCP, (CLIENT, 40000), (NODE_IP, 30080), packet::TCP_SYN, b""));
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    assert_eq!(packet::endpoints(&out), ((CLIENT, 40000), (LOCAL_POD, 8080)));
+
+    let local_policy = service_yaml(&[(REMOTE_POD, "node-b"), (LOCAL_POD, "node-a")], "")
+        .replace("  type: NodePort\n", "  type: NodePort\n  externalTrafficPolicy: Local\n");
+    program(&lb.pin_dir, &local_policy);
+    for port in 40100..40120 {
+        let (verdict, out) =
+            lb.ingress(&packet::ipv4(packet::TCP, (CLIENT, port), (NODE_IP, 30080), packet::TCP_SYN, b""));
+        assert_eq!(verdict, TC_ACT_UNSPEC);
+        assert_eq!(packet::endpoints(&out), ((CLIENT, port), (LOCAL_POD, 8080)), "only the local endpoint");
+    }
+    assert_eq!(lb.stat(lb_stat::SNAT_NEW_FLOW), 0);
+}
+
+#[test]
+fn a_backend_reaching_itself_through_its_service_is_answered_from_the_vip() {
+    let lb = load("hairpin", &service_yaml(&[(LOCAL_POD, "node-a")], ""));
+    let (verdict, out) = lb.ingress(&packet::ipv4(packet::TCP, (LOCAL_POD, 45000), (VIP, 80), packet::TCP_SYN, b""));
+    assert_eq!(verdict, TC_ACT_UNSPEC, "the VIP is not a node address: the stack routes it");
+    let (src, dst) = packet::endpoints(&out);
+    assert_eq!(dst, (LOCAL_POD, 8080));
+    assert_eq!(src.0, VIP, "seen from the VIP, not from itself");
+    assert!(packet::checksums_valid(&out));
+    let (verdict, back) = lb.ingress(&packet::ipv4(packet::TCP, dst, src, packet::TCP_ACK, b""));
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    assert_eq!(packet::endpoints(&back), ((VIP, 80), (LOCAL_POD, 45000)));
+
+    // Through the NodePort the new source is a node address: routed by the program.
+    let (verdict, out) =
+        lb.ingress(&packet::ipv4(packet::TCP, (LOCAL_POD, 45001), (NODE_IP, 30080), packet::TCP_SYN, b""));
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(packet::endpoints(&out).0 .0, NODE_IP);
+
+    // Without hairpin (flag and annotation off) the packet is only DNATed.
+    let node = NodeContext { hairpin_all: false, ..node_context() };
+    let mut maps = BpfServiceMaps::open_pinned(&lb.pin_dir).unwrap();
+    let mut sync = ServiceSync::adopt(&maps).unwrap();
+    let builder = parse_objects(&service_yaml(&[(LOCAL_POD, "node-a")], "")).unwrap();
+    let desired = assign_ids(&plan(&builder.state, &node, Limits::default()), sync.programmed());
+    sync.sync(&mut maps, &desired, true);
+    let (_, out) = lb.ingress(&packet::ipv4(packet::TCP, (LOCAL_POD, 45002), (VIP, 80), packet::TCP_SYN, b""));
+    assert_eq!(packet::endpoints(&out), ((LOCAL_POD, 45002), (LOCAL_POD, 8080)));
+}
+
+#[test]
+fn snat_ports_run_out_new_flows_are_refused_and_existing_ones_kept() {
+    let lb = load("exhaust", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+    let range = usize::from(SNAT_PORTS.1 - SNAT_PORTS.0) + 1;
+    let mut flows = Vec::new();
+    let mut refused = 0;
+    // Probing is random: try until every port of the tiny range is taken.
+    for client_port in 0..64u16 {
+        let syn = packet::ipv4(packet::TCP, (CLIENT, 50000 + client_port), (NODE_IP, 30080), packet::TCP_SYN, b"");
+        match lb.ingress(&syn) {
+            (TC_ACT_REDIRECT, out) => flows.push((50000 + client_port, packet::endpoints(&out).0 .1)),
+            (TC_ACT_SHOT, _) => refused += 1,
+            other => panic!("unexpected verdict {}", other.0),
+        }
+    }
+    assert_eq!(flows.len(), range, "exactly one flow per port: {flows:?}");
+    let mut ports: Vec<u16> = flows.iter().map(|f| f.1).collect();
+    ports.sort_unstable();
+    ports.dedup();
+    assert_eq!(ports.len(), range, "no port given twice");
+    assert_eq!(lb.stat(lb_stat::SNAT_PORTS_EXHAUSTED), refused);
+    for (client_port, snat_port) in flows {
+        let (verdict, out) =
+            lb.ingress(&packet::ipv4(packet::TCP, (CLIENT, client_port), (NODE_IP, 30080), packet::TCP_ACK, b""));
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+        assert_eq!(packet::endpoints(&out).0, (NODE_IP, snat_port), "established flows untouched");
+    }
+}
+
+#[test]
+fn a_service_without_endpoints_answers_with_a_reset_or_port_unreachable() {
+    let lb = load("reject", &service_yaml(&[], ""));
+    let syn = packet::ipv4(packet::TCP, (CLIENT, 40000), (VIP, 80), packet::TCP_SYN, b"");
+    let (verdict, rst) = lb.ingress(&syn);
+    assert_eq!(verdict, TC_ACT_REDIRECT, "sent back out of the interface it came in on");
+    assert_eq!(rst.len(), 14 + 20 + 20);
+    assert_eq!(&rst[..6], &packet::SRC_MAC, "MACs swapped");
+    assert_eq!(packet::endpoints(&rst), ((VIP, 80), (CLIENT, 40000)));
+    let tcp = &rst[34..];
+    assert_eq!(tcp[13], packet::TCP_RST | packet::TCP_ACK);
+    assert_eq!(u32::from_be_bytes(tcp[8..12].try_into().unwrap()), 2, "acknowledges the SYN (seq 1)");
+    assert!(packet::checksums_valid(&rst));
+
+    let query = packet::ipv4(packet::UDP, (CLIENT, 40001), (VIP, 53), 0, b"query");
+    let (verdict, icmp) = lb.ingress(&query);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(&icmp[14 + 12..14 + 20], &[VIP.octets(), CLIENT.octets()].concat()[..]);
+    assert_eq!(icmp[14 + 9], packet::ICMP);
+    assert_eq!(&icmp[34..36], &[3, 3], "destination unreachable, port unreachable");
+    assert_eq!(&icmp[42..42 + 28], &query[14..14 + 28], "quotes the datagram's header and 8 bytes");
+    assert!(packet::icmp_checksums_valid(&icmp));
+    assert_eq!(lb.stat(lb_stat::REJECT_SENT), 2);
+
+    // A RST is never answered.
+    let (verdict, _) = lb.ingress(&packet::ipv4(packet::TCP, (CLIENT, 40002), (VIP, 80), packet::TCP_RST, b""));
+    assert_eq!(verdict, TC_ACT_SHOT);
+}
+
+#[test]
+fn icmp_errors_about_translated_flows_are_translated_back() {
+    let lb = load("icmp", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+    let router = Ipv4Addr::new(10, 100, 0, 254);
+    // Client pod -> ClusterIP, DNATed to the backend; a router on the way cannot forward it.
+    let request = packet::ipv4(packet::TCP, (LOCAL_POD, 42000), (VIP, 80), packet::TCP_SYN, &[0u8; 64]);
+    let (_, sent) = lb.ingress(&request);
+    let error = packet::icmp_error(3, 4, router, LOCAL_POD, &sent);
+    let (verdict, out) = lb.ingress(&error);
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    assert_eq!(packet::quoted_endpoints(&out), ((LOCAL_POD, 42000), (VIP, 80)), "quotes what the pod sent");
+    assert_eq!(packet::endpoints(&out).1 .0, LOCAL_POD);
+    assert!(packet::icmp_checksums_valid(&out));
+    // Also when it reaches the pod through egress (the node itself sent the error).
+    let (_, out) = lb.egress(&packet::icmp_error(3, 4, NODE_IP, LOCAL_POD, &sent));
+    assert_eq!(packet::quoted_endpoints(&out), ((LOCAL_POD, 42000), (VIP, 80)));
+    assert!(packet::icmp_checksums_valid(&out));
+
+    // North-south, source-NATed: the error comes back to the node and goes on to the client.
+    let (_, sent) = lb.ingress(&packet::ipv4(packet::TCP, (CLIENT, 43000), (NODE_IP, 30080), packet::TCP_SYN, b""));
+    let (snat_src, _) = packet::endpoints(&sent);
+    let (verdict, out) = lb.ingress(&packet::icmp_error(3, 4, router, snat_src.0, &sent));
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    assert_eq!(packet::endpoints(&out).1 .0, CLIENT, "sent on to the client");
+    assert_eq!(packet::quoted_endpoints(&out), ((CLIENT, 43000), (NODE_IP, 30080)));
+    assert!(packet::icmp_checksums_valid(&out));
+
+    // The reply direction: the backend's reply (after reverse NAT) did not fit somewhere on the
+    // way to the client; the error, addressed to the VIP, must reach the backend.
+    let reply = packet::ipv4(packet::TCP, (REMOTE_POD, 8080), (LOCAL_POD, 42000), packet::TCP_ACK, b"");
+    let (_, replied) = lb.egress(&reply);
+    assert_eq!(packet::endpoints(&replied).0, (VIP, 80));
+    let (_, out) = lb.ingress(&packet::icmp_error(3, 4, router, VIP, &replied));
+    assert_eq!(packet::endpoints(&out).1 .0, REMOTE_POD);
+    assert_eq!(packet::quoted_endpoints(&out), ((REMOTE_POD, 8080), (LOCAL_POD, 42000)));
+    assert!(packet::icmp_checksums_valid(&out));
+    assert_eq!(lb.stat(lb_stat::ICMP_ERROR_NAT), 4);
+
+    // Errors about flows we never saw pass untouched.
+    let stranger = packet::ipv4(packet::UDP, (LOCAL_POD, 1), (Ipv4Addr::new(8, 8, 8, 8), 53), 0, b"");
+    let unrelated = packet::icmp_error(3, 3, router, LOCAL_POD, &stranger);
+    assert_eq!(lb.ingress(&unrelated).1, unrelated);
+}
+
+#[test]
+fn fragments_of_a_translated_datagram_are_translated_with_the_first_ones_ports() {
+    let lb = load("frag", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+    let (_, sent) = lb.ingress(&packet::ipv4(packet::UDP, (LOCAL_POD, 42000), (VIP, 53), 0, b"q"));
+    assert_eq!(packet::endpoints(&sent).1, (REMOTE_POD, 5353));
+    // A 2,000-byte reply in two fragments: the UDP header (and checksum) in the first only.
+    let udp = packet::l4_segment(packet::UDP, (REMOTE_POD, 5353), (LOCAL_POD, 42000), 0, &[7u8; 2000]);
+    let first = packet::ipv4_frame(packet::UDP, REMOTE_POD, LOCAL_POD, 0x2000, &udp[..1480]);
+    let second = packet::ipv4_frame(packet::UDP, REMOTE_POD, LOCAL_POD, 1480 / 8, &udp[1480..]);
+    let (_, first_out) = lb.egress(&first);
+    assert_eq!(packet::endpoints(&first_out).0, (VIP, 53));
+    let (verdict, second_out) = lb.egress(&second);
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    assert_eq!(&second_out[14 + 12..14 + 16], &VIP.octets(), "later fragment from the VIP too");
+    assert!(packet::ip_header_valid(&second_out[14..]));
+    assert_eq!(&second_out[34..], &second[34..], "its payload untouched");
+    // Reassembled, the datagram's UDP checksum (carried by the first fragment) still verifies.
+    let mut whole = first_out.clone();
+    whole.extend_from_slice(&second_out[34..]);
+    let total = (whole.len() - 14) as u16;
+    whole[16..18].copy_from_slice(&total.to_be_bytes());
+    whole[20..22].copy_from_slice(&[0, 0]);
+    whole[24..26].copy_from_slice(&[0, 0]);
+    let mut sum: u32 = whole[14..34].chunks(2).map(|c| u32::from(u16::from_be_bytes([c[0], c[1]]))).sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    whole[24..26].copy_from_slice(&(!(sum as u16)).to_be_bytes());
+    assert!(packet::checksums_valid(&whole), "UDP checksum over the reassembled datagram");
+    assert_eq!(lb.stat(lb_stat::FRAGMENT_NAT), 1);
+
+    // A later fragment whose first fragment never passed: untouched, counted.
+    let mut orphan = second.clone();
+    orphan[18..20].copy_from_slice(&[0x99, 0x99]); // another datagram id
+    let (verdict, _) = lb.egress(&orphan);
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    assert_eq!(lb.stat(lb_stat::FRAGMENT_PASS), 1);
+}
+
+#[test]
+fn flows_leave_a_removed_backend_unless_established_tcp() {
+    let other = Ipv4Addr::new(10, 244, 3, 7);
+    let lb = load("moved", &service_yaml(&[(REMOTE_POD, "node-b"), (other, "node-c")], ""));
+    // Find a UDP flow, an answered TCP flow and an unanswered TCP flow on REMOTE_POD.
+    let on_remote = |proto: u8, vport: u16, from: u16| -> u16 {
+        (from..from + 1000)
+            .find(|port| {
+                let (_, out) = lb.ingress(&packet::ipv4(proto, (LOCAL_POD, *port), (VIP, vport), packet::TCP_SYN, b""));
+                packet::endpoints(&out).1 .0 == REMOTE_POD
+            })
+            .expect("some flow lands on REMOTE_POD")
+    };
+    let udp = on_remote(packet::UDP, 53, 30000);
+    let answered = on_remote(packet::TCP, 80, 31000);
+    let unanswered = on_remote(packet::TCP, 80, 32000);
+    let (_, _) = lb.egress(&packet::ipv4(packet::TCP, (REMOTE_POD, 8080), (LOCAL_POD, answered), packet::TCP_ACK, b""));
+    let ct = Conntrack::open_pinned(&lb.pin_dir).unwrap();
+    let seen = ct.entries().unwrap().iter().filter(|(_, v)| v.flags & CT_FLAG_SEEN_REPLY != 0).count();
+    assert_eq!(seen, 2, "both entries of the answered flow are marked");
+
+    program(&lb.pin_dir, &service_yaml(&[(other, "node-c")], ""));
+    let (_, out) = lb.ingress(&packet::ipv4(packet::UDP, (LOCAL_POD, udp), (VIP, 53), 0, b""));
+    assert_eq!(packet::endpoints(&out).1 .0, other, "UDP moves to a remaining backend");
+    let (_, out) = lb.ingress(&packet::ipv4(packet::TCP, (LOCAL_POD, unanswered), (VIP, 80), packet::TCP_SYN, b""));
+    assert_eq!(packet::endpoints(&out).1 .0, other, "an unanswered TCP flow moves too");
+    let (_, out) = lb.ingress(&packet::ipv4(packet::TCP, (LOCAL_POD, answered), (VIP, 80), packet::TCP_ACK, b""));
+    assert_eq!(packet::endpoints(&out).1 .0, REMOTE_POD, "an established TCP flow stays");
+    assert_eq!(lb.stat(lb_stat::CT_RESELECTED), 2);
+}
