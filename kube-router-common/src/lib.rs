@@ -31,6 +31,7 @@ pub mod map_names {
     pub const POLICY_STATS: &str = "pol_stats";
     pub const LB_CONFIG: &str = "lb_config";
     pub const FRAGMENTS: &str = "frag_v4";
+    pub const CLUSTER_NETS: &str = "cluster_nets_v4";
 }
 
 pub const SERVICES_MAX_ENTRIES: u32 = 65_536;
@@ -40,6 +41,13 @@ pub const CONNTRACK_MAX_ENTRIES: u32 = 262_144;
 pub const AFFINITY_MAX_ENTRIES: u32 = 65_536;
 pub const META_MAX_ENTRIES: u32 = 4;
 pub const FRAGMENTS_MAX_ENTRIES: u32 = 8_192;
+pub const CLUSTER_NETS_MAX_ENTRIES: u32 = 16_384;
+
+/// `cluster_nets_v4` values (LPM over addresses; the longest match decides): what a prefix is
+/// inside the cluster. Pod egress to an address with no match at all is masqueraded.
+pub const CLUSTER_NET_POD: u32 = 1 << 0;
+pub const CLUSTER_NET_NODE: u32 = 1 << 1;
+pub const CLUSTER_NET_SERVICE: u32 = 1 << 2;
 
 /// Index in the `meta` array holding [`LAYOUT_VERSION`].
 pub const META_LAYOUT_VERSION: u32 = 0;
@@ -141,6 +149,9 @@ pub const CT_FLAG_REDIRECT: u16 = 1 << 4;
 /// A reply has been seen (TCP: the handshake completed). Until then a flow whose backend went
 /// away is re-balanced; afterwards it stays on its backend.
 pub const CT_FLAG_SEEN_REPLY: u16 = 1 << 5;
+/// Pod egress masquerade: the forward direction is translated at TC egress, as the packet leaves
+/// the node (after NetworkPolicy judged it at the pod's interface), not at ingress.
+pub const CT_FLAG_EGRESS: u16 = 1 << 6;
 
 pub const CT_LIFETIME_TCP_SECS: u64 = 6 * 3600;
 pub const CT_LIFETIME_NON_TCP_SECS: u64 = 60;
@@ -207,6 +218,8 @@ pub struct LbConfigV4 {
 
 /// Source-NAT every service flow to the node (`--masquerade-all`).
 pub const LB_CONFIG_MASQUERADE_ALL: u32 = 1 << 0;
+/// Source-NAT pod traffic leaving the cluster (`--enable-pod-egress`; see `cluster_nets_v4`).
+pub const LB_CONFIG_POD_EGRESS: u32 = 1 << 1;
 
 /// A fragmented datagram: its later fragments carry no ports, so the first fragment's are
 /// remembered under (source, destination, IP ID, protocol) as they arrive.
@@ -275,7 +288,11 @@ pub mod lb_stat {
     pub const REDIRECT_FAILED: u32 = 17;
     /// Flows moved off a backend that is gone (UDP, or TCP before the handshake completed).
     pub const CT_RESELECTED: u32 = 18;
-    pub const COUNT: u32 = 19;
+    /// New pod flows leaving the cluster, masqueraded to the node address.
+    pub const EGRESS_MASQUERADE_NEW_FLOW: u32 = 19;
+    /// Packets of masqueraded pod flows translated (both directions).
+    pub const EGRESS_MASQUERADE: u32 = 20;
+    pub const COUNT: u32 = 21;
     /// Metric label of each index, in index order.
     pub const NAMES: [&str; COUNT as usize] = [
         "packets",
@@ -297,6 +314,8 @@ pub mod lb_stat {
         "redirected",
         "redirect_failed",
         "ct_reselected",
+        "egress_masquerade_new_flow",
+        "egress_masquerade",
     ];
 }
 

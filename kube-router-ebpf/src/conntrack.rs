@@ -126,6 +126,10 @@ pub fn create_snat(flow: &LbFlow, new: &mut NewFlow, ports: (u16, u16), now: u64
     for attempt in 0..SNAT_PORT_TRIES {
         let port = min + (start.wrapping_add(attempt.wrapping_mul(7919)) % range) as u16;
         new.nat_src.1 = port.to_be();
+        if flow.proto == IPPROTO_ICMP {
+            // An echo's one identifier is both "ports": the reply must carry the new one back.
+            new.nat_dst.1 = new.nat_src.1;
+        }
         let (forward, reverse_key, reverse) = entries(flow, new, now);
         // NOEXIST: the port is ours only if no live flow holds this reverse key.
         if CONNTRACK.insert(reverse_key, reverse, BPF_NOEXIST as u64).is_ok() {

@@ -8,6 +8,7 @@
 use aya_ebpf::{
     bindings::{TC_ACT_SHOT, TC_ACT_UNSPEC},
     helpers::bpf_ktime_get_ns,
+    maps::lpm_trie::Key,
     programs::TcContext,
 };
 use kube_router_common::*;
@@ -17,7 +18,7 @@ use crate::{
     conntrack::{self, NewFlow, SnatError},
     frag,
     icmp::{self, Hook},
-    maps::{count, BACKENDS, LB_CONFIG, SERVICES},
+    maps::{count, BACKENDS, CLUSTER_NETS, LB_CONFIG, SERVICES},
     nat::{rewrite, Tuple},
     parsing::{parse_lb, Fragment, LbFlow, LbPacket},
     reject, route,
@@ -55,6 +56,10 @@ pub fn handle_ingress(ctx: &TcContext) -> Result<i32, i64> {
     let now = unsafe { bpf_ktime_get_ns() };
     let key = conntrack::key_of(&flow);
     if let Some(entry) = conntrack::lookup(&key, flow.tcp_flags, now) {
+        if entry.flags & CT_FLAG_EGRESS != 0 {
+            // A masqueraded pod flow: translated as it leaves the node.
+            return Ok(TC_ACT_UNSPEC);
+        }
         if entry.flags & CT_FLAG_FORWARD != 0 {
             if !(flow.has_l4() && backend_gone(entry) && may_move(entry, flow.proto)) {
                 count(if flow.fragment == Fragment::Later { lb_stat::FRAGMENT_NAT } else { lb_stat::CT_HIT });
@@ -64,7 +69,7 @@ pub fn handle_ingress(ctx: &TcContext) -> Result<i32, i64> {
             count(lb_stat::CT_RESELECTED);
             conntrack::forget(&key, entry);
         } else if entry.flags & CT_FLAG_FULL_NAT != 0 {
-            count(lb_stat::REVERSE_NAT);
+            count(if entry.service_id == 0 { lb_stat::EGRESS_MASQUERADE } else { lb_stat::REVERSE_NAT });
             conntrack::mark_seen_reply(entry, flow.proto);
             return translate(ctx, &flow, entry);
         } else {
@@ -72,7 +77,7 @@ pub fn handle_ingress(ctx: &TcContext) -> Result<i32, i64> {
             return Ok(TC_ACT_UNSPEC);
         }
     }
-    if !flow.has_l4() {
+    if !flow.has_l4() || flow.proto == IPPROTO_ICMP {
         return Ok(TC_ACT_UNSPEC);
     }
 
@@ -105,7 +110,8 @@ impl NewFlowVerdict {
     const DROP: Self = Self(2);
 }
 
-/// Egress: reverse NAT of backend replies, so the client sees the frontend it connected to.
+/// Egress: reverse NAT of backend replies, so the client sees the frontend it connected to; pod
+/// traffic leaving the cluster masqueraded to the node address.
 #[inline(always)]
 pub fn handle_egress(ctx: &TcContext) -> Result<i32, i64> {
     let flow = match flow_of(ctx, Hook::Egress)? {
@@ -119,7 +125,60 @@ pub fn handle_egress(ctx: &TcContext) -> Result<i32, i64> {
             conntrack::mark_seen_reply(entry, flow.proto);
             translate(ctx, &flow, entry)
         }
-        _ => Ok(TC_ACT_UNSPEC),
+        Some(entry) if entry.flags & CT_FLAG_EGRESS != 0 => {
+            count(lb_stat::EGRESS_MASQUERADE);
+            translate(ctx, &flow, entry)
+        }
+        Some(_) => Ok(TC_ACT_UNSPEC),
+        None if flow.has_l4() => Ok(masquerade(ctx, &flow, now)),
+        None => Ok(TC_ACT_UNSPEC),
+    }
+}
+
+#[inline(always)]
+fn cluster_net(addr: u32) -> u32 {
+    CLUSTER_NETS.get(Key::new(32, addr)).copied().unwrap_or(0)
+}
+
+/// A pod's packet to an address outside the cluster (no pod CIDR, node or service address)
+/// leaves with the node's address, as kube-router's pod egress masquerade does.
+// Not inlined: keeps its stack out of the egress hot path's.
+#[inline(never)]
+fn masquerade(ctx: &TcContext, flow: &LbFlow, now: u64) -> i32 {
+    let config = LB_CONFIG.get(0).copied().unwrap_or_default();
+    if config.flags & LB_CONFIG_POD_EGRESS == 0
+        || config.snat_addr == 0
+        || cluster_net(flow.src_addr) & CLUSTER_NET_POD == 0
+        || cluster_net(flow.dst_addr) != 0
+    {
+        return TC_ACT_UNSPEC;
+    }
+    let mut new = NewFlow {
+        nat_src: (config.snat_addr, 0),
+        nat_dst: (flow.dst_addr, flow.dst_port),
+        forward_flags: CT_FLAG_FULL_NAT | CT_FLAG_EGRESS,
+        reverse_flags: CT_FLAG_FULL_NAT,
+        service_id: 0,
+        backend_id: 0,
+    };
+    match conntrack::create_snat(flow, &mut new, (config.snat_port_min, config.snat_port_max), now) {
+        Ok(()) => count(lb_stat::EGRESS_MASQUERADE_NEW_FLOW),
+        Err(SnatError::PortsExhausted) => {
+            count(lb_stat::SNAT_PORTS_EXHAUSTED);
+            return TC_ACT_SHOT;
+        }
+        Err(SnatError::Insert) => {
+            count(lb_stat::CT_INSERT_FAILED);
+            return TC_ACT_SHOT;
+        }
+    }
+    let to = Tuple { src: new.nat_src, dst: new.nat_dst };
+    match rewrite(ctx, flow, &to) {
+        Ok(()) => TC_ACT_UNSPEC,
+        Err(_) => {
+            count(lb_stat::REWRITE_FAILED);
+            TC_ACT_SHOT
+        }
     }
 }
 

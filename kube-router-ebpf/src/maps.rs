@@ -26,6 +26,9 @@ pub static LB_CONFIG: Array<LbConfigV4> = Array::pinned(1, 0);
 #[map(name = "frag_v4")]
 pub static FRAGMENTS: LruHashMap<FragKeyV4, FragPorts> = LruHashMap::pinned(FRAGMENTS_MAX_ENTRIES, 0);
 
+#[map(name = "cluster_nets_v4")]
+pub static CLUSTER_NETS: LpmTrie<u32, u32> = LpmTrie::pinned(CLUSTER_NETS_MAX_ENTRIES, 0);
+
 #[map(name = "lb_stats")]
 pub static LB_STATS: PerCpuArray<u64> = PerCpuArray::pinned(lb_stat::COUNT, 0);
 

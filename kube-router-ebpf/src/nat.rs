@@ -4,7 +4,7 @@ use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
     programs::TcContext,
 };
-use kube_router_common::IPPROTO_TCP;
+use kube_router_common::{IPPROTO_ICMP, IPPROTO_TCP};
 
 use crate::parsing::{IcmpError, LbFlow, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF};
 
@@ -20,6 +20,9 @@ pub struct Tuple {
 /// gets its addresses rewritten: the first fragment's checksum covers the whole datagram.
 #[inline(always)]
 pub fn rewrite(ctx: &TcContext, flow: &LbFlow, to: &Tuple) -> Result<(), i64> {
+    if flow.proto == IPPROTO_ICMP {
+        return rewrite_echo(ctx, flow, to);
+    }
     let l4 = flow.has_l4();
     let (csum_off, mangled) = if flow.proto == IPPROTO_TCP {
         (flow.l4_off + 16, 0)
@@ -44,6 +47,23 @@ pub fn rewrite(ctx: &TcContext, flow: &LbFlow, to: &Tuple) -> Result<(), i64> {
                 ctx.store(port_off, &new, 0)?;
             }
         }
+    }
+    Ok(())
+}
+
+/// An ICMP echo: the addresses (no pseudo-header in the ICMP checksum) and the identifier, which
+/// stands for both ports.
+#[inline(always)]
+fn rewrite_echo(ctx: &TcContext, flow: &LbFlow, to: &Tuple) -> Result<(), i64> {
+    for (addr_off, old, new) in [(IP_SRC_OFF, flow.src_addr, to.src.0), (IP_DST_OFF, flow.dst_addr, to.dst.0)] {
+        if old != new {
+            ctx.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 4)?;
+            ctx.store(addr_off, &new, 0)?;
+        }
+    }
+    if flow.src_port != to.src.1 {
+        ctx.l4_csum_replace(flow.l4_off + 2, flow.src_port as u64, to.src.1 as u64, 2)?;
+        ctx.store(flow.l4_off + 4, &to.src.1, 0)?;
     }
     Ok(())
 }

@@ -157,8 +157,8 @@ fn ipv4_header_len(ctx: &TcContext, ip_off: usize) -> Result<Option<usize>, i64>
     Ok((version_ihl >> 4 == 4 && header_len >= 20).then_some(header_len))
 }
 
-/// TCP and UDP, fragments included (a later fragment has no ports yet), and ICMP errors about
-/// TCP or UDP packets.
+/// TCP and UDP, fragments included (a later fragment has no ports yet), ICMP echo (its
+/// identifier as both ports), and ICMP errors about TCP or UDP packets.
 #[inline(always)]
 pub fn parse_lb(ctx: &TcContext) -> Result<LbPacket, i64> {
     let ether_type = u16::from_be(ctx.load::<u16>(12)?);
@@ -182,7 +182,23 @@ pub fn parse_lb(ctx: &TcContext) -> Result<LbPacket, i64> {
         if fragment != Fragment::Whole {
             return Ok(LbPacket::Other);
         }
-        return parse_icmp_error(ctx, l4_off);
+        let icmp_type: u8 = ctx.load(l4_off)?;
+        if icmp_type != ICMP_ECHO_REQUEST && icmp_type != ICMP_ECHO_REPLY {
+            return parse_icmp_error(ctx, l4_off);
+        }
+        // An echo's identifier stands for both ports: request and reply share the key.
+        let id: u16 = ctx.load(l4_off + 4)?;
+        return Ok(LbPacket::Flow(LbFlow {
+            src_addr: ctx.load(IP_SRC_OFF)?,
+            dst_addr: ctx.load(IP_DST_OFF)?,
+            src_port: id,
+            dst_port: id,
+            proto,
+            tcp_flags: 0,
+            l4_off,
+            fragment,
+            ip_id: ctx.load(ETH_HDR_LEN + 4)?,
+        }));
     }
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return Ok(LbPacket::Other);

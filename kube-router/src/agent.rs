@@ -11,7 +11,7 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use kube_router_common::{lb_stat, map_names, pol_stat, LbConfigV4, LB_CONFIG_MASQUERADE_ALL};
+use kube_router_common::{lb_stat, map_names, pol_stat, LbConfigV4, LB_CONFIG_MASQUERADE_ALL, LB_CONFIG_POD_EGRESS};
 use tokio::{
     signal::unix::{signal, SignalKind},
     sync::mpsc,
@@ -21,7 +21,7 @@ use crate::{
     bpf::{
         datapath::{AttachOutcome, Datapath},
         policy_maps::{read_policy_stats, PolicyConntrack},
-        service_maps::{read_lb_stats, write_lb_config, BpfServiceMaps, Conntrack},
+        service_maps::{read_lb_stats, sync_cluster_nets, write_lb_config, BpfServiceMaps, Conntrack},
     },
     firewall::FirewallController,
     k8s::{
@@ -67,6 +67,12 @@ pub struct AgentConfig {
     pub snat_port_range: (u16, u16),
     /// `--node-ip`: the address source-NATed flows leave with.
     pub node_ip: Option<Ipv4Addr>,
+    /// `--enable-pod-egress`: masquerade pod traffic leaving the cluster.
+    pub pod_egress: bool,
+    /// `--cluster-cidr`.
+    pub cluster_cidrs: Vec<ipnet::IpNet>,
+    /// `--service-cluster-ip-range`.
+    pub service_ranges: Vec<ipnet::IpNet>,
     /// Program the service load balancer (`--run-service-proxy`).
     pub run_service_proxy: bool,
     /// Enforce NetworkPolicy (`--run-firewall`).
@@ -291,6 +297,19 @@ async fn start_api_source(options: &ApiOptions, state_dir: &Path, metrics: &Metr
     Ok(ApiSource { objects, updates, dirty: restored_from_checkpoint, restored_from_checkpoint, retry_at: None })
 }
 
+/// Brings `cluster_nets_v4` (what pod egress masquerade treats as inside) up to date.
+fn sync_egress_nets<'a>(config: &AgentConfig, nodes: impl IntoIterator<Item = &'a k8s_openapi::api::core::v1::Node>) {
+    let nets = crate::egress::cluster_nets(nodes, &config.cluster_cidrs, &config.service_ranges);
+    match sync_cluster_nets(&config.pin_dir, &nets) {
+        Ok(0) => {}
+        Ok(writes) => tracing::info!(prefixes = nets.len(), writes, "cluster prefixes for pod egress updated"),
+        Err(e) => tracing::error!(
+            error = format!("{e:#}"),
+            "cannot write cluster_nets_v4; pod egress masquerade may be wrong"
+        ),
+    }
+}
+
 /// The load balancer's maps and the controller that writes them.
 struct ServiceProxy {
     controller: ServiceController,
@@ -321,7 +340,8 @@ impl ServiceProxy {
             snat_addr: snat_addr.map(crate::services::compile::addr_be).unwrap_or(0),
             snat_port_min: config.snat_port_range.0,
             snat_port_max: config.snat_port_range.1,
-            flags: if config.masquerade_all { LB_CONFIG_MASQUERADE_ALL } else { 0 },
+            flags: if config.masquerade_all { LB_CONFIG_MASQUERADE_ALL } else { 0 }
+                | if config.pod_egress { LB_CONFIG_POD_EGRESS } else { 0 },
             pad: 0,
         };
         write_lb_config(&config.pin_dir, &lb_config)?;
@@ -353,6 +373,9 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         attach_all(datapath, &config.interfaces, &mut attached, config.run_service_proxy, config.run_firewall);
     }
     let mut service_proxy = if config.run_service_proxy { Some(ServiceProxy::start(&config, &metrics)?) } else { None };
+    if service_proxy.is_some() && matches!(config.source, DesiredSource::File(_)) {
+        sync_egress_nets(&config, []);
+    }
     let mut firewall = if config.run_firewall {
         Some(FirewallController::start(&config.pin_dir, &config.node_name, metrics.clone())?)
     } else {
@@ -375,6 +398,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     // (or their checkpoint), as soon as they are known.
     let mut router_dirty = api_source.as_ref().is_some_and(|api| api.restored_from_checkpoint);
     let mut policy_dirty = router_dirty;
+    let mut nets_dirty = router_dirty;
     let advertise_services = config.router.as_ref().is_some_and(|r| r.advertise.any());
     let mut policy_retry_at: Option<Instant> = None;
     let mut checkpoint_due = false;
@@ -431,6 +455,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     checkpoint_due = true;
                     api.dirty |= matches!(kind, Kind::Services | Kind::EndpointSlices);
                     router_dirty |= kind == Kind::Nodes || (advertise_services && kind == Kind::Services);
+                    nets_dirty |= kind == Kind::Nodes;
                     policy_dirty |= matches!(kind, Kind::Pods | Kind::Namespaces | Kind::NetworkPolicies);
                 }
             }
@@ -471,6 +496,13 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                         policy_dirty = false;
                         let failed = firewall.apply(o.pods.objects(), o.namespaces.objects(), o.network_policies.objects(), complete);
                         policy_retry_at = (failed > 0).then(|| Instant::now() + WRITE_RETRY_INTERVAL);
+                    }
+                }
+                if let (Some(_), Some(api)) = (service_proxy.as_ref(), api_source.as_ref()) {
+                    // Like the routes: only a complete listing of Nodes (or its checkpoint) counts.
+                    if nets_dirty && (api.objects.nodes.synced() || api.restored_from_checkpoint) {
+                        nets_dirty = false;
+                        sync_egress_nets(&config, api.objects.nodes.objects());
                     }
                 }
                 if let (Some(router), Some(api)) = (router.as_mut(), api_source.as_ref()) {

@@ -144,6 +144,16 @@ struct RunArgs {
     /// route (else its first address).
     #[arg(long, env = "KUBE_ROUTER_NODE_IP")]
     node_ip: Option<Ipv4Addr>,
+    /// Masquerade pod traffic to destinations outside the cluster to the node address.
+    #[arg(long, env = "KUBE_ROUTER_ENABLE_POD_EGRESS", default_value_t = true, action = clap::ArgAction::Set)]
+    enable_pod_egress: bool,
+    /// CIDR range(s) of the cluster's pods (comma-separated), besides every Node's podCIDRs:
+    /// traffic to them is never masqueraded.
+    #[arg(long, env = "KUBE_ROUTER_CLUSTER_CIDR", value_delimiter = ',')]
+    cluster_cidr: Vec<ipnet::IpNet>,
+    /// The Service ClusterIP range(s) (comma-separated): inside the cluster, never masqueraded.
+    #[arg(long, env = "KUBE_ROUTER_SERVICE_CLUSTER_IP_RANGE", value_delimiter = ',', default_value = "10.96.0.0/12")]
+    service_cluster_ip_range: Vec<ipnet::IpNet>,
     /// Seconds between conntrack garbage collections.
     #[arg(long, env = "KUBE_ROUTER_CONNTRACK_GC_INTERVAL", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     conntrack_gc_interval: u64,
@@ -427,6 +437,9 @@ fn run(cli: &Cli) -> Result<()> {
         masquerade_all: args.masquerade_all,
         snat_port_range: args.snat_port_range,
         node_ip: args.node_ip,
+        pod_egress: args.enable_pod_egress,
+        cluster_cidrs: args.cluster_cidr.clone(),
+        service_ranges: args.service_cluster_ip_range.clone(),
         run_service_proxy: args.run_service_proxy,
         run_firewall: args.run_firewall,
         router,

@@ -10,7 +10,7 @@ use std::{net::Ipv4Addr, path::PathBuf};
 use kube_router::{
     bpf::{
         datapath::{self, Datapath, Hook},
-        service_maps::{read_lb_stats, write_lb_config, BpfServiceMaps, Conntrack},
+        service_maps::{read_lb_stats, sync_cluster_nets, write_lb_config, BpfServiceMaps, Conntrack},
         test_run::{packet, run_on, NodeNetns},
     },
     services::{
@@ -20,7 +20,7 @@ use kube_router::{
         sync::ServiceSync,
     },
 };
-use kube_router_common::{lb_stat, LbConfigV4, CT_FLAG_SEEN_REPLY};
+use kube_router_common::{lb_stat, LbConfigV4, CT_FLAG_SEEN_REPLY, LB_CONFIG_POD_EGRESS};
 
 const TC_ACT_UNSPEC: i32 = -1;
 const TC_ACT_SHOT: i32 = 2;
@@ -398,4 +398,56 @@ fn flows_leave_a_removed_backend_unless_established_tcp() {
     let (_, out) = lb.ingress(&packet::ipv4(packet::TCP, (LOCAL_POD, answered), (VIP, 80), packet::TCP_ACK, b""));
     assert_eq!(packet::endpoints(&out).1 .0, REMOTE_POD, "an established TCP flow stays");
     assert_eq!(lb.stat(lb_stat::CT_RESELECTED), 2);
+}
+
+#[test]
+fn pod_traffic_leaving_the_cluster_is_masqueraded_and_its_replies_restored() {
+    let lb = load("egress", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+    let config = LbConfigV4 {
+        snat_addr: addr_be(NODE_IP),
+        snat_port_min: SNAT_PORTS.0,
+        snat_port_max: SNAT_PORTS.1,
+        flags: LB_CONFIG_POD_EGRESS,
+        pad: 0,
+    };
+    write_lb_config(&lb.pin_dir, &config).unwrap();
+    let nets =
+        kube_router::egress::cluster_nets(&[], &["10.244.0.0/16".parse().unwrap()], &["10.96.0.0/12".parse().unwrap()]);
+    assert_eq!(sync_cluster_nets(&lb.pin_dir, &nets).unwrap(), 2);
+    assert_eq!(sync_cluster_nets(&lb.pin_dir, &nets).unwrap(), 0, "only differences are written");
+    let internet = Ipv4Addr::new(203, 0, 113, 10);
+
+    // Judged at the pod's interface untranslated (ingress leaves it alone), masqueraded as it leaves.
+    let syn = packet::ipv4(packet::TCP, (LOCAL_POD, 40000), (internet, 80), packet::TCP_SYN, b"");
+    let (verdict, at_pod) = lb.ingress(&syn);
+    assert_eq!((verdict, &at_pod), (TC_ACT_UNSPEC, &syn));
+    let (verdict, out) = lb.egress(&syn);
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    let (src, dst) = packet::endpoints(&out);
+    assert_eq!((src.0, dst), (NODE_IP, (internet, 80)));
+    assert!((SNAT_PORTS.0..=SNAT_PORTS.1).contains(&src.1));
+    assert!(packet::checksums_valid(&out));
+    assert_eq!(lb.ingress(&syn).1, syn, "still untouched at the pod's interface once tracked");
+    let (verdict, back) = lb.ingress(&packet::ipv4(packet::TCP, (internet, 80), src, packet::TCP_ACK, b"ok"));
+    assert_eq!(verdict, TC_ACT_UNSPEC, "the pod is not a node address: the stack routes it");
+    assert_eq!(packet::endpoints(&back), ((internet, 80), (LOCAL_POD, 40000)));
+    assert!(packet::checksums_valid(&back));
+
+    // Ping: the identifier is translated like a port.
+    let ping = packet::icmp_echo(8, LOCAL_POD, internet, 0x77);
+    let (_, out) = lb.egress(&ping);
+    let (src, dst, id, valid) = packet::echo_of(&out);
+    assert!(
+        valid && src == NODE_IP && dst == internet && (SNAT_PORTS.0..=SNAT_PORTS.1).contains(&id),
+        "{src} {dst} {id}"
+    );
+    let (_, back) = lb.ingress(&packet::icmp_echo(0, internet, NODE_IP, id));
+    assert_eq!(packet::echo_of(&back), (internet, LOCAL_POD, 0x77, true));
+
+    // Inside the cluster, and traffic that is not a pod's, keep their addresses.
+    for (from, to) in [(LOCAL_POD, REMOTE_POD), (LOCAL_POD, NODE_IP), (LOCAL_POD, VIP), (NODE_IP, internet)] {
+        let packet = packet::ipv4(packet::UDP, (from, 5000), (to, 53), 0, b"");
+        assert_eq!(lb.egress(&packet).1, packet, "{from} -> {to}");
+    }
+    assert_eq!(lb.stat(lb_stat::EGRESS_MASQUERADE_NEW_FLOW), 2);
 }

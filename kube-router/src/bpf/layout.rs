@@ -17,7 +17,7 @@ const fn spec<K, V>(name: &'static str, map_type: MapType, max_entries: u32) -> 
     MapSpec { name, map_type, key_size: size_of::<K>() as u32, value_size: size_of::<V>() as u32, max_entries }
 }
 
-pub const SERVICE_MAPS: [MapSpec; 9] = [
+pub const SERVICE_MAPS: [MapSpec; 10] = [
     spec::<ServiceKeyV4, ServiceValue>(map_names::SERVICES, MapType::Hash, SERVICES_MAX_ENTRIES),
     spec::<BackendSlotKey, BackendSlotValue>(map_names::BACKEND_SLOTS, MapType::Hash, BACKEND_SLOTS_MAX_ENTRIES),
     spec::<u32, BackendV4>(map_names::BACKENDS, MapType::Hash, BACKENDS_MAX_ENTRIES),
@@ -27,6 +27,7 @@ pub const SERVICE_MAPS: [MapSpec; 9] = [
     spec::<u32, u32>(map_names::META, MapType::Array, META_MAX_ENTRIES),
     spec::<u32, LbConfigV4>(map_names::LB_CONFIG, MapType::Array, 1),
     spec::<FragKeyV4, FragPorts>(map_names::FRAGMENTS, MapType::LruHash, FRAGMENTS_MAX_ENTRIES),
+    spec::<Key<u32>, u32>(map_names::CLUSTER_NETS, MapType::LpmTrie, CLUSTER_NETS_MAX_ENTRIES),
 ];
 
 /// The NetworkPolicy maps. `pol_peers_v4` keys are aya's LPM `Key` (u32 prefix length + data).

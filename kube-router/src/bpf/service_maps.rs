@@ -1,5 +1,7 @@
 //! Reading and writing the pinned service, conntrack and stats maps.
-use std::path::Path;
+use std::{collections::BTreeMap, path::Path};
+
+use ipnet::Ipv4Net;
 
 use anyhow::{Context, Result};
 use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray};
@@ -94,6 +96,34 @@ pub fn write_lb_config(pin_dir: &Path, config: &LbConfigV4) -> Result<()> {
         map.set(0, config, 0)?;
     }
     Ok(())
+}
+
+/// Brings `cluster_nets_v4` to `desired` (prefix -> `CLUSTER_NET_*` flags), writing only the
+/// differences; returns the number of writes.
+pub fn sync_cluster_nets(pin_dir: &Path, desired: &BTreeMap<Ipv4Net, u32>) -> Result<usize> {
+    use aya::maps::lpm_trie::{Key, LpmTrie};
+    let mut map: LpmTrie<MapData, u32, u32> = LpmTrie::try_from(Map::LpmTrie(open(pin_dir, map_names::CLUSTER_NETS)?))?;
+    let key = |net: &Ipv4Net| Key::new(u32::from(net.prefix_len()), u32::from_ne_bytes(net.network().octets()));
+    let current: BTreeMap<Ipv4Net, u32> = map
+        .iter()
+        .filter_map(Result::ok)
+        .filter_map(|(k, v)| {
+            let addr = std::net::Ipv4Addr::from(k.data().to_ne_bytes());
+            Ipv4Net::new(addr, k.prefix_len() as u8).ok().map(|net| (net, v))
+        })
+        .collect();
+    let mut writes = 0;
+    for (net, flags) in desired {
+        if current.get(net) != Some(flags) {
+            map.insert(&key(net), flags, 0)?;
+            writes += 1;
+        }
+    }
+    for net in current.keys().filter(|net| !desired.contains_key(*net)) {
+        map.remove(&key(net))?;
+        writes += 1;
+    }
+    Ok(writes)
 }
 
 /// Sums the per-CPU packet counters of `lb_stats`, in `lb_stat` index order.

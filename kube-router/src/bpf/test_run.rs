@@ -216,6 +216,24 @@ pub mod packet {
         ipv4_frame(ICMP, from, to, 0, &icmp)
     }
 
+    /// An ICMP echo request (type 8) or reply (type 0) with identifier `id`.
+    pub fn icmp_echo(icmp_type: u8, src: Ipv4Addr, dst: Ipv4Addr, id: u16) -> Vec<u8> {
+        let mut icmp = vec![icmp_type, 0, 0, 0, 0, 0, 0, 1, b'p', b'i', b'n', b'g'];
+        icmp[4..6].copy_from_slice(&id.to_be_bytes());
+        let sum = fold(sum_words(&icmp));
+        icmp[2..4].copy_from_slice(&sum.to_be_bytes());
+        ipv4_frame(ICMP, src, dst, 0, &icmp)
+    }
+
+    /// (source, destination, identifier) of an ICMP echo, and whether both checksums verify.
+    pub fn echo_of(frame: &[u8]) -> (Ipv4Addr, Ipv4Addr, u16, bool) {
+        let ip = &frame[14..];
+        let icmp = &ip[20..usize::from(u16::from_be_bytes([ip[2], ip[3]]))];
+        let addr = |o: usize| Ipv4Addr::new(ip[o], ip[o + 1], ip[o + 2], ip[o + 3]);
+        let valid = ip_header_valid(ip) && fold(sum_words(icmp)) == 0;
+        (addr(12), addr(16), u16::from_be_bytes([icmp[4], icmp[5]]), valid)
+    }
+
     /// An IPv4 header's checksum verifies.
     pub fn ip_header_valid(ip: &[u8]) -> bool {
         fold(sum_words(&ip[..usize::from(ip[0] & 0xf) * 4])) == 0

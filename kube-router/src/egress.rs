@@ -1,0 +1,88 @@
+//! Pod egress masquerade (kube-router's `--enable-pod-egress`): what counts as inside the
+//! cluster. A pod's packet to an address with no match in this set leaves the node with the
+//! node's address; pod CIDRs (every node's, and `--cluster-cidr`), node addresses and the
+//! Service ranges are inside. Pure: Node objects and flags in, the `cluster_nets_v4` contents out.
+use std::collections::BTreeMap;
+
+use ipnet::{IpNet, Ipv4Net};
+use k8s_openapi::api::core::v1::Node;
+use kube_router_common::{CLUSTER_NET_NODE, CLUSTER_NET_POD, CLUSTER_NET_SERVICE};
+
+/// The inside of the cluster, IPv4, with what each prefix is (flags OR-ed where they coincide).
+pub fn cluster_nets<'a>(
+    nodes: impl IntoIterator<Item = &'a Node>,
+    cluster_cidrs: &[IpNet],
+    service_ranges: &[IpNet],
+) -> BTreeMap<Ipv4Net, u32> {
+    let mut nets = BTreeMap::new();
+    let mut add = |net: Ipv4Net, flag: u32| *nets.entry(net.trunc()).or_insert(0) |= flag;
+    let v4 = |net: &IpNet| match net {
+        IpNet::V4(v4) => Some(*v4),
+        IpNet::V6(_) => None,
+    };
+    for net in cluster_cidrs.iter().filter_map(v4) {
+        add(net, CLUSTER_NET_POD);
+    }
+    for net in service_ranges.iter().filter_map(v4) {
+        add(net, CLUSTER_NET_SERVICE);
+    }
+    for node in nodes {
+        let spec = node.spec.as_ref();
+        let cidrs = spec.and_then(|s| s.pod_cidrs.clone()).filter(|c| !c.is_empty());
+        let cidrs = cidrs.or_else(|| spec.and_then(|s| s.pod_cidr.clone()).map(|c| vec![c])).unwrap_or_default();
+        for net in cidrs.iter().filter_map(|c| c.parse::<IpNet>().ok()).filter_map(|n| v4(&n)) {
+            add(net, CLUSTER_NET_POD);
+        }
+        let addresses = node.status.as_ref().and_then(|s| s.addresses.as_ref());
+        for address in addresses.into_iter().flatten() {
+            if let Ok(std::net::IpAddr::V4(ip)) = address.address.parse() {
+                add(Ipv4Net::from(ip), CLUSTER_NET_NODE);
+            }
+        }
+    }
+    nets
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(pod_cidrs: &[&str], addresses: &[(&str, &str)]) -> Node {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "n"},
+            "spec": {"podCIDR": pod_cidrs.first(), "podCIDRs": pod_cidrs},
+            "status": {"addresses": addresses.iter().map(|(t, a)| serde_json::json!({"type": t, "address": a})).collect::<Vec<_>>()}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn pod_cidrs_node_addresses_and_ranges_are_inside_the_cluster() {
+        let nodes = [
+            node(&["10.244.1.0/24", "fd00:1::/64"], &[("InternalIP", "10.100.0.1"), ("Hostname", "node-1")]),
+            node(&["10.244.2.0/24"], &[("InternalIP", "10.100.0.2"), ("ExternalIP", "198.51.100.2")]),
+            node(&[], &[]),
+        ];
+        let nets = cluster_nets(&nodes, &["10.244.0.0/16".parse().unwrap()], &["10.96.0.0/12".parse().unwrap()]);
+        let text: Vec<String> = nets.iter().map(|(n, f)| format!("{n}={f}")).collect();
+        assert_eq!(
+            text,
+            [
+                "10.96.0.0/12=4",
+                "10.100.0.1/32=2",
+                "10.100.0.2/32=2",
+                "10.244.0.0/16=1",
+                "10.244.1.0/24=1",
+                "10.244.2.0/24=1",
+                "198.51.100.2/32=2"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_node_without_pod_cidrs_only_contributes_its_addresses() {
+        let nets = cluster_nets(&[node(&[], &[("InternalIP", "10.0.0.9")])], &[], &[]);
+        assert_eq!(nets.len(), 1);
+        assert_eq!(nets[&"10.0.0.9/32".parse().unwrap()], CLUSTER_NET_NODE);
+    }
+}
