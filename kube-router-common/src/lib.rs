@@ -32,6 +32,13 @@ pub mod map_names {
     pub const LB_CONFIG: &str = "lb_config";
     pub const FRAGMENTS: &str = "frag_v4";
     pub const CLUSTER_NETS: &str = "cluster_nets_v4";
+    pub const SERVICES_V6: &str = "svc_v6";
+    pub const BACKEND_SLOTS_V6: &str = "svc_slots_v6";
+    pub const BACKENDS_V6: &str = "backends_v6";
+    pub const CONNTRACK_V6: &str = "ct_v6";
+    pub const AFFINITY_V6: &str = "affinity_v6";
+    pub const FRAGMENTS_V6: &str = "frag_v6";
+    pub const CLUSTER_NETS_V6: &str = "cluster_nets_v6";
 }
 
 pub const SERVICES_MAX_ENTRIES: u32 = 65_536;
@@ -56,18 +63,68 @@ pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
 pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_SCTP: u8 = 132;
+pub const IPPROTO_ICMPV6: u8 = 58;
+
+/// An IPv6 address as four 32-bit words, each in network byte order (the packet's bytes).
+///
+/// A struct rather than a bare `[u32; 4]` for the BPF side: comparing or copying the array lets
+/// LLVM use 128-bit integers, which the BPF backend cannot lower. Equality here is word by word.
+#[repr(C)]
+#[allow(clippy::derived_hash_with_manual_eq)] // the same relation as the derived one
+#[derive(Clone, Copy, Debug, Default, Eq, Hash, PartialOrd, Ord)]
+pub struct Ipv6Words(pub [u32; 4]);
+
+impl PartialEq for Ipv6Words {
+    #[inline(always)]
+    fn eq(&self, other: &Self) -> bool {
+        let (a, b) = (&self.0, &other.0);
+        (a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3]) == 0
+    }
+}
+
+impl Ipv6Words {
+    pub const UNSPECIFIED: Self = Self([0; 4]);
+
+    /// From the address's 16 packet bytes.
+    pub const fn from_octets(o: [u8; 16]) -> Self {
+        Self([
+            u32::from_ne_bytes([o[0], o[1], o[2], o[3]]),
+            u32::from_ne_bytes([o[4], o[5], o[6], o[7]]),
+            u32::from_ne_bytes([o[8], o[9], o[10], o[11]]),
+            u32::from_ne_bytes([o[12], o[13], o[14], o[15]]),
+        ])
+    }
+
+    /// The address's 16 packet bytes.
+    pub const fn octets(&self) -> [u8; 16] {
+        let mut out = [0u8; 16];
+        let mut i = 0;
+        while i < 4 {
+            let bytes = self.0[i].to_ne_bytes();
+            out[4 * i] = bytes[0];
+            out[4 * i + 1] = bytes[1];
+            out[4 * i + 2] = bytes[2];
+            out[4 * i + 3] = bytes[3];
+            i += 1;
+        }
+        out
+    }
+}
 
 /// A service frontend: ClusterIP, ExternalIP, LoadBalancer IP or node IP (NodePort) + port.
+/// `A` is the address: `u32` (IPv4) or [`Ipv6Words`], both in network byte order.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ServiceKeyV4 {
+pub struct ServiceKey<A> {
     /// Network byte order.
-    pub addr: u32,
+    pub addr: A,
     /// Network byte order.
     pub port: u16,
     pub proto: u8,
     pub pad: u8,
 }
+pub type ServiceKeyV4 = ServiceKey<u32>;
+pub type ServiceKeyV6 = ServiceKey<Ipv6Words>;
 
 /// Service uses ClientIP session affinity (`affinity_timeout_secs` applies).
 pub const SVC_FLAG_AFFINITY: u32 = 1 << 0;
@@ -113,26 +170,30 @@ pub const BACKEND_FLAG_LOCAL: u16 = 1 << 0;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct BackendV4 {
+pub struct Backend<A> {
     /// Network byte order.
-    pub addr: u32,
+    pub addr: A,
     /// Network byte order.
     pub port: u16,
     /// `BACKEND_FLAG_*`.
     pub flags: u16,
 }
+pub type BackendV4 = Backend<u32>;
+pub type BackendV6 = Backend<Ipv6Words>;
 
 /// Conntrack key: the 5-tuple exactly as seen in the packet that looks it up.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct CtKeyV4 {
-    pub src_addr: u32,
-    pub dst_addr: u32,
+pub struct CtKey<A> {
+    pub src_addr: A,
+    pub dst_addr: A,
     pub src_port: u16,
     pub dst_port: u16,
     pub proto: u8,
     pub pad: [u8; 3],
 }
+pub type CtKeyV4 = CtKey<u32>;
+pub type CtKeyV6 = CtKey<Ipv6Words>;
 
 /// The flow's original direction (client -> frontend). Translated at TC ingress.
 pub const CT_FLAG_FORWARD: u16 = 1 << 0;
@@ -161,12 +222,12 @@ pub const CT_LIFETIME_CLOSING_SECS: u64 = 10;
 /// kind of NAT (DNAT, SNAT, both, reverse) is one rewrite to `nat_*`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct CtValueV4 {
+pub struct CtValue<A> {
     /// Monotonic clock (`bpf_ktime_get_ns`) of the last packet, refreshed at most once a second.
     pub last_seen_ns: u64,
     /// Network byte order, like the key.
-    pub nat_src_addr: u32,
-    pub nat_dst_addr: u32,
+    pub nat_src_addr: A,
+    pub nat_dst_addr: A,
     pub nat_src_port: u16,
     pub nat_dst_port: u16,
     /// `CT_FLAG_*`.
@@ -176,7 +237,10 @@ pub struct CtValueV4 {
     pub backend_id: u32,
 }
 
-impl CtValueV4 {
+pub type CtValueV4 = CtValue<u32>;
+pub type CtValueV6 = CtValue<Ipv6Words>;
+
+impl<A: Copy> CtValue<A> {
     /// How long the entry lives after its last packet.
     pub const fn lifetime_ns(&self, proto: u8) -> u64 {
         let secs = if self.flags & CT_FLAG_CLOSING != 0 {
@@ -190,8 +254,8 @@ impl CtValueV4 {
     }
 
     /// The key of the opposite direction's entry: the translated packet, reversed.
-    pub const fn reverse_key(&self, proto: u8) -> CtKeyV4 {
-        CtKeyV4 {
+    pub const fn reverse_key(&self, proto: u8) -> CtKey<A> {
+        CtKey {
             src_addr: self.nat_dst_addr,
             dst_addr: self.nat_src_addr,
             src_port: self.nat_dst_port,
@@ -205,9 +269,11 @@ impl CtValueV4 {
 /// `lb_config` (one entry): the node's settings the datapath needs, written by the agent.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct LbConfigV4 {
-    /// Node address that source-NATed flows leave with (network byte order); 0 = no SNAT.
+pub struct LbConfig {
+    /// Node address that source-NATed IPv4 flows leave with (network byte order); 0 = no SNAT.
     pub snat_addr: u32,
+    /// The same for IPv6; all zero = no SNAT.
+    pub snat_addr_v6: Ipv6Words,
     /// Inclusive range of source ports for SNAT, host byte order.
     pub snat_port_min: u16,
     pub snat_port_max: u16,
@@ -225,14 +291,16 @@ pub const LB_CONFIG_POD_EGRESS: u32 = 1 << 1;
 /// remembered under (source, destination, IP ID, protocol) as they arrive.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct FragKeyV4 {
-    pub src_addr: u32,
-    pub dst_addr: u32,
-    /// Network byte order.
-    pub id: u16,
+pub struct FragKey<A> {
+    pub src_addr: A,
+    pub dst_addr: A,
+    /// Network byte order (IPv4's 16-bit identification in the first two bytes; IPv6's 32 bits).
+    pub id: u32,
     pub proto: u8,
-    pub pad: u8,
+    pub pad: [u8; 3],
 }
+pub type FragKeyV4 = FragKey<u32>;
+pub type FragKeyV6 = FragKey<Ipv6Words>;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -243,10 +311,12 @@ pub struct FragPorts {
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct AffinityKeyV4 {
-    pub client_addr: u32,
+pub struct AffinityKey<A> {
+    pub client_addr: A,
     pub service_id: u32,
 }
+pub type AffinityKeyV4 = AffinityKey<u32>;
+pub type AffinityKeyV6 = AffinityKey<Ipv6Words>;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -260,7 +330,8 @@ pub struct AffinityValue {
 /// Indices of the per-CPU `lb_stats` array (u64 packet counters).
 pub mod lb_stat {
     pub const PACKETS: u32 = 0;
-    pub const NOT_IPV4: u32 = 1;
+    /// Neither IPv4 nor IPv6 (ARP, ...): passed.
+    pub const NOT_IP: u32 = 1;
     pub const NO_SERVICE: u32 = 2;
     pub const NEW_FLOW: u32 = 3;
     pub const CT_HIT: u32 = 4;
@@ -296,7 +367,7 @@ pub mod lb_stat {
     /// Metric label of each index, in index order.
     pub const NAMES: [&str; COUNT as usize] = [
         "packets",
-        "not_ipv4",
+        "not_ip",
         "no_service",
         "new_flow",
         "ct_hit",
@@ -324,17 +395,24 @@ mod user {
     use super::*;
     // SAFETY: all these types are repr(C), Copy, contain only integers and have no implicit
     // padding (every gap is an explicit `pad` field), so any byte pattern is a valid value.
+    unsafe impl aya::Pod for Ipv6Words {}
     unsafe impl aya::Pod for ServiceKeyV4 {}
+    unsafe impl aya::Pod for ServiceKeyV6 {}
     unsafe impl aya::Pod for ServiceValue {}
     unsafe impl aya::Pod for BackendSlotKey {}
     unsafe impl aya::Pod for BackendSlotValue {}
     unsafe impl aya::Pod for BackendV4 {}
+    unsafe impl aya::Pod for BackendV6 {}
     unsafe impl aya::Pod for CtKeyV4 {}
+    unsafe impl aya::Pod for CtKeyV6 {}
     unsafe impl aya::Pod for CtValueV4 {}
+    unsafe impl aya::Pod for CtValueV6 {}
     unsafe impl aya::Pod for AffinityKeyV4 {}
+    unsafe impl aya::Pod for AffinityKeyV6 {}
     unsafe impl aya::Pod for AffinityValue {}
-    unsafe impl aya::Pod for LbConfigV4 {}
+    unsafe impl aya::Pod for LbConfig {}
     unsafe impl aya::Pod for FragKeyV4 {}
+    unsafe impl aya::Pod for FragKeyV6 {}
     unsafe impl aya::Pod for FragPorts {}
 }
 
@@ -355,8 +433,14 @@ mod tests {
         assert_eq!(size_of::<CtValueV4>(), 32);
         assert_eq!(size_of::<AffinityKeyV4>(), 8);
         assert_eq!(size_of::<AffinityValue>(), 16);
-        assert_eq!(size_of::<LbConfigV4>(), 16);
-        assert_eq!(size_of::<FragKeyV4>(), 12);
+        assert_eq!(size_of::<LbConfig>(), 32);
+        assert_eq!(size_of::<FragKeyV4>(), 16);
+        assert_eq!(size_of::<ServiceKeyV6>(), 20);
+        assert_eq!(size_of::<BackendV6>(), 20);
+        assert_eq!(size_of::<CtKeyV6>(), 40);
+        assert_eq!(size_of::<CtValueV6>(), 56);
+        assert_eq!(size_of::<AffinityKeyV6>(), 20);
+        assert_eq!(size_of::<FragKeyV6>(), 40);
         assert_eq!(size_of::<FragPorts>(), 4);
     }
 }

@@ -1,10 +1,11 @@
-//! Connection tracking for load-balanced flows: two entries per flow in `ct_v4`, one per
+//! Connection tracking for load-balanced flows: two entries per flow (`ct_v4` / `ct_v6`), one per
 //! direction, each keyed by the 5-tuple as its packets arrive and holding the tuple they become.
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_get_prandom_u32};
 use kube_router_common::*;
 
 use crate::{
-    maps::CONNTRACK,
+    family::Family,
+    maps::CtScratch,
     parsing::{LbFlow, TCP_FLAG_FIN, TCP_FLAG_RST},
 };
 
@@ -18,19 +19,19 @@ pub const DEFAULT_SNAT_PORT_MIN: u16 = 10_000;
 pub const DEFAULT_SNAT_PORT_MAX: u16 = 29_999;
 
 #[inline(always)]
-pub fn key(src: (u32, u16), dst: (u32, u16), proto: u8) -> CtKeyV4 {
-    CtKeyV4 { src_addr: src.0, dst_addr: dst.0, src_port: src.1, dst_port: dst.1, proto, pad: [0; 3] }
+pub fn key<A>(src: (A, u16), dst: (A, u16), proto: u8) -> CtKey<A> {
+    CtKey { src_addr: src.0, dst_addr: dst.0, src_port: src.1, dst_port: dst.1, proto, pad: [0; 3] }
 }
 
 #[inline(always)]
-pub fn key_of(flow: &LbFlow) -> CtKeyV4 {
+pub fn key_of<A: Copy>(flow: &LbFlow<A>) -> CtKey<A> {
     key((flow.src_addr, flow.src_port), (flow.dst_addr, flow.dst_port), flow.proto)
 }
 
 /// A live entry for `key`, refreshed; `None` if absent or expired.
 #[inline(always)]
-pub fn lookup(key: &CtKeyV4, tcp_flags: u8, now: u64) -> Option<&'static mut CtValueV4> {
-    let entry = CONNTRACK.get_ptr_mut(key)?;
+pub fn lookup<F: Family>(key: &CtKey<F::Addr>, tcp_flags: u8, now: u64) -> Option<&'static mut CtValue<F::Addr>> {
+    let entry = F::conntrack().get_ptr_mut(key)?;
     // SAFETY: the pointer comes from a successful map lookup and stays valid for this program run.
     let entry = unsafe { &mut *entry };
     if now.saturating_sub(entry.last_seen_ns) > entry.lifetime_ns(key.proto) {
@@ -48,12 +49,12 @@ pub fn lookup(key: &CtKeyV4, tcp_flags: u8, now: u64) -> Option<&'static mut CtV
 
 /// Marks the flow as answered, on the entry that was hit and on its opposite (once per flow).
 #[inline(always)]
-pub fn mark_seen_reply(entry: &mut CtValueV4, proto: u8) {
+pub fn mark_seen_reply<F: Family>(entry: &mut CtValue<F::Addr>, proto: u8) {
     if entry.flags & CT_FLAG_SEEN_REPLY != 0 {
         return;
     }
     entry.flags |= CT_FLAG_SEEN_REPLY;
-    if let Some(forward) = CONNTRACK.get_ptr_mut(entry.reverse_key(proto)) {
+    if let Some(forward) = F::conntrack().get_ptr_mut(entry.reverse_key(proto)) {
         // SAFETY: pointer from a successful lookup, valid for this run.
         unsafe { (*forward).flags |= CT_FLAG_SEEN_REPLY };
     }
@@ -61,24 +62,33 @@ pub fn mark_seen_reply(entry: &mut CtValueV4, proto: u8) {
 
 /// Removes a flow's two entries, given one of them.
 #[inline(always)]
-pub fn forget(key: &CtKeyV4, entry: &CtValueV4) {
-    let _ = CONNTRACK.remove(entry.reverse_key(key.proto));
-    let _ = CONNTRACK.remove(key);
+pub fn forget<F: Family>(key: &CtKey<F::Addr>, entry: &CtValue<F::Addr>) {
+    let _ = F::conntrack().remove(entry.reverse_key(key.proto));
+    let _ = F::conntrack().remove(key);
 }
 
 /// What a new flow's forward packets become, and how each direction is handled.
-pub struct NewFlow {
-    pub nat_src: (u32, u16),
-    pub nat_dst: (u32, u16),
+pub struct NewFlow<A> {
+    pub nat_src: (A, u16),
+    pub nat_dst: (A, u16),
     pub forward_flags: u16,
     pub reverse_flags: u16,
     pub service_id: u32,
     pub backend_id: u32,
 }
 
+/// Fills the family's scratch entries (per-CPU map memory: IPv6 entries are too big for the BPF
+/// stack next to everything else) with the flow's two entries and their keys.
 #[inline(always)]
-fn entries(flow: &LbFlow, new: &NewFlow, now: u64) -> (CtValueV4, CtKeyV4, CtValueV4) {
-    let forward = CtValueV4 {
+fn entries<F: Family>(
+    flow: &LbFlow<F::Addr>,
+    new: &NewFlow<F::Addr>,
+    now: u64,
+) -> Option<&'static mut CtScratch<F::Addr>> {
+    let scratch = F::ct_scratch().get_ptr_mut(0)?;
+    // SAFETY: per-CPU map memory, used only within this program run on this CPU.
+    let scratch = unsafe { &mut *scratch };
+    scratch.forward = CtValue {
         last_seen_ns: now,
         nat_src_addr: new.nat_src.0,
         nat_dst_addr: new.nat_dst.0,
@@ -89,51 +99,65 @@ fn entries(flow: &LbFlow, new: &NewFlow, now: u64) -> (CtValueV4, CtKeyV4, CtVal
         service_id: new.service_id,
         backend_id: new.backend_id,
     };
-    let reverse = CtValueV4 {
+    scratch.reverse = CtValue {
+        last_seen_ns: now,
         nat_src_addr: flow.dst_addr,
         nat_dst_addr: flow.src_addr,
         nat_src_port: flow.dst_port,
         nat_dst_port: flow.src_port,
         flags: CT_FLAG_REVERSE | new.reverse_flags,
-        ..forward
+        pad: 0,
+        service_id: new.service_id,
+        backend_id: new.backend_id,
     };
-    (forward, forward.reverse_key(flow.proto), reverse)
+    scratch.forward_key = key_of(flow);
+    scratch.reverse_key = scratch.forward.reverse_key(flow.proto);
+    Some(scratch)
 }
 
 /// Records a new flow. The reverse entry goes in first: once the forward entry exists, replies
 /// must already be translatable.
+// By reference on purpose: by value would copy the scratch entries back onto the stack.
+#[allow(clippy::needless_borrows_for_generic_args)]
 #[inline(always)]
-pub fn create(flow: &LbFlow, new: &NewFlow, now: u64) -> Result<(), i64> {
-    let (forward, reverse_key, reverse) = entries(flow, new, now);
-    CONNTRACK.insert(reverse_key, reverse, 0).map_err(|e| e as i64)?;
-    CONNTRACK.insert(key_of(flow), forward, 0).map_err(|e| e as i64)
+pub fn create<F: Family>(flow: &LbFlow<F::Addr>, new: &NewFlow<F::Addr>, now: u64) -> Result<(), i64> {
+    let s = entries::<F>(flow, new, now).ok_or(-1i64)?;
+    F::conntrack().insert(&s.reverse_key, &s.reverse, 0).map_err(|e| e as i64)?;
+    F::conntrack().insert(&s.forward_key, &s.forward, 0).map_err(|e| e as i64)
 }
 
 pub enum SnatError {
-    /// Every port tried is in use towards this backend: the flow is refused.
+    /// Every port tried is in use towards this destination: the flow is refused.
     PortsExhausted,
     Insert,
 }
 
 /// Records a new source-NATed flow, choosing a source port from `ports` that no other flow to
-/// the same backend uses (the reverse key must be unique). `new.nat_src.1` is ignored.
+/// the same destination uses (the reverse key must be unique). `new.nat_src.1` is ignored.
+#[allow(clippy::needless_borrows_for_generic_args)] // see `create`
 #[inline(always)]
-pub fn create_snat(flow: &LbFlow, new: &mut NewFlow, ports: (u16, u16), now: u64) -> Result<(), SnatError> {
+pub fn create_snat<F: Family>(
+    flow: &LbFlow<F::Addr>,
+    new: &mut NewFlow<F::Addr>,
+    ports: (u16, u16),
+    now: u64,
+) -> Result<(), SnatError> {
     let (min, max) =
         if ports.0 == 0 || ports.1 < ports.0 { (DEFAULT_SNAT_PORT_MIN, DEFAULT_SNAT_PORT_MAX) } else { ports };
     let range = (max - min) as u32 + 1;
     let start = unsafe { bpf_get_prandom_u32() };
+    let echo = flow.proto == IPPROTO_ICMP || flow.proto == IPPROTO_ICMPV6;
     for attempt in 0..SNAT_PORT_TRIES {
         let port = min + (start.wrapping_add(attempt.wrapping_mul(7919)) % range) as u16;
         new.nat_src.1 = port.to_be();
-        if flow.proto == IPPROTO_ICMP {
+        if echo {
             // An echo's one identifier is both "ports": the reply must carry the new one back.
             new.nat_dst.1 = new.nat_src.1;
         }
-        let (forward, reverse_key, reverse) = entries(flow, new, now);
+        let s = entries::<F>(flow, new, now).ok_or(SnatError::Insert)?;
         // NOEXIST: the port is ours only if no live flow holds this reverse key.
-        if CONNTRACK.insert(reverse_key, reverse, BPF_NOEXIST as u64).is_ok() {
-            return CONNTRACK.insert(key_of(flow), forward, 0).map_err(|_| SnatError::Insert);
+        if F::conntrack().insert(&s.reverse_key, &s.reverse, BPF_NOEXIST as u64).is_ok() {
+            return F::conntrack().insert(&s.forward_key, &s.forward, 0).map_err(|_| SnatError::Insert);
         }
     }
     Err(SnatError::PortsExhausted)

@@ -1,14 +1,15 @@
-//! Service load-balancing at TC: frontend lookup, DNAT (and SNAT where the reply would not come
-//! back otherwise) of new flows, translation of known ones in both directions.
+//! Service load-balancing at TC, for IPv4 and IPv6 alike: frontend lookup, DNAT (and SNAT where
+//! the reply would not come back otherwise) of new flows, translation of known ones in both
+//! directions, pod egress masquerade.
 //!
 //! Ingress DNATs packets to service frontends and translates replies of source-NATed flows;
 //! egress reverse-NATs replies of the others after routing (their restored source may be a node
-//! address, which the stack drops as a martian on ingress). A source-NATed packet whose new source
-//! is a node address is routed by the program itself (`route`).
+//! address, which the stack drops as a martian on ingress) and masquerades pod traffic leaving
+//! the cluster. A source-NATed packet whose new source is a node address is routed by the
+//! program itself (`route`).
 use aya_ebpf::{
     bindings::{TC_ACT_SHOT, TC_ACT_UNSPEC},
     helpers::bpf_ktime_get_ns,
-    maps::lpm_trie::Key,
     programs::TcContext,
 };
 use kube_router_common::*;
@@ -16,32 +17,32 @@ use kube_router_common::*;
 use crate::{
     backend::select_backend,
     conntrack::{self, NewFlow, SnatError},
+    family::{Family, V4, V6},
     frag,
     icmp::{self, Hook},
-    maps::{count, BACKENDS, CLUSTER_NETS, LB_CONFIG, SERVICES},
-    nat::{rewrite, Tuple},
-    parsing::{parse_lb, Fragment, LbFlow, LbPacket},
-    reject, route,
+    maps::{count, Work, LB_CONFIG},
+    nat::Tuple,
+    parsing::{ip_version, Fragment, IpVersion, LbFlow, LbParsed},
 };
 
-/// The packet as our parser sees it, ready for translation (ports resolved for fragments).
+/// The flow of the parsed packet, ready for translation (ports resolved for fragments); or the
+/// verdict for a packet that is not one (ICMP errors are translated here).
 #[inline(always)]
-fn flow_of(ctx: &TcContext, hook: Hook) -> Result<Result<LbFlow, i32>, i64> {
-    let mut flow = match parse_lb(ctx)? {
-        LbPacket::Flow(flow) => flow,
-        LbPacket::IcmpError(error) => return Ok(Err(icmp::translate(ctx, &error, hook))),
-        LbPacket::NotIpv4 => {
-            if hook == Hook::Ingress {
-                count(lb_stat::NOT_IPV4);
-            }
-            return Ok(Err(TC_ACT_UNSPEC));
-        }
-        LbPacket::Other => return Ok(Err(TC_ACT_UNSPEC)),
+fn flow_of<F: Family>(
+    ctx: &TcContext,
+    parsed: &mut LbParsed<F::Addr>,
+    hook: Hook,
+) -> Result<&'static mut LbFlow<F::Addr>, i32> {
+    let flow = match parsed {
+        LbParsed::Flow(flow) => flow,
+        LbParsed::IcmpError(error) => return Err(icmp::translate::<F>(ctx, error, hook)),
+        LbParsed::Other => return Err(TC_ACT_UNSPEC),
     };
-    if !frag::resolve_ports(&mut flow) {
-        return Ok(Err(TC_ACT_UNSPEC));
+    if !frag::resolve_ports::<F>(flow) {
+        return Err(TC_ACT_UNSPEC);
     }
-    Ok(Ok(flow))
+    // SAFETY: `parsed` lives in per-CPU map memory, valid (and ours alone) for this program run.
+    Ok(unsafe { &mut *(flow as *mut LbFlow<F::Addr>) })
 }
 
 /// Ingress: DNAT of packets to service frontends (new flows and conntrack hits), and the replies
@@ -49,53 +50,183 @@ fn flow_of(ctx: &TcContext, hook: Hook) -> Result<Result<LbFlow, i32>, i64> {
 #[inline(always)]
 pub fn handle_ingress(ctx: &TcContext) -> Result<i32, i64> {
     count(lb_stat::PACKETS);
-    let flow = match flow_of(ctx, Hook::Ingress)? {
+    // A refusal is built here, not inside `ingress`: the two frames would not fit on one stack.
+    Ok(match ip_version(ctx)? {
+        IpVersion::V4 => match ingress::<V4>(ctx) {
+            REFUSE => refuse::<V4>(ctx),
+            verdict => verdict,
+        },
+        IpVersion::V6 => match ingress::<V6>(ctx) {
+            REFUSE => refuse::<V6>(ctx),
+            verdict => verdict,
+        },
+        IpVersion::Neither => {
+            count(lb_stat::NOT_IP);
+            TC_ACT_UNSPEC
+        }
+    })
+}
+
+/// `ingress`'s answer for a new flow to a frontend without endpoints (not a TC verdict).
+const REFUSE: i32 = i32::MIN;
+
+/// Answers the packet in the work area, which `ingress` found to be a new flow to a frontend
+/// without endpoints.
+#[inline(always)]
+fn refuse<F: Family>(ctx: &TcContext) -> i32 {
+    let Some(work) = F::work().get_ptr(0) else {
+        return TC_ACT_SHOT;
+    };
+    // SAFETY: per-CPU map memory `ingress` just filled, read within the same program run.
+    match unsafe { &(*work).parsed } {
+        LbParsed::Flow(flow) => F::refuse(ctx, flow),
+        _ => TC_ACT_SHOT,
+    }
+}
+
+/// Egress: reverse NAT of backend replies, so the client sees the frontend it connected to; pod
+/// traffic leaving the cluster masqueraded to the node address.
+#[inline(always)]
+pub fn handle_egress(ctx: &TcContext) -> Result<i32, i64> {
+    Ok(match ip_version(ctx)? {
+        IpVersion::V4 => egress::<V4>(ctx),
+        IpVersion::V6 => egress::<V6>(ctx),
+        IpVersion::Neither => TC_ACT_UNSPEC,
+    })
+}
+
+/// The packet parsed into the family's per-CPU work area.
+#[inline(always)]
+fn parse_into<F: Family>(ctx: &TcContext) -> Option<&'static mut Work<F::Addr>> {
+    let work = F::work().get_ptr_mut(0)?;
+    // SAFETY: per-CPU map memory, used by this program run only.
+    let work = unsafe { &mut *work };
+    F::parse(ctx, &mut work.parsed).then_some(work)
+}
+
+// Not inlined: one frame per family, so IPv4's and IPv6's stacks are not added up.
+#[inline(never)]
+fn ingress<F: Family>(ctx: &TcContext) -> i32 {
+    let Some(work) = parse_into::<F>(ctx) else {
+        return TC_ACT_UNSPEC;
+    };
+    let flow = match flow_of::<F>(ctx, &mut work.parsed, Hook::Ingress) {
         Ok(flow) => flow,
-        Err(verdict) => return Ok(verdict),
+        Err(verdict) => return verdict,
     };
     let now = unsafe { bpf_ktime_get_ns() };
-    let key = conntrack::key_of(&flow);
-    if let Some(entry) = conntrack::lookup(&key, flow.tcp_flags, now) {
+    work.key = conntrack::key_of(flow);
+    if let Some(entry) = conntrack::lookup::<F>(&work.key, flow.tcp_flags, now) {
         if entry.flags & CT_FLAG_EGRESS != 0 {
             // A masqueraded pod flow: translated as it leaves the node.
-            return Ok(TC_ACT_UNSPEC);
+            return TC_ACT_UNSPEC;
         }
         if entry.flags & CT_FLAG_FORWARD != 0 {
-            if !(flow.has_l4() && backend_gone(entry) && may_move(entry, flow.proto)) {
+            if !(flow.has_l4() && backend_gone::<F>(entry) && may_move(entry.flags, flow.proto)) {
                 count(if flow.fragment == Fragment::Later { lb_stat::FRAGMENT_NAT } else { lb_stat::CT_HIT });
-                return translate(ctx, &flow, entry);
+                return translate::<F>(ctx, flow, entry, &mut work.to);
             }
             // Its backend is gone and nothing was answered yet: balance it again.
             count(lb_stat::CT_RESELECTED);
-            conntrack::forget(&key, entry);
+            conntrack::forget::<F>(&work.key, entry);
         } else if entry.flags & CT_FLAG_FULL_NAT != 0 {
             count(if entry.service_id == 0 { lb_stat::EGRESS_MASQUERADE } else { lb_stat::REVERSE_NAT });
-            conntrack::mark_seen_reply(entry, flow.proto);
-            return translate(ctx, &flow, entry);
+            conntrack::mark_seen_reply::<F>(entry, flow.proto);
+            return translate::<F>(ctx, flow, entry, &mut work.to);
         } else {
             // A backend's reply: translated on its way out (egress), after routing.
-            return Ok(TC_ACT_UNSPEC);
+            return TC_ACT_UNSPEC;
         }
     }
-    if !flow.has_l4() || flow.proto == IPPROTO_ICMP {
-        return Ok(TC_ACT_UNSPEC);
+    if !flow.has_l4() || (flow.proto != IPPROTO_TCP && flow.proto != IPPROTO_UDP) {
+        return TC_ACT_UNSPEC;
     }
 
-    let frontend = ServiceKeyV4 { addr: flow.dst_addr, port: flow.dst_port, proto: flow.proto, pad: 0 };
+    let frontend = ServiceKey { addr: flow.dst_addr, port: flow.dst_port, proto: flow.proto, pad: 0 };
     // SAFETY: read-only copy of a map value.
-    let Some(service) = (unsafe { SERVICES.get(frontend) }).copied() else {
+    let Some(service) = (unsafe { F::services().get(frontend) }).copied() else {
         count(lb_stat::NO_SERVICE);
-        return Ok(TC_ACT_UNSPEC);
+        return TC_ACT_UNSPEC;
     };
-    let Some(chosen) = select_backend(flow.src_addr, &service, now) else {
+    let Some(chosen) = select_backend::<F>(flow.src_addr, &service, now) else {
         count(lb_stat::NO_BACKEND_DROP);
-        return Ok(reject::refuse(ctx, &flow));
+        return REFUSE;
     };
-    let mut to = Tuple { src: (0, 0), dst: (0, 0) };
-    match new_flow(&flow, &service, &chosen, now, &mut to) {
-        NewFlowVerdict::DROP => Ok(TC_ACT_SHOT),
-        verdict => apply(ctx, &flow, &to, verdict == NewFlowVerdict::ROUTE),
+    match new_flow::<F>(flow, &service, &chosen, now, &mut work.new) {
+        NewFlowVerdict::DROP => TC_ACT_SHOT,
+        verdict => {
+            work.to = Tuple { src: work.new.nat_src, dst: work.new.nat_dst };
+            apply::<F>(ctx, flow, &work.to, verdict == NewFlowVerdict::ROUTE)
+        }
     }
+}
+
+#[inline(never)]
+fn egress<F: Family>(ctx: &TcContext) -> i32 {
+    let Some(work) = parse_into::<F>(ctx) else {
+        return TC_ACT_UNSPEC;
+    };
+    let flow = match flow_of::<F>(ctx, &mut work.parsed, Hook::Egress) {
+        Ok(flow) => flow,
+        Err(verdict) => return verdict,
+    };
+    let now = unsafe { bpf_ktime_get_ns() };
+    work.key = conntrack::key_of(flow);
+    match conntrack::lookup::<F>(&work.key, flow.tcp_flags, now) {
+        Some(entry) if entry.flags & (CT_FLAG_REVERSE | CT_FLAG_FULL_NAT) == CT_FLAG_REVERSE => {
+            count(if flow.fragment == Fragment::Later { lb_stat::FRAGMENT_NAT } else { lb_stat::REVERSE_NAT });
+            conntrack::mark_seen_reply::<F>(entry, flow.proto);
+            translate::<F>(ctx, flow, entry, &mut work.to)
+        }
+        Some(entry) if entry.flags & CT_FLAG_EGRESS != 0 => {
+            count(lb_stat::EGRESS_MASQUERADE);
+            translate::<F>(ctx, flow, entry, &mut work.to)
+        }
+        Some(_) => TC_ACT_UNSPEC,
+        None if flow.has_l4() => masquerade::<F>(ctx, flow, now, &mut work.to),
+        None => TC_ACT_UNSPEC,
+    }
+}
+
+/// The backend the entry was made for is no longer programmed at that id.
+#[inline(always)]
+fn backend_gone<F: Family>(entry: &CtValue<F::Addr>) -> bool {
+    // SAFETY: read-only use of a map value within this run.
+    match unsafe { F::backends().get(entry.backend_id) } {
+        Some(backend) => backend.addr != entry.nat_dst_addr || backend.port != entry.nat_dst_port,
+        None => true,
+    }
+}
+
+/// A flow may move to another backend while nothing depends on the old one: UDP, or TCP whose
+/// handshake never completed. Established TCP stays (the backend may still be draining).
+#[inline(always)]
+fn may_move(flags: u16, proto: u8) -> bool {
+    proto != IPPROTO_TCP || flags & CT_FLAG_SEEN_REPLY == 0
+}
+
+/// Translates the packet as the entry says; `to` is scratch for the new tuple.
+#[inline(always)]
+fn translate<F: Family>(
+    ctx: &TcContext,
+    flow: &LbFlow<F::Addr>,
+    entry: &CtValue<F::Addr>,
+    to: &mut Tuple<F::Addr>,
+) -> i32 {
+    *to = Tuple { src: (entry.nat_src_addr, entry.nat_src_port), dst: (entry.nat_dst_addr, entry.nat_dst_port) };
+    apply::<F>(ctx, flow, to, entry.flags & CT_FLAG_REDIRECT != 0)
+}
+
+#[inline(always)]
+fn apply<F: Family>(ctx: &TcContext, flow: &LbFlow<F::Addr>, to: &Tuple<F::Addr>, route: bool) -> i32 {
+    if F::rewrite(ctx, flow, to).is_err() {
+        count(lb_stat::REWRITE_FAILED);
+        return TC_ACT_SHOT;
+    }
+    if route {
+        return F::redirect(ctx, to, flow.proto);
+    }
+    TC_ACT_UNSPEC
 }
 
 /// What to do with a new flow's first packet (an integer: it crosses a BPF function call).
@@ -110,130 +241,25 @@ impl NewFlowVerdict {
     const DROP: Self = Self(2);
 }
 
-/// Egress: reverse NAT of backend replies, so the client sees the frontend it connected to; pod
-/// traffic leaving the cluster masqueraded to the node address.
-#[inline(always)]
-pub fn handle_egress(ctx: &TcContext) -> Result<i32, i64> {
-    let flow = match flow_of(ctx, Hook::Egress)? {
-        Ok(flow) => flow,
-        Err(verdict) => return Ok(verdict),
-    };
-    let now = unsafe { bpf_ktime_get_ns() };
-    match conntrack::lookup(&conntrack::key_of(&flow), flow.tcp_flags, now) {
-        Some(entry) if entry.flags & (CT_FLAG_REVERSE | CT_FLAG_FULL_NAT) == CT_FLAG_REVERSE => {
-            count(if flow.fragment == Fragment::Later { lb_stat::FRAGMENT_NAT } else { lb_stat::REVERSE_NAT });
-            conntrack::mark_seen_reply(entry, flow.proto);
-            translate(ctx, &flow, entry)
-        }
-        Some(entry) if entry.flags & CT_FLAG_EGRESS != 0 => {
-            count(lb_stat::EGRESS_MASQUERADE);
-            translate(ctx, &flow, entry)
-        }
-        Some(_) => Ok(TC_ACT_UNSPEC),
-        None if flow.has_l4() => Ok(masquerade(ctx, &flow, now)),
-        None => Ok(TC_ACT_UNSPEC),
-    }
-}
-
-#[inline(always)]
-fn cluster_net(addr: u32) -> u32 {
-    CLUSTER_NETS.get(Key::new(32, addr)).copied().unwrap_or(0)
-}
-
-/// A pod's packet to an address outside the cluster (no pod CIDR, node or service address)
-/// leaves with the node's address, as kube-router's pod egress masquerade does.
-// Not inlined: keeps its stack out of the egress hot path's.
-#[inline(never)]
-fn masquerade(ctx: &TcContext, flow: &LbFlow, now: u64) -> i32 {
-    let config = LB_CONFIG.get(0).copied().unwrap_or_default();
-    if config.flags & LB_CONFIG_POD_EGRESS == 0
-        || config.snat_addr == 0
-        || cluster_net(flow.src_addr) & CLUSTER_NET_POD == 0
-        || cluster_net(flow.dst_addr) != 0
-    {
-        return TC_ACT_UNSPEC;
-    }
-    let mut new = NewFlow {
-        nat_src: (config.snat_addr, 0),
-        nat_dst: (flow.dst_addr, flow.dst_port),
-        forward_flags: CT_FLAG_FULL_NAT | CT_FLAG_EGRESS,
-        reverse_flags: CT_FLAG_FULL_NAT,
-        service_id: 0,
-        backend_id: 0,
-    };
-    match conntrack::create_snat(flow, &mut new, (config.snat_port_min, config.snat_port_max), now) {
-        Ok(()) => count(lb_stat::EGRESS_MASQUERADE_NEW_FLOW),
-        Err(SnatError::PortsExhausted) => {
-            count(lb_stat::SNAT_PORTS_EXHAUSTED);
-            return TC_ACT_SHOT;
-        }
-        Err(SnatError::Insert) => {
-            count(lb_stat::CT_INSERT_FAILED);
-            return TC_ACT_SHOT;
-        }
-    }
-    let to = Tuple { src: new.nat_src, dst: new.nat_dst };
-    match rewrite(ctx, flow, &to) {
-        Ok(()) => TC_ACT_UNSPEC,
-        Err(_) => {
-            count(lb_stat::REWRITE_FAILED);
-            TC_ACT_SHOT
-        }
-    }
-}
-
-/// The backend the entry was made for is no longer programmed at that id.
-#[inline(always)]
-fn backend_gone(entry: &CtValueV4) -> bool {
-    // SAFETY: read-only use of a map value within this run.
-    match unsafe { BACKENDS.get(entry.backend_id) } {
-        Some(backend) => backend.addr != entry.nat_dst_addr || backend.port != entry.nat_dst_port,
-        None => true,
-    }
-}
-
-/// A flow may move to another backend while nothing depends on the old one: UDP, or TCP whose
-/// handshake never completed. Established TCP stays (the backend may still be draining).
-#[inline(always)]
-fn may_move(entry: &CtValueV4, proto: u8) -> bool {
-    proto != IPPROTO_TCP || entry.flags & CT_FLAG_SEEN_REPLY == 0
-}
-
-#[inline(always)]
-fn translate(ctx: &TcContext, flow: &LbFlow, entry: &CtValueV4) -> Result<i32, i64> {
-    let to = Tuple { src: (entry.nat_src_addr, entry.nat_src_port), dst: (entry.nat_dst_addr, entry.nat_dst_port) };
-    apply(ctx, flow, &to, entry.flags & CT_FLAG_REDIRECT != 0)
-}
-
-#[inline(always)]
-fn apply(ctx: &TcContext, flow: &LbFlow, to: &Tuple, redirect: bool) -> Result<i32, i64> {
-    if rewrite(ctx, flow, to).is_err() {
-        count(lb_stat::REWRITE_FAILED);
-        return Ok(TC_ACT_SHOT);
-    }
-    if redirect {
-        return Ok(route::redirect(ctx, to.src.0, to.dst.0, flow.proto));
-    }
-    Ok(TC_ACT_UNSPEC)
-}
-
-/// Records and translates the first packet of a flow. Source NAT where the reply would
-/// otherwise not come back through this node's translation: a north-south flow sent to another
-/// node (to this node's address, as kube-proxy masquerades), a backend reaching itself through
-/// its service (hairpin, to the frontend address), or every flow with `--masquerade-all`.
+/// Records the first packet of a flow and says what it becomes (`new`, in the work area). Source NAT where the reply
+/// would otherwise not come back through this node's translation: a north-south flow sent to
+/// another node (to this node's address, as kube-proxy masquerades), a backend reaching itself
+/// through its service (hairpin, to the frontend address), or every flow with `--masquerade-all`.
 // Not inlined: its stack would not fit beside the caller's in 512 bytes.
 #[inline(never)]
-fn new_flow(
-    flow: &LbFlow,
+fn new_flow<F: Family>(
+    flow: &LbFlow<F::Addr>,
     service: &ServiceValue,
-    chosen: &(u32, BackendV4),
+    chosen: &(u32, Backend<F::Addr>),
     now: u64,
-    to: &mut Tuple,
+    new: &mut NewFlow<F::Addr>,
 ) -> NewFlowVerdict {
     let (backend_id, backend) = (chosen.0, &chosen.1);
     // Absent or zero: no node address configured (no north-south SNAT yet).
-    let config = LB_CONFIG.get(0).copied().unwrap_or_default();
-    let mut new = NewFlow {
+    let Some(config) = LB_CONFIG.get(0) else {
+        return NewFlowVerdict::DROP;
+    };
+    *new = NewFlow {
         nat_src: (flow.src_addr, flow.src_port),
         nat_dst: (backend.addr, backend.port),
         forward_flags: 0,
@@ -244,20 +270,24 @@ fn new_flow(
     let hairpin = service.flags & SVC_FLAG_HAIRPIN != 0 && backend.addr == flow.src_addr;
     let leaves_node = service.flags & (SVC_FLAG_EXTERNAL | SVC_FLAG_LOCAL_ONLY) == SVC_FLAG_EXTERNAL
         && backend.flags & BACKEND_FLAG_LOCAL == 0;
-    let masquerade = config.snat_addr != 0 && (leaves_node || config.flags & LB_CONFIG_MASQUERADE_ALL != 0);
+    let snat_addr = F::snat_addr(config);
+    let masquerade = snat_addr.is_some() && (leaves_node || config.flags & LB_CONFIG_MASQUERADE_ALL != 0);
     if hairpin || masquerade {
         // A NodePort frontend is a node address: whichever direction gets it as its new source
         // must be routed by us.
         let nodeport = if service.flags & SVC_FLAG_NODEPORT != 0 { CT_FLAG_REDIRECT } else { 0 };
         new.reverse_flags = CT_FLAG_FULL_NAT | nodeport;
-        if hairpin {
-            new.nat_src.0 = flow.dst_addr;
-            new.forward_flags = CT_FLAG_FULL_NAT | nodeport;
-        } else {
-            new.nat_src.0 = config.snat_addr;
-            new.forward_flags = CT_FLAG_FULL_NAT | CT_FLAG_REDIRECT;
+        match snat_addr {
+            Some(addr) if !hairpin => {
+                new.nat_src.0 = addr;
+                new.forward_flags = CT_FLAG_FULL_NAT | CT_FLAG_REDIRECT;
+            }
+            _ => {
+                new.nat_src.0 = flow.dst_addr;
+                new.forward_flags = CT_FLAG_FULL_NAT | nodeport;
+            }
         }
-        match conntrack::create_snat(flow, &mut new, (config.snat_port_min, config.snat_port_max), now) {
+        match conntrack::create_snat::<F>(flow, new, (config.snat_port_min, config.snat_port_max), now) {
             Ok(()) => count(lb_stat::SNAT_NEW_FLOW),
             Err(SnatError::PortsExhausted) => {
                 count(lb_stat::SNAT_PORTS_EXHAUSTED);
@@ -269,15 +299,54 @@ fn new_flow(
                 return NewFlowVerdict::DROP;
             }
         }
-    } else if conntrack::create(flow, &new, now).is_err() {
+    } else if conntrack::create::<F>(flow, new, now).is_err() {
         // Still forward this packet; the next one retries the insert.
         count(lb_stat::CT_INSERT_FAILED);
     }
     count(lb_stat::NEW_FLOW);
-    *to = Tuple { src: new.nat_src, dst: new.nat_dst };
     if new.forward_flags & CT_FLAG_REDIRECT != 0 {
         NewFlowVerdict::ROUTE
     } else {
         NewFlowVerdict::TRANSLATE
     }
+}
+
+/// A pod's packet to an address outside the cluster (no pod CIDR, node or service address)
+/// leaves with the node's address, as kube-router's pod egress masquerade does.
+// Not inlined: keeps its stack out of the egress hot path's.
+#[inline(never)]
+fn masquerade<F: Family>(ctx: &TcContext, flow: &LbFlow<F::Addr>, now: u64, to: &mut Tuple<F::Addr>) -> i32 {
+    let Some(config) = LB_CONFIG.get(0) else {
+        return TC_ACT_UNSPEC;
+    };
+    let Some(snat_addr) = F::snat_addr(config) else {
+        return TC_ACT_UNSPEC;
+    };
+    if config.flags & LB_CONFIG_POD_EGRESS == 0
+        || F::cluster_net(&flow.src_addr) & CLUSTER_NET_POD == 0
+        || F::cluster_net(&flow.dst_addr) != 0
+    {
+        return TC_ACT_UNSPEC;
+    }
+    let mut new = NewFlow {
+        nat_src: (snat_addr, 0),
+        nat_dst: (flow.dst_addr, flow.dst_port),
+        forward_flags: CT_FLAG_FULL_NAT | CT_FLAG_EGRESS,
+        reverse_flags: CT_FLAG_FULL_NAT,
+        service_id: 0,
+        backend_id: 0,
+    };
+    match conntrack::create_snat::<F>(flow, &mut new, (config.snat_port_min, config.snat_port_max), now) {
+        Ok(()) => count(lb_stat::EGRESS_MASQUERADE_NEW_FLOW),
+        Err(SnatError::PortsExhausted) => {
+            count(lb_stat::SNAT_PORTS_EXHAUSTED);
+            return TC_ACT_SHOT;
+        }
+        Err(SnatError::Insert) => {
+            count(lb_stat::CT_INSERT_FAILED);
+            return TC_ACT_SHOT;
+        }
+    }
+    *to = Tuple { src: new.nat_src, dst: new.nat_dst };
+    apply::<F>(ctx, flow, to, false)
 }

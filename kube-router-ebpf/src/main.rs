@@ -14,6 +14,7 @@
 
 mod backend;
 mod conntrack;
+mod family;
 mod frag;
 mod icmp;
 mod lb;

@@ -5,6 +5,8 @@ use aya_ebpf::{
 };
 use kube_router_common::*;
 
+use crate::{conntrack::NewFlow, nat::Tuple, parsing::LbParsed};
+
 #[map(name = "svc_v4")]
 pub static SERVICES: HashMap<ServiceKeyV4, ServiceValue> = HashMap::pinned(SERVICES_MAX_ENTRIES, 0);
 
@@ -21,13 +23,69 @@ pub static CONNTRACK: LruHashMap<CtKeyV4, CtValueV4> = LruHashMap::pinned(CONNTR
 pub static AFFINITY: LruHashMap<AffinityKeyV4, AffinityValue> = LruHashMap::pinned(AFFINITY_MAX_ENTRIES, 0);
 
 #[map(name = "lb_config")]
-pub static LB_CONFIG: Array<LbConfigV4> = Array::pinned(1, 0);
+pub static LB_CONFIG: Array<LbConfig> = Array::pinned(1, 0);
 
 #[map(name = "frag_v4")]
 pub static FRAGMENTS: LruHashMap<FragKeyV4, FragPorts> = LruHashMap::pinned(FRAGMENTS_MAX_ENTRIES, 0);
 
 #[map(name = "cluster_nets_v4")]
 pub static CLUSTER_NETS: LpmTrie<u32, u32> = LpmTrie::pinned(CLUSTER_NETS_MAX_ENTRIES, 0);
+
+// IPv6 twins of the service maps (ids are per family: a dual-stack Service has one service id
+// in each).
+
+#[map(name = "svc_v6")]
+pub static SERVICES_V6: HashMap<ServiceKeyV6, ServiceValue> = HashMap::pinned(SERVICES_MAX_ENTRIES, 0);
+
+#[map(name = "svc_slots_v6")]
+pub static BACKEND_SLOTS_V6: HashMap<BackendSlotKey, BackendSlotValue> = HashMap::pinned(BACKEND_SLOTS_MAX_ENTRIES, 0);
+
+#[map(name = "backends_v6")]
+pub static BACKENDS_V6: HashMap<u32, BackendV6> = HashMap::pinned(BACKENDS_MAX_ENTRIES, 0);
+
+#[map(name = "ct_v6")]
+pub static CONNTRACK_V6: LruHashMap<CtKeyV6, CtValueV6> = LruHashMap::pinned(CONNTRACK_MAX_ENTRIES, 0);
+
+#[map(name = "affinity_v6")]
+pub static AFFINITY_V6: LruHashMap<AffinityKeyV6, AffinityValue> = LruHashMap::pinned(AFFINITY_MAX_ENTRIES, 0);
+
+#[map(name = "frag_v6")]
+pub static FRAGMENTS_V6: LruHashMap<FragKeyV6, FragPorts> = LruHashMap::pinned(FRAGMENTS_MAX_ENTRIES, 0);
+
+#[map(name = "cluster_nets_v6")]
+pub static CLUSTER_NETS_V6: LpmTrie<Ipv6Words, u32> = LpmTrie::pinned(CLUSTER_NETS_MAX_ENTRIES, 0);
+
+/// A new flow's two entries and keys, built in map memory rather than on the BPF stack (the
+/// IPv6 ones take 192 bytes of its 512). Per CPU: one program run uses it at a time.
+#[repr(C)]
+pub struct CtScratch<A> {
+    pub forward: CtValue<A>,
+    pub reverse: CtValue<A>,
+    pub forward_key: CtKey<A>,
+    pub reverse_key: CtKey<A>,
+}
+
+/// The packet being handled and what it becomes, in map memory for the same reason.
+#[repr(C)]
+pub struct Work<A> {
+    pub parsed: LbParsed<A>,
+    pub key: CtKey<A>,
+    pub to: Tuple<A>,
+    pub new: NewFlow<A>,
+}
+
+// Not pinned: scratch space, nothing to keep across agent restarts.
+#[map(name = "work_v4")]
+pub static WORK: PerCpuArray<Work<u32>> = PerCpuArray::with_max_entries(1, 0);
+
+#[map(name = "work_v6")]
+pub static WORK_V6: PerCpuArray<Work<Ipv6Words>> = PerCpuArray::with_max_entries(1, 0);
+
+#[map(name = "ct_scratch_v4")]
+pub static CT_SCRATCH: PerCpuArray<CtScratch<u32>> = PerCpuArray::with_max_entries(1, 0);
+
+#[map(name = "ct_scratch_v6")]
+pub static CT_SCRATCH_V6: PerCpuArray<CtScratch<Ipv6Words>> = PerCpuArray::with_max_entries(1, 0);
 
 #[map(name = "lb_stats")]
 pub static LB_STATS: PerCpuArray<u64> = PerCpuArray::pinned(lb_stat::COUNT, 0);

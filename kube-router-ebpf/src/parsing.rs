@@ -1,6 +1,6 @@
 //! Ethernet / IPv4 / TCP / UDP (and, for policy, SCTP / ICMP) header parsing with bounds-checked skb loads.
 use aya_ebpf::programs::TcContext;
-use kube_router_common::{IPPROTO_ICMP, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
+use kube_router_common::{Ipv6Words, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
 pub const ETH_HDR_LEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
@@ -101,10 +101,13 @@ pub enum Fragment {
     Later,
 }
 
-/// The load balancer's view of a TCP or UDP packet. Addresses and ports in network byte order.
-pub struct LbFlow {
-    pub src_addr: u32,
-    pub dst_addr: u32,
+/// The load balancer's view of a TCP, UDP or ICMP echo packet, IPv4 (`A = u32`) or IPv6
+/// ([`Ipv6Words`]). Addresses and ports in network byte order; an echo's identifier stands for
+/// both ports.
+#[derive(Clone, Copy)]
+pub struct LbFlow<A> {
+    pub src_addr: A,
+    pub dst_addr: A,
     /// 0 in a [`Fragment::Later`] packet until the first fragment's ports are filled in.
     pub src_port: u16,
     pub dst_port: u16,
@@ -112,11 +115,11 @@ pub struct LbFlow {
     pub tcp_flags: u8,
     pub l4_off: usize,
     pub fragment: Fragment,
-    /// IP identification, network byte order (names a fragmented datagram).
-    pub ip_id: u16,
+    /// The datagram's identification (names its fragments).
+    pub frag_id: u32,
 }
 
-impl LbFlow {
+impl<A> LbFlow<A> {
     /// The L4 header (ports, checksum) is in this packet.
     #[inline(always)]
     pub fn has_l4(&self) -> bool {
@@ -124,31 +127,55 @@ impl LbFlow {
     }
 }
 
-/// An ICMP error (destination unreachable, time exceeded, parameter problem) quoting a TCP or
-/// UDP packet: the quoted packet is the one the error is about, as its sender sent it.
-pub struct IcmpError {
-    pub outer_dst: u32,
+/// An ICMP(v6) error (destination unreachable, packet too big, time exceeded, parameter problem)
+/// quoting a TCP or UDP packet: the quoted packet is the one the error is about, as sent.
+pub struct IcmpError<A> {
+    pub outer_dst: A,
     pub icmp_off: usize,
     pub inner_ip_off: usize,
     pub inner_l4_off: usize,
-    pub inner_src_addr: u32,
-    pub inner_dst_addr: u32,
+    pub inner_src_addr: A,
+    pub inner_dst_addr: A,
     pub inner_src_port: u16,
     pub inner_dst_port: u16,
     pub inner_proto: u8,
 }
 
-pub enum LbPacket {
-    Flow(LbFlow),
-    IcmpError(IcmpError),
-    NotIpv4,
-    /// IPv4 but not something the load balancer translates: passed untouched.
+pub enum LbParsed<A> {
+    Flow(LbFlow<A>),
+    IcmpError(IcmpError<A>),
+    /// Not something the load balancer translates (other protocols, NDP, ...): passed untouched.
     Other,
 }
+
+pub enum IpVersion {
+    V4,
+    V6,
+    Neither,
+}
+
+const ETH_P_IPV6: u16 = 0x86dd;
+pub const IPV6_HDR_LEN: usize = 40;
+pub const IPV6_PAYLOAD_LEN_OFF: usize = ETH_HDR_LEN + 4;
+pub const IPV6_HOP_LIMIT_OFF: usize = ETH_HDR_LEN + 7;
+pub const IPV6_SRC_OFF: usize = ETH_HDR_LEN + 8;
+pub const IPV6_DST_OFF: usize = ETH_HDR_LEN + 24;
 
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const ICMP_PARAMETER_PROBLEM: u8 = 12;
+const ICMPV6_DEST_UNREACH: u8 = 1;
+const ICMPV6_PARAMETER_PROBLEM: u8 = 4;
+const ICMPV6_ECHO_REQUEST: u8 = 128;
+const ICMPV6_ECHO_REPLY: u8 = 129;
+
+const IPPROTO_HOPOPTS: u8 = 0;
+const IPPROTO_ROUTING: u8 = 43;
+const IPPROTO_FRAGMENT: u8 = 44;
+const IPPROTO_AH: u8 = 51;
+const IPPROTO_DSTOPTS: u8 = 60;
+/// Extension headers walked before giving up on a packet (passed untouched).
+const MAX_IPV6_EXT_HEADERS: usize = 4;
 
 #[inline(always)]
 fn ipv4_header_len(ctx: &TcContext, ip_off: usize) -> Result<Option<usize>, i64> {
@@ -157,16 +184,21 @@ fn ipv4_header_len(ctx: &TcContext, ip_off: usize) -> Result<Option<usize>, i64>
     Ok((version_ihl >> 4 == 4 && header_len >= 20).then_some(header_len))
 }
 
-/// TCP and UDP, fragments included (a later fragment has no ports yet), ICMP echo (its
-/// identifier as both ports), and ICMP errors about TCP or UDP packets.
 #[inline(always)]
-pub fn parse_lb(ctx: &TcContext) -> Result<LbPacket, i64> {
-    let ether_type = u16::from_be(ctx.load::<u16>(12)?);
-    if ether_type != ETH_P_IP {
-        return Ok(LbPacket::NotIpv4);
-    }
+pub fn ip_version(ctx: &TcContext) -> Result<IpVersion, i64> {
+    Ok(match u16::from_be(ctx.load::<u16>(12)?) {
+        ETH_P_IP => IpVersion::V4,
+        ETH_P_IPV6 => IpVersion::V6,
+        _ => IpVersion::Neither,
+    })
+}
+
+/// The load balancer's parse of an IPv4 packet: TCP, UDP (fragments included: a later fragment
+/// has no ports yet), ICMP echo, and ICMP errors about TCP or UDP packets.
+#[inline(always)]
+pub fn parse_lb_v4(ctx: &TcContext, out: &mut LbParsed<u32>) -> Result<(), i64> {
     let Some(header_len) = ipv4_header_len(ctx, ETH_HDR_LEN)? else {
-        return Ok(LbPacket::NotIpv4);
+        return other(out);
     };
     let proto: u8 = ctx.load(ETH_HDR_LEN + 9)?;
     let l4_off = ETH_HDR_LEN + header_len;
@@ -178,30 +210,123 @@ pub fn parse_lb(ctx: &TcContext) -> Result<LbPacket, i64> {
     } else {
         Fragment::Whole
     };
+    let (src_addr, dst_addr) = (ctx.load(IP_SRC_OFF)?, ctx.load(IP_DST_OFF)?);
+    let frag_id = u32::from(ctx.load::<u16>(ETH_HDR_LEN + 4)?);
     if proto == IPPROTO_ICMP {
         if fragment != Fragment::Whole {
-            return Ok(LbPacket::Other);
+            return other(out);
         }
         let icmp_type: u8 = ctx.load(l4_off)?;
-        if icmp_type != ICMP_ECHO_REQUEST && icmp_type != ICMP_ECHO_REPLY {
-            return parse_icmp_error(ctx, l4_off);
+        if icmp_type == ICMP_ECHO_REQUEST || icmp_type == ICMP_ECHO_REPLY {
+            return echo(ctx, src_addr, dst_addr, proto, l4_off, frag_id, out);
         }
-        // An echo's identifier stands for both ports: request and reply share the key.
-        let id: u16 = ctx.load(l4_off + 4)?;
-        return Ok(LbPacket::Flow(LbFlow {
-            src_addr: ctx.load(IP_SRC_OFF)?,
-            dst_addr: ctx.load(IP_DST_OFF)?,
-            src_port: id,
-            dst_port: id,
-            proto,
-            tcp_flags: 0,
-            l4_off,
-            fragment,
-            ip_id: ctx.load(ETH_HDR_LEN + 4)?,
-        }));
+        if icmp_type != ICMP_DEST_UNREACH && icmp_type != ICMP_TIME_EXCEEDED && icmp_type != ICMP_PARAMETER_PROBLEM {
+            return other(out);
+        }
+        let inner_ip_off = l4_off + 8;
+        let Some(inner_len) = ipv4_header_len(ctx, inner_ip_off)? else {
+            return other(out);
+        };
+        let inner_proto: u8 = ctx.load(inner_ip_off + 9)?;
+        return icmp_error(ctx, (dst_addr, l4_off), inner_ip_off, inner_ip_off + inner_len, (12, 16), inner_proto, out);
     }
+    transport(ctx, (src_addr, dst_addr), proto, l4_off, (fragment, frag_id), out)
+}
+
+/// The same for IPv6 (extension headers skipped, a bounded number of them).
+#[inline(always)]
+pub fn parse_lb_v6(ctx: &TcContext, out: &mut LbParsed<Ipv6Words>) -> Result<(), i64> {
+    let version: u8 = ctx.load(ETH_HDR_LEN)?;
+    if version >> 4 != 6 {
+        return other(out);
+    }
+    let next: u8 = ctx.load(ETH_HDR_LEN + 6)?;
+    let Some((proto, l4_off, fragment, frag_id)) = ipv6_upper_layer(ctx, next, ETH_HDR_LEN + IPV6_HDR_LEN)? else {
+        return other(out);
+    };
+    let (src_addr, dst_addr) = (ctx.load(IPV6_SRC_OFF)?, ctx.load(IPV6_DST_OFF)?);
+    if proto == IPPROTO_ICMPV6 {
+        if fragment != Fragment::Whole {
+            return other(out);
+        }
+        let icmp_type: u8 = ctx.load(l4_off)?;
+        if icmp_type == ICMPV6_ECHO_REQUEST || icmp_type == ICMPV6_ECHO_REPLY {
+            return echo(ctx, src_addr, dst_addr, proto, l4_off, frag_id, out);
+        }
+        // Errors are types 1-4; neighbour discovery, router advertisements and the rest pass.
+        if !(ICMPV6_DEST_UNREACH..=ICMPV6_PARAMETER_PROBLEM).contains(&icmp_type) {
+            return other(out);
+        }
+        let inner_ip_off = l4_off + 8;
+        let inner_next: u8 = ctx.load(inner_ip_off + 6)?;
+        // The quoted packet's own extension headers are not walked: errors about them are rare.
+        return icmp_error(
+            ctx,
+            (dst_addr, l4_off),
+            inner_ip_off,
+            inner_ip_off + IPV6_HDR_LEN,
+            (8, 24),
+            inner_next,
+            out,
+        );
+    }
+    transport(ctx, (src_addr, dst_addr), proto, l4_off, (fragment, frag_id), out)
+}
+
+/// Skips IPv6 extension headers (a bounded number): the upper-layer protocol and its offset, the
+/// fragment position and the datagram id. `None`: too many headers to look past.
+#[inline(always)]
+fn ipv6_upper_layer(ctx: &TcContext, mut next: u8, mut off: usize) -> Result<Option<(u8, usize, Fragment, u32)>, i64> {
+    let mut fragment = Fragment::Whole;
+    let mut frag_id = 0;
+    for _ in 0..MAX_IPV6_EXT_HEADERS {
+        match next {
+            IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {
+                let len: u8 = ctx.load(off + 1)?;
+                next = ctx.load(off)?;
+                off += (len as usize + 1) * 8;
+            }
+            IPPROTO_AH => {
+                let len: u8 = ctx.load(off + 1)?;
+                next = ctx.load(off)?;
+                off += (len as usize + 2) * 4;
+            }
+            IPPROTO_FRAGMENT => {
+                let offset_flags = u16::from_be(ctx.load::<u16>(off + 2)?);
+                fragment = if offset_flags & 0xfff8 != 0 {
+                    Fragment::Later
+                } else if offset_flags & 1 != 0 {
+                    Fragment::First
+                } else {
+                    Fragment::Whole
+                };
+                frag_id = ctx.load(off + 4)?;
+                next = ctx.load(off)?;
+                off += 8;
+            }
+            _ => return Ok(Some((next, off, fragment, frag_id))),
+        }
+    }
+    Ok(None)
+}
+
+#[inline(always)]
+fn other<A>(out: &mut LbParsed<A>) -> Result<(), i64> {
+    *out = LbParsed::Other;
+    Ok(())
+}
+
+#[inline(always)]
+fn transport<A>(
+    ctx: &TcContext,
+    (src_addr, dst_addr): (A, A),
+    proto: u8,
+    l4_off: usize,
+    (fragment, frag_id): (Fragment, u32),
+    out: &mut LbParsed<A>,
+) -> Result<(), i64> {
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
-        return Ok(LbPacket::Other);
+        return other(out);
     }
     let (src_port, dst_port, tcp_flags) = if fragment == Fragment::Later {
         (0, 0, 0)
@@ -209,43 +334,62 @@ pub fn parse_lb(ctx: &TcContext) -> Result<LbPacket, i64> {
         let flags = if proto == IPPROTO_TCP { ctx.load::<u8>(l4_off + 13)? } else { 0 };
         (ctx.load(l4_off)?, ctx.load(l4_off + 2)?, flags)
     };
-    Ok(LbPacket::Flow(LbFlow {
-        src_addr: ctx.load(IP_SRC_OFF)?,
-        dst_addr: ctx.load(IP_DST_OFF)?,
-        src_port,
-        dst_port,
-        proto,
-        tcp_flags,
-        l4_off,
-        fragment,
-        ip_id: ctx.load(ETH_HDR_LEN + 4)?,
-    }))
+    *out =
+        LbParsed::Flow(LbFlow { src_addr, dst_addr, src_port, dst_port, proto, tcp_flags, l4_off, fragment, frag_id });
+    Ok(())
 }
 
+/// An echo request or reply: its identifier stands for both ports, so request and reply share
+/// the conntrack key.
 #[inline(always)]
-fn parse_icmp_error(ctx: &TcContext, icmp_off: usize) -> Result<LbPacket, i64> {
-    let icmp_type: u8 = ctx.load(icmp_off)?;
-    if icmp_type != ICMP_DEST_UNREACH && icmp_type != ICMP_TIME_EXCEEDED && icmp_type != ICMP_PARAMETER_PROBLEM {
-        return Ok(LbPacket::Other);
-    }
-    let inner_ip_off = icmp_off + 8;
-    let Some(inner_len) = ipv4_header_len(ctx, inner_ip_off)? else {
-        return Ok(LbPacket::Other);
-    };
-    let inner_proto: u8 = ctx.load(inner_ip_off + 9)?;
+fn echo<A>(
+    ctx: &TcContext,
+    src_addr: A,
+    dst_addr: A,
+    proto: u8,
+    l4_off: usize,
+    frag_id: u32,
+    out: &mut LbParsed<A>,
+) -> Result<(), i64> {
+    let id: u16 = ctx.load(l4_off + 4)?;
+    *out = LbParsed::Flow(LbFlow {
+        src_addr,
+        dst_addr,
+        src_port: id,
+        dst_port: id,
+        proto,
+        tcp_flags: 0,
+        l4_off,
+        fragment: Fragment::Whole,
+        frag_id,
+    });
+    Ok(())
+}
+
+/// `addr_offs`: where the quoted header keeps its source and destination.
+#[inline(always)]
+fn icmp_error<A>(
+    ctx: &TcContext,
+    (outer_dst, icmp_off): (A, usize),
+    inner_ip_off: usize,
+    inner_l4_off: usize,
+    addr_offs: (usize, usize),
+    inner_proto: u8,
+    out: &mut LbParsed<A>,
+) -> Result<(), i64> {
     if inner_proto != IPPROTO_TCP && inner_proto != IPPROTO_UDP {
-        return Ok(LbPacket::Other);
+        return other(out);
     }
-    let inner_l4_off = inner_ip_off + inner_len;
-    Ok(LbPacket::IcmpError(IcmpError {
-        outer_dst: ctx.load(IP_DST_OFF)?,
+    *out = LbParsed::IcmpError(IcmpError {
+        outer_dst,
         icmp_off,
         inner_ip_off,
         inner_l4_off,
-        inner_src_addr: ctx.load(inner_ip_off + 12)?,
-        inner_dst_addr: ctx.load(inner_ip_off + 16)?,
+        inner_src_addr: ctx.load(inner_ip_off + addr_offs.0)?,
+        inner_dst_addr: ctx.load(inner_ip_off + addr_offs.1)?,
         inner_src_port: ctx.load(inner_l4_off)?,
         inner_dst_port: ctx.load(inner_l4_off + 2)?,
         inner_proto,
-    }))
+    });
+    Ok(())
 }

@@ -4,14 +4,16 @@
 //! waiting for a timeout.
 use aya_ebpf::{
     bindings::{bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, TC_ACT_SHOT},
-    helpers::{bpf_csum_diff, bpf_redirect, bpf_skb_change_tail},
+    helpers::{bpf_csum_diff, bpf_redirect, bpf_skb_change_tail, bpf_skb_load_bytes},
     programs::TcContext,
     EbpfContext,
 };
-use kube_router_common::{lb_stat, IPPROTO_ICMP, IPPROTO_TCP};
+use kube_router_common::{lb_stat, Ipv6Words, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP};
 
-use crate::maps::count;
-use crate::parsing::{LbFlow, ETH_HDR_LEN, IP_TOT_LEN_OFF, TCP_FLAG_FIN, TCP_FLAG_RST};
+use crate::{
+    maps::count,
+    parsing::{LbFlow, ETH_HDR_LEN, IPV6_HDR_LEN, IPV6_PAYLOAD_LEN_OFF, IP_TOT_LEN_OFF, TCP_FLAG_FIN, TCP_FLAG_RST},
+};
 
 const TCP_FLAG_SYN: u8 = 0x02;
 const TCP_FLAG_ACK: u8 = 0x10;
@@ -80,11 +82,23 @@ fn truncate(ctx: &TcContext, len: usize) -> Result<(), i64> {
     Ok(())
 }
 
-/// Answers the packet with a refusal; returns the TC verdict (a drop if it cannot be built).
+/// Answers the IPv4 packet with a refusal; returns the TC verdict (a drop if it cannot be built).
 // Not inlined: its scratch buffers would not fit beside the caller's stack.
 #[inline(never)]
-pub fn refuse(ctx: &TcContext, flow: &LbFlow) -> i32 {
+pub fn refuse_v4(ctx: &TcContext, flow: &LbFlow<u32>) -> i32 {
     let answer = if flow.proto == IPPROTO_TCP { tcp_reset(ctx, flow) } else { icmp_port_unreachable(ctx, flow) };
+    sent(answer)
+}
+
+/// Answers the IPv6 packet with a refusal; returns the TC verdict.
+#[inline(never)]
+pub fn refuse_v6(ctx: &TcContext, flow: &LbFlow<Ipv6Words>) -> i32 {
+    let answer = if flow.proto == IPPROTO_TCP { tcp_reset_v6(ctx, flow) } else { icmpv6_port_unreachable(ctx, flow) };
+    sent(answer)
+}
+
+#[inline(always)]
+fn sent(answer: Result<i32, i64>) -> i32 {
     match answer {
         Ok(verdict) => {
             count(lb_stat::REJECT_SENT);
@@ -94,27 +108,43 @@ pub fn refuse(ctx: &TcContext, flow: &LbFlow) -> i32 {
     }
 }
 
+/// The RST's sequence number, acknowledgment number and flags (network byte order), per RFC
+/// 9293 3.10.7.1: an ACK is answered with its acknowledgment number as sequence number;
+/// otherwise everything the segment occupied is acknowledged. `l4_len`: the TCP segment's length.
 #[inline(always)]
-fn tcp_reset(ctx: &TcContext, flow: &LbFlow) -> Result<i32, i64> {
-    if flow.tcp_flags & TCP_FLAG_RST != 0 {
-        return Ok(TC_ACT_SHOT);
-    }
-    let macs: [u8; 12] = ctx.load(0)?;
+fn reset_numbers<A>(ctx: &TcContext, flow: &LbFlow<A>, l4_len: u32) -> Result<(u32, u32, u8), i64> {
     let seq = u32::from_be(ctx.load::<u32>(flow.l4_off + 4)?);
     let ack: u32 = ctx.load(flow.l4_off + 8)?;
     let data_off = ((ctx.load::<u8>(flow.l4_off + 12)? >> 4) as u32) * 4;
-    let total_len = u16::from_be(ctx.load::<u16>(IP_TOT_LEN_OFF)?) as u32;
-    let ip_len = (flow.l4_off - ETH_HDR_LEN) as u32;
-    let payload = total_len.saturating_sub(ip_len + data_off);
-    // RFC 9293 3.10.7.1: answer an ACK with its acknowledgment number as sequence number;
-    // otherwise acknowledge everything the segment occupied.
-    let (rst_seq, rst_ack, rst_flags) = if flow.tcp_flags & TCP_FLAG_ACK != 0 {
+    let payload = l4_len.saturating_sub(data_off);
+    Ok(if flow.tcp_flags & TCP_FLAG_ACK != 0 {
         (ack, 0u32, TCP_FLAG_RST)
     } else {
         let occupied =
             payload + u32::from(flow.tcp_flags & TCP_FLAG_SYN != 0) + u32::from(flow.tcp_flags & TCP_FLAG_FIN != 0);
         (0u32, seq.wrapping_add(occupied).to_be(), TCP_FLAG_RST | TCP_FLAG_ACK)
-    };
+    })
+}
+
+/// Fills a TCP header answering `flow` (ports swapped) into `t`; the checksum is left zero.
+#[inline(always)]
+fn reset_header<A>(t: &mut [u8], flow: &LbFlow<A>, numbers: (u32, u32, u8)) {
+    t[0..2].copy_from_slice(&flow.dst_port.to_ne_bytes());
+    t[2..4].copy_from_slice(&flow.src_port.to_ne_bytes());
+    t[4..8].copy_from_slice(&numbers.0.to_ne_bytes());
+    t[8..12].copy_from_slice(&numbers.1.to_ne_bytes());
+    t[12] = (TCP_HDR_LEN as u8 / 4) << 4;
+    t[13] = numbers.2;
+}
+
+#[inline(always)]
+fn tcp_reset(ctx: &TcContext, flow: &LbFlow<u32>) -> Result<i32, i64> {
+    if flow.tcp_flags & TCP_FLAG_RST != 0 {
+        return Ok(TC_ACT_SHOT);
+    }
+    let macs: [u8; 12] = ctx.load(0)?;
+    let total_len = u16::from_be(ctx.load::<u16>(IP_TOT_LEN_OFF)?) as u32;
+    let numbers = reset_numbers(ctx, flow, total_len.saturating_sub((flow.l4_off - ETH_HDR_LEN) as u32))?;
 
     // Pseudo-header then the TCP header, summed together.
     let mut segment = Words([0u8; 12 + TCP_HDR_LEN]);
@@ -123,13 +153,7 @@ fn tcp_reset(ctx: &TcContext, flow: &LbFlow) -> Result<i32, i64> {
     s[4..8].copy_from_slice(&flow.src_addr.to_ne_bytes());
     s[9] = IPPROTO_TCP;
     s[11] = TCP_HDR_LEN as u8;
-    let t = &mut s[12..];
-    t[0..2].copy_from_slice(&flow.dst_port.to_ne_bytes());
-    t[2..4].copy_from_slice(&flow.src_port.to_ne_bytes());
-    t[4..8].copy_from_slice(&rst_seq.to_ne_bytes());
-    t[8..12].copy_from_slice(&rst_ack.to_ne_bytes());
-    t[12] = (TCP_HDR_LEN as u8 / 4) << 4;
-    t[13] = rst_flags;
+    reset_header(&mut s[12..], flow, numbers);
     let csum = checksum(&mut segment)?;
     segment.0[12 + 16..12 + 18].copy_from_slice(&csum.to_ne_bytes());
     let ip = ipv4_header(IPPROTO_TCP, (IP_HDR_LEN + TCP_HDR_LEN) as u16, flow.dst_addr, flow.src_addr)?;
@@ -141,8 +165,95 @@ fn tcp_reset(ctx: &TcContext, flow: &LbFlow) -> Result<i32, i64> {
     bounce(ctx, &macs)
 }
 
+/// An IPv6 header from `src` to `dst` (no checksum in IPv6).
 #[inline(always)]
-fn icmp_port_unreachable(ctx: &TcContext, flow: &LbFlow) -> Result<i32, i64> {
+fn ipv6_header(next: u8, payload_len: u16, src: &Ipv6Words, dst: &Ipv6Words) -> [u8; IPV6_HDR_LEN] {
+    let mut h = [0u8; IPV6_HDR_LEN];
+    h[0] = 0x60;
+    h[4..6].copy_from_slice(&payload_len.to_be_bytes());
+    h[6] = next;
+    h[7] = TTL;
+    put_addr(&mut h[8..24], src);
+    put_addr(&mut h[24..40], dst);
+    h
+}
+
+/// Writes an address held as words (network byte order) as its 16 packet bytes, word by word.
+#[inline(always)]
+fn put_addr(out: &mut [u8], addr: &Ipv6Words) {
+    for (i, word) in addr.0.iter().enumerate() {
+        out[4 * i..4 * i + 4].copy_from_slice(&word.to_ne_bytes());
+    }
+}
+
+/// The IPv6 pseudo-header (RFC 8200 8.1) into the first 40 bytes of `p`.
+#[inline(always)]
+fn ipv6_pseudo_header(p: &mut [u8], src: &Ipv6Words, dst: &Ipv6Words, upper_len: u32, next: u8) {
+    put_addr(&mut p[0..16], src);
+    put_addr(&mut p[16..32], dst);
+    p[32..36].copy_from_slice(&upper_len.to_be_bytes());
+    p[39] = next;
+}
+
+// Not inlined: the IPv6 answers' buffers get a frame each.
+#[inline(never)]
+fn tcp_reset_v6(ctx: &TcContext, flow: &LbFlow<Ipv6Words>) -> Result<i32, i64> {
+    if flow.tcp_flags & TCP_FLAG_RST != 0 {
+        return Ok(TC_ACT_SHOT);
+    }
+    let macs: [u8; 12] = ctx.load(0)?;
+    let payload_len = u16::from_be(ctx.load::<u16>(IPV6_PAYLOAD_LEN_OFF)?) as u32;
+    let extension_len = (flow.l4_off - ETH_HDR_LEN - IPV6_HDR_LEN) as u32;
+    let numbers = reset_numbers(ctx, flow, payload_len.saturating_sub(extension_len))?;
+    let mut segment = Words([0u8; IPV6_HDR_LEN + TCP_HDR_LEN]);
+    ipv6_pseudo_header(&mut segment.0, &flow.dst_addr, &flow.src_addr, TCP_HDR_LEN as u32, IPPROTO_TCP);
+    reset_header(&mut segment.0[IPV6_HDR_LEN..], flow, numbers);
+    let csum = checksum(&mut segment)?;
+    segment.0[IPV6_HDR_LEN + 16..IPV6_HDR_LEN + 18].copy_from_slice(&csum.to_ne_bytes());
+    let ip = ipv6_header(IPPROTO_TCP, TCP_HDR_LEN as u16, &flow.dst_addr, &flow.src_addr);
+
+    truncate(ctx, ETH_HDR_LEN + IPV6_HDR_LEN + TCP_HDR_LEN)?;
+    ctx.store(ETH_HDR_LEN, &ip, 0)?;
+    let tcp: [u8; TCP_HDR_LEN] = segment.0[IPV6_HDR_LEN..].try_into().map_err(|_| -1i64)?;
+    ctx.store(ETH_HDR_LEN + IPV6_HDR_LEN, &tcp, 0)?;
+    bounce(ctx, &macs)
+}
+
+/// What an ICMPv6 error quotes here: the datagram's IPv6 header (no extension headers) and 8 bytes.
+const QUOTE_V6_LEN: usize = IPV6_HDR_LEN + 8;
+
+#[inline(never)]
+fn icmpv6_port_unreachable(ctx: &TcContext, flow: &LbFlow<Ipv6Words>) -> Result<i32, i64> {
+    if flow.l4_off != ETH_HDR_LEN + IPV6_HDR_LEN {
+        return Ok(TC_ACT_SHOT);
+    }
+    let macs: [u8; 12] = ctx.load(0)?;
+    let upper_len = (ICMP_HDR_LEN + QUOTE_V6_LEN) as u32;
+    let mut message = Words([0u8; IPV6_HDR_LEN + ICMP_HDR_LEN + QUOTE_V6_LEN]);
+    ipv6_pseudo_header(&mut message.0, &flow.dst_addr, &flow.src_addr, upper_len, IPPROTO_ICMPV6);
+    message.0[IPV6_HDR_LEN] = 1; // destination unreachable
+    message.0[IPV6_HDR_LEN + 1] = 4; // port unreachable
+                                     // Straight into place, with a constant length the verifier can check.
+    let quote = &mut message.0[IPV6_HDR_LEN + ICMP_HDR_LEN..];
+    // SAFETY: `quote` is QUOTE_V6_LEN writable bytes; the helper bounds-checks the packet side.
+    let rc =
+        unsafe { bpf_skb_load_bytes(ctx.as_ptr(), ETH_HDR_LEN as u32, quote.as_mut_ptr().cast(), QUOTE_V6_LEN as u32) };
+    if rc < 0 {
+        return Err(rc);
+    }
+    let csum = checksum(&mut message)?;
+    let icmp_header: [u8; ICMP_HDR_LEN] = [1, 4, csum.to_ne_bytes()[0], csum.to_ne_bytes()[1], 0, 0, 0, 0];
+    let ip = ipv6_header(IPPROTO_ICMPV6, upper_len as u16, &flow.dst_addr, &flow.src_addr);
+
+    truncate(ctx, ETH_HDR_LEN + QUOTE_V6_LEN)?;
+    ctx.adjust_room((IPV6_HDR_LEN + ICMP_HDR_LEN) as i32, BPF_ADJ_ROOM_MAC, 0)?;
+    ctx.store(ETH_HDR_LEN, &ip, 0)?;
+    ctx.store(ETH_HDR_LEN + IPV6_HDR_LEN, &icmp_header, 0)?;
+    bounce(ctx, &macs)
+}
+
+#[inline(always)]
+fn icmp_port_unreachable(ctx: &TcContext, flow: &LbFlow<u32>) -> Result<i32, i64> {
     // A datagram with IP options is rare enough to be dropped rather than quoted.
     if flow.l4_off != ETH_HDR_LEN + IP_HDR_LEN {
         return Ok(TC_ACT_SHOT);

@@ -86,8 +86,9 @@ fn main() {
         NodeContext { name: "node-a".into(), node_port_addrs: vec![Ipv4Addr::new(10, 100, 0, 1)], hairpin_all: true };
     write_lb_config(
         pin_dir,
-        &kube_router_common::LbConfigV4 {
+        &kube_router_common::LbConfig {
             snat_addr: u32::from_ne_bytes([10, 100, 0, 1]),
+            snat_addr_v6: Default::default(),
             snat_port_min: 10_000,
             snat_port_max: 60_000,
             flags: 0,

@@ -11,7 +11,7 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use kube_router_common::{lb_stat, map_names, pol_stat, LbConfigV4, LB_CONFIG_MASQUERADE_ALL, LB_CONFIG_POD_EGRESS};
+use kube_router_common::{lb_stat, map_names, pol_stat, LbConfig, LB_CONFIG_MASQUERADE_ALL, LB_CONFIG_POD_EGRESS};
 use tokio::{
     signal::unix::{signal, SignalKind},
     sync::mpsc,
@@ -336,8 +336,9 @@ impl ServiceProxy {
         };
         let snat_addr =
             config.node_ip.or_else(netif::default_route_source).or_else(|| netif::ipv4_addresses().first().copied());
-        let lb_config = LbConfigV4 {
+        let lb_config = LbConfig {
             snat_addr: snat_addr.map(crate::services::compile::addr_be).unwrap_or(0),
+            snat_addr_v6: Default::default(),
             snat_port_min: config.snat_port_range.0,
             snat_port_max: config.snat_port_range.1,
             flags: if config.masquerade_all { LB_CONFIG_MASQUERADE_ALL } else { 0 }

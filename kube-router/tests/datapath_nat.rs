@@ -20,7 +20,7 @@ use kube_router::{
         sync::ServiceSync,
     },
 };
-use kube_router_common::{lb_stat, LbConfigV4, CT_FLAG_SEEN_REPLY, LB_CONFIG_POD_EGRESS};
+use kube_router_common::{lb_stat, LbConfig, CT_FLAG_SEEN_REPLY, LB_CONFIG_POD_EGRESS};
 
 const TC_ACT_UNSPEC: i32 = -1;
 const TC_ACT_SHOT: i32 = 2;
@@ -103,8 +103,9 @@ fn load(test: &str, yaml: &str) -> Loaded {
     let _ = datapath::remove_all(&pin_dir);
     let datapath = Datapath::load(&pin_dir).expect("load datapath (run as root)");
     program(&pin_dir, yaml);
-    let config = LbConfigV4 {
+    let config = LbConfig {
         snat_addr: addr_be(NODE_IP),
+        snat_addr_v6: Default::default(),
         snat_port_min: SNAT_PORTS.0,
         snat_port_max: SNAT_PORTS.1,
         flags: 0,
@@ -403,8 +404,9 @@ fn flows_leave_a_removed_backend_unless_established_tcp() {
 #[test]
 fn pod_traffic_leaving_the_cluster_is_masqueraded_and_its_replies_restored() {
     let lb = load("egress", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
-    let config = LbConfigV4 {
+    let config = LbConfig {
         snat_addr: addr_be(NODE_IP),
+        snat_addr_v6: Default::default(),
         snat_port_min: SNAT_PORTS.0,
         snat_port_max: SNAT_PORTS.1,
         flags: LB_CONFIG_POD_EGRESS,

@@ -17,7 +17,7 @@ const fn spec<K, V>(name: &'static str, map_type: MapType, max_entries: u32) -> 
     MapSpec { name, map_type, key_size: size_of::<K>() as u32, value_size: size_of::<V>() as u32, max_entries }
 }
 
-pub const SERVICE_MAPS: [MapSpec; 10] = [
+pub const SERVICE_MAPS: [MapSpec; 17] = [
     spec::<ServiceKeyV4, ServiceValue>(map_names::SERVICES, MapType::Hash, SERVICES_MAX_ENTRIES),
     spec::<BackendSlotKey, BackendSlotValue>(map_names::BACKEND_SLOTS, MapType::Hash, BACKEND_SLOTS_MAX_ENTRIES),
     spec::<u32, BackendV4>(map_names::BACKENDS, MapType::Hash, BACKENDS_MAX_ENTRIES),
@@ -25,9 +25,16 @@ pub const SERVICE_MAPS: [MapSpec; 10] = [
     spec::<AffinityKeyV4, AffinityValue>(map_names::AFFINITY, MapType::LruHash, AFFINITY_MAX_ENTRIES),
     spec::<u32, u64>(map_names::LB_STATS, MapType::PerCpuArray, lb_stat::COUNT),
     spec::<u32, u32>(map_names::META, MapType::Array, META_MAX_ENTRIES),
-    spec::<u32, LbConfigV4>(map_names::LB_CONFIG, MapType::Array, 1),
+    spec::<u32, LbConfig>(map_names::LB_CONFIG, MapType::Array, 1),
     spec::<FragKeyV4, FragPorts>(map_names::FRAGMENTS, MapType::LruHash, FRAGMENTS_MAX_ENTRIES),
     spec::<Key<u32>, u32>(map_names::CLUSTER_NETS, MapType::LpmTrie, CLUSTER_NETS_MAX_ENTRIES),
+    spec::<ServiceKeyV6, ServiceValue>(map_names::SERVICES_V6, MapType::Hash, SERVICES_MAX_ENTRIES),
+    spec::<BackendSlotKey, BackendSlotValue>(map_names::BACKEND_SLOTS_V6, MapType::Hash, BACKEND_SLOTS_MAX_ENTRIES),
+    spec::<u32, BackendV6>(map_names::BACKENDS_V6, MapType::Hash, BACKENDS_MAX_ENTRIES),
+    spec::<CtKeyV6, CtValueV6>(map_names::CONNTRACK_V6, MapType::LruHash, CONNTRACK_MAX_ENTRIES),
+    spec::<AffinityKeyV6, AffinityValue>(map_names::AFFINITY_V6, MapType::LruHash, AFFINITY_MAX_ENTRIES),
+    spec::<FragKeyV6, FragPorts>(map_names::FRAGMENTS_V6, MapType::LruHash, FRAGMENTS_MAX_ENTRIES),
+    spec::<Key<Ipv6Words>, u32>(map_names::CLUSTER_NETS_V6, MapType::LpmTrie, CLUSTER_NETS_MAX_ENTRIES),
 ];
 
 /// The NetworkPolicy maps. `pol_peers_v4` keys are aya's LPM `Key` (u32 prefix length + data).

@@ -89,8 +89,8 @@ impl ServiceMaps for BpfServiceMaps {
 }
 
 /// Writes the node settings the datapath reads (`lb_config`), only if they differ.
-pub fn write_lb_config(pin_dir: &Path, config: &LbConfigV4) -> Result<()> {
-    let mut map: aya::maps::Array<MapData, LbConfigV4> =
+pub fn write_lb_config(pin_dir: &Path, config: &LbConfig) -> Result<()> {
+    let mut map: aya::maps::Array<MapData, LbConfig> =
         aya::maps::Array::try_from(Map::Array(open(pin_dir, map_names::LB_CONFIG)?))?;
     if map.get(&0, 0)? != *config {
         map.set(0, config, 0)?;

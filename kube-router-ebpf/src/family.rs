@@ -1,0 +1,174 @@
+//! IPv4 and IPv6 behind one interface, so the load balancer's logic (lookups, conntrack, NAT
+//! decisions) is written once and compiled for each address family.
+use aya_ebpf::{
+    maps::{lpm_trie::Key, HashMap, LruHashMap, PerCpuArray},
+    programs::TcContext,
+};
+use kube_router_common::*;
+
+use crate::{
+    maps::*,
+    nat::{self, Tuple},
+    parsing::{self, IcmpError, LbFlow, LbParsed},
+    reject, route,
+};
+
+pub trait Family: 'static {
+    /// `u32` or [`Ipv6Words`], network byte order.
+    type Addr: Copy + PartialEq;
+
+    fn services() -> &'static HashMap<ServiceKey<Self::Addr>, ServiceValue>;
+    fn slots() -> &'static HashMap<BackendSlotKey, BackendSlotValue>;
+    fn backends() -> &'static HashMap<u32, Backend<Self::Addr>>;
+    fn conntrack() -> &'static LruHashMap<CtKey<Self::Addr>, CtValue<Self::Addr>>;
+    fn affinity() -> &'static LruHashMap<AffinityKey<Self::Addr>, AffinityValue>;
+    fn fragments() -> &'static LruHashMap<FragKey<Self::Addr>, FragPorts>;
+    fn ct_scratch() -> &'static PerCpuArray<CtScratch<Self::Addr>>;
+    fn work() -> &'static PerCpuArray<Work<Self::Addr>>;
+    /// Parses the packet into `out` (per-CPU map memory); `false` if it cannot be read.
+    fn parse(ctx: &TcContext, out: &mut LbParsed<Self::Addr>) -> bool;
+    /// `CLUSTER_NET_*` flags of the longest prefix holding `addr` (0: outside the cluster).
+    fn cluster_net(addr: &Self::Addr) -> u32;
+    /// The node address source-NATed flows of this family leave with, if configured.
+    fn snat_addr(config: &LbConfig) -> Option<Self::Addr>;
+
+    fn rewrite(ctx: &TcContext, flow: &LbFlow<Self::Addr>, to: &Tuple<Self::Addr>) -> Result<(), i64>;
+    fn rewrite_icmp_error(
+        ctx: &TcContext,
+        error: &IcmpError<Self::Addr>,
+        quoted: &Tuple<Self::Addr>,
+        outer_dst: &Self::Addr,
+    ) -> Result<(), i64>;
+    /// Routes the translated packet (its new source is a node address); the TC verdict.
+    fn redirect(ctx: &TcContext, to: &Tuple<Self::Addr>, proto: u8) -> i32;
+    /// Answers a new flow to a frontend without endpoints; the TC verdict.
+    fn refuse(ctx: &TcContext, flow: &LbFlow<Self::Addr>) -> i32;
+}
+
+pub struct V4;
+pub struct V6;
+
+impl Family for V4 {
+    type Addr = u32;
+
+    fn services() -> &'static HashMap<ServiceKeyV4, ServiceValue> {
+        &SERVICES
+    }
+    fn slots() -> &'static HashMap<BackendSlotKey, BackendSlotValue> {
+        &BACKEND_SLOTS
+    }
+    fn backends() -> &'static HashMap<u32, BackendV4> {
+        &BACKENDS
+    }
+    fn conntrack() -> &'static LruHashMap<CtKeyV4, CtValueV4> {
+        &CONNTRACK
+    }
+    fn affinity() -> &'static LruHashMap<AffinityKeyV4, AffinityValue> {
+        &AFFINITY
+    }
+    fn fragments() -> &'static LruHashMap<FragKeyV4, FragPorts> {
+        &FRAGMENTS
+    }
+    fn ct_scratch() -> &'static PerCpuArray<CtScratch<u32>> {
+        &CT_SCRATCH
+    }
+    fn work() -> &'static PerCpuArray<Work<u32>> {
+        &WORK
+    }
+    // Not inlined: the parser's temporaries get a frame of their own.
+    #[inline(never)]
+    fn parse(ctx: &TcContext, out: &mut LbParsed<u32>) -> bool {
+        parsing::parse_lb_v4(ctx, out).is_ok()
+    }
+    #[inline(always)]
+    fn cluster_net(addr: &u32) -> u32 {
+        CLUSTER_NETS.get(Key::new(32, *addr)).copied().unwrap_or(0)
+    }
+    #[inline(always)]
+    fn snat_addr(config: &LbConfig) -> Option<u32> {
+        (config.snat_addr != 0).then_some(config.snat_addr)
+    }
+    #[inline(always)]
+    fn rewrite(ctx: &TcContext, flow: &LbFlow<u32>, to: &Tuple<u32>) -> Result<(), i64> {
+        nat::rewrite_v4(ctx, flow, to)
+    }
+    #[inline(always)]
+    fn rewrite_icmp_error(
+        ctx: &TcContext,
+        error: &IcmpError<u32>,
+        quoted: &Tuple<u32>,
+        outer_dst: &u32,
+    ) -> Result<(), i64> {
+        nat::rewrite_icmp_error_v4(ctx, error, quoted, *outer_dst)
+    }
+    #[inline(always)]
+    fn redirect(ctx: &TcContext, to: &Tuple<u32>, proto: u8) -> i32 {
+        route::redirect_v4(ctx, to.src.0, to.dst.0, proto)
+    }
+    #[inline(always)]
+    fn refuse(ctx: &TcContext, flow: &LbFlow<u32>) -> i32 {
+        reject::refuse_v4(ctx, flow)
+    }
+}
+
+impl Family for V6 {
+    type Addr = Ipv6Words;
+
+    fn services() -> &'static HashMap<ServiceKeyV6, ServiceValue> {
+        &SERVICES_V6
+    }
+    fn slots() -> &'static HashMap<BackendSlotKey, BackendSlotValue> {
+        &BACKEND_SLOTS_V6
+    }
+    fn backends() -> &'static HashMap<u32, BackendV6> {
+        &BACKENDS_V6
+    }
+    fn conntrack() -> &'static LruHashMap<CtKeyV6, CtValueV6> {
+        &CONNTRACK_V6
+    }
+    fn affinity() -> &'static LruHashMap<AffinityKeyV6, AffinityValue> {
+        &AFFINITY_V6
+    }
+    fn fragments() -> &'static LruHashMap<FragKeyV6, FragPorts> {
+        &FRAGMENTS_V6
+    }
+    fn ct_scratch() -> &'static PerCpuArray<CtScratch<Ipv6Words>> {
+        &CT_SCRATCH_V6
+    }
+    fn work() -> &'static PerCpuArray<Work<Ipv6Words>> {
+        &WORK_V6
+    }
+    #[inline(never)]
+    fn parse(ctx: &TcContext, out: &mut LbParsed<Ipv6Words>) -> bool {
+        parsing::parse_lb_v6(ctx, out).is_ok()
+    }
+    #[inline(always)]
+    fn cluster_net(addr: &Ipv6Words) -> u32 {
+        CLUSTER_NETS_V6.get(Key::new(128, *addr)).copied().unwrap_or(0)
+    }
+    #[inline(always)]
+    fn snat_addr(config: &LbConfig) -> Option<Ipv6Words> {
+        (config.snat_addr_v6 != Ipv6Words::UNSPECIFIED).then_some(config.snat_addr_v6)
+    }
+    #[inline(always)]
+    fn rewrite(ctx: &TcContext, flow: &LbFlow<Ipv6Words>, to: &Tuple<Ipv6Words>) -> Result<(), i64> {
+        nat::rewrite_v6(ctx, flow, to)
+    }
+    #[inline(always)]
+    fn rewrite_icmp_error(
+        ctx: &TcContext,
+        error: &IcmpError<Ipv6Words>,
+        quoted: &Tuple<Ipv6Words>,
+        outer_dst: &Ipv6Words,
+    ) -> Result<(), i64> {
+        nat::rewrite_icmp_error_v6(ctx, error, quoted, outer_dst)
+    }
+    #[inline(always)]
+    fn redirect(ctx: &TcContext, to: &Tuple<Ipv6Words>, proto: u8) -> i32 {
+        route::redirect_v6(ctx, &to.src.0, &to.dst.0, proto)
+    }
+    #[inline(always)]
+    fn refuse(ctx: &TcContext, flow: &LbFlow<Ipv6Words>) -> i32 {
+        reject::refuse_v6(ctx, flow)
+    }
+}
