@@ -1,6 +1,10 @@
 //! BPF_PROG_TEST_RUN: runs a loaded program on a crafted packet inside the kernel. Used by the
 //! datapath tests (exact packet rewrites, checksums) and the per-packet benchmark.
-use std::{io, net::Ipv4Addr, os::fd::RawFd};
+use std::{
+    io,
+    net::{Ipv4Addr, Ipv6Addr},
+    os::fd::RawFd,
+};
 
 const BPF_PROG_TEST_RUN: libc::c_long = 10;
 
@@ -108,7 +112,7 @@ impl NodeNetns {
             full.extend_from_slice(args);
             run(&full)?;
         }
-        run(&["netns", "exec", name, "sysctl", "-qw", "net.ipv4.ip_forward=1"])?;
+        run(&["netns", "exec", name, "sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"])?;
         let file = std::fs::File::open(format!("/run/netns/{name}"))?;
         // SAFETY: setns on the calling thread only, with a valid namespace fd.
         if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
@@ -278,5 +282,139 @@ pub mod packet {
             return true;
         }
         l4_checksum(src, dst, ip[9], l4) == 0
+    }
+
+    // ---- IPv6 ----------------------------------------------------------------------------
+
+    pub const ICMPV6: u8 = 58;
+
+    fn v6_pseudo_sum(src: &Ipv6Addr, dst: &Ipv6Addr, next: u8, len: usize) -> u32 {
+        sum_words(&src.octets()) + sum_words(&dst.octets()) + len as u32 + u32::from(next)
+    }
+
+    /// An Ethernet + IPv6 frame (hop limit 64) around `payload`, whose first header is `next`.
+    pub fn ipv6_frame(next: u8, src: Ipv6Addr, dst: Ipv6Addr, payload: &[u8]) -> Vec<u8> {
+        let mut frame = DST_MAC.to_vec();
+        frame.extend_from_slice(&SRC_MAC);
+        frame.extend_from_slice(&[0x86, 0xdd, 0x60, 0, 0, 0]);
+        frame.extend_from_slice(&(payload.len() as u16).to_be_bytes());
+        frame.extend_from_slice(&[next, 64]);
+        frame.extend_from_slice(&src.octets());
+        frame.extend_from_slice(&dst.octets());
+        frame.extend_from_slice(payload);
+        frame
+    }
+
+    /// A TCP (flags given), UDP or ICMPv6 message's bytes with its pseudo-header checksum set.
+    /// For ICMPv6, `l4` is the whole message with a zero checksum.
+    pub fn l4_segment_v6(
+        proto: u8,
+        src: (Ipv6Addr, u16),
+        dst: (Ipv6Addr, u16),
+        tcp_flags: u8,
+        payload: &[u8],
+    ) -> Vec<u8> {
+        let mut l4 = Vec::new();
+        l4.extend_from_slice(&src.1.to_be_bytes());
+        l4.extend_from_slice(&dst.1.to_be_bytes());
+        if proto == TCP {
+            l4.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 0, 0x50, tcp_flags, 0xff, 0xff, 0, 0, 0, 0]);
+        } else {
+            l4.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+            l4.extend_from_slice(&[0, 0]);
+        }
+        l4.extend_from_slice(payload);
+        set_checksum_v6(proto, &src.0, &dst.0, &mut l4);
+        l4
+    }
+
+    fn checksum_offset(proto: u8) -> usize {
+        match proto {
+            TCP => 16,
+            UDP => 6,
+            _ => 2,
+        }
+    }
+
+    fn set_checksum_v6(proto: u8, src: &Ipv6Addr, dst: &Ipv6Addr, l4: &mut [u8]) {
+        let off = checksum_offset(proto);
+        l4[off..off + 2].copy_from_slice(&[0, 0]);
+        let sum = fold(v6_pseudo_sum(src, dst, proto, l4.len()) + sum_words(l4));
+        l4[off..off + 2].copy_from_slice(&sum.to_be_bytes());
+    }
+
+    /// An Ethernet + IPv6 + TCP or UDP frame with a valid checksum.
+    pub fn ipv6(proto: u8, src: (Ipv6Addr, u16), dst: (Ipv6Addr, u16), tcp_flags: u8, payload: &[u8]) -> Vec<u8> {
+        ipv6_frame(proto, src.0, dst.0, &l4_segment_v6(proto, src, dst, tcp_flags, payload))
+    }
+
+    /// An ICMPv6 echo request (128) or reply (129) with identifier `id`.
+    pub fn icmpv6_echo(icmp_type: u8, src: Ipv6Addr, dst: Ipv6Addr, id: u16) -> Vec<u8> {
+        let mut icmp = vec![icmp_type, 0, 0, 0, 0, 0, 0, 1, b'p', b'i', b'n', b'g'];
+        icmp[4..6].copy_from_slice(&id.to_be_bytes());
+        set_checksum_v6(ICMPV6, &src, &dst, &mut icmp);
+        ipv6_frame(ICMPV6, src, dst, &icmp)
+    }
+
+    /// An ICMPv6 error (e.g. 2/0 "packet too big") from `from` to `to` quoting the IPv6 packet
+    /// in `quoted_frame` (its header and the first 8 bytes after it).
+    pub fn icmpv6_error(icmp_type: u8, code: u8, from: Ipv6Addr, to: Ipv6Addr, quoted_frame: &[u8]) -> Vec<u8> {
+        let mut icmp = vec![icmp_type, code, 0, 0, 0, 0, 0x05, 0x00]; // MTU 1280
+        icmp.extend_from_slice(&quoted_frame[14..14 + 40 + 8]);
+        set_checksum_v6(ICMPV6, &from, &to, &mut icmp);
+        ipv6_frame(ICMPV6, from, to, &icmp)
+    }
+
+    /// A fragment of `l4` (an upper-layer `proto` datagram): bytes `offset..offset + len`, with
+    /// a fragment header (id, more-fragments flag).
+    pub fn ipv6_fragment(
+        proto: u8,
+        src: Ipv6Addr,
+        dst: Ipv6Addr,
+        l4: &[u8],
+        offset: usize,
+        len: usize,
+        id: u32,
+    ) -> Vec<u8> {
+        let more = offset + len < l4.len();
+        let mut payload = vec![proto, 0];
+        payload.extend_from_slice(&((offset as u16) | u16::from(more)).to_be_bytes());
+        payload.extend_from_slice(&id.to_be_bytes());
+        payload.extend_from_slice(&l4[offset..offset + len]);
+        ipv6_frame(44, src, dst, &payload)
+    }
+
+    fn v6_addr(bytes: &[u8]) -> Ipv6Addr {
+        let octets: [u8; 16] = bytes.try_into().expect("16 bytes");
+        Ipv6Addr::from(octets)
+    }
+
+    /// (source, destination) of an IPv6 TCP/UDP frame without extension headers (an echo's id
+    /// as both ports).
+    pub fn endpoints_v6(frame: &[u8]) -> ((Ipv6Addr, u16), (Ipv6Addr, u16)) {
+        let ip = &frame[14..];
+        let l4 = &ip[40..];
+        let (sport, dport) = if ip[6] == ICMPV6 {
+            let id = u16::from_be_bytes([l4[4], l4[5]]);
+            (id, id)
+        } else {
+            (u16::from_be_bytes([l4[0], l4[1]]), u16::from_be_bytes([l4[2], l4[3]]))
+        };
+        ((v6_addr(&ip[8..24]), sport), (v6_addr(&ip[24..40]), dport))
+    }
+
+    /// The L4 (or ICMPv6) checksum of an IPv6 frame without extension headers verifies.
+    pub fn checksums_valid_v6(frame: &[u8]) -> bool {
+        let ip = &frame[14..];
+        let len = usize::from(u16::from_be_bytes([ip[4], ip[5]]));
+        let l4 = &ip[40..40 + len];
+        fold(v6_pseudo_sum(&v6_addr(&ip[8..24]), &v6_addr(&ip[24..40]), ip[6], len) + sum_words(l4)) == 0
+    }
+
+    /// (source, destination) of the packet quoted in an ICMPv6 message.
+    pub fn quoted_endpoints_v6(frame: &[u8]) -> ((Ipv6Addr, u16), (Ipv6Addr, u16)) {
+        let mut inner = frame[..14].to_vec();
+        inner.extend_from_slice(&frame[14 + 40 + 8..]);
+        endpoints_v6(&inner)
     }
 }
