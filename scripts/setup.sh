@@ -3,7 +3,7 @@
 # Idempotent: re-running skips what is already present.
 set -euo pipefail
 
-APT_PACKAGES=(bpftool iproute2 iputils-ping gobgpd bird2 frr tcpdump iperf3 netcat-openbsd ipset iptables jq procps psmisc)
+APT_PACKAGES=(bpftool iproute2 iputils-ping gobgpd bird2 frr tcpdump iperf3 netcat-openbsd ipset iptables jq procps psmisc containernetworking-plugins)
 BPF_LINKER_VERSION=0.13.0
 
 log() { printf '[setup] %s\n' "$*"; }

@@ -47,6 +47,7 @@ fn state(services: usize, endpoints: usize) -> ServiceState {
                 internal_traffic_local: false,
                 publish_not_ready: false,
                 hairpin: false,
+                health_check_node_port: None,
             },
         );
         let endpoints = (0..endpoints)
@@ -82,8 +83,12 @@ fn main() {
     let _ = datapath::remove_all(pin_dir);
     let datapath = Datapath::load(pin_dir).expect("load datapath (root needed)");
     let mut maps = BpfServiceMaps::open_pinned(pin_dir).expect("maps");
-    let node =
-        NodeContext { name: "node-a".into(), node_port_addrs: vec![Ipv4Addr::new(10, 100, 0, 1)], hairpin_all: true };
+    let node = NodeContext {
+        name: "node-a".into(),
+        node_port_addrs: vec![Ipv4Addr::new(10, 100, 0, 1)],
+        hairpin_all: true,
+        ..Default::default()
+    };
     write_lb_config(
         pin_dir,
         &kube_router_common::LbConfig {

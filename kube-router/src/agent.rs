@@ -5,6 +5,7 @@
 //! with a difference computed from a state we trust, and deletions only happen after a complete
 //! listing of every kind since start (mark, then sweep).
 use std::{
+    collections::{BTreeMap, BTreeSet},
     net::Ipv4Addr,
     path::{Path, PathBuf},
     time::{Duration, Instant, SystemTime},
@@ -33,7 +34,7 @@ use crate::{
     router::{RouterController, RouterOptions},
     services::{
         compile::{assign_ids, plan, CompileWarning, Limits},
-        model::NodeContext,
+        model::{ExternalIpPolicy, NodeContext},
         source::{load_file, StateBuilder},
         sync::{ServiceMaps, ServiceSync},
     },
@@ -73,6 +74,10 @@ pub struct AgentConfig {
     pub cluster_cidrs: Vec<ipnet::IpNet>,
     /// `--service-cluster-ip-range`.
     pub service_ranges: Vec<ipnet::IpNet>,
+    /// `--service-external-ip-range`.
+    pub external_ip_ranges: Vec<ipnet::IpNet>,
+    /// `--loadbalancer-ip-range`.
+    pub load_balancer_ip_ranges: Vec<ipnet::IpNet>,
     /// Program the service load balancer (`--run-service-proxy`).
     pub run_service_proxy: bool,
     /// Enforce NetworkPolicy (`--run-firewall`).
@@ -89,14 +94,25 @@ struct ServiceController {
     node_name: String,
     nodeport_addresses: Option<Vec<Ipv4Addr>>,
     hairpin_all: bool,
+    external_ips: ExternalIpPolicy,
+    /// Warnings already logged, so one that persists is reported once.
+    reported: BTreeSet<String>,
+    /// The health check ports the node serves (`spec.healthCheckNodePort`).
+    health_checks: tokio::sync::watch::Sender<BTreeMap<u16, crate::healthcheck::LocalEndpoints>>,
 }
 
 impl ServiceController {
     fn node_context(&self) -> NodeContext {
+        let mut external_ips = self.external_ips.clone();
+        // The node's own addresses are never a Service's to capture.
+        external_ips
+            .forbidden
+            .extend(netif::ipv4_addresses().into_iter().map(|a| ipnet::IpNet::from(std::net::IpAddr::V4(a))));
         NodeContext {
             name: self.node_name.clone(),
             node_port_addrs: self.nodeport_addresses.clone().unwrap_or_else(netif::ipv4_addresses),
             hairpin_all: self.hairpin_all,
+            external_ips,
         }
     }
 
@@ -110,12 +126,28 @@ impl ServiceController {
             self.metrics.with(|m| *m.rejected_objects.entry(kind).or_default() += 1);
         }
         let lb_plan = plan(&builder.state, &self.node_context(), self.limits);
+        let mut current = BTreeSet::new();
         for warning in &lb_plan.warnings {
-            match warning {
-                CompileWarning::FrontendConflict { .. } => tracing::error!(?warning, "frontend claimed twice"),
-                CompileWarning::EndpointsTruncated { .. } => tracing::warn!(?warning, "too many endpoints"),
+            let text = format!("{warning:?}");
+            if !self.reported.contains(&text) {
+                match warning {
+                    CompileWarning::FrontendConflict { .. } => tracing::error!(?warning, "frontend claimed twice"),
+                    CompileWarning::EndpointsTruncated { .. } => tracing::warn!(?warning, "too many endpoints"),
+                    CompileWarning::ExternalIpRefused { service, reason } => {
+                        tracing::error!(service = %service, reason, "external IP refused; the rest of the Service is programmed");
+                        self.metrics.with(|m| *m.rejected_objects.entry("ExternalIP").or_default() += 1);
+                    }
+                }
             }
+            current.insert(text);
         }
+        self.reported = current;
+        self.health_checks.send_if_modified(|checks| {
+            let now = crate::healthcheck::health_checks(&builder.state, &self.node_name);
+            let changed = *checks != now;
+            *checks = now;
+            changed
+        });
         let desired = assign_ids(&lb_plan, self.sync.programmed());
         let report = self.sync.sync(&mut self.maps, &desired, complete);
         let total = report.total();
@@ -317,7 +349,11 @@ struct ServiceProxy {
 }
 
 impl ServiceProxy {
-    fn start(config: &AgentConfig, metrics: &Metrics) -> Result<Self> {
+    fn start(
+        config: &AgentConfig,
+        metrics: &Metrics,
+        health_checks: tokio::sync::watch::Sender<BTreeMap<u16, crate::healthcheck::LocalEndpoints>>,
+    ) -> Result<Self> {
         let maps = BpfServiceMaps::open_pinned(&config.pin_dir)?;
         let sync = ServiceSync::adopt(&maps).context("reading the programmed service maps")?;
         tracing::info!(
@@ -333,6 +369,13 @@ impl ServiceProxy {
             node_name: config.node_name.clone(),
             nodeport_addresses: config.nodeport_addresses.clone(),
             hairpin_all: config.hairpin_mode,
+            external_ips: ExternalIpPolicy {
+                external_ip_ranges: config.external_ip_ranges.clone(),
+                load_balancer_ranges: config.load_balancer_ip_ranges.clone(),
+                forbidden: config.cluster_cidrs.iter().chain(&config.service_ranges).copied().collect(),
+            },
+            reported: BTreeSet::new(),
+            health_checks,
         };
         let snat_addr =
             config.node_ip.or_else(netif::default_route_source).or_else(|| netif::ipv4_addresses().first().copied());
@@ -373,7 +416,10 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     if let Some(datapath) = datapath.as_mut() {
         attach_all(datapath, &config.interfaces, &mut attached, config.run_service_proxy, config.run_firewall);
     }
-    let mut service_proxy = if config.run_service_proxy { Some(ServiceProxy::start(&config, &metrics)?) } else { None };
+    let (health_checks, health_check_ports) = tokio::sync::watch::channel(BTreeMap::new());
+    tokio::spawn(crate::healthcheck::serve(health_check_ports, metrics.clone()));
+    let mut service_proxy =
+        if config.run_service_proxy { Some(ServiceProxy::start(&config, &metrics, health_checks)?) } else { None };
     if service_proxy.is_some() && matches!(config.source, DesiredSource::File(_)) {
         sync_egress_nets(&config, []);
     }

@@ -5,6 +5,7 @@ pub mod bpf;
 pub mod egress;
 pub mod fib;
 pub mod firewall;
+pub mod healthcheck;
 pub mod k8s;
 pub mod metrics;
 pub mod netif;

@@ -144,6 +144,13 @@ struct RunArgs {
     /// route (else its first address).
     #[arg(long, env = "KUBE_ROUTER_NODE_IP")]
     node_ip: Option<Ipv4Addr>,
+    /// externalIPs must be inside one of these CIDRs (comma-separated); others are refused.
+    /// Default: any address outside the cluster's own ranges.
+    #[arg(long, env = "KUBE_ROUTER_SERVICE_EXTERNAL_IP_RANGE", value_delimiter = ',')]
+    service_external_ip_range: Vec<ipnet::IpNet>,
+    /// LoadBalancer ingress IPs must be inside one of these CIDRs (comma-separated).
+    #[arg(long, env = "KUBE_ROUTER_LOADBALANCER_IP_RANGE", value_delimiter = ',')]
+    loadbalancer_ip_range: Vec<ipnet::IpNet>,
     /// Masquerade pod traffic to destinations outside the cluster to the node address.
     #[arg(long, env = "KUBE_ROUTER_ENABLE_POD_EGRESS", default_value_t = true, action = clap::ArgAction::Set)]
     enable_pod_egress: bool,
@@ -438,6 +445,8 @@ fn run(cli: &Cli) -> Result<()> {
         snat_port_range: args.snat_port_range,
         node_ip: args.node_ip,
         pod_egress: args.enable_pod_egress,
+        external_ip_ranges: args.service_external_ip_range.clone(),
+        load_balancer_ip_ranges: args.loadbalancer_ip_range.clone(),
         cluster_cidrs: args.cluster_cidr.clone(),
         service_ranges: args.service_cluster_ip_range.clone(),
         run_service_proxy: args.run_service_proxy,

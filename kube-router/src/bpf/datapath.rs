@@ -89,6 +89,20 @@ pub enum AttachOutcome {
 pub struct Datapath {
     ebpf: Ebpf,
     pin_dir: PathBuf,
+    /// Ids of the maps pinned in `pin_dir`: what makes an attached program "ours". Per-CPU
+    /// scratch maps are not pinned; a re-attached instance may use other ones.
+    pinned_map_ids: std::collections::BTreeSet<u32>,
+}
+
+/// Ids of the maps pinned directly in `pin_dir`.
+fn pinned_map_ids(pin_dir: &Path) -> std::collections::BTreeSet<u32> {
+    let Ok(entries) = fs::read_dir(pin_dir) else { return Default::default() };
+    entries
+        .flatten()
+        .filter(|e| e.file_type().map(|t| t.is_file()).unwrap_or(false))
+        .filter_map(|e| aya::maps::MapInfo::from_pin(e.path()).ok())
+        .map(|info| info.id())
+        .collect()
 }
 
 pub fn ensure_bpffs(pin_dir: &Path) -> Result<()> {
@@ -114,7 +128,8 @@ impl Datapath {
             program.load().with_context(|| format!("verifier rejected {name}"))?;
         }
         tracing::info!(pin_dir = %pin_dir.display(), adopted_maps = adopted, "datapath loaded");
-        let mut datapath = Self { ebpf, pin_dir: pin_dir.to_path_buf() };
+        let pinned_map_ids = pinned_map_ids(pin_dir);
+        let mut datapath = Self { ebpf, pin_dir: pin_dir.to_path_buf(), pinned_map_ids };
         datapath.record_layout_version()?;
         Ok(datapath)
     }
@@ -156,9 +171,11 @@ impl Datapath {
     /// agent left if it is still attached.
     pub fn attach_hook(&mut self, hook: Hook, interface: &str) -> Result<AttachOutcome> {
         let link_path = Self::link_path(&self.pin_dir, hook, interface);
+        let pinned_ids = self.pinned_map_ids.clone();
         let program = self.program_mut(hook)?;
         let ours = program.info()?;
         let mut our_maps = ours.map_ids()?.unwrap_or_default();
+        our_maps.retain(|id| pinned_ids.contains(id));
         our_maps.sort_unstable();
 
         if link_path.exists() {
@@ -170,6 +187,7 @@ impl Datapath {
                         .with_context(|| format!("querying TCX programs on {interface}"))?;
                     if let Some(attached) = on_interface.iter().find(|p| p.id() == attached_id) {
                         let mut their_maps = attached.map_ids()?.unwrap_or_default();
+                        their_maps.retain(|id| pinned_ids.contains(id));
                         their_maps.sort_unstable();
                         if attached.tag() == ours.tag() && their_maps == our_maps {
                             return Ok(AttachOutcome::Adopted);

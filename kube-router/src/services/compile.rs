@@ -39,8 +39,23 @@ pub struct Frontend {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CompileWarning {
-    FrontendConflict { frontend: ServiceKeyV4, kept: ServiceName, ignored: ServiceName },
-    EndpointsTruncated { service: ServiceName, port_name: String, kept: usize, dropped: usize },
+    FrontendConflict {
+        frontend: ServiceKeyV4,
+        kept: ServiceName,
+        ignored: ServiceName,
+    },
+    EndpointsTruncated {
+        service: ServiceName,
+        port_name: String,
+        kept: usize,
+        dropped: usize,
+    },
+    /// An externalIP / LoadBalancer IP the policy refuses: not programmed, the rest of the
+    /// Service is.
+    ExternalIpRefused {
+        service: ServiceName,
+        reason: String,
+    },
 }
 
 /// The load-balancing plan before IDs are assigned.
@@ -97,7 +112,15 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
                     internal.clone(),
                 ));
             }
-            for ip in service.external_ips.iter().chain(&service.load_balancer_ips) {
+            let external_ips = service.external_ips.iter().map(|ip| (ip, false));
+            let load_balancer_ips = service.load_balancer_ips.iter().map(|ip| (ip, true));
+            for (ip, is_lb) in external_ips.chain(load_balancer_ips) {
+                if let Some(reason) = node.external_ips.refusal((*ip).into(), is_lb) {
+                    if port == &service.ports[0] {
+                        plan.warnings.push(CompileWarning::ExternalIpRefused { service: service.name.clone(), reason });
+                    }
+                    continue;
+                }
                 frontends.push((
                     frontend_key(*ip, port.port, port.protocol),
                     affinity_flags | local_flag(external.local_only) | SVC_FLAG_EXTERNAL,

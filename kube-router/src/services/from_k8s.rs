@@ -165,6 +165,11 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
         internal_traffic_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
         publish_not_ready: spec.publish_not_ready_addresses.unwrap_or(false),
         hairpin: object.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(HAIRPIN_ANNOTATION)),
+        health_check_node_port: spec
+            .health_check_node_port
+            .filter(|_| spec.external_traffic_policy.as_deref() == Some("Local"))
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|p| *p != 0),
     }))
 }
 

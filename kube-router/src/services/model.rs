@@ -64,6 +64,10 @@ pub struct Service {
     /// `kube-router.io/service.hairpin`: a backend may reach itself through the service.
     #[serde(default)]
     pub hairpin: bool,
+    /// `spec.healthCheckNodePort` (externalTrafficPolicy Local): where the node answers load
+    /// balancers' health checks with its count of local ready endpoints.
+    #[serde(default)]
+    pub health_check_node_port: Option<u16>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -119,4 +123,37 @@ pub struct NodeContext {
     pub node_port_addrs: Vec<Ipv4Addr>,
     /// `--hairpin-mode`: every service lets its backends reach themselves through it.
     pub hairpin_all: bool,
+    /// Which externalIPs and LoadBalancer IPs may be programmed.
+    pub external_ips: ExternalIpPolicy,
+}
+
+/// kube-router's external IP validation (the CVE-2020-8554 class): a Service must not capture
+/// traffic for addresses it does not own. Empty ranges allow any address outside `forbidden`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExternalIpPolicy {
+    /// `--service-external-ip-range`: externalIPs must be inside one of these.
+    pub external_ip_ranges: Vec<ipnet::IpNet>,
+    /// `--loadbalancer-ip-range`: LoadBalancer ingress IPs must be inside one of these.
+    pub load_balancer_ranges: Vec<ipnet::IpNet>,
+    /// The cluster's own ranges (pod CIDRs, Service range) and node addresses: never an
+    /// externalIP or LoadBalancer IP.
+    pub forbidden: Vec<ipnet::IpNet>,
+}
+
+impl ExternalIpPolicy {
+    /// Why `ip` may not be programmed as an externalIP (`load_balancer`: as a LB IP), if not.
+    pub fn refusal(&self, ip: std::net::IpAddr, load_balancer: bool) -> Option<String> {
+        if let Some(net) = self.forbidden.iter().find(|net| net.contains(&ip)) {
+            return Some(format!("{ip} is inside the cluster's own range {net}"));
+        }
+        let (ranges, flag) = if load_balancer {
+            (&self.load_balancer_ranges, "--loadbalancer-ip-range")
+        } else {
+            (&self.external_ip_ranges, "--service-external-ip-range")
+        };
+        if !ranges.is_empty() && !ranges.iter().any(|net| net.contains(&ip)) {
+            return Some(format!("{ip} is outside {flag}"));
+        }
+        None
+    }
 }

@@ -12,7 +12,12 @@ use super::{
 };
 
 fn node() -> NodeContext {
-    NodeContext { name: "node-a".into(), node_port_addrs: vec![Ipv4Addr::new(192, 0, 2, 1)], hairpin_all: false }
+    NodeContext {
+        name: "node-a".into(),
+        node_port_addrs: vec![Ipv4Addr::new(192, 0, 2, 1)],
+        hairpin_all: false,
+        ..Default::default()
+    }
 }
 
 const OBJECTS: &str = r#"
@@ -306,4 +311,39 @@ proptest! {
     fn diff_of_equal_states_is_empty(a in arb_contents()) {
         prop_assert!(diff(&a, &a, true).is_empty());
     }
+}
+
+#[test]
+fn external_ips_are_validated_against_the_ranges_and_the_clusters_own_addresses() {
+    use crate::services::model::ExternalIpPolicy;
+    let text = OBJECTS.replacen(
+        "  clusterIP: 10.96.0.10\n",
+        "  clusterIP: 10.96.0.10\n  externalIPs: [192.0.2.7, 198.51.100.7, 10.244.0.9]\n",
+        1,
+    );
+    assert_ne!(text, OBJECTS);
+    let builder = parse_objects(&text).unwrap();
+    let node = NodeContext {
+        external_ips: ExternalIpPolicy {
+            external_ip_ranges: vec!["192.0.2.0/24".parse().unwrap()],
+            load_balancer_ranges: vec![],
+            forbidden: vec!["10.244.0.0/16".parse().unwrap()],
+        },
+        ..node()
+    };
+    let lb_plan = plan(&builder.state, &node, Limits::default());
+    let addrs: Vec<u32> = lb_plan.frontends.keys().map(|k| k.addr).collect();
+    assert!(addrs.contains(&addr_be(Ipv4Addr::new(192, 0, 2, 7))), "inside the allowed range");
+    assert!(!addrs.contains(&addr_be(Ipv4Addr::new(198, 51, 100, 7))), "outside the allowed range");
+    assert!(!addrs.contains(&addr_be(Ipv4Addr::new(10, 244, 0, 9))), "inside the pod CIDR");
+    assert!(addrs.contains(&addr_be(Ipv4Addr::new(10, 96, 0, 10))), "the rest of the Service is programmed");
+    let refused: Vec<&String> = lb_plan
+        .warnings
+        .iter()
+        .filter_map(|w| match w {
+            CompileWarning::ExternalIpRefused { reason, .. } => Some(reason),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(refused.len(), 2, "one warning per refused IP, not per port: {refused:?}");
 }

@@ -1,39 +1,86 @@
 //! A tiny network tool for the end-to-end tests, run inside network namespaces.
 //!
-//!   krt-netprobe serve NAME PORT            TCP and UDP server on PORT answering every line / datagram with NAME
+//!   krt-netprobe serve NAME PORT            TCP and UDP server on PORT, IPv4 and IPv6, answering every line /
+//!                                           datagram with NAME; "who" gets "NAME PEER-ADDRESS", a datagram
+//!                                           "big N" gets N bytes starting with NAME, a TCP line "sink N" followed
+//!                                           by N bytes gets "NAME N"
 //!   krt-netprobe request tcp|udp ADDR COUNT COUNT new connections (or datagrams); prints one reply (or ERR ...) per line
 //!   krt-netprobe hold ADDR INTERVAL_MS      one TCP connection, a request every INTERVAL_MS, prints each reply, forever
 //!   krt-netprobe probe ADDR INTERVAL_MS     a new TCP connection every INTERVAL_MS, prints each reply (or ERR ...), forever
 //!   krt-netprobe http ADDR PATH             one HTTP/1.0 GET; prints the status code, then the body
 //!   krt-netprobe matrix TIMEOUT_MS PROTO:ADDR...  one attempt per target, all at once; prints
 //!                                           "PROTO:ADDR OK NAME" or "PROTO:ADDR ERR ..." per target, in order
+//!   krt-netprobe ask tcp|udp ADDR MESSAGE    one exchange sending MESSAGE ("who", "big 4000"); prints the reply
+//!   krt-netprobe timed tcp|udp ADDR         one exchange; prints "OK REPLY MS" or "ERR ... MS" (milliseconds taken)
+//!   krt-netprobe udp-fixed SRCPORT ADDR COUNT INTERVAL_MS  COUNT datagrams from one fixed source port; one
+//!                                           reply (or ERR ...) per line
+//!   krt-netprobe bulk ADDR BYTES            one TCP connection carrying BYTES to the server; prints its reply
 use std::{
-    io::{BufRead, BufReader, Write},
+    io::{BufRead, BufReader, Read, Write},
     net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 
+/// The peer as a client would write it (an IPv4 client of a dual-stack socket is `::ffff:a.b.c.d`).
+fn peer_ip(peer: SocketAddr) -> String {
+    match peer.ip() {
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map(|v4| v4.to_string()).unwrap_or_else(|| v6.to_string()),
+        v4 => v4.to_string(),
+    }
+}
+
+fn answer(name: &str, request: &str, peer: SocketAddr) -> Vec<u8> {
+    let request = request.trim();
+    if request == "who" {
+        return format!("{name} {}\n", peer_ip(peer)).into_bytes();
+    }
+    if let Some(size) = request.strip_prefix("big ").and_then(|n| n.parse::<usize>().ok()) {
+        let mut reply = format!("{name} ").into_bytes();
+        reply.resize(size.max(reply.len() + 1), b'.');
+        if let Some(last) = reply.last_mut() {
+            *last = b'\n';
+        }
+        return reply;
+    }
+    format!("{name}\n").into_bytes()
+}
+
 fn serve(name: String, port: u16) -> ! {
-    let udp = UdpSocket::bind(("0.0.0.0", port)).expect("bind udp");
+    // [::] with IPV6_V6ONLY off (Linux's default) serves both families.
+    let udp = UdpSocket::bind(("::", port)).expect("bind udp");
     let udp_name = name.clone();
     std::thread::spawn(move || {
-        let mut buf = [0u8; 1500];
+        let mut buf = vec![0u8; 65536];
         loop {
-            if let Ok((_, peer)) = udp.recv_from(&mut buf) {
-                let _ = udp.send_to(format!("{udp_name}\n").as_bytes(), peer);
+            if let Ok((n, peer)) = udp.recv_from(&mut buf) {
+                let request = String::from_utf8_lossy(&buf[..n]).into_owned();
+                let _ = udp.send_to(&answer(&udp_name, &request, peer), peer);
             }
         }
     });
-    let listener = TcpListener::bind(("0.0.0.0", port)).expect("bind tcp");
+    let listener = TcpListener::bind(("::", port)).expect("bind tcp");
     println!("listening {port}");
     for stream in listener.incoming().flatten() {
         let name = name.clone();
         std::thread::spawn(move || {
-            let mut writer = stream.try_clone().expect("clone");
-            for line in BufReader::new(stream).lines() {
-                if line.is_err() || writer.write_all(format!("{name}\n").as_bytes()).is_err() {
+            let Ok(peer) = stream.peer_addr() else { return };
+            let Ok(mut writer) = stream.try_clone() else { return };
+            let mut reader = BufReader::new(stream);
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).map(|n| n == 0).unwrap_or(true) {
+                    break;
+                }
+                let reply = match line.trim().strip_prefix("sink ").and_then(|n| n.parse::<u64>().ok()) {
+                    Some(size) => {
+                        let got = std::io::copy(&mut (&mut reader).take(size), &mut std::io::sink()).unwrap_or(0);
+                        format!("{name} {got}\n").into_bytes()
+                    }
+                    None => answer(&name, &line, peer),
+                };
+                if writer.write_all(&reply).is_err() {
                     break;
                 }
             }
@@ -43,13 +90,13 @@ fn serve(name: String, port: u16) -> ! {
 }
 
 fn tcp_once(addr: SocketAddr) -> Result<String, String> {
-    tcp_exchange(addr, TIMEOUT)
+    tcp_ask(addr, "hello", TIMEOUT)
 }
 
-fn tcp_exchange(addr: SocketAddr, timeout: Duration) -> Result<String, String> {
+fn tcp_ask(addr: SocketAddr, message: &str, timeout: Duration) -> Result<String, String> {
     let stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| format!("connect: {e}"))?;
     stream.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
-    (&stream).write_all(b"hello\n").map_err(|e| format!("write: {e}"))?;
+    (&stream).write_all(format!("{message}\n").as_bytes()).map_err(|e| format!("write: {e}"))?;
     let mut line = String::new();
     BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("read: {e}"))?;
     if line.is_empty() {
@@ -63,30 +110,61 @@ fn probe_once(target: &str, timeout: Duration) -> Result<String, String> {
     let (proto, addr) = target.split_once(':').ok_or("target is PROTO:ADDR")?;
     let addr: SocketAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
     match proto {
-        "tcp" => tcp_exchange(addr, timeout),
-        "udp" => udp_exchange(addr, timeout),
+        "tcp" => tcp_ask(addr, "hello", timeout),
+        "udp" => udp_ask(&udp_socket(addr, 0)?, "hello", timeout),
         other => Err(format!("unknown protocol {other}")),
     }
 }
 
-fn udp_once(addr: SocketAddr) -> Result<String, String> {
-    udp_exchange(addr, TIMEOUT)
+/// A UDP socket connected to `addr`, as resolvers use: it only accepts replies from `addr` and
+/// reports ICMP errors (a refusal is "Connection refused").
+fn udp_socket(addr: SocketAddr, source_port: u16) -> Result<UdpSocket, String> {
+    let any = if addr.is_ipv4() { "0.0.0.0" } else { "::" };
+    let socket = UdpSocket::bind((any, source_port)).map_err(|e| e.to_string())?;
+    socket.connect(addr).map_err(|e| format!("connect: {e}"))?;
+    Ok(socket)
 }
 
-fn udp_exchange(addr: SocketAddr, timeout: Duration) -> Result<String, String> {
-    let socket = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+/// One datagram and its answer, read whole (up to 64 KiB); a big answer is summarised as its
+/// sender and size.
+fn udp_ask(socket: &UdpSocket, message: &str, timeout: Duration) -> Result<String, String> {
     socket.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
-    socket.send_to(b"hello\n", addr).map_err(|e| format!("send: {e}"))?;
-    let mut buf = [0u8; 1500];
-    let (n, from) = socket.recv_from(&mut buf).map_err(|e| format!("recv: {e}"))?;
-    if from != addr {
-        return Err(format!("reply from {from}, not {addr}"));
+    socket.send(format!("{message}\n").as_bytes()).map_err(|e| format!("send: {e}"))?;
+    let mut buf = vec![0u8; 65536];
+    let n = socket.recv(&mut buf).map_err(|e| format!("recv: {e}"))?;
+    let reply = String::from_utf8_lossy(&buf[..n]);
+    if n > 200 {
+        return Ok(format!("{} {n} bytes", reply.split_whitespace().next().unwrap_or("")));
     }
-    Ok(String::from_utf8_lossy(&buf[..n]).trim().to_string())
+    Ok(reply.trim().to_string())
+}
+
+fn ask(proto: &str, addr: SocketAddr, message: &str) -> Result<String, String> {
+    match proto {
+        "udp" => udp_ask(&udp_socket(addr, 0)?, message, TIMEOUT),
+        _ => tcp_ask(addr, message, TIMEOUT),
+    }
+}
+
+fn bulk(addr: SocketAddr, bytes: u64) -> Result<String, String> {
+    let timeout = Duration::from_secs(10);
+    let mut stream = TcpStream::connect_timeout(&addr, TIMEOUT).map_err(|e| format!("connect: {e}"))?;
+    stream.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
+    stream.set_write_timeout(Some(timeout)).map_err(|e| e.to_string())?;
+    stream.write_all(format!("sink {bytes}\n").as_bytes()).map_err(|e| format!("write: {e}"))?;
+    let chunk = vec![b'x'; 64 * 1024];
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(chunk.len() as u64) as usize;
+        stream.write_all(&chunk[..n]).map_err(|e| format!("write after {} bytes: {e}", bytes - left))?;
+        left -= n as u64;
+    }
+    let mut line = String::new();
+    BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("read: {e}"))?;
+    Ok(line.trim().to_string())
 }
 
 fn http_get(addr: SocketAddr, path: &str) -> Result<(String, String), String> {
-    use std::io::Read;
     let mut stream = TcpStream::connect_timeout(&addr, TIMEOUT).map_err(|e| format!("connect: {e}"))?;
     stream.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
     stream.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).map_err(|e| e.to_string())?;
@@ -115,6 +193,14 @@ fn hold(addr: SocketAddr, interval: Duration) -> ! {
     }
 }
 
+fn print_result(result: Result<String, String>) {
+    match result {
+        Ok(reply) => println!("{reply}"),
+        Err(e) => println!("ERR {e}"),
+    }
+    let _ = std::io::stdout().flush();
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let arg = |i: usize| {
@@ -124,24 +210,15 @@ fn main() {
         "serve" => serve(arg(1), arg(2).parse().expect("port")),
         "request" => {
             let addr: SocketAddr = arg(2).parse().expect("addr");
-            let count: usize = arg(3).parse().expect("count");
-            for _ in 0..count {
-                let result = if arg(1) == "udp" { udp_once(addr) } else { tcp_once(addr) };
-                match result {
-                    Ok(name) => println!("{name}"),
-                    Err(e) => println!("ERR {e}"),
-                }
+            for _ in 0..arg(3).parse::<usize>().expect("count") {
+                print_result(ask(&arg(1), addr, "hello"));
             }
         }
         "probe" => {
             let addr: SocketAddr = arg(1).parse().expect("addr");
             let interval = Duration::from_millis(arg(2).parse().expect("interval"));
             loop {
-                match tcp_once(addr) {
-                    Ok(name) => println!("{name}"),
-                    Err(e) => println!("ERR {e}"),
-                }
-                let _ = std::io::stdout().flush();
+                print_result(tcp_once(addr));
                 std::thread::sleep(interval);
             }
         }
@@ -165,6 +242,26 @@ fn main() {
             }
         }
         "hold" => hold(arg(1).parse().expect("addr"), Duration::from_millis(arg(2).parse().expect("interval"))),
+        "ask" => print_result(ask(&arg(1), arg(2).parse().expect("addr"), &arg(3))),
+        "timed" => {
+            let started = Instant::now();
+            let result = ask(&arg(1), arg(2).parse().expect("addr"), "hello");
+            let ms = started.elapsed().as_secs_f64() * 1000.0;
+            match result {
+                Ok(reply) => println!("OK {reply} {ms:.1}"),
+                Err(e) => println!("ERR {e} {ms:.1}"),
+            }
+        }
+        "udp-fixed" => {
+            let addr: SocketAddr = arg(2).parse().expect("addr");
+            let socket = udp_socket(addr, arg(1).parse().expect("source port")).expect("bind");
+            let interval = Duration::from_millis(arg(4).parse().expect("interval"));
+            for _ in 0..arg(3).parse::<usize>().expect("count") {
+                print_result(udp_ask(&socket, "hello", Duration::from_millis(500)));
+                std::thread::sleep(interval);
+            }
+        }
+        "bulk" => print_result(bulk(arg(1).parse().expect("addr"), arg(2).parse().expect("bytes"))),
         other => panic!("unknown command {other}"),
     }
 }

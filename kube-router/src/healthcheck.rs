@@ -1,0 +1,166 @@
+//! Service health checks for load balancers (`spec.healthCheckNodePort`), as kube-proxy serves
+//! them: for every Service with `externalTrafficPolicy: Local`, an HTTP endpoint on that port of
+//! the node answers 200 while the node has ready endpoints of the Service, 503 otherwise, so a
+//! cloud load balancer sends traffic only to nodes that can serve it locally.
+use std::{collections::BTreeMap, sync::Arc};
+
+use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
+
+use crate::{
+    metrics::Metrics,
+    services::model::{ServiceName, ServiceState},
+};
+
+/// What a health check port reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalEndpoints {
+    pub service: ServiceName,
+    /// Ready endpoints of the Service on this node.
+    pub count: usize,
+}
+
+/// The health check ports this node must serve, with their Services' local ready endpoints.
+pub fn health_checks(state: &ServiceState, node: &str) -> BTreeMap<u16, LocalEndpoints> {
+    let mut checks = BTreeMap::new();
+    for service in state.services.values() {
+        let Some(port) = service.health_check_node_port else { continue };
+        let mut local = std::collections::BTreeSet::new();
+        for slice in state.slices.values().filter(|s| s.service == service.name) {
+            for endpoint in &slice.endpoints {
+                let ready = endpoint.ready || service.publish_not_ready;
+                if ready && endpoint.node_name.as_deref() == Some(node) {
+                    local.insert(endpoint.addr);
+                }
+            }
+        }
+        checks.insert(port, LocalEndpoints { service: service.name.clone(), count: local.len() });
+    }
+    checks
+}
+
+/// kube-proxy's response: status line and JSON body.
+pub fn response(check: &LocalEndpoints) -> (&'static str, String) {
+    let status = if check.count > 0 { "200 OK" } else { "503 Service Unavailable" };
+    let body = serde_json::json!({
+        "service": {"namespace": check.service.namespace, "name": check.service.name},
+        "localEndpoints": check.count,
+        "serviceProxyHealthy": true,
+    })
+    .to_string();
+    (status, body)
+}
+
+/// Serves every port of the latest `checks`, opening and closing listeners as ports come and go.
+/// Runs until the sender is dropped.
+pub async fn serve(mut checks: watch::Receiver<BTreeMap<u16, LocalEndpoints>>, metrics: Metrics) {
+    let mut listeners: BTreeMap<u16, JoinHandle<()>> = BTreeMap::new();
+    // Ports that could not be bound, so a persistent failure is logged once.
+    let mut failed: std::collections::BTreeSet<u16> = Default::default();
+    loop {
+        let wanted: Vec<u16> = checks.borrow_and_update().keys().copied().collect();
+        for (port, task) in std::mem::take(&mut listeners) {
+            if wanted.contains(&port) {
+                listeners.insert(port, task);
+            } else {
+                task.abort();
+            }
+        }
+        failed.retain(|p| wanted.contains(p));
+        let missing: Vec<u16> = wanted.into_iter().filter(|p| !listeners.contains_key(p)).collect();
+        for port in missing {
+            match TcpListener::bind(("0.0.0.0", port)).await {
+                Ok(listener) => {
+                    failed.remove(&port);
+                    listeners.insert(port, tokio::spawn(answer(listener, port, checks.clone())));
+                }
+                Err(e) => {
+                    if failed.insert(port) {
+                        tracing::error!(port, error = %e, "cannot serve a Service health check port");
+                        metrics.with(|m| *m.rejected_objects.entry("HealthCheckNodePort").or_default() += 1);
+                    }
+                }
+            }
+        }
+        if checks.changed().await.is_err() {
+            break;
+        }
+    }
+    for task in listeners.into_values() {
+        task.abort();
+    }
+}
+
+async fn answer(listener: TcpListener, port: u16, checks: watch::Receiver<BTreeMap<u16, LocalEndpoints>>) {
+    let checks = Arc::new(checks);
+    loop {
+        let Ok((mut stream, _)) = listener.accept().await else { continue };
+        let checks = checks.clone();
+        tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut buf = [0u8; 1024];
+            let read = tokio::time::timeout(std::time::Duration::from_secs(5), stream.read(&mut buf)).await;
+            if !matches!(read, Ok(Ok(_))) {
+                return;
+            }
+            let check = checks.borrow().get(&port).cloned();
+            let Some(check) = check else { return };
+            let (status, body) = response(&check);
+            let reply = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(reply.as_bytes()).await;
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::services::source::parse_objects;
+
+    const OBJECTS: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {namespace: default, name: web}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.10
+  externalTrafficPolicy: Local
+  healthCheckNodePort: 32000
+  ports: [{name: http, protocol: TCP, port: 80, nodePort: 30080}]
+---
+apiVersion: v1
+kind: Service
+metadata: {namespace: default, name: cluster}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.11
+  healthCheckNodePort: 32001
+  ports: [{name: http, protocol: TCP, port: 80, nodePort: 30081}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {namespace: default, name: web-1, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: http, protocol: TCP, port: 8080}]
+endpoints:
+- {addresses: [10.0.0.1], nodeName: node-a, conditions: {ready: true}}
+- {addresses: [10.0.0.2], nodeName: node-a, conditions: {ready: false}}
+- {addresses: [10.0.0.3], nodeName: node-b, conditions: {ready: true}}
+"#;
+
+    #[test]
+    fn local_ready_endpoints_decide_the_answer() {
+        let state = parse_objects(OBJECTS).unwrap().state;
+        let on_a = health_checks(&state, "node-a");
+        assert_eq!(on_a.len(), 1, "only externalTrafficPolicy: Local Services get a health check");
+        assert_eq!(on_a[&32000].count, 1, "the not-ready local endpoint does not count");
+        let (status, body) = response(&on_a[&32000]);
+        assert_eq!(status, "200 OK");
+        let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(body["service"]["name"], "web");
+        assert_eq!(body["localEndpoints"], 1);
+        assert_eq!(response(&health_checks(&state, "node-c")[&32000]).0, "503 Service Unavailable");
+    }
+}

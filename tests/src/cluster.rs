@@ -1,0 +1,737 @@
+//! A small cluster in network namespaces, for every multi-node test and the demo.
+//!
+//! ```text
+//!  client 192.168.100.2 ─┐                      ┌─ node-1 10.100.0.1 ── kube-bridge 10.244.1.1 ── pods
+//!                        ├── fabric (router) ───┤
+//!  internet 203.0.113.10 ┘   10.100.0.254       └─ node-2 10.100.0.2 ── kube-bridge 10.244.2.1 ── pods
+//! ```
+//!
+//! The fabric namespace routes between the node subnet (a bridge), an external client's subnet
+//! and an "internet" host outside the cluster; it does not know the pod CIDRs (pods reach the
+//! internet through the nodes' masquerade). It also holds the fake API server. Each node runs a
+//! real kube-router agent in API mode; pod routes between nodes come from the agents' own BGP.
+//! Pods are network namespaces wired by the real CNI plugins (`bridge` + `host-local`, then
+//! `portmap`) from kube-router's CNI configuration, each running `krt-netprobe serve` on TCP and
+//! UDP ports 8080 and 5353. The harness plays the endpoint controller: Services declared with a
+//! selector get their EndpointSlice from the ready pods that match.
+//!
+//! Everything is torn down on drop. Waits poll real state (routes, pinned maps), never logs.
+use std::{
+    collections::BTreeMap,
+    fs,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    sync::{Arc, Mutex},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+use crate::{
+    apiserver::{FakeApiServer, FakeApiServerConfig, FaultMode},
+    dump_maps, kube_router_bin, netprobe_bin, remove_bpf_root, Agent, Netns, NetnsRuntime,
+};
+
+pub const FABRIC_ADDR: &str = "10.100.0.254";
+pub const CLIENT_ADDR: &str = "192.168.100.2";
+pub const INTERNET_ADDR: &str = "203.0.113.10";
+/// Ports every pod (and the internet host) serves on, TCP and UDP.
+pub const POD_PORTS: [u16; 2] = [8080, 5353];
+pub const CNI_PLUGIN_DIR: &str = "/usr/lib/cni";
+const HEALTH_PORT: &str = "20244";
+const METRICS_PORT: &str = "20241";
+
+pub fn node_ip(node: usize) -> String {
+    format!("10.100.0.{}", node + 1)
+}
+
+pub fn pod_cidr(node: usize) -> String {
+    format!("10.244.{}.0/24", node + 1)
+}
+
+/// kube-router's CNI configuration (`10-kuberouter.conflist`) for a node's pod CIDR.
+pub fn kube_router_conflist(pod_cidr: &str, data_dir: &Path) -> Value {
+    json!({
+        "cniVersion": "0.3.0",
+        "name": "mynet",
+        "plugins": [
+            {
+                "name": "kubernetes",
+                "type": "bridge",
+                "bridge": "kube-bridge",
+                "isDefaultGateway": true,
+                "hairpinMode": true,
+                "ipam": {"type": "host-local", "ranges": [[{"subnet": pod_cidr}]], "dataDir": data_dir}
+            },
+            {"type": "portmap", "capabilities": {"snat": true, "portMappings": true}}
+        ]
+    })
+}
+
+/// Runs a CNI configuration list's plugins in order (CNI_COMMAND=ADD), inside `node`'s network
+/// namespace, for the pod namespace `pod`; returns the last plugin's result.
+pub fn cni_add(node: &Netns, conflist: &Value, pod: &Netns, container_id: &str) -> Result<Value> {
+    let version = conflist["cniVersion"].clone();
+    let name = conflist["name"].clone();
+    let mut previous: Option<Value> = None;
+    for plugin in conflist["plugins"].as_array().context("conflist has no plugins")? {
+        let mut config = plugin.clone();
+        config["cniVersion"] = version.clone();
+        config["name"] = name.clone();
+        if let Some(result) = &previous {
+            config["prevResult"] = result.clone();
+        }
+        let kind = plugin["type"].as_str().context("plugin without a type")?;
+        let mut child = Command::new("nsenter")
+            .arg(format!("--net={}", node.path()))
+            .arg(Path::new(CNI_PLUGIN_DIR).join(kind))
+            .env("CNI_COMMAND", "ADD")
+            .env("CNI_CONTAINERID", container_id)
+            .env("CNI_NETNS", pod.path())
+            .env("CNI_IFNAME", "eth0")
+            .env("CNI_PATH", CNI_PLUGIN_DIR)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("running CNI plugin {kind} (is containernetworking-plugins installed?)"))?;
+        serde_json::to_writer(child.stdin.take().context("stdin")?, &config)?;
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            bail!(
+                "CNI plugin {kind} failed: {} {}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        previous = Some(serde_json::from_slice(&out.stdout).with_context(|| format!("CNI plugin {kind}'s result"))?);
+    }
+    previous.context("no plugin ran")
+}
+
+/// The address (without prefix length) a CNI result gave interface eth0, of one family.
+fn result_address(result: &Value, ipv6: bool) -> Option<String> {
+    result["ips"].as_array()?.iter().find_map(|ip| {
+        let address = ip["address"].as_str()?.split('/').next()?.to_string();
+        (address.contains(':') == ipv6).then_some(address)
+    })
+}
+
+pub struct Pod {
+    pub ns: Netns,
+    /// Pod (and netprobe server) name, e.g. `pod-1-0`.
+    pub name: String,
+    pub node: usize,
+    pub ip: String,
+    pub labels: BTreeMap<String, String>,
+}
+
+impl Pod {
+    /// `count` requests from this pod (netprobe `request`): the replies, or "ERR ...".
+    pub fn request(&self, proto: &str, addr: &str, count: usize) -> Vec<String> {
+        request(&self.ns, proto, addr, count)
+    }
+}
+
+pub struct ClusterNode {
+    pub ns: Netns,
+    pub name: String,
+    pub ip: String,
+    pub pod_cidr: String,
+    pub bpf_root: PathBuf,
+    pub state_dir: PathBuf,
+    pub cni_dir: PathBuf,
+}
+
+impl ClusterNode {
+    /// What `kube-router services` prints on this node (read from its pinned maps).
+    pub fn services(&self) -> String {
+        let out = Command::new(kube_router_bin()).arg("--bpf-root").arg(&self.bpf_root).arg("services").output();
+        out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default()
+    }
+
+    /// The routes our BGP installed (protocol 186), trimmed, one per line.
+    pub fn bgp_routes(&self) -> String {
+        let routes = self.ns.run(&["ip", "route", "show", "proto", "186"]).unwrap_or_default();
+        routes.lines().map(str::trim).collect::<Vec<_>>().join("\n")
+    }
+
+    /// The agent's /metrics, as text.
+    pub fn metrics(&self) -> String {
+        let out = self
+            .ns
+            .run(&[netprobe_bin().to_str().unwrap(), "http", &format!("127.0.0.1:{METRICS_PORT}"), "/metrics"])
+            .unwrap_or_default();
+        out.split_once('\n').map(|(_, body)| body.to_string()).unwrap_or_default()
+    }
+
+    /// A counter or gauge from /metrics (the sum over its series matching `labels`).
+    pub fn metric(&self, name: &str, labels: &str) -> f64 {
+        self.metrics()
+            .lines()
+            .filter(|l| l.starts_with(name) && l.contains(labels) && !l.starts_with('#'))
+            .filter(|l| l[name.len()..].starts_with(['{', ' ']))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// The datapath counters (`kube-router stats`) by name.
+    pub fn stats(&self) -> BTreeMap<String, u64> {
+        let out = Command::new(kube_router_bin()).arg("--bpf-root").arg(&self.bpf_root).arg("stats").output();
+        let text = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+        text.lines()
+            .filter_map(|l| {
+                let (name, n) = l.split_once(' ')?;
+                Some((name.to_string(), n.trim().parse().ok()?))
+            })
+            .collect()
+    }
+
+    /// `count` requests from the node itself.
+    pub fn request(&self, proto: &str, addr: &str, count: usize) -> Vec<String> {
+        request(&self.ns, proto, addr, count)
+    }
+}
+
+/// `count` requests (netprobe `request`) from a namespace.
+pub fn request(ns: &Netns, proto: &str, addr: &str, count: usize) -> Vec<String> {
+    let out = ns.run(&[netprobe_bin().to_str().unwrap(), "request", proto, addr, &count.to_string()]);
+    match out {
+        Ok(out) => out.lines().map(str::to_string).collect(),
+        Err(e) => vec![format!("ERR {e}")],
+    }
+}
+
+/// One netprobe command in a namespace, its output trimmed.
+pub fn netprobe(ns: &Netns, args: &[&str]) -> String {
+    let mut full = vec![netprobe_bin().to_str().unwrap().to_string()];
+    full.extend(args.iter().map(|a| a.to_string()));
+    let refs: Vec<&str> = full.iter().map(String::as_str).collect();
+    ns.run(&refs).map(|o| o.trim().to_string()).unwrap_or_else(|e| format!("ERR {e}"))
+}
+
+/// A Service the harness publishes (with its EndpointSlice from the selected ready pods).
+#[derive(Clone, Debug)]
+pub struct Svc {
+    pub name: String,
+    pub kind: &'static str,
+    pub cluster_ip: String,
+    pub selector: BTreeMap<String, String>,
+    /// (name, protocol, port, target port, node port)
+    pub ports: Vec<(String, &'static str, u16, u16, Option<u16>)>,
+    pub external_traffic_local: bool,
+    pub external_ips: Vec<String>,
+    pub load_balancer_ips: Vec<String>,
+    pub annotations: BTreeMap<String, String>,
+    pub health_check_node_port: Option<u16>,
+    pub session_affinity: bool,
+}
+
+impl Svc {
+    /// A ClusterIP Service `name` at `cluster_ip` (TCP 80 -> 8080 "http", UDP 53 -> 5353 "dns")
+    /// selecting pods labelled `app=<name>`.
+    pub fn cluster_ip(name: &str, cluster_ip: &str) -> Self {
+        Svc {
+            name: name.to_string(),
+            kind: "ClusterIP",
+            cluster_ip: cluster_ip.to_string(),
+            selector: [("app".to_string(), name.to_string())].into(),
+            ports: vec![("http".into(), "TCP", 80, 8080, None), ("dns".into(), "UDP", 53, 5353, None)],
+            external_traffic_local: false,
+            external_ips: vec![],
+            load_balancer_ips: vec![],
+            annotations: BTreeMap::new(),
+            health_check_node_port: None,
+            session_affinity: false,
+        }
+    }
+
+    /// The same, as a NodePort Service (TCP `node_port`, UDP `node_port + 1`).
+    pub fn node_port(name: &str, cluster_ip: &str, node_port: u16) -> Self {
+        let mut svc = Self::cluster_ip(name, cluster_ip);
+        svc.kind = "NodePort";
+        svc.ports[0].4 = Some(node_port);
+        svc.ports[1].4 = Some(node_port + 1);
+        svc
+    }
+
+    /// The same, as a LoadBalancer Service with ingress IP `lb_ip`.
+    pub fn load_balancer(name: &str, cluster_ip: &str, node_port: u16, lb_ip: &str) -> Self {
+        let mut svc = Self::node_port(name, cluster_ip, node_port);
+        svc.kind = "LoadBalancer";
+        svc.load_balancer_ips = vec![lb_ip.to_string()];
+        svc
+    }
+
+    pub fn select(mut self, key: &str, value: &str) -> Self {
+        self.selector = [(key.to_string(), value.to_string())].into();
+        self
+    }
+    pub fn local(mut self) -> Self {
+        self.external_traffic_local = true;
+        self
+    }
+    pub fn external_ip(mut self, ip: &str) -> Self {
+        self.external_ips.push(ip.to_string());
+        self
+    }
+    pub fn annotate(mut self, key: &str, value: &str) -> Self {
+        self.annotations.insert(key.to_string(), value.to_string());
+        self
+    }
+    pub fn health_check_node_port(mut self, port: u16) -> Self {
+        self.health_check_node_port = Some(port);
+        self
+    }
+
+    fn object(&self) -> Value {
+        let ports: Vec<Value> = self
+            .ports
+            .iter()
+            .map(|(name, protocol, port, target, node_port)| {
+                let mut p = json!({"name": name, "protocol": protocol, "port": port, "targetPort": target});
+                if let Some(n) = node_port {
+                    p["nodePort"] = json!(n);
+                }
+                p
+            })
+            .collect();
+        let mut spec = json!({
+            "type": self.kind,
+            "clusterIP": self.cluster_ip,
+            "clusterIPs": [self.cluster_ip],
+            "ports": ports,
+            "selector": self.selector,
+            "sessionAffinity": if self.session_affinity { "ClientIP" } else { "None" },
+        });
+        if self.kind != "ClusterIP" {
+            spec["externalTrafficPolicy"] = json!(if self.external_traffic_local { "Local" } else { "Cluster" });
+        }
+        if !self.external_ips.is_empty() {
+            spec["externalIPs"] = json!(self.external_ips);
+        }
+        if let Some(port) = self.health_check_node_port {
+            spec["healthCheckNodePort"] = json!(port);
+        }
+        let mut object = json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": "default", "name": self.name, "annotations": self.annotations},
+            "spec": spec,
+        });
+        if !self.load_balancer_ips.is_empty() {
+            let ingress: Vec<Value> = self.load_balancer_ips.iter().map(|ip| json!({"ip": ip})).collect();
+            object["status"] = json!({"loadBalancer": {"ingress": ingress}});
+        }
+        object
+    }
+}
+
+pub struct ClusterBuilder {
+    prefix: String,
+    nodes: usize,
+    pods_per_node: usize,
+    agent_args: Vec<String>,
+}
+
+impl ClusterBuilder {
+    pub fn nodes(mut self, n: usize) -> Self {
+        self.nodes = n;
+        self
+    }
+    pub fn pods_per_node(mut self, n: usize) -> Self {
+        self.pods_per_node = n;
+        self
+    }
+    /// Extra flags for every agent.
+    pub fn agent_args(mut self, args: &[&str]) -> Self {
+        self.agent_args.extend(args.iter().map(|a| a.to_string()));
+        self
+    }
+    pub fn build(self) -> Result<Cluster> {
+        Cluster::build(self)
+    }
+}
+
+pub struct Cluster {
+    pub prefix: String,
+    pub fabric: Netns,
+    pub client: Netns,
+    pub internet: Netns,
+    pub nodes: Vec<ClusterNode>,
+    pub pods: Vec<Pod>,
+    pub runtime: NetnsRuntime,
+    pub server: Arc<FakeApiServer>,
+    agents: Mutex<Vec<Option<Agent>>>,
+    agent_args: Vec<String>,
+    services: Mutex<BTreeMap<String, Svc>>,
+    /// Pods marked not ready (left out of EndpointSlices).
+    unready: Mutex<Vec<String>>,
+    pub dir: PathBuf,
+}
+
+fn link(a: &Netns, a_if: &str, b: &Netns, b_if: &str) -> Result<()> {
+    a.run(&["ip", "link", "add", a_if, "type", "veth", "peer", "name", b_if, "netns", &b.path()])?;
+    a.run(&["ip", "link", "set", a_if, "up"])?;
+    b.run(&["ip", "link", "set", b_if, "up"])?;
+    Ok(())
+}
+
+impl Cluster {
+    /// `prefix` names every namespace (`<prefix>-fab`, `<prefix>-n1`, ...) and bpffs directory.
+    pub fn builder(prefix: &str) -> ClusterBuilder {
+        ClusterBuilder { prefix: prefix.to_string(), nodes: 2, pods_per_node: 1, agent_args: Vec::new() }
+    }
+
+    fn build(b: ClusterBuilder) -> Result<Cluster> {
+        let p = &b.prefix;
+        let dir = std::env::temp_dir().join(p);
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir)?;
+
+        let fabric = Netns::new(&format!("{p}-fab"))?;
+        fabric.sysctl("net.ipv4.ip_forward", "1")?;
+        fabric.run(&["ip", "link", "add", "fab0", "type", "bridge"])?;
+        fabric.run(&["ip", "addr", "add", &format!("{FABRIC_ADDR}/24"), "dev", "fab0"])?;
+        fabric.run(&["ip", "link", "set", "fab0", "up"])?;
+
+        let client = Netns::new(&format!("{p}-cli"))?;
+        link(&fabric, "cli0", &client, "eth0")?;
+        fabric.run(&["ip", "addr", "add", "192.168.100.1/24", "dev", "cli0"])?;
+        client.run(&["ip", "addr", "add", &format!("{CLIENT_ADDR}/24"), "dev", "eth0"])?;
+        client.run(&["ip", "route", "add", "default", "via", "192.168.100.1"])?;
+
+        let internet = Netns::new(&format!("{p}-net"))?;
+        link(&fabric, "net0", &internet, "eth0")?;
+        fabric.run(&["ip", "addr", "add", "203.0.113.1/24", "dev", "net0"])?;
+        internet.run(&["ip", "addr", "add", &format!("{INTERNET_ADDR}/24"), "dev", "eth0"])?;
+        internet.run(&["ip", "route", "add", "default", "via", "203.0.113.1"])?;
+        for port in POD_PORTS {
+            internet.spawn(&[netprobe_bin().to_str().unwrap(), "serve", "internet", &port.to_string()])?;
+        }
+
+        let runtime = NetnsRuntime::new(&fabric)?;
+        let config = FakeApiServerConfig {
+            bind_address: SocketAddr::from(([10, 100, 0, 254], 0)),
+            ..FakeApiServerConfig::default()
+        };
+        let server = Arc::new(runtime.run(async { FakeApiServer::spawn(config).await })?);
+
+        let mut nodes = Vec::new();
+        let mut pods = Vec::new();
+        for i in 0..b.nodes {
+            let ns = Netns::new(&format!("{p}-n{}", i + 1))?;
+            ns.sysctl("net.ipv4.ip_forward", "1")?;
+            link(&fabric, &format!("n{}", i + 1), &ns, "eth0")?;
+            fabric.run(&["ip", "link", "set", &format!("n{}", i + 1), "master", "fab0"])?;
+            ns.run(&["ip", "addr", "add", &format!("{}/24", node_ip(i)), "dev", "eth0"])?;
+            ns.run(&["ip", "route", "add", "default", "via", FABRIC_ADDR])?;
+            let node_dir = dir.join(format!("n{}", i + 1));
+            let node = ClusterNode {
+                ns,
+                name: format!("node-{}", i + 1),
+                ip: node_ip(i),
+                pod_cidr: pod_cidr(i),
+                bpf_root: PathBuf::from(format!("/sys/fs/bpf/{p}-n{}", i + 1)),
+                state_dir: node_dir.join("state"),
+                cni_dir: node_dir.join("cni"),
+            };
+            remove_bpf_root(&node.bpf_root);
+            fs::create_dir_all(&node.cni_dir)?;
+            let conflist = kube_router_conflist(&node.pod_cidr, &node_dir.join("ipam"));
+            fs::write(node.cni_dir.join("10-kuberouter.conflist"), serde_json::to_vec_pretty(&conflist)?)?;
+            server.apply(json!({
+                "apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": node.name, "labels": {"kubernetes.io/hostname": node.name}},
+                "spec": {"podCIDR": node.pod_cidr, "podCIDRs": [node.pod_cidr]},
+                "status": {"addresses": [
+                    {"type": "InternalIP", "address": node.ip},
+                    {"type": "Hostname", "address": node.name}
+                ]}
+            }))?;
+            for j in 0..b.pods_per_node {
+                pods.push(Self::new_pod(p, &node, i, j)?);
+            }
+            nodes.push(node);
+        }
+
+        let cluster = Cluster {
+            prefix: p.clone(),
+            fabric,
+            client,
+            internet,
+            nodes,
+            pods,
+            runtime,
+            server,
+            agents: Mutex::new(Vec::new()),
+            agent_args: b.agent_args,
+            services: Mutex::new(BTreeMap::new()),
+            unready: Mutex::new(Vec::new()),
+            dir,
+        };
+        for pod in &cluster.pods {
+            cluster.server.apply(cluster.pod_object(pod))?;
+        }
+        let agents = (0..cluster.nodes.len()).map(|i| cluster.start_agent(i).map(Some)).collect::<Result<Vec<_>>>()?;
+        *cluster.agents.lock().unwrap() = agents;
+        cluster.wait_routes(Duration::from_secs(60))?;
+        Ok(cluster)
+    }
+
+    fn new_pod(prefix: &str, node: &ClusterNode, i: usize, j: usize) -> Result<Pod> {
+        let name = format!("pod-{}-{j}", i + 1);
+        let ns = Netns::new(&format!("{prefix}-n{}-p{j}", i + 1))?;
+        let conflist: Value = serde_json::from_slice(&fs::read(node.cni_dir.join("10-kuberouter.conflist"))?)?;
+        let result = cni_add(&node.ns, &conflist, &ns, &name)?;
+        let ip =
+            result_address(&result, false).with_context(|| format!("CNI gave {name} no IPv4 address: {result}"))?;
+        for port in POD_PORTS {
+            ns.spawn(&[netprobe_bin().to_str().unwrap(), "serve", &name, &port.to_string()])?;
+        }
+        let labels = [
+            ("app".to_string(), "web".to_string()),
+            ("pod".to_string(), name.clone()),
+            ("node".to_string(), node.name.clone()),
+        ]
+        .into();
+        Ok(Pod { ns, name, node: i, ip, labels })
+    }
+
+    fn pod_object(&self, pod: &Pod) -> Value {
+        let ready = !self.unready.lock().unwrap().contains(&pod.name);
+        json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"namespace": "default", "name": pod.name, "labels": pod.labels},
+            "spec": {"nodeName": self.nodes[pod.node].name, "containers": [{"name": "netprobe", "image": "krt-netprobe"}]},
+            "status": {
+                "phase": "Running",
+                "podIP": pod.ip,
+                "podIPs": [{"ip": pod.ip}],
+                "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]
+            }
+        })
+    }
+
+    fn start_agent(&self, i: usize) -> Result<Agent> {
+        let node = &self.nodes[i];
+        let state = node.state_dir.display().to_string();
+        let master = self.server.url();
+        let mut args: Vec<&str> = vec![
+            "--master",
+            &master,
+            "--hostname-override",
+            &node.name,
+            "--state-dir",
+            &state,
+            "--health-port",
+            HEALTH_PORT,
+            "--metrics-port",
+            METRICS_PORT,
+            "--bgp-holdtime",
+            "9s",
+            "--bgp-graceful-restart-deferral-time",
+            "30s",
+        ];
+        args.extend(self.agent_args.iter().map(String::as_str));
+        Agent::start(&node.ns, &node.bpf_root, &args)
+    }
+
+    /// Kills node `i`'s agent (a crash) and starts it again.
+    pub fn restart_agent(&self, i: usize) -> Result<()> {
+        if let Some(agent) = self.agents.lock().unwrap()[i].take() {
+            agent.kill();
+        }
+        let agent = self.start_agent(i)?;
+        self.agents.lock().unwrap()[i] = Some(agent);
+        Ok(())
+    }
+
+    /// Every agent is still running.
+    pub fn agents_running(&self) -> bool {
+        self.agents.lock().unwrap().iter_mut().all(|a| a.as_mut().is_some_and(Agent::is_running))
+    }
+
+    pub fn node(&self, i: usize) -> &ClusterNode {
+        &self.nodes[i]
+    }
+
+    /// The `j`th pod of node `i`.
+    pub fn pod(&self, i: usize, j: usize) -> &Pod {
+        self.pods.iter().filter(|p| p.node == i).nth(j).expect("no such pod")
+    }
+
+    /// Every node routes every other node's pod CIDR via that node (our BGP).
+    pub fn wait_routes(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let converged = self.nodes.iter().enumerate().all(|(i, node)| {
+                let routes = node.bgp_routes();
+                self.nodes
+                    .iter()
+                    .enumerate()
+                    .filter(|(j, _)| *j != i)
+                    .all(|(_, other)| routes.contains(&format!("{} via {}", other.pod_cidr, other.ip)))
+            });
+            if converged {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let detail: Vec<String> =
+                    self.nodes.iter().map(|n| format!("{}:\n{}", n.name, n.bgp_routes())).collect();
+                bail!("pod routes not converged within {timeout:?}:\n{}", detail.join("\n"));
+            }
+            thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Publishes (or updates) a Service and its EndpointSlice, then waits until every node has
+    /// programmed its frontends.
+    pub fn add_service(&self, svc: Svc) -> Result<()> {
+        self.server.apply(svc.object())?;
+        self.services.lock().unwrap().insert(svc.name.clone(), svc.clone());
+        self.publish_endpoints(&svc)?;
+        self.wait_programmed(&format!("{}:{}", svc.cluster_ip, svc.ports[0].2), true)
+    }
+
+    fn publish_endpoints(&self, svc: &Svc) -> Result<()> {
+        let unready = self.unready.lock().unwrap().clone();
+        let endpoints: Vec<Value> = self
+            .pods
+            .iter()
+            .filter(|pod| svc.selector.iter().all(|(k, v)| pod.labels.get(k) == Some(v)))
+            .map(|pod| {
+                let ready = !unready.contains(&pod.name);
+                json!({
+                    "addresses": [pod.ip],
+                    "nodeName": self.nodes[pod.node].name,
+                    "targetRef": {"kind": "Pod", "namespace": "default", "name": pod.name},
+                    "conditions": {"ready": ready, "serving": ready, "terminating": false}
+                })
+            })
+            .collect();
+        let ports: Vec<Value> = svc
+            .ports
+            .iter()
+            .map(|(name, protocol, _, target, _)| json!({"name": name, "protocol": protocol, "port": target}))
+            .collect();
+        self.server.apply(json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"namespace": "default", "name": format!("{}-1", svc.name),
+                         "labels": {"kubernetes.io/service-name": svc.name}},
+            "addressType": "IPv4",
+            "ports": ports,
+            "endpoints": endpoints,
+        }))?;
+        Ok(())
+    }
+
+    /// Marks a pod ready or not and republishes the EndpointSlices that select it.
+    pub fn set_ready(&self, pod_name: &str, ready: bool) -> Result<()> {
+        {
+            let mut unready = self.unready.lock().unwrap();
+            unready.retain(|p| p != pod_name);
+            if !ready {
+                unready.push(pod_name.to_string());
+            }
+        }
+        let pod = self.pods.iter().find(|p| p.name == pod_name).context("no such pod")?;
+        self.server.apply(self.pod_object(pod))?;
+        let services: Vec<Svc> = self.services.lock().unwrap().values().cloned().collect();
+        for svc in services.iter().filter(|s| s.selector.iter().all(|(k, v)| pod.labels.get(k) == Some(v))) {
+            self.publish_endpoints(svc)?;
+        }
+        Ok(())
+    }
+
+    /// Waits until every node's maps hold (or no longer hold) the frontend `addr:port`.
+    pub fn wait_programmed(&self, frontend: &str, present: bool) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if self.nodes.iter().all(|n| n.services().contains(&format!(" {frontend} ")) == present) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let detail: Vec<String> = self.nodes.iter().map(|n| format!("{}:\n{}", n.name, n.services())).collect();
+                bail!("frontend {frontend} present={present} not reached on every node:\n{}", detail.join("\n"));
+            }
+            thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Waits until every node's maps show `frontend` with exactly `backends` backends.
+    pub fn wait_backends(&self, frontend: &str, backends: usize) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let count = |text: &str| {
+            text.lines().find(|l| l.contains(&format!(" {frontend} "))).and_then(|l| {
+                l.split_once("backends=[")?.1.strip_suffix(']').map(|b| b.split(", ").filter(|s| !s.is_empty()).count())
+            })
+        };
+        loop {
+            if self.nodes.iter().all(|n| count(&n.services()) == Some(backends)) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("{frontend} does not have {backends} backends on every node");
+            }
+            thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The fabric routes `addr` (an ExternalIP or LoadBalancer IP) to node `i`.
+    pub fn route_via(&self, addr: &str, i: usize) -> Result<()> {
+        self.fabric.run(&["ip", "route", "replace", &format!("{addr}/32"), "via", &self.nodes[i].ip])?;
+        Ok(())
+    }
+
+    pub fn set_api(&self, mode: FaultMode) {
+        let server = self.server.clone();
+        self.runtime.run(async move { server.set_mode(mode).await.expect("fault mode") });
+    }
+
+    /// The maps each agent writes (not conntrack or counters), as bpftool dumps.
+    pub fn agent_maps(&self) -> Vec<BTreeMap<String, String>> {
+        const WRITTEN: [&str; 8] = [
+            "svc_v4",
+            "svc_slots_v4",
+            "backends_v4",
+            "svc_v6",
+            "svc_slots_v6",
+            "backends_v6",
+            "lb_config",
+            "cluster_nets_v4",
+        ];
+        self.nodes
+            .iter()
+            .map(|n| {
+                let dumps = dump_maps(&n.bpf_root).unwrap_or_default();
+                dumps
+                    .into_iter()
+                    .filter(|(name, _)| {
+                        WRITTEN.contains(&name.as_str())
+                            || (name.starts_with("pol_") && !name.starts_with("pol_ct") && name != "pol_stats")
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Every node's kernel routing table (all tables).
+    pub fn routes(&self) -> Vec<String> {
+        self.nodes.iter().map(|n| n.ns.run(&["ip", "route", "show", "table", "all"]).unwrap_or_default()).collect()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for agent in self.agents.lock().unwrap().iter_mut().filter_map(Option::take) {
+            agent.kill();
+        }
+        for node in &self.nodes {
+            remove_bpf_root(&node.bpf_root);
+        }
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}

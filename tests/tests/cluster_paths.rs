@@ -1,0 +1,270 @@
+//! Every Service path of a real cluster, each its own test, on the multi-node harness
+//! (`kube_router_tests::cluster`): real CNI-wired pods on two nodes, an external client and an
+//! "internet" host behind a router, agents in API mode routing pod CIDRs with their own BGP.
+//! Real TCP and UDP connections throughout. As root, in network namespaces.
+use std::{
+    thread,
+    time::{Duration, Instant},
+};
+
+use kube_router_tests::{
+    apiserver::FaultMode,
+    cluster::{netprobe, request, Cluster, Svc, CLIENT_ADDR},
+};
+
+fn all_from(replies: &[String], backend: &str) -> bool {
+    !replies.is_empty() && replies.iter().all(|r| r == backend)
+}
+
+fn assert_all_from(replies: &[String], backend: &str) {
+    assert!(all_from(replies, backend), "expected every reply from {backend}: {replies:?}");
+}
+
+#[test]
+fn cluster_ip_from_a_pod_to_a_backend_on_another_node() {
+    let c = Cluster::builder("krt-cp-cip").build().unwrap();
+    c.add_service(Svc::cluster_ip("web", "10.96.1.10").select("pod", "pod-2-0")).unwrap();
+    assert_all_from(&c.pod(0, 0).request("tcp", "10.96.1.10:80", 10), "pod-2-0");
+    assert_all_from(&c.pod(0, 0).request("udp", "10.96.1.10:53", 10), "pod-2-0");
+    // The backend sees the client pod's own address (east-west traffic is not source-NATed).
+    let who = netprobe(&c.pod(0, 0).ns, &["ask", "tcp", "10.96.1.10:80", "who"]);
+    assert_eq!(who, format!("pod-2-0 {}", c.pod(0, 0).ip));
+}
+
+#[test]
+fn north_south_to_a_backend_on_the_other_node_is_source_natted() {
+    let c = Cluster::builder("krt-cp-ns").build().unwrap();
+    let svc = Svc::load_balancer("web", "10.96.1.20", 30080, "198.51.100.20")
+        .select("pod", "pod-2-0")
+        .external_ip("192.0.2.20");
+    c.add_service(svc).unwrap();
+    // ExternalIP and LoadBalancer IP reach the cluster through node-1 (the other node).
+    c.route_via("192.0.2.20", 0).unwrap();
+    c.route_via("198.51.100.20", 0).unwrap();
+    for frontend in ["10.100.0.1:30080", "192.0.2.20:80", "198.51.100.20:80"] {
+        assert_all_from(&request(&c.client, "tcp", frontend, 10), "pod-2-0");
+        // The backend sees node-1, which took the connection (as kube-proxy masquerades).
+        assert_eq!(netprobe(&c.client, &["ask", "tcp", frontend, "who"]), "pod-2-0 10.100.0.1", "{frontend}");
+    }
+    assert_all_from(&request(&c.client, "udp", "10.100.0.1:30081", 10), "pod-2-0");
+    assert_all_from(&request(&c.client, "udp", "192.0.2.20:53", 10), "pod-2-0");
+    assert!(c.node(0).stats()["snat_new_flow"] >= 35, "{:?}", c.node(0).stats());
+}
+
+#[test]
+fn local_backends_keep_the_client_address_and_traffic_policy_local_stays_on_the_node() {
+    let c = Cluster::builder("krt-cp-local").build().unwrap();
+    c.add_service(Svc::node_port("web", "10.96.1.30", 30080).select("pod", "pod-1-0")).unwrap();
+    assert_eq!(netprobe(&c.client, &["ask", "tcp", "10.100.0.1:30080", "who"]), format!("pod-1-0 {CLIENT_ADDR}"));
+
+    c.add_service(Svc::node_port("local", "10.96.1.31", 30090).select("pod", "pod-1-0").local()).unwrap();
+    assert_eq!(netprobe(&c.client, &["ask", "tcp", "10.100.0.1:30090", "who"]), format!("pod-1-0 {CLIENT_ADDR}"));
+    assert_eq!(netprobe(&c.client, &["ask", "udp", "10.100.0.1:30091", "who"]), format!("pod-1-0 {CLIENT_ADDR}"));
+    // node-2 has no local endpoint: it refuses instead of forwarding to node-1.
+    let refused = netprobe(&c.client, &["timed", "tcp", "10.100.0.2:30090"]);
+    assert!(refused.starts_with("ERR connect: Connection refused"), "{refused}");
+    assert_eq!(c.node(1).stats()["snat_new_flow"], 0, "node-2 never forwarded a Local flow");
+}
+
+#[test]
+fn a_pod_reaches_itself_through_its_own_service() {
+    let c = Cluster::builder("krt-cp-hairpin").build().unwrap();
+    c.add_service(Svc::node_port("self", "10.96.1.40", 30080).select("pod", "pod-1-0")).unwrap();
+    let pod = c.pod(0, 0);
+    assert_all_from(&pod.request("tcp", "10.96.1.40:80", 5), "pod-1-0");
+    assert_all_from(&pod.request("udp", "10.96.1.40:53", 5), "pod-1-0");
+    // Its own connection comes in from the Service address (kube-router's hairpin mode).
+    assert_eq!(netprobe(&pod.ns, &["ask", "tcp", "10.96.1.40:80", "who"]), "pod-1-0 10.96.1.40");
+    // Through its node's NodePort too.
+    assert_all_from(&pod.request("tcp", "10.100.0.1:30080", 5), "pod-1-0");
+}
+
+#[test]
+fn a_service_without_endpoints_refuses_at_once() {
+    let c = Cluster::builder("krt-cp-reject").build().unwrap();
+    c.add_service(Svc::node_port("empty", "10.96.1.50", 30080).select("pod", "nobody")).unwrap();
+    for (ns, proto, target) in [
+        (&c.pod(0, 0).ns, "tcp", "10.96.1.50:80"),
+        (&c.pod(0, 0).ns, "udp", "10.96.1.50:53"),
+        (&c.client, "tcp", "10.100.0.2:30080"),
+        (&c.client, "udp", "10.100.0.2:30081"),
+    ] {
+        let out = netprobe(ns, &["timed", proto, target]);
+        assert!(out.contains("Connection refused"), "{proto} {target}: {out}");
+        let ms: f64 = out.rsplit(' ').next().unwrap().parse().unwrap();
+        assert!(ms < 50.0, "{proto} {target} refused only after {ms} ms: not a timeout");
+    }
+    assert!(c.node(0).stats()["reject_sent"] >= 2);
+}
+
+#[test]
+fn path_mtu_discovery_and_large_udp_replies_work_through_a_service() {
+    let c = Cluster::builder("krt-cp-mtu").build().unwrap();
+    c.add_service(Svc::cluster_ip("web", "10.96.1.60").select("pod", "pod-2-0")).unwrap();
+    // A 1,400-byte hop in front of the backend: node-2 forwards into kube-bridge with MTU 1400,
+    // while the backend itself (MTU 1500) advertises a 1460-byte MSS. node-2 answers full-sized
+    // segments with "fragmentation needed", which must reach the client translated.
+    let node2 = &c.node(1).ns;
+    let host_veths = node2.run(&["ip", "-o", "link", "show", "master", "kube-bridge"]).unwrap();
+    for line in host_veths.lines() {
+        let name = line.split(':').nth(1).unwrap().trim().split('@').next().unwrap();
+        node2.run(&["ip", "link", "set", name, "mtu", "1400"]).unwrap();
+    }
+    node2.run(&["ip", "link", "set", "kube-bridge", "mtu", "1400"]).unwrap();
+    let out = netprobe(&c.pod(0, 0).ns, &["bulk", "10.96.1.60:80", "2000000"]);
+    assert_eq!(out, "pod-2-0 2000000", "2 MB through the ClusterIP with PMTU discovery");
+    assert!(c.node(0).stats()["icmp_error_nat"] >= 1, "{:?}", c.node(0).stats());
+
+    // A 4 KB UDP answer arrives in fragments, every one translated back to the ClusterIP.
+    let c2 = Cluster::builder("krt-cp-frag").build().unwrap();
+    c2.add_service(Svc::cluster_ip("web", "10.96.1.61").select("pod", "pod-2-0")).unwrap();
+    assert_eq!(netprobe(&c2.pod(0, 0).ns, &["ask", "udp", "10.96.1.61:53", "big 4000"]), "pod-2-0 4000 bytes");
+    assert!(c2.node(0).stats()["fragment_nat"] >= 2, "{:?}", c2.node(0).stats());
+}
+
+#[test]
+fn udp_moves_off_a_removed_backend_while_established_tcp_stays() {
+    let c = Cluster::builder("krt-cp-moved").pods_per_node(2).build().unwrap();
+    c.add_service(Svc::cluster_ip("web", "10.96.1.70").select("node", "node-2")).unwrap();
+    let client = &c.pod(0, 0).ns;
+    let tcp = client
+        .spawn_collecting(&[kube_router_tests::netprobe_bin().to_str().unwrap(), "hold", "10.96.1.70:80", "100"])
+        .unwrap();
+    let udp = client
+        .spawn_collecting(&[
+            kube_router_tests::netprobe_bin().to_str().unwrap(),
+            "udp-fixed",
+            "40000",
+            "10.96.1.70:53",
+            "60",
+            "100",
+        ])
+        .unwrap();
+    thread::sleep(Duration::from_secs(1));
+    let udp_backend = udp.lock().unwrap().last().cloned().expect("UDP replies");
+    let tcp_backend = tcp.lock().unwrap().last().cloned().expect("TCP replies");
+    // The UDP flow's backend goes away (not ready; the pod still runs).
+    c.set_ready(&udp_backend, false).unwrap();
+    c.wait_backends("10.96.1.70:53", 1).unwrap();
+    let removed_at = Instant::now();
+    let moved = loop {
+        let last = udp.lock().unwrap().last().cloned().unwrap_or_default();
+        if last.starts_with("pod-") && last != udp_backend {
+            break removed_at.elapsed();
+        }
+        assert!(removed_at.elapsed() < Duration::from_secs(3), "UDP still on {udp_backend}: {:?}", udp.lock().unwrap());
+        thread::sleep(Duration::from_millis(20));
+    };
+    assert!(moved < Duration::from_secs(1), "UDP moved only after {moved:?}");
+    // The held TCP connection never broke, whichever backend it was on.
+    thread::sleep(Duration::from_secs(1));
+    let replies = tcp.lock().unwrap().clone();
+    assert!(replies.iter().all(|r| *r == tcp_backend), "TCP connection broken or moved: {replies:?}");
+}
+
+/// The outage promise on this harness: clients through every path above every 200 ms during an
+/// API black-hole; nothing fails, no map the agents write and no route changes.
+#[test]
+fn an_api_outage_changes_nothing_on_any_path() {
+    let c = Cluster::builder("krt-cp-outage").build().unwrap();
+    let svc = Svc::load_balancer("web", "10.96.1.80", 30080, "198.51.100.80")
+        .select("pod", "pod-2-0")
+        .external_ip("192.0.2.80");
+    c.add_service(svc).unwrap();
+    c.add_service(Svc::node_port("self", "10.96.1.81", 30090).select("pod", "pod-1-0")).unwrap();
+    c.add_service(Svc::node_port("local", "10.96.1.82", 30100).select("pod", "pod-1-0").local()).unwrap();
+    c.route_via("192.0.2.80", 0).unwrap();
+    c.route_via("198.51.100.80", 0).unwrap();
+    for node in &c.nodes {
+        node.ns.wait_addresses_settled().unwrap();
+    }
+    let probe = |ns: &kube_router_tests::Netns, target: &str| {
+        ns.spawn_collecting(&[kube_router_tests::netprobe_bin().to_str().unwrap(), "probe", target, "200"]).unwrap()
+    };
+    let probes = [
+        ("pod -> ClusterIP on the other node", probe(&c.pod(0, 0).ns, "10.96.1.80:80")),
+        ("client -> NodePort, backend on the other node", probe(&c.client, "10.100.0.1:30080")),
+        ("client -> ExternalIP", probe(&c.client, "192.0.2.80:80")),
+        ("client -> LoadBalancer IP", probe(&c.client, "198.51.100.80:80")),
+        ("client -> NodePort, local policy", probe(&c.client, "10.100.0.1:30100")),
+        ("pod -> its own Service (hairpin)", probe(&c.pod(0, 0).ns, "10.96.1.81:80")),
+    ];
+    thread::sleep(Duration::from_secs(2));
+    let maps = c.agent_maps();
+    let routes = c.routes();
+
+    let outage = Duration::from_secs(std::env::var("KRT_OUTAGE_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(60));
+    c.set_api(FaultMode::BlackHole);
+    let started = Instant::now();
+    while started.elapsed() < outage {
+        thread::sleep(Duration::from_secs(5));
+        assert!(c.agents_running(), "an agent died {:?} into the outage", started.elapsed());
+        assert_eq!(c.agent_maps(), maps, "maps changed {:?} into the outage", started.elapsed());
+    }
+    assert_eq!(c.routes(), routes, "routes changed during the outage");
+    c.set_api(FaultMode::Normal);
+    for (path, replies) in &probes {
+        let replies = replies.lock().unwrap();
+        let failed: Vec<&String> = replies.iter().filter(|r| !r.starts_with("pod-")).collect();
+        assert!(failed.is_empty(), "{path}: {} of {} failed: {failed:?}", failed.len(), replies.len());
+        let expected = outage.as_millis() as usize / 400;
+        assert!(replies.len() > expected, "{path}: only {} probes", replies.len());
+    }
+}
+
+#[test]
+fn health_check_node_port_answers_as_local_endpoints_come_and_go() {
+    let c = Cluster::builder("krt-cp-hc").build().unwrap();
+    let svc = Svc::load_balancer("web", "10.96.1.90", 30080, "198.51.100.90")
+        .select("pod", "pod-1-0")
+        .local()
+        .health_check_node_port(32000);
+    c.add_service(svc).unwrap();
+    let check = |node: &str| -> (String, serde_json::Value) {
+        let out = netprobe(&c.client, &["http", &format!("{node}:32000"), "/healthz"]);
+        let (status, body) = out.split_once('\n').unwrap_or((&out, ""));
+        (status.to_string(), serde_json::from_str(body).unwrap_or_default())
+    };
+    let wait_for = |node: &str, status: &str| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let (got, body) = check(node);
+            if got == status {
+                return body;
+            }
+            assert!(Instant::now() < deadline, "{node}: health check {got}, expected {status}");
+            thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let body = wait_for("10.100.0.1", "200");
+    assert_eq!(body["localEndpoints"], 1);
+    assert_eq!(body["service"]["name"], "web");
+    assert_eq!(wait_for("10.100.0.2", "503")["localEndpoints"], 0, "node-2 has no local endpoint");
+    c.set_ready("pod-1-0", false).unwrap();
+    assert_eq!(wait_for("10.100.0.1", "503")["localEndpoints"], 0);
+    c.set_ready("pod-1-0", true).unwrap();
+    wait_for("10.100.0.1", "200");
+}
+
+#[test]
+fn external_ips_outside_the_allowed_ranges_are_refused_and_the_rest_is_programmed() {
+    let c = Cluster::builder("krt-cp-extip")
+        .agent_args(&["--service-external-ip-range", "192.0.2.0/24", "--cluster-cidr", "10.244.0.0/16"])
+        .build()
+        .unwrap();
+    let svc = Svc::cluster_ip("web", "10.96.1.95")
+        .select("pod", "pod-2-0")
+        .external_ip("192.0.2.30")
+        .external_ip("198.51.100.30")
+        .external_ip("10.244.1.77");
+    c.add_service(svc).unwrap();
+    c.wait_programmed("192.0.2.30:80", true).unwrap();
+    for node in &c.nodes {
+        let services = node.services();
+        assert!(!services.contains("198.51.100.30") && !services.contains("10.244.1.77"), "{services}");
+        assert_eq!(node.metric("kube_router_rejected_objects_total", "kind=\"ExternalIP\""), 2.0);
+    }
+    c.route_via("192.0.2.30", 0).unwrap();
+    assert_all_from(&request(&c.client, "tcp", "192.0.2.30:80", 5), "pod-2-0");
+    assert_all_from(&c.pod(0, 0).request("tcp", "10.96.1.95:80", 5), "pod-2-0");
+}
