@@ -9,8 +9,11 @@
 mod policy;
 pub use policy::*;
 
-/// Version of the whole map layout. Stored in the `meta` map at index [`META_LAYOUT_VERSION`].
-pub const LAYOUT_VERSION: u32 = 1;
+/// Version of the whole map layout. Stored in the `meta` map at index [`META_LAYOUT_VERSION`],
+/// and naming the directory the maps are pinned in (`<bpf root>/v2/`), so an upgrade can create
+/// the new maps beside the old ones and move state across before it swaps the programs.
+/// Layout 1 pinned its maps directly in the bpf root.
+pub const LAYOUT_VERSION: u32 = 2;
 
 /// Directory under bpffs where maps and links are pinned.
 pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/kube-router";

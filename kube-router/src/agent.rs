@@ -70,6 +70,8 @@ pub struct AgentConfig {
     pub node_ip: Option<Ipv4Addr>,
     /// `--enable-pod-egress`: masquerade pod traffic leaving the cluster.
     pub pod_egress: bool,
+    /// `--enable-cni`: write the node's CNI configuration.
+    pub cni: Option<CniOptions>,
     /// `--cluster-cidr`.
     pub cluster_cidrs: Vec<ipnet::IpNet>,
     /// `--service-cluster-ip-range`.
@@ -329,6 +331,71 @@ async fn start_api_source(options: &ApiOptions, state_dir: &Path, metrics: &Metr
     Ok(ApiSource { objects, updates, dirty: restored_from_checkpoint, restored_from_checkpoint, retry_at: None })
 }
 
+#[derive(Clone, Debug)]
+pub struct CniOptions {
+    /// `--cni-conf-file`.
+    pub conf_file: PathBuf,
+    /// `--auto-mtu`.
+    pub auto_mtu: bool,
+}
+
+/// The CNI role: this node's configuration and pod bridge, from its Node object. A failure is
+/// logged when it first happens (or changes) and counted; nothing else is touched.
+struct CniWriter {
+    options: CniOptions,
+    node_name: String,
+    snat_addr: Option<Ipv4Addr>,
+    last_error: Option<String>,
+}
+
+impl CniWriter {
+    async fn sync<'a>(&mut self, nodes: impl Iterator<Item = &'a k8s_openapi::api::core::v1::Node>, metrics: &Metrics) {
+        let result = self.try_sync(nodes).await;
+        match result {
+            Ok(written) => {
+                if written {
+                    tracing::info!(path = %self.options.conf_file.display(), "CNI configuration written");
+                }
+                self.last_error = None;
+            }
+            Err(e) => {
+                let error = format!("{e:#}");
+                if self.last_error.as_ref() != Some(&error) {
+                    tracing::error!(
+                        node = self.node_name,
+                        error,
+                        "cannot configure the pod network (CNI); datapath unaffected"
+                    );
+                    metrics.with(|m| m.cni_errors += 1);
+                    self.last_error = Some(error);
+                }
+            }
+        }
+    }
+
+    async fn try_sync<'a>(
+        &self,
+        mut nodes: impl Iterator<Item = &'a k8s_openapi::api::core::v1::Node>,
+    ) -> Result<bool> {
+        let node = nodes
+            .find(|n| n.metadata.name.as_deref() == Some(self.node_name.as_str()))
+            .with_context(|| format!("no Node object named {:?}", self.node_name))?;
+        let spec = node.spec.as_ref();
+        let raw = spec.and_then(|s| s.pod_cidrs.clone()).filter(|c| !c.is_empty());
+        let raw = raw.or_else(|| spec.and_then(|s| s.pod_cidr.clone()).map(|c| vec![c])).unwrap_or_default();
+        let pod_cidrs = raw
+            .iter()
+            .map(|c| c.parse::<ipnet::IpNet>().with_context(|| format!("Node podCIDR {c:?} is not a CIDR")))
+            .collect::<Result<Vec<_>>>()?;
+        let mtu = if self.options.auto_mtu { self.snat_addr.and_then(netif::mtu_of_address) } else { None };
+        let template = crate::cni::template_at(&self.options.conf_file);
+        let conflist = crate::cni::conflist(&template, &pod_cidrs, mtu)?;
+        let written = crate::cni::write_if_changed(&self.options.conf_file, &conflist)?;
+        netif::ensure_bridge(crate::cni::BRIDGE, &crate::cni::gateways(&pod_cidrs)).await?;
+        Ok(written)
+    }
+}
+
 /// Brings `cluster_nets_v4` (what pod egress masquerade treats as inside) up to date.
 fn sync_egress_nets<'a>(config: &AgentConfig, nodes: impl IntoIterator<Item = &'a k8s_openapi::api::core::v1::Node>) {
     let nets = crate::egress::cluster_nets(nodes, &config.cluster_cidrs, &config.service_ranges);
@@ -415,6 +482,8 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let mut attached = Vec::new();
     if let Some(datapath) = datapath.as_mut() {
         attach_all(datapath, &config.interfaces, &mut attached, config.run_service_proxy, config.run_firewall);
+        // The links run our programs now: an upgrade from the previous map layout can complete.
+        datapath.finish_upgrade().context("finishing the upgrade of the pinned maps")?;
     }
     let (health_checks, health_check_ports) = tokio::sync::watch::channel(BTreeMap::new());
     tokio::spawn(crate::healthcheck::serve(health_check_ports, metrics.clone()));
@@ -441,6 +510,12 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     }
 
     let mut router = config.router.clone().map(|options| RouterController::new(options, metrics.clone()));
+    let mut cni = config.cni.clone().map(|options| CniWriter {
+        options,
+        node_name: config.node_name.clone(),
+        snat_addr: config.node_ip.or_else(netif::default_route_source),
+        last_error: None,
+    });
     // Without the API the configuration comes from flags; with it, from the Node objects
     // (or their checkpoint), as soon as they are known.
     let mut router_dirty = api_source.as_ref().is_some_and(|api| api.restored_from_checkpoint);
@@ -545,11 +620,16 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                         policy_retry_at = (failed > 0).then(|| Instant::now() + WRITE_RETRY_INTERVAL);
                     }
                 }
-                if let (Some(_), Some(api)) = (service_proxy.as_ref(), api_source.as_ref()) {
+                if let Some(api) = api_source.as_ref() {
                     // Like the routes: only a complete listing of Nodes (or its checkpoint) counts.
                     if nets_dirty && (api.objects.nodes.synced() || api.restored_from_checkpoint) {
                         nets_dirty = false;
-                        sync_egress_nets(&config, api.objects.nodes.objects());
+                        if service_proxy.is_some() {
+                            sync_egress_nets(&config, api.objects.nodes.objects());
+                        }
+                        if let Some(cni) = cni.as_mut() {
+                            cni.sync(api.objects.nodes.objects(), &metrics).await;
+                        }
                     }
                 }
                 if let (Some(router), Some(api)) = (router.as_mut(), api_source.as_ref()) {

@@ -2,6 +2,7 @@
 pub mod agent;
 pub mod bgp;
 pub mod bpf;
+pub mod cni;
 pub mod egress;
 pub mod fib;
 pub mod firewall;

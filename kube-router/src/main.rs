@@ -151,6 +151,16 @@ struct RunArgs {
     /// LoadBalancer ingress IPs must be inside one of these CIDRs (comma-separated).
     #[arg(long, env = "KUBE_ROUTER_LOADBALANCER_IP_RANGE", value_delimiter = ',')]
     loadbalancer_ip_range: Vec<ipnet::IpNet>,
+    /// Write the node's CNI configuration from its Node object (pod CIDRs) and create the pod
+    /// bridge, as kube-router's CNI role does.
+    #[arg(long, env = "KUBE_ROUTER_ENABLE_CNI", default_value_t = true, action = clap::ArgAction::Set)]
+    enable_cni: bool,
+    /// Where the CNI configuration is written (an existing file there is the template).
+    #[arg(long, env = "KUBE_ROUTER_CNI_CONF_FILE", default_value = kube_router::cni::DEFAULT_CONF_FILE)]
+    cni_conf_file: PathBuf,
+    /// Set the pod network's MTU from the node's uplink.
+    #[arg(long, env = "KUBE_ROUTER_AUTO_MTU", default_value_t = true, action = clap::ArgAction::Set)]
+    auto_mtu: bool,
     /// Masquerade pod traffic to destinations outside the cluster to the node address.
     #[arg(long, env = "KUBE_ROUTER_ENABLE_POD_EGRESS", default_value_t = true, action = clap::ArgAction::Set)]
     enable_pod_egress: bool,
@@ -445,6 +455,9 @@ fn run(cli: &Cli) -> Result<()> {
         snat_port_range: args.snat_port_range,
         node_ip: args.node_ip,
         pod_egress: args.enable_pod_egress,
+        cni: args
+            .enable_cni
+            .then(|| agent::CniOptions { conf_file: args.cni_conf_file.clone(), auto_mtu: args.auto_mtu }),
         external_ip_ranges: args.service_external_ip_range.clone(),
         load_balancer_ip_ranges: args.loadbalancer_ip_range.clone(),
         cluster_cidrs: args.cluster_cidr.clone(),

@@ -52,6 +52,8 @@ pub struct MetricsState {
     pub api_errors: u64,
     pub last_api_contact_unix: Option<f64>,
     pub checkpoint_errors: u64,
+    /// CNI configuration that could not be derived or written (`--enable-cni`).
+    pub cni_errors: u64,
     pub checkpoint_age_at_start: Option<f64>,
     /// controller name -> last heartbeat.
     pub heartbeats: BTreeMap<&'static str, Instant>,
@@ -218,6 +220,13 @@ impl Metrics {
                 "Checkpoints that could not be written or read.",
             );
             let _ = writeln!(out, "kube_router_checkpoint_errors_total {}", m.checkpoint_errors);
+            family(
+                &mut out,
+                "kube_router_cni_config_errors_total",
+                "counter",
+                "CNI configurations that could not be derived from the Node or written (the datapath is unaffected).",
+            );
+            let _ = writeln!(out, "kube_router_cni_config_errors_total {}", m.cni_errors);
             if !m.policy_packets.is_empty() {
                 family(
                     &mut out,

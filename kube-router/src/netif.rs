@@ -64,3 +64,101 @@ pub fn default_route_source() -> Option<Ipv4Addr> {
         _ => None,
     }
 }
+
+/// Creates the bridge `name` if missing, brings it up and gives it `addresses` (those it lacks);
+/// other addresses and settings are left alone. Returns whether anything changed.
+pub async fn ensure_bridge(name: &str, addresses: &[ipnet::IpNet]) -> anyhow::Result<bool> {
+    use anyhow::Context;
+    use futures_util::TryStreamExt;
+    use rtnetlink::{packet_route::address::AddressAttribute, LinkBridge, LinkUnspec};
+
+    let (connection, handle, _) = rtnetlink::new_connection().context("opening rtnetlink")?;
+    let connection = tokio::spawn(connection);
+    let result = async {
+        let find = |handle: rtnetlink::Handle| async move {
+            let mut links = handle.link().get().match_name(name.to_string()).execute();
+            Ok::<_, anyhow::Error>(links.try_next().await.ok().flatten().map(|link| link.header.index))
+        };
+        let mut changed = false;
+        let index = match find(handle.clone()).await? {
+            Some(index) => index,
+            None => {
+                handle
+                    .link()
+                    .add(LinkBridge::new(name).build())
+                    .execute()
+                    .await
+                    .with_context(|| format!("creating {name}"))?;
+                changed = true;
+                find(handle.clone()).await?.with_context(|| format!("{name} missing after creation"))?
+            }
+        };
+        handle.link().set(LinkUnspec::new_with_index(index).up().build()).execute().await.context("setting it up")?;
+        let mut present = Vec::new();
+        let mut stream = handle.address().get().set_link_index_filter(index).execute();
+        while let Some(message) = stream.try_next().await.context("listing its addresses")? {
+            for attribute in &message.attributes {
+                if let AddressAttribute::Address(ip) = attribute {
+                    present.push((*ip, message.header.prefix_len));
+                }
+            }
+        }
+        for net in addresses {
+            if !present.contains(&(net.addr(), net.prefix_len())) {
+                handle
+                    .address()
+                    .add(index, net.addr(), net.prefix_len())
+                    .execute()
+                    .await
+                    .with_context(|| format!("adding {net} to {name}"))?;
+                changed = true;
+            }
+        }
+        Ok(changed)
+    }
+    .await;
+    connection.abort();
+    result
+}
+
+/// The MTU of the interface that holds `addr`, if any.
+pub fn mtu_of_address(addr: Ipv4Addr) -> Option<u32> {
+    let name = {
+        let mut found = None;
+        // SAFETY: as in ipv4_addresses: a linked list walked read-only and freed.
+        unsafe {
+            let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+            if libc::getifaddrs(&mut head) != 0 {
+                return None;
+            }
+            let mut cursor = head;
+            while !cursor.is_null() {
+                let ifa = &*cursor;
+                if !ifa.ifa_addr.is_null() && i32::from((*ifa.ifa_addr).sa_family) == libc::AF_INET {
+                    let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                    if Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)) == addr {
+                        found = Some(CStr::from_ptr(ifa.ifa_name).to_owned());
+                        break;
+                    }
+                }
+                cursor = ifa.ifa_next;
+            }
+            libc::freeifaddrs(head);
+        }
+        found?
+    };
+    // SAFETY: a plain socket for the SIOCGIFMTU ioctl, closed right after.
+    unsafe {
+        let socket = libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0);
+        if socket < 0 {
+            return None;
+        }
+        let mut request: libc::ifreq = std::mem::zeroed();
+        for (slot, byte) in request.ifr_name.iter_mut().zip(name.to_bytes()) {
+            *slot = *byte as libc::c_char;
+        }
+        let rc = libc::ioctl(socket, libc::SIOCGIFMTU, &mut request);
+        libc::close(socket);
+        (rc == 0).then(|| request.ifr_ifru.ifru_mtu as u32)
+    }
+}

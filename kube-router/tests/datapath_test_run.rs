@@ -187,9 +187,9 @@ fn reloading_over_pinned_maps_keeps_their_contents() {
 fn a_pinned_map_with_another_layout_is_reported_and_left_alone() {
     let pin_dir = PathBuf::from("/sys/fs/bpf/krt-unit-layout");
     let _ = datapath::remove_all(&pin_dir);
-    std::fs::create_dir_all(&pin_dir).unwrap();
-    let path = pin_dir.join("svc_v4");
-    // An older layout: 4-byte keys.
+    let path = kube_router::bpf::pinned_map(&pin_dir, "svc_v4");
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    // Another layout: 4-byte keys.
     let created = std::process::Command::new("bpftool")
         .args([
             "map",

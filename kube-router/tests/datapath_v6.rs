@@ -55,7 +55,7 @@ fn remote_pod() -> Ipv6Addr {
 }
 
 fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &std::path::Path, name: &str) -> HashMap<MapData, K, V> {
-    HashMap::try_from(Map::HashMap(MapData::from_pin(pin_dir.join(name)).unwrap())).unwrap()
+    HashMap::try_from(Map::HashMap(MapData::from_pin(kube_router::bpf::pinned_map(pin_dir, name)).unwrap())).unwrap()
 }
 
 impl Lb {
@@ -235,9 +235,10 @@ fn icmpv6_errors_and_fragments_of_translated_flows_are_translated() {
 #[test]
 fn pod_traffic_leaving_the_cluster_is_masqueraded() {
     let lb = Lb::load("egress");
-    let mut nets: LpmTrie<MapData, Ipv6Words, u32> =
-        LpmTrie::try_from(Map::LpmTrie(MapData::from_pin(lb.pin_dir.join(map_names::CLUSTER_NETS_V6)).unwrap()))
-            .unwrap();
+    let mut nets: LpmTrie<MapData, Ipv6Words, u32> = LpmTrie::try_from(Map::LpmTrie(
+        MapData::from_pin(kube_router::bpf::pinned_map(&lb.pin_dir, map_names::CLUSTER_NETS_V6)).unwrap(),
+    ))
+    .unwrap();
     // Every node's pod CIDR lies in fd00:244::/32.
     nets.insert(&Key::new(32, words(ip("fd00:244::"))), CLUSTER_NET_POD, 0).unwrap();
     let internet = ip("2001:db8::10");

@@ -535,8 +535,8 @@ fn traffic_that_is_not_judged_passes_and_is_counted() {
 fn a_policy_map_with_another_layout_is_refused() {
     let pin_dir = PathBuf::from("/sys/fs/bpf/krt-pol-test-layout");
     let _ = datapath::remove_all(&pin_dir);
-    std::fs::create_dir_all(&pin_dir).unwrap();
-    let path = pin_dir.join("pol_rules");
+    let path = kube_router::bpf::pinned_map(&pin_dir, "pol_rules");
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
     let created = std::process::Command::new("bpftool")
         .args(["map", "create", path.to_str().unwrap(), "type", "hash", "key", "8", "value", "40"])
         .args(["entries", "16", "name", "pol_rules"])

@@ -77,7 +77,15 @@ fn main() {
     }
     remove_bpf_root(&root);
     let _ = std::fs::remove_dir_all(&state_dir);
-    let args = ["--master", &server.url(), "--state-dir", state_dir.to_str().unwrap(), "--health-port", "0"];
+    let args = [
+        "--enable-cni=false",
+        "--master",
+        &server.url(),
+        "--state-dir",
+        state_dir.to_str().unwrap(),
+        "--health-port",
+        "0",
+    ];
     let started = Instant::now();
     let mut agent = Agent::start(&node, &root, &args).unwrap();
     let line = agent.wait_for_log("complete=true", 1, Duration::from_secs(300)).unwrap();

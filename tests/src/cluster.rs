@@ -52,8 +52,9 @@ pub fn pod_cidr(node: usize) -> String {
     format!("10.244.{}.0/24", node + 1)
 }
 
-/// kube-router's CNI configuration (`10-kuberouter.conflist`) for a node's pod CIDR.
-pub fn kube_router_conflist(pod_cidr: &str, data_dir: &Path) -> Value {
+/// The CNI configuration template a DaemonSet installs (kube-router's ConfigMap shape, no pod
+/// ranges yet), with host-local's state in `data_dir`. The agent fills in the node's ranges.
+pub fn cni_template(data_dir: &Path) -> Value {
     json!({
         "cniVersion": "0.3.0",
         "name": "mynet",
@@ -64,11 +65,26 @@ pub fn kube_router_conflist(pod_cidr: &str, data_dir: &Path) -> Value {
                 "bridge": "kube-bridge",
                 "isDefaultGateway": true,
                 "hairpinMode": true,
-                "ipam": {"type": "host-local", "ranges": [[{"subnet": pod_cidr}]], "dataDir": data_dir}
+                "ipam": {"type": "host-local", "dataDir": data_dir}
             },
             {"type": "portmap", "capabilities": {"snat": true, "portMappings": true}}
         ]
     })
+}
+
+/// Waits until the agent has written the node's CNI configuration (its pod ranges filled in).
+fn wait_conflist(path: &Path) -> Result<Value> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let written: Option<Value> = fs::read(path).ok().and_then(|b| serde_json::from_slice(&b).ok());
+        if let Some(conflist) = written.filter(|c| c["plugins"][0]["ipam"]["ranges"].is_array()) {
+            return Ok(conflist);
+        }
+        if Instant::now() > deadline {
+            bail!("the agent did not write its CNI configuration to {}", path.display());
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// Runs a CNI configuration list's plugins in order (CNI_COMMAND=ADD), inside `node`'s network
@@ -147,6 +163,11 @@ pub struct ClusterNode {
 }
 
 impl ClusterNode {
+    /// Where the agent writes this node's CNI configuration (`--cni-conf-file`).
+    pub fn cni_conf_file(&self) -> PathBuf {
+        self.cni_dir.join("10-kuberouter.conflist")
+    }
+
     /// What `kube-router services` prints on this node (read from its pinned maps).
     pub fn services(&self) -> String {
         let out = Command::new(kube_router_bin()).arg("--bpf-root").arg(&self.bpf_root).arg("services").output();
@@ -440,8 +461,8 @@ impl Cluster {
             };
             remove_bpf_root(&node.bpf_root);
             fs::create_dir_all(&node.cni_dir)?;
-            let conflist = kube_router_conflist(&node.pod_cidr, &node_dir.join("ipam"));
-            fs::write(node.cni_dir.join("10-kuberouter.conflist"), serde_json::to_vec_pretty(&conflist)?)?;
+            let template = cni_template(&node_dir.join("ipam"));
+            fs::write(node.cni_conf_file(), serde_json::to_vec_pretty(&template)?)?;
             server.apply(json!({
                 "apiVersion": "v1", "kind": "Node",
                 "metadata": {"name": node.name, "labels": {"kubernetes.io/hostname": node.name}},
@@ -451,9 +472,6 @@ impl Cluster {
                     {"type": "Hostname", "address": node.name}
                 ]}
             }))?;
-            for j in 0..b.pods_per_node {
-                pods.push(Self::new_pod(p, &node, i, j)?);
-            }
             nodes.push(node);
         }
 
@@ -463,7 +481,7 @@ impl Cluster {
             client,
             internet,
             nodes,
-            pods,
+            pods: Vec::new(),
             runtime,
             server,
             agents: Mutex::new(Vec::new()),
@@ -472,20 +490,28 @@ impl Cluster {
             unready: Mutex::new(Vec::new()),
             dir,
         };
+        let agents = (0..cluster.nodes.len()).map(|i| cluster.start_agent(i).map(Some)).collect::<Result<Vec<_>>>()?;
+        *cluster.agents.lock().unwrap() = agents;
+        // Pods are wired with the configuration each agent wrote from its Node object.
+        let mut cluster = cluster;
+        for (i, node) in cluster.nodes.iter().enumerate() {
+            let conflist = wait_conflist(&node.cni_conf_file())?;
+            for j in 0..b.pods_per_node {
+                pods.push(Self::new_pod(p, node, &conflist, i, j)?);
+            }
+        }
+        cluster.pods = pods;
         for pod in &cluster.pods {
             cluster.server.apply(cluster.pod_object(pod))?;
         }
-        let agents = (0..cluster.nodes.len()).map(|i| cluster.start_agent(i).map(Some)).collect::<Result<Vec<_>>>()?;
-        *cluster.agents.lock().unwrap() = agents;
         cluster.wait_routes(Duration::from_secs(60))?;
         Ok(cluster)
     }
 
-    fn new_pod(prefix: &str, node: &ClusterNode, i: usize, j: usize) -> Result<Pod> {
+    fn new_pod(prefix: &str, node: &ClusterNode, conflist: &Value, i: usize, j: usize) -> Result<Pod> {
         let name = format!("pod-{}-{j}", i + 1);
         let ns = Netns::new(&format!("{prefix}-n{}-p{j}", i + 1))?;
-        let conflist: Value = serde_json::from_slice(&fs::read(node.cni_dir.join("10-kuberouter.conflist"))?)?;
-        let result = cni_add(&node.ns, &conflist, &ns, &name)?;
+        let result = cni_add(&node.ns, conflist, &ns, &name)?;
         let ip =
             result_address(&result, false).with_context(|| format!("CNI gave {name} no IPv4 address: {result}"))?;
         for port in POD_PORTS {
@@ -518,6 +544,7 @@ impl Cluster {
     fn start_agent(&self, i: usize) -> Result<Agent> {
         let node = &self.nodes[i];
         let state = node.state_dir.display().to_string();
+        let cni_conf = node.cni_conf_file().display().to_string();
         let master = self.server.url();
         let mut args: Vec<&str> = vec![
             "--master",
@@ -534,6 +561,8 @@ impl Cluster {
             "9s",
             "--bgp-graceful-restart-deferral-time",
             "30s",
+            "--cni-conf-file",
+            &cni_conf,
         ];
         args.extend(self.agent_args.iter().map(String::as_str));
         Agent::start(&node.ns, &node.bpf_root, &args)

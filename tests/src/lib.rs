@@ -381,10 +381,15 @@ pub fn log_field(line: &str, key: &str) -> Option<u64> {
     line[start..].split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
 }
 
-/// `bpftool map dump` of every pinned map under `root`, by map name.
+/// Where the agent pins its maps under its bpf root: the map layout's directory.
+pub fn maps_dir(root: &Path) -> PathBuf {
+    root.join(format!("v{}", kube_router_common::LAYOUT_VERSION))
+}
+
+/// `bpftool map dump` of every map the agent pinned under `root`, by map name.
 pub fn dump_maps(root: &Path) -> Result<BTreeMap<String, String>> {
     let mut dumps = BTreeMap::new();
-    for entry in fs::read_dir(root)? {
+    for entry in fs::read_dir(maps_dir(root))? {
         let entry = entry?;
         if entry.file_type()?.is_file() {
             let path = entry.path();

@@ -52,7 +52,7 @@ impl Env {
     }
 
     fn agent(&self) -> Agent {
-        self.agent_with(&["--master", &self.server.url()])
+        self.agent_with(&["--master", &self.server.url(), "--enable-cni=false"])
     }
 
     fn agent_with(&self, source: &[&str]) -> Agent {

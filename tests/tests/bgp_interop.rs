@@ -581,7 +581,9 @@ fn sigterm_keeps_peer_routes_only_with_graceful_restart() {
     assert!(out.contains("kernel routes with protocol 186"), "{out}");
     assert_eq!(lab.kernel_routes(), "", "cleanup leaves no route of ours");
     assert!(lab.node.run(&["ip", "route", "show", "proto", "kernel"]).unwrap().contains("10.77.0.0/24"));
-    assert!(!std::path::Path::new("/sys/fs/bpf/krt-bgp-unused").join("pol_stats").exists());
+    assert!(!kube_router_tests::maps_dir(std::path::Path::new("/sys/fs/bpf/krt-bgp-unused"))
+        .join("pol_stats")
+        .exists());
 }
 
 /// A hand-driven BGP peer: raw bytes on the wire, so it can send what real daemons never do.

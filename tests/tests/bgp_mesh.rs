@@ -87,6 +87,7 @@ impl Mesh {
     fn start_agent(&self, i: usize) -> Agent {
         let state = self.dir.join(format!("n{i}"));
         let args = [
+            "--enable-cni=false",
             "--master",
             &self.server.url(),
             "--hostname-override",

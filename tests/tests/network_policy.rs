@@ -117,6 +117,7 @@ impl Cluster {
     fn start_agent(&self) -> Agent {
         let interfaces: Vec<String> = self.pods.iter().map(|(id, _)| format!("pod{}", id.index)).collect();
         let args = [
+            "--enable-cni=false",
             "--master",
             &self.server.url(),
             "--hostname-override",

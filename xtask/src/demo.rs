@@ -107,6 +107,7 @@ fn demo(topo: &Topology, node2: &Netns) -> Result<()> {
     let _ = std::fs::remove_dir_all(&state_dir);
     let master = server.url();
     let args = [
+        "--enable-cni=false",
         "--master",
         &master,
         "--hostname-override",
@@ -119,6 +120,7 @@ fn demo(topo: &Topology, node2: &Netns) -> Result<()> {
     let state_dir2 = std::env::temp_dir().join("krt-demo-state-node2");
     let _ = std::fs::remove_dir_all(&state_dir2);
     let args2 = [
+        "--enable-cni=false",
         "--master",
         &master,
         "--hostname-override",
@@ -161,7 +163,10 @@ fn demo(topo: &Topology, node2: &Netns) -> Result<()> {
     print!("{}", kube_router(&root, "services")?);
 
     step("bpftool map dump pinned /sys/fs/bpf/krt-demo/svc_v4  (key: VIP, port, proto | value: id, count, flags, affinity)")?;
-    print!("{}", sh(&["bpftool", "map", "dump", "pinned", root.join("svc_v4").to_str().unwrap()])?);
+    print!(
+        "{}",
+        sh(&["bpftool", "map", "dump", "pinned", kube_router_tests::maps_dir(&root).join("svc_v4").to_str().unwrap()])?
+    );
 
     step(
         "Client traffic: 30 TCP connections and 30 UDP requests to web's ClusterIP, 30 to its NodePort, 30 to sticky",

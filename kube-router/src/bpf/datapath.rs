@@ -16,7 +16,7 @@ use aya::{
 };
 use kube_router_common::{map_names, LAYOUT_VERSION, META_LAYOUT_VERSION};
 
-use super::{layout, DATAPATH_OBJECT};
+use super::{layout, maps_dir, migrate, DATAPATH_OBJECT};
 
 /// A TC hook and the program that runs there.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -92,6 +92,8 @@ pub struct Datapath {
     /// Ids of the maps pinned in `pin_dir`: what makes an attached program "ours". Per-CPU
     /// scratch maps are not pinned; a re-attached instance may use other ones.
     pinned_map_ids: std::collections::BTreeSet<u32>,
+    /// An upgrade from the previous map layout, finished once the links run our programs.
+    upgrade: Option<migrate::Upgrade>,
 }
 
 /// Ids of the maps pinned directly in `pin_dir`.
@@ -106,19 +108,25 @@ fn pinned_map_ids(pin_dir: &Path) -> std::collections::BTreeSet<u32> {
 }
 
 pub fn ensure_bpffs(pin_dir: &Path) -> Result<()> {
-    fs::create_dir_all(pin_dir.join("links"))
-        .with_context(|| format!("creating {} (is bpffs mounted at /sys/fs/bpf?)", pin_dir.display()))?;
+    for dir in [pin_dir.join("links"), maps_dir(pin_dir)] {
+        fs::create_dir_all(&dir)
+            .with_context(|| format!("creating {} (is bpffs mounted at /sys/fs/bpf?)", dir.display()))?;
+    }
     Ok(())
 }
 
 impl Datapath {
     /// Loads the programs, re-using every map already pinned in `pin_dir` (after checking its
     /// layout) and creating and pinning the missing ones.
+    /// Maps of the previous layout are upgraded: their state is copied now, and the old maps go
+    /// once the links run the new programs ([`Self::finish_upgrade`]). Maps of a newer layout
+    /// make it refuse (a downgrade), leaving the running programs alone.
     pub fn load(pin_dir: &Path) -> Result<Self> {
+        migrate::refuse_downgrade(pin_dir)?;
         ensure_bpffs(pin_dir)?;
         let adopted = layout::check_pinned(pin_dir)?;
         let mut ebpf = EbpfLoader::new()
-            .default_map_pin_directory(pin_dir)
+            .default_map_pin_directory(maps_dir(pin_dir))
             .load(DATAPATH_OBJECT)
             .context("loading the datapath object")?;
         for hook in Hook::ALL {
@@ -128,10 +136,20 @@ impl Datapath {
             program.load().with_context(|| format!("verifier rejected {name}"))?;
         }
         tracing::info!(pin_dir = %pin_dir.display(), adopted_maps = adopted, "datapath loaded");
-        let pinned_map_ids = pinned_map_ids(pin_dir);
-        let mut datapath = Self { ebpf, pin_dir: pin_dir.to_path_buf(), pinned_map_ids };
+        let pinned_map_ids = pinned_map_ids(&maps_dir(pin_dir));
+        let mut datapath = Self { ebpf, pin_dir: pin_dir.to_path_buf(), pinned_map_ids, upgrade: None };
         datapath.record_layout_version()?;
+        datapath.upgrade = migrate::start(pin_dir)?;
         Ok(datapath)
+    }
+
+    /// Completes an upgrade from the previous layout, once every link has been re-attached to
+    /// our programs: copies what the old programs wrote meanwhile and removes the old maps.
+    pub fn finish_upgrade(&mut self) -> Result<()> {
+        if let Some(upgrade) = self.upgrade.take() {
+            upgrade.finish()?;
+        }
+        Ok(())
     }
 
     fn record_layout_version(&mut self) -> Result<()> {
@@ -220,14 +238,21 @@ impl Datapath {
     }
 }
 
-/// Removes every pinned link and map under `pin_dir` (uninstall). Detaches the programs.
+/// Removes every pinned link and map under `pin_dir`, of every layout (uninstall). Detaches
+/// the programs.
 pub fn remove_all(pin_dir: &Path) -> Result<usize> {
     let mut removed = 0;
     if !pin_dir.exists() {
         return Ok(0);
     }
-    let links = pin_dir.join("links");
-    for dir in [links.as_path(), pin_dir] {
+    // links/, every layout's v<N>/, and the root (layout 1's maps, the downgrade tombstone).
+    let mut dirs: Vec<PathBuf> = fs::read_dir(pin_dir)?
+        .flatten()
+        .filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false))
+        .map(|e| e.path())
+        .collect();
+    dirs.push(pin_dir.to_path_buf());
+    for dir in &dirs {
         let Ok(entries) = fs::read_dir(dir) else { continue };
         for entry in entries.flatten() {
             if entry.file_type().map(|t| t.is_file()).unwrap_or(false) {
@@ -235,8 +260,7 @@ pub fn remove_all(pin_dir: &Path) -> Result<usize> {
                 removed += 1;
             }
         }
+        let _ = fs::remove_dir(dir);
     }
-    let _ = fs::remove_dir(&links);
-    let _ = fs::remove_dir(pin_dir);
     Ok(removed)
 }

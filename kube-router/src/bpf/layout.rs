@@ -66,7 +66,7 @@ fn describe(map_type: &str, key: u32, value: u32, max: u32) -> String {
 pub fn check_pinned(pin_dir: &Path) -> Result<usize, LayoutMismatch> {
     let mut adopted = 0;
     for spec in SERVICE_MAPS.iter().chain(&POLICY_MAPS) {
-        let path = pin_dir.join(spec.name);
+        let path = super::pinned_map(pin_dir, spec.name);
         if !path.exists() {
             continue;
         }

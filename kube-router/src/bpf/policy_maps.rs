@@ -400,7 +400,7 @@ pub fn apply_diff(maps: &mut impl PolicyMaps, diff: &MapDiff) -> PolicyWriteRepo
 // ---- the pinned maps ------------------------------------------------------------------------
 
 fn open(pin_dir: &Path, name: &str) -> Result<MapData> {
-    let path = pin_dir.join(name);
+    let path = super::pinned_map(pin_dir, name);
     MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))
 }
 
