@@ -159,6 +159,6 @@ pub fn mtu_of_address(addr: Ipv4Addr) -> Option<u32> {
         }
         let rc = libc::ioctl(socket, libc::SIOCGIFMTU, &mut request);
         libc::close(socket);
-        (rc == 0).then(|| request.ifr_ifru.ifru_mtu as u32)
+        (rc == 0).then_some(request.ifr_ifru.ifru_mtu as u32)
     }
 }
