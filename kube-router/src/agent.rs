@@ -576,7 +576,8 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                 if let Some(kind) = api.objects.apply_kind(update) {
                     checkpoint_due = true;
                     api.dirty |= matches!(kind, Kind::Services | Kind::EndpointSlices);
-                    router_dirty |= kind == Kind::Nodes || (advertise_services && kind == Kind::Services);
+                    router_dirty |= kind == Kind::Nodes
+                        || (advertise_services && matches!(kind, Kind::Services | Kind::EndpointSlices));
                     nets_dirty |= kind == Kind::Nodes;
                     policy_dirty |= matches!(kind, Kind::Pods | Kind::Namespaces | Kind::NetworkPolicies);
                 }
@@ -637,7 +638,8 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     // list failed; the store keeps the last complete one through an outage.
                     if router_dirty && (api.objects.nodes.synced() || api.restored_from_checkpoint) {
                         router_dirty = false;
-                        router.update_from_nodes(api.objects.nodes.objects(), api.objects.services.objects()).await;
+                        let o = &api.objects;
+                        router.update_from_nodes(o.nodes.objects(), o.services.objects(), o.endpoint_slices.objects()).await;
                     }
                 }
                 if last_housekeeping.elapsed() < Duration::from_secs(1) {

@@ -13,7 +13,10 @@ use std::{
 
 use anyhow::{Context, Result};
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
 
 use crate::{
     bgp::{
@@ -64,11 +67,42 @@ impl AdvertiseServices {
     }
 }
 
+/// Services with at least one ready endpoint on `node` ((namespace, name)).
+pub fn services_with_local_endpoints<'a>(
+    slices: impl Iterator<Item = &'a EndpointSlice>,
+    node: &str,
+) -> std::collections::BTreeSet<(String, String)> {
+    let mut local = std::collections::BTreeSet::new();
+    for slice in slices {
+        let labels = slice.metadata.labels.as_ref();
+        let Some(service) = labels.and_then(|l| l.get(crate::services::from_k8s::SERVICE_NAME_LABEL)) else {
+            continue;
+        };
+        let ready_here = slice.endpoints.iter().any(|e| {
+            e.node_name.as_deref() == Some(node) && e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true)
+        });
+        if ready_here {
+            local.insert((slice.metadata.namespace.clone().unwrap_or_default(), service.clone()));
+        }
+    }
+    local
+}
+
 /// Host prefixes (/32, /128) of the Service addresses to advertise, sorted, without duplicates.
-/// Headless Services (clusterIP None) and unparsable addresses contribute nothing.
-pub fn service_prefixes<'a>(services: impl Iterator<Item = &'a Service>, advertise: AdvertiseServices) -> Vec<IpNet> {
+/// Headless Services (clusterIP None) and unparsable addresses contribute nothing. As
+/// kube-router does, the externalIPs and LoadBalancer IPs of a Service with
+/// `externalTrafficPolicy: Local` (and the ClusterIPs of one with `internalTrafficPolicy: Local`)
+/// are advertised only by nodes with a ready endpoint of it (`local`): the network then sends
+/// traffic only where it can be served without leaving the node.
+pub fn service_prefixes<'a>(
+    services: impl Iterator<Item = &'a Service>,
+    advertise: AdvertiseServices,
+    local: &std::collections::BTreeSet<(String, String)>,
+) -> Vec<IpNet> {
     let mut out = std::collections::BTreeSet::new();
     for service in services {
+        let id = (service.metadata.namespace.clone().unwrap_or_default(), service.metadata.name.clone().unwrap_or_default());
+        let served_here = local.contains(&id);
         let annotations = service.metadata.annotations.as_ref();
         let wants = |kind: &str, default: bool| {
             let key = format!("kube-router.io/service.advertise.{kind}");
@@ -79,15 +113,17 @@ pub fn service_prefixes<'a>(services: impl Iterator<Item = &'a Service>, adverti
             }
         };
         let spec = service.spec.as_ref();
+        let external_local = spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local");
+        let internal_local = spec.and_then(|s| s.internal_traffic_policy.as_deref()) == Some("Local");
         let mut addresses: Vec<&String> = Vec::new();
-        if wants("clusterip", advertise.cluster_ip) {
+        if wants("clusterip", advertise.cluster_ip) && (served_here || !internal_local) {
             addresses.extend(spec.and_then(|s| s.cluster_ips.as_ref()).into_iter().flatten());
             addresses.extend(spec.and_then(|s| s.cluster_ip.as_ref()));
         }
-        if wants("externalip", advertise.external_ip) {
+        if wants("externalip", advertise.external_ip) && (served_here || !external_local) {
             addresses.extend(spec.and_then(|s| s.external_ips.as_ref()).into_iter().flatten());
         }
-        if wants("loadbalancerip", advertise.load_balancer_ip) {
+        if wants("loadbalancerip", advertise.load_balancer_ip) && (served_here || !external_local) {
             let ingress =
                 service.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
             addresses.extend(ingress.into_iter().flatten().filter_map(|i| i.ip.as_ref()));
@@ -142,9 +178,11 @@ impl RouterController {
         &mut self,
         nodes: impl Iterator<Item = &'a Node>,
         services: impl Iterator<Item = &'a Service>,
+        slices: impl Iterator<Item = &'a EndpointSlice>,
     ) {
         let nodes: Vec<Node> = nodes.cloned().collect();
-        let service_prefixes = service_prefixes(services, self.options.advertise);
+        let local = services_with_local_endpoints(slices, &self.options.node_name);
+        let service_prefixes = service_prefixes(services, self.options.advertise, &local);
         match node_bgp_config(&nodes, &self.settings()) {
             Ok(mut config) => {
                 self.last_problem = None;
@@ -325,19 +363,44 @@ mod tests {
                 "spec": {"clusterIP": "10.96.0.30", "externalIPs": ["192.0.2.30"]}})),
         ];
         let text = |v: Vec<IpNet>| v.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        let none = Default::default();
         assert!(
-            service_prefixes(services.iter(), AdvertiseServices::default())
+            service_prefixes(services.iter(), AdvertiseServices::default(), &none)
                 == vec!["192.0.2.30/32".parse::<IpNet>().unwrap()]
         );
         let cluster = AdvertiseServices { cluster_ip: true, ..Default::default() };
         assert_eq!(
-            text(service_prefixes(services.iter(), cluster)),
+            text(service_prefixes(services.iter(), cluster, &none)),
             ["10.96.0.10/32", "10.96.0.30/32", "192.0.2.30/32", "fd00:96::10/128"]
         );
         let all = AdvertiseServices { cluster_ip: true, external_ip: true, load_balancer_ip: true };
         assert_eq!(
-            text(service_prefixes(services.iter(), all)),
+            text(service_prefixes(services.iter(), all, &none)),
             ["10.96.0.10/32", "10.96.0.30/32", "192.0.2.7/32", "192.0.2.30/32", "198.51.100.1/32", "fd00:96::10/128"]
         );
+    }
+
+    #[test]
+    fn local_policy_addresses_are_advertised_only_by_nodes_with_a_ready_local_endpoint() {
+        let services = [service(serde_json::json!({"metadata": {"namespace": "default", "name": "web"},
+            "spec": {"clusterIP": "10.96.0.10", "externalIPs": ["192.0.2.7"], "externalTrafficPolicy": "Local"},
+            "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.1"}]}}}))];
+        let slice: EndpointSlice = serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "default", "name": "web-1", "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4",
+            "endpoints": [
+                {"addresses": ["10.244.1.5"], "nodeName": "node-1", "conditions": {"ready": true}},
+                {"addresses": ["10.244.2.5"], "nodeName": "node-2", "conditions": {"ready": false}}
+            ]
+        }))
+        .unwrap();
+        let all = AdvertiseServices { cluster_ip: true, external_ip: true, load_balancer_ip: true };
+        let on = |node: &str| {
+            let local = services_with_local_endpoints(std::iter::once(&slice), node);
+            service_prefixes(services.iter(), all, &local).iter().map(|n| n.to_string()).collect::<Vec<_>>()
+        };
+        assert_eq!(on("node-1"), ["10.96.0.10/32", "192.0.2.7/32", "198.51.100.1/32"]);
+        // node-2's endpoint is not ready; the ClusterIP (internal policy Cluster) is still advertised.
+        assert_eq!(on("node-2"), ["10.96.0.10/32"]);
     }
 }

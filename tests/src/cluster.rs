@@ -355,7 +355,11 @@ pub struct ClusterBuilder {
     nodes: usize,
     pods_per_node: usize,
     agent_args: Vec<String>,
+    tor: bool,
 }
+
+/// The top-of-rack BGP speaker's ASN (gobgpd in the fabric, `ClusterBuilder::tor_bgp`).
+pub const TOR_ASN: u32 = 64513;
 
 impl ClusterBuilder {
     pub fn nodes(mut self, n: usize) -> Self {
@@ -364,6 +368,12 @@ impl ClusterBuilder {
     }
     pub fn pods_per_node(mut self, n: usize) -> Self {
         self.pods_per_node = n;
+        self
+    }
+    /// A real gobgpd in the fabric as every node's top-of-rack BGP peer (eBGP, ASN
+    /// [`TOR_ASN`]); read what each node advertised with [`Cluster::tor_received`].
+    pub fn tor_bgp(mut self) -> Self {
+        self.tor = true;
         self
     }
     /// Extra flags for every agent.
@@ -403,7 +413,7 @@ fn link(a: &Netns, a_if: &str, b: &Netns, b_if: &str) -> Result<()> {
 impl Cluster {
     /// `prefix` names every namespace (`<prefix>-fab`, `<prefix>-n1`, ...) and bpffs directory.
     pub fn builder(prefix: &str) -> ClusterBuilder {
-        ClusterBuilder { prefix: prefix.to_string(), nodes: 2, pods_per_node: 1, agent_args: Vec::new() }
+        ClusterBuilder { prefix: prefix.to_string(), nodes: 2, pods_per_node: 1, agent_args: Vec::new(), tor: false }
     }
 
     fn build(b: ClusterBuilder) -> Result<Cluster> {
@@ -433,6 +443,23 @@ impl Cluster {
             internet.spawn(&[netprobe_bin().to_str().unwrap(), "serve", "internet", &port.to_string()])?;
         }
 
+        let mut agent_args = b.agent_args.clone();
+        if b.tor {
+            let neighbors: String = (0..b.nodes)
+                .map(|i| {
+                    format!(
+                        "\n[[neighbors]]\n  [neighbors.config]\n    neighbor-address = \"{}\"\n    peer-as = 64512\n  \
+                         [neighbors.timers.config]\n    connect-retry = 1\n    hold-time = 9\n    keepalive-interval = 3\n",
+                        node_ip(i)
+                    )
+                })
+                .collect();
+            let config = format!("[global.config]\n  as = {TOR_ASN}\n  router-id = \"{FABRIC_ADDR}\"\n{neighbors}");
+            let path = dir.join("gobgpd.toml");
+            fs::write(&path, config)?;
+            fabric.spawn(&["gobgpd", "-f", path.to_str().unwrap(), "--disable-stdlog"])?;
+            agent_args.extend(["--peer-router-ips", FABRIC_ADDR, "--peer-router-asns", &TOR_ASN.to_string()].map(String::from));
+        }
         let runtime = NetnsRuntime::new(&fabric)?;
         let config = FakeApiServerConfig {
             bind_address: SocketAddr::from(([10, 100, 0, 254], 0)),
@@ -485,7 +512,7 @@ impl Cluster {
             runtime,
             server,
             agents: Mutex::new(Vec::new()),
-            agent_args: b.agent_args,
+            agent_args,
             services: Mutex::new(BTreeMap::new()),
             unready: Mutex::new(Vec::new()),
             dir,
@@ -707,6 +734,12 @@ impl Cluster {
             }
             thread::sleep(Duration::from_millis(100));
         }
+    }
+
+    /// The IPv4 prefixes the top-of-rack peer received from node `i` (gobgp adj-in).
+    pub fn tor_received(&self, i: usize) -> String {
+        let out = self.fabric.run(&["gobgp", "neighbor", &self.nodes[i].ip, "adj-in", "-a", "ipv4"]);
+        out.unwrap_or_default()
     }
 
     /// The fabric routes `addr` (an ExternalIP or LoadBalancer IP) to node `i`.

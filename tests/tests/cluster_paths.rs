@@ -268,3 +268,39 @@ fn external_ips_outside_the_allowed_ranges_are_refused_and_the_rest_is_programme
     assert_all_from(&request(&c.client, "tcp", "192.0.2.30:80", 5), "pod-2-0");
     assert_all_from(&c.pod(0, 0).request("tcp", "10.96.1.95:80", 5), "pod-2-0");
 }
+
+#[test]
+fn a_local_policy_vip_is_advertised_only_by_nodes_with_a_local_endpoint() {
+    let c = Cluster::builder("krt-cp-vip")
+        .tor_bgp()
+        .agent_args(&["--advertise-external-ip", "--advertise-loadbalancer-ip"])
+        .build()
+        .unwrap();
+    let svc = Svc::load_balancer("web", "10.96.1.99", 30080, "198.51.100.99")
+        .select("pod", "pod-1-0")
+        .external_ip("192.0.2.99")
+        .local();
+    c.add_service(svc).unwrap();
+    let wait_tor = |node: usize, present: bool| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let received = c.tor_received(node);
+            let has = received.contains("192.0.2.99/32") && received.contains("198.51.100.99/32");
+            let none = !received.contains("192.0.2.99/32") && !received.contains("198.51.100.99/32");
+            if (present && has) || (!present && none) {
+                return received;
+            }
+            assert!(Instant::now() < deadline, "node-{} advertises the VIPs: expected {present}\n{received}", node + 1);
+            thread::sleep(Duration::from_millis(200));
+        }
+    };
+    // Only node-1 has the endpoint; both advertise their pod CIDRs to the ToR.
+    assert!(wait_tor(0, true).contains("10.244.1.0/24"));
+    assert!(wait_tor(1, false).contains("10.244.2.0/24"));
+    // The endpoint goes away: node-1 withdraws the VIPs.
+    c.set_ready("pod-1-0", false).unwrap();
+    wait_tor(0, false);
+    c.set_ready("pod-1-0", true).unwrap();
+    wait_tor(0, true);
+    wait_tor(1, false);
+}
