@@ -101,7 +101,8 @@ pub fn service_prefixes<'a>(
 ) -> Vec<IpNet> {
     let mut out = std::collections::BTreeSet::new();
     for service in services {
-        let id = (service.metadata.namespace.clone().unwrap_or_default(), service.metadata.name.clone().unwrap_or_default());
+        let id =
+            (service.metadata.namespace.clone().unwrap_or_default(), service.metadata.name.clone().unwrap_or_default());
         let served_here = local.contains(&id);
         let annotations = service.metadata.annotations.as_ref();
         let wants = |kind: &str, default: bool| {

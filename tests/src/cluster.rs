@@ -458,7 +458,9 @@ impl Cluster {
             let path = dir.join("gobgpd.toml");
             fs::write(&path, config)?;
             fabric.spawn(&["gobgpd", "-f", path.to_str().unwrap(), "--disable-stdlog"])?;
-            agent_args.extend(["--peer-router-ips", FABRIC_ADDR, "--peer-router-asns", &TOR_ASN.to_string()].map(String::from));
+            agent_args.extend(
+                ["--peer-router-ips", FABRIC_ADDR, "--peer-router-asns", &TOR_ASN.to_string()].map(String::from),
+            );
         }
         let runtime = NetnsRuntime::new(&fabric)?;
         let config = FakeApiServerConfig {
