@@ -70,6 +70,8 @@ pub struct AgentConfig {
     pub node_ip: Option<Ipv4Addr>,
     /// `--enable-pod-egress`: masquerade pod traffic leaving the cluster.
     pub pod_egress: bool,
+    /// `--tc-mode`.
+    pub attach_mode: crate::bpf::datapath::AttachMode,
     /// `--enable-cni`: write the node's CNI configuration.
     pub cni: Option<CniOptions>,
     /// `--cluster-cidr`.
@@ -477,8 +479,11 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     }
 
     // The object holds every program; loading it creates (or re-adopts) every pinned map.
-    let mut datapath =
-        if config.run_service_proxy || config.run_firewall { Some(Datapath::load(&config.pin_dir)?) } else { None };
+    let mut datapath = if config.run_service_proxy || config.run_firewall {
+        Some(Datapath::load_with_mode(&config.pin_dir, config.attach_mode)?)
+    } else {
+        None
+    };
     let mut attached = Vec::new();
     if let Some(datapath) = datapath.as_mut() {
         attach_all(datapath, &config.interfaces, &mut attached, config.run_service_proxy, config.run_firewall);

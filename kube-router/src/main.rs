@@ -7,7 +7,7 @@ use kube_router::{
     agent::{self, AgentConfig, DesiredSource},
     bgp::peers::parse_external_peer_flags,
     bpf::{
-        datapath,
+        datapath::{self, AttachMode},
         service_maps::{read_lb_stats, Conntrack},
     },
     k8s::watch::ApiOptions,
@@ -161,6 +161,10 @@ struct RunArgs {
     /// Set the pod network's MTU from the node's uplink.
     #[arg(long, env = "KUBE_ROUTER_AUTO_MTU", default_value_t = true, action = clap::ArgAction::Set)]
     auto_mtu: bool,
+    /// How programs attach to interfaces: tcx (Linux 6.6+), classic (tc clsact + cls_bpf, any
+    /// supported kernel), or auto (TCX where the kernel has it).
+    #[arg(long, env = "KUBE_ROUTER_TC_MODE", default_value = "auto", value_parser = ["auto", "tcx", "classic"])]
+    tc_mode: String,
     /// Masquerade pod traffic to destinations outside the cluster to the node address.
     #[arg(long, env = "KUBE_ROUTER_ENABLE_POD_EGRESS", default_value_t = true, action = clap::ArgAction::Set)]
     enable_pod_egress: bool,
@@ -190,6 +194,8 @@ enum Command {
     Bgp,
     /// Show NetworkPolicy verdict counters and what the policy maps hold.
     Policy,
+    /// Show, per interface, which of our programs are attached and how (TCX or classic tc).
+    Interfaces,
     /// Show the age and contents of the checkpoint in --state-dir.
     Checkpoint,
     /// Uninstall: remove every pinned map and link, the kernel routes of our protocol and the
@@ -386,6 +392,17 @@ fn main() -> ExitCode {
         }),
         Command::Bgp => show_bgp(&cli),
         Command::Policy => show_policy(&cli),
+        Command::Interfaces => datapath::attachments(&cli.bpf_root).map(|list| {
+            for a in list {
+                let how = match a.mode {
+                    AttachMode::Tcx => "tcx",
+                    AttachMode::Classic => "classic tc",
+                };
+                let state = if a.attached { "attached" } else { "NOT attached" };
+                let id = a.program_id.map(|i| i.to_string()).unwrap_or_else(|| "?".into());
+                println!("{:<16} {:<15} {how:<10} program {id:<6} {state}", a.interface, a.hook.program());
+            }
+        }),
         Command::Checkpoint => show_checkpoint(&cli),
         Command::Stats => read_lb_stats(&cli.bpf_root).map(|stats| {
             for (name, n) in lb_stat::NAMES.iter().zip(stats) {
@@ -455,6 +472,11 @@ fn run(cli: &Cli) -> Result<()> {
         snat_port_range: args.snat_port_range,
         node_ip: args.node_ip,
         pod_egress: args.enable_pod_egress,
+        attach_mode: match args.tc_mode.as_str() {
+            "tcx" => AttachMode::Tcx,
+            "classic" => AttachMode::Classic,
+            _ => AttachMode::detect(),
+        },
         cni: args
             .enable_cni
             .then(|| agent::CniOptions { conf_file: args.cni_conf_file.clone(), auto_mtu: args.auto_mtu }),

@@ -162,3 +162,11 @@ pub fn mtu_of_address(addr: Ipv4Addr) -> Option<u32> {
         (rc == 0).then_some(request.ifr_ifru.ifru_mtu as u32)
     }
 }
+
+/// The index of the interface `name`, if it exists.
+pub fn interface_index(name: &str) -> Option<u32> {
+    let name = std::ffi::CString::new(name).ok()?;
+    // SAFETY: a valid NUL-terminated name.
+    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    (index != 0).then_some(index)
+}

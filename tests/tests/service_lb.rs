@@ -165,3 +165,55 @@ fn bad_input_is_rejected_and_changes_nothing() {
     assert_all_ok(&topo.request("tcp", &format!("{VIP}:80"), 10).unwrap());
     assert!(agent.is_running());
 }
+
+/// Kernels before 6.6 have no TCX: the programs go on as classic tc filters (clsact +
+/// cls_bpf, our own priorities), re-adopted on restart, removed by cleanup, and a filter of
+/// someone else's on the same hook is never touched.
+#[test]
+fn classic_tc_attachment_serves_readopts_and_leaves_other_filters_alone() {
+    let env = Env::new("krt-tc");
+    let topo = &env.topo;
+    let node = &topo.node;
+    // Someone else's filter on the client-facing interface, before we come.
+    node.run(&["tc", "qdisc", "add", "dev", "to-client", "clsact"]).unwrap();
+    node.run(&["tc", "filter", "add", "dev", "to-client", "ingress", "prio", "7", "matchall", "action", "pass"])
+        .unwrap();
+    let root = topo.bpf_root();
+    let args = ["--service-file", &env.file.arg(), "--health-port", "0", "--tc-mode", "classic"];
+    let mut agent = Agent::start(node, &root, &args).unwrap();
+    agent.wait_for_log("service sync complete", 1, Duration::from_secs(20)).unwrap();
+    let filters = node.run(&["tc", "filter", "show", "dev", "to-client", "ingress"]).unwrap();
+    assert!(filters.contains("kr_lb_ingress") && filters.contains("direct-action"), "{filters}");
+    assert!(filters.contains("matchall"), "the other filter stays: {filters}");
+    assert_all_ok(&topo.request("tcp", &format!("{VIP}:80"), 20).unwrap());
+    assert_all_ok(&topo.request("udp", &format!("{VIP}:53"), 20).unwrap());
+    assert_all_ok(&topo.request("tcp", &format!("{NODE_ADDR}:30080"), 10).unwrap());
+    let listed =
+        std::process::Command::new(kube_router_bin()).arg("--bpf-root").arg(&root).arg("interfaces").output().unwrap();
+    let listed = String::from_utf8_lossy(&listed.stdout).into_owned();
+    assert!(
+        listed.lines().any(|l| l.starts_with("to-client") && l.contains("kr_lb_ingress") && l.contains("classic tc")),
+        "{listed}"
+    );
+
+    // Stopped, traffic flows (filters outlive the agent); restarted, nothing is re-attached.
+    agent.stop().unwrap();
+    assert_all_ok(&topo.request("tcp", &format!("{VIP}:80"), 10).unwrap());
+    let mut agent = Agent::start(node, &root, &args).unwrap();
+    agent.wait_for_log("service sync complete", 1, Duration::from_secs(20)).unwrap();
+    let adopted = agent.log.lock().unwrap().iter().filter(|l| l.contains("ingress=Adopted egress=Adopted")).count();
+    let interfaces = node.run(&["ip", "-o", "link", "show"]).unwrap().lines().count() - 1;
+    assert_eq!(adopted, 2 * interfaces, "every filter re-adopted (load balancer and policy, each interface)");
+    assert_eq!(
+        node.run(&["tc", "filter", "show", "dev", "to-client", "ingress"]).unwrap(),
+        filters,
+        "filters untouched"
+    );
+    agent.stop().unwrap();
+
+    // Uninstall removes ours and only ours.
+    remove_bpf_root(&root);
+    let left = node.run(&["tc", "filter", "show", "dev", "to-client", "ingress"]).unwrap();
+    assert!(!left.contains("kr_lb_ingress") && left.contains("matchall"), "{left}");
+    assert!(topo.request("tcp", &format!("{VIP}:80"), 1).unwrap()[0].starts_with("ERR"), "no longer load-balanced");
+}

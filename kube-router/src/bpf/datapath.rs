@@ -1,4 +1,6 @@
-//! Loading the datapath over the pinned maps and attaching it through pinned TCX links.
+//! Loading the datapath over the pinned maps and attaching it: through pinned TCX links (Linux
+//! 6.6 and later), or, on older kernels or when asked, as classic `cls_bpf` filters on a
+//! `clsact` qdisc at priorities of our own (other filters are never touched).
 use std::{
     fs,
     path::{Path, PathBuf},
@@ -8,9 +10,9 @@ use anyhow::{anyhow, Context, Result};
 use aya::{
     maps::{Array, MapData},
     programs::{
-        links::{FdLink, LinkOrder, PinnedLink},
-        tc::{SchedClassifierLink, TcAttachOptions},
-        SchedClassifier, TcAttachType,
+        links::{FdLink, Link, LinkOrder, PinnedLink},
+        tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcError, TcHandle},
+        ProgramError, ProgramInfo, SchedClassifier, TcAttachType,
     },
     Ebpf, EbpfLoader,
 };
@@ -76,6 +78,70 @@ impl Hook {
     }
 }
 
+/// How programs are attached to interfaces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttachMode {
+    /// TCX, through pinned bpf_links (Linux 6.6 and later).
+    Tcx,
+    /// Classic tc: `cls_bpf` filters in direct-action mode on a `clsact` qdisc (any kernel this
+    /// agent supports); the attached program is pinned where the link would be.
+    Classic,
+}
+
+impl AttachMode {
+    /// TCX where the kernel has it, classic tc elsewhere.
+    pub fn detect() -> Self {
+        let tcx =
+            aya::util::KernelVersion::current().map(|v| v >= aya::util::KernelVersion::new(6, 6, 0)).unwrap_or(false);
+        if tcx {
+            AttachMode::Tcx
+        } else {
+            AttachMode::Classic
+        }
+    }
+}
+
+/// The `cls_bpf` handle of all our classic filters; the priority tells the hooks apart.
+const CLASSIC_HANDLE: u32 = 0x4b52;
+
+impl Hook {
+    /// A classic filter's priority. Lower runs first: as with TCX's order, the load balancer's
+    /// DNAT before the policy check on ingress, the policy check before its reverse NAT on egress.
+    fn classic_priority(self) -> u16 {
+        match self {
+            Hook::Ingress | Hook::PolicyEgress => 0x4b00,
+            Hook::Egress | Hook::PolicyIngress => 0x4b01,
+        }
+    }
+
+    /// The hook and interface a pin file in `links/` stands for.
+    pub fn from_pin_name(name: &str) -> Option<(Hook, &str)> {
+        [
+            ("tc_ingress_", Hook::Ingress),
+            ("tc_egress_", Hook::Egress),
+            ("pol_ingress_", Hook::PolicyIngress),
+            ("pol_egress_", Hook::PolicyEgress),
+        ]
+        .into_iter()
+        .find_map(|(prefix, hook)| Some((hook, name.strip_prefix(prefix)?)))
+    }
+
+    /// Our classic filter of this hook on `interface`, as an aya link (detaching removes it).
+    fn classic_link(self, interface: &str) -> std::io::Result<SchedClassifierLink> {
+        SchedClassifierLink::attached(
+            interface,
+            self.attach_type(),
+            self.classic_priority(),
+            TcHandle::from(CLASSIC_HANDLE),
+            None,
+        )
+    }
+}
+
+fn is_eexist(error: &ProgramError) -> bool {
+    matches!(error, ProgramError::TcError(TcError::NetlinkError(e)) if e.raw_os_error() == Some(libc::EEXIST))
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttachOutcome {
     /// The pinned link already runs this exact program over these maps: nothing was touched.
@@ -94,6 +160,7 @@ pub struct Datapath {
     pinned_map_ids: std::collections::BTreeSet<u32>,
     /// An upgrade from the previous map layout, finished once the links run our programs.
     upgrade: Option<migrate::Upgrade>,
+    mode: AttachMode,
 }
 
 /// Ids of the maps pinned directly in `pin_dir`.
@@ -122,6 +189,11 @@ impl Datapath {
     /// once the links run the new programs ([`Self::finish_upgrade`]). Maps of a newer layout
     /// make it refuse (a downgrade), leaving the running programs alone.
     pub fn load(pin_dir: &Path) -> Result<Self> {
+        Self::load_with_mode(pin_dir, AttachMode::detect())
+    }
+
+    /// [`Self::load`], attaching in `mode`.
+    pub fn load_with_mode(pin_dir: &Path, mode: AttachMode) -> Result<Self> {
         migrate::refuse_downgrade(pin_dir)?;
         ensure_bpffs(pin_dir)?;
         let adopted = layout::check_pinned(pin_dir)?;
@@ -137,7 +209,7 @@ impl Datapath {
         }
         tracing::info!(pin_dir = %pin_dir.display(), adopted_maps = adopted, "datapath loaded");
         let pinned_map_ids = pinned_map_ids(&maps_dir(pin_dir));
-        let mut datapath = Self { ebpf, pin_dir: pin_dir.to_path_buf(), pinned_map_ids, upgrade: None };
+        let mut datapath = Self { ebpf, pin_dir: pin_dir.to_path_buf(), pinned_map_ids, upgrade: None, mode };
         datapath.record_layout_version()?;
         datapath.upgrade = migrate::start(pin_dir)?;
         Ok(datapath)
@@ -185,9 +257,92 @@ impl Datapath {
         Ok([self.attach_hook(Hook::PolicyIngress, interface)?, self.attach_hook(Hook::PolicyEgress, interface)?])
     }
 
+    pub fn mode(&self) -> AttachMode {
+        self.mode
+    }
+
+    /// Attaches the hook's program to `interface` (TCX or classic, see [`AttachMode`]),
+    /// re-adopting what a previous agent left if it is still attached and the same.
+    pub fn attach_hook(&mut self, hook: Hook, interface: &str) -> Result<AttachOutcome> {
+        match self.mode {
+            AttachMode::Tcx => {
+                // A classic filter of ours from an earlier run in classic mode would run twice.
+                if let Ok(link) = hook.classic_link(interface) {
+                    let _ = link.detach();
+                }
+                self.attach_tcx(hook, interface)
+            }
+            AttachMode::Classic => self.attach_classic(hook, interface),
+        }
+    }
+
+    /// Our program ids and pinned map ids, to compare with what is attached.
+    fn identity(&mut self, hook: Hook) -> Result<(ProgramInfo, Vec<u32>)> {
+        let pinned_ids = self.pinned_map_ids.clone();
+        let ours = self.program_mut(hook)?.info()?;
+        let mut maps = ours.map_ids()?.unwrap_or_default();
+        maps.retain(|id| pinned_ids.contains(id));
+        maps.sort_unstable();
+        Ok((ours, maps))
+    }
+
+    fn same_program(&self, attached: &ProgramInfo, ours: &(ProgramInfo, Vec<u32>)) -> Result<bool> {
+        let mut maps = attached.map_ids()?.unwrap_or_default();
+        maps.retain(|id| self.pinned_map_ids.contains(id));
+        maps.sort_unstable();
+        Ok(attached.tag() == ours.0.tag() && maps == ours.1)
+    }
+
+    /// A classic `cls_bpf` filter at our priority and handle; the program is pinned at the
+    /// link path, so a restart can tell whether the filter still runs the same program.
+    fn attach_classic(&mut self, hook: Hook, interface: &str) -> Result<AttachOutcome> {
+        let pin_path = Self::link_path(&self.pin_dir, hook, interface);
+        // A TCX link of ours from an earlier run in TCX mode would run twice.
+        if PinnedLink::from_pin(&pin_path).is_ok() {
+            fs::remove_file(&pin_path).with_context(|| format!("removing {}", pin_path.display()))?;
+        }
+        match tc::qdisc_add_clsact(interface) {
+            Err(TcError::NetlinkError(e)) if e.raw_os_error() == Some(libc::EEXIST) => {}
+            other => other.with_context(|| format!("adding the clsact qdisc to {interface}"))?,
+        }
+        let ours = self.identity(hook)?;
+        let options = || {
+            TcAttachOptions::Netlink(NlOptions {
+                priority: hook.classic_priority(),
+                handle: TcHandle::from(CLASSIC_HANDLE),
+                classid: None,
+            })
+        };
+        let program = self.program_mut(hook)?;
+        let outcome = match program.attach_with_options(interface, hook.attach_type(), options()) {
+            Ok(id) => {
+                // The filter outlives the agent: drop the handle without detaching.
+                std::mem::forget(program.take_link(id)?);
+                AttachOutcome::Created
+            }
+            Err(e) if is_eexist(&e) => {
+                let pinned = ProgramInfo::from_pin(&pin_path).ok();
+                if pinned.is_some_and(|p| self.same_program(&p, &ours).unwrap_or(false)) {
+                    return Ok(AttachOutcome::Adopted);
+                }
+                // Replaced in place (same priority and handle): atomic for the packets.
+                let program = self.program_mut(hook)?;
+                let id = program.attach_to_link(hook.classic_link(interface)?).context("replacing the filter")?;
+                std::mem::forget(program.take_link(id)?);
+                AttachOutcome::Updated
+            }
+            Err(e) => return Err(e).with_context(|| format!("attaching {} to {interface}", hook.program())),
+        };
+        if pin_path.exists() {
+            fs::remove_file(&pin_path).with_context(|| format!("removing stale {}", pin_path.display()))?;
+        }
+        self.program_mut(hook)?.pin(&pin_path).with_context(|| format!("pinning {}", pin_path.display()))?;
+        Ok(outcome)
+    }
+
     /// Attaches the hook's program through a pinned TCX link, re-adopting the link a previous
     /// agent left if it is still attached.
-    pub fn attach_hook(&mut self, hook: Hook, interface: &str) -> Result<AttachOutcome> {
+    fn attach_tcx(&mut self, hook: Hook, interface: &str) -> Result<AttachOutcome> {
         let link_path = Self::link_path(&self.pin_dir, hook, interface);
         let pinned_ids = self.pinned_map_ids.clone();
         let program = self.program_mut(hook)?;
@@ -252,6 +407,16 @@ pub fn remove_all(pin_dir: &Path) -> Result<usize> {
         .map(|e| e.path())
         .collect();
     dirs.push(pin_dir.to_path_buf());
+    // Classic filters are not held by their pins: detach them first.
+    for entry in fs::read_dir(pin_dir.join("links")).into_iter().flatten().flatten() {
+        let name = entry.file_name();
+        let is_program = ProgramInfo::from_pin(entry.path()).is_ok();
+        if let (true, Some((hook, interface))) = (is_program, name.to_str().and_then(Hook::from_pin_name)) {
+            if let Ok(link) = hook.classic_link(interface) {
+                let _ = link.detach();
+            }
+        }
+    }
     for dir in &dirs {
         let Ok(entries) = fs::read_dir(dir) else { continue };
         for entry in entries.flatten() {
@@ -263,4 +428,41 @@ pub fn remove_all(pin_dir: &Path) -> Result<usize> {
         let _ = fs::remove_dir(dir);
     }
     Ok(removed)
+}
+
+/// One attachment of ours, as `kube-router interfaces` shows it (bpftool 7.1 cannot list TCX).
+#[derive(Debug)]
+pub struct Attachment {
+    pub interface: String,
+    pub hook: Hook,
+    pub mode: AttachMode,
+    /// The attached program's id, and whether it is (still) attached to the interface.
+    pub program_id: Option<u32>,
+    pub attached: bool,
+}
+
+/// Every attachment pinned under `pin_dir/links`, checked against the interfaces.
+pub fn attachments(pin_dir: &Path) -> Result<Vec<Attachment>> {
+    let mut out = Vec::new();
+    for entry in fs::read_dir(pin_dir.join("links")).with_context(|| format!("reading {}", pin_dir.display()))? {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some((hook, interface)) = Hook::from_pin_name(&name) else { continue };
+        let attachment = if let Ok(pinned) = PinnedLink::from_pin(entry.path()) {
+            let link: FdLink = pinned.into();
+            let program_id = link.info().ok().map(|i| i.program_id());
+            let attached = SchedClassifier::query_tcx(interface, hook.attach_type())
+                .map(|(_, programs)| programs.iter().any(|p| Some(p.id()) == program_id))
+                .unwrap_or(false);
+            Attachment { interface: interface.to_string(), hook, mode: AttachMode::Tcx, program_id, attached }
+        } else {
+            // Classic filters are not held by their pin; the pinned program is what we attached.
+            let program_id = ProgramInfo::from_pin(entry.path()).ok().map(|p| p.id());
+            let attached = crate::netif::interface_index(interface).is_some();
+            Attachment { interface: interface.to_string(), hook, mode: AttachMode::Classic, program_id, attached }
+        };
+        out.push(attachment);
+    }
+    out.sort_by(|a, b| (&a.interface, a.hook.program()).cmp(&(&b.interface, b.hook.program())));
+    Ok(out)
 }
