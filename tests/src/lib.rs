@@ -16,6 +16,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 
 pub mod apiserver;
+pub mod image;
 
 pub fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
