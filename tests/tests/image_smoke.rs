@@ -200,12 +200,7 @@ impl Lab {
     }
 
     fn apply(&self, yaml: &str) {
-        for doc in serde_yaml::Deserializer::from_str(yaml) {
-            let value = serde_yaml::Value::deserialize(doc).unwrap();
-            if !value.is_null() {
-                self.server.apply(serde_json::to_value(value).unwrap()).unwrap();
-            }
-        }
+        self.server.apply_yaml(yaml).unwrap();
     }
 
     fn scrape(&self, port: &str) -> String {
