@@ -3,7 +3,13 @@
 # Idempotent: re-running skips what is already present.
 set -euo pipefail
 
-APT_PACKAGES=(bpftool iproute2 iputils-ping gobgpd bird2 frr tcpdump iperf3 netcat-openbsd ipset iptables jq procps psmisc containernetworking-plugins)
+APT_PACKAGES=(bpftool iproute2 iputils-ping gobgpd bird2 frr tcpdump iperf3 netcat-openbsd ipset iptables jq procps psmisc containernetworking-plugins
+  # The container image (cargo xtask image, tests/tests/image_smoke.rs): static musl build, built
+  # without a daemon, run with runc; skopeo pushes it to a registry.
+  musl-tools ca-certificates buildah podman runc skopeo)
+# kubectl checks the manifests offline; Debian's package is kubernetes-client, but any kubectl
+# already installed (another vendor's package owns /usr/bin/kubectl then) will do.
+command -v kubectl >/dev/null || APT_PACKAGES+=(kubernetes-client)
 BPF_LINKER_VERSION=0.13.0
 
 log() { printf '[setup] %s\n' "$*"; }
@@ -26,6 +32,8 @@ done
 
 rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
 rustup component add rust-src --toolchain nightly >/dev/null
+# The image's agent is a static binary.
+rustup target list --installed | grep -qx x86_64-unknown-linux-musl || rustup target add x86_64-unknown-linux-musl
 
 # bpf-linker links against the nightly toolchain's libLLVM; rustup puts that on the library path
 # when rustc runs it, so check it the same way.

@@ -17,6 +17,7 @@ use anyhow::{bail, Context, Result};
 
 pub mod apiserver;
 pub mod cluster;
+pub mod image;
 
 pub fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")

@@ -11,7 +11,6 @@ use kube_router_tests::{
     apiserver::{FakeApiServer, FakeApiServerConfig, FaultMode},
     *,
 };
-use serde::Deserialize;
 
 const HEALTH_PORT: &str = "20244";
 
@@ -38,12 +37,7 @@ impl Env {
     }
 
     fn apply(&self, yaml: &str) {
-        for doc in serde_yaml::Deserializer::from_str(yaml) {
-            let value = serde_yaml::Value::deserialize(doc).unwrap();
-            if !value.is_null() {
-                self.server.apply(serde_json::to_value(value).unwrap()).unwrap();
-            }
-        }
+        self.server.apply_yaml(yaml).unwrap();
     }
 
     fn set_mode(&self, mode: FaultMode) {

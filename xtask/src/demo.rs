@@ -62,17 +62,6 @@ pub fn run() -> Result<()> {
     result
 }
 
-fn apply(server: &FakeApiServer, yaml: &str) -> Result<()> {
-    use serde::Deserialize;
-    for doc in serde_yaml::Deserializer::from_str(yaml) {
-        let value = serde_yaml::Value::deserialize(doc)?;
-        if !value.is_null() {
-            server.apply(serde_json::to_value(value)?)?;
-        }
-    }
-    Ok(())
-}
-
 fn node_object(name: &str, ip: &str, pod_cidr: &str) -> serde_json::Value {
     serde_json::json!({
         "apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
@@ -102,7 +91,7 @@ fn demo(topo: &Topology, node2: &Netns) -> Result<()> {
         let server = server.clone();
         runtime.run(async move { server.set_mode(mode).await })
     };
-    apply(&server, &web_and_sticky(&backend_addrs(3)))?;
+    server.apply_yaml(&web_and_sticky(&backend_addrs(3)))?;
     let state_dir = std::env::temp_dir().join("krt-demo-state");
     let _ = std::fs::remove_dir_all(&state_dir);
     let master = server.url();
@@ -195,7 +184,7 @@ fn demo(topo: &Topology, node2: &Netns) -> Result<()> {
     println!("ping node-1 -> 10.244.2.1: {}", ping_pod());
 
     step("The API server returns, with backend-3 removed from web: only that difference is written")?;
-    apply(&server, &web_and_sticky(&backend_addrs(2)))?;
+    server.apply_yaml(&web_and_sticky(&backend_addrs(2)))?;
     set_mode(FaultMode::Normal)?;
     let syncs_before = agent.log_count("service sync complete");
     // web on both ports loses one slot each; its frontends (ClusterIP, NodePorts) get a new count.

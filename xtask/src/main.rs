@@ -1,4 +1,4 @@
-//! Developer tasks: `cargo xtask build-ebpf | test | bench | demo`.
+//! Developer tasks: `cargo xtask build-ebpf | image | test | bench | demo`.
 use std::{
     path::{Path, PathBuf},
     process::Command,
@@ -8,6 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
 mod demo;
+mod image;
 
 #[derive(Parser)]
 #[command(name = "xtask")]
@@ -20,6 +21,10 @@ struct Cli {
 enum Task {
     /// Build the eBPF datapath object (kube-router-ebpf) into target/bpf/kube-router.bpf.o.
     BuildEbpf,
+    /// The container image: a static (musl) agent in a from-scratch OCI image, committed to local
+    /// containers storage as localhost/kube-router:<version> and written to
+    /// target/image/kube-router.oci.tar (buildah, no daemon; root).
+    Image,
     /// Everything CI checks: fmt, clippy, unit tests, in-kernel datapath tests, end-to-end tests (root).
     Test,
     /// Benchmarks: per-packet cost (BPF_PROG_TEST_RUN), map sync time, policy sync against iptables (root).
@@ -82,6 +87,8 @@ fn test() -> Result<()> {
         .env_remove("RUSTC")
         .env_remove("RUSTC_WORKSPACE_WRAPPER"))?;
     cargo(&["build", "-p", "kube-router", "--bins"])?;
+    // The image smoke test (tests/tests/image_smoke.rs) runs the image this builds.
+    image::build()?;
     // Unit, in-kernel and end-to-end tests, one at a time: the kernel-facing ones share bpffs.
     let (passed, failed) = cargo_test(&["test", "--lib", "--bins", "--tests", "--", "--test-threads=1"])?;
     // One closing line for the whole run (cargo prints one per test binary).
@@ -141,6 +148,10 @@ fn bench() -> Result<()> {
 fn main() -> Result<()> {
     match Cli::parse().command {
         Task::BuildEbpf => build_ebpf(),
+        Task::Image => {
+            require_root()?;
+            image::build()
+        }
         Task::Test => test(),
         Task::Bench => bench(),
         Task::Demo => {

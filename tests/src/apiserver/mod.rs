@@ -206,6 +206,18 @@ impl FakeApiServer {
         self.shared.store().apply(object)
     }
 
+    /// Applies every document of a multi-document YAML text (empty documents are skipped).
+    pub fn apply_yaml(&self, yaml: &str) -> anyhow::Result<()> {
+        use serde::Deserialize;
+        for doc in serde_yaml::Deserializer::from_str(yaml) {
+            let value = serde_yaml::Value::deserialize(doc).context("parsing YAML to apply")?;
+            if !value.is_null() {
+                self.apply(value)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Deletes an object (`namespace` is ignored for cluster-scoped kinds) and emits DELETED.
     /// Returns the deleted object, or `None` if there was none.
     pub fn delete(&self, kind: &str, namespace: Option<&str>, name: &str) -> anyhow::Result<Option<Value>> {
