@@ -359,7 +359,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let mut last_checkpoint = Instant::now() - Duration::from_secs(60);
     if let (Some(router), None) = (router.as_mut(), api_source.as_ref()) {
         match router.static_config() {
-            Ok(bgp) => router.apply(bgp).await,
+            Ok(bgp) => router.apply(bgp, Default::default()).await,
             Err(e) => tracing::info!(reason = %e, "BGP not started"),
         }
     }
@@ -408,7 +408,8 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                 if let Some(kind) = api.objects.apply_kind(update) {
                     checkpoint_due = true;
                     api.dirty |= matches!(kind, Kind::Services | Kind::EndpointSlices);
-                    router_dirty |= kind == Kind::Nodes || (advertise_services && kind == Kind::Services);
+                    router_dirty |= kind == Kind::Nodes
+                        || (advertise_services && matches!(kind, Kind::Services | Kind::EndpointSlices));
                     policy_dirty |= matches!(kind, Kind::Pods | Kind::Namespaces | Kind::NetworkPolicies);
                 }
             }
@@ -456,7 +457,8 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     // list failed; the store keeps the last complete one through an outage.
                     if router_dirty && (api.objects.nodes.synced() || api.restored_from_checkpoint) {
                         router_dirty = false;
-                        router.update_from_nodes(api.objects.nodes.objects(), api.objects.services.objects()).await;
+                        let o = &api.objects;
+                        router.update_from_nodes(o.nodes.objects(), o.services.objects(), o.endpoint_slices.objects()).await;
                     }
                 }
                 if last_housekeeping.elapsed() < Duration::from_secs(1) {

@@ -7,6 +7,7 @@ pub mod firewall;
 pub mod k8s;
 pub mod metrics;
 pub mod netif;
+pub mod overlay;
 pub mod policy;
 pub mod router;
 pub mod services;

@@ -76,6 +76,11 @@ pub enum DecodeOutcome {
     /// RFC 7606 treat-as-withdraw: the UPDATE had a malformed attribute; its
     /// prefixes (announced and withdrawn) must be removed, session stays up.
     TreatAsWithdraw { withdrawn: Vec<Prefix>, reason: String },
+    /// A well-formed UPDATE with parts we cannot use, the session kept: NLRI of address
+    /// families we do not route are ignored, and prefixes our codec cannot represent (a
+    /// multicast range in unicast NLRI) are treated as withdrawn (in `update.withdrawn`).
+    /// `ignored` says what, once per kind.
+    PartlyIgnored { update: Update, ignored: Vec<String> },
     /// Fatal: send this NOTIFICATION and close the connection.
     Notify(Notification),
     /// Transport failure; close without sending anything.

@@ -176,6 +176,7 @@ impl From<DecodeOutcome> for Event {
             DecodeOutcome::TreatAsWithdraw { withdrawn, .. } => {
                 Event::MessageReceived(Message::Update(Update { withdrawn, ..Update::default() }))
             }
+            DecodeOutcome::PartlyIgnored { update, .. } => Event::MessageReceived(Message::Update(update)),
             DecodeOutcome::Notify(n) => Event::DecodeError(n),
             DecodeOutcome::ConnectionError(_) => Event::TcpConnectionFails,
         }

@@ -301,6 +301,8 @@ mod tests {
             local_ipv4: Some(Ipv4Addr::new(192, 168, 0, 1)),
             local_ipv6: None,
             families: vec![Family::Ipv4Unicast, Family::Ipv6Unicast],
+            role: crate::bgp::policy::PeerRole::External,
+            accept_default: false,
         }
     }
 

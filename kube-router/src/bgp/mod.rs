@@ -11,5 +11,6 @@ pub mod graceful_restart;
 pub mod md5;
 pub mod message;
 pub mod peers;
+pub mod policy;
 pub mod rib;
 pub mod speaker;
