@@ -299,10 +299,11 @@ fn render_bgp(out: &mut String, bgp: &crate::bgp::speaker::SpeakerStatus) {
         ("kube_router_bgp_prefixes_received", "Prefixes in the peer's Adj-RIB-In.", 0),
         ("kube_router_bgp_prefixes_stale", "Prefixes kept as stale while the peer restarts.", 1),
         ("kube_router_bgp_prefixes_advertised", "Prefixes in the peer's Adj-RIB-Out.", 2),
+        ("kube_router_bgp_prefixes_rejected", "Prefixes of the peer the import policy refuses (kept, unused).", 3),
     ] {
         family(out, name, "gauge", help);
         for p in &bgp.peers {
-            let n = [p.prefixes_received, p.prefixes_stale, p.prefixes_advertised][pick];
+            let n = [p.prefixes_received, p.prefixes_stale, p.prefixes_advertised, p.prefixes_rejected][pick];
             let _ = writeln!(out, "{name}{{peer=\"{}\"}} {n}", p.address);
         }
     }
@@ -324,8 +325,40 @@ fn render_bgp(out: &mut String, bgp: &crate::bgp::speaker::SpeakerStatus) {
         "Malformed BGP messages received (RFC 7606 handling).",
     );
     let _ = writeln!(out, "kube_router_bgp_malformed_messages_total {}", bgp.malformed_messages);
+    family(
+        out,
+        "kube_router_bgp_ignored_nlri_total",
+        "counter",
+        "UPDATE parts ignored with the session kept: NLRI of families we do not route, unrepresentable prefixes.",
+    );
+    let _ = writeln!(out, "kube_router_bgp_ignored_nlri_total {}", bgp.ignored_nlri);
+    family(out, "kube_router_bgp_routes_rejected_total", "counter", "Paths refused by the import policy, per reason.");
+    for (peer, reason, n) in &bgp.rejections {
+        let _ =
+            writeln!(out, "kube_router_bgp_routes_rejected_total{{peer=\"{peer}\",reason=\"{}\"}} {n}", reason.label());
+    }
     family(out, "kube_router_bgp_routes", "gauge", "Prefixes in the Loc-RIB (best paths, local and learned).");
     let _ = writeln!(out, "kube_router_bgp_routes {}", bgp.loc_rib_size);
+    let fib = &bgp.fib;
+    for (name, kind, help, n) in [
+        (
+            "kube_router_bgp_route_conflicts",
+            "gauge",
+            "Learned destinations not installed because another route (not ours) already claims them.",
+            fib.conflicts as u64,
+        ),
+        ("kube_router_bgp_route_conflicts_total", "counter", "Route conflicts seen (each once).", fib.conflicts_total),
+        (
+            "kube_router_bgp_routes_refused",
+            "gauge",
+            "Learned routes the kernel refused, waiting for a retry.",
+            fib.refused as u64,
+        ),
+        ("kube_router_bgp_route_refusals_total", "counter", "Kernel route writes refused.", fib.refusals_total),
+    ] {
+        family(out, name, kind, help);
+        let _ = writeln!(out, "{name} {n}");
+    }
 }
 
 /// Serves /metrics and /healthz on `port` (all addresses) until the task is dropped.

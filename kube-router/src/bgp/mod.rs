@@ -13,4 +13,5 @@ pub mod message;
 pub mod peers;
 pub mod policy;
 pub mod rib;
+pub mod sanitize;
 pub mod speaker;
