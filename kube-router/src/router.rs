@@ -435,13 +435,13 @@ pub fn render_status(status: Option<&SpeakerStatus>) -> String {
     );
     let _ = writeln!(
         out,
-        "{:<40} {:>10} {:<12} {:>8} {:>8} {:>6} {:>8}",
-        "neighbor", "AS", "state", "up(s)", "recv", "stale", "sent"
+        "{:<40} {:>10} {:<12} {:>8} {:>8} {:>6} {:>8} {:>8}",
+        "neighbor", "AS", "state", "up(s)", "recv", "stale", "sent", "refused"
     );
     for p in &status.peers {
         let _ = writeln!(
             out,
-            "{:<40} {:>10} {:<12} {:>8} {:>8} {:>6} {:>8}{}",
+            "{:<40} {:>10} {:<12} {:>8} {:>8} {:>6} {:>8} {:>8}{}",
             p.address,
             p.asn,
             format!("{:?}", p.state),
@@ -449,6 +449,7 @@ pub fn render_status(status: Option<&SpeakerStatus>) -> String {
             p.prefixes_received,
             p.prefixes_stale,
             p.prefixes_advertised,
+            p.prefixes_rejected,
             p.last_error
                 .as_ref()
                 .filter(|_| p.state != State::Established)
