@@ -432,6 +432,7 @@ fn run(cli: &Cli) -> Result<()> {
         route_protocol: args.route_protocol,
         route_table: 254,
         state_dir: args.state_dir.clone(),
+        bpf_root: cli.bpf_root.clone(),
         advertise: AdvertiseServices {
             cluster_ip: args.advertise_cluster_ip,
             external_ip: args.advertise_external_ip,

@@ -61,6 +61,8 @@ pub struct MetricsState {
     pub policy_sync_seconds: Option<f64>,
     /// The BGP speaker, if it runs; its status is read fresh on every scrape.
     pub bgp: Option<crate::bgp::speaker::Speaker>,
+    /// `ovl_stats` counters, summed over CPUs (once the overlay is in use).
+    pub overlay_packets: Vec<(&'static str, u64)>,
 }
 
 #[derive(Clone, Default)]
@@ -218,6 +220,17 @@ impl Metrics {
                 "Checkpoints that could not be written or read.",
             );
             let _ = writeln!(out, "kube_router_checkpoint_errors_total {}", m.checkpoint_errors);
+            if !m.overlay_packets.is_empty() {
+                family(
+                    &mut out,
+                    "kube_router_overlay_packets_total",
+                    "counter",
+                    "Pod overlay datapath events (ovl_stats), summed over CPUs.",
+                );
+                for (name, n) in &m.overlay_packets {
+                    let _ = writeln!(out, "kube_router_overlay_packets_total{{event=\"{name}\"}} {n}");
+                }
+            }
             if !m.policy_packets.is_empty() {
                 family(
                     &mut out,

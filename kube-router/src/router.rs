@@ -64,6 +64,8 @@ pub struct RouterOptions {
     pub route_table: u32,
     pub state_dir: PathBuf,
     pub advertise: AdvertiseServices,
+    /// bpffs directory of the datapath (the overlay's programs and maps).
+    pub bpf_root: PathBuf,
 }
 
 /// Which Service addresses every node advertises as host routes (kube-router's
@@ -385,7 +387,7 @@ impl RouterController {
             kept_routes = table.ours.len(), "starting BGP speaker");
         let (speaker, fib) =
             Speaker::start(speaker_config, wanted.peers.clone(), wanted.prefixes.clone(), table.ours).await?;
-        tokio::spawn(run_fib(routes, fib));
+        tokio::spawn(run_fib(routes, fib, o.bpf_root.clone()));
         Ok(speaker)
     }
 
@@ -399,6 +401,12 @@ impl RouterController {
                 m.bgp.get_or_insert_with(|| speaker.clone());
             });
             self.metrics.heartbeat("bgp");
+        }
+        if self.options.overlay.is_some() {
+            if let Ok(stats) = crate::overlay::maps::read_stats(&self.options.bpf_root) {
+                let names = kube_router_common::ovl_stat::NAMES;
+                self.metrics.with(|m| m.overlay_packets = names.iter().copied().zip(stats).collect());
+            }
         }
     }
 

@@ -5,7 +5,8 @@
 use std::process::Command;
 
 use kube_router::fib::{
-    health::KernelError, netlink::NetlinkRoutes, reconcile, Desired, DesiredSet, Gateways, RouteOp, RouteSet,
+    health::KernelError, netlink::NetlinkRoutes, reconcile, Desired, DesiredSet, Gateways, KernelRoute, RouteOp,
+    RouteSet,
 };
 
 const NS: &str = "krt-fib";
@@ -16,8 +17,8 @@ fn ip(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-fn gateways(text: &str) -> Gateways {
-    Gateways::new(text.split(',').map(|g| g.parse().unwrap()).collect()).unwrap()
+fn gateways(text: &str) -> KernelRoute {
+    Gateways::new(text.split(',').map(|g| g.parse().unwrap()).collect()).unwrap().into()
 }
 
 /// destination -> comma-separated gateways
@@ -26,7 +27,7 @@ fn set(routes: &[(&str, &str)]) -> RouteSet {
 }
 
 fn desired(routes: &RouteSet) -> DesiredSet {
-    routes.iter().map(|(d, g)| (*d, Desired { gateways: g.clone(), peer: None })).collect()
+    routes.iter().map(|(d, g)| (*d, Desired { route: g.clone(), peer: None })).collect()
 }
 
 /// Runs `f` on a thread inside the namespace, with its own runtime (netlink sockets are opened

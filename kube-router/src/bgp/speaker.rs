@@ -53,9 +53,13 @@ use crate::{
         health::{FibHealth, FibStats, Report},
         reconcile,
         resolve::Reachability,
-        Desired, DesiredSet, Gateways, RouteSet,
+        Desired, DesiredSet, Gateways, KernelRoute, RouteSet,
     },
-    overlay::OverlayConfig,
+    overlay::{
+        maps::OverlayDataplane,
+        plan::{overhead, tunnel, OverlayTarget},
+        OverlayConfig,
+    },
 };
 
 #[derive(Debug, Clone)]
@@ -130,6 +134,8 @@ pub struct Policies {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FibTarget {
     pub routes: Arc<DesiredSet>,
+    /// Tunnels of the pod overlay (map entries written with the routes that need them).
+    pub overlay: Arc<OverlayTarget>,
     pub allow_deletes: bool,
 }
 
@@ -222,11 +228,9 @@ impl Speaker {
         let restarting = config.graceful_restart.is_some() && marker_path(&config).is_some_and(|p| p.exists());
         let initial = FibTarget {
             routes: Arc::new(
-                installed
-                    .iter()
-                    .map(|(net, gateways)| (*net, Desired { gateways: gateways.clone(), peer: None }))
-                    .collect(),
+                installed.iter().map(|(net, route)| (*net, Desired { route: route.clone(), peer: None })).collect(),
             ),
+            overlay: Arc::default(),
             allow_deletes: false,
         };
         let (fib_tx, fib_rx) = watch::channel(initial);
@@ -428,6 +432,17 @@ async fn run_connection(
             }
         }
     }
+}
+
+struct PathTunnel {
+    tunnel: kube_router_common::OverlayTunnelV4,
+    interface: Option<String>,
+    mtu: Option<u32>,
+}
+
+struct KernelPath {
+    gateway: IpAddr,
+    tunnel: Option<PathTunnel>,
 }
 
 struct Connection {
@@ -1211,13 +1226,53 @@ impl Core {
         }
     }
 
-    /// The kernel gateway for a path from `peer` with `next_hop` (None: not installable).
-    fn kernel_gateway(&self, peer: IpAddr, next_hop: IpAddr) -> Option<IpAddr> {
-        let Some(reach) = self.rib.reachability() else { return Some(next_hop) };
+    /// Our address towards a node, as its tunnel's local end (the one it knows us by).
+    fn tunnel_local(&self, peer: IpAddr) -> Ipv4Addr {
+        let session = self.peers.get(&peer).and_then(|p| p.connection.as_ref()).and_then(|c| c.local);
+        match session.map(|a| canonical(a.ip())) {
+            Some(IpAddr::V4(v4)) => v4,
+            _ => self.config.ipv4_next_hop.unwrap_or(self.config.router_id),
+        }
+    }
+
+    /// How a path from `peer` with `next_hop` goes into the kernel (None: not installable):
+    /// its gateway, and through the overlay its tunnel, the interface towards the tunnel's
+    /// other end and the path MTU left inside the tunnel.
+    fn kernel_path(&self, peer: IpAddr, next_hop: IpAddr) -> Option<KernelPath> {
+        let Some(reach) = self.rib.reachability() else {
+            return Some(KernelPath { gateway: next_hop, tunnel: None });
+        };
         let role = self.rib.peer(peer).map_or(PeerRole::External, |p| p.role);
-        match self.rib.overlay() {
-            Some(overlay) if overlay.tunnels(role, next_hop, reach) => reach.resolve_underlay(next_hop),
-            _ => reach.resolve(next_hop),
+        match (self.rib.overlay(), next_hop) {
+            (Some(overlay), IpAddr::V4(remote)) if overlay.tunnels(role, next_hop, reach) => {
+                let gateway = reach.resolve_underlay(next_hop)?;
+                let link = reach.link_towards(gateway);
+                Some(KernelPath {
+                    gateway,
+                    tunnel: Some(PathTunnel {
+                        tunnel: tunnel(remote, self.tunnel_local(peer), overlay.encap),
+                        interface: link.map(|l| l.name.clone()),
+                        mtu: link.map(|l| l.mtu.saturating_sub(overhead(overlay.encap))),
+                    }),
+                })
+            }
+            _ => Some(KernelPath { gateway: reach.resolve(next_hop)?, tunnel: None }),
+        }
+    }
+
+    /// The tunnels node peers may send us packets through (they see us on another subnet, as
+    /// we see them, or every node with `--overlay-type=full`).
+    fn overlay_remotes(&self, target: &mut OverlayTarget) {
+        let (Some(overlay), Some(reach)) = (self.rib.overlay(), self.rib.reachability()) else { return };
+        for (address, peer) in &self.peers {
+            let IpAddr::V4(remote) = address else { continue };
+            if !matches!(peer.config.kind, PeerKind::Node { .. }) || !overlay.tunnels(PeerRole::Node, *address, reach) {
+                continue;
+            }
+            target.maps.remotes.insert(*remote, tunnel(*remote, self.tunnel_local(*address), overlay.encap));
+            if let Some(link) = reach.resolve_underlay(*address).and_then(|g| reach.link_towards(g)) {
+                target.interfaces.insert(link.name.clone());
+            }
         }
     }
 
@@ -1229,6 +1284,7 @@ impl Core {
             .chain(std::iter::once(IpAddr::V4(self.config.router_id)))
             .collect();
         let mut routes = DesiredSet::new();
+        let mut overlay = OverlayTarget::default();
         for (prefix, best) in self.rib.loc_rib() {
             let RouteSource::Peer(peer) = best.source else { continue };
             let next_hop = best.next_hop.addr();
@@ -1236,18 +1292,32 @@ impl Core {
                 continue;
             }
             let Ok(net) = IpNet::new(prefix.addr(), prefix.prefix_len()) else { continue };
-            let Some(first) = self.kernel_gateway(peer, next_hop) else { continue };
-            let mut gateways = vec![first];
-            // Equal-cost paths become one multipath route, when each resolves on its own.
+            let Some(path) = self.kernel_path(peer, next_hop) else { continue };
+            if let (Some(t), IpNet::V4(v4)) = (path.tunnel, net) {
+                overlay.maps.routes.insert(v4, t.tunnel);
+                overlay.interfaces.extend(t.interface);
+                let route = KernelRoute { gateways: Gateways::One(path.gateway), mtu: t.mtu };
+                routes.insert(net, Desired { route, peer: Some(peer) });
+                continue;
+            }
+            let mut gateways = vec![path.gateway];
+            // Equal-cost paths become one multipath route, when each resolves on its own (a
+            // tunnelled path is never part of one: the tunnel is chosen per destination).
             for other in best.multipath.iter() {
-                let source = self.rib.peers_with_path(prefix, other).find_map(|p| self.kernel_gateway(p, other.addr()));
-                gateways.extend(source);
+                let gateway = self
+                    .rib
+                    .peers_with_path(prefix, other)
+                    .filter_map(|p| self.kernel_path(p, other.addr()))
+                    .find(|path| path.tunnel.is_none())
+                    .map(|path| path.gateway);
+                gateways.extend(gateway);
             }
             if let Some(gateways) = Gateways::new(gateways) {
-                routes.insert(net, Desired { gateways, peer: Some(peer) });
+                routes.insert(net, Desired { route: KernelRoute { gateways, mtu: None }, peer: Some(peer) });
             }
         }
-        FibTarget { routes: Arc::new(routes), allow_deletes: self.fib_allow_deletes }
+        self.overlay_remotes(&mut overlay);
+        FibTarget { routes: Arc::new(routes), overlay: Arc::new(overlay), allow_deletes: self.fib_allow_deletes }
     }
 
     fn publish(&mut self) {
@@ -1318,9 +1388,11 @@ impl Core {
 /// table when the kernel's own routes, addresses or links change (and every 30 s, so that a
 /// route removed by hand comes back), reports that view to the speaker (next-hop resolution,
 /// the node's own subnets), and retries refused writes with backoff ([`FibHealth`]).
-pub async fn run_fib(routes: crate::fib::netlink::NetlinkRoutes, mut link: FibLink) {
+pub async fn run_fib(routes: crate::fib::netlink::NetlinkRoutes, mut link: FibLink, bpf_root: PathBuf) {
     const PERIODIC: Duration = Duration::from_secs(30);
     let mut health = FibHealth::new();
+    let mut overlay = OverlayDataplane::new(bpf_root);
+    let mut overlay_error: Option<String> = None;
     let mut last_view: Option<Reachability> = None;
     let mut last_error: Option<String> = None;
     let protocol = routes.protocol();
@@ -1333,16 +1405,36 @@ pub async fn run_fib(routes: crate::fib::netlink::NetlinkRoutes, mut link: FibLi
     };
     loop {
         let wanted = link.target.borrow_and_update().clone();
-        let listed = async { Ok::<_, anyhow::Error>((routes.list().await?, routes.local_addresses().await?)) }.await;
+        let listed = async {
+            Ok::<_, anyhow::Error>((routes.list().await?, routes.local_addresses().await?, routes.links().await?))
+        }
+        .await;
         match listed {
-            Ok((table, local)) => {
+            Ok((table, local, links)) => {
                 last_error = None;
-                let view = Reachability::new(&table, &local);
+                let view = Reachability::new(&table, &local).with_links(links);
                 let table_changed = last_view.as_ref() != Some(&view);
                 if table_changed {
                     link.report_view(view.clone());
                     last_view = Some(view);
                 }
+                let mut report_overlay = |result: anyhow::Result<()>| match result {
+                    Ok(()) => overlay_error = None,
+                    Err(e) => {
+                        let text = format!("{e:#}");
+                        if overlay_error.as_ref() != Some(&text) {
+                            warn!(error = %text, "cannot program the overlay; retrying");
+                            overlay_error = Some(text);
+                        }
+                    }
+                };
+                let after = match overlay.prepare(&wanted.overlay, wanted.allow_deletes) {
+                    Ok(after) => after,
+                    Err(e) => {
+                        report_overlay(Err(e));
+                        Vec::new()
+                    }
+                };
                 let plan = reconcile(&table, &wanted.routes, wanted.allow_deletes);
                 let (ops, reports) = health.admit(plan, std::time::Instant::now(), table_changed);
                 log_fib_reports(&reports);
@@ -1356,6 +1448,9 @@ pub async fn run_fib(routes: crate::fib::netlink::NetlinkRoutes, mut link: FibLi
                     results.push((op, peer, result));
                 }
                 log_fib_reports(&health.record(results, std::time::Instant::now()));
+                if !after.is_empty() {
+                    report_overlay(overlay.finish(&after));
+                }
                 link.set_stats(health.stats());
             }
             Err(e) => {

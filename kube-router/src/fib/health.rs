@@ -18,7 +18,7 @@ use std::{
 
 use ipnet::IpNet;
 
-use super::{ForeignRoute, Gateways, Plan, RouteOp};
+use super::{ForeignRoute, KernelRoute, Plan, RouteOp};
 
 const FIRST_RETRY: Duration = Duration::from_secs(30);
 const MAX_RETRY: Duration = Duration::from_secs(600);
@@ -47,7 +47,13 @@ pub enum Report {
     /// Conflicts that ended: the other route is gone (ours follows) or we no longer want it.
     ConflictsEnded { count: usize },
     /// Writes the kernel refused this round, for one peer and reason.
-    Refused { peer: Option<IpAddr>, error: KernelError, count: usize, example: (IpNet, Gateways), retry_in: Duration },
+    Refused {
+        peer: Option<IpAddr>,
+        error: KernelError,
+        count: usize,
+        example: (IpNet, KernelRoute),
+        retry_in: Duration,
+    },
     /// Further refusal groups of this round, summed up.
     MoreRefused { groups: usize, routes: usize },
 }
@@ -62,7 +68,7 @@ pub struct FibStats {
 
 #[derive(Clone, Debug)]
 struct Refused {
-    gateways: Gateways,
+    route: KernelRoute,
     failures: u32,
     retry_at: Instant,
 }
@@ -118,7 +124,7 @@ impl FibHealth {
             .into_iter()
             .filter(|op| match op {
                 RouteOp::Create(d, g) | RouteOp::Replace(d, g) => match self.refused.get(d) {
-                    Some(r) => table_changed || r.gateways != *g || now >= r.retry_at,
+                    Some(r) => table_changed || r.route != *g || now >= r.retry_at,
                     None => true,
                 },
                 RouteOp::Delete(..) => true,
@@ -133,7 +139,8 @@ impl FibHealth {
         results: impl IntoIterator<Item = (RouteOp, Option<IpAddr>, Result<(), KernelError>)>,
         now: Instant,
     ) -> Vec<Report> {
-        let mut groups: BTreeMap<(Option<IpAddr>, KernelError), (usize, (IpNet, Gateways), Duration)> = BTreeMap::new();
+        let mut groups: BTreeMap<(Option<IpAddr>, KernelError), (usize, (IpNet, KernelRoute), Duration)> =
+            BTreeMap::new();
         for (op, peer, result) in results {
             let destination = op.destination();
             match (op, result) {
@@ -142,21 +149,16 @@ impl FibHealth {
                 }
                 // Already gone: what a delete wanted.
                 (RouteOp::Delete(..), Err(KernelError::NO_SUCH_ROUTE)) => {}
-                (
-                    RouteOp::Create(_, gateways) | RouteOp::Replace(_, gateways) | RouteOp::Delete(_, gateways),
-                    Err(error),
-                ) => {
+                (RouteOp::Create(_, route) | RouteOp::Replace(_, route) | RouteOp::Delete(_, route), Err(error)) => {
                     self.refusals_total += 1;
                     let failures = match self.refused.get(&destination) {
-                        Some(r) if r.gateways == gateways => r.failures + 1,
+                        Some(r) if r.route == route => r.failures + 1,
                         _ => 1,
                     };
                     let retry_in = backoff(failures);
-                    self.refused.insert(
-                        destination,
-                        Refused { gateways: gateways.clone(), failures, retry_at: now + retry_in },
-                    );
-                    let group = groups.entry((peer, error)).or_insert((0, (destination, gateways), retry_in));
+                    self.refused
+                        .insert(destination, Refused { route: route.clone(), failures, retry_at: now + retry_in });
+                    let group = groups.entry((peer, error)).or_insert((0, (destination, route), retry_in));
                     group.0 += 1;
                 }
             }
@@ -197,7 +199,7 @@ impl FibHealth {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fib::{reconcile, Desired, DesiredSet, KernelTable};
+    use crate::fib::{reconcile, Desired, DesiredSet, Gateways, KernelTable};
 
     fn net(s: &str) -> IpNet {
         s.parse().unwrap()
@@ -211,7 +213,7 @@ mod tests {
         (0..n)
             .map(|i| {
                 let net = IpNet::new(IpAddr::V4(std::net::Ipv4Addr::from(0x0a00_0000 + (i << 8))), 24).unwrap();
-                (net, Desired { gateways: Gateways::One(ip(gateway)), peer: Some(ip("10.77.0.2")) })
+                (net, Desired { route: Gateways::One(ip(gateway)).into(), peer: Some(ip("10.77.0.2")) })
             })
             .collect()
     }
@@ -282,7 +284,7 @@ mod tests {
         };
         table.foreign.insert(net("0.0.0.0/0"), foreign.clone());
         let desired: DesiredSet =
-            [(net("0.0.0.0/0"), Desired { gateways: Gateways::One(ip("10.77.0.2")), peer: None })].into();
+            [(net("0.0.0.0/0"), Desired { route: Gateways::One(ip("10.77.0.2")).into(), peer: None })].into();
         let now = Instant::now();
         let (ops, reports) = health.admit(reconcile(&table, &desired, true), now, false);
         assert!(ops.is_empty());

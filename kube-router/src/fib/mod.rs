@@ -67,14 +67,38 @@ impl fmt::Display for Gateways {
     }
 }
 
-/// destination -> gateway(s), for one routing table and our protocol.
-pub type RouteSet = BTreeMap<IpNet, Gateways>;
+/// One of our routes as the kernel holds it: its gateway(s) and, for routes into the
+/// overlay, the path MTU (the underlay's minus the encapsulation).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct KernelRoute {
+    pub gateways: Gateways,
+    pub mtu: Option<u32>,
+}
+
+impl From<Gateways> for KernelRoute {
+    fn from(gateways: Gateways) -> Self {
+        Self { gateways, mtu: None }
+    }
+}
+
+impl fmt::Display for KernelRoute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "via {}", self.gateways)?;
+        match self.mtu {
+            Some(mtu) => write!(f, " mtu {mtu}"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// destination -> route, for one routing table and our protocol.
+pub type RouteSet = BTreeMap<IpNet, KernelRoute>;
 
 /// A route we want in the kernel, with the BGP peer it was learned from (so that failures
 /// can be reported per peer; the kernel does not know it).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Desired {
-    pub gateways: Gateways,
+    pub route: KernelRoute,
     pub peer: Option<IpAddr>,
 }
 
@@ -132,12 +156,12 @@ pub type LocalAddresses = BTreeSet<IpAddr>;
 pub enum RouteOp {
     /// A destination nobody routes yet: created exclusively (`NLM_F_CREATE | NLM_F_EXCL`), so a
     /// route that appeared since our listing makes the kernel refuse ours (EEXIST).
-    Create(IpNet, Gateways),
+    Create(IpNet, KernelRoute),
     /// Our own route with other gateways: replaced atomically (`NLM_F_REPLACE`), so forwarding
     /// never stops.
-    Replace(IpNet, Gateways),
+    Replace(IpNet, KernelRoute),
     /// Our own route, deleted by destination, protocol and gateway, so only ours can match.
-    Delete(IpNet, Gateways),
+    Delete(IpNet, KernelRoute),
 }
 
 impl RouteOp {
@@ -178,10 +202,8 @@ pub fn reconcile(table: &KernelTable, desired: &DesiredSet, allow_deletes: bool)
             continue;
         }
         match table.ours.get(destination) {
-            None => plan.ops.push(RouteOp::Create(*destination, want.gateways.clone())),
-            Some(ours) if *ours != want.gateways => {
-                plan.ops.push(RouteOp::Replace(*destination, want.gateways.clone()))
-            }
+            None => plan.ops.push(RouteOp::Create(*destination, want.route.clone())),
+            Some(ours) if *ours != want.route => plan.ops.push(RouteOp::Replace(*destination, want.route.clone())),
             Some(_) => {}
         }
     }
@@ -191,7 +213,7 @@ pub fn reconcile(table: &KernelTable, desired: &DesiredSet, allow_deletes: bool)
                 .ours
                 .iter()
                 .filter(|(destination, _)| !desired.contains_key(*destination))
-                .map(|(destination, gateways)| RouteOp::Delete(*destination, gateways.clone())),
+                .map(|(destination, route)| RouteOp::Delete(*destination, route.clone())),
         );
     }
     plan
@@ -205,8 +227,8 @@ mod tests {
         s.parse().unwrap()
     }
 
-    fn gw(s: &str) -> Gateways {
-        Gateways::One(s.parse().unwrap())
+    fn gw(s: &str) -> KernelRoute {
+        Gateways::One(s.parse().unwrap()).into()
     }
 
     fn ours(routes: &[(&str, &str)]) -> KernelTable {
@@ -214,7 +236,7 @@ mod tests {
     }
 
     fn desired(routes: &[(&str, &str)]) -> DesiredSet {
-        routes.iter().map(|(d, g)| (net(d), Desired { gateways: gw(g), peer: None })).collect()
+        routes.iter().map(|(d, g)| (net(d), Desired { route: gw(g), peer: None })).collect()
     }
 
     fn foreign(protocol: u8, gateway: Option<&str>) -> ForeignRoute {

@@ -10,13 +10,15 @@ use rtnetlink::{
     packet_core::{NetlinkMessage, NetlinkPayload, NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REPLACE, NLM_F_REQUEST},
     packet_route::{
         address::AddressAttribute,
-        route::{RouteAddress, RouteAttribute, RouteMessage, RouteNextHop, RouteNextHopFlags, RouteProtocol},
+        route::{
+            RouteAddress, RouteAttribute, RouteMessage, RouteMetric, RouteNextHop, RouteNextHopFlags, RouteProtocol,
+        },
         AddressFamily, RouteNetlinkMessage,
     },
     Handle, MulticastGroup, RouteMessageBuilder,
 };
 
-use super::{health::KernelError, ForeignRoute, Gateways, KernelTable, LocalAddresses, RouteOp};
+use super::{health::KernelError, ForeignRoute, Gateways, KernelRoute, KernelTable, LocalAddresses, RouteOp};
 
 /// Our routes in one table of the current network namespace.
 pub struct NetlinkRoutes {
@@ -119,12 +121,19 @@ impl NetlinkRoutes {
                 let mut gateways = Vec::new();
                 let mut oif = None;
                 let mut metric = 0;
+                let mut mtu = None;
                 for attribute in &message.attributes {
                     match attribute {
                         RouteAttribute::Destination(a) => destination = address(a),
                         RouteAttribute::Gateway(a) => gateways.extend(address(a)),
                         RouteAttribute::Oif(i) => oif = Some(*i),
                         RouteAttribute::Priority(p) => metric = *p,
+                        RouteAttribute::Metrics(metrics) => {
+                            mtu = metrics.iter().find_map(|m| match m {
+                                RouteMetric::Mtu(v) => Some(*v),
+                                _ => None,
+                            })
+                        }
                         RouteAttribute::MultiPath(hops) => {
                             for hop in hops {
                                 oif = oif.or(Some(hop.interface_index));
@@ -145,7 +154,7 @@ impl NetlinkRoutes {
                 };
                 if u8::from(message.header.protocol) == self.protocol {
                     if let Some(gateways) = Gateways::new(gateways) {
-                        table.ours.insert(net.trunc(), gateways);
+                        table.ours.insert(net.trunc(), KernelRoute { gateways, mtu });
                     }
                     continue;
                 }
@@ -168,6 +177,28 @@ impl NetlinkRoutes {
         Ok(table)
     }
 
+    /// The node's interfaces: index, name and MTU.
+    pub async fn links(&self) -> Result<super::resolve::Links> {
+        use rtnetlink::packet_route::link::LinkAttribute;
+        let mut links = super::resolve::Links::new();
+        let mut stream = self.handle.link().get().execute();
+        while let Some(message) = stream.try_next().await.context("listing links")? {
+            let mut name = None;
+            let mut mtu = None;
+            for attribute in &message.attributes {
+                match attribute {
+                    LinkAttribute::IfName(n) => name = Some(n.clone()),
+                    LinkAttribute::Mtu(m) => mtu = Some(*m),
+                    _ => {}
+                }
+            }
+            if let (Some(name), Some(mtu)) = (name, mtu) {
+                links.insert(message.header.index, super::resolve::Link { name, mtu });
+            }
+        }
+        Ok(links)
+    }
+
     /// Every address configured on the node's interfaces.
     pub async fn local_addresses(&self) -> Result<LocalAddresses> {
         let mut addresses = LocalAddresses::new();
@@ -182,7 +213,7 @@ impl NetlinkRoutes {
         Ok(addresses)
     }
 
-    fn message(&self, destination: IpNet, gateways: Option<&Gateways>) -> RouteMessage {
+    fn message(&self, destination: IpNet, route: Option<&KernelRoute>) -> RouteMessage {
         let protocol = RouteProtocol::from(self.protocol);
         let mut message = match destination {
             IpNet::V4(net) => RouteMessageBuilder::<Ipv4Addr>::new()
@@ -200,7 +231,10 @@ impl NetlinkRoutes {
             IpAddr::V4(v4) => RouteAttribute::Gateway(RouteAddress::Inet(*v4)),
             IpAddr::V6(v6) => RouteAttribute::Gateway(RouteAddress::Inet6(*v6)),
         };
-        match gateways {
+        if let Some(mtu) = route.and_then(|r| r.mtu) {
+            message.attributes.push(RouteAttribute::Metrics(vec![RouteMetric::Mtu(mtu)]));
+        }
+        match route.map(|r| &r.gateways) {
             None => {}
             Some(Gateways::One(gateway)) => message.attributes.push(gateway_attribute(gateway)),
             Some(Gateways::Many(list)) => message.attributes.push(RouteAttribute::MultiPath(
@@ -234,22 +268,23 @@ impl NetlinkRoutes {
     /// Performs one write; Err carries the kernel's errno (or EIO for a transport failure).
     pub async fn apply(&self, op: &RouteOp) -> Result<(), KernelError> {
         let result = match op {
-            RouteOp::Create(destination, gateways) => {
-                let message = RouteNetlinkMessage::NewRoute(self.message(*destination, Some(gateways)));
+            RouteOp::Create(destination, route) => {
+                let message = RouteNetlinkMessage::NewRoute(self.message(*destination, Some(route)));
                 self.send(message, NLM_F_CREATE | NLM_F_EXCL).await
             }
             // Without NLM_F_CREATE: a replace never creates, so it can only land on the route
             // we listed (ours); if that is gone the next round creates it exclusively.
-            RouteOp::Replace(destination, gateways) => {
-                let message = RouteNetlinkMessage::NewRoute(self.message(*destination, Some(gateways)));
+            RouteOp::Replace(destination, route) => {
+                let message = RouteNetlinkMessage::NewRoute(self.message(*destination, Some(route)));
                 self.send(message, NLM_F_REPLACE).await
             }
             // Protocol and table always, the gateway when there is one: only our route matches.
-            RouteOp::Delete(destination, gateways) => {
-                let single = match gateways {
-                    Gateways::One(_) => Some(gateways),
+            RouteOp::Delete(destination, route) => {
+                let single = match route.gateways {
+                    Gateways::One(gateway) => Some(KernelRoute::from(Gateways::One(gateway))),
                     Gateways::Many(_) => None,
                 };
+                let single = single.as_ref();
                 let message = RouteNetlinkMessage::DelRoute(self.message(*destination, single));
                 self.send(message, 0).await
             }

@@ -5,23 +5,38 @@
 //! resolve BGP next hops (a ToR's default would make every next hop look reachable); they do
 //! carry the overlay's tunnel packets, which is what [`Reachability::resolve_underlay`] is for.
 //! Our own routes never take part: a BGP route cannot resolve another one.
-use std::{cell::RefCell, collections::HashMap, net::IpAddr};
+use std::{
+    cell::RefCell,
+    collections::{BTreeMap, HashMap},
+    net::IpAddr,
+};
 
 use ipnet::IpNet;
 
 use super::{ForeignRoute, KernelTable, LocalAddresses};
+
+/// A network interface of the node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Link {
+    pub name: String,
+    pub mtu: u32,
+}
+
+/// The node's interfaces by index.
+pub type Links = BTreeMap<u32, Link>;
 
 #[derive(Debug, Clone, Default)]
 pub struct Reachability {
     /// Foreign unicast routes, most specific first.
     routes: Vec<(IpNet, ForeignRoute)>,
     local: LocalAddresses,
+    links: Links,
     cache: RefCell<HashMap<(IpAddr, bool), Option<IpAddr>>>,
 }
 
 impl PartialEq for Reachability {
     fn eq(&self, other: &Self) -> bool {
-        self.routes == other.routes && self.local == other.local
+        self.routes == other.routes && self.local == other.local && self.links == other.links
     }
 }
 
@@ -36,7 +51,18 @@ impl Reachability {
             .map(|(net, route)| (*net, route.clone()))
             .collect();
         routes.sort_by_key(|(net, _)| std::cmp::Reverse(net.prefix_len()));
-        Self { routes, local: local.clone(), cache: RefCell::default() }
+        Self { routes, local: local.clone(), links: Links::new(), cache: RefCell::default() }
+    }
+
+    pub fn with_links(mut self, links: Links) -> Self {
+        self.links = links;
+        self
+    }
+
+    /// The interface a directly reachable address (a kernel gateway) is reached through.
+    pub fn link_towards(&self, gateway: IpAddr) -> Option<&Link> {
+        let (_, route) = self.routes.iter().find(|(net, r)| r.is_connected() && net.contains(&gateway))?;
+        self.links.get(&route.oif?)
     }
 
     pub fn local_addresses(&self) -> &LocalAddresses {

@@ -8,9 +8,11 @@
 //! devices: the packets on the wire are the kernel's own IPIP / GUE format, so a node running
 //! kube-router's Go implementation with `tun-*` devices interoperates, but no `ipip`/`fou`
 //! module is needed. The kernel route to a tunnelled pod CIDR points at the underlay next hop
-//! towards the remote node; the `overlay_v4` map tells the egress program which node to
-//! encapsulate for. IPv4 only.
-
+//! towards the remote node (with the path MTU left inside the tunnel); `ovl_routes_v4` tells
+//! the egress program which node to encapsulate for, `ovl_remotes_v4` which nodes' packets the
+//! ingress program takes. IPv4 only.
+pub mod maps;
+pub mod plan;
 use std::net::IpAddr;
 
 use crate::{bgp::policy::PeerRole, fib::resolve::Reachability};
