@@ -139,6 +139,22 @@ struct RunArgs {
     /// UDP port for --overlay-encap=fou.
     #[arg(long, env = "KUBE_ROUTER_OVERLAY_ENCAP_PORT", default_value_t = 5555, value_parser = clap::value_parser!(u16).range(1..))]
     overlay_encap_port: u16,
+    /// BFD (RFC 5880/5881) on the sessions with external peers: a dead link takes the BGP
+    /// session down within --bfd-detection-multiplier x the negotiated interval.
+    #[arg(long, env = "KUBE_ROUTER_ENABLE_BFD", default_value_t = false, action = clap::ArgAction::Set)]
+    enable_bfd: bool,
+    /// UDP port of BFD control packets.
+    #[arg(long, env = "KUBE_ROUTER_BFD_PORT", default_value_t = 3784, value_parser = clap::value_parser!(u16).range(1..))]
+    bfd_port: u16,
+    /// Milliseconds between our BFD packets (the peer may ask for fewer).
+    #[arg(long, env = "KUBE_ROUTER_BFD_DESIRED_MIN_TX_INTERVAL", default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=4_294_967))]
+    bfd_desired_min_tx_interval: u32,
+    /// Milliseconds: the fastest rate we accept BFD packets at.
+    #[arg(long, env = "KUBE_ROUTER_BFD_REQUIRED_MIN_RX_INTERVAL", default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=4_294_967))]
+    bfd_required_min_rx_interval: u32,
+    /// Missed BFD intervals before the peer is declared down (1-255).
+    #[arg(long, env = "KUBE_ROUTER_BFD_DETECTION_MULTIPLIER", default_value_t = 3, value_parser = clap::value_parser!(u8).range(1..))]
+    bfd_detection_multiplier: u8,
     /// TCP port for BGP, listened on and connected to.
     #[arg(long, env = "KUBE_ROUTER_BGP_PORT", default_value_t = 179, value_parser = clap::value_parser!(u16).range(1..))]
     bgp_port: u16,
@@ -424,6 +440,12 @@ fn run(cli: &Cli) -> Result<()> {
         override_next_hop: args.override_nexthop,
         accept_default: args.bgp_accept_default,
         overlay,
+        bfd: args.enable_bfd.then(|| kube_router::bgp::bfd::BfdConfig {
+            desired_min_tx: Duration::from_millis(u64::from(args.bfd_desired_min_tx_interval)),
+            required_min_rx: Duration::from_millis(u64::from(args.bfd_required_min_rx_interval)),
+            multiplier: args.bfd_detection_multiplier,
+        }),
+        bfd_port: args.bfd_port,
         bgp_port: args.bgp_port,
         hold_time: args.bgp_holdtime,
         graceful_restart: args.bgp_graceful_restart,

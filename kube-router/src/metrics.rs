@@ -320,6 +320,12 @@ fn render_bgp(out: &mut String, bgp: &crate::bgp::speaker::SpeakerStatus) {
             let _ = writeln!(out, "{name}{{peer=\"{}\"}} {n}", p.address);
         }
     }
+    family(out, "kube_router_bgp_bfd_up", "gauge", "1 if the BFD session watching the peer is Up (BFD peers only).");
+    for p in &bgp.peers {
+        if let Some(up) = p.bfd_up {
+            let _ = writeln!(out, "kube_router_bgp_bfd_up{{peer=\"{}\"}} {}", p.address, u8::from(up));
+        }
+    }
     for (name, help, pick) in [
         ("kube_router_bgp_updates_received_total", "UPDATE messages received.", 0),
         ("kube_router_bgp_notifications_received_total", "NOTIFICATION messages received.", 1),

@@ -21,6 +21,7 @@ use k8s_openapi::api::{
 
 use crate::{
     bgp::{
+        bfd::BfdConfig,
         fsm::State,
         message::{Family, Prefix},
         peers::{node_bgp_config, ExternalPeerFlag, GlobalSettings, NodeBgpConfig, PeerConfig},
@@ -55,6 +56,10 @@ pub struct RouterOptions {
     pub accept_default: bool,
     /// `--enable-overlay` with `--overlay-type` and `--overlay-encap`.
     pub overlay: Option<OverlayConfig>,
+    /// `--enable-bfd` with its timers: BFD for external peers.
+    pub bfd: Option<BfdConfig>,
+    /// `--bfd-port`.
+    pub bfd_port: u16,
     pub bgp_port: u16,
     pub hold_time: Duration,
     pub graceful_restart: bool,
@@ -217,6 +222,7 @@ impl RouterController {
             enable_ibgp: self.options.enable_ibgp,
             full_mesh: self.options.full_mesh,
             multihop_ttl: self.options.multihop_ttl,
+            bfd: self.options.bfd,
             external_peers: self.options.external_peers.clone(),
             peer_port: self.options.bgp_port,
             // Node peers always get the pod CIDRs; --advertise-pod-cidr is export policy.
@@ -250,6 +256,7 @@ impl RouterController {
             .map(|p| {
                 let mut peer = p.peer_config(self.options.bgp_port);
                 peer.multihop_ttl = self.options.multihop_ttl;
+                peer.bfd = self.options.bfd;
                 peer
             })
             .collect();
@@ -379,6 +386,7 @@ impl RouterController {
         };
         speaker_config.state_dir = Some(o.state_dir.clone());
         speaker_config.overlay = o.overlay;
+        speaker_config.bfd_port = o.bfd_port;
         speaker_config.reach = Some(Reachability::new(&table, &local));
         speaker_config.import = wanted.policies.import.clone();
         speaker_config.export = wanted.policies.export.clone();

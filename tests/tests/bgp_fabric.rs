@@ -60,9 +60,10 @@ impl Node {
             asns.join(","),
             "--health-port".into(),
             HEALTH_PORT.into(),
-            "--bgp-holdtime".into(),
-            "9s".into(),
         ];
+        if !extra.iter().any(|a| a.starts_with("--bgp-holdtime")) {
+            args.push("--bgp-holdtime=9s".into());
+        }
         args.extend(extra.iter().map(|s| s.to_string()));
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
         Agent::start(&self.ns, &PathBuf::from(BPF_ROOT), &refs).unwrap()
@@ -278,4 +279,67 @@ fn two_external_peers_never_see_each_others_routes() {
         wait_until("the agent's report", Duration::from_secs(10), || Ok(sent(&node.bgp()).is_some())).unwrap();
         assert_eq!(sent(&node.bgp()), Some(1), "{}", node.bgp());
     }
+}
+
+/// BFD with BIRD's BFD on a black-holed link: the BGP session (hold time 90 s) goes down
+/// within a second and the peer's routes leave the kernel.
+#[test]
+fn bfd_takes_a_black_holed_session_down_within_a_second() {
+    let node = Node::new("krt-bfd-node", "/tmp/krt-bfd");
+    let peer = Netns::new("krt-bfd-peer").unwrap();
+    veth(&node.ns, "to-peer", "10.77.0.1/24", &peer, "eth0", "10.77.0.2/24").unwrap();
+    let conf = node.dir.join("bird.conf");
+    std::fs::write(
+        &conf,
+        "router id 10.77.0.2;\nprotocol device { }\nprotocol static { ipv4; route 10.100.0.0/24 blackhole; }\n\
+         protocol bfd { interface \"*\" { min rx interval 100 ms; min tx interval 100 ms; multiplier 3; }; }\n\
+         protocol bgp node { local as 65002; neighbor 10.77.0.1 as 65001; hold time 90; connect retry time 1;\n  \
+         bfd on; ipv4 { import all; export where source = RTS_STATIC; }; }\n",
+    )
+    .unwrap();
+    let log = std::fs::File::create(node.dir.join("bird.log")).unwrap();
+    let mut bird = std::process::Command::new("nsenter")
+        .arg(format!("--net={}", peer.path()))
+        .args(["bird", "-f", "-c", conf.to_str().unwrap(), "-s", node.dir.join("bird.ctl").to_str().unwrap()])
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let _agent = node.start_agent(
+        "10.77.0.1",
+        &[("10.77.0.2", 65002)],
+        &[
+            "--bgp-holdtime=90s",
+            "--enable-bfd=true",
+            "--bfd-desired-min-tx-interval=100",
+            "--bfd-required-min-rx-interval=100",
+            "--bfd-detection-multiplier=3",
+        ],
+    );
+    let series = |name: &str| format!("{name}{{peer=\"10.77.0.2\"");
+    wait_until("the session up with BFD and the peer's route installed", Duration::from_secs(60), || {
+        let s = node.scrape();
+        Ok(s.contains(&series("kube_router_bgp_bfd_up"))
+            && metric(&s, &series("kube_router_bgp_bfd_up")) == 1.0
+            && node.our_routes().contains("10.100.0.0/24 via 10.77.0.2"))
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}\n{}", node.scrape(), node.bgp()));
+    // Every packet between the two is dropped from now on; TCP alone would notice in 90 s.
+    for chain in ["INPUT", "OUTPUT"] {
+        peer.run(&["iptables", "-I", chain, "-j", "DROP"]).unwrap();
+    }
+    let cut = std::time::Instant::now();
+    wait_until("the BGP session down", Duration::from_secs(10), || {
+        Ok(metric(&node.scrape(), &series("kube_router_bgp_session_established")) == 0.0)
+    })
+    .unwrap();
+    let detected = cut.elapsed();
+    eprintln!("BFD brought the session down {detected:?} after the link was black-holed");
+    assert!(detected < Duration::from_secs(1), "BFD took {detected:?} to bring the session down");
+    wait_until("the peer's route withdrawn", Duration::from_secs(5), || {
+        Ok(!node.our_routes().contains("10.100.0.0/24"))
+    })
+    .unwrap();
+    let _ = bird.kill();
+    let _ = bird.wait();
 }

@@ -38,7 +38,10 @@ use base64::Engine as _;
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
 
-use super::policy::{parse_community, AsPrepend};
+use super::{
+    bfd::BfdConfig,
+    policy::{parse_community, AsPrepend},
+};
 
 /// Annotation holding a node's own ASN.
 pub const NODE_ASN_ANNOTATION: &str = "kube-router.io/node.asn";
@@ -117,6 +120,8 @@ pub struct PeerConfig {
     pub multihop_ttl: Option<u8>,
     /// Default routes from this peer are accepted (`acceptdefault` in `kube-router.io/peers`).
     pub accept_default: bool,
+    /// BFD watches the session (`--enable-bfd` for external peers, `bfd` in `kube-router.io/peers`).
+    pub bfd: Option<BfdConfig>,
 }
 
 // Hand-written so that passwords never end up in logs via `{:?}`.
@@ -133,6 +138,7 @@ impl fmt::Debug for PeerConfig {
             .field("local_address", &self.local_address)
             .field("multihop_ttl", &self.multihop_ttl)
             .field("accept_default", &self.accept_default)
+            .field("bfd", &self.bfd)
             .finish()
     }
 }
@@ -181,6 +187,8 @@ pub struct GlobalSettings {
     pub full_mesh: bool,
     /// `--peer-router-multihop-ttl` for external eBGP peers (>= 2 enables multihop).
     pub multihop_ttl: Option<u8>,
+    /// `--enable-bfd` (with its timers): BFD for every external peer.
+    pub bfd: Option<BfdConfig>,
     /// Parsed `--peer-router-ips/--peer-router-asns/--peer-router-passwords`.
     pub external_peers: Vec<ExternalPeerFlag>,
     /// Port used for node peers and for external peers without an explicit port. Default 179.
@@ -197,6 +205,7 @@ impl Default for GlobalSettings {
             enable_ibgp: true,
             full_mesh: true,
             multihop_ttl: None,
+            bfd: None,
             external_peers: Vec::new(),
             peer_port: DEFAULT_BGP_PORT,
             advertise_pod_cidr: true,
@@ -395,13 +404,16 @@ struct ParsedPeer {
     port: Option<u16>,
     local_address: Option<IpAddr>,
     accept_default: bool,
+    /// The peer's own `bfd` settings (None: the `--enable-bfd` default).
+    bfd: Option<Option<BfdConfig>>,
 }
 
 impl ParsedPeer {
-    fn peer_config(self, default_port: u16) -> PeerConfig {
+    fn peer_config(self, default_port: u16, default_bfd: Option<BfdConfig>) -> PeerConfig {
         let mut peer = external_peer(self.address, self.asn, self.password, self.port.unwrap_or(default_port));
         peer.local_address = self.local_address;
         peer.accept_default = self.accept_default;
+        peer.bfd = self.bfd.unwrap_or(default_bfd);
         peer
     }
 }
@@ -490,7 +502,7 @@ fn parse_peer_lists<S: AsRef<str>>(
             }
             _ => None,
         };
-        out.push(ParsedPeer { address, asn, password, port, local_address, accept_default: false });
+        out.push(ParsedPeer { address, asn, password, port, local_address, accept_default: false, bfd: None });
     }
     Ok(out)
 }
@@ -538,6 +550,18 @@ struct PeerEntry {
     /// Ours, not kube-router's: accept a default route from this peer.
     #[serde(default)]
     acceptdefault: bool,
+    #[serde(default)]
+    bfd: Option<BfdEntry>,
+}
+
+/// The `bfd` of a `kube-router.io/peers` entry (intervals in milliseconds, as kube-router).
+#[derive(serde::Deserialize)]
+struct BfdEntry {
+    #[serde(default)]
+    enabled: bool,
+    desired_min_tx_interval: Option<u64>,
+    required_min_rx_interval: Option<u64>,
+    detection_multiplier: Option<u64>,
 }
 
 /// Parses the `kube-router.io/peers` annotation.
@@ -577,7 +601,40 @@ fn parse_peers_yaml(text: &str) -> Result<Vec<ParsedPeer>, PeerConfigError> {
                 }
                 _ => None,
             };
-            Ok(ParsedPeer { address, asn, password, port, local_address, accept_default: e.acceptdefault })
+            let bfd = match &e.bfd {
+                None => None,
+                Some(b) if !b.enabled => Some(None),
+                Some(b) => {
+                    let defaults = BfdConfig::default();
+                    let interval = |ms: Option<u64>, default: std::time::Duration, what: &str| match ms {
+                        None => Ok(default),
+                        Some(ms) if (1..=4_294_967).contains(&ms) => Ok(std::time::Duration::from_millis(ms)),
+                        Some(ms) => {
+                            Err(invalid(field, i, &ms.to_string(), format!("bfd {what} must be 1..=4294967 ms")))
+                        }
+                    };
+                    let multiplier = match b.detection_multiplier {
+                        None => defaults.multiplier,
+                        Some(m) => u8::try_from(m).ok().filter(|m| *m > 0).ok_or_else(|| {
+                            invalid(field, i, &m.to_string(), "bfd detection_multiplier must be 1..=255")
+                        })?,
+                    };
+                    Some(Some(BfdConfig {
+                        desired_min_tx: interval(
+                            b.desired_min_tx_interval,
+                            defaults.desired_min_tx,
+                            "desired_min_tx_interval",
+                        )?,
+                        required_min_rx: interval(
+                            b.required_min_rx_interval,
+                            defaults.required_min_rx,
+                            "required_min_rx_interval",
+                        )?,
+                        multiplier,
+                    }))
+                }
+            };
+            Ok(ParsedPeer { address, asn, password, port, local_address, accept_default: e.acceptdefault, bfd })
         })
         .collect()
 }
@@ -844,6 +901,7 @@ pub fn node_bgp_config(nodes: &[Node], settings: &GlobalSettings) -> Result<Node
                     local_address: None,
                     multihop_ttl: None,
                     accept_default: false,
+                    bfd: None,
                 },
             );
         }
@@ -852,13 +910,14 @@ pub fn node_bgp_config(nodes: &[Node], settings: &GlobalSettings) -> Result<Node
     for flag in &settings.external_peers {
         let mut peer = flag.peer_config(settings.peer_port);
         peer.multihop_ttl = settings.multihop_ttl;
+        peer.bfd = settings.bfd;
         set.add(Source::Flag, peer);
     }
 
     match node_annotation_peers(me, set.warnings) {
         Ok(parsed) => {
             for p in parsed {
-                let mut peer = p.peer_config(settings.peer_port);
+                let mut peer = p.peer_config(settings.peer_port, settings.bfd);
                 peer.multihop_ttl = settings.multihop_ttl;
                 set.add(Source::Annotation(my_name.to_string()), peer);
             }
@@ -900,6 +959,7 @@ fn external_peer(address: IpAddr, asn: u32, password: Option<String>, port: u16)
         local_address: None,
         multihop_ttl: None,
         accept_default: false,
+        bfd: None,
     }
 }
 
@@ -1126,6 +1186,7 @@ mod tests {
                     local_address: None,
                     multihop_ttl: None,
                     accept_default: false,
+                    bfd: None,
                 },
                 PeerConfig {
                     address: ip("10.0.0.3"),
@@ -1138,6 +1199,7 @@ mod tests {
                     local_address: None,
                     multihop_ttl: None,
                     accept_default: false,
+                    bfd: None,
                 },
             ]
         );

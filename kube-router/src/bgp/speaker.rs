@@ -36,13 +36,14 @@ use tokio::{
 use tracing::{debug, info, warn};
 
 use super::{
+    bfd_io::{run_bfd, BfdEvent, BfdPeer},
     codec::{DecodeOutcome, WireCodec},
     fsm::{
         resolve_collision, ConnectRetryBackoff, Direction, DownReason, Event, GracefulRestartConfig, Negotiated,
         Output, Session, SessionConfig, State, TimerKind,
     },
     graceful_restart::{GrTimer, GracefulRestartHelper, RestartOutput, RestartingSpeaker, TimerCommand},
-    md5::set_tcp_md5_key,
+    md5::{set_tcp_md5_key, set_ttl},
     message::{Family, Message, NextHop, Origin, PathAttributes, Prefix},
     peers::{PeerConfig, PeerKind},
     policy::{ExportPolicy, ImportPolicy, OriginKind, PeerRole, Rejection},
@@ -93,6 +94,8 @@ pub struct SpeakerConfig {
     pub reach: Option<Reachability>,
     pub import: ImportPolicy,
     pub export: ExportPolicy,
+    /// UDP port of BFD control packets (`--bfd-port`), for peers with BFD.
+    pub bfd_port: u16,
 }
 
 impl SpeakerConfig {
@@ -116,6 +119,7 @@ impl SpeakerConfig {
             reach: None,
             import: ImportPolicy::default(),
             export: ExportPolicy::default(),
+            bfd_port: super::bfd::CONTROL_PORT,
         }
     }
 }
@@ -155,6 +159,8 @@ pub struct PeerStatus {
     pub notifications_received: u64,
     pub notifications_sent: u64,
     pub last_error: Option<String>,
+    /// BFD session Up (Some) when BFD watches this peer.
+    pub bfd_up: Option<bool>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -185,6 +191,7 @@ enum CoreEvent {
     SetPrefixes(Vec<Originated>),
     SetPolicies(Box<Policies>),
     KernelView(Reachability),
+    Bfd(BfdEvent),
     Shutdown { graceful: bool, done: oneshot::Sender<()> },
 }
 
@@ -319,27 +326,6 @@ fn session_ttl(peer: &PeerConfig, local_asn: u32) -> Option<u32> {
     (peer.asn != local_asn).then(|| u32::from(peer.multihop_ttl.unwrap_or(1).max(1)))
 }
 
-fn set_ttl(fd: std::os::fd::RawFd, ipv4: bool, ttl: u32) -> std::io::Result<()> {
-    let (level, name) =
-        if ipv4 { (libc::IPPROTO_IP, libc::IP_TTL) } else { (libc::IPPROTO_IPV6, libc::IPV6_UNICAST_HOPS) };
-    let value = ttl as libc::c_int;
-    // SAFETY: fd is an open socket; value outlives the call and its size is passed.
-    let rc = unsafe {
-        libc::setsockopt(
-            fd,
-            level,
-            name,
-            std::ptr::addr_of!(value).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
 async fn connect(peer: PeerConfig, ttl: Option<u32>, events: mpsc::UnboundedSender<CoreEvent>, id: u64) {
     let result = async {
         let socket = if peer.address.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
@@ -464,6 +450,7 @@ struct Peer {
     notifications_received: u64,
     notifications_sent: u64,
     last_error: Option<String>,
+    bfd_up: Option<bool>,
 }
 
 impl Peer {
@@ -501,6 +488,8 @@ struct Core {
     ignored_nlri: u64,
     /// (peer, what) already logged once: import refusals, ignored families.
     logged_once: BTreeSet<(IpAddr, String)>,
+    /// The BFD task, once a peer wants BFD: it takes the list of watched peers.
+    bfd: Option<mpsc::UnboundedSender<Vec<BfdPeer>>>,
     closing: Vec<JoinHandle<()>>,
 }
 
@@ -552,6 +541,7 @@ impl Core {
             malformed_messages: 0,
             ignored_nlri: 0,
             logged_once: BTreeSet::new(),
+            bfd: None,
             closing: Vec::new(),
         };
         if restarting {
@@ -729,6 +719,7 @@ impl Core {
                     self.resync_all_peers();
                 }
             }
+            CoreEvent::Bfd(event) => self.bfd_event(event),
             CoreEvent::KernelView(reach) => {
                 let changes = self.rib.set_reachability(reach);
                 if !changes.is_empty() {
@@ -1155,10 +1146,52 @@ impl Core {
                     notifications_received: 0,
                     notifications_sent: 0,
                     last_error: None,
+                    bfd_up: None,
                 },
             );
             self.restart_wait_for(addr);
             self.step(addr, Event::ManualStart);
+        }
+        self.set_bfd_peers();
+    }
+
+    /// Tells the BFD task which peers to watch (starting it for the first one).
+    fn set_bfd_peers(&mut self) {
+        let watched: Vec<BfdPeer> = self
+            .peers
+            .values()
+            .filter_map(|p| p.config.bfd.map(|config| BfdPeer { address: p.config.address, config }))
+            .collect();
+        if watched.is_empty() && self.bfd.is_none() {
+            return;
+        }
+        let sender = self.bfd.get_or_insert_with(|| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let events = self.events.clone();
+            tokio::spawn(run_bfd(self.config.bfd_port, rx, move |e| {
+                let _ = events.send(CoreEvent::Bfd(e));
+            }));
+            tx
+        });
+        let _ = sender.send(watched);
+    }
+
+    fn bfd_event(&mut self, event: BfdEvent) {
+        match event {
+            BfdEvent::Up(peer) => {
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    p.bfd_up = Some(true);
+                }
+            }
+            BfdEvent::Down(peer) => {
+                let Some(p) = self.peers.get_mut(&peer) else { return };
+                p.bfd_up = Some(false);
+                if p.state() == State::Established {
+                    warn!(%peer, "BFD: the path to the peer is down; closing the BGP session");
+                    p.last_error = Some("BFD session down".into());
+                    self.step(peer, Event::BfdDown);
+                }
+            }
         }
     }
 
@@ -1349,6 +1382,7 @@ impl Core {
                 notifications_received: p.notifications_received,
                 notifications_sent: p.notifications_sent,
                 last_error: p.last_error.clone(),
+                bfd_up: p.bfd_up.filter(|_| p.config.bfd.is_some()),
             })
             .collect();
         let loc_rib = if self.rib.loc_rib().len() <= 10_000 {
