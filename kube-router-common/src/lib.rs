@@ -42,6 +42,9 @@ pub mod map_names {
     pub const AFFINITY_V6: &str = "affinity_v6";
     pub const FRAGMENTS_V6: &str = "frag_v6";
     pub const CLUSTER_NETS_V6: &str = "cluster_nets_v6";
+    pub const OVERLAY_ROUTES: &str = "ovl_routes_v4";
+    pub const OVERLAY_REMOTES: &str = "ovl_remotes_v4";
+    pub const OVERLAY_STATS: &str = "ovl_stats";
 }
 
 pub const SERVICES_MAX_ENTRIES: u32 = 65_536;
@@ -393,6 +396,53 @@ pub mod lb_stat {
     ];
 }
 
+/// Pod CIDRs behind an overlay tunnel (`ovl_routes_v4`, an LPM trie keyed by the inner
+/// destination) and the nodes we accept tunnelled packets from (`ovl_remotes_v4`, keyed by the
+/// outer source).
+pub const OVERLAY_ROUTES_MAX_ENTRIES: u32 = 16_384;
+pub const OVERLAY_REMOTES_MAX_ENTRIES: u32 = 16_384;
+
+/// LPM key data of `ovl_routes_v4`: an IPv4 network, network byte order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OverlayPrefixV4 {
+    pub addr: u32,
+}
+
+/// IPIP: the inner IPv4 packet right after the outer header (IP protocol 4).
+pub const OVERLAY_ENCAP_IPIP: u8 = 1;
+/// FOU/GUE: outer IPv4 + UDP to `port` + a 4-byte GUE header, then the inner packet (the
+/// kernel's `ip fou add port N gue` / `encap gue`).
+pub const OVERLAY_ENCAP_FOU: u8 = 2;
+
+/// One tunnel: the value of both overlay maps.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OverlayTunnelV4 {
+    /// The other node (outer destination when sending, outer source when receiving).
+    pub remote: u32,
+    /// This node's address on that tunnel (outer source / destination).
+    pub local: u32,
+    /// [`OVERLAY_ENCAP_IPIP`] or [`OVERLAY_ENCAP_FOU`].
+    pub encap: u8,
+    pub pad: u8,
+    /// FOU destination port, network byte order (0 for IPIP).
+    pub port: u16,
+}
+
+/// Indices of the `ovl_stats` per-CPU counters.
+pub mod ovl_stat {
+    pub const ENCAPSULATED: u32 = 0;
+    pub const DECAPSULATED: u32 = 1;
+    pub const ENCAP_FAILED: u32 = 2;
+    pub const DECAP_FAILED: u32 = 3;
+    /// IPIP/GUE packets from an address that is no node we tunnel with: passed untouched.
+    pub const UNKNOWN_REMOTE: u32 = 4;
+    pub const COUNT: u32 = 5;
+    pub const NAMES: [&str; COUNT as usize] =
+        ["encapsulated", "decapsulated", "encap_failed", "decap_failed", "unknown_remote"];
+}
+
 #[cfg(feature = "user")]
 mod user {
     use super::*;
@@ -417,6 +467,8 @@ mod user {
     unsafe impl aya::Pod for FragKeyV4 {}
     unsafe impl aya::Pod for FragKeyV6 {}
     unsafe impl aya::Pod for FragPorts {}
+    unsafe impl aya::Pod for OverlayPrefixV4 {}
+    unsafe impl aya::Pod for OverlayTunnelV4 {}
 }
 
 #[cfg(test)]
@@ -445,5 +497,7 @@ mod tests {
         assert_eq!(size_of::<AffinityKeyV6>(), 20);
         assert_eq!(size_of::<FragKeyV6>(), 40);
         assert_eq!(size_of::<FragPorts>(), 4);
+        assert_eq!(size_of::<OverlayPrefixV4>(), 4);
+        assert_eq!(size_of::<OverlayTunnelV4>(), 12);
     }
 }

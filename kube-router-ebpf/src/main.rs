@@ -9,6 +9,9 @@
 //!
 //! `kr_pol_ingress` / `kr_pol_egress` enforce NetworkPolicy on the host side of pod veths (see
 //! `policy`): TC ingress there carries the pod's egress traffic, TC egress its ingress traffic.
+//!
+//! `kr_ovl_encap` / `kr_ovl_decap` carry pod traffic between nodes on different subnets in
+//! IPIP or FOU/GUE packets (see `overlay`).
 #![no_std]
 #![no_main]
 
@@ -20,6 +23,7 @@ mod icmp;
 mod lb;
 mod maps;
 mod nat;
+mod overlay;
 mod parsing;
 mod policy;
 mod reject;
@@ -48,6 +52,18 @@ pub fn kr_pol_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn kr_pol_egress(ctx: TcContext) -> i32 {
     policy::enforce(&ctx, policy::VethHook::ToPod).unwrap_or(TC_ACT_UNSPEC)
+}
+
+/// TC egress of an interface towards tunnel endpoints: encapsulation.
+#[classifier]
+pub fn kr_ovl_encap(ctx: TcContext) -> i32 {
+    overlay::encap(&ctx).unwrap_or(TC_ACT_UNSPEC)
+}
+
+/// TC ingress of an interface tunnelled packets arrive on: decapsulation.
+#[classifier]
+pub fn kr_ovl_decap(ctx: TcContext) -> i32 {
+    overlay::decap(&ctx).unwrap_or(TC_ACT_UNSPEC)
 }
 
 #[cfg(not(test))]

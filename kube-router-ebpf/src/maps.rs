@@ -127,3 +127,22 @@ pub fn count_policy(stat: u32) {
         unsafe { *counter += 1 };
     }
 }
+
+// Pod overlay between nodes (see overlay.rs and kube_router_common::OverlayTunnelV4).
+
+#[map(name = "ovl_routes_v4")]
+pub static OVERLAY_ROUTES: LpmTrie<OverlayPrefixV4, OverlayTunnelV4> = LpmTrie::pinned(OVERLAY_ROUTES_MAX_ENTRIES, 0);
+
+#[map(name = "ovl_remotes_v4")]
+pub static OVERLAY_REMOTES: HashMap<u32, OverlayTunnelV4> = HashMap::pinned(OVERLAY_REMOTES_MAX_ENTRIES, 0);
+
+#[map(name = "ovl_stats")]
+pub static OVERLAY_STATS: PerCpuArray<u64> = PerCpuArray::pinned(ovl_stat::COUNT, 0);
+
+#[inline(always)]
+pub fn count_overlay(stat: u32) {
+    if let Some(counter) = OVERLAY_STATS.get_ptr_mut(stat) {
+        // Per-CPU slot: no other CPU writes it, a plain add is enough.
+        unsafe { *counter += 1 };
+    }
+}

@@ -532,7 +532,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let mut last_checkpoint = Instant::now() - Duration::from_secs(60);
     if let (Some(router), None) = (router.as_mut(), api_source.as_ref()) {
         match router.static_config() {
-            Ok(bgp) => router.apply(bgp).await,
+            Ok(bgp) => router.apply(bgp, Default::default()).await,
             Err(e) => tracing::info!(reason = %e, "BGP not started"),
         }
     }

@@ -10,6 +10,7 @@ pub mod healthcheck;
 pub mod k8s;
 pub mod metrics;
 pub mod netif;
+pub mod overlay;
 pub mod policy;
 pub mod router;
 pub mod services;

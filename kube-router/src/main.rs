@@ -11,6 +11,7 @@ use kube_router::{
         service_maps::{read_lb_stats, Conntrack},
     },
     k8s::watch::ApiOptions,
+    overlay::{Encap, OverlayConfig, OverlayType},
     router::{AdvertiseServices, RouterOptions},
     services::compile::Limits,
 };
@@ -97,9 +98,63 @@ struct RunArgs {
     /// Base64-encoded TCP MD5 password of each --peer-router-ips entry (empty for none).
     #[arg(long, env = "KUBE_ROUTER_PEER_ROUTER_PASSWORDS", value_delimiter = ',', hide_env_values = true)]
     peer_router_passwords: Vec<String>,
-    /// Peer with every other node of the same ASN (iBGP full mesh).
+    /// Every node runs --cluster-asn and peers with every other node (iBGP full mesh). When
+    /// false, each node's ASN is its kube-router.io/node.asn annotation and it peers only with
+    /// nodes of the same ASN (per-rack designs); route-reflector annotations apply either way.
     #[arg(long, env = "KUBE_ROUTER_NODES_FULL_MESH", default_value_t = true, action = clap::ArgAction::Set)]
     nodes_full_mesh: bool,
+    /// Peer with the other nodes at all (mesh, same-ASN rack or route reflection); when false
+    /// only external peers are configured.
+    #[arg(long, env = "KUBE_ROUTER_ENABLE_IBGP", default_value_t = true, action = clap::ArgAction::Set)]
+    enable_ibgp: bool,
+    /// Port of each --peer-router-ips entry (empty entries: --bgp-port).
+    #[arg(long, env = "KUBE_ROUTER_PEER_ROUTER_PORTS", value_delimiter = ',')]
+    peer_router_ports: Vec<String>,
+    /// File with the --peer-router-passwords (base64, comma-separated, one line); the flag wins
+    /// if both are set.
+    #[arg(long, env = "KUBE_ROUTER_PEER_ROUTER_PASSWORDS_FILE")]
+    peer_router_passwords_file: Option<PathBuf>,
+    /// IP TTL for eBGP sessions with external peers (2 or more enables multihop; default 1).
+    #[arg(long, env = "KUBE_ROUTER_PEER_ROUTER_MULTIHOP_TTL", value_parser = clap::value_parser!(u8).range(1..))]
+    peer_router_multihop_ttl: Option<u8>,
+    /// External peers get the session's own address as next hop instead of the node IP.
+    #[arg(long, env = "KUBE_ROUTER_OVERRIDE_NEXTHOP", default_value_t = false, action = clap::ArgAction::Set)]
+    override_nexthop: bool,
+    /// Advertise the node's pod CIDRs to external peers (node peers always get them).
+    #[arg(long, env = "KUBE_ROUTER_ADVERTISE_POD_CIDR", default_value_t = true, action = clap::ArgAction::Set)]
+    advertise_pod_cidr: bool,
+    /// Accept default routes (0.0.0.0/0, ::/0) from every peer; per peer: `acceptdefault: true`
+    /// in the kube-router.io/peers annotation. A default route never replaces the node's own.
+    #[arg(long, env = "KUBE_ROUTER_BGP_ACCEPT_DEFAULT", default_value_t = false, action = clap::ArgAction::Set)]
+    bgp_accept_default: bool,
+    /// Tunnel pod traffic to nodes on other subnets (see --overlay-type, --overlay-encap).
+    #[arg(long, env = "KUBE_ROUTER_ENABLE_OVERLAY", default_value_t = true, action = clap::ArgAction::Set)]
+    enable_overlay: bool,
+    /// "subnet": tunnel only to nodes on other subnets; "full": to every node.
+    #[arg(long, env = "KUBE_ROUTER_OVERLAY_TYPE", default_value = "subnet", value_parser = ["subnet", "full"])]
+    overlay_type: String,
+    /// "ipip", or "fou" (IPIP in UDP with a GUE header on --overlay-encap-port).
+    #[arg(long, env = "KUBE_ROUTER_OVERLAY_ENCAP", default_value = "ipip", value_parser = ["ipip", "fou"])]
+    overlay_encap: String,
+    /// UDP port for --overlay-encap=fou.
+    #[arg(long, env = "KUBE_ROUTER_OVERLAY_ENCAP_PORT", default_value_t = 5555, value_parser = clap::value_parser!(u16).range(1..))]
+    overlay_encap_port: u16,
+    /// BFD (RFC 5880/5881) on the sessions with external peers: a dead link takes the BGP
+    /// session down within --bfd-detection-multiplier x the negotiated interval.
+    #[arg(long, env = "KUBE_ROUTER_ENABLE_BFD", default_value_t = false, action = clap::ArgAction::Set)]
+    enable_bfd: bool,
+    /// UDP port of BFD control packets.
+    #[arg(long, env = "KUBE_ROUTER_BFD_PORT", default_value_t = 3784, value_parser = clap::value_parser!(u16).range(1..))]
+    bfd_port: u16,
+    /// Milliseconds between our BFD packets (the peer may ask for fewer).
+    #[arg(long, env = "KUBE_ROUTER_BFD_DESIRED_MIN_TX_INTERVAL", default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=4_294_967))]
+    bfd_desired_min_tx_interval: u32,
+    /// Milliseconds: the fastest rate we accept BFD packets at.
+    #[arg(long, env = "KUBE_ROUTER_BFD_REQUIRED_MIN_RX_INTERVAL", default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=4_294_967))]
+    bfd_required_min_rx_interval: u32,
+    /// Missed BFD intervals before the peer is declared down (1-255).
+    #[arg(long, env = "KUBE_ROUTER_BFD_DETECTION_MULTIPLIER", default_value_t = 3, value_parser = clap::value_parser!(u8).range(1..))]
+    bfd_detection_multiplier: u8,
     /// TCP port for BGP, listened on and connected to.
     #[arg(long, env = "KUBE_ROUTER_BGP_PORT", default_value_t = 179, value_parser = clap::value_parser!(u16).range(1..))]
     bgp_port: u16,
@@ -253,10 +308,10 @@ fn cleanup(cli: &Cli) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let routes = runtime.block_on(async {
         let fib = kube_router::fib::netlink::NetlinkRoutes::connect(cli.run.route_protocol, 254)?;
-        // Reconciling towards nothing deletes exactly our routes.
-        let ops = kube_router::fib::reconcile(&fib.list().await?, &Default::default(), true);
+        // Reconciling towards nothing deletes exactly our routes (default routes included).
+        let ops = kube_router::fib::reconcile(&fib.list().await?, &Default::default(), true).ops;
         for op in &ops {
-            fib.apply(*op).await?;
+            fib.apply(op).await.map_err(|e| anyhow::anyhow!("deleting {:?}: {}", op, e.describe()))?;
         }
         anyhow::Ok(ops.len())
     })?;
@@ -421,15 +476,31 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: &Cli) -> Result<()> {
+    use clap::CommandFactory;
     let args = &cli.run;
-    let external_peers =
-        match parse_external_peer_flags(&args.peer_router_ips, &args.peer_router_asns, &args.peer_router_passwords) {
-            Ok(peers) => peers,
-            Err(e) => {
-                use clap::CommandFactory;
-                Cli::command().error(clap::error::ErrorKind::ValueValidation, e.to_string()).exit()
-            }
-        };
+    fn invalid(message: String) -> ! {
+        Cli::command().error(clap::error::ErrorKind::ValueValidation, message).exit()
+    }
+    let passwords = match (&args.peer_router_passwords_file, args.peer_router_passwords.is_empty()) {
+        (Some(path), true) => match std::fs::read_to_string(path) {
+            Ok(text) => kube_router::bgp::peers::parse_passwords_file(&text),
+            Err(e) => invalid(format!("--peer-router-passwords-file {}: {e}", path.display())),
+        },
+        _ => args.peer_router_passwords.clone(),
+    };
+    let external_peers = match parse_external_peer_flags(
+        &args.peer_router_ips,
+        &args.peer_router_asns,
+        &passwords,
+        &args.peer_router_ports,
+    ) {
+        Ok(peers) => peers,
+        Err(e) => invalid(e.to_string()),
+    };
+    let overlay = args.enable_overlay.then(|| OverlayConfig {
+        overlay_type: if args.overlay_type == "full" { OverlayType::Full } else { OverlayType::Subnet },
+        encap: if args.overlay_encap == "fou" { Encap::Fou { port: args.overlay_encap_port } } else { Encap::Ipip },
+    });
     let node_name = args.hostname_override.clone().unwrap_or_else(hostname);
     let router = args.run_router.then(|| RouterOptions {
         node_name: node_name.clone(),
@@ -437,7 +508,19 @@ fn run(cli: &Cli) -> Result<()> {
         router_id: args.router_id,
         pod_cidrs: args.pod_cidrs.clone(),
         external_peers,
-        ibgp_mesh: args.nodes_full_mesh,
+        full_mesh: args.nodes_full_mesh,
+        enable_ibgp: args.enable_ibgp,
+        multihop_ttl: args.peer_router_multihop_ttl,
+        advertise_pod_cidr: args.advertise_pod_cidr,
+        override_next_hop: args.override_nexthop,
+        accept_default: args.bgp_accept_default,
+        overlay,
+        bfd: args.enable_bfd.then(|| kube_router::bgp::bfd::BfdConfig {
+            desired_min_tx: Duration::from_millis(u64::from(args.bfd_desired_min_tx_interval)),
+            required_min_rx: Duration::from_millis(u64::from(args.bfd_required_min_rx_interval)),
+            multiplier: args.bfd_detection_multiplier,
+        }),
+        bfd_port: args.bfd_port,
         bgp_port: args.bgp_port,
         hold_time: args.bgp_holdtime,
         graceful_restart: args.bgp_graceful_restart,
@@ -446,6 +529,7 @@ fn run(cli: &Cli) -> Result<()> {
         route_protocol: args.route_protocol,
         route_table: 254,
         state_dir: args.state_dir.clone(),
+        bpf_root: cli.bpf_root.clone(),
         advertise: AdvertiseServices {
             cluster_ip: args.advertise_cluster_ip,
             external_ip: args.advertise_external_ip,

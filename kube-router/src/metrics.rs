@@ -63,6 +63,8 @@ pub struct MetricsState {
     pub policy_sync_seconds: Option<f64>,
     /// The BGP speaker, if it runs; its status is read fresh on every scrape.
     pub bgp: Option<crate::bgp::speaker::Speaker>,
+    /// `ovl_stats` counters, summed over CPUs (once the overlay is in use).
+    pub overlay_packets: Vec<(&'static str, u64)>,
 }
 
 #[derive(Clone, Default)]
@@ -227,6 +229,17 @@ impl Metrics {
                 "CNI configurations that could not be derived from the Node or written (the datapath is unaffected).",
             );
             let _ = writeln!(out, "kube_router_cni_config_errors_total {}", m.cni_errors);
+            if !m.overlay_packets.is_empty() {
+                family(
+                    &mut out,
+                    "kube_router_overlay_packets_total",
+                    "counter",
+                    "Pod overlay datapath events (ovl_stats), summed over CPUs.",
+                );
+                for (name, n) in &m.overlay_packets {
+                    let _ = writeln!(out, "kube_router_overlay_packets_total{{event=\"{name}\"}} {n}");
+                }
+            }
             if !m.policy_packets.is_empty() {
                 family(
                     &mut out,
@@ -308,11 +321,18 @@ fn render_bgp(out: &mut String, bgp: &crate::bgp::speaker::SpeakerStatus) {
         ("kube_router_bgp_prefixes_received", "Prefixes in the peer's Adj-RIB-In.", 0),
         ("kube_router_bgp_prefixes_stale", "Prefixes kept as stale while the peer restarts.", 1),
         ("kube_router_bgp_prefixes_advertised", "Prefixes in the peer's Adj-RIB-Out.", 2),
+        ("kube_router_bgp_prefixes_rejected", "Prefixes of the peer the import policy refuses (kept, unused).", 3),
     ] {
         family(out, name, "gauge", help);
         for p in &bgp.peers {
-            let n = [p.prefixes_received, p.prefixes_stale, p.prefixes_advertised][pick];
+            let n = [p.prefixes_received, p.prefixes_stale, p.prefixes_advertised, p.prefixes_rejected][pick];
             let _ = writeln!(out, "{name}{{peer=\"{}\"}} {n}", p.address);
+        }
+    }
+    family(out, "kube_router_bgp_bfd_up", "gauge", "1 if the BFD session watching the peer is Up (BFD peers only).");
+    for p in &bgp.peers {
+        if let Some(up) = p.bfd_up {
+            let _ = writeln!(out, "kube_router_bgp_bfd_up{{peer=\"{}\"}} {}", p.address, u8::from(up));
         }
     }
     for (name, help, pick) in [
@@ -333,8 +353,40 @@ fn render_bgp(out: &mut String, bgp: &crate::bgp::speaker::SpeakerStatus) {
         "Malformed BGP messages received (RFC 7606 handling).",
     );
     let _ = writeln!(out, "kube_router_bgp_malformed_messages_total {}", bgp.malformed_messages);
+    family(
+        out,
+        "kube_router_bgp_ignored_nlri_total",
+        "counter",
+        "UPDATE parts ignored with the session kept: NLRI of families we do not route, unrepresentable prefixes.",
+    );
+    let _ = writeln!(out, "kube_router_bgp_ignored_nlri_total {}", bgp.ignored_nlri);
+    family(out, "kube_router_bgp_routes_rejected_total", "counter", "Paths refused by the import policy, per reason.");
+    for (peer, reason, n) in &bgp.rejections {
+        let _ =
+            writeln!(out, "kube_router_bgp_routes_rejected_total{{peer=\"{peer}\",reason=\"{}\"}} {n}", reason.label());
+    }
     family(out, "kube_router_bgp_routes", "gauge", "Prefixes in the Loc-RIB (best paths, local and learned).");
     let _ = writeln!(out, "kube_router_bgp_routes {}", bgp.loc_rib_size);
+    let fib = &bgp.fib;
+    for (name, kind, help, n) in [
+        (
+            "kube_router_bgp_route_conflicts",
+            "gauge",
+            "Learned destinations not installed because another route (not ours) already claims them.",
+            fib.conflicts as u64,
+        ),
+        ("kube_router_bgp_route_conflicts_total", "counter", "Route conflicts seen (each once).", fib.conflicts_total),
+        (
+            "kube_router_bgp_routes_refused",
+            "gauge",
+            "Learned routes the kernel refused, waiting for a retry.",
+            fib.refused as u64,
+        ),
+        ("kube_router_bgp_route_refusals_total", "counter", "Kernel route writes refused.", fib.refusals_total),
+    ] {
+        family(out, name, kind, help);
+        let _ = writeln!(out, "{name} {n}");
+    }
 }
 
 /// Serves /metrics and /healthz on `port` (all addresses) until the task is dropped.

@@ -5,6 +5,7 @@
 //! checkpoint while the API is down, or from flags) and is then only ever *updated*: an API
 //! outage leaves the last configuration, the sessions, the RIB and the kernel routes alone.
 use std::{
+    collections::BTreeSet,
     fmt::Write as _,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::PathBuf,
@@ -20,13 +21,16 @@ use k8s_openapi::api::{
 
 use crate::{
     bgp::{
+        bfd::BfdConfig,
         fsm::State,
         message::{Family, Prefix},
         peers::{node_bgp_config, ExternalPeerFlag, GlobalSettings, NodeBgpConfig, PeerConfig},
-        speaker::{run_fib, GracefulRestartSettings, Speaker, SpeakerConfig, SpeakerStatus},
+        policy::{ExportPolicy, ImportPolicy, OriginKind},
+        speaker::{run_fib, GracefulRestartSettings, Originated, Policies, Speaker, SpeakerConfig, SpeakerStatus},
     },
-    fib::netlink::NetlinkRoutes,
+    fib::{netlink::NetlinkRoutes, resolve::Reachability},
     metrics::Metrics,
+    overlay::OverlayConfig,
 };
 
 #[derive(Debug, Clone)]
@@ -38,7 +42,24 @@ pub struct RouterOptions {
     /// Overrides the Node's spec.podCIDRs (needed without the API).
     pub pod_cidrs: Option<Vec<IpNet>>,
     pub external_peers: Vec<ExternalPeerFlag>,
-    pub ibgp_mesh: bool,
+    /// `--nodes-full-mesh`.
+    pub full_mesh: bool,
+    /// `--enable-ibgp`.
+    pub enable_ibgp: bool,
+    /// `--peer-router-multihop-ttl`.
+    pub multihop_ttl: Option<u8>,
+    /// `--advertise-pod-cidr` (to external peers; node peers always get it).
+    pub advertise_pod_cidr: bool,
+    /// `--override-nexthop`.
+    pub override_next_hop: bool,
+    /// `--bgp-accept-default`.
+    pub accept_default: bool,
+    /// `--enable-overlay` with `--overlay-type` and `--overlay-encap`.
+    pub overlay: Option<OverlayConfig>,
+    /// `--enable-bfd` with its timers: BFD for external peers.
+    pub bfd: Option<BfdConfig>,
+    /// `--bfd-port`.
+    pub bfd_port: u16,
     pub bgp_port: u16,
     pub hold_time: Duration,
     pub graceful_restart: bool,
@@ -48,6 +69,8 @@ pub struct RouterOptions {
     pub route_table: u32,
     pub state_dir: PathBuf,
     pub advertise: AdvertiseServices,
+    /// bpffs directory of the datapath (the overlay's programs and maps).
+    pub bpf_root: PathBuf,
 }
 
 /// Which Service addresses every node advertises as host routes (kube-router's
@@ -67,101 +90,176 @@ impl AdvertiseServices {
     }
 }
 
-/// Services with at least one ready endpoint on `node` ((namespace, name)).
-pub fn services_with_local_endpoints<'a>(
-    slices: impl Iterator<Item = &'a EndpointSlice>,
-    node: &str,
-) -> std::collections::BTreeSet<(String, String)> {
-    let mut local = std::collections::BTreeSet::new();
-    for slice in slices {
-        let labels = slice.metadata.labels.as_ref();
-        let Some(service) = labels.and_then(|l| l.get(crate::services::from_k8s::SERVICE_NAME_LABEL)) else {
-            continue;
-        };
-        let ready_here = slice.endpoints.iter().any(|e| {
-            e.node_name.as_deref() == Some(node) && e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true)
-        });
-        if ready_here {
-            local.insert((slice.metadata.namespace.clone().unwrap_or_default(), service.clone()));
-        }
-    }
-    local
+/// Service VIPs as host prefixes (/32, /128), sorted, without duplicates.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServiceVips {
+    /// What this node advertises.
+    pub advertised: Vec<IpNet>,
+    /// Every VIP the cluster advertises from some node (never imported from a peer).
+    pub all: Vec<IpNet>,
 }
 
-/// Host prefixes (/32, /128) of the Service addresses to advertise, sorted, without duplicates.
-/// Headless Services (clusterIP None) and unparsable addresses contribute nothing. As
-/// kube-router does, the externalIPs and LoadBalancer IPs of a Service with
-/// `externalTrafficPolicy: Local` (and the ClusterIPs of one with `internalTrafficPolicy: Local`)
-/// are advertised only by nodes with a ready endpoint of it (`local`): the network then sends
-/// traffic only where it can be served without leaving the node.
-pub fn service_prefixes<'a>(
+/// Where this node stands for Services with a local traffic policy.
+pub struct LocalEndpoints<'a> {
+    pub node_name: &'a str,
+    /// The node's own addresses (an endpoint without nodeName is local if it is one of them).
+    pub node_addresses: &'a BTreeSet<IpAddr>,
+    pub slices: &'a [&'a EndpointSlice],
+}
+
+impl LocalEndpoints<'_> {
+    /// A ready endpoint of the Service runs on this node.
+    fn has_ready(&self, service: &Service) -> bool {
+        let namespace = service.metadata.namespace.as_deref().unwrap_or("default");
+        let name = service.metadata.name.as_deref().unwrap_or("");
+        self.slices
+            .iter()
+            .filter(|slice| slice.metadata.namespace.as_deref().unwrap_or("default") == namespace)
+            .filter(|slice| {
+                slice.metadata.labels.as_ref().and_then(|l| l.get("kubernetes.io/service-name")).map(String::as_str)
+                    == Some(name)
+            })
+            .flat_map(|slice| slice.endpoints.iter())
+            // An unset ready condition means ready (the API's documented default).
+            .filter(|endpoint| endpoint.conditions.as_ref().and_then(|c| c.ready) != Some(false))
+            .any(|endpoint| match &endpoint.node_name {
+                Some(node) => node == self.node_name,
+                None => endpoint
+                    .addresses
+                    .iter()
+                    .any(|a| a.parse::<IpAddr>().is_ok_and(|a| self.node_addresses.contains(&a))),
+            })
+    }
+}
+
+/// The Service addresses to advertise. With `externalTrafficPolicy: Local` (or kube-router's
+/// `kube-router.io/service.local: "true"`) a Service's external and LoadBalancer IPs, and with
+/// `internalTrafficPolicy: Local` its ClusterIPs, come only from nodes running a ready endpoint
+/// of it: a node without one would drop or forward the traffic (kube-router does the same).
+/// Headless Services (clusterIP None) and unparsable addresses contribute nothing.
+pub fn service_vips<'a>(
     services: impl Iterator<Item = &'a Service>,
     advertise: AdvertiseServices,
-    local: &std::collections::BTreeSet<(String, String)>,
-) -> Vec<IpNet> {
-    let mut out = std::collections::BTreeSet::new();
+    local: &LocalEndpoints<'_>,
+) -> ServiceVips {
+    let mut advertised = BTreeSet::new();
+    let mut all = BTreeSet::new();
     for service in services {
-        let id =
-            (service.metadata.namespace.clone().unwrap_or_default(), service.metadata.name.clone().unwrap_or_default());
-        let served_here = local.contains(&id);
         let annotations = service.metadata.annotations.as_ref();
-        let wants = |kind: &str, default: bool| {
-            let key = format!("kube-router.io/service.advertise.{kind}");
-            match annotations.and_then(|a| a.get(&key)).map(String::as_str) {
-                Some("true") => true,
-                Some("false") => false,
-                _ => default,
-            }
+        let annotation = |key: &str| annotations.and_then(|a| a.get(key)).map(String::as_str);
+        let wants = |kind: &str, default: bool| match annotation(&format!("kube-router.io/service.advertise.{kind}")) {
+            Some("true") => true,
+            Some("false") => false,
+            _ => default,
         };
         let spec = service.spec.as_ref();
-        let external_local = spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local");
+        let external_local = spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local")
+            || annotation("kube-router.io/service.local") == Some("true");
         let internal_local = spec.and_then(|s| s.internal_traffic_policy.as_deref()) == Some("Local");
-        let mut addresses: Vec<&String> = Vec::new();
-        if wants("clusterip", advertise.cluster_ip) && (served_here || !internal_local) {
-            addresses.extend(spec.and_then(|s| s.cluster_ips.as_ref()).into_iter().flatten());
-            addresses.extend(spec.and_then(|s| s.cluster_ip.as_ref()));
+        let mut has_local = None;
+        let mut local_ready = || *has_local.get_or_insert_with(|| local.has_ready(service));
+        let parse = |a: &String| a.parse::<IpAddr>().ok().map(IpNet::from);
+        let mut add = |addresses: Vec<IpNet>, needs_local: bool, local_ready: &mut dyn FnMut() -> bool| {
+            if addresses.is_empty() {
+                return;
+            }
+            all.extend(addresses.iter().copied());
+            if !needs_local || local_ready() {
+                advertised.extend(addresses);
+            }
+        };
+        if wants("clusterip", advertise.cluster_ip) {
+            let mut ips: Vec<IpNet> =
+                spec.and_then(|s| s.cluster_ips.as_ref()).into_iter().flatten().filter_map(parse).collect();
+            ips.extend(spec.and_then(|s| s.cluster_ip.as_ref()).and_then(parse));
+            add(ips, internal_local, &mut local_ready);
         }
-        if wants("externalip", advertise.external_ip) && (served_here || !external_local) {
-            addresses.extend(spec.and_then(|s| s.external_ips.as_ref()).into_iter().flatten());
+        if wants("externalip", advertise.external_ip) {
+            let ips = spec.and_then(|s| s.external_ips.as_ref()).into_iter().flatten().filter_map(parse).collect();
+            add(ips, external_local, &mut local_ready);
         }
-        if wants("loadbalancerip", advertise.load_balancer_ip) && (served_here || !external_local) {
+        if wants("loadbalancerip", advertise.load_balancer_ip) {
             let ingress =
                 service.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
-            addresses.extend(ingress.into_iter().flatten().filter_map(|i| i.ip.as_ref()));
+            let ips = ingress.into_iter().flatten().filter_map(|i| i.ip.as_ref()).filter_map(parse).collect();
+            add(ips, external_local, &mut local_ready);
         }
-        out.extend(addresses.into_iter().filter_map(|a| a.parse::<IpAddr>().ok()).map(IpNet::from));
     }
-    out.into_iter().collect()
+    ServiceVips { advertised: advertised.into_iter().collect(), all: all.into_iter().collect() }
+}
+
+fn prefixes_of(nets: &[IpNet], kind: OriginKind) -> impl Iterator<Item = Originated> + '_ {
+    nets.iter().filter_map(move |net| Prefix::new(net.addr(), net.prefix_len()).ok().map(|p| (p, kind)))
+}
+
+/// Everything the speaker is told, compared as a whole so that an unchanged picture (an
+/// unrelated Node or Service change) touches nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Applied {
+    peers: Vec<PeerConfig>,
+    prefixes: Vec<Originated>,
+    policies: Policies,
 }
 
 pub struct RouterController {
     options: RouterOptions,
     speaker: Option<Speaker>,
-    applied: Option<(Vec<PeerConfig>, Vec<Prefix>)>,
+    applied: Option<Applied>,
     last_problem: Option<String>,
+    last_warnings: Vec<String>,
     metrics: Metrics,
 }
 
 impl RouterController {
     pub fn new(options: RouterOptions, metrics: Metrics) -> Self {
-        Self { options, speaker: None, applied: None, last_problem: None, metrics }
+        Self { options, speaker: None, applied: None, last_problem: None, last_warnings: Vec::new(), metrics }
     }
 
     fn settings(&self) -> GlobalSettings {
         GlobalSettings {
             node_name: self.options.node_name.clone(),
             cluster_asn: self.options.cluster_asn,
-            enable_ibgp_mesh: self.options.ibgp_mesh,
+            enable_ibgp: self.options.enable_ibgp,
+            full_mesh: self.options.full_mesh,
+            multihop_ttl: self.options.multihop_ttl,
+            bfd: self.options.bfd,
             external_peers: self.options.external_peers.clone(),
             peer_port: self.options.bgp_port,
+            // Node peers always get the pod CIDRs; --advertise-pod-cidr is export policy.
             advertise_pod_cidr: true,
+        }
+    }
+
+    fn policies(&self, config: &NodeBgpConfig, vips: &ServiceVips) -> Policies {
+        Policies {
+            import: ImportPolicy {
+                accept_default: self.options.accept_default,
+                service_vips: prefixes_of(&vips.all, OriginKind::ServiceVip).map(|(p, _)| p).collect(),
+                custom_reject: config.custom_import_reject.clone(),
+            },
+            export: ExportPolicy {
+                advertise_pod_cidr: self.options.advertise_pod_cidr,
+                communities: config.communities.clone(),
+                prepend: config.prepend,
+                override_next_hop: self.options.override_next_hop,
+            },
         }
     }
 
     /// Configuration from flags alone, for running without the API server.
     pub fn static_config(&self) -> Result<NodeBgpConfig> {
         let router_id = self.options.router_id.context("--router-id is needed to run BGP without the API server")?;
-        let peers = self.options.external_peers.iter().map(|p| p.peer_config(self.options.bgp_port)).collect();
+        let peers = self
+            .options
+            .external_peers
+            .iter()
+            .map(|p| {
+                let mut peer = p.peer_config(self.options.bgp_port);
+                peer.multihop_ttl = self.options.multihop_ttl;
+                peer.bfd = self.options.bfd;
+                peer
+            })
+            .collect();
         Ok(NodeBgpConfig {
             router_id,
             local_asn: self.options.cluster_asn,
@@ -169,26 +267,33 @@ impl RouterController {
             pod_cidrs: self.options.pod_cidrs.clone().unwrap_or_default(),
             peers,
             route_reflector: crate::bgp::peers::RrRole::None,
+            listen_addresses: Vec::new(),
+            prepend: None,
+            communities: Vec::new(),
+            custom_import_reject: Vec::new(),
             warnings: Vec::new(),
         })
     }
 
-    /// Re-derives the configuration from the Node objects we know. A problem (this node not
-    /// found yet, a broken annotation on it) is logged once and changes nothing.
+    /// Re-derives the configuration from the Node, Service and EndpointSlice objects we know.
+    /// A problem (this node not found yet, a broken annotation on it) is logged once and
+    /// changes nothing.
     pub async fn update_from_nodes<'a>(
         &mut self,
         nodes: impl Iterator<Item = &'a Node>,
         services: impl Iterator<Item = &'a Service>,
-        slices: impl Iterator<Item = &'a EndpointSlice>,
+        endpoint_slices: impl Iterator<Item = &'a EndpointSlice>,
     ) {
         let nodes: Vec<Node> = nodes.cloned().collect();
-        let local = services_with_local_endpoints(slices, &self.options.node_name);
-        let service_prefixes = service_prefixes(services, self.options.advertise, &local);
         match node_bgp_config(&nodes, &self.settings()) {
             Ok(mut config) => {
                 self.last_problem = None;
-                for warning in &config.warnings {
-                    tracing::warn!(%warning, "BGP peer configuration");
+                let warnings: Vec<String> = config.warnings.iter().map(ToString::to_string).collect();
+                if warnings != self.last_warnings {
+                    for warning in warnings.iter().filter(|w| !self.last_warnings.contains(w)) {
+                        tracing::warn!(%warning, "BGP peer configuration");
+                    }
+                    self.last_warnings = warnings;
                 }
                 if let Some(router_id) = self.options.router_id {
                     config.router_id = router_id;
@@ -196,8 +301,22 @@ impl RouterController {
                 if let Some(cidrs) = &self.options.pod_cidrs {
                     config.pod_cidrs = cidrs.clone();
                 }
-                config.pod_cidrs.extend(service_prefixes);
-                self.apply(config).await;
+                let me = nodes.iter().find(|n| n.metadata.name.as_deref() == Some(self.options.node_name.as_str()));
+                let node_addresses: BTreeSet<IpAddr> = me
+                    .and_then(|n| n.status.as_ref())
+                    .and_then(|s| s.addresses.as_ref())
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|a| a.address.parse().ok())
+                    .collect();
+                let slices: Vec<&EndpointSlice> = endpoint_slices.collect();
+                let local = LocalEndpoints {
+                    node_name: &self.options.node_name,
+                    node_addresses: &node_addresses,
+                    slices: &slices,
+                };
+                let vips = service_vips(services, self.options.advertise, &local);
+                self.apply(config, vips).await;
             }
             Err(e) => {
                 let problem = e.to_string();
@@ -210,19 +329,20 @@ impl RouterController {
         }
     }
 
-    pub async fn apply(&mut self, config: NodeBgpConfig) {
-        let prefixes: Vec<Prefix> =
-            config.pod_cidrs.iter().filter_map(|net| Prefix::new(net.addr(), net.prefix_len()).ok()).collect();
-        let wanted = (config.peers.clone(), prefixes.clone());
+    pub async fn apply(&mut self, config: NodeBgpConfig, vips: ServiceVips) {
+        let mut prefixes: Vec<Originated> = prefixes_of(&config.pod_cidrs, OriginKind::PodCidr).collect();
+        prefixes.extend(prefixes_of(&vips.advertised, OriginKind::ServiceVip));
+        let wanted = Applied { peers: config.peers.clone(), prefixes, policies: self.policies(&config, &vips) };
         if self.applied.as_ref() == Some(&wanted) {
             return;
         }
         match &self.speaker {
             Some(speaker) => {
-                speaker.set_peers(config.peers.clone());
-                speaker.set_prefixes(prefixes);
+                speaker.set_policies(wanted.policies.clone());
+                speaker.set_peers(wanted.peers.clone());
+                speaker.set_prefixes(wanted.prefixes.clone());
             }
-            None => match self.start(&config, prefixes).await {
+            None => match self.start(&config, &wanted).await {
                 Ok(speaker) => self.speaker = Some(speaker),
                 Err(e) => {
                     tracing::error!(error = format!("{e:#}"), "cannot start the BGP speaker; will retry");
@@ -233,12 +353,22 @@ impl RouterController {
         self.applied = Some(wanted);
     }
 
-    async fn start(&self, config: &NodeBgpConfig, prefixes: Vec<Prefix>) -> Result<Speaker> {
+    /// Whether a start failed and should be tried again (the agent calls `apply` again then).
+    pub fn needs_start(&self) -> bool {
+        self.speaker.is_none()
+    }
+
+    async fn start(&self, config: &NodeBgpConfig, wanted: &Applied) -> Result<Speaker> {
         let o = &self.options;
         let routes = NetlinkRoutes::connect(o.route_protocol, o.route_table)?;
-        let installed = routes.list().await.context("listing our kernel routes")?;
+        let table = routes.list().await.context("listing kernel routes")?;
+        let local = routes.local_addresses().await.context("listing the node's addresses")?;
         let mut speaker_config = SpeakerConfig::new(config.local_asn, config.router_id);
-        speaker_config.listen = Some(SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), o.bgp_port));
+        speaker_config.listen = if config.listen_addresses.is_empty() {
+            vec![SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), o.bgp_port)]
+        } else {
+            config.listen_addresses.iter().map(|a| SocketAddr::new(*a, o.bgp_port)).collect()
+        };
         speaker_config.hold_time_secs = o.hold_time.as_secs().min(u64::from(u16::MAX)) as u16;
         speaker_config.families = vec![Family::Ipv4Unicast, Family::Ipv6Unicast];
         speaker_config.graceful_restart = o.graceful_restart.then(|| GracefulRestartSettings {
@@ -255,11 +385,17 @@ impl RouterController {
             _ => first_global_ipv6(),
         };
         speaker_config.state_dir = Some(o.state_dir.clone());
+        speaker_config.overlay = o.overlay;
+        speaker_config.bfd_port = o.bfd_port;
+        speaker_config.reach = Some(Reachability::new(&table, &local));
+        speaker_config.import = wanted.policies.import.clone();
+        speaker_config.export = wanted.policies.export.clone();
         std::fs::create_dir_all(&o.state_dir).ok();
         tracing::info!(asn = config.local_asn, router_id = %config.router_id, peers = config.peers.len(),
-            kept_routes = installed.len(), "starting BGP speaker");
-        let (speaker, fib) = Speaker::start(speaker_config, config.peers.clone(), prefixes, installed).await?;
-        tokio::spawn(run_fib(routes, fib));
+            kept_routes = table.ours.len(), "starting BGP speaker");
+        let (speaker, fib) =
+            Speaker::start(speaker_config, wanted.peers.clone(), wanted.prefixes.clone(), table.ours).await?;
+        tokio::spawn(run_fib(routes, fib, o.bpf_root.clone()));
         Ok(speaker)
     }
 
@@ -273,6 +409,12 @@ impl RouterController {
                 m.bgp.get_or_insert_with(|| speaker.clone());
             });
             self.metrics.heartbeat("bgp");
+        }
+        if self.options.overlay.is_some() {
+            if let Ok(stats) = crate::overlay::maps::read_stats(&self.options.bpf_root) {
+                let names = kube_router_common::ovl_stat::NAMES;
+                self.metrics.with(|m| m.overlay_packets = names.iter().copied().zip(stats).collect());
+            }
         }
     }
 
@@ -309,13 +451,13 @@ pub fn render_status(status: Option<&SpeakerStatus>) -> String {
     );
     let _ = writeln!(
         out,
-        "{:<40} {:>10} {:<12} {:>8} {:>8} {:>6} {:>8}",
-        "neighbor", "AS", "state", "up(s)", "recv", "stale", "sent"
+        "{:<40} {:>10} {:<12} {:>8} {:>8} {:>6} {:>8} {:>8}",
+        "neighbor", "AS", "state", "up(s)", "recv", "stale", "sent", "refused"
     );
     for p in &status.peers {
         let _ = writeln!(
             out,
-            "{:<40} {:>10} {:<12} {:>8} {:>8} {:>6} {:>8}{}",
+            "{:<40} {:>10} {:<12} {:>8} {:>8} {:>6} {:>8} {:>8}{}",
             p.address,
             p.asn,
             format!("{:?}", p.state),
@@ -323,6 +465,7 @@ pub fn render_status(status: Option<&SpeakerStatus>) -> String {
             p.prefixes_received,
             p.prefixes_stale,
             p.prefixes_advertised,
+            p.prefixes_rejected,
             p.last_error
                 .as_ref()
                 .filter(|_| p.state != State::Established)
@@ -349,6 +492,17 @@ mod tests {
         serde_json::from_value(value).unwrap()
     }
 
+    fn slice(value: serde_json::Value) -> EndpointSlice {
+        serde_json::from_value(value).unwrap()
+    }
+
+    fn advertised(services: &[Service], advertise: AdvertiseServices, slices: &[EndpointSlice]) -> Vec<String> {
+        let slices: Vec<&EndpointSlice> = slices.iter().collect();
+        let addresses = BTreeSet::from(["192.168.0.1".parse().unwrap()]);
+        let local = LocalEndpoints { node_name: "node-1", node_addresses: &addresses, slices: &slices };
+        service_vips(services.iter(), advertise, &local).advertised.iter().map(|n| n.to_string()).collect()
+    }
+
     #[test]
     fn service_addresses_follow_the_flags_and_the_per_service_annotations() {
         let services = [
@@ -363,45 +517,51 @@ mod tests {
                     "annotations": {"kube-router.io/service.advertise.externalip": "true"}},
                 "spec": {"clusterIP": "10.96.0.30", "externalIPs": ["192.0.2.30"]}})),
         ];
-        let text = |v: Vec<IpNet>| v.iter().map(|n| n.to_string()).collect::<Vec<_>>();
-        let none = Default::default();
-        assert!(
-            service_prefixes(services.iter(), AdvertiseServices::default(), &none)
-                == vec!["192.0.2.30/32".parse::<IpNet>().unwrap()]
-        );
+        assert_eq!(advertised(&services, AdvertiseServices::default(), &[]), ["192.0.2.30/32"]);
         let cluster = AdvertiseServices { cluster_ip: true, ..Default::default() };
         assert_eq!(
-            text(service_prefixes(services.iter(), cluster, &none)),
+            advertised(&services, cluster, &[]),
             ["10.96.0.10/32", "10.96.0.30/32", "192.0.2.30/32", "fd00:96::10/128"]
         );
         let all = AdvertiseServices { cluster_ip: true, external_ip: true, load_balancer_ip: true };
         assert_eq!(
-            text(service_prefixes(services.iter(), all, &none)),
+            advertised(&services, all, &[]),
             ["10.96.0.10/32", "10.96.0.30/32", "192.0.2.7/32", "192.0.2.30/32", "198.51.100.1/32", "fd00:96::10/128"]
         );
     }
 
     #[test]
-    fn local_policy_addresses_are_advertised_only_by_nodes_with_a_ready_local_endpoint() {
-        let services = [service(serde_json::json!({"metadata": {"namespace": "default", "name": "web"},
+    fn local_traffic_policy_vips_come_only_from_nodes_with_a_ready_local_endpoint() {
+        let services = [service(serde_json::json!({"metadata": {"namespace": "shop", "name": "web"},
             "spec": {"clusterIP": "10.96.0.10", "externalIPs": ["192.0.2.7"], "externalTrafficPolicy": "Local"},
             "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.1"}]}}}))];
-        let slice: EndpointSlice = serde_json::from_value(serde_json::json!({
-            "metadata": {"namespace": "default", "name": "web-1", "labels": {"kubernetes.io/service-name": "web"}},
-            "addressType": "IPv4",
-            "endpoints": [
-                {"addresses": ["10.244.1.5"], "nodeName": "node-1", "conditions": {"ready": true}},
-                {"addresses": ["10.244.2.5"], "nodeName": "node-2", "conditions": {"ready": false}}
-            ]
-        }))
-        .unwrap();
         let all = AdvertiseServices { cluster_ip: true, external_ip: true, load_balancer_ip: true };
-        let on = |node: &str| {
-            let local = services_with_local_endpoints(std::iter::once(&slice), node);
-            service_prefixes(services.iter(), all, &local).iter().map(|n| n.to_string()).collect::<Vec<_>>()
+        let endpoints = |node: &str, ready: bool| {
+            slice(serde_json::json!({"metadata": {"namespace": "shop", "name": "web-1",
+                    "labels": {"kubernetes.io/service-name": "web"}},
+                "addressType": "IPv4",
+                "endpoints": [{"addresses": ["10.244.1.5"], "nodeName": node, "conditions": {"ready": ready}}]}))
         };
-        assert_eq!(on("node-1"), ["10.96.0.10/32", "192.0.2.7/32", "198.51.100.1/32"]);
-        // node-2's endpoint is not ready; the ClusterIP (internal policy Cluster) is still advertised.
-        assert_eq!(on("node-2"), ["10.96.0.10/32"]);
+        // No endpoint here: only the ClusterIP (cluster-wide policy) is advertised.
+        assert_eq!(advertised(&services, all, &[endpoints("node-2", true)]), ["10.96.0.10/32"]);
+        assert_eq!(advertised(&services, all, &[endpoints("node-1", false)]), ["10.96.0.10/32"], "not ready");
+        assert_eq!(
+            advertised(&services, all, &[endpoints("node-1", true)]),
+            ["10.96.0.10/32", "192.0.2.7/32", "198.51.100.1/32"]
+        );
+        // A slice of another namespace's Service of the same name does not count.
+        let mut other = endpoints("node-1", true);
+        other.metadata.namespace = Some("default".into());
+        assert_eq!(advertised(&services, all, &[other]), ["10.96.0.10/32"]);
+        // Without nodeName, an endpoint on one of the node's addresses (hostNetwork) is local.
+        let host = slice(serde_json::json!({"metadata": {"namespace": "shop", "name": "web-2",
+                "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4", "endpoints": [{"addresses": ["192.168.0.1"]}]}));
+        assert_eq!(advertised(&services, all, &[host]).len(), 3);
+        // Every VIP stays known to the import policy either way.
+        let slices: Vec<&EndpointSlice> = Vec::new();
+        let addresses = BTreeSet::new();
+        let local = LocalEndpoints { node_name: "node-1", node_addresses: &addresses, slices: &slices };
+        assert_eq!(service_vips(services.iter(), all, &local).all.len(), 3);
     }
 }

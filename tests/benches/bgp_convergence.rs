@@ -1,7 +1,9 @@
 //! Benchmark (root): a BIRD peer announces 100,000 prefixes; how long until the receiver has
 //! them all, and at what memory. Receivers, measured in the same run one after the other:
 //! GoBGP (`gobgpd`, the baseline: RIB only, it installs nothing in the kernel) and the agent
-//! (RIB, and separately the time until all 100,000 routes are in the kernel table).
+//! (RIB, and separately the time until all 100,000 routes are in the kernel table). Then the
+//! agent restarts gracefully (SIGTERM, start again with the routes still in the kernel) and
+//! its memory is measured again once the restart is complete (End-of-RIB, nothing changed).
 //!
 //! Topology: `krt-bgpb-src` (BIRD, 10.79.0.1) --veth-- `krt-bgpb-rx` (10.79.0.2), where the
 //! receiver under test runs.
@@ -40,6 +42,15 @@ fn rss_kib(pid: u32) -> u64 {
     status
         .lines()
         .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0)
+}
+
+fn peak_rss_kib(pid: u32) -> u64 {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
         .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
         .unwrap_or(0)
 }
@@ -141,6 +152,31 @@ fn main() {
     wait("the agent to install every route", Duration::from_secs(300), || kernel_routes() >= PREFIXES);
     let agent_fib_time = started.elapsed();
     let agent_rss = rss_kib(agent.id());
+    // Graceful restart: SIGTERM (no Cease, routes stay in the kernel), then the same agent again.
+    let _ = Command::new("kill").args(["-TERM", &agent.id().to_string()]).status();
+    let _ = agent.wait();
+    let restart = Instant::now();
+    let mut agent = Command::new("nsenter")
+        .arg(format!("--net={}", rx.path()))
+        .arg(&bin)
+        .args(["--run-service-proxy=false", "--service-file", empty.to_str().unwrap()])
+        .args(["--state-dir", state.to_str().unwrap(), "--router-id", RX, "--cluster-asn", "65020"])
+        .args(["--peer-router-ips", SRC, "--peer-router-asns", "65010", "--health-port", "20270"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(dir.join("agent-restart.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let restarted = || {
+        rx.run(&[bin.to_str().unwrap(), "--health-port", "20270", "bgp"])
+            .is_ok_and(|out| !out.contains("waiting for peers' End-of-RIB") && out.contains("Established"))
+    };
+    wait("the restarted agent to complete its graceful restart", Duration::from_secs(300), || {
+        agent_received() >= PREFIXES && restarted() && kernel_routes() == PREFIXES
+    });
+    let restart_time = restart.elapsed();
+    let restart_rss = rss_kib(agent.id());
+    let restart_peak = peak_rss_kib(agent.id());
     let _ = agent.kill();
     let _ = agent.wait();
     // Our routes outlive the agent by design; remove them so the namespace goes quickly.
@@ -161,5 +197,12 @@ fn main() {
         "  kube-router all in the kernel table: {:>8.2} s   RSS {:>7} KiB   (gobgpd installs nothing; no baseline)",
         agent_fib_time.as_secs_f64(),
         agent_rss
+    );
+    println!(
+        "  kube-router graceful restart done:   {:>8.2} s   RSS {:>7} KiB   (peak {} KiB; {:.2}x the first run's RSS)",
+        restart_time.as_secs_f64(),
+        restart_rss,
+        restart_peak,
+        restart_rss as f64 / agent_rss.max(1) as f64
     );
 }

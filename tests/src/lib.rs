@@ -17,7 +17,9 @@ use anyhow::{bail, Context, Result};
 
 pub mod apiserver;
 pub mod cluster;
+pub mod gobgp;
 pub mod image;
+pub mod raw_bgp;
 
 pub fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
@@ -497,5 +499,32 @@ impl Drop for NetnsRuntime {
         if let Some(runtime) = self.runtime.take() {
             runtime.shutdown_timeout(Duration::from_secs(2));
         }
+    }
+}
+
+/// The value of the first series of a Prometheus text scrape that starts with `series`.
+pub fn metric(scrape: &str, series: &str) -> f64 {
+    scrape
+        .lines()
+        .find(|l| l.starts_with(series))
+        .and_then(|l| l.rsplit_once(' '))
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in:\n{scrape}"))
+}
+
+/// Polls `check` every 250 ms until it says true; the last error, if any, goes into the failure.
+pub fn wait_until(what: &str, timeout: Duration, mut check: impl FnMut() -> Result<bool>) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    let mut last_error = String::new();
+    loop {
+        match check() {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(e) => last_error = format!("{e:#}"),
+        }
+        if Instant::now() > deadline {
+            bail!("timed out after {timeout:?} waiting for {what} {last_error}");
+        }
+        thread::sleep(Duration::from_millis(250));
     }
 }

@@ -11,8 +11,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{bail, Result};
-use kube_router_tests::{remove_bpf_root, veth, Agent, Netns};
+use anyhow::Result;
+use kube_router_tests::{metric, remove_bpf_root, veth, wait_until, Agent, Netns};
 
 const NODE_V4: &str = "10.77.0.1";
 const PEER_V4: &str = "10.77.0.2";
@@ -127,22 +127,6 @@ impl Drop for Lab {
             let _ = child.wait();
         }
         remove_bpf_root(&PathBuf::from("/sys/fs/bpf/krt-bgp-unused"));
-    }
-}
-
-fn wait_until(what: &str, timeout: Duration, mut check: impl FnMut() -> Result<bool>) -> Result<()> {
-    let deadline = Instant::now() + timeout;
-    let mut last_error = String::new();
-    loop {
-        match check() {
-            Ok(true) => return Ok(()),
-            Ok(false) => {}
-            Err(e) => last_error = format!("{e:#}"),
-        }
-        if Instant::now() > deadline {
-            bail!("timed out after {timeout:?} waiting for {what} {last_error}");
-        }
-        thread::sleep(Duration::from_millis(250));
     }
 }
 
@@ -586,133 +570,12 @@ fn sigterm_keeps_peer_routes_only_with_graceful_restart() {
         .exists());
 }
 
-/// A hand-driven BGP peer: raw bytes on the wire, so it can send what real daemons never do.
-mod raw_peer {
-    use std::sync::{Arc, Mutex};
-
-    use tokio::{
-        io::{AsyncReadExt, AsyncWriteExt},
-        net::{tcp::OwnedWriteHalf, TcpListener},
-    };
-
-    pub const OPEN: u8 = 1;
-    pub const UPDATE: u8 = 2;
-    pub const NOTIFICATION: u8 = 3;
-    pub const KEEPALIVE: u8 = 4;
-
-    pub fn message(kind: u8, body: &[u8]) -> Vec<u8> {
-        let mut m = vec![0xff; 16];
-        m.extend_from_slice(&((19 + body.len()) as u16).to_be_bytes());
-        m.push(kind);
-        m.extend_from_slice(body);
-        m
-    }
-
-    /// OPEN with hold time 0 (no keepalives needed), IPv4 unicast and 4-octet AS.
-    pub fn open(asn: u16, router_id: [u8; 4]) -> Vec<u8> {
-        let mut body = vec![4];
-        body.extend_from_slice(&asn.to_be_bytes());
-        body.extend_from_slice(&0u16.to_be_bytes());
-        body.extend_from_slice(&router_id);
-        let caps = [
-            2,
-            6,
-            1,
-            4,
-            0,
-            1,
-            0,
-            1, // MP: IPv4 unicast
-            2,
-            6,
-            65,
-            4,
-            0,
-            0,
-            (asn >> 8) as u8,
-            asn as u8, // 4-octet AS
-        ];
-        body.push(caps.len() as u8);
-        body.extend_from_slice(&caps);
-        message(OPEN, &body)
-    }
-
-    /// UPDATE announcing `prefix`/24 with the given ORIGIN value (0..=2 valid).
-    pub fn update(asn: u32, next_hop: [u8; 4], prefix: [u8; 3], origin: u8) -> Vec<u8> {
-        let mut attrs = vec![0x40, 1, 1, origin];
-        attrs.extend_from_slice(&[0x40, 2, 6, 2, 1]);
-        attrs.extend_from_slice(&asn.to_be_bytes());
-        attrs.extend_from_slice(&[0x40, 3, 4]);
-        attrs.extend_from_slice(&next_hop);
-        let mut body = vec![0, 0];
-        body.extend_from_slice(&(attrs.len() as u16).to_be_bytes());
-        body.extend_from_slice(&attrs);
-        body.push(24);
-        body.extend_from_slice(&prefix);
-        message(UPDATE, &body)
-    }
-
-    /// (message type, body) of everything the agent sent.
-    pub type Received = Arc<Mutex<Vec<(u8, Vec<u8>)>>>;
-
-    pub struct Peer {
-        pub received: Received,
-        writer: Arc<tokio::sync::Mutex<OwnedWriteHalf>>,
-    }
-
-    impl Peer {
-        /// Waits for the agent to connect to `listen`, answers its OPEN and starts collecting
-        /// what it sends.
-        pub async fn accept(listen: &str, asn: u16, router_id: [u8; 4]) -> Peer {
-            let listener = TcpListener::bind(listen).await.unwrap();
-            let (stream, _) = listener.accept().await.unwrap();
-            let (mut reader, mut writer) = stream.into_split();
-            writer.write_all(&open(asn, router_id)).await.unwrap();
-            writer.write_all(&message(KEEPALIVE, &[])).await.unwrap();
-            let received = Arc::new(Mutex::new(Vec::new()));
-            let sink = received.clone();
-            tokio::spawn(async move {
-                loop {
-                    let mut header = [0u8; 19];
-                    if reader.read_exact(&mut header).await.is_err() {
-                        return;
-                    }
-                    let len = u16::from_be_bytes([header[16], header[17]]) as usize;
-                    let mut body = vec![0u8; len.saturating_sub(19)];
-                    if reader.read_exact(&mut body).await.is_err() {
-                        return;
-                    }
-                    sink.lock().unwrap().push((header[18], body));
-                }
-            });
-            Peer { received, writer: Arc::new(tokio::sync::Mutex::new(writer)) }
-        }
-
-        pub fn sender(&self) -> Arc<tokio::sync::Mutex<OwnedWriteHalf>> {
-            self.writer.clone()
-        }
-
-        pub fn kinds(&self) -> Vec<u8> {
-            self.received.lock().unwrap().iter().map(|(k, _)| *k).collect()
-        }
-    }
-}
-
-fn metric(scrape: &str, series: &str) -> f64 {
-    scrape
-        .lines()
-        .find(|l| l.starts_with(series))
-        .and_then(|l| l.rsplit_once(' '))
-        .and_then(|(_, v)| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {series} in:\n{scrape}"))
-}
-
 /// Bad input from one peer never disturbs another: a malformed attribute is treated as a
 /// withdrawal (RFC 7606) with the session kept, a broken message resets only that session
 /// with a NOTIFICATION, and a NOTIFICATION received is logged and counted.
 #[test]
 fn a_misbehaving_peer_is_isolated_and_reported() {
-    use raw_peer::*;
+    use kube_router_tests::raw_bgp::*;
     let mut lab = Lab::new("krt-bgp-bad");
     lab.peer.run(&["ip", "addr", "add", "10.77.0.3/24", "dev", "eth0"]).unwrap();
     GOBGP.start(&mut lab);

@@ -21,6 +21,11 @@
 //! * Syntactically broken NLRI (bad prefix length) aborts the whole UPDATE
 //!   in netgauze, so it becomes a session reset (3/10 or 3/1), never a
 //!   treat-as-withdraw, which matches RFC 7606 §5.3 anyway.
+//! * netgauze rejects *valid* NLRI it has no representation for (any
+//!   MP_REACH of a family it models strictly, like IPv6 multicast with
+//!   unicast prefixes; multicast ranges in unicast NLRI). [`super::sanitize`]
+//!   removes those from the raw UPDATE first, so they are ignored or treated
+//!   as withdrawn per prefix and the session stays up.
 
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -57,11 +62,13 @@ use super::message::{
     NextHop, Notification, Open, Origin, PathAttributes, Prefix, Safi, UnknownAttribute, Update, AS_TRANS,
     MAX_RESTART_TIME_SECS,
 };
+use super::sanitize::sanitize_update;
 
 /// RFC 4271 §4.1: without the Extended Message capability (which we never
 /// advertise) no message may exceed 4096 octets.
 pub const MAX_MESSAGE_LEN: usize = 4096;
 const HEADER_LEN: usize = 19;
+const MESSAGE_TYPE_UPDATE: u8 = 2;
 const MESSAGE_TYPE_NOTIFICATION: u8 = 3;
 /// Prefixes per UPDATE, chosen so that even /32 IPv4 (5 B) or /128 IPv6
 /// (17 B) NLRI plus a generous attribute block stay under 4096 octets.
@@ -76,6 +83,11 @@ pub enum DecodeOutcome {
     /// RFC 7606 treat-as-withdraw: the UPDATE had a malformed attribute; its
     /// prefixes (announced and withdrawn) must be removed, session stays up.
     TreatAsWithdraw { withdrawn: Vec<Prefix>, reason: String },
+    /// A well-formed UPDATE with parts we cannot use, the session kept: NLRI of address
+    /// families we do not route are ignored, and prefixes our codec cannot represent (a
+    /// multicast range in unicast NLRI) are treated as withdrawn (in `update.withdrawn`).
+    /// `ignored` says what, once per kind.
+    PartlyIgnored { update: Update, ignored: Vec<String> },
     /// Fatal: send this NOTIFICATION and close the connection.
     Notify(Notification),
     /// Transport failure; close without sending anything.
@@ -162,6 +174,32 @@ impl WireCodec {
         if buf.len() < length {
             return None;
         }
+        if buf[18] == MESSAGE_TYPE_UPDATE {
+            if let Some(sanitized) = sanitize_update(&buf[..length]) {
+                let _ = buf.split_to(length);
+                let Some(frame) = sanitized.frame else {
+                    let update = Update { withdrawn: sanitized.withdrawn, ..Update::default() };
+                    return Some(DecodeOutcome::PartlyIgnored { update, ignored: sanitized.ignored });
+                };
+                let outcome = self.decode_frame(&mut BytesMut::from(&frame[..]), frame.len())?;
+                return Some(match outcome {
+                    DecodeOutcome::Message(Message::Update(mut update)) => {
+                        update.withdrawn.extend(sanitized.withdrawn);
+                        DecodeOutcome::PartlyIgnored { update, ignored: sanitized.ignored }
+                    }
+                    DecodeOutcome::TreatAsWithdraw { mut withdrawn, reason } => {
+                        withdrawn.extend(sanitized.withdrawn);
+                        DecodeOutcome::TreatAsWithdraw { withdrawn, reason }
+                    }
+                    other => other,
+                });
+            }
+        }
+        self.decode_frame(buf, length)
+    }
+
+    /// Decodes the complete frame of `length` octets at the start of `buf`.
+    fn decode_frame(&mut self, buf: &mut BytesMut, length: usize) -> Option<DecodeOutcome> {
         // Keep a raw copy of NOTIFICATIONs: netgauze refuses unknown subcodes.
         let raw_notification = (buf[18] == MESSAGE_TYPE_NOTIFICATION && length >= 21)
             .then(|| Notification::new(buf[19], buf[20], buf[21..length].to_vec()));
@@ -1187,6 +1225,35 @@ mod tests {
     }
 
     #[test]
+    fn what_we_cannot_represent_is_ignored_or_withdrawn_never_a_notification() {
+        // ORIGIN, AS_PATH, NEXT_HOP, an IPv6 multicast MP_REACH (2001:db8::/32), NLRI
+        // 10.0.0.0/8 and 224.0.0.0/4.
+        let mut v6_multicast = vec![0, 2, 2, 16];
+        v6_multicast.extend_from_slice(&"2001:db8::1".parse::<std::net::Ipv6Addr>().unwrap().octets());
+        v6_multicast.extend_from_slice(&[0, 32, 0x20, 0x01, 0x0d, 0xb8]);
+        let mut attrs = [&ORIGIN_IGP[..], &EMPTY_AS_PATH, &NEXT_HOP].concat();
+        attrs.extend_from_slice(&[0x90, 14]);
+        attrs.extend_from_slice(&(v6_multicast.len() as u16).to_be_bytes());
+        attrs.extend_from_slice(&v6_multicast);
+        let mut body = update_body(&attrs);
+        body.extend_from_slice(&[4, 0xe0]);
+        let mut buf = frame(2, &body);
+        match WireCodec::new().decode(&mut buf) {
+            Some(DecodeOutcome::PartlyIgnored { update, ignored }) => {
+                assert_eq!(update.announced, vec![(p("10.0.0.0/8"), NextHop::V4(Ipv4Addr::new(1, 2, 3, 4)))]);
+                assert_eq!(update.withdrawn, vec![p("224.0.0.0/4")]);
+                assert_eq!(ignored.len(), 2, "{ignored:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(buf.is_empty());
+        // An End-of-RIB of IPv6 multicast: ignored, not an IPv4 End-of-RIB.
+        let mut buf = frame(2, &[0, 0, 0, 6, 0x80, 15, 3, 0, 2, 2]);
+        let out = WireCodec::new().decode(&mut buf);
+        assert!(matches!(&out, Some(DecodeOutcome::PartlyIgnored { update, .. }) if update.is_empty()), "{out:?}");
+    }
+
+    #[test]
     fn header_errors_map_to_message_header_notifications() {
         // Bad marker -> 1/1.
         let mut buf = frame(4, &[]);
@@ -1277,7 +1344,7 @@ mod tests {
                     frame[at] = next() as u8;
                 }
                 match WireCodec::new().decode(&mut frame) {
-                    Some(DecodeOutcome::Message(_)) => outcomes[0] += 1,
+                    Some(DecodeOutcome::Message(_) | DecodeOutcome::PartlyIgnored { .. }) => outcomes[0] += 1,
                     Some(DecodeOutcome::TreatAsWithdraw { .. }) => outcomes[1] += 1,
                     Some(DecodeOutcome::Notify(n)) => {
                         assert!((1..=6).contains(&n.code), "{n:?}");

@@ -130,11 +130,17 @@ pub struct Negotiated {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DownReason {
     ManualStop,
-    AgentShutdown { graceful_restart: bool },
+    AgentShutdown {
+        graceful_restart: bool,
+    },
     HoldTimerExpired,
     TcpConnectionFailed,
     NotificationReceived(Notification),
     NotificationSent(Notification),
+    /// BFD saw the forwarding path die (RFC 5882 §4.2): the session goes down at once. Its
+    /// routes are not kept for graceful restart: BFD's point is to stop forwarding into a dead
+    /// link now, not after the restart time.
+    BfdDown,
 }
 
 impl DownReason {
@@ -167,6 +173,8 @@ pub enum Event {
     DecodeError(Notification),
     /// Collision resolution decided this connection must go (Cease 6/7).
     CollisionLost,
+    /// The BFD session with the peer went from Up to Down.
+    BfdDown,
 }
 
 impl From<DecodeOutcome> for Event {
@@ -176,6 +184,7 @@ impl From<DecodeOutcome> for Event {
             DecodeOutcome::TreatAsWithdraw { withdrawn, .. } => {
                 Event::MessageReceived(Message::Update(Update { withdrawn, ..Update::default() }))
             }
+            DecodeOutcome::PartlyIgnored { update, .. } => Event::MessageReceived(Message::Update(update)),
             DecodeOutcome::Notify(n) => Event::DecodeError(n),
             DecodeOutcome::ConnectionError(_) => Event::TcpConnectionFails,
         }
@@ -277,6 +286,8 @@ impl Session {
                 return;
             }
             (E::CollisionLost, S::Idle) => return,
+            // Without an open BGP session there is nothing for BFD to bring down.
+            (E::BfdDown, S::Idle | S::Connect | S::Active) => return,
             (E::CollisionLost, _) => {
                 let n = Notification::cease(cease_subcode::CONNECTION_COLLISION_RESOLUTION);
                 self.teardown(Some(n.clone()), DownReason::NotificationSent(n), false, out);
@@ -377,6 +388,10 @@ impl Session {
                 self.teardown(Some(n), DownReason::HoldTimerExpired, true, out);
             }
             (_, E::TcpConnectionFails) => self.teardown(None, DownReason::TcpConnectionFailed, true, out),
+            (_, E::BfdDown) => {
+                let n = Notification::cease(cease_subcode::BFD_DOWN);
+                self.teardown(Some(n), DownReason::BfdDown, true, out);
+            }
             (_, E::MessageReceived(Message::Notification(n))) => {
                 self.teardown(None, DownReason::NotificationReceived(n), true, out)
             }

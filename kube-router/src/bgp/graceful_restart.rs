@@ -263,11 +263,12 @@ impl RestartingSpeaker {
             return None;
         }
         self.complete = true;
-        let gone_routes = self
-            .previously_installed
-            .iter()
+        // Needed only for this answer: a restart at 100,000 routes would otherwise keep them
+        // for the agent's lifetime.
+        let previously_installed = std::mem::take(&mut self.previously_installed);
+        let gone_routes = previously_installed
+            .into_iter()
             .filter(|p| !rib.best(p).is_some_and(|b| matches!(b.source, RouteSource::Peer(_))))
-            .copied()
             .collect();
         let mut timers = Vec::new();
         if !timed_out {
@@ -301,6 +302,8 @@ mod tests {
             local_ipv4: Some(Ipv4Addr::new(192, 168, 0, 1)),
             local_ipv6: None,
             families: vec![Family::Ipv4Unicast, Family::Ipv6Unicast],
+            role: crate::bgp::policy::PeerRole::External,
+            accept_default: false,
         }
     }
 

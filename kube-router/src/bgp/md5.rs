@@ -1,4 +1,4 @@
-//! TCP MD5 signatures (RFC 2385) for BGP sessions, set with `setsockopt(TCP_MD5SIG)`.
+//! Socket options of BGP and BFD sessions: TCP MD5 signatures (RFC 2385, `TCP_MD5SIG`), TTLs.
 //!
 //! libc has the option number but not the kernel's `struct tcp_md5sig`, so it is declared here.
 use std::{
@@ -22,32 +22,39 @@ struct TcpMd5Sig {
 }
 
 fn sockaddr_storage(addr: IpAddr) -> libc::sockaddr_storage {
+    sockaddr(SocketAddr::new(addr, 0)).0
+}
+
+/// A socket address as the kernel takes it, with its length.
+pub fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
     // SAFETY: sockaddr_storage is plain old data; all-zero is a valid value.
     let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-    match SocketAddr::new(addr, 0) {
+    let len = match addr {
         SocketAddr::V4(v4) => {
             let sin = libc::sockaddr_in {
                 sin_family: libc::AF_INET as libc::sa_family_t,
-                sin_port: 0,
+                sin_port: v4.port().to_be(),
                 sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(v4.ip().octets()) },
                 sin_zero: [0; 8],
             };
             // SAFETY: sockaddr_in fits in sockaddr_storage, which is designed to hold any sockaddr.
             unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
         }
         SocketAddr::V6(v6) => {
             let sin6 = libc::sockaddr_in6 {
                 sin6_family: libc::AF_INET6 as libc::sa_family_t,
-                sin6_port: 0,
+                sin6_port: v6.port().to_be(),
                 sin6_flowinfo: 0,
                 sin6_addr: libc::in6_addr { s6_addr: v6.ip().octets() },
                 sin6_scope_id: 0,
             };
             // SAFETY: as above.
             unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
         }
-    }
-    storage
+    };
+    (storage, len as libc::socklen_t)
 }
 
 /// Sets (or, with an empty key, removes) the MD5 key for segments to and from `peer` on `fd`.
@@ -83,6 +90,32 @@ pub fn set_tcp_md5_key(fd: RawFd, peer: IpAddr, key: &[u8]) -> io::Result<()> {
     } else {
         Err(io::Error::last_os_error())
     }
+}
+
+/// `setsockopt` of an int-valued option (IP_TTL, IP_MINTTL, IPV6_UNICAST_HOPS, ...).
+pub fn set_int_option(fd: RawFd, level: libc::c_int, name: libc::c_int, value: libc::c_int) -> io::Result<()> {
+    // SAFETY: fd is an open socket; value outlives the call and its size is passed.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            name,
+            std::ptr::addr_of!(value).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// The TTL (IPv4) or hop limit (IPv6) of packets sent on the socket.
+pub fn set_ttl(fd: RawFd, ipv4: bool, ttl: u32) -> io::Result<()> {
+    let (level, name) =
+        if ipv4 { (libc::IPPROTO_IP, libc::IP_TTL) } else { (libc::IPPROTO_IPV6, libc::IPV6_UNICAST_HOPS) };
+    set_int_option(fd, level, name, ttl as libc::c_int)
 }
 
 #[cfg(test)]

@@ -375,6 +375,8 @@ pub mod cease_subcode {
     pub const CONNECTION_COLLISION_RESOLUTION: u8 = 7;
     pub const OUT_OF_RESOURCES: u8 = 8;
     pub const HARD_RESET: u8 = 9;
+    /// RFC 9384.
+    pub const BFD_DOWN: u8 = 10;
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

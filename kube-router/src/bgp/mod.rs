@@ -5,11 +5,15 @@
 //! speaker feeds them events (bytes, timer expiries, TCP state) and executes their outputs;
 //! it and md5 (TCP_MD5SIG) are the only modules that touch sockets.
 
+pub mod bfd;
+pub mod bfd_io;
 pub mod codec;
 pub mod fsm;
 pub mod graceful_restart;
 pub mod md5;
 pub mod message;
 pub mod peers;
+pub mod policy;
 pub mod rib;
+pub mod sanitize;
 pub mod speaker;

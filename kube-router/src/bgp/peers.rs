@@ -17,6 +17,18 @@
 //! | `kube-router.io/peer.asns`       | their ASNs (comma-separated)                                |
 //! | `kube-router.io/peer.passwords`  | their TCP-MD5 passwords, base64, comma-separated (optional) |
 //! | `kube-router.io/peer.ports`      | their ports, comma-separated (optional)                     |
+//! | `kube-router.io/peer.localips`   | local address of each session, comma-separated (optional)   |
+//! | `kube-router.io/peers`           | YAML list of `{remoteip, remoteasn, localip?, password?, port?, acceptdefault?}`; wins over the `peer.*` lists |
+//! | `kube-router.io/bgp-local-addresses` | addresses the BGP listener binds to (default: all)      |
+//! | `kube-router.io/path-prepend.as`, `.repeat-n` | AS-path prepend towards external peers         |
+//! | `kube-router.io/node.bgp.communities` | communities added towards external peers               |
+//! | `kube-router.io/node.bgp.customimportreject` | prefixes never imported                         |
+//!
+//! Peering model (kube-router's): with `--nodes-full-mesh` (default) every node runs the
+//! cluster ASN and peers with every other node; with `--nodes-full-mesh=false` each node takes
+//! its ASN from `kube-router.io/node.asn` (required) and peers only with nodes of the same ASN
+//! (per-rack designs). Route-reflector roles apply in both modes; `--enable-ibgp=false` drops
+//! node peers altogether.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -25,6 +37,11 @@ use std::net::{IpAddr, Ipv4Addr};
 use base64::Engine as _;
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
+
+use super::{
+    bfd::BfdConfig,
+    policy::{parse_community, AsPrepend},
+};
 
 /// Annotation holding a node's own ASN.
 pub const NODE_ASN_ANNOTATION: &str = "kube-router.io/node.asn";
@@ -42,6 +59,20 @@ pub const PEER_ASNS_ANNOTATION: &str = "kube-router.io/peer.asns";
 pub const PEER_PASSWORDS_ANNOTATION: &str = "kube-router.io/peer.passwords";
 /// Annotation listing per-node external peer ports.
 pub const PEER_PORTS_ANNOTATION: &str = "kube-router.io/peer.ports";
+/// Annotation listing the local address of each per-node external peer session.
+pub const PEER_LOCAL_IPS_ANNOTATION: &str = "kube-router.io/peer.localips";
+/// The consolidated per-node peer annotation (YAML), kube-router's recommended form.
+pub const PEERS_ANNOTATION: &str = "kube-router.io/peers";
+/// Addresses the BGP listener binds to.
+pub const LOCAL_ADDRESSES_ANNOTATION: &str = "kube-router.io/bgp-local-addresses";
+/// AS prepended towards external peers...
+pub const PATH_PREPEND_AS_ANNOTATION: &str = "kube-router.io/path-prepend.as";
+/// ...this many times.
+pub const PATH_PREPEND_REPEAT_ANNOTATION: &str = "kube-router.io/path-prepend.repeat-n";
+/// Communities added to what external peers receive.
+pub const COMMUNITIES_ANNOTATION: &str = "kube-router.io/node.bgp.communities";
+/// Prefixes (and anything inside them) never imported from any peer.
+pub const CUSTOM_IMPORT_REJECT_ANNOTATION: &str = "kube-router.io/node.bgp.customimportreject";
 
 /// Flag names used in error messages for [`parse_external_peer_flags`].
 pub const PEER_IPS_FLAG: &str = "--peer-router-ips";
@@ -82,6 +113,15 @@ pub struct PeerConfig {
     /// This node is an RR server and the peer is one of its clients.
     pub route_reflector_client: bool,
     pub kind: PeerKind,
+    /// Our address for the session (the outgoing connection binds to it).
+    pub local_address: Option<IpAddr>,
+    /// IP TTL of an eBGP session's packets (`--peer-router-multihop-ttl`); None: 1 for eBGP
+    /// (directly connected), the system default for iBGP.
+    pub multihop_ttl: Option<u8>,
+    /// Default routes from this peer are accepted (`acceptdefault` in `kube-router.io/peers`).
+    pub accept_default: bool,
+    /// BFD watches the session (`--enable-bfd` for external peers, `bfd` in `kube-router.io/peers`).
+    pub bfd: Option<BfdConfig>,
 }
 
 // Hand-written so that passwords never end up in logs via `{:?}`.
@@ -95,6 +135,10 @@ impl fmt::Debug for PeerConfig {
             .field("passive", &self.passive)
             .field("route_reflector_client", &self.route_reflector_client)
             .field("kind", &self.kind)
+            .field("local_address", &self.local_address)
+            .field("multihop_ttl", &self.multihop_ttl)
+            .field("accept_default", &self.accept_default)
+            .field("bfd", &self.bfd)
             .finish()
     }
 }
@@ -106,12 +150,14 @@ pub struct ExternalPeerFlag {
     pub asn: u32,
     /// Already base64-decoded.
     pub password: Option<String>,
+    /// `--peer-router-ports`; None: the default port.
+    pub port: Option<u16>,
 }
 
 impl ExternalPeerFlag {
-    /// The session configuration for this peer on `port`.
+    /// The session configuration for this peer (`port` unless it has its own).
     pub fn peer_config(&self, port: u16) -> PeerConfig {
-        external_peer(self.address, self.asn, self.password.clone(), port)
+        external_peer(self.address, self.asn, self.password.clone(), self.port.unwrap_or(port))
     }
 }
 
@@ -121,6 +167,7 @@ impl fmt::Debug for ExternalPeerFlag {
             .field("address", &self.address)
             .field("asn", &self.asn)
             .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("port", &self.port)
             .finish()
     }
 }
@@ -133,7 +180,15 @@ pub struct GlobalSettings {
     /// `--cluster-asn`, default 64512.
     pub cluster_asn: u32,
     /// `--enable-ibgp`, default true. When false no node peers (mesh or RR) are configured.
-    pub enable_ibgp_mesh: bool,
+    pub enable_ibgp: bool,
+    /// `--nodes-full-mesh`, default true: every node runs the cluster ASN and peers with every
+    /// other node. When false each node's ASN comes from its `kube-router.io/node.asn` and it
+    /// peers only with nodes of the same ASN.
+    pub full_mesh: bool,
+    /// `--peer-router-multihop-ttl` for external eBGP peers (>= 2 enables multihop).
+    pub multihop_ttl: Option<u8>,
+    /// `--enable-bfd` (with its timers): BFD for every external peer.
+    pub bfd: Option<BfdConfig>,
     /// Parsed `--peer-router-ips/--peer-router-asns/--peer-router-passwords`.
     pub external_peers: Vec<ExternalPeerFlag>,
     /// Port used for node peers and for external peers without an explicit port. Default 179.
@@ -147,7 +202,10 @@ impl Default for GlobalSettings {
         Self {
             node_name: String::new(),
             cluster_asn: DEFAULT_CLUSTER_ASN,
-            enable_ibgp_mesh: true,
+            enable_ibgp: true,
+            full_mesh: true,
+            multihop_ttl: None,
+            bfd: None,
             external_peers: Vec::new(),
             peer_port: DEFAULT_BGP_PORT,
             advertise_pod_cidr: true,
@@ -175,6 +233,14 @@ pub struct NodeBgpConfig {
     /// Sorted by address, at most one entry per address.
     pub peers: Vec<PeerConfig>,
     pub route_reflector: RrRole,
+    /// `kube-router.io/bgp-local-addresses`: where the listener binds (empty: everywhere).
+    pub listen_addresses: Vec<IpAddr>,
+    /// `kube-router.io/path-prepend.*`.
+    pub prepend: Option<AsPrepend>,
+    /// `kube-router.io/node.bgp.communities`.
+    pub communities: Vec<u32>,
+    /// `kube-router.io/node.bgp.customimportreject`.
+    pub custom_import_reject: Vec<IpNet>,
     /// Non-fatal problems; the caller should log them.
     pub warnings: Vec<PeerConfigWarning>,
 }
@@ -192,6 +258,10 @@ pub enum PeerConfigError {
     InvalidLocalAsn { node: String, value: String },
     #[error("invalid cluster ASN {0}: expected an ASN in 1..=4294967294")]
     InvalidClusterAsn(u32),
+    #[error(
+        "node {node:?} has no {NODE_ASN_ANNOTATION} annotation; with --nodes-full-mesh=false every node needs its ASN there"
+    )]
+    MissingLocalAsn { node: String },
     #[error("invalid peer port 0 in settings")]
     InvalidPeerPort,
     #[error(
@@ -225,6 +295,12 @@ pub enum PeerConfigWarning {
     DuplicatePeer { address: IpAddr, kept: String, dropped: String },
     /// A configured peer address belongs to this node; it is skipped.
     SelfPeer { address: IpAddr, source: String },
+    /// One of this node's routing annotations is broken; it is ignored (the rest applies).
+    InvalidAnnotation { node: String, annotation: &'static str, value: String, reason: String },
+    /// Both `kube-router.io/peers` and the `kube-router.io/peer.*` lists are set: the YAML wins.
+    PeersAnnotationWins { node: String },
+    /// In full-mesh mode every node runs the cluster ASN; this node's annotation is ignored.
+    NodeAsnIgnoredInFullMesh { node: String, value: String },
 }
 
 impl fmt::Display for PeerConfigWarning {
@@ -277,6 +353,17 @@ impl fmt::Display for PeerConfigWarning {
                     "peer {address} from {source} is an address of this node; not peering with ourselves"
                 )
             }
+            Self::InvalidAnnotation { node, annotation, value, reason } => {
+                write!(f, "node {node:?} has invalid annotation {annotation}={value:?} ({reason}); ignoring it")
+            }
+            Self::PeersAnnotationWins { node } => write!(
+                f,
+                "node {node:?} has both {PEERS_ANNOTATION} and the deprecated kube-router.io/peer.* annotations; using {PEERS_ANNOTATION}"
+            ),
+            Self::NodeAsnIgnoredInFullMesh { node, value } => write!(
+                f,
+                "node {node:?} has {NODE_ASN_ANNOTATION}={value:?}, which only applies with --nodes-full-mesh=false; the cluster ASN is used"
+            ),
         }
     }
 }
@@ -291,6 +378,7 @@ struct ListFields {
     asns: &'static str,
     passwords: &'static str,
     ports: &'static str,
+    local_ips: &'static str,
 }
 
 const FLAG_FIELDS: ListFields = ListFields {
@@ -298,6 +386,7 @@ const FLAG_FIELDS: ListFields = ListFields {
     asns: PEER_ASNS_FLAG,
     passwords: PEER_PASSWORDS_FLAG,
     ports: "--peer-router-ports",
+    local_ips: "(no flag)",
 };
 
 const ANNOTATION_FIELDS: ListFields = ListFields {
@@ -305,6 +394,7 @@ const ANNOTATION_FIELDS: ListFields = ListFields {
     asns: PEER_ASNS_ANNOTATION,
     passwords: PEER_PASSWORDS_ANNOTATION,
     ports: PEER_PORTS_ANNOTATION,
+    local_ips: PEER_LOCAL_IPS_ANNOTATION,
 };
 
 struct ParsedPeer {
@@ -312,6 +402,20 @@ struct ParsedPeer {
     asn: u32,
     password: Option<String>,
     port: Option<u16>,
+    local_address: Option<IpAddr>,
+    accept_default: bool,
+    /// The peer's own `bfd` settings (None: the `--enable-bfd` default).
+    bfd: Option<Option<BfdConfig>>,
+}
+
+impl ParsedPeer {
+    fn peer_config(self, default_port: u16, default_bfd: Option<BfdConfig>) -> PeerConfig {
+        let mut peer = external_peer(self.address, self.asn, self.password, self.port.unwrap_or(default_port));
+        peer.local_address = self.local_address;
+        peer.accept_default = self.accept_default;
+        peer.bfd = self.bfd.unwrap_or(default_bfd);
+        peer
+    }
 }
 
 fn parse_asn(s: &str) -> Option<u32> {
@@ -356,6 +460,7 @@ fn parse_peer_lists<S: AsRef<str>>(
     asns: &[S],
     passwords: &[S],
     ports: &[S],
+    local_ips: &[S],
 ) -> Result<Vec<ParsedPeer>, PeerConfigError> {
     check_len(fields.asns, asns.len(), fields.ips, ips.len())?;
     if !passwords.is_empty() {
@@ -363,6 +468,9 @@ fn parse_peer_lists<S: AsRef<str>>(
     }
     if !ports.is_empty() {
         check_len(fields.ports, ports.len(), fields.ips, ips.len())?;
+    }
+    if !local_ips.is_empty() {
+        check_len(fields.local_ips, local_ips.len(), fields.ips, ips.len())?;
     }
     let mut out = Vec::with_capacity(ips.len());
     for (i, (ip, asn)) in ips.iter().zip(asns).enumerate() {
@@ -377,38 +485,158 @@ fn parse_peer_lists<S: AsRef<str>>(
             }
             None => None,
         };
-        let port = match ports.get(i) {
-            Some(p) => {
-                let p = p.as_ref();
-                Some(
-                    p.trim()
-                        .parse::<u16>()
-                        .ok()
-                        .filter(|&n| n != 0)
-                        .ok_or_else(|| invalid(fields.ports, i, p, "expected a port in 1..=65535"))?,
-                )
-            }
-            None => None,
+        let port = match ports.get(i).map(|p| p.as_ref()) {
+            // An empty entry means the default port (kube-router: "port,,port").
+            Some(p) if !p.trim().is_empty() => Some(
+                p.trim()
+                    .parse::<u16>()
+                    .ok()
+                    .filter(|&n| n != 0)
+                    .ok_or_else(|| invalid(fields.ports, i, p, "expected a port in 1..=65535"))?,
+            ),
+            _ => None,
         };
-        out.push(ParsedPeer { address, asn, password, port });
+        let local_address = match local_ips.get(i).map(|p| p.as_ref()) {
+            Some(l) if !l.trim().is_empty() => {
+                Some(l.trim().parse().map_err(|_| invalid(fields.local_ips, i, l, "not an IPv4 or IPv6 address"))?)
+            }
+            _ => None,
+        };
+        out.push(ParsedPeer { address, asn, password, port, local_address, accept_default: false, bfd: None });
     }
     Ok(out)
 }
 
-/// Parses kube-router's `--peer-router-ips`, `--peer-router-asns` and `--peer-router-passwords` flags
-/// (each element is one entry; the flag library has already split on commas).
+/// Parses kube-router's `--peer-router-ips`, `--peer-router-asns`, `--peer-router-passwords`
+/// and `--peer-router-ports` flags (each element is one entry; the flag library has already
+/// split on commas).
 ///
-/// `ips` and `asns` must have the same length; `passwords` must be empty or have that length too. Passwords
-/// are base64-encoded; an empty entry means "no password".
+/// `ips` and `asns` must have the same length; `passwords` and `ports` must be empty or have
+/// that length too. Passwords are base64-encoded; an empty entry means "no password" (or the
+/// default port).
 pub fn parse_external_peer_flags(
     ips: &[String],
     asns: &[String],
     passwords: &[String],
+    ports: &[String],
 ) -> Result<Vec<ExternalPeerFlag>, PeerConfigError> {
-    Ok(parse_peer_lists(&FLAG_FIELDS, ips, asns, passwords, &[])?
+    Ok(parse_peer_lists(&FLAG_FIELDS, ips, asns, passwords, ports, &[])?
         .into_iter()
-        .map(|p| ExternalPeerFlag { address: p.address, asn: p.asn, password: p.password })
+        .map(|p| ExternalPeerFlag { address: p.address, asn: p.asn, password: p.password, port: p.port })
         .collect())
+}
+
+/// `--peer-router-passwords-file`: the passwords as `--peer-router-passwords` takes them
+/// (base64, comma-separated, on one line).
+pub fn parse_passwords_file(text: &str) -> Vec<String> {
+    let line = text.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("");
+    if line.is_empty() {
+        return Vec::new();
+    }
+    line.split(',').map(|p| p.trim().to_string()).collect()
+}
+
+/// One entry of the `kube-router.io/peers` YAML list.
+#[derive(serde::Deserialize)]
+struct PeerEntry {
+    remoteip: String,
+    remoteasn: u64,
+    #[serde(default)]
+    localip: Option<String>,
+    #[serde(default)]
+    password: Option<String>,
+    #[serde(default)]
+    port: Option<u64>,
+    /// Ours, not kube-router's: accept a default route from this peer.
+    #[serde(default)]
+    acceptdefault: bool,
+    #[serde(default)]
+    bfd: Option<BfdEntry>,
+}
+
+/// The `bfd` of a `kube-router.io/peers` entry (intervals in milliseconds, as kube-router).
+#[derive(serde::Deserialize)]
+struct BfdEntry {
+    #[serde(default)]
+    enabled: bool,
+    desired_min_tx_interval: Option<u64>,
+    required_min_rx_interval: Option<u64>,
+    detection_multiplier: Option<u64>,
+}
+
+/// Parses the `kube-router.io/peers` annotation.
+fn parse_peers_yaml(text: &str) -> Result<Vec<ParsedPeer>, PeerConfigError> {
+    let field = PEERS_ANNOTATION;
+    let entries: Vec<PeerEntry> = serde_yaml::from_str(text)
+        .map_err(|e| invalid(field, 0, "<yaml>", format!("expected a YAML list of peers: {e}")))?;
+    entries
+        .into_iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let address = e
+                .remoteip
+                .trim()
+                .parse()
+                .map_err(|_| invalid(field, i, &e.remoteip, "remoteip is not an IP address"))?;
+            let asn = u32::try_from(e.remoteasn)
+                .ok()
+                .filter(|a| (MIN_ASN..=MAX_ASN).contains(a))
+                .ok_or_else(|| invalid(field, i, &e.remoteasn.to_string(), "remoteasn must be in 1..=4294967294"))?;
+            let password = match &e.password {
+                Some(p) => decode_password(p).map_err(|reason| invalid(field, i, "<redacted>", reason))?,
+                None => None,
+            };
+            let port = match e.port {
+                Some(p) => Some(
+                    u16::try_from(p)
+                        .ok()
+                        .filter(|p| *p != 0)
+                        .ok_or_else(|| invalid(field, i, &p.to_string(), "port must be in 1..=65535"))?,
+                ),
+                None => None,
+            };
+            let local_address = match &e.localip {
+                Some(l) if !l.trim().is_empty() => {
+                    Some(l.trim().parse().map_err(|_| invalid(field, i, l, "localip is not an IP address"))?)
+                }
+                _ => None,
+            };
+            let bfd = match &e.bfd {
+                None => None,
+                Some(b) if !b.enabled => Some(None),
+                Some(b) => {
+                    let defaults = BfdConfig::default();
+                    let interval = |ms: Option<u64>, default: std::time::Duration, what: &str| match ms {
+                        None => Ok(default),
+                        Some(ms) if (1..=4_294_967).contains(&ms) => Ok(std::time::Duration::from_millis(ms)),
+                        Some(ms) => {
+                            Err(invalid(field, i, &ms.to_string(), format!("bfd {what} must be 1..=4294967 ms")))
+                        }
+                    };
+                    let multiplier = match b.detection_multiplier {
+                        None => defaults.multiplier,
+                        Some(m) => u8::try_from(m).ok().filter(|m| *m > 0).ok_or_else(|| {
+                            invalid(field, i, &m.to_string(), "bfd detection_multiplier must be 1..=255")
+                        })?,
+                    };
+                    Some(Some(BfdConfig {
+                        desired_min_tx: interval(
+                            b.desired_min_tx_interval,
+                            defaults.desired_min_tx,
+                            "desired_min_tx_interval",
+                        )?,
+                        required_min_rx: interval(
+                            b.required_min_rx_interval,
+                            defaults.required_min_rx,
+                            "required_min_rx_interval",
+                        )?,
+                        multiplier,
+                    }))
+                }
+            };
+            Ok(ParsedPeer { address, asn, password, port, local_address, accept_default: e.acceptdefault, bfd })
+        })
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -468,6 +696,11 @@ fn rr_role(node: &Node, warnings: &mut Vec<PeerConfigWarning>) -> Result<RrRole,
             .ok_or((RR_CLIENT_ANNOTATION, v.to_string())),
         (None, None) => Ok(RrRole::None),
     }
+}
+
+/// A node's `kube-router.io/node.asn`: the text, and the ASN if it is one.
+fn annotated_asn(node: &Node) -> Option<(&str, Option<u32>)> {
+    annotation(node, NODE_ASN_ANNOTATION).map(|v| (v, parse_asn(v)))
 }
 
 /// Whether a node with role `me` should peer with a node with role `other`, and if so whether `other`
@@ -591,10 +824,22 @@ pub fn node_bgp_config(nodes: &[Node], settings: &GlobalSettings) -> Result<Node
         .or_else(|| first_v4("ExternalIP"))
         .ok_or_else(|| PeerConfigError::NoRouterId { node: my_name.to_string() })?;
 
-    let local_asn = match annotation(me, NODE_ASN_ANNOTATION) {
-        Some(v) => parse_asn(v)
-            .ok_or_else(|| PeerConfigError::InvalidLocalAsn { node: my_name.to_string(), value: v.to_string() })?,
-        None => settings.cluster_asn,
+    let local_asn = match (settings.full_mesh, annotated_asn(me)) {
+        (true, Some((value, parsed))) => {
+            if parsed != Some(settings.cluster_asn) {
+                warnings.push(PeerConfigWarning::NodeAsnIgnoredInFullMesh {
+                    node: my_name.to_string(),
+                    value: value.to_string(),
+                });
+            }
+            settings.cluster_asn
+        }
+        (true, None) => settings.cluster_asn,
+        (false, Some((_, Some(asn)))) => asn,
+        (false, Some((value, None))) => {
+            return Err(PeerConfigError::InvalidLocalAsn { node: my_name.to_string(), value: value.to_string() })
+        }
+        (false, None) => return Err(PeerConfigError::MissingLocalAsn { node: my_name.to_string() }),
     };
 
     let route_reflector = rr_role(me, &mut warnings).map_err(|(annotation, value)| {
@@ -607,7 +852,7 @@ pub fn node_bgp_config(nodes: &[Node], settings: &GlobalSettings) -> Result<Node
     let local_address = node_ip(me);
     let mut set = PeerSet { own_ips: &own_ips, peers: BTreeMap::new(), warnings: &mut warnings };
 
-    if settings.enable_ibgp_mesh {
+    if settings.enable_ibgp {
         // Iterate in name order so duplicate-address warnings do not depend on list order.
         let mut others: Vec<&Node> = nodes.iter().filter(|n| node_name(n) != my_name).collect();
         others.sort_by(|a, b| node_name(a).cmp(node_name(b)));
@@ -617,19 +862,17 @@ pub fn node_bgp_config(nodes: &[Node], settings: &GlobalSettings) -> Result<Node
         // away when the Node object does.
         for other in others {
             let name = node_name(other).to_string();
-            let asn = match annotation(other, NODE_ASN_ANNOTATION) {
-                Some(v) => match parse_asn(v) {
-                    Some(asn) => asn,
-                    None => {
-                        set.warnings.push(PeerConfigWarning::InvalidNodeAsn { node: name, value: v.to_string() });
+            if !settings.full_mesh {
+                // kube-router only builds iBGP sessions between nodes of the same ASN; a node
+                // without the annotation is not part of any rack.
+                match annotated_asn(other) {
+                    Some((_, Some(asn))) if asn == local_asn => {}
+                    Some((value, None)) => {
+                        set.warnings.push(PeerConfigWarning::InvalidNodeAsn { node: name, value: value.to_string() });
                         continue;
                     }
-                },
-                None => settings.cluster_asn,
-            };
-            // kube-router only builds iBGP sessions between nodes of the same ASN.
-            if asn != local_asn {
-                continue;
+                    _ => continue,
+                }
             }
             let role = match rr_role(other, set.warnings) {
                 Ok(role) => role,
@@ -649,26 +892,34 @@ pub fn node_bgp_config(nodes: &[Node], settings: &GlobalSettings) -> Result<Node
                 Source::Mesh(name.clone()),
                 PeerConfig {
                     address,
-                    asn,
+                    asn: local_asn,
                     password: None,
                     port: settings.peer_port,
                     passive: false,
                     route_reflector_client,
                     kind: PeerKind::Node { name },
+                    local_address: None,
+                    multihop_ttl: None,
+                    accept_default: false,
+                    bfd: None,
                 },
             );
         }
     }
 
     for flag in &settings.external_peers {
-        set.add(Source::Flag, flag.peer_config(settings.peer_port));
+        let mut peer = flag.peer_config(settings.peer_port);
+        peer.multihop_ttl = settings.multihop_ttl;
+        peer.bfd = settings.bfd;
+        set.add(Source::Flag, peer);
     }
 
-    match node_annotation_peers(me) {
+    match node_annotation_peers(me, set.warnings) {
         Ok(parsed) => {
             for p in parsed {
-                let port = p.port.unwrap_or(settings.peer_port);
-                set.add(Source::Annotation(my_name.to_string()), external_peer(p.address, p.asn, p.password, port));
+                let mut peer = p.peer_config(settings.peer_port, settings.bfd);
+                peer.multihop_ttl = settings.multihop_ttl;
+                set.add(Source::Annotation(my_name.to_string()), peer);
             }
         }
         Err(e) => set
@@ -677,11 +928,135 @@ pub fn node_bgp_config(nodes: &[Node], settings: &GlobalSettings) -> Result<Node
     }
 
     let peers = set.peers.into_values().map(|(_, p)| p).collect();
-    Ok(NodeBgpConfig { router_id, local_asn, local_address, pod_cidrs, peers, route_reflector, warnings })
+    let listen_addresses = local_addresses(me, &mut warnings);
+    let prepend = path_prepend(me, &mut warnings);
+    let communities = communities(me, &mut warnings);
+    let custom_import_reject = custom_import_reject(me, &mut warnings);
+    Ok(NodeBgpConfig {
+        router_id,
+        local_asn,
+        local_address,
+        pod_cidrs,
+        peers,
+        route_reflector,
+        listen_addresses,
+        prepend,
+        communities,
+        custom_import_reject,
+        warnings,
+    })
 }
 
 fn external_peer(address: IpAddr, asn: u32, password: Option<String>, port: u16) -> PeerConfig {
-    PeerConfig { address, asn, password, port, passive: false, route_reflector_client: false, kind: PeerKind::External }
+    PeerConfig {
+        address,
+        asn,
+        password,
+        port,
+        passive: false,
+        route_reflector_client: false,
+        kind: PeerKind::External,
+        local_address: None,
+        multihop_ttl: None,
+        accept_default: false,
+        bfd: None,
+    }
+}
+
+fn invalid_annotation(
+    node: &Node,
+    annotation: &'static str,
+    value: &str,
+    reason: impl Into<String>,
+) -> PeerConfigWarning {
+    PeerConfigWarning::InvalidAnnotation {
+        node: node_name(node).to_string(),
+        annotation,
+        value: value.to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// Comma-separated, blanks dropped.
+fn annotation_list<'a>(node: &'a Node, key: &str) -> Vec<&'a str> {
+    annotation(node, key).map(|v| v.split(',').map(str::trim).filter(|e| !e.is_empty()).collect()).unwrap_or_default()
+}
+
+/// `kube-router.io/bgp-local-addresses`; a broken entry drops the whole list (listening
+/// everywhere is the safe fallback).
+fn local_addresses(node: &Node, warnings: &mut Vec<PeerConfigWarning>) -> Vec<IpAddr> {
+    let entries = annotation_list(node, LOCAL_ADDRESSES_ANNOTATION);
+    match entries.iter().map(|e| e.parse::<IpAddr>()).collect::<Result<Vec<_>, _>>() {
+        Ok(addresses) => addresses,
+        Err(_) => {
+            let value = annotation(node, LOCAL_ADDRESSES_ANNOTATION).unwrap_or_default();
+            warnings.push(invalid_annotation(node, LOCAL_ADDRESSES_ANNOTATION, value, "expected IP addresses"));
+            Vec::new()
+        }
+    }
+}
+
+/// `kube-router.io/path-prepend.as` and `.repeat-n`, both or neither.
+fn path_prepend(node: &Node, warnings: &mut Vec<PeerConfigWarning>) -> Option<AsPrepend> {
+    let asn = annotation(node, PATH_PREPEND_AS_ANNOTATION);
+    let repeat = annotation(node, PATH_PREPEND_REPEAT_ANNOTATION);
+    match (asn, repeat) {
+        (None, None) => None,
+        (Some(a), None) => {
+            let reason = format!("needs {PATH_PREPEND_REPEAT_ANNOTATION} too");
+            warnings.push(invalid_annotation(node, PATH_PREPEND_AS_ANNOTATION, a, reason));
+            None
+        }
+        (None, Some(r)) => {
+            let reason = format!("needs {PATH_PREPEND_AS_ANNOTATION} too");
+            warnings.push(invalid_annotation(node, PATH_PREPEND_REPEAT_ANNOTATION, r, reason));
+            None
+        }
+        (Some(a), Some(r)) => {
+            let Some(asn) = parse_asn(a) else {
+                warnings.push(invalid_annotation(node, PATH_PREPEND_AS_ANNOTATION, a, "expected an ASN"));
+                return None;
+            };
+            match r.trim().parse::<u8>() {
+                Ok(repeat) if repeat > 0 => Some(AsPrepend { asn, repeat }),
+                _ => {
+                    warnings.push(invalid_annotation(node, PATH_PREPEND_REPEAT_ANNOTATION, r, "expected 1..=255"));
+                    None
+                }
+            }
+        }
+    }
+}
+
+/// `kube-router.io/node.bgp.communities`; invalid entries are warned about and skipped.
+fn communities(node: &Node, warnings: &mut Vec<PeerConfigWarning>) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in annotation_list(node, COMMUNITIES_ANNOTATION) {
+        match parse_community(entry) {
+            Some(c) if !out.contains(&c) => out.push(c),
+            Some(_) => {}
+            None => warnings.push(invalid_annotation(
+                node,
+                COMMUNITIES_ANNOTATION,
+                entry,
+                "expected a 32-bit number, ASN:value or a well-known name like no-export",
+            )),
+        }
+    }
+    out
+}
+
+/// `kube-router.io/node.bgp.customimportreject`; like kube-router, a broken list is ignored whole.
+fn custom_import_reject(node: &Node, warnings: &mut Vec<PeerConfigWarning>) -> Vec<IpNet> {
+    let entries = annotation_list(node, CUSTOM_IMPORT_REJECT_ANNOTATION);
+    match entries.iter().map(|e| e.parse::<IpNet>().map(|n| n.trunc())).collect::<Result<Vec<_>, _>>() {
+        Ok(nets) => nets,
+        Err(_) => {
+            let value = annotation(node, CUSTOM_IMPORT_REJECT_ANNOTATION).unwrap_or_default();
+            warnings.push(invalid_annotation(node, CUSTOM_IMPORT_REJECT_ANNOTATION, value, "expected CIDRs"));
+            Vec::new()
+        }
+    }
 }
 
 /// `spec.podCIDRs`, falling back to `spec.podCIDR`; unparsable entries are warned about and skipped.
@@ -705,20 +1080,31 @@ fn pod_cidrs(node: &Node, warnings: &mut Vec<PeerConfigWarning>) -> Vec<IpNet> {
     out
 }
 
-/// Parses this node's `kube-router.io/peer.*` annotations.
-fn node_annotation_peers(node: &Node) -> Result<Vec<ParsedPeer>, PeerConfigError> {
+/// This node's external peers: the `kube-router.io/peers` YAML if set (kube-router's
+/// recommended form), else the `kube-router.io/peer.*` lists.
+fn node_annotation_peers(
+    node: &Node,
+    warnings: &mut Vec<PeerConfigWarning>,
+) -> Result<Vec<ParsedPeer>, PeerConfigError> {
     let list = |key| -> Vec<&str> {
         match annotation(node, key).map(str::trim) {
             Some(v) if !v.is_empty() => v.split(',').collect(),
             _ => Vec::new(),
         }
     };
+    if let Some(yaml) = annotation(node, PEERS_ANNOTATION).filter(|v| !v.trim().is_empty()) {
+        if annotation(node, PEER_IPS_ANNOTATION).is_some() {
+            warnings.push(PeerConfigWarning::PeersAnnotationWins { node: node_name(node).to_string() });
+        }
+        return parse_peers_yaml(yaml);
+    }
     parse_peer_lists(
         &ANNOTATION_FIELDS,
         &list(PEER_IPS_ANNOTATION),
         &list(PEER_ASNS_ANNOTATION),
         &list(PEER_PASSWORDS_ANNOTATION),
         &list(PEER_PORTS_ANNOTATION),
+        &list(PEER_LOCAL_IPS_ANNOTATION),
     )
 }
 
@@ -797,6 +1183,10 @@ mod tests {
                     passive: false,
                     route_reflector_client: false,
                     kind: PeerKind::Node { name: "node-2".into() },
+                    local_address: None,
+                    multihop_ttl: None,
+                    accept_default: false,
+                    bfd: None,
                 },
                 PeerConfig {
                     address: ip("10.0.0.3"),
@@ -806,6 +1196,10 @@ mod tests {
                     passive: false,
                     route_reflector_client: false,
                     kind: PeerKind::Node { name: "node-3".into() },
+                    local_address: None,
+                    multihop_ttl: None,
+                    accept_default: false,
+                    bfd: None,
                 },
             ]
         );
@@ -813,7 +1207,7 @@ mod tests {
 
     #[test]
     fn mesh_disabled_yields_no_node_peers() {
-        let s = GlobalSettings { enable_ibgp_mesh: false, ..settings("node-1") };
+        let s = GlobalSettings { enable_ibgp: false, ..settings("node-1") };
         let cfg = node_bgp_config(&three_nodes(), &s).unwrap();
         assert!(cfg.peers.is_empty());
     }
@@ -824,32 +1218,58 @@ mod tests {
         assert!(node_bgp_config(&three_nodes(), &s).unwrap().pod_cidrs.is_empty());
     }
 
+    fn rack_settings(name: &str) -> GlobalSettings {
+        GlobalSettings { full_mesh: false, ..settings(name) }
+    }
+
     #[test]
-    fn per_node_asn_same_and_different() {
+    fn without_full_mesh_nodes_peer_only_within_their_asn() {
         let nodes = vec![
             node("node-1", "10.0.0.1", &[(NODE_ASN_ANNOTATION, "65001")], None),
             node("node-2", "10.0.0.2", &[(NODE_ASN_ANNOTATION, "65001")], None),
             node("node-3", "10.0.0.3", &[(NODE_ASN_ANNOTATION, "65002")], None),
-            node("node-4", "10.0.0.4", &[], None), // cluster ASN 64512
+            node("node-4", "10.0.0.4", &[(NODE_ASN_ANNOTATION, "65002")], None),
+            node("node-5", "10.0.0.5", &[], None), // no rack: nobody peers with it
         ];
-        let cfg = node_bgp_config(&nodes, &settings("node-1")).unwrap();
+        let cfg = node_bgp_config(&nodes, &rack_settings("node-1")).unwrap();
         assert_eq!(cfg.local_asn, 65001);
         assert_eq!(addrs(&cfg), vec![ip("10.0.0.2")]);
         assert_eq!(peer(&cfg, "10.0.0.2").asn, 65001);
-        assert!(cfg.warnings.is_empty(), "different ASNs are skipped silently: {:?}", cfg.warnings);
+        assert!(cfg.warnings.is_empty(), "other racks are skipped silently: {:?}", cfg.warnings);
+        let cfg = node_bgp_config(&nodes, &rack_settings("node-3")).unwrap();
+        assert_eq!((cfg.local_asn, addrs(&cfg)), (65002, vec![ip("10.0.0.4")]));
+        // A node without an ASN cannot run BGP in this mode (as in kube-router).
+        let err = node_bgp_config(&nodes, &rack_settings("node-5")).unwrap_err();
+        assert_eq!(err, PeerConfigError::MissingLocalAsn { node: "node-5".into() });
+        assert!(err.to_string().contains(NODE_ASN_ANNOTATION));
+    }
 
-        // From node-4's view (cluster ASN) only unannotated nodes match: none.
-        let cfg = node_bgp_config(&nodes, &settings("node-4")).unwrap();
+    #[test]
+    fn full_mesh_runs_the_cluster_asn_and_peers_with_every_node() {
+        let nodes = vec![
+            node("node-1", "10.0.0.1", &[(NODE_ASN_ANNOTATION, "65001")], None),
+            node("node-2", "10.0.0.2", &[(NODE_ASN_ANNOTATION, "65002")], None),
+            node("node-3", "10.0.0.3", &[], None),
+        ];
+        let cfg = node_bgp_config(&nodes, &settings("node-1")).unwrap();
         assert_eq!(cfg.local_asn, 64512);
-        assert!(cfg.peers.is_empty());
+        assert_eq!(addrs(&cfg), vec![ip("10.0.0.2"), ip("10.0.0.3")]);
+        assert!(cfg.peers.iter().all(|p| p.asn == 64512));
+        assert_eq!(
+            cfg.warnings,
+            vec![PeerConfigWarning::NodeAsnIgnoredInFullMesh { node: "node-1".into(), value: "65001".into() }]
+        );
     }
 
     #[test]
     fn invalid_asn_on_other_node_is_a_warning() {
-        let mut nodes = three_nodes();
+        let mut nodes: Vec<Node> = ["1", "2", "3"]
+            .iter()
+            .map(|i| node(&format!("node-{i}"), &format!("10.0.0.{i}"), &[(NODE_ASN_ANNOTATION, "65001")], None))
+            .collect();
         nodes.push(node("node-4", "10.0.0.4", &[(NODE_ASN_ANNOTATION, "not-a-number")], None));
         nodes.push(node("node-5", "10.0.0.5", &[(NODE_ASN_ANNOTATION, "0")], None));
-        let cfg = node_bgp_config(&nodes, &settings("node-1")).unwrap();
+        let cfg = node_bgp_config(&nodes, &rack_settings("node-1")).unwrap();
         assert_eq!(addrs(&cfg), vec![ip("10.0.0.2"), ip("10.0.0.3")]);
         assert_eq!(
             cfg.warnings,
@@ -865,9 +1285,116 @@ mod tests {
     #[test]
     fn invalid_asn_on_this_node_is_an_error() {
         let nodes = vec![node("node-1", "10.0.0.1", &[(NODE_ASN_ANNOTATION, "4294967295")], None)];
-        let err = node_bgp_config(&nodes, &settings("node-1")).unwrap_err();
+        let err = node_bgp_config(&nodes, &rack_settings("node-1")).unwrap_err();
         assert_eq!(err, PeerConfigError::InvalidLocalAsn { node: "node-1".into(), value: "4294967295".into() });
         assert!(err.to_string().contains("node-1"));
+    }
+
+    #[test]
+    fn route_reflection_in_rack_mode_stays_within_the_asn() {
+        let nodes = vec![
+            node("rr", "10.0.0.1", &[(NODE_ASN_ANNOTATION, "65001"), (RR_SERVER_ANNOTATION, "1")], None),
+            node("c1", "10.0.0.2", &[(NODE_ASN_ANNOTATION, "65001"), (RR_CLIENT_ANNOTATION, "1")], None),
+            node("c2", "10.0.0.3", &[(NODE_ASN_ANNOTATION, "65002"), (RR_CLIENT_ANNOTATION, "1")], None),
+        ];
+        let cfg = node_bgp_config(&nodes, &rack_settings("rr")).unwrap();
+        assert_eq!(addrs(&cfg), vec![ip("10.0.0.2")]);
+        assert!(peer(&cfg, "10.0.0.2").route_reflector_client);
+    }
+
+    #[test]
+    fn peers_yaml_annotation_wins_over_the_lists() {
+        let yaml = format!(
+            "- remoteip: 192.168.1.99\n  remoteasn: 65000\n  password: {}\n  localip: 10.0.0.1\n  port: 1790\n- remoteip: \"2001:db8::1\"\n  remoteasn: 4200000000\n  acceptdefault: true\n",
+            b64("SecurePassword")
+        );
+        let nodes = vec![node(
+            "node-1",
+            "10.0.0.1",
+            &[(PEERS_ANNOTATION, &yaml), (PEER_IPS_ANNOTATION, "192.168.1.1"), (PEER_ASNS_ANNOTATION, "65001")],
+            None,
+        )];
+        let cfg = node_bgp_config(&nodes, &settings("node-1")).unwrap();
+        assert_eq!(addrs(&cfg), vec![ip("192.168.1.99"), ip("2001:db8::1")]);
+        let first = peer(&cfg, "192.168.1.99");
+        assert_eq!((first.asn, first.port, first.local_address), (65000, 1790, Some(ip("10.0.0.1"))));
+        assert_eq!(first.password.as_deref(), Some("SecurePassword"));
+        assert!(!first.accept_default && peer(&cfg, "2001:db8::1").accept_default);
+        assert_eq!(peer(&cfg, "2001:db8::1").port, 179);
+        assert_eq!(cfg.warnings, vec![PeerConfigWarning::PeersAnnotationWins { node: "node-1".into() }]);
+
+        for broken in [
+            "- remoteip: nope\n  remoteasn: 1",
+            "- remoteasn: 65000",
+            "{not: a list}",
+            "- remoteip: 192.0.2.1\n  remoteasn: 0",
+        ] {
+            let nodes = vec![node("node-1", "10.0.0.1", &[(PEERS_ANNOTATION, broken)], None)];
+            let cfg = node_bgp_config(&nodes, &settings("node-1")).unwrap();
+            assert!(cfg.peers.is_empty(), "{broken}");
+            assert!(
+                matches!(&cfg.warnings[..], [PeerConfigWarning::InvalidPeerAnnotations { reason, .. }] if reason.contains(PEERS_ANNOTATION)),
+                "{broken}: {:?}",
+                cfg.warnings
+            );
+        }
+    }
+
+    #[test]
+    fn local_ips_ports_multihop_and_the_routing_annotations() {
+        let nodes = vec![node(
+            "node-1",
+            "10.0.0.1",
+            &[
+                (PEER_IPS_ANNOTATION, "192.168.1.1,192.168.2.1"),
+                (PEER_ASNS_ANNOTATION, "65000,65000"),
+                (PEER_LOCAL_IPS_ANNOTATION, "10.0.0.1,"),
+                (PEER_PORTS_ANNOTATION, ",1790"),
+                (LOCAL_ADDRESSES_ANNOTATION, "10.0.0.1, 192.168.1.10"),
+                (PATH_PREPEND_AS_ANNOTATION, "65000"),
+                (PATH_PREPEND_REPEAT_ANNOTATION, "5"),
+                (COMMUNITIES_ANNOTATION, "no-export,65535:1,bogus"),
+                (CUSTOM_IMPORT_REJECT_ANNOTATION, "10.0.0.0/16, 192.168.1.0/24"),
+            ],
+            None,
+        )];
+        let s = GlobalSettings { multihop_ttl: Some(4), ..settings("node-1") };
+        let cfg = node_bgp_config(&nodes, &s).unwrap();
+        let (a, b) = (peer(&cfg, "192.168.1.1"), peer(&cfg, "192.168.2.1"));
+        assert_eq!((a.local_address, a.port, a.multihop_ttl), (Some(ip("10.0.0.1")), 179, Some(4)));
+        assert_eq!((b.local_address, b.port), (None, 1790));
+        assert_eq!(cfg.listen_addresses, vec![ip("10.0.0.1"), ip("192.168.1.10")]);
+        assert_eq!(cfg.prepend, Some(AsPrepend { asn: 65000, repeat: 5 }));
+        assert_eq!(cfg.communities, vec![0xffff_ff01, 0xffff_0001]);
+        assert_eq!(cfg.custom_import_reject.len(), 2);
+        assert!(
+            matches!(&cfg.warnings[..], [PeerConfigWarning::InvalidAnnotation { annotation: COMMUNITIES_ANNOTATION, value, .. }] if value == "bogus"),
+            "{:?}",
+            cfg.warnings
+        );
+        // Half a prepend, a broken reject list: warned about and ignored, the rest applies.
+        let nodes = vec![node(
+            "node-1",
+            "10.0.0.1",
+            &[(PATH_PREPEND_AS_ANNOTATION, "65000"), (CUSTOM_IMPORT_REJECT_ANNOTATION, "10.0.0.0/16,junk")],
+            None,
+        )];
+        let cfg = node_bgp_config(&nodes, &settings("node-1")).unwrap();
+        assert_eq!((cfg.prepend, cfg.custom_import_reject.len(), cfg.warnings.len()), (None, 0, 2));
+    }
+
+    #[test]
+    fn passwords_file_and_port_flags() {
+        assert_eq!(parse_passwords_file("U2VjdXJl,\n"), vec!["U2VjdXJl".to_string(), String::new()]);
+        assert!(parse_passwords_file("\n").is_empty());
+        let v = |xs: &[&str]| xs.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let peers =
+            parse_external_peer_flags(&v(&["192.0.2.1", "192.0.2.2"]), &v(&["65000", "65000"]), &[], &v(&["", "1790"]))
+                .unwrap();
+        assert_eq!(peers[0].peer_config(179).port, 179);
+        assert_eq!(peers[1].peer_config(179).port, 1790);
+        let err = parse_external_peer_flags(&v(&["192.0.2.1"]), &v(&["65000"]), &[], &v(&["0"])).unwrap_err();
+        assert!(err.to_string().contains("--peer-router-ports"), "{err}");
     }
 
     #[test]
@@ -986,7 +1513,7 @@ mod tests {
     #[test]
     fn per_node_peer_annotations_mismatch_is_warning_and_flags_still_apply() {
         let mut s = settings("node-1");
-        s.external_peers = vec![ExternalPeerFlag { address: ip("172.16.0.1"), asn: 65100, password: None }];
+        s.external_peers = vec![ExternalPeerFlag { address: ip("172.16.0.1"), asn: 65100, password: None, port: None }];
         let nodes = vec![
             node(
                 "node-1",
@@ -1033,6 +1560,7 @@ mod tests {
             &["192.168.1.1".into(), "192.168.1.2".into(), "10.0.0.2".into()],
             &["65000".into(), "65000".into(), "65099".into()],
             &[b64("flagpw"), String::new(), String::new()],
+            &[],
         )
         .unwrap();
         let nodes = vec![
@@ -1075,7 +1603,8 @@ mod tests {
             .unwrap()
             .push(NodeAddress { type_: "ExternalIP".into(), address: "203.0.113.1".into() });
         let mut s = settings("node-1");
-        s.external_peers = vec![ExternalPeerFlag { address: ip("203.0.113.1"), asn: 65000, password: None }];
+        s.external_peers =
+            vec![ExternalPeerFlag { address: ip("203.0.113.1"), asn: 65000, password: None, port: None }];
         // A stale second Node object claiming our IP must not make us peer with ourselves either.
         let nodes = vec![me, node("node-2", "10.0.0.2", &[], None), node("ghost", "10.0.0.1", &[], None)];
         let cfg = node_bgp_config(&nodes, &s).unwrap();
@@ -1150,8 +1679,8 @@ mod tests {
     fn deterministic_sorted_output() {
         let mut s = settings("node-1");
         s.external_peers = vec![
-            ExternalPeerFlag { address: ip("2001:db8::5"), asn: 65000, password: None },
-            ExternalPeerFlag { address: ip("1.1.1.1"), asn: 65000, password: None },
+            ExternalPeerFlag { address: ip("2001:db8::5"), asn: 65000, password: None, port: None },
+            ExternalPeerFlag { address: ip("1.1.1.1"), asn: 65000, password: None, port: None },
         ];
         let mut nodes = vec![
             node("node-1", "10.0.0.1", &[], None),
@@ -1175,27 +1704,28 @@ mod tests {
     #[test]
     fn parse_flags() {
         let v = |xs: &[&str]| xs.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert_eq!(parse_external_peer_flags(&[], &[], &[]).unwrap(), vec![]);
+        assert_eq!(parse_external_peer_flags(&[], &[], &[], &[]).unwrap(), vec![]);
         let peers =
-            parse_external_peer_flags(&v(&["192.0.2.1", "2001:db8::1"]), &v(&["65000", "4200000000"]), &[]).unwrap();
+            parse_external_peer_flags(&v(&["192.0.2.1", "2001:db8::1"]), &v(&["65000", "4200000000"]), &[], &[])
+                .unwrap();
         assert_eq!(peers.len(), 2);
         assert_eq!(peers[1].asn, 4_200_000_000);
         assert!(peers.iter().all(|p| p.password.is_none()));
 
-        let err = parse_external_peer_flags(&v(&["192.0.2.1"]), &[], &[]).unwrap_err();
+        let err = parse_external_peer_flags(&v(&["192.0.2.1"]), &[], &[], &[]).unwrap_err();
         assert_eq!(
             err.to_string(),
             "--peer-router-asns has 0 entries but --peer-router-ips has 1; they must have the same length"
         );
-        let err = parse_external_peer_flags(&v(&["192.0.2.1"]), &v(&["1"]), &v(&["a", "b"])).unwrap_err();
+        let err = parse_external_peer_flags(&v(&["192.0.2.1"]), &v(&["1"]), &v(&["a", "b"]), &[]).unwrap_err();
         assert!(matches!(err, PeerConfigError::LengthMismatch { field: PEER_PASSWORDS_FLAG, .. }));
-        let err = parse_external_peer_flags(&v(&["192.0.2.300"]), &v(&["1"]), &[]).unwrap_err();
+        let err = parse_external_peer_flags(&v(&["192.0.2.300"]), &v(&["1"]), &[], &[]).unwrap_err();
         assert!(err.to_string().contains("192.0.2.300"));
-        let err = parse_external_peer_flags(&v(&["192.0.2.1"]), &v(&["0"]), &[]).unwrap_err();
+        let err = parse_external_peer_flags(&v(&["192.0.2.1"]), &v(&["0"]), &[], &[]).unwrap_err();
         assert!(matches!(err, PeerConfigError::InvalidValue { field: PEER_ASNS_FLAG, index: 0, .. }));
-        let err = parse_external_peer_flags(&v(&["192.0.2.1"]), &v(&["1"]), &v(&["!!"])).unwrap_err();
+        let err = parse_external_peer_flags(&v(&["192.0.2.1"]), &v(&["1"]), &v(&["!!"]), &[]).unwrap_err();
         assert!(err.to_string().contains("base64") && !err.to_string().contains("!!"), "{err}");
-        let ok = parse_external_peer_flags(&v(&["192.0.2.1"]), &v(&["1"]), &[b64(&"p".repeat(80))]).unwrap();
+        let ok = parse_external_peer_flags(&v(&["192.0.2.1"]), &v(&["1"]), &[b64(&"p".repeat(80))], &[]).unwrap();
         assert_eq!(ok[0].password.as_deref().map(str::len), Some(80));
     }
 

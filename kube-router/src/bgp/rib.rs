@@ -1,17 +1,25 @@
 //! Adj-RIB-In per peer, Loc-RIB with RFC 4271 §9.1 best-path selection, and
 //! Adj-RIB-Out per peer with iBGP split horizon / RFC 4456 route reflection.
 //!
+//! The Adj-RIB-In is pre-policy: every path a peer sent is kept, with the import policy's
+//! verdict ([`super::policy`]); refused paths, and paths whose next hop does not resolve
+//! (RFC 4271 §9.1.2.1, against the kernel's own routes), never take part in selection. When the
+//! policy or the kernel's routes change, every path is judged again.
+//!
 //! Every mutation returns the Loc-RIB deltas it caused, which the agent
 //! turns into kernel route changes; outbound UPDATEs are computed per peer
 //! from those deltas with [`Rib::sync_adj_rib_out`].
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::sync::Arc;
 
 use super::message::{
     as_path_contains, as_path_length, neighbour_as, AsPathSegment, Family, Message, NextHop, PathAttributes, Prefix,
     Update,
 };
+use super::policy::{ExportPolicy, ImportPolicy, OriginKind, PeerRole, Rejection};
+use crate::{fib::resolve::Reachability, overlay::OverlayConfig};
 
 /// RFC 4271 §5.1.5: LOCAL_PREF assumed when absent (common default).
 pub const DEFAULT_LOCAL_PREF: u32 = 100;
@@ -43,6 +51,10 @@ pub struct PeerInfo {
     pub local_ipv6: Option<Ipv6Addr>,
     /// Families negotiated on the session; nothing else is exported.
     pub families: Vec<Family>,
+    /// Another node, or a router outside the cluster: decides import and export.
+    pub role: PeerRole,
+    /// Default routes from this peer are accepted.
+    pub accept_default: bool,
 }
 
 impl PeerInfo {
@@ -56,8 +68,8 @@ impl PeerInfo {
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum RouteSource {
-    /// Originated by this node (e.g. its pod CIDR).
-    Local,
+    /// Originated by this node (its pod CIDR, a Service VIP).
+    Local(OriginKind),
     Peer(IpAddr),
 }
 
@@ -65,9 +77,12 @@ pub enum RouteSource {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Route {
     pub next_hop: NextHop,
-    pub attributes: PathAttributes,
+    /// Shared by every prefix of the UPDATE that carried them.
+    pub attributes: Arc<PathAttributes>,
     /// Retained across a peer's graceful restart and not yet refreshed.
     pub stale: bool,
+    /// The import policy's verdict: a refused path is kept (pre-policy Adj-RIB-In) but unused.
+    pub rejected: Option<Rejection>,
 }
 
 /// The selected path for a prefix.
@@ -75,7 +90,10 @@ pub struct Route {
 pub struct BestRoute {
     pub source: RouteSource,
     pub next_hop: NextHop,
-    pub attributes: PathAttributes,
+    pub attributes: Arc<PathAttributes>,
+    /// Next hops of other paths as good as this one for multipath (ECMP), sorted; empty when
+    /// there is only one.
+    pub multipath: Box<[NextHop]>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -120,6 +138,27 @@ impl Candidate<'_> {
     /// RFC 4456 §9: a reflected route is compared by its ORIGINATOR_ID.
     fn effective_router_id(&self) -> u32 {
         self.route.attributes.originator_id.or(self.peer.map(|p| p.router_id)).map(u32::from).unwrap_or(0)
+    }
+    /// Equal to `other` in every step of the decision process before the IGP cost (and from the
+    /// same neighbouring AS): both may carry traffic for the prefix (multipath).
+    fn multipath_equal(&self, other: &Candidate<'_>, local_asn: u32) -> bool {
+        let (a, b) = (&self.route.attributes, &other.route.attributes);
+        self.local_pref() == other.local_pref()
+            && as_path_length(&a.as_path) == as_path_length(&b.as_path)
+            && neighbour_as(&a.as_path) == neighbour_as(&b.as_path)
+            && a.origin == b.origin
+            && a.med.unwrap_or(0) == b.med.unwrap_or(0)
+            && self.is_ebgp(local_asn) == other.is_ebgp(local_asn)
+    }
+}
+
+/// Inserts `n` copies of `asn` at position `at` (0 or 1) of the path's leading sequence.
+fn prepend_path(path: &mut Vec<AsPathSegment>, at: usize, asn: u32, n: usize) {
+    match path.first_mut() {
+        Some(AsPathSegment::Sequence(asns)) if asns.len() + n <= 255 && at <= asns.len() => {
+            asns.splice(at..at, std::iter::repeat_n(asn, n));
+        }
+        _ => path.insert(at.min(path.len()), AsPathSegment::Sequence(vec![asn; n])),
     }
 }
 
@@ -167,25 +206,67 @@ pub fn select_best(local_asn: u32, candidates: &[Candidate<'_>]) -> Option<usize
     candidates.iter().position(|c| std::ptr::eq(c.route, winner.route))
 }
 
+/// How often the import policy refused paths of one peer for one reason, with an example.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RejectionCount {
+    pub total: u64,
+    pub example: Prefix,
+}
+
 #[derive(Debug, Clone)]
 struct PeerEntry {
     info: PeerInfo,
     adj_rib_in: BTreeMap<Prefix, Route>,
+    /// Paths in `adj_rib_in` the import policy refused.
+    rejected: usize,
     /// What we last advertised to this peer.
-    adj_rib_out: BTreeMap<Prefix, (NextHop, PathAttributes)>,
+    adj_rib_out: BTreeMap<Prefix, (NextHop, Arc<PathAttributes>)>,
+}
+
+impl PeerEntry {
+    fn insert(&mut self, prefix: Prefix, route: Route) {
+        let added = usize::from(route.rejected.is_some());
+        if let Some(old) = self.adj_rib_in.insert(prefix, route) {
+            self.rejected -= usize::from(old.rejected.is_some());
+        }
+        self.rejected += added;
+    }
+
+    fn remove(&mut self, prefix: &Prefix) {
+        if let Some(old) = self.adj_rib_in.remove(prefix) {
+            self.rejected -= usize::from(old.rejected.is_some());
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
 pub struct Rib {
     config: RibConfig,
     peers: BTreeMap<IpAddr, PeerEntry>,
-    local: BTreeMap<Prefix, Route>,
+    local: BTreeMap<Prefix, (Route, OriginKind)>,
     loc_rib: BTreeMap<Prefix, BestRoute>,
+    import: ImportPolicy,
+    export: ExportPolicy,
+    /// The kernel's routes and the node's addresses; None (until the kernel has been read, and
+    /// in tests) resolves every next hop and knows no local subnet.
+    reach: Option<Reachability>,
+    overlay: Option<OverlayConfig>,
+    rejections: BTreeMap<(IpAddr, Rejection), RejectionCount>,
 }
 
 impl Rib {
     pub fn new(config: RibConfig) -> Self {
-        Self { config, peers: BTreeMap::new(), local: BTreeMap::new(), loc_rib: BTreeMap::new() }
+        Self {
+            config,
+            peers: BTreeMap::new(),
+            local: BTreeMap::new(),
+            loc_rib: BTreeMap::new(),
+            import: ImportPolicy::default(),
+            export: ExportPolicy::default(),
+            reach: None,
+            overlay: None,
+            rejections: BTreeMap::new(),
+        }
     }
 
     pub fn config(&self) -> &RibConfig {
@@ -204,12 +285,96 @@ impl Rib {
         self.peers.get(&peer).map(|p| &p.adj_rib_in)
     }
 
-    pub fn adj_rib_out(&self, peer: IpAddr) -> Option<&BTreeMap<Prefix, (NextHop, PathAttributes)>> {
+    /// Paths of `peer` the import policy refused (kept in its Adj-RIB-In).
+    pub fn rejected_count(&self, peer: IpAddr) -> usize {
+        self.peers.get(&peer).map_or(0, |p| p.rejected)
+    }
+
+    /// Every refusal so far, per peer and reason.
+    pub fn rejections(&self) -> &BTreeMap<(IpAddr, Rejection), RejectionCount> {
+        &self.rejections
+    }
+
+    pub fn adj_rib_out(&self, peer: IpAddr) -> Option<&BTreeMap<Prefix, (NextHop, Arc<PathAttributes>)>> {
         self.peers.get(&peer).map(|p| &p.adj_rib_out)
     }
 
     pub fn peer(&self, peer: IpAddr) -> Option<&PeerInfo> {
         self.peers.get(&peer).map(|p| &p.info)
+    }
+
+    /// Peers whose usable path for `prefix` has `next_hop` (to find where a multipath next hop
+    /// came from).
+    pub fn peers_with_path<'a>(
+        &'a self,
+        prefix: &'a Prefix,
+        next_hop: &'a NextHop,
+    ) -> impl Iterator<Item = IpAddr> + 'a {
+        self.peers.iter().filter_map(move |(addr, entry)| {
+            let route = entry.adj_rib_in.get(prefix)?;
+            (route.next_hop == *next_hop && self.usable(&entry.info, route)).then_some(*addr)
+        })
+    }
+
+    pub fn reachability(&self) -> Option<&Reachability> {
+        self.reach.as_ref()
+    }
+
+    pub fn overlay(&self) -> Option<&OverlayConfig> {
+        self.overlay.as_ref()
+    }
+
+    pub fn export_policy(&self) -> &ExportPolicy {
+        &self.export
+    }
+
+    /// New import policy: every stored path is judged again.
+    pub fn set_import_policy(&mut self, import: ImportPolicy) -> Vec<BestPathChange> {
+        if self.import == import {
+            return Vec::new();
+        }
+        self.import = import;
+        self.rejudge_all()
+    }
+
+    /// The kernel's routes or the node's addresses changed: next hops resolve differently and
+    /// the node's own subnets may have changed.
+    pub fn set_reachability(&mut self, reach: Reachability) -> Vec<BestPathChange> {
+        if self.reach.as_ref() == Some(&reach) {
+            return Vec::new();
+        }
+        self.reach = Some(reach);
+        self.rejudge_all()
+    }
+
+    pub fn set_overlay(&mut self, overlay: Option<OverlayConfig>) -> Vec<BestPathChange> {
+        if self.overlay == overlay {
+            return Vec::new();
+        }
+        self.overlay = overlay;
+        self.rejudge_all()
+    }
+
+    /// New export policy; the caller re-syncs every peer's Adj-RIB-Out.
+    pub fn set_export_policy(&mut self, export: ExportPolicy) -> bool {
+        let changed = self.export != export;
+        self.export = export;
+        changed
+    }
+
+    fn rejudge_all(&mut self) -> Vec<BestPathChange> {
+        let mut touched: Vec<Prefix> = self.loc_rib.keys().copied().collect();
+        for entry in self.peers.values_mut() {
+            let mut rejected = 0;
+            for (prefix, route) in entry.adj_rib_in.iter_mut() {
+                route.rejected =
+                    self.import.check(entry.info.accept_default, prefix, &route.next_hop, self.reach.as_ref());
+                rejected += usize::from(route.rejected.is_some());
+            }
+            entry.rejected = rejected;
+            touched.extend(entry.adj_rib_in.keys().copied());
+        }
+        self.recompute(touched)
     }
 
     /// Register a peer or refresh its session parameters (router id and
@@ -219,12 +384,24 @@ impl Rib {
         let address = info.address;
         let prefixes: Vec<Prefix> = match self.peers.get_mut(&address) {
             Some(entry) => {
+                let rejudge = entry.info.accept_default != info.accept_default;
                 entry.info = info;
+                if rejudge {
+                    let mut rejected = 0;
+                    for (prefix, route) in entry.adj_rib_in.iter_mut() {
+                        route.rejected =
+                            self.import.check(entry.info.accept_default, prefix, &route.next_hop, self.reach.as_ref());
+                        rejected += usize::from(route.rejected.is_some());
+                    }
+                    entry.rejected = rejected;
+                }
                 entry.adj_rib_in.keys().copied().collect()
             }
             None => {
-                self.peers
-                    .insert(address, PeerEntry { info, adj_rib_in: BTreeMap::new(), adj_rib_out: BTreeMap::new() });
+                self.peers.insert(
+                    address,
+                    PeerEntry { info, adj_rib_in: BTreeMap::new(), rejected: 0, adj_rib_out: BTreeMap::new() },
+                );
                 Vec::new()
             }
         };
@@ -271,39 +448,50 @@ impl Rib {
         };
         let doomed: Vec<Prefix> = entry.adj_rib_in.iter().filter(|(p, r)| pred(p, r)).map(|(p, _)| *p).collect();
         for p in &doomed {
-            entry.adj_rib_in.remove(p);
+            entry.remove(p);
         }
         self.recompute(doomed)
     }
 
-    /// Apply an UPDATE received from `peer`. Announcements that fail import
-    /// checks (AS loop, RR loop) act as implicit withdrawals.
+    /// Apply an UPDATE received from `peer`. Announcements that fail the loop
+    /// checks (AS loop, RR loop) act as implicit withdrawals; those the import
+    /// policy refuses are kept, marked, and unused.
     pub fn apply_update(&mut self, peer: IpAddr, update: &Update) -> Result<Vec<BestPathChange>, RibError> {
         let accept = {
             let entry = self.peers.get(&peer).ok_or(RibError::UnknownPeer(peer))?;
-            self.import_allowed(&entry.info, &update.attributes)
+            self.loop_free(&entry.info, &update.attributes)
         };
         let entry = self.peers.get_mut(&peer).ok_or(RibError::UnknownPeer(peer))?;
         let mut touched = Vec::with_capacity(update.withdrawn.len() + update.announced.len());
         for prefix in &update.withdrawn {
-            entry.adj_rib_in.remove(prefix);
+            entry.remove(prefix);
             touched.push(*prefix);
         }
+        let attributes = Arc::new(update.attributes.clone());
         for (prefix, next_hop) in &update.announced {
             if accept {
-                entry.adj_rib_in.insert(
-                    *prefix,
-                    Route { next_hop: *next_hop, attributes: update.attributes.clone(), stale: false },
-                );
+                let rejected = self.import.check(entry.info.accept_default, prefix, next_hop, self.reach.as_ref());
+                if let Some(reason) = rejected {
+                    self.rejections
+                        .entry((peer, reason))
+                        .or_insert(RejectionCount { total: 0, example: *prefix })
+                        .total += 1;
+                }
+                // Re-announcing an unchanged path keeps the attributes it already shares.
+                let attributes = match entry.adj_rib_in.get(prefix) {
+                    Some(old) if old.attributes == attributes => old.attributes.clone(),
+                    _ => attributes.clone(),
+                };
+                entry.insert(*prefix, Route { next_hop: *next_hop, attributes, stale: false, rejected });
             } else {
-                entry.adj_rib_in.remove(prefix);
+                entry.remove(prefix);
             }
             touched.push(*prefix);
         }
         Ok(self.recompute(touched))
     }
 
-    fn import_allowed(&self, from: &PeerInfo, attrs: &PathAttributes) -> bool {
+    fn loop_free(&self, from: &PeerInfo, attrs: &PathAttributes) -> bool {
         let ebgp = from.asn != self.config.local_asn;
         // RFC 4271 §9.1.2: our own AS in the path is a loop.
         if ebgp && as_path_contains(&attrs.as_path, self.config.local_asn) {
@@ -317,8 +505,15 @@ impl Rib {
     }
 
     /// Originate (or replace) a local route, e.g. this node's pod CIDR.
-    pub fn originate(&mut self, prefix: Prefix, next_hop: NextHop, attributes: PathAttributes) -> Vec<BestPathChange> {
-        self.local.insert(prefix, Route { next_hop, attributes, stale: false });
+    pub fn originate(
+        &mut self,
+        prefix: Prefix,
+        next_hop: NextHop,
+        attributes: PathAttributes,
+        kind: OriginKind,
+    ) -> Vec<BestPathChange> {
+        let route = Route { next_hop, attributes: Arc::new(attributes), stale: false, rejected: None };
+        self.local.insert(prefix, (route, kind));
         self.recompute(vec![prefix])
     }
 
@@ -330,15 +525,18 @@ impl Rib {
     fn recompute(&mut self, mut prefixes: Vec<Prefix>) -> Vec<BestPathChange> {
         prefixes.sort();
         prefixes.dedup();
+        let sources: Vec<RouteSource> = self.peers.keys().map(|a| RouteSource::Peer(*a)).collect();
         let mut changes = Vec::new();
         for prefix in prefixes {
-            let new = self.compute_best(&prefix);
-            let old = self.loc_rib.get(&prefix).cloned();
+            let new = self.compute_best(&prefix, &sources);
+            let old = self.loc_rib.get(&prefix);
             let change = match (old, new) {
                 (None, None) => None,
                 (None, Some(new)) => Some(BestPathChange::Added { prefix, new }),
-                (Some(old), None) => Some(BestPathChange::Removed { prefix, old }),
-                (Some(old), Some(new)) if old != new => Some(BestPathChange::Changed { prefix, old, new }),
+                (Some(old), None) => Some(BestPathChange::Removed { prefix, old: old.clone() }),
+                (Some(old), Some(new)) if *old != new => {
+                    Some(BestPathChange::Changed { prefix, old: old.clone(), new })
+                }
                 (Some(_), Some(_)) => None,
             };
             if let Some(change) = change {
@@ -356,28 +554,51 @@ impl Rib {
         changes
     }
 
-    fn compute_best(&self, prefix: &Prefix) -> Option<BestRoute> {
-        const LOCAL: RouteSource = RouteSource::Local;
-        let sources: Vec<RouteSource> = self.peers.keys().map(|a| RouteSource::Peer(*a)).collect();
+    /// A peer's path may compete: the policy accepted it and its next hop resolves.
+    fn usable(&self, peer: &PeerInfo, route: &Route) -> bool {
+        route.rejected.is_none()
+            && self.reach.as_ref().is_none_or(|reach| {
+                crate::overlay::next_hop_resolvable(self.overlay.as_ref(), peer.role, route.next_hop.addr(), reach)
+            })
+    }
+
+    fn compute_best(&self, prefix: &Prefix, sources: &[RouteSource]) -> Option<BestRoute> {
+        let local_source;
         let mut candidates = Vec::new();
-        if let Some(route) = self.local.get(prefix) {
-            candidates.push(Candidate { source: &LOCAL, route, peer: None });
+        if let Some((route, kind)) = self.local.get(prefix) {
+            local_source = RouteSource::Local(*kind);
+            candidates.push(Candidate { source: &local_source, route, peer: None });
         }
-        for (entry, source) in self.peers.values().zip(&sources) {
+        for (entry, source) in self.peers.values().zip(sources) {
             if let Some(route) = entry.adj_rib_in.get(prefix) {
-                candidates.push(Candidate { source, route, peer: Some(&entry.info) });
+                if self.usable(&entry.info, route) {
+                    candidates.push(Candidate { source, route, peer: Some(&entry.info) });
+                }
             }
         }
         let winner = candidates.get(select_best(self.config.local_asn, &candidates)?)?;
+        let mut multipath: Vec<NextHop> = match winner.peer {
+            None => Vec::new(),
+            Some(_) => candidates
+                .iter()
+                .filter(|c| c.peer.is_some() && !std::ptr::eq(c.route, winner.route))
+                .filter(|c| c.multipath_equal(winner, self.config.local_asn))
+                .map(|c| c.route.next_hop)
+                .filter(|nh| *nh != winner.route.next_hop)
+                .collect(),
+        };
+        multipath.sort();
+        multipath.dedup();
         Some(BestRoute {
             source: winner.source.clone(),
             next_hop: winner.route.next_hop,
             attributes: winner.route.attributes.clone(),
+            multipath: multipath.into_boxed_slice(),
         })
     }
 
     /// What we would advertise to `target` for `best`, or None if export
-    /// rules forbid it (split horizon, family not negotiated, no next hop).
+    /// rules forbid it (policy, split horizon, family not negotiated, no next hop).
     fn export(&self, target: &PeerInfo, prefix: &Prefix, best: &BestRoute) -> Option<(NextHop, PathAttributes)> {
         let family = prefix.family();
         if !target.families.contains(&family) {
@@ -386,16 +607,30 @@ impl Rib {
         let local_asn = self.config.local_asn;
         let target_ibgp = target.asn == local_asn;
         let source_peer = match &best.source {
-            RouteSource::Local => None,
+            RouteSource::Local(kind) => {
+                if !self.export.exports_local(*kind, target.role) {
+                    return None;
+                }
+                None
+            }
             RouteSource::Peer(addr) => {
                 if *addr == target.address {
                     return None; // never send a route back to where it came from
                 }
-                Some(&self.peers.get(addr)?.info)
+                let source = &self.peers.get(addr)?.info;
+                // Learned routes travel only between nodes, and only by reflection: never
+                // to or from outside the cluster (the node is no transit AS).
+                if source.role == PeerRole::External || target.role == PeerRole::External {
+                    return None;
+                }
+                Some(source)
             }
         };
         let source_ibgp = source_peer.is_some_and(|p| p.asn == local_asn);
         let reflecting = target_ibgp && source_ibgp;
+        if source_peer.is_some() && !reflecting {
+            return None;
+        }
         if reflecting {
             // RFC 4456 §6: from a client -> everyone; from a non-client ->
             // clients only. Without RR involvement: iBGP split horizon.
@@ -405,12 +640,19 @@ impl Rib {
             }
         }
 
-        let mut attrs = best.attributes.clone();
+        let mut attrs = (*best.attributes).clone();
+        let external = target.role == PeerRole::External;
+        // Our own routes: node peers get the session's address (they reach us over it);
+        // external peers the node IP, or with --override-nexthop the session's address.
+        let own_next_hop = || match (external, self.export.override_next_hop) {
+            (true, false) => Some(best.next_hop),
+            _ => target.local_next_hop(family).or(Some(best.next_hop)),
+        };
         let next_hop;
         if target_ibgp {
             attrs.local_pref = Some(attrs.local_pref.unwrap_or(DEFAULT_LOCAL_PREF));
             next_hop = match source_peer {
-                None => target.local_next_hop(family)?,
+                None => own_next_hop()?,
                 Some(_) => best.next_hop,
             };
             if let (true, Some(src)) = (reflecting, source_peer) {
@@ -421,16 +663,22 @@ impl Rib {
             attrs.local_pref = None;
             attrs.originator_id = None;
             attrs.cluster_list.clear();
-            // RFC 4271 §5.1.4: MED learned from a peer is not passed on to
-            // other ASes.
-            if source_peer.is_some() {
-                attrs.med = None;
-            }
             match attrs.as_path.first_mut() {
                 Some(AsPathSegment::Sequence(asns)) if asns.len() < 255 => asns.insert(0, local_asn),
                 _ => attrs.as_path.insert(0, AsPathSegment::Sequence(vec![local_asn])),
             }
-            next_hop = target.local_next_hop(family)?;
+            next_hop = own_next_hop()?;
+        }
+        if external {
+            if let Some(prepend) = self.export.prepend {
+                // After our own AS on eBGP (the peer checks that it comes first), first on iBGP.
+                prepend_path(&mut attrs.as_path, usize::from(!target_ibgp), prepend.asn, usize::from(prepend.repeat));
+            }
+            for community in &self.export.communities {
+                if !attrs.communities.contains(community) {
+                    attrs.communities.push(*community);
+                }
+            }
         }
         Some((next_hop, attrs))
     }
@@ -459,7 +707,7 @@ impl Rib {
             let current = entry.adj_rib_out.get(&prefix);
             match (current, desired) {
                 (Some(_), None) => withdrawn.push(prefix),
-                (cur, Some((nh, attrs))) if cur != Some(&(nh, attrs.clone())) => {
+                (cur, Some((nh, attrs))) if cur.is_none_or(|(c_nh, c_attrs)| *c_nh != nh || **c_attrs != attrs) => {
                     desired_changes.push((prefix, nh, attrs))
                 }
                 _ => {}
@@ -475,15 +723,25 @@ impl Rib {
             }
             updates.push(Update { withdrawn, ..Update::default() });
         }
-        let mut batches: Vec<Update> = Vec::new();
+        let mut batches: Vec<(Arc<PathAttributes>, Update)> = Vec::new();
         for (prefix, nh, attrs) in desired_changes {
-            entry.adj_rib_out.insert(prefix, (nh, attrs.clone()));
-            match batches.iter_mut().find(|u| u.attributes == attrs) {
-                Some(u) => u.announced.push((prefix, nh)),
-                None => batches.push(Update { withdrawn: vec![], announced: vec![(prefix, nh)], attributes: attrs }),
-            }
+            let shared = match batches.iter_mut().find(|(a, _)| **a == attrs) {
+                Some((shared, update)) => {
+                    update.announced.push((prefix, nh));
+                    shared.clone()
+                }
+                None => {
+                    let shared = Arc::new(attrs.clone());
+                    batches.push((
+                        shared.clone(),
+                        Update { withdrawn: vec![], announced: vec![(prefix, nh)], attributes: attrs },
+                    ));
+                    shared
+                }
+            };
+            entry.adj_rib_out.insert(prefix, (nh, shared));
         }
-        updates.extend(batches);
+        updates.extend(batches.into_iter().map(|(_, u)| u));
         updates
     }
 
@@ -506,9 +764,24 @@ impl Rib {
 mod tests {
     use super::*;
     use crate::bgp::message::Origin;
+    use crate::bgp::policy::ImportPolicy;
     use proptest::prelude::*;
 
     const LOCAL_ASN: u32 = 64512;
+    const POD: OriginKind = OriginKind::PodCidr;
+
+    /// Next hops of the candidates as good as `winner` for multipath (the model's view).
+    fn multipath_of(local_asn: u32, cands: &[Candidate<'_>], winner: &Candidate<'_>) -> Box<[NextHop]> {
+        let mut hops: Vec<NextHop> = cands
+            .iter()
+            .filter(|c| !std::ptr::eq(c.route, winner.route) && c.multipath_equal(winner, local_asn))
+            .map(|c| c.route.next_hop)
+            .filter(|nh| *nh != winner.route.next_hop)
+            .collect();
+        hops.sort();
+        hops.dedup();
+        hops.into_boxed_slice()
+    }
 
     fn pfx(s: &str) -> Prefix {
         s.parse().unwrap()
@@ -523,6 +796,8 @@ mod tests {
             local_ipv4: Some(Ipv4Addr::new(192, 168, 0, 1)),
             local_ipv6: Some("fd00::1".parse().unwrap()),
             families: vec![Family::Ipv4Unicast, Family::Ipv6Unicast],
+            role: if asn == LOCAL_ASN { PeerRole::Node } else { PeerRole::External },
+            accept_default: false,
         }
     }
 
@@ -558,7 +833,7 @@ mod tests {
         rib.apply_update(b.0.address, &announce(prefix, nh(2), b.1)).unwrap();
         match &rib.best(&prefix).unwrap().source {
             RouteSource::Peer(addr) => *addr,
-            RouteSource::Local => panic!("local"),
+            RouteSource::Local(_) => panic!("local"),
         }
     }
 
@@ -671,13 +946,7 @@ mod tests {
         // Not reflected to the other iBGP peer, not echoed to the source...
         assert!(rib.sync_adj_rib_out(ibgp_b.address, None).is_empty());
         assert!(rib.sync_adj_rib_out(ibgp_a.address, None).is_empty());
-        // ...but sent to eBGP with our AS prepended and next-hop-self.
-        let out = rib.sync_adj_rib_out(ebgp.address, None);
-        assert_eq!(out.len(), 1);
-        assert_eq!(out[0].announced, vec![(prefix, NextHop::V4(Ipv4Addr::new(192, 168, 0, 1)))]);
-        assert_eq!(out[0].attributes.as_path, vec![AsPathSegment::Sequence(vec![LOCAL_ASN])]);
-        assert_eq!(out[0].attributes.local_pref, None);
-        // Syncing again is a no-op.
+        // ...and never to an external peer: the node is no transit AS.
         assert!(rib.sync_adj_rib_out(ebgp.address, None).is_empty());
 
         // Make B a route-reflector client: now the route is reflected.
@@ -701,7 +970,7 @@ mod tests {
         // Withdrawal propagates as a withdraw to peers that had it.
         let d = rib.apply_update(ibgp_a.address, &Update { withdrawn: vec![prefix], ..Update::default() }).unwrap();
         let prefixes: Vec<Prefix> = d.iter().map(|c| c.prefix()).collect();
-        let out = rib.sync_adj_rib_out(ebgp.address, Some(&prefixes));
+        let out = rib.sync_adj_rib_out(ibgp_b.address, Some(&prefixes));
         assert_eq!(out, vec![Update { withdrawn: vec![prefix], ..Update::default() }]);
     }
 
@@ -724,12 +993,13 @@ mod tests {
         let v4 = pfx("10.244.1.0/24");
         let v6 = pfx("fd00:244:1::/64");
         rib.apply_update(ebgp.address, &announce(v4, nh(4), attrs(&[65004]))).unwrap();
-        let d = rib.originate(v4, NextHop::V4(Ipv4Addr::new(192, 168, 0, 1)), PathAttributes::default());
-        assert!(matches!(d.as_slice(), [BestPathChange::Changed { new, .. }] if new.source == RouteSource::Local));
+        let d = rib.originate(v4, NextHop::V4(Ipv4Addr::new(192, 168, 0, 1)), PathAttributes::default(), POD);
+        assert!(matches!(d.as_slice(), [BestPathChange::Changed { new, .. }] if new.source == RouteSource::Local(POD)));
         rib.originate(
             v6,
             NextHop::V6 { global: "fd00::1".parse().unwrap(), link_local: None },
             PathAttributes::default(),
+            POD,
         );
         let msgs = rib.initial_advertisement(ebgp.address);
         // v4 local route announced (v6 family not negotiated), then EoR.
@@ -770,6 +1040,154 @@ mod tests {
         assert!(d.is_empty());
         let d = rib.purge_stale(p2.address, &[Family::Ipv6Unicast]);
         assert!(matches!(d.as_slice(), [BestPathChange::Removed { prefix, .. }] if *prefix == v6));
+    }
+
+    fn reach(connected: &[&str], routes: &[(&str, &str)], local: &[&str]) -> Reachability {
+        use crate::fib::{ForeignRoute, KernelTable};
+        let mut table = KernelTable::default();
+        let route = |gateway: Option<IpAddr>| ForeignRoute {
+            protocol: if gateway.is_some() { 4 } else { 2 },
+            kind: ForeignRoute::UNICAST,
+            gateway,
+            oif: Some(2),
+            metric: 0,
+            linkdown: false,
+        };
+        for c in connected {
+            table.foreign.insert(c.parse().unwrap(), route(None));
+        }
+        for (dst, gw) in routes {
+            table.foreign.insert(dst.parse().unwrap(), route(Some(gw.parse().unwrap())));
+        }
+        Reachability::new(&table, &local.iter().map(|a| a.parse().unwrap()).collect())
+    }
+
+    #[test]
+    fn refused_paths_stay_in_the_adj_rib_in_and_are_judged_again_when_the_policy_changes() {
+        let tor = peer(2, 65002);
+        let mut rib = rib_with(std::slice::from_ref(&tor));
+        rib.set_reachability(reach(&["172.16.0.0/24"], &[], &["172.16.0.100"]));
+        let default = pfx("0.0.0.0/0");
+        let martian = pfx("127.0.0.0/8");
+        let own_subnet = pfx("172.16.0.0/24");
+        let good = pfx("10.9.0.0/16");
+        let update = Update {
+            withdrawn: vec![],
+            announced: [default, martian, own_subnet, good].iter().map(|p| (*p, NextHop::V4(nh(2)))).collect(),
+            attributes: attrs(&[65002]),
+        };
+        let d = rib.apply_update(tor.address, &update).unwrap();
+        assert_eq!(d.iter().map(BestPathChange::prefix).collect::<Vec<_>>(), vec![good]);
+        assert_eq!(rib.adj_rib_in(tor.address).unwrap().len(), 4, "pre-policy Adj-RIB-In keeps everything");
+        assert_eq!(rib.rejected_count(tor.address), 3);
+        let reasons: Vec<Rejection> = rib.rejections().keys().map(|(_, r)| *r).collect();
+        assert_eq!(reasons, vec![Rejection::MartianPrefix, Rejection::DefaultRoute, Rejection::NodeLocal]);
+        // Accepting default routes from this peer brings the stored path in, no refresh needed.
+        let mut accepting = tor.clone();
+        accepting.accept_default = true;
+        let d = rib.upsert_peer(accepting);
+        assert!(matches!(d.as_slice(), [BestPathChange::Added { prefix, .. }] if *prefix == default));
+        assert_eq!(rib.rejected_count(tor.address), 2);
+        // A cluster-wide policy change too.
+        let d = rib.set_import_policy(ImportPolicy {
+            custom_reject: vec!["10.9.0.0/16".parse().unwrap()],
+            ..Default::default()
+        });
+        assert!(matches!(d.as_slice(), [BestPathChange::Removed { prefix, .. }] if *prefix == good));
+        // Nothing refused ever reaches another peer.
+        let node = peer(3, LOCAL_ASN);
+        rib.upsert_peer(node.clone());
+        assert!(rib.sync_adj_rib_out(node.address, None).is_empty());
+    }
+
+    #[test]
+    fn an_unresolvable_next_hop_does_not_win() {
+        let (p2, p3) = (peer(2, 65002), peer(3, 65003));
+        let prefix = pfx("10.20.0.0/16");
+        let mut rib = rib_with(&[p2.clone(), p3.clone()]);
+        // p2's next hop is on the link; p3's (better: shorter path) is not reachable at all.
+        rib.set_reachability(reach(&["172.16.0.0/24"], &[], &[]));
+        let far = Ipv4Addr::new(192, 0, 2, 1);
+        rib.apply_update(p2.address, &announce(prefix, nh(2), attrs(&[65002, 1]))).unwrap();
+        rib.apply_update(p3.address, &announce(prefix, far, attrs(&[65003]))).unwrap();
+        assert_eq!(rib.best(&prefix).unwrap().source, RouteSource::Peer(p2.address));
+        // A static route to p3's next hop appears: it resolves now and wins.
+        let d = rib.set_reachability(reach(&["172.16.0.0/24"], &[("192.0.2.0/24", "172.16.0.254")], &[]));
+        assert!(
+            matches!(d.as_slice(), [BestPathChange::Changed { new, .. }] if new.source == RouteSource::Peer(p3.address))
+        );
+        // The default route alone does not resolve a BGP next hop.
+        let d = rib.set_reachability(reach(&["172.16.0.0/24"], &[("0.0.0.0/0", "172.16.0.254")], &[]));
+        assert!(
+            matches!(d.as_slice(), [BestPathChange::Changed { new, .. }] if new.source == RouteSource::Peer(p2.address))
+        );
+    }
+
+    #[test]
+    fn node_routes_behind_the_overlay_resolve_through_the_tunnel_endpoint() {
+        use crate::overlay::{Encap, OverlayConfig, OverlayType};
+        let remote_node = PeerInfo { address: IpAddr::V4(Ipv4Addr::new(10, 81, 0, 2)), ..peer(9, LOCAL_ASN) };
+        let prefix = pfx("10.244.2.0/24");
+        let mut rib = rib_with(std::slice::from_ref(&remote_node));
+        rib.set_reachability(reach(&["10.80.0.0/24"], &[("0.0.0.0/0", "10.80.0.254")], &[]));
+        rib.apply_update(remote_node.address, &announce(prefix, Ipv4Addr::new(10, 81, 0, 2), attrs(&[]))).unwrap();
+        assert!(rib.best(&prefix).is_none(), "another subnet, no overlay: unresolvable");
+        let overlay = OverlayConfig { overlay_type: OverlayType::Subnet, encap: Encap::Ipip };
+        let d = rib.set_overlay(Some(overlay));
+        assert!(matches!(d.as_slice(), [BestPathChange::Added { .. }]), "the tunnel endpoint is reachable");
+    }
+
+    #[test]
+    fn equal_paths_from_the_same_neighbour_as_are_multipath() {
+        let (a, b, c) = (peer(2, 65002), peer(3, 65002), peer(4, 65004));
+        let prefix = pfx("10.30.0.0/16");
+        let mut rib = rib_with(&[a.clone(), b.clone(), c.clone()]);
+        rib.apply_update(a.address, &announce(prefix, nh(2), attrs(&[65002, 7]))).unwrap();
+        rib.apply_update(b.address, &announce(prefix, nh(3), attrs(&[65002, 7]))).unwrap();
+        rib.apply_update(c.address, &announce(prefix, nh(4), attrs(&[65004, 7]))).unwrap();
+        let best = rib.best(&prefix).unwrap();
+        let mut hops = vec![best.next_hop];
+        hops.extend(best.multipath.iter().copied());
+        hops.sort();
+        assert_eq!(hops, vec![NextHop::V4(nh(2)), NextHop::V4(nh(3))], "another neighbour AS is not equal");
+        assert_eq!(rib.peers_with_path(&prefix, &NextHop::V4(nh(3))).collect::<Vec<_>>(), vec![b.address]);
+        // A worse path from b leaves a single path.
+        let d = rib.apply_update(b.address, &announce(prefix, nh(3), attrs(&[65002, 7, 8]))).unwrap();
+        assert!(matches!(d.as_slice(), [BestPathChange::Changed { new, .. }] if new.multipath.is_empty()));
+    }
+
+    #[test]
+    fn export_follows_peer_roles_vips_prepend_communities_and_next_hop_override() {
+        let node = peer(2, LOCAL_ASN);
+        let tor = peer(3, 65003);
+        let mut rib = rib_with(&[node.clone(), tor.clone()]);
+        let node_ip = NextHop::V4(Ipv4Addr::new(10, 0, 0, 1));
+        rib.originate(pfx("10.244.1.0/24"), node_ip, PathAttributes::default(), POD);
+        rib.originate(pfx("192.0.2.7/32"), node_ip, PathAttributes::default(), OriginKind::ServiceVip);
+        rib.apply_update(tor.address, &announce(pfx("10.99.0.0/16"), nh(3), attrs(&[65003]))).unwrap();
+        let announced = |out: &[Update]| -> Vec<Prefix> {
+            let mut all: Vec<Prefix> = out.iter().flat_map(|u| u.announced.iter().map(|(p, _)| *p)).collect();
+            all.sort();
+            all
+        };
+        // Node peers: pod CIDR only (no VIP, nothing learned from outside).
+        assert_eq!(announced(&rib.sync_adj_rib_out(node.address, None)), vec![pfx("10.244.1.0/24")]);
+        // External peers: what we originate, with the node IP as next hop.
+        let out = rib.sync_adj_rib_out(tor.address, None);
+        assert_eq!(announced(&out), vec![pfx("10.244.1.0/24"), pfx("192.0.2.7/32")]);
+        assert!(out.iter().all(|u| u.announced.iter().all(|(_, h)| *h == node_ip)));
+        rib.set_export_policy(ExportPolicy {
+            advertise_pod_cidr: false,
+            communities: vec![0xffff_ff01],
+            prepend: Some(crate::bgp::policy::AsPrepend { asn: 65000, repeat: 2 }),
+            override_next_hop: true,
+        });
+        let out = rib.sync_adj_rib_out(tor.address, None);
+        assert_eq!(out[0].withdrawn, vec![pfx("10.244.1.0/24")], "--advertise-pod-cidr=false");
+        let vip = &out[1];
+        assert_eq!(vip.announced, vec![(pfx("192.0.2.7/32"), NextHop::V4(Ipv4Addr::new(192, 168, 0, 1)))]);
+        assert_eq!(vip.attributes.as_path, vec![AsPathSegment::Sequence(vec![LOCAL_ASN, 65000, 65000])]);
+        assert_eq!(vip.attributes.communities, vec![0xffff_ff01]);
     }
 
     // ---------------- property test ----------------
@@ -833,7 +1251,7 @@ mod tests {
                         if rib.peer(p.address).is_none() {
                             rib.upsert_peer(p.clone());
                         }
-                        model.insert((peer, prefix), Route { next_hop, attributes: a.clone(), stale: false });
+                        model.insert((peer, prefix), Route { next_hop, attributes: Arc::new(a.clone()), stale: false, rejected: None });
                         rib.apply_update(p.address, &Update { withdrawn: vec![], announced: vec![(prefix, next_hop)], attributes: a }).unwrap()
                     }
                     Op::Withdraw { peer, prefix } => {
@@ -869,7 +1287,7 @@ mod tests {
                     .collect();
                 if let Some(w) = select_best(LOCAL_ASN, &cands) {
                     let w = &cands[w];
-                    expected.insert(prefix, BestRoute { source: w.source.clone(), next_hop: w.route.next_hop, attributes: w.route.attributes.clone() });
+                    expected.insert(prefix, BestRoute { source: w.source.clone(), next_hop: w.route.next_hop, attributes: w.route.attributes.clone(), multipath: multipath_of(LOCAL_ASN, &cands, w) });
                 }
             }
             prop_assert_eq!(rib.loc_rib(), &expected);
@@ -890,7 +1308,7 @@ mod tests {
                 let mut a = attrs(&path);
                 a.local_pref = Some(lp);
                 a.med = Some(med);
-                routes.push((peer, RouteSource::Peer(peers[peer].address), Route { next_hop: NextHop::V4(nh(1)), attributes: a, stale: false }));
+                routes.push((peer, RouteSource::Peer(peers[peer].address), Route { next_hop: NextHop::V4(nh(1)), attributes: Arc::new(a), stale: false, rejected: None }));
             }
             let forward: Vec<Candidate> = routes.iter().map(|(i, s, r)| Candidate { source: s, route: r, peer: Some(&peers[*i]) }).collect();
             let mut backward = forward.clone();

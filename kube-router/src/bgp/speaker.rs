@@ -36,18 +36,32 @@ use tokio::{
 use tracing::{debug, info, warn};
 
 use super::{
+    bfd_io::{run_bfd, BfdEvent, BfdPeer},
     codec::{DecodeOutcome, WireCodec},
     fsm::{
         resolve_collision, ConnectRetryBackoff, Direction, DownReason, Event, GracefulRestartConfig, Negotiated,
         Output, Session, SessionConfig, State, TimerKind,
     },
     graceful_restart::{GrTimer, GracefulRestartHelper, RestartOutput, RestartingSpeaker, TimerCommand},
-    md5::set_tcp_md5_key,
+    md5::{set_tcp_md5_key, set_ttl},
     message::{Family, Message, NextHop, Origin, PathAttributes, Prefix},
-    peers::PeerConfig,
+    peers::{PeerConfig, PeerKind},
+    policy::{ExportPolicy, ImportPolicy, OriginKind, PeerRole, Rejection},
     rib::{BestPathChange, PeerInfo, Rib, RibConfig, RouteSource},
 };
-use crate::fib::{reconcile, RouteSet};
+use crate::{
+    fib::{
+        health::{FibHealth, FibStats, Report},
+        reconcile,
+        resolve::Reachability,
+        Desired, DesiredSet, Gateways, KernelRoute, RouteSet,
+    },
+    overlay::{
+        maps::OverlayDataplane,
+        plan::{overhead, tunnel, OverlayTarget},
+        OverlayConfig,
+    },
+};
 
 #[derive(Debug, Clone)]
 pub struct GracefulRestartSettings {
@@ -63,8 +77,8 @@ pub struct GracefulRestartSettings {
 pub struct SpeakerConfig {
     pub local_asn: u32,
     pub router_id: Ipv4Addr,
-    /// Where to accept sessions; None only connects out.
-    pub listen: Option<SocketAddr>,
+    /// Where to accept sessions; empty only connects out.
+    pub listen: Vec<SocketAddr>,
     pub hold_time_secs: u16,
     pub connect_retry: ConnectRetryBackoff,
     pub families: Vec<Family>,
@@ -75,6 +89,13 @@ pub struct SpeakerConfig {
     pub ipv6_next_hop: Option<Ipv6Addr>,
     /// Kept across restarts: its presence at start means we are restarting (R-bit).
     pub state_dir: Option<PathBuf>,
+    pub overlay: Option<OverlayConfig>,
+    /// The kernel's routes and the node's addresses when the speaker starts.
+    pub reach: Option<Reachability>,
+    pub import: ImportPolicy,
+    pub export: ExportPolicy,
+    /// UDP port of BFD control packets (`--bfd-port`), for peers with BFD.
+    pub bfd_port: u16,
 }
 
 impl SpeakerConfig {
@@ -82,7 +103,7 @@ impl SpeakerConfig {
         Self {
             local_asn,
             router_id,
-            listen: Some(SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 179)),
+            listen: vec![SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 179)],
             hold_time_secs: 90,
             connect_retry: ConnectRetryBackoff { initial: Duration::from_secs(2), max: Duration::from_secs(60) },
             families: vec![Family::Ipv4Unicast, Family::Ipv6Unicast],
@@ -94,14 +115,31 @@ impl SpeakerConfig {
             ipv4_next_hop: None,
             ipv6_next_hop: None,
             state_dir: None,
+            overlay: None,
+            reach: None,
+            import: ImportPolicy::default(),
+            export: ExportPolicy::default(),
+            bfd_port: super::bfd::CONTROL_PORT,
         }
     }
+}
+
+/// A prefix this node originates, and what it is.
+pub type Originated = (Prefix, OriginKind);
+
+/// The policies that come from the cluster's configuration (Node and Service objects).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Policies {
+    pub import: ImportPolicy,
+    pub export: ExportPolicy,
 }
 
 /// Routes the kernel should have (our protocol only) and whether stale ones may go yet.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FibTarget {
-    pub routes: RouteSet,
+    pub routes: Arc<DesiredSet>,
+    /// Tunnels of the pod overlay (map entries written with the routes that need them).
+    pub overlay: Arc<OverlayTarget>,
     pub allow_deletes: bool,
 }
 
@@ -113,12 +151,16 @@ pub struct PeerStatus {
     /// When the session reached Established (None unless it is).
     pub established_at: Option<std::time::Instant>,
     pub prefixes_received: usize,
+    /// Received but refused by the import policy (kept, unused).
+    pub prefixes_rejected: usize,
     pub prefixes_stale: usize,
     pub prefixes_advertised: usize,
     pub updates_received: u64,
     pub notifications_received: u64,
     pub notifications_sent: u64,
     pub last_error: Option<String>,
+    /// BFD session Up (Some) when BFD watches this peer.
+    pub bfd_up: Option<bool>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -132,6 +174,11 @@ pub struct SpeakerStatus {
     pub loc_rib: Vec<(Prefix, IpAddr, Option<IpAddr>)>,
     pub loc_rib_size: usize,
     pub malformed_messages: u64,
+    /// Paths refused by the import policy so far, per peer and reason.
+    pub rejections: Vec<(IpAddr, Rejection, u64)>,
+    /// NLRI of families we do not route, ignored (RFC 7606 §5.4-style, session kept).
+    pub ignored_nlri: u64,
+    pub fib: FibStats,
 }
 
 enum CoreEvent {
@@ -141,7 +188,10 @@ enum CoreEvent {
     Received { peer: IpAddr, id: u64, outcome: DecodeOutcome },
     Closed { peer: IpAddr, id: u64, error: Option<String> },
     SetPeers(Vec<PeerConfig>),
-    SetPrefixes(Vec<Prefix>),
+    SetPrefixes(Vec<Originated>),
+    SetPolicies(Box<Policies>),
+    KernelView(Reachability),
+    Bfd(BfdEvent),
     Shutdown { graceful: bool, done: oneshot::Sender<()> },
 }
 
@@ -150,6 +200,25 @@ enum CoreEvent {
 pub struct Speaker {
     events: mpsc::UnboundedSender<CoreEvent>,
     status: Arc<Mutex<SpeakerStatus>>,
+    fib_stats: Arc<Mutex<FibStats>>,
+}
+
+/// The FIB task's side of the speaker: the routes to install, and where to report what the
+/// kernel's own routing looks like (for next-hop resolution and the import policy).
+pub struct FibLink {
+    pub target: watch::Receiver<FibTarget>,
+    events: mpsc::UnboundedSender<CoreEvent>,
+    stats: Arc<Mutex<FibStats>>,
+}
+
+impl FibLink {
+    fn report_view(&self, view: Reachability) {
+        let _ = self.events.send(CoreEvent::KernelView(view));
+    }
+
+    fn set_stats(&self, stats: FibStats) {
+        *self.stats.lock().unwrap_or_else(|p| p.into_inner()) = stats;
+    }
 }
 
 impl Speaker {
@@ -158,39 +227,52 @@ impl Speaker {
     pub async fn start(
         config: SpeakerConfig,
         peers: Vec<PeerConfig>,
-        prefixes: Vec<Prefix>,
+        prefixes: Vec<Originated>,
         installed: RouteSet,
-    ) -> anyhow::Result<(Self, watch::Receiver<FibTarget>)> {
+    ) -> anyhow::Result<(Self, FibLink)> {
         let (events, rx) = mpsc::unbounded_channel();
-        let listener = match config.listen {
-            Some(addr) => Some(bind_listener(addr)?),
-            None => None,
-        };
+        let listeners = config.listen.iter().map(|addr| bind_listener(*addr)).collect::<anyhow::Result<Vec<_>>>()?;
         let restarting = config.graceful_restart.is_some() && marker_path(&config).is_some_and(|p| p.exists());
-        let (fib_tx, fib_rx) = watch::channel(FibTarget { routes: installed.clone(), allow_deletes: false });
+        let initial = FibTarget {
+            routes: Arc::new(
+                installed.iter().map(|(net, route)| (*net, Desired { route: route.clone(), peer: None })).collect(),
+            ),
+            overlay: Arc::default(),
+            allow_deletes: false,
+        };
+        let (fib_tx, fib_rx) = watch::channel(initial);
         let status = Arc::new(Mutex::new(SpeakerStatus::default()));
+        let fib_stats = Arc::new(Mutex::new(FibStats::default()));
         let mut core = Core::new(config, restarting, installed, &peers, events.clone(), fib_tx, status.clone());
-        if let Some(listener) = listener {
-            core.listener_fd = Some(listener.as_raw_fd());
+        for listener in listeners {
+            core.listener_fds.push(listener.as_raw_fd());
             tokio::spawn(accept_loop(listener, events.clone()));
         }
         core.set_prefixes(prefixes);
         core.set_peers(peers);
+        core.fib_stats = fib_stats.clone();
         core.publish();
         tokio::spawn(core.run(rx));
-        Ok((Self { events, status }, fib_rx))
+        let link = FibLink { target: fib_rx, events: events.clone(), stats: fib_stats.clone() };
+        Ok((Self { events, status, fib_stats }, link))
     }
 
     pub fn set_peers(&self, peers: Vec<PeerConfig>) {
         let _ = self.events.send(CoreEvent::SetPeers(peers));
     }
 
-    pub fn set_prefixes(&self, prefixes: Vec<Prefix>) {
+    pub fn set_prefixes(&self, prefixes: Vec<Originated>) {
         let _ = self.events.send(CoreEvent::SetPrefixes(prefixes));
     }
 
+    pub fn set_policies(&self, policies: Policies) {
+        let _ = self.events.send(CoreEvent::SetPolicies(Box::new(policies)));
+    }
+
     pub fn status(&self) -> SpeakerStatus {
-        self.status.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        status.fib = self.fib_stats.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        status
     }
 
     /// Closes every session. With `graceful` (and graceful restart configured) no Cease is
@@ -238,11 +320,23 @@ fn canonical(addr: IpAddr) -> IpAddr {
     }
 }
 
-async fn connect(peer: PeerConfig, events: mpsc::UnboundedSender<CoreEvent>, id: u64) {
+/// IP TTL (hop limit) for a session's packets: eBGP peers are directly connected unless
+/// multihop is configured (RFC 4271 §5.1.3 practice); iBGP keeps the system default.
+fn session_ttl(peer: &PeerConfig, local_asn: u32) -> Option<u32> {
+    (peer.asn != local_asn).then(|| u32::from(peer.multihop_ttl.unwrap_or(1).max(1)))
+}
+
+async fn connect(peer: PeerConfig, ttl: Option<u32>, events: mpsc::UnboundedSender<CoreEvent>, id: u64) {
     let result = async {
         let socket = if peer.address.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
         if let Some(password) = &peer.password {
             set_tcp_md5_key(socket.as_raw_fd(), peer.address, password.as_bytes())?;
+        }
+        if let Some(ttl) = ttl {
+            set_ttl(socket.as_raw_fd(), peer.address.is_ipv4(), ttl)?;
+        }
+        if let Some(local) = peer.local_address.filter(|l| l.is_ipv4() == peer.address.is_ipv4()) {
+            socket.bind(SocketAddr::new(local, 0))?;
         }
         let stream =
             tokio::time::timeout(Duration::from_secs(10), socket.connect(SocketAddr::new(peer.address, peer.port)))
@@ -326,6 +420,17 @@ async fn run_connection(
     }
 }
 
+struct PathTunnel {
+    tunnel: kube_router_common::OverlayTunnelV4,
+    interface: Option<String>,
+    mtu: Option<u32>,
+}
+
+struct KernelPath {
+    gateway: IpAddr,
+    tunnel: Option<PathTunnel>,
+}
+
 struct Connection {
     id: u64,
     direction: Direction,
@@ -345,6 +450,7 @@ struct Peer {
     notifications_received: u64,
     notifications_sent: u64,
     last_error: Option<String>,
+    bfd_up: Option<bool>,
 }
 
 impl Peer {
@@ -367,16 +473,23 @@ struct Core {
     /// We came back from a restart: hold our advertisements until the deferral completes.
     restarting: bool,
     peers: BTreeMap<IpAddr, Peer>,
-    prefixes: BTreeSet<Prefix>,
+    prefixes: BTreeMap<Prefix, OriginKind>,
     gr_timers: HashMap<GrTimer, Instant>,
     events: mpsc::UnboundedSender<CoreEvent>,
     fib: watch::Sender<FibTarget>,
     fib_allow_deletes: bool,
     fib_dirty: bool,
     status: Arc<Mutex<SpeakerStatus>>,
-    listener_fd: Option<std::os::fd::RawFd>,
+    fib_stats: Arc<Mutex<FibStats>>,
+    listener_fds: Vec<std::os::fd::RawFd>,
     next_connection_id: u64,
     malformed_messages: u64,
+    /// NLRI of families we do not route, ignored so far.
+    ignored_nlri: u64,
+    /// (peer, what) already logged once: import refusals, ignored families.
+    logged_once: BTreeSet<(IpAddr, String)>,
+    /// The BFD task, once a peer wants BFD: it takes the list of watched peers.
+    bfd: Option<mpsc::UnboundedSender<Vec<BfdPeer>>>,
     closing: Vec<JoinHandle<()>>,
 }
 
@@ -390,7 +503,13 @@ impl Core {
         fib: watch::Sender<FibTarget>,
         status: Arc<Mutex<SpeakerStatus>>,
     ) -> Self {
-        let rib = Rib::new(RibConfig::new(config.local_asn, config.router_id));
+        let mut rib = Rib::new(RibConfig::new(config.local_asn, config.router_id));
+        rib.set_import_policy(config.import.clone());
+        rib.set_export_policy(config.export.clone());
+        rib.set_overlay(config.overlay);
+        if let Some(reach) = &config.reach {
+            rib.set_reachability(reach.clone());
+        }
         let gr = config.graceful_restart.clone();
         let stale_path_time = gr.as_ref().map_or(Duration::from_secs(360), |g| g.stale_path_time);
         let deferral = gr.as_ref().map_or(Duration::from_secs(120), |g| g.selection_deferral);
@@ -409,16 +528,20 @@ impl Core {
             fib_deadline: Some(Instant::now() + deferral),
             restarting,
             peers: BTreeMap::new(),
-            prefixes: BTreeSet::new(),
+            prefixes: BTreeMap::new(),
             gr_timers: HashMap::new(),
             events,
             fib,
             fib_allow_deletes: false,
             fib_dirty: false,
             status,
-            listener_fd: None,
+            fib_stats: Arc::default(),
+            listener_fds: Vec::new(),
             next_connection_id: 1,
             malformed_messages: 0,
+            ignored_nlri: 0,
+            logged_once: BTreeSet::new(),
+            bfd: None,
             closing: Vec::new(),
         };
         if restarting {
@@ -551,6 +674,14 @@ impl Core {
                         self.malformed_messages += 1;
                         warn!(%peer, prefixes = withdrawn.len(), %reason, "malformed UPDATE attribute: its prefixes are treated as withdrawn (RFC 7606)");
                     }
+                    DecodeOutcome::PartlyIgnored { ignored, .. } => {
+                        self.ignored_nlri += ignored.len() as u64;
+                        for what in ignored {
+                            if self.logged_once.insert((peer, what.clone())) {
+                                warn!(%peer, ignored = %what, "UPDATE part ignored, session kept (RFC 7606); logged once per peer");
+                            }
+                        }
+                    }
                     _ => {}
                 }
                 if let DecodeOutcome::Message(Message::Notification(n)) = &outcome {
@@ -581,6 +712,22 @@ impl Core {
             }
             CoreEvent::SetPeers(peers) => self.set_peers(peers),
             CoreEvent::SetPrefixes(prefixes) => self.set_prefixes(prefixes),
+            CoreEvent::SetPolicies(policies) => {
+                let changes = self.rib.set_import_policy(policies.import);
+                self.rib_changed(changes);
+                if self.rib.set_export_policy(policies.export) {
+                    self.resync_all_peers();
+                }
+            }
+            CoreEvent::Bfd(event) => self.bfd_event(event),
+            CoreEvent::KernelView(reach) => {
+                let changes = self.rib.set_reachability(reach);
+                if !changes.is_empty() {
+                    debug!(changes = changes.len(), "kernel routes or addresses changed: next hops re-resolved");
+                }
+                self.rib_changed(changes);
+                self.fib_dirty = true;
+            }
             CoreEvent::Shutdown { .. } => unreachable!("handled by run"),
         }
     }
@@ -593,6 +740,14 @@ impl Core {
         let id = self.next_connection_id;
         self.next_connection_id += 1;
         let local = stream.local_addr().ok();
+        if direction == Direction::Inbound {
+            // Accepted sockets get the session's TTL too (outbound ones were set before connect).
+            if let Some(ttl) = self.peers.get(&peer).and_then(|p| session_ttl(&p.config, self.config.local_asn)) {
+                if let Err(e) = set_ttl(stream.as_raw_fd(), peer.is_ipv4(), ttl) {
+                    debug!(%peer, error = %e, "cannot set the session TTL");
+                }
+            }
+        }
         let (outgoing, rx) = mpsc::unbounded_channel();
         let task = tokio::spawn(run_connection(peer, id, stream, rx, self.events.clone()));
         if let Some(p) = self.peers.get_mut(&peer) {
@@ -686,7 +841,8 @@ impl Core {
                     return;
                 }
                 p.pending_connect = Some(id);
-                tokio::spawn(connect(p.config.clone(), self.events.clone(), id));
+                let ttl = session_ttl(&p.config, self.config.local_asn);
+                tokio::spawn(connect(p.config.clone(), ttl, self.events.clone(), id));
             }
             Output::CloseConnection => {
                 if let Some(p) = self.peers.get_mut(&peer) {
@@ -722,7 +878,10 @@ impl Core {
             Output::SessionEstablished(negotiated) => self.established(peer, negotiated),
             Output::SessionDown { reason, negotiated } => self.down(peer, reason, negotiated),
             Output::RoutesReceived(update) => match self.rib.apply_update(peer, &update) {
-                Ok(changes) => self.rib_changed(changes),
+                Ok(changes) => {
+                    self.rib_changed(changes);
+                    self.log_new_rejections();
+                }
                 Err(e) => warn!(%peer, error = %e, "UPDATE for a peer the RIB does not know"),
             },
             Output::EndOfRibReceived(afi, safi) => {
@@ -750,6 +909,32 @@ impl Core {
                     .collect();
                 self.send_all(peer, messages);
             }
+        }
+    }
+
+    /// The import policy's refusals, one line per peer and reason, ever.
+    fn log_new_rejections(&mut self) {
+        let mut new = Vec::new();
+        for ((peer, reason), count) in self.rib.rejections() {
+            if self.logged_once.insert((*peer, reason.label().to_string())) {
+                new.push((*peer, *reason, count.example));
+            }
+        }
+        for (peer, reason, example) in new {
+            warn!(%peer, %example, reason = %reason, "routes refused by the import policy (logged once per peer and reason; counted in kube_router_bgp_routes_rejected_total)");
+        }
+    }
+
+    /// The export policy changed: every established peer gets what it should have now.
+    fn resync_all_peers(&mut self) {
+        if !self.advertising() {
+            return;
+        }
+        let established: Vec<IpAddr> =
+            self.peers.iter().filter(|(_, p)| p.state() == State::Established).map(|(a, _)| *a).collect();
+        for peer in established {
+            let updates = self.rib.sync_adj_rib_out(peer, None);
+            self.send_all(peer, updates.into_iter().map(Message::Update).collect());
         }
     }
 
@@ -787,6 +972,11 @@ impl Core {
                 _ => self.config.ipv6_next_hop,
             },
             families: negotiated.families.clone(),
+            role: match p.config.kind {
+                PeerKind::Node { .. } => PeerRole::Node,
+                PeerKind::External => PeerRole::External,
+            },
+            accept_default: p.config.accept_default,
         };
         let changes = self.rib.upsert_peer(info);
         self.rib_changed(changes);
@@ -935,9 +1125,11 @@ impl Core {
                 continue;
             }
             info!(peer = %addr, asn = config.asn, md5 = config.password.is_some(), "BGP peer configured");
-            if let (Some(fd), Some(password)) = (self.listener_fd, &config.password) {
-                if let Err(e) = set_tcp_md5_key(fd, addr, password.as_bytes()) {
-                    warn!(peer = %addr, error = %e, "cannot set the TCP MD5 key on the listener");
+            if let Some(password) = &config.password {
+                for fd in &self.listener_fds {
+                    if let Err(e) = set_tcp_md5_key(*fd, addr, password.as_bytes()) {
+                        warn!(peer = %addr, error = %e, "cannot set the TCP MD5 key on the listener");
+                    }
                 }
             }
             let session = Session::new(self.session_config(&config));
@@ -954,10 +1146,52 @@ impl Core {
                     notifications_received: 0,
                     notifications_sent: 0,
                     last_error: None,
+                    bfd_up: None,
                 },
             );
             self.restart_wait_for(addr);
             self.step(addr, Event::ManualStart);
+        }
+        self.set_bfd_peers();
+    }
+
+    /// Tells the BFD task which peers to watch (starting it for the first one).
+    fn set_bfd_peers(&mut self) {
+        let watched: Vec<BfdPeer> = self
+            .peers
+            .values()
+            .filter_map(|p| p.config.bfd.map(|config| BfdPeer { address: p.config.address, config }))
+            .collect();
+        if watched.is_empty() && self.bfd.is_none() {
+            return;
+        }
+        let sender = self.bfd.get_or_insert_with(|| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let events = self.events.clone();
+            tokio::spawn(run_bfd(self.config.bfd_port, rx, move |e| {
+                let _ = events.send(CoreEvent::Bfd(e));
+            }));
+            tx
+        });
+        let _ = sender.send(watched);
+    }
+
+    fn bfd_event(&mut self, event: BfdEvent) {
+        match event {
+            BfdEvent::Up(peer) => {
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    p.bfd_up = Some(true);
+                }
+            }
+            BfdEvent::Down(peer) => {
+                let Some(p) = self.peers.get_mut(&peer) else { return };
+                p.bfd_up = Some(false);
+                if p.state() == State::Established {
+                    warn!(%peer, "BFD: the path to the peer is down; closing the BGP session");
+                    p.last_error = Some("BFD session down".into());
+                    self.step(peer, Event::BfdDown);
+                }
+            }
         }
     }
 
@@ -967,13 +1201,18 @@ impl Core {
         self.fib_gate.add_peer(peer);
     }
 
-    fn set_prefixes(&mut self, prefixes: Vec<Prefix>) {
-        let wanted: BTreeSet<Prefix> = prefixes.into_iter().collect();
+    fn set_prefixes(&mut self, prefixes: Vec<Originated>) {
+        // A prefix that is both (a pod CIDR equal to a VIP) is a pod CIDR.
+        let mut wanted: BTreeMap<Prefix, OriginKind> = BTreeMap::new();
+        for (prefix, kind) in prefixes {
+            let entry = wanted.entry(prefix).or_insert(kind);
+            *entry = (*entry).min(kind);
+        }
         let mut changes = Vec::new();
-        for gone in self.prefixes.difference(&wanted) {
+        for gone in self.prefixes.keys().filter(|p| !wanted.contains_key(*p)) {
             changes.extend(self.rib.withdraw_originated(*gone));
         }
-        for new in wanted.difference(&self.prefixes) {
+        for (new, kind) in wanted.iter().filter(|(p, k)| self.prefixes.get(*p) != Some(*k)) {
             let next_hop = match new.family() {
                 Family::Ipv4Unicast => NextHop::V4(self.config.ipv4_next_hop.unwrap_or(self.config.router_id)),
                 Family::Ipv6Unicast => {
@@ -981,10 +1220,10 @@ impl Core {
                 }
             };
             let attributes = PathAttributes { origin: Origin::Igp, ..PathAttributes::default() };
-            changes.extend(self.rib.originate(*new, next_hop, attributes));
+            changes.extend(self.rib.originate(*new, next_hop, attributes, *kind));
         }
         if self.prefixes != wanted {
-            let list: Vec<String> = wanted.iter().map(Prefix::to_string).collect();
+            let list: Vec<String> = wanted.keys().map(Prefix::to_string).collect();
             info!(prefixes = %list.join(","), "advertising");
         }
         self.prefixes = wanted;
@@ -1020,6 +1259,56 @@ impl Core {
         }
     }
 
+    /// Our address towards a node, as its tunnel's local end (the one it knows us by).
+    fn tunnel_local(&self, peer: IpAddr) -> Ipv4Addr {
+        let session = self.peers.get(&peer).and_then(|p| p.connection.as_ref()).and_then(|c| c.local);
+        match session.map(|a| canonical(a.ip())) {
+            Some(IpAddr::V4(v4)) => v4,
+            _ => self.config.ipv4_next_hop.unwrap_or(self.config.router_id),
+        }
+    }
+
+    /// How a path from `peer` with `next_hop` goes into the kernel (None: not installable):
+    /// its gateway, and through the overlay its tunnel, the interface towards the tunnel's
+    /// other end and the path MTU left inside the tunnel.
+    fn kernel_path(&self, peer: IpAddr, next_hop: IpAddr) -> Option<KernelPath> {
+        let Some(reach) = self.rib.reachability() else {
+            return Some(KernelPath { gateway: next_hop, tunnel: None });
+        };
+        let role = self.rib.peer(peer).map_or(PeerRole::External, |p| p.role);
+        match (self.rib.overlay(), next_hop) {
+            (Some(overlay), IpAddr::V4(remote)) if overlay.tunnels(role, next_hop, reach) => {
+                let gateway = reach.resolve_underlay(next_hop)?;
+                let link = reach.link_towards(gateway);
+                Some(KernelPath {
+                    gateway,
+                    tunnel: Some(PathTunnel {
+                        tunnel: tunnel(remote, self.tunnel_local(peer), overlay.encap),
+                        interface: link.map(|l| l.name.clone()),
+                        mtu: link.map(|l| l.mtu.saturating_sub(overhead(overlay.encap))),
+                    }),
+                })
+            }
+            _ => Some(KernelPath { gateway: reach.resolve(next_hop)?, tunnel: None }),
+        }
+    }
+
+    /// The tunnels node peers may send us packets through (they see us on another subnet, as
+    /// we see them, or every node with `--overlay-type=full`).
+    fn overlay_remotes(&self, target: &mut OverlayTarget) {
+        let (Some(overlay), Some(reach)) = (self.rib.overlay(), self.rib.reachability()) else { return };
+        for (address, peer) in &self.peers {
+            let IpAddr::V4(remote) = address else { continue };
+            if !matches!(peer.config.kind, PeerKind::Node { .. }) || !overlay.tunnels(PeerRole::Node, *address, reach) {
+                continue;
+            }
+            target.maps.remotes.insert(*remote, tunnel(*remote, self.tunnel_local(*address), overlay.encap));
+            if let Some(link) = reach.resolve_underlay(*address).and_then(|g| reach.link_towards(g)) {
+                target.interfaces.insert(link.name.clone());
+            }
+        }
+    }
+
     fn fib_target(&self) -> FibTarget {
         let own: BTreeSet<IpAddr> = self
             .peers
@@ -1027,17 +1316,41 @@ impl Core {
             .filter_map(|p| p.connection.as_ref().and_then(|c| c.local).map(|a| canonical(a.ip())))
             .chain(std::iter::once(IpAddr::V4(self.config.router_id)))
             .collect();
-        let routes = self
-            .rib
-            .loc_rib()
-            .iter()
-            .filter(|(_, best)| matches!(best.source, RouteSource::Peer(_)))
-            .filter(|(_, best)| !own.contains(&best.next_hop.addr()) && !best.next_hop.addr().is_unspecified())
-            .filter_map(|(prefix, best)| {
-                IpNet::new(prefix.addr(), prefix.prefix_len()).ok().map(|net| (net, best.next_hop.addr()))
-            })
-            .collect();
-        FibTarget { routes, allow_deletes: self.fib_allow_deletes }
+        let mut routes = DesiredSet::new();
+        let mut overlay = OverlayTarget::default();
+        for (prefix, best) in self.rib.loc_rib() {
+            let RouteSource::Peer(peer) = best.source else { continue };
+            let next_hop = best.next_hop.addr();
+            if own.contains(&next_hop) || next_hop.is_unspecified() {
+                continue;
+            }
+            let Ok(net) = IpNet::new(prefix.addr(), prefix.prefix_len()) else { continue };
+            let Some(path) = self.kernel_path(peer, next_hop) else { continue };
+            if let (Some(t), IpNet::V4(v4)) = (path.tunnel, net) {
+                overlay.maps.routes.insert(v4, t.tunnel);
+                overlay.interfaces.extend(t.interface);
+                let route = KernelRoute { gateways: Gateways::One(path.gateway), mtu: t.mtu };
+                routes.insert(net, Desired { route, peer: Some(peer) });
+                continue;
+            }
+            let mut gateways = vec![path.gateway];
+            // Equal-cost paths become one multipath route, when each resolves on its own (a
+            // tunnelled path is never part of one: the tunnel is chosen per destination).
+            for other in best.multipath.iter() {
+                let gateway = self
+                    .rib
+                    .peers_with_path(prefix, other)
+                    .filter_map(|p| self.kernel_path(p, other.addr()))
+                    .find(|path| path.tunnel.is_none())
+                    .map(|path| path.gateway);
+                gateways.extend(gateway);
+            }
+            if let Some(gateways) = Gateways::new(gateways) {
+                routes.insert(net, Desired { route: KernelRoute { gateways, mtu: None }, peer: Some(peer) });
+            }
+        }
+        self.overlay_remotes(&mut overlay);
+        FibTarget { routes: Arc::new(routes), overlay: Arc::new(overlay), allow_deletes: self.fib_allow_deletes }
     }
 
     fn publish(&mut self) {
@@ -1062,12 +1375,14 @@ impl Core {
                 state: p.state(),
                 established_at: p.established_at.filter(|_| p.state() == State::Established).map(Instant::into_std),
                 prefixes_received: self.rib.adj_rib_in(*addr).map_or(0, |r| r.len()),
+                prefixes_rejected: self.rib.rejected_count(*addr),
                 prefixes_stale: self.rib.stale_count(*addr),
                 prefixes_advertised: self.rib.adj_rib_out(*addr).map_or(0, |r| r.len()),
                 updates_received: p.updates_received,
                 notifications_received: p.notifications_received,
                 notifications_sent: p.notifications_sent,
                 last_error: p.last_error.clone(),
+                bfd_up: p.bfd_up.filter(|_| p.config.bfd.is_some()),
             })
             .collect();
         let loc_rib = if self.rib.loc_rib().len() <= 10_000 {
@@ -1076,7 +1391,7 @@ impl Core {
                 .iter()
                 .map(|(prefix, best)| {
                     let from = match best.source {
-                        RouteSource::Local => None,
+                        RouteSource::Local(_) => None,
                         RouteSource::Peer(a) => Some(a),
                     };
                     (*prefix, best.next_hop.addr(), from)
@@ -1094,33 +1409,145 @@ impl Core {
             loc_rib,
             loc_rib_size: self.rib.loc_rib().len(),
             malformed_messages: self.malformed_messages,
+            rejections: self.rib.rejections().iter().map(|((peer, reason), c)| (*peer, *reason, c.total)).collect(),
+            ignored_nlri: self.ignored_nlri,
+            fib: FibStats::default(),
         };
         *self.status.lock().unwrap_or_else(|p| p.into_inner()) = status;
     }
 }
 
 /// Keeps the kernel's routes of our protocol equal to the speaker's target, writing only
-/// differences; re-checks every 30 s so a route removed by hand comes back.
-pub async fn run_fib(routes: crate::fib::netlink::NetlinkRoutes, mut target: watch::Receiver<FibTarget>) {
+/// differences and never touching a route that is not ours (see [`crate::fib`]). Re-reads the
+/// table when the kernel's own routes, addresses or links change (and every 30 s, so that a
+/// route removed by hand comes back), reports that view to the speaker (next-hop resolution,
+/// the node's own subnets), and retries refused writes with backoff ([`FibHealth`]).
+pub async fn run_fib(routes: crate::fib::netlink::NetlinkRoutes, mut link: FibLink, bpf_root: PathBuf) {
+    const PERIODIC: Duration = Duration::from_secs(30);
+    let mut health = FibHealth::new();
+    let mut overlay = OverlayDataplane::new(bpf_root);
+    let mut overlay_error: Option<String> = None;
+    let mut last_view: Option<Reachability> = None;
+    let mut last_error: Option<String> = None;
+    let protocol = routes.protocol();
+    let mut changes = match crate::fib::netlink::watch_changes() {
+        Ok(rx) => Some(rx),
+        Err(e) => {
+            warn!(error = %e, "cannot watch routing changes; checking every 30 s instead");
+            None
+        }
+    };
     loop {
-        let wanted = target.borrow_and_update().clone();
-        match routes.list().await {
-            Ok(installed) => {
-                let ops = reconcile(&installed, &wanted.routes, wanted.allow_deletes);
+        let wanted = link.target.borrow_and_update().clone();
+        let listed = async {
+            Ok::<_, anyhow::Error>((routes.list().await?, routes.local_addresses().await?, routes.links().await?))
+        }
+        .await;
+        match listed {
+            Ok((table, local, links)) => {
+                last_error = None;
+                let view = Reachability::new(&table, &local).with_links(links);
+                let table_changed = last_view.as_ref() != Some(&view);
+                if table_changed {
+                    link.report_view(view.clone());
+                    last_view = Some(view);
+                }
+                let mut report_overlay = |result: anyhow::Result<()>| match result {
+                    Ok(()) => overlay_error = None,
+                    Err(e) => {
+                        let text = format!("{e:#}");
+                        if overlay_error.as_ref() != Some(&text) {
+                            warn!(error = %text, "cannot program the overlay; retrying");
+                            overlay_error = Some(text);
+                        }
+                    }
+                };
+                let after = match overlay.prepare(&wanted.overlay, wanted.allow_deletes) {
+                    Ok(after) => after,
+                    Err(e) => {
+                        report_overlay(Err(e));
+                        Vec::new()
+                    }
+                };
+                let plan = reconcile(&table, &wanted.routes, wanted.allow_deletes);
+                let (ops, reports) = health.admit(plan, std::time::Instant::now(), table_changed);
+                log_fib_reports(&reports);
                 if !ops.is_empty() {
                     info!(changes = ops.len(), routes = wanted.routes.len(), "updating kernel routes");
                 }
+                let mut results = Vec::with_capacity(ops.len());
                 for op in ops {
-                    if let Err(e) = routes.apply(op).await {
-                        warn!(?op, error = %e, "kernel route update failed; retrying later");
+                    let result = routes.apply(&op).await;
+                    let peer = wanted.routes.get(&op.destination()).and_then(|d| d.peer);
+                    results.push((op, peer, result));
+                }
+                log_fib_reports(&health.record(results, std::time::Instant::now()));
+                if !after.is_empty() {
+                    report_overlay(overlay.finish(&after));
+                }
+                link.set_stats(health.stats());
+            }
+            Err(e) => {
+                let text = format!("{e:#}");
+                if last_error.as_ref() != Some(&text) {
+                    warn!(error = %text, "reading kernel routes failed; retrying");
+                    last_error = Some(text);
+                }
+            }
+        }
+        let wake = health
+            .next_retry()
+            .map(|at| Instant::from_std(at).max(Instant::now()))
+            .unwrap_or(Instant::now() + PERIODIC)
+            .min(Instant::now() + PERIODIC);
+        loop {
+            tokio::select! {
+                changed = link.target.changed() => {
+                    if changed.is_err() { return }
+                    break;
+                }
+                _ = sleep_until(wake) => break,
+                message = async { match changes.as_mut() { Some(rx) => rx.recv().await, None => std::future::pending().await } } => {
+                    match message {
+                        // Our own writes echo back: not a change of the kernel's routing.
+                        Some(m) if crate::fib::netlink::route_protocol(&m) == Some(protocol) => continue,
+                        Some(_) => {
+                            // Let a burst (an interface going down takes its routes) settle.
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            if let Some(rx) = changes.as_mut() {
+                                while rx.try_recv().is_ok() {}
+                            }
+                            break;
+                        }
+                        None => {
+                            changes = None;
+                            continue;
+                        }
                     }
                 }
             }
-            Err(e) => warn!(error = %e, "listing kernel routes failed; retrying"),
         }
-        tokio::select! {
-            changed = target.changed() => if changed.is_err() { return },
-            _ = tokio::time::sleep(Duration::from_secs(30)) => {}
+    }
+}
+
+fn log_fib_reports(reports: &[Report]) {
+    for report in reports {
+        match report {
+            Report::Conflicts { count, examples } => {
+                let examples: Vec<String> = examples.iter().map(|(d, why)| format!("{d}: {why}")).collect();
+                warn!(count, examples = %examples.join("; "), "learned routes not installed: the node already routes these destinations itself (left untouched, counted in kube_router_bgp_route_conflicts)");
+            }
+            Report::ConflictsEnded { count } => {
+                info!(count, "route conflicts ended: the other route is gone or ours is no longer wanted");
+            }
+            Report::Refused { peer, error, count, example, retry_in } => {
+                warn!(peer = %peer.map(|p| p.to_string()).unwrap_or_else(|| "-".into()), count, error = %error.describe(),
+                    example = %format!("{} via {}", example.0, example.1), retry_in_secs = retry_in.as_secs(),
+                    "the kernel refused learned routes; retrying with backoff");
+            }
+            Report::MoreRefused { groups, routes } => {
+                warn!(groups, routes, "the kernel refused more learned routes (further peers or reasons)");
+            }
         }
     }
 }

@@ -31,13 +31,19 @@ pub enum Hook {
     PolicyIngress,
     /// NetworkPolicy, TC egress of a pod veth's host side: packets *to* the pod (its ingress policy).
     PolicyEgress,
+    /// Pod overlay, TC egress towards tunnel endpoints: IPIP/FOU encapsulation.
+    OverlayEncap,
+    /// Pod overlay, TC ingress: decapsulation of tunnelled packets from known nodes.
+    OverlayDecap,
 }
 
 impl Hook {
     /// Every program of the object (all are loaded).
-    pub const ALL: [Hook; 4] = [Hook::Ingress, Hook::Egress, Hook::PolicyIngress, Hook::PolicyEgress];
+    pub const ALL: [Hook; 6] =
+        [Hook::Ingress, Hook::Egress, Hook::PolicyIngress, Hook::PolicyEgress, Hook::OverlayEncap, Hook::OverlayDecap];
     pub const LOAD_BALANCER: [Hook; 2] = [Hook::Ingress, Hook::Egress];
     pub const POLICY: [Hook; 2] = [Hook::PolicyIngress, Hook::PolicyEgress];
+    pub const OVERLAY: [Hook; 2] = [Hook::OverlayEncap, Hook::OverlayDecap];
 
     pub fn program(self) -> &'static str {
         match self {
@@ -45,13 +51,15 @@ impl Hook {
             Hook::Egress => "kr_lb_egress",
             Hook::PolicyIngress => "kr_pol_ingress",
             Hook::PolicyEgress => "kr_pol_egress",
+            Hook::OverlayEncap => "kr_ovl_encap",
+            Hook::OverlayDecap => "kr_ovl_decap",
         }
     }
 
     fn attach_type(self) -> TcAttachType {
         match self {
-            Hook::Ingress | Hook::PolicyIngress => TcAttachType::Ingress,
-            Hook::Egress | Hook::PolicyEgress => TcAttachType::Egress,
+            Hook::Ingress | Hook::PolicyIngress | Hook::OverlayDecap => TcAttachType::Ingress,
+            Hook::Egress | Hook::PolicyEgress | Hook::OverlayEncap => TcAttachType::Egress,
         }
     }
 
@@ -61,6 +69,8 @@ impl Hook {
             Hook::Egress => format!("tc_egress_{interface}"),
             Hook::PolicyIngress => format!("pol_ingress_{interface}"),
             Hook::PolicyEgress => format!("pol_egress_{interface}"),
+            Hook::OverlayEncap => format!("ovl_egress_{interface}"),
+            Hook::OverlayDecap => format!("ovl_ingress_{interface}"),
         }
     }
 
@@ -68,12 +78,25 @@ impl Hook {
     /// addresses whichever program is attached first: on ingress the LB's DNAT runs before the
     /// policy check (which must judge the backend, not the ClusterIP); on egress the policy check
     /// runs before the LB's reverse NAT (whose rewritten source, the frontend, would miss the
-    /// policy conntrack entry of the backend connection). Re-adopted or updated links keep
-    /// their place.
-    fn order(self) -> LinkOrder {
+    /// policy conntrack entry of the backend connection). The overlay wraps everything: its
+    /// decapsulation runs first on ingress (the others see the inner packet) and its
+    /// encapsulation last on egress (after every rewrite). `chain` is what the interface runs
+    /// already; re-adopted or updated links keep their place.
+    fn order(self, chain: &[aya::programs::ProgramInfo]) -> LinkOrder {
+        let find = |hook: Hook| {
+            chain
+                .iter()
+                .find(|p| p.name_as_str().is_some_and(|n| !n.is_empty() && hook.program().starts_with(n)))
+                // SAFETY: the id comes from the kernel's own list of attached programs.
+                .map(|p| unsafe { aya::programs::ProgramId::new(p.id()) })
+        };
         match self {
-            Hook::Ingress | Hook::PolicyEgress => LinkOrder::first(),
-            Hook::Egress | Hook::PolicyIngress => LinkOrder::last(),
+            Hook::Ingress => find(Hook::OverlayDecap).map_or_else(LinkOrder::first, LinkOrder::after_program_id),
+            Hook::Egress => find(Hook::OverlayEncap).map_or_else(LinkOrder::last, LinkOrder::before_program_id),
+            Hook::PolicyEgress => find(Hook::OverlayDecap).map_or_else(LinkOrder::first, LinkOrder::after_program_id),
+            Hook::PolicyIngress => find(Hook::OverlayEncap).map_or_else(LinkOrder::last, LinkOrder::before_program_id),
+            Hook::OverlayDecap => LinkOrder::first(),
+            Hook::OverlayEncap => LinkOrder::last(),
         }
     }
 }
@@ -109,8 +132,11 @@ impl Hook {
     /// DNAT before the policy check on ingress, the policy check before its reverse NAT on egress.
     fn classic_priority(self) -> u16 {
         match self {
+            // The overlay wraps the rest, as in TCX: decapsulation first, encapsulation last.
+            Hook::OverlayDecap => 0x4aff,
             Hook::Ingress | Hook::PolicyEgress => 0x4b00,
             Hook::Egress | Hook::PolicyIngress => 0x4b01,
+            Hook::OverlayEncap => 0x4b02,
         }
     }
 
@@ -121,6 +147,8 @@ impl Hook {
             ("tc_egress_", Hook::Egress),
             ("pol_ingress_", Hook::PolicyIngress),
             ("pol_egress_", Hook::PolicyEgress),
+            ("ovl_egress_", Hook::OverlayEncap),
+            ("ovl_ingress_", Hook::OverlayDecap),
         ]
         .into_iter()
         .find_map(|(prefix, hook)| Some((hook, name.strip_prefix(prefix)?)))
@@ -251,6 +279,12 @@ impl Datapath {
         Ok([self.attach_hook(Hook::Ingress, interface)?, self.attach_hook(Hook::Egress, interface)?])
     }
 
+    /// Attaches the overlay's encapsulation (egress) and decapsulation (ingress) to `interface`,
+    /// an interface towards tunnel endpoints. Links: `links/ovl_egress_<if>`, `links/ovl_ingress_<if>`.
+    pub fn attach_overlay(&mut self, interface: &str) -> Result<[AttachOutcome; 2]> {
+        Ok([self.attach_hook(Hook::OverlayEncap, interface)?, self.attach_hook(Hook::OverlayDecap, interface)?])
+    }
+
     /// Attaches both NetworkPolicy programs to `interface`, the host side of a pod's veth.
     /// Links are pinned as `links/pol_ingress_<if>` and `links/pol_egress_<if>`.
     pub fn attach_policy(&mut self, interface: &str) -> Result<[AttachOutcome; 2]> {
@@ -376,8 +410,10 @@ impl Datapath {
             }
             fs::remove_file(&link_path).with_context(|| format!("removing stale {}", link_path.display()))?;
         }
+        let (_, chain) = SchedClassifier::query_tcx(interface, hook.attach_type())
+            .with_context(|| format!("querying TCX programs on {interface}"))?;
         let id = program
-            .attach_with_options(interface, hook.attach_type(), TcAttachOptions::TcxOrder(hook.order()))
+            .attach_with_options(interface, hook.attach_type(), TcAttachOptions::TcxOrder(hook.order(&chain)))
             .with_context(|| format!("attaching {} to {interface}", hook.program()))?;
         let link: FdLink = program.take_link(id)?.try_into()?;
         link.pin(&link_path).with_context(|| format!("pinning {}", link_path.display()))?;

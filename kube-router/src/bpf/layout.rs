@@ -46,6 +46,17 @@ pub const POLICY_MAPS: [MapSpec; 5] = [
     spec::<u32, u64>(map_names::POLICY_STATS, MapType::PerCpuArray, pol_stat::COUNT),
 ];
 
+/// The pod overlay's maps. `ovl_routes_v4` keys are aya's LPM `Key` (u32 prefix length + data).
+pub const OVERLAY_MAPS: [MapSpec; 3] = [
+    spec::<Key<OverlayPrefixV4>, OverlayTunnelV4>(
+        map_names::OVERLAY_ROUTES,
+        MapType::LpmTrie,
+        OVERLAY_ROUTES_MAX_ENTRIES,
+    ),
+    spec::<u32, OverlayTunnelV4>(map_names::OVERLAY_REMOTES, MapType::Hash, OVERLAY_REMOTES_MAX_ENTRIES),
+    spec::<u32, u64>(map_names::OVERLAY_STATS, MapType::PerCpuArray, ovl_stat::COUNT),
+];
+
 #[derive(Debug, thiserror::Error)]
 #[error(
     "pinned map {path} has layout {found} but this agent expects {expected} (map layout version {version}); \
@@ -65,7 +76,7 @@ fn describe(map_type: &str, key: u32, value: u32, max: u32) -> String {
 /// Checks the maps already pinned in `pin_dir`. Missing maps are fine (they get created).
 pub fn check_pinned(pin_dir: &Path) -> Result<usize, LayoutMismatch> {
     let mut adopted = 0;
-    for spec in SERVICE_MAPS.iter().chain(&POLICY_MAPS) {
+    for spec in SERVICE_MAPS.iter().chain(&POLICY_MAPS).chain(&OVERLAY_MAPS) {
         let path = super::pinned_map(pin_dir, spec.name);
         if !path.exists() {
             continue;

@@ -1,0 +1,308 @@
+//! What goes wrong between the routes we want and the kernel, remembered so that it is logged
+//! once and retried only when there is a reason to expect another answer.
+//!
+//! * A **conflict** (a destination another route already claims) is reported once when it
+//!   appears (all new ones of a round in one line), counted, and not written again while it
+//!   lasts; when the other route goes, the next round simply installs ours.
+//! * A **refusal** (the kernel rejected a write, e.g. a gateway it cannot reach) is reported
+//!   as one line per peer and reason per round, and the route is retried with exponential
+//!   backoff (30 s doubling to 10 min), or at once when the kernel's own routes or addresses
+//!   change, or when we want another gateway for it.
+//!
+//! Pure: the caller passes the time and performs the writes.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+    time::{Duration, Instant},
+};
+
+use ipnet::IpNet;
+
+use super::{ForeignRoute, KernelRoute, Plan, RouteOp};
+
+const FIRST_RETRY: Duration = Duration::from_secs(30);
+const MAX_RETRY: Duration = Duration::from_secs(600);
+/// Refusal lines per round; the rest are summed up in one more line.
+const MAX_REPORT_GROUPS: usize = 5;
+const EXAMPLES: usize = 3;
+
+/// errno of a refused route write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct KernelError(pub i32);
+
+impl KernelError {
+    pub const EXISTS: KernelError = KernelError(libc::EEXIST);
+    pub const NO_SUCH_ROUTE: KernelError = KernelError(libc::ESRCH);
+
+    pub fn describe(self) -> String {
+        std::io::Error::from_raw_os_error(self.0).to_string()
+    }
+}
+
+/// Something worth one log line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Report {
+    /// Destinations we would route that other routes already claim (first seen this round).
+    Conflicts { count: usize, examples: Vec<(IpNet, String)> },
+    /// Conflicts that ended: the other route is gone (ours follows) or we no longer want it.
+    ConflictsEnded { count: usize },
+    /// Writes the kernel refused this round, for one peer and reason.
+    Refused {
+        peer: Option<IpAddr>,
+        error: KernelError,
+        count: usize,
+        example: (IpNet, KernelRoute),
+        retry_in: Duration,
+    },
+    /// Further refusal groups of this round, summed up.
+    MoreRefused { groups: usize, routes: usize },
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FibStats {
+    pub conflicts: usize,
+    pub refused: usize,
+    pub conflicts_total: u64,
+    pub refusals_total: u64,
+}
+
+#[derive(Clone, Debug)]
+struct Refused {
+    route: KernelRoute,
+    failures: u32,
+    retry_at: Instant,
+}
+
+#[derive(Debug, Default)]
+pub struct FibHealth {
+    conflicts: BTreeMap<IpNet, ForeignRoute>,
+    refused: BTreeMap<IpNet, Refused>,
+    conflicts_total: u64,
+    refusals_total: u64,
+}
+
+fn backoff(failures: u32) -> Duration {
+    FIRST_RETRY.saturating_mul(1u32 << failures.saturating_sub(1).min(10)).min(MAX_RETRY)
+}
+
+impl FibHealth {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Takes a reconcile plan: records its conflicts, and holds back the writes of routes the
+    /// kernel refused until their retry time, unless the kernel's own routes changed
+    /// (`table_changed`) or the route itself did. Returns the writes to attempt now.
+    pub fn admit(&mut self, plan: Plan, now: Instant, table_changed: bool) -> (Vec<RouteOp>, Vec<Report>) {
+        let mut reports = Vec::new();
+        let mut current = BTreeMap::new();
+        let mut new_examples = Vec::new();
+        let mut new_count = 0;
+        for conflict in plan.conflicts {
+            if self.conflicts.get(&conflict.destination) != Some(&conflict.foreign) {
+                new_count += 1;
+                self.conflicts_total += 1;
+                if new_examples.len() < EXAMPLES {
+                    new_examples.push((conflict.destination, conflict.foreign.describe()));
+                }
+            }
+            current.insert(conflict.destination, conflict.foreign);
+        }
+        let ended = self.conflicts.keys().filter(|d| !current.contains_key(*d)).count();
+        self.conflicts = current;
+        if new_count > 0 {
+            reports.push(Report::Conflicts { count: new_count, examples: new_examples });
+        }
+        if ended > 0 {
+            reports.push(Report::ConflictsEnded { count: ended });
+        }
+        // A refused route that is no longer written is either installed or no longer wanted.
+        let pending: BTreeSet<IpNet> = plan.ops.iter().map(RouteOp::destination).collect();
+        self.refused.retain(|d, _| pending.contains(d));
+        let ops = plan
+            .ops
+            .into_iter()
+            .filter(|op| match op {
+                RouteOp::Create(d, g) | RouteOp::Replace(d, g) => match self.refused.get(d) {
+                    Some(r) => table_changed || r.route != *g || now >= r.retry_at,
+                    None => true,
+                },
+                RouteOp::Delete(..) => true,
+            })
+            .collect();
+        (ops, reports)
+    }
+
+    /// Takes the outcome of the attempted writes (with the peer each route came from).
+    pub fn record(
+        &mut self,
+        results: impl IntoIterator<Item = (RouteOp, Option<IpAddr>, Result<(), KernelError>)>,
+        now: Instant,
+    ) -> Vec<Report> {
+        // Per (peer, error): how many routes, one example, the longest retry delay.
+        type Group = (usize, (IpNet, KernelRoute), Duration);
+        let mut groups: BTreeMap<(Option<IpAddr>, KernelError), Group> = BTreeMap::new();
+        for (op, peer, result) in results {
+            let destination = op.destination();
+            match (op, result) {
+                (_, Ok(())) => {
+                    self.refused.remove(&destination);
+                }
+                // Already gone: what a delete wanted.
+                (RouteOp::Delete(..), Err(KernelError::NO_SUCH_ROUTE)) => {}
+                (RouteOp::Create(_, route) | RouteOp::Replace(_, route) | RouteOp::Delete(_, route), Err(error)) => {
+                    self.refusals_total += 1;
+                    let failures = match self.refused.get(&destination) {
+                        Some(r) if r.route == route => r.failures + 1,
+                        _ => 1,
+                    };
+                    let retry_in = backoff(failures);
+                    self.refused
+                        .insert(destination, Refused { route: route.clone(), failures, retry_at: now + retry_in });
+                    let group = groups.entry((peer, error)).or_insert((0, (destination, route), retry_in));
+                    group.0 += 1;
+                }
+            }
+        }
+        let mut reports: Vec<Report> = groups
+            .iter()
+            .take(MAX_REPORT_GROUPS)
+            .map(|((peer, error), (count, example, retry_in))| Report::Refused {
+                peer: *peer,
+                error: *error,
+                count: *count,
+                example: example.clone(),
+                retry_in: *retry_in,
+            })
+            .collect();
+        if groups.len() > MAX_REPORT_GROUPS {
+            let rest: Vec<usize> = groups.values().skip(MAX_REPORT_GROUPS).map(|g| g.0).collect();
+            reports.push(Report::MoreRefused { groups: rest.len(), routes: rest.iter().sum() });
+        }
+        reports
+    }
+
+    /// When the earliest held-back route is due.
+    pub fn next_retry(&self) -> Option<Instant> {
+        self.refused.values().map(|r| r.retry_at).min()
+    }
+
+    pub fn stats(&self) -> FibStats {
+        FibStats {
+            conflicts: self.conflicts.len(),
+            refused: self.refused.len(),
+            conflicts_total: self.conflicts_total,
+            refusals_total: self.refusals_total,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fib::{reconcile, Desired, DesiredSet, Gateways, KernelTable};
+
+    fn net(s: &str) -> IpNet {
+        s.parse().unwrap()
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    fn want(n: u32, gateway: &str) -> DesiredSet {
+        (0..n)
+            .map(|i| {
+                let net = IpNet::new(IpAddr::V4(std::net::Ipv4Addr::from(0x0a00_0000 + (i << 8))), 24).unwrap();
+                (net, Desired { route: Gateways::One(ip(gateway)).into(), peer: Some(ip("10.77.0.2")) })
+            })
+            .collect()
+    }
+
+    /// Every write refused with EINVAL.
+    fn refuse_all(ops: &[RouteOp]) -> Vec<(RouteOp, Option<IpAddr>, Result<(), KernelError>)> {
+        ops.iter().map(|op| (op.clone(), Some(ip("10.77.0.2")), Err(KernelError(libc::EINVAL)))).collect()
+    }
+
+    #[test]
+    fn ten_thousand_refusals_are_one_line_per_round_with_backoff() {
+        let mut health = FibHealth::new();
+        let desired = want(10_000, "10.50.0.2");
+        let table = KernelTable::default();
+        let start = Instant::now();
+        let mut lines = 0;
+        let mut attempts = 0;
+        // Two minutes of a FIB loop waking every second.
+        for second in 0..120 {
+            let now = start + Duration::from_secs(second);
+            let (ops, reports) = health.admit(reconcile(&table, &desired, true), now, false);
+            lines += reports.len();
+            if !ops.is_empty() {
+                attempts += 1;
+                assert_eq!(ops.len(), 10_000, "a round retries every refused route together");
+                let reports = health.record(refuse_all(&ops), now);
+                assert!(matches!(&reports[..], [Report::Refused { count: 10_000, .. }]), "{reports:?}");
+                lines += reports.len();
+            }
+        }
+        // Rounds at 0 s, 30 s, 90 s.
+        assert_eq!(attempts, 3);
+        assert_eq!(lines, 3);
+        assert_eq!(health.stats().refused, 10_000);
+        assert_eq!(health.stats().refusals_total, 30_000);
+    }
+
+    #[test]
+    fn a_changed_table_or_route_is_retried_at_once_and_success_clears_the_refusal() {
+        let mut health = FibHealth::new();
+        let table = KernelTable::default();
+        let now = Instant::now();
+        let desired = want(1, "10.50.0.2");
+        let (ops, _) = health.admit(reconcile(&table, &desired, true), now, false);
+        health.record(refuse_all(&ops), now);
+        assert!(health.admit(reconcile(&table, &desired, true), now, false).0.is_empty());
+        assert_eq!(health.admit(reconcile(&table, &desired, true), now, true).0.len(), 1, "table changed");
+        let other = want(1, "10.50.0.3");
+        let (ops, _) = health.admit(reconcile(&table, &other, true), now, false);
+        assert_eq!(ops.len(), 1, "another gateway is another attempt");
+        let results: Vec<_> = ops.iter().map(|op| (op.clone(), None, Ok(()))).collect();
+        assert!(health.record(results, now).is_empty());
+        assert_eq!(health.stats().refused, 0);
+        assert_eq!(health.next_retry(), None);
+    }
+
+    #[test]
+    fn conflicts_are_reported_once_until_they_change() {
+        let mut health = FibHealth::new();
+        let mut table = KernelTable::default();
+        let foreign = ForeignRoute {
+            protocol: 4,
+            kind: ForeignRoute::UNICAST,
+            gateway: Some(ip("192.0.2.254")),
+            oif: Some(2),
+            metric: 0,
+            linkdown: false,
+        };
+        table.foreign.insert(net("0.0.0.0/0"), foreign.clone());
+        let desired: DesiredSet =
+            [(net("0.0.0.0/0"), Desired { route: Gateways::One(ip("10.77.0.2")).into(), peer: None })].into();
+        let now = Instant::now();
+        let (ops, reports) = health.admit(reconcile(&table, &desired, true), now, false);
+        assert!(ops.is_empty());
+        assert!(matches!(&reports[..], [Report::Conflicts { count: 1, .. }]));
+        for _ in 0..5 {
+            let (ops, reports) = health.admit(reconcile(&table, &desired, true), now, false);
+            assert!(ops.is_empty() && reports.is_empty());
+        }
+        assert_eq!(health.stats().conflicts_total, 1);
+        let mut changed = foreign;
+        changed.protocol = 16;
+        table.foreign.insert(net("0.0.0.0/0"), changed);
+        assert_eq!(health.admit(reconcile(&table, &desired, true), now, true).1.len(), 1);
+        table.foreign.clear();
+        let (ops, reports) = health.admit(reconcile(&table, &desired, true), now, true);
+        assert_eq!(ops.len(), 1, "the other route is gone: ours goes in");
+        assert_eq!(reports, vec![Report::ConflictsEnded { count: 1 }]);
+        assert_eq!(health.stats().conflicts, 0);
+    }
+}
