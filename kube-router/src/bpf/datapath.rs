@@ -332,7 +332,7 @@ impl Datapath {
     fn attach_classic(&mut self, hook: Hook, interface: &str) -> Result<AttachOutcome> {
         let pin_path = Self::link_path(&self.pin_dir, hook, interface);
         // A TCX link of ours from an earlier run in TCX mode would run twice.
-        if PinnedLink::from_pin(&pin_path).is_ok() {
+        if pinned_kind(&pin_path) == Some(PinnedKind::Link) {
             fs::remove_file(&pin_path).with_context(|| format!("removing {}", pin_path.display()))?;
         }
         match tc::qdisc_add_clsact(interface) {
@@ -385,6 +385,10 @@ impl Datapath {
         our_maps.retain(|id| pinned_ids.contains(id));
         our_maps.sort_unstable();
 
+        // A classic-mode run pinned the program there (its filter was detached above).
+        if pinned_kind(&link_path) == Some(PinnedKind::Program) {
+            fs::remove_file(&link_path).with_context(|| format!("removing {}", link_path.display()))?;
+        }
         if link_path.exists() {
             match PinnedLink::from_pin(&link_path) {
                 Ok(pinned) => {
@@ -429,6 +433,42 @@ impl Datapath {
     }
 }
 
+/// What a pin under `links/` holds: a TCX link, or (classic tc) the program itself. aya opens
+/// either kind with either type, so ask the kernel (the fd's `/proc` info names its kind).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PinnedKind {
+    Link,
+    Program,
+}
+
+fn pinned_kind(path: &Path) -> Option<PinnedKind> {
+    use std::os::{fd::FromRawFd, unix::ffi::OsStrExt};
+    const BPF_OBJ_GET: libc::c_long = 7;
+    #[repr(C)]
+    struct ObjGet {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+    }
+    let path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let attr = ObjGet { pathname: path.as_ptr() as u64, bpf_fd: 0, file_flags: 0 };
+    // SAFETY: attr is a valid BPF_OBJ_GET attribute whose path outlives the call.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, &attr, std::mem::size_of::<ObjGet>() as u32) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: the syscall returned a new fd that nothing else owns.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+    let info = fs::read_to_string(format!("/proc/self/fdinfo/{}", std::os::fd::AsRawFd::as_raw_fd(&fd))).ok()?;
+    if info.lines().any(|l| l.starts_with("link_type:")) {
+        Some(PinnedKind::Link)
+    } else if info.lines().any(|l| l.starts_with("prog_type:")) {
+        Some(PinnedKind::Program)
+    } else {
+        None
+    }
+}
+
 /// Removes every pinned link and map under `pin_dir`, of every layout (uninstall). Detaches
 /// the programs.
 pub fn remove_all(pin_dir: &Path) -> Result<usize> {
@@ -446,7 +486,7 @@ pub fn remove_all(pin_dir: &Path) -> Result<usize> {
     // Classic filters are not held by their pins: detach them first.
     for entry in fs::read_dir(pin_dir.join("links")).into_iter().flatten().flatten() {
         let name = entry.file_name();
-        let is_program = ProgramInfo::from_pin(entry.path()).is_ok();
+        let is_program = pinned_kind(&entry.path()) == Some(PinnedKind::Program);
         if let (true, Some((hook, interface))) = (is_program, name.to_str().and_then(Hook::from_pin_name)) {
             if let Ok(link) = hook.classic_link(interface) {
                 let _ = link.detach();
@@ -484,7 +524,8 @@ pub fn attachments(pin_dir: &Path) -> Result<Vec<Attachment>> {
         let entry = entry?;
         let name = entry.file_name().to_string_lossy().into_owned();
         let Some((hook, interface)) = Hook::from_pin_name(&name) else { continue };
-        let attachment = if let Ok(pinned) = PinnedLink::from_pin(entry.path()) {
+        let link = (pinned_kind(&entry.path()) == Some(PinnedKind::Link)).then(|| PinnedLink::from_pin(entry.path()));
+        let attachment = if let Some(Ok(pinned)) = link {
             let link: FdLink = pinned.into();
             let program_id = link.info().ok().map(|i| i.program_id());
             let attached = SchedClassifier::query_tcx(interface, hook.attach_type())
