@@ -95,7 +95,7 @@ pub fn encap(ctx: &TcContext) -> Result<i32, i64> {
         return Ok(TC_ACT_UNSPEC);
     }
     let dst: u32 = ctx.load(IP_DST_OFF)?;
-    let Some(tunnel) = OVERLAY_ROUTES.get(&Key::new(32, OverlayPrefixV4 { addr: dst })) else {
+    let Some(tunnel) = OVERLAY_ROUTES.get(Key::new(32, OverlayPrefixV4 { addr: dst })) else {
         return Ok(TC_ACT_UNSPEC);
     };
     let tunnel = *tunnel;
@@ -168,7 +168,7 @@ pub fn decap(ctx: &TcContext) -> Result<i32, i64> {
         let udp_dst: u16 = ctx.load(ETH_HDR_LEN + IP_HDR_LEN + 2)?;
         let gue_flags: u8 = ctx.load(ETH_HDR_LEN + IP_HDR_LEN + 8)?;
         let gue_proto: u8 = ctx.load(ETH_HDR_LEN + IP_HDR_LEN + 9)?;
-        let Some(tunnel) = (unsafe { OVERLAY_REMOTES.get(&src) }) else {
+        let Some(tunnel) = (unsafe { OVERLAY_REMOTES.get(src) }) else {
             return Ok(TC_ACT_UNSPEC);
         };
         if tunnel.encap != OVERLAY_ENCAP_FOU || udp_dst != tunnel.port || gue_flags != 0 || gue_proto != IPPROTO_IPIP {
@@ -176,7 +176,7 @@ pub fn decap(ctx: &TcContext) -> Result<i32, i64> {
         }
         IP_HDR_LEN + UDP_GUE_LEN
     };
-    let Some(tunnel) = (unsafe { OVERLAY_REMOTES.get(&src) }) else {
+    let Some(tunnel) = (unsafe { OVERLAY_REMOTES.get(src) }) else {
         if protocol == IPPROTO_IPIP {
             count_overlay(ovl_stat::UNKNOWN_REMOTE);
         }
