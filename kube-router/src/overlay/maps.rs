@@ -19,7 +19,7 @@ pub struct OverlayMaps {
 }
 
 fn open(pin_dir: &Path, name: &str) -> Result<MapData> {
-    MapData::from_pin(pin_dir.join(name)).with_context(|| format!("opening pinned map {name}"))
+    MapData::from_pin(crate::bpf::pinned_map(pin_dir, name)).with_context(|| format!("opening pinned map {name}"))
 }
 
 impl OverlayMaps {
@@ -30,7 +30,7 @@ impl OverlayMaps {
     }
 
     pub fn exist(pin_dir: &Path) -> bool {
-        pin_dir.join(map_names::OVERLAY_ROUTES).exists()
+        crate::bpf::pinned_map(pin_dir, map_names::OVERLAY_ROUTES).exists()
     }
 
     pub fn read(&self) -> Result<OverlayMapsState> {
