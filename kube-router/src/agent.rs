@@ -241,16 +241,23 @@ struct ApiSource {
 /// Attaches one feature's ingress and egress programs to an interface.
 type AttachFn = fn(&mut Datapath, &str) -> Result<[AttachOutcome; 2]>;
 
+/// Attaches both features to every interface (or the `--interfaces` list) not yet attached.
+/// `attached` maps names to the interface index they were attached at: an interface deleted
+/// and re-created under the same name (a StatefulSet pod's veth) has a new index and is
+/// attached again; vanished ones are forgotten.
 fn attach_all(
     datapath: &mut Datapath,
     wanted: &Option<Vec<String>>,
-    attached: &mut Vec<String>,
+    attached: &mut BTreeMap<String, u32>,
     load_balancer: bool,
     firewall: bool,
 ) {
-    let interfaces = wanted.clone().unwrap_or_else(netif::interfaces);
+    let present: BTreeMap<String, u32> = netif::interfaces_with_index().into_iter().collect();
+    attached.retain(|name, index| present.get(name) == Some(index));
+    let interfaces = wanted.clone().unwrap_or_else(|| present.keys().cloned().collect());
     for interface in interfaces {
-        if attached.contains(&interface) {
+        let Some(&index) = present.get(&interface) else { continue };
+        if attached.contains_key(&interface) {
             continue;
         }
         let mut ok = true;
@@ -268,7 +275,7 @@ fn attach_all(
             }
         }
         if ok {
-            attached.push(interface);
+            attached.insert(interface, index);
         }
     }
 }
@@ -484,7 +491,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     } else {
         None
     };
-    let mut attached = Vec::new();
+    let mut attached = BTreeMap::new();
     if let Some(datapath) = datapath.as_mut() {
         attach_all(datapath, &config.interfaces, &mut attached, config.run_service_proxy, config.run_firewall);
         // The links run our programs now: an upgrade from the previous map layout can complete.
@@ -544,8 +551,21 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let mut last_rescan = Instant::now();
     let mut last_housekeeping = Instant::now();
     let mut last_stale_warning = Instant::now();
+    // Interfaces are attached the moment they appear; the periodic rescan stays as a safety net.
+    let mut link_events = match (&datapath, &config.interfaces) {
+        (Some(_), None) => netif::LinkEvents::open()
+            .map_err(|e| tracing::warn!(error = %e, "no link events; new interfaces are found by a 5 s rescan"))
+            .ok(),
+        _ => None,
+    };
     tracing::info!("agent running");
     loop {
+        let link_changed = async {
+            match link_events.as_mut() {
+                Some(events) => events.changed().await,
+                None => std::future::pending().await,
+            }
+        };
         let update = async {
             match api_source.as_mut() {
                 Some(api) => api.updates.recv().await,
@@ -555,6 +575,16 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         tokio::select! {
             _ = terminate.recv() => break,
             _ = interrupt.recv() => break,
+            changed = link_changed => {
+                if let Err(e) = changed {
+                    tracing::warn!(error = %e, "link events failed; new interfaces are found by a 5 s rescan");
+                    link_events = None;
+                }
+                if let Some(datapath) = datapath.as_mut() {
+                    attach_all(datapath, &config.interfaces, &mut attached, config.run_service_proxy, config.run_firewall);
+                    last_rescan = Instant::now();
+                }
+            }
             Some(update) = update => {
                 let api = api_source.as_mut().expect("updates come from the API source");
                 match &update {

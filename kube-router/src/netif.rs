@@ -170,3 +170,85 @@ pub fn interface_index(name: &str) -> Option<u32> {
     let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
     (index != 0).then_some(index)
 }
+
+/// Interfaces with their indexes (a re-created interface of the same name gets a new index).
+pub fn interfaces_with_index() -> Vec<(String, u32)> {
+    interfaces().into_iter().filter_map(|name| Some((interface_index_of(&name)?, name))).map(|(i, n)| (n, i)).collect()
+}
+
+fn interface_index_of(name: &str) -> Option<u32> {
+    let name = std::ffi::CString::new(name).ok()?;
+    // SAFETY: name is a valid NUL-terminated string.
+    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    (index != 0).then_some(index)
+}
+
+/// Link events (RTM_NEWLINK / RTM_DELLINK) of the agent's network namespace, from a netlink
+/// socket subscribed to the link multicast group: a new pod veth is seen as the CNI plugin
+/// creates it, not at the next poll.
+pub struct LinkEvents {
+    socket: tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>,
+}
+
+impl LinkEvents {
+    pub fn open() -> std::io::Result<Self> {
+        use std::os::fd::FromRawFd;
+        const RTMGRP_LINK: u32 = 1;
+        // SAFETY: plain socket(2); the fd is owned below.
+        let fd = unsafe {
+            libc::socket(
+                libc::AF_NETLINK,
+                libc::SOCK_RAW | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+                libc::NETLINK_ROUTE,
+            )
+        };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: fd is a new socket nothing else owns.
+        let socket = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        // SAFETY: sockaddr_nl is plain data; zeroed is a valid value.
+        let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+        addr.nl_family = libc::AF_NETLINK as libc::sa_family_t;
+        addr.nl_groups = RTMGRP_LINK;
+        // SAFETY: addr is a valid sockaddr_nl of the size passed.
+        let rc = unsafe {
+            libc::bind(fd, std::ptr::addr_of!(addr).cast(), std::mem::size_of::<libc::sockaddr_nl>() as libc::socklen_t)
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: the OwnedFd stays open and the same for the AsyncFd's lifetime (it owns it).
+        let socket = unsafe { tokio::io::unix::AsyncFd::register(socket) }.map_err(std::io::Error::from)?;
+        Ok(Self { socket })
+    }
+
+    /// Waits for at least one link event and consumes every event queued. Which link changed
+    /// does not matter: the caller rescans (an overflowing queue, ENOBUFS, also means "rescan").
+    pub async fn changed(&mut self) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let mut buf = [0u8; 16 * 1024];
+        loop {
+            let mut guard = self.socket.readable().await?;
+            let mut got = false;
+            loop {
+                // SAFETY: buf is writable for its whole length.
+                let n = unsafe { libc::recv(self.socket.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+                if n >= 0 {
+                    got = true;
+                    continue;
+                }
+                let error = std::io::Error::last_os_error();
+                match error.raw_os_error() {
+                    Some(libc::EAGAIN) => break,
+                    Some(libc::ENOBUFS) => got = true,
+                    _ => return Err(error),
+                }
+            }
+            guard.clear_ready();
+            if got {
+                return Ok(());
+            }
+        }
+    }
+}

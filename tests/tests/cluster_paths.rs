@@ -273,7 +273,7 @@ fn external_ips_outside_the_allowed_ranges_are_refused_and_the_rest_is_programme
 fn a_local_policy_vip_is_advertised_only_by_nodes_with_a_local_endpoint() {
     let c = Cluster::builder("krt-cp-vip")
         .tor_bgp()
-        .agent_args(&["--advertise-external-ip", "--advertise-loadbalancer-ip"])
+        .agent_args(&["--advertise-external-ip=true", "--advertise-loadbalancer-ip=true"])
         .build()
         .unwrap();
     let svc = Svc::load_balancer("web", "10.96.1.99", 30080, "198.51.100.99")

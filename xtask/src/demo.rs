@@ -1,19 +1,20 @@
-//! The demo: a node namespace running kube-router between a client and three backend pods, and
-//! a second node it peers with over BGP, both fed by a fake API server (the real kube-rs client
-//! talks to it), which is then black-holed.
+//! The demo, on the multi-node cluster harness (`kube_router_tests::cluster`): two nodes running
+//! kube-router in API mode against the fake API server (the real kube-rs client talks to it),
+//! pods wired by the real CNI plugins from the configuration the agents write, an external
+//! client, an "internet" host and a gobgpd top-of-rack router. It walks every Service path of a
+//! real cluster, then black-holes the API while traffic runs on all of them and crashes an agent
+//! in the middle: nothing changes.
 use std::{
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc,
-    },
+    sync::atomic::{AtomicBool, Ordering},
     thread,
     time::{Duration, Instant},
 };
 
-use anyhow::{bail, Result};
+use anyhow::{bail, ensure, Result};
 use kube_router_tests::{
-    apiserver::{FakeApiServer, FakeApiServerConfig, FaultMode},
-    *,
+    apiserver::FaultMode,
+    cluster::{netprobe, request, Cluster, Svc, INTERNET_ADDR},
+    netprobe_bin, tally, Netns,
 };
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -32,15 +33,11 @@ fn step(title: &str) -> Result<()> {
 }
 
 fn show(label: &str, replies: &[String]) {
-    println!("{label}: {:?}", tally(replies));
+    println!("  {label:<58} {:?}", tally(replies));
 }
 
-fn kube_router(root: &std::path::Path, command: &str) -> Result<String> {
-    sh(&[kube_router_bin().to_str().unwrap(), "--bpf-root", root.to_str().unwrap(), command])
-}
-
-fn summary(line: &str) -> &str {
-    line.split("INFO").last().unwrap_or(line).trim()
+fn indent(text: &str) -> String {
+    text.lines().map(|l| format!("    {l}")).collect::<Vec<_>>().join("\n")
 }
 
 pub fn run() -> Result<()> {
@@ -49,177 +46,133 @@ pub fn run() -> Result<()> {
         libc::signal(libc::SIGINT, on_interrupt as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_interrupt as *const () as libc::sighandler_t);
     }
-    step("Creating namespaces: client (10.0.1.2) -- node-1 (10.0.1.1) -- backend-1..3 (10.0.1x.2); node-1 (10.0.2.1) -- node-2 (10.0.2.2)")?;
-    let topo = Topology::new("krt-demo", 3)?;
-    let node2 = Netns::new("krt-demo-node2")?;
-    veth(&topo.node, "to-node2", "10.0.2.1/24", &node2, "eth0", "10.0.2.2/24")?;
-    // A "pod" address inside node-2's pod CIDR, reachable only through the BGP-learned route.
-    node2.run(&["ip", "addr", "add", "10.244.2.1/32", "dev", "lo"])?;
-    let root = topo.bpf_root();
-    remove_bpf_root(&root);
-    let result = demo(&topo, &node2);
-    remove_bpf_root(&root);
-    result
+    step("Building the cluster: fabric router + API server, node-1 and node-2 with two pods each, a client, an internet host, a gobgpd top-of-rack")?;
+    let c = Cluster::builder("krt-demo")
+        .pods_per_node(2)
+        .tor_bgp()
+        .agent_args(&["--advertise-external-ip=true", "--advertise-loadbalancer-ip=true"])
+        .build()?;
+    demo(&c)
 }
 
-fn node_object(name: &str, ip: &str, pod_cidr: &str) -> serde_json::Value {
-    serde_json::json!({
-        "apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
-        "spec": {"podCIDR": pod_cidr, "podCIDRs": [pod_cidr]},
-        "status": {"addresses": [{"type": "InternalIP", "address": ip}]}
-    })
-}
+fn demo(c: &Cluster) -> Result<()> {
+    for node in &c.nodes {
+        println!("  {} {} pod CIDR {} (CNI config written by the agent: {})", node.name, node.ip, node.pod_cidr, {
+            node.cni_conf_file().display()
+        });
+    }
+    for pod in &c.pods {
+        println!("  {} {} on {}", pod.name, pod.ip, c.nodes[pod.node].name);
+    }
 
-fn bgp_view(ns: &Netns, port: &str) -> Result<String> {
-    let status = ns.run(&[kube_router_bin().to_str().unwrap(), "--health-port", port, "bgp"])?;
-    let routes = ns.run(&["ip", "route", "show", "proto", "186"])?;
-    Ok(format!("{status}kernel (ip route show proto 186):\n{routes}"))
-}
+    step("Pod routes between the nodes come from the agents' own BGP (ip route show proto 186)")?;
+    c.wait_routes(Duration::from_secs(60))?;
+    for node in &c.nodes {
+        println!("  {}:\n{}", node.name, indent(&node.bgp_routes()));
+    }
 
-fn demo(topo: &Topology, node2: &Netns) -> Result<()> {
-    let root = topo.bpf_root();
-    let runtime = NetnsRuntime::new(&topo.node)?;
-    // On node-1's address towards node-2, so both agents reach it.
-    let config = FakeApiServerConfig {
-        bind_address: std::net::SocketAddr::from(([10, 0, 2, 1], 0)),
-        ..FakeApiServerConfig::default()
-    };
-    let server = Arc::new(runtime.run(async { FakeApiServer::spawn(config).await })?);
-    server.apply(node_object("node-1", "10.0.2.1", "10.244.1.0/24"))?;
-    server.apply(node_object("node-2", "10.0.2.2", "10.244.2.0/24"))?;
-    let set_mode = |mode: FaultMode| {
-        let server = server.clone();
-        runtime.run(async move { server.set_mode(mode).await })
-    };
-    server.apply_yaml(&web_and_sticky(&backend_addrs(3)))?;
-    let state_dir = std::env::temp_dir().join("krt-demo-state");
-    let _ = std::fs::remove_dir_all(&state_dir);
-    let master = server.url();
-    let args = [
-        "--enable-cni=false",
-        "--master",
-        &master,
-        "--hostname-override",
-        "node-1",
-        "--state-dir",
-        state_dir.to_str().unwrap(),
-        "--health-port",
-        "20244",
-    ];
-    let state_dir2 = std::env::temp_dir().join("krt-demo-state-node2");
-    let _ = std::fs::remove_dir_all(&state_dir2);
-    let args2 = [
-        "--enable-cni=false",
-        "--master",
-        &master,
-        "--hostname-override",
-        "node-2",
-        "--run-service-proxy=false",
-        "--state-dir",
-        state_dir2.to_str().unwrap(),
-        "--health-port",
-        "20244",
-    ];
-    let ping_pod = || -> String {
-        match topo.node.run(&["ping", "-c1", "-W1", "-q", "10.244.2.1"]) {
-            Ok(_) => "ok".into(),
-            Err(e) => format!("FAILED ({e})"),
-        }
-    };
-    let health = || -> Result<String> {
-        let out = topo.node.run(&[netprobe_bin().to_str().unwrap(), "http", "127.0.0.1:20244", "/healthz"])?;
-        Ok(out.replace('\n', " "))
-    };
+    step("Services from real Service/EndpointSlice objects")?;
+    // Both backends on node-2; reached through node-1 from outside.
+    let web = Svc::load_balancer("web", "10.96.0.10", 30080, "198.51.100.10")
+        .select("node", "node-2")
+        .external_ip("192.0.2.10");
+    c.add_service(web)?;
+    c.add_service(Svc::node_port("self", "10.96.0.11", 30090).select("pod", "pod-1-0"))?;
+    c.add_service(Svc::node_port("empty", "10.96.0.12", 30100).select("pod", "nobody"))?;
+    let local = Svc::load_balancer("local", "10.96.0.13", 30110, "198.51.100.13").select("pod", "pod-1-1").local();
+    c.add_service(local)?;
+    c.route_via("192.0.2.10", 0)?;
+    c.route_via("198.51.100.10", 0)?;
+    println!("  kube-router services (node-1):\n{}", indent(&c.node(0).services()));
 
-    step(&format!("Starting kube-router in the node namespace, watching the API server at {master}"))?;
-    let mut agent = Agent::start(&topo.node, &root, &args)?;
-    println!("{}", summary(&agent.wait_for_log("complete=true", 1, Duration::from_secs(30))?));
-    step("Starting kube-router on node-2 (BGP only): the two nodes peer from their Node objects (iBGP, AS 64512)")?;
-    let mut agent2 = Agent::start(node2, &std::path::PathBuf::from("/sys/fs/bpf/krt-demo-node2"), &args2)?;
-    agent2.wait_for_log("BGP session established", 1, Duration::from_secs(30))?;
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !topo.node.run(&["ip", "route", "show", "proto", "186"])?.contains("10.244.2.0/24")
-        && Instant::now() < deadline
-    {
+    step("Every path, real TCP and UDP connections")?;
+    let pod = c.pod(0, 0);
+    show("pod-1-0 -> ClusterIP 10.96.0.10:80 (backends on node-2)", &pod.request("tcp", "10.96.0.10:80", 20));
+    show("pod-1-0 -> ClusterIP 10.96.0.10:53 udp", &pod.request("udp", "10.96.0.10:53", 20));
+    show("client -> NodePort 10.100.0.1:30080 (backend elsewhere)", &request(&c.client, "tcp", "10.100.0.1:30080", 20));
+    show("client -> ExternalIP 192.0.2.10:80", &request(&c.client, "tcp", "192.0.2.10:80", 20));
+    show("client -> LoadBalancer IP 198.51.100.10:80", &request(&c.client, "tcp", "198.51.100.10:80", 20));
+    println!(
+        "  the backend sees (source NAT to the node that took it): {}",
+        netprobe(&c.client, &["ask", "tcp", "10.100.0.1:30080", "who"])
+    );
+    println!(
+        "  pod-1-0 -> its own Service (hairpin), backend sees:      {}",
+        netprobe(&pod.ns, &["ask", "tcp", "10.96.0.11:80", "who"])
+    );
+    println!(
+        "  no ready endpoints: refused at once (REJECT):            {}",
+        netprobe(&c.client, &["timed", "tcp", "10.100.0.2:30100"])
+    );
+    println!(
+        "  pod-1-0 -> internet (egress masquerade), server sees:    {}",
+        netprobe(&pod.ns, &["ask", "tcp", &format!("{INTERNET_ADDR}:8080"), "who"])
+    );
+    println!(
+        "  externalTrafficPolicy Local, via node-2 (no endpoint):   {}",
+        netprobe(&c.client, &["timed", "tcp", "10.100.0.2:30110"])
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !c.tor_received(0).contains("198.51.100.13/32") && Instant::now() < deadline {
         thread::sleep(Duration::from_millis(200));
     }
-    thread::sleep(Duration::from_millis(1200));
-    println!("node-1 (kube-router bgp):\n{}", bgp_view(&topo.node, "20244")?);
-    println!("node-2 (kube-router bgp):\n{}", bgp_view(node2, "20244")?);
-    println!("ping node-1 -> 10.244.2.1 (a pod address on node-2, via the BGP route): {}", ping_pod());
+    let vip = |i: usize| c.tor_received(i).contains("198.51.100.13/32");
+    println!("  the Local Service's LB IP at the top-of-rack: from node-1 {}, from node-2 {}", vip(0), vip(1));
+    let stats = c.node(0).stats();
+    let interesting = ["new_flow", "ct_hit", "snat_new_flow", "reject_sent", "egress_masquerade_new_flow"];
+    let counters: Vec<String> = interesting.iter().filter_map(|k| stats.get(*k).map(|n| format!("{k}={n}"))).collect();
+    println!("  node-1 datapath counters: {}", counters.join(" "));
 
-    step("Services, read back from the pinned maps (kube-router services)")?;
-    print!("{}", kube_router(&root, "services")?);
-
-    step("bpftool map dump pinned /sys/fs/bpf/krt-demo/svc_v4  (key: VIP, port, proto | value: id, count, flags, affinity)")?;
-    print!(
-        "{}",
-        sh(&["bpftool", "map", "dump", "pinned", kube_router_tests::maps_dir(&root).join("svc_v4").to_str().unwrap()])?
-    );
-
-    step(
-        "Client traffic: 30 TCP connections and 30 UDP requests to web's ClusterIP, 30 to its NodePort, 30 to sticky",
-    )?;
-    show("tcp 10.96.0.10:80  ", &topo.request("tcp", "10.96.0.10:80", 30)?);
-    show("udp 10.96.0.10:53  ", &topo.request("udp", "10.96.0.10:53", 30)?);
-    show("tcp 10.0.1.1:30080 ", &topo.request("tcp", "10.0.1.1:30080", 30)?);
-    show("tcp 10.96.0.11:80 (ClientIP affinity)", &topo.request("tcp", "10.96.0.11:80", 30)?);
-
-    step(
-        "Black-holing the API server for 40 s (connections accepted, never answered); a client connects every second",
-    )?;
-    let programmed = kube_router(&root, "services")?;
-    set_mode(FaultMode::BlackHole)?;
-    let started = Instant::now();
-    let mut replies = Vec::new();
-    while started.elapsed() < Duration::from_secs(40) {
-        step_quietly()?;
-        replies.extend(topo.request("tcp", "10.96.0.10:80", 1)?);
-        thread::sleep(Duration::from_millis(900));
-    }
-    show("tcp 10.96.0.10:80 during the outage", &replies);
-    println!("agents running: {} {}   /healthz: {}", agent.is_running(), agent2.is_running(), health()?);
-    println!("service maps unchanged: {}", kube_router(&root, "services")? == programmed);
-    println!("BGP during the outage: sessions up, routes unchanged:\n{}", bgp_view(&topo.node, "20244")?);
-    println!("ping node-1 -> 10.244.2.1: {}", ping_pod());
-
-    step("The API server returns, with backend-3 removed from web: only that difference is written")?;
-    server.apply_yaml(&web_and_sticky(&backend_addrs(2)))?;
-    set_mode(FaultMode::Normal)?;
-    let syncs_before = agent.log_count("service sync complete");
-    // web on both ports loses one slot each; its frontends (ClusterIP, NodePorts) get a new count.
-    let deadline = Instant::now() + Duration::from_secs(90);
-    while agent.sync_totals_after(syncs_before).2 < 2 && Instant::now() < deadline {
-        step_quietly()?;
-        thread::sleep(Duration::from_millis(100));
-    }
+    step("API black-holed for 40 s, a client connecting every 200 ms on every path; node-1's agent crashes and restarts in the middle")?;
+    let probe =
+        |ns: &Netns, target: &str| ns.spawn_collecting(&[netprobe_bin().to_str().unwrap(), "probe", target, "200"]);
+    let probes = [
+        ("pod -> ClusterIP on the other node", probe(&pod.ns, "10.96.0.10:80")?),
+        ("client -> NodePort, backend on the other node", probe(&c.client, "10.100.0.1:30080")?),
+        ("client -> LoadBalancer IP", probe(&c.client, "198.51.100.10:80")?),
+        ("pod -> its own Service (hairpin)", probe(&pod.ns, "10.96.0.11:80")?),
+        ("pod -> internet", probe(&pod.ns, &format!("{INTERNET_ADDR}:8080"))?),
+    ];
     thread::sleep(Duration::from_secs(1));
-    println!("writes after the outage (inserts, updates, deletes): {:?}", agent.sync_totals_after(syncs_before));
-    show("tcp 10.96.0.10:80  ", &topo.request("tcp", "10.96.0.10:80", 30)?);
-    println!("/healthz: {}", health()?);
-
-    step("Stopping the agent: programs, links and maps stay pinned, traffic keeps flowing")?;
-    agent.stop()?;
-    show("tcp 10.96.0.10:80 (no agent running)", &topo.request("tcp", "10.96.0.10:80", 30)?);
-
-    step("Restarting the agent with the API server down: it programs from its checkpoint and writes nothing")?;
-    set_mode(FaultMode::Refuse)?;
-    let mut agent = Agent::start(&topo.node, &root, &args)?;
-    println!("{}", summary(&agent.wait_for_log("service sync complete", 1, Duration::from_secs(30))?));
-    show("tcp 10.96.0.10:80  ", &topo.request("tcp", "10.96.0.10:80", 20)?);
-    print!("{}", kube_router(&root, "stats")?);
-    agent.stop()?;
-    agent2.stop()?;
-    // Routes and pinned objects outlive the agents by design; the demo removes them itself.
-    remove_bpf_root(&std::path::PathBuf::from("/sys/fs/bpf/krt-demo-node2"));
-
-    step("Cleaning up (namespaces and pinned objects)")?;
-    Ok(())
-}
-
-fn step_quietly() -> Result<()> {
-    if INTERRUPTED.load(Ordering::SeqCst) {
-        bail!("interrupted: cleaning up");
+    let maps = c.agent_maps();
+    let routes = c.routes();
+    c.set_api(FaultMode::BlackHole);
+    let started = Instant::now();
+    let mut restarted = false;
+    while started.elapsed() < Duration::from_secs(40) {
+        if INTERRUPTED.load(Ordering::SeqCst) {
+            break;
+        }
+        thread::sleep(Duration::from_secs(5));
+        if !restarted && started.elapsed() >= Duration::from_secs(15) {
+            c.restart_agent(0)?;
+            restarted = true;
+            println!(
+                "  {:>4.1} s: node-1's agent killed and started again (API still down)",
+                started.elapsed().as_secs_f64()
+            );
+        }
+        let same = c.agent_maps() == maps;
+        println!(
+            "  {:>4.1} s: agents running {}, maps unchanged {same}, node-1 API reachable metric {}",
+            started.elapsed().as_secs_f64(),
+            c.agents_running(),
+            c.node(0).metric("kube_router_api_reachable", "")
+        );
+        ensure!(same, "maps changed during the outage");
     }
+    ensure!(c.routes() == routes, "routes changed during the outage");
+    println!("  kernel routes on both nodes unchanged: true");
+    c.set_api(FaultMode::Normal);
+    let mut failures = 0;
+    for (path, replies) in &probes {
+        let replies = replies.lock().unwrap();
+        let failed = replies.iter().filter(|r| r.starts_with("ERR")).count();
+        failures += failed;
+        println!("  {path:<48} {} connections, {failed} failed", replies.len());
+    }
+    ensure!(failures == 0, "{failures} connections failed during the outage");
+
+    step("Done: tearing the cluster down")?;
     Ok(())
 }
