@@ -157,7 +157,7 @@ pub fn mtu_of_address(addr: Ipv4Addr) -> Option<u32> {
         for (slot, byte) in request.ifr_name.iter_mut().zip(name.to_bytes()) {
             *slot = *byte as libc::c_char;
         }
-        let rc = libc::ioctl(socket, libc::SIOCGIFMTU, &mut request);
+        let rc = libc::ioctl(socket, libc::SIOCGIFMTU as _, &mut request);
         libc::close(socket);
         (rc == 0).then_some(request.ifr_ifru.ifru_mtu as u32)
     }
