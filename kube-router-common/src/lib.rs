@@ -42,6 +42,8 @@ pub mod map_names {
     pub const AFFINITY_V6: &str = "affinity_v6";
     pub const FRAGMENTS_V6: &str = "frag_v6";
     pub const CLUSTER_NETS_V6: &str = "cluster_nets_v6";
+    pub const SOURCE_RANGES: &str = "lb_src_v4";
+    pub const SOURCE_RANGES_V6: &str = "lb_src_v6";
     pub const OVERLAY_ROUTES: &str = "ovl_routes_v4";
     pub const OVERLAY_REMOTES: &str = "ovl_remotes_v4";
     pub const OVERLAY_STATS: &str = "ovl_stats";
@@ -55,6 +57,7 @@ pub const AFFINITY_MAX_ENTRIES: u32 = 65_536;
 pub const META_MAX_ENTRIES: u32 = 4;
 pub const FRAGMENTS_MAX_ENTRIES: u32 = 8_192;
 pub const CLUSTER_NETS_MAX_ENTRIES: u32 = 16_384;
+pub const SOURCE_RANGES_MAX_ENTRIES: u32 = 65_536;
 
 /// `cluster_nets_v4` values (LPM over addresses; the longest match decides): what a prefix is
 /// inside the cluster. Pod egress to an address with no match at all is masqueraded.
@@ -145,6 +148,21 @@ pub const SVC_FLAG_EXTERNAL: u32 = 1 << 3;
 /// A backend connecting to its own service is source-NATed to the frontend address (hairpin),
 /// so its own reply is not dropped as coming from itself.
 pub const SVC_FLAG_HAIRPIN: u32 = 1 << 4;
+/// New flows are accepted only from sources in the frontend's backend set's prefixes in
+/// `lb_src_v4` / `lb_src_v6` (`loadBalancerSourceRanges`, on LoadBalancer IP frontends).
+pub const SVC_FLAG_SOURCE_RANGES: u32 = 1 << 5;
+
+/// `lb_src_v4` / `lb_src_v6` key (an LPM trie key's data): the service id, matched in full,
+/// then the source prefix. Prefix length = 32 + the source prefix's length.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SourceRangeKey<A> {
+    /// Network byte order, like the address, so the trie compares it whole.
+    pub service_id: u32,
+    pub addr: A,
+}
+pub type SourceRangeKeyV4 = SourceRangeKey<u32>;
+pub type SourceRangeKeyV6 = SourceRangeKey<Ipv6Words>;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -369,7 +387,9 @@ pub mod lb_stat {
     pub const EGRESS_MASQUERADE_NEW_FLOW: u32 = 19;
     /// Packets of masqueraded pod flows translated (both directions).
     pub const EGRESS_MASQUERADE: u32 = 20;
-    pub const COUNT: u32 = 21;
+    /// A new flow to a LoadBalancer IP from outside its `loadBalancerSourceRanges`: dropped.
+    pub const SOURCE_RANGE_DROP: u32 = 21;
+    pub const COUNT: u32 = 22;
     /// Metric label of each index, in index order.
     pub const NAMES: [&str; COUNT as usize] = [
         "packets",
@@ -393,6 +413,7 @@ pub mod lb_stat {
         "ct_reselected",
         "egress_masquerade_new_flow",
         "egress_masquerade",
+        "source_range_drop",
     ];
 }
 
@@ -467,6 +488,8 @@ mod user {
     unsafe impl aya::Pod for FragKeyV4 {}
     unsafe impl aya::Pod for FragKeyV6 {}
     unsafe impl aya::Pod for FragPorts {}
+    unsafe impl aya::Pod for SourceRangeKeyV4 {}
+    unsafe impl aya::Pod for SourceRangeKeyV6 {}
     unsafe impl aya::Pod for OverlayPrefixV4 {}
     unsafe impl aya::Pod for OverlayTunnelV4 {}
 }

@@ -31,6 +31,8 @@ pub trait Family: 'static {
     fn cluster_net(addr: &Self::Addr) -> u32;
     /// The node address source-NATed flows of this family leave with, if configured.
     fn snat_addr(config: &LbConfig) -> Option<Self::Addr>;
+    /// `src` is inside one of the service's `loadBalancerSourceRanges`.
+    fn source_allowed(service_id: u32, src: &Self::Addr) -> bool;
 
     fn rewrite(ctx: &TcContext, flow: &LbFlow<Self::Addr>, to: &Tuple<Self::Addr>) -> Result<(), i64>;
     fn rewrite_icmp_error(
@@ -83,6 +85,11 @@ impl Family for V4 {
     #[inline(always)]
     fn cluster_net(addr: &u32) -> u32 {
         CLUSTER_NETS.get(Key::new(32, *addr)).copied().unwrap_or(0)
+    }
+    #[inline(always)]
+    fn source_allowed(service_id: u32, src: &u32) -> bool {
+        let key = SourceRangeKey { service_id: service_id.to_be(), addr: *src };
+        SOURCE_RANGES.get(Key::new(64, key)).is_some()
     }
     #[inline(always)]
     fn snat_addr(config: &LbConfig) -> Option<u32> {
@@ -145,6 +152,11 @@ impl Family for V6 {
     #[inline(always)]
     fn cluster_net(addr: &Ipv6Words) -> u32 {
         CLUSTER_NETS_V6.get(Key::new(128, *addr)).copied().unwrap_or(0)
+    }
+    #[inline(always)]
+    fn source_allowed(service_id: u32, src: &Ipv6Words) -> bool {
+        let key = SourceRangeKey { service_id: service_id.to_be(), addr: *src };
+        SOURCE_RANGES_V6.get(Key::new(160, key)).is_some()
     }
     #[inline(always)]
     fn snat_addr(config: &LbConfig) -> Option<Ipv6Words> {

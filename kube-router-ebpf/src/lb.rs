@@ -148,6 +148,11 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
         count(lb_stat::NO_SERVICE);
         return TC_ACT_UNSPEC;
     };
+    // loadBalancerSourceRanges: a firewall in front of the load balancer, for new flows.
+    if service.flags & SVC_FLAG_SOURCE_RANGES != 0 && !F::source_allowed(service.service_id, &flow.src_addr) {
+        count(lb_stat::SOURCE_RANGE_DROP);
+        return TC_ACT_SHOT;
+    }
     let Some(chosen) = select_backend::<F>(flow.src_addr, &service, now) else {
         count(lb_stat::NO_BACKEND_DROP);
         return REFUSE;

@@ -55,6 +55,12 @@ pub static FRAGMENTS_V6: LruHashMap<FragKeyV6, FragPorts> = LruHashMap::pinned(F
 #[map(name = "cluster_nets_v6")]
 pub static CLUSTER_NETS_V6: LpmTrie<Ipv6Words, u32> = LpmTrie::pinned(CLUSTER_NETS_MAX_ENTRIES, 0);
 
+#[map(name = "lb_src_v4")]
+pub static SOURCE_RANGES: LpmTrie<SourceRangeKeyV4, u8> = LpmTrie::pinned(SOURCE_RANGES_MAX_ENTRIES, 0);
+
+#[map(name = "lb_src_v6")]
+pub static SOURCE_RANGES_V6: LpmTrie<SourceRangeKeyV6, u8> = LpmTrie::pinned(SOURCE_RANGES_MAX_ENTRIES, 0);
+
 /// A new flow's two entries and keys, built in map memory rather than on the BPF stack (the
 /// IPv6 ones take 192 bytes of its 512). Per CPU: one program run uses it at a time.
 #[repr(C)]

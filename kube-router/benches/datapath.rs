@@ -48,6 +48,7 @@ fn state(services: usize, endpoints: usize) -> ServiceState {
                 publish_not_ready: false,
                 hairpin: false,
                 health_check_node_port: None,
+                source_ranges: None,
             },
         );
         let endpoints = (0..endpoints)

@@ -101,6 +101,8 @@ struct ServiceController {
     external_ips: ExternalIpPolicy,
     /// Warnings already logged, so one that persists is reported once.
     reported: BTreeSet<String>,
+    /// Maps that had no room for every entry at the last sync.
+    full_maps: BTreeSet<&'static str>,
     /// The health check ports the node serves (`spec.healthCheckNodePort`).
     health_checks: tokio::sync::watch::Sender<BTreeMap<u16, crate::healthcheck::LocalEndpoints>>,
 }
@@ -125,12 +127,23 @@ impl ServiceController {
     /// writes (left for a retry).
     fn apply(&mut self, builder: &StateBuilder, complete: bool) -> u64 {
         let started = Instant::now();
+        let mut current = BTreeSet::new();
+        // Each distinct problem is logged and counted once, however often the state is rebuilt.
         for problem in &builder.problems {
-            let kind: &'static str = if problem.kind == "Service" { "Service" } else { "EndpointSlice" };
-            self.metrics.with(|m| *m.rejected_objects.entry(kind).or_default() += 1);
+            let text = format!("{problem:?}");
+            if !self.reported.contains(&text) {
+                let kind: &'static str = if problem.kind == "Service" { "Service" } else { "EndpointSlice" };
+                let (object, error) = (problem.name.as_str(), problem.message.as_str());
+                if problem.partial {
+                    tracing::warn!(kind, object, error, "part of an object left out; the rest is programmed");
+                } else {
+                    tracing::error!(kind, object, error, "rejected object; its programmed state is kept as it was");
+                }
+                self.metrics.with(|m| *m.rejected_objects.entry(kind).or_default() += 1);
+            }
+            current.insert(text);
         }
         let lb_plan = plan(&builder.state, &self.node_context(), self.limits);
-        let mut current = BTreeSet::new();
         for warning in &lb_plan.warnings {
             let text = format!("{warning:?}");
             if !self.reported.contains(&text) {
@@ -153,7 +166,22 @@ impl ServiceController {
             changed
         });
         let desired = assign_ids(&lb_plan, self.sync.programmed());
-        let report = self.sync.sync(&mut self.maps, &desired, complete);
+        let mut report = self.sync.sync(&mut self.maps, &desired, complete);
+        if report.total().full > 0 && report.total().deletes > 0 {
+            // Inserts come before deletes: what this pass freed makes room for what it could
+            // not insert. One more pass, with the same desired state.
+            let desired = assign_ids(&lb_plan, self.sync.programmed());
+            let second = self.sync.sync(&mut self.maps, &desired, complete);
+            for (map, counts) in second.per_map {
+                let total = report.per_map.entry(map).or_default();
+                total.inserts += counts.inserts;
+                total.updates += counts.updates;
+                total.deletes += counts.deletes;
+                total.errors = counts.errors;
+                total.full = counts.full;
+            }
+        }
+        self.report_full_maps(&report);
         let total = report.total();
         let programmed = self.sync.programmed();
         tracing::info!(
@@ -174,7 +202,31 @@ impl ServiceController {
             m.map_entries.insert(map_names::BACKENDS, programmed.backends.len() as u64);
         });
         self.metrics.heartbeat("services");
-        total.errors
+        // A full map is retried when the desired state changes (space may free), not on a timer.
+        total.errors - total.full
+    }
+
+    /// Logs a map becoming full, and having room again, once per transition.
+    fn report_full_maps(&mut self, report: &crate::services::sync::SyncReport) {
+        let now: BTreeSet<&'static str> =
+            report.per_map.iter().filter(|(_, c)| c.full > 0).map(|(map, _)| *map).collect();
+        for map in now.difference(&self.full_maps) {
+            let waiting = report.per_map[map].full;
+            tracing::error!(
+                map,
+                waiting,
+                "map is full: entries already programmed stay, new ones wait until space frees"
+            );
+        }
+        for map in self.full_maps.difference(&now) {
+            tracing::info!(map, "map has room again; every entry is programmed");
+        }
+        self.metrics.with(|m| {
+            for map in [map_names::SERVICES, map_names::BACKEND_SLOTS, map_names::BACKENDS, map_names::SOURCE_RANGES] {
+                m.map_full.insert(map, now.contains(map));
+            }
+        });
+        self.full_maps = now;
     }
 }
 
@@ -451,6 +503,7 @@ impl ServiceProxy {
                 forbidden: config.cluster_cidrs.iter().chain(&config.service_ranges).copied().collect(),
             },
             reported: BTreeSet::new(),
+            full_maps: BTreeSet::new(),
             health_checks,
         };
         let snat_addr =
@@ -552,12 +605,14 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let mut last_housekeeping = Instant::now();
     let mut last_stale_warning = Instant::now();
     // Interfaces are attached the moment they appear; the periodic rescan stays as a safety net.
-    let mut link_events = match (&datapath, &config.interfaces) {
-        (Some(_), None) => netif::LinkEvents::open()
+    let mut link_events = match &datapath {
+        Some(_) => netif::LinkEvents::open()
             .map_err(|e| tracing::warn!(error = %e, "no link events; new interfaces are found by a 5 s rescan"))
             .ok(),
-        _ => None,
+        None => None,
     };
+    // NodePorts listen on the node's addresses: a changed set recompiles the Services at once.
+    let mut node_addresses = netif::ipv4_addresses();
     tracing::info!("agent running");
     loop {
         let link_changed = async {
@@ -580,9 +635,21 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     tracing::warn!(error = %e, "link events failed; new interfaces are found by a 5 s rescan");
                     link_events = None;
                 }
-                if let Some(datapath) = datapath.as_mut() {
+                if let (Some(datapath), None) = (datapath.as_mut(), &config.interfaces) {
                     attach_all(datapath, &config.interfaces, &mut attached, config.run_service_proxy, config.run_firewall);
                     last_rescan = Instant::now();
+                }
+                let now = netif::ipv4_addresses();
+                if now != node_addresses {
+                    tracing::info!(addresses = ?now, "node addresses changed; recompiling Services");
+                    node_addresses = now;
+                    if let Some(api) = api_source.as_mut() {
+                        api.dirty = true;
+                    }
+                    if let (Some(file), Some(proxy)) = (file_source.as_mut(), service_proxy.as_mut()) {
+                        file.stamp = None;
+                        file.sync(&mut proxy.controller, &metrics);
+                    }
                 }
             }
             Some(update) = update => {

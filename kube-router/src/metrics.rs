@@ -40,6 +40,8 @@ pub struct MetricsState {
     /// (map, op) -> count, op in insert/update/delete/error/full.
     pub map_writes: BTreeMap<(&'static str, &'static str), u64>,
     pub map_entries: BTreeMap<&'static str, u64>,
+    /// Maps that could not take every desired entry at the last sync.
+    pub map_full: BTreeMap<&'static str, bool>,
     pub sync_duration: Histogram,
     pub syncs: u64,
     pub last_sync_unix: Option<f64>,
@@ -118,6 +120,15 @@ impl Metrics {
             );
             for ((map, op), n) in &m.map_writes {
                 let _ = writeln!(out, "kube_router_map_writes_total{{map=\"{map}\",op=\"{op}\"}} {n}");
+            }
+            family(
+                &mut out,
+                "kube_router_map_full",
+                "gauge",
+                "1 while a pinned BPF map cannot take every desired entry (existing ones are kept).",
+            );
+            for (map, full) in &m.map_full {
+                let _ = writeln!(out, "kube_router_map_full{{map=\"{map}\"}} {}", u8::from(*full));
             }
             family(&mut out, "kube_router_map_entries", "gauge", "Entries in each pinned BPF map as last programmed.");
             for (map, n) in &m.map_entries {

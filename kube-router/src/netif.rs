@@ -183,9 +183,10 @@ fn interface_index_of(name: &str) -> Option<u32> {
     (index != 0).then_some(index)
 }
 
-/// Link events (RTM_NEWLINK / RTM_DELLINK) of the agent's network namespace, from a netlink
-/// socket subscribed to the link multicast group: a new pod veth is seen as the CNI plugin
-/// creates it, not at the next poll.
+/// Link and address events (RTM_NEWLINK / RTM_DELLINK, RTM_NEWADDR / RTM_DELADDR) of the
+/// agent's network namespace, from a netlink socket subscribed to those multicast groups: a
+/// new pod veth is seen as the CNI plugin creates it, a new node address (NodePorts listen on
+/// it) as it is added, not at the next poll.
 pub struct LinkEvents {
     socket: tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>,
 }
@@ -193,7 +194,9 @@ pub struct LinkEvents {
 impl LinkEvents {
     pub fn open() -> std::io::Result<Self> {
         use std::os::fd::FromRawFd;
-        const RTMGRP_LINK: u32 = 1;
+        const RTMGRP_LINK: u32 = 0x1;
+        const RTMGRP_IPV4_IFADDR: u32 = 0x10;
+        const RTMGRP_IPV6_IFADDR: u32 = 0x100;
         // SAFETY: plain socket(2); the fd is owned below.
         let fd = unsafe {
             libc::socket(
@@ -210,7 +213,7 @@ impl LinkEvents {
         // SAFETY: sockaddr_nl is plain data; zeroed is a valid value.
         let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
         addr.nl_family = libc::AF_NETLINK as libc::sa_family_t;
-        addr.nl_groups = RTMGRP_LINK;
+        addr.nl_groups = RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR;
         // SAFETY: addr is a valid sockaddr_nl of the size passed.
         let rc = unsafe {
             libc::bind(fd, std::ptr::addr_of!(addr).cast(), std::mem::size_of::<libc::sockaddr_nl>() as libc::socklen_t)

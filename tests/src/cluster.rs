@@ -249,6 +249,7 @@ pub struct Svc {
     pub annotations: BTreeMap<String, String>,
     pub health_check_node_port: Option<u16>,
     pub session_affinity: bool,
+    pub source_ranges: Vec<String>,
 }
 
 impl Svc {
@@ -267,6 +268,7 @@ impl Svc {
             annotations: BTreeMap::new(),
             health_check_node_port: None,
             session_affinity: false,
+            source_ranges: vec![],
         }
     }
 
@@ -307,6 +309,11 @@ impl Svc {
         self.health_check_node_port = Some(port);
         self
     }
+    /// `spec.loadBalancerSourceRanges`.
+    pub fn source_range(mut self, cidr: &str) -> Self {
+        self.source_ranges.push(cidr.to_string());
+        self
+    }
 
     fn object(&self) -> Value {
         let ports: Vec<Value> = self
@@ -336,6 +343,9 @@ impl Svc {
         }
         if let Some(port) = self.health_check_node_port {
             spec["healthCheckNodePort"] = json!(port);
+        }
+        if !self.source_ranges.is_empty() {
+            spec["loadBalancerSourceRanges"] = json!(self.source_ranges);
         }
         let mut object = json!({
             "apiVersion": "v1", "kind": "Service",
@@ -757,7 +767,7 @@ impl Cluster {
 
     /// The maps each agent writes (not conntrack or counters), as bpftool dumps.
     pub fn agent_maps(&self) -> Vec<BTreeMap<String, String>> {
-        const WRITTEN: [&str; 8] = [
+        const WRITTEN: [&str; 9] = [
             "svc_v4",
             "svc_slots_v4",
             "backends_v4",
@@ -766,6 +776,7 @@ impl Cluster {
             "backends_v6",
             "lb_config",
             "cluster_nets_v4",
+            "lb_src_v4",
         ];
         self.nodes
             .iter()

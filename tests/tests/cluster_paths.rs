@@ -304,3 +304,31 @@ fn a_local_policy_vip_is_advertised_only_by_nodes_with_a_local_endpoint() {
     wait_tor(0, true);
     wait_tor(1, false);
 }
+
+#[test]
+fn load_balancer_source_ranges_admit_only_the_listed_clients() {
+    let c = Cluster::builder("krt-cp-lbsr").build().unwrap();
+    let open = Svc::load_balancer("open", "10.96.1.110", 30080, "198.51.100.110").select("pod", "pod-2-0");
+    let allowed = Svc::load_balancer("allowed", "10.96.1.111", 30090, "198.51.100.111")
+        .select("pod", "pod-2-0")
+        .source_range("192.168.100.0/24");
+    let closed = Svc::load_balancer("closed", "10.96.1.112", 30100, "198.51.100.112")
+        .select("pod", "pod-2-0")
+        .source_range("10.1.0.0/16")
+        .source_range("fd00:1::/64");
+    for svc in [open, allowed, closed] {
+        c.add_service(svc).unwrap();
+    }
+    for vip in ["198.51.100.110", "198.51.100.111", "198.51.100.112"] {
+        c.route_via(vip, 0).unwrap();
+    }
+    assert_all_from(&request(&c.client, "tcp", "198.51.100.110:80", 5), "pod-2-0");
+    assert_all_from(&request(&c.client, "tcp", "198.51.100.111:80", 5), "pod-2-0");
+    assert_all_from(&request(&c.client, "udp", "198.51.100.111:53", 5), "pod-2-0");
+    let refused = netprobe(&c.client, &["timed", "tcp", "198.51.100.112:80"]);
+    assert!(refused.starts_with("ERR"), "a client outside the ranges connected: {refused}");
+    assert!(c.node(0).stats()["source_range_drop"] >= 1, "{:?}", c.node(0).stats());
+    // The ranges guard the LoadBalancer IP only: the same Service's NodePort and ClusterIP stay open.
+    assert_all_from(&request(&c.client, "tcp", "10.100.0.1:30100", 5), "pod-2-0");
+    assert_all_from(&c.pod(0, 0).request("tcp", "10.96.1.112:80", 5), "pod-2-0");
+}

@@ -137,28 +137,52 @@ fn restart_reuses_pinned_state_and_traffic_flows_without_the_agent() {
 }
 
 #[test]
-fn bad_input_is_rejected_and_changes_nothing() {
+fn bad_input_is_contained_to_the_smallest_unit_and_never_removes_what_works() {
     let env = Env::new("krt-bad");
     let mut agent = env.agent();
     let topo = &env.topo;
-    let before = dump_maps(&topo.bpf_root()).unwrap()["svc_v4"].clone();
+    let good = web_and_sticky(&backend_addrs(3));
+    let frontends = |text: &str| text.lines().filter(|l| l.contains(&format!(" {VIP}:"))).count();
+    let services = || {
+        let out = std::process::Command::new(kube_router_bin())
+            .arg("--bpf-root")
+            .arg(topo.bpf_root())
+            .arg("services")
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let web_http = || services().lines().find(|l| l.contains(&format!(" {VIP}:80 "))).unwrap_or_default().to_string();
 
-    // An unsupported protocol in one Service: that Service is rejected, its entries stay.
-    env.file
-        .write(&web_and_sticky(&backend_addrs(3)).replacen("protocol: UDP, port: 53", "protocol: SCTP, port: 53", 1))
-        .unwrap();
+    // A Service rewritten with a field of the wrong type (a port as a string) does not decode:
+    // it is named, and everything programmed for it stays.
+    let before = dump_maps(&topo.bpf_root()).unwrap();
+    env.file.write(&good.replacen("port: 80, targetPort: 8080", "port: \"eighty\", targetPort: 8080", 1)).unwrap();
     let line = agent.wait_for_log("service sync complete", 2, Duration::from_secs(10)).unwrap();
-    assert_eq!(log_field(&line, "deletes"), Some(0), "{line}");
-    assert_eq!(log_field(&line, "updates"), Some(0), "{line}");
-    assert!(agent
-        .log
-        .lock()
-        .unwrap()
-        .iter()
-        .any(|l| l.contains("rejected object") && l.contains("unsupported protocol") && l.contains("SCTP")));
+    assert_eq!((log_field(&line, "deletes"), log_field(&line, "updates")), (Some(0), Some(0)), "{line}");
+    assert!(agent.log.lock().unwrap().iter().any(|l| l.contains("rejected object") && l.contains("default/web")));
+    assert_eq!(dump_maps(&topo.bpf_root()).unwrap()["svc_v4"], before["svc_v4"]);
+    assert_all_ok(&topo.request("tcp", &format!("{VIP}:80"), 10).unwrap());
     assert_all_ok(&topo.request("udp", &format!("{VIP}:53"), 10).unwrap());
 
+    // One unreadable address in a slice of three endpoints: the other two keep serving.
+    let broken = good.replacen(&format!("\"{}\"", backend_addr(2)), "\"10.0.12.999\"", 1);
+    env.file.write(&broken).unwrap();
+    agent.wait_for_log("service sync complete", 3, Duration::from_secs(10)).unwrap();
+    assert!(web_http().contains("backends=[") && web_http().matches(':').count() == 3, "{}", web_http());
+    let replies = topo.request("tcp", &format!("{VIP}:80"), 20).unwrap();
+    assert_all_ok(&replies);
+    assert!(!replies.iter().any(|r| r == "backend-3"), "{replies:?}");
+
+    // A Service with a TCP port and an SCTP port: the TCP port is programmed, the SCTP one left out.
+    env.file.write(&good.replacen("protocol: UDP, port: 53", "protocol: SCTP, port: 53", 1)).unwrap();
+    agent.wait_for_log("service sync complete", 4, Duration::from_secs(10)).unwrap();
+    assert!(agent.log.lock().unwrap().iter().any(|l| l.contains("part of an object left out") && l.contains("SCTP")));
+    assert_eq!(frontends(&services()), 1, "only the http ClusterIP is left on the VIP:\n{}", services());
+    assert_all_ok(&topo.request("tcp", &format!("{VIP}:80"), 10).unwrap());
+
     // A file that is not YAML at all: logged, nothing written.
+    let before = dump_maps(&topo.bpf_root()).unwrap()["svc_v4"].clone();
     env.file.write("{{{ not yaml").unwrap();
     agent.wait_for_log("cannot read desired state", 1, Duration::from_secs(10)).unwrap();
     assert_eq!(dump_maps(&topo.bpf_root()).unwrap()["svc_v4"], before);
@@ -225,4 +249,30 @@ fn all_filters(node: &Netns) -> String {
         }
     }
     out
+}
+
+/// NodePorts listen on every node address, also one added after the agent started (netlink
+/// address events, no Service change needed).
+#[test]
+fn node_ports_are_served_on_an_address_added_after_start() {
+    let env = Env::new("krt-addr");
+    let _agent = env.agent();
+    let topo = &env.topo;
+    topo.node.run(&["ip", "addr", "add", "10.0.1.100/24", "dev", "to-client"]).unwrap();
+    let bin = kube_router_bin();
+    let root = topo.bpf_root();
+    let services = || topo.node.run(&[bin.to_str().unwrap(), "--bpf-root", root.to_str().unwrap(), "services"]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !services().unwrap().contains(" 10.0.1.100:30080 ") {
+        assert!(std::time::Instant::now() < deadline, "no NodePort on the new address:\n{}", services().unwrap());
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert_all_ok(&topo.request("tcp", "10.0.1.100:30080", 10).unwrap());
+    // And it goes when the address goes.
+    topo.node.run(&["ip", "addr", "del", "10.0.1.100/24", "dev", "to-client"]).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while services().unwrap().contains(" 10.0.1.100:30080 ") {
+        assert!(std::time::Instant::now() < deadline, "NodePort left on a removed address");
+        thread::sleep(Duration::from_millis(50));
+    }
 }

@@ -4,11 +4,14 @@ use std::{collections::BTreeMap, path::Path};
 use ipnet::Ipv4Net;
 
 use anyhow::{Context, Result};
-use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray};
+use aya::maps::{
+    lpm_trie::{Key, LpmTrie},
+    HashMap, Map, MapData, MapError, PerCpuArray,
+};
 use kube_router_common::*;
 
 use crate::services::{
-    compile::MapContents,
+    compile::{MapContents, SourceRange},
     diff::MapOp,
     sync::{MapWriteError, ServiceMaps},
 };
@@ -27,11 +30,23 @@ fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &str) -> Result<Has
     Ok(HashMap::try_from(map)?)
 }
 
-/// The three service maps the control plane writes.
+/// The service maps the control plane writes.
 pub struct BpfServiceMaps {
     services: HashMap<MapData, ServiceKeyV4, ServiceValue>,
     slots: HashMap<MapData, BackendSlotKey, BackendSlotValue>,
     backends: HashMap<MapData, u32, BackendV4>,
+    source_ranges: LpmTrie<MapData, SourceRangeKeyV4, u8>,
+}
+
+fn source_range_key(range: &SourceRange) -> Key<SourceRangeKeyV4> {
+    let data = SourceRangeKeyV4 { service_id: range.service_id.to_be(), addr: range.addr };
+    Key::new(32 + u32::from(range.prefix_len), data)
+}
+
+fn source_range_of(key: &Key<SourceRangeKeyV4>) -> SourceRange {
+    let data = key.data();
+    let prefix_len = key.prefix_len().saturating_sub(32).min(32) as u8;
+    SourceRange { service_id: u32::from_be(data.service_id), addr: data.addr, prefix_len }
 }
 
 impl BpfServiceMaps {
@@ -40,6 +55,7 @@ impl BpfServiceMaps {
             services: open_hash(pin_dir, map_names::SERVICES)?,
             slots: open_hash(pin_dir, map_names::BACKEND_SLOTS)?,
             backends: open_hash(pin_dir, map_names::BACKENDS)?,
+            source_ranges: LpmTrie::try_from(Map::LpmTrie(open(pin_dir, map_names::SOURCE_RANGES)?))?,
         })
     }
 }
@@ -66,13 +82,12 @@ impl ServiceMaps for BpfServiceMaps {
             MapOp::DeleteService(k) => self.services.remove(k),
             MapOp::DeleteSlot(k) => self.slots.remove(k),
             MapOp::DeleteBackend(k) => self.backends.remove(k),
+            MapOp::PutSourceRange(k) => self.source_ranges.insert(&source_range_key(k), 1, 0),
+            MapOp::DeleteSourceRange(k) => self.source_ranges.remove(&source_range_key(k)),
         };
         // A delete of a key that is already gone leaves the map as wanted.
         match result {
-            Err(MapError::SyscallError(e))
-                if matches!(op, MapOp::DeleteService(_) | MapOp::DeleteSlot(_) | MapOp::DeleteBackend(_))
-                    && e.io_error.raw_os_error() == Some(libc::ENOENT) =>
-            {
+            Err(MapError::SyscallError(e)) if op.is_delete() && e.io_error.raw_os_error() == Some(libc::ENOENT) => {
                 Ok(())
             }
             other => other.map_err(|e| write_error(name, e)),
@@ -84,6 +99,13 @@ impl ServiceMaps for BpfServiceMaps {
             services: read_hash(&self.services, map_names::SERVICES)?,
             slots: read_hash(&self.slots, map_names::BACKEND_SLOTS)?,
             backends: read_hash(&self.backends, map_names::BACKENDS)?,
+            source_ranges: self
+                .source_ranges
+                .iter()
+                .map(|entry| {
+                    entry.map(|(k, v)| (source_range_of(&k), v)).map_err(|e| write_error(map_names::SOURCE_RANGES, e))
+                })
+                .collect::<Result<_, _>>()?,
         })
     }
 }

@@ -58,11 +58,22 @@ pub enum CompileWarning {
     },
 }
 
+/// One `loadBalancerSourceRanges` prefix of a backend set, as `lb_src_v4` holds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SourceRange {
+    pub service_id: u32,
+    /// Network byte order, host bits cleared.
+    pub addr: u32,
+    pub prefix_len: u8,
+}
+
 /// The load-balancing plan before IDs are assigned.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LbPlan {
     pub frontends: BTreeMap<ServiceKeyV4, Frontend>,
     pub backend_sets: BTreeMap<BackendSetKey, Vec<BackendV4>>,
+    /// `loadBalancerSourceRanges` of the backend sets behind LoadBalancer IP frontends.
+    pub source_ranges: BTreeMap<BackendSetKey, Vec<ipnet::Ipv4Net>>,
     /// Frontend addresses / keys of rejected services: existing entries stay as they are.
     pub protected_addrs: BTreeSet<u32>,
     pub protected_frontends: BTreeSet<ServiceKeyV4>,
@@ -87,7 +98,8 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
         slices_by_service.entry(&slice.service).or_default().push(slice);
     }
 
-    for service in state.services.values() {
+    // A Service whose own object or one of whose slices was rejected keeps what it has.
+    for service in state.services.values().filter(|s| !state.rejected.contains_key(&s.name)) {
         let slices = slices_by_service.get(&service.name).map(Vec::as_slice).unwrap_or(&[]);
         for port in &service.ports {
             let affinity_flags = if service.affinity_timeout_secs.is_some() { SVC_FLAG_AFFINITY } else { 0 };
@@ -121,9 +133,15 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
                     }
                     continue;
                 }
+                // As kube-proxy: the source ranges guard the LoadBalancer IPs only.
+                let ranges = service.source_ranges.as_ref().filter(|_| is_lb);
+                let guarded = if ranges.is_some() { SVC_FLAG_SOURCE_RANGES } else { 0 };
+                if let Some(ranges) = ranges {
+                    plan.source_ranges.insert(external.clone(), ranges.clone());
+                }
                 frontends.push((
                     frontend_key(*ip, port.port, port.protocol),
-                    affinity_flags | local_flag(external.local_only) | SVC_FLAG_EXTERNAL,
+                    affinity_flags | local_flag(external.local_only) | SVC_FLAG_EXTERNAL | guarded,
                     external.clone(),
                 ));
             }
@@ -157,9 +175,15 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
         }
     }
 
-    for rejected in state.rejected.values() {
-        plan.protected_addrs.extend(rejected.addrs.iter().map(|a| addr_be(*a)));
-        for node_port in &rejected.node_ports {
+    for (name, rejected) in &state.rejected {
+        let mut addrs = rejected.addrs.clone();
+        let mut node_ports = rejected.node_ports.clone();
+        if let Some(service) = state.services.get(name) {
+            addrs.extend(service.cluster_ips.iter().chain(&service.external_ips).chain(&service.load_balancer_ips));
+            node_ports.extend(service.ports.iter().filter_map(|p| p.node_port));
+        }
+        plan.protected_addrs.extend(addrs.iter().map(|a| addr_be(*a)));
+        for node_port in &node_ports {
             for ip in &node.node_port_addrs {
                 for protocol in [Protocol::Tcp, Protocol::Udp] {
                     plan.protected_frontends.insert(frontend_key(*ip, *node_port, protocol));
@@ -231,6 +255,8 @@ pub struct MapContents {
     pub services: BTreeMap<ServiceKeyV4, ServiceValue>,
     pub slots: BTreeMap<BackendSlotKey, BackendSlotValue>,
     pub backends: BTreeMap<u32, BackendV4>,
+    /// `lb_src_v4` (the value is always 1).
+    pub source_ranges: BTreeMap<SourceRange, u8>,
 }
 
 fn lowest_free(used: &BTreeSet<u32>, next: &mut u32) -> u32 {
@@ -300,6 +326,13 @@ pub fn assign_ids(plan: &LbPlan, current: &MapContents) -> MapContents {
             );
         }
     }
+    for (set, ranges) in &plan.source_ranges {
+        let Some(&service_id) = set_ids.get(set) else { continue };
+        for range in ranges {
+            let entry = SourceRange { service_id, addr: addr_be(range.addr()), prefix_len: range.prefix_len() };
+            desired.source_ranges.insert(entry, 1);
+        }
+    }
     for (key, frontend) in &plan.frontends {
         let set = &frontend.backend_set;
         desired.services.insert(
@@ -325,6 +358,15 @@ fn keep_protected(plan: &LbPlan, current: &MapContents, desired: &mut MapContent
             continue;
         }
         desired.services.insert(*key, *value);
+        for (range, one) in current.source_ranges.range(
+            SourceRange { service_id: value.service_id, addr: 0, prefix_len: 0 }..=SourceRange {
+                service_id: value.service_id,
+                addr: u32::MAX,
+                prefix_len: u8::MAX,
+            },
+        ) {
+            desired.source_ranges.insert(*range, *one);
+        }
         for slot in 0..value.backend_count {
             let slot_key = BackendSlotKey { service_id: value.service_id, slot };
             if let Some(slot_value) = current.slots.get(&slot_key) {

@@ -3,16 +3,18 @@ use std::collections::BTreeMap;
 
 use kube_router_common::*;
 
-use super::compile::MapContents;
+use super::compile::{MapContents, SourceRange};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MapOp {
     PutBackend(u32, BackendV4),
     PutSlot(BackendSlotKey, BackendSlotValue),
+    PutSourceRange(SourceRange),
     PutService(ServiceKeyV4, ServiceValue),
     DeleteService(ServiceKeyV4),
     DeleteSlot(BackendSlotKey),
     DeleteBackend(u32),
+    DeleteSourceRange(SourceRange),
 }
 
 impl MapOp {
@@ -21,13 +23,22 @@ impl MapOp {
             MapOp::PutBackend(..) | MapOp::DeleteBackend(_) => map_names::BACKENDS,
             MapOp::PutSlot(..) | MapOp::DeleteSlot(_) => map_names::BACKEND_SLOTS,
             MapOp::PutService(..) | MapOp::DeleteService(_) => map_names::SERVICES,
+            MapOp::PutSourceRange(_) | MapOp::DeleteSourceRange(_) => map_names::SOURCE_RANGES,
         }
+    }
+
+    pub fn is_delete(&self) -> bool {
+        matches!(
+            self,
+            MapOp::DeleteService(_) | MapOp::DeleteSlot(_) | MapOp::DeleteBackend(_) | MapOp::DeleteSourceRange(_)
+        )
     }
 }
 
 /// Writes that turn `current` into `desired`, ordered so the datapath never sees a frontend
 /// pointing at a slot, or a slot at a backend, that does not exist yet or any more:
-/// backends, slots and services are written first, then removed in the reverse order.
+/// backends, slots, source ranges and services are written first, then removed in the reverse
+/// order (a frontend's source ranges exist before it is flagged, and outlive the flag).
 /// With `allow_deletes` false (before the first complete sync after a restart) nothing is
 /// removed.
 pub fn diff(current: &MapContents, desired: &MapContents, allow_deletes: bool) -> Vec<MapOp> {
@@ -58,11 +69,13 @@ pub fn diff(current: &MapContents, desired: &MapContents, allow_deletes: bool) -
     let mut ops = Vec::new();
     puts(&current.backends, &desired.backends, MapOp::PutBackend, &mut ops);
     puts(&current.slots, &desired.slots, MapOp::PutSlot, &mut ops);
+    puts(&current.source_ranges, &desired.source_ranges, |k, _| MapOp::PutSourceRange(k), &mut ops);
     puts(&current.services, &desired.services, MapOp::PutService, &mut ops);
     if allow_deletes {
         deletes(&current.services, &desired.services, MapOp::DeleteService, &mut ops);
         deletes(&current.slots, &desired.slots, MapOp::DeleteSlot, &mut ops);
         deletes(&current.backends, &desired.backends, MapOp::DeleteBackend, &mut ops);
+        deletes(&current.source_ranges, &desired.source_ranges, MapOp::DeleteSourceRange, &mut ops);
     }
     ops
 }
@@ -89,6 +102,12 @@ impl MapContents {
             MapOp::DeleteBackend(k) => {
                 self.backends.remove(&k);
             }
+            MapOp::PutSourceRange(k) => {
+                self.source_ranges.insert(k, 1);
+            }
+            MapOp::DeleteSourceRange(k) => {
+                self.source_ranges.remove(&k);
+            }
         }
     }
 
@@ -98,6 +117,7 @@ impl MapContents {
             MapOp::PutBackend(k, _) => !self.backends.contains_key(k),
             MapOp::PutSlot(k, _) => !self.slots.contains_key(k),
             MapOp::PutService(k, _) => !self.services.contains_key(k),
+            MapOp::PutSourceRange(k) => !self.source_ranges.contains_key(k),
             _ => false,
         }
     }

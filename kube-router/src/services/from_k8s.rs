@@ -9,6 +9,8 @@ use super::model::*;
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 /// kube-router's per-Service hairpin switch (its presence turns hairpin on).
 pub const HAIRPIN_ANNOTATION: &str = "kube-router.io/service.hairpin";
+/// The pre-1.x form of `spec.loadBalancerSourceRanges`, still read by kube-proxy.
+pub const SOURCE_RANGES_ANNOTATION: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
 const DEFAULT_AFFINITY_TIMEOUT_SECS: u32 = 10_800;
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -31,7 +33,9 @@ pub enum ObjectError {
 
 /// What the converter made of one Service object.
 pub enum ServiceOutcome {
-    Service(Service),
+    /// The Service, and what of it was left out (a port of an unsupported protocol, an
+    /// unreadable external address): the rest is programmed.
+    Service(Service, Vec<String>),
     /// Headless or ExternalName: nothing to load-balance.
     NotLoadBalanced,
     Rejected(ServiceName, RejectedService),
@@ -56,17 +60,56 @@ fn protocol(protocol: Option<&str>, port: i32) -> Result<Protocol, ObjectError> 
     }
 }
 
+/// The label that hands a Service to another proxy (kube-proxy skips such Services).
+pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
+
+/// An address as the API server accepts it: also the legacy IPv4 form with leading zeros
+/// (`010.000.010.002`), which old API servers stored and which means the decimal value (as Go's
+/// parser read it before 1.17). `Ok(None)` for IPv6: the IPv4 datapath skips it.
+pub fn parse_ipv4(addr: &str) -> Result<Option<Ipv4Addr>, ObjectError> {
+    match std::net::IpAddr::from_str(addr) {
+        Ok(std::net::IpAddr::V4(v4)) => return Ok(Some(v4)),
+        Ok(std::net::IpAddr::V6(_)) => return Ok(None),
+        Err(_) => {}
+    }
+    let octets: Vec<u8> = addr
+        .split('.')
+        .map(|part| {
+            let digits = !part.is_empty() && part.len() <= 3 && part.bytes().all(|b| b.is_ascii_digit());
+            if digits {
+                part.parse::<u8>().ok()
+            } else {
+                None
+            }
+        })
+        .collect::<Option<_>>()
+        .ok_or_else(|| ObjectError::InvalidAddress(addr.to_string()))?;
+    match octets[..] {
+        [a, b, c, d] => Ok(Some(Ipv4Addr::new(a, b, c, d))),
+        _ => Err(ObjectError::InvalidAddress(addr.to_string())),
+    }
+}
+
 /// IPv4 addresses of a list; IPv6 ones are skipped (the datapath is IPv4-only for now).
 fn ipv4_addrs<'a>(addrs: impl IntoIterator<Item = &'a String>) -> Result<Vec<Ipv4Addr>, ObjectError> {
     let mut out = Vec::new();
     for addr in addrs {
-        match std::net::IpAddr::from_str(addr) {
-            Ok(std::net::IpAddr::V4(v4)) => out.push(v4),
-            Ok(std::net::IpAddr::V6(_)) => {}
-            Err(_) => return Err(ObjectError::InvalidAddress(addr.clone())),
-        }
+        out.extend(parse_ipv4(addr)?);
     }
     Ok(out)
+}
+
+/// Like [`ipv4_addrs`], but an unreadable address is skipped (and reported in `skipped`)
+/// instead of failing the list: one bad entry must not take the rest with it.
+fn ipv4_addrs_lenient<'a>(addrs: impl IntoIterator<Item = &'a String>, skipped: &mut Vec<String>) -> Vec<Ipv4Addr> {
+    let mut out = Vec::new();
+    for addr in addrs {
+        match parse_ipv4(addr) {
+            Ok(v4) => out.extend(v4),
+            Err(e) => skipped.push(e.to_string()),
+        }
+    }
+    out
 }
 
 pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
@@ -76,9 +119,14 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
     if service_type == "ExternalName" {
         return Ok(ServiceOutcome::NotLoadBalanced);
     }
+    // Meant for another proxy, as kube-proxy reads the label.
+    let labels = object.metadata.labels.as_ref();
+    if labels.and_then(|l| l.get(SERVICE_PROXY_NAME_LABEL)).is_some_and(|v| !v.is_empty()) {
+        return Ok(ServiceOutcome::NotLoadBalanced);
+    }
     // Whatever else is wrong, remember which frontends the object names so they stay programmed.
     let readable_addrs = |v: Option<&Vec<String>>| -> Vec<Ipv4Addr> {
-        v.into_iter().flatten().filter_map(|a| Ipv4Addr::from_str(a).ok()).collect()
+        v.into_iter().flatten().filter_map(|a| parse_ipv4(a).ok().flatten()).collect()
     };
     let cluster_ip_strings: Vec<String> = match (&spec.cluster_ips, &spec.cluster_ip) {
         (Some(ips), _) if !ips.is_empty() => ips.clone(),
@@ -92,6 +140,8 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
         .and_then(|lb| lb.ingress.as_ref())
         .into_iter()
         .flatten()
+        // ipMode Proxy: the load balancer proxies, so traffic for its address must go to it.
+        .filter(|i| i.ip_mode.as_deref() != Some("Proxy"))
         .filter_map(|i| i.ip.clone())
         .collect();
     let reject = |reason: ObjectError| {
@@ -103,30 +153,41 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
         Ok(ServiceOutcome::Rejected(name.clone(), RejectedService { reason: reason.to_string(), addrs, node_ports }))
     };
 
-    let headless = cluster_ip_strings.iter().any(|ip| ip == "None");
-    let cluster_ips = match ipv4_addrs(cluster_ip_strings.iter().filter(|ip| *ip != "None" && !ip.is_empty())) {
-        Ok(ips) => ips,
-        Err(e) => return reject(e),
-    };
-    let external_ips = match ipv4_addrs(spec.external_ips.iter().flatten()) {
-        Ok(ips) => ips,
-        Err(e) => return reject(e),
-    };
-    let load_balancer_ips = match ipv4_addrs(lb_strings.iter()) {
-        Ok(ips) => ips,
-        Err(e) => return reject(e),
-    };
-    if headless && external_ips.is_empty() {
+    // Headless: no proxying at all, externalIPs included (kube-proxy ignores the Service).
+    if cluster_ip_strings.iter().any(|ip| ip == "None") {
         return Ok(ServiceOutcome::NotLoadBalanced);
     }
+    let assigned: Vec<&String> = cluster_ip_strings.iter().filter(|ip| !ip.is_empty()).collect();
+    let cluster_ips = match ipv4_addrs(assigned.iter().copied()) {
+        Ok(ips) => ips,
+        Err(e) => return reject(e),
+    };
+    // IPv6 only (by its families or its ClusterIPs): nothing of it belongs on IPv4 frontends,
+    // NodePorts on the node's IPv4 addresses included.
+    let families = spec.ip_families.as_ref().filter(|f| !f.is_empty());
+    let ipv6_only =
+        families.is_some_and(|f| !f.iter().any(|f| f == "IPv4")) || (!assigned.is_empty() && cluster_ips.is_empty());
+    if ipv6_only {
+        return Ok(ServiceOutcome::NotLoadBalanced);
+    }
+    let mut warnings = Vec::new();
+    let external_ips = ipv4_addrs_lenient(spec.external_ips.iter().flatten(), &mut warnings);
+    let load_balancer_ips = ipv4_addrs_lenient(lb_strings.iter(), &mut warnings);
 
     let mut ports = Vec::new();
     let mut seen_ports = BTreeSet::new();
     let mut seen_names = BTreeSet::new();
     for port in spec.ports.iter().flatten() {
+        // A port we cannot serve (SCTP, out of range) is left out; the others are programmed.
+        let usable = protocol(port.protocol.as_deref(), port.port).and_then(|p| Ok((p, port_number(port.port)?)));
+        let (protocol, number) = match usable {
+            Ok(usable) => usable,
+            Err(e) => {
+                warnings.push(e.to_string());
+                continue;
+            }
+        };
         let converted = (|| {
-            let protocol = protocol(port.protocol.as_deref(), port.port)?;
-            let number = port_number(port.port)?;
             let node_port = match port.node_port {
                 Some(n) if n != 0 && service_type != "ClusterIP" => Some(port_number(n)?),
                 _ => None,
@@ -146,6 +207,7 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
         }
     }
 
+    let source_ranges = source_ranges(object, &mut warnings);
     let affinity_timeout_secs = (spec.session_affinity.as_deref() == Some("ClientIP")).then(|| {
         spec.session_affinity_config
             .as_ref()
@@ -154,27 +216,62 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
             .and_then(|t| u32::try_from(t).ok())
             .unwrap_or(DEFAULT_AFFINITY_TIMEOUT_SECS)
     });
-    Ok(ServiceOutcome::Service(Service {
-        name,
-        cluster_ips,
-        external_ips,
-        load_balancer_ips,
-        ports,
-        affinity_timeout_secs,
-        external_traffic_local: spec.external_traffic_policy.as_deref() == Some("Local"),
-        internal_traffic_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
-        publish_not_ready: spec.publish_not_ready_addresses.unwrap_or(false),
-        hairpin: object.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(HAIRPIN_ANNOTATION)),
-        health_check_node_port: spec
-            .health_check_node_port
-            .filter(|_| spec.external_traffic_policy.as_deref() == Some("Local"))
-            .and_then(|p| u16::try_from(p).ok())
-            .filter(|p| *p != 0),
-    }))
+    Ok(ServiceOutcome::Service(
+        Service {
+            name,
+            cluster_ips,
+            external_ips,
+            load_balancer_ips,
+            ports,
+            affinity_timeout_secs,
+            external_traffic_local: spec.external_traffic_policy.as_deref() == Some("Local"),
+            internal_traffic_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
+            publish_not_ready: spec.publish_not_ready_addresses.unwrap_or(false),
+            hairpin: object.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(HAIRPIN_ANNOTATION)),
+            health_check_node_port: spec
+                .health_check_node_port
+                .filter(|_| spec.external_traffic_policy.as_deref() == Some("Local"))
+                .and_then(|p| u16::try_from(p).ok())
+                .filter(|p| *p != 0),
+            source_ranges,
+        },
+        warnings,
+    ))
 }
 
+/// `spec.loadBalancerSourceRanges`, else the legacy annotation (comma-separated), as kube-proxy
+/// reads them. An unreadable entry is left out, which only narrows what is allowed.
+fn source_ranges(object: &core::Service, warnings: &mut Vec<String>) -> Option<Vec<ipnet::Ipv4Net>> {
+    let spec = object.spec.as_ref()?;
+    let listed: Vec<String> = match spec.load_balancer_source_ranges.as_ref().filter(|r| !r.is_empty()) {
+        Some(ranges) => ranges.clone(),
+        None => {
+            let annotation = object.metadata.annotations.as_ref()?.get(SOURCE_RANGES_ANNOTATION)?;
+            annotation.split(',').map(|r| r.trim().to_string()).filter(|r| !r.is_empty()).collect()
+        }
+    };
+    if listed.is_empty() {
+        return None;
+    }
+    let mut ranges = Vec::new();
+    for range in &listed {
+        match range.trim().parse::<ipnet::IpNet>() {
+            Ok(ipnet::IpNet::V4(net)) => ranges.push(net.trunc()),
+            Ok(ipnet::IpNet::V6(_)) => {}
+            Err(_) => warnings.push(format!("loadBalancerSourceRanges entry {range:?} is not a CIDR; left out")),
+        }
+    }
+    ranges.sort();
+    ranges.dedup();
+    Some(ranges)
+}
+
+/// A converted EndpointSlice, with what of it was left out (an unreadable address, a port of an
+/// unsupported protocol): kube-proxy skips the one endpoint or port, not the slice.
+pub type ConvertedSlice = (SliceKey, EndpointSlice, Vec<String>);
+
 /// Converts an EndpointSlice. IPv6 slices yield `Ok(None)`: not load-balanced yet.
-pub fn endpoint_slice(object: &discovery::EndpointSlice) -> Result<Option<(SliceKey, EndpointSlice)>, ObjectError> {
+pub fn endpoint_slice(object: &discovery::EndpointSlice) -> Result<Option<ConvertedSlice>, ObjectError> {
     let slice_name = name_of(&object.metadata)?;
     if object.address_type != "IPv4" {
         return Ok(None);
@@ -185,25 +282,28 @@ pub fn endpoint_slice(object: &discovery::EndpointSlice) -> Result<Option<(Slice
         .as_ref()
         .and_then(|l| l.get(SERVICE_NAME_LABEL))
         .ok_or(ObjectError::MissingServiceLabel)?;
+    let mut warnings = Vec::new();
     let mut ports = Vec::new();
     for port in object.ports.iter().flatten() {
         let Some(number) = port.port else { continue };
-        ports.push(EndpointPort {
-            name: port.name.clone().unwrap_or_default(),
-            protocol: protocol(port.protocol.as_deref(), number)?,
-            port: port_number(number)?,
-        });
+        match protocol(port.protocol.as_deref(), number).and_then(|p| Ok((p, port_number(number)?))) {
+            Ok((protocol, port_number)) => {
+                ports.push(EndpointPort { name: port.name.clone().unwrap_or_default(), protocol, port: port_number })
+            }
+            Err(e) => warnings.push(e.to_string()),
+        }
     }
     let mut endpoints = Vec::new();
     for endpoint in &object.endpoints {
         let conditions = endpoint.conditions.clone().unwrap_or_default();
-        // API defaults: nil ready/serving mean true, nil terminating means false.
+        // API defaults (and kube-proxy's reading): nil ready and nil serving mean true, nil
+        // terminating means false.
         let ready = conditions.ready.unwrap_or(true);
-        for addr in ipv4_addrs(&endpoint.addresses)? {
+        for addr in ipv4_addrs_lenient(&endpoint.addresses, &mut warnings) {
             endpoints.push(Endpoint {
                 addr,
                 ready,
-                serving: conditions.serving.unwrap_or(ready),
+                serving: conditions.serving.unwrap_or(true),
                 terminating: conditions.terminating.unwrap_or(false),
                 node_name: endpoint.node_name.clone(),
             });
@@ -212,5 +312,6 @@ pub fn endpoint_slice(object: &discovery::EndpointSlice) -> Result<Option<(Slice
     Ok(Some((
         (slice_name.namespace.clone(), slice_name.name),
         EndpointSlice { service: ServiceName::new(slice_name.namespace, service_name), ports, endpoints },
+        warnings,
     )))
 }

@@ -68,6 +68,11 @@ pub struct Service {
     /// balancers' health checks with its count of local ready endpoints.
     #[serde(default)]
     pub health_check_node_port: Option<u16>,
+    /// `loadBalancerSourceRanges` (or the legacy annotation), IPv4 prefixes: new flows to the
+    /// LoadBalancer IPs only from these. `Some(empty)`: ranges are set but none is IPv4, so no
+    /// IPv4 source is allowed. `None`: open.
+    #[serde(default)]
+    pub source_ranges: Option<Vec<ipnet::Ipv4Net>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -10,12 +10,15 @@ use super::{
     model::*,
 };
 
-/// A problem with one object; the object is skipped (or its frontends protected), others load.
+/// A problem with one object. Rejected (`partial` false): the object is skipped and what was
+/// programmed for it stays as it was. Partial: only the named part (an endpoint, a port, an
+/// address) is left out, the rest is programmed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ObjectProblem {
     pub kind: String,
     pub name: String,
     pub message: String,
+    pub partial: bool,
 }
 
 #[derive(Default)]
@@ -28,7 +31,10 @@ impl StateBuilder {
     pub fn add_service(&mut self, object: &core::Service) {
         let display = display_name(&object.metadata);
         match from_k8s::service(object) {
-            Ok(ServiceOutcome::Service(service)) => {
+            Ok(ServiceOutcome::Service(service, warnings)) => {
+                for warning in warnings {
+                    self.partial("Service", &display, &warning);
+                }
                 self.state.services.insert(service.name.clone(), service);
             }
             Ok(ServiceOutcome::NotLoadBalanced) => {}
@@ -42,7 +48,10 @@ impl StateBuilder {
 
     pub fn add_endpoint_slice(&mut self, object: &discovery::EndpointSlice) {
         match from_k8s::endpoint_slice(object) {
-            Ok(Some((key, slice))) => {
+            Ok(Some((key, slice, warnings))) => {
+                for warning in warnings {
+                    self.partial("EndpointSlice", &display_name(&object.metadata), &warning);
+                }
                 self.state.slices.insert(key, slice);
             }
             Ok(None) => {}
@@ -50,14 +59,52 @@ impl StateBuilder {
         }
     }
 
+    // Not logged here: the state is rebuilt on every change, and whoever applies it reports
+    // each distinct problem once.
     fn problem(&mut self, kind: &str, name: &str, message: &str) {
-        tracing::error!(
-            kind,
-            object = name,
-            error = message,
-            "rejected object; its programmed state is kept as it was"
-        );
-        self.problems.push(ObjectProblem { kind: kind.into(), name: name.into(), message: message.into() });
+        let problem = ObjectProblem { kind: kind.into(), name: name.into(), message: message.into(), partial: false };
+        self.problems.push(problem);
+    }
+
+    fn partial(&mut self, kind: &str, name: &str, message: &str) {
+        let problem = ObjectProblem { kind: kind.into(), name: name.into(), message: message.into(), partial: true };
+        self.problems.push(problem);
+    }
+
+    /// An object of our kinds that does not even decode (a field of the wrong type): named from
+    /// its raw metadata, and whatever is programmed for its Service kept as it was.
+    fn undecodable(&mut self, kind: &str, value: &serde_json::Value, error: &serde_json::Error) {
+        let text = |v: &serde_json::Value| v.as_str().map(str::to_string);
+        let meta = &value["metadata"];
+        let namespace = text(&meta["namespace"]).unwrap_or_else(|| "default".into());
+        let name = text(&meta["name"]);
+        let display = format!("{namespace}/{}", name.as_deref().unwrap_or("?"));
+        self.problem(kind, &display, &format!("not a valid {kind} object: {error}"));
+        let service = match kind {
+            "Service" => name,
+            _ => text(&meta["labels"][from_k8s::SERVICE_NAME_LABEL]),
+        };
+        let Some(service) = service else { return };
+        let spec = &value["spec"];
+        let strings =
+            |v: &serde_json::Value| -> Vec<String> { v.as_array().into_iter().flatten().filter_map(text).collect() };
+        let mut addrs: Vec<String> = strings(&spec["clusterIPs"]);
+        addrs.extend(text(&spec["clusterIP"]));
+        addrs.extend(strings(&spec["externalIPs"]));
+        let ingress = value["status"]["loadBalancer"]["ingress"].as_array().cloned().unwrap_or_default();
+        addrs.extend(ingress.iter().filter_map(|i| text(&i["ip"])));
+        let node_ports = spec["ports"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p["nodePort"].as_u64().and_then(|n| u16::try_from(n).ok()))
+            .collect();
+        let rejected = RejectedService {
+            reason: format!("{kind} {display} does not decode"),
+            addrs: addrs.iter().filter_map(|a| from_k8s::parse_ipv4(a).ok().flatten()).collect(),
+            node_ports,
+        };
+        self.state.rejected.insert(ServiceName::new(namespace, service), rejected);
     }
 
     /// Adds one decoded object of any kind; kinds that are not ours are ignored.
@@ -71,13 +118,13 @@ impl StateBuilder {
                     }
                 }
             }
-            "Service" => match serde_json::from_value::<core::Service>(value) {
+            "Service" => match serde_json::from_value::<core::Service>(value.clone()) {
                 Ok(service) => self.add_service(&service),
-                Err(e) => self.problem("Service", "?", &format!("not a valid Service object: {e}")),
+                Err(e) => self.undecodable("Service", &value, &e),
             },
-            "EndpointSlice" => match serde_json::from_value::<discovery::EndpointSlice>(value) {
+            "EndpointSlice" => match serde_json::from_value::<discovery::EndpointSlice>(value.clone()) {
                 Ok(slice) => self.add_endpoint_slice(&slice),
-                Err(e) => self.problem("EndpointSlice", "?", &format!("not a valid EndpointSlice object: {e}")),
+                Err(e) => self.undecodable("EndpointSlice", &value, &e),
             },
             _ => {}
         }

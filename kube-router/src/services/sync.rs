@@ -84,23 +84,33 @@ impl ServiceSync {
     /// next sync retries it; nothing already programmed is touched because of it.
     pub fn sync(&mut self, maps: &mut impl ServiceMaps, desired: &MapContents, allow_deletes: bool) -> SyncReport {
         let mut report = SyncReport::default();
+        // Once a map refuses an insert for lack of room, later inserts into it in this pass are
+        // not even tried: a full map costs one failed syscall per sync, not one per entry.
+        let mut full: std::collections::BTreeSet<&'static str> = Default::default();
         for op in diff(&self.programmed, desired, allow_deletes) {
             let counts = report.per_map.entry(op.map_name()).or_default();
             let insert = self.programmed.is_insert(&op);
+            if insert && full.contains(op.map_name()) {
+                counts.errors += 1;
+                counts.full += 1;
+                continue;
+            }
             match maps.write(&op) {
                 Ok(()) => {
                     match op {
-                        MapOp::DeleteService(_) | MapOp::DeleteSlot(_) | MapOp::DeleteBackend(_) => counts.deletes += 1,
+                        _ if op.is_delete() => counts.deletes += 1,
                         _ if insert => counts.inserts += 1,
                         _ => counts.updates += 1,
                     }
                     self.programmed.apply(&op);
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, ?op, "map write failed");
                     counts.errors += 1;
                     if e.full {
                         counts.full += 1;
+                        full.insert(op.map_name());
+                    } else {
+                        tracing::warn!(error = %e, ?op, "map write failed; retried later");
                     }
                 }
             }

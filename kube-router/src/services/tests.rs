@@ -180,15 +180,112 @@ fn removing_an_endpoint_rewrites_only_that_service() {
 }
 
 #[test]
-fn unsupported_protocol_rejects_the_service_and_keeps_what_was_programmed() {
-    let first = compile(OBJECTS, &MapContents::default());
-    let bad =
+fn a_port_of_an_unsupported_protocol_is_left_out_and_the_other_ports_are_programmed() {
+    let text =
         OBJECTS.replace("protocol: UDP, port: 53, targetPort: 5353", "protocol: SCTP, port: 53, targetPort: 5353");
-    let builder = parse_objects(&bad).unwrap();
+    let builder = parse_objects(&text).unwrap();
     assert_eq!(builder.problems.len(), 1);
+    assert!(builder.problems[0].partial, "{:?}", builder.problems);
     assert!(builder.problems[0].message.contains("unsupported protocol \"SCTP\""), "{:?}", builder.problems);
-    let second = assign_ids(&plan(&builder.state, &node(), Limits::default()), &first);
-    assert_eq!(second, first, "a rejected service must leave its map entries untouched");
+    let contents = assign_ids(&plan(&builder.state, &node(), Limits::default()), &MapContents::default());
+    let http = frontend_key(Ipv4Addr::new(10, 96, 0, 10), 80, Protocol::Tcp);
+    assert_eq!(backends_of(&contents, &http).len(), 2);
+    assert!(!contents.services.contains_key(&frontend_key(Ipv4Addr::new(10, 96, 0, 10), 53, Protocol::Udp)));
+}
+
+#[test]
+fn a_service_that_no_longer_decodes_keeps_everything_programmed_for_it() {
+    let first = compile(OBJECTS, &MapContents::default());
+    // A port given as a string: not a Service object at all.
+    let broken = OBJECTS.replace("port: 80, targetPort: 8080", "port: \"eighty\", targetPort: 8080");
+    let builder = parse_objects(&broken).unwrap();
+    assert_eq!(builder.problems.len(), 1);
+    assert_eq!(builder.problems[0].name, "default/web", "named from its metadata");
+    assert!(!builder.problems[0].partial);
+    assert_eq!(assign_ids(&plan(&builder.state, &node(), Limits::default()), &first), first);
+    // The same for a slice that does not decode: its Service keeps its backends.
+    let broken = OBJECTS.replace("port: 8080}", "port: [8080]}");
+    let builder = parse_objects(&broken).unwrap();
+    assert_eq!(builder.problems[0].name, "default/web-abc");
+    assert_eq!(assign_ids(&plan(&builder.state, &node(), Limits::default()), &first), first);
+}
+
+#[test]
+fn one_unreadable_endpoint_address_leaves_the_others_serving() {
+    let text = OBJECTS.replace("addresses: [10.0.0.2]", "addresses: [10.0.0.299]");
+    let builder = parse_objects(&text).unwrap();
+    assert_eq!(builder.problems.len(), 1);
+    assert!(builder.problems[0].partial && builder.problems[0].message.contains("10.0.0.299"));
+    let contents = assign_ids(&plan(&builder.state, &node(), Limits::default()), &MapContents::default());
+    let http = frontend_key(Ipv4Addr::new(10, 96, 0, 10), 80, Protocol::Tcp);
+    assert_eq!(backends_of(&contents, &http), vec![(Ipv4Addr::new(10, 0, 0, 1), 8080)]);
+}
+
+#[test]
+fn legacy_leading_zero_addresses_are_read_as_decimal() {
+    let text = OBJECTS
+        .replace("clusterIP: 10.96.0.10", "clusterIP: 010.096.000.010")
+        .replace("addresses: [10.0.0.2]", "addresses: [\"010.000.000.002\"]");
+    let builder = parse_objects(&text).unwrap();
+    assert!(builder.problems.is_empty(), "{:?}", builder.problems);
+    let contents = assign_ids(&plan(&builder.state, &node(), Limits::default()), &MapContents::default());
+    let http = frontend_key(Ipv4Addr::new(10, 96, 0, 10), 80, Protocol::Tcp);
+    assert_eq!(backends_of(&contents, &http).len(), 2);
+    for bad in ["1.2.3", "1.2.3.4.5", "1.2.3.0256", "a.b.c.d", "1..2.3"] {
+        assert!(super::from_k8s::parse_ipv4(bad).is_err(), "{bad}");
+    }
+}
+
+#[test]
+fn an_endpoint_without_a_serving_condition_is_serving() {
+    // Every endpoint terminating, one of them without `serving`: nil means true, so the
+    // terminating fallback still has it.
+    let text = OBJECTS
+        .replace(
+            "conditions: {ready: true}\n  nodeName: node-a",
+            "conditions: {ready: false, terminating: true}\n  nodeName: node-a",
+        )
+        .replace(
+            "conditions: {ready: true}\n  nodeName: node-b",
+            "conditions: {ready: false, serving: false}\n  nodeName: node-b",
+        );
+    let contents = compile(&text, &MapContents::default());
+    let http = frontend_key(Ipv4Addr::new(10, 96, 0, 10), 80, Protocol::Tcp);
+    let backends = backends_of(&contents, &http);
+    assert!(backends.contains(&(Ipv4Addr::new(10, 0, 0, 2), 8080)), "{backends:?}");
+    assert!(!backends.contains(&(Ipv4Addr::new(10, 0, 0, 1), 8080)), "{backends:?}");
+}
+
+#[test]
+fn services_that_are_not_ours_to_proxy_program_nothing() {
+    let cases = [
+        // Headless with externalIPs: kube-proxy ignores headless Services entirely.
+        OBJECTS.replace("clusterIP: 10.96.0.10", "clusterIP: None\n  externalIPs: [192.0.2.50]"),
+        // IPv6 only: nothing on IPv4 frontends, NodePorts included.
+        OBJECTS.replace("clusterIP: 10.96.0.10", "clusterIP: fd00::10\n  ipFamilies: [IPv6]"),
+        OBJECTS.replace("clusterIP: 10.96.0.10", "clusterIPs: [fd00::10]"),
+        // Handed to another proxy.
+        OBJECTS.replace(
+            "metadata: {namespace: default, name: web}",
+            "metadata: {namespace: default, name: web, labels: {service.kubernetes.io/service-proxy-name: other}}",
+        ),
+    ];
+    for text in cases {
+        let builder = parse_objects(&text).unwrap();
+        assert!(builder.problems.is_empty(), "{:?}", builder.problems);
+        assert!(builder.state.services.is_empty(), "{text}");
+    }
+}
+
+#[test]
+fn a_load_balancer_ip_in_proxy_mode_is_not_short_circuited() {
+    let text = OBJECTS.replace(
+        "  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}",
+        "  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\nstatus: {loadBalancer: {ingress: [{ip: 198.51.100.1, ipMode: Proxy}, {ip: 198.51.100.2, ipMode: VIP}]}}",
+    );
+    let contents = compile(&text, &MapContents::default());
+    assert!(!contents.services.contains_key(&frontend_key(Ipv4Addr::new(198, 51, 100, 1), 80, Protocol::Tcp)));
+    assert!(contents.services.contains_key(&frontend_key(Ipv4Addr::new(198, 51, 100, 2), 80, Protocol::Tcp)));
 }
 
 #[test]
@@ -291,6 +388,7 @@ fn arb_contents() -> impl Strategy<Value = MapContents> {
         proptest::collection::vec(backend, 0..10),
     )
         .prop_map(|(services, slots, backends)| MapContents {
+            source_ranges: Default::default(),
             services,
             slots: slots.into_iter().collect(),
             backends: backends.into_iter().collect(),
@@ -346,4 +444,99 @@ fn external_ips_are_validated_against_the_ranges_and_the_clusters_own_addresses(
         })
         .collect();
     assert_eq!(refused.len(), 2, "one warning per refused IP, not per port: {refused:?}");
+}
+
+#[test]
+fn load_balancer_source_ranges_guard_only_the_load_balancer_ips() {
+    let with_status = |extra_spec: &str, annotations: &str| {
+        OBJECTS
+            .replace("metadata: {namespace: default, name: web}", &format!("metadata: {{namespace: default, name: web{annotations}}}"))
+            .replace("  type: NodePort", &format!("  type: LoadBalancer{extra_spec}"))
+            .replace(
+                "  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}",
+                "  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\nstatus: {loadBalancer: {ingress: [{ip: 198.51.100.1}]}}",
+            )
+    };
+    let lb = frontend_key(Ipv4Addr::new(198, 51, 100, 1), 80, Protocol::Tcp);
+    let node_port = frontend_key(Ipv4Addr::new(192, 0, 2, 1), 30080, Protocol::Tcp);
+    let cluster_ip = frontend_key(Ipv4Addr::new(10, 96, 0, 10), 80, Protocol::Tcp);
+
+    // No ranges: open.
+    let open = compile(&with_status("", ""), &MapContents::default());
+    assert_eq!(open.services[&lb].flags & SVC_FLAG_SOURCE_RANGES, 0);
+    assert!(open.source_ranges.is_empty());
+
+    let spec = "\n  loadBalancerSourceRanges: [192.168.0.0/16, 10.1.2.3/8, \"fd00::/8\"]";
+    let guarded = compile(&with_status(spec, ""), &MapContents::default());
+    assert_ne!(guarded.services[&lb].flags & SVC_FLAG_SOURCE_RANGES, 0);
+    for other in [node_port, cluster_ip] {
+        assert_eq!(guarded.services[&other].flags & SVC_FLAG_SOURCE_RANGES, 0, "only LoadBalancer IPs are guarded");
+    }
+    let id = guarded.services[&lb].service_id;
+    let ranges: Vec<(u32, Ipv4Addr, u8)> = guarded
+        .source_ranges
+        .keys()
+        .filter(|r| r.service_id == id)
+        .map(|r| (r.service_id, Ipv4Addr::from(r.addr.to_ne_bytes()), r.prefix_len))
+        .collect();
+    // Host bits cleared, the IPv6 range not in the IPv4 map.
+    assert_eq!(ranges, [(id, Ipv4Addr::new(10, 0, 0, 0), 8), (id, Ipv4Addr::new(192, 168, 0, 0), 16)]);
+
+    // The legacy annotation, read when the field is empty.
+    let annotation = ", annotations: {service.beta.kubernetes.io/load-balancer-source-ranges: \"203.0.113.0/24\"}";
+    let legacy = compile(&with_status("", annotation), &MapContents::default());
+    assert_eq!(legacy.source_ranges.len(), 2, "one per port's backend set");
+
+    // Only IPv6 ranges: the IPv4 LoadBalancer IP is closed to every IPv4 source, not opened.
+    let closed = compile(&with_status("\n  loadBalancerSourceRanges: [\"fd00::/8\"]", ""), &MapContents::default());
+    assert_ne!(closed.services[&lb].flags & SVC_FLAG_SOURCE_RANGES, 0);
+    assert!(closed.source_ranges.is_empty());
+
+    // Ranges removed: the flag goes before the entries (writes are ordered by the differ).
+    let ops = diff(&guarded, &open, true);
+    let put_service = ops.iter().position(|op| matches!(op, super::diff::MapOp::PutService(k, _) if *k == lb));
+    let first_delete = ops.iter().position(|op| matches!(op, super::diff::MapOp::DeleteSourceRange(_)));
+    assert!(put_service.unwrap() < first_delete.unwrap(), "{ops:?}");
+}
+
+/// In-memory maps whose `svc_v4` holds at most `capacity` entries, counting write attempts.
+struct Capped {
+    inner: MapContents,
+    capacity: usize,
+    attempts: usize,
+}
+
+impl super::sync::ServiceMaps for Capped {
+    fn write(&mut self, op: &super::diff::MapOp) -> Result<(), super::sync::MapWriteError> {
+        self.attempts += 1;
+        if let super::diff::MapOp::PutService(k, _) = op {
+            if !self.inner.services.contains_key(k) && self.inner.services.len() >= self.capacity {
+                let message = "E2BIG".into();
+                return Err(super::sync::MapWriteError { map: map_names::SERVICES, message, full: true });
+            }
+        }
+        self.inner.apply(op);
+        Ok(())
+    }
+    fn read_all(&self) -> Result<MapContents, super::sync::MapWriteError> {
+        Ok(self.inner.clone())
+    }
+}
+
+#[test]
+fn a_full_map_costs_one_failed_write_per_sync_and_keeps_what_it_has() {
+    // Three frontends wanted (ClusterIP http + dns, NodePort http), room for two.
+    let mut maps = Capped { inner: MapContents::default(), capacity: 2, attempts: 0 };
+    let mut sync = ServiceSync::adopt(&MapContents::default()).unwrap();
+    let desired = compile(OBJECTS, &MapContents::default());
+    assert_eq!(desired.services.len(), 3);
+    let report = sync.sync(&mut maps, &desired, true);
+    assert_eq!(maps.inner.services.len(), 2);
+    let svc = report.per_map[map_names::SERVICES];
+    assert_eq!((svc.inserts, svc.full), (2, 1));
+    // Again with the map still full: one failed attempt, nothing else written.
+    maps.attempts = 0;
+    let report = sync.sync(&mut maps, &desired, true);
+    assert_eq!((maps.attempts, report.per_map[map_names::SERVICES].full), (1, 1));
+    assert_eq!(maps.inner.services.len(), 2, "what was programmed stays");
 }
