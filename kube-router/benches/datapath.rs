@@ -58,6 +58,7 @@ fn state(services: usize, endpoints: usize) -> ServiceState {
                 serving: true,
                 terminating: false,
                 node_name: Some("node-b".into()),
+                zone_hints: None,
             })
             .collect();
         state.slices.insert(

@@ -103,6 +103,8 @@ struct ServiceController {
     reported: BTreeSet<String>,
     /// Maps that had no room for every entry at the last sync.
     full_maps: BTreeSet<&'static str>,
+    /// This node's `topology.kubernetes.io/zone` (topology-aware routing), from its Node.
+    zone: Option<String>,
     /// The health check ports the node serves (`spec.healthCheckNodePort`).
     health_checks: tokio::sync::watch::Sender<BTreeMap<u16, crate::healthcheck::LocalEndpoints>>,
 }
@@ -119,6 +121,7 @@ impl ServiceController {
             node_port_addrs: self.nodeport_addresses.clone().unwrap_or_else(netif::ipv4_addresses),
             hairpin_all: self.hairpin_all,
             external_ips,
+            zone: self.zone.clone(),
         }
     }
 
@@ -229,6 +232,8 @@ impl ServiceController {
         self.full_maps = now;
     }
 }
+
+const TOPOLOGY_ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 
 /// Failed map writes (a full map, say) are retried this long after, even if nothing changes.
 const WRITE_RETRY_INTERVAL: Duration = Duration::from_secs(10);
@@ -504,6 +509,7 @@ impl ServiceProxy {
             },
             reported: BTreeSet::new(),
             full_maps: BTreeSet::new(),
+            zone: None,
             health_checks,
         };
         let snat_addr =
@@ -681,6 +687,20 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     router_dirty |= kind == Kind::Nodes
                         || (advertise_services && matches!(kind, Kind::Services | Kind::EndpointSlices));
                     nets_dirty |= kind == Kind::Nodes;
+                    if let (Kind::Nodes, Some(proxy)) = (kind, service_proxy.as_mut()) {
+                        // Only this node's zone matters to the Services; other Node changes do not.
+                        let zone = api
+                            .objects
+                            .nodes
+                            .objects()
+                            .find(|n| n.metadata.name.as_deref() == Some(proxy.controller.node_name.as_str()))
+                            .and_then(|n| n.metadata.labels.as_ref()?.get(TOPOLOGY_ZONE_LABEL).cloned());
+                        if zone != proxy.controller.zone {
+                            tracing::info!(zone = ?zone, "node zone changed; topology hints follow it");
+                            proxy.controller.zone = zone;
+                            api.dirty = true;
+                        }
+                    }
                     policy_dirty |= matches!(kind, Kind::Pods | Kind::Namespaces | Kind::NetworkPolicies);
                 }
             }

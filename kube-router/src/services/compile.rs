@@ -194,6 +194,20 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
     plan
 }
 
+/// kube-proxy's topology-aware routing: the node's zone, if every ready endpoint carries zone
+/// hints and at least one is hinted for that zone (otherwise all endpoints are used, as a
+/// missing hint means the EndpointSlice controller could not balance the zones).
+fn preferred_zone<'a>(
+    hints: &BTreeMap<(Ipv4Addr, u16, bool), Option<&Vec<String>>>,
+    zone: Option<&'a str>,
+) -> Option<&'a str> {
+    let zone = zone.filter(|z| !z.is_empty())?;
+    if hints.is_empty() || hints.values().any(|h| h.is_none_or(|zones| zones.is_empty())) {
+        return None;
+    }
+    hints.values().any(|h| h.is_some_and(|zones| zones.iter().any(|z| z == zone))).then_some(zone)
+}
+
 /// kube-proxy's endpoint choice: ready endpoints; if there are none, serving-but-terminating
 /// ones so that connections drain gracefully during a rollout.
 fn backends_for(
@@ -207,6 +221,8 @@ fn backends_for(
 ) -> Vec<BackendV4> {
     let mut ready = BTreeSet::new();
     let mut terminating = BTreeSet::new();
+    // Ready endpoints' zone hints, for topology-aware routing.
+    let mut hints: BTreeMap<(Ipv4Addr, u16, bool), Option<&Vec<String>>> = BTreeMap::new();
     for slice in slices {
         let Some(endpoint_port) = slice.ports.iter().find(|p| p.name == port.name && p.protocol == port.protocol)
         else {
@@ -220,9 +236,15 @@ fn backends_for(
             let key = (endpoint.addr, endpoint_port.port, local);
             if endpoint.ready || service.publish_not_ready {
                 ready.insert(key);
+                hints.insert(key, endpoint.zone_hints.as_ref());
             } else if endpoint.serving && endpoint.terminating {
                 terminating.insert(key);
             }
+        }
+    }
+    if !local_only {
+        if let Some(zone) = preferred_zone(&hints, node.zone.as_deref()) {
+            ready.retain(|key| hints[key].is_some_and(|zones| zones.iter().any(|z| z == zone)));
         }
     }
     let chosen = if ready.is_empty() { terminating } else { ready };

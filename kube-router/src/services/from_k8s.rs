@@ -306,6 +306,11 @@ pub fn endpoint_slice(object: &discovery::EndpointSlice) -> Result<Option<Conver
                 serving: conditions.serving.unwrap_or(true),
                 terminating: conditions.terminating.unwrap_or(false),
                 node_name: endpoint.node_name.clone(),
+                zone_hints: endpoint
+                    .hints
+                    .as_ref()
+                    .and_then(|h| h.for_zones.as_ref())
+                    .map(|zones| zones.iter().map(|z| z.name.clone()).collect()),
             });
         }
     }

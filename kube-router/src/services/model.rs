@@ -89,6 +89,10 @@ pub struct Endpoint {
     pub serving: bool,
     pub terminating: bool,
     pub node_name: Option<String>,
+    /// `hints.forZones` (topology-aware routing, `trafficDistribution: PreferClose`); `None`
+    /// without hints.
+    #[serde(default)]
+    pub zone_hints: Option<Vec<String>>,
 }
 
 /// One EndpointSlice, reduced to what load-balancing needs.
@@ -130,6 +134,8 @@ pub struct NodeContext {
     pub hairpin_all: bool,
     /// Which externalIPs and LoadBalancer IPs may be programmed.
     pub external_ips: ExternalIpPolicy,
+    /// The node's `topology.kubernetes.io/zone` label: endpoints hinted for it are preferred.
+    pub zone: Option<String>,
 }
 
 /// kube-router's external IP validation (the CVE-2020-8554 class): a Service must not capture

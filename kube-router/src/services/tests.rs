@@ -540,3 +540,36 @@ fn a_full_map_costs_one_failed_write_per_sync_and_keeps_what_it_has() {
     assert_eq!((maps.attempts, report.per_map[map_names::SERVICES].full), (1, 1));
     assert_eq!(maps.inner.services.len(), 2, "what was programmed stays");
 }
+
+#[test]
+fn topology_hints_keep_traffic_in_the_node_zone_when_every_endpoint_has_them() {
+    let hinted = |a: &str, b: &str| {
+        OBJECTS
+            .replace(
+                "conditions: {ready: true}\n  nodeName: node-a",
+                &format!("conditions: {{ready: true}}\n  nodeName: node-a\n  hints: {{forZones: [{{name: {a}}}]}}"),
+            )
+            .replace(
+                "conditions: {ready: true}\n  nodeName: node-b",
+                &format!("conditions: {{ready: true}}\n  nodeName: node-b\n  hints: {{forZones: [{{name: {b}}}]}}"),
+            )
+    };
+    let http = frontend_key(Ipv4Addr::new(10, 96, 0, 10), 80, Protocol::Tcp);
+    let in_zone = |text: &str, zone: Option<&str>| {
+        let builder = parse_objects(text).unwrap();
+        let node = NodeContext { zone: zone.map(str::to_string), ..node() };
+        let contents = assign_ids(&plan(&builder.state, &node, Limits::default()), &MapContents::default());
+        backends_of(&contents, &http).into_iter().map(|(a, _)| a.octets()[3]).collect::<Vec<_>>()
+    };
+    // 10.0.0.2 hinted for zone-a, 10.0.0.1 for zone-b.
+    assert_eq!(in_zone(&hinted("zone-a", "zone-b"), Some("zone-a")), [2]);
+    assert_eq!(in_zone(&hinted("zone-a", "zone-b"), Some("zone-b")), [1]);
+    // No endpoint for the node's zone, no zone label, or an endpoint without hints: all of them.
+    assert_eq!(in_zone(&hinted("zone-a", "zone-b"), Some("zone-c")), [1, 2]);
+    assert_eq!(in_zone(&hinted("zone-a", "zone-b"), None), [1, 2]);
+    let partial = OBJECTS.replace(
+        "conditions: {ready: true}\n  nodeName: node-a",
+        "conditions: {ready: true}\n  nodeName: node-a\n  hints: {forZones: [{name: zone-a}]}",
+    );
+    assert_eq!(in_zone(&partial, Some("zone-a")), [1, 2]);
+}
