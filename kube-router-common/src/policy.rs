@@ -193,7 +193,11 @@ pub mod pol_stat {
     pub const RULE_LIMIT_DENIED: u32 = 8;
     /// An allowed new flow could not be tracked (the packet still passes; the next retries).
     pub const CT_INSERT_FAILED: u32 = 9;
-    pub const COUNT: u32 = 10;
+    /// New flow to a pod sent by its own node (kubelet probes, hostNetwork pods): passed
+    /// whatever the pod's ingress policy, as kube-router accepts `--src-type LOCAL` (and tracked,
+    /// so the reply passes the pod's egress policy).
+    pub const NODE_EXEMPT: u32 = 10;
+    pub const COUNT: u32 = 11;
     /// Metric label of each index, in index order.
     pub const NAMES: [&str; COUNT as usize] = [
         "packets",
@@ -206,6 +210,7 @@ pub mod pol_stat {
         "denied_egress",
         "rule_limit_denied",
         "ct_insert_failed",
+        "node_exempt",
     ];
 }
 

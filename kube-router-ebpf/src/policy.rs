@@ -86,6 +86,7 @@ pub fn enforce(ctx: &TcContext, hook: VethHook) -> Result<i32, i64> {
     let pod_key = PolicyPodKeyV4 { addr: pod_addr, direction, pad: [0; 3] };
     // SAFETY: read-only copy of a map value.
     match unsafe { POLICY_PODS.get(pod_key) }.copied() {
+        _ if matches!(hook, VethHook::ToPod) && sent_by_this_node(ctx) => count(pol_stat::NODE_EXEMPT),
         None => count(pol_stat::NOT_ISOLATED),
         Some(pod) => match evaluate(&pod, peer_addr, flow.proto, u16::from_be(flow.dst_port)) {
             Verdict::Allow => count(pol_stat::ALLOWED),
@@ -108,6 +109,15 @@ pub fn enforce(ctx: &TcContext, hook: VethHook) -> Result<i32, i64> {
         count(pol_stat::CT_INSERT_FAILED);
     }
     Ok(TC_ACT_UNSPEC)
+}
+
+/// The packet was sent by this node's own stack (a host process, kubelet, a hostNetwork pod):
+/// it never arrived on an interface, so the kernel left its input interface at 0. Forwarded
+/// packets (other pods, other nodes, Service traffic from outside) all carry one.
+#[inline(always)]
+fn sent_by_this_node(ctx: &TcContext) -> bool {
+    // SAFETY: reading a field of the context the program was called with.
+    unsafe { (*ctx.skb.skb).ingress_ifindex == 0 }
 }
 
 /// A live entry for this connection at this pod, refreshed; expired entries count as absent.

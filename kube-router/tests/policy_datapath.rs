@@ -16,7 +16,7 @@ use kube_router::{
     bpf::{
         datapath::{self, Datapath, Hook},
         policy_maps::{apply_diff, decode, BpfPolicyMaps, PolicyConntrack, PolicyMaps, PolicyWriteReport},
-        test_run::{packet, run},
+        test_run::{packet, run, run_forwarded},
     },
     policy::{
         allows,
@@ -152,7 +152,8 @@ impl Loaded {
         if from_pod.retval == TC_ACT_SHOT {
             return false;
         }
-        let to_pod = run(self.fd(Hook::PolicyEgress), frame, 1).unwrap();
+        // Forwarded to the destination pod (from the source pod's veth, another node, ...).
+        let to_pod = run_forwarded(self.fd(Hook::PolicyEgress), frame, 1, 1).unwrap();
         assert!(to_pod.retval == TC_ACT_UNSPEC || to_pod.retval == TC_ACT_SHOT, "{}", to_pod.retval);
         to_pod.retval == TC_ACT_UNSPEC
     }
@@ -395,6 +396,28 @@ fn replies_of_an_allowed_connection_pass_both_hooks_through_conntrack() {
         .map(|(k, _)| Ipv4Addr::from(k.pod_addr.to_ne_bytes()))
         .collect();
     assert_eq!(pods, [client, server].into_iter().collect());
+}
+
+#[test]
+fn the_node_reaches_its_isolated_pods_and_their_replies_come_back() {
+    // x/a denies every ingress and every egress; its node still probes it (kubelet), as
+    // kube-router accepts traffic from the local node in every pod chain.
+    let np = policy("x", "isolate", json!({"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}));
+    let (mut loaded, _) = scenario("node-exempt", &[np], &[]);
+    let (node, pod) = (Ipv4Addr::new(192, 168, 0, 1), ip(0, 0));
+    let probe = packet::ipv4(packet::TCP, (node, 40000), (pod, 8080), packet::TCP_SYN, b"");
+    let before = loaded.stats();
+    // Sent by the node's own stack (input interface 0): passes, counted, tracked.
+    assert_eq!(run(loaded.fd(Hook::PolicyEgress), &probe, 1).unwrap().retval, TC_ACT_UNSPEC);
+    let reply = packet::ipv4(packet::TCP, (pod, 8080), (node, 40000), packet::TCP_SYN | packet::TCP_ACK, b"");
+    assert_eq!(run(loaded.fd(Hook::PolicyIngress), &reply, 1).unwrap().retval, TC_ACT_UNSPEC, "the reply");
+    let after = loaded.stats();
+    assert_eq!(after[pol_stat::NODE_EXEMPT as usize] - before[pol_stat::NODE_EXEMPT as usize], 1);
+    // The same packet forwarded from elsewhere (another node at that address, say) is judged.
+    let other = packet::ipv4(packet::TCP, (node, 40001), (pod, 8080), packet::TCP_SYN, b"");
+    assert_eq!(run_forwarded(loaded.fd(Hook::PolicyEgress), &other, 1, 1).unwrap().retval, TC_ACT_SHOT);
+    // And the pod's own new connections to the node stay denied by its egress policy.
+    assert!(!loaded.connect(packet::TCP, pod, node, 10250).1);
 }
 
 fn icmp_echo(src: Ipv4Addr, dst: Ipv4Addr, icmp_type: u8, id: u16) -> Vec<u8> {

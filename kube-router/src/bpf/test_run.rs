@@ -42,17 +42,38 @@ pub fn run(prog_fd: RawFd, packet: &[u8], repeat: u32) -> io::Result<TestRunResu
     run_on(prog_fd, packet, repeat, None)
 }
 
-/// Size of the kernel's `struct __sk_buff` and the offset of its `ifindex` field.
+/// Size of the kernel's `struct __sk_buff` and the offsets of its `ingress_ifindex` and
+/// `ifindex` fields.
 const SK_BUFF_SIZE: usize = 192;
+const SK_BUFF_INGRESS_IFINDEX_OFF: usize = 36;
 const SK_BUFF_IFINDEX_OFF: usize = 40;
 
 /// Like [`run`], with the packet arriving on interface `ifindex` of the calling thread's network
 /// namespace (so FIB lookups and redirects in the program see that namespace's routes).
 pub fn run_on(prog_fd: RawFd, packet: &[u8], repeat: u32, ifindex: Option<u32>) -> io::Result<TestRunResult> {
+    run_with(prog_fd, packet, repeat, ifindex, None)
+}
+
+/// Like [`run`], for a packet the node forwards (it came in on interface `ingress_ifindex`)
+/// rather than one its own stack sent (input interface 0).
+pub fn run_forwarded(prog_fd: RawFd, packet: &[u8], repeat: u32, ingress_ifindex: u32) -> io::Result<TestRunResult> {
+    run_with(prog_fd, packet, repeat, None, Some(ingress_ifindex))
+}
+
+fn run_with(
+    prog_fd: RawFd,
+    packet: &[u8],
+    repeat: u32,
+    ifindex: Option<u32>,
+    ingress_ifindex: Option<u32>,
+) -> io::Result<TestRunResult> {
     let mut out = vec![0u8; packet.len() + 256];
     let mut ctx = [0u8; SK_BUFF_SIZE];
     if let Some(ifindex) = ifindex {
         ctx[SK_BUFF_IFINDEX_OFF..SK_BUFF_IFINDEX_OFF + 4].copy_from_slice(&ifindex.to_ne_bytes());
+    }
+    if let Some(ingress) = ingress_ifindex {
+        ctx[SK_BUFF_INGRESS_IFINDEX_OFF..SK_BUFF_INGRESS_IFINDEX_OFF + 4].copy_from_slice(&ingress.to_ne_bytes());
     }
     let mut attr = TestRunAttr {
         prog_fd: prog_fd as u32,
@@ -63,7 +84,7 @@ pub fn run_on(prog_fd: RawFd, packet: &[u8], repeat: u32, ifindex: Option<u32>) 
         repeat,
         ..Default::default()
     };
-    if ifindex.is_some() {
+    if ifindex.is_some() || ingress_ifindex.is_some() {
         attr.ctx_size_in = SK_BUFF_SIZE as u32;
         attr.ctx_in = ctx.as_ptr() as u64;
     }
