@@ -672,12 +672,13 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                         }
                         metrics.with(|m| m.api_errors += 1);
                     }
-                    _ => {
+                    update if update.is_api_answer() => {
                         if !metrics.with(|m| std::mem::replace(&mut m.api_reachable, true)) {
                             tracing::info!("API server reachable");
                         }
                         metrics.with(|m| m.last_api_contact_unix = Some(metrics::unix_now()));
                     }
+                    _ => {}
                 }
                 // Only a real change of a kind wakes its controller (a relist that starts and
                 // fails, or brings back the same objects, changes nothing).

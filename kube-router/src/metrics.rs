@@ -295,7 +295,12 @@ impl Metrics {
             let detail: BTreeMap<&str, f64> =
                 m.heartbeats.iter().map(|(k, t)| (*k, t.elapsed().as_secs_f64())).collect();
             // Always "ok" for liveness: an unreachable API server is degraded, never fatal.
-            let api = if m.last_api_contact_unix.is_none() || m.api_reachable { "reachable" } else { "unreachable" };
+            // "unknown" until the API has answered once (or with no API at all, --service-file).
+            let api = match (m.api_reachable, m.last_api_contact_unix) {
+                (true, _) => "reachable",
+                (false, None) => "unknown",
+                (false, Some(_)) => "unreachable",
+            };
             let api_contact = m.last_api_contact_unix.map(|t| (unix_now() - t).round());
             serde_json::json!({
                 "status": "ok",

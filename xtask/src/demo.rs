@@ -46,6 +46,8 @@ pub fn run() -> Result<()> {
         libc::signal(libc::SIGINT, on_interrupt as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_interrupt as *const () as libc::sighandler_t);
     }
+    // The agents' own logs would drown the demo's output; the steps show their state instead.
+    std::env::set_var("KRT_QUIET_AGENT", "1");
     step("Building the cluster: fabric router + API server, node-1 and node-2 with two pods each, a client, an internet host, a gobgpd top-of-rack")?;
     let c = Cluster::builder("krt-demo")
         .pods_per_node(2)
@@ -102,7 +104,7 @@ fn demo(c: &Cluster) -> Result<()> {
     );
     println!(
         "  no ready endpoints: refused at once (REJECT):            {}",
-        netprobe(&c.client, &["timed", "tcp", "10.100.0.2:30100"])
+        netprobe(&c.client, &["timed", "tcp", "10.100.0.1:30100"])
     );
     println!(
         "  pod-1-0 -> internet (egress masquerade), server sees:    {}",

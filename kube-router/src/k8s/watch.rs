@@ -86,6 +86,27 @@ pub enum WatchUpdate {
     },
 }
 
+impl WatchUpdate {
+    /// Whether the update carries an answer of the API server. A watcher's `Init` only marks
+    /// the start of a relist (kube-runtime emits it before sending the list request), so it
+    /// says nothing about reachability.
+    pub fn is_api_answer(&self) -> bool {
+        fn answered<K>(event: &watcher::Event<K>) -> bool {
+            !matches!(event, watcher::Event::Init)
+        }
+        match self {
+            WatchUpdate::Services(e) => answered(e),
+            WatchUpdate::EndpointSlices(e) => answered(e),
+            WatchUpdate::Pods(e) => answered(e),
+            WatchUpdate::Namespaces(e) => answered(e),
+            WatchUpdate::Nodes(e) => answered(e),
+            WatchUpdate::NetworkPolicies(e) => answered(e),
+            WatchUpdate::Error { .. } => false,
+            WatchUpdate::Probe { reachable, .. } => *reachable,
+        }
+    }
+}
+
 /// How often, and how patiently, the API server's reachability is probed.
 pub const PROBE_INTERVAL: Duration = Duration::from_secs(5);
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
