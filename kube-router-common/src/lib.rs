@@ -8,6 +8,8 @@
 
 mod policy;
 pub use policy::*;
+mod sock;
+pub use sock::*;
 
 /// Version of the whole map layout. Stored in the `meta` map at index [`META_LAYOUT_VERSION`].
 pub const LAYOUT_VERSION: u32 = 1;

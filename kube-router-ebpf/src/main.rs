@@ -9,6 +9,9 @@
 //!
 //! `kr_pol_ingress` / `kr_pol_egress` enforce NetworkPolicy on the host side of pod veths (see
 //! `policy`): TC ingress there carries the pod's egress traffic, TC egress its ingress traffic.
+//!
+//! `kr_sk_*` are cgroup sock_addr programs (see `sock`): socket-level load balancing for traffic
+//! the node and hostNetwork pods originate, which never crosses a TC ingress.
 #![no_std]
 #![no_main]
 
@@ -19,8 +22,13 @@ mod maps;
 mod nat;
 mod parsing;
 mod policy;
+mod sock;
 
-use aya_ebpf::{bindings::TC_ACT_UNSPEC, macros::classifier, programs::TcContext};
+use aya_ebpf::{
+    bindings::TC_ACT_UNSPEC,
+    macros::{cgroup_sock_addr, classifier},
+    programs::{SockAddrContext, TcContext},
+};
 
 // A packet we cannot parse is not ours to judge: it is handed on untouched.
 #[classifier]
@@ -43,6 +51,30 @@ pub fn kr_pol_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn kr_pol_egress(ctx: TcContext) -> i32 {
     policy::enforce(&ctx, policy::VethHook::ToPod).unwrap_or(TC_ACT_UNSPEC)
+}
+
+/// `connect()` of a TCP or UDP socket to a frontend: connects to a backend instead.
+#[cgroup_sock_addr(connect4)]
+pub fn kr_sk_connect4(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx, sock::Call::Connect)
+}
+
+/// UDP `sendmsg()`/`sendto()` to a frontend: the datagram goes to a backend instead.
+#[cgroup_sock_addr(sendmsg4)]
+pub fn kr_sk_sendmsg4(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx, sock::Call::SendMsg)
+}
+
+/// UDP `recvmsg()`/`recvfrom()`: a reply from the backend is shown as coming from the frontend.
+#[cgroup_sock_addr(recvmsg4)]
+pub fn kr_sk_recvmsg4(ctx: SockAddrContext) -> i32 {
+    sock::restore(&ctx)
+}
+
+/// `getpeername()`: a socket connected through the frontend names the frontend as its peer.
+#[cgroup_sock_addr(getpeername4)]
+pub fn kr_sk_getpeer4(ctx: SockAddrContext) -> i32 {
+    sock::restore(&ctx)
 }
 
 #[cfg(not(test))]

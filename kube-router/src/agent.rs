@@ -22,6 +22,7 @@ use crate::{
         datapath::{AttachOutcome, Datapath},
         policy_maps::{read_policy_stats, PolicyConntrack},
         service_maps::{read_lb_stats, BpfServiceMaps, Conntrack},
+        socket_lb::{self, SocketLbOptions},
     },
     firewall::FirewallController,
     k8s::{
@@ -63,6 +64,8 @@ pub struct AgentConfig {
     pub run_service_proxy: bool,
     /// Enforce NetworkPolicy (`--run-firewall`).
     pub run_firewall: bool,
+    /// Socket-level load balancing for the node's own sockets (`--bpf-lb-sock`, `--cgroup-root`).
+    pub socket_lb: SocketLbOptions,
     /// BGP pod routing (`--run-router`), when enabled.
     pub router: Option<RouterOptions>,
 }
@@ -74,6 +77,7 @@ struct ServiceController {
     limits: Limits,
     node_name: String,
     nodeport_addresses: Option<Vec<Ipv4Addr>>,
+    loopback_node_ports: bool,
 }
 
 impl ServiceController {
@@ -81,6 +85,7 @@ impl ServiceController {
         NodeContext {
             name: self.node_name.clone(),
             node_port_addrs: self.nodeport_addresses.clone().unwrap_or_else(netif::ipv4_addresses),
+            loopback_node_ports: self.loopback_node_ports,
         }
     }
 
@@ -240,6 +245,7 @@ fn refresh_datapath_metrics(pin_dir: &Path, metrics: &Metrics, conntrack: &mut C
     if let Ok(stats) = read_lb_stats(pin_dir) {
         metrics.with(|m| m.datapath_packets = lb_stat::NAMES.iter().copied().zip(stats).collect());
     }
+    socket_lb::refresh_metrics(pin_dir, metrics);
     if gc {
         match conntrack.collect_garbage() {
             Ok((left, removed)) => metrics.with(|m| {
@@ -303,6 +309,7 @@ impl ServiceProxy {
             limits: config.limits,
             node_name: config.node_name.clone(),
             nodeport_addresses: config.nodeport_addresses.clone(),
+            loopback_node_ports: config.socket_lb.enabled,
         };
         let conntrack = Conntrack::open_pinned(&config.pin_dir)?;
         Ok(Self { controller, conntrack })
@@ -329,6 +336,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let mut attached = Vec::new();
     if let Some(datapath) = datapath.as_mut() {
         attach_all(datapath, &config.interfaces, &mut attached, config.run_service_proxy, config.run_firewall);
+        socket_lb::apply(datapath, &config.socket_lb, &metrics);
     }
     let mut service_proxy = if config.run_service_proxy { Some(ServiceProxy::start(&config, &metrics)?) } else { None };
     let mut firewall = if config.run_firewall {

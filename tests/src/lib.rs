@@ -249,12 +249,18 @@ pub struct Agent {
 }
 
 impl Agent {
+    /// Starts the agent in `ns`. The socket load balancer stays off unless `args` name a
+    /// `--cgroup-root` (or set `--bpf-lb-sock`): its default target is the machine's cgroup v2
+    /// root, which a test must never touch.
     pub fn start(ns: &Netns, bpf_root: &Path, args: &[&str]) -> Result<Self> {
+        let socket_lb_chosen = args.iter().any(|a| a.starts_with("--cgroup-root") || a.starts_with("--bpf-lb-sock"));
+        let socket_lb_off: &[&str] = if socket_lb_chosen { &[] } else { &["--bpf-lb-sock", "false"] };
         let mut child = Command::new("nsenter")
             .arg(format!("--net={}", ns.path()))
             .arg(kube_router_bin())
             .arg("--bpf-root")
             .arg(bpf_root)
+            .args(socket_lb_off)
             .args(args)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
@@ -374,6 +380,23 @@ impl Drop for Agent {
     }
 }
 
+/// Polls `check` until it says true; an error counts as "not yet" and is reported on timeout.
+pub fn wait_until(what: &str, timeout: Duration, mut check: impl FnMut() -> Result<bool>) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    let mut last_error = String::new();
+    loop {
+        match check() {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(e) => last_error = format!("{e:#}"),
+        }
+        if Instant::now() > deadline {
+            bail!("timed out after {timeout:?} waiting for {what} {last_error}");
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Parses `key=value` out of a log line (values end at whitespace).
 pub fn log_field(line: &str, key: &str) -> Option<u64> {
     let start = line.find(&format!("{key}="))? + key.len() + 1;
@@ -448,6 +471,85 @@ pub fn service_objects(spec: &ServiceSpec) -> String {
         name = spec.name,
         ip = spec.cluster_ip,
     )
+}
+
+/// A cgroup v2 directory of a test's own under /sys/fs/cgroup/unified (this host's cgroup2
+/// mount): the socket load balancer attaches there instead of the machine's root cgroup, and
+/// only processes the test starts through [`TestCgroup::run`] / [`TestCgroup::spawn_collecting`]
+/// join it. Removed (children first) on drop, after those processes have ended.
+pub struct TestCgroup {
+    pub path: PathBuf,
+    children: Vec<PathBuf>,
+}
+
+impl TestCgroup {
+    pub fn new(name: &str) -> Result<Self> {
+        let base = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
+            .into_iter()
+            .map(Path::new)
+            .find(|p| p.join("cgroup.procs").exists() && p.join("cgroup.controllers").exists())
+            .context("no cgroup v2 hierarchy at /sys/fs/cgroup/unified or /sys/fs/cgroup")?;
+        let path = base.join(format!("{name}-{}", std::process::id()));
+        let _ = fs::remove_dir(&path);
+        fs::create_dir(&path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(Self { path, children: Vec::new() })
+    }
+
+    /// A child cgroup (a pod's cgroup below the node's), removed with this one.
+    pub fn child(&mut self, name: &str) -> Result<PathBuf> {
+        let mut path = self.path.clone();
+        for part in Path::new(name).components() {
+            path.push(part);
+            if !self.children.contains(&path) {
+                fs::create_dir(&path).with_context(|| format!("creating {}", path.display()))?;
+                self.children.push(path.clone());
+            }
+        }
+        Ok(path)
+    }
+
+    /// `args`, run in `ns` as a process of `cgroup` (this one or a child): it moves itself in
+    /// before exec, so nothing it does happens outside.
+    fn command(ns: &Netns, cgroup: &Path, args: &[&str]) -> Command {
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net={}", ns.path()))
+            .args(["sh", "-c", "echo $$ > \"$0/cgroup.procs\" && exec \"$@\""])
+            .arg(cgroup)
+            .args(args);
+        cmd
+    }
+
+    /// Runs `args` in `ns` inside `cgroup` and returns its stdout.
+    pub fn run(ns: &Netns, cgroup: &Path, args: &[&str]) -> Result<String> {
+        let out = Self::command(ns, cgroup, args).output().with_context(|| format!("running {args:?}"))?;
+        if !out.status.success() {
+            bail!("{args:?} in {} failed: {}", cgroup.display(), String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// The programs attached to this cgroup itself, as `bpftool cgroup show` lists them:
+    /// (program id, attach type, e.g. "cgroup_inet4_connect", program name), in that order.
+    pub fn programs(&self) -> Result<Vec<(u32, String, String)>> {
+        let out = sh(&["bpftool", "-j", "cgroup", "show", self.path.to_str().unwrap()])?;
+        let list: Vec<serde_json::Value> = if out.trim().is_empty() { Vec::new() } else { serde_json::from_str(&out)? };
+        let text = |v: &serde_json::Value| v.as_str().unwrap_or("").to_string();
+        Ok(list.iter().map(|p| (p["id"].as_u64().unwrap_or(0) as u32, text(&p["attach_type"]), text(&p["name"]))).collect())
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        for dir in self.children.iter().rev().chain([&self.path]) {
+            // Processes leave a cgroup when they exit; give the last ones a moment.
+            for _ in 0..50 {
+                if fs::remove_dir(dir).is_ok() || !dir.exists() {
+                    break;
+                }
+                thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
 }
 
 /// A tokio runtime whose threads live in a network namespace: sockets it opens (a fake API

@@ -11,8 +11,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{bail, Result};
-use kube_router_tests::{remove_bpf_root, veth, Agent, Netns};
+use anyhow::Result;
+use kube_router_tests::{remove_bpf_root, veth, wait_until, Agent, Netns};
 
 const NODE_V4: &str = "10.77.0.1";
 const PEER_V4: &str = "10.77.0.2";
@@ -127,22 +127,6 @@ impl Drop for Lab {
             let _ = child.wait();
         }
         remove_bpf_root(&PathBuf::from("/sys/fs/bpf/krt-bgp-unused"));
-    }
-}
-
-fn wait_until(what: &str, timeout: Duration, mut check: impl FnMut() -> Result<bool>) -> Result<()> {
-    let deadline = Instant::now() + timeout;
-    let mut last_error = String::new();
-    loop {
-        match check() {
-            Ok(true) => return Ok(()),
-            Ok(false) => {}
-            Err(e) => last_error = format!("{e:#}"),
-        }
-        if Instant::now() > deadline {
-            bail!("timed out after {timeout:?} waiting for {what} {last_error}");
-        }
-        thread::sleep(Duration::from_millis(250));
     }
 }
 

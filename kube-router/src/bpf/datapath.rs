@@ -1,16 +1,17 @@
 //! Loading the datapath over the pinned maps and attaching it through pinned TCX links.
 use std::{
+    collections::BTreeMap,
     fs,
     path::{Path, PathBuf},
 };
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use aya::{
     maps::{Array, MapData},
     programs::{
         links::{FdLink, LinkOrder, PinnedLink},
         tc::{SchedClassifierLink, TcAttachOptions},
-        SchedClassifier, TcAttachType,
+        Program, ProgramError, ProgramInfo, SchedClassifier, TcAttachType,
     },
     Ebpf, EbpfLoader,
 };
@@ -89,6 +90,23 @@ pub enum AttachOutcome {
 pub struct Datapath {
     ebpf: Ebpf,
     pin_dir: PathBuf,
+    unavailable: BTreeMap<String, String>,
+}
+
+/// Loads one program of the object; each program type the object may hold has its arm here.
+fn load_program(program: &mut Program) -> Result<(), ProgramError> {
+    match program {
+        Program::SchedClassifier(p) => p.load(),
+        Program::CgroupSockAddr(p) => p.load(),
+        // A new program type gets its arm above (and, if optional, in is_optional).
+        _ => Err(ProgramError::UnexpectedProgramType),
+    }
+}
+
+/// Programs the agent can run without: the socket load balancer needs kernel features newer than
+/// the TC datapath's (see docs/maps.md), and the TC load balancer works without it.
+fn is_optional(program: &Program) -> bool {
+    matches!(program, Program::CgroupSockAddr(_))
 }
 
 pub fn ensure_bpffs(pin_dir: &Path) -> Result<()> {
@@ -98,8 +116,10 @@ pub fn ensure_bpffs(pin_dir: &Path) -> Result<()> {
 }
 
 impl Datapath {
-    /// Loads the programs, re-using every map already pinned in `pin_dir` (after checking its
-    /// layout) and creating and pinning the missing ones.
+    /// Loads every program of the object, re-using every map already pinned in `pin_dir` (after
+    /// checking its layout) and creating and pinning the missing ones. A TC program the kernel
+    /// refuses is an error; a program of an optional feature (see [`is_optional`]) is left out
+    /// with a warning and reported by [`Datapath::unavailable`], so that feature alone is off.
     pub fn load(pin_dir: &Path) -> Result<Self> {
         ensure_bpffs(pin_dir)?;
         let adopted = layout::check_pinned(pin_dir)?;
@@ -107,16 +127,37 @@ impl Datapath {
             .default_map_pin_directory(pin_dir)
             .load(DATAPATH_OBJECT)
             .context("loading the datapath object")?;
-        for hook in Hook::ALL {
-            let name = hook.program();
-            let program: &mut SchedClassifier =
-                ebpf.program_mut(name).ok_or_else(|| anyhow!("program {name} missing from the object"))?.try_into()?;
-            program.load().with_context(|| format!("verifier rejected {name}"))?;
+        let mut unavailable = BTreeMap::new();
+        for (name, program) in ebpf.programs_mut() {
+            if let Err(e) = load_program(program) {
+                let error = anyhow::Error::from(e).context(format!("verifier rejected {name}"));
+                if !is_optional(program) {
+                    return Err(error);
+                }
+                tracing::warn!(program = name, error = format!("{error:#}"), "program not loaded; its feature is off");
+                unavailable.insert(name.to_string(), format!("{error:#}"));
+            }
         }
         tracing::info!(pin_dir = %pin_dir.display(), adopted_maps = adopted, "datapath loaded");
-        let mut datapath = Self { ebpf, pin_dir: pin_dir.to_path_buf() };
+        let mut datapath = Self { ebpf, pin_dir: pin_dir.to_path_buf(), unavailable };
         datapath.record_layout_version()?;
         Ok(datapath)
+    }
+
+    /// Programs that failed to load (name -> verifier error), all of optional features.
+    pub fn unavailable(&self) -> &BTreeMap<String, String> {
+        &self.unavailable
+    }
+
+    /// A loaded program of type `P` (`SchedClassifier`, `CgroupSockAddr`, ...).
+    pub fn program_mut<P>(&mut self, name: &str) -> Result<&mut P>
+    where
+        for<'a> &'a mut P: TryFrom<&'a mut Program, Error = ProgramError>,
+    {
+        if let Some(error) = self.unavailable.get(name) {
+            bail!("program {name} is not loaded: {error}");
+        }
+        Ok(self.ebpf.program_mut(name).ok_or_else(|| anyhow!("program {name} missing from the object"))?.try_into()?)
     }
 
     fn record_layout_version(&mut self) -> Result<()> {
@@ -136,9 +177,8 @@ impl Datapath {
         pin_dir.join("links").join(hook.pin_name(interface))
     }
 
-    fn program_mut(&mut self, hook: Hook) -> Result<&mut SchedClassifier> {
-        let name = hook.program();
-        Ok(self.ebpf.program_mut(name).ok_or_else(|| anyhow!("program {name} missing"))?.try_into()?)
+    fn classifier_mut(&mut self, hook: Hook) -> Result<&mut SchedClassifier> {
+        self.program_mut(hook.program())
     }
 
     /// Attaches both load-balancer programs to `interface`.
@@ -156,10 +196,8 @@ impl Datapath {
     /// agent left if it is still attached.
     pub fn attach_hook(&mut self, hook: Hook, interface: &str) -> Result<AttachOutcome> {
         let link_path = Self::link_path(&self.pin_dir, hook, interface);
-        let program = self.program_mut(hook)?;
+        let program = self.classifier_mut(hook)?;
         let ours = program.info()?;
-        let mut our_maps = ours.map_ids()?.unwrap_or_default();
-        our_maps.sort_unstable();
 
         if link_path.exists() {
             match PinnedLink::from_pin(&link_path) {
@@ -169,9 +207,7 @@ impl Datapath {
                     let (_, on_interface) = SchedClassifier::query_tcx(interface, hook.attach_type())
                         .with_context(|| format!("querying TCX programs on {interface}"))?;
                     if let Some(attached) = on_interface.iter().find(|p| p.id() == attached_id) {
-                        let mut their_maps = attached.map_ids()?.unwrap_or_default();
-                        their_maps.sort_unstable();
-                        if attached.tag() == ours.tag() && their_maps == our_maps {
+                        if same_program(attached, &ours)? {
                             return Ok(AttachOutcome::Adopted);
                         }
                         let link = SchedClassifierLink::try_from(link)?;
@@ -200,6 +236,16 @@ impl Datapath {
             self.ebpf.program(name).ok_or_else(|| anyhow!("program {name} missing"))?.try_into()?;
         Ok(program.fd()?.as_fd().as_raw_fd())
     }
+}
+
+/// Whether an attached program is exactly `ours`: the same instructions (tag) over the same maps.
+pub(crate) fn same_program(attached: &ProgramInfo, ours: &ProgramInfo) -> Result<bool> {
+    let sorted_maps = |info: &ProgramInfo| -> Result<Vec<u32>> {
+        let mut ids = info.map_ids()?.unwrap_or_default();
+        ids.sort_unstable();
+        Ok(ids)
+    };
+    Ok(attached.tag() == ours.tag() && sorted_maps(attached)? == sorted_maps(ours)?)
 }
 
 /// Removes every pinned link and map under `pin_dir` (uninstall). Detaches the programs.

@@ -3,6 +3,7 @@ pub mod datapath;
 pub mod layout;
 pub mod policy_maps;
 pub mod service_maps;
+pub mod socket_lb;
 pub mod test_run;
 
 /// The datapath object built by build.rs (aya-build) from the kube-router-ebpf crate.

@@ -103,9 +103,9 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
                 ));
             }
             if let Some(node_port) = port.node_port {
-                for ip in &node.node_port_addrs {
+                for ip in node.node_port_frontend_addrs() {
                     frontends.push((
-                        frontend_key(*ip, node_port, port.protocol),
+                        frontend_key(ip, node_port, port.protocol),
                         affinity_flags | local_flag(external.local_only) | SVC_FLAG_NODEPORT,
                         external.clone(),
                     ));
@@ -135,9 +135,9 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
     for rejected in state.rejected.values() {
         plan.protected_addrs.extend(rejected.addrs.iter().map(|a| addr_be(*a)));
         for node_port in &rejected.node_ports {
-            for ip in &node.node_port_addrs {
+            for ip in node.node_port_frontend_addrs() {
                 for protocol in [Protocol::Tcp, Protocol::Udp] {
-                    plan.protected_frontends.insert(frontend_key(*ip, *node_port, protocol));
+                    plan.protected_frontends.insert(frontend_key(ip, *node_port, protocol));
                 }
             }
         }

@@ -114,4 +114,15 @@ pub struct NodeContext {
     pub name: String,
     /// Addresses NodePort frontends listen on.
     pub node_port_addrs: Vec<Ipv4Addr>,
+    /// Also give every NodePort a wildcard frontend (0.0.0.0): the socket load balancer matches
+    /// loopback destinations in the node's namespace against it (`localhost:<nodePort>`).
+    pub loopback_node_ports: bool,
+}
+
+impl NodeContext {
+    /// The addresses a NodePort gets a frontend on.
+    pub fn node_port_frontend_addrs(&self) -> impl Iterator<Item = Ipv4Addr> + '_ {
+        let wildcard = self.loopback_node_ports.then_some(Ipv4Addr::UNSPECIFIED);
+        self.node_port_addrs.iter().copied().chain(wildcard)
+    }
 }
