@@ -20,47 +20,11 @@ use kube_router::{
     },
 };
 
-const REPEAT: u32 = 200_000;
+mod common;
 
-fn state(services: usize, endpoints: usize) -> ServiceState {
-    let mut state = ServiceState::default();
-    for i in 0..services {
-        let name = ServiceName::new("bench", format!("svc-{i}"));
-        let vip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 0)) + i as u32);
-        state.services.insert(
-            name.clone(),
-            Service {
-                name: name.clone(),
-                cluster_ips: vec![vip],
-                external_ips: vec![],
-                load_balancer_ips: vec![],
-                ports: vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: None }],
-                affinity_timeout_secs: None,
-                external_traffic_local: false,
-                internal_traffic_local: false,
-                publish_not_ready: false,
-            },
-        );
-        let endpoints = (0..endpoints)
-            .map(|e| Endpoint {
-                addr: Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 0)) + (i * endpoints + e) as u32),
-                ready: true,
-                serving: true,
-                terminating: false,
-                node_name: None,
-            })
-            .collect();
-        state.slices.insert(
-            ("bench".into(), format!("svc-{i}-1")),
-            EndpointSlice {
-                service: name,
-                ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],
-                endpoints,
-            },
-        );
-    }
-    state
-}
+use common::state;
+
+const REPEAT: u32 = 200_000;
 
 fn peak_rss_mib() -> f64 {
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };

@@ -538,6 +538,79 @@ impl TestCgroup {
     }
 }
 
+/// Attaches a program that is not ours to `cgroup`'s connect4 hook, the legacy way
+/// (BPF_PROG_ATTACH, multi): `r0 = 1; exit`, named `krt_foreign`. It stays attached until the
+/// cgroup is removed; the agent must never replace or remove it.
+pub fn attach_foreign_connect4(cgroup: &Path) -> Result<()> {
+    const BPF_PROG_LOAD: libc::c_long = 5;
+    const BPF_PROG_ATTACH: libc::c_long = 8;
+    const BPF_PROG_TYPE_CGROUP_SOCK_ADDR: u32 = 18;
+    const BPF_CGROUP_INET4_CONNECT: u32 = 10;
+    const BPF_F_ALLOW_MULTI: u32 = 2;
+    #[repr(C)]
+    struct LoadAttr {
+        prog_type: u32,
+        insn_cnt: u32,
+        insns: u64,
+        license: u64,
+        log_level: u32,
+        log_size: u32,
+        log_buf: u64,
+        kern_version: u32,
+        prog_flags: u32,
+        prog_name: [u8; 16],
+        prog_ifindex: u32,
+        expected_attach_type: u32,
+    }
+    #[repr(C)]
+    struct AttachAttr {
+        target_fd: u32,
+        attach_bpf_fd: u32,
+        attach_type: u32,
+        attach_flags: u32,
+        replace_bpf_fd: u32,
+    }
+    fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> Result<i64> {
+        // SAFETY: attr is a bpf_attr prefix laid out for `cmd`, valid for the call.
+        let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut T, std::mem::size_of::<T>() as u32) };
+        if rc < 0 {
+            bail!("bpf({cmd}): {}", std::io::Error::last_os_error());
+        }
+        Ok(rc)
+    }
+    // mov64 r0, 1; exit
+    let insns: [u64; 2] = [u64::from_le_bytes([0xb7, 0, 0, 0, 1, 0, 0, 0]), u64::from_le_bytes([0x95, 0, 0, 0, 0, 0, 0, 0])];
+    let mut name = [0u8; 16];
+    name[..11].copy_from_slice(b"krt_foreign");
+    let mut load = LoadAttr {
+        prog_type: BPF_PROG_TYPE_CGROUP_SOCK_ADDR,
+        insn_cnt: 2,
+        insns: insns.as_ptr() as u64,
+        license: c"GPL".as_ptr() as u64,
+        log_level: 0,
+        log_size: 0,
+        log_buf: 0,
+        kern_version: 0,
+        prog_flags: 0,
+        prog_name: name,
+        prog_ifindex: 0,
+        expected_attach_type: BPF_CGROUP_INET4_CONNECT,
+    };
+    let program = bpf(BPF_PROG_LOAD, &mut load)?;
+    let cgroup_dir = fs::File::open(cgroup)?;
+    let mut attach = AttachAttr {
+        target_fd: std::os::fd::AsRawFd::as_raw_fd(&cgroup_dir) as u32,
+        attach_bpf_fd: program as u32,
+        attach_type: BPF_CGROUP_INET4_CONNECT,
+        attach_flags: BPF_F_ALLOW_MULTI,
+        replace_bpf_fd: 0,
+    };
+    let attached = bpf(BPF_PROG_ATTACH, &mut attach);
+    // SAFETY: our own descriptor from BPF_PROG_LOAD; the attachment holds its own reference.
+    unsafe { libc::close(program as i32) };
+    attached.map(|_| ())
+}
+
 impl Drop for TestCgroup {
     fn drop(&mut self) {
         for dir in self.children.iter().rev().chain([&self.path]) {

@@ -5,14 +5,21 @@
 //! translate that traffic. Nothing is attached to the machine's root cgroup.
 use std::{
     collections::{BTreeMap, BTreeSet},
+    net::{Ipv4Addr, SocketAddr},
     path::{Path, PathBuf},
     time::Duration,
 };
 
-use kube_router_tests::*;
+use kube_router_tests::{
+    apiserver::{FakeApiServer, FakeApiServerConfig},
+    *,
+};
+use serde::Deserialize;
 
 /// A ClusterIP service without endpoints.
 const EMPTY_VIP: &str = "10.96.0.12";
+/// The `kubernetes` Service's ClusterIP.
+const API_VIP: &str = "10.96.0.1";
 
 /// `web` (ClusterIP + NodePorts 30080/tcp and 30053/udp), `sticky` (ClientIP affinity) and
 /// `empty` (no endpoints).
@@ -216,4 +223,108 @@ fn node_and_host_network_processes_reach_services_through_the_socket_lb() {
     assert_eq!(delta(&before, &after, "sock_no_backend_refused"), 10);
     assert!(delta(&before, &after, "sock_reverse_restored") >= translated, "{after:?}");
     assert_eq!(delta(&before, &after, "sock_reverse_insert_failed"), 0);
+}
+
+#[test]
+fn restart_adopts_the_links_and_cleanup_leaves_other_programs_on_the_cgroup() {
+    let env = Env::new("krt-skr");
+    let root = env.root();
+    // Someone else's connect4 program was there first.
+    attach_foreign_connect4(&env.cgroup.path).unwrap();
+    let foreign = || env.cgroup.programs().unwrap().into_iter().filter(|(_, _, name)| name == "krt_foreign").count();
+    let vip = format!("{VIP}:80");
+    let works = || assert!(backends_behind(&vip, &env.from_node("tcp", &vip, 6)).len() >= 2);
+
+    let agent = env.agent(&[]);
+    let attached = env.cgroup.programs().unwrap();
+    assert_eq!((env.ours_attached().unwrap(), foreign()), (4, 1), "{attached:?}");
+    works();
+    agent.stop().unwrap();
+    // No agent: the pinned links keep balancing.
+    works();
+
+    let mut agent = env.agent(&[]);
+    let line = agent.wait_for_log("service sync complete", 1, Duration::from_secs(10)).unwrap();
+    for field in ["inserts", "updates", "deletes", "errors"] {
+        assert_eq!(log_field(&line, field), Some(0), "restart with unchanged state wrote maps: {line}");
+    }
+    assert_eq!(env.cgroup.programs().unwrap(), attached, "links re-adopted: the same programs, in the same order");
+    let adopted = "connect4=Adopted sendmsg4=Adopted recvmsg4=Adopted getpeername4=Adopted";
+    assert_eq!(agent.log_count(adopted), 1, "socket LB links re-adopted");
+    works();
+    agent.stop().unwrap();
+
+    // Turned off: our links go, the other program stays, the node no longer reaches the VIP.
+    let cgroup = env.cgroup.path.to_str().unwrap();
+    let args = ["--service-file", env.file.path.to_str().unwrap(), "--health-port", "0", "--cgroup-root", cgroup];
+    let agent = Agent::start(&env.topo.node, &root, &[&args[..], &["--bpf-lb-sock", "false"]].concat()).unwrap();
+    wait_until("our links removed", Duration::from_secs(20), || Ok(env.ours_attached()? == 0)).unwrap();
+    assert_eq!(foreign(), 1);
+    assert!(env.from_node("tcp", &vip, 1)[0].outcome.is_err(), "nothing balances the node's sockets any more");
+    agent.stop().unwrap();
+
+    // On again, then uninstalled: `cleanup` removes our links and nothing else.
+    env.agent(&[]).stop().unwrap();
+    assert_eq!(env.ours_attached().unwrap(), 4);
+    cli(&root, "cleanup").unwrap();
+    assert_eq!((env.ours_attached().unwrap(), foreign()), (0, 1), "{:?}", env.cgroup.programs().unwrap());
+}
+
+/// Applies every document of a YAML stream to the fake API server.
+fn apply(server: &FakeApiServer, yaml: &str) {
+    for doc in serde_yaml::Deserializer::from_str(yaml) {
+        let value = serde_yaml::Value::deserialize(doc).unwrap();
+        if !value.is_null() {
+            server.apply(serde_json::to_value(value).unwrap()).unwrap();
+        }
+    }
+}
+
+/// The `kubernetes` Service in front of the API server at `api`.
+fn kubernetes_service(api: SocketAddr) -> String {
+    let (ip, port) = (api.ip(), api.port());
+    format!(
+        "---\napiVersion: v1\nkind: Service\nmetadata: {{namespace: default, name: kubernetes}}\nspec:\n  type: ClusterIP\n  \
+         clusterIP: {API_VIP}\n  ports:\n  - {{name: https, protocol: TCP, port: 443, targetPort: {port}}}\n\
+         ---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  namespace: default\n  name: kubernetes\n  \
+         labels: {{kubernetes.io/service-name: kubernetes}}\naddressType: IPv4\nports:\n- {{name: https, protocol: TCP, port: {port}}}\n\
+         endpoints:\n- addresses: [\"{ip}\"]\n  conditions: {{ready: true, serving: true, terminating: false}}\n"
+    )
+}
+
+#[test]
+fn agent_uses_the_api_servers_real_address_and_host_processes_reach_it_by_its_cluster_ip() {
+    let env = Env::new("krt-ska");
+    // The API server on the node's real address, as --master names it on a real node.
+    let runtime = NetnsRuntime::new(&env.topo.node).unwrap();
+    let node_addr: Ipv4Addr = NODE_ADDR.parse().unwrap();
+    let config = FakeApiServerConfig { bind_address: SocketAddr::from((node_addr, 0)), ..Default::default() };
+    let server = runtime.run(async move { FakeApiServer::spawn(config).await.unwrap() });
+    apply(&server, &services());
+    apply(&server, &kubernetes_service(server.address()));
+
+    // No kube-proxy: nothing in the node's namespace translates the kubernetes ClusterIP.
+    let rules = env.topo.node.run(&["iptables-save"]).unwrap();
+    assert!(!rules.lines().any(|l| l.starts_with("-A")), "iptables rules in the node namespace:\n{rules}");
+    let http = |cgroup: &Path| {
+        TestCgroup::run(&env.topo.node, cgroup, &[netprobe_bin().to_str().unwrap(), "http", &format!("{API_VIP}:443"), "/version"])
+            .unwrap()
+    };
+    assert!(http(&env.host_network_pod).starts_with("ERR"), "the ClusterIP answers before the agent runs");
+
+    let state_dir = std::env::temp_dir().join("krt-ska-state");
+    let cgroup = env.cgroup.path.to_str().unwrap();
+    let args = ["--master", &server.url(), "--state-dir", state_dir.to_str().unwrap(), "--health-port", "0"];
+    let _agent = Agent::start(&env.topo.node, &env.root(), &[&args[..], &["--cgroup-root", cgroup]].concat()).unwrap();
+    wait_until("the kubernetes Service programmed from the API", Duration::from_secs(30), || {
+        Ok(env.ours_attached()? == 4 && cli(&env.root(), "services")?.contains(&format!("{API_VIP}:443")))
+    })
+    .unwrap();
+
+    // A hostNetwork pod reaches the API server through `kubernetes.default`'s ClusterIP.
+    let reply = http(&env.host_network_pod);
+    assert!(reply.starts_with("200\n") && reply.contains("gitVersion"), "{reply}");
+    // So does the node, while its TC path saw none of it.
+    assert!(http(&env.cgroup.path).starts_with("200\n"));
+    assert_eq!(stats(&env.root())["new_flow"], 0);
 }
