@@ -8,6 +8,8 @@
 
 mod policy;
 pub use policy::*;
+mod sock;
+pub use sock::*;
 
 /// Version of the whole map layout. Stored in the `meta` map at index [`META_LAYOUT_VERSION`],
 /// and naming the directory the maps are pinned in (`<bpf root>/v2/`), so an upgrade can create

@@ -12,6 +12,9 @@
 //!
 //! `kr_ovl_encap` / `kr_ovl_decap` carry pod traffic between nodes on different subnets in
 //! IPIP or FOU/GUE packets (see `overlay`).
+//!
+//! `kr_sk_*` are cgroup sock_addr programs (see `sock`): socket-level load balancing for traffic
+//! the node and hostNetwork pods originate, which never crosses a TC ingress.
 #![no_std]
 #![no_main]
 
@@ -28,8 +31,13 @@ mod parsing;
 mod policy;
 mod reject;
 mod route;
+mod sock;
 
-use aya_ebpf::{bindings::TC_ACT_UNSPEC, macros::classifier, programs::TcContext};
+use aya_ebpf::{
+    bindings::TC_ACT_UNSPEC,
+    macros::{cgroup_sock_addr, classifier},
+    programs::{SockAddrContext, TcContext},
+};
 
 // A packet we cannot parse is not ours to judge: it is handed on untouched.
 #[classifier]
@@ -64,6 +72,30 @@ pub fn kr_ovl_encap(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn kr_ovl_decap(ctx: TcContext) -> i32 {
     overlay::decap(&ctx).unwrap_or(TC_ACT_UNSPEC)
+}
+
+/// `connect()` of a TCP or UDP socket to a frontend: connects to a backend instead.
+#[cgroup_sock_addr(connect4)]
+pub fn kr_sk_connect4(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx, sock::Call::Connect)
+}
+
+/// UDP `sendmsg()`/`sendto()` to a frontend: the datagram goes to a backend instead.
+#[cgroup_sock_addr(sendmsg4)]
+pub fn kr_sk_sendmsg4(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx, sock::Call::SendMsg)
+}
+
+/// UDP `recvmsg()`/`recvfrom()`: a reply from the backend is shown as coming from the frontend.
+#[cgroup_sock_addr(recvmsg4)]
+pub fn kr_sk_recvmsg4(ctx: SockAddrContext) -> i32 {
+    sock::restore(&ctx)
+}
+
+/// `getpeername()`: a socket connected through the frontend names the frontend as its peer.
+#[cgroup_sock_addr(getpeername4)]
+pub fn kr_sk_getpeer4(ctx: SockAddrContext) -> i32 {
+    sock::restore(&ctx)
 }
 
 #[cfg(not(test))]

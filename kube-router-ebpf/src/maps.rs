@@ -152,3 +152,24 @@ pub fn count_overlay(stat: u32) {
         unsafe { *counter += 1 };
     }
 }
+
+// Socket load balancer (see kube_router_common::sock and docs/maps.md).
+
+#[map(name = "sock_rev_v4")]
+pub static SOCK_REVERSE: LruHashMap<SockReverseKeyV4, SockReverseValueV4> =
+    LruHashMap::pinned(SOCK_REVERSE_MAX_ENTRIES, 0);
+
+/// Written by the agent only.
+#[map(name = "sock_cfg")]
+pub static SOCK_CONFIG: Array<SockLbConfig> = Array::pinned(SOCK_CONFIG_MAX_ENTRIES, 0);
+
+#[map(name = "sock_stats")]
+pub static SOCK_STATS: PerCpuArray<u64> = PerCpuArray::pinned(sock_stat::COUNT, 0);
+
+#[inline(always)]
+pub fn count_sock(stat: u32) {
+    if let Some(counter) = SOCK_STATS.get_ptr_mut(stat) {
+        // Per-CPU slot: no other CPU writes it, a plain add is enough.
+        unsafe { *counter += 1 };
+    }
+}

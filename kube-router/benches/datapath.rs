@@ -23,55 +23,9 @@ use kube_router::{
 
 const SAMPLES: u16 = 20_000;
 
-fn state(services: usize, endpoints: usize) -> ServiceState {
-    let mut state = ServiceState::default();
-    for i in 0..services {
-        let name = ServiceName::new("bench", format!("svc-{i}"));
-        let vip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 0)) + i as u32);
-        state.services.insert(
-            name.clone(),
-            Service {
-                name: name.clone(),
-                cluster_ips: vec![vip],
-                external_ips: vec![],
-                load_balancer_ips: vec![],
-                // svc-5000 is also a NodePort (30080), for the north-south cases.
-                ports: vec![ServicePort {
-                    name: "http".into(),
-                    protocol: Protocol::Tcp,
-                    port: 80,
-                    node_port: (i == 5000).then_some(30080),
-                }],
-                affinity_timeout_secs: None,
-                external_traffic_local: false,
-                internal_traffic_local: false,
-                publish_not_ready: false,
-                hairpin: false,
-                health_check_node_port: None,
-                source_ranges: None,
-            },
-        );
-        let endpoints = (0..endpoints)
-            .map(|e| Endpoint {
-                addr: Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 0)) + (i * endpoints + e) as u32),
-                ready: true,
-                serving: true,
-                terminating: false,
-                node_name: Some("node-b".into()),
-                zone_hints: None,
-            })
-            .collect();
-        state.slices.insert(
-            ("bench".into(), format!("svc-{i}-1")),
-            EndpointSlice {
-                service: name,
-                ports: vec![EndpointPort { name: "http".into(), protocol: Protocol::Tcp, port: 8080 }],
-                endpoints,
-            },
-        );
-    }
-    state
-}
+mod common;
+
+use common::state;
 
 fn peak_rss_mib() -> f64 {
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };

@@ -23,6 +23,7 @@ use crate::{
         datapath::{AttachOutcome, Datapath},
         policy_maps::{read_policy_stats, PolicyConntrack},
         service_maps::{read_lb_stats, sync_cluster_nets, write_lb_config, BpfServiceMaps, Conntrack},
+        socket_lb::{self, SocketLbOptions},
     },
     firewall::FirewallController,
     k8s::{
@@ -86,6 +87,8 @@ pub struct AgentConfig {
     pub run_service_proxy: bool,
     /// Enforce NetworkPolicy (`--run-firewall`).
     pub run_firewall: bool,
+    /// Socket-level load balancing for the node's own sockets (`--bpf-lb-sock`, `--cgroup-root`).
+    pub socket_lb: SocketLbOptions,
     /// BGP pod routing (`--run-router`), when enabled.
     pub router: Option<RouterOptions>,
 }
@@ -107,6 +110,7 @@ struct ServiceController {
     zone: Option<String>,
     /// The health check ports the node serves (`spec.healthCheckNodePort`).
     health_checks: tokio::sync::watch::Sender<BTreeMap<u16, crate::healthcheck::LocalEndpoints>>,
+    loopback_node_ports: bool,
 }
 
 impl ServiceController {
@@ -122,6 +126,7 @@ impl ServiceController {
             hairpin_all: self.hairpin_all,
             external_ips,
             zone: self.zone.clone(),
+            loopback_node_ports: self.loopback_node_ports,
         }
     }
 
@@ -356,6 +361,7 @@ fn refresh_datapath_metrics(pin_dir: &Path, metrics: &Metrics, conntrack: &mut C
     if let Ok(stats) = read_lb_stats(pin_dir) {
         metrics.with(|m| m.datapath_packets = lb_stat::NAMES.iter().copied().zip(stats).collect());
     }
+    socket_lb::refresh_metrics(pin_dir, metrics);
     if gc {
         match conntrack.collect_garbage() {
             Ok((left, removed)) => metrics.with(|m| {
@@ -511,6 +517,7 @@ impl ServiceProxy {
             full_maps: BTreeSet::new(),
             zone: None,
             health_checks,
+            loopback_node_ports: config.socket_lb.enabled,
         };
         let snat_addr =
             config.node_ip.or_else(netif::default_route_source).or_else(|| netif::ipv4_addresses().first().copied());
@@ -553,6 +560,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let mut attached = BTreeMap::new();
     if let Some(datapath) = datapath.as_mut() {
         attach_all(datapath, &config.interfaces, &mut attached, config.run_service_proxy, config.run_firewall);
+        socket_lb::apply(datapath, &config.socket_lb, &metrics);
         // The links run our programs now: an upgrade from the previous map layout can complete.
         datapath.finish_upgrade().context("finishing the upgrade of the pinned maps")?;
     }

@@ -9,13 +9,14 @@ use kube_router::{
     bpf::{
         datapath::{self, AttachMode},
         service_maps::{read_lb_stats, Conntrack},
+        socket_lb::{read_sock_stats, SocketLbOptions},
     },
     k8s::watch::ApiOptions,
     overlay::{Encap, OverlayConfig, OverlayType},
     router::{AdvertiseServices, RouterOptions},
     services::compile::Limits,
 };
-use kube_router_common::{lb_stat, DEFAULT_PIN_DIR};
+use kube_router_common::{lb_stat, sock_stat, DEFAULT_PIN_DIR};
 
 #[derive(Parser)]
 #[command(
@@ -74,6 +75,15 @@ struct RunArgs {
     /// Program the eBPF service load balancer (ClusterIP, NodePort, ExternalIP, LoadBalancer).
     #[arg(long, env = "KUBE_ROUTER_RUN_SERVICE_PROXY", default_value_t = true, action = clap::ArgAction::Set)]
     run_service_proxy: bool,
+    /// Socket-level load balancing (cgroup connect/sendmsg/recvmsg/getpeername programs): the
+    /// node and hostNetwork pods reach ClusterIPs, ExternalIPs, LoadBalancer IPs and
+    /// localhost/node-IP NodePorts. Needs --run-service-proxy.
+    #[arg(long, env = "KUBE_ROUTER_BPF_LB_SOCK", default_value_t = true, action = clap::ArgAction::Set)]
+    bpf_lb_sock: bool,
+    /// cgroup v2 directory the socket load balancer attaches to. Default: the cgroup v2 root
+    /// (found in /proc/self/mountinfo), which covers every process on the node.
+    #[arg(long, env = "KUBE_ROUTER_CGROUP_ROOT")]
+    cgroup_root: Option<PathBuf>,
     /// Enforce Kubernetes NetworkPolicy in the eBPF datapath (needs the API server).
     #[arg(long, env = "KUBE_ROUTER_RUN_FIREWALL", default_value_t = true, action = clap::ArgAction::Set)]
     run_firewall: bool,
@@ -253,8 +263,8 @@ enum Command {
     Interfaces,
     /// Show the age and contents of the checkpoint in --state-dir.
     Checkpoint,
-    /// Uninstall: remove every pinned map and link, the kernel routes of our protocol and the
-    /// graceful-restart marker. Traffic to services and across nodes stops.
+    /// Uninstall: remove every pinned map and link (TC and cgroup), the kernel routes of our
+    /// protocol and the graceful-restart marker. Traffic to services and across nodes stops.
     Cleanup,
 }
 
@@ -463,6 +473,10 @@ fn main() -> ExitCode {
             for (name, n) in lb_stat::NAMES.iter().zip(stats) {
                 println!("{name} {n}");
             }
+            // The socket load balancer's counters, if it ever ran.
+            for (name, n) in sock_stat::NAMES.iter().zip(read_sock_stats(&cli.bpf_root).unwrap_or_default()) {
+                println!("sock_{name} {n}");
+            }
         }),
         Command::Cleanup => cleanup(&cli),
     };
@@ -570,6 +584,10 @@ fn run(cli: &Cli) -> Result<()> {
         service_ranges: args.service_cluster_ip_range.clone(),
         run_service_proxy: args.run_service_proxy,
         run_firewall: args.run_firewall,
+        socket_lb: SocketLbOptions {
+            enabled: args.bpf_lb_sock && args.run_service_proxy,
+            cgroup_root: args.cgroup_root.clone(),
+        },
         router,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

@@ -63,6 +63,10 @@ pub struct MetricsState {
     pub policy_packets: Vec<(&'static str, u64)>,
     pub policy_conntrack_entries: u64,
     pub policy_sync_seconds: Option<f64>,
+    /// `sock_stats` counters, summed over CPUs (empty while the socket LB never ran).
+    pub socket_lb_events: Vec<(&'static str, u64)>,
+    /// Failures to attach the socket load balancer.
+    pub socket_lb_errors: u64,
     /// The BGP speaker, if it runs; its status is read fresh on every scrape.
     pub bgp: Option<crate::bgp::speaker::Speaker>,
     /// `ovl_stats` counters, summed over CPUs (once the overlay is in use).
@@ -268,6 +272,24 @@ impl Metrics {
                     "Entries in pol_ct_v4 after the last GC.",
                 );
                 let _ = writeln!(out, "kube_router_policy_conntrack_entries {}", m.policy_conntrack_entries);
+            }
+            family(
+                &mut out,
+                "kube_router_socket_lb_errors_total",
+                "counter",
+                "Failures to attach the socket load balancer (cgroup programs).",
+            );
+            let _ = writeln!(out, "kube_router_socket_lb_errors_total {}", m.socket_lb_errors);
+            if !m.socket_lb_events.is_empty() {
+                family(
+                    &mut out,
+                    "kube_router_socket_lb_events_total",
+                    "counter",
+                    "Socket load balancer calls by outcome (sock_stats), summed over CPUs.",
+                );
+                for (name, n) in &m.socket_lb_events {
+                    let _ = writeln!(out, "kube_router_socket_lb_events_total{{event=\"{name}\"}} {n}");
+                }
             }
             if let Some(seconds) = m.policy_sync_seconds {
                 family(

@@ -253,12 +253,18 @@ pub struct Agent {
 }
 
 impl Agent {
+    /// Starts the agent in `ns`. The socket load balancer stays off unless `args` name a
+    /// `--cgroup-root` (or set `--bpf-lb-sock`): its default target is the machine's cgroup v2
+    /// root, which a test must never touch.
     pub fn start(ns: &Netns, bpf_root: &Path, args: &[&str]) -> Result<Self> {
+        let socket_lb_chosen = args.iter().any(|a| a.starts_with("--cgroup-root") || a.starts_with("--bpf-lb-sock"));
+        let socket_lb_off: &[&str] = if socket_lb_chosen { &[] } else { &["--bpf-lb-sock", "false"] };
         let mut child = Command::new("nsenter")
             .arg(format!("--net={}", ns.path()))
             .arg(kube_router_bin())
             .arg("--bpf-root")
             .arg(bpf_root)
+            .args(socket_lb_off)
             .args(args)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
@@ -378,6 +384,23 @@ impl Drop for Agent {
     }
 }
 
+/// Polls `check` until it says true; an error counts as "not yet" and is reported on timeout.
+pub fn wait_until(what: &str, timeout: Duration, mut check: impl FnMut() -> Result<bool>) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    let mut last_error = String::new();
+    loop {
+        match check() {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(e) => last_error = format!("{e:#}"),
+        }
+        if Instant::now() > deadline {
+            bail!("timed out after {timeout:?} waiting for {what} {last_error}");
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Parses `key=value` out of a log line (values end at whitespace).
 pub fn log_field(line: &str, key: &str) -> Option<u64> {
     let start = line.find(&format!("{key}="))? + key.len() + 1;
@@ -459,6 +482,162 @@ pub fn service_objects(spec: &ServiceSpec) -> String {
     )
 }
 
+/// A cgroup v2 directory of a test's own under /sys/fs/cgroup/unified (this host's cgroup2
+/// mount): the socket load balancer attaches there instead of the machine's root cgroup, and
+/// only processes the test starts through [`TestCgroup::run`] / [`TestCgroup::spawn_collecting`]
+/// join it. Removed (children first) on drop, after those processes have ended.
+pub struct TestCgroup {
+    pub path: PathBuf,
+    children: Vec<PathBuf>,
+}
+
+impl TestCgroup {
+    pub fn new(name: &str) -> Result<Self> {
+        let base = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
+            .into_iter()
+            .map(Path::new)
+            .find(|p| p.join("cgroup.procs").exists() && p.join("cgroup.controllers").exists())
+            .context("no cgroup v2 hierarchy at /sys/fs/cgroup/unified or /sys/fs/cgroup")?;
+        let path = base.join(format!("{name}-{}", std::process::id()));
+        let _ = fs::remove_dir(&path);
+        fs::create_dir(&path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(Self { path, children: Vec::new() })
+    }
+
+    /// A child cgroup (a pod's cgroup below the node's), removed with this one.
+    pub fn child(&mut self, name: &str) -> Result<PathBuf> {
+        let mut path = self.path.clone();
+        for part in Path::new(name).components() {
+            path.push(part);
+            if !self.children.contains(&path) {
+                fs::create_dir(&path).with_context(|| format!("creating {}", path.display()))?;
+                self.children.push(path.clone());
+            }
+        }
+        Ok(path)
+    }
+
+    /// `args`, run in `ns` as a process of `cgroup` (this one or a child): it moves itself in
+    /// before exec, so nothing it does happens outside.
+    fn command(ns: &Netns, cgroup: &Path, args: &[&str]) -> Command {
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net={}", ns.path()))
+            .args(["sh", "-c", "echo $$ > \"$0/cgroup.procs\" && exec \"$@\""])
+            .arg(cgroup)
+            .args(args);
+        cmd
+    }
+
+    /// Runs `args` in `ns` inside `cgroup` and returns its stdout.
+    pub fn run(ns: &Netns, cgroup: &Path, args: &[&str]) -> Result<String> {
+        let out = Self::command(ns, cgroup, args).output().with_context(|| format!("running {args:?}"))?;
+        if !out.status.success() {
+            bail!("{args:?} in {} failed: {}", cgroup.display(), String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// The programs attached to this cgroup itself, as `bpftool cgroup show` lists them:
+    /// (program id, attach type, e.g. "cgroup_inet4_connect", program name), in that order.
+    pub fn programs(&self) -> Result<Vec<(u32, String, String)>> {
+        let out = sh(&["bpftool", "-j", "cgroup", "show", self.path.to_str().unwrap()])?;
+        let list: Vec<serde_json::Value> = if out.trim().is_empty() { Vec::new() } else { serde_json::from_str(&out)? };
+        let text = |v: &serde_json::Value| v.as_str().unwrap_or("").to_string();
+        Ok(list
+            .iter()
+            .map(|p| (p["id"].as_u64().unwrap_or(0) as u32, text(&p["attach_type"]), text(&p["name"])))
+            .collect())
+    }
+}
+
+/// Attaches a program that is not ours to `cgroup`'s connect4 hook, the legacy way
+/// (BPF_PROG_ATTACH, multi): `r0 = 1; exit`, named `krt_foreign`. It stays attached until the
+/// cgroup is removed; the agent must never replace or remove it.
+pub fn attach_foreign_connect4(cgroup: &Path) -> Result<()> {
+    const BPF_PROG_LOAD: libc::c_long = 5;
+    const BPF_PROG_ATTACH: libc::c_long = 8;
+    const BPF_PROG_TYPE_CGROUP_SOCK_ADDR: u32 = 18;
+    const BPF_CGROUP_INET4_CONNECT: u32 = 10;
+    const BPF_F_ALLOW_MULTI: u32 = 2;
+    #[repr(C)]
+    struct LoadAttr {
+        prog_type: u32,
+        insn_cnt: u32,
+        insns: u64,
+        license: u64,
+        log_level: u32,
+        log_size: u32,
+        log_buf: u64,
+        kern_version: u32,
+        prog_flags: u32,
+        prog_name: [u8; 16],
+        prog_ifindex: u32,
+        expected_attach_type: u32,
+    }
+    #[repr(C)]
+    struct AttachAttr {
+        target_fd: u32,
+        attach_bpf_fd: u32,
+        attach_type: u32,
+        attach_flags: u32,
+        replace_bpf_fd: u32,
+    }
+    fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> Result<i64> {
+        // SAFETY: attr is a bpf_attr prefix laid out for `cmd`, valid for the call.
+        let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut T, std::mem::size_of::<T>() as u32) };
+        if rc < 0 {
+            bail!("bpf({cmd}): {}", std::io::Error::last_os_error());
+        }
+        Ok(rc)
+    }
+    // mov64 r0, 1; exit
+    let insns: [u64; 2] =
+        [u64::from_le_bytes([0xb7, 0, 0, 0, 1, 0, 0, 0]), u64::from_le_bytes([0x95, 0, 0, 0, 0, 0, 0, 0])];
+    let mut name = [0u8; 16];
+    name[..11].copy_from_slice(b"krt_foreign");
+    let mut load = LoadAttr {
+        prog_type: BPF_PROG_TYPE_CGROUP_SOCK_ADDR,
+        insn_cnt: 2,
+        insns: insns.as_ptr() as u64,
+        license: c"GPL".as_ptr() as u64,
+        log_level: 0,
+        log_size: 0,
+        log_buf: 0,
+        kern_version: 0,
+        prog_flags: 0,
+        prog_name: name,
+        prog_ifindex: 0,
+        expected_attach_type: BPF_CGROUP_INET4_CONNECT,
+    };
+    let program = bpf(BPF_PROG_LOAD, &mut load)?;
+    let cgroup_dir = fs::File::open(cgroup)?;
+    let mut attach = AttachAttr {
+        target_fd: std::os::fd::AsRawFd::as_raw_fd(&cgroup_dir) as u32,
+        attach_bpf_fd: program as u32,
+        attach_type: BPF_CGROUP_INET4_CONNECT,
+        attach_flags: BPF_F_ALLOW_MULTI,
+        replace_bpf_fd: 0,
+    };
+    let attached = bpf(BPF_PROG_ATTACH, &mut attach);
+    // SAFETY: our own descriptor from BPF_PROG_LOAD; the attachment holds its own reference.
+    unsafe { libc::close(program as i32) };
+    attached.map(|_| ())
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        for dir in self.children.iter().rev().chain([&self.path]) {
+            // Processes leave a cgroup when they exit; give the last ones a moment.
+            for _ in 0..50 {
+                if fs::remove_dir(dir).is_ok() || !dir.exists() {
+                    break;
+                }
+                thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
 /// A tokio runtime whose threads live in a network namespace: sockets it opens (a fake API
 /// server's listener, say) are in that namespace, while the test drives it from outside.
 pub struct NetnsRuntime {
@@ -510,21 +689,4 @@ pub fn metric(scrape: &str, series: &str) -> f64 {
         .and_then(|l| l.rsplit_once(' '))
         .and_then(|(_, v)| v.parse().ok())
         .unwrap_or_else(|| panic!("no {series} in:\n{scrape}"))
-}
-
-/// Polls `check` every 250 ms until it says true; the last error, if any, goes into the failure.
-pub fn wait_until(what: &str, timeout: Duration, mut check: impl FnMut() -> Result<bool>) -> Result<()> {
-    let deadline = Instant::now() + timeout;
-    let mut last_error = String::new();
-    loop {
-        match check() {
-            Ok(true) => return Ok(()),
-            Ok(false) => {}
-            Err(e) => last_error = format!("{e:#}"),
-        }
-        if Instant::now() > deadline {
-            bail!("timed out after {timeout:?} waiting for {what} {last_error}");
-        }
-        thread::sleep(Duration::from_millis(250));
-    }
 }

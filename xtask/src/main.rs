@@ -27,7 +27,7 @@ enum Task {
     Image,
     /// Everything CI checks: fmt, clippy, unit tests, in-kernel datapath tests, end-to-end tests (root).
     Test,
-    /// Benchmarks: per-packet cost (BPF_PROG_TEST_RUN), map sync time, policy sync against iptables (root).
+    /// Benchmarks: per-packet cost (BPF_PROG_TEST_RUN), socket LB per call, map sync time, policy sync against iptables (root).
     Bench,
     /// Bring up a small cluster in network namespaces and show the datapath at work (root).
     Demo,
@@ -132,6 +132,8 @@ fn bench() -> Result<()> {
     require_root()?;
     cargo(&["bench", "-p", "kube-router", "--bench", "datapath"])?;
     cargo(&["bench", "-p", "kube-router", "--bench", "policy_datapath"])?;
+    // connect()/sendto() with and without the socket load balancer (own netns and cgroups).
+    cargo(&["bench", "-p", "kube-router", "--bench", "socket_lb"])?;
     // Compile + map writes against ipset/iptables-restore in a private network namespace.
     cargo(&["bench", "-p", "kube-router", "--bench", "policy_compile"])?;
     // The API benchmark runs the agent as a process: measure the optimised build.

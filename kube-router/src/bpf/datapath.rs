@@ -2,17 +2,18 @@
 //! 6.6 and later), or, on older kernels or when asked, as classic `cls_bpf` filters on a
 //! `clsact` qdisc at priorities of our own (other filters are never touched).
 use std::{
+    collections::BTreeMap,
     fs,
     path::{Path, PathBuf},
 };
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use aya::{
     maps::{Array, MapData},
     programs::{
         links::{FdLink, Link, LinkOrder, PinnedLink},
         tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcError, TcHandle},
-        ProgramError, ProgramInfo, SchedClassifier, TcAttachType,
+        Program, ProgramError, ProgramInfo, SchedClassifier, TcAttachType,
     },
     Ebpf, EbpfLoader,
 };
@@ -189,6 +190,8 @@ pub struct Datapath {
     /// An upgrade from the previous map layout, finished once the links run our programs.
     upgrade: Option<migrate::Upgrade>,
     mode: AttachMode,
+    /// Programs of optional features the kernel refused (name -> error).
+    unavailable: BTreeMap<String, String>,
 }
 
 /// Ids of the maps pinned directly in `pin_dir`.
@@ -200,6 +203,22 @@ fn pinned_map_ids(pin_dir: &Path) -> std::collections::BTreeSet<u32> {
         .filter_map(|e| aya::maps::MapInfo::from_pin(e.path()).ok())
         .map(|info| info.id())
         .collect()
+}
+
+/// Loads one program of the object; each program type the object may hold has its arm here.
+fn load_program(program: &mut Program) -> Result<(), ProgramError> {
+    match program {
+        Program::SchedClassifier(p) => p.load(),
+        Program::CgroupSockAddr(p) => p.load(),
+        // A new program type gets its arm above (and, if optional, in is_optional).
+        _ => Err(ProgramError::UnexpectedProgramType),
+    }
+}
+
+/// Programs the agent can run without: the socket load balancer needs kernel features newer than
+/// the TC datapath's (see docs/maps.md), and the TC load balancer works without it.
+fn is_optional(program: &Program) -> bool {
+    matches!(program, Program::CgroupSockAddr(_))
 }
 
 pub fn ensure_bpffs(pin_dir: &Path) -> Result<()> {
@@ -216,6 +235,10 @@ impl Datapath {
     /// Maps of the previous layout are upgraded: their state is copied now, and the old maps go
     /// once the links run the new programs ([`Self::finish_upgrade`]). Maps of a newer layout
     /// make it refuse (a downgrade), leaving the running programs alone.
+    ///
+    /// Every program of the object is loaded. A TC program the kernel
+    /// refuses is an error; a program of an optional feature (see [`is_optional`]) is left out
+    /// with a warning and reported by [`Datapath::unavailable`], so that feature alone is off.
     pub fn load(pin_dir: &Path) -> Result<Self> {
         Self::load_with_mode(pin_dir, AttachMode::detect())
     }
@@ -229,15 +252,21 @@ impl Datapath {
             .default_map_pin_directory(maps_dir(pin_dir))
             .load(DATAPATH_OBJECT)
             .context("loading the datapath object")?;
-        for hook in Hook::ALL {
-            let name = hook.program();
-            let program: &mut SchedClassifier =
-                ebpf.program_mut(name).ok_or_else(|| anyhow!("program {name} missing from the object"))?.try_into()?;
-            program.load().with_context(|| format!("verifier rejected {name}"))?;
+        let mut unavailable = BTreeMap::new();
+        for (name, program) in ebpf.programs_mut() {
+            if let Err(e) = load_program(program) {
+                let error = anyhow::Error::from(e).context(format!("verifier rejected {name}"));
+                if !is_optional(program) {
+                    return Err(error);
+                }
+                tracing::warn!(program = name, error = format!("{error:#}"), "program not loaded; its feature is off");
+                unavailable.insert(name.to_string(), format!("{error:#}"));
+            }
         }
         tracing::info!(pin_dir = %pin_dir.display(), adopted_maps = adopted, "datapath loaded");
         let pinned_map_ids = pinned_map_ids(&maps_dir(pin_dir));
-        let mut datapath = Self { ebpf, pin_dir: pin_dir.to_path_buf(), pinned_map_ids, upgrade: None, mode };
+        let mut datapath =
+            Self { ebpf, pin_dir: pin_dir.to_path_buf(), pinned_map_ids, upgrade: None, mode, unavailable };
         datapath.record_layout_version()?;
         datapath.upgrade = migrate::start(pin_dir)?;
         Ok(datapath)
@@ -250,6 +279,22 @@ impl Datapath {
             upgrade.finish()?;
         }
         Ok(())
+    }
+
+    /// Programs that failed to load (name -> verifier error), all of optional features.
+    pub fn unavailable(&self) -> &BTreeMap<String, String> {
+        &self.unavailable
+    }
+
+    /// A loaded program of type `P` (`SchedClassifier`, `CgroupSockAddr`, ...).
+    pub fn program_mut<P>(&mut self, name: &str) -> Result<&mut P>
+    where
+        for<'a> &'a mut P: TryFrom<&'a mut Program, Error = ProgramError>,
+    {
+        if let Some(error) = self.unavailable.get(name) {
+            bail!("program {name} is not loaded: {error}");
+        }
+        Ok(self.ebpf.program_mut(name).ok_or_else(|| anyhow!("program {name} missing from the object"))?.try_into()?)
     }
 
     fn record_layout_version(&mut self) -> Result<()> {
@@ -269,9 +314,8 @@ impl Datapath {
         pin_dir.join("links").join(hook.pin_name(interface))
     }
 
-    fn program_mut(&mut self, hook: Hook) -> Result<&mut SchedClassifier> {
-        let name = hook.program();
-        Ok(self.ebpf.program_mut(name).ok_or_else(|| anyhow!("program {name} missing"))?.try_into()?)
+    fn classifier_mut(&mut self, hook: Hook) -> Result<&mut SchedClassifier> {
+        self.program_mut(hook.program())
     }
 
     /// Attaches both load-balancer programs to `interface`.
@@ -295,6 +339,11 @@ impl Datapath {
         self.mode
     }
 
+    /// Ids of the maps pinned for this datapath (see [`same_program`]).
+    pub(crate) fn pinned_map_ids(&self) -> std::collections::BTreeSet<u32> {
+        self.pinned_map_ids.clone()
+    }
+
     /// Attaches the hook's program to `interface` (TCX or classic, see [`AttachMode`]),
     /// re-adopting what a previous agent left if it is still attached and the same.
     pub fn attach_hook(&mut self, hook: Hook, interface: &str) -> Result<AttachOutcome> {
@@ -313,7 +362,7 @@ impl Datapath {
     /// Our program ids and pinned map ids, to compare with what is attached.
     fn identity(&mut self, hook: Hook) -> Result<(ProgramInfo, Vec<u32>)> {
         let pinned_ids = self.pinned_map_ids.clone();
-        let ours = self.program_mut(hook)?.info()?;
+        let ours = self.classifier_mut(hook)?.info()?;
         let mut maps = ours.map_ids()?.unwrap_or_default();
         maps.retain(|id| pinned_ids.contains(id));
         maps.sort_unstable();
@@ -347,7 +396,7 @@ impl Datapath {
                 classid: None,
             })
         };
-        let program = self.program_mut(hook)?;
+        let program = self.classifier_mut(hook)?;
         let outcome = match program.attach_with_options(interface, hook.attach_type(), options()) {
             Ok(id) => {
                 // The filter outlives the agent: drop the handle without detaching.
@@ -360,7 +409,7 @@ impl Datapath {
                     return Ok(AttachOutcome::Adopted);
                 }
                 // Replaced in place (same priority and handle): atomic for the packets.
-                let program = self.program_mut(hook)?;
+                let program = self.classifier_mut(hook)?;
                 let id = program.attach_to_link(hook.classic_link(interface)?).context("replacing the filter")?;
                 std::mem::forget(program.take_link(id)?);
                 AttachOutcome::Updated
@@ -370,7 +419,7 @@ impl Datapath {
         if pin_path.exists() {
             fs::remove_file(&pin_path).with_context(|| format!("removing stale {}", pin_path.display()))?;
         }
-        self.program_mut(hook)?.pin(&pin_path).with_context(|| format!("pinning {}", pin_path.display()))?;
+        self.classifier_mut(hook)?.pin(&pin_path).with_context(|| format!("pinning {}", pin_path.display()))?;
         Ok(outcome)
     }
 
@@ -379,7 +428,7 @@ impl Datapath {
     fn attach_tcx(&mut self, hook: Hook, interface: &str) -> Result<AttachOutcome> {
         let link_path = Self::link_path(&self.pin_dir, hook, interface);
         let pinned_ids = self.pinned_map_ids.clone();
-        let program = self.program_mut(hook)?;
+        let program = self.classifier_mut(hook)?;
         let ours = program.info()?;
         let mut our_maps = ours.map_ids()?.unwrap_or_default();
         our_maps.retain(|id| pinned_ids.contains(id));
@@ -467,6 +516,22 @@ fn pinned_kind(path: &Path) -> Option<PinnedKind> {
     } else {
         None
     }
+}
+
+/// Whether an attached program is exactly `ours`: the same instructions (tag) over the same
+/// pinned maps (per-CPU scratch maps are not pinned and differ between loads).
+pub(crate) fn same_program(
+    attached: &ProgramInfo,
+    ours: &ProgramInfo,
+    pinned: &std::collections::BTreeSet<u32>,
+) -> Result<bool> {
+    let sorted_maps = |info: &ProgramInfo| -> Result<Vec<u32>> {
+        let mut ids = info.map_ids()?.unwrap_or_default();
+        ids.retain(|id| pinned.contains(id));
+        ids.sort_unstable();
+        Ok(ids)
+    };
+    Ok(attached.tag() == ours.tag() && sorted_maps(attached)? == sorted_maps(ours)?)
 }
 
 /// Removes every pinned link and map under `pin_dir`, of every layout (uninstall). Detaches

@@ -59,6 +59,17 @@ pub const OVERLAY_MAPS: [MapSpec; 3] = [
     spec::<u32, u64>(map_names::OVERLAY_STATS, MapType::PerCpuArray, ovl_stat::COUNT),
 ];
 
+/// The socket load balancer's own maps (it also reads the service maps).
+pub const SOCK_MAPS: [MapSpec; 3] = [
+    spec::<SockReverseKeyV4, SockReverseValueV4>(
+        sock_map_names::SOCK_REVERSE,
+        MapType::LruHash,
+        SOCK_REVERSE_MAX_ENTRIES,
+    ),
+    spec::<u32, SockLbConfig>(sock_map_names::SOCK_CONFIG, MapType::Array, SOCK_CONFIG_MAX_ENTRIES),
+    spec::<u32, u64>(sock_map_names::SOCK_STATS, MapType::PerCpuArray, sock_stat::COUNT),
+];
+
 #[derive(Debug, thiserror::Error)]
 #[error(
     "pinned map {path} has layout {found} but this agent expects {expected} (map layout version {version}); \
@@ -78,7 +89,7 @@ fn describe(map_type: &str, key: u32, value: u32, max: u32) -> String {
 /// Checks the maps already pinned in `pin_dir`. Missing maps are fine (they get created).
 pub fn check_pinned(pin_dir: &Path) -> Result<usize, LayoutMismatch> {
     let mut adopted = 0;
-    for spec in SERVICE_MAPS.iter().chain(&POLICY_MAPS).chain(&OVERLAY_MAPS) {
+    for spec in SERVICE_MAPS.iter().chain(&POLICY_MAPS).chain(&OVERLAY_MAPS).chain(&SOCK_MAPS) {
         let path = super::pinned_map(pin_dir, spec.name);
         if !path.exists() {
             continue;

@@ -4,6 +4,7 @@ pub mod layout;
 pub mod migrate;
 pub mod policy_maps;
 pub mod service_maps;
+pub mod socket_lb;
 pub mod test_run;
 
 /// The datapath object built by build.rs (aya-build) from the kube-router-ebpf crate.

@@ -146,9 +146,9 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
                 ));
             }
             if let Some(node_port) = port.node_port {
-                for ip in &node.node_port_addrs {
+                for ip in node.node_port_frontend_addrs() {
                     frontends.push((
-                        frontend_key(*ip, node_port, port.protocol),
+                        frontend_key(ip, node_port, port.protocol),
                         affinity_flags | local_flag(external.local_only) | SVC_FLAG_EXTERNAL | SVC_FLAG_NODEPORT,
                         external.clone(),
                     ));
@@ -184,9 +184,9 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
         }
         plan.protected_addrs.extend(addrs.iter().map(|a| addr_be(*a)));
         for node_port in &node_ports {
-            for ip in &node.node_port_addrs {
+            for ip in node.node_port_frontend_addrs() {
                 for protocol in [Protocol::Tcp, Protocol::Udp] {
-                    plan.protected_frontends.insert(frontend_key(*ip, *node_port, protocol));
+                    plan.protected_frontends.insert(frontend_key(ip, *node_port, protocol));
                 }
             }
         }

@@ -136,6 +136,17 @@ pub struct NodeContext {
     pub external_ips: ExternalIpPolicy,
     /// The node's `topology.kubernetes.io/zone` label: endpoints hinted for it are preferred.
     pub zone: Option<String>,
+    /// Also give every NodePort a wildcard frontend (0.0.0.0): the socket load balancer matches
+    /// loopback destinations in the node's namespace against it (`localhost:<nodePort>`).
+    pub loopback_node_ports: bool,
+}
+
+impl NodeContext {
+    /// The addresses a NodePort gets a frontend on.
+    pub fn node_port_frontend_addrs(&self) -> impl Iterator<Item = Ipv4Addr> + '_ {
+        let wildcard = self.loopback_node_ports.then_some(Ipv4Addr::UNSPECIFIED);
+        self.node_port_addrs.iter().copied().chain(wildcard)
+    }
 }
 
 /// kube-router's external IP validation (the CVE-2020-8554 class): a Service must not capture

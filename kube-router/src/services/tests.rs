@@ -140,6 +140,26 @@ fn external_traffic_policy_local_uses_only_this_nodes_endpoints() {
 }
 
 #[test]
+fn loopback_node_ports_add_a_wildcard_frontend_sharing_the_node_ports_backends() {
+    let builder = parse_objects(OBJECTS).unwrap();
+    let node = NodeContext { loopback_node_ports: true, ..node() };
+    let contents = assign_ids(&plan(&builder.state, &node, Limits::default()), &MapContents::default());
+    let wildcard = frontend_key(Ipv4Addr::UNSPECIFIED, 30080, Protocol::Tcp);
+    let node_port = frontend_key(Ipv4Addr::new(192, 0, 2, 1), 30080, Protocol::Tcp);
+    assert_eq!(contents.services.len(), 4, "ClusterIP tcp + udp, NodePort on the node address and 0.0.0.0");
+    assert_eq!(contents.services[&wildcard], contents.services[&node_port]);
+    // Without the socket load balancer there is no wildcard.
+    assert!(!compile(OBJECTS, &MapContents::default()).services.contains_key(&wildcard));
+
+    // A rejected Service keeps its wildcard entry too.
+    let bad =
+        OBJECTS.replace("protocol: UDP, port: 53, targetPort: 5353", "protocol: SCTP, port: 53, targetPort: 5353");
+    let builder = parse_objects(&bad).unwrap();
+    let second = assign_ids(&plan(&builder.state, &node, Limits::default()), &contents);
+    assert_eq!(second, contents);
+}
+
+#[test]
 fn recompiling_against_programmed_state_writes_nothing() {
     let first = compile(OBJECTS, &MapContents::default());
     let second = compile(OBJECTS, &first);

@@ -15,6 +15,11 @@
 //!   krt-netprobe udp-fixed SRCPORT ADDR COUNT INTERVAL_MS  COUNT datagrams from one fixed source port; one
 //!                                           reply (or ERR ...) per line
 //!   krt-netprobe bulk ADDR BYTES            one TCP connection carrying BYTES to the server; prints its reply
+//!   krt-netprobe peer tcp|udp|udp-connected ADDR COUNT
+//!                                           COUNT exchanges; prints "OK NAME PEER MICROS" or "ERR ... MICROS"
+//!                                           per line, PEER being what the socket API reports: getpeername
+//!                                           (tcp), the recvfrom source (udp), both, which must agree
+//!                                           (udp-connected: connect, send, recvfrom)
 use std::{
     io::{BufRead, BufReader, Read, Write},
     net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
@@ -164,6 +169,41 @@ fn bulk(addr: SocketAddr, bytes: u64) -> Result<String, String> {
     Ok(line.trim().to_string())
 }
 
+/// One exchange; the peer as the socket API shows it to the application.
+fn peer_exchange(mode: &str, addr: SocketAddr) -> Result<(String, SocketAddr), String> {
+    match mode {
+        "tcp" => {
+            let stream = TcpStream::connect_timeout(&addr, TIMEOUT).map_err(|e| format!("connect: {e}"))?;
+            stream.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
+            (&stream).write_all(b"hello\n").map_err(|e| format!("write: {e}"))?;
+            let mut line = String::new();
+            BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("read: {e}"))?;
+            let peer = stream.peer_addr().map_err(|e| format!("getpeername: {e}"))?;
+            Ok((line.trim().to_string(), peer))
+        }
+        "udp" | "udp-connected" => {
+            let socket = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+            socket.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
+            if mode == "udp" {
+                socket.send_to(b"hello\n", addr).map_err(|e| format!("send: {e}"))?;
+            } else {
+                socket.connect(addr).map_err(|e| format!("connect: {e}"))?;
+                socket.send(b"hello\n").map_err(|e| format!("send: {e}"))?;
+            }
+            let mut buf = [0u8; 1500];
+            let (n, from) = socket.recv_from(&mut buf).map_err(|e| format!("recv: {e}"))?;
+            if mode == "udp-connected" {
+                let peer = socket.peer_addr().map_err(|e| format!("getpeername: {e}"))?;
+                if peer != from {
+                    return Err(format!("getpeername {peer} but recvfrom {from}"));
+                }
+            }
+            Ok((String::from_utf8_lossy(&buf[..n]).trim().to_string(), from))
+        }
+        other => Err(format!("unknown mode {other}")),
+    }
+}
+
 fn http_get(addr: SocketAddr, path: &str) -> Result<(String, String), String> {
     let mut stream = TcpStream::connect_timeout(&addr, TIMEOUT).map_err(|e| format!("connect: {e}"))?;
     stream.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
@@ -238,6 +278,18 @@ fn main() {
                 match handle.join().expect("probe thread") {
                     Ok(name) => println!("{target} OK {name}"),
                     Err(e) => println!("{target} ERR {e}"),
+                }
+            }
+        }
+        "peer" => {
+            let addr: SocketAddr = arg(2).parse().expect("addr");
+            for _ in 0..arg(3).parse::<usize>().expect("count") {
+                let started = std::time::Instant::now();
+                let result = peer_exchange(&arg(1), addr);
+                let micros = started.elapsed().as_micros();
+                match result {
+                    Ok((name, peer)) => println!("OK {name} {peer} {micros}"),
+                    Err(e) => println!("ERR {e} {micros}"),
                 }
             }
         }
