@@ -80,6 +80,11 @@ impl PodRun {
                 host_dir
             } else if volume.host_path.as_ref().is_some_and(|h| h.path == "/sys/fs/bpf") {
                 PathBuf::from("/sys/fs/bpf")
+            } else if volume.host_path.as_ref().is_some_and(|h| h.path.starts_with("/sys/fs/cgroup")) {
+                // The socket load balancer's cgroup: one of the test's own, never the machine's root.
+                let cgroup = test_cgroup(node);
+                fs::create_dir_all(&cgroup)?;
+                cgroup
             } else if volume.host_path.is_some() {
                 fs::create_dir_all(&host_dir)?;
                 host_dir
@@ -244,7 +249,14 @@ impl Drop for Lab {
     fn drop(&mut self) {
         remove_bpf_root(&self.topo.bpf_root());
         let _ = fs::remove_dir_all(&self.scratch);
+        // Empty once the links are unpinned (a cgroup directory is removed with rmdir).
+        let _ = fs::remove_dir(test_cgroup(&self.topo.node));
     }
+}
+
+/// A cgroup v2 directory of this test, standing in for the host's cgroup root.
+fn test_cgroup(node: &Netns) -> PathBuf {
+    PathBuf::from(format!("/sys/fs/cgroup/unified/{}-sock", node.name))
 }
 
 /// The value of the sample whose name and labels are exactly `series`.
@@ -296,8 +308,9 @@ fn the_image_runs_as_the_manifest_describes_and_a_restart_writes_nothing() {
 
     let agent = Container::run("krt-img-agent", &lab.topo.node, &pod.image, &env, &pod.volumes).unwrap();
     let scrape = lab.wait_for_metrics(&agent, &port, "Services programmed from the API", programmed);
-    // 2 Services: ClusterIP tcp + udp each, and web's NodePort on 4 node addresses (tcp).
-    assert_eq!(map_writes(&scrape).get("svc_v4/insert"), Some(&8.0), "{scrape}");
+    // 2 Services: ClusterIP tcp + udp each, and web's NodePort on 4 node addresses (tcp) and
+    // on the socket load balancer's wildcard (localhost:<nodePort>).
+    assert_eq!(map_writes(&scrape).get("svc_v4/insert"), Some(&9.0), "{scrape}");
     lab.assert_traffic_flows(3);
     let maps = lab.agent_maps();
 
@@ -312,10 +325,10 @@ fn the_image_runs_as_the_manifest_describes_and_a_restart_writes_nothing() {
     assert_eq!(lab.agent_maps(), maps);
     lab.assert_traffic_flows(3);
 
-    // web loses backend-3: 2 slots deleted, its 6 frontends get a new count. Exactly that is
+    // web loses backend-3: 2 slots deleted, its 7 frontends get a new count. Exactly that is
     // written, so the restart's own listing wrote nothing either.
     lab.apply(&web_and_sticky(&backend_addrs(2)));
-    let expected = writes(&[("svc_v4/update", 6.0), ("svc_slots_v4/delete", 2.0)]);
+    let expected = writes(&[("svc_v4/update", 7.0), ("svc_slots_v4/delete", 2.0)]);
     lab.wait_for_metrics(&agent, &port, "the change applied", |scrape| map_writes(scrape) == expected);
     let replies = lab.topo.request("tcp", &format!("{VIP}:80"), 30).unwrap();
     assert!(replies.iter().all(|r| r == "backend-1" || r == "backend-2"), "{replies:?}");
