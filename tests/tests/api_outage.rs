@@ -45,6 +45,16 @@ impl Env {
         self.runtime.run(async move { server.set_mode(mode).await.unwrap() });
     }
 
+    /// The checkpoint follows the first complete listing of every kind, not of Services alone:
+    /// an agent killed before it has none.
+    fn wait_for_checkpoint(&self) {
+        let checkpoint = self.state_dir.join("checkpoint.json");
+        wait_until("the first checkpoint", Duration::from_secs(20), || {
+            Ok(std::fs::read_to_string(&checkpoint).is_ok_and(|text| text.contains("sticky")))
+        })
+        .unwrap();
+    }
+
     fn agent(&self) -> Agent {
         self.agent_with(&["--master", &self.server.url(), "--enable-cni=false"])
     }
@@ -191,6 +201,7 @@ fn killed_during_an_outage_the_agent_restarts_from_its_checkpoint() {
     let env = Env::new("krt-ck");
     let mut agent = env.agent();
     agent.wait_for_log("complete=true", 1, Duration::from_secs(30)).unwrap();
+    env.wait_for_checkpoint();
     let probes = env.prober();
     let maps_before = env.agent_maps();
 
@@ -232,6 +243,7 @@ fn a_corrupt_checkpoint_is_rejected_and_the_maps_are_left_alone() {
     let env = Env::new("krt-cc");
     let mut agent = env.agent();
     agent.wait_for_log("complete=true", 1, Duration::from_secs(30)).unwrap();
+    env.wait_for_checkpoint();
     let maps_before = env.agent_maps();
     agent.kill();
     let checkpoint = env.state_dir.join("checkpoint.json");
