@@ -73,6 +73,8 @@ pub struct AgentConfig {
     pub pod_egress: bool,
     /// `--tc-mode`.
     pub attach_mode: crate::bpf::datapath::AttachMode,
+    /// Netlink link and address notifications (else only the periodic rescan).
+    pub link_events: bool,
     /// `--enable-cni`: write the node's CNI configuration.
     pub cni: Option<CniOptions>,
     /// `--cluster-cidr`.
@@ -620,10 +622,10 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let mut last_stale_warning = Instant::now();
     // Interfaces are attached the moment they appear; the periodic rescan stays as a safety net.
     let mut link_events = match &datapath {
-        Some(_) => netif::LinkEvents::open()
+        Some(_) if config.link_events => netif::LinkEvents::open()
             .map_err(|e| tracing::warn!(error = %e, "no link events; new interfaces are found by a 5 s rescan"))
             .ok(),
-        None => None,
+        _ => None,
     };
     // NodePorts listen on the node's addresses: a changed set recompiles the Services at once.
     let mut node_addresses = netif::ipv4_addresses();

@@ -230,6 +230,10 @@ struct RunArgs {
     /// supported kernel), or auto (TCX where the kernel has it).
     #[arg(long, env = "KUBE_ROUTER_TC_MODE", default_value = "auto", value_parser = ["auto", "tcx", "classic"])]
     tc_mode: String,
+    /// Find new interfaces (pod veths) and node addresses through netlink notifications as they
+    /// appear; false leaves only the 5 s rescan (a baseline for the attach-latency benchmark).
+    #[arg(long, env = "KUBE_ROUTER_LINK_EVENTS", default_value_t = true, action = clap::ArgAction::Set, hide = true)]
+    link_events: bool,
     /// Masquerade pod traffic to destinations outside the cluster to the node address.
     #[arg(long, env = "KUBE_ROUTER_ENABLE_POD_EGRESS", default_value_t = true, action = clap::ArgAction::Set)]
     enable_pod_egress: bool,
@@ -575,6 +579,7 @@ fn run(cli: &Cli) -> Result<()> {
             "classic" => AttachMode::Classic,
             _ => AttachMode::detect(),
         },
+        link_events: args.link_events,
         cni: args
             .enable_cni
             .then(|| agent::CniOptions { conf_file: args.cni_conf_file.clone(), auto_mtu: args.auto_mtu }),

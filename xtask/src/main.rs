@@ -143,6 +143,9 @@ fn bench() -> Result<()> {
         .args(["bench", "-p", "kube-router-tests", "--bench", "api_sync"])
         .env("KUBE_ROUTER_BIN", &agent))?;
     run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["bench", "-p", "kube-router-tests", "--bench", "attach_latency"])
+        .env("KUBE_ROUTER_BIN", &agent))?;
+    run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .args(["bench", "-p", "kube-router-tests", "--bench", "bgp_convergence"])
         .env("KUBE_ROUTER_BIN", &agent))
 }
