@@ -151,9 +151,8 @@ fn loopback_node_ports_add_a_wildcard_frontend_sharing_the_node_ports_backends()
     // Without the socket load balancer there is no wildcard.
     assert!(!compile(OBJECTS, &MapContents::default()).services.contains_key(&wildcard));
 
-    // A rejected Service keeps its wildcard entry too.
-    let bad =
-        OBJECTS.replace("protocol: UDP, port: 53, targetPort: 5353", "protocol: SCTP, port: 53, targetPort: 5353");
+    // A rejected Service (it no longer decodes) keeps its wildcard entry too.
+    let bad = OBJECTS.replace("port: 80, targetPort: 8080", "port: \"eighty\", targetPort: 8080");
     let builder = parse_objects(&bad).unwrap();
     let second = assign_ids(&plan(&builder.state, &node, Limits::default()), &contents);
     assert_eq!(second, contents);
