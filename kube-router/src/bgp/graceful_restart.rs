@@ -252,6 +252,14 @@ impl RestartingSpeaker {
         }
     }
 
+    /// A peer's session went down without us keeping its routes (a NOTIFICATION, BFD): its
+    /// End-of-RIB will not come on this session, so it is no longer waited for. Otherwise a
+    /// peer lost right after start would hold back the removal of its routes until the
+    /// deferral timer.
+    pub fn on_session_lost(&mut self, rib: &Rib, peer: IpAddr) -> RestartOutput {
+        self.remove_peer(rib, peer)
+    }
+
     /// A peer removed from the configuration is no longer waited for.
     pub fn remove_peer(&mut self, rib: &Rib, peer: IpAddr) -> RestartOutput {
         self.waiting.remove(&peer);
@@ -566,5 +574,17 @@ mod tests {
         assert!(speaker.remove_peer(&rib, peer_addr(3)).completion.is_some());
         speaker.add_peer(peer_addr(4));
         assert!(!speaker.is_deferring(), "a completed picture is not reopened");
+    }
+
+    #[test]
+    fn a_peer_lost_before_its_end_of_rib_is_no_longer_waited_for() {
+        let rib = Rib::new(RibConfig::new(LOCAL_ASN, Ipv4Addr::new(10, 0, 0, 1)));
+        let (mut speaker, _) = RestartingSpeaker::start(Vec::new(), [peer_addr(2)], Duration::from_secs(360), &rib);
+        let neg = negotiated(Some(vec![(Family::Ipv4Unicast, true)]));
+        assert!(speaker.on_session_established(&rib, peer_addr(2), &neg).completion.is_none());
+        // BFD takes the session down before End-of-RIB: its routes are gone, nothing to wait for.
+        let out = speaker.on_session_lost(&rib, peer_addr(2));
+        assert_eq!(out.completion, Some(RestartCompletion { gone_routes: vec![], timed_out: false }));
+        assert!(!speaker.is_deferring());
     }
 }

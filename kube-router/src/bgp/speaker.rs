@@ -1020,6 +1020,12 @@ impl Core {
         }
         self.gr_timers_apply(out.timers);
         self.rib_changed(out.rib_changes);
+        if !self.helper.is_helping(peer) {
+            let out = self.restart.on_session_lost(&self.rib, peer);
+            self.restart_output(out);
+            let out = self.fib_gate.on_session_lost(&self.rib, peer);
+            self.fib_gate_output(out);
+        }
     }
 
     fn fib_gate_output(&mut self, out: RestartOutput) {
