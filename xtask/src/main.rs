@@ -90,7 +90,23 @@ fn test() -> Result<()> {
     // The image smoke test (tests/tests/image_smoke.rs) runs the image this builds.
     image::build()?;
     // Unit, in-kernel and end-to-end tests, one at a time: the kernel-facing ones share bpffs.
-    let (passed, failed) = cargo_test(&["test", "--lib", "--bins", "--tests", "--", "--test-threads=1"])?;
+    let (mut passed, mut failed) = cargo_test(&["test", "--lib", "--bins", "--tests", "--", "--test-threads=1"], &[])?;
+    if failed == 0 {
+        // Kernels before 6.6 attach through classic tc: the datapath suites once more, every
+        // agent forced onto that path (the environment reaches the agents they start).
+        // (api_outage is left out of this pass for time: cluster_paths holds an outage over every
+        // path, service_lb a restart that must adopt every filter.)
+        let suites = ["service_lb", "network_policy", "cluster_paths", "node_integration"];
+        let mut args = vec!["test", "-p", "kube-router-tests"];
+        for suite in &suites {
+            args.extend(["--test", suite]);
+        }
+        args.extend(["--", "--test-threads=1"]);
+        println!("== the datapath suites again with KUBE_ROUTER_TC_MODE=classic");
+        let (classic_passed, classic_failed) = cargo_test(&args, &[("KUBE_ROUTER_TC_MODE", "classic")])?;
+        passed += classic_passed;
+        failed += classic_failed;
+    }
     // One closing line for the whole run (cargo prints one per test binary).
     println!("all tests: {passed} passed, {failed} failed");
     if failed > 0 || passed == 0 {
@@ -100,10 +116,11 @@ fn test() -> Result<()> {
 }
 
 /// Runs cargo test, echoing its output, and adds up its "test result" lines.
-fn cargo_test(args: &[&str]) -> Result<(u64, u64)> {
+fn cargo_test(args: &[&str], env: &[(&str, &str)]) -> Result<(u64, u64)> {
     use std::io::{BufRead, BufReader};
     let mut child = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .args(args)
+        .envs(env.iter().copied())
         .current_dir(workspace_root())
         .stdout(std::process::Stdio::piped())
         .spawn()?;
