@@ -318,6 +318,7 @@ fn attach_all(
 ) {
     let present: BTreeMap<String, u32> = netif::interfaces_with_index().into_iter().collect();
     attached.retain(|name, index| present.get(name) == Some(index));
+    crate::bpf::datapath::prune_vanished(datapath.pin_dir(), &present.keys().cloned().collect());
     let interfaces = wanted.clone().unwrap_or_else(|| present.keys().cloned().collect());
     for interface in interfaces {
         let Some(&index) = present.get(&interface) else { continue };

@@ -276,3 +276,44 @@ fn node_ports_are_served_on_an_address_added_after_start() {
         thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// A pod's veth comes and goes: attached as it appears, its pins removed when it is deleted,
+/// and a new one under the same name (a StatefulSet pod's) attached again.
+#[test]
+fn interfaces_are_attached_as_they_appear_and_their_pins_go_with_them() {
+    let env = Env::new("krt-veth");
+    let _agent = env.agent();
+    let node = &env.topo.node;
+    let root = env.topo.bpf_root();
+    let pins = || -> Vec<String> {
+        let entries =
+            std::fs::read_dir(root.join("links")).map(|d| d.flatten().collect::<Vec<_>>()).unwrap_or_default();
+        let mut names: Vec<String> = entries
+            .into_iter()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with("_vpod0"))
+            .collect();
+        names.sort();
+        names
+    };
+    let wait = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(3);
+        while !done() {
+            assert!(std::time::Instant::now() < deadline, "{what}: {:?}", pins());
+            thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let bin = kube_router_bin();
+    let interfaces = || node.run(&[bin.to_str().unwrap(), "--bpf-root", root.to_str().unwrap(), "interfaces"]).unwrap();
+    for round in 0..2 {
+        let pod = Netns::new(&format!("krt-veth-pod{round}")).unwrap();
+        node.run(&["ip", "link", "add", "vpod0", "type", "veth", "peer", "name", "eth0", "netns", &pod.path()])
+            .unwrap();
+        // Well within the 5 s rescan: the link notification did it.
+        wait("attached", &|| pins().len() == 4);
+        let listed = interfaces();
+        assert_eq!(listed.lines().filter(|l| l.starts_with("vpod0") && l.ends_with("attached")).count(), 4, "{listed}");
+        node.run(&["ip", "link", "del", "vpod0"]).unwrap();
+        wait("pins removed", &|| pins().is_empty());
+    }
+}

@@ -582,6 +582,22 @@ pub struct Attachment {
     pub attached: bool,
 }
 
+/// Removes the TC pins of interfaces that no longer exist (`present` lists those that do): a
+/// deleted interface took its TCX links and classic filters with it, and its pins would only
+/// be replaced if an interface of the same name came back. Returns how many went.
+pub fn prune_vanished(pin_dir: &Path, present: &std::collections::BTreeSet<String>) -> usize {
+    let mut removed = 0;
+    for entry in fs::read_dir(pin_dir.join("links")).into_iter().flatten().flatten() {
+        let name = entry.file_name();
+        let Some((_, interface)) = name.to_str().and_then(Hook::from_pin_name) else { continue };
+        if !present.contains(interface) && fs::remove_file(entry.path()).is_ok() {
+            tracing::info!(interface, pin = %entry.path().display(), "interface gone; its pin removed");
+            removed += 1;
+        }
+    }
+    removed
+}
+
 /// Every attachment pinned under `pin_dir/links`, checked against the interfaces.
 pub fn attachments(pin_dir: &Path) -> Result<Vec<Attachment>> {
     let mut out = Vec::new();
