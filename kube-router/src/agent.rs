@@ -320,14 +320,31 @@ fn attach_all(
     attached.retain(|name, index| present.get(name) == Some(index));
     crate::bpf::datapath::prune_vanished(datapath.pin_dir(), &present.keys().cloned().collect());
     let interfaces = wanted.clone().unwrap_or_else(|| present.keys().cloned().collect());
+    let uplinks = netif::default_route_interfaces();
     for interface in interfaces {
         let Some(&index) = present.get(&interface) else { continue };
         if attached.contains_key(&interface) {
             continue;
         }
         let mut ok = true;
-        let hooks: [(bool, &str, AttachFn); 2] =
-            [(load_balancer, "load balancer", Datapath::attach), (firewall, "network policy", Datapath::attach_policy)];
+        // Policy on pod veths only (docs/requirements.md), so host and transit flows never
+        // fill its conntrack; an explicit --interfaces list gets both everywhere.
+        let pod_side = wanted.is_some() || netif::is_pod_interface(&interface, &uplinks);
+        if firewall && !pod_side {
+            for hook in crate::bpf::datapath::Hook::POLICY {
+                match datapath.detach_hook(hook, &interface) {
+                    Ok(true) => {
+                        tracing::info!(interface, program = hook.program(), "not a pod interface: policy detached")
+                    }
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(interface, error = format!("{e:#}"), "cannot detach the policy"),
+                }
+            }
+        }
+        let hooks: [(bool, &str, AttachFn); 2] = [
+            (load_balancer, "load balancer", Datapath::attach),
+            (firewall && pod_side, "network policy", Datapath::attach_policy),
+        ];
         for (_, what, attach) in hooks.into_iter().filter(|(enabled, _, _)| *enabled) {
             match attach(datapath, &interface) {
                 Ok([ingress, egress]) => {

@@ -255,3 +255,64 @@ impl LinkEvents {
         }
     }
 }
+
+/// The kernel driver behind an interface (`veth`, `bridge`, `virtio_net`, ...), from the
+/// ETHTOOL_GDRVINFO ioctl: works in the agent's network namespace, unlike /sys/class/net.
+pub fn driver(name: &str) -> Option<String> {
+    const SIOCETHTOOL: libc::c_ulong = 0x8946;
+    const ETHTOOL_GDRVINFO: u32 = 0x3;
+    #[repr(C)]
+    struct DrvInfo {
+        cmd: u32,
+        driver: [u8; 32],
+        rest: [u8; 32 * 4 + 12 + 4 * 5],
+    }
+    #[repr(C)]
+    struct IfReq {
+        name: [u8; libc::IFNAMSIZ],
+        data: *mut DrvInfo,
+        pad: [u8; 16],
+    }
+    if name.len() >= libc::IFNAMSIZ {
+        return None;
+    }
+    let mut info = DrvInfo { cmd: ETHTOOL_GDRVINFO, driver: [0; 32], rest: [0; 32 * 4 + 12 + 4 * 5] };
+    let mut request = IfReq { name: [0; libc::IFNAMSIZ], data: &mut info, pad: [0; 16] };
+    request.name[..name.len()].copy_from_slice(name.as_bytes());
+    // SAFETY: a plain datagram socket for the ioctl, closed right after; request and info
+    // outlive the call and have the layouts the kernel expects.
+    let ok = unsafe {
+        let socket = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if socket < 0 {
+            return None;
+        }
+        let rc = libc::ioctl(socket, SIOCETHTOOL as _, &mut request);
+        libc::close(socket);
+        rc == 0
+    };
+    if !ok {
+        return None;
+    }
+    let len = info.driver.iter().position(|b| *b == 0).unwrap_or(info.driver.len());
+    Some(String::from_utf8_lossy(&info.driver[..len]).into_owned())
+}
+
+/// The interfaces IPv4 default routes leave through (`/proc/self/net/route` is this namespace's).
+pub fn default_route_interfaces() -> Vec<String> {
+    let table = std::fs::read_to_string("/proc/self/net/route").unwrap_or_default();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            (fields.len() > 7 && fields[1] == "00000000" && fields[7] == "00000000").then(|| fields[0].to_string())
+        })
+        .collect()
+}
+
+/// Where NetworkPolicy is enforced: a pod's veth (host end). Every veth except an uplink that
+/// carries the default route (nodes that are themselves containers or namespaces have veth
+/// uplinks); bridges, physical and tunnel devices never carry a pod's own traffic alone.
+pub fn is_pod_interface(name: &str, uplinks: &[String]) -> bool {
+    driver(name).as_deref() == Some("veth") && !uplinks.iter().any(|u| u == name)
+}

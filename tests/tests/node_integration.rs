@@ -78,4 +78,26 @@ fn pods_reach_the_internet_through_the_node_masquerade() {
     let across = netprobe(&pod.ns, &["ask", "tcp", &format!("{}:8080", c.pod(1, 0).ip), "who"]);
     assert_eq!(across, format!("pod-2-0 {}", pod.ip));
     assert!(c.node(0).stats()["egress_masquerade_new_flow"] >= 3);
+
+    // Policy only on the pods' veths; the uplink (default route) and the bridge get the load
+    // balancer alone.
+    let node = c.node(0);
+    let bin = kube_router_tests::kube_router_bin();
+    let listed = node.ns.run(&[bin.to_str().unwrap(), "--bpf-root", node.bpf_root.to_str().unwrap(), "interfaces"]);
+    let listed = listed.unwrap();
+    let programs = |interface: &str| -> Vec<&str> {
+        listed
+            .lines()
+            .filter(|l| l.split_whitespace().next() == Some(interface))
+            .filter_map(|l| l.split_whitespace().nth(1))
+            .collect()
+    };
+    assert_eq!(programs("eth0"), ["kr_lb_egress", "kr_lb_ingress"], "{listed}");
+    assert_eq!(programs("kube-bridge"), ["kr_lb_egress", "kr_lb_ingress"], "{listed}");
+    let pod_veths: Vec<&str> =
+        listed.lines().filter_map(|l| l.split_whitespace().next()).filter(|i| i.starts_with("veth")).collect();
+    assert!(!pod_veths.is_empty(), "{listed}");
+    for veth in pod_veths {
+        assert_eq!(programs(veth), ["kr_lb_egress", "kr_lb_ingress", "kr_pol_egress", "kr_pol_ingress"], "{listed}");
+    }
 }

@@ -339,6 +339,22 @@ impl Datapath {
         self.mode
     }
 
+    /// Takes the hook's program off `interface` if we attached it there (its pin says so):
+    /// removing a TCX link's last reference detaches it; a classic filter is deleted.
+    pub fn detach_hook(&mut self, hook: Hook, interface: &str) -> Result<bool> {
+        let path = Self::link_path(&self.pin_dir, hook, interface);
+        if !path.exists() {
+            return Ok(false);
+        }
+        if pinned_kind(&path) == Some(PinnedKind::Program) {
+            if let Ok(link) = hook.classic_link(interface) {
+                let _ = link.detach();
+            }
+        }
+        fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+        Ok(true)
+    }
+
     /// Ids of the maps pinned for this datapath (see [`same_program`]).
     pub(crate) fn pinned_map_ids(&self) -> std::collections::BTreeSet<u32> {
         self.pinned_map_ids.clone()
