@@ -9,9 +9,8 @@
 use std::{fmt::Write, net::Ipv4Addr, path::Path};
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-use kube::runtime::watcher::Event;
 use kube_router::{
-    k8s::watch::{ClusterObjects, WatchUpdate},
+    k8s::watch::ClusterObjects,
     services::{
         compile::{assign_ids, plan, Limits, MapContents},
         model::{NodeContext, ServiceState},
@@ -99,16 +98,7 @@ fn through_the_api(text: &str) -> ServiceState {
         }
     }
     let mut objects = ClusterObjects::default();
-    objects.apply(WatchUpdate::Services(Event::Init));
-    for s in services {
-        objects.apply(WatchUpdate::Services(Event::InitApply(s)));
-    }
-    objects.apply(WatchUpdate::Services(Event::InitDone));
-    objects.apply(WatchUpdate::EndpointSlices(Event::Init));
-    for s in slices {
-        objects.apply(WatchUpdate::EndpointSlices(Event::InitApply(s)));
-    }
-    objects.apply(WatchUpdate::EndpointSlices(Event::InitDone));
+    objects.list_services(services, slices);
     assert!(objects.synced());
     objects.state().state
 }

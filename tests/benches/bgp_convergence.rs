@@ -124,18 +124,21 @@ fn main() {
     let bin = std::env::var("KUBE_ROUTER_BIN").map(PathBuf::from).unwrap_or_else(|_| kube_router_bin());
     let empty = dir.join("empty.yaml");
     fs::write(&empty, "").unwrap();
+    let start_agent = |log: &str| {
+        Command::new("nsenter")
+            .arg(format!("--net={}", rx.path()))
+            .arg(&bin)
+            .args(["--run-service-proxy=false", "--service-file", empty.to_str().unwrap()])
+            .args(["--state-dir", state.to_str().unwrap(), "--router-id", RX, "--cluster-asn", "65020"])
+            .args(["--peer-router-ips", SRC, "--peer-router-asns", "65010", "--health-port", "20270"])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(dir.join(log)).unwrap())
+            .spawn()
+            .unwrap()
+    };
     let started = Instant::now();
-    let mut agent = Command::new("nsenter")
-        .arg(format!("--net={}", rx.path()))
-        .arg(&bin)
-        .args(["--run-service-proxy=false", "--service-file", empty.to_str().unwrap()])
-        .args(["--state-dir", state.to_str().unwrap(), "--router-id", RX, "--cluster-asn", "65020"])
-        .args(["--peer-router-ips", SRC, "--peer-router-asns", "65010", "--health-port", "20270"])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(fs::File::create(dir.join("agent.log")).unwrap())
-        .spawn()
-        .unwrap();
+    let mut agent = start_agent("agent.log");
     let agent_received = || -> usize {
         rx.run(&[bin.to_str().unwrap(), "--health-port", "20270", "bgp"])
             .ok()
@@ -156,17 +159,7 @@ fn main() {
     let _ = Command::new("kill").args(["-TERM", &agent.id().to_string()]).status();
     let _ = agent.wait();
     let restart = Instant::now();
-    let mut agent = Command::new("nsenter")
-        .arg(format!("--net={}", rx.path()))
-        .arg(&bin)
-        .args(["--run-service-proxy=false", "--service-file", empty.to_str().unwrap()])
-        .args(["--state-dir", state.to_str().unwrap(), "--router-id", RX, "--cluster-asn", "65020"])
-        .args(["--peer-router-ips", SRC, "--peer-router-asns", "65010", "--health-port", "20270"])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(fs::File::create(dir.join("agent-restart.log")).unwrap())
-        .spawn()
-        .unwrap();
+    let mut agent = start_agent("agent-restart.log");
     let restarted = || {
         rx.run(&[bin.to_str().unwrap(), "--health-port", "20270", "bgp"])
             .is_ok_and(|out| !out.contains("waiting for peers' End-of-RIB") && out.contains("Established"))

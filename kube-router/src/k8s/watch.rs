@@ -234,6 +234,21 @@ impl ClusterObjects {
 
     /// Services and EndpointSlices have been listed completely since start: deletions of
     /// service map entries are safe.
+    /// A complete listing of Services and EndpointSlices, as the watchers deliver one (Init,
+    /// one InitApply per object, InitDone).
+    pub fn list_services(&mut self, services: Vec<Service>, slices: Vec<EndpointSlice>) {
+        self.apply(WatchUpdate::Services(watcher::Event::Init));
+        for s in services {
+            self.apply(WatchUpdate::Services(watcher::Event::InitApply(s)));
+        }
+        self.apply(WatchUpdate::Services(watcher::Event::InitDone));
+        self.apply(WatchUpdate::EndpointSlices(watcher::Event::Init));
+        for s in slices {
+            self.apply(WatchUpdate::EndpointSlices(watcher::Event::InitApply(s)));
+        }
+        self.apply(WatchUpdate::EndpointSlices(watcher::Event::InitDone));
+    }
+
     pub fn synced(&self) -> bool {
         self.services.synced() && self.endpoint_slices.synced()
     }
@@ -315,16 +330,7 @@ mod tests {
     }
 
     fn listed(objects: &mut ClusterObjects, services: Vec<Service>, slices: Vec<EndpointSlice>) {
-        objects.apply(WatchUpdate::Services(Event::Init));
-        for s in services {
-            objects.apply(WatchUpdate::Services(Event::InitApply(s)));
-        }
-        objects.apply(WatchUpdate::Services(Event::InitDone));
-        objects.apply(WatchUpdate::EndpointSlices(Event::Init));
-        for s in slices {
-            objects.apply(WatchUpdate::EndpointSlices(Event::InitApply(s)));
-        }
-        objects.apply(WatchUpdate::EndpointSlices(Event::InitDone));
+        objects.list_services(services, slices);
     }
 
     #[test]
