@@ -332,3 +332,37 @@ fn load_balancer_source_ranges_admit_only_the_listed_clients() {
     assert_all_from(&request(&c.client, "tcp", "10.100.0.1:30100", 5), "pod-2-0");
     assert_all_from(&c.pod(0, 0).request("tcp", "10.96.1.112:80", 5), "pod-2-0");
 }
+
+#[test]
+fn a_default_deny_policy_still_lets_the_node_probe_its_pod() {
+    let c = Cluster::builder("krt-cp-probe").build().unwrap();
+    let target = c.pod(0, 0);
+    let target_addr = format!("{}:8080", target.ip);
+    // Before: everyone reaches pod-1-0.
+    assert_eq!(netprobe(&c.pod(1, 0).ns, &["ask", "tcp", &target_addr, "who"]), format!("pod-1-0 {}", c.pod(1, 0).ip));
+    c.server
+        .apply(serde_json::json!({
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"namespace": "default", "name": "deny-to-pod-1-0"},
+            "spec": {"podSelector": {"matchLabels": {"pod": "pod-1-0"}}, "policyTypes": ["Ingress"]}
+        }))
+        .unwrap();
+    // A pod on the other node is denied once the policy is programmed...
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while netprobe(&c.pod(1, 0).ns, &["timed", "tcp", &target_addr]).starts_with("OK") {
+        assert!(Instant::now() < deadline, "the policy never took effect");
+        thread::sleep(Duration::from_millis(200));
+    }
+    // ...while the node's own probe (kubelet's liveness check, from the node address) connects.
+    for _ in 0..5 {
+        let from_node = netprobe(&c.node(0).ns, &["ask", "tcp", &target_addr, "who"]);
+        assert!(from_node.starts_with("pod-1-0 "), "the node's probe was denied: {from_node}");
+    }
+    // Counted as exempt (the counters are published every second).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while c.node(0).metric("kube_router_policy_packets_total", "node_exempt") < 1.0 {
+        assert!(Instant::now() < deadline, "{}", c.node(0).metrics());
+        thread::sleep(Duration::from_millis(200));
+    }
+    assert!(netprobe(&c.pod(1, 0).ns, &["timed", "tcp", &target_addr]).starts_with("ERR"));
+}
