@@ -32,7 +32,7 @@ use serde_json::{json, Value};
 
 use crate::{
     apiserver::{FakeApiServer, FakeApiServerConfig, FaultMode},
-    dump_maps, kube_router_bin, netprobe_bin, remove_bpf_root, Agent, Netns, NetnsRuntime,
+    dump_maps, kube_router_bin, netprobe_bin, remove_bpf_root, Agent, Netns, NetnsRuntime, TestCgroup,
 };
 
 pub const FABRIC_ADDR: &str = "10.100.0.254";
@@ -160,9 +160,21 @@ pub struct ClusterNode {
     pub bpf_root: PathBuf,
     pub state_dir: PathBuf,
     pub cni_dir: PathBuf,
+    /// With [`ClusterBuilder::socket_lb`]: the cgroup standing in for this node's cgroup root,
+    /// which its agent's socket load balancer is attached to.
+    pub cgroup: Option<TestCgroup>,
 }
 
 impl ClusterNode {
+    /// `args` run as a process of the node itself (its namespace; with the socket load
+    /// balancer, inside the node's cgroup); its stdout.
+    pub fn run_as_host_process(&self, args: &[&str]) -> Result<String> {
+        match &self.cgroup {
+            Some(cgroup) => TestCgroup::run(&self.ns, &cgroup.path, args),
+            None => self.ns.run(args),
+        }
+    }
+
     /// Where the agent writes this node's CNI configuration (`--cni-conf-file`).
     pub fn cni_conf_file(&self) -> PathBuf {
         self.cni_dir.join("10-kuberouter.conflist")
@@ -366,6 +378,7 @@ pub struct ClusterBuilder {
     pods_per_node: usize,
     agent_args: Vec<String>,
     tor: bool,
+    socket_lb: bool,
 }
 
 /// The top-of-rack BGP speaker's ASN (gobgpd in the fabric, `ClusterBuilder::tor_bgp`).
@@ -384,6 +397,12 @@ impl ClusterBuilder {
     /// [`TOR_ASN`]); read what each node advertised with [`Cluster::tor_received`].
     pub fn tor_bgp(mut self) -> Self {
         self.tor = true;
+        self
+    }
+    /// The socket load balancer on every node, each attached to a cgroup of the test's own
+    /// (never the machine's root); run node processes with [`ClusterNode::run_as_host_process`].
+    pub fn socket_lb(mut self) -> Self {
+        self.socket_lb = true;
         self
     }
     /// Extra flags for every agent.
@@ -423,7 +442,14 @@ fn link(a: &Netns, a_if: &str, b: &Netns, b_if: &str) -> Result<()> {
 impl Cluster {
     /// `prefix` names every namespace (`<prefix>-fab`, `<prefix>-n1`, ...) and bpffs directory.
     pub fn builder(prefix: &str) -> ClusterBuilder {
-        ClusterBuilder { prefix: prefix.to_string(), nodes: 2, pods_per_node: 1, agent_args: Vec::new(), tor: false }
+        ClusterBuilder {
+            prefix: prefix.to_string(),
+            nodes: 2,
+            pods_per_node: 1,
+            agent_args: Vec::new(),
+            tor: false,
+            socket_lb: false,
+        }
     }
 
     fn build(b: ClusterBuilder) -> Result<Cluster> {
@@ -497,6 +523,7 @@ impl Cluster {
                 bpf_root: PathBuf::from(format!("/sys/fs/bpf/{p}-n{}", i + 1)),
                 state_dir: node_dir.join("state"),
                 cni_dir: node_dir.join("cni"),
+                cgroup: if b.socket_lb { Some(TestCgroup::new(&format!("{p}-n{}", i + 1))?) } else { None },
             };
             remove_bpf_root(&node.bpf_root);
             fs::create_dir_all(&node.cni_dir)?;
@@ -603,6 +630,10 @@ impl Cluster {
             "--cni-conf-file",
             &cni_conf,
         ];
+        let cgroup = node.cgroup.as_ref().map(|c| c.path.display().to_string());
+        if let Some(cgroup) = &cgroup {
+            args.extend(["--bpf-lb-sock=true", "--cgroup-root", cgroup]);
+        }
         args.extend(self.agent_args.iter().map(String::as_str));
         Agent::start(&node.ns, &node.bpf_root, &args)
     }

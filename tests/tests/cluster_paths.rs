@@ -366,3 +366,31 @@ fn a_default_deny_policy_still_lets_the_node_probe_its_pod() {
     }
     assert!(netprobe(&c.pod(1, 0).ns, &["timed", "tcp", &target_addr]).starts_with("ERR"));
 }
+
+#[test]
+fn the_node_itself_reaches_services_on_both_nodes_through_the_socket_load_balancer() {
+    let c = Cluster::builder("krt-cp-sock").socket_lb().build().unwrap();
+    // "web" selects every pod: one backend on each node.
+    c.add_service(Svc::node_port("web", "10.96.1.120", 30120)).unwrap();
+    let node = c.node(0);
+    let netprobe = kube_router_tests::netprobe_bin();
+    let ask = |mode: &str, target: &str| -> Vec<(String, String)> {
+        let out = node.run_as_host_process(&[netprobe.to_str().unwrap(), "peer", mode, target, "30"]).unwrap();
+        out.lines()
+            .map(|l| {
+                let fields: Vec<&str> = l.split_whitespace().collect();
+                assert_eq!(fields.first(), Some(&"OK"), "{target} {mode}: {l}");
+                (fields[1].to_string(), fields[2].to_string())
+            })
+            .collect()
+    };
+    for (mode, target) in
+        [("tcp", "10.96.1.120:80"), ("udp", "10.96.1.120:53"), ("tcp", "127.0.0.1:30120"), ("tcp", "10.100.0.1:30120")]
+    {
+        let replies = ask(mode, target);
+        let backends: std::collections::BTreeSet<&str> = replies.iter().map(|(name, _)| name.as_str()).collect();
+        assert_eq!(backends, ["pod-1-0", "pod-2-0"].into(), "{mode} {target}: both nodes' backends");
+        // The application sees the address it asked for, never a backend's.
+        assert!(replies.iter().all(|(_, peer)| peer == target), "{mode} {target}: {replies:?}");
+    }
+}
