@@ -206,19 +206,24 @@ pub mod packet {
         frame
     }
 
-    /// The L4 header and payload of a TCP (flags given) or UDP segment with a valid checksum.
-    pub fn l4_segment(proto: u8, src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16), tcp_flags: u8, payload: &[u8]) -> Vec<u8> {
-        let l4_len = if proto == TCP { 20 } else { 8 } + payload.len();
+    /// A TCP (flags given) or UDP header and its payload, checksum field zero (both families).
+    fn unchecksummed_segment(proto: u8, src_port: u16, dst_port: u16, tcp_flags: u8, payload: &[u8]) -> Vec<u8> {
         let mut l4 = Vec::new();
-        l4.extend_from_slice(&src.1.to_be_bytes());
-        l4.extend_from_slice(&dst.1.to_be_bytes());
+        l4.extend_from_slice(&src_port.to_be_bytes());
+        l4.extend_from_slice(&dst_port.to_be_bytes());
         if proto == TCP {
             l4.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 0, 0x50, tcp_flags, 0xff, 0xff, 0, 0, 0, 0]);
         } else {
-            l4.extend_from_slice(&(l4_len as u16).to_be_bytes());
+            l4.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
             l4.extend_from_slice(&[0, 0]);
         }
         l4.extend_from_slice(payload);
+        l4
+    }
+
+    /// The L4 header and payload of a TCP (flags given) or UDP segment with a valid checksum.
+    pub fn l4_segment(proto: u8, src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16), tcp_flags: u8, payload: &[u8]) -> Vec<u8> {
+        let mut l4 = unchecksummed_segment(proto, src.1, dst.1, tcp_flags, payload);
         let sum = l4_checksum(src.0.octets(), dst.0.octets(), proto, &l4);
         let off = if proto == TCP { 16 } else { 6 };
         l4[off..off + 2].copy_from_slice(&sum.to_be_bytes());
@@ -335,16 +340,7 @@ pub mod packet {
         tcp_flags: u8,
         payload: &[u8],
     ) -> Vec<u8> {
-        let mut l4 = Vec::new();
-        l4.extend_from_slice(&src.1.to_be_bytes());
-        l4.extend_from_slice(&dst.1.to_be_bytes());
-        if proto == TCP {
-            l4.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 0, 0x50, tcp_flags, 0xff, 0xff, 0, 0, 0, 0]);
-        } else {
-            l4.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
-            l4.extend_from_slice(&[0, 0]);
-        }
-        l4.extend_from_slice(payload);
+        let mut l4 = unchecksummed_segment(proto, src.1, dst.1, tcp_flags, payload);
         set_checksum_v6(proto, &src.0, &dst.0, &mut l4);
         l4
     }
