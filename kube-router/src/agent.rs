@@ -75,6 +75,8 @@ pub struct AgentConfig {
     pub attach_mode: crate::bpf::datapath::AttachMode,
     /// Netlink link and address notifications (else only the periodic rescan).
     pub link_events: bool,
+    /// `--bpf-lb-map-max`, `--bpf-ct-global-max`.
+    pub map_sizes: crate::bpf::layout::MapSizes,
     /// `--enable-cni`: write the node's CNI configuration.
     pub cni: Option<CniOptions>,
     /// `--cluster-cidr`.
@@ -573,7 +575,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
 
     // The object holds every program; loading it creates (or re-adopts) every pinned map.
     let mut datapath = if config.run_service_proxy || config.run_firewall {
-        Some(Datapath::load_with_mode(&config.pin_dir, config.attach_mode)?)
+        Some(Datapath::load_sized(&config.pin_dir, config.attach_mode, Some(config.map_sizes))?)
     } else {
         None
     };

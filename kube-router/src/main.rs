@@ -8,6 +8,7 @@ use kube_router::{
     bgp::peers::parse_external_peer_flags,
     bpf::{
         datapath::{self, AttachMode},
+        layout::MapSizes,
         service_maps::{read_lb_stats, Conntrack},
         socket_lb::{read_sock_stats, SocketLbOptions},
     },
@@ -226,6 +227,15 @@ struct RunArgs {
     /// Set the pod network's MTU from the node's uplink.
     #[arg(long, env = "KUBE_ROUTER_AUTO_MTU", default_value_t = true, action = clap::ArgAction::Set)]
     auto_mtu: bool,
+    /// Service frontends the load balancer's maps hold, per family (Cilium's flag name);
+    /// backends and backend slots get four times as many. Changing it re-creates those maps at
+    /// the new size on start, carrying their entries over.
+    #[arg(long, env = "KUBE_ROUTER_BPF_LB_MAP_MAX", default_value_t = kube_router_common::SERVICES_MAX_ENTRIES)]
+    bpf_lb_map_max: u32,
+    /// Connections tracked per family, by the load balancer and by NetworkPolicy each. Changing
+    /// it re-creates the conntrack maps at the new size on start, keeping every connection.
+    #[arg(long, env = "KUBE_ROUTER_BPF_CT_GLOBAL_MAX", default_value_t = kube_router_common::CONNTRACK_MAX_ENTRIES)]
+    bpf_ct_global_max: u32,
     /// How programs attach to interfaces: tcx (Linux 6.6+), classic (tc clsact + cls_bpf, any
     /// supported kernel), or auto (TCX where the kernel has it).
     #[arg(long, env = "KUBE_ROUTER_TC_MODE", default_value = "auto", value_parser = ["auto", "tcx", "classic"])]
@@ -554,6 +564,8 @@ fn run(cli: &Cli) -> Result<()> {
             load_balancer_ip: args.advertise_loadbalancer_ip,
         },
     });
+    let map_sizes = MapSizes { lb_frontends: args.bpf_lb_map_max, conntrack: args.bpf_ct_global_max };
+    map_sizes.validate().map_err(anyhow::Error::msg)?;
     let config = AgentConfig {
         pin_dir: cli.bpf_root.clone(),
         source: match &args.service_file {
@@ -580,6 +592,7 @@ fn run(cli: &Cli) -> Result<()> {
             _ => AttachMode::detect(),
         },
         link_events: args.link_events,
+        map_sizes,
         cni: args
             .enable_cni
             .then(|| agent::CniOptions { conf_file: args.cni_conf_file.clone(), auto_mtu: args.auto_mtu }),

@@ -360,10 +360,21 @@ fn render_bgp(out: &mut String, bgp: &crate::bgp::speaker::SpeakerStatus) {
         ("kube_router_bgp_prefixes_stale", "Prefixes kept as stale while the peer restarts.", 1),
         ("kube_router_bgp_prefixes_advertised", "Prefixes in the peer's Adj-RIB-Out.", 2),
         ("kube_router_bgp_prefixes_rejected", "Prefixes of the peer the import policy refuses (kept, unused).", 3),
+        (
+            "kube_router_bgp_prefixes_unresolved",
+            "Prefixes of the peer whose next hop does not resolve (kept, unused).",
+            4,
+        ),
     ] {
         family(out, name, "gauge", help);
         for p in &bgp.peers {
-            let n = [p.prefixes_received, p.prefixes_stale, p.prefixes_advertised, p.prefixes_rejected][pick];
+            let n = [
+                p.prefixes_received,
+                p.prefixes_stale,
+                p.prefixes_advertised,
+                p.prefixes_rejected,
+                p.prefixes_unresolved,
+            ][pick];
             let _ = writeln!(out, "{name}{{peer=\"{}\"}} {n}", p.address);
         }
     }

@@ -184,6 +184,46 @@ fn reloading_over_pinned_maps_keeps_their_contents() {
 }
 
 #[test]
+fn resizing_the_maps_keeps_services_and_established_flows() {
+    use kube_router::bpf::{layout::MapSizes, pinned_map};
+    let loaded = load("resize", &services_yaml(&["10.0.0.1", "10.0.0.2"], false));
+    let fd = loaded.datapath.program_fd(Hook::Ingress).unwrap();
+    let syn = packet::ipv4(packet::TCP, (CLIENT, 40000), (VIP, 80), packet::TCP_SYN, b"");
+    let backend = packet::endpoints(&run(fd, &syn, 1).unwrap().packet).1;
+    let services = kube_router::agent::read_programmed(&loaded.pin_dir).unwrap();
+    let flows = Conntrack::open_pinned(&loaded.pin_dir).unwrap().entries().unwrap();
+    assert_eq!(flows.len(), 2);
+
+    let sizes = MapSizes { lb_frontends: 1024, conntrack: 4096 };
+    let mut resized = Datapath::load_sized(&loaded.pin_dir, datapath::AttachMode::detect(), Some(sizes)).unwrap();
+    let max_entries = |name| aya::maps::MapInfo::from_pin(pinned_map(&loaded.pin_dir, name)).unwrap().max_entries();
+    assert_eq!((max_entries("svc_v4"), max_entries("backends_v4"), max_entries("svc_slots_v4")), (1024, 4096, 4096));
+    assert_eq!((max_entries("ct_v4"), max_entries("ct_v6"), max_entries("pol_ct_v4")), (4096, 4096, 4096));
+    assert_eq!(max_entries("cluster_nets_v4"), kube_router_common::CLUSTER_NETS_MAX_ENTRIES, "fixed sizes stay");
+    // The old programs (still attached in a real node) wrote a flow after the first copy.
+    let late = packet::ipv4(packet::TCP, (CLIENT, 40001), (VIP, 80), packet::TCP_SYN, b"");
+    let late_backend = packet::endpoints(&run(fd, &late, 1).unwrap().packet).1;
+    assert!(pinned_map(&loaded.pin_dir, "ct_v4_resizing").exists(), "the old map stays until the swap");
+    resized.finish_upgrade().unwrap();
+    assert!(!pinned_map(&loaded.pin_dir, "ct_v4_resizing").exists());
+
+    assert_eq!(kube_router::agent::read_programmed(&loaded.pin_dir).unwrap(), services);
+    let new_fd = resized.program_fd(Hook::Ingress).unwrap();
+    for (port, expected) in [(40000, backend), (40001, late_backend)] {
+        for _ in 0..10 {
+            let ack = packet::ipv4(packet::TCP, (CLIENT, port), (VIP, 80), packet::TCP_ACK, b"x");
+            assert_eq!(packet::endpoints(&run(new_fd, &ack, 1).unwrap().packet).1, expected, "flow keeps its backend");
+        }
+    }
+    assert_eq!(Conntrack::open_pinned(&loaded.pin_dir).unwrap().entries().unwrap().len(), 4);
+    assert_eq!(read_lb_stats(&loaded.pin_dir).unwrap()[lb_stat::CT_HIT as usize], 20);
+
+    // Without sizes (a tool opening the datapath), the pinned sizes are adopted as they are.
+    drop(Datapath::load(&loaded.pin_dir).unwrap());
+    assert_eq!(max_entries("svc_v4"), 1024);
+}
+
+#[test]
 fn a_pinned_map_with_another_layout_is_reported_and_left_alone() {
     let pin_dir = PathBuf::from("/sys/fs/bpf/krt-unit-layout");
     let _ = datapath::remove_all(&pin_dir);

@@ -31,9 +31,10 @@ fn measure(node: &Netns, root: &Path, link_events: bool) -> Vec<Duration> {
     for i in 0..PODS {
         let pod = Netns::new(&format!("krt-attach-p{i}")).unwrap();
         let host_end = format!("vpod{i}");
-        let started = Instant::now();
         node.run(&["ip", "link", "add", &host_end, "type", "veth", "peer", "name", "eth0", "netns", &pod.path()])
             .unwrap();
+        // From the moment the pair exists (not counting the `ip` process's own start-up).
+        let started = Instant::now();
         node.run(&["ip", "link", "set", &host_end, "up"]).unwrap();
         let pinned = root.join("links").join(format!("pol_egress_{host_end}"));
         while !pinned.exists() {

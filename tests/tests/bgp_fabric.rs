@@ -343,3 +343,52 @@ fn bfd_takes_a_black_holed_session_down_within_a_second() {
     let _ = bird.kill();
     let _ = bird.wait();
 }
+
+/// A peer sends 10,000 prefixes whose next hop the node cannot reach (a third-party next hop
+/// off every connected subnet). None of them reaches the kernel (RFC 4271 §9.1.2: they do not
+/// compete), the session stays up, they are counted per peer, and from the first UPDATE to 2
+/// minutes later the agent logs a handful of lines (the condition once), not one per route.
+#[test]
+fn ten_thousand_routes_with_an_unreachable_next_hop_cost_a_handful_of_log_lines() {
+    const PREFIXES: usize = 10_000;
+    let node = Node::new("krt-fab3-node", "/tmp/krt-fab3");
+    let peer = Netns::new("krt-fab3-peer").unwrap();
+    veth(&node.ns, "to-peer", "10.77.0.1/24", &peer, "eth0", "10.77.0.3/24").unwrap();
+    let runtime = std::sync::Arc::new(NetnsRuntime::new(&peer).unwrap());
+    let accept = thread::spawn({
+        let runtime = runtime.clone();
+        move || runtime.run(async { raw_bgp::Peer::accept("10.77.0.3:179", 65003, [10, 77, 0, 3]).await })
+    });
+    let agent = node.start_agent("10.77.0.1", &[("10.77.0.3", 65003)], &[]);
+    let raw = accept.join().unwrap();
+    wait_until("the session up", Duration::from_secs(30), || Ok(node.uptime("10.77.0.3").is_some())).unwrap();
+    let lines_before = agent.log.lock().unwrap().len();
+    let prefixes: Vec<String> = (0..PREFIXES).map(|i| format!("10.{}.{}.0/24", 128 + i / 256, i % 256)).collect();
+    let attrs = attributes(65003, [10, 99, 0, 1]);
+    for chunk in prefixes.chunks(900) {
+        let refs: Vec<&str> = chunk.iter().map(String::as_str).collect();
+        let bytes = announce(&attrs, &refs);
+        let writer = raw.sender();
+        runtime.run(async move {
+            use tokio::io::AsyncWriteExt;
+            writer.lock().await.write_all(&bytes).await.unwrap()
+        });
+    }
+    wait_until("every prefix received and counted as unresolved", Duration::from_secs(60), || {
+        let s = node.scrape();
+        Ok(s.contains(&format!("kube_router_bgp_prefixes_received{{peer=\"10.77.0.3\"}} {PREFIXES}"))
+            && s.contains(&format!("kube_router_bgp_prefixes_unresolved{{peer=\"10.77.0.3\"}} {PREFIXES}")))
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", node.scrape()));
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_secs(120) {
+        thread::sleep(Duration::from_secs(10));
+        assert_eq!(node.our_routes(), "", "a route over an unreachable next hop was installed");
+    }
+    let lines: Vec<String> = agent.log.lock().unwrap()[lines_before..].to_vec();
+    println!("{PREFIXES} unusable routes, received and then 120 s: {} log lines", lines.len());
+    assert!(lines.len() < 10, "{} log lines in 2 minutes:\n{}", lines.len(), lines.join("\n"));
+    assert_eq!(agent.log_count("next hop this node cannot reach"), 1, "said once: {lines:?}");
+    assert!(node.uptime("10.77.0.3").is_some_and(|up| up >= 120), "{}", node.bgp());
+    assert!(!raw.kinds().contains(&NOTIFICATION), "the session was reset");
+}

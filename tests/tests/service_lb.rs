@@ -317,3 +317,105 @@ fn interfaces_are_attached_as_they_appear_and_their_pins_go_with_them() {
         wait("pins removed", &|| pins().is_empty());
     }
 }
+
+/// `svc_v4` sized for 16 frontends (`--bpf-lb-map-max 16`) while 20 are wanted: the condition is
+/// logged once however often the input changes, costs next to no CPU while it lasts, and the
+/// waiting Services are programmed as soon as others leave. Then a restart with a larger size
+/// re-creates the maps under a live connection, which keeps its backend.
+#[test]
+fn a_full_service_map_is_reported_once_stays_cheap_and_fills_as_space_frees() {
+    let topo = Topology::new("krt-full", 3).expect("topology");
+    let root = topo.bpf_root();
+    remove_bpf_root(&root);
+    let file = ServiceFile::new("krt-full");
+    // Ten Services of two frontends each (TCP 80, UDP 53); `variant` changes one's endpoints.
+    let services = |names: std::ops::Range<usize>, variant: usize| -> String {
+        names
+            .map(|i| {
+                let backends = backend_addrs(if i == 9 { 3 - variant % 2 } else { 3 });
+                let (name, cluster_ip) = (format!("s{i}"), format!("10.96.1.{}", i + 1));
+                service_objects(&ServiceSpec {
+                    name: &name,
+                    cluster_ip: &cluster_ip,
+                    node_port: None,
+                    affinity: false,
+                    backends: &backends,
+                })
+            })
+            .collect()
+    };
+    file.write(&services(0..10, 0)).unwrap();
+    let args = ["--service-file", &file.arg(), "--health-port", "0", "--metrics-port", "20243"];
+    let agent = Agent::start(&topo.node, &root, &[&args[..], &["--bpf-lb-map-max", "16"]].concat()).unwrap();
+    let scrape = || topo.node.run(&[netprobe_bin().to_str().unwrap(), "http", "127.0.0.1:20243", "/metrics"]).unwrap();
+    wait_until("svc_v4 full", Duration::from_secs(20), || {
+        Ok(scrape().contains("kube_router_map_full{map=\"svc_v4\"} 1"))
+    })
+    .unwrap();
+    assert_eq!(metric(&scrape(), "kube_router_map_entries{map=\"svc_v4\"}"), 16.0);
+
+    // The input keeps changing while the map stays full: each sync costs one failed insert, the
+    // log says it once, and the agent stays idle in between.
+    let cpu_ticks = |pid: u32| -> u64 {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        let fields: Vec<&str> = stat.rsplit_once(") ").unwrap().1.split(' ').collect();
+        fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+    };
+    let full_writes = || metric(&scrape(), "kube_router_map_writes_total{map=\"svc_v4\",op=\"full\"}");
+    let (writes_before, ticks_before, started) = (full_writes(), cpu_ticks(agent.pid()), std::time::Instant::now());
+    for variant in 1..=10 {
+        file.write(&services(0..10, variant)).unwrap();
+        thread::sleep(Duration::from_millis(500));
+    }
+    let cpu = (cpu_ticks(agent.pid()) - ticks_before) as f64 / 100.0 / started.elapsed().as_secs_f64();
+    let failed = full_writes() - writes_before;
+    println!(
+        "map full for {:.1} s, 10 input changes: {failed} inserts refused, agent CPU {:.2} % of a core",
+        started.elapsed().as_secs_f64(),
+        cpu * 100.0
+    );
+    assert!((4.0..=40.0).contains(&failed), "the 4 waiting frontends, counted once per sync: {failed}");
+    assert!(cpu < 0.05, "the agent busy-loops on a full map: {:.1} % of a core", cpu * 100.0);
+    // Once the last change is applied, nothing changes and nothing is retried.
+    let last_write = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64() - 0.5;
+    let last_sync = || metric(&scrape(), "kube_router_last_sync_timestamp_seconds");
+    wait_until("the last change applied", Duration::from_secs(10), || Ok(last_sync() >= last_write)).unwrap();
+    let settled = (full_writes(), last_sync());
+    thread::sleep(Duration::from_secs(3));
+    assert_eq!((full_writes(), last_sync()), settled, "a full map is retried without any change");
+    let logged = |text: &str| agent.log.lock().unwrap().iter().filter(|l| l.contains(text)).count();
+    assert_eq!(logged("map is full"), 1);
+
+    // Three Services go: the two waiting ones get their room, and answer.
+    file.write(&services(3..10, 0)).unwrap();
+    wait_until("svc_v4 has room", Duration::from_secs(10), || {
+        Ok(scrape().contains("kube_router_map_full{map=\"svc_v4\"} 0"))
+    })
+    .unwrap();
+    assert_eq!(metric(&scrape(), "kube_router_map_entries{map=\"svc_v4\"}"), 14.0);
+    assert_all_ok(&topo.request("tcp", "10.96.1.10:80", 10).unwrap());
+    assert_eq!(logged("map has room again"), 1);
+
+    // A larger map: the restarted agent re-creates the sized maps and the held connection stays.
+    let held =
+        topo.client.spawn_collecting(&[netprobe_bin().to_str().unwrap(), "hold", "10.96.1.10:80", "100"]).unwrap();
+    thread::sleep(Duration::from_millis(500));
+    let pinned_to = held.lock().unwrap().first().cloned().expect("held connection answered");
+    agent.stop().unwrap();
+    let agent = Agent::start(&topo.node, &root, &[&args[..], &["--bpf-lb-map-max", "64"]].concat()).unwrap();
+    let svc_map = root.join("v2/svc_v4");
+    let shown = || topo.node.run(&["bpftool", "map", "show", "pinned", svc_map.to_str().unwrap()]).unwrap_or_default();
+    // The old maps are unpinned once every link runs the new programs.
+    wait_until("svc_v4 re-created at 64 entries", Duration::from_secs(20), || {
+        Ok(shown().contains("max_entries 64") && !root.join("v2/svc_v4_resizing").exists())
+    })
+    .unwrap();
+    let before = held.lock().unwrap().len();
+    thread::sleep(Duration::from_secs(2));
+    let lines = held.lock().unwrap().clone();
+    assert!(lines.len() >= before + 10, "the held connection stalled across the resize: {before} -> {}", lines.len());
+    assert!(lines.iter().all(|l| *l == pinned_to), "the held connection moved or broke: {lines:?}");
+    assert_eq!(metric(&scrape(), "kube_router_map_entries{map=\"svc_v4\"}"), 14.0);
+    drop(agent);
+    remove_bpf_root(&root);
+}

@@ -290,6 +290,22 @@ impl Rib {
         self.peers.get(&peer).map_or(0, |p| p.rejected)
     }
 
+    /// Paths of `peer` the import policy accepted whose next hop does not resolve (kept, unused),
+    /// and one of them as an example (prefix, next hop).
+    pub fn unresolved(&self, peer: IpAddr) -> (usize, Option<(Prefix, IpAddr)>) {
+        let Some(entry) = self.peers.get(&peer) else { return (0, None) };
+        let mut example = None;
+        let count = entry
+            .adj_rib_in
+            .iter()
+            .filter(|(_, route)| route.rejected.is_none() && !self.usable(&entry.info, route))
+            .inspect(|(prefix, route)| {
+                example.get_or_insert((**prefix, route.next_hop.addr()));
+            })
+            .count();
+        (count, example)
+    }
+
     /// Every refusal so far, per peer and reason.
     pub fn rejections(&self) -> &BTreeMap<(IpAddr, Rejection), RejectionCount> {
         &self.rejections

@@ -143,6 +143,9 @@ pub struct FibTarget {
     pub allow_deletes: bool,
 }
 
+/// How often the per-peer unresolved-path counts may be recomputed while paths change.
+const UNRESOLVED_RECOUNT: Duration = Duration::from_secs(1);
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerStatus {
     pub address: IpAddr,
@@ -153,6 +156,8 @@ pub struct PeerStatus {
     pub prefixes_received: usize,
     /// Received but refused by the import policy (kept, unused).
     pub prefixes_rejected: usize,
+    /// Accepted, but their next hop does not resolve (kept, unused until it does).
+    pub prefixes_unresolved: usize,
     pub prefixes_stale: usize,
     pub prefixes_advertised: usize,
     pub updates_received: u64,
@@ -488,6 +493,10 @@ struct Core {
     ignored_nlri: u64,
     /// (peer, what) already logged once: import refusals, ignored families.
     logged_once: BTreeSet<(IpAddr, String)>,
+    /// Per peer, how many accepted paths have a next hop that does not resolve.
+    unresolved: BTreeMap<IpAddr, usize>,
+    unresolved_dirty: bool,
+    unresolved_recount_at: Instant,
     /// The BFD task, once a peer wants BFD: it takes the list of watched peers.
     bfd: Option<mpsc::UnboundedSender<Vec<BfdPeer>>>,
     closing: Vec<JoinHandle<()>>,
@@ -541,6 +550,9 @@ impl Core {
             malformed_messages: 0,
             ignored_nlri: 0,
             logged_once: BTreeSet::new(),
+            unresolved: BTreeMap::new(),
+            unresolved_dirty: false,
+            unresolved_recount_at: Instant::now(),
             bfd: None,
             closing: Vec::new(),
         };
@@ -587,6 +599,7 @@ impl Core {
             .flat_map(|p| p.timers.values())
             .chain(self.gr_timers.values())
             .chain(self.fib_deadline.iter())
+            .chain(self.unresolved_dirty.then_some(&self.unresolved_recount_at))
             .copied()
             .min()
             .unwrap_or(far)
@@ -912,6 +925,26 @@ impl Core {
         }
     }
 
+    /// Paths whose next hop the node cannot reach, per peer: logged when a peer's count leaves
+    /// zero and when it returns to it, never per path or per retry.
+    fn count_unresolved(&mut self) {
+        for addr in self.peers.keys().copied().collect::<Vec<_>>() {
+            let (count, example) = self.rib.unresolved(addr);
+            let before = self.unresolved.insert(addr, count).unwrap_or(0);
+            match (before, count, example) {
+                (0, 1.., Some((prefix, next_hop))) => warn!(
+                    peer = %addr,
+                    count,
+                    example = %format!("{prefix:?} via {next_hop}"),
+                    "paths whose next hop this node cannot reach are not used (counted in kube_router_bgp_prefixes_unresolved)"
+                ),
+                (1.., 0, _) => info!(peer = %addr, "every path's next hop resolves again"),
+                _ => {}
+            }
+        }
+        self.unresolved.retain(|addr, _| self.peers.contains_key(addr));
+    }
+
     /// The import policy's refusals, one line per peer and reason, ever.
     fn log_new_rejections(&mut self) {
         let mut new = Vec::new();
@@ -1078,6 +1111,8 @@ impl Core {
 
     /// Pushes Loc-RIB changes to established peers and marks the FIB for an update.
     fn rib_changed(&mut self, changes: Vec<BestPathChange>) {
+        // Unusable paths change nothing in the Loc-RIB, but may change the unresolved counts.
+        self.unresolved_dirty = true;
         if changes.is_empty() {
             return;
         }
@@ -1360,6 +1395,12 @@ impl Core {
     }
 
     fn publish(&mut self) {
+        // Counting is a walk over every Adj-RIB-In: at most once a second, while paths arrive.
+        if self.unresolved_dirty && Instant::now() >= self.unresolved_recount_at {
+            self.unresolved_dirty = false;
+            self.unresolved_recount_at = Instant::now() + UNRESOLVED_RECOUNT;
+            self.count_unresolved();
+        }
         if self.fib_dirty {
             self.fib_dirty = false;
             let target = self.fib_target();
@@ -1382,6 +1423,7 @@ impl Core {
                 established_at: p.established_at.filter(|_| p.state() == State::Established).map(Instant::into_std),
                 prefixes_received: self.rib.adj_rib_in(*addr).map_or(0, |r| r.len()),
                 prefixes_rejected: self.rib.rejected_count(*addr),
+                prefixes_unresolved: self.unresolved.get(addr).copied().unwrap_or(0),
                 prefixes_stale: self.rib.stale_count(*addr),
                 prefixes_advertised: self.rib.adj_rib_out(*addr).map_or(0, |r| r.len()),
                 updates_received: p.updates_received,

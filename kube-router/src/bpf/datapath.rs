@@ -189,6 +189,8 @@ pub struct Datapath {
     pinned_map_ids: std::collections::BTreeSet<u32>,
     /// An upgrade from the previous map layout, finished once the links run our programs.
     upgrade: Option<migrate::Upgrade>,
+    /// Maps being re-created at a new size, finished with the upgrade.
+    resize: Option<migrate::Resize>,
     mode: AttachMode,
     /// Programs of optional features the kernel refused (name -> error).
     unavailable: BTreeMap<String, String>,
@@ -245,13 +247,27 @@ impl Datapath {
 
     /// [`Self::load`], attaching in `mode`.
     pub fn load_with_mode(pin_dir: &Path, mode: AttachMode) -> Result<Self> {
+        Self::load_sized(pin_dir, mode, None)
+    }
+
+    /// [`Self::load_with_mode`], with the sized maps at `sizes`: pinned maps of another size are
+    /// re-created at it with their entries carried over, completed by [`Self::finish_upgrade`].
+    /// Without `sizes`, pinned maps are adopted at whatever size they have.
+    pub fn load_sized(pin_dir: &Path, mode: AttachMode, sizes: Option<layout::MapSizes>) -> Result<Self> {
         migrate::refuse_downgrade(pin_dir)?;
         ensure_bpffs(pin_dir)?;
-        let adopted = layout::check_pinned(pin_dir)?;
-        let mut ebpf = EbpfLoader::new()
-            .default_map_pin_directory(maps_dir(pin_dir))
-            .load(DATAPATH_OBJECT)
-            .context("loading the datapath object")?;
+        let pinned = layout::check_pinned(pin_dir, sizes.as_ref())?;
+        let adopted = pinned.adopted;
+        let mut resize = migrate::start_resize(pin_dir, &pinned.resize)?;
+        let mut loader = EbpfLoader::new();
+        loader.default_map_pin_directory(maps_dir(pin_dir));
+        for (name, max_entries) in sizes.unwrap_or_default().all() {
+            loader.map_max_entries(name, max_entries);
+        }
+        let mut ebpf = loader.load(DATAPATH_OBJECT).context("loading the datapath object")?;
+        if let Some(resize) = resize.as_mut() {
+            resize.copy().context("carrying entries over into the resized maps")?;
+        }
         let mut unavailable = BTreeMap::new();
         for (name, program) in ebpf.programs_mut() {
             if let Err(e) = load_program(program) {
@@ -266,7 +282,7 @@ impl Datapath {
         tracing::info!(pin_dir = %pin_dir.display(), adopted_maps = adopted, "datapath loaded");
         let pinned_map_ids = pinned_map_ids(&maps_dir(pin_dir));
         let mut datapath =
-            Self { ebpf, pin_dir: pin_dir.to_path_buf(), pinned_map_ids, upgrade: None, mode, unavailable };
+            Self { ebpf, pin_dir: pin_dir.to_path_buf(), pinned_map_ids, upgrade: None, resize, mode, unavailable };
         datapath.record_layout_version()?;
         datapath.upgrade = migrate::start(pin_dir)?;
         Ok(datapath)
@@ -277,6 +293,9 @@ impl Datapath {
     pub fn finish_upgrade(&mut self) -> Result<()> {
         if let Some(upgrade) = self.upgrade.take() {
             upgrade.finish()?;
+        }
+        if let Some(resize) = self.resize.take() {
+            resize.finish()?;
         }
         Ok(())
     }

@@ -86,30 +86,114 @@ fn describe(map_type: &str, key: u32, value: u32, max: u32) -> String {
     format!("{map_type} key={key}B value={value}B max_entries={max}")
 }
 
-/// Checks the maps already pinned in `pin_dir`. Missing maps are fine (they get created).
-pub fn check_pinned(pin_dir: &Path) -> Result<usize, LayoutMismatch> {
-    let mut adopted = 0;
-    for spec in SERVICE_MAPS.iter().chain(&POLICY_MAPS).chain(&OVERLAY_MAPS).chain(&SOCK_MAPS) {
+/// Capacities the operator chooses (`--bpf-lb-map-max`, `--bpf-ct-global-max`). A change
+/// against the pinned maps is a layout change of those maps alone: they are re-created at the new
+/// size and their entries carried over (see [`super::migrate::Resize`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapSizes {
+    /// Service frontends per family; backends and backend slots get four times as many.
+    pub lb_frontends: u32,
+    /// Connections tracked per family by the load balancer, and by NetworkPolicy.
+    pub conntrack: u32,
+}
+
+impl Default for MapSizes {
+    fn default() -> Self {
+        Self { lb_frontends: SERVICES_MAX_ENTRIES, conntrack: CONNTRACK_MAX_ENTRIES }
+    }
+}
+
+/// Backends and slots per frontend the sizes provide for (today's defaults keep this ratio).
+pub const BACKENDS_PER_FRONTEND: u32 = BACKENDS_MAX_ENTRIES / SERVICES_MAX_ENTRIES;
+
+/// Bounds of the size flags: below them a cluster's system Services alone would not fit, above
+/// them one map's preallocated memory passes a gigabyte.
+pub const LB_FRONTENDS_RANGE: std::ops::RangeInclusive<u32> = 16..=1 << 22;
+pub const CONNTRACK_RANGE: std::ops::RangeInclusive<u32> = 1024..=1 << 24;
+
+impl MapSizes {
+    /// The size this configuration gives the named map; `None` for maps of a fixed size.
+    pub fn max_entries(&self, name: &str) -> Option<u32> {
+        match name {
+            map_names::SERVICES | map_names::SERVICES_V6 => Some(self.lb_frontends),
+            map_names::BACKEND_SLOTS | map_names::BACKEND_SLOTS_V6 | map_names::BACKENDS | map_names::BACKENDS_V6 => {
+                Some(self.lb_frontends * BACKENDS_PER_FRONTEND)
+            }
+            map_names::CONNTRACK | map_names::CONNTRACK_V6 | map_names::POLICY_CONNTRACK => Some(self.conntrack),
+            _ => None,
+        }
+    }
+
+    /// Every sized map and its size, for the loader.
+    pub fn all(&self) -> impl Iterator<Item = (&'static str, u32)> + '_ {
+        all_specs().filter_map(|spec| Some((spec.name, self.max_entries(spec.name)?)))
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        if !LB_FRONTENDS_RANGE.contains(&self.lb_frontends) {
+            return Err(format!(
+                "--bpf-lb-map-max {} is outside {}..={}",
+                self.lb_frontends,
+                LB_FRONTENDS_RANGE.start(),
+                LB_FRONTENDS_RANGE.end()
+            ));
+        }
+        if !CONNTRACK_RANGE.contains(&self.conntrack) {
+            return Err(format!(
+                "--bpf-ct-global-max {} is outside {}..={}",
+                self.conntrack,
+                CONNTRACK_RANGE.start(),
+                CONNTRACK_RANGE.end()
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn all_specs() -> impl Iterator<Item = &'static MapSpec> {
+    SERVICE_MAPS.iter().chain(&POLICY_MAPS).chain(&OVERLAY_MAPS).chain(&SOCK_MAPS)
+}
+
+/// What the pinned maps hold against what this agent expects.
+#[derive(Debug, Default)]
+pub struct PinnedLayout {
+    /// Maps re-used as they are.
+    pub adopted: usize,
+    /// Maps of the right layout but another size than asked for: (name, pinned size).
+    pub resize: Vec<(&'static str, u32)>,
+}
+
+/// Checks the maps already pinned in `pin_dir`. Missing maps are fine (they get created). A sized
+/// map (see [`MapSizes`]) of another size is listed for resizing when `sizes` is given, adopted
+/// at its size otherwise (a tool or test opening the datapath does not choose sizes).
+pub fn check_pinned(pin_dir: &Path, sizes: Option<&MapSizes>) -> Result<PinnedLayout, LayoutMismatch> {
+    let mut layout = PinnedLayout::default();
+    for spec in all_specs() {
         let path = super::pinned_map(pin_dir, spec.name);
         if !path.exists() {
             continue;
         }
+        let sized = MapSizes::default().max_entries(spec.name).is_some();
+        let wanted = sizes.and_then(|s| s.max_entries(spec.name)).unwrap_or(spec.max_entries);
         let mismatch = |found: String| LayoutMismatch {
             path: path.display().to_string(),
             found,
-            expected: describe(&format!("{:?}", spec.map_type), spec.key_size, spec.value_size, spec.max_entries),
+            expected: describe(&format!("{:?}", spec.map_type), spec.key_size, spec.value_size, wanted),
             version: LAYOUT_VERSION,
         };
         let info = MapInfo::from_pin(&path).map_err(|e| mismatch(format!("unreadable ({e})")))?;
         let map_type = info.map_type().map(|t| format!("{t:?}")).unwrap_or_else(|_| "unknown".into());
-        let same = map_type == format!("{:?}", spec.map_type)
+        let same_shape = map_type == format!("{:?}", spec.map_type)
             && info.key_size() == spec.key_size
-            && info.value_size() == spec.value_size
-            && info.max_entries() == spec.max_entries;
-        if !same {
+            && info.value_size() == spec.value_size;
+        if !same_shape || (!sized && info.max_entries() != spec.max_entries) {
             return Err(mismatch(describe(&map_type, info.key_size(), info.value_size(), info.max_entries())));
         }
-        adopted += 1;
+        if sized && sizes.is_some() && info.max_entries() != wanted {
+            layout.resize.push((spec.name, info.max_entries()));
+        } else {
+            layout.adopted += 1;
+        }
     }
-    Ok(adopted)
+    Ok(layout)
 }

@@ -11,7 +11,7 @@
 //! instead of replacing the programs with ones over empty maps.
 use std::{
     fs,
-    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
     path::{Path, PathBuf},
 };
 
@@ -282,6 +282,161 @@ fn pin_tombstone(path: &Path) -> Result<()> {
         return Err(std::io::Error::last_os_error()).with_context(|| format!("pinning {}", path.display()));
     }
     Ok(())
+}
+
+/// Maps re-created at another size (`--bpf-lb-map-max`, `--bpf-ct-global-max`). The old map
+/// stays pinned beside the new one as `<name>_resizing` (the running programs still use it) until
+/// every link runs the new programs; its entries are copied in twice, before the swap and after,
+/// so no conntrack, NAT or affinity state is lost. An interrupted resize (a `_resizing` pin left
+/// by an agent that died mid-way) is completed by the next start.
+pub struct Resize {
+    pin_dir: PathBuf,
+    maps: Vec<String>,
+    pub copied: usize,
+}
+
+/// (bpffs refuses names with a dot.)
+fn aside_path(pin_dir: &Path, name: &str) -> PathBuf {
+    maps_dir(pin_dir).join(format!("{name}_resizing"))
+}
+
+/// Before the object is loaded: pins each map to resize aside and unpins it from its name, so
+/// the loader creates it anew at the configured size. Also picks up an interrupted resize.
+pub fn start_resize(pin_dir: &Path, resize: &[(&'static str, u32)]) -> Result<Option<Resize>> {
+    let mut maps: Vec<String> = fs::read_dir(maps_dir(pin_dir))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.strip_suffix("_resizing").map(str::to_string))
+        .collect();
+    for (name, old_size) in resize {
+        let (path, aside) = (maps_dir(pin_dir).join(name), aside_path(pin_dir, name));
+        if aside.exists() {
+            bail!(
+                "{} is being resized already (an earlier start was interrupted) and its size changed again; \
+                 start once with the previous size to complete it",
+                path.display()
+            );
+        }
+        let map = MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
+        map.pin(&aside).map_err(|e| anyhow::anyhow!("pinning {} aside: {e}", path.display()))?;
+        fs::remove_file(&path).with_context(|| format!("unpinning {}", path.display()))?;
+        tracing::info!(
+            map = name,
+            old_size,
+            "resizing pinned map: re-created at the configured size, entries carried over"
+        );
+        maps.push(name.to_string());
+    }
+    Ok((!maps.is_empty()).then(|| Resize { pin_dir: pin_dir.to_path_buf(), maps, copied: 0 }))
+}
+
+impl Resize {
+    /// Copies what the old maps hold and the new ones lack.
+    pub fn copy(&mut self) -> Result<usize> {
+        let mut copied = 0;
+        for name in &self.maps {
+            let from = MapData::from_pin(aside_path(&self.pin_dir, name))
+                .with_context(|| format!("opening {name} being resized"))?;
+            let to = MapData::from_pin(maps_dir(&self.pin_dir).join(name))
+                .with_context(|| format!("opening the resized {name}"))?;
+            let (n, full) =
+                copy_absent_entries(&from, &to).with_context(|| format!("copying {name} into its new size"))?;
+            if full {
+                tracing::warn!(map = %name, copied = n, "the new size holds fewer entries than the old map had; the rest are left out");
+            }
+            copied += n;
+        }
+        self.copied += copied;
+        Ok(copied)
+    }
+
+    /// Once every link runs the new programs: copies what the old ones wrote meanwhile, then
+    /// unpins the old maps (the kernel frees them with their last program).
+    pub fn finish(mut self) -> Result<usize> {
+        self.copy()?;
+        for name in &self.maps {
+            let aside = aside_path(&self.pin_dir, name);
+            fs::remove_file(&aside).with_context(|| format!("unpinning {}", aside.display()))?;
+        }
+        tracing::info!(maps = ?self.maps, copied = self.copied, "pinned maps resized");
+        Ok(self.copied)
+    }
+}
+
+/// Copies every entry of `from` absent from `to` (same key and value sizes), byte for byte.
+/// Returns how many, and whether `to` ran out of room (only a plain hash map can).
+fn copy_absent_entries(from: &MapData, to: &MapData) -> Result<(usize, bool)> {
+    const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+    const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+    const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
+    const BPF_NOEXIST: u64 = 1;
+    #[repr(C)]
+    struct ElemAttr {
+        map_fd: u32,
+        pad: u32,
+        key: u64,
+        value_or_next_key: u64,
+        flags: u64,
+    }
+    fn bpf(cmd: libc::c_long, attr: &ElemAttr) -> std::io::Result<()> {
+        // SAFETY: a valid attribute for the element commands; its pointers are live buffers of
+        // the map's key and value sizes.
+        let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr, std::mem::size_of::<ElemAttr>() as u32) };
+        if rc < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(())
+        }
+    }
+    let info = from.info()?;
+    let (key_size, value_size) = (info.key_size() as usize, info.value_size() as usize);
+    let (from_fd, to_fd) = (from.fd().as_fd().as_raw_fd() as u32, to.fd().as_fd().as_raw_fd() as u32);
+    let (mut key, mut next, mut value) = (vec![0u8; key_size], vec![0u8; key_size], vec![0u8; value_size]);
+    let mut first = true;
+    let mut copied = 0;
+    loop {
+        let attr = ElemAttr {
+            map_fd: from_fd,
+            pad: 0,
+            key: if first { 0 } else { key.as_ptr() as u64 },
+            value_or_next_key: next.as_mut_ptr() as u64,
+            flags: 0,
+        };
+        match bpf(BPF_MAP_GET_NEXT_KEY, &attr) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok((copied, false)),
+            Err(e) => return Err(e).context("BPF_MAP_GET_NEXT_KEY"),
+        }
+        first = false;
+        std::mem::swap(&mut key, &mut next);
+        let lookup = ElemAttr {
+            map_fd: from_fd,
+            pad: 0,
+            key: key.as_ptr() as u64,
+            value_or_next_key: value.as_mut_ptr() as u64,
+            flags: 0,
+        };
+        match bpf(BPF_MAP_LOOKUP_ELEM, &lookup) {
+            Ok(()) => {}
+            // Removed (a conntrack entry expiring) between the two calls.
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
+            Err(e) => return Err(e).context("BPF_MAP_LOOKUP_ELEM"),
+        }
+        let update = ElemAttr {
+            map_fd: to_fd,
+            pad: 0,
+            key: key.as_ptr() as u64,
+            value_or_next_key: value.as_ptr() as u64,
+            flags: BPF_NOEXIST,
+        };
+        match bpf(BPF_MAP_UPDATE_ELEM, &update) {
+            Ok(()) => copied += 1,
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(e) if matches!(e.raw_os_error(), Some(libc::E2BIG) | Some(libc::ENOMEM)) => return Ok((copied, true)),
+            Err(e) => return Err(e).context("BPF_MAP_UPDATE_ELEM"),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -70,7 +70,11 @@ pub fn diff(current: &MapContents, desired: &MapContents, allow_deletes: bool) -
     puts(&current.backends, &desired.backends, MapOp::PutBackend, &mut ops);
     puts(&current.slots, &desired.slots, MapOp::PutSlot, &mut ops);
     puts(&current.source_ranges, &desired.source_ranges, |k, _| MapOp::PutSourceRange(k), &mut ops);
-    puts(&current.services, &desired.services, MapOp::PutService, &mut ops);
+    // Frontends in priority order: when `svc_v4` cannot take them all, the first get the room.
+    let mut services: Vec<(&ServiceKeyV4, &ServiceValue)> =
+        desired.services.iter().filter(|(k, v)| current.services.get(k) != Some(v)).collect();
+    services.sort_by_key(|(key, value)| frontend_priority(current.services.contains_key(key), value));
+    ops.extend(services.into_iter().map(|(k, v)| MapOp::PutService(*k, *v)));
     if allow_deletes {
         deletes(&current.services, &desired.services, MapOp::DeleteService, &mut ops);
         deletes(&current.slots, &desired.slots, MapOp::DeleteSlot, &mut ops);
@@ -78,6 +82,22 @@ pub fn diff(current: &MapContents, desired: &MapContents, allow_deletes: bool) -
         deletes(&current.source_ranges, &desired.source_ranges, MapOp::DeleteSourceRange, &mut ops);
     }
     ops
+}
+
+/// The order frontends get room in when the map cannot hold them all (docs/maps.md, "When a
+/// map is full"); lower first. A frontend already programmed only changes its value and needs no
+/// room; then frontends with endpoints before empty ones (which only refuse); then ClusterIPs
+/// (in-cluster traffic: DNS, the API) before NodePorts before external and LoadBalancer IPs.
+/// Within a rank, address order (the sort is stable over the key-ordered map).
+pub fn frontend_priority(programmed: bool, value: &ServiceValue) -> (bool, bool, u8) {
+    let class = if value.flags & SVC_FLAG_EXTERNAL != 0 {
+        2
+    } else if value.flags & SVC_FLAG_NODEPORT != 0 {
+        1
+    } else {
+        0
+    };
+    (!programmed, value.backend_count == 0, class)
 }
 
 impl MapContents {

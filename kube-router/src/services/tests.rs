@@ -561,6 +561,34 @@ fn a_full_map_costs_one_failed_write_per_sync_and_keeps_what_it_has() {
 }
 
 #[test]
+fn when_not_every_frontend_fits_cluster_ips_with_endpoints_come_first() {
+    let value = |flags, backend_count| ServiceValue { service_id: 1, backend_count, flags, affinity_timeout_secs: 0 };
+    let key = |last: u8| frontend_key(Ipv4Addr::new(10, 96, 0, last), 80, Protocol::Tcp);
+    let mut desired = MapContents::default();
+    desired.services.insert(key(1), value(SVC_FLAG_EXTERNAL, 2));
+    desired.services.insert(key(2), value(SVC_FLAG_NODEPORT, 2));
+    desired.services.insert(key(3), value(0, 0));
+    desired.services.insert(key(4), value(0, 2));
+    desired.services.insert(key(5), value(0, 2));
+    // One frontend already programmed (its value changes): it keeps its place before any new one.
+    let mut programmed = MapContents::default();
+    programmed.services.insert(key(1), value(SVC_FLAG_EXTERNAL, 1));
+    let mut maps = Capped { inner: programmed.clone(), capacity: 4, attempts: 0 };
+    let mut sync = ServiceSync::adopt(&programmed).unwrap();
+    sync.sync(&mut maps, &desired, true);
+    let got: Vec<u8> = maps.inner.services.keys().map(|k| u32::from_be(k.addr).to_be_bytes()[3]).collect();
+    assert_eq!(got, [1, 2, 4, 5], "the empty ClusterIP waits; the NodePort got the last room");
+    assert_eq!(maps.inner.services[&key(1)], value(SVC_FLAG_EXTERNAL, 2));
+    // Room frees (the NodePort goes): the waiting frontend is programmed by the next sync.
+    desired.services.remove(&key(2));
+    let report = sync.sync(&mut maps, &desired, true);
+    let svc = report.per_map[map_names::SERVICES];
+    assert_eq!((svc.deletes, svc.full), (1, 1), "inserts come before deletes: one pass still finds it full");
+    sync.sync(&mut maps, &desired, true);
+    assert!(maps.inner.services.contains_key(&key(3)));
+}
+
+#[test]
 fn topology_hints_keep_traffic_in_the_node_zone_when_every_endpoint_has_them() {
     let hinted = |a: &str, b: &str| {
         OBJECTS
