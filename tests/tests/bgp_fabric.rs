@@ -392,3 +392,41 @@ fn ten_thousand_routes_with_an_unreachable_next_hop_cost_a_handful_of_log_lines(
     assert!(node.uptime("10.77.0.3").is_some_and(|up| up >= 120), "{}", node.bgp());
     assert!(!raw.kinds().contains(&NOTIFICATION), "the session was reset");
 }
+
+/// Two routers of one AS announce the same prefix with equal attributes: one kernel multipath
+/// route over both (ECMP), which the kernel's own lookups spread over both; when one router
+/// withdraws, a single-path route over the other.
+#[test]
+fn equal_paths_from_two_routers_become_one_multipath_route() {
+    let node = Node::new("krt-fab4-node", "/tmp/krt-fab4");
+    let a = Netns::new("krt-fab4-a").unwrap();
+    let b = Netns::new("krt-fab4-b").unwrap();
+    veth(&node.ns, "to-a", "10.77.0.1/24", &a, "eth0", "10.77.0.2/24").unwrap();
+    veth(&node.ns, "to-b", "10.78.0.1/24", &b, "eth0", "10.78.0.2/24").unwrap();
+    let v4 = |address| [Neighbor { address, asn: 65001, family: "ipv4-unicast" }];
+    let tor_a = GoBgpd::start(&a, &node.dir, (65002, "10.77.0.2"), &["10.77.0.2"], &v4("10.77.0.1")).unwrap();
+    let tor_b = GoBgpd::start(&b, &node.dir, (65002, "10.78.0.2"), &["10.78.0.2"], &v4("10.78.0.1")).unwrap();
+    tor_a.announce("10.100.0.0/24", &[]).unwrap();
+    tor_b.announce("10.100.0.0/24", &[]).unwrap();
+    let _agent = node.start_agent("10.77.0.1", &[("10.77.0.2", 65002), ("10.78.0.2", 65002)], &[]);
+    wait_until("one multipath route over both routers", Duration::from_secs(60), || {
+        let ours = node.our_routes();
+        Ok(ours.contains("10.100.0.0/24")
+            && ours.contains("via 10.77.0.2 dev to-a")
+            && ours.contains("via 10.78.0.2 dev to-b"))
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}\n{}", node.our_routes(), node.bgp()));
+    let gateways: std::collections::BTreeSet<String> = (1..=64)
+        .map(|host| {
+            let route = node.ns.run(&["ip", "route", "get", &format!("10.100.0.{host}")]).unwrap();
+            route.split_whitespace().skip_while(|w| *w != "via").nth(1).unwrap_or_default().to_string()
+        })
+        .collect();
+    assert_eq!(gateways, ["10.77.0.2", "10.78.0.2"].map(String::from).into(), "the kernel spreads over both paths");
+
+    tor_a.withdraw("10.100.0.0/24").unwrap();
+    wait_until("a single path over the other router", Duration::from_secs(30), || {
+        Ok(node.our_routes().contains("10.100.0.0/24 via 10.78.0.2 dev to-b"))
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", node.our_routes()));
+}
