@@ -153,6 +153,57 @@ pub const SVC_FLAG_HAIRPIN: u32 = 1 << 4;
 /// New flows are accepted only from sources in the frontend's backend set's prefixes in
 /// `lb_src_v4` / `lb_src_v6` (`loadBalancerSourceRanges`, on LoadBalancer IP frontends).
 pub const SVC_FLAG_SOURCE_RANGES: u32 = 1 << 5;
+/// New flows choose their backend by Maglev consistent hashing of the client: the slots hold the
+/// service's lookup table (`backend_count` is its prime size) and the slot is the client's hash
+/// modulo that size, so every node picks the same backend for the same client.
+pub const SVC_FLAG_MAGLEV: u32 = 1 << 6;
+/// With [`SVC_FLAG_MAGLEV`]: the client's source port is hashed too (IPVS mh's `mh-port`);
+/// without it, only the client address (every connection of a client to one backend).
+pub const SVC_FLAG_MAGLEV_PORT: u32 = 1 << 7;
+
+/// Addresses as the 32-bit words Maglev's flow hash consumes (packet byte order).
+pub trait FlowHashWords {
+    fn mix_into(&self, hash: u32) -> u32;
+}
+
+impl FlowHashWords for u32 {
+    #[inline(always)]
+    fn mix_into(&self, hash: u32) -> u32 {
+        mix32(hash, *self)
+    }
+}
+
+impl FlowHashWords for Ipv6Words {
+    #[inline(always)]
+    fn mix_into(&self, hash: u32) -> u32 {
+        mix32(mix32(mix32(mix32(hash, self.0[0]), self.0[1]), self.0[2]), self.0[3])
+    }
+}
+
+/// One MurmurHash3 (x86, 32-bit) block step.
+#[inline(always)]
+pub const fn mix32(hash: u32, word: u32) -> u32 {
+    let k = word.wrapping_mul(0xcc9e_2d51).rotate_left(15).wrapping_mul(0x1b87_3593);
+    (hash ^ k).rotate_left(13).wrapping_mul(5).wrapping_add(0xe654_6b64)
+}
+
+/// MurmurHash3's finaliser: every input bit affects every output bit.
+#[inline(always)]
+pub const fn fmix32(mut hash: u32) -> u32 {
+    hash ^= hash >> 16;
+    hash = hash.wrapping_mul(0x85eb_ca6b);
+    hash ^= hash >> 13;
+    hash = hash.wrapping_mul(0xc2b2_ae35);
+    hash ^ (hash >> 16)
+}
+
+/// The hash a Maglev service's table is indexed with (modulo its size). A fixed seed: nodes
+/// must agree. `src_port` in network byte order, as in the packet.
+#[inline(always)]
+pub fn maglev_flow_hash<A: FlowHashWords>(src_addr: &A, src_port: u16, with_port: bool) -> u32 {
+    let hash = src_addr.mix_into(0x6b72_6d67);
+    fmix32(if with_port { mix32(hash, src_port as u32) } else { hash })
+}
 
 /// `lb_src_v4` / `lb_src_v6` key (an LPM trie key's data): the service id, matched in full,
 /// then the source prefix. Prefix length = 32 + the source prefix's length.

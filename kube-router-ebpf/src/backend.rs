@@ -1,5 +1,6 @@
-//! Backend choice for a new flow: ClientIP affinity, else a random slot of the service. Shared by
-//! every hook that load-balances (TC today, socket and XDP hooks later), so they all choose alike.
+//! Backend choice for a new flow: ClientIP affinity, else a slot of the service: random, or the
+//! client's hash into the service's Maglev table. Shared by every hook that load-balances (TC
+//! today, socket and XDP hooks later), so they all choose alike.
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use kube_router_common::*;
 
@@ -17,6 +18,7 @@ pub fn backend_in_slot<F: Family>(service_id: u32, slot: u32) -> Option<(u32, Ba
 #[inline(always)]
 pub fn select_backend<F: Family>(
     client_addr: F::Addr,
+    client_port: u16,
     service: &ServiceValue,
     now: u64,
 ) -> Option<(u32, Backend<F::Addr>)> {
@@ -31,7 +33,12 @@ pub fn select_backend<F: Family>(
             return Some(chosen);
         }
     }
-    let slot = unsafe { bpf_get_prandom_u32() } % service.backend_count;
+    let pick = if service.flags & SVC_FLAG_MAGLEV != 0 {
+        maglev_flow_hash(&client_addr, client_port, service.flags & SVC_FLAG_MAGLEV_PORT != 0)
+    } else {
+        unsafe { bpf_get_prandom_u32() }
+    };
+    let slot = pick % service.backend_count;
     let chosen = backend_in_slot::<F>(service.service_id, slot)?;
     if affinity {
         let value = AffinityValue { last_used_ns: now, backend_id: chosen.0, slot };

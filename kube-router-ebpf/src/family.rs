@@ -15,7 +15,7 @@ use crate::{
 
 pub trait Family: 'static {
     /// `u32` or [`Ipv6Words`], network byte order.
-    type Addr: Copy + PartialEq;
+    type Addr: Copy + PartialEq + FlowHashWords;
 
     fn services() -> &'static HashMap<ServiceKey<Self::Addr>, ServiceValue>;
     fn slots() -> &'static HashMap<BackendSlotKey, BackendSlotValue>;

@@ -153,7 +153,7 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
         count(lb_stat::SOURCE_RANGE_DROP);
         return TC_ACT_SHOT;
     }
-    let Some(chosen) = select_backend::<F>(flow.src_addr, &service, now) else {
+    let Some(chosen) = select_backend::<F>(flow.src_addr, flow.src_port, &service, now) else {
         count(lb_stat::NO_BACKEND_DROP);
         return REFUSE;
     };

@@ -42,7 +42,8 @@ pub fn translate(ctx: &SockAddrContext, call: Call) -> i32 {
         return ALLOW;
     };
     let now = unsafe { bpf_ktime_get_ns() };
-    let Some((_, backend)) = select_backend::<V4>(client_id(ctx), &service, now) else {
+    let Some((_, backend)) = // No source port exists yet at connect(): a Maglev service hashes the client (netns) alone.
+    select_backend::<V4>(client_id(ctx), 0, &service, now) else {
         // No endpoints: fail at once, as a closed port would, instead of a connect timeout.
         // bpf_set_retval needs 5.18; without it the caller gets EPERM (see docs/maps.md).
         count_sock(sock_stat::NO_BACKEND_REFUSED);

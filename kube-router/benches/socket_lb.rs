@@ -59,6 +59,7 @@ fn services() -> ServiceState {
             hairpin: false,
             health_check_node_port: None,
             source_ranges: None,
+            maglev: None,
         },
     );
     let endpoint =

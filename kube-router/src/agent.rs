@@ -63,6 +63,8 @@ pub struct AgentConfig {
     pub conntrack_gc_interval: Duration,
     /// `--hairpin-mode`.
     pub hairpin_mode: bool,
+    /// `--bpf-lb-algorithm maglev`.
+    pub maglev_all: bool,
     /// `--masquerade-all`.
     pub masquerade_all: bool,
     /// `--snat-port-range`, inclusive.
@@ -71,8 +73,10 @@ pub struct AgentConfig {
     pub node_ip: Option<Ipv4Addr>,
     /// `--enable-pod-egress`: masquerade pod traffic leaving the cluster.
     pub pod_egress: bool,
-    /// `--tc-mode`.
+    /// `--tc-mode`: node interfaces.
     pub attach_mode: crate::bpf::datapath::AttachMode,
+    /// `--tc-mode`: pod veths (classic under `auto`).
+    pub pod_attach_mode: crate::bpf::datapath::AttachMode,
     /// Netlink link and address notifications (else only the periodic rescan).
     pub link_events: bool,
     /// `--bpf-lb-map-max`, `--bpf-ct-global-max`.
@@ -115,6 +119,7 @@ struct ServiceController {
     /// The health check ports the node serves (`spec.healthCheckNodePort`).
     health_checks: tokio::sync::watch::Sender<BTreeMap<u16, crate::healthcheck::LocalEndpoints>>,
     loopback_node_ports: bool,
+    maglev_all: bool,
 }
 
 impl ServiceController {
@@ -131,6 +136,7 @@ impl ServiceController {
             external_ips,
             zone: self.zone.clone(),
             loopback_node_ports: self.loopback_node_ports,
+            maglev_all: self.maglev_all,
         }
     }
 
@@ -343,9 +349,16 @@ fn attach_all(
                 }
             }
         }
+        // Pod veths found by the agent itself are attached in the pod mode (fast); an explicit
+        // --interfaces list in the node mode.
+        let pod = wanted.is_none() && pod_side;
         let hooks: [(bool, &str, AttachFn); 2] = [
-            (load_balancer, "load balancer", Datapath::attach),
-            (firewall && pod_side, "network policy", Datapath::attach_policy),
+            (load_balancer, "load balancer", if pod { Datapath::attach_pod } else { Datapath::attach }),
+            (
+                firewall && pod_side,
+                "network policy",
+                if pod { Datapath::attach_policy_pod } else { Datapath::attach_policy },
+            ),
         ];
         for (_, what, attach) in hooks.into_iter().filter(|(enabled, _, _)| *enabled) {
             match attach(datapath, &interface) {
@@ -540,6 +553,7 @@ impl ServiceProxy {
             zone: None,
             health_checks,
             loopback_node_ports: config.socket_lb.enabled,
+            maglev_all: config.maglev_all,
         };
         let snat_addr =
             config.node_ip.or_else(netif::default_route_source).or_else(|| netif::ipv4_addresses().first().copied());
@@ -581,6 +595,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     };
     let mut attached = BTreeMap::new();
     if let Some(datapath) = datapath.as_mut() {
+        datapath.set_pod_mode(config.pod_attach_mode);
         attach_all(datapath, &config.interfaces, &mut attached, config.run_service_proxy, config.run_firewall);
         socket_lb::apply(datapath, &config.socket_lb, &metrics);
         // The links run our programs now: an upgrade from the previous map layout can complete.

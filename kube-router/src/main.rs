@@ -227,6 +227,11 @@ struct RunArgs {
     /// Set the pod network's MTU from the node's uplink.
     #[arg(long, env = "KUBE_ROUTER_AUTO_MTU", default_value_t = true, action = clap::ArgAction::Set)]
     auto_mtu: bool,
+    /// How new flows choose a backend when a Service does not say (Cilium's flag): random, or
+    /// maglev (consistent hashing of the client's address and port: every node picks the same
+    /// backend for a flow). Per Service: `kube-router.io/service.scheduler: mh`.
+    #[arg(long, env = "KUBE_ROUTER_BPF_LB_ALGORITHM", default_value = "random", value_parser = ["random", "maglev"])]
+    bpf_lb_algorithm: String,
     /// Service frontends the load balancer's maps hold, per family (Cilium's flag name);
     /// backends and backend slots get four times as many. Changing it re-creates those maps at
     /// the new size on start, carrying their entries over.
@@ -237,7 +242,9 @@ struct RunArgs {
     #[arg(long, env = "KUBE_ROUTER_BPF_CT_GLOBAL_MAX", default_value_t = kube_router_common::CONNTRACK_MAX_ENTRIES)]
     bpf_ct_global_max: u32,
     /// How programs attach to interfaces: tcx (Linux 6.6+), classic (tc clsact + cls_bpf, any
-    /// supported kernel), or auto (TCX where the kernel has it).
+    /// supported kernel), or auto (node interfaces through TCX where the kernel has it; pod veths
+    /// through classic tc, which attaches in ~2 ms where TCX waits ~15 ms per program for an RCU
+    /// grace period, so a new pod is policed and load-balanced sooner).
     #[arg(long, env = "KUBE_ROUTER_TC_MODE", default_value = "auto", value_parser = ["auto", "tcx", "classic"])]
     tc_mode: String,
     /// Find new interfaces (pod veths) and node addresses through netlink notifications as they
@@ -583,6 +590,7 @@ fn run(cli: &Cli) -> Result<()> {
         conntrack_gc_interval: Duration::from_secs(args.conntrack_gc_interval),
         hairpin_mode: args.hairpin_mode,
         masquerade_all: args.masquerade_all,
+        maglev_all: args.bpf_lb_algorithm == "maglev",
         snat_port_range: args.snat_port_range,
         node_ip: args.node_ip,
         pod_egress: args.enable_pod_egress,
@@ -590,6 +598,10 @@ fn run(cli: &Cli) -> Result<()> {
             "tcx" => AttachMode::Tcx,
             "classic" => AttachMode::Classic,
             _ => AttachMode::detect(),
+        },
+        pod_attach_mode: match args.tc_mode.as_str() {
+            "tcx" => AttachMode::Tcx,
+            _ => AttachMode::Classic,
         },
         link_events: args.link_events,
         map_sizes,

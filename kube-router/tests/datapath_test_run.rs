@@ -286,3 +286,55 @@ fn a_full_map_is_counted_and_does_not_disturb_what_is_programmed() {
     let out = run(fd, &packet::ipv4(packet::TCP, (CLIENT, 7000), (VIP, 80), packet::TCP_SYN, b""), 1).unwrap();
     assert_eq!(packet::endpoints(&out.packet).1, (Ipv4Addr::new(10, 0, 0, 1), 8080));
 }
+
+fn maglev_yaml(backends: &[&str], decoy: bool) -> String {
+    let endpoints: String =
+        backends.iter().map(|b| format!("- addresses: [{b}]\n  conditions: {{ready: true}}\n")).collect();
+    // A Service programmed first on one "node" only, so its backend IDs differ from the other's.
+    let decoy = if decoy {
+        "apiVersion: v1\nkind: Service\nmetadata: {namespace: default, name: aaa}\nspec:\n  clusterIP: 10.96.0.99\n  ports:\n  - {name: http, protocol: TCP, port: 80}\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  namespace: default\n  name: aaa-1\n  labels: {kubernetes.io/service-name: aaa}\naddressType: IPv4\n\
+         ports:\n- {name: http, protocol: TCP, port: 8080}\nendpoints:\n- addresses: [10.0.9.9]\n  conditions: {ready: true}\n---\n"
+    } else {
+        ""
+    };
+    format!(
+        "{decoy}apiVersion: v1\nkind: Service\nmetadata:\n  namespace: default\n  name: web\n  annotations: {{kube-router.io/service.scheduler: mh, kube-router.io/service.schedflags: mh-port}}\n\
+         spec:\n  clusterIP: 10.96.0.10\n  ports:\n  - {{name: http, protocol: TCP, port: 80}}\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  namespace: default\n  name: web-1\n  labels: {{kubernetes.io/service-name: web}}\naddressType: IPv4\n\
+         ports:\n- {{name: http, protocol: TCP, port: 8080}}\nendpoints:\n{endpoints}"
+    )
+}
+
+/// Maglev (`kube-router.io/service.scheduler: mh`): two nodes whose maps number the backends
+/// differently send every flow to the same backend, spread over all of them; a node without
+/// one of the backends moves (almost) only that backend's flows.
+#[test]
+fn maglev_sends_a_flow_to_the_same_backend_on_every_node() {
+    let backends = ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5"];
+    let node_a = load("maglev-a", &maglev_yaml(&backends, false));
+    let node_b = load("maglev-b", &maglev_yaml(&[], true));
+    program(&node_b.pin_dir, &maglev_yaml(&backends, true));
+    let node_c = load("maglev-c", &maglev_yaml(&backends[..4], false));
+    let ids = |pin_dir: &PathBuf| kube_router::agent::read_programmed(pin_dir).unwrap().backends;
+    assert_ne!(ids(&node_a.pin_dir), ids(&node_b.pin_dir), "the nodes number the backends differently");
+    let choose = |loaded: &Loaded, port: u16| {
+        let fd = loaded.datapath.program_fd(Hook::Ingress).unwrap();
+        let syn = packet::ipv4(packet::TCP, (CLIENT, port), (VIP, 80), packet::TCP_SYN, b"");
+        packet::endpoints(&run(fd, &syn, 1).unwrap().packet).1 .0
+    };
+    let (mut spread, mut moved, mut kept) = (std::collections::BTreeMap::new(), 0, 0);
+    for port in 30000..30400u16 {
+        let (a, b, c) = (choose(&node_a, port), choose(&node_b, port), choose(&node_c, port));
+        assert_eq!(a, b, "flow from port {port}: the nodes disagree");
+        *spread.entry(a).or_insert(0) += 1;
+        if a != Ipv4Addr::new(10, 0, 0, 5) {
+            kept += 1;
+            moved += usize::from(a != c);
+        }
+    }
+    assert_eq!(spread.len(), 5, "{spread:?}");
+    assert!(spread.values().all(|n| *n >= 40), "roughly even: {spread:?}");
+    assert!(moved * 10 < kept, "{moved} of {kept} flows moved although their backend stayed");
+    let _ = (node_b, node_c);
+}

@@ -4,7 +4,8 @@
 //! exists (`ip link add` returned) to the pinned link of the policy program on the host end
 //! (polled every 200 µs). Measured with
 //! netlink link notifications (the default) and, as the baseline in the same run, with only the
-//! 5 s rescan (`--link-events=false`, the agent's behaviour before notifications).
+//! 5 s rescan (`--link-events=false`, the agent's behaviour before notifications), and with pod
+//! veths attached through TCX (`--tc-mode tcx`) instead of classic tc (the default for pods).
 use std::{
     path::Path,
     thread,
@@ -19,12 +20,12 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
-fn measure(node: &Netns, root: &Path, link_events: bool) -> Vec<Duration> {
+fn measure(node: &Netns, root: &Path, link_events: bool, tc_mode: &str) -> Vec<Duration> {
     remove_bpf_root(root);
     let file = ServiceFile::new("krt-attach");
     file.write("").unwrap();
     let events = if link_events { "true" } else { "false" };
-    let args = ["--service-file", &file.arg(), "--health-port", "0", "--link-events", events];
+    let args = ["--service-file", &file.arg(), "--health-port", "0", "--link-events", events, "--tc-mode", tc_mode];
     let mut agent = Agent::start(node, root, &args).unwrap();
     agent.wait_for_log("agent running", 1, Duration::from_secs(20)).unwrap();
     let mut latencies = Vec::new();
@@ -55,11 +56,16 @@ fn main() {
     let node = Netns::new("krt-attach-node").unwrap();
     let root = Path::new("/sys/fs/bpf/krt-attach");
     println!("attach latency of a new pod veth (exists -> policy link pinned), {PODS} pods:");
-    let with_events = measure(&node, root, true);
-    let rescan_only = measure(&node, root, false);
-    for (name, latencies) in [("netlink link events", &with_events), ("5 s rescan only (baseline)", &rescan_only)] {
+    let with_events = measure(&node, root, true, "auto");
+    let tcx_pods = measure(&node, root, true, "tcx");
+    let rescan_only = measure(&node, root, false, "auto");
+    for (name, latencies) in [
+        ("link events (pods: classic tc)", &with_events),
+        ("link events, pods on TCX", &tcx_pods),
+        ("5 s rescan only (baseline)", &rescan_only),
+    ] {
         println!(
-            "  {name:<28} p50 {:>9.2?}  p99 {:>9.2?}  max {:>9.2?}",
+            "  {name:<32} p50 {:>9.2?}  p99 {:>9.2?}  max {:>9.2?}",
             percentile(latencies, 0.5),
             percentile(latencies, 0.99),
             latencies.last().unwrap()

@@ -31,6 +31,7 @@ pub fn state(services: usize, endpoints: usize) -> ServiceState {
                 hairpin: false,
                 health_check_node_port: None,
                 source_ranges: None,
+                maglev: None,
             },
         );
         let endpoints = (0..endpoints)

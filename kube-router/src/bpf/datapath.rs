@@ -189,6 +189,8 @@ pub struct Datapath {
     pinned_map_ids: std::collections::BTreeSet<u32>,
     /// An upgrade from the previous map layout, finished once the links run our programs.
     upgrade: Option<migrate::Upgrade>,
+    /// How pod veths are attached (the agent's `--tc-mode auto`: classic tc).
+    pod_mode: AttachMode,
     /// Maps being re-created at a new size, finished with the upgrade.
     resize: Option<migrate::Resize>,
     mode: AttachMode,
@@ -281,8 +283,16 @@ impl Datapath {
         }
         tracing::info!(pin_dir = %pin_dir.display(), adopted_maps = adopted, "datapath loaded");
         let pinned_map_ids = pinned_map_ids(&maps_dir(pin_dir));
-        let mut datapath =
-            Self { ebpf, pin_dir: pin_dir.to_path_buf(), pinned_map_ids, upgrade: None, resize, mode, unavailable };
+        let mut datapath = Self {
+            ebpf,
+            pin_dir: pin_dir.to_path_buf(),
+            pinned_map_ids,
+            upgrade: None,
+            pod_mode: mode,
+            resize,
+            mode,
+            unavailable,
+        };
         datapath.record_layout_version()?;
         datapath.upgrade = migrate::start(pin_dir)?;
         Ok(datapath)
@@ -382,16 +392,50 @@ impl Datapath {
     /// Attaches the hook's program to `interface` (TCX or classic, see [`AttachMode`]),
     /// re-adopting what a previous agent left if it is still attached and the same.
     pub fn attach_hook(&mut self, hook: Hook, interface: &str) -> Result<AttachOutcome> {
-        match self.mode {
+        self.attach_hook_in(self.mode, hook, interface)
+    }
+
+    /// [`Self::attach_hook`] in `mode`. Switching an interface between modes attaches the new
+    /// way before removing the old, so its packets are never without the program.
+    pub fn attach_hook_in(&mut self, mode: AttachMode, hook: Hook, interface: &str) -> Result<AttachOutcome> {
+        match mode {
             AttachMode::Tcx => {
+                let outcome = self.attach_tcx(hook, interface)?;
                 // A classic filter of ours from an earlier run in classic mode would run twice.
                 if let Ok(link) = hook.classic_link(interface) {
                     let _ = link.detach();
                 }
-                self.attach_tcx(hook, interface)
+                Ok(outcome)
             }
             AttachMode::Classic => self.attach_classic(hook, interface),
         }
+    }
+
+    /// How pod veths are attached (see [`Self::set_pod_mode`]).
+    pub fn pod_mode(&self) -> AttachMode {
+        self.pod_mode
+    }
+
+    /// Pod veths attached in `mode` by [`Self::attach_pod`] and [`Self::attach_policy_pod`]:
+    /// classic tc by default, because each TCX attachment waits for an RCU grace period in the
+    /// kernel (12-16 ms here, four per pod) while a new pod runs without its programs.
+    pub fn set_pod_mode(&mut self, mode: AttachMode) {
+        self.pod_mode = mode;
+    }
+
+    /// Both load-balancer programs on a pod's veth, in the pod mode.
+    pub fn attach_pod(&mut self, interface: &str) -> Result<[AttachOutcome; 2]> {
+        let mode = self.pod_mode;
+        Ok([self.attach_hook_in(mode, Hook::Ingress, interface)?, self.attach_hook_in(mode, Hook::Egress, interface)?])
+    }
+
+    /// Both NetworkPolicy programs on a pod's veth, in the pod mode.
+    pub fn attach_policy_pod(&mut self, interface: &str) -> Result<[AttachOutcome; 2]> {
+        let mode = self.pod_mode;
+        Ok([
+            self.attach_hook_in(mode, Hook::PolicyIngress, interface)?,
+            self.attach_hook_in(mode, Hook::PolicyEgress, interface)?,
+        ])
     }
 
     /// Our program ids and pinned map ids, to compare with what is attached.
@@ -415,10 +459,8 @@ impl Datapath {
     /// link path, so a restart can tell whether the filter still runs the same program.
     fn attach_classic(&mut self, hook: Hook, interface: &str) -> Result<AttachOutcome> {
         let pin_path = Self::link_path(&self.pin_dir, hook, interface);
-        // A TCX link of ours from an earlier run in TCX mode would run twice.
-        if pinned_kind(&pin_path) == Some(PinnedKind::Link) {
-            fs::remove_file(&pin_path).with_context(|| format!("removing {}", pin_path.display()))?;
-        }
+        // A TCX link of ours from an earlier run in TCX mode stays until the filter is in place
+        // (its pin is replaced by the program's below, which detaches it).
         match tc::qdisc_add_clsact(interface) {
             Err(TcError::NetlinkError(e)) if e.raw_os_error() == Some(libc::EEXIST) => {}
             other => other.with_context(|| format!("adding the clsact qdisc to {interface}"))?,

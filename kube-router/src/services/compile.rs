@@ -74,6 +74,8 @@ pub struct LbPlan {
     pub backend_sets: BTreeMap<BackendSetKey, Vec<BackendV4>>,
     /// `loadBalancerSourceRanges` of the backend sets behind LoadBalancer IP frontends.
     pub source_ranges: BTreeMap<BackendSetKey, Vec<ipnet::Ipv4Net>>,
+    /// Backend sets whose slots hold a Maglev table rather than one slot per backend.
+    pub maglev_sets: BTreeSet<BackendSetKey>,
     /// Frontend addresses / keys of rejected services: existing entries stay as they are.
     pub protected_addrs: BTreeSet<u32>,
     pub protected_frontends: BTreeSet<ServiceKeyV4>,
@@ -114,7 +116,16 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
             let external = set(service.external_traffic_local);
             let local_flag = |local: bool| if local { SVC_FLAG_LOCAL_ONLY } else { 0 };
             let hairpin = if service.hairpin || node.hairpin_all { SVC_FLAG_HAIRPIN } else { 0 };
-            let affinity_flags = affinity_flags | hairpin;
+            let maglev = match service.maglev.or(node.maglev_all.then_some(true)) {
+                Some(true) => SVC_FLAG_MAGLEV | SVC_FLAG_MAGLEV_PORT,
+                Some(false) => SVC_FLAG_MAGLEV,
+                None => 0,
+            };
+            if maglev != 0 {
+                plan.maglev_sets.insert(internal.clone());
+                plan.maglev_sets.insert(external.clone());
+            }
+            let affinity_flags = affinity_flags | hairpin | maglev;
 
             let mut frontends = Vec::new();
             for ip in &service.cluster_ips {
@@ -339,12 +350,20 @@ pub fn assign_ids(plan: &LbPlan, current: &MapContents) -> MapContents {
         });
     }
 
+    // One slot per backend, or a Maglev table over them.
+    let mut slot_counts: BTreeMap<&BackendSetKey, u32> = BTreeMap::new();
     for (set, backends) in &plan.backend_sets {
         let service_id = set_ids[set];
-        for (slot, backend) in backends.iter().enumerate() {
+        let table: Vec<usize> = if plan.maglev_sets.contains(set) {
+            super::maglev::table(backends, super::maglev::table_size(backends.len()))
+        } else {
+            (0..backends.len()).collect()
+        };
+        slot_counts.insert(set, table.len() as u32);
+        for (slot, index) in table.into_iter().enumerate() {
             desired.slots.insert(
                 BackendSlotKey { service_id, slot: slot as u32 },
-                BackendSlotValue { backend_id: backend_ids[backend] },
+                BackendSlotValue { backend_id: backend_ids[&backends[index]] },
             );
         }
     }
@@ -361,7 +380,7 @@ pub fn assign_ids(plan: &LbPlan, current: &MapContents) -> MapContents {
             *key,
             ServiceValue {
                 service_id: set_ids[set],
-                backend_count: plan.backend_sets[set].len() as u32,
+                backend_count: slot_counts[set],
                 flags: frontend.flags,
                 affinity_timeout_secs: frontend.affinity_timeout_secs,
             },

@@ -11,6 +11,10 @@ pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 pub const HAIRPIN_ANNOTATION: &str = "kube-router.io/service.hairpin";
 /// The pre-1.x form of `spec.loadBalancerSourceRanges`, still read by kube-proxy.
 pub const SOURCE_RANGES_ANNOTATION: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
+/// kube-router's IPVS scheduler annotation; `mh` (Maglev hashing) is honoured, the others
+/// (rr, lc, sh, dh) mean the default random choice here.
+pub const SCHEDULER_ANNOTATION: &str = "kube-router.io/service.scheduler";
+pub const SCHEDFLAGS_ANNOTATION: &str = "kube-router.io/service.schedflags";
 const DEFAULT_AFFINITY_TIMEOUT_SECS: u32 = 10_800;
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -234,9 +238,20 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
                 .and_then(|p| u16::try_from(p).ok())
                 .filter(|p| *p != 0),
             source_ranges,
+            maglev: maglev(object),
         },
         warnings,
     ))
+}
+
+/// `Some(hash the port too)` for a Service scheduled by Maglev hashing (`mh`).
+fn maglev(object: &core::Service) -> Option<bool> {
+    let annotations = object.metadata.annotations.as_ref()?;
+    if annotations.get(SCHEDULER_ANNOTATION).map(|s| s.trim()) != Some("mh") {
+        return None;
+    }
+    let flags = annotations.get(SCHEDFLAGS_ANNOTATION).map(String::as_str).unwrap_or("");
+    Some(flags.split(',').any(|f| f.trim() == "mh-port"))
 }
 
 /// `spec.loadBalancerSourceRanges`, else the legacy annotation (comma-separated), as kube-proxy

@@ -2,6 +2,7 @@
 pub mod compile;
 pub mod diff;
 pub mod from_k8s;
+pub mod maglev;
 pub mod model;
 pub mod source;
 pub mod sync;

@@ -73,6 +73,11 @@ pub struct Service {
     /// IPv4 source is allowed. `None`: open.
     #[serde(default)]
     pub source_ranges: Option<Vec<ipnet::Ipv4Net>>,
+    /// `kube-router.io/service.scheduler: mh`: Maglev consistent hashing instead of a random
+    /// backend; `Some(true)` with `kube-router.io/service.schedflags: mh-port` (the source port
+    /// is hashed too).
+    #[serde(default)]
+    pub maglev: Option<bool>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -139,6 +144,9 @@ pub struct NodeContext {
     /// Also give every NodePort a wildcard frontend (0.0.0.0): the socket load balancer matches
     /// loopback destinations in the node's namespace against it (`localhost:<nodePort>`).
     pub loopback_node_ports: bool,
+    /// `--bpf-lb-algorithm maglev`: every Service without a scheduler annotation uses Maglev
+    /// over the client's address and port.
+    pub maglev_all: bool,
 }
 
 impl NodeContext {
