@@ -353,18 +353,26 @@ pub fn assign_ids(plan: &LbPlan, current: &MapContents) -> MapContents {
     // One slot per backend, or a Maglev table over them.
     let mut slot_counts: BTreeMap<&BackendSetKey, u32> = BTreeMap::new();
     for (set, backends) in &plan.backend_sets {
-        let service_id = set_ids[set];
-        let table: Vec<usize> = if plan.maglev_sets.contains(set) {
+        let mut service_id = set_ids[set];
+        let maglev = plan.maglev_sets.contains(set);
+        let table: Vec<u32> = if maglev {
             super::maglev::table(backends, super::maglev::table_size(backends.len()))
         } else {
             (0..backends.len()).collect()
-        };
+        }
+        .into_iter()
+        .map(|index| backend_ids[&backends[index]])
+        .collect();
+        if maglev && holds_other_slots(current, service_id, &table) {
+            // A changed Maglev table is written under a new id and each frontend switches to it
+            // in one write: no flow ever hashes into a half-written table. The old one goes after.
+            service_id = lowest_free(&used, &mut next);
+            used.insert(service_id);
+            set_ids.insert(set, service_id);
+        }
         slot_counts.insert(set, table.len() as u32);
-        for (slot, index) in table.into_iter().enumerate() {
-            desired.slots.insert(
-                BackendSlotKey { service_id, slot: slot as u32 },
-                BackendSlotValue { backend_id: backend_ids[&backends[index]] },
-            );
+        for (slot, backend_id) in table.into_iter().enumerate() {
+            desired.slots.insert(BackendSlotKey { service_id, slot: slot as u32 }, BackendSlotValue { backend_id });
         }
     }
     for (set, ranges) in &plan.source_ranges {
@@ -389,6 +397,16 @@ pub fn assign_ids(plan: &LbPlan, current: &MapContents) -> MapContents {
 
     keep_protected(plan, current, &mut desired);
     desired
+}
+
+/// Whether `current` holds slots for `service_id` other than exactly `table`.
+fn holds_other_slots(current: &MapContents, service_id: u32, table: &[u32]) -> bool {
+    let held: Vec<u32> = current
+        .slots
+        .range(BackendSlotKey { service_id, slot: 0 }..=BackendSlotKey { service_id, slot: u32::MAX })
+        .map(|(_, value)| value.backend_id)
+        .collect();
+    !held.is_empty() && held != table
 }
 
 /// Entries of rejected services stay exactly as they are in the maps, with everything they use.

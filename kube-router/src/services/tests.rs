@@ -620,3 +620,47 @@ fn topology_hints_keep_traffic_in_the_node_zone_when_every_endpoint_has_them() {
     );
     assert_eq!(in_zone(&partial, Some("zone-a")), [1, 2]);
 }
+
+#[test]
+fn a_changed_maglev_table_is_written_under_a_new_id_and_swapped_in_one_write() {
+    let maglev = |extra_backend: bool| {
+        let text = OBJECTS
+            .replace(
+                "metadata: {namespace: default, name: web}",
+                "metadata: {namespace: default, name: web, annotations: {kube-router.io/service.scheduler: mh}}",
+            )
+            .replace("  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n", "");
+        if extra_backend {
+            text.replace(
+                "- addresses: [10.0.0.3]",
+                "- addresses: [10.0.0.4]\n  conditions: {ready: true}\n- addresses: [10.0.0.3]",
+            )
+        } else {
+            text
+        }
+    };
+    let http = frontend_key(Ipv4Addr::new(10, 96, 0, 10), 80, Protocol::Tcp);
+    let first = compile(&maglev(false), &MapContents::default());
+    let table = first.services[&http];
+    assert_eq!(table.flags & SVC_FLAG_MAGLEV, SVC_FLAG_MAGLEV);
+    assert_eq!(table.flags & SVC_FLAG_MAGLEV_PORT, 0, "mh-port not asked for");
+    assert_eq!(table.backend_count, 251, "two backends: the smallest table");
+    // Unchanged input: the same ids, nothing to write.
+    assert!(diff(&first, &compile(&maglev(false), &first), true).is_empty());
+
+    let second = compile(&maglev(true), &first);
+    let moved = second.services[&http];
+    assert_ne!(moved.service_id, table.service_id, "a changed table gets a new id");
+    let ops = diff(&first, &second, true);
+    let position = |wanted: &dyn Fn(&super::diff::MapOp) -> bool| ops.iter().position(wanted);
+    use super::diff::MapOp;
+    let last_new_slot =
+        ops.iter().rposition(|op| matches!(op, MapOp::PutSlot(k, _) if k.service_id == moved.service_id)).unwrap();
+    let switch =
+        position(&|op| matches!(op, MapOp::PutService(k, v) if *k == http && v.service_id == moved.service_id))
+            .unwrap();
+    let first_old_delete =
+        position(&|op| matches!(op, MapOp::DeleteSlot(k) if k.service_id == table.service_id)).unwrap();
+    assert!(last_new_slot < switch && switch < first_old_delete, "{ops:?}");
+    assert!(second.slots.keys().all(|k| k.service_id != table.service_id), "the old table is gone");
+}
