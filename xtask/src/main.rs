@@ -162,6 +162,10 @@ fn bench() -> Result<()> {
     run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .args(["bench", "-p", "kube-router-tests", "--bench", "attach_latency"])
         .env("KUBE_ROUTER_BIN", &agent))?;
+    // Real packets through a Service: this datapath against kube-proxy's iptables and nftables.
+    run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["bench", "-p", "kube-router-tests", "--bench", "service_datapath"])
+        .env("KUBE_ROUTER_BIN", &agent))?;
     run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .args(["bench", "-p", "kube-router-tests", "--bench", "bgp_convergence"])
         .env("KUBE_ROUTER_BIN", &agent))

@@ -15,6 +15,8 @@
 //!   krt-netprobe udp-fixed SRCPORT ADDR COUNT INTERVAL_MS  COUNT datagrams from one fixed source port; one
 //!                                           reply (or ERR ...) per line
 //!   krt-netprobe bulk ADDR BYTES            one TCP connection carrying BYTES to the server; prints its reply
+//!   krt-netprobe rate tcp|udp ADDR SECONDS  new flows back to back (a connection or socket per exchange)
+//!                                           for SECONDS; prints "OK FAILED PER-SECOND"
 //!   krt-netprobe peer tcp|udp|udp-connected ADDR COUNT
 //!                                           COUNT exchanges; prints "OK NAME PEER MICROS" or "ERR ... MICROS"
 //!                                           per line, PEER being what the socket API reports: getpeername
@@ -314,6 +316,24 @@ fn main() {
             }
         }
         "bulk" => print_result(bulk(arg(1).parse().expect("addr"), arg(2).parse().expect("bytes"))),
+        "rate" => {
+            // New flows back to back: a TCP connection (or a UDP socket) per exchange.
+            let addr: SocketAddr = arg(2).parse().expect("addr");
+            let seconds = Duration::from_secs_f64(arg(3).parse().expect("seconds"));
+            let (started, mut ok, mut failed) = (Instant::now(), 0u64, 0u64);
+            while started.elapsed() < seconds {
+                let result = match arg(1).as_str() {
+                    "tcp" => tcp_ask(addr, "hello", TIMEOUT),
+                    _ => udp_socket(addr, 0).and_then(|s| udp_ask(&s, "hello", TIMEOUT)),
+                };
+                if result.is_ok() {
+                    ok += 1;
+                } else {
+                    failed += 1;
+                }
+            }
+            println!("{ok} {failed} {:.1}", ok as f64 / started.elapsed().as_secs_f64());
+        }
         other => panic!("unknown command {other}"),
     }
 }

@@ -1,0 +1,256 @@
+//! Benchmark (root): real packets through a Service, this datapath against what users run today,
+//! on the same topology, in one run. Each contender gets its own client / node / backend
+//! namespaces (`kube_router_tests::Topology`); the node translates a ClusterIP (TCP 80, UDP 53) to
+//! the backend (8080, 5353):
+//!
+//! * plain routing: the client talks to the backend's own address (the floor);
+//! * this agent (TC programs, from a `--service-file`);
+//! * kube-proxy's iptables mode, its rule shape (KUBE-SERVICES -> KUBE-SVC-* -> KUBE-SEP-* DNAT),
+//!   loaded with iptables-restore through both backends (legacy and nft);
+//! * kube-proxy's nftables mode, its table shape (a `service-ips` verdict map, per-service chains
+//!   with `numgen random`, endpoint chains with `dnat`), loaded with `nft -f`.
+//!
+//! At 1 and at 10,000 Services (two ports each; the measured one generated last): new TCP
+//! connections per second, new UDP flows (a socket per request) per second, one TCP flow's
+//! throughput; two rounds interleaved across the contenders, averaged. Also the time to program
+//! the 10,000 Services. Numbers from a loaded 2-core VM: read the ratios.
+use std::{
+    fmt::Write as _,
+    fs,
+    path::Path,
+    thread,
+    time::{Duration, Instant},
+};
+
+use kube_router_tests::{netprobe_bin, remove_bpf_root, wait_until, Agent, ServiceFile, Topology};
+
+const BACKEND: &str = "10.0.10.2";
+const SECONDS: &str = "3";
+const BULK_BYTES: u64 = 1 << 30;
+const METRICS_PORT: &str = "20290";
+
+fn vip(i: usize) -> String {
+    let base = u32::from(std::net::Ipv4Addr::new(10, 100, 0, 0));
+    std::net::Ipv4Addr::from(base + 1 + i as u32).to_string()
+}
+
+/// The backend of Service `i`: the real one for the measured (last) Service, made-up ones else.
+fn endpoint(i: usize, n: usize) -> String {
+    if i + 1 == n {
+        BACKEND.to_string()
+    } else {
+        let base = u32::from(std::net::Ipv4Addr::new(10, 200, 0, 0));
+        std::net::Ipv4Addr::from(base + 1 + i as u32).to_string()
+    }
+}
+
+fn service_yaml(n: usize) -> String {
+    let mut out = String::new();
+    for i in 0..n {
+        let _ = write!(
+            out,
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{namespace: bench, name: s{i}}}\nspec:\n  clusterIP: {}\n  ports:\n  - {{name: http, protocol: TCP, port: 80}}\n  - {{name: dns, protocol: UDP, port: 53}}\n\
+             ---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  namespace: bench\n  name: s{i}-1\n  labels: {{kubernetes.io/service-name: s{i}}}\naddressType: IPv4\n\
+             ports:\n- {{name: http, protocol: TCP, port: 8080}}\n- {{name: dns, protocol: UDP, port: 5353}}\nendpoints:\n- addresses: [\"{}\"]\n  conditions: {{ready: true}}\n",
+            vip(i),
+            endpoint(i, n)
+        );
+    }
+    out
+}
+
+/// kube-proxy's iptables-mode rules for `n` single-endpoint Services.
+fn iptables_rules(n: usize) -> String {
+    let mut chains = String::from("*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n");
+    let mut rules =
+        String::from("-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n");
+    for i in 0..n {
+        for (proto, port, target) in [("tcp", 80, 8080), ("udp", 53, 5353)] {
+            let (svc, sep) = (format!("KUBE-SVC-{i:07}{proto}"), format!("KUBE-SEP-{i:07}{proto}"));
+            let _ = writeln!(chains, ":{svc} - [0:0]\n:{sep} - [0:0]");
+            let _ = writeln!(
+                rules,
+                "-A KUBE-SERVICES -d {}/32 -p {proto} -m comment --comment \"bench/s{i}:{proto} cluster IP\" -m {proto} --dport {port} -j {svc}",
+                vip(i)
+            );
+            let _ = writeln!(
+                rules,
+                "-A {svc} -m comment --comment \"bench/s{i}:{proto} -> {}:{target}\" -j {sep}",
+                endpoint(i, n)
+            );
+            let _ =
+                writeln!(rules, "-A {sep} -p {proto} -m {proto} -j DNAT --to-destination {}:{target}", endpoint(i, n));
+        }
+    }
+    format!("{chains}{rules}COMMIT\n")
+}
+
+/// kube-proxy's nftables-mode table for `n` single-endpoint Services.
+fn nftables_rules(n: usize) -> String {
+    let mut out = String::from(
+        "table ip kube-proxy {\n  map service-ips { type ipv4_addr . inet_proto . inet_service : verdict; }\n  \
+         chain nat-prerouting { type nat hook prerouting priority dstnat; policy accept; jump services; }\n  \
+         chain services { ip daddr . meta l4proto . th dport vmap @service-ips; }\n",
+    );
+    let mut elements = Vec::new();
+    for i in 0..n {
+        for (proto, port, target) in [("tcp", 80, 8080), ("udp", 53, 5353)] {
+            let (svc, ep) = (format!("service-{i}-{proto}"), format!("endpoint-{i}-{proto}"));
+            let _ = writeln!(out, "  chain {svc} {{ numgen random mod 1 vmap {{ 0 : goto {ep} }}; }}");
+            let _ = writeln!(out, "  chain {ep} {{ meta l4proto {proto} dnat to {}:{target}; }}", endpoint(i, n));
+            elements.push(format!("{} . {proto} . {port} : goto {svc}", vip(i)));
+        }
+    }
+    out.push_str("}\n");
+    for chunk in elements.chunks(2000) {
+        let _ = writeln!(out, "add element ip kube-proxy service-ips {{ {} }}", chunk.join(", "));
+    }
+    out
+}
+
+struct Contender {
+    name: &'static str,
+    topo: Topology,
+    /// Where the client sends: the Service address, or the backend itself for plain routing.
+    target: String,
+    agent: Option<Agent>,
+    /// Seconds to program the Services.
+    programmed_in: f64,
+}
+
+fn load_rules(topo: &Topology, tool: &str, args: &[&str], rules: &str, dir: &Path) -> f64 {
+    let file = dir.join(format!("{tool}.rules"));
+    fs::write(&file, rules).unwrap();
+    let started = Instant::now();
+    let mut command = vec![tool];
+    command.extend(args);
+    command.push(file.to_str().unwrap());
+    topo.node.run(&command).unwrap_or_else(|e| panic!("{tool}: {e}"));
+    started.elapsed().as_secs_f64()
+}
+
+fn contenders(n: usize, dir: &Path) -> Vec<Contender> {
+    let mut list = Vec::new();
+    let vip = vip(n - 1);
+    let plain = Topology::new("krt-sb-plain", 1).unwrap();
+    list.push(Contender {
+        name: "plain routing",
+        topo: plain,
+        target: BACKEND.into(),
+        agent: None,
+        programmed_in: 0.0,
+    });
+
+    let topo = Topology::new("krt-sb-ours", 1).unwrap();
+    let root = topo.bpf_root();
+    remove_bpf_root(&root);
+    let file = ServiceFile::new("krt-sb");
+    file.write("").unwrap();
+    let args = ["--service-file", &file.arg(), "--health-port", "0", "--metrics-port", METRICS_PORT];
+    let agent = Agent::start(&topo.node, &root, &args).unwrap();
+    let scrape =
+        || topo.node.run(&[netprobe_bin().to_str().unwrap(), "http", &format!("127.0.0.1:{METRICS_PORT}"), "/metrics"]);
+    wait_until("agent serving metrics", Duration::from_secs(20), || Ok(scrape().is_ok())).unwrap();
+    let started = Instant::now();
+    file.write(&service_yaml(n)).unwrap();
+    let wanted = format!("kube_router_map_entries{{map=\"svc_v4\"}} {}\n", 2 * n);
+    wait_until("every frontend programmed", Duration::from_secs(300), || Ok(scrape()?.contains(&wanted))).unwrap();
+    let programmed_in = started.elapsed().as_secs_f64();
+    list.push(Contender { name: "this datapath (TC)", topo, target: vip.clone(), agent: Some(agent), programmed_in });
+
+    for (name, prefix, tool) in [
+        ("kube-proxy iptables (legacy)", "krt-sb-ipl", "iptables-legacy-restore"),
+        ("kube-proxy iptables (nft)", "krt-sb-ipn", "iptables-nft-restore"),
+    ] {
+        let topo = Topology::new(prefix, 1).unwrap();
+        let programmed_in = load_rules(&topo, tool, &[], &iptables_rules(n), dir);
+        list.push(Contender { name, topo, target: vip.clone(), agent: None, programmed_in });
+    }
+    let topo = Topology::new("krt-sb-nft", 1).unwrap();
+    let programmed_in = load_rules(&topo, "nft", &["-f"], &nftables_rules(n), dir);
+    list.push(Contender { name: "kube-proxy nftables", topo, target: vip, agent: None, programmed_in });
+    list
+}
+
+#[derive(Default, Clone, Copy)]
+struct Figures {
+    tcp_per_s: f64,
+    udp_per_s: f64,
+    gbit_per_s: f64,
+}
+
+fn measure(c: &Contender) -> Figures {
+    let probe = netprobe_bin();
+    let rate = |proto: &str, port: u16| -> f64 {
+        let out = c
+            .topo
+            .client
+            .run(&[probe.to_str().unwrap(), "rate", proto, &format!("{}:{port}", c.target), SECONDS])
+            .unwrap();
+        let fields: Vec<&str> = out.split_whitespace().collect();
+        assert_eq!(fields.get(1), Some(&"0"), "{}: failed exchanges: {out}", c.name);
+        fields[2].parse().unwrap()
+    };
+    let (tcp_port, udp_port) = if c.name == "plain routing" { (8080, 5353) } else { (80, 53) };
+    let tcp_per_s = rate("tcp", tcp_port);
+    let udp_per_s = rate("udp", udp_port);
+    let started = Instant::now();
+    let out = c
+        .topo
+        .client
+        .run(&[probe.to_str().unwrap(), "bulk", &format!("{}:{tcp_port}", c.target), &BULK_BYTES.to_string()])
+        .unwrap();
+    assert!(out.starts_with("backend-1"), "{}: bulk transfer failed: {out}", c.name);
+    let gbit_per_s = BULK_BYTES as f64 * 8.0 / started.elapsed().as_secs_f64() / 1e9;
+    Figures { tcp_per_s, udp_per_s, gbit_per_s }
+}
+
+fn main() {
+    let dir = std::env::temp_dir().join("krt-sb");
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir).unwrap();
+    for n in [1usize, 10_000] {
+        let list = contenders(n, &dir);
+        for c in &list {
+            c.topo.client.sysctl("net.ipv4.tcp_tw_reuse", "1").unwrap();
+        }
+        let mut sums = vec![Figures::default(); list.len()];
+        for _round in 0..2 {
+            for (c, sum) in list.iter().zip(sums.iter_mut()) {
+                let f = measure(c);
+                sum.tcp_per_s += f.tcp_per_s / 2.0;
+                sum.udp_per_s += f.udp_per_s / 2.0;
+                sum.gbit_per_s += f.gbit_per_s / 2.0;
+                thread::sleep(Duration::from_millis(200));
+            }
+        }
+        let ours = sums[1];
+        println!("\n{n} Service(s), two ports each; the measured one generated last:");
+        println!(
+            "  {:<30} {:>13} {:>13} {:>10} {:>14}   ours / this: tcp, udp",
+            "", "TCP conn/s", "UDP flows/s", "Gbit/s", "programmed in"
+        );
+        for (c, f) in list.iter().zip(&sums) {
+            println!(
+                "  {:<30} {:>13.0} {:>13.0} {:>10.2} {:>12.3} s   {:.2}x, {:.2}x",
+                c.name,
+                f.tcp_per_s,
+                f.udp_per_s,
+                f.gbit_per_s,
+                c.programmed_in,
+                ours.tcp_per_s / f.tcp_per_s,
+                ours.udp_per_s / f.udp_per_s
+            );
+        }
+        let ours_programmed = list[1].programmed_in;
+        for c in &list[2..] {
+            println!("  programming: {} / this datapath = {:.1}x", c.name, c.programmed_in / ours_programmed);
+        }
+        for mut c in list {
+            if let Some(agent) = c.agent.take() {
+                let _ = agent.stop();
+                remove_bpf_root(&c.topo.bpf_root());
+            }
+        }
+    }
+}
