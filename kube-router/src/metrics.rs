@@ -33,6 +33,18 @@ impl Histogram {
         self.count += 1;
         self.sum += value;
     }
+
+    /// The `_bucket`, `_sum` and `_count` samples of family `name`.
+    pub fn write_samples(&self, out: &mut String, name: &str) {
+        for (bound, n) in SYNC_BUCKETS.iter().zip(self.counts) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {n}");
+        }
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}",
+            self.count, self.sum, self.count
+        );
+    }
 }
 
 #[derive(Default)]
@@ -71,6 +83,8 @@ pub struct MetricsState {
     pub bgp: Option<crate::bgp::speaker::Speaker>,
     /// `ovl_stats` counters, summed over CPUs (once the overlay is in use).
     pub overlay_packets: Vec<(&'static str, u64)>,
+    /// kube-router's names (per-Service counters, sync times), see `kr_metrics`.
+    pub kr: crate::kr_metrics::KubeRouterMetrics,
 }
 
 #[derive(Clone, Default)]
@@ -102,6 +116,7 @@ impl Metrics {
                 }
             }
             m.sync_duration.observe(duration.as_secs_f64());
+            m.kr.services_sync_time.observe(duration.as_secs_f64());
             m.syncs += 1;
             m.last_sync_unix = Some(unix_now());
         })
@@ -301,8 +316,11 @@ impl Metrics {
                 let _ = writeln!(out, "kube_router_policy_sync_seconds {seconds}");
             }
             if let Some(bgp) = &m.bgp {
-                render_bgp(&mut out, &bgp.status());
+                let status = bgp.status();
+                render_bgp(&mut out, &status);
+                crate::kr_metrics::render_bgp(&mut out, &status);
             }
+            render_kube_router_names(&mut out, m);
             out
         })
     }
@@ -335,8 +353,43 @@ impl Metrics {
     }
 }
 
+/// The families under kube-router's own names (kube-router's dashboard reads these).
+fn render_kube_router_names(out: &mut String, m: &MetricsState) {
+    use crate::kr_metrics::{render_build_info, render_histogram};
+    render_build_info(out);
+    family(out, "kube_router_controller_ipvs_services", "gauge", "Number of ipvs services in the instance");
+    let frontends = m.map_entries.get(kube_router_common::map_names::SERVICES).copied().unwrap_or(0);
+    let _ = writeln!(out, "kube_router_controller_ipvs_services {frontends}");
+    m.kr.render_services(out);
+    for (name, help, h) in [
+        (
+            "kube_router_controller_ipvs_services_sync_time",
+            "Time it took for controller to sync ipvs services",
+            &m.kr.services_sync_time,
+        ),
+        ("kube_router_controller_ipvs_metrics_export_time", "Time it took to export metrics", &m.kr.stats_export_time),
+        (
+            "kube_router_controller_iptables_sync_time",
+            "Time it took for controller to sync iptables",
+            &m.kr.policy_sync_time,
+        ),
+        (
+            "kube_router_controller_policy_chains_sync_time",
+            "Time it took for controller to sync policy chains",
+            &m.kr.policy_sync_time,
+        ),
+        (
+            "kube_router_controller_bgp_internal_peers_sync_time",
+            "Time it took to sync internal bgp peers",
+            &m.kr.bgp_peers_sync_time,
+        ),
+    ] {
+        render_histogram(out, name, help, h);
+    }
+}
+
 /// The HELP and TYPE lines that open a metric family.
-fn family(out: &mut String, name: &str, kind: &str, help: &str) {
+pub(crate) fn family(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
