@@ -551,6 +551,52 @@ mod tests {
         assert!(metrics.render().contains("kube_router_map_writes_total{map=\"svc_v4\",op=\"update\"} 1"));
     }
 
+    /// Every family the agent can export, each rendered at least once.
+    fn every_family() -> BTreeMap<String, String> {
+        let metrics = Metrics::default();
+        metrics.with(|m| {
+            m.policy_packets = vec![("allowed", 1)];
+            m.socket_lb_events = vec![("connect", 1)];
+            m.overlay_packets = vec![("encapsulated", 1)];
+            m.policy_sync_seconds = Some(0.1);
+        });
+        let mut text = metrics.render();
+        let status = crate::bgp::speaker::SpeakerStatus::default();
+        render_bgp(&mut text, &status);
+        crate::kr_metrics::render_bgp(&mut text, &status);
+        parse(&text).0
+    }
+
+    /// The names README's "Metrics" section lists (first column of its tables), with its type.
+    fn readme_names() -> BTreeMap<String, String> {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+        let section = readme.split("\n## Metrics\n").nth(1).expect("README has a Metrics section");
+        let section = section.split("\n## ").next().unwrap();
+        section
+            .lines()
+            .filter_map(|line| {
+                let mut cells = line.strip_prefix("| `kube_router_")?.split('|');
+                let name = format!("kube_router_{}", cells.next()?.trim().trim_end_matches('`'));
+                Some((name, cells.next()?.trim().to_string()))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_exported_names_and_types_are_exactly_the_ones_readme_lists() {
+        let (exported, listed) = (every_family(), readme_names());
+        let missing: Vec<_> = exported.iter().filter(|(n, t)| listed.get(*n) != Some(t)).collect();
+        let extra: Vec<_> = listed.keys().filter(|n| !exported.contains_key(*n)).collect();
+        assert!(
+            missing.is_empty() && extra.is_empty(),
+            "not (or wrongly) in README: {missing:?}; in README only: {extra:?}"
+        );
+        // kube-router's names that its dashboard reads.
+        for name in ["kube_router_build_info", "kube_router_service_total_connections", "kube_router_service_bps_in"] {
+            assert!(exported.contains_key(name), "{name}");
+        }
+    }
+
     #[test]
     fn health_is_ok_even_when_the_api_is_unreachable() {
         let metrics = Metrics::default();
