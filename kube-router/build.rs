@@ -3,6 +3,12 @@
 use anyhow::{anyhow, Context as _};
 
 fn main() -> anyhow::Result<()> {
+    // `kube_router_build_info`'s `goversion` label carries the Rust compiler's version instead.
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let version = std::process::Command::new(rustc).arg("--version").output().context("rustc --version")?;
+    let version = String::from_utf8_lossy(&version.stdout);
+    let version = version.split_whitespace().nth(1).unwrap_or("unknown");
+    println!("cargo:rustc-env=KUBE_ROUTER_RUSTC_VERSION=rust{version}");
     let cargo_metadata::Metadata { packages, .. } =
         cargo_metadata::MetadataCommand::new().no_deps().exec().context("MetadataCommand::exec")?;
     let ebpf_package = packages

@@ -10,6 +10,8 @@ mod policy;
 pub use policy::*;
 mod sock;
 pub use sock::*;
+mod svc_stats;
+pub use svc_stats::*;
 
 /// Version of the whole map layout. Stored in the `meta` map at index [`META_LAYOUT_VERSION`],
 /// and naming the directory the maps are pinned in (`<bpf root>/v2/`), so an upgrade can create
@@ -575,5 +577,6 @@ mod tests {
         assert_eq!(size_of::<FragPorts>(), 4);
         assert_eq!(size_of::<OverlayPrefixV4>(), 4);
         assert_eq!(size_of::<OverlayTunnelV4>(), 12);
+        assert_eq!(size_of::<ServiceStats>(), 40);
     }
 }

@@ -1,7 +1,7 @@
 //! IPv4 and IPv6 behind one interface, so the load balancer's logic (lookups, conntrack, NAT
 //! decisions) is written once and compiled for each address family.
 use aya_ebpf::{
-    maps::{lpm_trie::Key, HashMap, LruHashMap, PerCpuArray},
+    maps::{lpm_trie::Key, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap},
     programs::TcContext,
 };
 use kube_router_common::*;
@@ -11,6 +11,7 @@ use crate::{
     nat::{self, Tuple},
     parsing::{self, IcmpError, LbFlow, LbParsed},
     reject, route,
+    svc_stats::{SVC_STATS, SVC_STATS_V6},
 };
 
 pub trait Family: 'static {
@@ -25,6 +26,7 @@ pub trait Family: 'static {
     fn fragments() -> &'static LruHashMap<FragKey<Self::Addr>, FragPorts>;
     fn ct_scratch() -> &'static PerCpuArray<CtScratch<Self::Addr>>;
     fn work() -> &'static PerCpuArray<Work<Self::Addr>>;
+    fn svc_stats() -> &'static PerCpuHashMap<ServiceKey<Self::Addr>, ServiceStats>;
     /// Parses the packet into `out` (per-CPU map memory); `false` if it cannot be read.
     fn parse(ctx: &TcContext, out: &mut LbParsed<Self::Addr>) -> bool;
     /// `CLUSTER_NET_*` flags of the longest prefix holding `addr` (0: outside the cluster).
@@ -76,6 +78,9 @@ impl Family for V4 {
     }
     fn work() -> &'static PerCpuArray<Work<u32>> {
         &WORK
+    }
+    fn svc_stats() -> &'static PerCpuHashMap<ServiceKeyV4, ServiceStats> {
+        &SVC_STATS
     }
     // Not inlined: the parser's temporaries get a frame of their own.
     #[inline(never)]
@@ -144,6 +149,9 @@ impl Family for V6 {
     }
     fn work() -> &'static PerCpuArray<Work<Ipv6Words>> {
         &WORK_V6
+    }
+    fn svc_stats() -> &'static PerCpuHashMap<ServiceKeyV6, ServiceStats> {
+        &SVC_STATS_V6
     }
     #[inline(never)]
     fn parse(ctx: &TcContext, out: &mut LbParsed<Ipv6Words>) -> bool {

@@ -23,6 +23,7 @@ use crate::{
     maps::{count, Work, LB_CONFIG},
     nat::Tuple,
     parsing::{ip_version, Fragment, IpVersion, LbFlow, LbParsed},
+    svc_stats::{self, Way},
 };
 
 /// The flow of the parsed packet, ready for translation (ports resolved for fragments); or the
@@ -124,13 +125,20 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
         if entry.flags & CT_FLAG_FORWARD != 0 {
             if !(flow.has_l4() && backend_gone::<F>(entry) && may_move(entry.flags, flow.proto)) {
                 count(if flow.fragment == Fragment::Later { lb_stat::FRAGMENT_NAT } else { lb_stat::CT_HIT });
+                svc_stats::count::<F>(ctx, flow.dst_addr, flow.dst_port, flow.proto, Way::In);
                 return translate::<F>(ctx, flow, entry, &mut work.to);
             }
             // Its backend is gone and nothing was answered yet: balance it again.
             count(lb_stat::CT_RESELECTED);
             conntrack::forget::<F>(&work.key, entry);
         } else if entry.flags & CT_FLAG_FULL_NAT != 0 {
-            count(if entry.service_id == 0 { lb_stat::EGRESS_MASQUERADE } else { lb_stat::REVERSE_NAT });
+            if entry.service_id == 0 {
+                count(lb_stat::EGRESS_MASQUERADE);
+            } else {
+                count(lb_stat::REVERSE_NAT);
+                // The reverse entry restores the frontend as the source.
+                svc_stats::count::<F>(ctx, entry.nat_src_addr, entry.nat_src_port, flow.proto, Way::Out);
+            }
             conntrack::mark_seen_reply::<F>(entry, flow.proto);
             return translate::<F>(ctx, flow, entry, &mut work.to);
         } else {
@@ -160,6 +168,7 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
     match new_flow::<F>(flow, &service, &chosen, now, &mut work.new) {
         NewFlowVerdict::DROP => TC_ACT_SHOT,
         verdict => {
+            svc_stats::count::<F>(ctx, flow.dst_addr, flow.dst_port, flow.proto, Way::New);
             work.to = Tuple { src: work.new.nat_src, dst: work.new.nat_dst };
             apply::<F>(ctx, flow, &work.to, verdict == NewFlowVerdict::ROUTE)
         }
@@ -180,6 +189,7 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
     match conntrack::lookup::<F>(&work.key, flow.tcp_flags, now) {
         Some(entry) if entry.flags & (CT_FLAG_REVERSE | CT_FLAG_FULL_NAT) == CT_FLAG_REVERSE => {
             count(if flow.fragment == Fragment::Later { lb_stat::FRAGMENT_NAT } else { lb_stat::REVERSE_NAT });
+            svc_stats::count::<F>(ctx, entry.nat_src_addr, entry.nat_src_port, flow.proto, Way::Out);
             conntrack::mark_seen_reply::<F>(entry, flow.proto);
             translate::<F>(ctx, flow, entry, &mut work.to)
         }

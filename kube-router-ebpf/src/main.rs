@@ -32,6 +32,7 @@ mod policy;
 mod reject;
 mod route;
 mod sock;
+mod svc_stats;
 
 use aya_ebpf::{
     bindings::TC_ACT_UNSPEC,

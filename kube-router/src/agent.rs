@@ -24,6 +24,7 @@ use crate::{
         policy_maps::{read_policy_stats, PolicyConntrack},
         service_maps::{read_lb_stats, sync_cluster_nets, write_lb_config, BpfServiceMaps, Conntrack},
         socket_lb::{self, SocketLbOptions},
+        svc_stats::SvcStatsMap,
     },
     firewall::FirewallController,
     k8s::{
@@ -218,6 +219,22 @@ impl ServiceController {
             m.map_entries.insert(map_names::SERVICES, programmed.services.len() as u64);
             m.map_entries.insert(map_names::BACKEND_SLOTS, programmed.slots.len() as u64);
             m.map_entries.insert(map_names::BACKENDS, programmed.backends.len() as u64);
+            // Label each frontend with its Service; a rejected Service's kept frontends keep theirs.
+            let mut owners = std::mem::take(&mut m.kr.frontends);
+            m.kr.frontends = programmed
+                .services
+                .keys()
+                .filter_map(|key| {
+                    let owner = match lb_plan.frontends.get(key) {
+                        Some(f) => crate::kr_metrics::FrontendOwner {
+                            namespace: f.backend_set.service.namespace.clone(),
+                            name: f.backend_set.service.name.clone(),
+                        },
+                        None => owners.remove(key)?,
+                    };
+                    Some((*key, owner))
+                })
+                .collect();
         });
         self.metrics.heartbeat("services");
         // A full map is retried when the desired state changes (space may free), not on a timer.
@@ -397,6 +414,14 @@ fn refresh_datapath_metrics(pin_dir: &Path, metrics: &Metrics, conntrack: &mut C
         metrics.with(|m| m.datapath_packets = lb_stat::NAMES.iter().copied().zip(stats).collect());
     }
     socket_lb::refresh_metrics(pin_dir, metrics);
+    let started = Instant::now();
+    match SvcStatsMap::open_pinned(pin_dir).and_then(|map| Ok(map.read_all()?)) {
+        Ok(stats) => metrics.with(|m| {
+            m.kr.sample(started, stats);
+            m.kr.stats_export_time.observe(started.elapsed().as_secs_f64());
+        }),
+        Err(e) => tracing::debug!(error = %e, "cannot read svc_stats_v4"),
+    }
     if gc {
         match conntrack.collect_garbage() {
             Ok((left, removed)) => metrics.with(|m| {
@@ -807,7 +832,9 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     if router_dirty && (api.objects.nodes.synced() || api.restored_from_checkpoint) {
                         router_dirty = false;
                         let o = &api.objects;
+                        let started = Instant::now();
                         router.update_from_nodes(o.nodes.objects(), o.services.objects(), o.endpoint_slices.objects()).await;
+                        metrics.with(|m| m.kr.bgp_peers_sync_time.observe(started.elapsed().as_secs_f64()));
                     }
                 }
                 if last_housekeeping.elapsed() < Duration::from_secs(1) {

@@ -224,6 +224,7 @@ impl FirewallController {
             m.map_entries.insert(n::POLICY_RULES, self.programmed.slot_rules.len() as u64);
             m.map_entries.insert(n::POLICY_PEERS, self.programmed.peer_prefixes.len() as u64);
             m.policy_sync_seconds = Some(started.elapsed().as_secs_f64());
+            m.kr.policy_sync_time.observe(started.elapsed().as_secs_f64());
         });
         self.metrics.heartbeat("firewall");
         report.errors

@@ -8,6 +8,7 @@ pub mod fib;
 pub mod firewall;
 pub mod healthcheck;
 pub mod k8s;
+pub mod kr_metrics;
 pub mod metrics;
 pub mod netif;
 pub mod overlay;

@@ -33,6 +33,18 @@ impl Histogram {
         self.count += 1;
         self.sum += value;
     }
+
+    /// The `_bucket`, `_sum` and `_count` samples of family `name`.
+    pub fn write_samples(&self, out: &mut String, name: &str) {
+        for (bound, n) in SYNC_BUCKETS.iter().zip(self.counts) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {n}");
+        }
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}",
+            self.count, self.sum, self.count
+        );
+    }
 }
 
 #[derive(Default)]
@@ -71,6 +83,8 @@ pub struct MetricsState {
     pub bgp: Option<crate::bgp::speaker::Speaker>,
     /// `ovl_stats` counters, summed over CPUs (once the overlay is in use).
     pub overlay_packets: Vec<(&'static str, u64)>,
+    /// kube-router's names (per-Service counters, sync times), see `kr_metrics`.
+    pub kr: crate::kr_metrics::KubeRouterMetrics,
 }
 
 #[derive(Clone, Default)]
@@ -102,6 +116,7 @@ impl Metrics {
                 }
             }
             m.sync_duration.observe(duration.as_secs_f64());
+            m.kr.services_sync_time.observe(duration.as_secs_f64());
             m.syncs += 1;
             m.last_sync_unix = Some(unix_now());
         })
@@ -301,8 +316,11 @@ impl Metrics {
                 let _ = writeln!(out, "kube_router_policy_sync_seconds {seconds}");
             }
             if let Some(bgp) = &m.bgp {
-                render_bgp(&mut out, &bgp.status());
+                let status = bgp.status();
+                render_bgp(&mut out, &status);
+                crate::kr_metrics::render_bgp(&mut out, &status);
             }
+            render_kube_router_names(&mut out, m);
             out
         })
     }
@@ -335,8 +353,43 @@ impl Metrics {
     }
 }
 
+/// The families under kube-router's own names (kube-router's dashboard reads these).
+fn render_kube_router_names(out: &mut String, m: &MetricsState) {
+    use crate::kr_metrics::{render_build_info, render_histogram};
+    render_build_info(out);
+    family(out, "kube_router_controller_ipvs_services", "gauge", "Number of ipvs services in the instance");
+    let frontends = m.map_entries.get(kube_router_common::map_names::SERVICES).copied().unwrap_or(0);
+    let _ = writeln!(out, "kube_router_controller_ipvs_services {frontends}");
+    m.kr.render_services(out);
+    for (name, help, h) in [
+        (
+            "kube_router_controller_ipvs_services_sync_time",
+            "Time it took for controller to sync ipvs services",
+            &m.kr.services_sync_time,
+        ),
+        ("kube_router_controller_ipvs_metrics_export_time", "Time it took to export metrics", &m.kr.stats_export_time),
+        (
+            "kube_router_controller_iptables_sync_time",
+            "Time it took for controller to sync iptables",
+            &m.kr.policy_sync_time,
+        ),
+        (
+            "kube_router_controller_policy_chains_sync_time",
+            "Time it took for controller to sync policy chains",
+            &m.kr.policy_sync_time,
+        ),
+        (
+            "kube_router_controller_bgp_internal_peers_sync_time",
+            "Time it took to sync internal bgp peers",
+            &m.kr.bgp_peers_sync_time,
+        ),
+    ] {
+        render_histogram(out, name, help, h);
+    }
+}
+
 /// The HELP and TYPE lines that open a metric family.
-fn family(out: &mut String, name: &str, kind: &str, help: &str) {
+pub(crate) fn family(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
@@ -507,6 +560,52 @@ mod tests {
         assert!(samples.contains(&("kube_router_map_writes_total".into(), 3.0)));
         assert!(samples.contains(&("kube_router_sync_duration_seconds_count".into(), 1.0)));
         assert!(metrics.render().contains("kube_router_map_writes_total{map=\"svc_v4\",op=\"update\"} 1"));
+    }
+
+    /// Every family the agent can export, each rendered at least once.
+    fn every_family() -> BTreeMap<String, String> {
+        let metrics = Metrics::default();
+        metrics.with(|m| {
+            m.policy_packets = vec![("allowed", 1)];
+            m.socket_lb_events = vec![("connect", 1)];
+            m.overlay_packets = vec![("encapsulated", 1)];
+            m.policy_sync_seconds = Some(0.1);
+        });
+        let mut text = metrics.render();
+        let status = crate::bgp::speaker::SpeakerStatus::default();
+        render_bgp(&mut text, &status);
+        crate::kr_metrics::render_bgp(&mut text, &status);
+        parse(&text).0
+    }
+
+    /// The names README's "Metrics" section lists (first column of its tables), with its type.
+    fn readme_names() -> BTreeMap<String, String> {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+        let section = readme.split("\n## Metrics\n").nth(1).expect("README has a Metrics section");
+        let section = section.split("\n## ").next().unwrap();
+        section
+            .lines()
+            .filter_map(|line| {
+                let mut cells = line.strip_prefix("| `kube_router_")?.split('|');
+                let name = format!("kube_router_{}", cells.next()?.trim().trim_end_matches('`'));
+                Some((name, cells.next()?.trim().to_string()))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_exported_names_and_types_are_exactly_the_ones_readme_lists() {
+        let (exported, listed) = (every_family(), readme_names());
+        let missing: Vec<_> = exported.iter().filter(|(n, t)| listed.get(*n) != Some(t)).collect();
+        let extra: Vec<_> = listed.keys().filter(|n| !exported.contains_key(*n)).collect();
+        assert!(
+            missing.is_empty() && extra.is_empty(),
+            "not (or wrongly) in README: {missing:?}; in README only: {extra:?}"
+        );
+        // kube-router's names that its dashboard reads.
+        for name in ["kube_router_build_info", "kube_router_service_total_connections", "kube_router_service_bps_in"] {
+            assert!(exported.contains_key(name), "{name}");
+        }
     }
 
     #[test]

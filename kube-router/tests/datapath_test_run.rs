@@ -199,6 +199,11 @@ fn resizing_the_maps_keeps_services_and_established_flows() {
     let max_entries = |name| aya::maps::MapInfo::from_pin(pinned_map(&loaded.pin_dir, name)).unwrap().max_entries();
     assert_eq!((max_entries("svc_v4"), max_entries("backends_v4"), max_entries("svc_slots_v4")), (1024, 4096, 4096));
     assert_eq!((max_entries("ct_v4"), max_entries("ct_v6"), max_entries("pol_ct_v4")), (4096, 4096, 4096));
+    assert_eq!(
+        (max_entries("svc_stats_v4"), max_entries("svc_stats_v6")),
+        (1024, 1024),
+        "counters follow the frontends"
+    );
     assert_eq!(max_entries("cluster_nets_v4"), kube_router_common::CLUSTER_NETS_MAX_ENTRIES, "fixed sizes stay");
     // The old programs (still attached in a real node) wrote a flow after the first copy.
     let late = packet::ipv4(packet::TCP, (CLIENT, 40001), (VIP, 80), packet::TCP_SYN, b"");
@@ -357,4 +362,54 @@ fn maglev_sends_a_flow_to_the_same_backend_on_every_node() {
         }
     }
     let _ = (node_b, node_c);
+}
+
+#[test]
+fn each_frontend_counts_its_connections_packets_and_bytes_and_a_new_service_starts_from_zero() {
+    use kube_router::bpf::svc_stats::SvcStatsMap;
+    use kube_router_common::{ServiceKeyV4, ServiceStats};
+    let yaml = services_yaml(&["10.0.0.1"], false);
+    let loaded = load("svcstats", &yaml);
+    let fd = loaded.datapath.program_fd(Hook::Ingress).unwrap();
+    let egress = loaded.datapath.program_fd(Hook::Egress).unwrap();
+    let frontend = |port: u16, proto: u8| ServiceKeyV4 {
+        addr: u32::from_ne_bytes(VIP.octets()),
+        port: port.to_be(),
+        proto,
+        pad: 0,
+    };
+    let (http, dns) = (frontend(80, packet::TCP), frontend(53, packet::UDP));
+    let ip_len = |p: &[u8]| (p.len() - 14) as u64;
+    let syn = packet::ipv4(packet::TCP, (CLIENT, 40000), (VIP, 80), packet::TCP_SYN, b"");
+    let data = packet::ipv4(packet::TCP, (CLIENT, 40000), (VIP, 80), packet::TCP_ACK, b"0123456789");
+    let reply = packet::ipv4(packet::TCP, (Ipv4Addr::new(10, 0, 0, 1), 8080), (CLIENT, 40000), packet::TCP_ACK, b"ok");
+    run(fd, &syn, 1).unwrap();
+    for _ in 0..3 {
+        run(fd, &data, 1).unwrap();
+    }
+    for _ in 0..2 {
+        assert_eq!(packet::endpoints(&run(egress, &reply, 1).unwrap().packet).0, (VIP, 80));
+    }
+    // Not a Service flow: counted nowhere.
+    run(fd, &packet::ipv4(packet::TCP, (CLIENT, 40001), (Ipv4Addr::new(10, 96, 0, 99), 80), packet::TCP_SYN, b""), 1)
+        .unwrap();
+
+    let stats = SvcStatsMap::open_pinned(&loaded.pin_dir).unwrap();
+    let all = stats.read_all().unwrap();
+    let want = ServiceStats {
+        connections: 1,
+        packets_in: 4,
+        bytes_in: ip_len(&syn) + 3 * ip_len(&data),
+        packets_out: 2,
+        bytes_out: 2 * ip_len(&reply),
+    };
+    assert_eq!(all.get(&http), Some(&want));
+    assert_eq!(all.get(&dns), Some(&ServiceStats::default()), "the other port of the Service saw nothing");
+    assert_eq!(all.len(), 2, "one entry per programmed frontend");
+
+    // The Service is removed, and one is programmed again on the same frontend: it starts at 0.
+    program(&loaded.pin_dir, "");
+    assert!(stats.read_all().unwrap().is_empty(), "counters removed with their frontends");
+    program(&loaded.pin_dir, &yaml);
+    assert_eq!(stats.read_all().unwrap().get(&http), Some(&ServiceStats::default()));
 }

@@ -394,3 +394,64 @@ fn the_node_itself_reaches_services_on_both_nodes_through_the_socket_load_balanc
         assert!(replies.iter().all(|(_, peer)| peer == target), "{mode} {target}: {replies:?}");
     }
 }
+
+/// Polls `done` for up to 15 s (the agent samples its counters every second).
+fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        thread::sleep(Duration::from_millis(250));
+    }
+}
+
+#[test]
+fn per_service_counters_under_kube_router_names_count_exactly_that_services_traffic() {
+    let c = Cluster::builder("krt-cp-stats").build().unwrap();
+    c.add_service(Svc::cluster_ip("web", "10.96.1.40").select("pod", "pod-2-0")).unwrap();
+    c.add_service(Svc::cluster_ip("idle", "10.96.1.41").select("pod", "pod-2-0")).unwrap();
+    let node = c.node(0);
+    let series = |name: &str, port: &str| {
+        let proto = if port == "53" { "udp" } else { "tcp" };
+        let vip = if name == "web" { "10.96.1.40" } else { "10.96.1.41" };
+        format!("svc_namespace=\"default\",service_name=\"{name}\",service_vip=\"{vip}\",protocol=\"{proto}\",port=\"{port}\"")
+    };
+    let (web, web_dns, idle) = (series("web", "80"), series("web", "53"), series("idle", "80"));
+    let counters = [
+        "kube_router_service_total_connections",
+        "kube_router_service_packets_in",
+        "kube_router_service_bytes_in",
+        "kube_router_service_packets_out",
+        "kube_router_service_bytes_out",
+    ];
+    // Every programmed frontend has its series from the start, at 0.
+    wait_for("the idle Service's series", || {
+        node.metrics().contains(&format!("kube_router_service_bytes_in{{{idle}}} 0\n"))
+    });
+
+    // The pod on node-1 calls the Service: node-1 translates both directions and counts them.
+    const N: usize = 20;
+    assert_all_from(&c.pod(0, 0).request("tcp", "10.96.1.40:80", N), "pod-2-0");
+    wait_for("N connections", || node.metric("kube_router_service_total_connections", &web) >= N as f64);
+    let first: Vec<f64> = counters.iter().map(|name| node.metric(name, &web)).collect();
+    // A TCP connection is at least a SYN, an ACK and a request in, a SYN-ACK and a reply out.
+    assert!(first[1] >= 3.0 * N as f64 && first[3] >= 2.0 * N as f64, "{first:?}");
+    assert!(first[2] >= 40.0 * first[1] && first[4] >= 40.0 * first[3], "IP bytes, at least a header each: {first:?}");
+
+    assert_all_from(&c.pod(0, 0).request("tcp", "10.96.1.40:80", N), "pod-2-0");
+    wait_for("2N connections", || node.metric("kube_router_service_total_connections", &web) >= 2.0 * N as f64);
+    wait_for("bytes in and out to grow", || {
+        node.metric("kube_router_service_bytes_in", &web) > first[2]
+            && node.metric("kube_router_service_bytes_out", &web) > first[4]
+    });
+    // Rates are the difference between two samples; some second saw connections.
+    assert!(node.metrics().contains("kube_router_service_cps{"), "cps exported");
+
+    // The other Service, and the other port of this one, saw nothing.
+    let scrape = node.metrics();
+    for name in counters {
+        for other in [&idle, &web_dns] {
+            assert!(scrape.contains(&format!("{name}{{{other}}} 0\n")), "{name}{{{other}}} is not 0:\n{scrape}");
+        }
+    }
+    assert!(scrape.contains("kube_router_build_info{goversion=\"rust"), "{scrape}");
+}

@@ -17,7 +17,7 @@ const fn spec<K, V>(name: &'static str, map_type: MapType, max_entries: u32) -> 
     MapSpec { name, map_type, key_size: size_of::<K>() as u32, value_size: size_of::<V>() as u32, max_entries }
 }
 
-pub const SERVICE_MAPS: [MapSpec; 19] = [
+pub const SERVICE_MAPS: [MapSpec; 21] = [
     spec::<ServiceKeyV4, ServiceValue>(map_names::SERVICES, MapType::Hash, SERVICES_MAX_ENTRIES),
     spec::<BackendSlotKey, BackendSlotValue>(map_names::BACKEND_SLOTS, MapType::Hash, BACKEND_SLOTS_MAX_ENTRIES),
     spec::<u32, BackendV4>(map_names::BACKENDS, MapType::Hash, BACKENDS_MAX_ENTRIES),
@@ -37,6 +37,8 @@ pub const SERVICE_MAPS: [MapSpec; 19] = [
     spec::<Key<Ipv6Words>, u32>(map_names::CLUSTER_NETS_V6, MapType::LpmTrie, CLUSTER_NETS_MAX_ENTRIES),
     spec::<Key<SourceRangeKeyV4>, u8>(map_names::SOURCE_RANGES, MapType::LpmTrie, SOURCE_RANGES_MAX_ENTRIES),
     spec::<Key<SourceRangeKeyV6>, u8>(map_names::SOURCE_RANGES_V6, MapType::LpmTrie, SOURCE_RANGES_MAX_ENTRIES),
+    spec::<ServiceKeyV4, ServiceStats>(svc_stats_map_names::SVC_STATS, MapType::PerCpuHash, SVC_STATS_MAX_ENTRIES),
+    spec::<ServiceKeyV6, ServiceStats>(svc_stats_map_names::SVC_STATS_V6, MapType::PerCpuHash, SVC_STATS_MAX_ENTRIES),
 ];
 
 /// The NetworkPolicy maps. `pol_peers_v4` keys are aya's LPM `Key` (u32 prefix length + data).
@@ -115,7 +117,10 @@ impl MapSizes {
     /// The size this configuration gives the named map; `None` for maps of a fixed size.
     pub fn max_entries(&self, name: &str) -> Option<u32> {
         match name {
-            map_names::SERVICES | map_names::SERVICES_V6 => Some(self.lb_frontends),
+            map_names::SERVICES
+            | map_names::SERVICES_V6
+            | svc_stats_map_names::SVC_STATS
+            | svc_stats_map_names::SVC_STATS_V6 => Some(self.lb_frontends),
             map_names::BACKEND_SLOTS | map_names::BACKEND_SLOTS_V6 | map_names::BACKENDS | map_names::BACKENDS_V6 => {
                 Some(self.lb_frontends * BACKENDS_PER_FRONTEND)
             }

@@ -16,7 +16,7 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
-use aya::maps::{lpm_trie::Key, Array, HashMap, LpmTrie, Map, MapData};
+use aya::maps::{lpm_trie::Key, Array, HashMap, LpmTrie, Map, MapData, MapType};
 use kube_router_common::*;
 
 use super::maps_dir;
@@ -390,7 +390,15 @@ fn copy_absent_entries(from: &MapData, to: &MapData) -> Result<(usize, bool)> {
         }
     }
     let info = from.info()?;
-    let (key_size, value_size) = (info.key_size() as usize, info.value_size() as usize);
+    let key_size = info.key_size() as usize;
+    // A per-CPU map's element reads and writes carry one 8-byte-aligned value per possible CPU.
+    let per_cpu = matches!(info.map_type(), Ok(MapType::PerCpuHash | MapType::LruPerCpuHash));
+    let value_size = if per_cpu {
+        let cpus = aya::util::nr_cpus().map_err(|(_, e)| e).context("counting the possible CPUs")?;
+        (info.value_size() as usize).next_multiple_of(8) * cpus
+    } else {
+        info.value_size() as usize
+    };
     let (from_fd, to_fd) = (from.fd().as_fd().as_raw_fd() as u32, to.fd().as_fd().as_raw_fd() as u32);
     let (mut key, mut next, mut value) = (vec![0u8; key_size], vec![0u8; key_size], vec![0u8; value_size]);
     let mut first = true;

@@ -5,6 +5,7 @@ pub mod migrate;
 pub mod policy_maps;
 pub mod service_maps;
 pub mod socket_lb;
+pub mod svc_stats;
 pub mod test_run;
 
 /// The datapath object built by build.rs (aya-build) from the kube-router-ebpf crate.

@@ -36,6 +36,7 @@ pub struct BpfServiceMaps {
     slots: HashMap<MapData, BackendSlotKey, BackendSlotValue>,
     backends: HashMap<MapData, u32, BackendV4>,
     source_ranges: LpmTrie<MapData, SourceRangeKeyV4, u8>,
+    stats: super::svc_stats::SvcStatsMap,
 }
 
 fn source_range_key(range: &SourceRange) -> Key<SourceRangeKeyV4> {
@@ -51,12 +52,28 @@ fn source_range_of(key: &Key<SourceRangeKeyV4>) -> SourceRange {
 
 impl BpfServiceMaps {
     pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
-        Ok(Self {
+        let mut maps = Self {
             services: open_hash(pin_dir, map_names::SERVICES)?,
             slots: open_hash(pin_dir, map_names::BACKEND_SLOTS)?,
             backends: open_hash(pin_dir, map_names::BACKENDS)?,
             source_ranges: LpmTrie::try_from(Map::LpmTrie(open(pin_dir, map_names::SOURCE_RANGES)?))?,
-        })
+            stats: super::svc_stats::SvcStatsMap::open_pinned(pin_dir)?,
+        };
+        // Frontends programmed before the counters existed (an upgrade) get them now.
+        let frontends: Vec<ServiceKeyV4> = maps.services.keys().collect::<Result<_, _>>()?;
+        maps.stats.ensure(&frontends)?;
+        Ok(maps)
+    }
+
+    /// Before a frontend is written: a new one, or one handed to another backend set, starts
+    /// from zeroed counters. Not fatal: the frontend matters more than its counters.
+    fn reset_stats(&mut self, key: &ServiceKeyV4, value: &ServiceValue) {
+        let same = self.services.get(key, 0).is_ok_and(|old| old.service_id == value.service_id);
+        if !same {
+            if let Err(e) = self.stats.reset(key) {
+                tracing::warn!(error = %e, "cannot reset a frontend's counters in svc_stats_v4");
+            }
+        }
     }
 }
 
@@ -78,8 +95,17 @@ impl ServiceMaps for BpfServiceMaps {
         let result = match op {
             MapOp::PutBackend(k, v) => self.backends.insert(k, v, 0),
             MapOp::PutSlot(k, v) => self.slots.insert(k, v, 0),
-            MapOp::PutService(k, v) => self.services.insert(k, v, 0),
-            MapOp::DeleteService(k) => self.services.remove(k),
+            MapOp::PutService(k, v) => {
+                self.reset_stats(k, v);
+                self.services.insert(k, v, 0)
+            }
+            MapOp::DeleteService(k) => {
+                let removed = self.services.remove(k);
+                if let Err(e) = self.stats.remove(k) {
+                    tracing::warn!(error = %e, "cannot remove a frontend's counters from svc_stats_v4");
+                }
+                removed
+            }
             MapOp::DeleteSlot(k) => self.slots.remove(k),
             MapOp::DeleteBackend(k) => self.backends.remove(k),
             MapOp::PutSourceRange(k) => self.source_ranges.insert(&source_range_key(k), 1, 0),

@@ -1,0 +1,214 @@
+//! kube-router's own metric names, so its Grafana dashboard and alerts work unchanged: build
+//! info, per-Service counters (from `svc_stats_v4`, kube-router reads them from IPVS), controller
+//! sync times and BGP peers. Our own `kube_router_*` names stay beside them (see README,
+//! "Metrics").
+use std::{collections::BTreeMap, fmt::Write as _, time::Instant};
+
+use kube_router_common::{ServiceKeyV4, ServiceStats, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
+
+use crate::metrics::{family, Histogram};
+
+/// The Service a frontend belongs to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FrontendOwner {
+    pub namespace: String,
+    pub name: String,
+}
+
+/// Rates between the last two samples, per second.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Rates {
+    pub cps: f64,
+    pub pps_in: f64,
+    pub pps_out: f64,
+    pub bps_in: f64,
+    pub bps_out: f64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Sample {
+    at: Instant,
+    stats: ServiceStats,
+    rates: Rates,
+}
+
+#[derive(Default)]
+pub struct KubeRouterMetrics {
+    /// Every programmed frontend and its Service, from the last compile.
+    pub frontends: BTreeMap<ServiceKeyV4, FrontendOwner>,
+    samples: BTreeMap<ServiceKeyV4, Sample>,
+    /// Services sync (kube-router: IPVS services sync).
+    pub services_sync_time: Histogram,
+    /// NetworkPolicy compile + map writes (kube-router: iptables / policy chains sync).
+    pub policy_sync_time: Histogram,
+    /// BGP peers from Node objects (kube-router: internal peers sync).
+    pub bgp_peers_sync_time: Histogram,
+    /// Reading `svc_stats_v4` (kube-router: IPVS metrics export).
+    pub stats_export_time: Histogram,
+}
+
+/// A counter's increase per second; a counter that went down was reset (a new frontend).
+fn rate(now: u64, before: u64, seconds: f64) -> f64 {
+    let delta = if now >= before { now - before } else { now };
+    delta as f64 / seconds
+}
+
+impl KubeRouterMetrics {
+    /// Takes a new reading of every frontend's counters; rates are its difference from the
+    /// previous one (kube-router takes them from IPVS's own estimator).
+    pub fn sample(&mut self, now: Instant, stats: BTreeMap<ServiceKeyV4, ServiceStats>) {
+        let mut samples = BTreeMap::new();
+        for (key, stats) in stats {
+            let rates = match self.samples.get(&key) {
+                Some(before) if now > before.at => {
+                    let s = (now - before.at).as_secs_f64();
+                    let b = &before.stats;
+                    Rates {
+                        cps: rate(stats.connections, b.connections, s),
+                        pps_in: rate(stats.packets_in, b.packets_in, s),
+                        pps_out: rate(stats.packets_out, b.packets_out, s),
+                        bps_in: rate(stats.bytes_in, b.bytes_in, s),
+                        bps_out: rate(stats.bytes_out, b.bytes_out, s),
+                    }
+                }
+                Some(before) => before.rates,
+                None => Rates::default(),
+            };
+            samples.insert(key, Sample { at: now, stats, rates });
+        }
+        self.samples = samples;
+    }
+
+    /// The per-Service families, one series per frontend with counters and an owner.
+    pub fn render_services(&self, out: &mut String) {
+        let series: Vec<(String, &Sample)> = self
+            .samples
+            .iter()
+            .filter_map(|(key, sample)| Some((labels(key, self.frontends.get(key)?), sample)))
+            .collect();
+        type Pick = fn(&Sample) -> f64;
+        let families: [(&str, &str, &str, Pick); 10] = [
+            ("service_total_connections", "counter", "Total incoming connections made", |s| s.stats.connections as f64),
+            ("service_packets_in", "counter", "Total incoming packets", |s| s.stats.packets_in as f64),
+            ("service_packets_out", "counter", "Total outgoing packets", |s| s.stats.packets_out as f64),
+            ("service_bytes_in", "counter", "Total incoming bytes", |s| s.stats.bytes_in as f64),
+            ("service_bytes_out", "counter", "Total outgoing bytes", |s| s.stats.bytes_out as f64),
+            ("service_pps_in", "gauge", "Incoming packets per second", |s| s.rates.pps_in),
+            ("service_pps_out", "gauge", "Outgoing packets per second", |s| s.rates.pps_out),
+            ("service_cps", "gauge", "Service connections per second", |s| s.rates.cps),
+            ("service_bps_in", "gauge", "Incoming bytes per second", |s| s.rates.bps_in),
+            ("service_bps_out", "gauge", "Outgoing bytes per second", |s| s.rates.bps_out),
+        ];
+        for (name, kind, help, pick) in families {
+            family(out, &format!("kube_router_{name}"), kind, help);
+            for (labels, sample) in &series {
+                let _ = writeln!(out, "kube_router_{name}{{{labels}}} {}", pick(sample));
+            }
+        }
+    }
+}
+
+/// kube-router's Service labels: `svc_namespace`, `service_name`, `service_vip`, `protocol`
+/// (lower case), `port`. A NodePort's VIP is the node address, as in IPVS.
+fn labels(key: &ServiceKeyV4, owner: &FrontendOwner) -> String {
+    let vip = std::net::Ipv4Addr::from(key.addr.to_ne_bytes());
+    let protocol = match key.proto {
+        IPPROTO_TCP => "tcp",
+        IPPROTO_UDP => "udp",
+        IPPROTO_SCTP => "sctp",
+        _ => "unknown",
+    };
+    format!(
+        "svc_namespace=\"{}\",service_name=\"{}\",service_vip=\"{vip}\",protocol=\"{protocol}\",port=\"{}\"",
+        owner.namespace,
+        owner.name,
+        u16::from_be(key.port)
+    )
+}
+
+/// A histogram family (kube-router's sync times are histograms in seconds).
+pub fn render_histogram(out: &mut String, name: &str, help: &str, h: &Histogram) {
+    family(out, name, "histogram", help);
+    h.write_samples(out, name);
+}
+
+/// `kube_router_build_info`: kube-router's labels; `goversion` holds the Rust compiler version.
+pub fn render_build_info(out: &mut String) {
+    family(out, "kube_router_build_info", "gauge", "Expose version and other build information");
+    let _ = writeln!(
+        out,
+        "kube_router_build_info{{goversion=\"{}\",version=\"{}\"}} 1",
+        env!("KUBE_ROUTER_RUSTC_VERSION"),
+        env!("CARGO_PKG_VERSION")
+    );
+}
+
+/// kube-router's BGP families that we have an equivalent for.
+pub fn render_bgp(out: &mut String, bgp: &crate::bgp::speaker::SpeakerStatus) {
+    family(out, "kube_router_controller_bgp_peers", "gauge", "BGP peers in the runtime configuration");
+    let _ = writeln!(out, "kube_router_controller_bgp_peers {}", bgp.peers.len());
+    family(out, "kube_router_bgp_peer_info", "gauge", "BGP peer information");
+    for p in &bgp.peers {
+        let kind = if p.asn == bgp.local_asn { "internal" } else { "external" };
+        let state = format!("{:?}", p.state).to_lowercase();
+        let _ = writeln!(
+            out,
+            "kube_router_bgp_peer_info{{address=\"{}\",type=\"{kind}\",asn=\"{}\",state=\"{state}\"}} 1",
+            p.address, p.asn
+        );
+    }
+    family(
+        out,
+        "kube_router_controller_bgp_advertisements_received",
+        "counter",
+        "BGP advertisements received (UPDATE messages, all peers)",
+    );
+    let received: u64 = bgp.peers.iter().map(|p| p.updates_received).sum();
+    let _ = writeln!(out, "kube_router_controller_bgp_advertisements_received {received}");
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn key(last: u8, port: u16) -> ServiceKeyV4 {
+        ServiceKeyV4 { addr: u32::from_ne_bytes([10, 96, 0, last]), port: port.to_be(), proto: IPPROTO_TCP, pad: 0 }
+    }
+
+    #[test]
+    fn rates_are_the_difference_between_two_samples_and_a_reset_starts_over() {
+        let mut m = KubeRouterMetrics::default();
+        let k = key(10, 80);
+        m.frontends.insert(k, FrontendOwner { namespace: "default".into(), name: "web".into() });
+        let t0 = Instant::now();
+        let at = |connections, bytes_in| ServiceStats { connections, bytes_in, ..Default::default() };
+        m.sample(t0, BTreeMap::from([(k, at(10, 1000))]));
+        assert_eq!(m.samples[&k].rates, Rates::default());
+        m.sample(t0 + Duration::from_secs(2), BTreeMap::from([(k, at(30, 5000))]));
+        assert_eq!(m.samples[&k].rates.cps, 10.0);
+        assert_eq!(m.samples[&k].rates.bps_in, 2000.0);
+        // The frontend was removed and programmed again: its counters restarted from zero.
+        m.sample(t0 + Duration::from_secs(3), BTreeMap::from([(k, at(4, 0))]));
+        assert_eq!(m.samples[&k].rates.cps, 4.0);
+        let mut out = String::new();
+        m.render_services(&mut out);
+        let labels =
+            "svc_namespace=\"default\",service_name=\"web\",service_vip=\"10.96.0.10\",protocol=\"tcp\",port=\"80\"";
+        assert!(out.contains(&format!("kube_router_service_total_connections{{{labels}}} 4\n")), "{out}");
+        assert!(out.contains(&format!("kube_router_service_cps{{{labels}}} 4\n")), "{out}");
+    }
+
+    #[test]
+    fn frontends_without_an_owner_are_not_exported() {
+        let mut m = KubeRouterMetrics::default();
+        m.sample(
+            Instant::now(),
+            BTreeMap::from([(key(11, 53), ServiceStats { connections: 1, ..Default::default() })]),
+        );
+        let mut out = String::new();
+        m.render_services(&mut out);
+        assert!(!out.contains("10.96.0.11"), "{out}");
+    }
+}
