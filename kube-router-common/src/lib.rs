@@ -12,6 +12,8 @@ mod sock;
 pub use sock::*;
 mod svc_stats;
 pub use svc_stats::*;
+mod monitor;
+pub use monitor::*;
 
 /// Version of the whole map layout. Stored in the `meta` map at index [`META_LAYOUT_VERSION`],
 /// and naming the directory the maps are pinned in (`<bpf root>/v2/`), so an upgrade can create

@@ -16,7 +16,7 @@ use crate::{
 
 pub trait Family: 'static {
     /// `u32` or [`Ipv6Words`], network byte order.
-    type Addr: Copy + PartialEq + FlowHashWords;
+    type Addr: Copy + PartialEq + FlowHashWords + EventAddr;
 
     fn services() -> &'static HashMap<ServiceKey<Self::Addr>, ServiceValue>;
     fn slots() -> &'static HashMap<BackendSlotKey, BackendSlotValue>;

@@ -17,6 +17,7 @@ use kube_router_common::*;
 use crate::{
     backend::select_backend,
     conntrack::{self, NewFlow, SnatError},
+    events,
     family::{Family, V4, V6},
     frag,
     icmp::{self, Hook},
@@ -169,6 +170,22 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
         NewFlowVerdict::DROP => TC_ACT_SHOT,
         verdict => {
             svc_stats::count::<F>(ctx, flow.dst_addr, flow.dst_port, flow.proto, Way::New);
+            let backend = work.new.nat_dst;
+            events::emit(ctx, now, |ifindex| MonitorEvent {
+                timestamp_ns: now,
+                kind: EVENT_SERVICE_NAT,
+                family: if size_of::<F::Addr>() == 4 { 4 } else { 6 },
+                proto: flow.proto,
+                direction: 0,
+                ifindex,
+                src: flow.src_addr.event_words(),
+                dst: flow.dst_addr.event_words(),
+                nat: backend.0.event_words(),
+                src_port: flow.src_port,
+                dst_port: flow.dst_port,
+                nat_port: backend.1,
+                pad: 0,
+            });
             work.to = Tuple { src: work.new.nat_src, dst: work.new.nat_dst };
             apply::<F>(ctx, flow, &work.to, verdict == NewFlowVerdict::ROUTE)
         }

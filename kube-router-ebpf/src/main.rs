@@ -20,6 +20,7 @@
 
 mod backend;
 mod conntrack;
+mod events;
 mod family;
 mod frag;
 mod icmp;

@@ -18,7 +18,8 @@ use aya_ebpf::{
 use kube_router_common::*;
 
 use crate::{
-    maps::{count_policy as count, POLICY_CONNTRACK, POLICY_PEERS, POLICY_PODS, POLICY_RULES},
+    events,
+    maps::{count_policy as count, CONNTRACK, POLICY_CONNTRACK, POLICY_PEERS, POLICY_PODS, POLICY_RULES},
     parsing::{parse_for_policy, Parsed, TCP_FLAG_FIN, TCP_FLAG_RST},
 };
 
@@ -81,6 +82,15 @@ pub fn enforce(ctx: &TcContext, hook: VethHook) -> Result<i32, i64> {
         count(pol_stat::CT_ESTABLISHED);
         return Ok(TC_ACT_UNSPEC);
     }
+    // A reply to a Service flow the pod opened, already translated back to the Service address
+    // before this hook (by the load balancer on a bridge the veth is a port of): the policy entry
+    // was recorded under the backend's address, the load balancer's under the Service's.
+    if matches!(hook, VethHook::ToPod) && opened_through_a_service(&ct_key) {
+        count(pol_stat::CT_ESTABLISHED);
+        let entry = PolicyCtValue { last_seen_ns: now, flags: POLICY_CT_FROM_POD, pad: [0; 7] };
+        let _ = POLICY_CONNTRACK.insert(ct_key, entry, 0);
+        return Ok(TC_ACT_UNSPEC);
+    }
 
     // A new connection: its destination port is this packet's, whichever hook sees it.
     let pod_key = PolicyPodKeyV4 { addr: pod_addr, direction, pad: [0; 3] };
@@ -92,11 +102,13 @@ pub fn enforce(ctx: &TcContext, hook: VethHook) -> Result<i32, i64> {
             Verdict::Allow => count(pol_stat::ALLOWED),
             Verdict::Deny => {
                 count(denied);
+                report_drop(ctx, &flow, direction, now);
                 return Ok(TC_ACT_SHOT);
             }
             Verdict::OverRuleLimit => {
                 count(pol_stat::RULE_LIMIT_DENIED);
                 count(denied);
+                report_drop(ctx, &flow, direction, now);
                 return Ok(TC_ACT_SHOT);
             }
         },
@@ -141,6 +153,22 @@ fn established(key: &PolicyCtKeyV4, proto: u8, closing: bool, now: u64) -> bool 
     true
 }
 
+/// Whether the load balancer holds the forward entry of a flow the pod opened to this peer (a
+/// Service address): only flows the pod itself started have one.
+#[inline(always)]
+fn opened_through_a_service(key: &PolicyCtKeyV4) -> bool {
+    let forward = CtKeyV4 {
+        src_addr: key.pod_addr,
+        dst_addr: key.peer_addr,
+        src_port: key.pod_port,
+        dst_port: key.peer_port,
+        proto: key.proto,
+        pad: [0; 3],
+    };
+    // SAFETY: read-only copy of a map value.
+    unsafe { CONNTRACK.get(forward) }.is_some_and(|entry| entry.flags & CT_FLAG_FORWARD != 0)
+}
+
 /// The reference lookup of `MapEntries::side_allows`: any rule whose ports admit the packet and
 /// whose peer set holds the peer allows it.
 #[inline(always)]
@@ -169,4 +197,24 @@ fn evaluate(pod: &PolicyPodValue, peer_addr: u32, proto: u8, dst_port: u16) -> V
 fn peer_in_set(peer_set: u32, addr: u32) -> bool {
     let key = Key::new(PEER_SET_PREFIX_BITS + 32, PeerPrefixV4 { peer_set_be: peer_set.to_be(), addr });
     matches!(POLICY_PEERS.get(&key), Some(verdict) if *verdict == PEER_ALLOW)
+}
+
+/// A drop for `kube-router monitor` (nothing unless one listens).
+#[inline(always)]
+fn report_drop(ctx: &TcContext, flow: &crate::parsing::Flow, direction: u8, now: u64) {
+    events::emit(ctx, now, |ifindex| MonitorEvent {
+        timestamp_ns: now,
+        kind: EVENT_POLICY_DROP,
+        family: 4,
+        proto: flow.proto,
+        direction,
+        ifindex,
+        src: [flow.src_addr, 0, 0, 0],
+        dst: [flow.dst_addr, 0, 0, 0],
+        nat: [0; 4],
+        src_port: flow.src_port,
+        dst_port: flow.dst_port,
+        nat_port: 0,
+        pad: 0,
+    });
 }

@@ -84,6 +84,8 @@ struct Figures {
     established_repeat: f64,
     established_single: f64,
     deny: f64,
+    /// `deny` with `kube-router monitor` listening.
+    deny_monitored: f64,
     allow_new: f64,
 }
 
@@ -132,9 +134,19 @@ fn measure(label: &str, pods: usize, rules_per_pod: usize) -> Figures {
     let established_single = single_runs(fd, |_| established.clone());
     let deny = run(fd, &tcp(40001, nobody, packet::TCP_SYN), REPEAT).unwrap().duration_ns as f64;
     let allow_new = single_runs(fd, |port| tcp(port, last_rule, packet::TCP_SYN));
+    // `kube-router monitor` listening (its default 1,000 events/s per CPU): the same denials.
+    let monitor = |until: u64| {
+        let map = aya::maps::MapData::from_pin(kube_router::bpf::pinned_map(pin_dir, "events_cfg")).unwrap();
+        let mut config: aya::maps::Array<_, kube_router_common::MonitorConfig> =
+            aya::maps::Array::try_from(aya::maps::Map::Array(map)).unwrap();
+        config.set(0, kube_router_common::MonitorConfig { enabled_until_ns: until, rate_per_cpu: 1000 }, 0).unwrap();
+    };
+    monitor(u64::MAX);
+    let deny_monitored = run(fd, &tcp(40001, nobody, packet::TCP_SYN), REPEAT).unwrap().duration_ns as f64;
+    monitor(0);
     drop(datapath);
     let _ = datapath::remove_all(pin_dir);
-    Figures { established_repeat, established_single, deny, allow_new }
+    Figures { established_repeat, established_single, deny, allow_new, deny_monitored }
 }
 
 fn main() {
@@ -156,6 +168,15 @@ fn main() {
             f.established_single,
             f.allow_new,
             f.allow_new / f.established_single,
+        );
+    }
+    println!();
+    for (label, _, f) in &results {
+        println!(
+            "{label:<14} deny with kube-router monitor off {:>7.1} ns, on {:>7.1} ns ({:.2}x; 1,000 events/s per CPU, the rest counted)",
+            f.deny,
+            f.deny_monitored,
+            f.deny_monitored / f.deny
         );
     }
 }

@@ -10,6 +10,7 @@ pub mod healthcheck;
 pub mod k8s;
 pub mod kr_metrics;
 pub mod metrics;
+pub mod monitor;
 pub mod netif;
 pub mod overlay;
 pub mod policy;

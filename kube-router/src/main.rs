@@ -17,7 +17,7 @@ use kube_router::{
     router::{AdvertiseServices, RouterOptions},
     services::compile::Limits,
 };
-use kube_router_common::{lb_stat, sock_stat, DEFAULT_PIN_DIR};
+use kube_router_common::{event_stat, lb_stat, sock_stat, DEFAULT_PIN_DIR};
 
 #[derive(Parser)]
 #[command(
@@ -284,6 +284,19 @@ enum Command {
     Interfaces,
     /// Show the age and contents of the checkpoint in --state-dir.
     Checkpoint,
+    /// Stream NetworkPolicy drops and new Service flows from the datapath, with pod, namespace
+    /// and Service names from the checkpoint in --state-dir. Events flow only while this runs.
+    Monitor {
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+        /// Which events.
+        #[arg(long = "type", value_enum, default_value = "all")]
+        filter: kube_router::monitor::EventFilter,
+        /// Events per second per CPU the datapath may write (more are counted, not written).
+        #[arg(long, default_value_t = 1000)]
+        rate: u64,
+    },
     /// Uninstall: remove every pinned map and link (TC and cgroup), the kernel routes of our
     /// protocol and the graceful-restart marker. Traffic to services and across nodes stops.
     Cleanup,
@@ -490,6 +503,13 @@ fn main() -> ExitCode {
             }
         }),
         Command::Checkpoint => show_checkpoint(&cli),
+        Command::Monitor { json, filter, rate } => kube_router::monitor::run(&kube_router::monitor::Options {
+            pin_dir: cli.bpf_root.clone(),
+            state_dir: cli.run.state_dir.clone(),
+            json: *json,
+            filter: *filter,
+            rate_per_cpu: *rate,
+        }),
         Command::Stats => read_lb_stats(&cli.bpf_root).map(|stats| {
             for (name, n) in lb_stat::NAMES.iter().zip(stats) {
                 println!("{name} {n}");
@@ -497,6 +517,12 @@ fn main() -> ExitCode {
             // The socket load balancer's counters, if it ever ran.
             for (name, n) in sock_stat::NAMES.iter().zip(read_sock_stats(&cli.bpf_root).unwrap_or_default()) {
                 println!("sock_{name} {n}");
+            }
+            // `kube-router monitor`'s events: written, over the rate limit, lost to a full ring.
+            for (name, n) in
+                event_stat::NAMES.iter().zip(kube_router::monitor::read_stats(&cli.bpf_root).unwrap_or_default())
+            {
+                println!("monitor_{name} {n}");
             }
         }),
         Command::Cleanup => cleanup(&cli),

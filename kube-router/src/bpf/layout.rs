@@ -61,6 +61,14 @@ pub const OVERLAY_MAPS: [MapSpec; 3] = [
     spec::<u32, u64>(map_names::OVERLAY_STATS, MapType::PerCpuArray, ovl_stat::COUNT),
 ];
 
+/// `kube-router monitor`'s maps (see kube_router_common::monitor).
+pub const MONITOR_MAPS: [MapSpec; 4] = [
+    spec::<(), ()>(monitor_map_names::EVENTS, MapType::RingBuf, EVENTS_RING_BYTES),
+    spec::<u32, MonitorConfig>(monitor_map_names::EVENTS_CONFIG, MapType::Array, 1),
+    spec::<u32, TokenBucket>(monitor_map_names::EVENTS_BUCKET, MapType::PerCpuArray, 1),
+    spec::<u32, u64>(monitor_map_names::EVENTS_STATS, MapType::PerCpuArray, event_stat::COUNT),
+];
+
 /// The socket load balancer's own maps (it also reads the service maps).
 pub const SOCK_MAPS: [MapSpec; 3] = [
     spec::<SockReverseKeyV4, SockReverseValueV4>(
@@ -156,7 +164,7 @@ impl MapSizes {
 }
 
 fn all_specs() -> impl Iterator<Item = &'static MapSpec> {
-    SERVICE_MAPS.iter().chain(&POLICY_MAPS).chain(&OVERLAY_MAPS).chain(&SOCK_MAPS)
+    SERVICE_MAPS.iter().chain(&POLICY_MAPS).chain(&OVERLAY_MAPS).chain(&SOCK_MAPS).chain(&MONITOR_MAPS)
 }
 
 /// What the pinned maps hold against what this agent expects.
