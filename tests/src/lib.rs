@@ -417,7 +417,8 @@ pub fn dump_maps(root: &Path) -> Result<BTreeMap<String, String>> {
     let mut dumps = BTreeMap::new();
     for entry in fs::read_dir(maps_dir(root))? {
         let entry = entry?;
-        if entry.file_type()?.is_file() {
+        // bpftool cannot dump a ring buffer (`events`: `kube-router monitor`'s, never state).
+        if entry.file_type()?.is_file() && entry.file_name() != "events" {
             let path = entry.path();
             let dump = sh(&["bpftool", "map", "dump", "pinned", path.to_str().unwrap()])?;
             dumps.insert(entry.file_name().to_string_lossy().into_owned(), dump);
