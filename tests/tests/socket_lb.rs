@@ -324,12 +324,16 @@ fn agent_uses_the_api_servers_real_address_and_host_processes_reach_it_by_its_cl
     };
     assert!(http(&env.host_network_pod).starts_with("ERR"), "the ClusterIP answers before the agent runs");
 
+    // A checkpoint left by an earlier run names an API server port that is gone.
     let state_dir = std::env::temp_dir().join("krt-ska-state");
+    let _ = std::fs::remove_dir_all(&state_dir);
     let cgroup = env.cgroup.path.to_str().unwrap();
     let args = ["--master", &server.url(), "--state-dir", state_dir.to_str().unwrap(), "--health-port", "0"];
     let _agent = Agent::start(&env.topo.node, &env.root(), &[&args[..], &["--cgroup-root", cgroup]].concat()).unwrap();
+    let api_backend = server.address().to_string();
     wait_until("the kubernetes Service programmed from the API", Duration::from_secs(30), || {
-        Ok(env.ours_attached()? == 4 && cli(&env.root(), "services")?.contains(&format!("{API_VIP}:443")))
+        let services = cli(&env.root(), "services")?;
+        Ok(env.ours_attached()? == 4 && services.contains(&format!("{API_VIP}:443")) && services.contains(&api_backend))
     })
     .unwrap();
 

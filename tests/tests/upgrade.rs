@@ -89,6 +89,7 @@ fn a_rolling_upgrade_across_a_map_layout_change_drops_no_connection() {
     let root = topo.bpf_root();
     remove_bpf_root(&root);
     let state = std::env::temp_dir().join("krt-up-state");
+    let _ = std::fs::remove_dir_all(&state);
     let file = ServiceFile::new("krt-up");
     file.write(&web_and_sticky(&backend_addrs(3))).unwrap();
 
