@@ -264,6 +264,7 @@ impl RouterController {
             router_id,
             local_asn: self.options.cluster_asn,
             local_address: Some(IpAddr::V4(router_id)),
+            ipv6_address: None,
             pod_cidrs: self.options.pod_cidrs.clone().unwrap_or_default(),
             peers,
             route_reflector: crate::bgp::peers::RrRole::None,
@@ -382,7 +383,7 @@ impl RouterController {
         };
         speaker_config.ipv6_next_hop = match config.local_address {
             Some(IpAddr::V6(v6)) => Some(v6),
-            _ => first_global_ipv6(),
+            _ => config.ipv6_address.or_else(first_global_ipv6),
         };
         speaker_config.state_dir = Some(o.state_dir.clone());
         speaker_config.overlay = o.overlay;

@@ -15,6 +15,12 @@
 //! UDP ports 8080 and 5353. The harness plays the endpoint controller: Services declared with a
 //! selector get their EndpointSlice from the ready pods that match.
 //!
+//! With [`ClusterBuilder::dual_stack`] every link also carries IPv6 (nodes `fd00:100::N`, pod
+//! CIDRs `fd00:244:N::/64` in the Node's `spec.podCIDRs`, routed between nodes by the agents'
+//! MP-BGP with the node's IPv6 address as next hop; client `fd00:c::2`), pods get an address of
+//! each family from the CNI plugins, and Services declared dual-stack get both ClusterIPs and an
+//! EndpointSlice per address type.
+//!
 //! Everything is torn down on drop. Waits poll real state (routes, pinned maps), never logs.
 use std::{
     collections::BTreeMap,
@@ -38,6 +44,8 @@ use crate::{
 pub const FABRIC_ADDR: &str = "10.100.0.254";
 pub const CLIENT_ADDR: &str = "192.168.100.2";
 pub const INTERNET_ADDR: &str = "203.0.113.10";
+pub const FABRIC_ADDR6: &str = "fd00:100::fe";
+pub const CLIENT_ADDR6: &str = "fd00:c::2";
 /// Ports every pod (and the internet host) serves on, TCP and UDP.
 pub const POD_PORTS: [u16; 2] = [8080, 5353];
 pub const CNI_PLUGIN_DIR: &str = "/usr/lib/cni";
@@ -50,6 +58,23 @@ pub fn node_ip(node: usize) -> String {
 
 pub fn pod_cidr(node: usize) -> String {
     format!("10.244.{}.0/24", node + 1)
+}
+
+pub fn node_ip6(node: usize) -> String {
+    format!("fd00:100::{}", node + 1)
+}
+
+pub fn pod_cidr6(node: usize) -> String {
+    format!("fd00:244:{}::/64", node + 1)
+}
+
+/// Lets IPv6 addresses be used at once: duplicate address detection would keep each new address
+/// tentative (unusable) for about a second, on links no other host can claim anyway.
+fn ipv6_without_dad(ns: &Netns) -> Result<()> {
+    for conf in ["all", "default"] {
+        ns.sysctl(&format!("net.ipv6.conf.{conf}.accept_dad"), "0")?;
+    }
+    Ok(())
 }
 
 /// The CNI configuration template a DaemonSet installs (kube-router's ConfigMap shape, no pod
@@ -142,6 +167,8 @@ pub struct Pod {
     pub name: String,
     pub node: usize,
     pub ip: String,
+    /// The pod's IPv6 address (dual-stack clusters).
+    pub ip6: Option<String>,
     pub labels: BTreeMap<String, String>,
 }
 
@@ -157,6 +184,9 @@ pub struct ClusterNode {
     pub name: String,
     pub ip: String,
     pub pod_cidr: String,
+    /// Dual-stack clusters: the node's IPv6 address and pod CIDR.
+    pub ip6: Option<String>,
+    pub pod_cidr6: Option<String>,
     pub bpf_root: PathBuf,
     pub state_dir: PathBuf,
     pub cni_dir: PathBuf,
@@ -186,9 +216,12 @@ impl ClusterNode {
         out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default()
     }
 
-    /// The routes our BGP installed (protocol 186), trimmed, one per line.
+    /// The routes our BGP installed (protocol 186), IPv4 then IPv6, trimmed, one per line.
     pub fn bgp_routes(&self) -> String {
-        let routes = self.ns.run(&["ip", "route", "show", "proto", "186"]).unwrap_or_default();
+        let mut routes = self.ns.run(&["ip", "route", "show", "proto", "186"]).unwrap_or_default();
+        if self.ip6.is_some() {
+            routes += &self.ns.run(&["ip", "-6", "route", "show", "proto", "186"]).unwrap_or_default();
+        }
         routes.lines().map(str::trim).collect::<Vec<_>>().join("\n")
     }
 
@@ -252,6 +285,8 @@ pub struct Svc {
     pub name: String,
     pub kind: &'static str,
     pub cluster_ip: String,
+    /// A dual-stack Service's IPv6 ClusterIP (`ipFamilyPolicy: RequireDualStack`).
+    pub cluster_ip6: Option<String>,
     pub selector: BTreeMap<String, String>,
     /// (name, protocol, port, target port, node port)
     pub ports: Vec<(String, &'static str, u16, u16, Option<u16>)>,
@@ -272,6 +307,7 @@ impl Svc {
             name: name.to_string(),
             kind: "ClusterIP",
             cluster_ip: cluster_ip.to_string(),
+            cluster_ip6: None,
             selector: [("app".to_string(), name.to_string())].into(),
             ports: vec![("http".into(), "TCP", 80, 8080, None), ("dns".into(), "UDP", 53, 5353, None)],
             external_traffic_local: false,
@@ -301,6 +337,12 @@ impl Svc {
         svc
     }
 
+    /// Dual-stack, with `cluster_ip6` as the IPv6 ClusterIP; its pods' IPv6 addresses get an
+    /// EndpointSlice of their own, as the EndpointSlice controller publishes one per family.
+    pub fn dual_stack(mut self, cluster_ip6: &str) -> Self {
+        self.cluster_ip6 = Some(cluster_ip6.to_string());
+        self
+    }
     pub fn select(mut self, key: &str, value: &str) -> Self {
         self.selector = [(key.to_string(), value.to_string())].into();
         self
@@ -347,6 +389,11 @@ impl Svc {
             "selector": self.selector,
             "sessionAffinity": if self.session_affinity { "ClientIP" } else { "None" },
         });
+        if let Some(ip6) = &self.cluster_ip6 {
+            spec["clusterIPs"] = json!([self.cluster_ip, ip6]);
+            spec["ipFamilies"] = json!(["IPv4", "IPv6"]);
+            spec["ipFamilyPolicy"] = json!("RequireDualStack");
+        }
         if self.kind != "ClusterIP" {
             spec["externalTrafficPolicy"] = json!(if self.external_traffic_local { "Local" } else { "Cluster" });
         }
@@ -379,6 +426,7 @@ pub struct ClusterBuilder {
     agent_args: Vec<String>,
     tor: bool,
     socket_lb: bool,
+    dual_stack: bool,
 }
 
 /// The top-of-rack BGP speaker's ASN (gobgpd in the fabric, `ClusterBuilder::tor_bgp`).
@@ -403,6 +451,11 @@ impl ClusterBuilder {
     /// (never the machine's root); run node processes with [`ClusterNode::run_as_host_process`].
     pub fn socket_lb(mut self) -> Self {
         self.socket_lb = true;
+        self
+    }
+    /// IPv6 beside IPv4 on every link, node and pod (see the module documentation).
+    pub fn dual_stack(mut self) -> Self {
+        self.dual_stack = true;
         self
     }
     /// Extra flags for every agent.
@@ -449,6 +502,7 @@ impl Cluster {
             agent_args: Vec::new(),
             tor: false,
             socket_lb: false,
+            dual_stack: false,
         }
     }
 
@@ -458,17 +512,33 @@ impl Cluster {
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir)?;
 
+        let dual = b.dual_stack;
         let fabric = Netns::new(&format!("{p}-fab"))?;
         fabric.sysctl("net.ipv4.ip_forward", "1")?;
+        if dual {
+            ipv6_without_dad(&fabric)?;
+            fabric.sysctl("net.ipv6.conf.all.forwarding", "1")?;
+        }
         fabric.run(&["ip", "link", "add", "fab0", "type", "bridge"])?;
         fabric.run(&["ip", "addr", "add", &format!("{FABRIC_ADDR}/24"), "dev", "fab0"])?;
+        if dual {
+            fabric.run(&["ip", "addr", "add", &format!("{FABRIC_ADDR6}/64"), "dev", "fab0"])?;
+        }
         fabric.run(&["ip", "link", "set", "fab0", "up"])?;
 
         let client = Netns::new(&format!("{p}-cli"))?;
+        if dual {
+            ipv6_without_dad(&client)?;
+        }
         link(&fabric, "cli0", &client, "eth0")?;
         fabric.run(&["ip", "addr", "add", "192.168.100.1/24", "dev", "cli0"])?;
         client.run(&["ip", "addr", "add", &format!("{CLIENT_ADDR}/24"), "dev", "eth0"])?;
         client.run(&["ip", "route", "add", "default", "via", "192.168.100.1"])?;
+        if dual {
+            fabric.run(&["ip", "addr", "add", "fd00:c::1/64", "dev", "cli0"])?;
+            client.run(&["ip", "addr", "add", &format!("{CLIENT_ADDR6}/64"), "dev", "eth0"])?;
+            client.run(&["ip", "-6", "route", "add", "default", "via", "fd00:c::1"])?;
+        }
 
         let internet = Netns::new(&format!("{p}-net"))?;
         link(&fabric, "net0", &internet, "eth0")?;
@@ -510,16 +580,26 @@ impl Cluster {
         for i in 0..b.nodes {
             let ns = Netns::new(&format!("{p}-n{}", i + 1))?;
             ns.sysctl("net.ipv4.ip_forward", "1")?;
+            if dual {
+                ipv6_without_dad(&ns)?;
+                ns.sysctl("net.ipv6.conf.all.forwarding", "1")?;
+            }
             link(&fabric, &format!("n{}", i + 1), &ns, "eth0")?;
             fabric.run(&["ip", "link", "set", &format!("n{}", i + 1), "master", "fab0"])?;
             ns.run(&["ip", "addr", "add", &format!("{}/24", node_ip(i)), "dev", "eth0"])?;
             ns.run(&["ip", "route", "add", "default", "via", FABRIC_ADDR])?;
+            if dual {
+                ns.run(&["ip", "addr", "add", &format!("{}/64", node_ip6(i)), "dev", "eth0"])?;
+                ns.run(&["ip", "-6", "route", "add", "default", "via", FABRIC_ADDR6])?;
+            }
             let node_dir = dir.join(format!("n{}", i + 1));
             let node = ClusterNode {
                 ns,
                 name: format!("node-{}", i + 1),
                 ip: node_ip(i),
                 pod_cidr: pod_cidr(i),
+                ip6: dual.then(|| node_ip6(i)),
+                pod_cidr6: dual.then(|| pod_cidr6(i)),
                 bpf_root: PathBuf::from(format!("/sys/fs/bpf/{p}-n{}", i + 1)),
                 state_dir: node_dir.join("state"),
                 cni_dir: node_dir.join("cni"),
@@ -529,14 +609,18 @@ impl Cluster {
             fs::create_dir_all(&node.cni_dir)?;
             let template = cni_template(&node_dir.join("ipam"));
             fs::write(node.cni_conf_file(), serde_json::to_vec_pretty(&template)?)?;
+            let mut pod_cidrs = vec![node.pod_cidr.clone()];
+            let mut addresses = vec![json!({"type": "InternalIP", "address": node.ip})];
+            if let (Some(ip6), Some(cidr6)) = (&node.ip6, &node.pod_cidr6) {
+                pod_cidrs.push(cidr6.clone());
+                addresses.push(json!({"type": "InternalIP", "address": ip6}));
+            }
+            addresses.push(json!({"type": "Hostname", "address": node.name}));
             server.apply(json!({
                 "apiVersion": "v1", "kind": "Node",
                 "metadata": {"name": node.name, "labels": {"kubernetes.io/hostname": node.name}},
-                "spec": {"podCIDR": node.pod_cidr, "podCIDRs": [node.pod_cidr]},
-                "status": {"addresses": [
-                    {"type": "InternalIP", "address": node.ip},
-                    {"type": "Hostname", "address": node.name}
-                ]}
+                "spec": {"podCIDR": node.pod_cidr, "podCIDRs": pod_cidrs},
+                "status": {"addresses": addresses}
             }))?;
             nodes.push(node);
         }
@@ -577,9 +661,18 @@ impl Cluster {
     fn new_pod(prefix: &str, node: &ClusterNode, conflist: &Value, i: usize, j: usize) -> Result<Pod> {
         let name = format!("pod-{}-{j}", i + 1);
         let ns = Netns::new(&format!("{prefix}-n{}-p{j}", i + 1))?;
+        if node.ip6.is_some() {
+            ipv6_without_dad(&ns)?;
+        }
         let result = cni_add(&node.ns, conflist, &ns, &name)?;
         let ip =
             result_address(&result, false).with_context(|| format!("CNI gave {name} no IPv4 address: {result}"))?;
+        let ip6 = match node.ip6 {
+            Some(_) => Some(
+                result_address(&result, true).with_context(|| format!("CNI gave {name} no IPv6 address: {result}"))?,
+            ),
+            None => None,
+        };
         for port in POD_PORTS {
             ns.spawn(&[netprobe_bin().to_str().unwrap(), "serve", &name, &port.to_string()])?;
         }
@@ -589,11 +682,13 @@ impl Cluster {
             ("node".to_string(), node.name.clone()),
         ]
         .into();
-        Ok(Pod { ns, name, node: i, ip, labels })
+        Ok(Pod { ns, name, node: i, ip, ip6, labels })
     }
 
     fn pod_object(&self, pod: &Pod) -> Value {
         let ready = !self.unready.lock().unwrap().contains(&pod.name);
+        let pod_ips: Vec<Value> =
+            [Some(&pod.ip), pod.ip6.as_ref()].into_iter().flatten().map(|ip| json!({"ip": ip})).collect();
         json!({
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"namespace": "default", "name": pod.name, "labels": pod.labels},
@@ -601,7 +696,7 @@ impl Cluster {
             "status": {
                 "phase": "Running",
                 "podIP": pod.ip,
-                "podIPs": [{"ip": pod.ip}],
+                "podIPs": pod_ips,
                 "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]
             }
         })
@@ -668,11 +763,13 @@ impl Cluster {
         loop {
             let converged = self.nodes.iter().enumerate().all(|(i, node)| {
                 let routes = node.bgp_routes();
-                self.nodes
-                    .iter()
-                    .enumerate()
-                    .filter(|(j, _)| *j != i)
-                    .all(|(_, other)| routes.contains(&format!("{} via {}", other.pod_cidr, other.ip)))
+                self.nodes.iter().enumerate().filter(|(j, _)| *j != i).all(|(_, other)| {
+                    let v6 = match (&other.pod_cidr6, &other.ip6) {
+                        (Some(cidr), Some(ip)) => routes.contains(&format!("{cidr} via {ip}")),
+                        _ => true,
+                    };
+                    v6 && routes.contains(&format!("{} via {}", other.pod_cidr, other.ip))
+                })
             });
             if converged {
                 return Ok(());
@@ -696,19 +793,29 @@ impl Cluster {
     }
 
     fn publish_endpoints(&self, svc: &Svc) -> Result<()> {
+        self.publish_slice(svc, false)?;
+        if svc.cluster_ip6.is_some() {
+            self.publish_slice(svc, true)?;
+        }
+        Ok(())
+    }
+
+    /// The Service's EndpointSlice of one address type, from the selected pods.
+    fn publish_slice(&self, svc: &Svc, ipv6: bool) -> Result<()> {
         let unready = self.unready.lock().unwrap().clone();
         let endpoints: Vec<Value> = self
             .pods
             .iter()
             .filter(|pod| svc.selector.iter().all(|(k, v)| pod.labels.get(k) == Some(v)))
-            .map(|pod| {
+            .filter_map(|pod| {
                 let ready = !unready.contains(&pod.name);
-                json!({
-                    "addresses": [pod.ip],
+                let address = if ipv6 { pod.ip6.as_ref()? } else { &pod.ip };
+                Some(json!({
+                    "addresses": [address],
                     "nodeName": self.nodes[pod.node].name,
                     "targetRef": {"kind": "Pod", "namespace": "default", "name": pod.name},
                     "conditions": {"ready": ready, "serving": ready, "terminating": false}
-                })
+                }))
             })
             .collect();
         let ports: Vec<Value> = svc
@@ -716,11 +823,12 @@ impl Cluster {
             .iter()
             .map(|(name, protocol, _, target, _)| json!({"name": name, "protocol": protocol, "port": target}))
             .collect();
+        let (suffix, address_type) = if ipv6 { ("v6", "IPv6") } else { ("1", "IPv4") };
         self.server.apply(json!({
             "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"namespace": "default", "name": format!("{}-1", svc.name),
+            "metadata": {"namespace": "default", "name": format!("{}-{suffix}", svc.name),
                          "labels": {"kubernetes.io/service-name": svc.name}},
-            "addressType": "IPv4",
+            "addressType": address_type,
             "ports": ports,
             "endpoints": endpoints,
         }))?;

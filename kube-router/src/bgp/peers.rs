@@ -228,6 +228,9 @@ pub struct NodeBgpConfig {
     pub local_asn: u32,
     /// This node's primary IP (first InternalIP, else first ExternalIP).
     pub local_address: Option<IpAddr>,
+    /// This node's first IPv6 InternalIP (else ExternalIP): the next hop of the IPv6 prefixes it
+    /// advertises over IPv4 sessions (a dual-stack node's primary address is usually IPv4).
+    pub ipv6_address: Option<std::net::Ipv6Addr>,
     /// Pod CIDRs to advertise (empty when `advertise_pod_cidr` is false).
     pub pod_cidrs: Vec<IpNet>,
     /// Sorted by address, at most one entry per address.
@@ -665,6 +668,14 @@ fn node_ip(node: &Node) -> Option<IpAddr> {
     addresses_of_type(node, "InternalIP").next().or_else(|| addresses_of_type(node, "ExternalIP").next())
 }
 
+fn node_ipv6(node: &Node) -> Option<std::net::Ipv6Addr> {
+    let v6 = |ip: IpAddr| match ip {
+        IpAddr::V6(v6) => Some(v6),
+        IpAddr::V4(_) => None,
+    };
+    addresses_of_type(node, "InternalIP").find_map(v6).or_else(|| addresses_of_type(node, "ExternalIP").find_map(v6))
+}
+
 /// Every IP address the node reports (any type).
 fn all_node_ips(node: &Node) -> BTreeSet<IpAddr> {
     node.status
@@ -932,10 +943,12 @@ pub fn node_bgp_config(nodes: &[Node], settings: &GlobalSettings) -> Result<Node
     let prepend = path_prepend(me, &mut warnings);
     let communities = communities(me, &mut warnings);
     let custom_import_reject = custom_import_reject(me, &mut warnings);
+    let ipv6_address = node_ipv6(me);
     Ok(NodeBgpConfig {
         router_id,
         local_asn,
         local_address,
+        ipv6_address,
         pod_cidrs,
         peers,
         route_reflector,
