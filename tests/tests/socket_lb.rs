@@ -241,7 +241,7 @@ fn restart_adopts_the_links_and_cleanup_leaves_other_programs_on_the_cgroup() {
     attach_foreign_connect4(&env.cgroup.path).unwrap();
     let foreign = || env.cgroup.programs().unwrap().into_iter().filter(|(_, _, name)| name == "krt_foreign").count();
     let vip = format!("{VIP}:80");
-    let works = || assert!(backends_behind(&vip, &env.ask_from_node("tcp", &vip, 6)).len() >= 2);
+    let works = || assert!(backends_behind(&vip, &env.ask_from_node("tcp", &vip, 20)).len() >= 2);
 
     let agent = env.agent(&[]);
     let attached = env.cgroup.programs().unwrap();

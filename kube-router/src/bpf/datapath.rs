@@ -380,7 +380,7 @@ impl Datapath {
                 let _ = link.detach();
             }
         }
-        fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+        super::unpin_link(&path).with_context(|| format!("removing {}", path.display()))?;
         Ok(true)
     }
 
@@ -639,7 +639,7 @@ pub fn remove_all(pin_dir: &Path) -> Result<usize> {
         let Ok(entries) = fs::read_dir(dir) else { continue };
         for entry in entries.flatten() {
             if entry.file_type().map(|t| t.is_file()).unwrap_or(false) {
-                fs::remove_file(entry.path())?;
+                super::unpin_link(&entry.path())?;
                 removed += 1;
             }
         }

@@ -176,7 +176,7 @@ pub fn detach(pin_dir: &Path) -> Result<usize> {
     let mut removed = 0;
     for hook in SockHook::ALL {
         let path = hook.link_path(pin_dir);
-        match fs::remove_file(&path) {
+        match super::unpin_link(&path) {
             Ok(()) => removed += 1,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(e).with_context(|| format!("removing {}", path.display())),
