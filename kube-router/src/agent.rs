@@ -841,7 +841,8 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     continue;
                 }
                 last_housekeeping = Instant::now();
-                if let Some(router) = router.as_ref() {
+                if let Some(router) = router.as_mut() {
+                    router.retry_start_if_due().await;
                     router.publish_metrics();
                 }
                 if let Some(datapath) = datapath.as_mut() {

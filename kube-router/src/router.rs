@@ -9,7 +9,7 @@ use std::{
     fmt::Write as _,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::PathBuf,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result};
@@ -208,11 +208,35 @@ pub struct RouterController {
     last_problem: Option<String>,
     last_warnings: Vec<String>,
     metrics: Metrics,
+    /// A speaker that failed to start: what to start it with, when to try again, and how.
+    failed_start: Option<FailedStart>,
+}
+
+struct FailedStart {
+    config: NodeBgpConfig,
+    vips: ServiceVips,
+    attempts: u32,
+    retry_at: Instant,
+    error: String,
+}
+
+/// Backoff between start attempts: 1 s doubling to 30 s (a port still held by an old process,
+/// an address not yet configured).
+fn start_backoff(attempts: u32) -> Duration {
+    Duration::from_secs(1u64 << attempts.saturating_sub(1).min(5)).min(Duration::from_secs(30))
 }
 
 impl RouterController {
     pub fn new(options: RouterOptions, metrics: Metrics) -> Self {
-        Self { options, speaker: None, applied: None, last_problem: None, last_warnings: Vec::new(), metrics }
+        Self {
+            options,
+            speaker: None,
+            applied: None,
+            last_problem: None,
+            last_warnings: Vec::new(),
+            metrics,
+            failed_start: None,
+        }
     }
 
     fn settings(&self) -> GlobalSettings {
@@ -344,9 +368,22 @@ impl RouterController {
                 speaker.set_prefixes(wanted.prefixes.clone());
             }
             None => match self.start(&config, &wanted).await {
-                Ok(speaker) => self.speaker = Some(speaker),
+                Ok(speaker) => {
+                    if let Some(failed) = self.failed_start.take() {
+                        tracing::info!(attempts = failed.attempts + 1, "BGP speaker started after failed attempts");
+                    }
+                    self.speaker = Some(speaker);
+                }
                 Err(e) => {
-                    tracing::error!(error = format!("{e:#}"), "cannot start the BGP speaker; will retry");
+                    let error = format!("{e:#}");
+                    let attempts = self.failed_start.as_ref().map_or(0, |f| f.attempts) + 1;
+                    let retry_in = start_backoff(attempts);
+                    // Logged when the reason changes, not on every attempt.
+                    if self.failed_start.as_ref().is_none_or(|f| f.error != error) {
+                        tracing::error!(error = %error, retry_in = ?retry_in, "cannot start the BGP speaker; will retry");
+                    }
+                    let retry_at = Instant::now() + retry_in;
+                    self.failed_start = Some(FailedStart { config, vips, attempts, retry_at, error });
                     return;
                 }
             },
@@ -354,9 +391,16 @@ impl RouterController {
         self.applied = Some(wanted);
     }
 
-    /// Whether a start failed and should be tried again (the agent calls `apply` again then).
-    pub fn needs_start(&self) -> bool {
-        self.speaker.is_none()
+    /// Tries again to start a speaker that failed to, once its backoff has passed, with the
+    /// configuration it was last given (a newer one given meanwhile through `apply` replaces it).
+    pub async fn retry_start_if_due(&mut self) {
+        let due = self.speaker.is_none() && self.failed_start.as_ref().is_some_and(|f| Instant::now() >= f.retry_at);
+        if !due {
+            return;
+        }
+        let failed = self.failed_start.as_ref().expect("checked above");
+        let (config, vips) = (failed.config.clone(), failed.vips.clone());
+        self.apply(config, vips).await;
     }
 
     async fn start(&self, config: &NodeBgpConfig, wanted: &Applied) -> Result<Speaker> {
