@@ -9,9 +9,10 @@ use std::{
 
 use kube_router_tests::{
     apiserver::FaultMode,
-    cluster::{netprobe, Cluster},
+    cluster::{netprobe, node_ip6, request, Cluster, Svc},
     netprobe_bin, Netns,
 };
+use serde_json::json;
 
 /// `[addr]:port`.
 fn v6(addr: &str, port: u16) -> String {
@@ -76,4 +77,89 @@ fn an_api_outage_changes_no_ipv6_route_and_ipv6_traffic_keeps_flowing() {
     let failed: Vec<&String> = replies.iter().filter(|r| !r.starts_with("pod-2-0")).collect();
     assert!(failed.is_empty(), "{} of {} IPv6 probes failed: {failed:?}", failed.len(), replies.len());
     assert!(replies.len() > outage.as_millis() as usize / 400, "only {} probes", replies.len());
+}
+
+/// Waits until every node's `kube-router services` lists a frontend containing `needle`.
+fn wait_listed(c: &Cluster, needle: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !c.nodes.iter().all(|n| n.services().contains(needle)) {
+        assert!(Instant::now() < deadline, "{needle} never programmed:\n{}", c.node(0).services());
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_dual_stack_service_answers_on_both_cluster_ips_and_its_ipv6_node_port_from_the_same_backend() {
+    let c = Cluster::builder("krt-ds-svc").dual_stack().build().unwrap();
+    let svc = Svc::node_port("web", "10.96.1.10", 30080).dual_stack("fd00:96::10").select("pod", "pod-2-0");
+    c.add_service(svc).unwrap();
+    wait_listed(&c, "fd00:96::10");
+    let pod = c.pod(0, 0);
+    let pod6 = pod.ip6.clone().unwrap();
+    for target in ["10.96.1.10:80", "[fd00:96::10]:80"] {
+        let replies = pod.request("tcp", target, 10);
+        assert!(replies.iter().all(|r| r == "pod-2-0"), "{target}: {replies:?}");
+    }
+    let replies = pod.request("udp", "[fd00:96::10]:53", 10);
+    assert!(replies.iter().all(|r| r == "pod-2-0"), "{replies:?}");
+    // East-west over IPv6 keeps the client pod's own address, as over IPv4.
+    assert_eq!(netprobe(&pod.ns, &["ask", "tcp", "[fd00:96::10]:80", "who"]), format!("pod-2-0 {pod6}"));
+    assert_eq!(netprobe(&pod.ns, &["ask", "tcp", "10.96.1.10:80", "who"]), format!("pod-2-0 {}", pod.ip));
+
+    // From outside, through node-1's IPv6 address: translated to the backend on node-2 and
+    // source-NATed to node-1's IPv6 address, as over IPv4.
+    let node_port = v6(&node_ip6(0), 30080);
+    let replies = request(&c.client, "tcp", &node_port, 10);
+    assert!(replies.iter().all(|r| r == "pod-2-0"), "{replies:?}");
+    assert_eq!(netprobe(&c.client, &["ask", "tcp", &node_port, "who"]), format!("pod-2-0 {}", node_ip6(0)));
+    let replies = request(&c.client, "udp", &v6(&node_ip6(0), 30081), 10);
+    assert!(replies.iter().all(|r| r == "pod-2-0"), "{replies:?}");
+
+    // A restarted agent re-adopts both families' entries: no map changes.
+    let maps = c.agent_maps();
+    c.restart_agent(0).unwrap();
+    thread::sleep(Duration::from_secs(3));
+    assert_eq!(c.agent_maps(), maps, "a restart rewrote the maps");
+    let replies = pod.request("tcp", "[fd00:96::10]:80", 5);
+    assert!(replies.iter().all(|r| r == "pod-2-0"), "{replies:?}");
+}
+
+/// The IPv6 fail-open is closed: an ingress-isolated pod is judged over IPv6 exactly as over
+/// IPv4, for pods on its own node and on the other one.
+#[test]
+fn an_isolated_pod_is_unreachable_over_ipv6_by_a_denied_peer_and_reachable_by_an_allowed_one() {
+    let c = Cluster::builder("krt-ds-pol").dual_stack().pods_per_node(2).build().unwrap();
+    let target = c.pod(0, 0);
+    let (allowed, denied_remote, denied_local) = (c.pod(1, 0), c.pod(1, 1), c.pod(0, 1));
+    let target6 = v6(target.ip6.as_deref().unwrap(), 8080);
+    let target4 = format!("{}:8080", target.ip);
+    for peer in [allowed, denied_remote, denied_local] {
+        assert!(netprobe(&peer.ns, &["timed", "tcp", &target6]).starts_with("OK"), "{} before the policy", peer.name);
+    }
+    c.server
+        .apply(json!({
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"namespace": "default", "name": "only-pod-2-0"},
+            "spec": {
+                "podSelector": {"matchLabels": {"pod": target.name}},
+                "policyTypes": ["Ingress"],
+                "ingress": [{"from": [{"podSelector": {"matchLabels": {"pod": allowed.name}}}]}]
+            }
+        }))
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while netprobe(&denied_remote.ns, &["timed", "tcp", &target4]).starts_with("OK") {
+        assert!(Instant::now() < deadline, "the policy never took effect");
+        thread::sleep(Duration::from_millis(200));
+    }
+    for (peer, open) in [(allowed, true), (denied_remote, false), (denied_local, false)] {
+        for (proto, addr) in [("tcp", &target6), ("udp", &v6(target.ip6.as_deref().unwrap(), 5353)), ("tcp", &target4)]
+        {
+            let outcome = netprobe(&peer.ns, &["timed", proto, addr]);
+            assert_eq!(outcome.starts_with("OK"), open, "{} -> {proto} {addr}: {outcome}", peer.name);
+        }
+    }
+    // The allowed peer is seen with its own IPv6 address.
+    let who = netprobe(&allowed.ns, &["ask", "tcp", &target6, "who"]);
+    assert_eq!(who, format!("{} {}", target.name, allowed.ip6.as_deref().unwrap()));
 }
