@@ -2,7 +2,8 @@
 //! kube-router in API mode against the fake API server (the real kube-rs client talks to it),
 //! pods wired by the real CNI plugins from the configuration the agents write, an external
 //! client, an "internet" host and a gobgpd top-of-rack router. It walks every Service path of a
-//! real cluster, then black-holes the API while traffic runs on all of them and crashes an agent
+//! real cluster over IPv4 and IPv6 (the cluster is dual-stack), enforces a NetworkPolicy in
+//! both families, then black-holes the API while traffic runs on all of them and crashes an agent
 //! in the middle: nothing changes.
 use std::{
     sync::atomic::{AtomicBool, Ordering},
@@ -48,8 +49,9 @@ pub fn run() -> Result<()> {
     }
     // The agents' own logs would drown the demo's output; the steps show their state instead.
     std::env::set_var("KRT_QUIET_AGENT", "1");
-    step("Building the cluster: fabric router + API server, node-1 and node-2 with two pods each, a client, an internet host, a gobgpd top-of-rack")?;
+    step("Building a dual-stack cluster: fabric router + API server, node-1 and node-2 with two pods each, a client, an internet host, a gobgpd top-of-rack")?;
     let c = Cluster::builder("krt-demo")
+        .dual_stack()
         .pods_per_node(2)
         .tor_bgp()
         .agent_args(&["--advertise-external-ip=true", "--advertise-loadbalancer-ip=true"])
@@ -59,12 +61,17 @@ pub fn run() -> Result<()> {
 
 fn demo(c: &Cluster) -> Result<()> {
     for node in &c.nodes {
-        println!("  {} {} pod CIDR {} (CNI config written by the agent: {})", node.name, node.ip, node.pod_cidr, {
+        let (ip6, cidr6) = (node.ip6.as_deref().unwrap_or("-"), node.pod_cidr6.as_deref().unwrap_or("-"));
+        println!(
+            "  {} {} {ip6} pod CIDRs {} {cidr6} (CNI config written by the agent: {})",
+            node.name,
+            node.ip,
+            node.pod_cidr,
             node.cni_conf_file().display()
-        });
+        );
     }
     for pod in &c.pods {
-        println!("  {} {} on {}", pod.name, pod.ip, c.nodes[pod.node].name);
+        println!("  {} {} {} on {}", pod.name, pod.ip, pod.ip6.as_deref().unwrap_or("-"), c.nodes[pod.node].name);
     }
 
     step("Pod routes between the nodes come from the agents' own BGP (ip route show proto 186)")?;
@@ -76,6 +83,7 @@ fn demo(c: &Cluster) -> Result<()> {
     step("Services from real Service/EndpointSlice objects")?;
     // Both backends on node-2; reached through node-1 from outside.
     let web = Svc::load_balancer("web", "10.96.0.10", 30080, "198.51.100.10")
+        .dual_stack("fd00:96::10")
         .select("node", "node-2")
         .external_ip("192.0.2.10");
     c.add_service(web)?;
@@ -91,6 +99,11 @@ fn demo(c: &Cluster) -> Result<()> {
     let pod = c.pod(0, 0);
     show("pod-1-0 -> ClusterIP 10.96.0.10:80 (backends on node-2)", &pod.request("tcp", "10.96.0.10:80", 20));
     show("pod-1-0 -> ClusterIP 10.96.0.10:53 udp", &pod.request("udp", "10.96.0.10:53", 20));
+    show("pod-1-0 -> ClusterIP [fd00:96::10]:80 (the same Service, IPv6)", &pod.request("tcp", "[fd00:96::10]:80", 20));
+    show(
+        "client -> NodePort [fd00:100::1]:30080 (IPv6, backend elsewhere)",
+        &request(&c.client, "tcp", "[fd00:100::1]:30080", 20),
+    );
     show("client -> NodePort 10.100.0.1:30080 (backend elsewhere)", &request(&c.client, "tcp", "10.100.0.1:30080", 20));
     show("client -> ExternalIP 192.0.2.10:80", &request(&c.client, "tcp", "192.0.2.10:80", 20));
     show("client -> LoadBalancer IP 198.51.100.10:80", &request(&c.client, "tcp", "198.51.100.10:80", 20));
@@ -125,11 +138,35 @@ fn demo(c: &Cluster) -> Result<()> {
     let counters: Vec<String> = interesting.iter().filter_map(|k| stats.get(*k).map(|n| format!("{k}={n}"))).collect();
     println!("  node-1 datapath counters: {}", counters.join(" "));
 
+    step("NetworkPolicy: pod-1-0 admits only pod-2-0, over IPv4 and IPv6 alike")?;
+    c.server.apply(serde_json::json!({
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"namespace": "default", "name": "only-pod-2-0"},
+        "spec": {
+            "podSelector": {"matchLabels": {"pod": "pod-1-0"}},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": {"pod": "pod-2-0"}}}]}]
+        }
+    }))?;
+    let target = c.pod(0, 0);
+    let (target4, target6) =
+        (format!("{}:8080", target.ip), format!("[{}]:8080", target.ip6.as_deref().unwrap_or("::")));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while netprobe(&c.pod(1, 1).ns, &["timed", "tcp", &target4]).starts_with("OK") && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(200));
+    }
+    for peer in [c.pod(1, 0), c.pod(1, 1), c.pod(0, 1)] {
+        let verdict =
+            |addr: &str| netprobe(&peer.ns, &["timed", "tcp", addr]).split(' ').next().unwrap_or("").to_string();
+        println!("  {} -> pod-1-0: IPv4 {:<4} IPv6 {}", peer.name, verdict(&target4), verdict(&target6));
+    }
+
     step("API black-holed for 40 s, a client connecting every 200 ms on every path; node-1's agent crashes and restarts in the middle")?;
     let probe =
         |ns: &Netns, target: &str| ns.spawn_collecting(&[netprobe_bin().to_str().unwrap(), "probe", target, "200"]);
     let probes = [
         ("pod -> ClusterIP on the other node", probe(&pod.ns, "10.96.0.10:80")?),
+        ("pod -> IPv6 ClusterIP on the other node", probe(&pod.ns, "[fd00:96::10]:80")?),
         ("client -> NodePort, backend on the other node", probe(&c.client, "10.100.0.1:30080")?),
         ("client -> LoadBalancer IP", probe(&c.client, "198.51.100.10:80")?),
         ("pod -> its own Service (hairpin)", probe(&pod.ns, "10.96.0.11:80")?),
