@@ -1,5 +1,6 @@
 //! Keys and values of the socket load balancer's maps (`sock_*`), used by the cgroup programs
-//! `kr_sk_connect4`, `kr_sk_sendmsg4`, `kr_sk_recvmsg4` and `kr_sk_getpeer4` (see docs/maps.md).
+//! `kr_sk_connect4`, `kr_sk_sendmsg4`, `kr_sk_recvmsg4`, `kr_sk_getpeer4` and their IPv6 twins
+//! `kr_sk_connect6`, `kr_sk_sendmsg6`, `kr_sk_recvmsg6`, `kr_sk_getpeer6` (see docs/maps.md).
 //!
 //! The socket load balancer reads the service maps (`svc_v4`, `svc_slots_v4`, `backends_v4`,
 //! `affinity_v4`) like the TC programs; these maps only hold what is particular to sockets.
@@ -7,6 +8,7 @@
 /// Map names (also their pin file names).
 pub mod sock_map_names {
     pub const SOCK_REVERSE: &str = "sock_rev_v4";
+    pub const SOCK_REVERSE_V6: &str = "sock_rev_v6";
     pub const SOCK_CONFIG: &str = "sock_cfg";
     pub const SOCK_STATS: &str = "sock_stats";
 }
@@ -38,6 +40,30 @@ pub struct SockReverseKeyV4 {
 pub struct SockReverseValueV4 {
     /// Network byte order.
     pub frontend_addr: u32,
+    /// Network byte order.
+    pub frontend_port: u16,
+    pub pad: u16,
+}
+
+/// `sock_rev_v6` key: as [`SockReverseKeyV4`], for an IPv6 backend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SockReverseKeyV6 {
+    pub socket_cookie: u64,
+    /// Network byte order.
+    pub backend_addr: crate::Ipv6Words,
+    /// Network byte order.
+    pub backend_port: u16,
+    pub pad: u16,
+    pub pad2: u32,
+}
+
+/// `sock_rev_v6` value: as [`SockReverseValueV4`], for an IPv6 frontend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SockReverseValueV6 {
+    /// Network byte order.
+    pub frontend_addr: crate::Ipv6Words,
     /// Network byte order.
     pub frontend_port: u16,
     pub pad: u16,
@@ -88,6 +114,8 @@ mod user {
     // SAFETY: repr(C), Copy, integers only, every gap an explicit `pad` field.
     unsafe impl aya::Pod for SockReverseKeyV4 {}
     unsafe impl aya::Pod for SockReverseValueV4 {}
+    unsafe impl aya::Pod for SockReverseKeyV6 {}
+    unsafe impl aya::Pod for SockReverseValueV6 {}
     unsafe impl aya::Pod for SockLbConfig {}
 }
 
@@ -100,6 +128,8 @@ mod tests {
     fn layouts_have_no_implicit_padding() {
         assert_eq!(size_of::<SockReverseKeyV4>(), 16);
         assert_eq!(size_of::<SockReverseValueV4>(), 8);
+        assert_eq!(size_of::<SockReverseKeyV6>(), 32);
+        assert_eq!(size_of::<SockReverseValueV6>(), 20);
         assert_eq!(size_of::<SockLbConfig>(), 8);
     }
 }

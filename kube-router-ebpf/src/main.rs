@@ -100,6 +100,28 @@ pub fn kr_sk_getpeer4(ctx: SockAddrContext) -> i32 {
     sock::restore(&ctx)
 }
 
+/// `connect()` of an IPv6 (or dual-stack) socket to a frontend: connects to a backend instead;
+/// an IPv4-mapped destination is balanced over the IPv4 Service.
+#[cgroup_sock_addr(connect6)]
+pub fn kr_sk_connect6(ctx: SockAddrContext) -> i32 {
+    sock::translate6(&ctx, sock::Call::Connect)
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn kr_sk_sendmsg6(ctx: SockAddrContext) -> i32 {
+    sock::translate6(&ctx, sock::Call::SendMsg)
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn kr_sk_recvmsg6(ctx: SockAddrContext) -> i32 {
+    sock::restore6(&ctx)
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn kr_sk_getpeer6(ctx: SockAddrContext) -> i32 {
+    sock::restore6(&ctx)
+}
+
 #[cfg(not(test))]
 #[panic_handler]
 fn panic(_info: &core::panic::PanicInfo) -> ! {

@@ -159,6 +159,10 @@ pub fn count_overlay(stat: u32) {
 pub static SOCK_REVERSE: LruHashMap<SockReverseKeyV4, SockReverseValueV4> =
     LruHashMap::pinned(SOCK_REVERSE_MAX_ENTRIES, 0);
 
+#[map(name = "sock_rev_v6")]
+pub static SOCK_REVERSE_V6: LruHashMap<SockReverseKeyV6, SockReverseValueV6> =
+    LruHashMap::pinned(SOCK_REVERSE_MAX_ENTRIES, 0);
+
 /// Written by the agent only.
 #[map(name = "sock_cfg")]
 pub static SOCK_CONFIG: Array<SockLbConfig> = Array::pinned(SOCK_CONFIG_MAX_ENTRIES, 0);

@@ -75,13 +75,13 @@ impl Env {
         args.extend(extra);
         let agent = Agent::start(&self.topo.node, &self.root(), &args).unwrap();
         wait_until("socket LB attached and services programmed", Duration::from_secs(30), || {
-            Ok(self.ours_attached()? == 4 && cli(&self.root(), "services")?.contains(&format!("{EMPTY_VIP}:80")))
+            Ok(self.ours_attached()? == 8 && cli(&self.root(), "services")?.contains(&format!("{EMPTY_VIP}:80")))
         })
         .unwrap();
         agent
     }
 
-    /// How many of our four programs are on the cgroup.
+    /// How many of our eight programs (four hooks, two families) are on the cgroup.
     fn ours_attached(&self) -> anyhow::Result<usize> {
         Ok(self.cgroup.programs()?.iter().filter(|(_, _, name)| name.starts_with("kr_sk_")).count())
     }
@@ -233,6 +233,25 @@ fn node_and_host_network_processes_reach_services_through_the_socket_lb() {
     assert_eq!(delta(&before, &after, "sock_reverse_insert_failed"), 0);
 }
 
+/// A dual-stack (AF_INET6) socket talking IPv4 through a mapped address (`::ffff:a.b.c.d`, what
+/// Java and many resolvers do) is balanced over the IPv4 Service, and sees the frontend as its peer.
+#[test]
+fn a_dual_stack_socket_reaches_an_ipv4_service_through_its_mapped_address() {
+    let env = Env::new("krt-skm");
+    let _agent = env.agent(&[]);
+    let before = stats(&env.root());
+    for (mode, port) in [("tcp", 80), ("udp", 53), ("udp-connected", 53)] {
+        let target = format!("[::ffff:{VIP}]:{port}");
+        let backends = backends_behind(&target, &env.ask_from_node(mode, &target, 20));
+        assert!(backends.len() >= 2, "{mode} {target}: {backends:?}");
+    }
+    let node_port = "[::ffff:127.0.0.1]:30080";
+    assert!(!backends_behind(node_port, &env.ask_from_node("tcp", node_port, 5)).is_empty());
+    let after = stats(&env.root());
+    assert!(delta(&before, &after, "sock_translated") >= 65, "{after:?}");
+    assert_eq!(delta(&before, &after, "new_flow"), 0, "the TC path translated none of them");
+}
+
 #[test]
 fn restart_adopts_the_links_and_cleanup_leaves_other_programs_on_the_cgroup() {
     let env = Env::new("krt-skr");
@@ -245,7 +264,7 @@ fn restart_adopts_the_links_and_cleanup_leaves_other_programs_on_the_cgroup() {
 
     let agent = env.agent(&[]);
     let attached = env.cgroup.programs().unwrap();
-    assert_eq!((env.ours_attached().unwrap(), foreign()), (4, 1), "{attached:?}");
+    assert_eq!((env.ours_attached().unwrap(), foreign()), (8, 1), "{attached:?}");
     works();
     agent.stop().unwrap();
     // No agent: the pinned links keep balancing.
@@ -257,7 +276,8 @@ fn restart_adopts_the_links_and_cleanup_leaves_other_programs_on_the_cgroup() {
         assert_eq!(log_field(&line, field), Some(0), "restart with unchanged state wrote maps: {line}");
     }
     assert_eq!(env.cgroup.programs().unwrap(), attached, "links re-adopted: the same programs, in the same order");
-    let adopted = "connect4=Adopted sendmsg4=Adopted recvmsg4=Adopted getpeername4=Adopted";
+    let adopted = "connect4=Adopted sendmsg4=Adopted recvmsg4=Adopted getpeername4=Adopted connect6=Adopted \
+                   sendmsg6=Adopted recvmsg6=Adopted getpeername6=Adopted";
     assert_eq!(agent.log_count(adopted), 1, "socket LB links re-adopted");
     works();
     agent.stop().unwrap();
@@ -273,7 +293,7 @@ fn restart_adopts_the_links_and_cleanup_leaves_other_programs_on_the_cgroup() {
 
     // On again, then uninstalled: `cleanup` removes our links and nothing else.
     env.agent(&[]).stop().unwrap();
-    assert_eq!(env.ours_attached().unwrap(), 4);
+    assert_eq!(env.ours_attached().unwrap(), 8);
     cli(&root, "cleanup").unwrap();
     assert_eq!((env.ours_attached().unwrap(), foreign()), (0, 1), "{:?}", env.cgroup.programs().unwrap());
 }
@@ -333,7 +353,7 @@ fn agent_uses_the_api_servers_real_address_and_host_processes_reach_it_by_its_cl
     let api_backend = server.address().to_string();
     wait_until("the kubernetes Service programmed from the API", Duration::from_secs(30), || {
         let services = cli(&env.root(), "services")?;
-        Ok(env.ours_attached()? == 4 && services.contains(&format!("{API_VIP}:443")) && services.contains(&api_backend))
+        Ok(env.ours_attached()? == 8 && services.contains(&format!("{API_VIP}:443")) && services.contains(&api_backend))
     })
     .unwrap();
 

@@ -70,9 +70,14 @@ pub const MONITOR_MAPS: [MapSpec; 4] = [
 ];
 
 /// The socket load balancer's own maps (it also reads the service maps).
-pub const SOCK_MAPS: [MapSpec; 3] = [
+pub const SOCK_MAPS: [MapSpec; 4] = [
     spec::<SockReverseKeyV4, SockReverseValueV4>(
         sock_map_names::SOCK_REVERSE,
+        MapType::LruHash,
+        SOCK_REVERSE_MAX_ENTRIES,
+    ),
+    spec::<SockReverseKeyV6, SockReverseValueV6>(
+        sock_map_names::SOCK_REVERSE_V6,
         MapType::LruHash,
         SOCK_REVERSE_MAX_ENTRIES,
     ),

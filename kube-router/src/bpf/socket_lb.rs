@@ -30,10 +30,23 @@ pub enum SockHook {
     Sendmsg4,
     Recvmsg4,
     Getpeername4,
+    Connect6,
+    Sendmsg6,
+    Recvmsg6,
+    Getpeername6,
 }
 
 impl SockHook {
-    pub const ALL: [SockHook; 4] = [SockHook::Connect4, SockHook::Sendmsg4, SockHook::Recvmsg4, SockHook::Getpeername4];
+    pub const ALL: [SockHook; 8] = [
+        SockHook::Connect4,
+        SockHook::Sendmsg4,
+        SockHook::Recvmsg4,
+        SockHook::Getpeername4,
+        SockHook::Connect6,
+        SockHook::Sendmsg6,
+        SockHook::Recvmsg6,
+        SockHook::Getpeername6,
+    ];
 
     pub fn program(self) -> &'static str {
         match self {
@@ -41,6 +54,10 @@ impl SockHook {
             SockHook::Sendmsg4 => "kr_sk_sendmsg4",
             SockHook::Recvmsg4 => "kr_sk_recvmsg4",
             SockHook::Getpeername4 => "kr_sk_getpeer4",
+            SockHook::Connect6 => "kr_sk_connect6",
+            SockHook::Sendmsg6 => "kr_sk_sendmsg6",
+            SockHook::Recvmsg6 => "kr_sk_recvmsg6",
+            SockHook::Getpeername6 => "kr_sk_getpeer6",
         }
     }
 
@@ -50,6 +67,10 @@ impl SockHook {
             SockHook::Sendmsg4 => "cgroup_sendmsg4",
             SockHook::Recvmsg4 => "cgroup_recvmsg4",
             SockHook::Getpeername4 => "cgroup_getpeername4",
+            SockHook::Connect6 => "cgroup_connect6",
+            SockHook::Sendmsg6 => "cgroup_sendmsg6",
+            SockHook::Recvmsg6 => "cgroup_recvmsg6",
+            SockHook::Getpeername6 => "cgroup_getpeername6",
         }
     }
 
@@ -60,6 +81,10 @@ impl SockHook {
             SockHook::Sendmsg4 => 14,     // BPF_CGROUP_UDP4_SENDMSG
             SockHook::Recvmsg4 => 19,     // BPF_CGROUP_UDP4_RECVMSG
             SockHook::Getpeername4 => 29, // BPF_CGROUP_INET4_GETPEERNAME
+            SockHook::Connect6 => 11,     // BPF_CGROUP_INET6_CONNECT
+            SockHook::Sendmsg6 => 15,     // BPF_CGROUP_UDP6_SENDMSG
+            SockHook::Recvmsg6 => 20,     // BPF_CGROUP_UDP6_RECVMSG
+            SockHook::Getpeername6 => 30, // BPF_CGROUP_INET6_GETPEERNAME
         }
     }
 
@@ -77,7 +102,7 @@ pub struct SocketLbOptions {
 }
 
 /// The agent's one call: with the socket LB enabled, record the node's network namespace and
-/// attach (or re-adopt) the four programs; disabled, remove our links if a previous run left
+/// attach (or re-adopt) the eight programs; disabled, remove our links if a previous run left
 /// them. Failures are logged and counted, never fatal: the TC load balancer works without it.
 pub fn apply(datapath: &mut Datapath, options: &SocketLbOptions, metrics: &Metrics) {
     if !options.enabled {
@@ -95,13 +120,17 @@ pub fn apply(datapath: &mut Datapath, options: &SocketLbOptions, metrics: &Metri
     });
     match attached {
         Ok((cgroup, outcomes)) => {
-            let [connect4, sendmsg4, recvmsg4, getpeername4] = outcomes;
+            let [connect4, sendmsg4, recvmsg4, getpeername4, connect6, sendmsg6, recvmsg6, getpeername6] = outcomes;
             tracing::info!(
                 cgroup = %cgroup.display(),
                 ?connect4,
                 ?sendmsg4,
                 ?recvmsg4,
                 ?getpeername4,
+                ?connect6,
+                ?sendmsg6,
+                ?recvmsg6,
+                ?getpeername6,
                 "socket load balancer attached"
             );
         }
@@ -115,11 +144,11 @@ pub fn apply(datapath: &mut Datapath, options: &SocketLbOptions, metrics: &Metri
     }
 }
 
-/// Attaches the four programs to `cgroup` through pinned links (`links/cgroup_<hook>`).
-pub fn attach(datapath: &mut Datapath, cgroup: &Path) -> Result<[AttachOutcome; 4]> {
+/// Attaches the eight programs to `cgroup` through pinned links (`links/cgroup_<hook>`).
+pub fn attach(datapath: &mut Datapath, cgroup: &Path) -> Result<[AttachOutcome; 8]> {
     let cgroup_file = fs::File::open(cgroup).with_context(|| format!("opening cgroup {}", cgroup.display()))?;
     let cgroup_id = cgroup_file.metadata()?.ino();
-    let mut outcomes = [AttachOutcome::Adopted; 4];
+    let mut outcomes = [AttachOutcome::Adopted; 8];
     for (outcome, hook) in outcomes.iter_mut().zip(SockHook::ALL) {
         *outcome = attach_hook(datapath, hook, &cgroup_file, cgroup_id)
             .with_context(|| format!("attaching {} to cgroup {}", hook.program(), cgroup.display()))?;
