@@ -46,6 +46,9 @@ pub const CLIENT_ADDR: &str = "192.168.100.2";
 pub const INTERNET_ADDR: &str = "203.0.113.10";
 pub const FABRIC_ADDR6: &str = "fd00:100::fe";
 pub const CLIENT_ADDR6: &str = "fd00:c::2";
+/// The "internet" host's IPv6 address (documentation range: outside the cluster, routed by the
+/// fabric, which knows no pod CIDR of either family).
+pub const INTERNET_ADDR6: &str = "2001:db8:113::10";
 /// Ports every pod (and the internet host) serves on, TCP and UDP.
 pub const POD_PORTS: [u16; 2] = [8080, 5353];
 pub const CNI_PLUGIN_DIR: &str = "/usr/lib/cni";
@@ -541,10 +544,18 @@ impl Cluster {
         }
 
         let internet = Netns::new(&format!("{p}-net"))?;
+        if dual {
+            ipv6_without_dad(&internet)?;
+        }
         link(&fabric, "net0", &internet, "eth0")?;
         fabric.run(&["ip", "addr", "add", "203.0.113.1/24", "dev", "net0"])?;
         internet.run(&["ip", "addr", "add", &format!("{INTERNET_ADDR}/24"), "dev", "eth0"])?;
         internet.run(&["ip", "route", "add", "default", "via", "203.0.113.1"])?;
+        if dual {
+            fabric.run(&["ip", "addr", "add", "2001:db8:113::1/64", "dev", "net0"])?;
+            internet.run(&["ip", "addr", "add", &format!("{INTERNET_ADDR6}/64"), "dev", "eth0"])?;
+            internet.run(&["ip", "-6", "route", "add", "default", "via", "2001:db8:113::1"])?;
+        }
         for port in POD_PORTS {
             internet.spawn(&[netprobe_bin().to_str().unwrap(), "serve", "internet", &port.to_string()])?;
         }

@@ -9,7 +9,7 @@ use std::{
 
 use kube_router_tests::{
     apiserver::FaultMode,
-    cluster::{netprobe, node_ip6, request, Cluster, Svc},
+    cluster::{netprobe, node_ip6, request, Cluster, Svc, INTERNET_ADDR6},
     netprobe_bin, Netns,
 };
 use serde_json::json;
@@ -162,4 +162,21 @@ fn an_isolated_pod_is_unreachable_over_ipv6_by_a_denied_peer_and_reachable_by_an
     // The allowed peer is seen with its own IPv6 address.
     let who = netprobe(&allowed.ns, &["ask", "tcp", &target6, "who"]);
     assert_eq!(who, format!("{} {}", target.name, allowed.ip6.as_deref().unwrap()));
+}
+
+/// Pod egress over IPv6: the fabric knows no pod CIDR, so a pod reaches the internet only
+/// through its node's masquerade (to the node's IPv6 address), as over IPv4.
+#[test]
+fn a_pod_reaches_the_internet_over_ipv6_masqueraded_to_its_node() {
+    let c = Cluster::builder("krt-ds-egress").dual_stack().build().unwrap();
+    let pod = c.pod(0, 0);
+    let internet = v6(INTERNET_ADDR6, 8080);
+    assert_eq!(netprobe(&pod.ns, &["ask", "tcp", &internet, "who"]), format!("internet {}", node_ip6(0)));
+    assert_eq!(
+        netprobe(&pod.ns, &["ask", "udp", &v6(INTERNET_ADDR6, 5353), "who"]),
+        format!("internet {}", node_ip6(0))
+    );
+    // Pod to pod across nodes stays unmasqueraded.
+    let other = v6(c.pod(1, 0).ip6.as_deref().unwrap(), 8080);
+    assert_eq!(netprobe(&pod.ns, &["ask", "tcp", &other, "who"]), format!("pod-2-0 {}", pod.ip6.as_deref().unwrap()));
 }

@@ -184,7 +184,8 @@ fn peer_exchange(mode: &str, addr: SocketAddr) -> Result<(String, SocketAddr), S
             Ok((line.trim().to_string(), peer))
         }
         "udp" | "udp-connected" => {
-            let socket = UdpSocket::bind(if addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }).map_err(|e| e.to_string())?;
+            let socket =
+                UdpSocket::bind(if addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }).map_err(|e| e.to_string())?;
             socket.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
             if mode == "udp" {
                 socket.send_to(b"hello\n", addr).map_err(|e| format!("send: {e}"))?;
