@@ -12,7 +12,9 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use kube_router_common::{lb_stat, map_names, pol_stat, LbConfig, LB_CONFIG_MASQUERADE_ALL, LB_CONFIG_POD_EGRESS};
+use kube_router_common::{
+    lb_stat, map_names, pol_stat, LbConfig, ServiceStats, LB_CONFIG_MASQUERADE_ALL, LB_CONFIG_POD_EGRESS,
+};
 use tokio::{
     signal::unix::{signal, SignalKind},
     sync::mpsc,
@@ -27,18 +29,19 @@ use crate::{
             Conntrack, ConntrackV6,
         },
         socket_lb::{self, SocketLbOptions},
-        svc_stats::SvcStatsMap,
+        svc_stats::{SvcStatsMap, SvcStatsMapV6},
     },
     firewall::FirewallController,
     k8s::{
         checkpoint,
         watch::{self, ApiOptions, ClusterObjects, Kind, WatchUpdate},
     },
+    kr_metrics::{FrontendId, FrontendOwner},
     metrics::{self, Metrics},
     netif,
     router::{RouterController, RouterOptions},
     services::{
-        compile::{assign_ids, plan_for, CompileWarning, LbPlan, Limits},
+        compile::{assign_ids, plan_for, CompileWarning, LbPlan, Limits, MapContents},
         family::{AddressFamily, IpFamily, V4, V6},
         model::{ExternalIpPolicy, NodeContext},
         source::{load_file, StateBuilder},
@@ -229,20 +232,8 @@ impl ServiceController {
             m.map_entries.insert(map_names::BACKENDS_V6, programmed_v6.backends.len() as u64);
             // Label each frontend with its Service; a rejected Service's kept frontends keep theirs.
             let mut owners = std::mem::take(&mut m.kr.frontends);
-            m.kr.frontends = programmed
-                .services
-                .keys()
-                .filter_map(|key| {
-                    let owner = match lb_plan.frontends.get(key) {
-                        Some(f) => crate::kr_metrics::FrontendOwner {
-                            namespace: f.backend_set.service.namespace.clone(),
-                            name: f.backend_set.service.name.clone(),
-                        },
-                        None => owners.remove(key)?,
-                    };
-                    Some((*key, owner))
-                })
-                .collect();
+            m.kr.frontends = frontend_owners(programmed, &lb_plan, &mut owners);
+            m.kr.frontends.extend(frontend_owners(programmed_v6, &lb_plan_v6, &mut owners));
         });
         self.metrics.heartbeat("services");
         // A full map is retried when the desired state changes (space may free), not on a timer.
@@ -271,6 +262,38 @@ impl ServiceController {
         });
         self.full_maps = now;
     }
+}
+
+/// Each programmed frontend of one family with its Service: from the plan, else (a rejected
+/// Service's kept frontend) the owner it had.
+fn frontend_owners<F: AddressFamily>(
+    programmed: &MapContents<F>,
+    lb_plan: &LbPlan<F>,
+    previous: &mut BTreeMap<FrontendId, FrontendOwner>,
+) -> BTreeMap<FrontendId, FrontendOwner> {
+    programmed
+        .services
+        .keys()
+        .filter_map(|key| {
+            let id = FrontendId::of::<F>(key);
+            let owner = match lb_plan.frontends.get(key) {
+                Some(f) => FrontendOwner {
+                    namespace: f.backend_set.service.namespace.clone(),
+                    name: f.backend_set.service.name.clone(),
+                },
+                None => previous.remove(&id)?,
+            };
+            Some((id, owner))
+        })
+        .collect()
+}
+
+/// Every frontend's counters from `svc_stats_v4` and `svc_stats_v6`.
+fn read_service_stats(pin_dir: &Path) -> Result<BTreeMap<FrontendId, ServiceStats>> {
+    let v4 = SvcStatsMap::open_pinned(pin_dir)?.read_all()?;
+    let v6 = SvcStatsMapV6::open_pinned(pin_dir)?.read_all()?;
+    let v4 = v4.into_iter().map(|(key, stats)| (FrontendId::of::<V4>(&key), stats));
+    Ok(v4.chain(v6.into_iter().map(|(key, stats)| (FrontendId::of::<V6>(&key), stats))).collect())
 }
 
 /// Brings one family's maps to `lb_plan`. Inserts come before deletes: when a map was full and
@@ -448,12 +471,12 @@ fn refresh_datapath_metrics(pin_dir: &Path, metrics: &Metrics, conntrack: &mut (
     }
     socket_lb::refresh_metrics(pin_dir, metrics);
     let started = Instant::now();
-    match SvcStatsMap::open_pinned(pin_dir).and_then(|map| Ok(map.read_all()?)) {
+    match read_service_stats(pin_dir) {
         Ok(stats) => metrics.with(|m| {
             m.kr.sample(started, stats);
             m.kr.stats_export_time.observe(started.elapsed().as_secs_f64());
         }),
-        Err(e) => tracing::debug!(error = %e, "cannot read svc_stats_v4"),
+        Err(e) => tracing::debug!(error = %e, "cannot read svc_stats_v4/v6"),
     }
     if gc {
         let (v4, v6) = conntrack;

@@ -6,6 +6,7 @@ use std::{collections::BTreeSet, path::Path, time::Duration};
 use kube_router_tests::*;
 
 const VIP6: &str = "fd00:96::10";
+const METRICS_PORT: &str = "20261";
 
 /// `web`: ClusterIPs [`VIP`] and [`VIP6`], NodePort 30080, one EndpointSlice per family over
 /// the same three backends.
@@ -34,6 +35,11 @@ struct Env {
 impl Env {
     fn new(prefix: &str) -> Env {
         let topo = Topology::new(prefix, 3).expect("topology");
+        // Until duplicate address detection of the link-local addresses is over, neighbour
+        // discovery on the new links can hold the first IPv6 packets back past a request's timeout.
+        for ns in [&topo.client, &topo.node].into_iter().chain(&topo.backends) {
+            ns.wait_addresses_settled().expect("addresses settled");
+        }
         remove_bpf_root(&topo.bpf_root());
         let file = ServiceFile::new(prefix);
         file.write(&dual_stack_web()).unwrap();
@@ -42,8 +48,12 @@ impl Env {
 
     fn agent(&self) -> Agent {
         let root = self.topo.bpf_root();
-        let mut agent =
-            Agent::start(&self.topo.node, &root, &["--service-file", &self.file.arg(), "--health-port", "0"]).unwrap();
+        let mut agent = Agent::start(
+            &self.topo.node,
+            &root,
+            &["--service-file", &self.file.arg(), "--health-port", "0", "--metrics-port", METRICS_PORT],
+        )
+        .unwrap();
         agent.wait_for_log("service sync complete", 1, Duration::from_secs(20)).unwrap();
         agent
     }
@@ -107,6 +117,17 @@ fn a_dual_stack_service_answers_on_both_cluster_ips_from_the_same_backends() {
     // A port that is not a frontend is not intercepted: nothing listens on the VIP, so it fails.
     let replies = topo.request("tcp", &format!("[{VIP6}]:81"), 1).unwrap();
     assert!(replies[0].starts_with("ERR"), "{replies:?}");
+
+    // The IPv6 frontend's counters (svc_stats_v6) are exported under kube-router's names.
+    let series = format!(
+        "kube_router_service_total_connections{{svc_namespace=\"default\",service_name=\"web\",service_vip=\"{VIP6}\",protocol=\"tcp\",port=\"80\"}}"
+    );
+    let url = format!("127.0.0.1:{METRICS_PORT}");
+    wait_until("IPv6 connections counted", Duration::from_secs(10), || {
+        let scrape = topo.node.run(&[netprobe_bin().to_str().unwrap(), "http", &url, "/metrics"])?;
+        Ok(scrape.contains(&series) && metric(&scrape, &series) >= 60.0)
+    })
+    .unwrap();
 }
 
 #[test]
