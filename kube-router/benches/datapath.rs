@@ -41,7 +41,7 @@ fn main() {
     let mut maps = BpfServiceMaps::open_pinned(pin_dir).expect("maps");
     let node = NodeContext {
         name: "node-a".into(),
-        node_port_addrs: vec![Ipv4Addr::new(10, 100, 0, 1)],
+        node_port_addrs: vec![Ipv4Addr::new(10, 100, 0, 1).into()],
         hairpin_all: true,
         ..Default::default()
     };

@@ -48,7 +48,8 @@ fn services() -> ServiceState {
         name.clone(),
         Service {
             name: name.clone(),
-            cluster_ips: vec![VIP],
+            cluster_ips: vec![VIP.into()],
+            ip_families: vec![],
             external_ips: vec![],
             load_balancer_ips: vec![],
             ports: vec![port("http", Protocol::Tcp, 80), port("dns", Protocol::Udp, 53)],
@@ -62,8 +63,14 @@ fn services() -> ServiceState {
             maglev: None,
         },
     );
-    let endpoint =
-        Endpoint { addr: BACKEND, ready: true, serving: true, terminating: false, node_name: None, zone_hints: None };
+    let endpoint = Endpoint {
+        addr: BACKEND.into(),
+        ready: true,
+        serving: true,
+        terminating: false,
+        node_name: None,
+        zone_hints: None,
+    };
     state.slices.insert(
         ("bench".into(), "target-1".into()),
         EndpointSlice {

@@ -6,13 +6,15 @@
 //! listing of every kind since start (mark, then sweep).
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr},
     path::{Path, PathBuf},
     time::{Duration, Instant, SystemTime},
 };
 
 use anyhow::{Context, Result};
-use kube_router_common::{lb_stat, map_names, pol_stat, LbConfig, LB_CONFIG_MASQUERADE_ALL, LB_CONFIG_POD_EGRESS};
+use kube_router_common::{
+    lb_stat, map_names, pol_stat, LbConfig, ServiceStats, LB_CONFIG_MASQUERADE_ALL, LB_CONFIG_POD_EGRESS,
+};
 use tokio::{
     signal::unix::{signal, SignalKind},
     sync::mpsc,
@@ -22,23 +24,28 @@ use crate::{
     bpf::{
         datapath::{AttachOutcome, Datapath},
         policy_maps::{read_policy_stats, PolicyConntrack},
-        service_maps::{read_lb_stats, sync_cluster_nets, write_lb_config, BpfServiceMaps, Conntrack},
+        service_maps::{
+            read_lb_stats, sync_cluster_nets, sync_cluster_nets_of, write_lb_config, BpfServiceMaps, BpfServiceMapsV6,
+            Conntrack, ConntrackV6,
+        },
         socket_lb::{self, SocketLbOptions},
-        svc_stats::SvcStatsMap,
+        svc_stats::{SvcStatsMap, SvcStatsMapV6},
     },
     firewall::FirewallController,
     k8s::{
         checkpoint,
         watch::{self, ApiOptions, ClusterObjects, Kind, WatchUpdate},
     },
+    kr_metrics::{FrontendId, FrontendOwner},
     metrics::{self, Metrics},
     netif,
     router::{RouterController, RouterOptions},
     services::{
-        compile::{assign_ids, plan, CompileWarning, Limits},
+        compile::{assign_ids, plan_for, CompileWarning, LbPlan, Limits, MapContents},
+        family::{AddressFamily, IpFamily, V4, V6},
         model::{ExternalIpPolicy, NodeContext},
         source::{load_file, StateBuilder},
-        sync::{ServiceMaps, ServiceSync},
+        sync::{ServiceMaps, ServiceSync, SyncReport},
     },
 };
 
@@ -57,7 +64,7 @@ pub struct AgentConfig {
     pub max_stale: Option<Duration>,
     pub interfaces: Option<Vec<String>>,
     pub node_name: String,
-    pub nodeport_addresses: Option<Vec<Ipv4Addr>>,
+    pub nodeport_addresses: Option<Vec<IpAddr>>,
     pub limits: Limits,
     pub metrics_port: u16,
     pub health_port: u16,
@@ -105,10 +112,12 @@ pub struct AgentConfig {
 struct ServiceController {
     maps: BpfServiceMaps,
     sync: ServiceSync,
+    maps_v6: BpfServiceMapsV6,
+    sync_v6: ServiceSync<V6>,
     metrics: Metrics,
     limits: Limits,
     node_name: String,
-    nodeport_addresses: Option<Vec<Ipv4Addr>>,
+    nodeport_addresses: Option<Vec<IpAddr>>,
     hairpin_all: bool,
     external_ips: ExternalIpPolicy,
     /// Warnings already logged, so one that persists is reported once.
@@ -127,12 +136,17 @@ impl ServiceController {
     fn node_context(&self) -> NodeContext {
         let mut external_ips = self.external_ips.clone();
         // The node's own addresses are never a Service's to capture.
-        external_ips
-            .forbidden
-            .extend(netif::ipv4_addresses().into_iter().map(|a| ipnet::IpNet::from(std::net::IpAddr::V4(a))));
+        let node_addresses = netif::node_addresses();
+        external_ips.forbidden.extend(node_addresses.iter().map(|a| ipnet::IpNet::from(*a)));
+        // A family the node has no address in cannot carry its Services' traffic.
+        let unavailable_families = [IpFamily::IPv4, IpFamily::IPv6]
+            .into_iter()
+            .filter(|family| !node_addresses.iter().any(|a| IpFamily::of(a) == *family))
+            .collect();
         NodeContext {
             name: self.node_name.clone(),
-            node_port_addrs: self.nodeport_addresses.clone().unwrap_or_else(netif::ipv4_addresses),
+            node_port_addrs: self.nodeport_addresses.clone().unwrap_or(node_addresses),
+            unavailable_families,
             hairpin_all: self.hairpin_all,
             external_ips,
             zone: self.zone.clone(),
@@ -162,8 +176,10 @@ impl ServiceController {
             }
             current.insert(text);
         }
-        let lb_plan = plan(&builder.state, &self.node_context(), self.limits);
-        for warning in &lb_plan.warnings {
+        let node = self.node_context();
+        let lb_plan = plan_for::<V4>(&builder.state, &node, self.limits);
+        let lb_plan_v6 = plan_for::<V6>(&builder.state, &node, self.limits);
+        for warning in lb_plan.warnings.iter().chain(&lb_plan_v6.warnings) {
             let text = format!("{warning:?}");
             if !self.reported.contains(&text) {
                 match warning {
@@ -172,6 +188,10 @@ impl ServiceController {
                     CompileWarning::ExternalIpRefused { service, reason } => {
                         tracing::error!(service = %service, reason, "external IP refused; the rest of the Service is programmed");
                         self.metrics.with(|m| *m.rejected_objects.entry("ExternalIP").or_default() += 1);
+                    }
+                    CompileWarning::FamilyUnavailable { service, family } => {
+                        tracing::warn!(service = %service, ?family, "the node has no address of this family; the Service is not programmed in it");
+                        self.metrics.with(|m| *m.rejected_objects.entry("IPFamily").or_default() += 1);
                     }
                 }
             }
@@ -184,57 +204,36 @@ impl ServiceController {
             *checks = now;
             changed
         });
-        let desired = assign_ids(&lb_plan, self.sync.programmed());
-        let mut report = self.sync.sync(&mut self.maps, &desired, complete);
-        if report.total().full > 0 && report.total().deletes > 0 {
-            // Inserts come before deletes: what this pass freed makes room for what it could
-            // not insert. One more pass, with the same desired state.
-            let desired = assign_ids(&lb_plan, self.sync.programmed());
-            let second = self.sync.sync(&mut self.maps, &desired, complete);
-            for (map, counts) in second.per_map {
-                let total = report.per_map.entry(map).or_default();
-                total.inserts += counts.inserts;
-                total.updates += counts.updates;
-                total.deletes += counts.deletes;
-                total.errors = counts.errors;
-                total.full = counts.full;
-            }
-        }
+        let mut report = sync_family(&mut self.sync, &mut self.maps, &lb_plan, complete);
+        report.merge(sync_family(&mut self.sync_v6, &mut self.maps_v6, &lb_plan_v6, complete));
         self.report_full_maps(&report);
         let total = report.total();
         let programmed = self.sync.programmed();
+        let programmed_v6 = self.sync_v6.programmed();
+        // Totals over both families.
         tracing::info!(
             inserts = total.inserts,
             updates = total.updates,
             deletes = total.deletes,
             errors = total.errors,
             complete,
-            services = programmed.services.len(),
-            backends = programmed.backends.len(),
+            services = programmed.services.len() + programmed_v6.services.len(),
+            backends = programmed.backends.len() + programmed_v6.backends.len(),
             "service sync complete"
         );
         self.metrics.record_sync(&report, started.elapsed());
         self.metrics.with(|m| {
-            m.dropped_endpoints = lb_plan.dropped_endpoints;
+            m.dropped_endpoints = lb_plan.dropped_endpoints + lb_plan_v6.dropped_endpoints;
             m.map_entries.insert(map_names::SERVICES, programmed.services.len() as u64);
             m.map_entries.insert(map_names::BACKEND_SLOTS, programmed.slots.len() as u64);
             m.map_entries.insert(map_names::BACKENDS, programmed.backends.len() as u64);
+            m.map_entries.insert(map_names::SERVICES_V6, programmed_v6.services.len() as u64);
+            m.map_entries.insert(map_names::BACKEND_SLOTS_V6, programmed_v6.slots.len() as u64);
+            m.map_entries.insert(map_names::BACKENDS_V6, programmed_v6.backends.len() as u64);
             // Label each frontend with its Service; a rejected Service's kept frontends keep theirs.
             let mut owners = std::mem::take(&mut m.kr.frontends);
-            m.kr.frontends = programmed
-                .services
-                .keys()
-                .filter_map(|key| {
-                    let owner = match lb_plan.frontends.get(key) {
-                        Some(f) => crate::kr_metrics::FrontendOwner {
-                            namespace: f.backend_set.service.namespace.clone(),
-                            name: f.backend_set.service.name.clone(),
-                        },
-                        None => owners.remove(key)?,
-                    };
-                    Some((*key, owner))
-                })
-                .collect();
+            m.kr.frontends = frontend_owners(programmed, &lb_plan, &mut owners);
+            m.kr.frontends.extend(frontend_owners(programmed_v6, &lb_plan_v6, &mut owners));
         });
         self.metrics.heartbeat("services");
         // A full map is retried when the desired state changes (space may free), not on a timer.
@@ -257,12 +256,69 @@ impl ServiceController {
             tracing::info!(map, "map has room again; every entry is programmed");
         }
         self.metrics.with(|m| {
-            for map in [map_names::SERVICES, map_names::BACKEND_SLOTS, map_names::BACKENDS, map_names::SOURCE_RANGES] {
+            for map in [V4::MAPS, V6::MAPS].iter().flat_map(|f| [f.services, f.slots, f.backends, f.source_ranges]) {
                 m.map_full.insert(map, now.contains(map));
             }
         });
         self.full_maps = now;
     }
+}
+
+/// Each programmed frontend of one family with its Service: from the plan, else (a rejected
+/// Service's kept frontend) the owner it had.
+fn frontend_owners<F: AddressFamily>(
+    programmed: &MapContents<F>,
+    lb_plan: &LbPlan<F>,
+    previous: &mut BTreeMap<FrontendId, FrontendOwner>,
+) -> BTreeMap<FrontendId, FrontendOwner> {
+    programmed
+        .services
+        .keys()
+        .filter_map(|key| {
+            let id = FrontendId::of::<F>(key);
+            let owner = match lb_plan.frontends.get(key) {
+                Some(f) => FrontendOwner {
+                    namespace: f.backend_set.service.namespace.clone(),
+                    name: f.backend_set.service.name.clone(),
+                },
+                None => previous.remove(&id)?,
+            };
+            Some((id, owner))
+        })
+        .collect()
+}
+
+/// Every frontend's counters from `svc_stats_v4` and `svc_stats_v6`.
+fn read_service_stats(pin_dir: &Path) -> Result<BTreeMap<FrontendId, ServiceStats>> {
+    let v4 = SvcStatsMap::open_pinned(pin_dir)?.read_all()?;
+    let v6 = SvcStatsMapV6::open_pinned(pin_dir)?.read_all()?;
+    let v4 = v4.into_iter().map(|(key, stats)| (FrontendId::of::<V4>(&key), stats));
+    Ok(v4.chain(v6.into_iter().map(|(key, stats)| (FrontendId::of::<V6>(&key), stats))).collect())
+}
+
+/// Brings one family's maps to `lb_plan`. Inserts come before deletes: when a map was full and
+/// this pass freed room, one more pass with the same plan programs what waited.
+fn sync_family<F: AddressFamily>(
+    sync: &mut ServiceSync<F>,
+    maps: &mut impl ServiceMaps<F>,
+    lb_plan: &LbPlan<F>,
+    complete: bool,
+) -> SyncReport {
+    let desired = assign_ids(lb_plan, sync.programmed());
+    let mut report = sync.sync(maps, &desired, complete);
+    if report.total().full > 0 && report.total().deletes > 0 {
+        let desired = assign_ids(lb_plan, sync.programmed());
+        let second = sync.sync(maps, &desired, complete);
+        for (map, counts) in second.per_map {
+            let total = report.per_map.entry(map).or_default();
+            total.inserts += counts.inserts;
+            total.updates += counts.updates;
+            total.deletes += counts.deletes;
+            total.errors = counts.errors;
+            total.full = counts.full;
+        }
+    }
+    report
 }
 
 const TOPOLOGY_ZONE_LABEL: &str = "topology.kubernetes.io/zone";
@@ -409,24 +465,25 @@ fn refresh_policy_metrics(pin_dir: &Path, metrics: &Metrics, conntrack: &mut Pol
     }
 }
 
-fn refresh_datapath_metrics(pin_dir: &Path, metrics: &Metrics, conntrack: &mut Conntrack, gc: bool) {
+fn refresh_datapath_metrics(pin_dir: &Path, metrics: &Metrics, conntrack: &mut (Conntrack, ConntrackV6), gc: bool) {
     if let Ok(stats) = read_lb_stats(pin_dir) {
         metrics.with(|m| m.datapath_packets = lb_stat::NAMES.iter().copied().zip(stats).collect());
     }
     socket_lb::refresh_metrics(pin_dir, metrics);
     let started = Instant::now();
-    match SvcStatsMap::open_pinned(pin_dir).and_then(|map| Ok(map.read_all()?)) {
+    match read_service_stats(pin_dir) {
         Ok(stats) => metrics.with(|m| {
             m.kr.sample(started, stats);
             m.kr.stats_export_time.observe(started.elapsed().as_secs_f64());
         }),
-        Err(e) => tracing::debug!(error = %e, "cannot read svc_stats_v4"),
+        Err(e) => tracing::debug!(error = %e, "cannot read svc_stats_v4/v6"),
     }
     if gc {
-        match conntrack.collect_garbage() {
-            Ok((left, removed)) => metrics.with(|m| {
-                m.conntrack_entries = left as u64;
-                m.conntrack_gc_removed += removed as u64;
+        let (v4, v6) = conntrack;
+        match v4.collect_garbage().and_then(|a| Ok((a, v6.collect_garbage()?))) {
+            Ok(((left, removed), (left_v6, removed_v6))) => metrics.with(|m| {
+                m.conntrack_entries = (left + left_v6) as u64;
+                m.conntrack_gc_removed += (removed + removed_v6) as u64;
             }),
             Err(e) => tracing::warn!(error = %e, "conntrack GC failed"),
         }
@@ -528,9 +585,10 @@ impl CniWriter {
     }
 }
 
-/// Brings `cluster_nets_v4` (what pod egress masquerade treats as inside) up to date.
+/// Brings `cluster_nets_v4` and `cluster_nets_v6` (what pod egress masquerade treats as inside) up to date.
 fn sync_egress_nets<'a>(config: &AgentConfig, nodes: impl IntoIterator<Item = &'a k8s_openapi::api::core::v1::Node>) {
-    let nets = crate::egress::cluster_nets(nodes, &config.cluster_cidrs, &config.service_ranges);
+    let nodes: Vec<&k8s_openapi::api::core::v1::Node> = nodes.into_iter().collect();
+    let nets = crate::egress::cluster_nets(nodes.iter().copied(), &config.cluster_cidrs, &config.service_ranges);
     match sync_cluster_nets(&config.pin_dir, &nets) {
         Ok(0) => {}
         Ok(writes) => tracing::info!(prefixes = nets.len(), writes, "cluster prefixes for pod egress updated"),
@@ -539,12 +597,21 @@ fn sync_egress_nets<'a>(config: &AgentConfig, nodes: impl IntoIterator<Item = &'
             "cannot write cluster_nets_v4; pod egress masquerade may be wrong"
         ),
     }
+    let nets = crate::egress::cluster_nets_of::<V6>(nodes, &config.cluster_cidrs, &config.service_ranges);
+    match sync_cluster_nets_of::<V6>(&config.pin_dir, &nets) {
+        Ok(0) => {}
+        Ok(writes) => tracing::info!(prefixes = nets.len(), writes, "IPv6 cluster prefixes for pod egress updated"),
+        Err(e) => tracing::error!(
+            error = format!("{e:#}"),
+            "cannot write cluster_nets_v6; pod egress masquerade may be wrong"
+        ),
+    }
 }
 
 /// The load balancer's maps and the controller that writes them.
 struct ServiceProxy {
     controller: ServiceController,
-    conntrack: Conntrack,
+    conntrack: (Conntrack, ConntrackV6),
 }
 
 impl ServiceProxy {
@@ -555,14 +622,20 @@ impl ServiceProxy {
     ) -> Result<Self> {
         let maps = BpfServiceMaps::open_pinned(&config.pin_dir)?;
         let sync = ServiceSync::adopt(&maps).context("reading the programmed service maps")?;
+        let maps_v6 = BpfServiceMapsV6::open_pinned(&config.pin_dir)?;
+        let sync_v6 = ServiceSync::adopt(&maps_v6).context("reading the programmed IPv6 service maps")?;
         tracing::info!(
             services = sync.programmed().services.len(),
             backends = sync.programmed().backends.len(),
+            services_v6 = sync_v6.programmed().services.len(),
+            backends_v6 = sync_v6.programmed().backends.len(),
             "adopted programmed state"
         );
         let controller = ServiceController {
             maps,
             sync,
+            maps_v6,
+            sync_v6,
             metrics: metrics.clone(),
             limits: config.limits,
             node_name: config.node_name.clone(),
@@ -582,9 +655,10 @@ impl ServiceProxy {
         };
         let snat_addr =
             config.node_ip.or_else(netif::default_route_source).or_else(|| netif::ipv4_addresses().first().copied());
+        let snat_addr_v6 = netif::default_route_source_v6().or_else(|| netif::ipv6_addresses().first().copied());
         let lb_config = LbConfig {
             snat_addr: snat_addr.map(crate::services::compile::addr_be).unwrap_or(0),
-            snat_addr_v6: Default::default(),
+            snat_addr_v6: snat_addr_v6.map(V6::words).unwrap_or_default(),
             snat_port_min: config.snat_port_range.0,
             snat_port_max: config.snat_port_range.1,
             flags: if config.masquerade_all { LB_CONFIG_MASQUERADE_ALL } else { 0 }
@@ -592,8 +666,8 @@ impl ServiceProxy {
             pad: 0,
         };
         write_lb_config(&config.pin_dir, &lb_config)?;
-        tracing::info!(snat_address = ?snat_addr, ports = ?config.snat_port_range, masquerade_all = config.masquerade_all, "source NAT configured");
-        let conntrack = Conntrack::open_pinned(&config.pin_dir)?;
+        tracing::info!(snat_address = ?snat_addr, snat_address_v6 = ?snat_addr_v6, ports = ?config.snat_port_range, masquerade_all = config.masquerade_all, "source NAT configured");
+        let conntrack = (Conntrack::open_pinned(&config.pin_dir)?, ConntrackV6::open_pinned(&config.pin_dir)?);
         Ok(Self { controller, conntrack })
     }
 }
@@ -688,7 +762,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         _ => None,
     };
     // NodePorts listen on the node's addresses: a changed set recompiles the Services at once.
-    let mut node_addresses = netif::ipv4_addresses();
+    let mut node_addresses = netif::node_addresses();
     tracing::info!("agent running");
     loop {
         let link_changed = async {
@@ -715,7 +789,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     attach_all(datapath, &config.interfaces, &mut attached, config.run_service_proxy, config.run_firewall);
                     last_rescan = Instant::now();
                 }
-                let now = netif::ipv4_addresses();
+                let now = netif::node_addresses();
                 if now != node_addresses {
                     tracing::info!(addresses = ?now, "node addresses changed; recompiling Services");
                     node_addresses = now;
@@ -889,4 +963,9 @@ pub async fn run(config: AgentConfig) -> Result<()> {
 /// Used by tests and tooling: what `ServiceMaps::read_all` sees now.
 pub fn read_programmed(pin_dir: &Path) -> Result<crate::services::compile::MapContents> {
     Ok(BpfServiceMaps::open_pinned(pin_dir)?.read_all()?)
+}
+
+/// [`read_programmed`] of the IPv6 maps.
+pub fn read_programmed_v6(pin_dir: &Path) -> Result<crate::services::compile::MapContents<V6>> {
+    Ok(BpfServiceMapsV6::open_pinned(pin_dir)?.read_all()?)
 }

@@ -1,12 +1,30 @@
 //! kube-router's own metric names, so its Grafana dashboard and alerts work unchanged: build
-//! info, per-Service counters (from `svc_stats_v4`, kube-router reads them from IPVS), controller
+//! info, per-Service counters (from `svc_stats_v4` / `_v6`, kube-router reads them from IPVS), controller
 //! sync times and BGP peers. Our own `kube_router_*` names stay beside them (see README,
 //! "Metrics").
 use std::{collections::BTreeMap, fmt::Write as _, time::Instant};
 
-use kube_router_common::{ServiceKeyV4, ServiceStats, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
+use kube_router_common::{ServiceKey, ServiceStats, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
-use crate::metrics::{family, Histogram};
+use crate::{
+    metrics::{family, Histogram},
+    services::family::AddressFamily,
+};
+
+/// A frontend of either family, as its metric labels name it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct FrontendId {
+    pub addr: std::net::IpAddr,
+    /// Host byte order.
+    pub port: u16,
+    pub proto: u8,
+}
+
+impl FrontendId {
+    pub fn of<F: AddressFamily>(key: &ServiceKey<F::Words>) -> Self {
+        Self { addr: F::addr_from_words(key.addr).into(), port: u16::from_be(key.port), proto: key.proto }
+    }
+}
 
 /// The Service a frontend belongs to.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -35,15 +53,15 @@ struct Sample {
 #[derive(Default)]
 pub struct KubeRouterMetrics {
     /// Every programmed frontend and its Service, from the last compile.
-    pub frontends: BTreeMap<ServiceKeyV4, FrontendOwner>,
-    samples: BTreeMap<ServiceKeyV4, Sample>,
+    pub frontends: BTreeMap<FrontendId, FrontendOwner>,
+    samples: BTreeMap<FrontendId, Sample>,
     /// Services sync (kube-router: IPVS services sync).
     pub services_sync_time: Histogram,
     /// NetworkPolicy compile + map writes (kube-router: iptables / policy chains sync).
     pub policy_sync_time: Histogram,
     /// BGP peers from Node objects (kube-router: internal peers sync).
     pub bgp_peers_sync_time: Histogram,
-    /// Reading `svc_stats_v4` (kube-router: IPVS metrics export).
+    /// Reading `svc_stats_v4` and `svc_stats_v6` (kube-router: IPVS metrics export).
     pub stats_export_time: Histogram,
 }
 
@@ -56,7 +74,7 @@ fn rate(now: u64, before: u64, seconds: f64) -> f64 {
 impl KubeRouterMetrics {
     /// Takes a new reading of every frontend's counters; rates are its difference from the
     /// previous one (kube-router takes them from IPVS's own estimator).
-    pub fn sample(&mut self, now: Instant, stats: BTreeMap<ServiceKeyV4, ServiceStats>) {
+    pub fn sample(&mut self, now: Instant, stats: BTreeMap<FrontendId, ServiceStats>) {
         let mut samples = BTreeMap::new();
         for (key, stats) in stats {
             let rates = match self.samples.get(&key) {
@@ -110,8 +128,8 @@ impl KubeRouterMetrics {
 
 /// kube-router's Service labels: `svc_namespace`, `service_name`, `service_vip`, `protocol`
 /// (lower case), `port`. A NodePort's VIP is the node address, as in IPVS.
-fn labels(key: &ServiceKeyV4, owner: &FrontendOwner) -> String {
-    let vip = std::net::Ipv4Addr::from(key.addr.to_ne_bytes());
+fn labels(key: &FrontendId, owner: &FrontendOwner) -> String {
+    let vip = key.addr;
     let protocol = match key.proto {
         IPPROTO_TCP => "tcp",
         IPPROTO_UDP => "udp",
@@ -120,9 +138,7 @@ fn labels(key: &ServiceKeyV4, owner: &FrontendOwner) -> String {
     };
     format!(
         "svc_namespace=\"{}\",service_name=\"{}\",service_vip=\"{vip}\",protocol=\"{protocol}\",port=\"{}\"",
-        owner.namespace,
-        owner.name,
-        u16::from_be(key.port)
+        owner.namespace, owner.name, key.port
     )
 }
 
@@ -173,8 +189,8 @@ mod tests {
 
     use super::*;
 
-    fn key(last: u8, port: u16) -> ServiceKeyV4 {
-        ServiceKeyV4 { addr: u32::from_ne_bytes([10, 96, 0, last]), port: port.to_be(), proto: IPPROTO_TCP, pad: 0 }
+    fn key(last: u8, port: u16) -> FrontendId {
+        FrontendId { addr: [10, 96, 0, last].into(), port, proto: IPPROTO_TCP }
     }
 
     #[test]
@@ -210,5 +226,25 @@ mod tests {
         let mut out = String::new();
         m.render_services(&mut out);
         assert!(!out.contains("10.96.0.11"), "{out}");
+    }
+
+    #[test]
+    fn an_ipv6_frontend_is_labelled_with_its_address() {
+        let mut m = KubeRouterMetrics::default();
+        let k = FrontendId::of::<crate::services::family::V6>(&kube_router_common::ServiceKeyV6 {
+            addr: kube_router_common::Ipv6Words::from_octets(
+                "fd00:96::10".parse::<std::net::Ipv6Addr>().unwrap().octets(),
+            ),
+            port: 80u16.to_be(),
+            proto: IPPROTO_UDP,
+            pad: 0,
+        });
+        m.frontends.insert(k, FrontendOwner { namespace: "default".into(), name: "web".into() });
+        m.sample(Instant::now(), BTreeMap::from([(k, ServiceStats { connections: 3, ..Default::default() })]));
+        let mut out = String::new();
+        m.render_services(&mut out);
+        let labels =
+            "svc_namespace=\"default\",service_name=\"web\",service_vip=\"fd00:96::10\",protocol=\"udp\",port=\"80\"";
+        assert!(out.contains(&format!("kube_router_service_total_connections{{{labels}}} 3\n")), "{out}");
     }
 }

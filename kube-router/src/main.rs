@@ -9,13 +9,16 @@ use kube_router::{
     bpf::{
         datapath::{self, AttachMode},
         layout::MapSizes,
-        service_maps::{read_lb_stats, Conntrack},
+        service_maps::{read_lb_stats, FamilyConntrack},
         socket_lb::{read_sock_stats, SocketLbOptions},
     },
     k8s::watch::ApiOptions,
     overlay::{Encap, OverlayConfig, OverlayType},
     router::{AdvertiseServices, RouterOptions},
-    services::compile::Limits,
+    services::{
+        compile::{Limits, MapContents},
+        family::{AddressFamily, V4, V6},
+    },
 };
 use kube_router_common::{event_stat, lb_stat, sock_stat, DEFAULT_PIN_DIR};
 
@@ -61,9 +64,10 @@ struct RunArgs {
     /// Node name used for externalTrafficPolicy: Local. Default: the hostname.
     #[arg(long, env = "KUBE_ROUTER_HOSTNAME_OVERRIDE")]
     hostname_override: Option<String>,
-    /// Addresses NodePorts listen on (comma-separated). Default: every IPv4 address of the node.
+    /// Addresses NodePorts listen on (comma-separated, either family). Default: every address
+    /// of the node (IPv6: global ones).
     #[arg(long, env = "KUBE_ROUTER_NODEPORT_ADDRESSES", value_delimiter = ',')]
-    nodeport_addresses: Option<Vec<Ipv4Addr>>,
+    nodeport_addresses: Option<Vec<std::net::IpAddr>>,
     /// Endpoints per service port beyond this are left out (the first N by address are kept).
     #[arg(long, env = "KUBE_ROUTER_MAX_BACKENDS_PER_SERVICE", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=65536))]
     max_backends_per_service: u32,
@@ -433,12 +437,12 @@ fn hostname() -> String {
     String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
-fn fmt_addr(addr_be: u32, port_be: u16) -> String {
-    format!("{}:{}", Ipv4Addr::from(addr_be.to_ne_bytes()), u16::from_be(port_be))
+fn fmt_addr<F: AddressFamily>(addr: F::Words, port_be: u16) -> String {
+    let ip: std::net::IpAddr = F::addr_from_words(addr).into();
+    std::net::SocketAddr::new(ip, u16::from_be(port_be)).to_string()
 }
 
-fn show_services(cli: &Cli) -> Result<()> {
-    let contents = agent::read_programmed(&cli.bpf_root)?;
+fn show_services_of<F: AddressFamily>(contents: &MapContents<F>) {
     for (key, value) in &contents.services {
         let proto = if key.proto == 6 { "tcp" } else { "udp" };
         let backends: Vec<String> = (0..value.backend_count)
@@ -446,14 +450,44 @@ fn show_services(cli: &Cli) -> Result<()> {
                 contents.slots.get(&kube_router_common::BackendSlotKey { service_id: value.service_id, slot })
             })
             .filter_map(|s| contents.backends.get(&s.backend_id))
-            .map(|b| fmt_addr(b.addr, b.port))
+            .map(|b| fmt_addr::<F>(b.addr, b.port))
             .collect();
         println!(
             "{proto} {} id={} flags={:#x} backends=[{}]",
-            fmt_addr(key.addr, key.port),
+            fmt_addr::<F>(key.addr, key.port),
             value.service_id,
             value.flags,
             backends.join(", ")
+        );
+    }
+}
+
+fn show_services(cli: &Cli) -> Result<()> {
+    show_services_of(&agent::read_programmed(&cli.bpf_root)?);
+    show_services_of(&agent::read_programmed_v6(&cli.bpf_root)?);
+    Ok(())
+}
+
+fn show_conntrack<F: AddressFamily>(cli: &Cli) -> Result<()>
+where
+    kube_router_common::CtKey<F::Words>: aya::Pod,
+    kube_router_common::CtValue<F::Words>: aya::Pod,
+{
+    use kube_router_common::{CT_FLAG_FULL_NAT, CT_FLAG_REVERSE};
+    for (k, v) in FamilyConntrack::<F>::open_pinned(&cli.bpf_root)?.entries()? {
+        let kind = if v.flags & CT_FLAG_REVERSE != 0 { "reverse" } else { "forward" };
+        let nat = if v.flags & CT_FLAG_FULL_NAT != 0 { " snat" } else { "" };
+        println!(
+            "{}{} {} -> {} becomes {} -> {} flags={:#x} service={} backend={}",
+            kind,
+            nat,
+            fmt_addr::<F>(k.src_addr, k.src_port),
+            fmt_addr::<F>(k.dst_addr, k.dst_port),
+            fmt_addr::<F>(v.nat_src_addr, v.nat_src_port),
+            fmt_addr::<F>(v.nat_dst_addr, v.nat_dst_port),
+            v.flags,
+            v.service_id,
+            v.backend_id
         );
     }
     Ok(())
@@ -469,26 +503,7 @@ fn main() -> ExitCode {
     let result = match cli.command.as_ref().unwrap_or(&Command::Run) {
         Command::Run => run(&cli),
         Command::Services => show_services(&cli),
-        Command::Conntrack => Conntrack::open_pinned(&cli.bpf_root).and_then(|ct| {
-            for (k, v) in ct.entries()? {
-                use kube_router_common::{CT_FLAG_FULL_NAT, CT_FLAG_REVERSE};
-                let kind = if v.flags & CT_FLAG_REVERSE != 0 { "reverse" } else { "forward" };
-                let nat = if v.flags & CT_FLAG_FULL_NAT != 0 { " snat" } else { "" };
-                println!(
-                    "{}{} {} -> {} becomes {} -> {} flags={:#x} service={} backend={}",
-                    kind,
-                    nat,
-                    fmt_addr(k.src_addr, k.src_port),
-                    fmt_addr(k.dst_addr, k.dst_port),
-                    fmt_addr(v.nat_src_addr, v.nat_src_port),
-                    fmt_addr(v.nat_dst_addr, v.nat_dst_port),
-                    v.flags,
-                    v.service_id,
-                    v.backend_id
-                );
-            }
-            Ok(())
-        }),
+        Command::Conntrack => show_conntrack::<V4>(&cli).and_then(|()| show_conntrack::<V6>(&cli)),
         Command::Bgp => show_bgp(&cli),
         Command::Policy => show_policy(&cli),
         Command::Interfaces => datapath::attachments(&cli.bpf_root).map(|list| {

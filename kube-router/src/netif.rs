@@ -1,6 +1,9 @@
 //! Interfaces and addresses of the network namespace the agent runs in. Uses the socket APIs
 //! rather than /sys/class/net, which shows the namespace sysfs was mounted in.
-use std::{ffi::CStr, net::Ipv4Addr};
+use std::{
+    ffi::CStr,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
 
 /// Names of all interfaces except loopback.
 pub fn interfaces() -> Vec<String> {
@@ -51,6 +54,54 @@ pub fn ipv4_addresses() -> Vec<Ipv4Addr> {
     addrs.sort();
     addrs.dedup();
     addrs
+}
+
+/// Global IPv6 addresses (not loopback, not link-local) configured on the node's interfaces:
+/// where IPv6 NodePorts listen, and whether the node has IPv6 at all.
+pub fn ipv6_addresses() -> Vec<Ipv6Addr> {
+    let mut addrs = Vec::new();
+    // SAFETY: as in ipv4_addresses: a linked list walked read-only and freed.
+    unsafe {
+        let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+        if libc::getifaddrs(&mut head) != 0 {
+            return addrs;
+        }
+        let mut cursor = head;
+        while !cursor.is_null() {
+            let ifa = &*cursor;
+            if !ifa.ifa_addr.is_null() && i32::from((*ifa.ifa_addr).sa_family) == libc::AF_INET6 {
+                let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
+                let addr = Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+                if !addr.is_loopback() && !addr.is_unicast_link_local() && !addr.is_unspecified() {
+                    addrs.push(addr);
+                }
+            }
+            cursor = ifa.ifa_next;
+        }
+        libc::freeifaddrs(head);
+    }
+    addrs.sort();
+    addrs.dedup();
+    addrs
+}
+
+/// Every address of the node, IPv4 then IPv6 (see [`ipv4_addresses`], [`ipv6_addresses`]).
+pub fn node_addresses() -> Vec<IpAddr> {
+    let v4 = ipv4_addresses().into_iter().map(IpAddr::V4);
+    v4.chain(ipv6_addresses().into_iter().map(IpAddr::V6)).collect()
+}
+
+/// The IPv6 source address the kernel picks for the default route, if there is one.
+pub fn default_route_source_v6() -> Option<Ipv6Addr> {
+    let socket = std::net::UdpSocket::bind((Ipv6Addr::UNSPECIFIED, 0)).ok()?;
+    // The documentation prefix: routed like any global address; nothing is sent.
+    socket.connect((Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1), 9)).ok()?;
+    match socket.local_addr().ok()?.ip() {
+        IpAddr::V6(addr) if !addr.is_unspecified() && !addr.is_loopback() && !addr.is_unicast_link_local() => {
+            Some(addr)
+        }
+        _ => None,
+    }
 }
 
 /// The source address the kernel picks for the default route (a UDP "connect" sends nothing),

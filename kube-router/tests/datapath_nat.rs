@@ -85,7 +85,12 @@ impl Drop for Loaded {
 }
 
 fn node_context() -> NodeContext {
-    NodeContext { name: "node-a".into(), node_port_addrs: vec![NODE_IP], hairpin_all: true, ..Default::default() }
+    NodeContext {
+        name: "node-a".into(),
+        node_port_addrs: vec![NODE_IP.into()],
+        hairpin_all: true,
+        ..Default::default()
+    }
 }
 
 fn program(pin_dir: &std::path::Path, yaml: &str) {

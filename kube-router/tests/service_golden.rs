@@ -1,18 +1,24 @@
 //! Golden files: real-shaped Service / EndpointSlice YAML in (`tests/golden/services/*.yaml`),
-//! the map contents the compiler makes of them out (`*.expected`), for a node `node-a` in
-//! `zone-a` with NodePorts on 192.0.2.1. Each file goes through both sources the agent has:
+//! the map contents the compiler makes of them out (`*.expected`: the IPv4 maps, then the IPv6
+//! maps, their lines starting `v6`), for a node `node-a` in `zone-a` with NodePorts on 192.0.2.1
+//! and 2001:db8::1. Each file goes through both sources the agent has:
 //! the file source (`--service-file`: YAML, decoded per object) and the API source (objects
 //! decoded as kube-rs decodes the API server's JSON, through the watch store). Files whose
 //! first line says `file-only` hold objects the API server would never serve.
 //!
 //! `GOLDEN_UPDATE=1 cargo test --test service_golden` rewrites the expected files.
-use std::{fmt::Write, net::Ipv4Addr, path::Path};
+use std::{
+    fmt::Write,
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    path::Path,
+};
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use kube_router::{
     k8s::watch::ClusterObjects,
     services::{
-        compile::{assign_ids, plan, Limits, MapContents},
+        compile::{assign_ids, plan_for, Limits, MapContents},
+        family::{AddressFamily, V4, V6},
         model::{NodeContext, ServiceState},
         source::{parse_objects, ObjectProblem},
     },
@@ -23,20 +29,31 @@ use serde::Deserialize;
 fn node() -> NodeContext {
     NodeContext {
         name: "node-a".into(),
-        node_port_addrs: vec![Ipv4Addr::new(192, 0, 2, 1)],
+        node_port_addrs: vec![Ipv4Addr::new(192, 0, 2, 1).into(), "2001:db8::1".parse().unwrap()],
         zone: Some("zone-a".into()),
         ..Default::default()
     }
 }
 
-fn addr(a: u32, port: u16) -> String {
-    format!("{}:{}", Ipv4Addr::from(a.to_ne_bytes()), u16::from_be(port))
+fn addr<F: AddressFamily>(a: F::Words, port: u16) -> String {
+    let ip: IpAddr = F::addr_from_words(a).into();
+    SocketAddr::new(ip, u16::from_be(port)).to_string()
 }
 
 /// The maps as text, one frontend per line, IDs left out (they are arbitrary but stable).
 fn render(state: &ServiceState, problems: &[ObjectProblem]) -> String {
-    let contents = assign_ids(&plan(state, &node(), Limits::default()), &MapContents::default());
     let mut out = String::new();
+    render_family::<V4>(state, "", &mut out);
+    render_family::<V6>(state, "v6 ", &mut out);
+    for problem in problems {
+        let what = if problem.partial { "left out" } else { "rejected" };
+        let _ = writeln!(out, "{what}: {} {}: {}", problem.kind, problem.name, problem.message);
+    }
+    out
+}
+
+fn render_family<F: AddressFamily>(state: &ServiceState, prefix: &str, out: &mut String) {
+    let contents = assign_ids(&plan_for::<F>(state, &node(), Limits::default()), &MapContents::<F>::default());
     for (key, value) in &contents.services {
         let proto = if key.proto == IPPROTO_TCP { "tcp" } else { "udp" };
         let flags: Vec<&str> = [
@@ -56,10 +73,16 @@ fn render(state: &ServiceState, problems: &[ObjectProblem]) -> String {
             .map(|id| contents.backends[&id])
             .map(|b| {
                 let local = if b.flags & BACKEND_FLAG_LOCAL != 0 { " (local)" } else { "" };
-                format!("{}{local}", addr(b.addr, b.port))
+                format!("{}{local}", addr::<F>(b.addr, b.port))
             })
             .collect();
-        let _ = write!(out, "{proto} {} [{}] -> [{}]", addr(key.addr, key.port), flags.join(","), backends.join(", "));
+        let _ = write!(
+            out,
+            "{prefix}{proto} {} [{}] -> [{}]",
+            addr::<F>(key.addr, key.port),
+            flags.join(","),
+            backends.join(", ")
+        );
         if let Some(timeout) = Some(value.affinity_timeout_secs).filter(|t| *t > 0) {
             let _ = write!(out, " affinity {timeout}s");
         }
@@ -67,18 +90,13 @@ fn render(state: &ServiceState, problems: &[ObjectProblem]) -> String {
             .source_ranges
             .keys()
             .filter(|r| value.flags & SVC_FLAG_SOURCE_RANGES != 0 && r.service_id == value.service_id)
-            .map(|r| format!("{}/{}", Ipv4Addr::from(r.addr.to_ne_bytes()), r.prefix_len))
+            .map(|r| format!("{}/{}", F::addr_from_words(r.addr), r.prefix_len))
             .collect();
         if !ranges.is_empty() {
             let _ = write!(out, " from [{}]", ranges.join(", "));
         }
         out.push('\n');
     }
-    for problem in problems {
-        let what = if problem.partial { "left out" } else { "rejected" };
-        let _ = writeln!(out, "{what}: {} {}: {}", problem.kind, problem.name, problem.message);
-    }
-    out
 }
 
 /// The API source: each object as kube-rs decodes it, listed through the watch store.

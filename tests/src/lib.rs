@@ -152,7 +152,8 @@ pub fn veth(a: &Netns, a_if: &str, a_addr: &str, b: &Netns, b_if: &str, b_addr: 
     Ok(())
 }
 
-/// client --- node --- backend-1..n. The node routes; the agent runs in it.
+/// client --- node --- backend-1..n, IPv4 and IPv6 on every link. The node routes; the agent
+/// runs in it.
 pub struct Topology {
     pub prefix: String,
     pub client: Netns,
@@ -162,9 +163,27 @@ pub struct Topology {
 
 pub const CLIENT_ADDR: &str = "10.0.1.2";
 pub const NODE_ADDR: &str = "10.0.1.1";
+/// The IPv6 twins of the addresses above (each link also has a /64; DAD off).
+pub const CLIENT_ADDR6: &str = "fd00:1::2";
+pub const NODE_ADDR6: &str = "fd00:1::1";
 
 pub fn backend_addr(i: usize) -> String {
     format!("10.0.{}.2", 10 + i)
+}
+
+/// Backend `i`'s IPv6 address.
+pub fn backend_addr6(i: usize) -> String {
+    format!("fd00:{}::2", 10 + i)
+}
+
+/// IPv6 addresses of the first `n` backends.
+pub fn backend_addrs6(n: usize) -> Vec<String> {
+    (0..n).map(backend_addr6).collect()
+}
+
+/// Adds an IPv6 address without duplicate address detection (usable at once).
+fn add_addr6(ns: &Netns, dev: &str, addr: &str) -> Result<()> {
+    ns.run(&["ip", "-6", "addr", "add", addr, "dev", dev, "nodad"]).map(|_| ())
 }
 
 /// Addresses of the first `n` backends.
@@ -201,8 +220,12 @@ impl Topology {
         let client = Netns::new(&format!("{prefix}-client"))?;
         let node = Netns::new(&format!("{prefix}-node"))?;
         node.sysctl("net.ipv4.ip_forward", "1")?;
+        node.sysctl("net.ipv6.conf.all.forwarding", "1")?;
         veth(&node, "to-client", &format!("{NODE_ADDR}/24"), &client, "eth0", &format!("{CLIENT_ADDR}/24"))?;
         client.run(&["ip", "route", "add", "default", "via", NODE_ADDR])?;
+        add_addr6(&node, "to-client", &format!("{NODE_ADDR6}/64"))?;
+        add_addr6(&client, "eth0", &format!("{CLIENT_ADDR6}/64"))?;
+        client.run(&["ip", "-6", "route", "add", "default", "via", NODE_ADDR6])?;
         let mut list = Vec::new();
         for i in 0..backends {
             let ns = Netns::new(&format!("{prefix}-b{}", i + 1))?;
@@ -216,6 +239,9 @@ impl Topology {
                 &format!("10.0.{net}.2/24"),
             )?;
             ns.run(&["ip", "route", "add", "default", "via", &format!("10.0.{net}.1")])?;
+            add_addr6(&node, &format!("to-b{}", i + 1), &format!("fd00:{net}::1/64"))?;
+            add_addr6(&ns, "eth0", &format!("fd00:{net}::2/64"))?;
+            ns.run(&["ip", "-6", "route", "add", "default", "via", &format!("fd00:{net}::1")])?;
             let name = format!("backend-{}", i + 1);
             for port in ["8080", "5353"] {
                 ns.spawn(&[netprobe_bin().to_str().unwrap(), "serve", &name, port])?;

@@ -15,7 +15,8 @@ pub fn state(services: usize, endpoints: usize) -> ServiceState {
             name.clone(),
             Service {
                 name: name.clone(),
-                cluster_ips: vec![vip],
+                cluster_ips: vec![vip.into()],
+                ip_families: vec![],
                 external_ips: vec![],
                 load_balancer_ips: vec![],
                 ports: vec![ServicePort {
@@ -36,7 +37,7 @@ pub fn state(services: usize, endpoints: usize) -> ServiceState {
         );
         let endpoints = (0..endpoints)
             .map(|e| Endpoint {
-                addr: Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 0)) + (i * endpoints + e) as u32),
+                addr: Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 0)) + (i * endpoints + e) as u32).into(),
                 ready: true,
                 serving: true,
                 terminating: false,

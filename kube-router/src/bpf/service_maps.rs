@@ -13,6 +13,7 @@ use kube_router_common::*;
 use crate::services::{
     compile::{MapContents, SourceRange},
     diff::MapOp,
+    family::{AddressFamily, V4, V6},
     sync::{MapWriteError, ServiceMaps},
 };
 
@@ -24,54 +25,77 @@ fn open(pin_dir: &Path, name: &str) -> Result<MapData> {
 fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
     let data = open(pin_dir, name)?;
     let map = match name {
-        map_names::CONNTRACK | map_names::AFFINITY => Map::LruHashMap(data),
+        map_names::CONNTRACK | map_names::AFFINITY | map_names::CONNTRACK_V6 | map_names::AFFINITY_V6 => {
+            Map::LruHashMap(data)
+        }
         _ => Map::HashMap(data),
     };
     Ok(HashMap::try_from(map)?)
 }
 
-/// The service maps the control plane writes.
-pub struct BpfServiceMaps {
-    services: HashMap<MapData, ServiceKeyV4, ServiceValue>,
+/// One family's service maps the control plane writes (`svc_v4`, `svc_slots_v4`,
+/// `backends_v4`, `lb_src_v4`, `svc_stats_v4`, or their `_v6` twins).
+pub struct FamilyServiceMaps<F: AddressFamily>
+where
+    ServiceKey<F::Words>: aya::Pod,
+{
+    services: HashMap<MapData, ServiceKey<F::Words>, ServiceValue>,
     slots: HashMap<MapData, BackendSlotKey, BackendSlotValue>,
-    backends: HashMap<MapData, u32, BackendV4>,
-    source_ranges: LpmTrie<MapData, SourceRangeKeyV4, u8>,
-    stats: super::svc_stats::SvcStatsMap,
+    backends: HashMap<MapData, u32, Backend<F::Words>>,
+    source_ranges: LpmTrie<MapData, SourceRangeKey<F::Words>, u8>,
+    stats: super::svc_stats::FamilySvcStats<F>,
 }
 
-fn source_range_key(range: &SourceRange) -> Key<SourceRangeKeyV4> {
-    let data = SourceRangeKeyV4 { service_id: range.service_id.to_be(), addr: range.addr };
+/// The IPv4 service maps.
+pub type BpfServiceMaps = FamilyServiceMaps<V4>;
+/// The IPv6 service maps.
+pub type BpfServiceMapsV6 = FamilyServiceMaps<V6>;
+
+fn source_range_key<W: Copy>(range: &SourceRange<W>) -> Key<SourceRangeKey<W>>
+where
+    SourceRangeKey<W>: aya::Pod,
+{
+    let data = SourceRangeKey { service_id: range.service_id.to_be(), addr: range.addr };
     Key::new(32 + u32::from(range.prefix_len), data)
 }
 
-fn source_range_of(key: &Key<SourceRangeKeyV4>) -> SourceRange {
+fn source_range_of<W: Copy>(key: &Key<SourceRangeKey<W>>) -> SourceRange<W>
+where
+    SourceRangeKey<W>: aya::Pod,
+{
     let data = key.data();
-    let prefix_len = key.prefix_len().saturating_sub(32).min(32) as u8;
+    let bits = 8 * std::mem::size_of::<W>() as u32;
+    let prefix_len = key.prefix_len().saturating_sub(32).min(bits) as u8;
     SourceRange { service_id: u32::from_be(data.service_id), addr: data.addr, prefix_len }
 }
 
-impl BpfServiceMaps {
+impl<F: AddressFamily> FamilyServiceMaps<F>
+where
+    ServiceKey<F::Words>: aya::Pod,
+    Backend<F::Words>: aya::Pod,
+    SourceRangeKey<F::Words>: aya::Pod,
+{
     pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
         let mut maps = Self {
-            services: open_hash(pin_dir, map_names::SERVICES)?,
-            slots: open_hash(pin_dir, map_names::BACKEND_SLOTS)?,
-            backends: open_hash(pin_dir, map_names::BACKENDS)?,
-            source_ranges: LpmTrie::try_from(Map::LpmTrie(open(pin_dir, map_names::SOURCE_RANGES)?))?,
-            stats: super::svc_stats::SvcStatsMap::open_pinned(pin_dir)?,
+            services: open_hash(pin_dir, F::MAPS.services)?,
+            slots: open_hash(pin_dir, F::MAPS.slots)?,
+            backends: open_hash(pin_dir, F::MAPS.backends)?,
+            source_ranges: LpmTrie::try_from(Map::LpmTrie(open(pin_dir, F::MAPS.source_ranges)?))?,
+            stats: super::svc_stats::FamilySvcStats::open_pinned(pin_dir)?,
         };
         // Frontends programmed before the counters existed (an upgrade) get them now.
-        let frontends: Vec<ServiceKeyV4> = maps.services.keys().collect::<Result<_, _>>()?;
+        let frontends: Vec<ServiceKey<F::Words>> = maps.services.keys().collect::<Result<_, _>>()?;
         maps.stats.ensure(&frontends)?;
         Ok(maps)
     }
 
     /// Before a frontend is written: a new one, or one handed to another backend set, starts
     /// from zeroed counters. Not fatal: the frontend matters more than its counters.
-    fn reset_stats(&mut self, key: &ServiceKeyV4, value: &ServiceValue) {
+    fn reset_stats(&mut self, key: &ServiceKey<F::Words>, value: &ServiceValue) {
         let same = self.services.get(key, 0).is_ok_and(|old| old.service_id == value.service_id);
         if !same {
             if let Err(e) = self.stats.reset(key) {
-                tracing::warn!(error = %e, "cannot reset a frontend's counters in svc_stats_v4");
+                tracing::warn!(error = %e, map = F::MAPS.stats, "cannot reset a frontend's counters");
             }
         }
     }
@@ -89,8 +113,13 @@ fn read_hash<K: aya::Pod + Ord, V: aya::Pod>(
     map.iter().map(|entry| entry.map_err(|e| write_error(name, e))).collect()
 }
 
-impl ServiceMaps for BpfServiceMaps {
-    fn write(&mut self, op: &MapOp) -> Result<(), MapWriteError> {
+impl<F: AddressFamily> ServiceMaps<F> for FamilyServiceMaps<F>
+where
+    ServiceKey<F::Words>: aya::Pod,
+    Backend<F::Words>: aya::Pod,
+    SourceRangeKey<F::Words>: aya::Pod,
+{
+    fn write(&mut self, op: &MapOp<F>) -> Result<(), MapWriteError> {
         let name = op.map_name();
         let result = match op {
             MapOp::PutBackend(k, v) => self.backends.insert(k, v, 0),
@@ -102,7 +131,7 @@ impl ServiceMaps for BpfServiceMaps {
             MapOp::DeleteService(k) => {
                 let removed = self.services.remove(k);
                 if let Err(e) = self.stats.remove(k) {
-                    tracing::warn!(error = %e, "cannot remove a frontend's counters from svc_stats_v4");
+                    tracing::warn!(error = %e, map = F::MAPS.stats, "cannot remove a frontend's counters");
                 }
                 removed
             }
@@ -120,16 +149,16 @@ impl ServiceMaps for BpfServiceMaps {
         }
     }
 
-    fn read_all(&self) -> Result<MapContents, MapWriteError> {
+    fn read_all(&self) -> Result<MapContents<F>, MapWriteError> {
         Ok(MapContents {
-            services: read_hash(&self.services, map_names::SERVICES)?,
-            slots: read_hash(&self.slots, map_names::BACKEND_SLOTS)?,
-            backends: read_hash(&self.backends, map_names::BACKENDS)?,
+            services: read_hash(&self.services, F::MAPS.services)?,
+            slots: read_hash(&self.slots, F::MAPS.slots)?,
+            backends: read_hash(&self.backends, F::MAPS.backends)?,
             source_ranges: self
                 .source_ranges
                 .iter()
                 .map(|entry| {
-                    entry.map(|(k, v)| (source_range_of(&k), v)).map_err(|e| write_error(map_names::SOURCE_RANGES, e))
+                    entry.map(|(k, v)| (source_range_of(&k), v)).map_err(|e| write_error(F::MAPS.source_ranges, e))
                 })
                 .collect::<Result<_, _>>()?,
         })
@@ -149,15 +178,25 @@ pub fn write_lb_config(pin_dir: &Path, config: &LbConfig) -> Result<()> {
 /// Brings `cluster_nets_v4` to `desired` (prefix -> `CLUSTER_NET_*` flags), writing only the
 /// differences; returns the number of writes.
 pub fn sync_cluster_nets(pin_dir: &Path, desired: &BTreeMap<Ipv4Net, u32>) -> Result<usize> {
+    sync_cluster_nets_of::<V4>(pin_dir, desired)
+}
+
+/// [`sync_cluster_nets`] for family `F` (`cluster_nets_v4` / `cluster_nets_v6`).
+pub fn sync_cluster_nets_of<F: AddressFamily>(pin_dir: &Path, desired: &BTreeMap<F::Net, u32>) -> Result<usize>
+where
+    F::Words: aya::Pod,
+{
     use aya::maps::lpm_trie::{Key, LpmTrie};
-    let mut map: LpmTrie<MapData, u32, u32> = LpmTrie::try_from(Map::LpmTrie(open(pin_dir, map_names::CLUSTER_NETS)?))?;
-    let key = |net: &Ipv4Net| Key::new(u32::from(net.prefix_len()), u32::from_ne_bytes(net.network().octets()));
-    let current: BTreeMap<Ipv4Net, u32> = map
+    let mut map: LpmTrie<MapData, F::Words, u32> =
+        LpmTrie::try_from(Map::LpmTrie(open(pin_dir, F::MAPS.cluster_nets)?))?;
+    let key = |net: &F::Net| Key::new(u32::from(F::net_prefix_len(*net)), F::words(F::net_addr(*net)));
+    let current: BTreeMap<F::Net, u32> = map
         .iter()
         .filter_map(Result::ok)
         .filter_map(|(k, v)| {
-            let addr = std::net::Ipv4Addr::from(k.data().to_ne_bytes());
-            Ipv4Net::new(addr, k.prefix_len() as u8).ok().map(|net| (net, v))
+            let addr: std::net::IpAddr = F::addr_from_words(k.data()).into();
+            let net = ipnet::IpNet::new(addr, k.prefix_len() as u8).ok()?;
+            F::net_of(net).map(|net| (net, v))
         })
         .collect();
     let mut writes = 0;
@@ -181,9 +220,18 @@ pub fn read_lb_stats(pin_dir: &Path) -> Result<Vec<u64>> {
     (0..lb_stat::COUNT).map(|i| Ok(stats.get(&i, 0)?.iter().sum())).collect()
 }
 
-pub struct Conntrack {
-    map: HashMap<MapData, CtKeyV4, CtValueV4>,
+/// One family's Service conntrack (`ct_v4` / `ct_v6`).
+pub struct FamilyConntrack<F: AddressFamily> {
+    map: HashMap<MapData, CtKey<F::Words>, CtValue<F::Words>>,
 }
+
+/// One conntrack entry of family `F`.
+pub type CtEntry<F> = (CtKey<<F as AddressFamily>::Words>, CtValue<<F as AddressFamily>::Words>);
+
+/// The IPv4 Service conntrack.
+pub type Conntrack = FamilyConntrack<V4>;
+/// The IPv6 Service conntrack.
+pub type ConntrackV6 = FamilyConntrack<V6>;
 
 pub(crate) fn monotonic_now_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
@@ -192,12 +240,16 @@ pub(crate) fn monotonic_now_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-impl Conntrack {
+impl<F: AddressFamily> FamilyConntrack<F>
+where
+    CtKey<F::Words>: aya::Pod,
+    CtValue<F::Words>: aya::Pod,
+{
     pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
-        Ok(Self { map: open_hash(pin_dir, map_names::CONNTRACK)? })
+        Ok(Self { map: open_hash(pin_dir, F::MAPS.conntrack)? })
     }
 
-    pub fn entries(&self) -> Result<Vec<(CtKeyV4, CtValueV4)>> {
+    pub fn entries(&self) -> Result<Vec<CtEntry<F>>> {
         Ok(self.map.iter().collect::<Result<_, _>>()?)
     }
 
@@ -207,7 +259,7 @@ impl Conntrack {
         let now = monotonic_now_ns();
         // One pass over the map: count every entry and pick the expired ones.
         let mut total = 0;
-        let mut expired: Vec<CtKeyV4> = Vec::new();
+        let mut expired: Vec<CtKey<F::Words>> = Vec::new();
         for (key, value) in self.map.iter().filter_map(Result::ok) {
             total += 1;
             if now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(key.proto) {

@@ -1,4 +1,4 @@
-//! The per-frontend Service counters (`svc_stats_v4`): created zeroed with each new frontend,
+//! The per-frontend Service counters (`svc_stats_v4` / `svc_stats_v6`): created zeroed with each new frontend,
 //! removed with it, read (summed over CPUs) for kube-router's `kube_router_service_*` metrics.
 use std::{collections::BTreeMap, path::Path};
 
@@ -6,17 +6,30 @@ use anyhow::{Context, Result};
 use aya::maps::{Map, MapData, MapError, PerCpuHashMap, PerCpuValues};
 use kube_router_common::*;
 
+use crate::services::family::{AddressFamily, V4, V6};
+
 /// `bpf(2)` update flag: only if absent (a count written meanwhile by the datapath is kept).
 const BPF_NOEXIST: u64 = 1;
 
-pub struct SvcStatsMap {
-    map: PerCpuHashMap<MapData, ServiceKeyV4, ServiceStats>,
+pub struct FamilySvcStats<F: AddressFamily>
+where
+    ServiceKey<F::Words>: aya::Pod,
+{
+    map: PerCpuHashMap<MapData, ServiceKey<F::Words>, ServiceStats>,
     cpus: usize,
 }
 
-impl SvcStatsMap {
+/// `svc_stats_v4`.
+pub type SvcStatsMap = FamilySvcStats<V4>;
+/// `svc_stats_v6`.
+pub type SvcStatsMapV6 = FamilySvcStats<V6>;
+
+impl<F: AddressFamily> FamilySvcStats<F>
+where
+    ServiceKey<F::Words>: aya::Pod,
+{
     pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
-        let path = super::pinned_map(pin_dir, svc_stats_map_names::SVC_STATS);
+        let path = super::pinned_map(pin_dir, F::MAPS.stats);
         let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
         let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow::anyhow!("{what}: {e}"))?;
         Ok(Self { map: PerCpuHashMap::try_from(Map::PerCpuHashMap(data))?, cpus })
@@ -27,13 +40,16 @@ impl SvcStatsMap {
     }
 
     /// Zeroes (or creates) the counters of a frontend: a new Service never inherits old counts.
-    pub fn reset(&mut self, frontend: &ServiceKeyV4) -> Result<(), MapError> {
+    pub fn reset(&mut self, frontend: &ServiceKey<F::Words>) -> Result<(), MapError> {
         self.map.insert(frontend, self.zeros(), 0)
     }
 
     /// Creates zeroed counters for the frontends that have none (programmed by an agent without
     /// this map), keeping existing ones. Returns how many were created.
-    pub fn ensure<'a>(&mut self, frontends: impl IntoIterator<Item = &'a ServiceKeyV4>) -> Result<usize, MapError> {
+    pub fn ensure<'a>(
+        &mut self,
+        frontends: impl IntoIterator<Item = &'a ServiceKey<F::Words>>,
+    ) -> Result<usize, MapError> {
         let mut created = 0;
         for frontend in frontends {
             if self.map.get(frontend, 0).is_err() {
@@ -44,7 +60,7 @@ impl SvcStatsMap {
         Ok(created)
     }
 
-    pub fn remove(&mut self, frontend: &ServiceKeyV4) -> Result<(), MapError> {
+    pub fn remove(&mut self, frontend: &ServiceKey<F::Words>) -> Result<(), MapError> {
         match self.map.remove(frontend) {
             Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
             other => other,
@@ -52,7 +68,7 @@ impl SvcStatsMap {
     }
 
     /// Every frontend's counters, summed over CPUs.
-    pub fn read_all(&self) -> Result<BTreeMap<ServiceKeyV4, ServiceStats>, MapError> {
+    pub fn read_all(&self) -> Result<BTreeMap<ServiceKey<F::Words>, ServiceStats>, MapError> {
         self.map
             .iter()
             .map(|entry| {

@@ -135,4 +135,22 @@ mod tests {
         fs::write(path_in(&dir), text.replace("\"version\":1", "\"version\":7")).unwrap();
         assert!(matches!(read(&dir), Err(CheckpointError::VersionMismatch { found: 7, .. })));
     }
+
+    #[test]
+    fn a_checkpoint_written_by_an_ipv4_only_agent_restores_the_same_ipv4_services() {
+        // Byte for byte what an IPv4-only agent wrote: objects as the API served them.
+        let payload = r#"{"written_unix":1.5,"services":[{"metadata":{"name":"web","namespace":"default","resourceVersion":"1"},"spec":{"clusterIP":"10.96.0.10","clusterIPs":["10.96.0.10"],"ports":[{"name":"http","port":80,"protocol":"TCP"}],"type":"ClusterIP"}}],"endpoint_slices":[{"addressType":"IPv4","endpoints":[{"addresses":["10.0.0.1"],"conditions":{"ready":true}}],"metadata":{"labels":{"kubernetes.io/service-name":"web"},"name":"web-1","namespace":"default","resourceVersion":"2"},"ports":[{"name":"http","port":8080,"protocol":"TCP"}]}],"pods":[],"namespaces":[],"nodes":[],"network_policies":[]}"#;
+        let envelope = serde_json::json!({"version": 1, "checksum": format!("{:016x}", fnv1a(payload.as_bytes())), "payload": payload});
+        let dir = temp_dir("old");
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(path_in(&dir), envelope.to_string()).unwrap();
+        let mut objects = crate::k8s::watch::ClusterObjects::default();
+        objects.restore(read(&dir).unwrap());
+        let state = objects.state().state;
+        let web = &state.services[&crate::services::model::ServiceName::new("default", "web")];
+        assert_eq!(web.cluster_ips, [std::net::IpAddr::from([10, 96, 0, 10])]);
+        assert_eq!(web.ip_families, [crate::services::family::IpFamily::IPv4]);
+        let slice = state.slices.values().next().unwrap();
+        assert_eq!(slice.endpoints[0].addr, std::net::IpAddr::from([10, 0, 0, 1]));
+    }
 }

@@ -2,12 +2,15 @@
 //! and stable numeric IDs for both, re-adopted from what the maps already hold.
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr},
 };
 
 use kube_router_common::*;
 
-use super::model::*;
+use super::{
+    family::{AddressFamily, IpFamily, V4},
+    model::*,
+};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
@@ -40,7 +43,8 @@ pub struct Frontend {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CompileWarning {
     FrontendConflict {
-        frontend: ServiceKeyV4,
+        /// `address:port/protocol`.
+        frontend: String,
         kept: ServiceName,
         ignored: ServiceName,
     },
@@ -56,44 +60,72 @@ pub enum CompileWarning {
         service: ServiceName,
         reason: String,
     },
+    /// The Service is load-balanced in a family the node has no address in: nothing of it is
+    /// programmed in that family; its other family is.
+    FamilyUnavailable {
+        service: ServiceName,
+        family: IpFamily,
+    },
 }
 
-/// One `loadBalancerSourceRanges` prefix of a backend set, as `lb_src_v4` holds it.
+/// One `loadBalancerSourceRanges` prefix of a backend set, as `lb_src_v4` / `lb_src_v6` hold it.
+/// `W`: the family's address words.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct SourceRange {
+pub struct SourceRange<W = u32> {
     pub service_id: u32,
     /// Network byte order, host bits cleared.
-    pub addr: u32,
+    pub addr: W,
     pub prefix_len: u8,
 }
 
-/// The load-balancing plan before IDs are assigned.
+/// The load-balancing plan of one family before IDs are assigned.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct LbPlan {
-    pub frontends: BTreeMap<ServiceKeyV4, Frontend>,
-    pub backend_sets: BTreeMap<BackendSetKey, Vec<BackendV4>>,
+pub struct LbPlan<F: AddressFamily = V4> {
+    pub frontends: BTreeMap<ServiceKey<F::Words>, Frontend>,
+    pub backend_sets: BTreeMap<BackendSetKey, Vec<Backend<F::Words>>>,
     /// `loadBalancerSourceRanges` of the backend sets behind LoadBalancer IP frontends.
-    pub source_ranges: BTreeMap<BackendSetKey, Vec<ipnet::Ipv4Net>>,
+    pub source_ranges: BTreeMap<BackendSetKey, Vec<F::Net>>,
     /// Backend sets whose slots hold a Maglev table rather than one slot per backend.
     pub maglev_sets: BTreeSet<BackendSetKey>,
     /// Frontend addresses / keys of rejected services: existing entries stay as they are.
-    pub protected_addrs: BTreeSet<u32>,
-    pub protected_frontends: BTreeSet<ServiceKeyV4>,
+    pub protected_addrs: BTreeSet<F::Words>,
+    pub protected_frontends: BTreeSet<ServiceKey<F::Words>>,
     pub warnings: Vec<CompileWarning>,
     pub dropped_endpoints: u64,
 }
 
 pub fn addr_be(addr: Ipv4Addr) -> u32 {
-    u32::from_ne_bytes(addr.octets())
+    V4::words(addr)
 }
 
 pub fn frontend_key(addr: Ipv4Addr, port: u16, protocol: Protocol) -> ServiceKeyV4 {
-    ServiceKeyV4 { addr: addr_be(addr), port: port.to_be(), proto: protocol.ip_proto(), pad: 0 }
+    key_of::<V4>(addr, port, protocol)
 }
 
+/// A frontend of family `F`.
+pub fn key_of<F: AddressFamily>(addr: F::Addr, port: u16, protocol: Protocol) -> ServiceKey<F::Words> {
+    ServiceKey { addr: F::words(addr), port: port.to_be(), proto: protocol.ip_proto(), pad: 0 }
+}
+
+/// `address:port/protocol` of a frontend, for logs.
+pub fn describe_frontend<F: AddressFamily>(key: &ServiceKey<F::Words>) -> String {
+    let proto = if key.proto == IPPROTO_UDP { "udp" } else { "tcp" };
+    let addr: IpAddr = F::addr_from_words(key.addr).into();
+    format!("{}/{proto}", std::net::SocketAddr::new(addr, u16::from_be(key.port)))
+}
+
+/// The IPv4 plan (see [`plan_for`]).
 pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan {
-    let mut plan = LbPlan::default();
-    let mut owners: BTreeMap<ServiceKeyV4, ServiceName> = BTreeMap::new();
+    plan_for::<V4>(state, node, limits)
+}
+
+/// The plan of family `F`: the frontends of every Service load-balanced in `F`, over its
+/// endpoints of `F`.
+pub fn plan_for<F: AddressFamily>(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan<F> {
+    let mut plan = LbPlan::<F>::default();
+    let mut owners: BTreeMap<ServiceKey<F::Words>, ServiceName> = BTreeMap::new();
+    let of_family = |ips: &[IpAddr]| -> Vec<F::Addr> { ips.iter().filter_map(|ip| F::addr_of(*ip)).collect() };
+    let unavailable = node.unavailable_families.contains(&F::FAMILY);
 
     let mut slices_by_service: BTreeMap<&ServiceName, Vec<&EndpointSlice>> = BTreeMap::new();
     for slice in state.slices.values() {
@@ -102,6 +134,13 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
 
     // A Service whose own object or one of whose slices was rejected keeps what it has.
     for service in state.services.values().filter(|s| !state.rejected.contains_key(&s.name)) {
+        if !service.serves(F::FAMILY) {
+            continue;
+        }
+        if unavailable {
+            plan.warnings.push(CompileWarning::FamilyUnavailable { service: service.name.clone(), family: F::FAMILY });
+            continue;
+        }
         let slices = slices_by_service.get(&service.name).map(Vec::as_slice).unwrap_or(&[]);
         for port in &service.ports {
             let affinity_flags = if service.affinity_timeout_secs.is_some() { SVC_FLAG_AFFINITY } else { 0 };
@@ -128,17 +167,17 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
             let affinity_flags = affinity_flags | hairpin | maglev;
 
             let mut frontends = Vec::new();
-            for ip in &service.cluster_ips {
+            for ip in of_family(&service.cluster_ips) {
                 frontends.push((
-                    frontend_key(*ip, port.port, port.protocol),
+                    key_of::<F>(ip, port.port, port.protocol),
                     affinity_flags | local_flag(internal.local_only),
                     internal.clone(),
                 ));
             }
-            let external_ips = service.external_ips.iter().map(|ip| (ip, false));
-            let load_balancer_ips = service.load_balancer_ips.iter().map(|ip| (ip, true));
+            let external_ips = of_family(&service.external_ips).into_iter().map(|ip| (ip, false));
+            let load_balancer_ips = of_family(&service.load_balancer_ips).into_iter().map(|ip| (ip, true));
             for (ip, is_lb) in external_ips.chain(load_balancer_ips) {
-                if let Some(reason) = node.external_ips.refusal((*ip).into(), is_lb) {
+                if let Some(reason) = node.external_ips.refusal(ip.into(), is_lb) {
                     if port == &service.ports[0] {
                         plan.warnings.push(CompileWarning::ExternalIpRefused { service: service.name.clone(), reason });
                     }
@@ -148,18 +187,19 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
                 let ranges = service.source_ranges.as_ref().filter(|_| is_lb);
                 let guarded = if ranges.is_some() { SVC_FLAG_SOURCE_RANGES } else { 0 };
                 if let Some(ranges) = ranges {
-                    plan.source_ranges.insert(external.clone(), ranges.clone());
+                    let ranges = ranges.iter().filter_map(|net| F::net_of(*net)).collect();
+                    plan.source_ranges.insert(external.clone(), ranges);
                 }
                 frontends.push((
-                    frontend_key(*ip, port.port, port.protocol),
+                    key_of::<F>(ip, port.port, port.protocol),
                     affinity_flags | local_flag(external.local_only) | SVC_FLAG_EXTERNAL | guarded,
                     external.clone(),
                 ));
             }
             if let Some(node_port) = port.node_port {
-                for ip in node.node_port_frontend_addrs() {
+                for ip in node.node_port_frontend_addrs::<F>() {
                     frontends.push((
-                        frontend_key(ip, node_port, port.protocol),
+                        key_of::<F>(ip, node_port, port.protocol),
                         affinity_flags | local_flag(external.local_only) | SVC_FLAG_EXTERNAL | SVC_FLAG_NODEPORT,
                         external.clone(),
                     ));
@@ -169,7 +209,7 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
                 if let Some(owner) = owners.get(&key) {
                     if owner != &service.name {
                         plan.warnings.push(CompileWarning::FrontendConflict {
-                            frontend: key,
+                            frontend: describe_frontend::<F>(&key),
                             kept: owner.clone(),
                             ignored: service.name.clone(),
                         });
@@ -178,7 +218,8 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
                 }
                 owners.insert(key, service.name.clone());
                 if !plan.backend_sets.contains_key(&backend_set) {
-                    let backends = backends_for(service, port, slices, backend_set.local_only, node, limits, &mut plan);
+                    let backends =
+                        backends_for::<F>(service, port, slices, backend_set.local_only, node, limits, &mut plan);
                     plan.backend_sets.insert(backend_set.clone(), backends);
                 }
                 plan.frontends.insert(key, Frontend { flags, affinity_timeout_secs, backend_set });
@@ -193,11 +234,11 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
             addrs.extend(service.cluster_ips.iter().chain(&service.external_ips).chain(&service.load_balancer_ips));
             node_ports.extend(service.ports.iter().filter_map(|p| p.node_port));
         }
-        plan.protected_addrs.extend(addrs.iter().map(|a| addr_be(*a)));
+        plan.protected_addrs.extend(of_family(&addrs).into_iter().map(F::words));
         for node_port in &node_ports {
-            for ip in node.node_port_frontend_addrs() {
+            for ip in node.node_port_frontend_addrs::<F>() {
                 for protocol in [Protocol::Tcp, Protocol::Udp] {
-                    plan.protected_frontends.insert(frontend_key(ip, *node_port, protocol));
+                    plan.protected_frontends.insert(key_of::<F>(ip, *node_port, protocol));
                 }
             }
         }
@@ -208,8 +249,8 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
 /// kube-proxy's topology-aware routing: the node's zone, if every ready endpoint carries zone
 /// hints and at least one is hinted for that zone (otherwise all endpoints are used, as a
 /// missing hint means the EndpointSlice controller could not balance the zones).
-fn preferred_zone<'a>(
-    hints: &BTreeMap<(Ipv4Addr, u16, bool), Option<&Vec<String>>>,
+fn preferred_zone<'a, A>(
+    hints: &BTreeMap<(A, u16, bool), Option<&Vec<String>>>,
     zone: Option<&'a str>,
 ) -> Option<&'a str> {
     let zone = zone.filter(|z| !z.is_empty())?;
@@ -219,32 +260,37 @@ fn preferred_zone<'a>(
     hints.values().any(|h| h.is_some_and(|zones| zones.iter().any(|z| z == zone))).then_some(zone)
 }
 
+/// An endpoint as a backend: address, port, on this node.
+type EndpointKey<F> = (<F as AddressFamily>::Addr, u16, bool);
+
 /// kube-proxy's endpoint choice: ready endpoints; if there are none, serving-but-terminating
 /// ones so that connections drain gracefully during a rollout.
-fn backends_for(
+fn backends_for<F: AddressFamily>(
     service: &Service,
     port: &ServicePort,
     slices: &[&EndpointSlice],
     local_only: bool,
     node: &NodeContext,
     limits: Limits,
-    plan: &mut LbPlan,
-) -> Vec<BackendV4> {
+    plan: &mut LbPlan<F>,
+) -> Vec<Backend<F::Words>> {
     let mut ready = BTreeSet::new();
     let mut terminating = BTreeSet::new();
     // Ready endpoints' zone hints, for topology-aware routing.
-    let mut hints: BTreeMap<(Ipv4Addr, u16, bool), Option<&Vec<String>>> = BTreeMap::new();
+    let mut hints: BTreeMap<EndpointKey<F>, Option<&Vec<String>>> = BTreeMap::new();
     for slice in slices {
         let Some(endpoint_port) = slice.ports.iter().find(|p| p.name == port.name && p.protocol == port.protocol)
         else {
             continue;
         };
         for endpoint in &slice.endpoints {
+            // An IPv6 slice's endpoints back the IPv6 frontends only, and the other way round.
+            let Some(addr) = F::addr_of(endpoint.addr) else { continue };
             let local = endpoint.node_name.as_deref() == Some(node.name.as_str());
             if local_only && !local {
                 continue;
             }
-            let key = (endpoint.addr, endpoint_port.port, local);
+            let key = (addr, endpoint_port.port, local);
             if endpoint.ready || service.publish_not_ready {
                 ready.insert(key);
                 hints.insert(key, endpoint.zone_hints.as_ref());
@@ -260,11 +306,11 @@ fn backends_for(
     }
     let chosen = if ready.is_empty() { terminating } else { ready };
     let total = chosen.len();
-    let kept: Vec<BackendV4> = chosen
+    let kept: Vec<Backend<F::Words>> = chosen
         .into_iter()
         .take(limits.max_backends_per_service)
-        .map(|(addr, port, local)| BackendV4 {
-            addr: addr_be(addr),
+        .map(|(addr, port, local)| Backend {
+            addr: F::words(addr),
             port: port.to_be(),
             flags: if local { BACKEND_FLAG_LOCAL } else { 0 },
         })
@@ -282,14 +328,14 @@ fn backends_for(
     kept
 }
 
-/// The exact contents of the three service maps.
+/// The exact contents of one family's service maps.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct MapContents {
-    pub services: BTreeMap<ServiceKeyV4, ServiceValue>,
+pub struct MapContents<F: AddressFamily = V4> {
+    pub services: BTreeMap<ServiceKey<F::Words>, ServiceValue>,
     pub slots: BTreeMap<BackendSlotKey, BackendSlotValue>,
-    pub backends: BTreeMap<u32, BackendV4>,
-    /// `lb_src_v4` (the value is always 1).
-    pub source_ranges: BTreeMap<SourceRange, u8>,
+    pub backends: BTreeMap<u32, Backend<F::Words>>,
+    /// `lb_src_v4` / `lb_src_v6` (the value is always 1).
+    pub source_ranges: BTreeMap<SourceRange<F::Words>, u8>,
 }
 
 fn lowest_free(used: &BTreeSet<u32>, next: &mut u32) -> u32 {
@@ -304,12 +350,13 @@ fn lowest_free(used: &BTreeSet<u32>, next: &mut u32) -> u32 {
 /// Turns a plan into map contents. IDs already used in `current` for the same frontend (service
 /// IDs) or the same address:port (backend IDs) are kept, so a restart or a resync rewrites
 /// nothing that is already right; new IDs never reuse one still present in `current`.
-pub fn assign_ids(plan: &LbPlan, current: &MapContents) -> MapContents {
-    let mut desired = MapContents::default();
+pub fn assign_ids<F: AddressFamily>(plan: &LbPlan<F>, current: &MapContents<F>) -> MapContents<F> {
+    let mut desired = MapContents::<F>::default();
 
     // Backend IDs.
-    let current_backend_ids: BTreeMap<BackendV4, u32> = current.backends.iter().map(|(id, b)| (*b, *id)).collect();
-    let needed: BTreeSet<BackendV4> = plan.backend_sets.values().flatten().copied().collect();
+    let current_backend_ids: BTreeMap<Backend<F::Words>, u32> =
+        current.backends.iter().map(|(id, b)| (*b, *id)).collect();
+    let needed: BTreeSet<Backend<F::Words>> = plan.backend_sets.values().flatten().copied().collect();
     let mut used: BTreeSet<u32> = current.backends.keys().copied().collect();
     let mut backend_ids = BTreeMap::new();
     let mut next = 1;
@@ -378,7 +425,8 @@ pub fn assign_ids(plan: &LbPlan, current: &MapContents) -> MapContents {
     for (set, ranges) in &plan.source_ranges {
         let Some(&service_id) = set_ids.get(set) else { continue };
         for range in ranges {
-            let entry = SourceRange { service_id, addr: addr_be(range.addr()), prefix_len: range.prefix_len() };
+            let entry =
+                SourceRange { service_id, addr: F::words(F::net_addr(*range)), prefix_len: F::net_prefix_len(*range) };
             desired.source_ranges.insert(entry, 1);
         }
     }
@@ -400,7 +448,7 @@ pub fn assign_ids(plan: &LbPlan, current: &MapContents) -> MapContents {
 }
 
 /// Whether `current` holds slots for `service_id` other than exactly `table`.
-fn holds_other_slots(current: &MapContents, service_id: u32, table: &[u32]) -> bool {
+fn holds_other_slots<F: AddressFamily>(current: &MapContents<F>, service_id: u32, table: &[u32]) -> bool {
     let held: Vec<u32> = current
         .slots
         .range(BackendSlotKey { service_id, slot: 0 }..=BackendSlotKey { service_id, slot: u32::MAX })
@@ -410,7 +458,7 @@ fn holds_other_slots(current: &MapContents, service_id: u32, table: &[u32]) -> b
 }
 
 /// Entries of rejected services stay exactly as they are in the maps, with everything they use.
-fn keep_protected(plan: &LbPlan, current: &MapContents, desired: &mut MapContents) {
+fn keep_protected<F: AddressFamily>(plan: &LbPlan<F>, current: &MapContents<F>, desired: &mut MapContents<F>) {
     for (key, value) in &current.services {
         let protected = plan.protected_addrs.contains(&key.addr) || plan.protected_frontends.contains(key);
         if !protected || desired.services.contains_key(key) {
@@ -418,9 +466,9 @@ fn keep_protected(plan: &LbPlan, current: &MapContents, desired: &mut MapContent
         }
         desired.services.insert(*key, *value);
         for (range, one) in current.source_ranges.range(
-            SourceRange { service_id: value.service_id, addr: 0, prefix_len: 0 }..=SourceRange {
+            SourceRange { service_id: value.service_id, addr: F::Words::default(), prefix_len: 0 }..=SourceRange {
                 service_id: value.service_id,
-                addr: u32::MAX,
+                addr: F::WORDS_MAX,
                 prefix_len: u8::MAX,
             },
         ) {

@@ -3,27 +3,31 @@ use std::collections::BTreeMap;
 
 use kube_router_common::*;
 
-use super::compile::{MapContents, SourceRange};
+use super::{
+    compile::{MapContents, SourceRange},
+    family::{AddressFamily, V4},
+};
 
+/// One write to one family's service maps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MapOp {
-    PutBackend(u32, BackendV4),
+pub enum MapOp<F: AddressFamily = V4> {
+    PutBackend(u32, Backend<F::Words>),
     PutSlot(BackendSlotKey, BackendSlotValue),
-    PutSourceRange(SourceRange),
-    PutService(ServiceKeyV4, ServiceValue),
-    DeleteService(ServiceKeyV4),
+    PutSourceRange(SourceRange<F::Words>),
+    PutService(ServiceKey<F::Words>, ServiceValue),
+    DeleteService(ServiceKey<F::Words>),
     DeleteSlot(BackendSlotKey),
     DeleteBackend(u32),
-    DeleteSourceRange(SourceRange),
+    DeleteSourceRange(SourceRange<F::Words>),
 }
 
-impl MapOp {
+impl<F: AddressFamily> MapOp<F> {
     pub fn map_name(&self) -> &'static str {
         match self {
-            MapOp::PutBackend(..) | MapOp::DeleteBackend(_) => map_names::BACKENDS,
-            MapOp::PutSlot(..) | MapOp::DeleteSlot(_) => map_names::BACKEND_SLOTS,
-            MapOp::PutService(..) | MapOp::DeleteService(_) => map_names::SERVICES,
-            MapOp::PutSourceRange(_) | MapOp::DeleteSourceRange(_) => map_names::SOURCE_RANGES,
+            MapOp::PutBackend(..) | MapOp::DeleteBackend(_) => F::MAPS.backends,
+            MapOp::PutSlot(..) | MapOp::DeleteSlot(_) => F::MAPS.slots,
+            MapOp::PutService(..) | MapOp::DeleteService(_) => F::MAPS.services,
+            MapOp::PutSourceRange(_) | MapOp::DeleteSourceRange(_) => F::MAPS.source_ranges,
         }
     }
 
@@ -41,12 +45,16 @@ impl MapOp {
 /// order (a frontend's source ranges exist before it is flagged, and outlive the flag).
 /// With `allow_deletes` false (before the first complete sync after a restart) nothing is
 /// removed.
-pub fn diff(current: &MapContents, desired: &MapContents, allow_deletes: bool) -> Vec<MapOp> {
-    fn puts<K: Ord + Copy, V: PartialEq + Copy>(
+pub fn diff<F: AddressFamily>(
+    current: &MapContents<F>,
+    desired: &MapContents<F>,
+    allow_deletes: bool,
+) -> Vec<MapOp<F>> {
+    fn puts<K: Ord + Copy, V: PartialEq + Copy, Op>(
         current: &BTreeMap<K, V>,
         desired: &BTreeMap<K, V>,
-        op: impl Fn(K, V) -> MapOp,
-        out: &mut Vec<MapOp>,
+        op: impl Fn(K, V) -> Op,
+        out: &mut Vec<Op>,
     ) {
         for (k, v) in desired {
             if current.get(k) != Some(v) {
@@ -54,11 +62,11 @@ pub fn diff(current: &MapContents, desired: &MapContents, allow_deletes: bool) -
             }
         }
     }
-    fn deletes<K: Ord + Copy, V>(
+    fn deletes<K: Ord + Copy, V, Op>(
         current: &BTreeMap<K, V>,
         desired: &BTreeMap<K, V>,
-        op: impl Fn(K) -> MapOp,
-        out: &mut Vec<MapOp>,
+        op: impl Fn(K) -> Op,
+        out: &mut Vec<Op>,
     ) {
         for k in current.keys() {
             if !desired.contains_key(k) {
@@ -71,7 +79,7 @@ pub fn diff(current: &MapContents, desired: &MapContents, allow_deletes: bool) -
     puts(&current.slots, &desired.slots, MapOp::PutSlot, &mut ops);
     puts(&current.source_ranges, &desired.source_ranges, |k, _| MapOp::PutSourceRange(k), &mut ops);
     // Frontends in priority order: when `svc_v4` cannot take them all, the first get the room.
-    let mut services: Vec<(&ServiceKeyV4, &ServiceValue)> =
+    let mut services: Vec<(&ServiceKey<F::Words>, &ServiceValue)> =
         desired.services.iter().filter(|(k, v)| current.services.get(k) != Some(v)).collect();
     services.sort_by_key(|(key, value)| frontend_priority(current.services.contains_key(key), value));
     ops.extend(services.into_iter().map(|(k, v)| MapOp::PutService(*k, *v)));
@@ -100,9 +108,9 @@ pub fn frontend_priority(programmed: bool, value: &ServiceValue) -> (bool, bool,
     (!programmed, value.backend_count == 0, class)
 }
 
-impl MapContents {
+impl<F: AddressFamily> MapContents<F> {
     /// Applies one write to an in-memory copy (the model of what the kernel maps hold).
-    pub fn apply(&mut self, op: &MapOp) {
+    pub fn apply(&mut self, op: &MapOp<F>) {
         match *op {
             MapOp::PutBackend(k, v) => {
                 self.backends.insert(k, v);
@@ -132,7 +140,7 @@ impl MapContents {
     }
 
     /// Whether `op` creates a key that is not there yet (insert) rather than changing one.
-    pub fn is_insert(&self, op: &MapOp) -> bool {
+    pub fn is_insert(&self, op: &MapOp<F>) -> bool {
         match op {
             MapOp::PutBackend(k, _) => !self.backends.contains_key(k),
             MapOp::PutSlot(k, _) => !self.slots.contains_key(k),

@@ -1,10 +1,14 @@
 //! Kubernetes Service / EndpointSlice objects -> the service model, with validation.
-use std::{collections::BTreeSet, net::Ipv4Addr, str::FromStr};
+use std::{
+    collections::BTreeSet,
+    net::{IpAddr, Ipv4Addr},
+    str::FromStr,
+};
 
 use k8s_openapi::api::{core::v1 as core, discovery::v1 as discovery};
 use thiserror::Error;
 
-use super::model::*;
+use super::{family::IpFamily, model::*};
 
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 /// kube-router's per-Service hairpin switch (its presence turns hairpin on).
@@ -67,14 +71,12 @@ fn protocol(protocol: Option<&str>, port: i32) -> Result<Protocol, ObjectError> 
 /// The label that hands a Service to another proxy (kube-proxy skips such Services).
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
 
-/// An address as the API server accepts it: also the legacy IPv4 form with leading zeros
-/// (`010.000.010.002`), which old API servers stored and which means the decimal value (as Go's
-/// parser read it before 1.17). `Ok(None)` for IPv6: the IPv4 datapath skips it.
-pub fn parse_ipv4(addr: &str) -> Result<Option<Ipv4Addr>, ObjectError> {
-    match std::net::IpAddr::from_str(addr) {
-        Ok(std::net::IpAddr::V4(v4)) => return Ok(Some(v4)),
-        Ok(std::net::IpAddr::V6(_)) => return Ok(None),
-        Err(_) => {}
+/// An address as the API server accepts it, of either family: also the legacy IPv4 form with
+/// leading zeros (`010.000.010.002`), which old API servers stored and which means the decimal
+/// value (as Go's parser read it before 1.17).
+pub fn parse_ip(addr: &str) -> Result<IpAddr, ObjectError> {
+    if let Ok(ip) = IpAddr::from_str(addr) {
+        return Ok(ip);
     }
     let octets: Vec<u8> = addr
         .split('.')
@@ -89,31 +91,52 @@ pub fn parse_ipv4(addr: &str) -> Result<Option<Ipv4Addr>, ObjectError> {
         .collect::<Option<_>>()
         .ok_or_else(|| ObjectError::InvalidAddress(addr.to_string()))?;
     match octets[..] {
-        [a, b, c, d] => Ok(Some(Ipv4Addr::new(a, b, c, d))),
+        [a, b, c, d] => Ok(IpAddr::V4(Ipv4Addr::new(a, b, c, d))),
         _ => Err(ObjectError::InvalidAddress(addr.to_string())),
     }
 }
 
-/// IPv4 addresses of a list; IPv6 ones are skipped (the datapath is IPv4-only for now).
-fn ipv4_addrs<'a>(addrs: impl IntoIterator<Item = &'a String>) -> Result<Vec<Ipv4Addr>, ObjectError> {
-    let mut out = Vec::new();
-    for addr in addrs {
-        out.extend(parse_ipv4(addr)?);
-    }
-    Ok(out)
+fn ip_addrs<'a>(addrs: impl IntoIterator<Item = &'a String>) -> Result<Vec<IpAddr>, ObjectError> {
+    addrs.into_iter().map(|a| parse_ip(a)).collect()
 }
 
-/// Like [`ipv4_addrs`], but an unreadable address is skipped (and reported in `skipped`)
+/// Like [`ip_addrs`], but an unreadable address is skipped (and reported in `skipped`)
 /// instead of failing the list: one bad entry must not take the rest with it.
-fn ipv4_addrs_lenient<'a>(addrs: impl IntoIterator<Item = &'a String>, skipped: &mut Vec<String>) -> Vec<Ipv4Addr> {
+fn ip_addrs_lenient<'a>(addrs: impl IntoIterator<Item = &'a String>, skipped: &mut Vec<String>) -> Vec<IpAddr> {
     let mut out = Vec::new();
     for addr in addrs {
-        match parse_ipv4(addr) {
-            Ok(v4) => out.extend(v4),
+        match parse_ip(addr) {
+            Ok(ip) => out.push(ip),
             Err(e) => skipped.push(e.to_string()),
         }
     }
     out
+}
+
+/// The families a Service is load-balanced in, as kube-proxy's per-family proxiers decide: a
+/// family in which it has a ClusterIP. Without an assigned ClusterIP (objects the API server
+/// would not serve), `spec.ipFamilies`, else IPv4. `ipFamilyPolicy: SingleStack` keeps the first.
+fn served_families(spec: &core::ServiceSpec, cluster_ips: &[IpAddr]) -> Vec<IpFamily> {
+    let listed: Vec<IpFamily> = if cluster_ips.is_empty() {
+        let named: Vec<IpFamily> = spec.ip_families.iter().flatten().filter_map(|f| IpFamily::from_k8s(f)).collect();
+        if named.is_empty() {
+            vec![IpFamily::IPv4]
+        } else {
+            named
+        }
+    } else {
+        cluster_ips.iter().map(IpFamily::of).collect()
+    };
+    let mut families: Vec<IpFamily> = Vec::new();
+    for family in listed {
+        if !families.contains(&family) {
+            families.push(family);
+        }
+    }
+    if spec.ip_family_policy.as_deref() == Some("SingleStack") {
+        families.truncate(1);
+    }
+    families
 }
 
 pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
@@ -129,9 +152,8 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
         return Ok(ServiceOutcome::NotLoadBalanced);
     }
     // Whatever else is wrong, remember which frontends the object names so they stay programmed.
-    let readable_addrs = |v: Option<&Vec<String>>| -> Vec<Ipv4Addr> {
-        v.into_iter().flatten().filter_map(|a| parse_ipv4(a).ok().flatten()).collect()
-    };
+    let readable_addrs =
+        |v: Option<&Vec<String>>| -> Vec<IpAddr> { v.into_iter().flatten().filter_map(|a| parse_ip(a).ok()).collect() };
     let cluster_ip_strings: Vec<String> = match (&spec.cluster_ips, &spec.cluster_ip) {
         (Some(ips), _) if !ips.is_empty() => ips.clone(),
         (_, Some(ip)) => vec![ip.clone()],
@@ -162,21 +184,26 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
         return Ok(ServiceOutcome::NotLoadBalanced);
     }
     let assigned: Vec<&String> = cluster_ip_strings.iter().filter(|ip| !ip.is_empty()).collect();
-    let cluster_ips = match ipv4_addrs(assigned.iter().copied()) {
+    let mut cluster_ips = match ip_addrs(assigned.iter().copied()) {
         Ok(ips) => ips,
         Err(e) => return reject(e),
     };
-    // IPv6 only (by its families or its ClusterIPs): nothing of it belongs on IPv4 frontends,
-    // NodePorts on the node's IPv4 addresses included.
-    let families = spec.ip_families.as_ref().filter(|f| !f.is_empty());
-    let ipv6_only =
-        families.is_some_and(|f| !f.iter().any(|f| f == "IPv4")) || (!assigned.is_empty() && cluster_ips.is_empty());
-    if ipv6_only {
-        return Ok(ServiceOutcome::NotLoadBalanced);
-    }
+    let ip_families = served_families(spec, &cluster_ips);
+    cluster_ips.retain(|ip| ip_families.contains(&IpFamily::of(ip)));
     let mut warnings = Vec::new();
-    let external_ips = ipv4_addrs_lenient(spec.external_ips.iter().flatten(), &mut warnings);
-    let load_balancer_ips = ipv4_addrs_lenient(lb_strings.iter(), &mut warnings);
+    // Addresses of a family the Service is not load-balanced in are ignored, as kube-proxy does.
+    let mut served = |ips: Vec<IpAddr>, what: &str| -> Vec<IpAddr> {
+        let (kept, ignored): (Vec<IpAddr>, Vec<IpAddr>) =
+            ips.into_iter().partition(|ip| ip_families.contains(&IpFamily::of(ip)));
+        for ip in ignored {
+            warnings.push(format!("{what} {ip} is of a family the Service does not have; ignored"));
+        }
+        kept
+    };
+    let mut unreadable = Vec::new();
+    let external_ips = served(ip_addrs_lenient(spec.external_ips.iter().flatten(), &mut unreadable), "externalIP");
+    let load_balancer_ips = served(ip_addrs_lenient(lb_strings.iter(), &mut unreadable), "LoadBalancer IP");
+    warnings.extend(unreadable);
 
     let mut ports = Vec::new();
     let mut seen_ports = BTreeSet::new();
@@ -226,6 +253,7 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
             cluster_ips,
             external_ips,
             load_balancer_ips,
+            ip_families,
             ports,
             affinity_timeout_secs,
             external_traffic_local: spec.external_traffic_policy.as_deref() == Some("Local"),
@@ -256,7 +284,7 @@ fn maglev(object: &core::Service) -> Option<bool> {
 
 /// `spec.loadBalancerSourceRanges`, else the legacy annotation (comma-separated), as kube-proxy
 /// reads them. An unreadable entry is left out, which only narrows what is allowed.
-fn source_ranges(object: &core::Service, warnings: &mut Vec<String>) -> Option<Vec<ipnet::Ipv4Net>> {
+fn source_ranges(object: &core::Service, warnings: &mut Vec<String>) -> Option<Vec<ipnet::IpNet>> {
     let spec = object.spec.as_ref()?;
     let listed: Vec<String> = match spec.load_balancer_source_ranges.as_ref().filter(|r| !r.is_empty()) {
         Some(ranges) => ranges.clone(),
@@ -271,8 +299,7 @@ fn source_ranges(object: &core::Service, warnings: &mut Vec<String>) -> Option<V
     let mut ranges = Vec::new();
     for range in &listed {
         match range.trim().parse::<ipnet::IpNet>() {
-            Ok(ipnet::IpNet::V4(net)) => ranges.push(net.trunc()),
-            Ok(ipnet::IpNet::V6(_)) => {}
+            Ok(net) => ranges.push(net.trunc()),
             Err(_) => warnings.push(format!("loadBalancerSourceRanges entry {range:?} is not a CIDR; left out")),
         }
     }
@@ -285,12 +312,13 @@ fn source_ranges(object: &core::Service, warnings: &mut Vec<String>) -> Option<V
 /// unsupported protocol): kube-proxy skips the one endpoint or port, not the slice.
 pub type ConvertedSlice = (SliceKey, EndpointSlice, Vec<String>);
 
-/// Converts an EndpointSlice. IPv6 slices yield `Ok(None)`: not load-balanced yet.
+/// Converts an EndpointSlice of address type IPv4 or IPv6; FQDN slices yield `Ok(None)`: not
+/// load-balanced. An address not of the slice's type is left out like an unreadable one.
 pub fn endpoint_slice(object: &discovery::EndpointSlice) -> Result<Option<ConvertedSlice>, ObjectError> {
     let slice_name = name_of(&object.metadata)?;
-    if object.address_type != "IPv4" {
+    let Some(family) = IpFamily::from_k8s(&object.address_type) else {
         return Ok(None);
-    }
+    };
     let service_name = object
         .metadata
         .labels
@@ -314,7 +342,15 @@ pub fn endpoint_slice(object: &discovery::EndpointSlice) -> Result<Option<Conver
         // API defaults (and kube-proxy's reading): nil ready and nil serving mean true, nil
         // terminating means false.
         let ready = conditions.ready.unwrap_or(true);
-        for addr in ipv4_addrs_lenient(&endpoint.addresses, &mut warnings) {
+        let mut addrs = ip_addrs_lenient(&endpoint.addresses, &mut warnings);
+        addrs.retain(|addr| {
+            let fits = IpFamily::of(addr) == family;
+            if !fits {
+                warnings.push(format!("address {addr} in an {} EndpointSlice; left out", object.address_type));
+            }
+            fits
+        });
+        for addr in addrs {
             endpoints.push(Endpoint {
                 addr,
                 ready,

@@ -3,7 +3,9 @@
 //! one backend moves few entries of the others. The datapath indexes it with the client's hash
 //! (`kube_router_common::maglev_flow_hash`), so every node that builds the table from the same
 //! backends sends a client to the same backend, whichever node its packets reach.
-use kube_router_common::BackendV4;
+use kube_router_common::Backend;
+
+use super::family::AddrBytes;
 
 /// Table sizes (primes). The paper keeps the imbalance under 1 % with a table 100 times the
 /// number of backends; the smallest size that allows it is used, up to the last.
@@ -21,19 +23,19 @@ fn fnv1a(basis: u64, bytes: &[u8]) -> u64 {
 /// For each of the table's entries, the index (into `backends`) of the backend that owns it.
 /// A backend is known by its address and port, never by a node-local id, and the result does not
 /// depend on the order of `backends`, so every node computes the same table.
-pub fn table(backends: &[BackendV4], size: u32) -> Vec<usize> {
+pub fn table<W: AddrBytes>(backends: &[Backend<W>], size: u32) -> Vec<usize> {
     if backends.is_empty() {
         return Vec::new();
     }
     let size = size as usize;
     let mut order: Vec<usize> = (0..backends.len()).collect();
-    order.sort_by_key(|i| (u32::from_be(backends[*i].addr), u16::from_be(backends[*i].port)));
+    order.sort_by_key(|i| (backends[*i].addr.packet_bytes(), u16::from_be(backends[*i].port)));
     // Each backend's preference list is a permutation of the entries: offset + j * skip.
     let prefs: Vec<(usize, usize)> = order
         .iter()
         .map(|i| {
             let b = &backends[*i];
-            let name = [b.addr.to_ne_bytes().as_slice(), b.port.to_ne_bytes().as_slice()].concat();
+            let name = [b.addr.packet_bytes().as_slice(), b.port.to_ne_bytes().as_slice()].concat();
             let offset = (fnv1a(0xcbf2_9ce4_8422_2325, &name) % size as u64) as usize;
             let skip = (fnv1a(0x8422_2325_cbf2_9ce4, &name) % (size as u64 - 1) + 1) as usize;
             (offset, skip)
@@ -63,6 +65,7 @@ pub fn table(backends: &[BackendV4], size: u32) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kube_router_common::BackendV4;
 
     fn backends(n: u32) -> Vec<BackendV4> {
         (1..=n)

@@ -1,6 +1,7 @@
 //! Service load-balancing control plane: objects -> model -> map contents -> map writes.
 pub mod compile;
 pub mod diff;
+pub mod family;
 pub mod from_k8s;
 pub mod maglev;
 pub mod model;

@@ -1,6 +1,12 @@
 //! The desired-state model of services and their endpoints, independent of both the Kubernetes
 //! object shapes and the map layout.
-use std::{collections::BTreeMap, fmt, net::Ipv4Addr};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    net::IpAddr,
+};
+
+use super::family::{AddressFamily, IpFamily};
 
 use serde::{Deserialize, Serialize};
 
@@ -49,9 +55,14 @@ pub struct ServicePort {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Service {
     pub name: ServiceName,
-    pub cluster_ips: Vec<Ipv4Addr>,
-    pub external_ips: Vec<Ipv4Addr>,
-    pub load_balancer_ips: Vec<Ipv4Addr>,
+    /// Of either family (`spec.clusterIPs`).
+    pub cluster_ips: Vec<IpAddr>,
+    pub external_ips: Vec<IpAddr>,
+    pub load_balancer_ips: Vec<IpAddr>,
+    /// The families the Service is load-balanced in: those of its ClusterIPs (else
+    /// `spec.ipFamilies`). Empty (a state written before dual-stack): IPv4.
+    #[serde(default)]
+    pub ip_families: Vec<IpFamily>,
     pub ports: Vec<ServicePort>,
     /// ClientIP session affinity timeout, if enabled.
     pub affinity_timeout_secs: Option<u32>,
@@ -68,16 +79,27 @@ pub struct Service {
     /// balancers' health checks with its count of local ready endpoints.
     #[serde(default)]
     pub health_check_node_port: Option<u16>,
-    /// `loadBalancerSourceRanges` (or the legacy annotation), IPv4 prefixes: new flows to the
-    /// LoadBalancer IPs only from these. `Some(empty)`: ranges are set but none is IPv4, so no
-    /// IPv4 source is allowed. `None`: open.
+    /// `loadBalancerSourceRanges` (or the legacy annotation), prefixes of either family: new
+    /// flows to the LoadBalancer IPs only from these. A family with no prefix among them gets
+    /// no source at all. `None`: open.
     #[serde(default)]
-    pub source_ranges: Option<Vec<ipnet::Ipv4Net>>,
+    pub source_ranges: Option<Vec<ipnet::IpNet>>,
     /// `kube-router.io/service.scheduler: mh`: Maglev consistent hashing instead of a random
     /// backend; `Some(true)` with `kube-router.io/service.schedflags: mh-port` (the source port
     /// is hashed too).
     #[serde(default)]
     pub maglev: Option<bool>,
+}
+
+impl Service {
+    /// Whether the Service has frontends in `family`.
+    pub fn serves(&self, family: IpFamily) -> bool {
+        if self.ip_families.is_empty() {
+            family == IpFamily::IPv4
+        } else {
+            self.ip_families.contains(&family)
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -89,7 +111,8 @@ pub struct EndpointPort {
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Endpoint {
-    pub addr: Ipv4Addr,
+    /// The slice's address type: an IPv6 slice's endpoints only back IPv6 frontends.
+    pub addr: IpAddr,
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
@@ -125,7 +148,7 @@ pub struct ServiceState {
 pub struct RejectedService {
     pub reason: String,
     /// Frontend addresses we could still read from the object: their map entries are protected.
-    pub addrs: Vec<Ipv4Addr>,
+    pub addrs: Vec<IpAddr>,
     pub node_ports: Vec<u16>,
 }
 
@@ -133,15 +156,17 @@ pub struct RejectedService {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeContext {
     pub name: String,
-    /// Addresses NodePort frontends listen on.
-    pub node_port_addrs: Vec<Ipv4Addr>,
+    /// Addresses NodePort frontends listen on, of both families.
+    pub node_port_addrs: Vec<IpAddr>,
+    /// Families the node has no address in: their Services are not programmed (and said so).
+    pub unavailable_families: BTreeSet<IpFamily>,
     /// `--hairpin-mode`: every service lets its backends reach themselves through it.
     pub hairpin_all: bool,
     /// Which externalIPs and LoadBalancer IPs may be programmed.
     pub external_ips: ExternalIpPolicy,
     /// The node's `topology.kubernetes.io/zone` label: endpoints hinted for it are preferred.
     pub zone: Option<String>,
-    /// Also give every NodePort a wildcard frontend (0.0.0.0): the socket load balancer matches
+    /// Also give every NodePort a wildcard frontend (0.0.0.0, ::): the socket load balancer matches
     /// loopback destinations in the node's namespace against it (`localhost:<nodePort>`).
     pub loopback_node_ports: bool,
     /// `--bpf-lb-algorithm maglev`: every Service without a scheduler annotation uses Maglev
@@ -150,10 +175,10 @@ pub struct NodeContext {
 }
 
 impl NodeContext {
-    /// The addresses a NodePort gets a frontend on.
-    pub fn node_port_frontend_addrs(&self) -> impl Iterator<Item = Ipv4Addr> + '_ {
-        let wildcard = self.loopback_node_ports.then_some(Ipv4Addr::UNSPECIFIED);
-        self.node_port_addrs.iter().copied().chain(wildcard)
+    /// The addresses of `F` a NodePort gets a frontend on.
+    pub fn node_port_frontend_addrs<F: AddressFamily>(&self) -> impl Iterator<Item = F::Addr> + '_ {
+        let wildcard = self.loopback_node_ports.then_some(F::UNSPECIFIED);
+        self.node_port_addrs.iter().filter_map(|a| F::addr_of(*a)).chain(wildcard)
     }
 }
 

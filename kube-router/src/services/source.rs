@@ -101,7 +101,7 @@ impl StateBuilder {
             .collect();
         let rejected = RejectedService {
             reason: format!("{kind} {display} does not decode"),
-            addrs: addrs.iter().filter_map(|a| from_k8s::parse_ipv4(a).ok().flatten()).collect(),
+            addrs: addrs.iter().filter_map(|a| from_k8s::parse_ip(a).ok()).collect(),
             node_ports,
         };
         self.state.rejected.insert(ServiceName::new(namespace, service), rejected);

@@ -4,13 +4,14 @@ use std::collections::BTreeMap;
 use super::{
     compile::MapContents,
     diff::{diff, MapOp},
+    family::{AddressFamily, V4},
 };
 
-/// The service maps, as the sync engine sees them: the pinned BPF maps in the agent, an
-/// in-memory copy in tests.
-pub trait ServiceMaps {
-    fn write(&mut self, op: &MapOp) -> Result<(), MapWriteError>;
-    fn read_all(&self) -> Result<MapContents, MapWriteError>;
+/// One family's service maps, as the sync engine sees them: the pinned BPF maps in the agent,
+/// an in-memory copy in tests.
+pub trait ServiceMaps<F: AddressFamily = V4> {
+    fn write(&mut self, op: &MapOp<F>) -> Result<(), MapWriteError>;
+    fn read_all(&self) -> Result<MapContents<F>, MapWriteError>;
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -43,6 +44,18 @@ pub struct SyncReport {
 }
 
 impl SyncReport {
+    /// Adds another report (the other family's) map by map.
+    pub fn merge(&mut self, other: SyncReport) {
+        for (map, counts) in other.per_map {
+            let total = self.per_map.entry(map).or_default();
+            total.inserts += counts.inserts;
+            total.updates += counts.updates;
+            total.deletes += counts.deletes;
+            total.errors += counts.errors;
+            total.full += counts.full;
+        }
+    }
+
     pub fn total(&self) -> OpCounts {
         let mut total = OpCounts::default();
         for c in self.per_map.values() {
@@ -56,7 +69,7 @@ impl SyncReport {
     }
 }
 
-impl MapContents {
+impl<F: AddressFamily> MapContents<F> {
     pub fn len(&self) -> usize {
         self.services.len() + self.slots.len() + self.backends.len()
     }
@@ -65,24 +78,30 @@ impl MapContents {
     }
 }
 
-/// Keeps the model of what is programmed and brings the maps to a desired state.
-pub struct ServiceSync {
-    programmed: MapContents,
+/// Keeps the model of what is programmed in one family's maps and brings them to a desired
+/// state.
+pub struct ServiceSync<F: AddressFamily = V4> {
+    programmed: MapContents<F>,
 }
 
-impl ServiceSync {
+impl<F: AddressFamily> ServiceSync<F> {
     /// Starts from what the maps hold now (after a restart: the previous agent's work).
-    pub fn adopt(maps: &impl ServiceMaps) -> Result<Self, MapWriteError> {
+    pub fn adopt(maps: &impl ServiceMaps<F>) -> Result<Self, MapWriteError> {
         Ok(Self { programmed: maps.read_all()? })
     }
 
-    pub fn programmed(&self) -> &MapContents {
+    pub fn programmed(&self) -> &MapContents<F> {
         &self.programmed
     }
 
     /// Writes only the differences. A failed write is counted and left out of the model, so the
     /// next sync retries it; nothing already programmed is touched because of it.
-    pub fn sync(&mut self, maps: &mut impl ServiceMaps, desired: &MapContents, allow_deletes: bool) -> SyncReport {
+    pub fn sync(
+        &mut self,
+        maps: &mut impl ServiceMaps<F>,
+        desired: &MapContents<F>,
+        allow_deletes: bool,
+    ) -> SyncReport {
         let mut report = SyncReport::default();
         // Once a map refuses an insert for lack of room, later inserts into it in this pass are
         // not even tried: a full map costs one failed syscall per sync, not one per entry.
@@ -119,12 +138,12 @@ impl ServiceSync {
     }
 }
 
-impl ServiceMaps for MapContents {
-    fn write(&mut self, op: &MapOp) -> Result<(), MapWriteError> {
+impl<F: AddressFamily> ServiceMaps<F> for MapContents<F> {
+    fn write(&mut self, op: &MapOp<F>) -> Result<(), MapWriteError> {
         self.apply(op);
         Ok(())
     }
-    fn read_all(&self) -> Result<MapContents, MapWriteError> {
+    fn read_all(&self) -> Result<MapContents<F>, MapWriteError> {
         Ok(self.clone())
     }
 }

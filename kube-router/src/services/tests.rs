@@ -1,11 +1,12 @@
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 use kube_router_common::*;
 use proptest::prelude::*;
 
 use super::{
-    compile::{addr_be, assign_ids, frontend_key, plan, CompileWarning, Limits, MapContents},
+    compile::{addr_be, assign_ids, frontend_key, key_of, plan, plan_for, CompileWarning, Limits, MapContents},
     diff::diff,
+    family::{AddressFamily, V4, V6},
     model::*,
     source::parse_objects,
     sync::ServiceSync,
@@ -14,7 +15,7 @@ use super::{
 fn node() -> NodeContext {
     NodeContext {
         name: "node-a".into(),
-        node_port_addrs: vec![Ipv4Addr::new(192, 0, 2, 1)],
+        node_port_addrs: vec![Ipv4Addr::new(192, 0, 2, 1).into()],
         hairpin_all: false,
         ..Default::default()
     }
@@ -251,7 +252,7 @@ fn legacy_leading_zero_addresses_are_read_as_decimal() {
     let http = frontend_key(Ipv4Addr::new(10, 96, 0, 10), 80, Protocol::Tcp);
     assert_eq!(backends_of(&contents, &http).len(), 2);
     for bad in ["1.2.3", "1.2.3.4.5", "1.2.3.0256", "a.b.c.d", "1..2.3"] {
-        assert!(super::from_k8s::parse_ipv4(bad).is_err(), "{bad}");
+        assert!(super::from_k8s::parse_ip(bad).is_err(), "{bad}");
     }
 }
 
@@ -280,9 +281,6 @@ fn services_that_are_not_ours_to_proxy_program_nothing() {
     let cases = [
         // Headless with externalIPs: kube-proxy ignores headless Services entirely.
         OBJECTS.replace("clusterIP: 10.96.0.10", "clusterIP: None\n  externalIPs: [192.0.2.50]"),
-        // IPv6 only: nothing on IPv4 frontends, NodePorts included.
-        OBJECTS.replace("clusterIP: 10.96.0.10", "clusterIP: fd00::10\n  ipFamilies: [IPv6]"),
-        OBJECTS.replace("clusterIP: 10.96.0.10", "clusterIPs: [fd00::10]"),
         // Handed to another proxy.
         OBJECTS.replace(
             "metadata: {namespace: default, name: web}",
@@ -663,4 +661,266 @@ fn a_changed_maglev_table_is_written_under_a_new_id_and_swapped_in_one_write() {
         position(&|op| matches!(op, MapOp::DeleteSlot(k) if k.service_id == table.service_id)).unwrap();
     assert!(last_new_slot < switch && switch < first_old_delete, "{ops:?}");
     assert!(second.slots.keys().all(|k| k.service_id != table.service_id), "the old table is gone");
+}
+
+// ---- IPv6 and dual-stack ----
+
+const DUAL_STACK: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {namespace: default, name: web}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.10
+  clusterIPs: [10.96.0.10, "fd00:96::10"]
+  ipFamilies: [IPv4, IPv6]
+  ipFamilyPolicy: PreferDualStack
+  externalIPs: [192.0.2.50, "2001:db8:50::1"]
+  ports:
+  - {name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30080}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {namespace: default, name: web-v4, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: http, protocol: TCP, port: 8080}]
+endpoints:
+- {addresses: [10.0.0.1], conditions: {ready: true}, nodeName: node-b}
+- {addresses: [10.0.0.2], conditions: {ready: true}, nodeName: node-a}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {namespace: default, name: web-v6, labels: {kubernetes.io/service-name: web}}
+addressType: IPv6
+ports: [{name: http, protocol: TCP, port: 8080}]
+endpoints:
+- {addresses: ["fd00:244::2"], conditions: {ready: true}, nodeName: node-a}
+- {addresses: ["fd00:244::1"], conditions: {ready: true}, nodeName: node-b}
+"#;
+
+fn v6(text: &str) -> Ipv6Addr {
+    text.parse().unwrap()
+}
+
+fn dual_stack_node() -> NodeContext {
+    NodeContext { node_port_addrs: vec![Ipv4Addr::new(192, 0, 2, 1).into(), v6("2001:db8::1").into()], ..node() }
+}
+
+fn compile_v6(text: &str, node: &NodeContext, current: &MapContents<V6>) -> MapContents<V6> {
+    let builder = parse_objects(text).expect("parse");
+    assign_ids(&plan_for::<V6>(&builder.state, node, Limits::default()), current)
+}
+
+fn backends_of_v6(contents: &MapContents<V6>, key: &ServiceKeyV6) -> Vec<(Ipv6Addr, u16, bool)> {
+    let service = contents.services[key];
+    (0..service.backend_count)
+        .map(|slot| contents.slots[&BackendSlotKey { service_id: service.service_id, slot }].backend_id)
+        .map(|id| contents.backends[&id])
+        .map(|b| (V6::addr_from_words(b.addr), u16::from_be(b.port), b.flags & BACKEND_FLAG_LOCAL != 0))
+        .collect()
+}
+
+#[test]
+fn a_dual_stack_service_fills_both_families_maps_each_from_its_own_slice() {
+    let builder = parse_objects(DUAL_STACK).unwrap();
+    assert!(builder.problems.is_empty(), "{:?}", builder.problems);
+    let node = dual_stack_node();
+    let v4 = assign_ids(&plan_for::<V4>(&builder.state, &node, Limits::default()), &MapContents::default());
+    let v6_maps = compile_v6(DUAL_STACK, &node, &MapContents::default());
+
+    let v4_keys: Vec<ServiceKeyV4> = v4.services.keys().copied().collect();
+    let mut expected_v4 = vec![
+        frontend_key(Ipv4Addr::new(10, 96, 0, 10), 80, Protocol::Tcp),
+        frontend_key(Ipv4Addr::new(192, 0, 2, 50), 80, Protocol::Tcp),
+        frontend_key(Ipv4Addr::new(192, 0, 2, 1), 30080, Protocol::Tcp),
+    ];
+    expected_v4.sort();
+    assert_eq!(v4_keys, expected_v4);
+    assert_eq!(
+        backends_of(&v4, &expected_v4[0]),
+        vec![(Ipv4Addr::new(10, 0, 0, 1), 8080), (Ipv4Addr::new(10, 0, 0, 2), 8080)]
+    );
+
+    let cluster_ip = key_of::<V6>(v6("fd00:96::10"), 80, Protocol::Tcp);
+    let external_ip = key_of::<V6>(v6("2001:db8:50::1"), 80, Protocol::Tcp);
+    let node_port = key_of::<V6>(v6("2001:db8::1"), 30080, Protocol::Tcp);
+    let mut v6_keys: Vec<ServiceKeyV6> = v6_maps.services.keys().copied().collect();
+    v6_keys.sort();
+    let mut expected_v6 = vec![cluster_ip, external_ip, node_port];
+    expected_v6.sort();
+    assert_eq!(v6_keys, expected_v6);
+    // Only the IPv6 slice's endpoints, ordered by address, the local one flagged.
+    let expected_backends = vec![(v6("fd00:244::1"), 8080, false), (v6("fd00:244::2"), 8080, true)];
+    assert_eq!(backends_of_v6(&v6_maps, &cluster_ip), expected_backends);
+    assert_eq!(backends_of_v6(&v6_maps, &node_port), expected_backends);
+    let flags = |key: &ServiceKeyV6| v6_maps.services[key].flags;
+    assert_eq!(flags(&cluster_ip) & (SVC_FLAG_NODEPORT | SVC_FLAG_EXTERNAL), 0);
+    assert_eq!(flags(&node_port) & (SVC_FLAG_NODEPORT | SVC_FLAG_EXTERNAL), SVC_FLAG_NODEPORT | SVC_FLAG_EXTERNAL);
+    assert_eq!(flags(&external_ip) & (SVC_FLAG_NODEPORT | SVC_FLAG_EXTERNAL), SVC_FLAG_EXTERNAL);
+    // Each family numbers its own backend sets and backends from 1.
+    assert_eq!(v6_maps.services[&cluster_ip].service_id, v4.services[&expected_v4[0]].service_id);
+    assert_eq!(v6_maps.backends.keys().copied().collect::<Vec<_>>(), [1, 2]);
+}
+
+#[test]
+fn ipv6_ids_are_stable_across_recompiles_and_readopted_from_the_maps() {
+    let node = dual_stack_node();
+    let first = compile_v6(DUAL_STACK, &node, &MapContents::default());
+    assert!(diff(&first, &compile_v6(DUAL_STACK, &node, &first), true).is_empty());
+    // Programmed by an earlier agent with other ids: kept, nothing rewritten.
+    let mut renumbered = MapContents::<V6>::default();
+    for (key, value) in &first.services {
+        renumbered.services.insert(*key, ServiceValue { service_id: value.service_id + 40, ..*value });
+    }
+    for (slot, value) in &first.slots {
+        let slot = BackendSlotKey { service_id: slot.service_id + 40, ..*slot };
+        renumbered.slots.insert(slot, BackendSlotValue { backend_id: value.backend_id + 70 });
+    }
+    for (id, backend) in &first.backends {
+        renumbered.backends.insert(id + 70, *backend);
+    }
+    let again = compile_v6(DUAL_STACK, &node, &renumbered);
+    assert_eq!(again, renumbered);
+    assert!(diff(&renumbered, &again, true).is_empty());
+    // One endpoint fewer rewrites only the IPv6 set's slots and that backend.
+    let fewer =
+        DUAL_STACK.replace("- {addresses: [\"fd00:244::1\"], conditions: {ready: true}, nodeName: node-b}\n", "");
+    let ops = diff(&first, &compile_v6(&fewer, &node, &first), true);
+    assert!(ops.iter().any(|op| matches!(op, super::diff::MapOp::DeleteBackend(_))), "{ops:?}");
+    assert!(!ops.iter().any(|op| matches!(op, super::diff::MapOp::DeleteService(_))), "{ops:?}");
+}
+
+#[test]
+fn ipv6_node_ports_listen_on_the_nodes_ipv6_addresses_and_the_wildcard() {
+    let loopback = NodeContext { loopback_node_ports: true, ..dual_stack_node() };
+    let contents = compile_v6(DUAL_STACK, &loopback, &MapContents::default());
+    let node_ports: Vec<Ipv6Addr> = contents
+        .services
+        .keys()
+        .filter(|k| u16::from_be(k.port) == 30080)
+        .map(|k| V6::addr_from_words(k.addr))
+        .collect();
+    assert_eq!(node_ports.len(), 2, "{node_ports:?}");
+    assert!(node_ports.contains(&v6("2001:db8::1")) && node_ports.contains(&Ipv6Addr::UNSPECIFIED));
+    // An IPv4-only NodePort address list gives no IPv6 NodePort frontend (the ClusterIP stays).
+    let v4_only = NodeContext { node_port_addrs: vec![Ipv4Addr::new(192, 0, 2, 1).into()], ..node() };
+    let contents = compile_v6(DUAL_STACK, &v4_only, &MapContents::default());
+    assert!(contents.services.keys().all(|k| u16::from_be(k.port) == 80), "{:?}", contents.services);
+}
+
+#[test]
+fn a_malformed_ipv6_endpoint_is_refused_and_the_others_are_programmed() {
+    let text = DUAL_STACK.replace("[\"fd00:244::1\"]", "[\"fd00:244::zz\", \"10.0.0.9\"]");
+    let builder = parse_objects(&text).unwrap();
+    let problems: Vec<&str> = builder.problems.iter().map(|p| p.message.as_str()).collect();
+    assert_eq!(builder.problems.len(), 2, "{problems:?}");
+    assert!(builder.problems.iter().all(|p| p.partial), "only part of the slice is left out");
+    assert!(problems[0].contains("fd00:244::zz") && problems[1].contains("10.0.0.9"), "{problems:?}");
+    let node = dual_stack_node();
+    let contents = compile_v6(&text, &node, &MapContents::default());
+    let cluster_ip = key_of::<V6>(v6("fd00:96::10"), 80, Protocol::Tcp);
+    assert_eq!(backends_of_v6(&contents, &cluster_ip), vec![(v6("fd00:244::2"), 8080, true)]);
+    // The IPv4 address in the IPv6 slice backs no IPv4 frontend either.
+    let v4 = assign_ids(&plan_for::<V4>(&builder.state, &node, Limits::default()), &MapContents::default());
+    assert!(!v4.backends.values().any(|b| b.addr == addr_be(Ipv4Addr::new(10, 0, 0, 9))));
+}
+
+#[test]
+fn an_ipv6_only_service_on_an_ipv4_only_node_is_reported_and_the_ipv4_services_are_unaffected() {
+    let text = format!(
+        "{OBJECTS}---\n{}",
+        DUAL_STACK
+            .replace("name: web}", "name: web6}")
+            .replace("kubernetes.io/service-name: web}", "kubernetes.io/service-name: web6}")
+            .replace("clusterIP: 10.96.0.10\n  clusterIPs: [10.96.0.10, \"fd00:96::10\"]", "clusterIP: \"fd00:96::10\"")
+            .replace("ipFamilies: [IPv4, IPv6]", "ipFamilies: [IPv6]")
+            .replace("nodePort: 30080", "nodePort: 30081")
+    );
+    let builder = parse_objects(&text).unwrap();
+    let web6 = &builder.state.services[&ServiceName::new("default", "web6")];
+    assert_eq!(web6.ip_families, [super::family::IpFamily::IPv6]);
+    assert!(web6.external_ips.iter().all(|ip| ip.is_ipv6()), "the IPv4 externalIP is of another family");
+    let v4_node = NodeContext { unavailable_families: [super::family::IpFamily::IPv6].into_iter().collect(), ..node() };
+    let v6_plan = plan_for::<V6>(&builder.state, &v4_node, Limits::default());
+    assert!(v6_plan.frontends.is_empty());
+    assert_eq!(
+        v6_plan.warnings,
+        [CompileWarning::FamilyUnavailable {
+            service: ServiceName::new("default", "web6"),
+            family: super::family::IpFamily::IPv6
+        }]
+    );
+    // The IPv4 family: exactly the IPv4-only Service's frontends, as without the IPv6 one.
+    let v4 = assign_ids(&plan_for::<V4>(&builder.state, &v4_node, Limits::default()), &MapContents::default());
+    assert_eq!(v4, compile(OBJECTS, &MapContents::default()));
+    // On a dual-stack node the same Service is programmed in IPv6 only.
+    let v6_maps = compile_v6(&text, &dual_stack_node(), &MapContents::default());
+    assert!(v6_maps.services.contains_key(&key_of::<V6>(v6("fd00:96::10"), 80, Protocol::Tcp)));
+    assert!(v6_maps.services.contains_key(&key_of::<V6>(v6("2001:db8::1"), 30081, Protocol::Tcp)));
+}
+
+#[test]
+fn ipv6_only_services_have_no_ipv4_frontends_nodeports_included() {
+    for text in [
+        OBJECTS.replace("clusterIP: 10.96.0.10", "clusterIP: fd00::10\n  ipFamilies: [IPv6]"),
+        OBJECTS.replace("clusterIP: 10.96.0.10", "clusterIPs: [fd00::10]"),
+    ] {
+        let builder = parse_objects(&text).unwrap();
+        assert!(builder.problems.is_empty(), "{:?}", builder.problems);
+        let node = dual_stack_node();
+        assert!(plan_for::<V4>(&builder.state, &node, Limits::default()).frontends.is_empty(), "{text}");
+        let v6_plan = plan_for::<V6>(&builder.state, &node, Limits::default());
+        assert!(v6_plan.frontends.contains_key(&key_of::<V6>(v6("fd00::10"), 80, Protocol::Tcp)), "{text}");
+    }
+}
+
+#[test]
+fn single_stack_policy_keeps_the_first_family_and_ipv6_source_ranges_guard_ipv6_lb_ips() {
+    let text = DUAL_STACK.replace("ipFamilyPolicy: PreferDualStack", "ipFamilyPolicy: SingleStack").replace(
+        "  externalIPs: [192.0.2.50, \"2001:db8:50::1\"]\n",
+        "  loadBalancerSourceRanges: [10.0.0.0/8, \"2001:db8:1::/48\"]\n",
+    );
+    let builder = parse_objects(&text).unwrap();
+    assert_eq!(builder.state.services.values().next().unwrap().ip_families, [super::family::IpFamily::IPv4]);
+    assert!(plan_for::<V6>(&builder.state, &dual_stack_node(), Limits::default()).frontends.is_empty());
+
+    let text = DUAL_STACK
+        .replace(
+            "  externalIPs: [192.0.2.50, \"2001:db8:50::1\"]\n",
+            "  loadBalancerSourceRanges: [10.0.0.0/8, \"2001:db8:1::/48\"]\n",
+        )
+        .replacen(
+            "\n---\napiVersion: discovery",
+            "\nstatus: {loadBalancer: {ingress: [{ip: \"2001:db8:60::1\"}]}}\n---\napiVersion: discovery",
+            1,
+        );
+    let builder = parse_objects(&text).unwrap();
+    let contents = compile_v6(&text, &dual_stack_node(), &MapContents::default());
+    let lb = key_of::<V6>(v6("2001:db8:60::1"), 80, Protocol::Tcp);
+    let value = contents.services[&lb];
+    assert_ne!(value.flags & SVC_FLAG_SOURCE_RANGES, 0);
+    let ranges: Vec<(u32, Ipv6Addr, u8)> =
+        contents.source_ranges.keys().map(|r| (r.service_id, V6::addr_from_words(r.addr), r.prefix_len)).collect();
+    assert_eq!(ranges, [(value.service_id, v6("2001:db8:1::"), 48)]);
+    let v4 =
+        assign_ids(&plan_for::<V4>(&builder.state, &dual_stack_node(), Limits::default()), &MapContents::default());
+    assert!(v4.source_ranges.is_empty(), "the IPv6 LB IP is not an IPv4 frontend");
+}
+
+#[test]
+fn a_model_written_before_dual_stack_still_reads_as_ipv4() {
+    // The model's JSON as an IPv4-only agent wrote it (no ipFamilies, IPv4 address strings).
+    let old = r#"{"name":{"namespace":"default","name":"web"},"cluster_ips":["10.96.0.10"],
+        "external_ips":[],"load_balancer_ips":["198.51.100.1"],"ports":[{"name":"http","protocol":"Tcp",
+        "port":80,"node_port":30080}],"affinity_timeout_secs":null,"external_traffic_local":false,
+        "internal_traffic_local":false,"publish_not_ready":false,"source_ranges":["10.0.0.0/8"]}"#;
+    let service: Service = serde_json::from_str(old).unwrap();
+    assert_eq!(service.cluster_ips, [std::net::IpAddr::from(Ipv4Addr::new(10, 96, 0, 10))]);
+    assert!(service.serves(super::family::IpFamily::IPv4) && !service.serves(super::family::IpFamily::IPv6));
+    assert_eq!(service.source_ranges, Some(vec!["10.0.0.0/8".parse().unwrap()]));
+    let endpoint: Endpoint = serde_json::from_str(
+        r#"{"addr":"10.0.0.1","ready":true,"serving":true,"terminating":false,"node_name":"node-a"}"#,
+    )
+    .unwrap();
+    assert_eq!(endpoint.addr, std::net::IpAddr::from(Ipv4Addr::new(10, 0, 0, 1)));
 }
