@@ -37,6 +37,9 @@ pub mod map_names {
     pub const POLICY_RULES: &str = "pol_rules";
     pub const POLICY_PEERS: &str = "pol_peers_v4";
     pub const POLICY_CONNTRACK: &str = "pol_ct_v4";
+    pub const POLICY_PODS_V6: &str = "pol_pods_v6";
+    pub const POLICY_PEERS_V6: &str = "pol_peers_v6";
+    pub const POLICY_CONNTRACK_V6: &str = "pol_ct_v6";
     pub const POLICY_STATS: &str = "pol_stats";
     pub const LB_CONFIG: &str = "lb_config";
     pub const FRAGMENTS: &str = "frag_v4";

@@ -2,8 +2,9 @@
 //! and written by the agent from `policy::bpf_maps::MapEntries` (see docs/policy-layout.md for
 //! what the entries mean, docs/maps.md for the byte layouts).
 //!
-//! IPv4 only for now: the maps that hold addresses carry a `_v4` suffix, so IPv6 gets its own
-//! maps later without changing these layouts. `pol_rules` holds no address and is shared.
+//! The maps that hold addresses come in pairs (`_v4`, `_v6`); `pol_rules` holds no address and
+//! is shared: a rule's peer set has its IPv4 prefixes in `pol_peers_v4` and its IPv6 ones in
+//! `pol_peers_v6`, under the same set id.
 
 /// Upper bound of the datapath's rule loop per pod and direction. The verifier needs a constant
 /// bound; 64 keeps the program well inside its complexity limit (each iteration is a hash lookup,
@@ -127,6 +128,40 @@ pub struct PeerPrefixV4 {
     pub addr: u32,
 }
 
+/// An isolated IPv6 pod direction: `pol_pods_v6` key.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PolicyPodKeyV6 {
+    /// Pod IP, network byte order.
+    pub addr: crate::Ipv6Words,
+    /// [`POLICY_DIR_INGRESS`] or [`POLICY_DIR_EGRESS`].
+    pub direction: u8,
+    pub pad: [u8; 3],
+}
+
+/// The data part of a `pol_peers_v6` LPM key (prefix length = [`PEER_SET_PREFIX_BITS`] + the
+/// address prefix length).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerPrefixV6 {
+    /// Peer-set id, **big-endian**.
+    pub peer_set_be: u32,
+    /// Network byte order.
+    pub addr: crate::Ipv6Words,
+}
+
+/// `pol_ct_v6` key: as [`PolicyCtKeyV4`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PolicyCtKeyV6 {
+    pub pod_addr: crate::Ipv6Words,
+    pub peer_addr: crate::Ipv6Words,
+    pub pod_port: u16,
+    pub peer_port: u16,
+    pub proto: u8,
+    pub pad: [u8; 3],
+}
+
 /// Policy conntrack key, normalised to the pod whose veth the hook is on, so that one entry
 /// admits both directions of an allowed connection at that pod's veth: at TC ingress (packet
 /// from the pod) `pod = src`, at TC egress (packet to the pod) `pod = dst`. Ports network order;
@@ -175,7 +210,8 @@ impl PolicyCtValue {
 /// Indices of the per-CPU `pol_stats` array (u64 packet counters, summed over both programs).
 pub mod pol_stat {
     pub const PACKETS: u32 = 0;
-    /// Not IPv4, or IPv4 but not TCP/UDP/SCTP/ICMP: passed unevaluated.
+    /// Neither IPv4 nor IPv6, or not TCP/UDP/SCTP/ICMP(v6), or IPv6 neighbour discovery and
+    /// router advertisements: passed unevaluated.
     pub const NOT_EVALUATED: u32 = 1;
     /// A non-first fragment (no ports to judge): passed; its first fragment was judged.
     pub const FRAGMENT_PASS: u32 = 2;
@@ -226,6 +262,9 @@ mod user {
     unsafe impl aya::Pod for PeerPrefixV4 {}
     unsafe impl aya::Pod for PolicyCtKeyV4 {}
     unsafe impl aya::Pod for PolicyCtValue {}
+    unsafe impl aya::Pod for PolicyPodKeyV6 {}
+    unsafe impl aya::Pod for PeerPrefixV6 {}
+    unsafe impl aya::Pod for PolicyCtKeyV6 {}
 }
 
 #[cfg(test)]
@@ -243,6 +282,9 @@ mod tests {
         assert_eq!(size_of::<PeerPrefixV4>(), 8);
         assert_eq!(size_of::<PolicyCtKeyV4>(), 16);
         assert_eq!(size_of::<PolicyCtValue>(), 16);
+        assert_eq!(size_of::<PolicyPodKeyV6>(), 20);
+        assert_eq!(size_of::<PeerPrefixV6>(), 20);
+        assert_eq!(size_of::<PolicyCtKeyV6>(), 40);
     }
 
     fn rule(range_count: u8, ranges: &[PolicyPortRange]) -> PolicyRuleValue {

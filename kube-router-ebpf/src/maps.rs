@@ -123,6 +123,16 @@ pub static POLICY_PEERS: LpmTrie<PeerPrefixV4, u8> = LpmTrie::pinned(POLICY_PEER
 pub static POLICY_CONNTRACK: LruHashMap<PolicyCtKeyV4, PolicyCtValue> =
     LruHashMap::pinned(POLICY_CONNTRACK_MAX_ENTRIES, 0);
 
+#[map(name = "pol_pods_v6")]
+pub static POLICY_PODS_V6: HashMap<PolicyPodKeyV6, PolicyPodValue> = HashMap::pinned(POLICY_PODS_MAX_ENTRIES, 0);
+
+#[map(name = "pol_peers_v6")]
+pub static POLICY_PEERS_V6: LpmTrie<PeerPrefixV6, u8> = LpmTrie::pinned(POLICY_PEERS_MAX_ENTRIES, 0);
+
+#[map(name = "pol_ct_v6")]
+pub static POLICY_CONNTRACK_V6: LruHashMap<PolicyCtKeyV6, PolicyCtValue> =
+    LruHashMap::pinned(POLICY_CONNTRACK_MAX_ENTRIES, 0);
+
 #[map(name = "pol_stats")]
 pub static POLICY_STATS: PerCpuArray<u64> = PerCpuArray::pinned(pol_stat::COUNT, 0);
 

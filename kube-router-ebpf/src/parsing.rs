@@ -13,18 +13,20 @@ pub const IP_DST_OFF: usize = ETH_HDR_LEN + 16;
 pub const TCP_FLAG_FIN: u8 = 0x01;
 pub const TCP_FLAG_RST: u8 = 0x04;
 
-/// What the load balancer and the policy check need of a packet. Addresses and ports stay in network byte order.
-pub struct Flow {
-    pub src_addr: u32,
-    pub dst_addr: u32,
+/// What the policy check needs of a packet. Addresses and ports stay in network byte order;
+/// `A` is `u32` (IPv4) or [`Ipv6Words`].
+pub struct Flow<A = u32> {
+    pub src_addr: A,
+    pub dst_addr: A,
     pub src_port: u16,
     pub dst_port: u16,
     pub proto: u8,
     pub tcp_flags: u8,
 }
 
-pub enum Parsed {
-    Flow(Flow),
+pub enum Parsed<A = u32> {
+    Flow(Flow<A>),
+    /// Not this family.
     NotIpv4,
     /// A non-first fragment (or a fragmented datagram): it carries no ports.
     Fragment,
@@ -38,6 +40,46 @@ pub enum Parsed {
 #[inline(always)]
 pub fn parse_for_policy(ctx: &TcContext) -> Result<Parsed, i64> {
     parse_ipv4(ctx, true)
+}
+
+/// The policy view of an IPv6 packet: as [`parse_for_policy`], with extension headers looked
+/// past (a bounded number). Neighbour discovery and router advertisements (ICMPv6 133-137) are
+/// `OtherProtocol`: a pod must always be able to resolve its neighbours. A packet whose upper
+/// layer lies beyond the headers we look past is judged as protocol 255 without ports, so only
+/// a rule admitting every port can let it through: never passed unjudged.
+#[inline(always)]
+pub fn parse_for_policy_v6(ctx: &TcContext) -> Result<Parsed<Ipv6Words>, i64> {
+    let version: u8 = ctx.load(ETH_HDR_LEN)?;
+    if version >> 4 != 6 {
+        return Ok(Parsed::NotIpv4);
+    }
+    let next: u8 = ctx.load(ETH_HDR_LEN + 6)?;
+    let (src_addr, dst_addr) = (ctx.load(IPV6_SRC_OFF)?, ctx.load(IPV6_DST_OFF)?);
+    let Some((proto, l4_off, fragment, _)) = ipv6_upper_layer(ctx, next, ETH_HDR_LEN + IPV6_HDR_LEN)? else {
+        return Ok(Parsed::Flow(Flow { src_addr, dst_addr, src_port: 0, dst_port: 0, proto: 255, tcp_flags: 0 }));
+    };
+    if fragment == Fragment::Later {
+        return Ok(Parsed::Fragment);
+    }
+    let (src_port, dst_port) = match proto {
+        IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP => (ctx.load(l4_off)?, ctx.load(l4_off + 2)?),
+        IPPROTO_ICMPV6 => {
+            let icmp_type: u8 = ctx.load(l4_off)?;
+            if (ICMPV6_ROUTER_SOLICIT..=ICMPV6_REDIRECT).contains(&icmp_type) {
+                return Ok(Parsed::OtherProtocol);
+            }
+            if icmp_type == ICMPV6_ECHO_REQUEST || icmp_type == ICMPV6_ECHO_REPLY {
+                let id: u16 = ctx.load(l4_off + 4)?;
+                (id, id)
+            } else {
+                (0, 0)
+            }
+        }
+        // Judged without ports, as IPv4 judges ICMP errors and other protocols are not.
+        _ => return Ok(Parsed::OtherProtocol),
+    };
+    let tcp_flags = if proto == IPPROTO_TCP { ctx.load::<u8>(l4_off + 13)? } else { 0 };
+    Ok(Parsed::Flow(Flow { src_addr, dst_addr, src_port, dst_port, proto, tcp_flags }))
 }
 
 const ICMP_ECHO_REPLY: u8 = 0;
@@ -168,6 +210,9 @@ const ICMPV6_DEST_UNREACH: u8 = 1;
 const ICMPV6_PARAMETER_PROBLEM: u8 = 4;
 const ICMPV6_ECHO_REQUEST: u8 = 128;
 const ICMPV6_ECHO_REPLY: u8 = 129;
+/// Neighbour discovery (RFC 4861): router solicitation 133 .. redirect 137.
+const ICMPV6_ROUTER_SOLICIT: u8 = 133;
+const ICMPV6_REDIRECT: u8 = 137;
 
 const IPPROTO_HOPOPTS: u8 = 0;
 const IPPROTO_ROUTING: u8 = 43;

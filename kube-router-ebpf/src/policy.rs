@@ -6,24 +6,31 @@
 //! is attached to; the other end of the connection is checked at that pod's own veth (on this or
 //! another node), so a pod-to-pod connection on one node passes both checks.
 //!
+//! IPv4 and IPv6 are judged alike, each over its own maps (`pol_pods_v4/v6`, `pol_peers_v4/v6`,
+//! `pol_ct_v4/v6`; `pol_rules` is shared).
+//!
 //! Replies are never judged: an allowed new flow is recorded in `pol_ct_v4` under a key
 //! normalised to the local pod (pod, peer, pod port, peer port), which the reply — seen by the
 //! other hook of the same veth — looks up identically.
 use aya_ebpf::{
     bindings::{TC_ACT_SHOT, TC_ACT_UNSPEC},
     helpers::bpf_ktime_get_ns,
-    maps::lpm_trie::Key,
+    maps::{lpm_trie::Key, LruHashMap},
     programs::TcContext,
 };
 use kube_router_common::*;
 
 use crate::{
     events,
-    maps::{count_policy as count, CONNTRACK, POLICY_CONNTRACK, POLICY_PEERS, POLICY_PODS, POLICY_RULES},
-    parsing::{parse_for_policy, Parsed, TCP_FLAG_FIN, TCP_FLAG_RST},
+    maps::{
+        count_policy as count, CONNTRACK, CONNTRACK_V6, POLICY_CONNTRACK, POLICY_CONNTRACK_V6, POLICY_PEERS,
+        POLICY_PEERS_V6, POLICY_PODS, POLICY_PODS_V6, POLICY_RULES,
+    },
+    parsing::{parse_for_policy, parse_for_policy_v6, Flow, Parsed, TCP_FLAG_FIN, TCP_FLAG_RST},
 };
 
 const REFRESH_INTERVAL_NS: u64 = 1_000_000_000;
+const ETH_P_IPV6: u16 = 0x86dd;
 
 /// Which end of the pod's veth the program is attached to.
 #[derive(Clone, Copy)]
@@ -41,20 +48,120 @@ enum Verdict {
     OverRuleLimit,
 }
 
+/// The per-family maps and keys of the policy check; the logic in [`judge`] is written once.
+trait PolicyFamily {
+    type Addr: Copy;
+    type CtKey: Copy + 'static;
+    const FAMILY: u8;
+    fn ct_key(pod: Self::Addr, peer: Self::Addr, pod_port: u16, peer_port: u16, proto: u8) -> Self::CtKey;
+    fn conntrack() -> &'static LruHashMap<Self::CtKey, PolicyCtValue>;
+    fn isolated(addr: Self::Addr, direction: u8) -> Option<PolicyPodValue>;
+    fn peer_in_set(peer_set: u32, addr: Self::Addr) -> bool;
+    /// Whether the load balancer holds the forward entry of a flow the pod opened to this peer
+    /// (a Service address): only flows the pod itself started have one.
+    fn opened_through_a_service(pod: Self::Addr, peer: Self::Addr, pod_port: u16, peer_port: u16, proto: u8) -> bool;
+    fn event_addr(addr: Self::Addr) -> [u32; 4];
+}
+
+struct V4;
+struct V6;
+
+impl PolicyFamily for V4 {
+    type Addr = u32;
+    type CtKey = PolicyCtKeyV4;
+    const FAMILY: u8 = 4;
+
+    #[inline(always)]
+    fn ct_key(pod_addr: u32, peer_addr: u32, pod_port: u16, peer_port: u16, proto: u8) -> PolicyCtKeyV4 {
+        PolicyCtKeyV4 { pod_addr, peer_addr, pod_port, peer_port, proto, pad: [0; 3] }
+    }
+    #[inline(always)]
+    fn conntrack() -> &'static LruHashMap<PolicyCtKeyV4, PolicyCtValue> {
+        &POLICY_CONNTRACK
+    }
+    #[inline(always)]
+    fn isolated(addr: u32, direction: u8) -> Option<PolicyPodValue> {
+        // SAFETY: read-only copy of a map value.
+        unsafe { POLICY_PODS.get(PolicyPodKeyV4 { addr, direction, pad: [0; 3] }) }.copied()
+    }
+    #[inline(always)]
+    fn peer_in_set(peer_set: u32, addr: u32) -> bool {
+        let key = Key::new(PEER_SET_PREFIX_BITS + 32, PeerPrefixV4 { peer_set_be: peer_set.to_be(), addr });
+        matches!(POLICY_PEERS.get(&key), Some(verdict) if *verdict == PEER_ALLOW)
+    }
+    #[inline(always)]
+    fn opened_through_a_service(pod: u32, peer: u32, pod_port: u16, peer_port: u16, proto: u8) -> bool {
+        let forward =
+            CtKeyV4 { src_addr: pod, dst_addr: peer, src_port: pod_port, dst_port: peer_port, proto, pad: [0; 3] };
+        // SAFETY: read-only copy of a map value.
+        unsafe { CONNTRACK.get(forward) }.is_some_and(|entry| entry.flags & CT_FLAG_FORWARD != 0)
+    }
+    #[inline(always)]
+    fn event_addr(addr: u32) -> [u32; 4] {
+        [addr, 0, 0, 0]
+    }
+}
+
+impl PolicyFamily for V6 {
+    type Addr = Ipv6Words;
+    type CtKey = PolicyCtKeyV6;
+    const FAMILY: u8 = 6;
+
+    #[inline(always)]
+    fn ct_key(pod_addr: Ipv6Words, peer_addr: Ipv6Words, pod_port: u16, peer_port: u16, proto: u8) -> PolicyCtKeyV6 {
+        PolicyCtKeyV6 { pod_addr, peer_addr, pod_port, peer_port, proto, pad: [0; 3] }
+    }
+    #[inline(always)]
+    fn conntrack() -> &'static LruHashMap<PolicyCtKeyV6, PolicyCtValue> {
+        &POLICY_CONNTRACK_V6
+    }
+    #[inline(always)]
+    fn isolated(addr: Ipv6Words, direction: u8) -> Option<PolicyPodValue> {
+        // SAFETY: read-only copy of a map value.
+        unsafe { POLICY_PODS_V6.get(PolicyPodKeyV6 { addr, direction, pad: [0; 3] }) }.copied()
+    }
+    #[inline(always)]
+    fn peer_in_set(peer_set: u32, addr: Ipv6Words) -> bool {
+        let key = Key::new(PEER_SET_PREFIX_BITS + 128, PeerPrefixV6 { peer_set_be: peer_set.to_be(), addr });
+        matches!(POLICY_PEERS_V6.get(&key), Some(verdict) if *verdict == PEER_ALLOW)
+    }
+    #[inline(always)]
+    fn opened_through_a_service(pod: Ipv6Words, peer: Ipv6Words, pod_port: u16, peer_port: u16, proto: u8) -> bool {
+        let forward =
+            CtKeyV6 { src_addr: pod, dst_addr: peer, src_port: pod_port, dst_port: peer_port, proto, pad: [0; 3] };
+        // SAFETY: read-only copy of a map value.
+        unsafe { CONNTRACK_V6.get(forward) }.is_some_and(|entry| entry.flags & CT_FLAG_FORWARD != 0)
+    }
+    #[inline(always)]
+    fn event_addr(addr: Ipv6Words) -> [u32; 4] {
+        addr.0
+    }
+}
+
 #[inline(always)]
 pub fn enforce(ctx: &TcContext, hook: VethHook) -> Result<i32, i64> {
     count(pol_stat::PACKETS);
-    let flow = match parse_for_policy(ctx)? {
-        Parsed::Flow(flow) => flow,
-        Parsed::Fragment => {
-            count(pol_stat::FRAGMENT_PASS);
-            return Ok(TC_ACT_UNSPEC);
-        }
-        Parsed::NotIpv4 | Parsed::OtherProtocol => {
-            count(pol_stat::NOT_EVALUATED);
-            return Ok(TC_ACT_UNSPEC);
-        }
-    };
+    let ether_type = u16::from_be(ctx.load::<u16>(12)?);
+    if ether_type == ETH_P_IPV6 {
+        return match parse_for_policy_v6(ctx)? {
+            Parsed::Flow(flow) => judge::<V6>(ctx, hook, &flow),
+            parsed => Ok(pass_unjudged(parsed)),
+        };
+    }
+    match parse_for_policy(ctx)? {
+        Parsed::Flow(flow) => judge::<V4>(ctx, hook, &flow),
+        parsed => Ok(pass_unjudged(parsed)),
+    }
+}
+
+#[inline(always)]
+fn pass_unjudged<A>(parsed: Parsed<A>) -> i32 {
+    count(if matches!(parsed, Parsed::Fragment) { pol_stat::FRAGMENT_PASS } else { pol_stat::NOT_EVALUATED });
+    TC_ACT_UNSPEC
+}
+
+#[inline(always)]
+fn judge<F: PolicyFamily>(ctx: &TcContext, hook: VethHook, flow: &Flow<F::Addr>) -> Result<i32, i64> {
     let (pod_addr, peer_addr, pod_port, peer_port, direction, origin, denied) = match hook {
         VethHook::FromPod => (
             flow.src_addr,
@@ -75,40 +182,40 @@ pub fn enforce(ctx: &TcContext, hook: VethHook) -> Result<i32, i64> {
             pol_stat::DENIED_INGRESS,
         ),
     };
-    let ct_key = PolicyCtKeyV4 { pod_addr, peer_addr, pod_port, peer_port, proto: flow.proto, pad: [0; 3] };
+    let ct_key = F::ct_key(pod_addr, peer_addr, pod_port, peer_port, flow.proto);
     let now = unsafe { bpf_ktime_get_ns() };
     let closing = flow.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST) != 0;
-    if established(&ct_key, flow.proto, closing, now) {
+    if established(F::conntrack(), &ct_key, flow.proto, closing, now) {
         count(pol_stat::CT_ESTABLISHED);
         return Ok(TC_ACT_UNSPEC);
     }
     // A reply to a Service flow the pod opened, already translated back to the Service address
     // before this hook (by the load balancer on a bridge the veth is a port of): the policy entry
     // was recorded under the backend's address, the load balancer's under the Service's.
-    if matches!(hook, VethHook::ToPod) && opened_through_a_service(&ct_key) {
+    if matches!(hook, VethHook::ToPod)
+        && F::opened_through_a_service(pod_addr, peer_addr, pod_port, peer_port, flow.proto)
+    {
         count(pol_stat::CT_ESTABLISHED);
         let entry = PolicyCtValue { last_seen_ns: now, flags: POLICY_CT_FROM_POD, pad: [0; 7] };
-        let _ = POLICY_CONNTRACK.insert(ct_key, entry, 0);
+        let _ = F::conntrack().insert(&ct_key, &entry, 0);
         return Ok(TC_ACT_UNSPEC);
     }
 
     // A new connection: its destination port is this packet's, whichever hook sees it.
-    let pod_key = PolicyPodKeyV4 { addr: pod_addr, direction, pad: [0; 3] };
-    // SAFETY: read-only copy of a map value.
-    match unsafe { POLICY_PODS.get(pod_key) }.copied() {
+    match F::isolated(pod_addr, direction) {
         _ if matches!(hook, VethHook::ToPod) && sent_by_this_node(ctx) => count(pol_stat::NODE_EXEMPT),
         None => count(pol_stat::NOT_ISOLATED),
-        Some(pod) => match evaluate(&pod, peer_addr, flow.proto, u16::from_be(flow.dst_port)) {
+        Some(pod) => match evaluate::<F>(&pod, peer_addr, flow.proto, u16::from_be(flow.dst_port)) {
             Verdict::Allow => count(pol_stat::ALLOWED),
             Verdict::Deny => {
                 count(denied);
-                report_drop(ctx, &flow, direction, now);
+                report_drop::<F>(ctx, flow, direction, now);
                 return Ok(TC_ACT_SHOT);
             }
             Verdict::OverRuleLimit => {
                 count(pol_stat::RULE_LIMIT_DENIED);
                 count(denied);
-                report_drop(ctx, &flow, direction, now);
+                report_drop::<F>(ctx, flow, direction, now);
                 return Ok(TC_ACT_SHOT);
             }
         },
@@ -117,7 +224,7 @@ pub fn enforce(ctx: &TcContext, hook: VethHook) -> Result<i32, i64> {
     // which may be isolated (or become so while the connection lives).
     let flags = origin | if closing { POLICY_CT_CLOSING } else { 0 };
     let entry = PolicyCtValue { last_seen_ns: now, flags, pad: [0; 7] };
-    if POLICY_CONNTRACK.insert(ct_key, entry, 0).is_err() {
+    if F::conntrack().insert(&ct_key, &entry, 0).is_err() {
         count(pol_stat::CT_INSERT_FAILED);
     }
     Ok(TC_ACT_UNSPEC)
@@ -134,8 +241,8 @@ fn sent_by_this_node(ctx: &TcContext) -> bool {
 
 /// A live entry for this connection at this pod, refreshed; expired entries count as absent.
 #[inline(always)]
-fn established(key: &PolicyCtKeyV4, proto: u8, closing: bool, now: u64) -> bool {
-    let Some(entry) = POLICY_CONNTRACK.get_ptr_mut(key) else {
+fn established<K>(conntrack: &LruHashMap<K, PolicyCtValue>, key: &K, proto: u8, closing: bool, now: u64) -> bool {
+    let Some(entry) = conntrack.get_ptr_mut(key) else {
         return false;
     };
     // SAFETY: the pointer comes from a successful lookup and stays valid for this program run.
@@ -153,26 +260,10 @@ fn established(key: &PolicyCtKeyV4, proto: u8, closing: bool, now: u64) -> bool 
     true
 }
 
-/// Whether the load balancer holds the forward entry of a flow the pod opened to this peer (a
-/// Service address): only flows the pod itself started have one.
-#[inline(always)]
-fn opened_through_a_service(key: &PolicyCtKeyV4) -> bool {
-    let forward = CtKeyV4 {
-        src_addr: key.pod_addr,
-        dst_addr: key.peer_addr,
-        src_port: key.pod_port,
-        dst_port: key.peer_port,
-        proto: key.proto,
-        pad: [0; 3],
-    };
-    // SAFETY: read-only copy of a map value.
-    unsafe { CONNTRACK.get(forward) }.is_some_and(|entry| entry.flags & CT_FLAG_FORWARD != 0)
-}
-
 /// The reference lookup of `MapEntries::side_allows`: any rule whose ports admit the packet and
 /// whose peer set holds the peer allows it.
 #[inline(always)]
-fn evaluate(pod: &PolicyPodValue, peer_addr: u32, proto: u8, dst_port: u16) -> Verdict {
+fn evaluate<F: PolicyFamily>(pod: &PolicyPodValue, peer_addr: F::Addr, proto: u8, dst_port: u16) -> Verdict {
     if pod.rule_count > MAX_RULES_PER_POD {
         return Verdict::OverRuleLimit;
     }
@@ -185,32 +276,25 @@ fn evaluate(pod: &PolicyPodValue, peer_addr: u32, proto: u8, dst_port: u16) -> V
         let Some(rule) = (unsafe { POLICY_RULES.get(key) }) else {
             continue;
         };
-        if rule.ports_match(proto, dst_port) && peer_in_set(rule.peer_set, peer_addr) {
+        if rule.ports_match(proto, dst_port) && F::peer_in_set(rule.peer_set, peer_addr) {
             return Verdict::Allow;
         }
     }
     Verdict::Deny
 }
 
-/// Longest-prefix match of `addr` within one peer set: the set id takes the first 32 key bits.
-#[inline(always)]
-fn peer_in_set(peer_set: u32, addr: u32) -> bool {
-    let key = Key::new(PEER_SET_PREFIX_BITS + 32, PeerPrefixV4 { peer_set_be: peer_set.to_be(), addr });
-    matches!(POLICY_PEERS.get(&key), Some(verdict) if *verdict == PEER_ALLOW)
-}
-
 /// A drop for `kube-router monitor` (nothing unless one listens).
 #[inline(always)]
-fn report_drop(ctx: &TcContext, flow: &crate::parsing::Flow, direction: u8, now: u64) {
+fn report_drop<F: PolicyFamily>(ctx: &TcContext, flow: &Flow<F::Addr>, direction: u8, now: u64) {
     events::emit(ctx, now, |ifindex| MonitorEvent {
         timestamp_ns: now,
         kind: EVENT_POLICY_DROP,
-        family: 4,
+        family: F::FAMILY,
         proto: flow.proto,
         direction,
         ifindex,
-        src: [flow.src_addr, 0, 0, 0],
-        dst: [flow.dst_addr, 0, 0, 0],
+        src: F::event_addr(flow.src_addr),
+        dst: F::event_addr(flow.dst_addr),
         nat: [0; 4],
         src_port: flow.src_port,
         dst_port: flow.dst_port,

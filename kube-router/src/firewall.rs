@@ -173,7 +173,7 @@ impl FirewallController {
             diff.peer_prefixes.deletes.clear();
         }
         let report = apply_diff(&mut self.maps, &diff);
-        let everything_written = report.errors == 0 && report.skipped_ipv6 == 0 && report.unencodable == 0;
+        let everything_written = report.errors == 0 && report.unencodable == 0;
         self.programmed = if everything_written {
             // Every write took: the maps now hold the old entries with the diff applied, which
             // is `wanted` itself unless deletions were held back.
@@ -220,9 +220,13 @@ impl FirewallController {
                     *m.map_writes.entry((map, op)).or_default() += count;
                 }
             }
-            m.map_entries.insert(n::POLICY_PODS, self.programmed.pod_slots.len() as u64);
+            let pods_v6 = self.programmed.pod_slots.keys().filter(|k| k.pod_ip.is_ipv6()).count() as u64;
+            let peers_v6 = self.programmed.peer_prefixes.keys().filter(|k| k.prefix.addr().is_ipv6()).count() as u64;
+            m.map_entries.insert(n::POLICY_PODS, self.programmed.pod_slots.len() as u64 - pods_v6);
+            m.map_entries.insert(n::POLICY_PODS_V6, pods_v6);
             m.map_entries.insert(n::POLICY_RULES, self.programmed.slot_rules.len() as u64);
-            m.map_entries.insert(n::POLICY_PEERS, self.programmed.peer_prefixes.len() as u64);
+            m.map_entries.insert(n::POLICY_PEERS, self.programmed.peer_prefixes.len() as u64 - peers_v6);
+            m.map_entries.insert(n::POLICY_PEERS_V6, peers_v6);
             m.policy_sync_seconds = Some(started.elapsed().as_secs_f64());
             m.kr.policy_sync_time.observe(started.elapsed().as_secs_f64());
         });

@@ -41,13 +41,20 @@ pub const SERVICE_MAPS: [MapSpec; 21] = [
     spec::<ServiceKeyV6, ServiceStats>(svc_stats_map_names::SVC_STATS_V6, MapType::PerCpuHash, SVC_STATS_MAX_ENTRIES),
 ];
 
-/// The NetworkPolicy maps. `pol_peers_v4` keys are aya's LPM `Key` (u32 prefix length + data).
-pub const POLICY_MAPS: [MapSpec; 5] = [
+/// The NetworkPolicy maps. `pol_peers_v4/v6` keys are aya's LPM `Key` (u32 prefix length + data).
+pub const POLICY_MAPS: [MapSpec; 8] = [
     spec::<PolicyPodKeyV4, PolicyPodValue>(map_names::POLICY_PODS, MapType::Hash, POLICY_PODS_MAX_ENTRIES),
     spec::<PolicyRuleKey, PolicyRuleValue>(map_names::POLICY_RULES, MapType::Hash, POLICY_RULES_MAX_ENTRIES),
     spec::<Key<PeerPrefixV4>, u8>(map_names::POLICY_PEERS, MapType::LpmTrie, POLICY_PEERS_MAX_ENTRIES),
     spec::<PolicyCtKeyV4, PolicyCtValue>(map_names::POLICY_CONNTRACK, MapType::LruHash, POLICY_CONNTRACK_MAX_ENTRIES),
     spec::<u32, u64>(map_names::POLICY_STATS, MapType::PerCpuArray, pol_stat::COUNT),
+    spec::<PolicyPodKeyV6, PolicyPodValue>(map_names::POLICY_PODS_V6, MapType::Hash, POLICY_PODS_MAX_ENTRIES),
+    spec::<Key<PeerPrefixV6>, u8>(map_names::POLICY_PEERS_V6, MapType::LpmTrie, POLICY_PEERS_MAX_ENTRIES),
+    spec::<PolicyCtKeyV6, PolicyCtValue>(
+        map_names::POLICY_CONNTRACK_V6,
+        MapType::LruHash,
+        POLICY_CONNTRACK_MAX_ENTRIES,
+    ),
 ];
 
 /// The pod overlay's maps. `ovl_routes_v4` keys are aya's LPM `Key` (u32 prefix length + data).
@@ -137,7 +144,10 @@ impl MapSizes {
             map_names::BACKEND_SLOTS | map_names::BACKEND_SLOTS_V6 | map_names::BACKENDS | map_names::BACKENDS_V6 => {
                 Some(self.lb_frontends * BACKENDS_PER_FRONTEND)
             }
-            map_names::CONNTRACK | map_names::CONNTRACK_V6 | map_names::POLICY_CONNTRACK => Some(self.conntrack),
+            map_names::CONNTRACK
+            | map_names::CONNTRACK_V6
+            | map_names::POLICY_CONNTRACK
+            | map_names::POLICY_CONNTRACK_V6 => Some(self.conntrack),
             _ => None,
         }
     }

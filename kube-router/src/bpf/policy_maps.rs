@@ -1,14 +1,14 @@
-//! The pinned NetworkPolicy maps (`pol_pods_v4`, `pol_rules`, `pol_peers_v4`, `pol_ct_v4`,
-//! `pol_stats`): encoding of the compiler's [`MapEntries`] / [`MapDiff`] into their byte layouts,
+//! The pinned NetworkPolicy maps (`pol_pods_v4/v6`, `pol_rules`, `pol_peers_v4/v6`,
+//! `pol_ct_v4/v6`, `pol_stats`): encoding of the compiler's [`MapEntries`] / [`MapDiff`] into their byte layouts,
 //! a writer that applies a diff in an order that never leaves the datapath following a dangling
 //! id, and readers for dumps, stats and conntrack GC.
 //!
 //! The maps are created and pinned by [`super::datapath::Datapath::load`] (they are part of the
-//! datapath object); this module only opens them. IPv4 only: IPv6 pods and prefixes in a diff
-//! are skipped and counted until `_v6` maps exist.
+//! datapath object); this module only opens them. Pods and prefixes go to the map of their
+//! address family; rules are shared.
 use std::{
     collections::BTreeMap,
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::Path,
 };
 
@@ -17,7 +17,7 @@ use aya::maps::{
     lpm_trie::{Key, LpmTrie},
     HashMap, Map, MapData, MapError, PerCpuArray,
 };
-use ipnet::{IpNet, Ipv4Net};
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use kube_router_common::*;
 
 use super::service_maps::{monotonic_now_ns, write_error};
@@ -50,23 +50,60 @@ impl PeerKeyV4 {
     }
 }
 
+/// A `pol_peers_v6` key as stored (see [`PeerKeyV4`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerKeyV6 {
+    pub prefix_len: u32,
+    pub data: PeerPrefixV6,
+}
+
+impl PeerKeyV6 {
+    fn to_lpm(self) -> Key<PeerPrefixV6> {
+        Key::new(self.prefix_len, self.data)
+    }
+
+    fn from_lpm(key: &Key<PeerPrefixV6>) -> Self {
+        PeerKeyV6 { prefix_len: key.prefix_len(), data: key.data() }
+    }
+}
+
+/// A pod direction key of either family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PodKey {
+    V4(PolicyPodKeyV4),
+    V6(PolicyPodKeyV6),
+}
+
+/// A peer prefix key of either family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerKey {
+    V4(PeerKeyV4),
+    V6(PeerKeyV6),
+}
+
 /// One write to the policy maps, already in map byte layout.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PolicyMapOp {
-    PutPeerPrefix(PeerKeyV4, u8),
+    PutPeerPrefix(PeerKey, u8),
     PutRule(PolicyRuleKey, PolicyRuleValue),
-    PutPod(PolicyPodKeyV4, PolicyPodValue),
-    DeletePod(PolicyPodKeyV4),
+    PutPod(PodKey, PolicyPodValue),
+    DeletePod(PodKey),
     DeleteRule(PolicyRuleKey),
-    DeletePeerPrefix(PeerKeyV4),
+    DeletePeerPrefix(PeerKey),
 }
 
 impl PolicyMapOp {
     pub fn map_name(&self) -> &'static str {
         match self {
-            PolicyMapOp::PutPeerPrefix(..) | PolicyMapOp::DeletePeerPrefix(_) => map_names::POLICY_PEERS,
+            PolicyMapOp::PutPeerPrefix(PeerKey::V4(_), _) | PolicyMapOp::DeletePeerPrefix(PeerKey::V4(_)) => {
+                map_names::POLICY_PEERS
+            }
+            PolicyMapOp::PutPeerPrefix(PeerKey::V6(_), _) | PolicyMapOp::DeletePeerPrefix(PeerKey::V6(_)) => {
+                map_names::POLICY_PEERS_V6
+            }
             PolicyMapOp::PutRule(..) | PolicyMapOp::DeleteRule(_) => map_names::POLICY_RULES,
-            PolicyMapOp::PutPod(..) | PolicyMapOp::DeletePod(_) => map_names::POLICY_PODS,
+            PolicyMapOp::PutPod(PodKey::V4(_), _) | PolicyMapOp::DeletePod(PodKey::V4(_)) => map_names::POLICY_PODS,
+            PolicyMapOp::PutPod(PodKey::V6(_), _) | PolicyMapOp::DeletePod(PodKey::V6(_)) => map_names::POLICY_PODS_V6,
         }
     }
 
@@ -75,17 +112,19 @@ impl PolicyMapOp {
     }
 }
 
-/// Contents of the three compiled-policy maps, in map byte layout.
+/// Contents of the five compiled-policy maps, in map byte layout.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PolicyMapContents {
     pub pods: BTreeMap<PolicyPodKeyV4, PolicyPodValue>,
     pub rules: BTreeMap<PolicyRuleKey, PolicyRuleValue>,
     pub peers: BTreeMap<PeerKeyV4, u8>,
+    pub pods_v6: BTreeMap<PolicyPodKeyV6, PolicyPodValue>,
+    pub peers_v6: BTreeMap<PeerKeyV6, u8>,
 }
 
 impl PolicyMapContents {
     pub fn len(&self) -> usize {
-        self.pods.len() + self.rules.len() + self.peers.len()
+        self.pods.len() + self.rules.len() + self.peers.len() + self.pods_v6.len() + self.peers_v6.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -94,12 +133,16 @@ impl PolicyMapContents {
 
     fn apply(&mut self, op: &PolicyMapOp) {
         match op {
-            PolicyMapOp::PutPeerPrefix(k, v) => drop(self.peers.insert(*k, *v)),
+            PolicyMapOp::PutPeerPrefix(PeerKey::V4(k), v) => drop(self.peers.insert(*k, *v)),
+            PolicyMapOp::PutPeerPrefix(PeerKey::V6(k), v) => drop(self.peers_v6.insert(*k, *v)),
             PolicyMapOp::PutRule(k, v) => drop(self.rules.insert(*k, *v)),
-            PolicyMapOp::PutPod(k, v) => drop(self.pods.insert(*k, *v)),
-            PolicyMapOp::DeletePod(k) => drop(self.pods.remove(k)),
+            PolicyMapOp::PutPod(PodKey::V4(k), v) => drop(self.pods.insert(*k, *v)),
+            PolicyMapOp::PutPod(PodKey::V6(k), v) => drop(self.pods_v6.insert(*k, *v)),
+            PolicyMapOp::DeletePod(PodKey::V4(k)) => drop(self.pods.remove(k)),
+            PolicyMapOp::DeletePod(PodKey::V6(k)) => drop(self.pods_v6.remove(k)),
             PolicyMapOp::DeleteRule(k) => drop(self.rules.remove(k)),
-            PolicyMapOp::DeletePeerPrefix(k) => drop(self.peers.remove(k)),
+            PolicyMapOp::DeletePeerPrefix(PeerKey::V4(k)) => drop(self.peers.remove(k)),
+            PolicyMapOp::DeletePeerPrefix(PeerKey::V6(k)) => drop(self.peers_v6.remove(k)),
         }
     }
 }
@@ -125,8 +168,6 @@ impl PolicyMaps for PolicyMapContents {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum EncodeError {
-    #[error("IPv6 entries need the (not yet existing) _v6 maps")]
-    Ipv6,
     #[error("rule has {0} port ranges; one pol_rules value holds {POLICY_PORT_RANGES_PER_RULE}")]
     TooManyRanges(usize),
 }
@@ -143,9 +184,14 @@ fn ipv4_nbo(addr: Ipv4Addr) -> u32 {
     u32::from_ne_bytes(addr.octets())
 }
 
-pub fn encode_pod_key(key: &PodSlotKey) -> Result<PolicyPodKeyV4, EncodeError> {
-    let IpAddr::V4(addr) = key.pod_ip else { return Err(EncodeError::Ipv6) };
-    Ok(PolicyPodKeyV4 { addr: ipv4_nbo(addr), direction: direction_code(key.direction), pad: [0; 3] })
+pub fn encode_pod_key(key: &PodSlotKey) -> PodKey {
+    let direction = direction_code(key.direction);
+    match key.pod_ip {
+        IpAddr::V4(addr) => PodKey::V4(PolicyPodKeyV4 { addr: ipv4_nbo(addr), direction, pad: [0; 3] }),
+        IpAddr::V6(addr) => {
+            PodKey::V6(PolicyPodKeyV6 { addr: Ipv6Words::from_octets(addr.octets()), direction, pad: [0; 3] })
+        }
+    }
 }
 
 pub fn encode_pod_value(value: &PodSlotValue) -> PolicyPodValue {
@@ -184,13 +230,18 @@ pub fn encode_rule_value(value: &SlotRuleValue) -> Result<PolicyRuleValue, Encod
 
 /// The LPM key of a peer prefix: the peer-set id (big-endian) is matched in full before the
 /// address, so `prefix_len = 32 + prefix length`.
-pub fn encode_peer_key(key: &PeerPrefixKey) -> Result<PeerKeyV4, EncodeError> {
-    let IpNet::V4(net) = key.prefix else { return Err(EncodeError::Ipv6) };
-    let net = net.trunc();
-    Ok(PeerKeyV4 {
-        prefix_len: PEER_SET_PREFIX_BITS + u32::from(net.prefix_len()),
-        data: PeerPrefixV4 { peer_set_be: key.peer_set.0.to_be(), addr: ipv4_nbo(net.network()) },
-    })
+pub fn encode_peer_key(key: &PeerPrefixKey) -> PeerKey {
+    let peer_set_be = key.peer_set.0.to_be();
+    let prefix_len = PEER_SET_PREFIX_BITS + u32::from(key.prefix.prefix_len());
+    match key.prefix.trunc() {
+        IpNet::V4(net) => {
+            PeerKey::V4(PeerKeyV4 { prefix_len, data: PeerPrefixV4 { peer_set_be, addr: ipv4_nbo(net.network()) } })
+        }
+        IpNet::V6(net) => PeerKey::V6(PeerKeyV6 {
+            prefix_len,
+            data: PeerPrefixV6 { peer_set_be, addr: Ipv6Words::from_octets(net.network().octets()) },
+        }),
+    }
 }
 
 pub fn encode_verdict(verdict: PrefixVerdict) -> u8 {
@@ -204,8 +255,6 @@ pub fn encode_verdict(verdict: PrefixVerdict) -> u8 {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct EncodedDiff {
     pub ops: Vec<PolicyMapOp>,
-    /// IPv6 pod directions and prefixes left out (no `_v6` maps yet).
-    pub skipped_ipv6: u64,
     /// Rules that could not be packed (more ranges than a value holds; the flattener never
     /// produces them). Their pods fail closed: a missing rule matches nothing.
     pub unencodable: u64,
@@ -219,50 +268,28 @@ pub struct EncodedDiff {
 /// pod slots, rules and peer prefixes (nothing refers to them any more).
 pub fn encode_diff(diff: &MapDiff) -> EncodedDiff {
     let mut out = EncodedDiff::default();
-    let skip = |out: &mut EncodedDiff, error: EncodeError| match error {
-        EncodeError::Ipv6 => out.skipped_ipv6 += 1,
-        EncodeError::TooManyRanges(_) => out.unencodable += 1,
-    };
     for (key, verdict) in &diff.peer_prefixes.upserts {
-        match encode_peer_key(key) {
-            Ok(k) => out.ops.push(PolicyMapOp::PutPeerPrefix(k, encode_verdict(*verdict))),
-            Err(e) => skip(&mut out, e),
-        }
+        out.ops.push(PolicyMapOp::PutPeerPrefix(encode_peer_key(key), encode_verdict(*verdict)));
     }
     for (key, value) in &diff.slot_rules.upserts {
         match encode_rule_value(value) {
             Ok(v) => out.ops.push(PolicyMapOp::PutRule(encode_rule_key(key), v)),
-            Err(e) => skip(&mut out, e),
+            Err(EncodeError::TooManyRanges(_)) => out.unencodable += 1,
         }
     }
     for (key, value) in &diff.pod_slots.upserts {
-        match encode_pod_key(key) {
-            Ok(k) => {
-                if value.rule_count > MAX_RULES_PER_POD {
-                    out.over_rule_limit += 1;
-                }
-                out.ops.push(PolicyMapOp::PutPod(k, encode_pod_value(value)));
-            }
-            Err(e) => skip(&mut out, e),
+        if value.rule_count > MAX_RULES_PER_POD {
+            out.over_rule_limit += 1;
         }
+        out.ops.push(PolicyMapOp::PutPod(encode_pod_key(key), encode_pod_value(value)));
     }
-    for key in &diff.pod_slots.deletes {
-        match encode_pod_key(key) {
-            Ok(k) => out.ops.push(PolicyMapOp::DeletePod(k)),
-            Err(e) => skip(&mut out, e),
-        }
-    }
+    out.ops.extend(diff.pod_slots.deletes.iter().map(|key| PolicyMapOp::DeletePod(encode_pod_key(key))));
     out.ops.extend(diff.slot_rules.deletes.iter().map(|key| PolicyMapOp::DeleteRule(encode_rule_key(key))));
-    for key in &diff.peer_prefixes.deletes {
-        match encode_peer_key(key) {
-            Ok(k) => out.ops.push(PolicyMapOp::DeletePeerPrefix(k)),
-            Err(e) => skip(&mut out, e),
-        }
-    }
+    out.ops.extend(diff.peer_prefixes.deletes.iter().map(|key| PolicyMapOp::DeletePeerPrefix(encode_peer_key(key))));
     out
 }
 
-/// The full IPv4 contents the maps should hold for `entries`.
+/// The full contents the maps should hold for `entries`.
 pub fn encode_entries(entries: &MapEntries) -> PolicyMapContents {
     let mut contents = PolicyMapContents::default();
     for op in encode_diff(&MapEntries::default().diff(entries)).ops {
@@ -290,17 +317,21 @@ fn protocol_from_number(number: u8) -> Option<Protocol> {
 /// Turns map contents back into the compiler's terms (the inverse of [`encode_entries`]).
 pub fn decode(contents: &PolicyMapContents) -> Result<MapEntries, DecodeError> {
     let mut entries = MapEntries::default();
+    let direction = |map: &'static str, code: u8| match code {
+        POLICY_DIR_INGRESS => Ok(Direction::Ingress),
+        POLICY_DIR_EGRESS => Ok(Direction::Egress),
+        other => Err(unknown(map, "direction", other.into())),
+    };
+    let slot = |value: &PolicyPodValue| PodSlotValue { slot: SlotId(value.slot), rule_count: value.rule_count };
     for (key, value) in &contents.pods {
-        let direction = match key.direction {
-            POLICY_DIR_INGRESS => Direction::Ingress,
-            POLICY_DIR_EGRESS => Direction::Egress,
-            other => return Err(unknown(map_names::POLICY_PODS, "direction", other.into())),
-        };
         let pod_ip = IpAddr::V4(Ipv4Addr::from(key.addr.to_ne_bytes()));
-        entries.pod_slots.insert(
-            PodSlotKey { pod_ip, direction },
-            PodSlotValue { slot: SlotId(value.slot), rule_count: value.rule_count },
-        );
+        let direction = direction(map_names::POLICY_PODS, key.direction)?;
+        entries.pod_slots.insert(PodSlotKey { pod_ip, direction }, slot(value));
+    }
+    for (key, value) in &contents.pods_v6 {
+        let pod_ip = IpAddr::V6(Ipv6Addr::from(key.addr.octets()));
+        let direction = direction(map_names::POLICY_PODS_V6, key.direction)?;
+        entries.pod_slots.insert(PodSlotKey { pod_ip, direction }, slot(value));
     }
     for (key, value) in &contents.rules {
         let ports = if value.range_count == POLICY_ALL_PORTS {
@@ -339,6 +370,20 @@ pub fn decode(contents: &PolicyMapContents) -> Result<MapEntries, DecodeError> {
         let key = PeerPrefixKey { peer_set: PeerSetId(u32::from_be(key.data.peer_set_be)), prefix: IpNet::V4(net) };
         entries.peer_prefixes.insert(key, verdict);
     }
+    for (key, verdict) in &contents.peers_v6 {
+        let map = map_names::POLICY_PEERS_V6;
+        let bits = key.prefix_len.checked_sub(PEER_SET_PREFIX_BITS).filter(|bits| *bits <= 128);
+        let bits = bits.ok_or_else(|| unknown(map, "prefix length", key.prefix_len))?;
+        let net = Ipv6Net::new(Ipv6Addr::from(key.data.addr.octets()), bits as u8)
+            .map_err(|_| unknown(map, "prefix length", key.prefix_len))?;
+        let verdict = match *verdict {
+            PEER_ALLOW => PrefixVerdict::Allow,
+            PEER_DENY => PrefixVerdict::Deny,
+            other => return Err(unknown(map, "verdict", other.into())),
+        };
+        let key = PeerPrefixKey { peer_set: PeerSetId(u32::from_be(key.data.peer_set_be)), prefix: IpNet::V6(net) };
+        entries.peer_prefixes.insert(key, verdict);
+    }
     Ok(entries)
 }
 
@@ -355,7 +400,6 @@ pub struct PolicyWriteReport {
     /// Deletes not attempted because an upsert failed: the old entries stay, so a pod whose new
     /// entry could not be written keeps a complete old policy instead of a dangling one.
     pub deletes_deferred: u64,
-    pub skipped_ipv6: u64,
     pub unencodable: u64,
     pub over_rule_limit: u64,
 }
@@ -372,7 +416,6 @@ impl PolicyWriteReport {
 pub fn apply_diff(maps: &mut impl PolicyMaps, diff: &MapDiff) -> PolicyWriteReport {
     let encoded = encode_diff(diff);
     let mut report = PolicyWriteReport {
-        skipped_ipv6: encoded.skipped_ipv6,
         unencodable: encoded.unencodable,
         over_rule_limit: encoded.over_rule_limit,
         ..Default::default()
@@ -404,11 +447,13 @@ fn open(pin_dir: &Path, name: &str) -> Result<MapData> {
     MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))
 }
 
-/// The three compiled-policy maps of a pin directory.
+/// The five compiled-policy maps of a pin directory.
 pub struct BpfPolicyMaps {
     pods: HashMap<MapData, PolicyPodKeyV4, PolicyPodValue>,
     rules: HashMap<MapData, PolicyRuleKey, PolicyRuleValue>,
     peers: LpmTrie<MapData, PeerPrefixV4, u8>,
+    pods_v6: HashMap<MapData, PolicyPodKeyV6, PolicyPodValue>,
+    peers_v6: LpmTrie<MapData, PeerPrefixV6, u8>,
 }
 
 impl BpfPolicyMaps {
@@ -417,6 +462,8 @@ impl BpfPolicyMaps {
             pods: HashMap::try_from(Map::HashMap(open(pin_dir, map_names::POLICY_PODS)?))?,
             rules: HashMap::try_from(Map::HashMap(open(pin_dir, map_names::POLICY_RULES)?))?,
             peers: LpmTrie::try_from(Map::LpmTrie(open(pin_dir, map_names::POLICY_PEERS)?))?,
+            pods_v6: HashMap::try_from(Map::HashMap(open(pin_dir, map_names::POLICY_PODS_V6)?))?,
+            peers_v6: LpmTrie::try_from(Map::LpmTrie(open(pin_dir, map_names::POLICY_PEERS_V6)?))?,
         })
     }
 }
@@ -424,12 +471,16 @@ impl BpfPolicyMaps {
 impl PolicyMaps for BpfPolicyMaps {
     fn write(&mut self, op: &PolicyMapOp) -> Result<(), MapWriteError> {
         let result = match op {
-            PolicyMapOp::PutPeerPrefix(k, v) => self.peers.insert(&k.to_lpm(), v, 0),
+            PolicyMapOp::PutPeerPrefix(PeerKey::V4(k), v) => self.peers.insert(&k.to_lpm(), v, 0),
+            PolicyMapOp::PutPeerPrefix(PeerKey::V6(k), v) => self.peers_v6.insert(&k.to_lpm(), v, 0),
             PolicyMapOp::PutRule(k, v) => self.rules.insert(k, v, 0),
-            PolicyMapOp::PutPod(k, v) => self.pods.insert(k, v, 0),
-            PolicyMapOp::DeletePod(k) => self.pods.remove(k),
+            PolicyMapOp::PutPod(PodKey::V4(k), v) => self.pods.insert(k, v, 0),
+            PolicyMapOp::PutPod(PodKey::V6(k), v) => self.pods_v6.insert(k, v, 0),
+            PolicyMapOp::DeletePod(PodKey::V4(k)) => self.pods.remove(k),
+            PolicyMapOp::DeletePod(PodKey::V6(k)) => self.pods_v6.remove(k),
             PolicyMapOp::DeleteRule(k) => self.rules.remove(k),
-            PolicyMapOp::DeletePeerPrefix(k) => self.peers.remove(&k.to_lpm()),
+            PolicyMapOp::DeletePeerPrefix(PeerKey::V4(k)) => self.peers.remove(&k.to_lpm()),
+            PolicyMapOp::DeletePeerPrefix(PeerKey::V6(k)) => self.peers_v6.remove(&k.to_lpm()),
         };
         match result {
             // A delete of a key that is already gone leaves the map as wanted.
@@ -450,6 +501,16 @@ impl PolicyMaps for BpfPolicyMaps {
                 .iter()
                 .map(|r| r.map(|(k, v)| (PeerKeyV4::from_lpm(&k), v)).map_err(error(map_names::POLICY_PEERS)))
                 .collect::<Result<_, _>>()?,
+            pods_v6: self
+                .pods_v6
+                .iter()
+                .map(|r| r.map_err(error(map_names::POLICY_PODS_V6)))
+                .collect::<Result<_, _>>()?,
+            peers_v6: self
+                .peers_v6
+                .iter()
+                .map(|r| r.map(|(k, v)| (PeerKeyV6::from_lpm(&k), v)).map_err(error(map_names::POLICY_PEERS_V6)))
+                .collect::<Result<_, _>>()?,
         })
     }
 }
@@ -461,35 +522,54 @@ pub fn read_policy_stats(pin_dir: &Path) -> Result<Vec<u64>> {
     (0..pol_stat::COUNT).map(|i| Ok(stats.get(&i, 0)?.iter().sum())).collect()
 }
 
-/// `pol_ct_v4`: allowed connections per local pod, written by the datapath.
+/// `pol_ct_v4` and `pol_ct_v6`: allowed connections per local pod, written by the datapath.
 pub struct PolicyConntrack {
     map: HashMap<MapData, PolicyCtKeyV4, PolicyCtValue>,
+    map_v6: HashMap<MapData, PolicyCtKeyV6, PolicyCtValue>,
 }
 
 impl PolicyConntrack {
     pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
-        Ok(Self { map: HashMap::try_from(Map::LruHashMap(open(pin_dir, map_names::POLICY_CONNTRACK)?))? })
+        Ok(Self {
+            map: HashMap::try_from(Map::LruHashMap(open(pin_dir, map_names::POLICY_CONNTRACK)?))?,
+            map_v6: HashMap::try_from(Map::LruHashMap(open(pin_dir, map_names::POLICY_CONNTRACK_V6)?))?,
+        })
     }
 
     pub fn entries(&self) -> Result<Vec<(PolicyCtKeyV4, PolicyCtValue)>> {
         Ok(self.map.iter().collect::<Result<_, _>>()?)
     }
 
+    pub fn entries_v6(&self) -> Result<Vec<(PolicyCtKeyV6, PolicyCtValue)>> {
+        Ok(self.map_v6.iter().collect::<Result<_, _>>()?)
+    }
+
     /// Removes entries idle past their lifetime, so the LRU never has to evict live
-    /// connections (whose replies would then be judged as new flows). Returns (left, removed).
+    /// connections (whose replies would then be judged as new flows). Returns (left, removed)
+    /// over both families.
     pub fn collect_garbage(&mut self) -> Result<(usize, usize)> {
         let now = monotonic_now_ns();
-        let mut total = 0;
-        let mut expired = Vec::new();
-        for (key, value) in self.map.iter().filter_map(Result::ok) {
-            total += 1;
-            if now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(key.proto) {
-                expired.push(key);
-            }
-        }
-        let removed = expired.iter().filter(|key| self.map.remove(key).is_ok()).count();
-        Ok((total - removed, removed))
+        let (left4, removed4) = collect_expired(&mut self.map, now, |key| key.proto);
+        let (left6, removed6) = collect_expired(&mut self.map_v6, now, |key| key.proto);
+        Ok((left4 + left6, removed4 + removed6))
     }
+}
+
+fn collect_expired<K: aya::Pod>(
+    map: &mut HashMap<MapData, K, PolicyCtValue>,
+    now: u64,
+    proto: impl Fn(&K) -> u8,
+) -> (usize, usize) {
+    let mut total = 0;
+    let mut expired = Vec::new();
+    for (key, value) in map.iter().filter_map(Result::ok) {
+        total += 1;
+        if now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(proto(&key)) {
+            expired.push(key);
+        }
+    }
+    let removed = expired.iter().filter(|key| map.remove(key).is_ok()).count();
+    (total - removed, removed)
 }
 
 #[cfg(test)]
@@ -503,7 +583,7 @@ mod tests {
     #[test]
     fn peer_keys_put_the_big_endian_set_id_before_the_truncated_network() {
         let key = PeerPrefixKey { peer_set: PeerSetId(0x0102_0304), prefix: "10.1.2.3/16".parse().unwrap() };
-        let encoded = encode_peer_key(&key).unwrap();
+        let PeerKey::V4(encoded) = encode_peer_key(&key) else { panic!("an IPv4 prefix") };
         assert_eq!(encoded.prefix_len, 32 + 16);
         // The bytes the trie matches, most significant first: set id, then 10.1.0.0.
         let lpm = encoded.to_lpm();
@@ -512,9 +592,13 @@ mod tests {
         assert_eq!(bytes[4..], [1, 2, 3, 4, 10, 1, 0, 0]);
         assert_eq!(u32::from_ne_bytes(bytes[..4].try_into().unwrap()), 48);
         let everything = PeerPrefixKey { peer_set: PeerSetId(7), prefix: "0.0.0.0/0".parse().unwrap() };
-        assert_eq!(encode_peer_key(&everything).unwrap().prefix_len, 32);
-        let v6 = PeerPrefixKey { peer_set: PeerSetId(7), prefix: "::/0".parse().unwrap() };
-        assert_eq!(encode_peer_key(&v6), Err(EncodeError::Ipv6));
+        assert!(matches!(encode_peer_key(&everything), PeerKey::V4(k) if k.prefix_len == 32));
+        // IPv6: the set id, then the truncated 128-bit network, in pol_peers_v6.
+        let v6 = PeerPrefixKey { peer_set: PeerSetId(7), prefix: "fd00:1:2::5/48".parse().unwrap() };
+        let PeerKey::V6(encoded) = encode_peer_key(&v6) else { panic!("an IPv6 prefix") };
+        assert_eq!(encoded.prefix_len, 32 + 48);
+        assert_eq!(u32::from_be(encoded.data.peer_set_be), 7);
+        assert_eq!(encoded.data.addr.octets(), "fd00:1:2::".parse::<Ipv6Addr>().unwrap().octets());
     }
 
     #[test]
@@ -542,12 +626,17 @@ mod tests {
 
     #[test]
     fn pod_keys_are_network_order_with_a_nonzero_direction() {
-        let key = encode_pod_key(&PodSlotKey { pod_ip: ip("10.0.1.2"), direction: Direction::Egress }).unwrap();
+        let PodKey::V4(key) = encode_pod_key(&PodSlotKey { pod_ip: ip("10.0.1.2"), direction: Direction::Egress })
+        else {
+            panic!("an IPv4 pod")
+        };
         assert_eq!(key.addr.to_ne_bytes(), [10, 0, 1, 2]);
         assert_eq!(key.direction, POLICY_DIR_EGRESS);
         assert_ne!(POLICY_DIR_INGRESS, 0);
         let v6 = PodSlotKey { pod_ip: ip("fd00::1"), direction: Direction::Ingress };
-        assert_eq!(encode_pod_key(&v6), Err(EncodeError::Ipv6));
+        let PodKey::V6(key) = encode_pod_key(&v6) else { panic!("an IPv6 pod") };
+        assert_eq!(key.addr.octets(), "fd00::1".parse::<Ipv6Addr>().unwrap().octets());
+        assert_eq!(key.direction, POLICY_DIR_INGRESS);
     }
 
     fn sample_entries() -> MapEntries {
@@ -572,15 +661,12 @@ mod tests {
     }
 
     #[test]
-    fn decode_inverts_encode_for_the_ipv4_part() {
+    fn decode_inverts_encode_for_both_families() {
         let entries = sample_entries();
         let contents = encode_entries(&entries);
-        assert_eq!(contents.pods.len(), 1, "IPv6 pod left out");
-        assert_eq!(contents.peers.len(), 3, "IPv6 prefix left out");
-        let mut ipv4_only = entries.clone();
-        ipv4_only.pod_slots.retain(|k, _| k.pod_ip.is_ipv4());
-        ipv4_only.peer_prefixes.retain(|k, _| k.prefix.addr().is_ipv4());
-        assert_eq!(decode(&contents), Ok(ipv4_only));
+        assert_eq!((contents.pods.len(), contents.pods_v6.len()), (1, 1), "each pod in its family's map");
+        assert_eq!((contents.peers.len(), contents.peers_v6.len()), (3, 1), "each prefix in its family's map");
+        assert_eq!(decode(&contents), Ok(entries));
     }
 
     #[test]
@@ -614,12 +700,11 @@ mod tests {
                 PolicyMapOp::DeletePeerPrefix(_) => "del-peer",
             })
             .collect();
-        assert_eq!(kinds, ["put-peer", "put-rule", "put-pod", "del-rule", "del-rule", "del-peer"]);
-        assert_eq!(encoded.skipped_ipv6, 1, "the IPv6 pod's delete");
+        assert_eq!(kinds, ["put-peer", "put-rule", "put-pod", "del-pod", "del-rule", "del-rule", "del-peer"]);
 
         let mut maps = encode_entries(&old);
         let report = apply_diff(&mut maps, &old.diff(&new));
-        assert_eq!((report.puts, report.deletes, report.errors), (3, 3, 0));
+        assert_eq!((report.puts, report.deletes, report.errors), (3, 4, 0));
         assert_eq!(maps, encode_entries(&new));
     }
 
