@@ -8,7 +8,10 @@ use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
 
 use crate::{
     metrics::Metrics,
-    services::model::{ServiceName, ServiceState},
+    services::{
+        family::IpFamily,
+        model::{ServiceName, ServiceState},
+    },
 };
 
 /// What a health check port reports.
@@ -24,9 +27,12 @@ pub fn health_checks(state: &ServiceState, node: &str) -> BTreeMap<u16, LocalEnd
     let mut checks = BTreeMap::new();
     for service in state.services.values() {
         let Some(port) = service.health_check_node_port else { continue };
+        // A dual-stack pod is one endpoint in each family's slice: count one family's, as each
+        // of kube-proxy's per-family proxiers does (its primary family, `ipFamilies[0]`).
+        let family = service.ip_families.first().copied().unwrap_or(IpFamily::IPv4);
         let mut local = std::collections::BTreeSet::new();
         for slice in state.slices.values().filter(|s| s.service == service.name) {
-            for endpoint in &slice.endpoints {
+            for endpoint in slice.endpoints.iter().filter(|e| IpFamily::of(&e.addr) == family) {
                 let ready = endpoint.ready || service.publish_not_ready;
                 if ready && endpoint.node_name.as_deref() == Some(node) {
                     local.insert(endpoint.addr);
@@ -162,5 +168,23 @@ endpoints:
         assert_eq!(body["service"]["name"], "web");
         assert_eq!(body["localEndpoints"], 1);
         assert_eq!(response(&health_checks(&state, "node-c")[&32000]).0, "503 Service Unavailable");
+    }
+
+    #[test]
+    fn a_dual_stack_pod_counts_once() {
+        let text = OBJECTS.replace(
+            "  clusterIP: 10.96.0.10\n",
+            "  clusterIP: 10.96.0.10\n  clusterIPs: [10.96.0.10, \"fd00:96::10\"]\n  ipFamilies: [IPv4, IPv6]\n",
+        ) + r#"---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {namespace: default, name: web-v6, labels: {kubernetes.io/service-name: web}}
+addressType: IPv6
+ports: [{name: http, protocol: TCP, port: 8080}]
+endpoints:
+- {addresses: ["fd00::1"], nodeName: node-a, conditions: {ready: true}}
+"#;
+        let state = parse_objects(&text).unwrap().state;
+        assert_eq!(health_checks(&state, "node-a")[&32000].count, 1);
     }
 }

@@ -183,3 +183,30 @@ fn restart_with_unchanged_state_writes_nothing_and_ipv6_flows_while_the_agent_is
     assert_all_ok(&topo.request("udp", &format!("[{VIP6}]:53"), 10).unwrap());
     assert!(agent.is_running());
 }
+
+#[test]
+fn on_a_node_without_ipv6_the_ipv6_family_is_reported_once_and_ipv4_serves() {
+    let env = Env::new("krt6s-v4");
+    let topo = &env.topo;
+    topo.node.run(&["ip", "-6", "addr", "flush", "scope", "global"]).unwrap();
+    let mut agent = env.agent();
+    let url = format!("127.0.0.1:{METRICS_PORT}");
+    let series = "kube_router_rejected_objects_total{kind=\"IPFamily\"}";
+    let scrape = || topo.node.run(&[netprobe_bin().to_str().unwrap(), "http", &url, "/metrics"]);
+    wait_until("the IPv6 family counted as unavailable", Duration::from_secs(10), || {
+        let scrape = scrape()?;
+        Ok(scrape.contains(series) && metric(&scrape, series) == 1.0)
+    })
+    .unwrap();
+    let listing = cli(&topo.bpf_root(), "services").unwrap();
+    assert!(!listing.contains("]:"), "no IPv6 frontend is programmed:\n{listing}");
+    for (proto, port) in [("tcp", 80), ("udp", 53)] {
+        assert_all_ok(&topo.request(proto, &format!("{VIP}:{port}"), 20).unwrap());
+    }
+
+    // Another sync with the condition unchanged: not counted again.
+    let syncs = agent.log_count("service sync complete");
+    env.file.write(&format!("{}\n# touched\n", dual_stack_web())).unwrap();
+    agent.wait_for_log("service sync complete", syncs + 1, Duration::from_secs(10)).unwrap();
+    assert_eq!(metric(&scrape().unwrap(), series), 1.0);
+}

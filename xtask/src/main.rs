@@ -96,7 +96,8 @@ fn test() -> Result<()> {
         // agent forced onto that path (the environment reaches the agents they start).
         // (api_outage is left out of this pass for time: cluster_paths holds an outage over every
         // path, service_lb a restart that must adopt every filter.)
-        let suites = ["service_lb", "network_policy", "cluster_paths", "node_integration", "dual_stack"];
+        let suites =
+            ["service_lb", "service_lb_v6", "network_policy", "cluster_paths", "node_integration", "dual_stack"];
         let mut args = vec!["test", "-p", "kube-router-tests"];
         for suite in &suites {
             args.extend(["--test", suite]);
