@@ -197,7 +197,7 @@ fn judge<F: PolicyFamily>(ctx: &TcContext, hook: VethHook, flow: &Flow<F::Addr>)
     {
         count(pol_stat::CT_ESTABLISHED);
         let entry = PolicyCtValue { last_seen_ns: now, flags: POLICY_CT_FROM_POD, pad: [0; 7] };
-        let _ = F::conntrack().insert(&ct_key, &entry, 0);
+        let _ = F::conntrack().insert(ct_key, entry, 0);
         return Ok(TC_ACT_UNSPEC);
     }
 
@@ -224,7 +224,7 @@ fn judge<F: PolicyFamily>(ctx: &TcContext, hook: VethHook, flow: &Flow<F::Addr>)
     // which may be isolated (or become so while the connection lives).
     let flags = origin | if closing { POLICY_CT_CLOSING } else { 0 };
     let entry = PolicyCtValue { last_seen_ns: now, flags, pad: [0; 7] };
-    if F::conntrack().insert(&ct_key, &entry, 0).is_err() {
+    if F::conntrack().insert(ct_key, entry, 0).is_err() {
         count(pol_stat::CT_INSERT_FAILED);
     }
     Ok(TC_ACT_UNSPEC)

@@ -4,7 +4,7 @@
 //! the flattened maps) on every probe. Needs root; each test uses its own pin directory under
 //! /sys/fs/bpf/krt-pol-test-*.
 use std::{
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::PathBuf,
 };
 
@@ -38,13 +38,14 @@ fn labels(pairs: &[(&str, &str)]) -> Value {
     Value::Object(pairs.iter().map(|(k, v)| (k.to_string(), Value::String(v.to_string()))).collect())
 }
 
-fn pod(namespace: &str, name: &str, ip: &str, pod_labels: &[(&str, &str)]) -> Pod {
+/// A pod with an IPv4 and an IPv6 address (a dual-stack cluster).
+fn pod(namespace: &str, name: &str, ip: &str, ip6: &str, pod_labels: &[(&str, &str)]) -> Pod {
     serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"namespace": namespace, "name": name, "labels": labels(pod_labels)},
         "spec": {"containers": [{"name": "c", "image": "agnhost",
             "ports": [{"name": "http", "containerPort": 80, "protocol": "TCP"}]}]},
-        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}
+        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}, {"ip": ip6}]}
     }))
     .unwrap()
 }
@@ -61,7 +62,8 @@ fn policy(namespace: &str, name: &str, spec: Value) -> NetworkPolicy {
     .unwrap()
 }
 
-/// Namespaces x, y, z (label ns=<name>), pods a, b, c (label pod=<name>) at 10.0.<ns>.<pod>.
+/// Namespaces x, y, z (label ns=<name>), pods a, b, c (label pod=<name>) at 10.0.<ns>.<pod>
+/// and fd00::<ns>:<pod>.
 struct Cluster {
     pods: Vec<Pod>,
     namespaces: Vec<Namespace>,
@@ -71,7 +73,12 @@ fn ip(ns: usize, pod: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 0, ns as u8 + 1, pod as u8 + 1)
 }
 
+fn ip6(ns: usize, pod: usize) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, ns as u16 + 1, pod as u16 + 1)
+}
+
 const OUTSIDE: Ipv4Addr = Ipv4Addr::new(192, 168, 7, 7);
+const OUTSIDE6: Ipv6Addr = Ipv6Addr::new(0xfd99, 0, 0, 0, 0, 0, 7, 7);
 
 impl Cluster {
     fn xyz() -> Cluster {
@@ -79,7 +86,7 @@ impl Cluster {
         for (n, ns) in ["x", "y", "z"].into_iter().enumerate() {
             cluster.namespaces.push(namespace(ns));
             for (p, name) in ["a", "b", "c"].into_iter().enumerate() {
-                cluster.pods.push(pod(ns, name, &ip(n, p).to_string(), &[("pod", name)]));
+                cluster.pods.push(pod(ns, name, &ip(n, p).to_string(), &ip6(n, p).to_string(), &[("pod", name)]));
             }
         }
         cluster
@@ -91,10 +98,11 @@ impl Cluster {
         out
     }
 
-    /// Every pod IP and one address outside the cluster.
-    fn endpoints() -> Vec<Ipv4Addr> {
-        let mut all: Vec<Ipv4Addr> = (0..3).flat_map(|n| (0..3).map(move |p| ip(n, p))).collect();
-        all.push(OUTSIDE);
+    /// Every pod IP of one family and one address outside the cluster.
+    fn endpoints(ipv6: bool) -> Vec<IpAddr> {
+        let pod = |n, p| if ipv6 { IpAddr::V6(ip6(n, p)) } else { IpAddr::V4(ip(n, p)) };
+        let mut all: Vec<IpAddr> = (0..3).flat_map(|n| (0..3).map(move |p| pod(n, p))).collect();
+        all.push(if ipv6 { IpAddr::V6(OUTSIDE6) } else { IpAddr::V4(OUTSIDE) });
         all
     }
 }
@@ -159,10 +167,19 @@ impl Loaded {
     }
 
     /// A new connection (fresh source port): whether its first packet gets through.
-    fn connect(&mut self, proto: u8, src: Ipv4Addr, dst: Ipv4Addr, port: u16) -> (u16, bool) {
+    fn connect(&mut self, proto: u8, src: impl Into<IpAddr>, dst: impl Into<IpAddr>, port: u16) -> (u16, bool) {
         self.next_port += 1;
         let sport = self.next_port;
-        (sport, self.send(&packet::ipv4(proto, (src, sport), (dst, port), packet::TCP_SYN, b"probe")))
+        let frame = match (src.into(), dst.into()) {
+            (IpAddr::V4(src), IpAddr::V4(dst)) => {
+                packet::ipv4(proto, (src, sport), (dst, port), packet::TCP_SYN, b"probe")
+            }
+            (IpAddr::V6(src), IpAddr::V6(dst)) => {
+                packet::ipv6(proto, (src, sport), (dst, port), packet::TCP_SYN, b"probe")
+            }
+            (src, dst) => panic!("{src} -> {dst}: one family per packet"),
+        };
+        (sport, self.send(&frame))
     }
 }
 
@@ -175,20 +192,21 @@ fn protocol(proto: u8) -> Protocol {
     }
 }
 
-/// Probes every (source, destination) pair of cluster pods and the outside address on each
-/// (protocol, port), asserting datapath == compiler reference == flattened-map reference.
-/// Returns (allowed, denied) counts so a scenario can check it is not trivially all one way.
-fn assert_matrix(loaded: &mut Loaded, output: &CompileOutput, ports: &[(u8, u16)]) -> (usize, usize) {
+/// Probes every (source, destination) pair of cluster pods and the outside address of one
+/// family on each (protocol, port), asserting datapath == compiler reference == flattened-map
+/// reference. Returns (allowed, denied) counts so a scenario can check it is not trivially all
+/// one way.
+fn assert_matrix(loaded: &mut Loaded, output: &CompileOutput, ports: &[(u8, u16)], ipv6: bool) -> (usize, usize) {
     let (mut allowed, mut denied) = (0, 0);
     let mut mismatches = Vec::new();
     for &(proto, port) in ports {
-        for src in Cluster::endpoints() {
-            for dst in Cluster::endpoints() {
+        for src in Cluster::endpoints(ipv6) {
+            for dst in Cluster::endpoints(ipv6) {
                 if src == dst {
                     continue;
                 }
-                let expected = allows(&output.model, IpAddr::V4(src), IpAddr::V4(dst), protocol(proto), port);
-                let flattened = loaded.programmed.allows(IpAddr::V4(src), IpAddr::V4(dst), protocol(proto), port);
+                let expected = allows(&output.model, src, dst, protocol(proto), port);
+                let flattened = loaded.programmed.allows(src, dst, protocol(proto), port);
                 assert_eq!(expected, flattened, "reference lookups disagree: {src} -> {dst}:{port}/{proto}");
                 let (_, got) = loaded.connect(proto, src, dst, port);
                 if got != expected {
@@ -216,8 +234,14 @@ fn scenario(test: &str, policies: &[NetworkPolicy], extra_ports: &[(u8, u16)]) -
     loaded.program(&output);
     let mut ports = COMMON_PORTS.to_vec();
     ports.extend_from_slice(extra_ports);
-    let (allowed, denied) = assert_matrix(&mut loaded, &output, &ports);
-    assert!(allowed > 0 && denied > 0, "scenario {test} is trivial: {allowed} allowed, {denied} denied");
+    // The same matrix once per family: an IPv6 packet is judged exactly like an IPv4 one.
+    for ipv6 in [false, true] {
+        let (allowed, denied) = assert_matrix(&mut loaded, &output, &ports, ipv6);
+        assert!(
+            allowed > 0 && denied > 0,
+            "scenario {test} (IPv6 {ipv6}) is trivial: {allowed} allowed, {denied} denied"
+        );
+    }
     (loaded, output)
 }
 
@@ -471,7 +495,7 @@ fn every_rule_up_to_the_limit_is_read_and_one_more_denies_and_counts() {
     assert!(!loaded.connect(packet::TCP, Ipv4Addr::new(10, 101, 0, 9), ip(0, 0), 80).1);
 
     let report = loaded.program(&cluster.compile(&[many_blocks(limit + 1)]));
-    assert_eq!(report.over_rule_limit, 1, "x/a ingress is written with {} rules", limit + 1);
+    assert_eq!(report.over_rule_limit, 2, "x/a ingress (IPv4 and IPv6) is written with {} rules", limit + 1);
     let before = loaded.stats();
     let source = Ipv4Addr::new(10, 100, 0, 9);
     assert!(loaded.programmed.allows(IpAddr::V4(source), IpAddr::V4(ip(0, 0)), Protocol::Tcp, 80));
@@ -492,8 +516,8 @@ fn a_change_to_one_pod_writes_only_its_entries() {
     );
     let mut loaded = load("diff");
     let first = loaded.program(&cluster.compile(std::slice::from_ref(&base)));
-    // 3 pod slots (one shared slot), 1 rule, 3 prefixes (y's pods).
-    assert_eq!((first.puts, first.deletes), (7, 0));
+    // 3 pods x 2 families (one shared slot), 1 rule, 3 + 3 prefixes (y's pods, both families).
+    assert_eq!((first.puts, first.deletes), (13, 0));
     let maps = BpfPolicyMaps::open_pinned(&loaded.pin_dir).unwrap();
     let before = maps.read_all().unwrap();
 
@@ -506,8 +530,9 @@ fn a_change_to_one_pod_writes_only_its_entries() {
     );
     let output = cluster.compile(&[base, only_a]);
     let report = loaded.program(&output);
-    // x/a's pod entry, its new slot's 2 rules, z's 3 prefixes for the new peer set.
-    assert_eq!((report.puts, report.deletes), (6, 0), "{report:?}");
+    // x/a's pod entries (both families), its new slot's 2 rules, z's 3 + 3 prefixes for the new
+    // peer set.
+    assert_eq!((report.puts, report.deletes), (10, 0), "{report:?}");
     let after = maps.read_all().unwrap();
     let x_a = kube_router_common::PolicyPodKeyV4 {
         addr: u32::from_ne_bytes(ip(0, 0).octets()),
@@ -522,7 +547,9 @@ fn a_change_to_one_pod_writes_only_its_entries() {
     assert!(before.rules.iter().all(|(k, v)| after.rules.get(k) == Some(v)), "old rules untouched");
     assert!(before.peers.iter().all(|(k, v)| after.peers.get(k) == Some(v)), "old prefixes untouched");
     assert_eq!(decode(&after).unwrap(), loaded.programmed, "the maps hold exactly the flattened entries");
-    assert_matrix(&mut loaded, &output, &[(packet::TCP, 80), (packet::TCP, 81)]);
+    for ipv6 in [false, true] {
+        assert_matrix(&mut loaded, &output, &[(packet::TCP, 80), (packet::TCP, 81)], ipv6);
+    }
 
     // Re-programming the same model writes nothing.
     let again = loaded.program(&output);
@@ -623,4 +650,38 @@ fn policy_and_lb_on_one_interface_run_in_the_right_order_whichever_is_attached_f
         let again = loaded.datapath.attach_policy(name).unwrap();
         assert_eq!(again, [datapath::AttachOutcome::Adopted; 2]);
     }
+}
+
+#[test]
+fn ipv6_neighbour_discovery_passes_an_isolated_pod_and_extension_headers_are_looked_past() {
+    let mut loaded = load("v6-nd");
+    let allow_y = policy(
+        "x",
+        "from-y",
+        json!({"podSelector": {}, "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"ns": "y"}}}]}]}),
+    );
+    loaded.program(&Cluster::xyz().compile(&[allow_y]));
+    let (x_a, y_a, z_a) = (ip6(0, 0), ip6(1, 0), ip6(2, 0));
+    let before = loaded.stats();
+    // Neighbour solicitation/advertisement and router advertisements from a denied peer pass:
+    // without them the isolated pod could not even reach its allowed peers.
+    for nd_type in [133, 134, 135, 136] {
+        assert!(loaded.send(&packet::icmpv6_echo(nd_type, z_a, x_a, 0)), "ICMPv6 type {nd_type}");
+    }
+    let after = loaded.stats();
+    assert_eq!(after[pol_stat::NOT_EVALUATED as usize] - before[pol_stat::NOT_EVALUATED as usize], 8);
+    // Echo is judged like IPv4's: denied from z, and only a rule without ports admits it.
+    assert!(!loaded.send(&packet::icmpv6_echo(128, z_a, x_a, 7)));
+    assert!(loaded.send(&packet::icmpv6_echo(128, y_a, x_a, 8)));
+    // A TCP SYN behind a hop-by-hop options header is judged on its real ports.
+    let with_hop_by_hop = |src: Ipv6Addr, sport: u16| {
+        let tcp = packet::l4_segment_v6(packet::TCP, (src, sport), (x_a, 80), packet::TCP_SYN, b"");
+        let mut payload = vec![packet::TCP, 0, 1, 4, 0, 0, 0, 0]; // next TCP, 8 bytes, PadN
+        payload.extend_from_slice(&tcp);
+        packet::ipv6_frame(0, src, x_a, &payload)
+    };
+    assert!(!loaded.send(&with_hop_by_hop(z_a, 30001)), "z is denied behind an extension header too");
+    assert!(loaded.send(&with_hop_by_hop(y_a, 30002)));
+    let denied = loaded.stats()[pol_stat::DENIED_INGRESS as usize] - before[pol_stat::DENIED_INGRESS as usize];
+    assert_eq!(denied, 2);
 }

@@ -345,11 +345,13 @@ pub mod packet {
         l4
     }
 
+    /// Where the checksum sits: TCP 16, ICMPv6 2, UDP (and other port-carrying protocols,
+    /// built like UDP as `ipv4` builds them: SCTP) 6.
     fn checksum_offset(proto: u8) -> usize {
         match proto {
             TCP => 16,
-            UDP => 6,
-            _ => 2,
+            ICMPV6 => 2,
+            _ => 6,
         }
     }
 
