@@ -233,6 +233,51 @@ fn node_and_host_network_processes_reach_services_through_the_socket_lb() {
     assert_eq!(delta(&before, &after, "sock_reverse_insert_failed"), 0);
 }
 
+/// An IPv6-only Service over the IPv6 half of the topology: ClusterIP and `[::1]:<nodePort>`.
+fn ipv6_service() -> String {
+    let endpoints: String =
+        backend_addrs6(3).iter().map(|a| format!("- addresses: [\"{a}\"]\n  conditions: {{ready: true}}\n")).collect();
+    format!(
+        "---\napiVersion: v1\nkind: Service\nmetadata: {{namespace: default, name: web6}}\nspec:\n  type: NodePort\n  \
+         clusterIP: \"{VIP6}\"\n  clusterIPs: [\"{VIP6}\"]\n  ipFamilies: [IPv6]\n  ports:\n  \
+         - {{name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30090}}\n  \
+         - {{name: dns, protocol: UDP, port: 53, targetPort: 5353}}\n\
+         ---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  namespace: default\n  name: web6-1\n  \
+         labels: {{kubernetes.io/service-name: web6}}\naddressType: IPv6\nports:\n- {{name: http, protocol: TCP, port: 8080}}\n\
+         - {{name: dns, protocol: UDP, port: 5353}}\nendpoints:\n{endpoints}"
+    )
+}
+
+const VIP6: &str = "fd00:96::20";
+
+/// IPv6 sockets of the node reach an IPv6 Service through connect6/sendmsg6, see the frontend as
+/// their peer (recvmsg6/getpeername6), and reach its NodePort on `[::1]`.
+#[test]
+fn node_processes_reach_an_ipv6_service_through_the_socket_lb() {
+    let env = Env::new("krt-sk6");
+    for ns in [&env.topo.client, &env.topo.node].into_iter().chain(&env.topo.backends) {
+        ns.wait_addresses_settled().unwrap();
+    }
+    env.file.write(&format!("{}{}", services(), ipv6_service())).unwrap();
+    let _agent = env.agent(&[]);
+    wait_until("the IPv6 frontend programmed", Duration::from_secs(20), || {
+        Ok(cli(&env.root(), "services")?.contains(VIP6))
+    })
+    .unwrap();
+    let before = stats(&env.root());
+    for (mode, port) in [("tcp", 80), ("udp", 53), ("udp-connected", 53)] {
+        let target = format!("[{VIP6}]:{port}");
+        let backends = backends_behind(&target, &env.ask_from_node(mode, &target, 20));
+        assert!(backends.len() >= 2, "{mode} {target}: {backends:?}");
+    }
+    let loopback = "[::1]:30090";
+    assert!(backends_behind(loopback, &env.ask_from_node("tcp", loopback, 10)).len() >= 2);
+    let after = stats(&env.root());
+    assert!(delta(&before, &after, "sock_translated") >= 70, "{after:?}");
+    assert!(delta(&before, &after, "sock_loopback_nodeport") >= 10, "{after:?}");
+    assert_eq!(delta(&before, &after, "new_flow"), 0, "the TC path translated none of them");
+}
+
 /// A dual-stack (AF_INET6) socket talking IPv4 through a mapped address (`::ffff:a.b.c.d`, what
 /// Java and many resolvers do) is balanced over the IPv4 Service, and sees the frontend as its peer.
 #[test]
