@@ -138,27 +138,27 @@ fn demo(c: &Cluster) -> Result<()> {
     let counters: Vec<String> = interesting.iter().filter_map(|k| stats.get(*k).map(|n| format!("{k}={n}"))).collect();
     println!("  node-1 datapath counters: {}", counters.join(" "));
 
-    step("NetworkPolicy: pod-1-0 admits only pod-2-0, over IPv4 and IPv6 alike")?;
+    step("NetworkPolicy: pod-1-1 admits only pod-2-0, over IPv4 and IPv6 alike")?;
     c.server.apply(serde_json::json!({
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": {"namespace": "default", "name": "only-pod-2-0"},
         "spec": {
-            "podSelector": {"matchLabels": {"pod": "pod-1-0"}},
+            "podSelector": {"matchLabels": {"pod": "pod-1-1"}},
             "policyTypes": ["Ingress"],
             "ingress": [{"from": [{"podSelector": {"matchLabels": {"pod": "pod-2-0"}}}]}]
         }
     }))?;
-    let target = c.pod(0, 0);
+    let target = c.pod(0, 1);
     let (target4, target6) =
         (format!("{}:8080", target.ip), format!("[{}]:8080", target.ip6.as_deref().unwrap_or("::")));
     let deadline = Instant::now() + Duration::from_secs(20);
     while netprobe(&c.pod(1, 1).ns, &["timed", "tcp", &target4]).starts_with("OK") && Instant::now() < deadline {
         thread::sleep(Duration::from_millis(200));
     }
-    for peer in [c.pod(1, 0), c.pod(1, 1), c.pod(0, 1)] {
+    for peer in [c.pod(1, 0), c.pod(1, 1), c.pod(0, 0)] {
         let verdict =
             |addr: &str| netprobe(&peer.ns, &["timed", "tcp", addr]).split(' ').next().unwrap_or("").to_string();
-        println!("  {} -> pod-1-0: IPv4 {:<4} IPv6 {}", peer.name, verdict(&target4), verdict(&target6));
+        println!("  {} -> pod-1-1: IPv4 {:<4} IPv6 {}", peer.name, verdict(&target4), verdict(&target6));
     }
 
     step("API black-holed for 40 s, a client connecting every 200 ms on every path; node-1's agent crashes and restarts in the middle")?;
