@@ -2,7 +2,7 @@
 //! and the time to sync 10,000 services x 10 endpoints into the pinned maps. Each figure is
 //! also given as a ratio against a baseline measured in the same run.
 use std::{
-    net::Ipv4Addr,
+    net::{Ipv4Addr, Ipv6Addr},
     path::Path,
     time::{Duration, Instant},
 };
@@ -11,21 +11,23 @@ use kube_router::{
     bpf::{
         datapath::{self, Datapath, Hook},
         service_maps::write_lb_config,
-        service_maps::BpfServiceMaps,
+        service_maps::{BpfServiceMaps, BpfServiceMapsV6},
         test_run::{packet, run_on, NodeNetns},
     },
     services::{
-        compile::{assign_ids, plan, Limits, MapContents},
+        compile::{assign_ids, plan, plan_for, Limits, MapContents},
+        family::V6,
         model::*,
         sync::ServiceSync,
     },
 };
 
 const SAMPLES: u16 = 20_000;
+const NODE6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x100, 0, 0, 0, 0, 0, 1);
 
 mod common;
 
-use common::state;
+use common::{state, state_v6};
 
 fn peak_rss_mib() -> f64 {
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
@@ -41,7 +43,7 @@ fn main() {
     let mut maps = BpfServiceMaps::open_pinned(pin_dir).expect("maps");
     let node = NodeContext {
         name: "node-a".into(),
-        node_port_addrs: vec![Ipv4Addr::new(10, 100, 0, 1).into()],
+        node_port_addrs: vec![Ipv4Addr::new(10, 100, 0, 1).into(), NODE6.into()],
         hairpin_all: true,
         ..Default::default()
     };
@@ -49,7 +51,7 @@ fn main() {
         pin_dir,
         &kube_router_common::LbConfig {
             snat_addr: u32::from_ne_bytes([10, 100, 0, 1]),
-            snat_addr_v6: Default::default(),
+            snat_addr_v6: kube_router_common::Ipv6Words::from_octets(NODE6.octets()),
             snat_port_min: 10_000,
             snat_port_max: 60_000,
             flags: 0,
@@ -108,6 +110,13 @@ fn main() {
     );
     println!("peak RSS                        {:>9.1} MiB", peak_rss_mib());
 
+    // The same 10,000 Services over IPv6, for the per-family packet figures below.
+    let mut maps_v6 = BpfServiceMapsV6::open_pinned(pin_dir).expect("v6 maps");
+    let mut sync_v6 = ServiceSync::<V6>::adopt(&maps_v6).unwrap();
+    let desired_v6 = assign_ids(&plan_for::<V6>(&state_v6(10_000, 10), &node, Limits::default()), sync_v6.programmed());
+    let report_v6 = sync_v6.sync(&mut maps_v6, &desired_v6, true);
+    assert_eq!(report_v6.total().errors, 0, "IPv6 map writes failed: {report_v6:?}");
+
     println!("\n== per-packet cost, BPF_PROG_TEST_RUN (10,000 services programmed)");
     // One run per packet: a repeated run would keep rewriting the already rewritten packet (the
     // kernel does not restore it between repeats), so the conntrack-hit case would in fact time
@@ -122,6 +131,9 @@ fn main() {
             &["link", "set", "up1", "up"],
             &["route", "add", "10.244.0.0/16", "via", "10.100.0.2"],
             &["route", "add", "10.1.0.0/16", "via", "10.100.0.254"],
+            &["addr", "add", "fd00:100::1/64", "dev", "up0", "nodad"],
+            &["-6", "route", "add", "fd00:128::/64", "via", "fd00:100::2"],
+            &["-6", "route", "add", "fd00:1::/64", "via", "fd00:100::fe"],
         ],
     )
     .expect("bench netns");
@@ -169,6 +181,27 @@ fn main() {
     );
     row("ingress, NodePort to another node, established (DNAT + SNAT + FIB)", snat_hit, ct_hit, "of a conntrack hit");
     row("ingress, its reply (reverse SNAT + DNAT + FIB)", snat_reply, ct_hit, "of a conntrack hit");
+
+    println!("\n== IPv6, the same cases (10,000 IPv6 Services programmed), as ratios to IPv4 above");
+    let client6 = (Ipv6Addr::new(0xfd00, 1, 0, 0, 0, 0, 0, 7), 40000);
+    let vip6 = (Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 5000), 80); // svc-5000
+    let tcp6 =
+        |src: (Ipv6Addr, u16), dst: (Ipv6Addr, u16), flags: u8| packet::ipv6(packet::TCP, src, dst, flags, &[0; 64]);
+    let miss6 = avg(ingress, &|_| tcp6(client6, (Ipv6Addr::new(0xfd00, 0x200, 0, 0, 0, 0, 0, 1), 80), packet::TCP_ACK));
+    let ct_hit6 = avg(ingress, &|_| tcp6(client6, vip6, packet::TCP_ACK));
+    let translated = run_on(ingress, &tcp6(client6, vip6, packet::TCP_ACK), 1, ifindex).unwrap().packet;
+    let backend6 = packet::endpoints_v6(&translated).1;
+    assert_ne!(backend6, vip6, "the IPv6 flow is translated");
+    let reverse6 = avg(egress, &|_| tcp6(backend6, client6, packet::TCP_ACK));
+    let new_flow6 = avg(ingress, &|i| tcp6((client6.0, 1000 + i), vip6, packet::TCP_SYN));
+    let outside6 = Ipv6Addr::new(0xfd00, 1, 0, 0, 0, 0, 1, 9);
+    let snat_new6 = avg(ingress, &|i| tcp6((outside6, 1000 + i), (NODE6, 30080), packet::TCP_SYN));
+    let v6_row = |what: &str, ns: f64, v4: f64| println!("{what:<58} {ns:>7.1} ns/pkt   {:.2}x IPv4", ns / v4);
+    v6_row("ingress, not a service", miss6, miss);
+    v6_row("ingress, conntrack hit + DNAT", ct_hit6, ct_hit);
+    v6_row("ingress, new flow", new_flow6, new_flow);
+    v6_row("egress, reverse NAT", reverse6, reverse);
+    v6_row("ingress, NodePort to another node, new flow", snat_new6, snat_new);
     drop(node);
     drop(datapath);
     let _ = datapath::remove_all(pin_dir);

@@ -19,7 +19,11 @@
 //!   they are timed one run per packet (distinct source ports), which includes the kernel's
 //!   per-run timing overhead; the "established, one run per packet" line is measured the same way
 //!   and is the fair baseline for them. Deny probes insert nothing and are repeated.
-use std::{net::Ipv4Addr, path::Path, time::Instant};
+use std::{
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    path::Path,
+    time::Instant,
+};
 
 use k8s_openapi::api::{
     core::v1::{Namespace, Pod},
@@ -42,18 +46,32 @@ const REPEAT: u32 = 200_000;
 const NEW_FLOWS: u16 = 20_000;
 const RULES_PER_POD: usize = 50;
 
-fn pod_ip(index: usize) -> Ipv4Addr {
-    Ipv4Addr::new(10, 10, (index / 256) as u8, (index % 256) as u8)
+/// Pod `index`'s address: 10.10.x.y, or fd00:10::index for the IPv6 model.
+fn pod_ip(index: usize, ipv6: bool) -> IpAddr {
+    if ipv6 {
+        IpAddr::V6(Ipv6Addr::from((0xfd00_0010_u128 << 96) + index as u128))
+    } else {
+        IpAddr::V4(Ipv4Addr::new(10, 10, (index / 256) as u8, (index % 256) as u8))
+    }
 }
 
-/// The peer address of rule `rule` of pod `pod`: one /32 per rule in the whole model.
-fn peer_ip(pod: usize, rule: usize) -> Ipv4Addr {
-    Ipv4Addr::from(u32::from(Ipv4Addr::new(172, 16, 0, 0)) + (pod * RULES_PER_POD + rule) as u32)
+/// The peer address of rule `rule` of pod `pod`: one host prefix per rule in the whole model.
+fn peer_ip(pod: usize, rule: usize, ipv6: bool) -> IpAddr {
+    let n = pod * RULES_PER_POD + rule;
+    if ipv6 {
+        IpAddr::V6(Ipv6Addr::from((0xfd00_0172_u128 << 96) + n as u128))
+    } else {
+        IpAddr::V4(Ipv4Addr::from(u32::from(Ipv4Addr::new(172, 16, 0, 0)) + n as u32))
+    }
+}
+
+fn host_prefix(ip: IpAddr) -> String {
+    format!("{ip}/{}", if ip.is_ipv6() { 128 } else { 32 })
 }
 
 /// `pods` pods in namespace "bench", each egress-isolated by its own policy allowing
-/// `rules_per_pod` ipBlock /32 peers (one compiled rule each).
-fn model(pods: usize, rules_per_pod: usize) -> (Vec<Pod>, Vec<Namespace>, Vec<NetworkPolicy>) {
+/// `rules_per_pod` ipBlock host-prefix peers (one compiled rule each); all IPv4 or all IPv6.
+fn model(pods: usize, rules_per_pod: usize, ipv6: bool) -> (Vec<Pod>, Vec<Namespace>, Vec<NetworkPolicy>) {
     let namespace: Namespace = serde_json::from_value(json!({"apiVersion": "v1", "kind": "Namespace",
         "metadata": {"name": "bench", "labels": {"ns": "bench"}}}))
     .unwrap();
@@ -64,11 +82,11 @@ fn model(pods: usize, rules_per_pod: usize) -> (Vec<Pod>, Vec<Namespace>, Vec<Ne
             serde_json::from_value(json!({"apiVersion": "v1", "kind": "Pod",
                 "metadata": {"namespace": "bench", "name": format!("pod-{i}"), "labels": {"app": format!("pod-{i}")}},
                 "spec": {"containers": [{"name": "c", "image": "agnhost"}]},
-                "status": {"phase": "Running", "podIP": pod_ip(i).to_string(), "podIPs": [{"ip": pod_ip(i).to_string()}]}}))
+                "status": {"phase": "Running", "podIP": pod_ip(i, ipv6).to_string(), "podIPs": [{"ip": pod_ip(i, ipv6).to_string()}]}}))
             .unwrap(),
         );
         let to: Vec<_> =
-            (0..rules_per_pod).map(|r| json!({"ipBlock": {"cidr": format!("{}/32", peer_ip(i, r))}})).collect();
+            (0..rules_per_pod).map(|r| json!({"ipBlock": {"cidr": host_prefix(peer_ip(i, r, ipv6))}})).collect();
         policies.push(
             serde_json::from_value(json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
                 "metadata": {"namespace": "bench", "name": format!("egress-{i}")},
@@ -97,11 +115,11 @@ fn single_runs(fd: i32, frame_for: impl Fn(u16) -> Vec<u8>) -> f64 {
     total as f64 / f64::from(NEW_FLOWS)
 }
 
-fn measure(label: &str, pods: usize, rules_per_pod: usize) -> Figures {
+fn measure(label: &str, pods: usize, rules_per_pod: usize, ipv6: bool) -> Figures {
     let pin_dir = Path::new("/sys/fs/bpf/krt-pol-bench");
     let _ = datapath::remove_all(pin_dir);
     let datapath = Datapath::load(pin_dir).expect("load datapath (root needed)");
-    let (pod_objects, namespaces, policies) = model(pods, rules_per_pod);
+    let (pod_objects, namespaces, policies) = model(pods, rules_per_pod, ipv6);
     let started = Instant::now();
     let output = compile(&pod_objects, &namespaces, &policies, &CompileOptions::default());
     let entries = MapFlattener::new().flatten(&output.model);
@@ -119,11 +137,17 @@ fn measure(label: &str, pods: usize, rules_per_pod: usize) -> Figures {
     );
 
     let fd = datapath.program_fd(Hook::PolicyIngress).unwrap();
-    let pod = pod_ip(0);
-    let last_rule = peer_ip(0, rules_per_pod - 1);
-    let nobody = Ipv4Addr::new(192, 0, 2, 1);
-    let tcp = |src_port: u16, dst: Ipv4Addr, flags: u8| {
-        packet::ipv4(packet::TCP, (pod, src_port), (dst, 80), flags, &[0; 64])
+    let pod = pod_ip(0, ipv6);
+    let last_rule = peer_ip(0, rules_per_pod - 1, ipv6);
+    let nobody = if ipv6 {
+        IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1))
+    } else {
+        IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1))
+    };
+    let tcp = |src_port: u16, dst: IpAddr, flags: u8| match (pod, dst) {
+        (IpAddr::V4(pod), IpAddr::V4(dst)) => packet::ipv4(packet::TCP, (pod, src_port), (dst, 80), flags, &[0; 64]),
+        (IpAddr::V6(pod), IpAddr::V6(dst)) => packet::ipv6(packet::TCP, (pod, src_port), (dst, 80), flags, &[0; 64]),
+        _ => unreachable!("one family per model"),
     };
 
     let frame = tcp(40000, last_rule, packet::TCP_SYN);
@@ -153,7 +177,7 @@ fn main() {
     println!("== kr_pol_ingress per-packet cost, BPF_PROG_TEST_RUN (repeats x {REPEAT}, single runs x {NEW_FLOWS})");
     let configs = [("1 rule", 1, 1), ("100 rules", 2, RULES_PER_POD), ("10,000 rules", 200, RULES_PER_POD)];
     let results: Vec<(&str, usize, Figures)> =
-        configs.iter().map(|(label, pods, rules)| (*label, *rules, measure(label, *pods, *rules))).collect();
+        configs.iter().map(|(label, pods, rules)| (*label, *rules, measure(label, *pods, *rules, false))).collect();
     println!();
     println!(
         "{:<14} {:>10} {:>22} {:>22} {:>22} {:>22}",
@@ -177,6 +201,23 @@ fn main() {
             f.deny,
             f.deny_monitored,
             f.deny_monitored / f.deny
+        );
+    }
+
+    println!();
+    println!("== the same over IPv6 (an IPv6-only model of the same shape), as ratios to IPv4 above");
+    for ((label, pods, rules), (_, _, v4)) in configs.iter().zip(&results) {
+        let v6 = measure(&format!("{label} (IPv6)"), *pods, *rules, true);
+        println!(
+            "{label:<14} established {:>7.1} ns {:.2}x   deny {:>7.1} ns {:.2}x   established (1/run) {:>7.1} ns {:.2}x   allow new {:>7.1} ns {:.2}x",
+            v6.established_repeat,
+            v6.established_repeat / v4.established_repeat,
+            v6.deny,
+            v6.deny / v4.deny,
+            v6.established_single,
+            v6.established_single / v4.established_single,
+            v6.allow_new,
+            v6.allow_new / v4.allow_new,
         );
     }
 }

@@ -1,5 +1,5 @@
 //! Shared by the benchmarks: a synthetic service model.
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 use kube_router::services::model::*;
 
@@ -53,6 +53,29 @@ pub fn state(services: usize, endpoints: usize) -> ServiceState {
                 endpoints,
             },
         );
+    }
+    state
+}
+
+/// The IPv6 twin of [`state`]: ClusterIPs fd00:96::i, endpoints fd00:128::(i * endpoints + e),
+/// svc-5000 also a NodePort (30080).
+// Each bench compiles this module; only the datapath bench uses the IPv6 state.
+#[allow(dead_code)]
+pub fn state_v6(services: usize, endpoints: usize) -> ServiceState {
+    let mut state = state(services, endpoints);
+    let v6 = |base: u128, i: usize| std::net::IpAddr::V6(Ipv6Addr::from(base + i as u128));
+    let vips: u128 = 0xfd00_0096_u128 << 96;
+    let backends: u128 = 0xfd00_0128_u128 << 96;
+    for (i, service) in state.services.values_mut().enumerate() {
+        let n: usize = service.name.name.trim_start_matches("svc-").parse().unwrap_or(i);
+        service.cluster_ips = vec![v6(vips, n)];
+        service.ip_families = vec![kube_router::services::family::IpFamily::IPv6];
+    }
+    for slice in state.slices.values_mut() {
+        let n: usize = slice.service.name.trim_start_matches("svc-").parse().unwrap();
+        for (e, endpoint) in slice.endpoints.iter_mut().enumerate() {
+            endpoint.addr = v6(backends, n * endpoints + e);
+        }
     }
     state
 }
