@@ -40,19 +40,40 @@ fn pods_on_two_nodes_reach_each_other_over_ipv6_through_our_bgp_routes() {
     assert_eq!(c.pod(0, 0).ip6.as_deref(), Some(a6.as_str()));
 }
 
-/// The outage promise with IPv6 routes in place: an API black-hole changes no route of either
-/// family and no map, and IPv6 traffic between nodes keeps flowing throughout.
+/// The outage promise with IPv6 routes, a dual-stack Service and an IPv6-judged policy in
+/// place: an API black-hole, and an agent killed and restarted from its checkpoint in the middle
+/// of it, change no route of either family and no map, and IPv6 traffic keeps flowing.
 #[test]
 fn an_api_outage_changes_no_ipv6_route_and_ipv6_traffic_keeps_flowing() {
-    let c = Cluster::builder("krt-ds-outage").dual_stack().build().unwrap();
+    let c = Cluster::builder("krt-ds-outage").dual_stack().pods_per_node(2).build().unwrap();
     for node in &c.nodes {
         node.ns.wait_addresses_settled().unwrap();
     }
+    c.add_service(Svc::cluster_ip("web", "10.96.1.50").dual_stack("fd00:96::50").select("pod", "pod-2-0")).unwrap();
+    wait_listed(&c, "fd00:96::50");
+    // pod-2-0 admits only pod-1-0: the IPv6 policy maps have entries to keep.
+    c.server
+        .apply(json!({
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"namespace": "default", "name": "only-pod-1-0"},
+            "spec": {
+                "podSelector": {"matchLabels": {"pod": "pod-2-0"}},
+                "policyTypes": ["Ingress"],
+                "ingress": [{"from": [{"podSelector": {"matchLabels": {"pod": "pod-1-0"}}}]}]
+            }
+        }))
+        .unwrap();
     let target = v6(c.pod(1, 0).ip6.as_deref().unwrap(), 8080);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while netprobe(&c.pod(0, 1).ns, &["timed", "tcp", &target]).starts_with("OK") {
+        assert!(Instant::now() < deadline, "the policy never took effect");
+        thread::sleep(Duration::from_millis(200));
+    }
     let probe = |ns: &Netns, target: &str| {
         ns.spawn_collecting(&[netprobe_bin().to_str().unwrap(), "probe", target, "200"]).unwrap()
     };
     let across = probe(&c.pod(0, 0).ns, &target);
+    let through_service = probe(&c.pod(0, 0).ns, "[fd00:96::50]:80");
     thread::sleep(Duration::from_secs(2));
     let maps = c.agent_maps();
     let routes = c.routes();
@@ -62,8 +83,15 @@ fn an_api_outage_changes_no_ipv6_route_and_ipv6_traffic_keeps_flowing() {
     let outage = Duration::from_secs(20);
     c.set_api(FaultMode::BlackHole);
     let started = Instant::now();
+    let mut restarted = false;
     while started.elapsed() < outage {
         thread::sleep(Duration::from_secs(5));
+        if !restarted {
+            // A cold start from the checkpoint with the API still down re-adopts both families.
+            c.restart_agent(0).unwrap();
+            restarted = true;
+            thread::sleep(Duration::from_secs(2));
+        }
         assert!(c.agents_running(), "an agent died {:?} into the outage", started.elapsed());
         assert_eq!(c.agent_maps(), maps, "maps changed {:?} into the outage", started.elapsed());
     }
@@ -73,10 +101,14 @@ fn an_api_outage_changes_no_ipv6_route_and_ipv6_traffic_keeps_flowing() {
     assert_eq!(c.routes(), routes, "routes changed during the outage");
     c.set_api(FaultMode::Normal);
 
-    let replies = across.lock().unwrap();
-    let failed: Vec<&String> = replies.iter().filter(|r| !r.starts_with("pod-2-0")).collect();
-    assert!(failed.is_empty(), "{} of {} IPv6 probes failed: {failed:?}", failed.len(), replies.len());
-    assert!(replies.len() > outage.as_millis() as usize / 400, "only {} probes", replies.len());
+    for (path, replies) in [("pod to pod", &across), ("through the IPv6 ClusterIP", &through_service)] {
+        let replies = replies.lock().unwrap();
+        let failed: Vec<&String> = replies.iter().filter(|r| !r.starts_with("pod-2-0")).collect();
+        assert!(failed.is_empty(), "{path}: {} of {} IPv6 probes failed: {failed:?}", failed.len(), replies.len());
+        assert!(replies.len() > outage.as_millis() as usize / 400, "{path}: only {} probes", replies.len());
+    }
+    // The policy still holds after all that: the other pod is still denied over IPv6.
+    assert!(netprobe(&c.pod(0, 1).ns, &["timed", "tcp", &target]).starts_with("ERR"));
 }
 
 /// Waits until every node's `kube-router services` lists a frontend containing `needle`.
