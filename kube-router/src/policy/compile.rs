@@ -63,7 +63,7 @@ pub(crate) fn compile_inputs(inputs: &Inputs, options: &CompileOptions) -> Compi
     let pod_sets = referenced
         .into_iter()
         .map(|key| {
-            let members = inputs.pod_ips().filter(|ip| inputs.pod_set_contains(key, *ip)).collect();
+            let members = inputs.pod_set_members(key);
             (key.clone(), members)
         })
         .collect();

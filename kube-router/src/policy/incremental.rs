@@ -310,8 +310,7 @@ impl PolicyCompiler {
                     delta.pod_sets.insert(key, PodSetChange::Removed);
                 }
                 (0, _) => {
-                    let members: BTreeSet<IpAddr> =
-                        self.inputs.pod_ips().filter(|ip| self.inputs.pod_set_contains(&key, *ip)).collect();
+                    let members: BTreeSet<IpAddr> = self.inputs.pod_set_members(&key);
                     self.pod_set_refs.insert(key.clone(), after);
                     self.model.pod_sets.insert(key.clone(), members.clone());
                     delta.pod_sets.insert(key, PodSetChange::Created(members));

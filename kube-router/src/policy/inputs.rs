@@ -160,6 +160,30 @@ impl Inputs {
                 .is_none_or(|filter| pod.resolve_named_port(&filter.name, filter.protocol).any(|n| n == filter.port))
     }
 
+    /// Every IP in the set `key`: only the pods of the namespaces in its scope are looked at
+    /// (one namespace, or those whose labels match), so resolving all sets of a cluster is not
+    /// (sets x pods). Same members as testing every pod IP with [`Self::pod_set_contains`].
+    pub fn pod_set_members(&self, key: &PodSetKey) -> BTreeSet<IpAddr> {
+        let in_scope: Vec<&BTreeSet<PodRef>> = match &key.namespaces {
+            NamespaceScope::Named(ns) => self.pods_by_namespace.get(ns).into_iter().collect(),
+            NamespaceScope::Selected(sel) => self
+                .pods_by_namespace
+                .iter()
+                .filter(|(ns, _)| self.namespace_matches(sel, ns))
+                .map(|(_, pods)| pods)
+                .collect(),
+        };
+        in_scope
+            .into_iter()
+            .flatten()
+            .filter_map(|pod| self.pods.get(pod))
+            .flat_map(|info| info.ips.iter().copied())
+            // Ownership, labels, ipBlock and named port exactly as for a single IP (an IP two
+            // pods claim belongs to its owner only).
+            .filter(|ip| self.pod_set_contains(key, *ip))
+            .collect()
+    }
+
     /// IPs of the pods a policy selects (its targets).
     pub fn policy_targets(&self, policy: &ValidatedPolicy) -> BTreeSet<IpAddr> {
         self.pods_by_namespace
