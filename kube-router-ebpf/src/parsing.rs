@@ -43,8 +43,11 @@ pub fn parse_for_policy(ctx: &TcContext) -> Result<Parsed, i64> {
 }
 
 /// The policy view of an IPv6 packet: as [`parse_for_policy`], with extension headers looked
-/// past (a bounded number). Neighbour discovery and router advertisements (ICMPv6 133-137) are
-/// `OtherProtocol`: a pod must always be able to resolve its neighbours. A packet whose upper
+/// past (a bounded number). ICMPv6 echo is judged like ICMP echo and errors (types below 128)
+/// without ports; the link's own control messages (type 130 and up besides echo: multicast
+/// listener queries and reports, neighbour discovery, router advertisements) are
+/// `OtherProtocol`: a pod must always be able to resolve its neighbours and join its groups,
+/// and they open no connection to track. A packet whose upper
 /// layer lies beyond the headers we look past is judged as protocol 255 without ports, so only
 /// a rule admitting every port can let it through: never passed unjudged.
 #[inline(always)]
@@ -65,14 +68,13 @@ pub fn parse_for_policy_v6(ctx: &TcContext) -> Result<Parsed<Ipv6Words>, i64> {
         IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP => (ctx.load(l4_off)?, ctx.load(l4_off + 2)?),
         IPPROTO_ICMPV6 => {
             let icmp_type: u8 = ctx.load(l4_off)?;
-            if (ICMPV6_ROUTER_SOLICIT..=ICMPV6_REDIRECT).contains(&icmp_type) {
-                return Ok(Parsed::OtherProtocol);
-            }
             if icmp_type == ICMPV6_ECHO_REQUEST || icmp_type == ICMPV6_ECHO_REPLY {
                 let id: u16 = ctx.load(l4_off + 4)?;
                 (id, id)
-            } else {
+            } else if icmp_type < ICMPV6_ECHO_REQUEST {
                 (0, 0)
+            } else {
+                return Ok(Parsed::OtherProtocol);
             }
         }
         // Judged without ports, as IPv4 judges ICMP errors and other protocols are not.
@@ -210,9 +212,6 @@ const ICMPV6_DEST_UNREACH: u8 = 1;
 const ICMPV6_PARAMETER_PROBLEM: u8 = 4;
 const ICMPV6_ECHO_REQUEST: u8 = 128;
 const ICMPV6_ECHO_REPLY: u8 = 129;
-/// Neighbour discovery (RFC 4861): router solicitation 133 .. redirect 137.
-const ICMPV6_ROUTER_SOLICIT: u8 = 133;
-const ICMPV6_REDIRECT: u8 = 137;
 
 const IPPROTO_HOPOPTS: u8 = 0;
 const IPPROTO_ROUTING: u8 = 43;

@@ -138,8 +138,10 @@ impl ServiceController {
         // The node's own addresses are never a Service's to capture.
         let node_addresses = netif::node_addresses();
         external_ips.forbidden.extend(node_addresses.iter().map(|a| ipnet::IpNet::from(*a)));
-        // A family the node has no address in cannot carry its Services' traffic.
-        let unavailable_families = [IpFamily::IPv4, IpFamily::IPv6]
+        // IPv6 Services need an IPv6 address on the node to carry their traffic. IPv4 is always
+        // served, as kube-proxy serves its primary family: a node whose address is not up yet
+        // (or a test namespace with only loopback) must not lose every Service.
+        let unavailable_families = [IpFamily::IPv6]
             .into_iter()
             .filter(|family| !node_addresses.iter().any(|a| IpFamily::of(a) == *family))
             .collect();
@@ -739,6 +741,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let advertise_services = config.router.as_ref().is_some_and(|r| r.advertise.any());
     let mut policy_retry_at: Option<Instant> = None;
     let mut checkpoint_due = false;
+    let mut checkpoint_write: Option<tokio::task::JoinHandle<()>> = None;
     let mut last_checkpoint = Instant::now() - Duration::from_secs(60);
     if let (Some(router), None) = (router.as_mut(), api_source.as_ref()) {
         match router.static_config() {
@@ -763,8 +766,12 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     };
     // NodePorts listen on the node's addresses: a changed set recompiles the Services at once.
     let mut node_addresses = netif::node_addresses();
+    // A change is applied this soon after it arrives (a burst of watch events is one sync); the
+    // 200 ms tick stays for retries and housekeeping.
+    let mut sync_soon: Option<tokio::time::Instant> = None;
     tracing::info!("agent running");
     loop {
+        let mut due = false;
         let link_changed = async {
             match link_events.as_mut() {
                 Some(events) => events.changed().await,
@@ -795,6 +802,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     node_addresses = now;
                     if let Some(api) = api_source.as_mut() {
                         api.dirty = true;
+                        sync_soon.get_or_insert_with(|| tokio::time::Instant::now() + SYNC_DEBOUNCE);
                     }
                     if let (Some(file), Some(proxy)) = (file_source.as_mut(), service_proxy.as_mut()) {
                         file.stamp = None;
@@ -828,6 +836,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                 // fails, or brings back the same objects, changes nothing).
                 if let Some(kind) = api.objects.apply_kind(update) {
                     checkpoint_due = true;
+                    sync_soon.get_or_insert_with(|| tokio::time::Instant::now() + SYNC_DEBOUNCE);
                     api.dirty |= matches!(kind, Kind::Services | Kind::EndpointSlices);
                     router_dirty |= kind == Kind::Nodes
                         || (advertise_services && matches!(kind, Kind::Services | Kind::EndpointSlices));
@@ -849,110 +858,142 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     policy_dirty |= matches!(kind, Kind::Pods | Kind::Namespaces | Kind::NetworkPolicies);
                 }
             }
-            _ = tick.tick() => {
-                if let Some(api) = api_source.as_mut() {
-                    let complete = api.objects.synced();
-                    // Before the first complete list, only a checkpoint-restored state is worth
-                    // applying (and then without deletions).
-                    let retry = api.retry_at.is_some_and(|at| Instant::now() >= at);
-                    if (api.dirty || retry) && (complete || api.restored_from_checkpoint) {
-                        api.dirty = false;
-                        if let Some(proxy) = service_proxy.as_mut() {
-                            let failed = proxy.controller.apply(&api.objects.state(), complete);
-                            api.retry_at = (failed > 0).then(|| Instant::now() + WRITE_RETRY_INTERVAL);
-                        }
-
+            _ = tick.tick() => due = true,
+            _ = sync_at(sync_soon) => {
+                sync_soon = None;
+                due = true;
+            }
+        }
+        if due {
+            if let Some(api) = api_source.as_mut() {
+                let complete = api.objects.synced();
+                // Before the first complete list, only a checkpoint-restored state is worth
+                // applying (and then without deletions).
+                let retry = api.retry_at.is_some_and(|at| Instant::now() >= at);
+                if (api.dirty || retry) && (complete || api.restored_from_checkpoint) {
+                    api.dirty = false;
+                    if let Some(proxy) = service_proxy.as_mut() {
+                        let failed = proxy.controller.apply(&api.objects.state(), complete);
+                        api.retry_at = (failed > 0).then(|| Instant::now() + WRITE_RETRY_INTERVAL);
                     }
                 }
-                if let Some(api) = api_source.as_ref() {
-                    // Every kind, after each change, once all have been listed completely: a
-                    // restart during an outage then has the same Services, Nodes and policies.
-                    if checkpoint_due && api.objects.all_synced() && last_checkpoint.elapsed() >= Duration::from_secs(1) {
-                        checkpoint_due = false;
-                        last_checkpoint = Instant::now();
-                        if let Err(e) = checkpoint::write(&config.state_dir, &api.objects.checkpoint()) {
+            }
+            if let Some(api) = api_source.as_ref() {
+                // Every kind, after each change, once all have been listed completely: a
+                // restart during an outage then has the same Services, Nodes and policies.
+                // Serialising and syncing 10,000 objects takes long enough to hold back the next
+                // change, so it is written off the loop, one write at a time, from a snapshot.
+                let writing = checkpoint_write.as_ref().is_some_and(|w| !w.is_finished());
+                if checkpoint_due
+                    && !writing
+                    && api.objects.all_synced()
+                    && last_checkpoint.elapsed() >= Duration::from_secs(1)
+                {
+                    checkpoint_due = false;
+                    last_checkpoint = Instant::now();
+                    let snapshot = api.objects.checkpoint();
+                    let (state_dir, metrics) = (config.state_dir.clone(), metrics.clone());
+                    checkpoint_write = Some(tokio::task::spawn_blocking(move || {
+                        if let Err(e) = checkpoint::write(&state_dir, &snapshot) {
                             tracing::error!(error = %e, "cannot write checkpoint");
                             metrics.with(|m| m.checkpoint_errors += 1);
                         }
-                    }
+                    }));
                 }
-                if let (Some(firewall), Some(api)) = (firewall.as_mut(), api_source.as_ref()) {
-                    let o = &api.objects;
-                    let complete = o.pods.synced() && o.namespaces.synced() && o.network_policies.synced();
-                    let retry = policy_retry_at.is_some_and(|at| Instant::now() >= at);
-                    // Policy is only ever compiled from a complete picture (or its checkpoint):
-                    // half a list of pods would deny traffic that is allowed.
-                    if (policy_dirty || retry) && (complete || api.restored_from_checkpoint) {
-                        policy_dirty = false;
-                        let failed = firewall.apply(o.pods.objects(), o.namespaces.objects(), o.network_policies.objects(), complete);
-                        policy_retry_at = (failed > 0).then(|| Instant::now() + WRITE_RETRY_INTERVAL);
-                    }
-                }
-                if let Some(api) = api_source.as_ref() {
-                    // Like the routes: only a complete listing of Nodes (or its checkpoint) counts.
-                    if nets_dirty && (api.objects.nodes.synced() || api.restored_from_checkpoint) {
-                        nets_dirty = false;
-                        if service_proxy.is_some() {
-                            sync_egress_nets(&config, api.objects.nodes.objects());
-                        }
-                        if let Some(cni) = cni.as_mut() {
-                            cni.sync(api.objects.nodes.objects(), &metrics).await;
-                        }
-                    }
-                }
-                if let (Some(router), Some(api)) = (router.as_mut(), api_source.as_ref()) {
-                    // Peers leave the mesh only on a complete listing of Nodes, never because a
-                    // list failed; the store keeps the last complete one through an outage.
-                    if router_dirty && (api.objects.nodes.synced() || api.restored_from_checkpoint) {
-                        router_dirty = false;
-                        let o = &api.objects;
-                        let started = Instant::now();
-                        router.update_from_nodes(o.nodes.objects(), o.services.objects(), o.endpoint_slices.objects()).await;
-                        metrics.with(|m| m.kr.bgp_peers_sync_time.observe(started.elapsed().as_secs_f64()));
-                    }
-                }
-                if last_housekeeping.elapsed() < Duration::from_secs(1) {
-                    continue;
-                }
-                last_housekeeping = Instant::now();
-                if let Some(router) = router.as_mut() {
-                    router.retry_start_if_due().await;
-                    router.publish_metrics();
-                }
-                if let Some(datapath) = datapath.as_mut() {
-                    if config.interfaces.is_none() && last_rescan.elapsed() >= Duration::from_secs(5) {
-                        attach_all(datapath, &config.interfaces, &mut attached, config.run_service_proxy, config.run_firewall);
-                        last_rescan = Instant::now();
-                    }
-                }
-                // One GC schedule for both conntrack maps.
-                let gc = last_gc.elapsed() >= config.conntrack_gc_interval;
-                if gc {
-                    last_gc = Instant::now();
-                }
-                if let Some(ct) = policy_conntrack.as_mut() {
-                    refresh_policy_metrics(&config.pin_dir, &metrics, ct, gc);
-                }
-                if let Some(proxy) = service_proxy.as_mut() {
-                    if let Some(file) = file_source.as_mut() {
-                        file.sync(&mut proxy.controller, &metrics);
-                    }
-                    refresh_datapath_metrics(&config.pin_dir, &metrics, &mut proxy.conntrack, gc);
-                }
-                if let Some(max_stale) = config.max_stale {
-                    let stale = metrics.with(|m| m.last_sync_unix.map(|t| metrics::unix_now() - t)).unwrap_or(0.0);
-                    if stale > max_stale.as_secs_f64() && last_stale_warning.elapsed() > Duration::from_secs(60) {
-                        tracing::warn!(stale_secs = stale as u64, "desired state older than --max-stale; still serving it");
-                        last_stale_warning = Instant::now();
-                    }
-                }
-                metrics.heartbeat("agent");
             }
+            if let (Some(firewall), Some(api)) = (firewall.as_mut(), api_source.as_ref()) {
+                let o = &api.objects;
+                let complete = o.pods.synced() && o.namespaces.synced() && o.network_policies.synced();
+                let retry = policy_retry_at.is_some_and(|at| Instant::now() >= at);
+                // Policy is only ever compiled from a complete picture (or its checkpoint):
+                // half a list of pods would deny traffic that is allowed.
+                if (policy_dirty || retry) && (complete || api.restored_from_checkpoint) {
+                    policy_dirty = false;
+                    let failed = firewall.apply(
+                        o.pods.objects(),
+                        o.namespaces.objects(),
+                        o.network_policies.objects(),
+                        complete,
+                    );
+                    policy_retry_at = (failed > 0).then(|| Instant::now() + WRITE_RETRY_INTERVAL);
+                }
+            }
+            if let Some(api) = api_source.as_ref() {
+                // Like the routes: only a complete listing of Nodes (or its checkpoint) counts.
+                if nets_dirty && (api.objects.nodes.synced() || api.restored_from_checkpoint) {
+                    nets_dirty = false;
+                    if service_proxy.is_some() {
+                        sync_egress_nets(&config, api.objects.nodes.objects());
+                    }
+                    if let Some(cni) = cni.as_mut() {
+                        cni.sync(api.objects.nodes.objects(), &metrics).await;
+                    }
+                }
+            }
+            if let (Some(router), Some(api)) = (router.as_mut(), api_source.as_ref()) {
+                // Peers leave the mesh only on a complete listing of Nodes, never because a
+                // list failed; the store keeps the last complete one through an outage.
+                if router_dirty && (api.objects.nodes.synced() || api.restored_from_checkpoint) {
+                    router_dirty = false;
+                    let o = &api.objects;
+                    let started = Instant::now();
+                    router
+                        .update_from_nodes(o.nodes.objects(), o.services.objects(), o.endpoint_slices.objects())
+                        .await;
+                    metrics.with(|m| m.kr.bgp_peers_sync_time.observe(started.elapsed().as_secs_f64()));
+                }
+            }
+            if last_housekeeping.elapsed() < Duration::from_secs(1) {
+                continue;
+            }
+            last_housekeeping = Instant::now();
+            if let Some(router) = router.as_mut() {
+                router.retry_start_if_due().await;
+                router.publish_metrics();
+            }
+            if let Some(datapath) = datapath.as_mut() {
+                if config.interfaces.is_none() && last_rescan.elapsed() >= Duration::from_secs(5) {
+                    attach_all(
+                        datapath,
+                        &config.interfaces,
+                        &mut attached,
+                        config.run_service_proxy,
+                        config.run_firewall,
+                    );
+                    last_rescan = Instant::now();
+                }
+            }
+            // One GC schedule for both conntrack maps.
+            let gc = last_gc.elapsed() >= config.conntrack_gc_interval;
+            if gc {
+                last_gc = Instant::now();
+            }
+            if let Some(ct) = policy_conntrack.as_mut() {
+                refresh_policy_metrics(&config.pin_dir, &metrics, ct, gc);
+            }
+            if let Some(proxy) = service_proxy.as_mut() {
+                if let Some(file) = file_source.as_mut() {
+                    file.sync(&mut proxy.controller, &metrics);
+                }
+                refresh_datapath_metrics(&config.pin_dir, &metrics, &mut proxy.conntrack, gc);
+            }
+            if let Some(max_stale) = config.max_stale {
+                let stale = metrics.with(|m| m.last_sync_unix.map(|t| metrics::unix_now() - t)).unwrap_or(0.0);
+                if stale > max_stale.as_secs_f64() && last_stale_warning.elapsed() > Duration::from_secs(60) {
+                    tracing::warn!(stale_secs = stale as u64, "desired state older than --max-stale; still serving it");
+                    last_stale_warning = Instant::now();
+                }
+            }
+            metrics.heartbeat("agent");
         }
     }
     // Leave programs, links, maps and kernel routes exactly as they are: traffic keeps flowing
     // without us. With graceful restart the BGP sessions close without a Cease, so peers keep
     // our routes until we are back.
+    // A checkpoint being written is finished (it is replaced atomically either way).
+    if let Some(write) = checkpoint_write.take() {
+        let _ = write.await;
+    }
     tracing::info!("stopping; datapath and routes left in place");
     if let Some(router) = router.as_ref() {
         router.shutdown().await;
@@ -968,4 +1009,16 @@ pub fn read_programmed(pin_dir: &Path) -> Result<crate::services::compile::MapCo
 /// [`read_programmed`] of the IPv6 maps.
 pub fn read_programmed_v6(pin_dir: &Path) -> Result<crate::services::compile::MapContents<V6>> {
     Ok(BpfServiceMapsV6::open_pinned(pin_dir)?.read_all()?)
+}
+
+/// How long after a change the controllers run: long enough to take a burst of watch events
+/// (a relist, a rollout touching many EndpointSlices) as one sync.
+const SYNC_DEBOUNCE: Duration = Duration::from_millis(10);
+
+/// Resolves at `at`, never without one.
+async fn sync_at(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
 }

@@ -663,13 +663,15 @@ fn ipv6_neighbour_discovery_passes_an_isolated_pod_and_extension_headers_are_loo
     loaded.program(&Cluster::xyz().compile(&[allow_y]));
     let (x_a, y_a, z_a) = (ip6(0, 0), ip6(1, 0), ip6(2, 0));
     let before = loaded.stats();
-    // Neighbour solicitation/advertisement and router advertisements from a denied peer pass:
-    // without them the isolated pod could not even reach its allowed peers.
-    for nd_type in [133, 134, 135, 136] {
-        assert!(loaded.send(&packet::icmpv6_echo(nd_type, z_a, x_a, 0)), "ICMPv6 type {nd_type}");
+    // Neighbour discovery, router advertisements and multicast listener messages from a denied
+    // peer pass: without them the isolated pod could not even reach its allowed peers.
+    for control in [130, 131, 133, 134, 135, 136, 143] {
+        assert!(loaded.send(&packet::icmpv6_echo(control, z_a, x_a, 0)), "ICMPv6 type {control}");
     }
     let after = loaded.stats();
-    assert_eq!(after[pol_stat::NOT_EVALUATED as usize] - before[pol_stat::NOT_EVALUATED as usize], 8);
+    assert_eq!(after[pol_stat::NOT_EVALUATED as usize] - before[pol_stat::NOT_EVALUATED as usize], 14);
+    let tracked = PolicyConntrack::open_pinned(&loaded.pin_dir).unwrap().entries_v6().unwrap();
+    assert!(tracked.is_empty(), "control messages open no connection: {tracked:?}");
     // Echo is judged like IPv4's: denied from z, and only a rule without ports admits it.
     assert!(!loaded.send(&packet::icmpv6_echo(128, z_a, x_a, 7)));
     assert!(loaded.send(&packet::icmpv6_echo(128, y_a, x_a, 8)));
