@@ -30,6 +30,30 @@ pub fn interfaces() -> Vec<String> {
 
 /// IPv4 addresses configured on non-loopback interfaces.
 pub fn ipv4_addresses() -> Vec<Ipv4Addr> {
+    interface_addresses()
+        .into_iter()
+        .filter_map(|addr| match addr {
+            IpAddr::V4(v4) => Some(v4),
+            IpAddr::V6(_) => None,
+        })
+        .collect()
+}
+
+/// Global IPv6 addresses (not loopback, not link-local) configured on the node's interfaces:
+/// where IPv6 NodePorts listen, and whether the node has IPv6 at all.
+pub fn ipv6_addresses() -> Vec<Ipv6Addr> {
+    interface_addresses()
+        .into_iter()
+        .filter_map(|addr| match addr {
+            IpAddr::V6(v6) => Some(v6),
+            IpAddr::V4(_) => None,
+        })
+        .collect()
+}
+
+/// The node's addresses of both families, sorted, without loopback, link-local or unspecified
+/// ones.
+fn interface_addresses() -> Vec<IpAddr> {
     let mut addrs = Vec::new();
     // SAFETY: getifaddrs allocates a linked list we walk read-only and free with freeifaddrs.
     unsafe {
@@ -40,41 +64,24 @@ pub fn ipv4_addresses() -> Vec<Ipv4Addr> {
         let mut cursor = head;
         while !cursor.is_null() {
             let ifa = &*cursor;
-            if !ifa.ifa_addr.is_null() && i32::from((*ifa.ifa_addr).sa_family) == libc::AF_INET {
-                let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
-                let addr = Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
-                if !addr.is_loopback() {
-                    addrs.push(addr);
+            let addr = if ifa.ifa_addr.is_null() {
+                None
+            } else {
+                match i32::from((*ifa.ifa_addr).sa_family) {
+                    libc::AF_INET => {
+                        let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                        Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))))
+                    }
+                    libc::AF_INET6 => {
+                        let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
+                        let v6 = Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+                        (!v6.is_unicast_link_local()).then_some(IpAddr::V6(v6))
+                    }
+                    _ => None,
                 }
-            }
-            cursor = ifa.ifa_next;
-        }
-        libc::freeifaddrs(head);
-    }
-    addrs.sort();
-    addrs.dedup();
-    addrs
-}
-
-/// Global IPv6 addresses (not loopback, not link-local) configured on the node's interfaces:
-/// where IPv6 NodePorts listen, and whether the node has IPv6 at all.
-pub fn ipv6_addresses() -> Vec<Ipv6Addr> {
-    let mut addrs = Vec::new();
-    // SAFETY: as in ipv4_addresses: a linked list walked read-only and freed.
-    unsafe {
-        let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-        if libc::getifaddrs(&mut head) != 0 {
-            return addrs;
-        }
-        let mut cursor = head;
-        while !cursor.is_null() {
-            let ifa = &*cursor;
-            if !ifa.ifa_addr.is_null() && i32::from((*ifa.ifa_addr).sa_family) == libc::AF_INET6 {
-                let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
-                let addr = Ipv6Addr::from(sin6.sin6_addr.s6_addr);
-                if !addr.is_loopback() && !addr.is_unicast_link_local() && !addr.is_unspecified() {
-                    addrs.push(addr);
-                }
+            };
+            if let Some(addr) = addr.filter(|a| !a.is_loopback() && !a.is_unspecified()) {
+                addrs.push(addr);
             }
             cursor = ifa.ifa_next;
         }
