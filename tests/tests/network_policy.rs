@@ -40,6 +40,7 @@ impl Port {
         }
     }
     fn target(self, ip: &str) -> String {
+        let ip = if ip.contains(':') { format!("[{ip}]") } else { ip.to_string() };
         match self {
             Port::Tcp(p) => format!("tcp:{ip}:{p}"),
             Port::Udp(p) => format!("udp:{ip}:{p}"),
@@ -57,6 +58,17 @@ struct PodId {
 impl PodId {
     fn ip(&self) -> String {
         format!("10.1.{}.2", self.index)
+    }
+    fn ip6(&self) -> String {
+        format!("fd00:1:{}::2", self.index)
+    }
+    /// The pod's address of one family.
+    fn addr(&self, ipv6: bool) -> String {
+        if ipv6 {
+            self.ip6()
+        } else {
+            self.ip()
+        }
     }
     fn is(&self, name: &str) -> bool {
         format!("{}/{}", self.ns, self.pod) == name
@@ -85,12 +97,17 @@ impl Cluster {
     fn new() -> Self {
         let node = Netns::new("krt-np-node").unwrap();
         node.sysctl("net.ipv4.ip_forward", "1").unwrap();
+        node.sysctl("net.ipv6.conf.all.forwarding", "1").unwrap();
         let mut pods = Vec::new();
         for id in all_pods() {
             let ns = Netns::new(&format!("krt-np-{}-{}", id.ns, id.pod)).unwrap();
             let k = id.index;
             veth(&node, &format!("pod{k}"), &format!("10.1.{k}.1/24"), &ns, "eth0", &format!("10.1.{k}.2/24")).unwrap();
             ns.run(&["ip", "route", "add", "default", "via", &format!("10.1.{k}.1")]).unwrap();
+            // Dual-stack pods: every scenario is probed over IPv6 too.
+            node.run(&["ip", "addr", "add", &format!("fd00:1:{k}::1/48"), "dev", &format!("pod{k}"), "nodad"]).unwrap();
+            ns.run(&["ip", "addr", "add", &format!("fd00:1:{k}::2/48"), "dev", "eth0", "nodad"]).unwrap();
+            ns.run(&["ip", "-6", "route", "add", "default", "via", &format!("fd00:1:{k}::1")]).unwrap();
             for port in ["80", "81", "53"] {
                 ns.spawn(&[netprobe_bin().to_str().unwrap(), "serve", &format!("{}/{}", id.ns, id.pod), port]).unwrap();
             }
@@ -151,8 +168,8 @@ impl Cluster {
         }
     }
 
-    /// allowed[(src, dst, port)] from real connections.
-    fn probe(&self) -> BTreeMap<(usize, usize, usize), bool> {
+    /// allowed[(src, dst, port)] from real connections over one address family.
+    fn probe(&self, ipv6: bool) -> BTreeMap<(usize, usize, usize), bool> {
         let handles: Vec<_> = self
             .pods
             .iter()
@@ -161,7 +178,7 @@ impl Cluster {
                     .pods
                     .iter()
                     .filter(|(dst, _)| dst != src)
-                    .flat_map(|(dst, _)| PORTS.iter().map(move |p| p.target(&dst.ip())))
+                    .flat_map(|(dst, _)| PORTS.iter().map(move |p| p.target(&dst.addr(ipv6))))
                     .collect();
                 let mut args = vec![netprobe_bin().to_string_lossy().into_owned(), "matrix".into(), "500".into()];
                 args.extend(targets);
@@ -177,7 +194,8 @@ impl Cluster {
                 let ok = fields.next() == Some("OK");
                 let (proto, rest) = target.split_once(':').unwrap();
                 let (ip, port) = rest.rsplit_once(':').unwrap();
-                let dst: usize = ip.split('.').nth(2).unwrap().parse().unwrap();
+                let ip = ip.trim_start_matches('[').trim_end_matches(']');
+                let dst = self.pods.iter().find(|(id, _)| id.addr(ipv6) == ip).unwrap().0.index;
                 let port: u16 = port.parse().unwrap();
                 let port_index = PORTS
                     .iter()
@@ -198,7 +216,7 @@ fn pod_object(id: &PodId) -> Value {
             {"name": "serve-80", "containerPort": 80, "protocol": "TCP"},
             {"name": "serve-81", "containerPort": 81, "protocol": "TCP"},
             {"name": "dns", "containerPort": 53, "protocol": "UDP"}]}]},
-        "status": {"phase": "Running", "podIP": id.ip(), "podIPs": [{"ip": id.ip()}]}
+        "status": {"phase": "Running", "podIP": id.ip(), "podIPs": [{"ip": id.ip()}, {"ip": id.ip6()}]}
     })
 }
 
@@ -241,12 +259,25 @@ fn render(matrix: &BTreeMap<(usize, usize, usize), bool>, expected: Option<Expec
     out
 }
 
+/// The truth table of one scenario holds over IPv4 and over IPv6; the IPv4 matrix.
 fn check(cluster: &Cluster, title: &str, expected: Expectation) -> BTreeMap<(usize, usize, usize), bool> {
+    let matrix = check_family(cluster, title, expected, false);
+    let matrix6 = check_family(cluster, &format!("{title} (IPv6)"), expected, true);
+    assert_eq!(matrix6, matrix, "{title}: the IPv6 verdicts differ from the IPv4 ones");
+    matrix
+}
+
+fn check_family(
+    cluster: &Cluster,
+    title: &str,
+    expected: Expectation,
+    ipv6: bool,
+) -> BTreeMap<(usize, usize, usize), bool> {
     let pods = all_pods();
     // A change reaches the maps within a sync tick; probe until the matrix is right or 15 s pass.
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
-        let matrix = cluster.probe();
+        let matrix = cluster.probe(ipv6);
         let wrong: Vec<String> = pods
             .iter()
             .flat_map(|s| pods.iter().map(move |d| (s, d)))
@@ -360,12 +391,15 @@ fn the_policy_truth_tables_hold_with_real_connections_and_survive_outage_restart
             xa_from_y_pod_b,
         ),
         (
-            "x/a allows ingress from ipBlock 10.1.0.0/16 except y/b's /24",
+            "x/a allows ingress from ipBlock 10.1.0.0/16 except y/b's /24 (and the IPv6 twins)",
             vec![policy(
                 "x",
                 "p1",
                 json!({"podSelector": {"matchLabels": {"pod": "a"}},
-                "ingress": [{"from": [{"ipBlock": {"cidr": "10.1.0.0/16", "except": [format!("10.1.{}.0/24", yb.index)]}}]}]}),
+                "ingress": [{"from": [
+                    {"ipBlock": {"cidr": "10.1.0.0/16", "except": [format!("10.1.{}.0/24", yb.index)]}},
+                    {"ipBlock": {"cidr": "fd00:1::/32", "except": [format!("fd00:1:{}::/48", yb.index)]}}
+                ]}]}),
             )],
             xa_from_cidr_except_yb,
         ),
