@@ -16,10 +16,10 @@ mod monitor;
 pub use monitor::*;
 
 /// Version of the whole map layout. Stored in the `meta` map at index [`META_LAYOUT_VERSION`],
-/// and naming the directory the maps are pinned in (`<bpf root>/v2/`), so an upgrade can create
+/// and naming the directory the maps are pinned in (`<bpf root>/v3/`), so an upgrade can create
 /// the new maps beside the old ones and move state across before it swaps the programs.
 /// Layout 1 pinned its maps directly in the bpf root.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 
 /// Directory under bpffs where maps and links are pinned.
 pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/kube-router";
@@ -34,7 +34,7 @@ pub mod map_names {
     pub const LB_STATS: &str = "lb_stats";
     pub const META: &str = "meta";
     pub const POLICY_PODS: &str = "pol_pods_v4";
-    pub const POLICY_RULES: &str = "pol_rules";
+    pub const POLICY_PORTS: &str = "pol_ports";
     pub const POLICY_PEERS: &str = "pol_peers_v4";
     pub const POLICY_CONNTRACK: &str = "pol_ct_v4";
     pub const POLICY_PODS_V6: &str = "pol_pods_v6";

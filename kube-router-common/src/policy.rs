@@ -2,23 +2,20 @@
 //! and written by the agent from `policy::bpf_maps::MapEntries` (see docs/policy-layout.md for
 //! what the entries mean, docs/maps.md for the byte layouts).
 //!
-//! The maps that hold addresses come in pairs (`_v4`, `_v6`); `pol_rules` holds no address and
-//! is shared: a rule's peer set has its IPv4 prefixes in `pol_peers_v4` and its IPv6 ones in
+//! The maps that hold addresses come in pairs (`_v4`, `_v6`); `pol_ports` holds no address and
+//! is shared: a peer set has its IPv4 prefixes in `pol_peers_v4` and its IPv6 ones in
 //! `pol_peers_v6`, under the same set id.
+//!
+//! A new flow costs two LPM lookups whatever the number of policies, rules, peers or ports
+//! (layout 3; layout 2 scanned up to 64 rules and denied pods with more).
 
-/// Upper bound of the datapath's rule loop per pod and direction. The verifier needs a constant
-/// bound; 64 keeps the program well inside its complexity limit (each iteration is a hash lookup,
-/// up to [`POLICY_PORT_RANGES_PER_RULE`] range compares and an LPM lookup). A pod direction whose
-/// `rule_count` exceeds it is **denied** (fail closed) and counted as
-/// [`pol_stat::RULE_LIMIT_DENIED`]; the agent should compile with
-/// `CompileOptions::max_rules_per_pod` <= this divided by the port-range chunking factor.
-pub const MAX_RULES_PER_POD: u32 = 64;
-
-/// Port ranges one `pol_rules` value holds (the flattener splits longer lists).
-pub const POLICY_PORT_RANGES_PER_RULE: usize = 8;
-
-/// `PolicyRuleValue::range_count` meaning "every protocol and port" (a rule without `ports`).
-pub const POLICY_ALL_PORTS: u8 = 0xff;
+/// Bits of a `pol_ports` LPM key before the port: the slot id (32) and the IP protocol (8). An
+/// entry of [`POLICY_PORT_SLOT_BITS`] admits every protocol and port (a rule without `ports`); one
+/// of `POLICY_PORT_SLOT_BITS + 8 + n` the ports whose first `n` bits equal the key's.
+pub const POLICY_PORT_SLOT_BITS: u32 = 32;
+pub const POLICY_PORT_PROTO_BITS: u32 = POLICY_PORT_SLOT_BITS + 8;
+/// A lookup's prefix length: slot, protocol and the whole port.
+pub const POLICY_PORT_FULL_BITS: u32 = POLICY_PORT_PROTO_BITS + 16;
 
 /// `PolicyPodKeyV4::direction`. 0 is left unused so a zeroed key never matches.
 pub const POLICY_DIR_INGRESS: u8 = 1;
@@ -33,7 +30,8 @@ pub const PEER_ALLOW: u8 = 1;
 pub const PEER_SET_PREFIX_BITS: u32 = 32;
 
 pub const POLICY_PODS_MAX_ENTRIES: u32 = 65_536;
-pub const POLICY_RULES_MAX_ENTRIES: u32 = 65_536;
+/// Port entries of every slot: a port range takes up to 30 prefixes, usually a few.
+pub const POLICY_PORTS_MAX_ENTRIES: u32 = 262_144;
 pub const POLICY_PEERS_MAX_ENTRIES: u32 = 262_144;
 pub const POLICY_CONNTRACK_MAX_ENTRIES: u32 = 262_144;
 
@@ -48,8 +46,9 @@ pub struct PolicyPodKeyV4 {
     pub pad: [u8; 3],
 }
 
-/// The pod direction's allowed traffic is rules `0..rule_count` of `slot` in `pol_rules`;
-/// `rule_count == 0` is default deny.
+/// The pod direction's allowed traffic is what `slot` admits in `pol_ports`; a slot without
+/// entries (a policy with no rules) is default deny. `rule_count` is the number of compiled rules,
+/// for dumps only: the datapath's work does not depend on it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PolicyPodValue {
@@ -57,64 +56,27 @@ pub struct PolicyPodValue {
     pub rule_count: u32,
 }
 
+/// The data part of a `pol_ports` LPM key (prefix length: see [`POLICY_PORT_SLOT_BITS`]). The trie
+/// matches bytes most significant first, so the port is an array in network order and the slot
+/// big-endian.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PolicyRuleKey {
-    pub slot: u32,
-    pub rule_index: u32,
-}
-
-/// One inclusive destination-port range. Unlike packet fields the bounds are host-endian:
-/// they are compared, not matched byte for byte.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PolicyPortRange {
-    /// IP protocol number (6 TCP, 17 UDP, 132 SCTP).
+pub struct PolicyPortKey {
+    pub slot_be: u32,
+    /// IP protocol number (6 TCP, 17 UDP, 132 SCTP; ICMP and others only match slot-wide entries).
     pub proto: u8,
+    /// Destination port, network byte order (for ICMP echo, the identifier).
+    pub port: [u8; 2],
     pub pad: u8,
-    pub start: u16,
-    pub end: u16,
 }
 
-impl PolicyPortRange {
-    #[inline(always)]
-    pub const fn contains(&self, proto: u8, port: u16) -> bool {
-        self.proto == proto && self.start <= port && port <= self.end
-    }
-}
-
-/// One allowed (peer set x ports) combination.
+/// The peers a pod direction admits on the matched protocol and ports: every rule whose ports
+/// cover them contributes its peers, merged into one set in `pol_peers_v4/v6` (an id of its own
+/// when more than one rule contributes).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PolicyRuleValue {
-    /// Peer-set id in `pol_peers_v4`.
+pub struct PolicyPortValue {
     pub peer_set: u32,
-    /// Used entries of `ranges`, or [`POLICY_ALL_PORTS`].
-    pub range_count: u8,
-    pub pad: [u8; 3],
-    pub ranges: [PolicyPortRange; POLICY_PORT_RANGES_PER_RULE],
-}
-
-impl PolicyRuleValue {
-    /// Whether the rule's ports admit `proto`/`port` (`port` host-endian; 0 for ICMP, which
-    /// only rules without `ports` admit because no range names protocol 1).
-    #[inline(always)]
-    pub fn ports_match(&self, proto: u8, port: u16) -> bool {
-        if self.range_count == POLICY_ALL_PORTS {
-            return true;
-        }
-        let mut index = 0;
-        while index < POLICY_PORT_RANGES_PER_RULE {
-            if index >= self.range_count as usize {
-                return false;
-            }
-            if self.ranges[index].contains(proto, port) {
-                return true;
-            }
-            index += 1;
-        }
-        false
-    }
 }
 
 /// The data part of a `pol_peers_v4` LPM key (after the u32 prefix length, which is
@@ -225,8 +187,9 @@ pub mod pol_stat {
     pub const DENIED_INGRESS: u32 = 6;
     /// New flow from a pod denied by its egress policy (at TC ingress of its veth).
     pub const DENIED_EGRESS: u32 = 7;
-    /// Denied because `rule_count` > [`super::MAX_RULES_PER_POD`] (also counted as denied above).
-    pub const RULE_LIMIT_DENIED: u32 = 8;
+    /// Denied because no rule of the pod admits the protocol and port, whatever the peer (also
+    /// counted as denied above; the rest of the denials are peers outside the admitted sets).
+    pub const NO_PORT_MATCH: u32 = 8;
     /// An allowed new flow could not be tracked (the packet still passes; the next retries).
     pub const CT_INSERT_FAILED: u32 = 9;
     /// New flow to a pod sent by its own node (kubelet probes, hostNetwork pods): passed
@@ -244,7 +207,7 @@ pub mod pol_stat {
         "allowed",
         "denied_ingress",
         "denied_egress",
-        "rule_limit_denied",
+        "no_port_match",
         "ct_insert_failed",
         "node_exempt",
     ];
@@ -257,8 +220,8 @@ mod user {
     // `pad` field, so any byte pattern is a valid value.
     unsafe impl aya::Pod for PolicyPodKeyV4 {}
     unsafe impl aya::Pod for PolicyPodValue {}
-    unsafe impl aya::Pod for PolicyRuleKey {}
-    unsafe impl aya::Pod for PolicyRuleValue {}
+    unsafe impl aya::Pod for PolicyPortKey {}
+    unsafe impl aya::Pod for PolicyPortValue {}
     unsafe impl aya::Pod for PeerPrefixV4 {}
     unsafe impl aya::Pod for PolicyCtKeyV4 {}
     unsafe impl aya::Pod for PolicyCtValue {}
@@ -276,35 +239,13 @@ mod tests {
     fn layouts_have_no_implicit_padding() {
         assert_eq!(size_of::<PolicyPodKeyV4>(), 8);
         assert_eq!(size_of::<PolicyPodValue>(), 8);
-        assert_eq!(size_of::<PolicyRuleKey>(), 8);
-        assert_eq!(size_of::<PolicyPortRange>(), 6);
-        assert_eq!(size_of::<PolicyRuleValue>(), 8 + 6 * POLICY_PORT_RANGES_PER_RULE);
+        assert_eq!(size_of::<PolicyPortKey>(), 8);
+        assert_eq!(size_of::<PolicyPortValue>(), 4);
         assert_eq!(size_of::<PeerPrefixV4>(), 8);
         assert_eq!(size_of::<PolicyCtKeyV4>(), 16);
         assert_eq!(size_of::<PolicyCtValue>(), 16);
         assert_eq!(size_of::<PolicyPodKeyV6>(), 20);
         assert_eq!(size_of::<PeerPrefixV6>(), 20);
         assert_eq!(size_of::<PolicyCtKeyV6>(), 40);
-    }
-
-    fn rule(range_count: u8, ranges: &[PolicyPortRange]) -> PolicyRuleValue {
-        let mut value =
-            PolicyRuleValue { peer_set: 1, range_count, pad: [0; 3], ranges: [PolicyPortRange::default(); 8] };
-        value.ranges[..ranges.len()].copy_from_slice(ranges);
-        value
-    }
-
-    #[test]
-    fn ports_match_uses_only_the_counted_ranges_inclusively() {
-        let tcp_80_90 = PolicyPortRange { proto: 6, pad: 0, start: 80, end: 90 };
-        let udp_53 = PolicyPortRange { proto: 17, pad: 0, start: 53, end: 53 };
-        let r = rule(2, &[tcp_80_90, udp_53]);
-        assert!(r.ports_match(6, 80) && r.ports_match(6, 90) && r.ports_match(17, 53));
-        assert!(!r.ports_match(6, 79) && !r.ports_match(6, 91) && !r.ports_match(17, 80) && !r.ports_match(6, 53));
-        // A stale range beyond range_count is ignored.
-        assert!(!rule(1, &[tcp_80_90, udp_53]).ports_match(17, 53));
-        assert!(!rule(0, &[tcp_80_90]).ports_match(6, 80));
-        let all = rule(POLICY_ALL_PORTS, &[]);
-        assert!(all.ports_match(1, 0) && all.ports_match(132, 65535));
     }
 }

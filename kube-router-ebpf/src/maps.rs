@@ -113,8 +113,8 @@ pub fn count(stat: u32) {
 #[map(name = "pol_pods_v4")]
 pub static POLICY_PODS: HashMap<PolicyPodKeyV4, PolicyPodValue> = HashMap::pinned(POLICY_PODS_MAX_ENTRIES, 0);
 
-#[map(name = "pol_rules")]
-pub static POLICY_RULES: HashMap<PolicyRuleKey, PolicyRuleValue> = HashMap::pinned(POLICY_RULES_MAX_ENTRIES, 0);
+#[map(name = "pol_ports")]
+pub static POLICY_PORTS: LpmTrie<PolicyPortKey, PolicyPortValue> = LpmTrie::pinned(POLICY_PORTS_MAX_ENTRIES, 0);
 
 #[map(name = "pol_peers_v4")]
 pub static POLICY_PEERS: LpmTrie<PeerPrefixV4, u8> = LpmTrie::pinned(POLICY_PEERS_MAX_ENTRIES, 0);

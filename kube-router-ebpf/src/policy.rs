@@ -7,7 +7,9 @@
 //! another node), so a pod-to-pod connection on one node passes both checks.
 //!
 //! IPv4 and IPv6 are judged alike, each over its own maps (`pol_pods_v4/v6`, `pol_peers_v4/v6`,
-//! `pol_ct_v4/v6`; `pol_rules` is shared).
+//! `pol_ct_v4/v6`; `pol_ports` is shared). A new flow is judged with two LPM lookups, whatever
+//! the pod's number of policies, rules, peers and ports: its slot's entry for the protocol and
+//! port names the one peer set those ports admit, and the peer is looked up in it.
 //!
 //! Replies are never judged: an allowed new flow is recorded in `pol_ct_v4` under a key
 //! normalised to the local pod (pod, peer, pod port, peer port), which the reply — seen by the
@@ -24,7 +26,7 @@ use crate::{
     events,
     maps::{
         count_policy as count, CONNTRACK, CONNTRACK_V6, POLICY_CONNTRACK, POLICY_CONNTRACK_V6, POLICY_PEERS,
-        POLICY_PEERS_V6, POLICY_PODS, POLICY_PODS_V6, POLICY_RULES,
+        POLICY_PEERS_V6, POLICY_PODS, POLICY_PODS_V6, POLICY_PORTS,
     },
     parsing::{parse_for_policy, parse_for_policy_v6, Flow, Parsed, TCP_FLAG_FIN, TCP_FLAG_RST},
 };
@@ -43,9 +45,10 @@ pub enum VethHook {
 
 enum Verdict {
     Allow,
+    /// The peer is outside the set the ports admit.
     Deny,
-    /// `rule_count` beyond what the bounded loop can read: fail closed.
-    OverRuleLimit,
+    /// No rule admits the protocol and port.
+    NoPortMatch,
 }
 
 /// The per-family maps and keys of the policy check; the logic in [`judge`] is written once.
@@ -212,8 +215,8 @@ fn judge<F: PolicyFamily>(ctx: &TcContext, hook: VethHook, flow: &Flow<F::Addr>)
                 report_drop::<F>(ctx, flow, direction, now);
                 return Ok(TC_ACT_SHOT);
             }
-            Verdict::OverRuleLimit => {
-                count(pol_stat::RULE_LIMIT_DENIED);
+            Verdict::NoPortMatch => {
+                count(pol_stat::NO_PORT_MATCH);
                 count(denied);
                 report_drop::<F>(ctx, flow, direction, now);
                 return Ok(TC_ACT_SHOT);
@@ -260,27 +263,19 @@ fn established<K>(conntrack: &LruHashMap<K, PolicyCtValue>, key: &K, proto: u8, 
     true
 }
 
-/// The reference lookup of `MapEntries::side_allows`: any rule whose ports admit the packet and
-/// whose peer set holds the peer allows it.
+/// The reference lookup of `MapEntries::side_allows`: the longest `pol_ports` entry of the slot
+/// for the protocol and destination port names the peers admitted there.
 #[inline(always)]
 fn evaluate<F: PolicyFamily>(pod: &PolicyPodValue, peer_addr: F::Addr, proto: u8, dst_port: u16) -> Verdict {
-    if pod.rule_count > MAX_RULES_PER_POD {
-        return Verdict::OverRuleLimit;
+    let key = Key::new(
+        POLICY_PORT_FULL_BITS,
+        PolicyPortKey { slot_be: pod.slot.to_be(), proto, port: dst_port.to_be_bytes(), pad: 0 },
+    );
+    match POLICY_PORTS.get(&key) {
+        None => Verdict::NoPortMatch,
+        Some(ports) if F::peer_in_set(ports.peer_set, peer_addr) => Verdict::Allow,
+        Some(_) => Verdict::Deny,
     }
-    for rule_index in 0..MAX_RULES_PER_POD {
-        if rule_index >= pod.rule_count {
-            break;
-        }
-        let key = PolicyRuleKey { slot: pod.slot, rule_index };
-        // SAFETY: read-only use of a map value within this run.
-        let Some(rule) = (unsafe { POLICY_RULES.get(key) }) else {
-            continue;
-        };
-        if rule.ports_match(proto, dst_port) && F::peer_in_set(rule.peer_set, peer_addr) {
-            return Verdict::Allow;
-        }
-    }
-    Verdict::Deny
 }
 
 /// A drop for `kube-router monitor` (nothing unless one listens).

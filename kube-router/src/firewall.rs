@@ -18,7 +18,6 @@ use k8s_openapi::api::{
     core::v1::{Namespace, Pod},
     networking::v1::NetworkPolicy,
 };
-use kube_router_common::MAX_RULES_PER_POD;
 
 use crate::{
     bpf::policy_maps::{apply_diff, decode, BpfPolicyMaps, PolicyMaps},
@@ -81,7 +80,7 @@ impl FirewallController {
         let programmed = decode(&contents).context("decoding the programmed policy maps")?;
         tracing::info!(
             pod_entries = programmed.pod_slots.len(),
-            rules = programmed.slot_rules.len(),
+            port_entries = programmed.slot_ports.len(),
             peer_prefixes = programmed.peer_prefixes.len(),
             "adopted programmed network policy"
         );
@@ -135,7 +134,7 @@ impl FirewallController {
                 compiler
             }
             None => {
-                let options = CompileOptions { max_rules_per_pod: MAX_RULES_PER_POD as usize };
+                let options = CompileOptions::default();
                 let compiler =
                     PolicyCompiler::from_snapshot(&values(&pods), &values(&namespaces), &values(&policies), options);
                 self.seen = Seen { pods, namespaces, policies };
@@ -143,7 +142,6 @@ impl FirewallController {
             }
         };
         let policy_errors = compiler.policy_errors();
-        let rule_limit_errors = compiler.rule_limit_errors();
         let mut model = compiler.model().clone();
         model.pods.retain(|ip, _| local.contains(ip));
         let mut broken = BTreeSet::new();
@@ -156,9 +154,6 @@ impl FirewallController {
             broken.insert(id);
         }
         self.reported = broken;
-        for error in &rule_limit_errors {
-            tracing::warn!(?error, "pod over the rule limit: denied in that direction (fail closed)");
-        }
         // The first time, take over the ids a previous agent left, so a restart writes nothing.
         let wanted = if self.adopted {
             self.flattener.flatten(&model)
@@ -169,11 +164,11 @@ impl FirewallController {
         let mut diff = self.programmed.diff(&wanted);
         if !complete {
             diff.pod_slots.deletes.clear();
-            diff.slot_rules.deletes.clear();
+            diff.slot_ports.deletes.clear();
             diff.peer_prefixes.deletes.clear();
         }
         let report = apply_diff(&mut self.maps, &diff);
-        let everything_written = report.errors == 0 && report.unencodable == 0;
+        let everything_written = report.errors == 0;
         self.programmed = if everything_written {
             // Every write took: the maps now hold the old entries with the diff applied, which
             // is `wanted` itself unless deletions were held back.
@@ -182,7 +177,7 @@ impl FirewallController {
             } else {
                 let mut programmed = std::mem::take(&mut self.programmed);
                 programmed.pod_slots.extend(diff.pod_slots.upserts);
-                programmed.slot_rules.extend(diff.slot_rules.upserts);
+                programmed.slot_ports.extend(diff.slot_ports.upserts);
                 programmed.peer_prefixes.extend(diff.peer_prefixes.upserts);
                 programmed
             }
@@ -224,7 +219,7 @@ impl FirewallController {
             let peers_v6 = self.programmed.peer_prefixes.keys().filter(|k| k.prefix.addr().is_ipv6()).count() as u64;
             m.map_entries.insert(n::POLICY_PODS, self.programmed.pod_slots.len() as u64 - pods_v6);
             m.map_entries.insert(n::POLICY_PODS_V6, pods_v6);
-            m.map_entries.insert(n::POLICY_RULES, self.programmed.slot_rules.len() as u64);
+            m.map_entries.insert(n::POLICY_PORTS, self.programmed.slot_ports.len() as u64);
             m.map_entries.insert(n::POLICY_PEERS, self.programmed.peer_prefixes.len() as u64 - peers_v6);
             m.map_entries.insert(n::POLICY_PEERS_V6, peers_v6);
             m.policy_sync_seconds = Some(started.elapsed().as_secs_f64());

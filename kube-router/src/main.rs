@@ -391,9 +391,9 @@ fn show_policy(cli: &Cli) -> Result<()> {
         );
     }
     println!(
-        "{} isolated pod directions, {} rules, {} peer prefixes",
+        "{} isolated pod directions, {} port entries, {} peer prefixes",
         entries.pod_slots.len(),
-        entries.slot_rules.len(),
+        entries.slot_ports.len(),
         entries.peer_prefixes.len()
     );
     Ok(())

@@ -24,7 +24,7 @@ use kube_router::{
         compile, CompileOptions, CompileOutput, Protocol,
     },
 };
-use kube_router_common::{pol_stat, MAX_RULES_PER_POD};
+use kube_router_common::pol_stat;
 use serde_json::{json, Value};
 
 const TC_ACT_UNSPEC: i32 = -1;
@@ -476,34 +476,69 @@ fn icmp_is_allowed_only_by_rules_without_ports_and_echo_replies_are_tracked() {
 
 // ---- limits, stats and diffs -----------------------------------------------------------------
 
-fn many_blocks(count: usize) -> NetworkPolicy {
-    let from: Vec<Value> = (0..count).map(|i| json!({"ipBlock": {"cidr": format!("10.100.{i}.0/24")}})).collect();
-    policy("x", "blocks", json!({"podSelector": {"matchLabels": {"pod": "a"}}, "ingress": [{"from": from}]}))
+/// Peer `j` of policy `i` in the scale model: 10,000 distinct addresses outside the pods' range.
+fn scale_peer(i: usize, j: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 100 + (i / 250) as u8, (i % 250) as u8, j as u8 + 1)
 }
 
-#[test]
-fn every_rule_up_to_the_limit_is_read_and_one_more_denies_and_counts() {
-    let cluster = Cluster::xyz();
-    let limit = MAX_RULES_PER_POD as usize;
-    let mut loaded = load("limit");
-    let report = loaded.program(&cluster.compile(&[many_blocks(limit)]));
-    assert_eq!(report.over_rule_limit, 0);
-    // One source in each block: whatever order the rules are in, index 63 gets read too.
-    for i in 0..limit {
-        assert!(loaded.connect(packet::TCP, Ipv4Addr::new(10, 100, i as u8, 9), ip(0, 0), 80).1, "rule for block {i}");
-    }
-    assert!(!loaded.connect(packet::TCP, Ipv4Addr::new(10, 101, 0, 9), ip(0, 0), 80).1);
+/// Ports of policy `i`: one of 100 ranges of 5 ports.
+fn scale_ports(i: usize) -> (u16, u16) {
+    let start = 1000 + (i % 100) as u16 * 10;
+    (start, start + 4)
+}
 
-    let report = loaded.program(&cluster.compile(&[many_blocks(limit + 1)]));
-    assert_eq!(report.over_rule_limit, 2, "x/a ingress (IPv4 and IPv6) is written with {} rules", limit + 1);
+/// A pod selected by 1,000 policies of 10 peers each on 100 port ranges (layout 2 allowed 64
+/// rules per pod and denied everything beyond): the kernel's verdicts equal the compiler's on a
+/// probe matrix, with no limit.
+#[test]
+fn a_pod_under_a_thousand_policies_is_judged_exactly() {
+    let policies: Vec<NetworkPolicy> = (0..1000)
+        .map(|i| {
+            let from: Vec<Value> = (0..10).map(|j| json!({"ipBlock": {"cidr": format!("{}/32", scale_peer(i, j))}})).collect();
+            let (start, end) = scale_ports(i);
+            policy(
+                "x",
+                &format!("p{i}"),
+                json!({"podSelector": {"matchLabels": {"pod": "a"}},
+                       "ingress": [{"from": from, "ports": [{"port": start, "endPort": end}]}]}),
+            )
+        })
+        .collect();
+    let mut loaded = load("scale");
+    let output = Cluster::xyz().compile(&policies);
+    let report = loaded.program(&output);
+    assert_eq!(report.errors, 0);
+    let pod = ip(0, 0);
     let before = loaded.stats();
-    let source = Ipv4Addr::new(10, 100, 0, 9);
-    assert!(loaded.programmed.allows(IpAddr::V4(source), IpAddr::V4(ip(0, 0)), Protocol::Tcp, 80));
-    assert!(!loaded.connect(packet::TCP, source, ip(0, 0), 80).1, "over the limit: fail closed");
-    assert!(loaded.connect(packet::TCP, source, ip(0, 1), 80).1, "x/b is not selected");
+    let (mut allowed, mut denied, mut probes) = (0, 0, 0);
+    for i in (0..1000).step_by(37) {
+        for j in [0, 9] {
+            let peer = scale_peer(i, j);
+            let (own, _) = scale_ports(i);
+            let (other, _) = scale_ports(i + 1);
+            for port in [own, own + 4, own + 5, other, 999, 2000] {
+                let expected = allows(&output.model, IpAddr::V4(peer), IpAddr::V4(pod), Protocol::Tcp, port);
+                assert_eq!(loaded.connect(packet::TCP, peer, pod, port).1, expected, "policy {i} peer {peer} port {port}");
+                assert_eq!(expected, port == own || port == own + 4, "the model itself: {peer}:{port}");
+                if expected {
+                    allowed += 1;
+                } else {
+                    denied += 1;
+                }
+                probes += 1;
+            }
+        }
+    }
+    // A pod address outside every peer list, on an admitted port; and x/b is not selected.
+    assert!(!loaded.connect(packet::TCP, Ipv4Addr::new(10, 99, 0, 1), pod, 1000).1);
+    assert!(loaded.connect(packet::TCP, scale_peer(0, 0), ip(0, 1), 2000).1);
+    let sampled = (0..1000).step_by(37).count();
+    assert_eq!((probes, allowed, denied), (sampled * 2 * 6, sampled * 2 * 2, sampled * 2 * 4));
     let after = loaded.stats();
-    assert_eq!(after[pol_stat::RULE_LIMIT_DENIED as usize] - before[pol_stat::RULE_LIMIT_DENIED as usize], 1);
-    assert_eq!(after[pol_stat::DENIED_INGRESS as usize] - before[pol_stat::DENIED_INGRESS as usize], 1);
+    let delta = |stat: u32| after[stat as usize] - before[stat as usize];
+    // Ports 999 and 2000 (and own + 5 for the last range) are admitted by no rule.
+    assert_eq!(delta(pol_stat::DENIED_INGRESS), (sampled * 2 * 4 + 1) as u64);
+    assert!(delta(pol_stat::NO_PORT_MATCH) >= (sampled * 2 * 2) as u64, "{}", delta(pol_stat::NO_PORT_MATCH));
 }
 
 #[test]
@@ -530,9 +565,10 @@ fn a_change_to_one_pod_writes_only_its_entries() {
     );
     let output = cluster.compile(&[base, only_a]);
     let report = loaded.program(&output);
-    // x/a's pod entries (both families), its new slot's 2 rules, z's 3 + 3 prefixes for the new
-    // peer set.
-    assert_eq!((report.puts, report.deletes), (10, 0), "{report:?}");
+    // x/a's pod entries (both families), its new slot's 2 port entries (every port: y; TCP 80: y
+    // and z, merged into one set), the merged set's 6 + 6 prefixes (y's and z's pods, both
+    // families).
+    assert_eq!((report.puts, report.deletes), (16, 0), "{report:?}");
     let after = maps.read_all().unwrap();
     let x_a = kube_router_common::PolicyPodKeyV4 {
         addr: u32::from_ne_bytes(ip(0, 0).octets()),
@@ -544,7 +580,7 @@ fn a_change_to_one_pod_writes_only_its_entries() {
     let mut expected = before.pods.clone();
     expected.remove(&x_a);
     assert_eq!(untouched, expected, "other pods' entries are byte-identical");
-    assert!(before.rules.iter().all(|(k, v)| after.rules.get(k) == Some(v)), "old rules untouched");
+    assert!(before.ports.iter().all(|(k, v)| after.ports.get(k) == Some(v)), "old port entries untouched");
     assert!(before.peers.iter().all(|(k, v)| after.peers.get(k) == Some(v)), "old prefixes untouched");
     assert_eq!(decode(&after).unwrap(), loaded.programmed, "the maps hold exactly the flattened entries");
     for ipv6 in [false, true] {
@@ -585,17 +621,17 @@ fn traffic_that_is_not_judged_passes_and_is_counted() {
 fn a_policy_map_with_another_layout_is_refused() {
     let pin_dir = PathBuf::from("/sys/fs/bpf/krt-pol-test-layout");
     let _ = datapath::remove_all(&pin_dir);
-    let path = kube_router::bpf::pinned_map(&pin_dir, "pol_rules");
+    let path = kube_router::bpf::pinned_map(&pin_dir, "pol_pods_v4");
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
     let created = std::process::Command::new("bpftool")
         .args(["map", "create", path.to_str().unwrap(), "type", "hash", "key", "8", "value", "40"])
-        .args(["entries", "16", "name", "pol_rules"])
+        .args(["entries", "16", "name", "pol_pods_v4"])
         .status()
         .unwrap();
     assert!(created.success());
     let message = format!("{:#}", Datapath::load(&pin_dir).err().expect("must refuse"));
     assert!(
-        message.contains("pol_rules") && message.contains("value=40B") && message.contains("value=56B"),
+        message.contains("pol_pods_v4") && message.contains("value=40B") && message.contains("value=8B"),
         "{message}"
     );
     let _ = datapath::remove_all(&pin_dir);

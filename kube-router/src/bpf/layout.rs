@@ -41,10 +41,11 @@ pub const SERVICE_MAPS: [MapSpec; 21] = [
     spec::<ServiceKeyV6, ServiceStats>(svc_stats_map_names::SVC_STATS_V6, MapType::PerCpuHash, SVC_STATS_MAX_ENTRIES),
 ];
 
-/// The NetworkPolicy maps. `pol_peers_v4/v6` keys are aya's LPM `Key` (u32 prefix length + data).
+/// The NetworkPolicy maps. `pol_ports` and `pol_peers_v4/v6` keys are aya's LPM `Key` (u32 prefix
+/// length + data).
 pub const POLICY_MAPS: [MapSpec; 8] = [
     spec::<PolicyPodKeyV4, PolicyPodValue>(map_names::POLICY_PODS, MapType::Hash, POLICY_PODS_MAX_ENTRIES),
-    spec::<PolicyRuleKey, PolicyRuleValue>(map_names::POLICY_RULES, MapType::Hash, POLICY_RULES_MAX_ENTRIES),
+    spec::<Key<PolicyPortKey>, PolicyPortValue>(map_names::POLICY_PORTS, MapType::LpmTrie, POLICY_PORTS_MAX_ENTRIES),
     spec::<Key<PeerPrefixV4>, u8>(map_names::POLICY_PEERS, MapType::LpmTrie, POLICY_PEERS_MAX_ENTRIES),
     spec::<PolicyCtKeyV4, PolicyCtValue>(map_names::POLICY_CONNTRACK, MapType::LruHash, POLICY_CONNTRACK_MAX_ENTRIES),
     spec::<u32, u64>(map_names::POLICY_STATS, MapType::PerCpuArray, pol_stat::COUNT),

@@ -1,80 +1,67 @@
 //! Upgrading the pinned maps from the previous layout without dropping a connection.
 //!
-//! Layout 1 pinned its maps directly in the bpf root; from layout 2 on they live in `v<N>/`. An
-//! agent finding layout-1 maps (the root `meta` says 1) creates its own maps beside them, copies
-//! the state that must survive — Service frontends, slots and backends (so traffic is served
-//! before the first sync), conntrack (translated to the new entry format), session affinity,
-//! NetworkPolicy entries and policy conntrack — swaps the programs through the pinned links
-//! (each `bpf_link_update` is atomic), copies what the old programs wrote in the meantime, and
-//! only then removes the old maps. In their place it leaves a tombstone map the old agent's
-//! layout check refuses, so starting the old version again (a downgrade) stops with an error
-//! instead of replacing the programs with ones over empty maps.
+//! Each layout's maps are pinned in `v<N>/`. An agent finding the previous layout's directory
+//! (`v2/`) loads its object, which creates its own maps in `v3/`, then copies the state that must
+//! survive: every map both layouts have with the same shape, byte for byte (Service frontends,
+//! slots and backends so traffic is served before the first sync, conntrack and NAT state,
+//! session affinity, NetworkPolicy pods, peers and conntrack, socket-LB state, counters), and
+//! what changed shape converted: layout 3 judges a policy through a port index (`pol_ports`)
+//! instead of scanning a pod's rules (`pol_rules`, at most 64), so the index is built from the
+//! old rules, with the merged peer sets it needs written under new ids. It swaps the programs
+//! through the pinned links (each `bpf_link_update` is atomic), copies what the old programs
+//! wrote in the meantime, and only then removes `v2/`. A layout-2 agent started afterwards
+//! refuses to run over the newer maps (it finds `v3/`), leaving the programs alone.
+//!
+//! Layout 1 (maps pinned in the bpf root) is not upgraded directly: run a layout-2 release first.
 use std::{
+    collections::{BTreeMap, BTreeSet},
     fs,
-    os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
+    os::fd::{AsFd, AsRawFd},
     path::{Path, PathBuf},
 };
 
 use anyhow::{bail, Context, Result};
-use aya::maps::{lpm_trie::Key, Array, HashMap, LpmTrie, Map, MapData, MapType};
+use aya::maps::{HashMap, Map, MapData, MapType};
 use kube_router_common::*;
 
 use super::maps_dir;
+use crate::policy::{
+    bpf_maps::{port_index, union_prefixes, MapEntries, PeerPrefixKey, PeerSetId, SlotId, SlotPortKey},
+    PortRange,
+};
 
-/// Layout 1's map names (all pinned in the bpf root).
-mod v1 {
-    pub const META: &str = "meta";
-    pub const SERVICES: &str = "svc_v4";
-    pub const BACKEND_SLOTS: &str = "svc_slots_v4";
-    pub const BACKENDS: &str = "backends_v4";
-    pub const CONNTRACK: &str = "ct_v4";
-    pub const AFFINITY: &str = "affinity_v4";
-    pub const POLICY_PODS: &str = "pol_pods_v4";
+/// Layout 2's maps that layout 3 does not have, and their types.
+mod v2 {
+    pub const DIR: &str = "v2";
     pub const POLICY_RULES: &str = "pol_rules";
-    pub const POLICY_PEERS: &str = "pol_peers_v4";
-    pub const POLICY_CONNTRACK: &str = "pol_ct_v4";
-    /// Every map layout 1 pinned.
-    pub const ALL: [&str; 12] = [
-        META,
-        SERVICES,
-        BACKEND_SLOTS,
-        BACKENDS,
-        CONNTRACK,
-        AFFINITY,
-        "lb_stats",
-        POLICY_PODS,
-        POLICY_RULES,
-        POLICY_PEERS,
-        POLICY_CONNTRACK,
-        "pol_stats",
-    ];
-
-    /// Layout 1's conntrack value: one rewrite target (destination of a forward entry, source
-    /// of a reverse one).
+    /// `pol_rules` key: rule `rule_index` of `slot`.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    pub struct PolicyRuleKey {
+        pub slot: u32,
+        pub rule_index: u32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct PolicyPortRange {
+        pub proto: u8,
+        pub pad: u8,
+        pub start: u16,
+        pub end: u16,
+    }
+    /// `range_count` meaning every protocol and port.
+    pub const ALL_PORTS: u8 = 0xff;
     #[repr(C)]
     #[derive(Clone, Copy, Debug)]
-    pub struct CtValue {
-        pub last_seen_ns: u64,
-        pub nat_addr: u32,
-        pub nat_port: u16,
-        pub flags: u8,
-        pub pad: u8,
-        pub service_id: u32,
-        pub backend_id: u32,
+    pub struct PolicyRuleValue {
+        pub peer_set: u32,
+        pub range_count: u8,
+        pub pad: [u8; 3],
+        pub ranges: [PolicyPortRange; 8],
     }
-    // SAFETY: repr(C), integers only, no implicit padding (24 bytes).
-    unsafe impl aya::Pod for CtValue {}
-
-    pub const CT_FLAG_FORWARD: u8 = 1;
-    pub const CT_FLAG_REVERSE: u8 = 2;
-    pub const CT_FLAG_CLOSING: u8 = 4;
-}
-
-/// The layout the maps in the bpf root have, if any (layout 1 left its version in `meta`).
-fn root_layout(pin_dir: &Path) -> Option<u32> {
-    let meta = MapData::from_pin(pin_dir.join(v1::META)).ok()?;
-    let meta: Array<MapData, u32> = Array::try_from(Map::Array(meta)).ok()?;
-    meta.get(&META_LAYOUT_VERSION, 0).ok()
+    // SAFETY: repr(C), integers only, every gap an explicit `pad` field.
+    unsafe impl aya::Pod for PolicyRuleKey {}
+    unsafe impl aya::Pod for PolicyRuleValue {}
 }
 
 /// Refuses to run over maps of a newer layout than ours: the newer agent's programs keep running.
@@ -95,6 +82,13 @@ pub fn refuse_downgrade(pin_dir: &Path) -> Result<()> {
             newer.join(", ")
         );
     }
+    if pin_dir.join(map_names::META).exists() {
+        bail!(
+            "{} holds maps of layout 1 (pinned in the bpf root): this agent upgrades from layout 2 only; \
+             run a layout-2 release first, or `kube-router cleanup` to start over",
+            pin_dir.display()
+        );
+    }
     Ok(())
 }
 
@@ -105,183 +99,157 @@ pub struct Upgrade {
     pub copied: usize,
 }
 
-/// Starts an upgrade if the root holds layout-1 maps: copies their state into ours (first pass;
-/// entries ours already has are kept). `None` when there is nothing to upgrade.
+/// Starts an upgrade if the previous layout's maps are pinned: copies their state into ours
+/// (first pass; entries ours already has are kept) and builds the policy port index from the
+/// old rules. `None` when there is nothing to upgrade.
 pub fn start(pin_dir: &Path) -> Result<Option<Upgrade>> {
-    match root_layout(pin_dir) {
-        None => Ok(None),
-        Some(1) => {
-            let copied = copy_from_v1(pin_dir).context("copying state from layout 1")?;
-            tracing::info!(copied, "upgrading pinned maps from layout 1: state copied, programs swap next");
-            Ok(Some(Upgrade { pin_dir: pin_dir.to_path_buf(), copied }))
-        }
-        Some(other) => bail!("the bpf root holds maps of unknown layout {other}; refusing to touch them"),
+    let old = pin_dir.join(v2::DIR);
+    if !old.exists() {
+        return Ok(None);
     }
+    let mut copied = copy_shared(&old, &maps_dir(pin_dir), true).context("copying state from layout 2")?;
+    copied += convert_policy_rules(&old, pin_dir).context("indexing layout 2's policy rules by port")?;
+    tracing::info!(copied, "upgrading pinned maps from layout 2: state copied, programs swap next");
+    Ok(Some(Upgrade { pin_dir: pin_dir.to_path_buf(), copied }))
 }
 
 impl Upgrade {
     /// After every link runs the new programs: copies what the old ones wrote since the first
-    /// pass, removes the old maps, and leaves the tombstone that stops a downgrade.
+    /// pass (conntrack, NAT, affinity), then removes the old maps.
     pub fn finish(self) -> Result<usize> {
-        let late = copy_from_v1(&self.pin_dir).context("copying state written during the swap")?;
-        for name in v1::ALL {
-            let path = self.pin_dir.join(name);
-            if path.exists() {
-                fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
-            }
-        }
-        pin_tombstone(&self.pin_dir.join(v1::SERVICES)).context("pinning the downgrade tombstone")?;
-        tracing::info!(copied = self.copied + late, "upgrade from layout 1 complete; old maps removed");
+        let old = self.pin_dir.join(v2::DIR);
+        let late = copy_shared(&old, &maps_dir(&self.pin_dir), false).context("copying state written during the swap")?;
+        fs::remove_dir_all(&old).with_context(|| format!("removing {}", old.display()))?;
+        tracing::info!(copied = self.copied + late, "upgrade from layout 2 complete; old maps removed");
         Ok(late)
     }
 }
 
-fn open_root(pin_dir: &Path, name: &str) -> Result<MapData> {
-    MapData::from_pin(pin_dir.join(name)).with_context(|| format!("opening {name} of layout 1"))
-}
-
-fn open_ours(pin_dir: &Path, name: &str) -> Result<MapData> {
-    MapData::from_pin(maps_dir(pin_dir).join(name)).with_context(|| format!("opening our {name}"))
-}
-
-/// Copies (converting) the entries absent from `to`; returns how many.
-fn copy_missing<K: aya::Pod + Eq + std::hash::Hash, From: aya::Pod, To: aya::Pod>(
-    from: &HashMap<MapData, K, From>,
-    to: &mut HashMap<MapData, K, To>,
-    convert: impl Fn(&K, From) -> To,
-) -> Result<usize> {
-    let existing: std::collections::HashSet<K> = to.keys().filter_map(Result::ok).collect();
+/// Copies every map pinned in `from` that `to` has with the same type, key and value size.
+/// Hash maps and tries get the entries they lack; arrays (configuration, counters) are copied
+/// whole on the first pass only, before the agent writes its own. Returns entries copied.
+fn copy_shared(from: &Path, to: &Path, first_pass: bool) -> Result<usize> {
     let mut copied = 0;
-    for entry in from.iter() {
+    for entry in fs::read_dir(from).with_context(|| format!("listing {}", from.display()))? {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let target = to.join(&name);
+        if name == map_names::META || !target.exists() {
+            continue;
+        }
+        let (Ok(old), Ok(new)) = (MapData::from_pin(entry.path()), MapData::from_pin(&target)) else {
+            continue;
+        };
+        let (old_info, new_info) = (old.info()?, new.info()?);
+        let same_shape = old_info.map_type().ok() == new_info.map_type().ok()
+            && old_info.key_size() == new_info.key_size()
+            && old_info.value_size() == new_info.value_size();
+        if !same_shape {
+            tracing::warn!(map = %name, "map changed shape between layouts without a conversion; its entries are not carried over");
+            continue;
+        }
+        let whole = match new_info.map_type() {
+            Ok(MapType::Array | MapType::PerCpuArray) => true,
+            Ok(
+                MapType::Hash
+                | MapType::LruHash
+                | MapType::PerCpuHash
+                | MapType::LruPerCpuHash
+                | MapType::LpmTrie,
+            ) => false,
+            // Ring buffers and the like hold no state to carry.
+            _ => continue,
+        };
+        if whole && !first_pass {
+            continue;
+        }
+        let (n, full) = copy_entries(&old, &new, whole).with_context(|| format!("copying {name}"))?;
+        if full {
+            tracing::warn!(map = %name, copied = n, "the new map holds fewer entries than the old one had; the rest are left out");
+        }
+        copied += n;
+    }
+    Ok(copied)
+}
+
+/// Layout 2's `pol_rules` (per slot, a list of (peer set, ports) scanned in order) as layout 3's
+/// port index over the same slots and peer sets, plus the merged sets it needs, under ids no
+/// old entry uses. Pure: the datapath decision over the result equals the old one.
+pub fn ports_from_rules(
+    rules: &BTreeMap<(u32, u32), (u32, Option<Vec<PortRange>>)>,
+    peer_prefixes: &BTreeMap<PeerPrefixKey, crate::policy::bpf_maps::PrefixVerdict>,
+) -> MapEntries {
+    let mut by_set: BTreeMap<u32, BTreeMap<ipnet::IpNet, crate::policy::bpf_maps::PrefixVerdict>> = BTreeMap::new();
+    for (key, verdict) in peer_prefixes {
+        by_set.entry(key.peer_set.0).or_default().insert(key.prefix, *verdict);
+    }
+    let mut slots: BTreeMap<u32, Vec<(u32, Option<&[PortRange]>)>> = BTreeMap::new();
+    for ((slot, _), (peer_set, ports)) in rules {
+        slots.entry(*slot).or_default().push((*peer_set, ports.as_deref()));
+    }
+    let mut next = by_set.keys().chain(slots.keys()).max().copied().unwrap_or(0) + 1;
+    let mut merged: BTreeMap<BTreeSet<u32>, u32> = BTreeMap::new();
+    let mut out = MapEntries::default();
+    let empty = BTreeMap::new();
+    for (slot, slot_rules) in &slots {
+        for (ports, members) in port_index(slot_rules) {
+            let peer_set = match members.iter().collect::<Vec<_>>().as_slice() {
+                [only] => **only,
+                _ => *merged.entry(members.clone()).or_insert_with(|| {
+                    let id = next;
+                    next += 1;
+                    let sets: Vec<_> = members.iter().map(|m| by_set.get(m).unwrap_or(&empty)).collect();
+                    for (prefix, verdict) in union_prefixes(&sets) {
+                        out.peer_prefixes.insert(PeerPrefixKey { peer_set: PeerSetId(id), prefix }, verdict);
+                    }
+                    id
+                }),
+            };
+            out.slot_ports.insert(SlotPortKey { slot: SlotId(*slot), ports }, PeerSetId(peer_set));
+        }
+    }
+    out
+}
+
+/// Reads layout 2's rules and writes the port index (and merged peer sets) into our maps.
+fn convert_policy_rules(old: &Path, pin_dir: &Path) -> Result<usize> {
+    use super::policy_maps::{decode, encode_entries, protocol_from_number, BpfPolicyMaps, PolicyMaps};
+    let rules_path = old.join(v2::POLICY_RULES);
+    if !rules_path.exists() {
+        return Ok(0);
+    }
+    let old_rules: HashMap<MapData, v2::PolicyRuleKey, v2::PolicyRuleValue> =
+        HashMap::try_from(Map::HashMap(MapData::from_pin(&rules_path)?))?;
+    let mut rules = BTreeMap::new();
+    for entry in old_rules.iter() {
         let (key, value) = entry?;
-        if !existing.contains(&key) {
-            to.insert(key, convert(&key, value), 0)?;
-            copied += 1;
-        }
+        let ports = if value.range_count == v2::ALL_PORTS {
+            None
+        } else {
+            let used = value.ranges.get(..usize::from(value.range_count)).unwrap_or(&[]);
+            Some(
+                used.iter()
+                    .filter_map(|r| {
+                        Some(PortRange { protocol: protocol_from_number(r.proto)?, start: r.start, end: r.end })
+                    })
+                    .collect(),
+            )
+        };
+        rules.insert((key.slot, key.rule_index), (value.peer_set, ports));
     }
-    Ok(copied)
-}
-
-fn hash<K: aya::Pod, V: aya::Pod>(data: MapData, lru: bool) -> Result<HashMap<MapData, K, V>> {
-    Ok(HashMap::try_from(if lru { Map::LruHashMap(data) } else { Map::HashMap(data) })?)
-}
-
-/// Conntrack entries of layout 1 in layout 2's form: the whole translated tuple. A flow that
-/// existed before the upgrade counts as answered, so it is never moved off its backend.
-fn convert_ct(key: &CtKeyV4, old: v1::CtValue) -> CtValueV4 {
-    let mut flags = CT_FLAG_SEEN_REPLY;
-    if old.flags & v1::CT_FLAG_CLOSING != 0 {
-        flags |= CT_FLAG_CLOSING;
+    // The peers were copied into our maps by the first pass.
+    let mut maps = BpfPolicyMaps::open_pinned(pin_dir)?;
+    let current = maps.read_all().map_err(|e| anyhow::anyhow!("{}: {}", e.map, e.message))?;
+    let current = decode(&current).context("decoding the copied policy maps")?;
+    let index = ports_from_rules(&rules, &current.peer_prefixes);
+    let contents = encode_entries(&index);
+    let mut written = 0;
+    for op in super::policy_maps::encode_diff(&MapEntries::default().diff(&index)) {
+        maps.write(&op).map_err(|e| anyhow::anyhow!("{}: {}", e.map, e.message))?;
+        written += 1;
     }
-    let (nat_src, nat_dst) = if old.flags & v1::CT_FLAG_REVERSE != 0 {
-        flags |= CT_FLAG_REVERSE;
-        ((old.nat_addr, old.nat_port), (key.dst_addr, key.dst_port))
-    } else {
-        if old.flags & v1::CT_FLAG_FORWARD != 0 {
-            flags |= CT_FLAG_FORWARD;
-        }
-        ((key.src_addr, key.src_port), (old.nat_addr, old.nat_port))
-    };
-    CtValueV4 {
-        last_seen_ns: old.last_seen_ns,
-        nat_src_addr: nat_src.0,
-        nat_dst_addr: nat_dst.0,
-        nat_src_port: nat_src.1,
-        nat_dst_port: nat_dst.1,
-        flags,
-        pad: 0,
-        service_id: old.service_id,
-        backend_id: old.backend_id,
-    }
-}
-
-fn copy_from_v1(pin_dir: &Path) -> Result<usize> {
-    let mut copied = 0;
-    macro_rules! copy_hash {
-        ($name:expr, $key:ty, $value:ty, $lru:expr) => {{
-            if pin_dir.join($name).exists() {
-                let from: HashMap<MapData, $key, $value> = hash(open_root(pin_dir, $name)?, $lru)?;
-                let mut to: HashMap<MapData, $key, $value> = hash(open_ours(pin_dir, $name)?, $lru)?;
-                copied += copy_missing(&from, &mut to, |_, value| value)?;
-            }
-        }};
-    }
-    copy_hash!(v1::SERVICES, ServiceKeyV4, ServiceValue, false);
-    copy_hash!(v1::BACKEND_SLOTS, BackendSlotKey, BackendSlotValue, false);
-    copy_hash!(v1::BACKENDS, u32, BackendV4, false);
-    copy_hash!(v1::AFFINITY, AffinityKeyV4, AffinityValue, true);
-    copy_hash!(v1::POLICY_PODS, PolicyPodKeyV4, PolicyPodValue, false);
-    copy_hash!(v1::POLICY_RULES, PolicyRuleKey, PolicyRuleValue, false);
-    copy_hash!(v1::POLICY_CONNTRACK, PolicyCtKeyV4, PolicyCtValue, true);
-    if pin_dir.join(v1::CONNTRACK).exists() {
-        let from: HashMap<MapData, CtKeyV4, v1::CtValue> = hash(open_root(pin_dir, v1::CONNTRACK)?, true)?;
-        let mut to: HashMap<MapData, CtKeyV4, CtValueV4> = hash(open_ours(pin_dir, v1::CONNTRACK)?, true)?;
-        copied += copy_missing(&from, &mut to, convert_ct)?;
-    }
-    if pin_dir.join(v1::POLICY_PEERS).exists() {
-        let from: LpmTrie<MapData, PeerPrefixV4, u8> =
-            LpmTrie::try_from(Map::LpmTrie(open_root(pin_dir, v1::POLICY_PEERS)?))?;
-        let mut to: LpmTrie<MapData, PeerPrefixV4, u8> =
-            LpmTrie::try_from(Map::LpmTrie(open_ours(pin_dir, v1::POLICY_PEERS)?))?;
-        for entry in from.iter() {
-            let (key, value): (Key<PeerPrefixV4>, u8) = entry?;
-            if to.get(&key, 0).is_err() {
-                to.insert(&key, value, 0)?;
-                copied += 1;
-            }
-        }
-    }
-    Ok(copied)
-}
-
-/// A one-entry hash map with 4-byte keys and values, pinned at `path`: layout 1's check of
-/// `svc_v4` (8-byte keys) fails on it, so a layout-1 agent refuses to start here.
-fn pin_tombstone(path: &Path) -> Result<()> {
-    const BPF_MAP_CREATE: libc::c_long = 0;
-    const BPF_OBJ_PIN: libc::c_long = 6;
-    const BPF_MAP_TYPE_HASH: u32 = 1;
-    #[repr(C)]
-    #[derive(Default)]
-    struct MapCreate {
-        map_type: u32,
-        key_size: u32,
-        value_size: u32,
-        max_entries: u32,
-        map_flags: u32,
-        inner_map_fd: u32,
-        numa_node: u32,
-        map_name: [u8; 16],
-    }
-    #[repr(C)]
-    struct ObjPin {
-        pathname: u64,
-        bpf_fd: u32,
-        file_flags: u32,
-    }
-    let mut name = [0u8; 16];
-    name[..9].copy_from_slice(b"tombstone");
-    let attr = MapCreate {
-        map_type: BPF_MAP_TYPE_HASH,
-        key_size: 4,
-        value_size: 4,
-        max_entries: 1,
-        map_name: name,
-        ..Default::default()
-    };
-    // SAFETY: a valid BPF_MAP_CREATE attribute of the size passed.
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, &attr, std::mem::size_of::<MapCreate>() as u32) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error()).context("BPF_MAP_CREATE");
-    }
-    // SAFETY: the syscall returned a new file descriptor we now own.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())?;
-    let pin = ObjPin { pathname: c_path.as_ptr() as u64, bpf_fd: fd.as_raw_fd() as u32, file_flags: 0 };
-    // SAFETY: a valid BPF_OBJ_PIN attribute; the path outlives the call.
-    if unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_PIN, &pin, std::mem::size_of::<ObjPin>() as u32) } < 0 {
-        return Err(std::io::Error::last_os_error()).with_context(|| format!("pinning {}", path.display()));
-    }
-    Ok(())
+    debug_assert_eq!(written, contents.len());
+    Ok(written)
 }
 
 /// Maps re-created at another size (`--bpf-lb-map-max`, `--bpf-ct-global-max`). The old map
@@ -341,7 +309,7 @@ impl Resize {
             let to = MapData::from_pin(maps_dir(&self.pin_dir).join(name))
                 .with_context(|| format!("opening the resized {name}"))?;
             let (n, full) =
-                copy_absent_entries(&from, &to).with_context(|| format!("copying {name} into its new size"))?;
+                copy_entries(&from, &to, false).with_context(|| format!("copying {name} into its new size"))?;
             if full {
                 tracing::warn!(map = %name, copied = n, "the new size holds fewer entries than the old map had; the rest are left out");
             }
@@ -364,9 +332,10 @@ impl Resize {
     }
 }
 
-/// Copies every entry of `from` absent from `to` (same key and value sizes), byte for byte.
-/// Returns how many, and whether `to` ran out of room (only a plain hash map can).
-fn copy_absent_entries(from: &MapData, to: &MapData) -> Result<(usize, bool)> {
+/// Copies every entry of `from` absent from `to` (same key and value sizes), byte for byte, or
+/// every entry when `overwrite` (arrays, whose entries always exist). Returns how many, and
+/// whether `to` ran out of room (only a plain hash map can).
+fn copy_entries(from: &MapData, to: &MapData, overwrite: bool) -> Result<(usize, bool)> {
     const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
     const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
     const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
@@ -436,7 +405,7 @@ fn copy_absent_entries(from: &MapData, to: &MapData) -> Result<(usize, bool)> {
             pad: 0,
             key: key.as_ptr() as u64,
             value_or_next_key: value.as_ptr() as u64,
-            flags: BPF_NOEXIST,
+            flags: if overwrite { 0 } else { BPF_NOEXIST },
         };
         match bpf(BPF_MAP_UPDATE_ELEM, &update) {
             Ok(()) => copied += 1,
@@ -450,39 +419,60 @@ fn copy_absent_entries(from: &MapData, to: &MapData) -> Result<(usize, bool)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::{bpf_maps::PrefixVerdict, Protocol};
 
     #[test]
-    fn conntrack_entries_keep_their_translation_in_the_new_form() {
-        let client = (u32::from_ne_bytes([10, 1, 0, 7]), 40000u16.to_be());
-        let vip = (u32::from_ne_bytes([10, 96, 0, 10]), 80u16.to_be());
-        let backend = (u32::from_ne_bytes([10, 0, 0, 2]), 8080u16.to_be());
-        let old = |nat: (u32, u16), flags| v1::CtValue {
-            last_seen_ns: 5,
-            nat_addr: nat.0,
-            nat_port: nat.1,
-            flags,
-            pad: 0,
-            service_id: 3,
-            backend_id: 9,
+    fn layout_2_rules_become_a_port_index_that_decides_alike() {
+        let prefix = |set, net: &str| PeerPrefixKey { peer_set: PeerSetId(set), prefix: net.parse().unwrap() };
+        let mut peers = BTreeMap::new();
+        peers.insert(prefix(1, "10.0.0.0/8"), PrefixVerdict::Allow);
+        peers.insert(prefix(1, "10.1.0.0/16"), PrefixVerdict::Deny);
+        peers.insert(prefix(2, "10.1.2.3/32"), PrefixVerdict::Allow);
+        peers.insert(prefix(3, "fd00::/64"), PrefixVerdict::Allow);
+        let tcp = |start, end| PortRange { protocol: Protocol::Tcp, start, end };
+        // Slot 7: set 1 on TCP 80-90, set 2 on TCP 85-100; slot 8: set 3 everywhere, set 2 on UDP 53.
+        let mut rules = BTreeMap::new();
+        rules.insert((7, 0), (1, Some(vec![tcp(80, 90)])));
+        rules.insert((7, 1), (2, Some(vec![tcp(85, 100)])));
+        rules.insert((8, 0), (3, None));
+        rules.insert((8, 1), (2, Some(vec![PortRange::single(Protocol::Udp, 53)])));
+        let index = ports_from_rules(&rules, &peers);
+        let mut entries = index.clone();
+        entries.peer_prefixes.extend(peers.clone());
+        // The old decision: any rule whose ports admit and whose set holds the peer.
+        let old_allows = |slot: u32, peer: &str, protocol: Protocol, port: u16| {
+            let peer = peer.parse().unwrap();
+            rules.iter().filter(|((s, _), _)| *s == slot).any(|(_, (set, ports))| {
+                let ports_ok = ports.as_ref().is_none_or(|r| r.iter().any(|r| r.contains(protocol, port)));
+                ports_ok && entries.peer_set_contains(PeerSetId(*set), peer)
+            })
         };
-        let key = |src: (u32, u16), dst: (u32, u16)| CtKeyV4 {
-            src_addr: src.0,
-            dst_addr: dst.0,
-            src_port: src.1,
-            dst_port: dst.1,
-            proto: 6,
-            pad: [0; 3],
+        let new_allows = |slot: u32, peer: &str, protocol: Protocol, port: u16| {
+            entries
+                .slot_peers(SlotId(slot), protocol, port)
+                .is_some_and(|set| entries.peer_set_contains(set, peer.parse().unwrap()))
         };
-        let forward = convert_ct(&key(client, vip), old(backend, v1::CT_FLAG_FORWARD));
-        assert_eq!((forward.nat_src_addr, forward.nat_src_port), client, "the client stays the source");
-        assert_eq!((forward.nat_dst_addr, forward.nat_dst_port), backend);
-        assert_eq!(forward.flags, CT_FLAG_FORWARD | CT_FLAG_SEEN_REPLY);
-        let reverse = convert_ct(&key(backend, client), old(vip, v1::CT_FLAG_REVERSE | v1::CT_FLAG_CLOSING));
-        assert_eq!((reverse.nat_src_addr, reverse.nat_src_port), vip, "replies come from the frontend");
-        assert_eq!((reverse.nat_dst_addr, reverse.nat_dst_port), client);
-        assert_eq!(reverse.flags, CT_FLAG_REVERSE | CT_FLAG_CLOSING | CT_FLAG_SEEN_REPLY);
-        assert_eq!((reverse.last_seen_ns, reverse.service_id, reverse.backend_id), (5, 3, 9));
-        // The reverse entry's key is what the forward entry's translation looks like reversed.
-        assert_eq!(forward.reverse_key(6), key(backend, client));
+        let mut checked = 0;
+        for slot in [7, 8] {
+            for peer in ["10.0.0.1", "10.1.2.3", "10.1.9.9", "192.0.2.1", "fd00::1", "fd01::1"] {
+                for protocol in [Protocol::Tcp, Protocol::Udp, Protocol::Sctp] {
+                    for port in [1, 53, 79, 80, 84, 85, 90, 91, 100, 101, 65535] {
+                        assert_eq!(
+                            new_allows(slot, peer, protocol, port),
+                            old_allows(slot, peer, protocol, port),
+                            "slot {slot} peer {peer} {protocol} {port}"
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(checked, 2 * 6 * 3 * 11);
+        // TCP 85-90 admits sets 1 and 2: one merged set under a new id, holding 10.1.2.3 although
+        // set 1 carves 10.1.0.0/16 out.
+        let merged = index.slot_peers(SlotId(7), Protocol::Tcp, 86).unwrap();
+        assert!(merged.0 > 8, "a new id: {merged:?}");
+        assert!(entries.peer_set_contains(merged, "10.1.2.3".parse().unwrap()));
+        assert!(!entries.peer_set_contains(merged, "10.1.2.4".parse().unwrap()));
     }
 }

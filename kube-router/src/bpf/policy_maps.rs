@@ -1,11 +1,11 @@
-//! The pinned NetworkPolicy maps (`pol_pods_v4/v6`, `pol_rules`, `pol_peers_v4/v6`,
+//! The pinned NetworkPolicy maps (`pol_pods_v4/v6`, `pol_ports`, `pol_peers_v4/v6`,
 //! `pol_ct_v4/v6`, `pol_stats`): encoding of the compiler's [`MapEntries`] / [`MapDiff`] into their byte layouts,
 //! a writer that applies a diff in an order that never leaves the datapath following a dangling
 //! id, and readers for dumps, stats and conntrack GC.
 //!
 //! The maps are created and pinned by [`super::datapath::Datapath::load`] (they are part of the
 //! datapath object); this module only opens them. Pods and prefixes go to the map of their
-//! address family; rules are shared.
+//! address family; port entries are shared.
 use std::{
     collections::BTreeMap,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
@@ -24,10 +24,10 @@ use super::service_maps::{monotonic_now_ns, write_error};
 use crate::{
     policy::{
         bpf_maps::{
-            MapDiff, MapEntries, PeerPrefixKey, PeerSetId, PodSlotKey, PodSlotValue, PrefixVerdict, SlotId,
-            SlotRuleKey, SlotRuleValue,
+            MapDiff, MapEntries, PeerPrefixKey, PeerSetId, PodSlotKey, PodSlotValue, PortPrefix, PrefixVerdict,
+            SlotId, SlotPortKey,
         },
-        Direction, PortRange, Protocol,
+        Direction, Protocol,
     },
     services::sync::MapWriteError,
 };
@@ -67,6 +67,23 @@ impl PeerKeyV6 {
     }
 }
 
+/// A `pol_ports` key as stored (see [`PeerKeyV4`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PortKey {
+    pub prefix_len: u32,
+    pub data: PolicyPortKey,
+}
+
+impl PortKey {
+    fn to_lpm(self) -> Key<PolicyPortKey> {
+        Key::new(self.prefix_len, self.data)
+    }
+
+    fn from_lpm(key: &Key<PolicyPortKey>) -> Self {
+        PortKey { prefix_len: key.prefix_len(), data: key.data() }
+    }
+}
+
 /// A pod direction key of either family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PodKey {
@@ -85,10 +102,10 @@ pub enum PeerKey {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PolicyMapOp {
     PutPeerPrefix(PeerKey, u8),
-    PutRule(PolicyRuleKey, PolicyRuleValue),
+    PutPort(PortKey, PolicyPortValue),
     PutPod(PodKey, PolicyPodValue),
     DeletePod(PodKey),
-    DeleteRule(PolicyRuleKey),
+    DeletePort(PortKey),
     DeletePeerPrefix(PeerKey),
 }
 
@@ -101,14 +118,14 @@ impl PolicyMapOp {
             PolicyMapOp::PutPeerPrefix(PeerKey::V6(_), _) | PolicyMapOp::DeletePeerPrefix(PeerKey::V6(_)) => {
                 map_names::POLICY_PEERS_V6
             }
-            PolicyMapOp::PutRule(..) | PolicyMapOp::DeleteRule(_) => map_names::POLICY_RULES,
+            PolicyMapOp::PutPort(..) | PolicyMapOp::DeletePort(_) => map_names::POLICY_PORTS,
             PolicyMapOp::PutPod(PodKey::V4(_), _) | PolicyMapOp::DeletePod(PodKey::V4(_)) => map_names::POLICY_PODS,
             PolicyMapOp::PutPod(PodKey::V6(_), _) | PolicyMapOp::DeletePod(PodKey::V6(_)) => map_names::POLICY_PODS_V6,
         }
     }
 
     pub fn is_delete(&self) -> bool {
-        matches!(self, PolicyMapOp::DeletePod(_) | PolicyMapOp::DeleteRule(_) | PolicyMapOp::DeletePeerPrefix(_))
+        matches!(self, PolicyMapOp::DeletePod(_) | PolicyMapOp::DeletePort(_) | PolicyMapOp::DeletePeerPrefix(_))
     }
 }
 
@@ -116,7 +133,7 @@ impl PolicyMapOp {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PolicyMapContents {
     pub pods: BTreeMap<PolicyPodKeyV4, PolicyPodValue>,
-    pub rules: BTreeMap<PolicyRuleKey, PolicyRuleValue>,
+    pub ports: BTreeMap<PortKey, PolicyPortValue>,
     pub peers: BTreeMap<PeerKeyV4, u8>,
     pub pods_v6: BTreeMap<PolicyPodKeyV6, PolicyPodValue>,
     pub peers_v6: BTreeMap<PeerKeyV6, u8>,
@@ -124,7 +141,7 @@ pub struct PolicyMapContents {
 
 impl PolicyMapContents {
     pub fn len(&self) -> usize {
-        self.pods.len() + self.rules.len() + self.peers.len() + self.pods_v6.len() + self.peers_v6.len()
+        self.pods.len() + self.ports.len() + self.peers.len() + self.pods_v6.len() + self.peers_v6.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -135,12 +152,12 @@ impl PolicyMapContents {
         match op {
             PolicyMapOp::PutPeerPrefix(PeerKey::V4(k), v) => drop(self.peers.insert(*k, *v)),
             PolicyMapOp::PutPeerPrefix(PeerKey::V6(k), v) => drop(self.peers_v6.insert(*k, *v)),
-            PolicyMapOp::PutRule(k, v) => drop(self.rules.insert(*k, *v)),
+            PolicyMapOp::PutPort(k, v) => drop(self.ports.insert(*k, *v)),
             PolicyMapOp::PutPod(PodKey::V4(k), v) => drop(self.pods.insert(*k, *v)),
             PolicyMapOp::PutPod(PodKey::V6(k), v) => drop(self.pods_v6.insert(*k, *v)),
             PolicyMapOp::DeletePod(PodKey::V4(k)) => drop(self.pods.remove(k)),
             PolicyMapOp::DeletePod(PodKey::V6(k)) => drop(self.pods_v6.remove(k)),
-            PolicyMapOp::DeleteRule(k) => drop(self.rules.remove(k)),
+            PolicyMapOp::DeletePort(k) => drop(self.ports.remove(k)),
             PolicyMapOp::DeletePeerPrefix(PeerKey::V4(k)) => drop(self.peers.remove(k)),
             PolicyMapOp::DeletePeerPrefix(PeerKey::V6(k)) => drop(self.peers_v6.remove(k)),
         }
@@ -165,12 +182,6 @@ impl PolicyMaps for PolicyMapContents {
 }
 
 // ---- encoding -------------------------------------------------------------------------------
-
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum EncodeError {
-    #[error("rule has {0} port ranges; one pol_rules value holds {POLICY_PORT_RANGES_PER_RULE}")]
-    TooManyRanges(usize),
-}
 
 fn direction_code(direction: Direction) -> u8 {
     match direction {
@@ -198,34 +209,19 @@ pub fn encode_pod_value(value: &PodSlotValue) -> PolicyPodValue {
     PolicyPodValue { slot: value.slot.0, rule_count: value.rule_count }
 }
 
-pub fn encode_rule_key(key: &SlotRuleKey) -> PolicyRuleKey {
-    PolicyRuleKey { slot: key.slot.0, rule_index: key.rule_index }
-}
-
-/// Packs a rule: `ports: None` becomes [`POLICY_ALL_PORTS`]; ranges keep their order, unused
-/// slots stay zero (protocol 0 never matches a packet).
-pub fn encode_rule_value(value: &SlotRuleValue) -> Result<PolicyRuleValue, EncodeError> {
-    let mut packed = PolicyRuleValue {
-        peer_set: value.peer_set.0,
-        range_count: POLICY_ALL_PORTS,
-        pad: [0; 3],
-        ranges: [PolicyPortRange::default(); POLICY_PORT_RANGES_PER_RULE],
-    };
-    if let Some(ranges) = &value.ports {
-        if ranges.len() > POLICY_PORT_RANGES_PER_RULE {
-            return Err(EncodeError::TooManyRanges(ranges.len()));
+/// The LPM key of a port entry: the slot (big-endian), then the protocol, then the port's
+/// leading bits.
+pub fn encode_port_key(key: &SlotPortKey) -> PortKey {
+    let slot_be = key.slot.0.to_be();
+    match key.ports {
+        PortPrefix::AllProtocols => {
+            PortKey { prefix_len: POLICY_PORT_SLOT_BITS, data: PolicyPortKey { slot_be, proto: 0, port: [0; 2], pad: 0 } }
         }
-        packed.range_count = ranges.len() as u8;
-        for (slot, range) in packed.ranges.iter_mut().zip(ranges) {
-            *slot = PolicyPortRange {
-                proto: range.protocol.ip_protocol_number(),
-                pad: 0,
-                start: range.start,
-                end: range.end,
-            };
-        }
+        PortPrefix::Ports { protocol, start, bits } => PortKey {
+            prefix_len: POLICY_PORT_PROTO_BITS + u32::from(bits),
+            data: PolicyPortKey { slot_be, proto: protocol.ip_protocol_number(), port: start.to_be_bytes(), pad: 0 },
+        },
     }
-    Ok(packed)
 }
 
 /// The LPM key of a peer prefix: the peer-set id (big-endian) is matched in full before the
@@ -251,48 +247,30 @@ pub fn encode_verdict(verdict: PrefixVerdict) -> u8 {
     }
 }
 
-/// Encoded ops for a diff, in write order, and what could not be encoded.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct EncodedDiff {
-    pub ops: Vec<PolicyMapOp>,
-    /// Rules that could not be packed (more ranges than a value holds; the flattener never
-    /// produces them). Their pods fail closed: a missing rule matches nothing.
-    pub unencodable: u64,
-    /// Pod directions written with `rule_count` > [`MAX_RULES_PER_POD`]: the datapath denies
-    /// them (fail closed) and counts `rule_limit_denied`.
-    pub over_rule_limit: u64,
-}
-
-/// Orders the writes as `bpf_maps::MapDiff` requires: peer prefixes and rules first (nothing
-/// refers to a new one yet), then pod slots (now pointing at complete rules), then deletes of
-/// pod slots, rules and peer prefixes (nothing refers to them any more).
-pub fn encode_diff(diff: &MapDiff) -> EncodedDiff {
-    let mut out = EncodedDiff::default();
+/// Orders the writes as `bpf_maps::MapDiff` requires: peer prefixes and port entries first
+/// (nothing refers to a new one yet), then pod slots (now pointing at complete entries), then
+/// deletes of pod slots, port entries and peer prefixes (nothing refers to them any more).
+pub fn encode_diff(diff: &MapDiff) -> Vec<PolicyMapOp> {
+    let mut ops = Vec::new();
     for (key, verdict) in &diff.peer_prefixes.upserts {
-        out.ops.push(PolicyMapOp::PutPeerPrefix(encode_peer_key(key), encode_verdict(*verdict)));
+        ops.push(PolicyMapOp::PutPeerPrefix(encode_peer_key(key), encode_verdict(*verdict)));
     }
-    for (key, value) in &diff.slot_rules.upserts {
-        match encode_rule_value(value) {
-            Ok(v) => out.ops.push(PolicyMapOp::PutRule(encode_rule_key(key), v)),
-            Err(EncodeError::TooManyRanges(_)) => out.unencodable += 1,
-        }
+    for (key, peers) in &diff.slot_ports.upserts {
+        ops.push(PolicyMapOp::PutPort(encode_port_key(key), PolicyPortValue { peer_set: peers.0 }));
     }
     for (key, value) in &diff.pod_slots.upserts {
-        if value.rule_count > MAX_RULES_PER_POD {
-            out.over_rule_limit += 1;
-        }
-        out.ops.push(PolicyMapOp::PutPod(encode_pod_key(key), encode_pod_value(value)));
+        ops.push(PolicyMapOp::PutPod(encode_pod_key(key), encode_pod_value(value)));
     }
-    out.ops.extend(diff.pod_slots.deletes.iter().map(|key| PolicyMapOp::DeletePod(encode_pod_key(key))));
-    out.ops.extend(diff.slot_rules.deletes.iter().map(|key| PolicyMapOp::DeleteRule(encode_rule_key(key))));
-    out.ops.extend(diff.peer_prefixes.deletes.iter().map(|key| PolicyMapOp::DeletePeerPrefix(encode_peer_key(key))));
-    out
+    ops.extend(diff.pod_slots.deletes.iter().map(|key| PolicyMapOp::DeletePod(encode_pod_key(key))));
+    ops.extend(diff.slot_ports.deletes.iter().map(|key| PolicyMapOp::DeletePort(encode_port_key(key))));
+    ops.extend(diff.peer_prefixes.deletes.iter().map(|key| PolicyMapOp::DeletePeerPrefix(encode_peer_key(key))));
+    ops
 }
 
 /// The full contents the maps should hold for `entries`.
 pub fn encode_entries(entries: &MapEntries) -> PolicyMapContents {
     let mut contents = PolicyMapContents::default();
-    for op in encode_diff(&MapEntries::default().diff(entries)).ops {
+    for op in encode_diff(&MapEntries::default().diff(entries)) {
         contents.apply(&op);
     }
     contents
@@ -310,7 +288,7 @@ fn unknown(map: &'static str, what: &'static str, value: u32) -> DecodeError {
     DecodeError::Unknown { map, what, value }
 }
 
-fn protocol_from_number(number: u8) -> Option<Protocol> {
+pub(crate) fn protocol_from_number(number: u8) -> Option<Protocol> {
     [Protocol::Tcp, Protocol::Udp, Protocol::Sctp].into_iter().find(|p| p.ip_protocol_number() == number)
 }
 
@@ -333,28 +311,22 @@ pub fn decode(contents: &PolicyMapContents) -> Result<MapEntries, DecodeError> {
         let direction = direction(map_names::POLICY_PODS_V6, key.direction)?;
         entries.pod_slots.insert(PodSlotKey { pod_ip, direction }, slot(value));
     }
-    for (key, value) in &contents.rules {
-        let ports = if value.range_count == POLICY_ALL_PORTS {
-            None
+    for (key, value) in &contents.ports {
+        let map = map_names::POLICY_PORTS;
+        let slot = SlotId(u32::from_be(key.data.slot_be));
+        let ports = if key.prefix_len == POLICY_PORT_SLOT_BITS {
+            PortPrefix::AllProtocols
         } else {
-            let used = value
-                .ranges
-                .get(..usize::from(value.range_count))
-                .ok_or_else(|| unknown(map_names::POLICY_RULES, "range_count", value.range_count.into()))?;
-            let ranges = used
-                .iter()
-                .map(|r| {
-                    let protocol = protocol_from_number(r.proto)
-                        .ok_or_else(|| unknown(map_names::POLICY_RULES, "protocol", r.proto.into()))?;
-                    Ok(PortRange { protocol, start: r.start, end: r.end })
-                })
-                .collect::<Result<Vec<_>, DecodeError>>()?;
-            Some(ranges)
+            let protocol =
+                protocol_from_number(key.data.proto).ok_or_else(|| unknown(map, "protocol", key.data.proto.into()))?;
+            let bits = key
+                .prefix_len
+                .checked_sub(POLICY_PORT_PROTO_BITS)
+                .filter(|bits| *bits <= 16)
+                .ok_or_else(|| unknown(map, "prefix length", key.prefix_len))?;
+            PortPrefix::Ports { protocol, start: u16::from_be_bytes(key.data.port), bits: bits as u8 }
         };
-        entries.slot_rules.insert(
-            SlotRuleKey { slot: SlotId(key.slot), rule_index: key.rule_index },
-            SlotRuleValue { peer_set: PeerSetId(value.peer_set), ports },
-        );
+        entries.slot_ports.insert(SlotPortKey { slot, ports }, PeerSetId(value.peer_set));
     }
     for (key, verdict) in &contents.peers {
         let bits = key.prefix_len.checked_sub(PEER_SET_PREFIX_BITS).filter(|bits| *bits <= 32);
@@ -400,8 +372,6 @@ pub struct PolicyWriteReport {
     /// Deletes not attempted because an upsert failed: the old entries stay, so a pod whose new
     /// entry could not be written keeps a complete old policy instead of a dangling one.
     pub deletes_deferred: u64,
-    pub unencodable: u64,
-    pub over_rule_limit: u64,
 }
 
 impl PolicyWriteReport {
@@ -414,13 +384,8 @@ impl PolicyWriteReport {
 /// rule or prefix makes the datapath deny, never allow); the deletes are then held back and left
 /// for the next sync, which retries everything that is still different.
 pub fn apply_diff(maps: &mut impl PolicyMaps, diff: &MapDiff) -> PolicyWriteReport {
-    let encoded = encode_diff(diff);
-    let mut report = PolicyWriteReport {
-        unencodable: encoded.unencodable,
-        over_rule_limit: encoded.over_rule_limit,
-        ..Default::default()
-    };
-    for op in &encoded.ops {
+    let mut report = PolicyWriteReport::default();
+    for op in &encode_diff(diff) {
         if op.is_delete() && report.errors > 0 {
             report.deletes_deferred += 1;
             continue;
@@ -450,7 +415,7 @@ fn open(pin_dir: &Path, name: &str) -> Result<MapData> {
 /// The five compiled-policy maps of a pin directory.
 pub struct BpfPolicyMaps {
     pods: HashMap<MapData, PolicyPodKeyV4, PolicyPodValue>,
-    rules: HashMap<MapData, PolicyRuleKey, PolicyRuleValue>,
+    ports: LpmTrie<MapData, PolicyPortKey, PolicyPortValue>,
     peers: LpmTrie<MapData, PeerPrefixV4, u8>,
     pods_v6: HashMap<MapData, PolicyPodKeyV6, PolicyPodValue>,
     peers_v6: LpmTrie<MapData, PeerPrefixV6, u8>,
@@ -460,7 +425,7 @@ impl BpfPolicyMaps {
     pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
         Ok(Self {
             pods: HashMap::try_from(Map::HashMap(open(pin_dir, map_names::POLICY_PODS)?))?,
-            rules: HashMap::try_from(Map::HashMap(open(pin_dir, map_names::POLICY_RULES)?))?,
+            ports: LpmTrie::try_from(Map::LpmTrie(open(pin_dir, map_names::POLICY_PORTS)?))?,
             peers: LpmTrie::try_from(Map::LpmTrie(open(pin_dir, map_names::POLICY_PEERS)?))?,
             pods_v6: HashMap::try_from(Map::HashMap(open(pin_dir, map_names::POLICY_PODS_V6)?))?,
             peers_v6: LpmTrie::try_from(Map::LpmTrie(open(pin_dir, map_names::POLICY_PEERS_V6)?))?,
@@ -473,12 +438,12 @@ impl PolicyMaps for BpfPolicyMaps {
         let result = match op {
             PolicyMapOp::PutPeerPrefix(PeerKey::V4(k), v) => self.peers.insert(&k.to_lpm(), v, 0),
             PolicyMapOp::PutPeerPrefix(PeerKey::V6(k), v) => self.peers_v6.insert(&k.to_lpm(), v, 0),
-            PolicyMapOp::PutRule(k, v) => self.rules.insert(k, v, 0),
+            PolicyMapOp::PutPort(k, v) => self.ports.insert(&k.to_lpm(), v, 0),
             PolicyMapOp::PutPod(PodKey::V4(k), v) => self.pods.insert(k, v, 0),
             PolicyMapOp::PutPod(PodKey::V6(k), v) => self.pods_v6.insert(k, v, 0),
             PolicyMapOp::DeletePod(PodKey::V4(k)) => self.pods.remove(k),
             PolicyMapOp::DeletePod(PodKey::V6(k)) => self.pods_v6.remove(k),
-            PolicyMapOp::DeleteRule(k) => self.rules.remove(k),
+            PolicyMapOp::DeletePort(k) => self.ports.remove(&k.to_lpm()),
             PolicyMapOp::DeletePeerPrefix(PeerKey::V4(k)) => self.peers.remove(&k.to_lpm()),
             PolicyMapOp::DeletePeerPrefix(PeerKey::V6(k)) => self.peers_v6.remove(&k.to_lpm()),
         };
@@ -495,7 +460,11 @@ impl PolicyMaps for BpfPolicyMaps {
         let error = |name| move |e| write_error(name, e);
         Ok(PolicyMapContents {
             pods: self.pods.iter().map(|r| r.map_err(error(map_names::POLICY_PODS))).collect::<Result<_, _>>()?,
-            rules: self.rules.iter().map(|r| r.map_err(error(map_names::POLICY_RULES))).collect::<Result<_, _>>()?,
+            ports: self
+                .ports
+                .iter()
+                .map(|r| r.map(|(k, v)| (PortKey::from_lpm(&k), v)).map_err(error(map_names::POLICY_PORTS)))
+                .collect::<Result<_, _>>()?,
             peers: self
                 .peers
                 .iter()
@@ -602,26 +571,21 @@ mod tests {
     }
 
     #[test]
-    fn rules_pack_ranges_in_order_and_no_ports_means_all() {
-        let all = encode_rule_value(&SlotRuleValue { peer_set: PeerSetId(3), ports: None }).unwrap();
-        assert_eq!((all.peer_set, all.range_count), (3, POLICY_ALL_PORTS));
-        let ranges = vec![
-            PortRange { protocol: Protocol::Tcp, start: 80, end: 90 },
-            PortRange::single(Protocol::Udp, 53),
-            PortRange::all_of(Protocol::Sctp),
-        ];
-        let packed = encode_rule_value(&SlotRuleValue { peer_set: PeerSetId(4), ports: Some(ranges) }).unwrap();
-        assert_eq!(packed.range_count, 3);
-        assert_eq!(packed.ranges[0], PolicyPortRange { proto: 6, pad: 0, start: 80, end: 90 });
-        assert_eq!(packed.ranges[1], PolicyPortRange { proto: 17, pad: 0, start: 53, end: 53 });
-        assert_eq!(packed.ranges[2], PolicyPortRange { proto: 132, pad: 0, start: 0, end: 65535 });
-        assert_eq!(packed.ranges[3], PolicyPortRange::default());
-        assert!(packed.ports_match(6, 85) && packed.ports_match(132, 9) && !packed.ports_match(17, 54));
-        let nine = vec![PortRange::single(Protocol::Tcp, 1); 9];
-        assert_eq!(
-            encode_rule_value(&SlotRuleValue { peer_set: PeerSetId(1), ports: Some(nine) }),
-            Err(EncodeError::TooManyRanges(9))
-        );
+    fn port_keys_put_the_big_endian_slot_then_protocol_then_the_port_bits() {
+        let all = encode_port_key(&SlotPortKey { slot: SlotId(0x0102_0304), ports: PortPrefix::AllProtocols });
+        assert_eq!(all.prefix_len, 32);
+        assert_eq!(all.data.slot_be.to_ne_bytes(), [1, 2, 3, 4]);
+        let http = PortPrefix::Ports { protocol: Protocol::Tcp, start: 0x1f90, bits: 16 };
+        let key = encode_port_key(&SlotPortKey { slot: SlotId(5), ports: http });
+        assert_eq!(key.prefix_len, 32 + 8 + 16);
+        // SAFETY: Key<PolicyPortKey> is 12 plain bytes (packed).
+        let bytes: [u8; 12] = unsafe { std::mem::transmute(key.to_lpm()) };
+        assert_eq!(bytes[4..11], [0, 0, 0, 5, 6, 0x1f, 0x90], "slot, TCP, port 8080 as the trie matches them");
+        let sctp = encode_port_key(&SlotPortKey {
+            slot: SlotId(5),
+            ports: PortPrefix::Ports { protocol: Protocol::Sctp, start: 0, bits: 0 },
+        });
+        assert_eq!((sctp.prefix_len, sctp.data.proto), (40, 132));
     }
 
     #[test]
@@ -644,13 +608,10 @@ mod tests {
         let pod = |addr: &str, direction| PodSlotKey { pod_ip: ip(addr), direction };
         entries.pod_slots.insert(pod("10.0.1.1", Direction::Ingress), PodSlotValue { slot: SlotId(1), rule_count: 2 });
         entries.pod_slots.insert(pod("fd00::1", Direction::Ingress), PodSlotValue { slot: SlotId(1), rule_count: 2 });
-        entries.slot_rules.insert(
-            SlotRuleKey { slot: SlotId(1), rule_index: 0 },
-            SlotRuleValue { peer_set: PeerSetId(1), ports: None },
-        );
-        entries.slot_rules.insert(
-            SlotRuleKey { slot: SlotId(1), rule_index: 1 },
-            SlotRuleValue { peer_set: PeerSetId(2), ports: Some(vec![PortRange::single(Protocol::Tcp, 80)]) },
+        entries.slot_ports.insert(SlotPortKey { slot: SlotId(1), ports: PortPrefix::AllProtocols }, PeerSetId(1));
+        entries.slot_ports.insert(
+            SlotPortKey { slot: SlotId(1), ports: PortPrefix::Ports { protocol: Protocol::Tcp, start: 80, bits: 16 } },
+            PeerSetId(2),
         );
         let prefix = |set, net: &str| PeerPrefixKey { peer_set: PeerSetId(set), prefix: net.parse().unwrap() };
         entries.peer_prefixes.insert(prefix(1, "10.0.0.0/8"), PrefixVerdict::Allow);
@@ -677,11 +638,8 @@ mod tests {
         let pod = PodSlotKey { pod_ip: ip("10.0.1.1"), direction: Direction::Ingress };
         new.pod_slots.insert(pod, PodSlotValue { slot: SlotId(2), rule_count: 1 });
         new.pod_slots.remove(&PodSlotKey { pod_ip: ip("fd00::1"), direction: Direction::Ingress });
-        new.slot_rules.clear();
-        new.slot_rules.insert(
-            SlotRuleKey { slot: SlotId(2), rule_index: 0 },
-            SlotRuleValue { peer_set: PeerSetId(3), ports: None },
-        );
+        new.slot_ports.clear();
+        new.slot_ports.insert(SlotPortKey { slot: SlotId(2), ports: PortPrefix::AllProtocols }, PeerSetId(3));
         new.peer_prefixes.retain(|k, _| k.peer_set != PeerSetId(2));
         new.peer_prefixes.insert(
             PeerPrefixKey { peer_set: PeerSetId(3), prefix: "10.0.3.0/24".parse().unwrap() },
@@ -689,18 +647,17 @@ mod tests {
         );
         let encoded = encode_diff(&old.diff(&new));
         let kinds: Vec<&str> = encoded
-            .ops
             .iter()
             .map(|op| match op {
                 PolicyMapOp::PutPeerPrefix(..) => "put-peer",
-                PolicyMapOp::PutRule(..) => "put-rule",
+                PolicyMapOp::PutPort(..) => "put-port",
                 PolicyMapOp::PutPod(..) => "put-pod",
                 PolicyMapOp::DeletePod(_) => "del-pod",
-                PolicyMapOp::DeleteRule(_) => "del-rule",
+                PolicyMapOp::DeletePort(_) => "del-port",
                 PolicyMapOp::DeletePeerPrefix(_) => "del-peer",
             })
             .collect();
-        assert_eq!(kinds, ["put-peer", "put-rule", "put-pod", "del-pod", "del-rule", "del-rule", "del-peer"]);
+        assert_eq!(kinds, ["put-peer", "put-port", "put-pod", "del-pod", "del-port", "del-port", "del-peer"]);
 
         let mut maps = encode_entries(&old);
         let report = apply_diff(&mut maps, &old.diff(&new));
@@ -709,12 +666,12 @@ mod tests {
     }
 
     /// Fails every write to one map, as a full map would.
-    struct FullRules(PolicyMapContents);
+    struct FullPorts(PolicyMapContents);
 
-    impl PolicyMaps for FullRules {
+    impl PolicyMaps for FullPorts {
         fn write(&mut self, op: &PolicyMapOp) -> Result<(), MapWriteError> {
-            if matches!(op, PolicyMapOp::PutRule(..)) {
-                return Err(MapWriteError { map: map_names::POLICY_RULES, message: "full".into(), full: true });
+            if matches!(op, PolicyMapOp::PutPort(..)) {
+                return Err(MapWriteError { map: map_names::POLICY_PORTS, message: "full".into(), full: true });
             }
             self.0.write(op)
         }
@@ -727,11 +684,8 @@ mod tests {
     fn a_failed_upsert_holds_back_the_deletes() {
         let old = sample_entries();
         let mut new = MapEntries::default();
-        new.slot_rules.insert(
-            SlotRuleKey { slot: SlotId(9), rule_index: 0 },
-            SlotRuleValue { peer_set: PeerSetId(1), ports: None },
-        );
-        let mut maps = FullRules(encode_entries(&old));
+        new.slot_ports.insert(SlotPortKey { slot: SlotId(9), ports: PortPrefix::AllProtocols }, PeerSetId(1));
+        let mut maps = FullPorts(encode_entries(&old));
         let report = apply_diff(&mut maps, &old.diff(&new));
         assert_eq!((report.errors, report.full), (1, 1));
         assert_eq!(report.deletes, 0);

@@ -1,11 +1,17 @@
 //! Flattens a [`CompiledModel`] into entries shaped like the BPF maps the
 //! datapath reads (see docs/policy-layout.md):
 //!
-//! * `pod_slots`:     (pod IP, direction)      -> (slot, rule count)
-//! * `slot_rules`:    (slot, rule index)       -> (peer set id, ports)
-//! * `peer_prefixes`: (peer set id, IP prefix) -> Allow | Deny  (LPM trie)
+//! * `pod_slots`:     (pod IP, direction)            -> slot
+//! * `slot_ports`:    (slot, protocol, port prefix)  -> peer set id  (LPM trie)
+//! * `peer_prefixes`: (peer set id, IP prefix)       -> Allow | Deny (LPM trie)
 //!
-//! Ids are stable: a peer set definition or a rule list keeps its id across
+//! A slot is a pod direction's rule list. Its rules are indexed by port: the port space of each
+//! protocol is cut where some rule's ranges begin or end, and every piece points at one peer set
+//! holding the peers of all rules that admit it (a rule's own set when it is alone there, else a
+//! merged set). The datapath's work for a new flow is then two lookups whatever the number of
+//! rules, peers and ports — there is no rule limit.
+//!
+//! Ids are stable: a peer set (or merged set) or a rule list keeps its id across
 //! flattenings as long as it is in use, so unchanged map entries stay
 //! byte-identical and only real changes need writing.
 
@@ -15,10 +21,6 @@ use std::net::{IpAddr, Ipv6Addr};
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
 use super::model::{CompiledModel, Direction, Isolation, PeerSet, PortRange, Ports, Protocol};
-
-/// Port ranges one `slot_rules` value can hold; longer lists are split into
-/// several rules with the same peer set (a union, so nothing is lost).
-pub const MAX_PORT_RANGES_PER_RULE: usize = 8;
 
 /// Id of a peer set in `peer_prefixes`. 0 is never allocated (BPF "none").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -34,22 +36,72 @@ pub struct PodSlotKey {
     pub direction: Direction,
 }
 
-/// Only isolated directions get an entry; no entry means allow all.
-/// `rule_count == 0` is default deny.
+/// Only isolated directions get an entry; no entry means allow all. A slot
+/// without port entries (no rules) is default deny. `rule_count` is informative.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct PodSlotValue {
     pub slot: SlotId,
     pub rule_count: u32,
 }
 
+/// The protocols and ports one `slot_ports` entry covers, as an LPM prefix:
+/// every protocol, or the ports of one protocol sharing their first `bits` bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct SlotRuleKey {
-    pub slot: SlotId,
-    pub rule_index: u32,
+pub enum PortPrefix {
+    AllProtocols,
+    Ports { protocol: Protocol, start: u16, bits: u8 },
 }
 
-/// `ports: None` means all protocols and ports; otherwise
-/// 1..=[`MAX_PORT_RANGES_PER_RULE`] ranges.
+impl PortPrefix {
+    pub fn contains(&self, protocol: Protocol, port: u16) -> bool {
+        match *self {
+            PortPrefix::AllProtocols => true,
+            PortPrefix::Ports { protocol: p, start, bits } => p == protocol && port & port_mask(bits) == start,
+        }
+    }
+
+    /// How many key bits after the slot it matches (the longest match wins).
+    pub fn specificity(&self) -> u32 {
+        match self {
+            PortPrefix::AllProtocols => 0,
+            PortPrefix::Ports { bits, .. } => 8 + u32::from(*bits),
+        }
+    }
+}
+
+fn port_mask(bits: u8) -> u16 {
+    if bits == 0 {
+        0
+    } else {
+        u16::MAX << (16 - u32::from(bits.min(16)))
+    }
+}
+
+/// The fewest port prefixes covering `start..=end` exactly.
+pub fn port_prefixes(protocol: Protocol, start: u16, end: u16) -> Vec<PortPrefix> {
+    let mut out = Vec::new();
+    let (mut low, high) = (u32::from(start), u32::from(end));
+    while low <= high {
+        // The biggest aligned block starting at `low` that ends within the range.
+        let mut size = if low == 0 { 1u32 << 16 } else { 1u32 << low.trailing_zeros().min(16) };
+        while low + size - 1 > high {
+            size /= 2;
+        }
+        let bits = 16 - size.trailing_zeros() as u8;
+        out.push(PortPrefix::Ports { protocol, start: low as u16, bits });
+        low += size;
+    }
+    out
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SlotPortKey {
+    pub slot: SlotId,
+    pub ports: PortPrefix,
+}
+
+/// One rule of a slot's rule list: its peers (the id of the rule's own peer
+/// set) and ports (`None`: every protocol and port).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct SlotRuleValue {
     pub peer_set: PeerSetId,
@@ -74,7 +126,7 @@ pub enum PrefixVerdict {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MapEntries {
     pub pod_slots: BTreeMap<PodSlotKey, PodSlotValue>,
-    pub slot_rules: BTreeMap<SlotRuleKey, SlotRuleValue>,
+    pub slot_ports: BTreeMap<SlotPortKey, PeerSetId>,
     pub peer_prefixes: BTreeMap<PeerPrefixKey, PrefixVerdict>,
 }
 
@@ -92,17 +144,17 @@ impl<K, V> MapChanges<K, V> {
 }
 
 /// Changes per map. Write order that never exposes a dangling id: first
-/// `peer_prefixes` and `slot_rules` upserts, then `pod_slots`, then deletes.
+/// `peer_prefixes` and `slot_ports` upserts, then `pod_slots`, then deletes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MapDiff {
     pub pod_slots: MapChanges<PodSlotKey, PodSlotValue>,
-    pub slot_rules: MapChanges<SlotRuleKey, SlotRuleValue>,
+    pub slot_ports: MapChanges<SlotPortKey, PeerSetId>,
     pub peer_prefixes: MapChanges<PeerPrefixKey, PrefixVerdict>,
 }
 
 impl MapDiff {
     pub fn is_empty(&self) -> bool {
-        self.pod_slots.is_empty() && self.slot_rules.is_empty() && self.peer_prefixes.is_empty()
+        self.pod_slots.is_empty() && self.slot_ports.is_empty() && self.peer_prefixes.is_empty()
     }
 }
 
@@ -117,7 +169,7 @@ impl MapEntries {
     pub fn diff(&self, newer: &MapEntries) -> MapDiff {
         MapDiff {
             pod_slots: diff_map(&self.pod_slots, &newer.pod_slots),
-            slot_rules: diff_map(&self.slot_rules, &newer.slot_rules),
+            slot_ports: diff_map(&self.slot_ports, &newer.slot_ports),
             peer_prefixes: diff_map(&self.peer_prefixes, &newer.peer_prefixes),
         }
     }
@@ -134,6 +186,17 @@ impl MapEntries {
             .is_some_and(|(_, verdict)| *verdict == PrefixVerdict::Allow)
     }
 
+    /// The peer set a slot admits on `protocol`/`port`: its longest matching port entry.
+    pub fn slot_peers(&self, slot: SlotId, protocol: Protocol, port: u16) -> Option<PeerSetId> {
+        let lower = SlotPortKey { slot, ports: PortPrefix::AllProtocols };
+        let upper = SlotPortKey { slot, ports: PortPrefix::Ports { protocol: Protocol::Sctp, start: u16::MAX, bits: u8::MAX } };
+        self.slot_ports
+            .range(lower..=upper)
+            .filter(|(key, _)| key.ports.contains(protocol, port))
+            .max_by_key(|(key, _)| key.ports.specificity())
+            .map(|(_, peers)| *peers)
+    }
+
     fn side_allows(
         &self,
         pod_ip: IpAddr,
@@ -145,15 +208,7 @@ impl MapEntries {
         let Some(slot) = self.pod_slots.get(&PodSlotKey { pod_ip, direction }) else {
             return true;
         };
-        (0..slot.rule_count).any(|rule_index| {
-            self.slot_rules.get(&SlotRuleKey { slot: slot.slot, rule_index }).is_some_and(|rule| {
-                let ports_ok = match &rule.ports {
-                    None => true,
-                    Some(ranges) => ranges.iter().any(|r| r.contains(protocol, dst_port)),
-                };
-                ports_ok && self.peer_set_contains(rule.peer_set, peer_ip)
-            })
-        })
+        self.slot_peers(slot.slot, protocol, dst_port).is_some_and(|peers| self.peer_set_contains(peers, peer_ip))
     }
 
     /// The datapath's decision computed over the flattened maps; must equal
@@ -162,6 +217,116 @@ impl MapEntries {
         self.side_allows(src_ip, Direction::Egress, dst_ip, protocol, dst_port)
             && self.side_allows(dst_ip, Direction::Ingress, src_ip, protocol, dst_port)
     }
+}
+
+/// A slot's port index: for each port prefix, the members (rules' peer sets) admitted there.
+/// Rules without ports give the slot-wide entry; the pieces of the port space where ranged
+/// rules add peers give their own entries (which repeat the slot-wide members, because the
+/// longest match hides the slot-wide entry). Pieces admitted by nothing get no entry.
+pub fn port_index<M: Ord + Clone>(rules: &[(M, Option<&[PortRange]>)]) -> Vec<(PortPrefix, BTreeSet<M>)> {
+    let everywhere: BTreeSet<M> = rules.iter().filter(|(_, ports)| ports.is_none()).map(|(m, _)| m.clone()).collect();
+    let mut out = Vec::new();
+    if !everywhere.is_empty() {
+        out.push((PortPrefix::AllProtocols, everywhere.clone()));
+    }
+    for protocol in [Protocol::Tcp, Protocol::Udp, Protocol::Sctp] {
+        // Sweep over the range boundaries, counting how many ranges of each member cover.
+        let mut events: BTreeMap<u32, Vec<(&M, i32)>> = BTreeMap::new();
+        for (member, ports) in rules {
+            for range in ports.iter().flat_map(|ranges| ranges.iter()).filter(|r| r.protocol == protocol) {
+                events.entry(u32::from(range.start)).or_default().push((member, 1));
+                events.entry(u32::from(range.end) + 1).or_default().push((member, -1));
+            }
+        }
+        let mut active: BTreeMap<&M, i32> = BTreeMap::new();
+        // Maximal pieces with one member set: (start, end, members).
+        let mut pieces: Vec<(u32, u32, BTreeSet<M>)> = Vec::new();
+        let bounds: Vec<u32> = events.keys().copied().collect();
+        for (index, at) in bounds.iter().enumerate() {
+            for (member, change) in &events[at] {
+                let count = active.entry(member).or_default();
+                *count += change;
+                if *count == 0 {
+                    active.remove(member);
+                }
+            }
+            let Some(next) = bounds.get(index + 1) else { break };
+            if active.is_empty() {
+                continue;
+            }
+            let mut members = everywhere.clone();
+            members.extend(active.keys().map(|m| (*m).clone()));
+            match pieces.last_mut() {
+                Some((_, end, last)) if *end + 1 == *at && *last == members => *end = next - 1,
+                _ => pieces.push((*at, next - 1, members)),
+            }
+        }
+        for (start, end, members) in pieces {
+            if members == everywhere {
+                continue;
+            }
+            for prefix in port_prefixes(protocol, start as u16, end as u16) {
+                out.push((prefix, members.clone()));
+            }
+        }
+    }
+    out
+}
+
+/// The prefixes of a union of peer sets, each given by its LPM entries: an address is in the
+/// union if any set's longest match for it allows. Every prefix of every set stays a key (the
+/// longest match over the union lands on one of them), with the verdict the union gives the
+/// addresses that land there.
+pub fn union_prefixes(sets: &[&BTreeMap<IpNet, PrefixVerdict>]) -> BTreeMap<IpNet, PrefixVerdict> {
+    let mut out = BTreeMap::new();
+    for set in sets {
+        for (prefix, verdict) in set.iter() {
+            if *verdict == PrefixVerdict::Allow {
+                out.insert(*prefix, PrefixVerdict::Allow);
+            }
+        }
+    }
+    for set in sets {
+        for (prefix, verdict) in set.iter() {
+            if *verdict == PrefixVerdict::Deny && !out.contains_key(prefix) {
+                let allowed = sets.iter().any(|other| longest_containing(other, prefix) == Some(PrefixVerdict::Allow));
+                out.insert(*prefix, if allowed { PrefixVerdict::Allow } else { PrefixVerdict::Deny });
+            }
+        }
+    }
+    out
+}
+
+/// The verdict of `set`'s longest prefix containing all of `prefix`.
+fn longest_containing(set: &BTreeMap<IpNet, PrefixVerdict>, prefix: &IpNet) -> Option<PrefixVerdict> {
+    (0..=prefix.prefix_len()).rev().find_map(|len| {
+        let shorter = IpNet::new(prefix.addr(), len).ok()?.trunc();
+        set.get(&shorter).copied()
+    })
+}
+
+/// The LPM entries of one peer set.
+fn set_prefixes(peers: &PeerSet, model: &CompiledModel) -> BTreeMap<IpNet, PrefixVerdict> {
+    let mut out = BTreeMap::new();
+    match peers {
+        PeerSet::Any => {
+            // 0.0.0.0/0 and ::/0.
+            out.insert(IpNet::V4(Ipv4Net::default()), PrefixVerdict::Allow);
+            out.insert(IpNet::V6(Ipv6Net::default()), PrefixVerdict::Allow);
+        }
+        PeerSet::Pods(key) => {
+            for ip in model.pod_sets.get(key).into_iter().flatten() {
+                out.insert(IpNet::from(*ip), PrefixVerdict::Allow);
+            }
+        }
+        PeerSet::Cidr { cidr, except } => {
+            out.insert(cidr.trunc(), PrefixVerdict::Allow);
+            for e in except {
+                out.insert(e.trunc(), PrefixVerdict::Deny);
+            }
+        }
+    }
+    out
 }
 
 /// Allocates ids that stay put while their definition is in use. Released
@@ -208,7 +373,8 @@ impl<K: Ord + Clone> StableIds<K> {
 /// Turns models into map entries, remembering id assignments between calls.
 #[derive(Debug, Clone)]
 pub struct MapFlattener {
-    peer_set_ids: StableIds<PeerSet>,
+    /// A rule's peers are a set of one; merged sets have several members.
+    peer_set_ids: StableIds<BTreeSet<PeerSet>>,
     slot_ids: StableIds<Vec<SlotRuleValue>>,
 }
 
@@ -225,7 +391,9 @@ impl MapFlattener {
 
     pub fn flatten(&mut self, model: &CompiledModel) -> MapEntries {
         let mut entries = MapEntries::default();
-        let mut used_peer_sets: BTreeSet<PeerSet> = BTreeSet::new();
+        // Ids kept for the next flattening, and the sets whose prefixes are written.
+        let mut kept_sets: BTreeSet<BTreeSet<PeerSet>> = BTreeSet::new();
+        let mut written_sets: BTreeSet<BTreeSet<PeerSet>> = BTreeSet::new();
         let mut used_slots: BTreeSet<Vec<SlotRuleValue>> = BTreeSet::new();
 
         for (ip, pod) in &model.pods {
@@ -233,65 +401,68 @@ impl MapFlattener {
                 let Isolation::Isolated(rules) = pod.direction(direction) else {
                     continue;
                 };
-                let mut values = Vec::new();
-                for rule in rules {
-                    let peer_set = PeerSetId(self.peer_set_ids.get_or_allocate(&rule.peers));
-                    used_peer_sets.insert(rule.peers.clone());
-                    match &rule.ports {
-                        Ports::All => values.push(SlotRuleValue { peer_set, ports: None }),
-                        Ports::Ranges(ranges) => values.extend(
-                            ranges
-                                .chunks(MAX_PORT_RANGES_PER_RULE)
-                                .map(|chunk| SlotRuleValue { peer_set, ports: Some(chunk.to_vec()) }),
-                        ),
-                    }
-                }
+                let values: Vec<SlotRuleValue> = rules
+                    .iter()
+                    .map(|rule| {
+                        let own = BTreeSet::from([rule.peers.clone()]);
+                        let peer_set = PeerSetId(self.peer_set_ids.get_or_allocate(&own));
+                        kept_sets.insert(own);
+                        let ports = match &rule.ports {
+                            Ports::All => None,
+                            Ports::Ranges(ranges) => Some(ranges.clone()),
+                        };
+                        SlotRuleValue { peer_set, ports }
+                    })
+                    .collect();
                 let slot = SlotId(self.slot_ids.get_or_allocate(&values));
                 let rule_count = u32::try_from(values.len()).unwrap_or(u32::MAX);
                 entries.pod_slots.insert(PodSlotKey { pod_ip: *ip, direction }, PodSlotValue { slot, rule_count });
-                if used_slots.insert(values.clone()) {
-                    for (index, value) in values.into_iter().enumerate() {
-                        let rule_index = u32::try_from(index).unwrap_or(u32::MAX);
-                        entries.slot_rules.insert(SlotRuleKey { slot, rule_index }, value);
+                if used_slots.insert(values) {
+                    let indexed: Vec<(&PeerSet, Option<&[PortRange]>)> = rules
+                        .iter()
+                        .map(|rule| {
+                            let ports = match &rule.ports {
+                                Ports::All => None,
+                                Ports::Ranges(ranges) => Some(ranges.as_slice()),
+                            };
+                            (&rule.peers, ports)
+                        })
+                        .collect();
+                    for (ports, members) in port_index(&indexed) {
+                        let members: BTreeSet<PeerSet> = members.into_iter().cloned().collect();
+                        let peer_set = PeerSetId(self.peer_set_ids.get_or_allocate(&members));
+                        entries.slot_ports.insert(SlotPortKey { slot, ports }, peer_set);
+                        kept_sets.insert(members.clone());
+                        written_sets.insert(members);
                     }
                 }
             }
         }
 
-        for peers in &used_peer_sets {
-            let peer_set = PeerSetId(self.peer_set_ids.get_or_allocate(peers));
-            let mut put = |prefix: IpNet, verdict| {
+        let mut member_prefixes: BTreeMap<&PeerSet, BTreeMap<IpNet, PrefixVerdict>> = BTreeMap::new();
+        for members in &written_sets {
+            for peers in members {
+                member_prefixes.entry(peers).or_insert_with(|| set_prefixes(peers, model));
+            }
+        }
+        for members in &written_sets {
+            let peer_set = PeerSetId(self.peer_set_ids.get_or_allocate(members));
+            let sets: Vec<&BTreeMap<IpNet, PrefixVerdict>> = members.iter().map(|m| &member_prefixes[m]).collect();
+            let prefixes = if let [only] = sets.as_slice() { (*only).clone() } else { union_prefixes(&sets) };
+            for (prefix, verdict) in prefixes {
                 entries.peer_prefixes.insert(PeerPrefixKey { peer_set, prefix }, verdict);
-            };
-            match peers {
-                PeerSet::Any => {
-                    // 0.0.0.0/0 and ::/0.
-                    put(IpNet::V4(Ipv4Net::default()), PrefixVerdict::Allow);
-                    put(IpNet::V6(Ipv6Net::default()), PrefixVerdict::Allow);
-                }
-                PeerSet::Pods(key) => {
-                    for ip in model.pod_sets.get(key).into_iter().flatten() {
-                        put(IpNet::from(*ip), PrefixVerdict::Allow);
-                    }
-                }
-                PeerSet::Cidr { cidr, except } => {
-                    put(*cidr, PrefixVerdict::Allow);
-                    for e in except {
-                        put(*e, PrefixVerdict::Deny);
-                    }
-                }
             }
         }
 
-        self.peer_set_ids.release_unused(&used_peer_sets);
+        self.peer_set_ids.release_unused(&kept_sets);
         self.slot_ids.release_unused(&used_slots);
         entries
     }
 
     /// Flattens `model` re-using the ids of `programmed` (what a previous agent left in the
-    /// maps) wherever a peer set or rule list has the same content, so a restarted agent
-    /// writes only real differences. Content without a match gets ids unused by `programmed`,
-    /// so nothing a pod still points at is overwritten before its new entry is in place.
+    /// maps) wherever a peer set or slot has the same content, so a restarted agent writes
+    /// only real differences. Content without a match gets ids unused by `programmed`, so
+    /// nothing a pod still points at is overwritten before its new entry is in place.
     pub fn adopt(&mut self, model: &CompiledModel, programmed: &MapEntries) -> MapEntries {
         let fresh = self.flatten(model);
         let contents = |entries: &MapEntries| {
@@ -303,8 +474,12 @@ impl MapFlattener {
         };
         let old_sets = contents(programmed);
         let new_sets = contents(&fresh);
+        let slot_ids_of = |entries: &MapEntries| -> BTreeSet<u32> {
+            entries.pod_slots.values().map(|v| v.slot.0).chain(entries.slot_ports.keys().map(|k| k.slot.0)).collect()
+        };
         let mut taken: BTreeSet<u32> = old_sets.keys().copied().collect();
-        taken.extend(programmed.slot_rules.keys().map(|k| k.slot.0));
+        taken.extend(slot_ids_of(programmed));
+        taken.extend(programmed.slot_ports.values().map(|id| id.0));
         let mut next = taken.iter().max().copied().unwrap_or(0).max(self.peer_set_ids.next).max(self.slot_ids.next) + 1;
         let mut fresh_id = || {
             let id = next;
@@ -319,21 +494,28 @@ impl MapFlattener {
             claimed.insert(target);
             peer_remap.insert(*id, target);
         }
-        let rule_lists = |entries: &MapEntries, remap: &BTreeMap<u32, u32>| {
-            let mut by_slot: BTreeMap<u32, Vec<SlotRuleValue>> = BTreeMap::new();
-            for (key, value) in &entries.slot_rules {
-                let mut value = value.clone();
-                value.peer_set = PeerSetId(remap.get(&value.peer_set.0).copied().unwrap_or(value.peer_set.0));
-                by_slot.entry(key.slot.0).or_default().push(value);
+        // Sets with no prefixes written (a rule's own set that only appears merged) still name
+        // rules in slot keys: they move out of the way too.
+        for id in self.peer_set_ids.ids.values() {
+            if !peer_remap.contains_key(id) {
+                peer_remap.insert(*id, fresh_id());
+            }
+        }
+        let slot_contents = |entries: &MapEntries, remap: &BTreeMap<u32, u32>| {
+            let mut by_slot: BTreeMap<u32, BTreeMap<PortPrefix, u32>> =
+                slot_ids_of(entries).into_iter().map(|slot| (slot, BTreeMap::new())).collect();
+            for (key, peers) in &entries.slot_ports {
+                let peers = remap.get(&peers.0).copied().unwrap_or(peers.0);
+                by_slot.entry(key.slot.0).or_default().insert(key.ports, peers);
             }
             by_slot
         };
-        let old_slots = rule_lists(programmed, &BTreeMap::new());
-        let new_slots = rule_lists(&fresh, &peer_remap);
+        let old_slots = slot_contents(programmed, &BTreeMap::new());
+        let new_slots = slot_contents(&fresh, &peer_remap);
         let mut slot_remap = BTreeMap::new();
         let mut claimed = BTreeSet::new();
-        for (id, rules) in &new_slots {
-            let old = old_slots.iter().find(|(old, r)| *r == rules && !claimed.contains(*old)).map(|(o, _)| *o);
+        for (id, ports) in &new_slots {
+            let old = old_slots.iter().find(|(old, p)| *p == ports && !claimed.contains(*old)).map(|(o, _)| *o);
             let target = old.unwrap_or_else(&mut fresh_id);
             claimed.insert(target);
             slot_remap.insert(*id, target);
@@ -349,7 +531,8 @@ impl MapFlattener {
                 for rule in &mut rules {
                     rule.peer_set = PeerSetId(peer_remap.get(&rule.peer_set.0).copied().unwrap_or(rule.peer_set.0));
                 }
-                (rules, slot_remap.get(&id).copied().unwrap_or(id))
+                let target = slot_remap.get(&id).copied().unwrap_or_else(&mut fresh_id);
+                (rules, target)
             })
             .collect();
         self.peer_set_ids.free.clear();
