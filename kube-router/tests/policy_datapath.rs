@@ -494,7 +494,8 @@ fn scale_ports(i: usize) -> (u16, u16) {
 fn a_pod_under_a_thousand_policies_is_judged_exactly() {
     let policies: Vec<NetworkPolicy> = (0..1000)
         .map(|i| {
-            let from: Vec<Value> = (0..10).map(|j| json!({"ipBlock": {"cidr": format!("{}/32", scale_peer(i, j))}})).collect();
+            let from: Vec<Value> =
+                (0..10).map(|j| json!({"ipBlock": {"cidr": format!("{}/32", scale_peer(i, j))}})).collect();
             let (start, end) = scale_ports(i);
             policy(
                 "x",
@@ -518,7 +519,11 @@ fn a_pod_under_a_thousand_policies_is_judged_exactly() {
             let (other, _) = scale_ports(i + 1);
             for port in [own, own + 4, own + 5, other, 999, 2000] {
                 let expected = allows(&output.model, IpAddr::V4(peer), IpAddr::V4(pod), Protocol::Tcp, port);
-                assert_eq!(loaded.connect(packet::TCP, peer, pod, port).1, expected, "policy {i} peer {peer} port {port}");
+                assert_eq!(
+                    loaded.connect(packet::TCP, peer, pod, port).1,
+                    expected,
+                    "policy {i} peer {peer} port {port}"
+                );
                 assert_eq!(expected, port == own || port == own + 4, "the model itself: {peer}:{port}");
                 if expected {
                     allowed += 1;
@@ -722,4 +727,107 @@ fn ipv6_neighbour_discovery_passes_an_isolated_pod_and_extension_headers_are_loo
     assert!(loaded.send(&with_hop_by_hop(y_a, 30002)));
     let denied = loaded.stats()[pol_stat::DENIED_INGRESS as usize] - before[pol_stat::DENIED_INGRESS as usize];
     assert_eq!(denied, 2);
+}
+
+// ---- upgrade from layout 2 --------------------------------------------------------------------
+
+/// Layout 2's policy rule map, as a layout-2 agent left it.
+mod layout2 {
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    pub struct RuleKey {
+        pub slot: u32,
+        pub rule_index: u32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    pub struct PortRange {
+        pub proto: u8,
+        pub pad: u8,
+        pub start: u16,
+        pub end: u16,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    pub struct RuleValue {
+        pub peer_set: u32,
+        pub range_count: u8,
+        pub pad: [u8; 3],
+        pub ranges: [PortRange; 8],
+    }
+    // SAFETY: repr(C), integers only, explicit padding.
+    unsafe impl aya::Pod for RuleKey {}
+    unsafe impl aya::Pod for RuleValue {}
+}
+
+/// Maps a layout-2 agent pinned in `v2/`: a pod isolated by two rules (peers 10.0.2.0/24 on TCP
+/// 80-90, peer 10.0.3.1 on every port). The upgrade builds the port index from them before the
+/// programs swap, and the new programs judge every probe as the old rules did.
+#[test]
+fn a_layout_2_policy_is_judged_alike_after_the_upgrade() {
+    use aya::maps::{lpm_trie::Key, HashMap, LpmTrie, Map, MapData};
+    use kube_router_common::{PeerPrefixV4, PolicyPodKeyV4, PolicyPodValue, PEER_ALLOW, POLICY_DIR_INGRESS};
+    let pin_dir = PathBuf::from("/sys/fs/bpf/krt-pol-test-upgrade");
+    let _ = datapath::remove_all(&pin_dir);
+    let _ = std::fs::remove_dir_all(pin_dir.join("v2"));
+    let old = pin_dir.join("v2");
+    std::fs::create_dir_all(&old).unwrap();
+    let create = |name: &str, kind: &str, key: &str, value: &str, flags: &[&str]| {
+        let path = old.join(name);
+        let status = std::process::Command::new("bpftool")
+            .args(["map", "create", path.to_str().unwrap(), "type", kind, "key", key, "value", value])
+            .args(["entries", "64", "name", name])
+            .args(flags)
+            .status()
+            .unwrap();
+        assert!(status.success(), "bpftool map create {name}");
+        MapData::from_pin(path).unwrap()
+    };
+    let mut pods: HashMap<MapData, PolicyPodKeyV4, PolicyPodValue> =
+        HashMap::try_from(Map::HashMap(create("pol_pods_v4", "hash", "8", "8", &[]))).unwrap();
+    let mut rules: HashMap<MapData, layout2::RuleKey, layout2::RuleValue> =
+        HashMap::try_from(Map::HashMap(create("pol_rules", "hash", "8", "56", &[]))).unwrap();
+    let mut peers: LpmTrie<MapData, PeerPrefixV4, u8> =
+        LpmTrie::try_from(Map::LpmTrie(create("pol_peers_v4", "lpm_trie", "12", "1", &["flags", "1"]))).unwrap();
+    let pod = ip(0, 0);
+    let key = PolicyPodKeyV4 { addr: u32::from_ne_bytes(pod.octets()), direction: POLICY_DIR_INGRESS, pad: [0; 3] };
+    pods.insert(key, PolicyPodValue { slot: 5, rule_count: 2 }, 0).unwrap();
+    let mut tcp_80_90 = layout2::RuleValue { peer_set: 3, range_count: 1, pad: [0; 3], ranges: Default::default() };
+    tcp_80_90.ranges[0] = layout2::PortRange { proto: packet::TCP, pad: 0, start: 80, end: 90 };
+    rules.insert(layout2::RuleKey { slot: 5, rule_index: 0 }, tcp_80_90, 0).unwrap();
+    let everything = layout2::RuleValue { peer_set: 4, range_count: 0xff, pad: [0; 3], ranges: Default::default() };
+    rules.insert(layout2::RuleKey { slot: 5, rule_index: 1 }, everything, 0).unwrap();
+    let prefix = |set: u32, addr: [u8; 4], bits: u32| {
+        Key::new(32 + bits, PeerPrefixV4 { peer_set_be: set.to_be(), addr: u32::from_ne_bytes(addr) })
+    };
+    peers.insert(&prefix(3, [10, 0, 2, 0], 24), PEER_ALLOW, 0).unwrap();
+    peers.insert(&prefix(4, [10, 0, 3, 1], 32), PEER_ALLOW, 0).unwrap();
+    drop((pods, rules, peers));
+
+    let datapath = Datapath::load(&pin_dir).expect("load over layout 2");
+    let mut loaded = Loaded {
+        datapath,
+        pin_dir,
+        flattener: MapFlattener::new(),
+        programmed: MapEntries::default(),
+        next_port: 30000,
+    };
+    let (in_set_3, in_set_4, outside) = (ip(1, 6), ip(2, 0), ip(2, 1));
+    assert_eq!(in_set_3, Ipv4Addr::new(10, 0, 2, 7));
+    for (peer, port, admitted) in [
+        (in_set_3, 80, true),
+        (in_set_3, 90, true),
+        (in_set_3, 91, false),
+        (in_set_4, 91, true),
+        (in_set_4, 85, true),
+        (outside, 85, false),
+        (outside, 1, false),
+    ] {
+        assert_eq!(loaded.connect(packet::TCP, peer, pod, port).1, admitted, "{peer}:{port}");
+    }
+    assert!(loaded.connect(packet::UDP, in_set_4, pod, 53).1, "the rule without ports admits UDP");
+    assert!(!loaded.connect(packet::UDP, in_set_3, pod, 85).1, "TCP ports only");
+    // Once the programs run over our maps, the old layout goes.
+    loaded.datapath.finish_upgrade().unwrap();
+    assert!(!old.exists());
 }

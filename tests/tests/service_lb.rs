@@ -403,11 +403,11 @@ fn a_full_service_map_is_reported_once_stays_cheap_and_fills_as_space_frees() {
     let pinned_to = held.lock().unwrap().first().cloned().expect("held connection answered");
     agent.stop().unwrap();
     let agent = Agent::start(&topo.node, &root, &[&args[..], &["--bpf-lb-map-max", "64"]].concat()).unwrap();
-    let svc_map = root.join("v2/svc_v4");
+    let svc_map = maps_dir(&root).join("svc_v4");
     let shown = || topo.node.run(&["bpftool", "map", "show", "pinned", svc_map.to_str().unwrap()]).unwrap_or_default();
     // The old maps are unpinned once every link runs the new programs.
     wait_until("svc_v4 re-created at 64 entries", Duration::from_secs(20), || {
-        Ok(shown().contains("max_entries 64") && !root.join("v2/svc_v4_resizing").exists())
+        Ok(shown().contains("max_entries 64") && !maps_dir(&root).join("svc_v4_resizing").exists())
     })
     .unwrap();
     let before = held.lock().unwrap().len();

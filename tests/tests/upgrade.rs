@@ -1,7 +1,8 @@
 //! A rolling upgrade across a map layout change drops nothing: the previous release (map layout
-//! 1, built from git history) serves live long-lived TCP connections and a client opening new
-//! ones; it is replaced by the current agent, which migrates conntrack, NAT and policy state into
-//! its own maps and swaps the programs through the pinned links. No established connection
+//! 2, built from git history) serves live long-lived TCP connections and a client opening new
+//! ones; it is replaced by the current agent (layout 3), which copies conntrack, NAT and policy
+//! state into its own maps (converting the policy rules into the port index) and swaps the
+//! programs through the pinned links. No established connection
 //! breaks, no new connection fails. Starting the previous release again (a downgrade) is refused
 //! and changes nothing. As root, in network namespaces.
 use std::{
@@ -13,13 +14,13 @@ use std::{
 
 use kube_router_tests::*;
 
-/// The last release with map layout 1 (stop 7).
-const PREVIOUS_RELEASE: &str = "172a0953bb158dda79c8fc6993483b98c163c962";
+/// The last release with map layout 2 (stop 18).
+const PREVIOUS_RELEASE: &str = "ab8a4cb552a7ba6a088e9b982da2a0764ef637dc";
 
 /// The previous release's agent, built once from git history into `target/previous-release`.
 fn previous_agent() -> PathBuf {
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
-    let out = target_dir().join("previous-release");
+    let out = target_dir().join(format!("previous-release-{}", &PREVIOUS_RELEASE[..12]));
     let binary = out.join("debug/kube-router");
     if binary.exists() {
         return binary;
@@ -93,7 +94,7 @@ fn a_rolling_upgrade_across_a_map_layout_change_drops_no_connection() {
     let file = ServiceFile::new("krt-up");
     file.write(&web_and_sticky(&backend_addrs(3))).unwrap();
 
-    // The previous release programs the Services in its layout (maps in the bpf root).
+    // The previous release programs the Services in its layout (maps in `v2/`).
     let mut old = start(&topo.node, &old_agent, &root, &file, &state);
     wait_until("the previous release programs its maps", Duration::from_secs(30), || {
         let services = Command::new(&old_agent).arg("--bpf-root").arg(&root).arg("services").output();
@@ -121,9 +122,9 @@ fn a_rolling_upgrade_across_a_map_layout_change_drops_no_connection() {
         "0",
     ];
     let mut new = Agent::start(&topo.node, &root, &args).unwrap();
-    // Upgraded once the old layout's maps are gone (the tombstone stands in for svc_v4).
+    // Upgraded once the old layout's maps are gone.
     wait_until("the upgrade completes", Duration::from_secs(30), || {
-        !root.join("meta").exists() && maps_dir(&root).join("ct_v4").exists()
+        !root.join("v2").exists() && maps_dir(&root).join("ct_v4").exists()
     });
     assert!(new.is_running());
     thread::sleep(Duration::from_secs(3));

@@ -118,7 +118,8 @@ impl Upgrade {
     /// pass (conntrack, NAT, affinity), then removes the old maps.
     pub fn finish(self) -> Result<usize> {
         let old = self.pin_dir.join(v2::DIR);
-        let late = copy_shared(&old, &maps_dir(&self.pin_dir), false).context("copying state written during the swap")?;
+        let late =
+            copy_shared(&old, &maps_dir(&self.pin_dir), false).context("copying state written during the swap")?;
         fs::remove_dir_all(&old).with_context(|| format!("removing {}", old.display()))?;
         tracing::info!(copied = self.copied + late, "upgrade from layout 2 complete; old maps removed");
         Ok(late)
@@ -150,13 +151,9 @@ fn copy_shared(from: &Path, to: &Path, first_pass: bool) -> Result<usize> {
         }
         let whole = match new_info.map_type() {
             Ok(MapType::Array | MapType::PerCpuArray) => true,
-            Ok(
-                MapType::Hash
-                | MapType::LruHash
-                | MapType::PerCpuHash
-                | MapType::LruPerCpuHash
-                | MapType::LpmTrie,
-            ) => false,
+            Ok(MapType::Hash | MapType::LruHash | MapType::PerCpuHash | MapType::LruPerCpuHash | MapType::LpmTrie) => {
+                false
+            }
             // Ring buffers and the like hold no state to carry.
             _ => continue,
         };
@@ -172,18 +169,22 @@ fn copy_shared(from: &Path, to: &Path, first_pass: bool) -> Result<usize> {
     Ok(copied)
 }
 
+/// Layout 2's rules: (slot, rule index) -> (peer set id, ports; `None` = every port).
+pub type Layout2Rules = BTreeMap<(u32, u32), (u32, Option<Vec<PortRange>>)>;
+
 /// Layout 2's `pol_rules` (per slot, a list of (peer set, ports) scanned in order) as layout 3's
 /// port index over the same slots and peer sets, plus the merged sets it needs, under ids no
 /// old entry uses. Pure: the datapath decision over the result equals the old one.
 pub fn ports_from_rules(
-    rules: &BTreeMap<(u32, u32), (u32, Option<Vec<PortRange>>)>,
+    rules: &Layout2Rules,
     peer_prefixes: &BTreeMap<PeerPrefixKey, crate::policy::bpf_maps::PrefixVerdict>,
 ) -> MapEntries {
     let mut by_set: BTreeMap<u32, BTreeMap<ipnet::IpNet, crate::policy::bpf_maps::PrefixVerdict>> = BTreeMap::new();
     for (key, verdict) in peer_prefixes {
         by_set.entry(key.peer_set.0).or_default().insert(key.prefix, *verdict);
     }
-    let mut slots: BTreeMap<u32, Vec<(u32, Option<&[PortRange]>)>> = BTreeMap::new();
+    type SlotRules<'a> = Vec<(u32, Option<&'a [PortRange]>)>;
+    let mut slots: BTreeMap<u32, SlotRules> = BTreeMap::new();
     for ((slot, _), (peer_set, ports)) in rules {
         slots.entry(*slot).or_default().push((*peer_set, ports.as_deref()));
     }
@@ -361,7 +362,7 @@ fn copy_entries(from: &MapData, to: &MapData, overwrite: bool) -> Result<(usize,
     let info = from.info()?;
     let key_size = info.key_size() as usize;
     // A per-CPU map's element reads and writes carry one 8-byte-aligned value per possible CPU.
-    let per_cpu = matches!(info.map_type(), Ok(MapType::PerCpuHash | MapType::LruPerCpuHash));
+    let per_cpu = matches!(info.map_type(), Ok(MapType::PerCpuHash | MapType::LruPerCpuHash | MapType::PerCpuArray));
     let value_size = if per_cpu {
         let cpus = aya::util::nr_cpus().map_err(|(_, e)| e).context("counting the possible CPUs")?;
         (info.value_size() as usize).next_multiple_of(8) * cpus

@@ -24,8 +24,8 @@ use super::service_maps::{monotonic_now_ns, write_error};
 use crate::{
     policy::{
         bpf_maps::{
-            MapDiff, MapEntries, PeerPrefixKey, PeerSetId, PodSlotKey, PodSlotValue, PortPrefix, PrefixVerdict,
-            SlotId, SlotPortKey,
+            MapDiff, MapEntries, PeerPrefixKey, PeerSetId, PodSlotKey, PodSlotValue, PortPrefix, PrefixVerdict, SlotId,
+            SlotPortKey,
         },
         Direction, Protocol,
     },
@@ -214,9 +214,10 @@ pub fn encode_pod_value(value: &PodSlotValue) -> PolicyPodValue {
 pub fn encode_port_key(key: &SlotPortKey) -> PortKey {
     let slot_be = key.slot.0.to_be();
     match key.ports {
-        PortPrefix::AllProtocols => {
-            PortKey { prefix_len: POLICY_PORT_SLOT_BITS, data: PolicyPortKey { slot_be, proto: 0, port: [0; 2], pad: 0 } }
-        }
+        PortPrefix::AllProtocols => PortKey {
+            prefix_len: POLICY_PORT_SLOT_BITS,
+            data: PolicyPortKey { slot_be, proto: 0, port: [0; 2], pad: 0 },
+        },
         PortPrefix::Ports { protocol, start, bits } => PortKey {
             prefix_len: POLICY_PORT_PROTO_BITS + u32::from(bits),
             data: PolicyPortKey { slot_be, proto: protocol.ip_protocol_number(), port: start.to_be_bytes(), pad: 0 },

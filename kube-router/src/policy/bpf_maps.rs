@@ -189,7 +189,8 @@ impl MapEntries {
     /// The peer set a slot admits on `protocol`/`port`: its longest matching port entry.
     pub fn slot_peers(&self, slot: SlotId, protocol: Protocol, port: u16) -> Option<PeerSetId> {
         let lower = SlotPortKey { slot, ports: PortPrefix::AllProtocols };
-        let upper = SlotPortKey { slot, ports: PortPrefix::Ports { protocol: Protocol::Sctp, start: u16::MAX, bits: u8::MAX } };
+        let upper =
+            SlotPortKey { slot, ports: PortPrefix::Ports { protocol: Protocol::Sctp, start: u16::MAX, bits: u8::MAX } };
         self.slot_ports
             .range(lower..=upper)
             .filter(|(key, _)| key.ports.contains(protocol, port))

@@ -74,7 +74,10 @@ fn there_is_no_rule_limit() {
     let ports: Vec<_> = (0..9).map(|i| json!({"port": 8000 + 10 * i, "endPort": 8005 + 10 * i})).collect();
     let cases = [
         ("65 one-peer policies", one_peer_policies),
-        ("one rule of 70 ipBlocks", vec![policy("x", "blocks", json!({"podSelector": {}, "ingress": [{"from": many_blocks}]}))]),
+        (
+            "one rule of 70 ipBlocks",
+            vec![policy("x", "blocks", json!({"podSelector": {}, "ingress": [{"from": many_blocks}]}))],
+        ),
         (
             "33 peers x 9 port ranges",
             vec![policy("x", "grid", json!({"podSelector": {}, "ingress": [{"from": peers, "ports": ports}]}))],
@@ -85,7 +88,9 @@ fn there_is_no_rule_limit() {
         let out = cluster.compile(&policies);
         let maps = MapFlattener::new().flatten(&out.model);
         let mut admitted = 0;
-        for peer in ["192.168.0.9", "192.168.64.9", "192.168.65.9", "172.16.69.1", "172.16.70.1", "198.18.32.7", "198.18.33.7"] {
+        for peer in
+            ["192.168.0.9", "192.168.64.9", "192.168.65.9", "172.16.69.1", "172.16.70.1", "198.18.32.7", "198.18.33.7"]
+        {
             for port in [80, 8000, 8005, 8006, 8080, 8085, 8086] {
                 let expected = allows(&out.model, ip(peer), pod, Protocol::Tcp, port);
                 assert_eq!(maps.allows(ip(peer), pod, Protocol::Tcp, port), expected, "{name}: {peer}:{port}");
@@ -102,7 +107,8 @@ fn port_ranges_become_the_fewest_aligned_prefixes() {
     assert_eq!(cover(80, 80), [PortPrefix::Ports { protocol: Protocol::Tcp, start: 80, bits: 16 }]);
     assert_eq!(cover(0, 65535), [PortPrefix::Ports { protocol: Protocol::Tcp, start: 0, bits: 0 }]);
     assert_eq!(cover(1, 65535).len(), 16);
-    for (start, end) in [(0, 0), (1, 1), (3, 17), (1000, 1016), (8000, 8005), (1024, 65535), (65535, 65535), (0, 65534)] {
+    for (start, end) in [(0, 0), (1, 1), (3, 17), (1000, 1016), (8000, 8005), (1024, 65535), (65535, 65535), (0, 65534)]
+    {
         let prefixes = cover(start, end);
         let covered: Vec<u32> =
             (0..=65535u32).filter(|p| prefixes.iter().any(|x| x.contains(Protocol::Tcp, *p as u16))).collect();
