@@ -216,7 +216,7 @@ fn main() {
     println!();
     println!(
         "{:<14} {:>10} {:>22} {:>22} {:>22} {:>22}",
-        "model", "pod rules", "established (repeat)", "deny, full scan", "established (1/run)", "allow new (last rule)"
+        "model", "pod rules", "established (repeat)", "deny", "established (1/run)", "allow new"
     );
     for (label, rules, f) in &results {
         println!(
