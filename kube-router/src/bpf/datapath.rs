@@ -635,11 +635,17 @@ pub fn remove_all(pin_dir: &Path) -> Result<usize> {
             }
         }
     }
+    let links = pin_dir.join("links");
     for dir in &dirs {
         let Ok(entries) = fs::read_dir(dir) else { continue };
         for entry in entries.flatten() {
             if entry.file_type().map(|t| t.is_file()).unwrap_or(false) {
-                super::unpin_link(&entry.path())?;
+                // Only links need detaching before the pin goes; maps just go.
+                if *dir == links {
+                    super::unpin_link(&entry.path())?;
+                } else {
+                    fs::remove_file(entry.path())?;
+                }
                 removed += 1;
             }
         }
