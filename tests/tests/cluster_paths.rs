@@ -1,7 +1,8 @@
 //! Every Service path of a real cluster, each its own test, on the multi-node harness
 //! (`kube_router_tests::cluster`): real CNI-wired pods on two nodes, an external client and an
 //! "internet" host behind a router, agents in API mode routing pod CIDRs with their own BGP.
-//! Real TCP and UDP connections throughout. As root, in network namespaces.
+//! Real TCP and UDP connections throughout. As root, in network namespaces. The same paths over
+//! IPv6: `dual_stack.rs`, `every_cluster_paths_service_path_over_ipv6`.
 use std::{
     thread,
     time::{Duration, Instant},
