@@ -250,6 +250,7 @@ fn every_cluster_paths_service_path_over_ipv6() {
         Svc::load_balancer("local", "10.96.1.30", 30090, "198.51.100.30")
             .dual_stack("fd00:96::30")
             .select("pod", "pod-1-0")
+            .load_balancer_ip("2001:db8:51::30")
             .local()
             .health_check_node_port(32000),
         Svc::load_balancer("web", "10.96.1.20", 30100, "198.51.100.20")
@@ -270,7 +271,7 @@ fn every_cluster_paths_service_path_over_ipv6() {
     for svc in services {
         c.add_service(svc).unwrap();
     }
-    for vip in ["2001:db8:51::20", "2001:db8:2::20", "2001:db8:51::21"] {
+    for vip in ["2001:db8:51::20", "2001:db8:2::20", "2001:db8:51::21", "2001:db8:51::30"] {
         c.route_via(vip, 0).unwrap();
     }
     for frontend in ["[fd00:96::50]:80", "[2001:db8:51::21]:80", "[2001:db8:2::20]:80"] {
@@ -289,6 +290,8 @@ fn every_cluster_paths_service_path_over_ipv6() {
     // instead of forwarding.
     assert_eq!(netprobe(client, &["ask", "tcp", &v6(&node1, 30090), "who"]), format!("pod-1-0 {CLIENT_ADDR6}"));
     assert_eq!(netprobe(client, &["ask", "udp", &v6(&node1, 30091), "who"]), format!("pod-1-0 {CLIENT_ADDR6}"));
+    let lb_ip = netprobe(client, &["ask", "tcp", "[2001:db8:51::30]:80", "who"]);
+    assert_eq!(lb_ip, format!("pod-1-0 {CLIENT_ADDR6}"), "the Local Service's LoadBalancer IP");
     let forwarded = counted(&c, 1, "snat_new_flow", || assert_refused_at_once(client, "tcp", &v6(&node2, 30090)));
     assert_eq!(forwarded, 0, "node-2 forwarded a Local flow");
     lap("traffic policy Local");
@@ -363,11 +366,16 @@ fn every_cluster_paths_service_path_over_ipv6() {
         node2_ns.run(&["ip", "link", "set", name, "mtu", "1400"]).unwrap();
     }
     node2_ns.run(&["ip", "link", "set", "kube-bridge", "mtu", "1400"]).unwrap();
-    let translated = counted(&c, 0, "icmp_error_nat", || {
-        let out = netprobe(&pod1.ns, &["bulk", "[fd00:96::20]:80", "2000000"]);
-        assert_eq!(out, "pod-2-0 2000000", "2 MB through the IPv6 ClusterIP with PMTU discovery");
-    });
-    assert!(translated >= 1, "no packet too big translated");
-    println!("packet too big: {translated} translated");
+    // East-west (destination NAT only) and north-south (source-NATed to node-1 as well: the
+    // error comes back to node-1's address and must reach the client).
+    for (ns, target) in [(&pod1.ns, "[fd00:96::20]:80"), (client, "[2001:db8:51::20]:80")] {
+        let translated = counted(&c, 0, "icmp_error_nat", || {
+            let out = netprobe(ns, &["bulk", target, "2000000"]);
+            assert_eq!(out, "pod-2-0 2000000", "2 MB to {target} with PMTU discovery");
+        });
+        assert!(translated >= 1, "{target}: no packet too big translated");
+        println!("packet too big to {target}: {translated} translated");
+    }
     lap("packet too big");
+    assert_eq!(c.node(0).stats()["redirect_failed"], 0, "node-1 dropped packets it routes");
 }
