@@ -44,7 +44,7 @@ pub trait Family: 'static {
         outer_dst: &Self::Addr,
     ) -> Result<(), i64>;
     /// Routes the translated packet (its new source is a node address); the TC verdict.
-    fn redirect(ctx: &TcContext, to: &Tuple<Self::Addr>, proto: u8) -> i32;
+    fn redirect(ctx: &TcContext, to: &Tuple<Self::Addr>, proto: u8, l4_off: usize) -> i32;
     /// Answers a new flow to a frontend without endpoints; the TC verdict.
     fn refuse(ctx: &TcContext, flow: &LbFlow<Self::Addr>) -> i32;
 }
@@ -114,8 +114,8 @@ impl Family for V4 {
         nat::rewrite_icmp_error_v4(ctx, error, quoted, *outer_dst)
     }
     #[inline(always)]
-    fn redirect(ctx: &TcContext, to: &Tuple<u32>, proto: u8) -> i32 {
-        route::redirect_v4(ctx, to.src.0, to.dst.0, proto)
+    fn redirect(ctx: &TcContext, to: &Tuple<u32>, proto: u8, l4_off: usize) -> i32 {
+        route::redirect_v4(ctx, to.src.0, to.dst.0, proto, l4_off)
     }
     #[inline(always)]
     fn refuse(ctx: &TcContext, flow: &LbFlow<u32>) -> i32 {
@@ -184,8 +184,8 @@ impl Family for V6 {
         nat::rewrite_icmp_error_v6(ctx, error, quoted, outer_dst)
     }
     #[inline(always)]
-    fn redirect(ctx: &TcContext, to: &Tuple<Ipv6Words>, proto: u8) -> i32 {
-        route::redirect_v6(ctx, &to.src.0, &to.dst.0, proto)
+    fn redirect(ctx: &TcContext, to: &Tuple<Ipv6Words>, proto: u8, l4_off: usize) -> i32 {
+        route::redirect_v6(ctx, &to.src.0, &to.dst.0, proto, l4_off)
     }
     #[inline(always)]
     fn refuse(ctx: &TcContext, flow: &LbFlow<Ipv6Words>) -> i32 {

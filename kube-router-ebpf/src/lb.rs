@@ -256,7 +256,7 @@ fn apply<F: Family>(ctx: &TcContext, flow: &LbFlow<F::Addr>, to: &Tuple<F::Addr>
         return TC_ACT_SHOT;
     }
     if route {
-        return F::redirect(ctx, to, flow.proto);
+        return F::redirect(ctx, to, flow.proto, flow.l4_off);
     }
     TC_ACT_UNSPEC
 }

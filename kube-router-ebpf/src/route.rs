@@ -2,17 +2,22 @@
 //! dropped by the stack as a martian if it entered the input path, so it is routed here: a FIB
 //! lookup for its new destination, TTL / hop limit decremented as a router does, and
 //! `bpf_redirect_neigh` out of the chosen interface (the kernel resolves the next hop's MAC).
+//! The route's MTU is checked against what will be on the wire: for a GSO packet (segments the
+//! sender's TSO or this node's GRO merged) each segment, as the kernel's own forwarding does; the
+//! merged length would be refused and every upload through an SNAT path dropped.
 use aya_ebpf::{
     bindings::{bpf_fib_lookup as FibLookup, bpf_redir_neigh, TC_ACT_SHOT},
     helpers::{bpf_fib_lookup, bpf_redirect_neigh},
     programs::TcContext,
     EbpfContext,
 };
-use kube_router_common::{lb_stat, Ipv6Words};
+use kube_router_common::{lb_stat, Ipv6Words, IPPROTO_TCP};
 
 use crate::{
     maps::count,
-    parsing::{IPV6_HDR_LEN, IPV6_HOP_LIMIT_OFF, IPV6_PAYLOAD_LEN_OFF, IP_CSUM_OFF, IP_TOT_LEN_OFF, IP_TTL_OFF},
+    parsing::{
+        ETH_HDR_LEN, IPV6_HDR_LEN, IPV6_HOP_LIMIT_OFF, IPV6_PAYLOAD_LEN_OFF, IP_CSUM_OFF, IP_TOT_LEN_OFF, IP_TTL_OFF,
+    },
 };
 
 const AF_INET: u8 = 2;
@@ -20,10 +25,11 @@ const AF_INET6: u8 = 10;
 const BPF_FIB_LKUP_RET_SUCCESS: i64 = 0;
 const BPF_FIB_LKUP_RET_NO_NEIGH: i64 = 7;
 
-/// Routes the (already translated) IPv4 packet to `dst`; returns the TC verdict.
+/// Routes the (already translated) IPv4 packet to `dst`; returns the TC verdict. `l4_off`: where
+/// its TCP or UDP header starts.
 // Not inlined: the lookup's parameters would crowd the caller's stack.
 #[inline(never)]
-pub fn redirect_v4(ctx: &TcContext, src: u32, dst: u32, proto: u8) -> i32 {
+pub fn redirect_v4(ctx: &TcContext, src: u32, dst: u32, proto: u8, l4_off: usize) -> i32 {
     // SAFETY: an all-zero bpf_fib_lookup is a valid request skeleton (integers and unions of them).
     let mut params: FibLookup = unsafe { core::mem::zeroed() };
     params.family = AF_INET;
@@ -31,7 +37,8 @@ pub fn redirect_v4(ctx: &TcContext, src: u32, dst: u32, proto: u8) -> i32 {
     params.__bindgen_anon_3.ipv4_src = src;
     params.__bindgen_anon_4.ipv4_dst = dst;
     let routed = (|| {
-        params.__bindgen_anon_1.tot_len = u16::from_be(ctx.load::<u16>(IP_TOT_LEN_OFF)?);
+        let ip_len = u16::from_be(ctx.load::<u16>(IP_TOT_LEN_OFF)?);
+        params.__bindgen_anon_1.tot_len = wire_len(ctx, ip_len, proto, l4_off)?;
         lookup(ctx, &mut params)?;
         let ttl: u8 = ctx.load(IP_TTL_OFF)?;
         if ttl <= 1 {
@@ -54,7 +61,7 @@ pub fn redirect_v4(ctx: &TcContext, src: u32, dst: u32, proto: u8) -> i32 {
 
 /// Routes the (already translated) IPv6 packet to `dst`; returns the TC verdict.
 #[inline(never)]
-pub fn redirect_v6(ctx: &TcContext, src: &Ipv6Words, dst: &Ipv6Words, proto: u8) -> i32 {
+pub fn redirect_v6(ctx: &TcContext, src: &Ipv6Words, dst: &Ipv6Words, proto: u8, l4_off: usize) -> i32 {
     // SAFETY: as above.
     let mut params: FibLookup = unsafe { core::mem::zeroed() };
     params.family = AF_INET6;
@@ -63,7 +70,7 @@ pub fn redirect_v6(ctx: &TcContext, src: &Ipv6Words, dst: &Ipv6Words, proto: u8)
     params.__bindgen_anon_4.ipv6_dst = dst.0;
     let routed = (|| {
         let payload = u16::from_be(ctx.load::<u16>(IPV6_PAYLOAD_LEN_OFF)?);
-        params.__bindgen_anon_1.tot_len = payload + IPV6_HDR_LEN as u16;
+        params.__bindgen_anon_1.tot_len = wire_len(ctx, payload + IPV6_HDR_LEN as u16, proto, l4_off)?;
         lookup(ctx, &mut params)?;
         let hop_limit: u8 = ctx.load(IPV6_HOP_LIMIT_OFF)?;
         if hop_limit <= 1 {
@@ -78,6 +85,26 @@ pub fn redirect_v6(ctx: &TcContext, src: &Ipv6Words, dst: &Ipv6Words, proto: u8)
         Ok(send(params.ifindex, &mut neigh))
     })();
     verdict(routed)
+}
+
+/// The IP length of what leaves the node: `ip_len`, or for a GSO packet its segments' (headers
+/// up to the end of the TCP or UDP header, plus `gso_size`).
+#[inline(always)]
+fn wire_len(ctx: &TcContext, ip_len: u16, proto: u8, l4_off: usize) -> Result<u16, i64> {
+    // SAFETY: reading the skb's GSO segment size from its context.
+    let gso_size = unsafe { (*ctx.skb.skb).gso_size };
+    if gso_size == 0 {
+        return Ok(ip_len);
+    }
+    let l4_header = if proto == IPPROTO_TCP {
+        // The data offset: the upper 4 bits, in 32-bit words.
+        let data_offset: u8 = ctx.load(l4_off + 12)?;
+        ((data_offset >> 4) as usize) * 4
+    } else {
+        8
+    };
+    let segment = (l4_off - ETH_HDR_LEN + l4_header) as u32 + gso_size;
+    Ok(if segment < ip_len as u32 { segment as u16 } else { ip_len })
 }
 
 #[inline(always)]

@@ -74,7 +74,7 @@ pub async fn serve(mut checks: watch::Receiver<BTreeMap<u16, LocalEndpoints>>, m
         failed.retain(|p| wanted.contains(p));
         let missing: Vec<u16> = wanted.into_iter().filter(|p| !listeners.contains_key(p)).collect();
         for port in missing {
-            match TcpListener::bind(("0.0.0.0", port)).await {
+            match listen(port).await {
                 Ok(listener) => {
                     failed.remove(&port);
                     listeners.insert(port, tokio::spawn(answer(listener, port, checks.clone())));
@@ -94,6 +94,33 @@ pub async fn serve(mut checks: watch::Receiver<BTreeMap<u16, LocalEndpoints>>, m
     for task in listeners.into_values() {
         task.abort();
     }
+}
+
+/// A listener on `port` of every node address of both families: one IPv6 socket taking IPv4
+/// too (V6ONLY off, whatever `net.ipv6.bindv6only` says), so a dual-stack node's health check
+/// answers on its IPv6 address as kube-proxy's does; IPv4 alone where IPv6 is disabled.
+async fn listen(port: u16) -> std::io::Result<TcpListener> {
+    use std::os::fd::AsRawFd;
+    let Ok(socket) = tokio::net::TcpSocket::new_v6() else {
+        return TcpListener::bind(("0.0.0.0", port)).await;
+    };
+    let off: libc::c_int = 0;
+    // SAFETY: setsockopt on a socket we own, with a c_int option value of the right size.
+    let set = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::IPPROTO_IPV6,
+            libc::IPV6_V6ONLY,
+            std::ptr::addr_of!(off).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if set != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    socket.set_reuseaddr(true)?;
+    socket.bind((std::net::Ipv6Addr::UNSPECIFIED, port).into())?;
+    socket.listen(1024)
 }
 
 async fn answer(listener: TcpListener, port: u16, checks: watch::Receiver<BTreeMap<u16, LocalEndpoints>>) {
@@ -186,5 +213,20 @@ endpoints:
 "#;
         let state = parse_objects(&text).unwrap().state;
         assert_eq!(health_checks(&state, "node-a")[&32000].count, 1);
+    }
+
+    /// One listener answers on both families' addresses (a dual-stack node's IPv6 address was
+    /// never listened on).
+    #[tokio::test]
+    async fn the_listener_takes_ipv4_and_ipv6() {
+        let listener = listen(0).await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        for addr in ["127.0.0.1", "::1"] {
+            let connect = tokio::net::TcpStream::connect((addr.parse::<std::net::IpAddr>().unwrap(), port));
+            let accepted = tokio::time::timeout(std::time::Duration::from_secs(5), listener.accept());
+            let (connected, accepted) = tokio::join!(connect, accepted);
+            connected.unwrap_or_else(|e| panic!("{addr}: {e}"));
+            accepted.unwrap().unwrap();
+        }
     }
 }

@@ -11,7 +11,7 @@ use kube_router::{
     bpf::{
         datapath::{self, Datapath, Hook},
         service_maps::{read_lb_stats, sync_cluster_nets, write_lb_config, BpfServiceMaps, Conntrack},
-        test_run::{packet, run_on, NodeNetns},
+        test_run::{packet, run_gso, run_on, NodeNetns},
     },
     services::{
         compile::{addr_be, assign_ids, plan, Limits},
@@ -182,6 +182,27 @@ fn north_south_to_another_node_is_source_natted_and_routed_both_ways() {
     let (verdict, out) = lb.ingress(&packet::ipv4(packet::TCP, (LOCAL_POD, 41000), (VIP, 80), packet::TCP_SYN, b""));
     assert_eq!(verdict, TC_ACT_UNSPEC);
     assert_eq!(packet::endpoints(&out), ((LOCAL_POD, 41000), (REMOTE_POD, 8080)));
+}
+
+/// An upload arrives as GSO packets (the client's TSO, this node's GRO) longer than the route's
+/// MTU: routed when its segments fit, as the kernel forwards them (they were all dropped).
+#[test]
+fn merged_segments_are_routed_by_their_segment_size() {
+    let lb = load("gso", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+    let fd = lb.datapath.program_fd(Hook::Ingress).unwrap();
+    let client = (CLIENT, 40000);
+    let syn = packet::ipv4(packet::TCP, client, (NODE_IP, 30080), packet::TCP_SYN, b"");
+    assert_eq!(lb.ingress(&syn).0, TC_ACT_REDIRECT);
+    // Two 1,448-byte segments in one 2,936-byte packet: each 1,488 bytes on a 1,500-byte link.
+    let merged = packet::ipv4(packet::TCP, client, (NODE_IP, 30080), packet::TCP_ACK, &[7u8; 2 * 1448]);
+    let out = run_gso(fd, &merged, lb.ifindex, (2, 1448)).unwrap();
+    assert_eq!(out.retval, TC_ACT_REDIRECT, "a GSO packet whose segments fit is routed");
+    assert_eq!(packet::endpoints(&out.packet).1, (REMOTE_POD, 8080));
+    // Segments that do not fit, and the same length unmerged, are not.
+    let big = packet::ipv4(packet::TCP, client, (NODE_IP, 30080), packet::TCP_ACK, &[7u8; 2 * 1500]);
+    assert_eq!(run_gso(fd, &big, lb.ifindex, (2, 1500)).unwrap().retval, TC_ACT_SHOT);
+    assert_eq!(lb.ingress(&merged).0, TC_ACT_SHOT);
+    assert_eq!(lb.stat(lb_stat::REDIRECT_FAILED), 2);
 }
 
 #[test]

@@ -346,6 +346,11 @@ impl Svc {
         self.cluster_ip6 = Some(cluster_ip6.to_string());
         self
     }
+    /// One more LoadBalancer ingress IP (of either family).
+    pub fn load_balancer_ip(mut self, ip: &str) -> Self {
+        self.load_balancer_ips.push(ip.to_string());
+        self
+    }
     pub fn select(mut self, key: &str, value: &str) -> Self {
         self.selector = [(key.to_string(), value.to_string())].into();
         self
@@ -904,9 +909,15 @@ impl Cluster {
         out.unwrap_or_default()
     }
 
-    /// The fabric routes `addr` (an ExternalIP or LoadBalancer IP) to node `i`.
+    /// The fabric routes `addr` (an ExternalIP or LoadBalancer IP, of either family) to node `i`.
     pub fn route_via(&self, addr: &str, i: usize) -> Result<()> {
-        self.fabric.run(&["ip", "route", "replace", &format!("{addr}/32"), "via", &self.nodes[i].ip])?;
+        let node = &self.nodes[i];
+        if addr.contains(':') {
+            let via = node.ip6.as_deref().context("an IPv6 route needs a dual-stack cluster")?;
+            self.fabric.run(&["ip", "-6", "route", "replace", &format!("{addr}/128"), "via", via])?;
+        } else {
+            self.fabric.run(&["ip", "route", "replace", &format!("{addr}/32"), "via", &node.ip])?;
+        }
         Ok(())
     }
 

@@ -1,7 +1,8 @@
 //! Every Service path of a real cluster, each its own test, on the multi-node harness
 //! (`kube_router_tests::cluster`): real CNI-wired pods on two nodes, an external client and an
 //! "internet" host behind a router, agents in API mode routing pod CIDRs with their own BGP.
-//! Real TCP and UDP connections throughout. As root, in network namespaces.
+//! Real TCP and UDP connections throughout. As root, in network namespaces. The same paths over
+//! IPv6: `dual_stack.rs`, `every_cluster_paths_service_path_over_ipv6`.
 use std::{
     thread,
     time::{Duration, Instant},
@@ -49,6 +50,10 @@ fn north_south_to_a_backend_on_the_other_node_is_source_natted() {
     assert_all_from(&request(&c.client, "udp", "10.100.0.1:30081", 10), "pod-2-0");
     assert_all_from(&request(&c.client, "udp", "192.0.2.20:53", 10), "pod-2-0");
     assert!(c.node(0).stats()["snat_new_flow"] >= 35, "{:?}", c.node(0).stats());
+    // An upload: the client's segments arrive merged (TSO/GRO) and leave node-1 as they came.
+    let failed_before = c.node(0).stats()["redirect_failed"];
+    assert_eq!(netprobe(&c.client, &["bulk", "10.100.0.1:30080", "2000000"]), "pod-2-0 2000000");
+    assert_eq!(c.node(0).stats()["redirect_failed"], failed_before, "node-1 dropped packets it routes");
 }
 
 #[test]
@@ -100,7 +105,7 @@ fn a_service_without_endpoints_refuses_at_once() {
 #[test]
 fn path_mtu_discovery_and_large_udp_replies_work_through_a_service() {
     let c = Cluster::builder("krt-cp-mtu").build().unwrap();
-    c.add_service(Svc::cluster_ip("web", "10.96.1.60").select("pod", "pod-2-0")).unwrap();
+    c.add_service(Svc::node_port("web", "10.96.1.60", 30080).select("pod", "pod-2-0")).unwrap();
     // A 1,400-byte hop in front of the backend: node-2 forwards into kube-bridge with MTU 1400,
     // while the backend itself (MTU 1500) advertises a 1460-byte MSS. node-2 answers full-sized
     // segments with "fragmentation needed", which must reach the client translated.
@@ -114,6 +119,11 @@ fn path_mtu_discovery_and_large_udp_replies_work_through_a_service() {
     let out = netprobe(&c.pod(0, 0).ns, &["bulk", "10.96.1.60:80", "2000000"]);
     assert_eq!(out, "pod-2-0 2000000", "2 MB through the ClusterIP with PMTU discovery");
     assert!(c.node(0).stats()["icmp_error_nat"] >= 1, "{:?}", c.node(0).stats());
+    // North-south, source-NATed to node-1: the error comes to node-1's address, for the client.
+    let before = c.node(0).stats()["icmp_error_nat"];
+    let out = netprobe(&c.client, &["bulk", "10.100.0.1:30080", "2000000"]);
+    assert_eq!(out, "pod-2-0 2000000", "2 MB through the NodePort with PMTU discovery");
+    assert!(c.node(0).stats()["icmp_error_nat"] > before, "{:?}", c.node(0).stats());
 
     // A 4 KB UDP answer arrives in fragments, every one translated back to the ClusterIP.
     let c2 = Cluster::builder("krt-cp-frag").build().unwrap();

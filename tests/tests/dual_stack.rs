@@ -9,7 +9,7 @@ use std::{
 
 use kube_router_tests::{
     apiserver::FaultMode,
-    cluster::{netprobe, node_ip6, request, Cluster, Svc, INTERNET_ADDR6},
+    cluster::{netprobe, node_ip6, request, Cluster, Svc, CLIENT_ADDR6, INTERNET_ADDR6},
     netprobe_bin, Netns,
 };
 use serde_json::json;
@@ -211,4 +211,171 @@ fn a_pod_reaches_the_internet_over_ipv6_masqueraded_to_its_node() {
     // Pod to pod across nodes stays unmasqueraded.
     let other = v6(c.pod(1, 0).ip6.as_deref().unwrap(), 8080);
     assert_eq!(netprobe(&pod.ns, &["ask", "tcp", &other, "who"]), format!("pod-2-0 {}", pod.ip6.as_deref().unwrap()));
+}
+
+/// `kube-router stats` counter `name` on node `i`, read again after `f`: how much `f` added.
+fn counted(c: &Cluster, i: usize, name: &str, f: impl FnOnce()) -> u64 {
+    let before = c.node(i).stats().get(name).copied().unwrap_or(0);
+    f();
+    c.node(i).stats().get(name).copied().unwrap_or(0) - before
+}
+
+/// One exchange that must be refused at once (a TCP RST or an ICMPv6 port unreachable from the
+/// datapath), not time out.
+fn assert_refused_at_once(ns: &Netns, proto: &str, target: &str) {
+    let out = netprobe(ns, &["timed", proto, target]);
+    assert!(out.contains("Connection refused"), "{proto} {target}: {out}");
+    let ms: f64 = out.rsplit(' ').next().unwrap().parse().unwrap();
+    assert!(ms < 50.0, "{proto} {target} refused only after {ms} ms: not a timeout");
+}
+
+fn assert_all_from(replies: &[String], backend: &str, what: &str) {
+    assert!(!replies.is_empty() && replies.iter().all(|r| r == backend), "{what}: expected {backend}: {replies:?}");
+}
+
+/// The Service paths of `cluster_paths.rs`, over IPv6, walked in sequence on one dual-stack
+/// cluster (each path's own IPv4 test stays there): hairpin, `externalTrafficPolicy: Local`,
+/// ExternalIP and LoadBalancer IP source-NATed to a backend on the other node, with
+/// `loadBalancerSourceRanges`, REJECT without endpoints, fragments and "packet too big" of
+/// translated flows, healthCheckNodePort on the node's IPv6 address.
+#[test]
+fn every_cluster_paths_service_path_over_ipv6() {
+    let c = Cluster::builder("krt-ds-paths").dual_stack().build().unwrap();
+    let (pod1, client) = (c.pod(0, 0), &c.client);
+    let (node1, node2) = (node_ip6(0), node_ip6(1));
+    let step = Instant::now();
+    let lap = |path: &str| println!("{path}: {} ms", step.elapsed().as_millis());
+    let services = [
+        Svc::node_port("self", "10.96.1.40", 30080).dual_stack("fd00:96::40").select("pod", "pod-1-0"),
+        Svc::load_balancer("local", "10.96.1.30", 30090, "198.51.100.30")
+            .dual_stack("fd00:96::30")
+            .select("pod", "pod-1-0")
+            .load_balancer_ip("2001:db8:51::30")
+            .local()
+            .health_check_node_port(32000),
+        Svc::load_balancer("web", "10.96.1.20", 30100, "198.51.100.20")
+            .dual_stack("fd00:96::20")
+            .load_balancer_ip("2001:db8:51::20")
+            .external_ip("2001:db8:2::20")
+            .select("pod", "pod-2-0")
+            .source_range("192.168.100.0/24")
+            .source_range("fd00:c::/64"),
+        Svc::load_balancer("closed", "10.96.1.21", 30110, "198.51.100.21")
+            .dual_stack("fd00:96::21")
+            .load_balancer_ip("2001:db8:51::21")
+            .select("pod", "pod-2-0")
+            .source_range("10.1.0.0/16")
+            .source_range("fd00:1::/64"),
+        Svc::node_port("empty", "10.96.1.50", 30120).dual_stack("fd00:96::50").select("pod", "nobody"),
+    ];
+    for svc in services {
+        c.add_service(svc).unwrap();
+    }
+    for vip in ["2001:db8:51::20", "2001:db8:2::20", "2001:db8:51::21", "2001:db8:51::30"] {
+        c.route_via(vip, 0).unwrap();
+    }
+    for frontend in ["[fd00:96::50]:80", "[2001:db8:51::21]:80", "[2001:db8:2::20]:80"] {
+        c.wait_programmed(frontend, true).unwrap();
+    }
+    lap("five dual-stack Services programmed");
+
+    // Hairpin: a pod calling its own Service sees the connection come from the Service address.
+    assert_all_from(&pod1.request("tcp", "[fd00:96::40]:80", 5), "pod-1-0", "hairpin TCP");
+    assert_all_from(&pod1.request("udp", "[fd00:96::40]:53", 5), "pod-1-0", "hairpin UDP");
+    assert_eq!(netprobe(&pod1.ns, &["ask", "tcp", "[fd00:96::40]:80", "who"]), "pod-1-0 fd00:96::40");
+    assert_all_from(&pod1.request("tcp", &v6(&node1, 30080), 5), "pod-1-0", "hairpin through the NodePort");
+    lap("hairpin");
+
+    // Local: the node with the endpoint serves and keeps the client address; the other refuses
+    // instead of forwarding.
+    assert_eq!(netprobe(client, &["ask", "tcp", &v6(&node1, 30090), "who"]), format!("pod-1-0 {CLIENT_ADDR6}"));
+    assert_eq!(netprobe(client, &["ask", "udp", &v6(&node1, 30091), "who"]), format!("pod-1-0 {CLIENT_ADDR6}"));
+    let lb_ip = netprobe(client, &["ask", "tcp", "[2001:db8:51::30]:80", "who"]);
+    assert_eq!(lb_ip, format!("pod-1-0 {CLIENT_ADDR6}"), "the Local Service's LoadBalancer IP");
+    let forwarded = counted(&c, 1, "snat_new_flow", || assert_refused_at_once(client, "tcp", &v6(&node2, 30090)));
+    assert_eq!(forwarded, 0, "node-2 forwarded a Local flow");
+    lap("traffic policy Local");
+
+    // ExternalIP and LoadBalancer IP through node-1, backend on node-2: source-NATed to node-1.
+    let snat = counted(&c, 0, "snat_new_flow", || {
+        for frontend in ["[2001:db8:2::20]:80", "[2001:db8:51::20]:80"] {
+            assert_all_from(&request(client, "tcp", frontend, 10), "pod-2-0", frontend);
+            assert_eq!(netprobe(client, &["ask", "tcp", frontend, "who"]), format!("pod-2-0 {node1}"), "{frontend}");
+        }
+        assert_all_from(&request(client, "udp", "[2001:db8:2::20]:53", 10), "pod-2-0", "ExternalIP UDP");
+        assert_all_from(&request(client, "udp", "[2001:db8:51::20]:53", 10), "pod-2-0", "LoadBalancer IP UDP");
+    });
+    assert!(snat >= 42, "{snat} SNAT flows for 42 connections");
+    println!("ExternalIP / LoadBalancer IP: {snat} flows source-NATed");
+    // A client outside the Service's ranges never connects; its NodePort stays open.
+    let dropped = counted(&c, 0, "source_range_drop", || {
+        let refused = netprobe(client, &["timed", "tcp", "[2001:db8:51::21]:80"]);
+        assert!(refused.starts_with("ERR"), "a client outside the ranges connected: {refused}");
+    });
+    assert!(dropped >= 1, "{dropped}");
+    println!("source ranges: {dropped} SYNs dropped");
+    assert_all_from(&request(client, "tcp", &v6(&node1, 30110), 5), "pod-2-0", "the closed Service's NodePort");
+    lap("ExternalIP, LoadBalancer IP, source ranges");
+
+    // Without endpoints: refused at once from a pod (ClusterIP) and from outside (NodePort).
+    let rejected = counted(&c, 0, "reject_sent", || {
+        assert_refused_at_once(&pod1.ns, "tcp", "[fd00:96::50]:80");
+        assert_refused_at_once(&pod1.ns, "udp", "[fd00:96::50]:53");
+    });
+    assert!(rejected >= 2, "{rejected}");
+    let rejected = counted(&c, 1, "reject_sent", || {
+        assert_refused_at_once(client, "tcp", &v6(&node2, 30120));
+        assert_refused_at_once(client, "udp", &v6(&node2, 30121));
+    });
+    assert!(rejected >= 2, "{rejected}");
+    lap("REJECT");
+
+    // healthCheckNodePort on each node's IPv6 address (and the same listener's IPv4 one).
+    let health = |node: &str, status: &str| -> serde_json::Value {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let out = netprobe(client, &["http", node, "/healthz"]);
+            let (got, body) = out.split_once('\n').unwrap_or((&out, ""));
+            if got == status {
+                return serde_json::from_str(body).unwrap();
+            }
+            assert!(Instant::now() < deadline, "{node}: health check {out}, expected {status}");
+            thread::sleep(Duration::from_millis(100));
+        }
+    };
+    assert_eq!(health(&v6(&node1, 32000), "200")["localEndpoints"], 1);
+    assert_eq!(health(&v6(&node2, 32000), "503")["localEndpoints"], 0);
+    assert_eq!(health("10.100.0.1:32000", "200")["localEndpoints"], 1);
+    lap("healthCheckNodePort");
+
+    // A 4 KB UDP answer leaves the backend in IPv6 fragments, each translated back.
+    let translated = counted(&c, 0, "fragment_nat", || {
+        assert_eq!(netprobe(&pod1.ns, &["ask", "udp", "[fd00:96::20]:53", "big 4000"]), "pod-2-0 4000 bytes");
+    });
+    assert!(translated >= 2, "{translated} fragments translated");
+    println!("fragments: {translated} translated");
+    lap("fragments");
+
+    // "Packet too big" about a translated flow reaches the client translated: node-2 forwards
+    // into its pod bridge at MTU 1400 while the backend advertises an MSS for 1500 (last: this
+    // changes node-2 for good).
+    let node2_ns = &c.node(1).ns;
+    let host_veths = node2_ns.run(&["ip", "-o", "link", "show", "master", "kube-bridge"]).unwrap();
+    for line in host_veths.lines() {
+        let name = line.split(':').nth(1).unwrap().trim().split('@').next().unwrap();
+        node2_ns.run(&["ip", "link", "set", name, "mtu", "1400"]).unwrap();
+    }
+    node2_ns.run(&["ip", "link", "set", "kube-bridge", "mtu", "1400"]).unwrap();
+    // East-west (destination NAT only) and north-south (source-NATed to node-1 as well: the
+    // error comes back to node-1's address and must reach the client).
+    for (ns, target) in [(&pod1.ns, "[fd00:96::20]:80"), (client, "[2001:db8:51::20]:80")] {
+        let translated = counted(&c, 0, "icmp_error_nat", || {
+            let out = netprobe(ns, &["bulk", target, "2000000"]);
+            assert_eq!(out, "pod-2-0 2000000", "2 MB to {target} with PMTU discovery");
+        });
+        assert!(translated >= 1, "{target}: no packet too big translated");
+        println!("packet too big to {target}: {translated} translated");
+    }
+    lap("packet too big");
+    assert_eq!(c.node(0).stats()["redirect_failed"], 0, "node-1 dropped packets it routes");
 }

@@ -47,17 +47,25 @@ pub fn run(prog_fd: RawFd, packet: &[u8], repeat: u32) -> io::Result<TestRunResu
 const SK_BUFF_SIZE: usize = 192;
 const SK_BUFF_INGRESS_IFINDEX_OFF: usize = 36;
 const SK_BUFF_IFINDEX_OFF: usize = 40;
+const SK_BUFF_GSO_SEGS_OFF: usize = 164;
+const SK_BUFF_GSO_SIZE_OFF: usize = 176;
 
 /// Like [`run`], with the packet arriving on interface `ifindex` of the calling thread's network
 /// namespace (so FIB lookups and redirects in the program see that namespace's routes).
 pub fn run_on(prog_fd: RawFd, packet: &[u8], repeat: u32, ifindex: Option<u32>) -> io::Result<TestRunResult> {
-    run_with(prog_fd, packet, repeat, ifindex, None)
+    run_with(prog_fd, packet, repeat, ifindex, None, None)
+}
+
+/// Like [`run_on`], for a GSO packet: `segs` segments of `size` payload bytes merged into one (as
+/// a sender's TSO or a receiver's GRO leaves them).
+pub fn run_gso(prog_fd: RawFd, packet: &[u8], ifindex: u32, (segs, size): (u32, u32)) -> io::Result<TestRunResult> {
+    run_with(prog_fd, packet, 1, Some(ifindex), None, Some((segs, size)))
 }
 
 /// Like [`run`], for a packet the node forwards (it came in on interface `ingress_ifindex`)
 /// rather than one its own stack sent (input interface 0).
 pub fn run_forwarded(prog_fd: RawFd, packet: &[u8], repeat: u32, ingress_ifindex: u32) -> io::Result<TestRunResult> {
-    run_with(prog_fd, packet, repeat, None, Some(ingress_ifindex))
+    run_with(prog_fd, packet, repeat, None, Some(ingress_ifindex), None)
 }
 
 fn run_with(
@@ -66,6 +74,7 @@ fn run_with(
     repeat: u32,
     ifindex: Option<u32>,
     ingress_ifindex: Option<u32>,
+    gso: Option<(u32, u32)>,
 ) -> io::Result<TestRunResult> {
     let mut out = vec![0u8; packet.len() + 256];
     let mut ctx = [0u8; SK_BUFF_SIZE];
@@ -74,6 +83,10 @@ fn run_with(
     }
     if let Some(ingress) = ingress_ifindex {
         ctx[SK_BUFF_INGRESS_IFINDEX_OFF..SK_BUFF_INGRESS_IFINDEX_OFF + 4].copy_from_slice(&ingress.to_ne_bytes());
+    }
+    if let Some((segs, size)) = gso {
+        ctx[SK_BUFF_GSO_SEGS_OFF..SK_BUFF_GSO_SEGS_OFF + 4].copy_from_slice(&segs.to_ne_bytes());
+        ctx[SK_BUFF_GSO_SIZE_OFF..SK_BUFF_GSO_SIZE_OFF + 4].copy_from_slice(&size.to_ne_bytes());
     }
     let mut attr = TestRunAttr {
         prog_fd: prog_fd as u32,
@@ -84,7 +97,7 @@ fn run_with(
         repeat,
         ..Default::default()
     };
-    if ifindex.is_some() || ingress_ifindex.is_some() {
+    if ifindex.is_some() || ingress_ifindex.is_some() || gso.is_some() {
         attr.ctx_size_in = SK_BUFF_SIZE as u32;
         attr.ctx_in = ctx.as_ptr() as u64;
     }
