@@ -24,7 +24,7 @@ use crate::{
     metrics::Metrics,
     policy::{
         bpf_maps::{MapEntries, MapFlattener},
-        CompileOptions, PolicyCompiler,
+        CompileOptions, Delta, PodRules, PodSetKey, PolicyCompiler,
     },
 };
 
@@ -38,6 +38,9 @@ pub struct FirewallController {
     /// Rejected policies already reported, so one that stays broken is logged once.
     reported: BTreeSet<String>,
     adopted: bool,
+    /// The maps hold exactly what the flattener holds (the last sync was a complete listing and
+    /// every write took): the next change can be flattened and written incrementally.
+    in_step: bool,
     /// Incremental compiler, fed only the objects that changed since the last sync: one pod's
     /// label change recompiles what depends on it, not the cluster.
     compiler: Option<PolicyCompiler>,
@@ -92,6 +95,7 @@ impl FirewallController {
             metrics,
             reported: BTreeSet::new(),
             adopted: false,
+            in_step: false,
             compiler: None,
             seen: Seen::default(),
         })
@@ -119,18 +123,26 @@ impl FirewallController {
             .filter_map(|ip| ip.parse().ok())
             .collect();
         let policy_count = policies.len();
+        // What the compiler's deltas say changed: pod entries (last value wins) and pod sets.
+        let mut changed_pods: BTreeMap<IpAddr, Option<PodRules>> = BTreeMap::new();
+        let mut changed_sets: BTreeSet<PodSetKey> = BTreeSet::new();
+        let incremental = self.compiler.is_some();
         let compiler = match self.compiler.as_mut() {
             Some(compiler) => {
+                let mut take = |delta: Delta| {
+                    changed_pods.extend(delta.pods);
+                    changed_sets.extend(delta.pod_sets.into_keys());
+                };
                 // Namespaces first: pods and policies resolve against their labels.
                 let (upserts, deletes) = changes(&mut self.seen.namespaces, namespaces);
-                upserts.iter().for_each(|n| drop(compiler.upsert_namespace(n)));
-                deletes.iter().for_each(|name| drop(compiler.delete_namespace(name)));
+                upserts.iter().for_each(|n| take(compiler.upsert_namespace(n)));
+                deletes.iter().for_each(|name| take(compiler.delete_namespace(name)));
                 let (upserts, deletes) = changes(&mut self.seen.pods, pods);
-                upserts.iter().for_each(|p| drop(compiler.upsert_pod(p)));
-                deletes.iter().for_each(|(ns, name)| drop(compiler.delete_pod(ns, name)));
+                upserts.iter().for_each(|p| take(compiler.upsert_pod(p)));
+                deletes.iter().for_each(|(ns, name)| take(compiler.delete_pod(ns, name)));
                 let (upserts, deletes) = changes(&mut self.seen.policies, policies);
-                upserts.iter().for_each(|p| drop(compiler.upsert_policy(p)));
-                deletes.iter().for_each(|(ns, name)| drop(compiler.delete_policy(ns, name)));
+                upserts.iter().for_each(|p| take(compiler.upsert_policy(p)));
+                deletes.iter().for_each(|(ns, name)| take(compiler.delete_policy(ns, name)));
                 compiler
             }
             None => {
@@ -142,8 +154,6 @@ impl FirewallController {
             }
         };
         let policy_errors = compiler.policy_errors();
-        let mut model = compiler.model().clone();
-        model.pods.retain(|ip, _| local.contains(ip));
         let mut broken = BTreeSet::new();
         for error in &policy_errors {
             let id = format!("{}/{}", error.namespace, error.name);
@@ -154,14 +164,32 @@ impl FirewallController {
             broken.insert(id);
         }
         self.reported = broken;
-        // The first time, take over the ids a previous agent left, so a restart writes nothing.
-        let wanted = if self.adopted {
-            self.flattener.flatten(&model)
+        let mut diff = if incremental && self.in_step && complete {
+            // Only what the compiler says changed: this node's pods (and pods that stopped
+            // being this node's), and the members of the pod sets that changed.
+            let pods: BTreeMap<IpAddr, Option<PodRules>> = changed_pods
+                .into_iter()
+                .filter_map(|(ip, rules)| {
+                    if local.contains(&ip) {
+                        Some((ip, rules))
+                    } else {
+                        self.flattener.holds_pod(ip).then_some((ip, None))
+                    }
+                })
+                .collect();
+            self.flattener.update(compiler.model(), &pods, &changed_sets)
         } else {
-            self.adopted = true;
-            self.flattener.adopt(&model, &self.programmed)
+            let mut model = compiler.model().clone();
+            model.pods.retain(|ip, _| local.contains(ip));
+            // The first time, take over the ids a previous agent left, so a restart writes nothing.
+            let wanted = if self.adopted {
+                self.flattener.flatten(&model)
+            } else {
+                self.adopted = true;
+                self.flattener.adopt(&model, &self.programmed)
+            };
+            self.programmed.diff(&wanted)
         };
-        let mut diff = self.programmed.diff(&wanted);
         if !complete {
             diff.pod_slots.deletes.clear();
             diff.slot_ports.deletes.clear();
@@ -169,18 +197,24 @@ impl FirewallController {
         }
         let report = apply_diff(&mut self.maps, &diff);
         let everything_written = report.errors == 0;
+        self.in_step = everything_written && complete;
         self.programmed = if everything_written {
-            // Every write took: the maps now hold the old entries with the diff applied, which
-            // is `wanted` itself unless deletions were held back.
-            if complete {
-                wanted
-            } else {
-                let mut programmed = std::mem::take(&mut self.programmed);
-                programmed.pod_slots.extend(diff.pod_slots.upserts);
-                programmed.slot_ports.extend(diff.slot_ports.upserts);
-                programmed.peer_prefixes.extend(diff.peer_prefixes.upserts);
-                programmed
+            // Every write took: the maps now hold the old entries with the diff applied (which
+            // is the flattener's entries unless deletions were held back).
+            let mut programmed = std::mem::take(&mut self.programmed);
+            for key in &diff.pod_slots.deletes {
+                programmed.pod_slots.remove(key);
             }
+            for key in &diff.slot_ports.deletes {
+                programmed.slot_ports.remove(key);
+            }
+            for key in &diff.peer_prefixes.deletes {
+                programmed.peer_prefixes.remove(key);
+            }
+            programmed.pod_slots.extend(diff.pod_slots.upserts);
+            programmed.slot_ports.extend(diff.slot_ports.upserts);
+            programmed.peer_prefixes.extend(diff.peer_prefixes.upserts);
+            programmed
         } else {
             // Re-read rather than assume: a failed or skipped write leaves the old entry, and
             // the next sync must see the real difference.

@@ -20,7 +20,9 @@ use std::net::{IpAddr, Ipv6Addr};
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
-use super::model::{CompiledModel, Direction, Isolation, PeerSet, PortRange, Ports, Protocol};
+use super::model::{
+    CompiledModel, Direction, Isolation, PeerSet, PodRules, PodSetKey, PortRange, Ports, Protocol, Rule,
+};
 
 /// Id of a peer set in `peer_prefixes`. 0 is never allocated (BPF "none").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -338,12 +340,14 @@ fn set_prefixes(peers: &PeerSet, model: &CompiledModel) -> BTreeMap<IpNet, Prefi
 struct StableIds<K: Ord> {
     ids: BTreeMap<K, u32>,
     free: Vec<u32>,
+    /// Released during the current flattening: reusable from the next one.
+    pending: Vec<u32>,
     next: u32,
 }
 
 impl<K: Ord + Clone> StableIds<K> {
     fn new() -> Self {
-        StableIds { ids: BTreeMap::new(), free: Vec::new(), next: 1 }
+        StableIds { ids: BTreeMap::new(), free: Vec::new(), pending: Vec::new(), next: 1 }
     }
 
     fn get_or_allocate(&mut self, key: &K) -> u32 {
@@ -359,6 +363,19 @@ impl<K: Ord + Clone> StableIds<K> {
         id
     }
 
+    /// Releases one id; it becomes reusable from the next flattening on ([`Self::commit`]).
+    fn release(&mut self, key: &K) {
+        if let Some(id) = self.ids.remove(key) {
+            self.pending.push(id);
+        }
+    }
+
+    /// Makes the ids released so far reusable.
+    fn commit(&mut self) {
+        self.free.append(&mut self.pending);
+        self.free.sort_unstable_by(|a, b| b.cmp(a));
+    }
+
     fn release_unused(&mut self, used: &BTreeSet<K>) {
         let unused: Vec<K> = self.ids.keys().filter(|k| !used.contains(*k)).cloned().collect();
         for key in unused {
@@ -371,12 +388,72 @@ impl<K: Ord + Clone> StableIds<K> {
     }
 }
 
-/// Turns models into map entries, remembering id assignments between calls.
+/// Turns models into map entries, remembering id assignments between calls. It keeps what it
+/// flattened last, so a change of a few pods or pod sets ([`MapFlattener::update`]) touches only
+/// their entries and yields the diff directly.
 #[derive(Debug, Clone)]
 pub struct MapFlattener {
     /// A rule's peers are a set of one; merged sets have several members.
     peer_set_ids: StableIds<BTreeSet<PeerSet>>,
     slot_ids: StableIds<Vec<SlotRuleValue>>,
+    state: Flattened,
+}
+
+/// What the last flattening produced, with the reference counts that let one pod direction or
+/// pod set be added or removed on its own.
+#[derive(Debug, Clone, Default)]
+struct Flattened {
+    entries: MapEntries,
+    /// Each isolated pod direction's rule list (its slot's key).
+    pods: BTreeMap<PodSlotKey, Vec<SlotRuleValue>>,
+    slots: BTreeMap<Vec<SlotRuleValue>, SlotState>,
+    /// Per peer set: (slots whose rules name it, port entries pointing at it). Its id lives
+    /// while either is non-zero; its prefixes are written while the second is.
+    sets: BTreeMap<BTreeSet<PeerSet>, (usize, usize)>,
+    /// Written sets with a pod-selector member, by pod set: what a membership change rewrites.
+    by_pod_set: BTreeMap<PodSetKey, BTreeSet<BTreeSet<PeerSet>>>,
+}
+
+#[derive(Debug, Clone)]
+struct SlotState {
+    /// Pod directions using the slot.
+    users: usize,
+    /// Its port entries and the peer sets they point at.
+    index: Vec<(PortPrefix, BTreeSet<PeerSet>)>,
+    /// Each rule's own peer set.
+    owns: Vec<BTreeSet<PeerSet>>,
+}
+
+/// The entries a flattening touched, with their values before it: the diff is computed from
+/// these alone.
+#[derive(Default)]
+struct Touched {
+    /// Off for a full flattening, whose result replaces everything anyway.
+    record: bool,
+    pod_slots: BTreeMap<PodSlotKey, Option<PodSlotValue>>,
+    slot_ports: BTreeMap<SlotPortKey, Option<PeerSetId>>,
+    peer_prefixes: BTreeMap<PeerPrefixKey, Option<PrefixVerdict>>,
+}
+
+fn touch<K: Ord + Clone, V: Clone>(record: bool, touched: &mut BTreeMap<K, Option<V>>, map: &BTreeMap<K, V>, key: &K) {
+    if record && !touched.contains_key(key) {
+        touched.insert(key.clone(), map.get(key).cloned());
+    }
+}
+
+fn changes_of<K: Ord + Clone, V: PartialEq + Clone>(
+    touched: BTreeMap<K, Option<V>>,
+    now: &BTreeMap<K, V>,
+) -> MapChanges<K, V> {
+    let mut changes = MapChanges { upserts: BTreeMap::new(), deletes: BTreeSet::new() };
+    for (key, before) in touched {
+        match (before, now.get(&key)) {
+            (before, Some(after)) if before.as_ref() != Some(after) => drop(changes.upserts.insert(key, after.clone())),
+            (Some(_), None) => drop(changes.deletes.insert(key)),
+            _ => {}
+        }
+    }
+    changes
 }
 
 impl Default for MapFlattener {
@@ -387,77 +464,245 @@ impl Default for MapFlattener {
 
 impl MapFlattener {
     pub fn new() -> MapFlattener {
-        MapFlattener { peer_set_ids: StableIds::new(), slot_ids: StableIds::new() }
+        MapFlattener { peer_set_ids: StableIds::new(), slot_ids: StableIds::new(), state: Flattened::default() }
     }
 
+    /// The entries of every pod of `model` (ids kept from earlier flattenings where the content
+    /// is the same).
     pub fn flatten(&mut self, model: &CompiledModel) -> MapEntries {
-        let mut entries = MapEntries::default();
-        // Ids kept for the next flattening, and the sets whose prefixes are written.
-        let mut kept_sets: BTreeSet<BTreeSet<PeerSet>> = BTreeSet::new();
-        let mut written_sets: BTreeSet<BTreeSet<PeerSet>> = BTreeSet::new();
-        let mut used_slots: BTreeSet<Vec<SlotRuleValue>> = BTreeSet::new();
-
+        self.state = Flattened::default();
+        let mut touched = Touched::default();
         for (ip, pod) in &model.pods {
             for direction in Direction::ALL {
-                let Isolation::Isolated(rules) = pod.direction(direction) else {
-                    continue;
-                };
-                let values: Vec<SlotRuleValue> = rules
-                    .iter()
-                    .map(|rule| {
-                        let own = BTreeSet::from([rule.peers.clone()]);
-                        let peer_set = PeerSetId(self.peer_set_ids.get_or_allocate(&own));
-                        kept_sets.insert(own);
-                        let ports = match &rule.ports {
-                            Ports::All => None,
-                            Ports::Ranges(ranges) => Some(ranges.clone()),
-                        };
-                        SlotRuleValue { peer_set, ports }
-                    })
-                    .collect();
-                let slot = SlotId(self.slot_ids.get_or_allocate(&values));
-                let rule_count = u32::try_from(values.len()).unwrap_or(u32::MAX);
-                entries.pod_slots.insert(PodSlotKey { pod_ip: *ip, direction }, PodSlotValue { slot, rule_count });
-                if used_slots.insert(values) {
-                    let indexed: Vec<(&PeerSet, Option<&[PortRange]>)> = rules
-                        .iter()
-                        .map(|rule| {
-                            let ports = match &rule.ports {
-                                Ports::All => None,
-                                Ports::Ranges(ranges) => Some(ranges.as_slice()),
-                            };
-                            (&rule.peers, ports)
-                        })
-                        .collect();
-                    for (ports, members) in port_index(&indexed) {
-                        let members: BTreeSet<PeerSet> = members.into_iter().cloned().collect();
-                        let peer_set = PeerSetId(self.peer_set_ids.get_or_allocate(&members));
-                        entries.slot_ports.insert(SlotPortKey { slot, ports }, peer_set);
-                        kept_sets.insert(members.clone());
-                        written_sets.insert(members);
-                    }
+                if let Isolation::Isolated(rules) = pod.direction(direction) {
+                    self.add_pod(PodSlotKey { pod_ip: *ip, direction }, rules, model, &mut touched);
                 }
             }
         }
-
-        let mut member_prefixes: BTreeMap<&PeerSet, BTreeMap<IpNet, PrefixVerdict>> = BTreeMap::new();
-        for members in &written_sets {
-            for peers in members {
-                member_prefixes.entry(peers).or_insert_with(|| set_prefixes(peers, model));
-            }
-        }
-        for members in &written_sets {
-            let peer_set = PeerSetId(self.peer_set_ids.get_or_allocate(members));
-            let sets: Vec<&BTreeMap<IpNet, PrefixVerdict>> = members.iter().map(|m| &member_prefixes[m]).collect();
-            let prefixes = if let [only] = sets.as_slice() { (*only).clone() } else { union_prefixes(&sets) };
-            for (prefix, verdict) in prefixes {
-                entries.peer_prefixes.insert(PeerPrefixKey { peer_set, prefix }, verdict);
-            }
-        }
-
-        self.peer_set_ids.release_unused(&kept_sets);
+        let used_sets: BTreeSet<BTreeSet<PeerSet>> = self.state.sets.keys().cloned().collect();
+        let used_slots: BTreeSet<Vec<SlotRuleValue>> = self.state.slots.keys().cloned().collect();
+        self.peer_set_ids.release_unused(&used_sets);
         self.slot_ids.release_unused(&used_slots);
-        entries
+        self.peer_set_ids.commit();
+        self.slot_ids.commit();
+        self.state.entries.clone()
+    }
+
+    /// Applies a change of the model: the pods whose entries changed (`Some` rules; `None`:
+    /// gone), filtered to those this node programs, and the pod sets whose members changed
+    /// (`model` holds their new members). Returns the difference to write.
+    pub fn update(
+        &mut self,
+        model: &CompiledModel,
+        pods: &BTreeMap<IpAddr, Option<PodRules>>,
+        pod_sets: &BTreeSet<PodSetKey>,
+    ) -> MapDiff {
+        let mut touched = Touched { record: true, ..Touched::default() };
+        for (ip, rules) in pods {
+            for direction in Direction::ALL {
+                let key = PodSlotKey { pod_ip: *ip, direction };
+                let wanted = match rules.as_ref().map(|r| r.direction(direction)) {
+                    Some(Isolation::Isolated(rules)) => Some(rules),
+                    _ => None,
+                };
+                let now = self.state.pods.get(&key);
+                if let (Some(now), Some(wanted)) = (now, wanted) {
+                    if self.rule_values_match(now, wanted) {
+                        continue;
+                    }
+                }
+                self.remove_pod(&key, &mut touched);
+                if let Some(rules) = wanted {
+                    self.add_pod(key, rules, model, &mut touched);
+                }
+            }
+        }
+        let sets: BTreeSet<BTreeSet<PeerSet>> =
+            pod_sets.iter().filter_map(|key| self.state.by_pod_set.get(key)).flatten().cloned().collect();
+        for members in sets {
+            self.write_set(&members, model, &mut touched);
+        }
+        self.peer_set_ids.commit();
+        self.slot_ids.commit();
+        let entries = &self.state.entries;
+        MapDiff {
+            pod_slots: changes_of(touched.pod_slots, &entries.pod_slots),
+            slot_ports: changes_of(touched.slot_ports, &entries.slot_ports),
+            peer_prefixes: changes_of(touched.peer_prefixes, &entries.peer_prefixes),
+        }
+    }
+
+    /// Whether `ip` has entries (an isolated direction) in what the flattener holds.
+    pub fn holds_pod(&self, ip: IpAddr) -> bool {
+        Direction::ALL
+            .iter()
+            .any(|direction| self.state.pods.contains_key(&PodSlotKey { pod_ip: ip, direction: *direction }))
+    }
+
+    /// What the flattener holds now (the maps after the last flatten or update).
+    pub fn entries(&self) -> &MapEntries {
+        &self.state.entries
+    }
+
+    fn rule_values_match(&self, values: &[SlotRuleValue], rules: &[Rule]) -> bool {
+        values.len() == rules.len()
+            && values.iter().zip(rules).all(|(value, rule)| {
+                let own = BTreeSet::from([rule.peers.clone()]);
+                self.peer_set_ids.ids.get(&own) == Some(&value.peer_set.0)
+                    && match (&value.ports, &rule.ports) {
+                        (None, Ports::All) => true,
+                        (Some(a), Ports::Ranges(b)) => a == b,
+                        _ => false,
+                    }
+            })
+    }
+
+    fn add_pod(&mut self, key: PodSlotKey, rules: &[Rule], model: &CompiledModel, touched: &mut Touched) {
+        let values: Vec<SlotRuleValue> = rules
+            .iter()
+            .map(|rule| {
+                let own = BTreeSet::from([rule.peers.clone()]);
+                let peer_set = PeerSetId(self.peer_set_ids.get_or_allocate(&own));
+                let ports = match &rule.ports {
+                    Ports::All => None,
+                    Ports::Ranges(ranges) => Some(ranges.clone()),
+                };
+                SlotRuleValue { peer_set, ports }
+            })
+            .collect();
+        let slot = SlotId(self.slot_ids.get_or_allocate(&values));
+        if let Some(slot_state) = self.state.slots.get_mut(&values) {
+            slot_state.users += 1;
+        } else {
+            let owns: Vec<BTreeSet<PeerSet>> = rules.iter().map(|rule| BTreeSet::from([rule.peers.clone()])).collect();
+            for own in &owns {
+                self.state.sets.entry(own.clone()).or_default().0 += 1;
+            }
+            let indexed: Vec<(&PeerSet, Option<&[PortRange]>)> = rules
+                .iter()
+                .map(|rule| match &rule.ports {
+                    Ports::All => (&rule.peers, None),
+                    Ports::Ranges(ranges) => (&rule.peers, Some(ranges.as_slice())),
+                })
+                .collect();
+            let index: Vec<(PortPrefix, BTreeSet<PeerSet>)> = port_index(&indexed)
+                .into_iter()
+                .map(|(ports, members)| (ports, members.into_iter().cloned().collect()))
+                .collect();
+            for (ports, members) in &index {
+                let peer_set = PeerSetId(self.peer_set_ids.get_or_allocate(members));
+                let port_key = SlotPortKey { slot, ports: *ports };
+                touch(touched.record, &mut touched.slot_ports, &self.state.entries.slot_ports, &port_key);
+                self.state.entries.slot_ports.insert(port_key, peer_set);
+                let refs = self.state.sets.entry(members.clone()).or_default();
+                refs.1 += 1;
+                if refs.1 == 1 {
+                    for peers in members {
+                        if let PeerSet::Pods(pod_set) = peers {
+                            self.state.by_pod_set.entry(pod_set.clone()).or_default().insert(members.clone());
+                        }
+                    }
+                    self.write_set(members, model, touched);
+                }
+            }
+            self.state.slots.insert(values.clone(), SlotState { users: 1, index, owns });
+        }
+        let rule_count = u32::try_from(rules.len()).unwrap_or(u32::MAX);
+        touch(touched.record, &mut touched.pod_slots, &self.state.entries.pod_slots, &key);
+        self.state.entries.pod_slots.insert(key, PodSlotValue { slot, rule_count });
+        self.state.pods.insert(key, values);
+    }
+
+    fn remove_pod(&mut self, key: &PodSlotKey, touched: &mut Touched) {
+        let Some(values) = self.state.pods.remove(key) else { return };
+        touch(touched.record, &mut touched.pod_slots, &self.state.entries.pod_slots, key);
+        self.state.entries.pod_slots.remove(key);
+        let Some(slot_state) = self.state.slots.get_mut(&values) else { return };
+        slot_state.users -= 1;
+        if slot_state.users > 0 {
+            return;
+        }
+        let Some(SlotState { index, owns, .. }) = self.state.slots.remove(&values) else { return };
+        let slot = SlotId(self.slot_ids.ids.get(&values).copied().unwrap_or(0));
+        for (ports, members) in index {
+            let port_key = SlotPortKey { slot, ports };
+            touch(touched.record, &mut touched.slot_ports, &self.state.entries.slot_ports, &port_key);
+            self.state.entries.slot_ports.remove(&port_key);
+            if let Some(refs) = self.state.sets.get_mut(&members) {
+                refs.1 -= 1;
+                if refs.1 == 0 {
+                    self.clear_set(&members, touched);
+                    for peers in &members {
+                        if let PeerSet::Pods(pod_set) = peers {
+                            if let Some(sets) = self.state.by_pod_set.get_mut(pod_set) {
+                                sets.remove(&members);
+                                if sets.is_empty() {
+                                    self.state.by_pod_set.remove(pod_set);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            self.release_set_if_unused(&members);
+        }
+        for own in owns {
+            if let Some(refs) = self.state.sets.get_mut(&own) {
+                refs.0 = refs.0.saturating_sub(1);
+            }
+            self.release_set_if_unused(&own);
+        }
+        self.slot_ids.release(&values);
+    }
+
+    fn release_set_if_unused(&mut self, members: &BTreeSet<PeerSet>) {
+        if self.state.sets.get(members).is_some_and(|refs| *refs == (0, 0)) {
+            self.state.sets.remove(members);
+            self.peer_set_ids.release(members);
+        }
+    }
+
+    /// The prefixes a written set must hold now.
+    fn set_contents(members: &BTreeSet<PeerSet>, model: &CompiledModel) -> BTreeMap<IpNet, PrefixVerdict> {
+        let prefixes: Vec<BTreeMap<IpNet, PrefixVerdict>> = members.iter().map(|m| set_prefixes(m, model)).collect();
+        match prefixes.as_slice() {
+            [only] => only.clone(),
+            many => union_prefixes(&many.iter().collect::<Vec<_>>()),
+        }
+    }
+
+    fn set_range(&self, peer_set: PeerSetId) -> Vec<PeerPrefixKey> {
+        let lower = PeerPrefixKey { peer_set, prefix: IpNet::V4(Ipv4Net::default()) };
+        let upper = PeerPrefixKey { peer_set, prefix: IpNet::from(IpAddr::V6(Ipv6Addr::from(u128::MAX))) };
+        self.state.entries.peer_prefixes.range(lower..=upper).map(|(k, _)| *k).collect()
+    }
+
+    /// (Re)writes a set's prefixes from the model, touching only those that change.
+    fn write_set(&mut self, members: &BTreeSet<PeerSet>, model: &CompiledModel, touched: &mut Touched) {
+        let Some(id) = self.peer_set_ids.ids.get(members).copied() else { return };
+        let peer_set = PeerSetId(id);
+        let wanted = Self::set_contents(members, model);
+        for key in self.set_range(peer_set) {
+            if !wanted.contains_key(&key.prefix) {
+                touch(touched.record, &mut touched.peer_prefixes, &self.state.entries.peer_prefixes, &key);
+                self.state.entries.peer_prefixes.remove(&key);
+            }
+        }
+        for (prefix, verdict) in wanted {
+            let key = PeerPrefixKey { peer_set, prefix };
+            if self.state.entries.peer_prefixes.get(&key) != Some(&verdict) {
+                touch(touched.record, &mut touched.peer_prefixes, &self.state.entries.peer_prefixes, &key);
+                self.state.entries.peer_prefixes.insert(key, verdict);
+            }
+        }
+    }
+
+    fn clear_set(&mut self, members: &BTreeSet<PeerSet>, touched: &mut Touched) {
+        let Some(id) = self.peer_set_ids.ids.get(members).copied() else { return };
+        for key in self.set_range(PeerSetId(id)) {
+            touch(touched.record, &mut touched.peer_prefixes, &self.state.entries.peer_prefixes, &key);
+            self.state.entries.peer_prefixes.remove(&key);
+        }
     }
 
     /// Flattens `model` re-using the ids of `programmed` (what a previous agent left in the
@@ -538,6 +783,8 @@ impl MapFlattener {
             .collect();
         self.peer_set_ids.free.clear();
         self.slot_ids.free.clear();
+        self.peer_set_ids.pending.clear();
+        self.slot_ids.pending.clear();
         self.peer_set_ids.next = next;
         self.slot_ids.next = next;
         self.flatten(model)
