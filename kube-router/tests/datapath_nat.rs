@@ -232,10 +232,13 @@ fn a_packet_too_big_for_the_route_is_answered_with_fragmentation_needed() {
         // Without DF the kernel would fragment; TC cannot, so the sender is told too.
         (packet::UDP, (CLIENT, 40003), (NODE_IP, 30053), 1472, 0),
     ];
+    let mut translated = Vec::new();
     for (sent, (proto, client, frontend, payload, df)) in cases.into_iter().enumerate() {
         // The flow's first packet fits (and creates it); a full-size one (1,500 bytes) does not.
         let first = packet::ipv4(proto, client, frontend, packet::TCP_SYN, b"");
-        assert_eq!(lb.ingress(&first).0, TC_ACT_REDIRECT);
+        let (verdict, out) = lb.ingress(&first);
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+        translated.push(packet::endpoints(&out));
         let l4 = packet::l4_segment(proto, client, frontend, packet::TCP_ACK, &vec![7u8; payload]);
         let full = packet::ipv4_frame(proto, client.0, frontend.0, df, &l4);
         let (verdict, out) = lb.ingress(&full);
@@ -249,6 +252,29 @@ fn a_packet_too_big_for_the_route_is_answered_with_fragmentation_needed() {
         assert!(packet::icmp_checksums_valid(&out));
         assert_eq!(lb.stat(lb_stat::FRAG_NEEDED_SENT), sent as u64 + 1);
     }
+    // The other way: the backend's full-size reply to the NodePort flow, routed by us towards the
+    // client over a smaller path, is answered to the backend, quoted as the backend sent it.
+    let route = [
+        "-n",
+        "krt-unit-nat-mtu",
+        "route",
+        "replace",
+        "192.168.100.0/24",
+        "via",
+        "10.100.0.254",
+        "mtu",
+        "lock",
+        "1280",
+    ];
+    assert!(std::process::Command::new("ip").args(route).status().unwrap().success());
+    let (node_side, backend) = translated[0];
+    let reply = packet::ipv4(packet::TCP, backend, node_side, packet::TCP_ACK, &[7u8; 1460]);
+    let (verdict, out) = lb.ingress(&reply);
+    assert_eq!((verdict, frag_needed_mtu(&out)), (TC_ACT_REDIRECT, Some(1280)));
+    assert_eq!(&out[14 + 12..14 + 20], &[NODE_IP.octets(), REMOTE_POD.octets()].concat()[..]);
+    assert_eq!(&out[42..], &reply[14..14 + 28]);
+    assert!(packet::icmp_checksums_valid(&out));
+    assert_eq!(lb.stat(lb_stat::FRAG_NEEDED_SENT), 5);
     assert_eq!(lb.stat(lb_stat::REDIRECT_FAILED), 0);
     // What fits the route still goes: 1,400 bytes.
     let l4 = packet::l4_segment(packet::TCP, (CLIENT, 40000), (NODE_IP, 30080), packet::TCP_ACK, &[7u8; 1360]);
