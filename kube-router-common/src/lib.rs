@@ -449,7 +449,10 @@ pub mod lb_stat {
     pub const EGRESS_MASQUERADE: u32 = 20;
     /// A new flow to a LoadBalancer IP from outside its `loadBalancerSourceRanges`: dropped.
     pub const SOURCE_RANGE_DROP: u32 = 21;
-    pub const COUNT: u32 = 22;
+    /// A packet we route that does not fit the route's MTU: answered with ICMP "fragmentation
+    /// needed" / ICMPv6 "packet too big" quoting it as its sender sent it, and dropped.
+    pub const FRAG_NEEDED_SENT: u32 = 22;
+    pub const COUNT: u32 = 23;
     /// Metric label of each index, in index order.
     pub const NAMES: [&str; COUNT as usize] = [
         "packets",
@@ -474,6 +477,7 @@ pub mod lb_stat {
         "egress_masquerade_new_flow",
         "egress_masquerade",
         "source_range_drop",
+        "frag_needed_sent",
     ];
 }
 

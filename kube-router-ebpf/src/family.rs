@@ -47,6 +47,9 @@ pub trait Family: 'static {
     fn redirect(ctx: &TcContext, to: &Tuple<Self::Addr>, proto: u8, l4_off: usize) -> i32;
     /// Answers a new flow to a frontend without endpoints; the TC verdict.
     fn refuse(ctx: &TcContext, flow: &LbFlow<Self::Addr>) -> i32;
+    /// Answers a routed packet (`flow` as it arrived, translated to `to`) that does not fit the
+    /// route's `mtu`; the TC verdict.
+    fn frag_needed(ctx: &TcContext, flow: &LbFlow<Self::Addr>, to: &Tuple<Self::Addr>, mtu: u16) -> i32;
 }
 
 pub struct V4;
@@ -121,6 +124,10 @@ impl Family for V4 {
     fn refuse(ctx: &TcContext, flow: &LbFlow<u32>) -> i32 {
         reject::refuse_v4(ctx, flow)
     }
+    #[inline(always)]
+    fn frag_needed(ctx: &TcContext, flow: &LbFlow<u32>, to: &Tuple<u32>, mtu: u16) -> i32 {
+        reject::frag_needed_v4(ctx, flow, to, mtu)
+    }
 }
 
 impl Family for V6 {
@@ -190,5 +197,9 @@ impl Family for V6 {
     #[inline(always)]
     fn refuse(ctx: &TcContext, flow: &LbFlow<Ipv6Words>) -> i32 {
         reject::refuse_v6(ctx, flow)
+    }
+    #[inline(always)]
+    fn frag_needed(ctx: &TcContext, flow: &LbFlow<Ipv6Words>, to: &Tuple<Ipv6Words>, mtu: u16) -> i32 {
+        reject::frag_needed_v6(ctx, flow, to, mtu)
     }
 }

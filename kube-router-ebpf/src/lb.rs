@@ -24,6 +24,7 @@ use crate::{
     maps::{count, Work, LB_CONFIG},
     nat::Tuple,
     parsing::{ip_version, Fragment, IpVersion, LbFlow, LbParsed},
+    route,
     svc_stats::{self, Way},
 };
 
@@ -52,14 +53,17 @@ fn flow_of<F: Family>(
 #[inline(always)]
 pub fn handle_ingress(ctx: &TcContext) -> Result<i32, i64> {
     count(lb_stat::PACKETS);
-    // A refusal is built here, not inside `ingress`: the two frames would not fit on one stack.
+    // A refusal or a "too big" answer is built here, not inside `ingress`: the two frames would
+    // not fit on one stack.
     Ok(match ip_version(ctx)? {
         IpVersion::V4 => match ingress::<V4>(ctx) {
             REFUSE => refuse::<V4>(ctx),
+            too_big if too_big >= route::FRAG_NEEDED => frag_needed::<V4>(ctx, too_big as u16),
             verdict => verdict,
         },
         IpVersion::V6 => match ingress::<V6>(ctx) {
             REFUSE => refuse::<V6>(ctx),
+            too_big if too_big >= route::FRAG_NEEDED => frag_needed::<V6>(ctx, too_big as u16),
             verdict => verdict,
         },
         IpVersion::Neither => {
@@ -82,6 +86,20 @@ fn refuse<F: Family>(ctx: &TcContext) -> i32 {
     // SAFETY: per-CPU map memory `ingress` just filled, read within the same program run.
     match unsafe { &(*work).parsed } {
         LbParsed::Flow(flow) => F::refuse(ctx, flow),
+        _ => TC_ACT_SHOT,
+    }
+}
+
+/// Answers the packet in the work area, which `ingress` translated (to `work.to`) but could not
+/// route: it does not fit the route's `mtu`.
+#[inline(always)]
+fn frag_needed<F: Family>(ctx: &TcContext, mtu: u16) -> i32 {
+    let Some(work) = F::work().get_ptr(0) else {
+        return TC_ACT_SHOT;
+    };
+    // SAFETY: per-CPU map memory `ingress` just filled, read within the same program run.
+    match unsafe { &(*work).parsed } {
+        LbParsed::Flow(flow) => F::frag_needed(ctx, flow, unsafe { &(*work).to }, mtu),
         _ => TC_ACT_SHOT,
     }
 }
@@ -256,6 +274,8 @@ fn apply<F: Family>(ctx: &TcContext, flow: &LbFlow<F::Addr>, to: &Tuple<F::Addr>
         return TC_ACT_SHOT;
     }
     if route {
+        // Or route::FRAG_NEEDED with the MTU, answered by `handle_ingress` (routing happens at
+        // ingress only).
         return F::redirect(ctx, to, flow.proto, flow.l4_off);
     }
     TC_ACT_UNSPEC

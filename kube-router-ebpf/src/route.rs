@@ -4,7 +4,9 @@
 //! `bpf_redirect_neigh` out of the chosen interface (the kernel resolves the next hop's MAC).
 //! The route's MTU is checked against what will be on the wire: for a GSO packet (segments the
 //! sender's TSO or this node's GRO merged) each segment, as the kernel's own forwarding does; the
-//! merged length would be refused and every upload through an SNAT path dropped.
+//! merged length would be refused and every upload through an SNAT path dropped. A packet that
+//! does not fit is not routed: the caller answers it with "fragmentation needed" / "packet too
+//! big" (`reject::frag_needed_*`), as the kernel's forwarding would.
 use aya_ebpf::{
     bindings::{bpf_fib_lookup as FibLookup, bpf_redir_neigh, TC_ACT_SHOT},
     helpers::{bpf_fib_lookup, bpf_redirect_neigh},
@@ -24,6 +26,11 @@ const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
 const BPF_FIB_LKUP_RET_SUCCESS: i64 = 0;
 const BPF_FIB_LKUP_RET_NO_NEIGH: i64 = 7;
+const BPF_FIB_LKUP_RET_FRAG_NEEDED: i64 = 8;
+
+/// Not a TC verdict: the packet does not fit the route; the low 16 bits are the route's MTU.
+/// Above every TC verdict, so it cannot be mistaken for one.
+pub const FRAG_NEEDED: i32 = 1 << 24;
 
 /// Routes the (already translated) IPv4 packet to `dst`; returns the TC verdict. `l4_off`: where
 /// its TCP or UDP header starts.
@@ -56,7 +63,7 @@ pub fn redirect_v4(ctx: &TcContext, src: u32, dst: u32, proto: u8, l4_off: usize
         neigh.__bindgen_anon_1.ipv4_nh = next_hop;
         Ok(send(params.ifindex, &mut neigh))
     })();
-    verdict(routed)
+    verdict(routed, &params)
 }
 
 /// Routes the (already translated) IPv6 packet to `dst`; returns the TC verdict.
@@ -84,7 +91,7 @@ pub fn redirect_v6(ctx: &TcContext, src: &Ipv6Words, dst: &Ipv6Words, proto: u8,
         neigh.__bindgen_anon_1.ipv6_nh = next_hop;
         Ok(send(params.ifindex, &mut neigh))
     })();
-    verdict(routed)
+    verdict(routed, &params)
 }
 
 /// The IP length of what leaves the node: `ip_len`, or for a GSO packet its segments' (headers
@@ -125,12 +132,17 @@ fn send(ifindex: u32, neigh: &mut bpf_redir_neigh) -> i32 {
     unsafe { bpf_redirect_neigh(ifindex, neigh, core::mem::size_of::<bpf_redir_neigh>() as i32, 0) as i32 }
 }
 
+/// The TC verdict, or [`FRAG_NEEDED`] with the MTU the lookup reported (counted by the answer).
 #[inline(always)]
-fn verdict(routed: Result<i32, i64>) -> i32 {
+fn verdict(routed: Result<i32, i64>, params: &FibLookup) -> i32 {
     match routed {
         Ok(verdict) => {
             count(lb_stat::REDIRECTED);
             verdict
+        }
+        Err(BPF_FIB_LKUP_RET_FRAG_NEEDED) => {
+            // SAFETY: the lookup wrote the route's MTU over tot_len (a union) with this result.
+            FRAG_NEEDED | i32::from(unsafe { params.__bindgen_anon_1.mtu_result })
         }
         Err(_) => {
             count(lb_stat::REDIRECT_FAILED);

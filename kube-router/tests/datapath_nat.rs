@@ -198,11 +198,88 @@ fn merged_segments_are_routed_by_their_segment_size() {
     let out = run_gso(fd, &merged, lb.ifindex, (2, 1448)).unwrap();
     assert_eq!(out.retval, TC_ACT_REDIRECT, "a GSO packet whose segments fit is routed");
     assert_eq!(packet::endpoints(&out.packet).1, (REMOTE_POD, 8080));
-    // Segments that do not fit, and the same length unmerged, are not.
+    // Segments that do not fit, and the same length unmerged, are not: the client is told the MTU.
     let big = packet::ipv4(packet::TCP, client, (NODE_IP, 30080), packet::TCP_ACK, &[7u8; 2 * 1500]);
-    assert_eq!(run_gso(fd, &big, lb.ifindex, (2, 1500)).unwrap().retval, TC_ACT_SHOT);
-    assert_eq!(lb.ingress(&merged).0, TC_ACT_SHOT);
-    assert_eq!(lb.stat(lb_stat::REDIRECT_FAILED), 2);
+    let out = run_gso(fd, &big, lb.ifindex, (2, 1500)).unwrap();
+    assert_eq!((out.retval, frag_needed_mtu(&out.packet)), (TC_ACT_REDIRECT, Some(1500)));
+    let (verdict, out) = lb.ingress(&merged);
+    assert_eq!((verdict, frag_needed_mtu(&out)), (TC_ACT_REDIRECT, Some(1500)));
+    assert_eq!(lb.stat(lb_stat::FRAG_NEEDED_SENT), 2);
+    assert_eq!(lb.stat(lb_stat::REDIRECT_FAILED), 0);
+}
+
+/// The next-hop MTU of an ICMP "fragmentation needed" (3/4) frame, `None` for anything else.
+fn frag_needed_mtu(frame: &[u8]) -> Option<u16> {
+    (frame.len() >= 42 && frame[14 + 9] == packet::ICMP && frame[34..36] == [3, 4])
+        .then(|| u16::from_be_bytes([frame[40], frame[41]]))
+}
+
+/// A full-size packet of a north-south flow we route, on a path with a smaller MTU (a tunnel,
+/// an overlay), is answered with "fragmentation needed" quoting it as the client sent it (before
+/// NAT), as the kernel's forwarding does; it was dropped silently (a PMTU black hole).
+#[test]
+fn a_packet_too_big_for_the_route_is_answered_with_fragmentation_needed() {
+    let lb = load("mtu", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+    // Locked: forwarding honours a route's MTU only then (or with ip_forward_use_pmtu).
+    let route =
+        ["-n", "krt-unit-nat-mtu", "route", "replace", "10.244.2.0/24", "via", "10.100.0.2", "mtu", "lock", "1400"];
+    assert!(std::process::Command::new("ip").args(route).status().unwrap().success());
+    let cases = [
+        (packet::TCP, (CLIENT, 40000), (NODE_IP, 30080), 1460, 0x4000),
+        (packet::UDP, (CLIENT, 40001), (NODE_IP, 30053), 1472, 0x4000),
+        // The frontend, not the node address the flow is source-NATed to, is quoted.
+        (packet::TCP, (CLIENT, 40002), (EXTERNAL_IP, 80), 1460, 0x4000),
+        // Without DF the kernel would fragment; TC cannot, so the sender is told too.
+        (packet::UDP, (CLIENT, 40003), (NODE_IP, 30053), 1472, 0),
+    ];
+    let mut translated = Vec::new();
+    for (sent, (proto, client, frontend, payload, df)) in cases.into_iter().enumerate() {
+        // The flow's first packet fits (and creates it); a full-size one (1,500 bytes) does not.
+        let first = packet::ipv4(proto, client, frontend, packet::TCP_SYN, b"");
+        let (verdict, out) = lb.ingress(&first);
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+        translated.push(packet::endpoints(&out));
+        let l4 = packet::l4_segment(proto, client, frontend, packet::TCP_ACK, &vec![7u8; payload]);
+        let full = packet::ipv4_frame(proto, client.0, frontend.0, df, &l4);
+        let (verdict, out) = lb.ingress(&full);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "sent back out of the interface it came in on");
+        assert_eq!(out.len(), 14 + 20 + 8 + 28);
+        assert_eq!(&out[..6], &packet::SRC_MAC, "MACs swapped");
+        assert_eq!(frag_needed_mtu(&out), Some(1400), "destination unreachable, fragmentation needed, MTU 1400");
+        assert_eq!(&out[14 + 12..14 + 20], &[frontend.0.octets(), client.0.octets()].concat()[..]);
+        assert_eq!(&out[42..], &full[14..14 + 28], "quotes the header and 8 bytes exactly as the client sent them");
+        assert_eq!(packet::quoted_endpoints(&out), (client, frontend));
+        assert!(packet::icmp_checksums_valid(&out));
+        assert_eq!(lb.stat(lb_stat::FRAG_NEEDED_SENT), sent as u64 + 1);
+    }
+    // The other way: the backend's full-size reply to the NodePort flow, routed by us towards the
+    // client over a smaller path, is answered to the backend, quoted as the backend sent it.
+    let route = [
+        "-n",
+        "krt-unit-nat-mtu",
+        "route",
+        "replace",
+        "192.168.100.0/24",
+        "via",
+        "10.100.0.254",
+        "mtu",
+        "lock",
+        "1280",
+    ];
+    assert!(std::process::Command::new("ip").args(route).status().unwrap().success());
+    let (node_side, backend) = translated[0];
+    let reply = packet::ipv4(packet::TCP, backend, node_side, packet::TCP_ACK, &[7u8; 1460]);
+    let (verdict, out) = lb.ingress(&reply);
+    assert_eq!((verdict, frag_needed_mtu(&out)), (TC_ACT_REDIRECT, Some(1280)));
+    assert_eq!(&out[14 + 12..14 + 20], &[NODE_IP.octets(), REMOTE_POD.octets()].concat()[..]);
+    assert_eq!(&out[42..], &reply[14..14 + 28]);
+    assert!(packet::icmp_checksums_valid(&out));
+    assert_eq!(lb.stat(lb_stat::FRAG_NEEDED_SENT), 5);
+    assert_eq!(lb.stat(lb_stat::REDIRECT_FAILED), 0);
+    // What fits the route still goes: 1,400 bytes.
+    let l4 = packet::l4_segment(packet::TCP, (CLIENT, 40000), (NODE_IP, 30080), packet::TCP_ACK, &[7u8; 1360]);
+    let (verdict, out) = lb.ingress(&packet::ipv4_frame(packet::TCP, CLIENT, NODE_IP, 0x4000, &l4));
+    assert_eq!((verdict, packet::endpoints(&out).1), (TC_ACT_REDIRECT, (REMOTE_POD, 8080)));
 }
 
 #[test]

@@ -171,6 +171,40 @@ fn north_south_to_another_node_is_source_natted_and_routed() {
     assert_eq!(lb.stat(lb_stat::SNAT_NEW_FLOW), 1);
 }
 
+/// A full-size packet of a north-south flow we route, on a path with a smaller MTU, is answered
+/// with "packet too big" quoting it as the client sent it (before NAT).
+#[test]
+fn a_packet_too_big_for_the_route_is_answered_with_packet_too_big() {
+    let lb = Lb::load("mtu");
+    let route =
+        ["-n", "krt-unit-v6-mtu", "route", "replace", "fd00:244:2::/64", "via", "fd00:100::2", "mtu", "lock", "1400"];
+    assert!(std::process::Command::new("ip").args(route).status().unwrap().success());
+    let flags = SVC_FLAG_EXTERNAL | SVC_FLAG_NODEPORT;
+    lb.service(1, (node_ip(), 30080, packet::TCP), flags, &[(remote_pod(), 8080, false)]);
+    lb.service(2, (node_ip(), 30053, packet::UDP), flags, &[(remote_pod(), 5353, false)]);
+    for (sent, (proto, port, payload)) in
+        [(packet::TCP, 30080, 1440), (packet::UDP, 30053, 1452)].into_iter().enumerate()
+    {
+        let (client, frontend) = ((client(), 40000), (node_ip(), port));
+        assert_eq!(lb.ingress(&packet::ipv6(proto, client, frontend, packet::TCP_SYN, b"")).0, TC_ACT_REDIRECT);
+        let full = packet::ipv6(proto, client, frontend, packet::TCP_ACK, &vec![7u8; payload]);
+        assert_eq!(full.len(), 14 + 1500);
+        let (verdict, out) = lb.ingress(&full);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "sent back out of the interface it came in on");
+        assert_eq!(out.len(), 14 + 40 + 8 + 48);
+        assert_eq!(&out[..6], &packet::SRC_MAC, "MACs swapped");
+        assert_eq!(out[14 + 6], packet::ICMPV6);
+        assert_eq!(&out[14 + 8..14 + 40], &[node_ip().octets(), client.0.octets()].concat()[..]);
+        assert_eq!(&out[54..58], &[2, 0, out[56], out[57]], "packet too big");
+        assert_eq!(&out[58..62], &1400u32.to_be_bytes(), "the route's MTU");
+        assert_eq!(&out[62..], &full[14..14 + 48], "quotes the header and 8 bytes exactly as the client sent them");
+        assert_eq!(packet::quoted_endpoints_v6(&out), (client, frontend));
+        assert!(packet::checksums_valid_v6(&out));
+        assert_eq!(lb.stat(lb_stat::FRAG_NEEDED_SENT), sent as u64 + 1);
+    }
+    assert_eq!(lb.stat(lb_stat::REDIRECT_FAILED), 0);
+}
+
 #[test]
 fn a_service_without_endpoints_answers_with_a_reset_or_port_unreachable() {
     let lb = Lb::load("reject");

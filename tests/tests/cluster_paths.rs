@@ -124,6 +124,20 @@ fn path_mtu_discovery_and_large_udp_replies_work_through_a_service() {
     let out = netprobe(&c.client, &["bulk", "10.100.0.1:30080", "2000000"]);
     assert_eq!(out, "pod-2-0 2000000", "2 MB through the NodePort with PMTU discovery");
     assert!(c.node(0).stats()["icmp_error_nat"] > before, "{:?}", c.node(0).stats());
+    // A smaller MTU on node-1's own path to the backend (a tunnel, an overlay: here its route,
+    // locked as forwarding needs): node-1 routes the source-NATed segments itself and must
+    // answer those that do not fit with "fragmentation needed" for the client (they were
+    // dropped silently and the upload stalled).
+    let backend = format!("{}/32", c.pod(1, 0).ip);
+    c.node(0).ns.run(&["ip", "route", "add", &backend, "via", "10.100.0.2", "mtu", "lock", "1300"]).unwrap();
+    let (answered, failed) = (c.node(0).stats()["frag_needed_sent"], c.node(0).stats()["redirect_failed"]);
+    let started = Instant::now();
+    let out = netprobe(&c.client, &["bulk", "10.100.0.1:30080", "2000000"]);
+    assert_eq!(out, "pod-2-0 2000000", "2 MB through the NodePort over node-1's 1,300-byte path");
+    let answered = c.node(0).stats()["frag_needed_sent"] - answered;
+    assert!(answered >= 1, "{:?}", c.node(0).stats());
+    assert_eq!(c.node(0).stats()["redirect_failed"], failed, "node-1 dropped packets it routes");
+    println!("upload over a 1,300-byte path: {answered} fragmentation needed sent, {:?}", started.elapsed());
 
     // A 4 KB UDP answer arrives in fragments, every one translated back to the ClusterIP.
     let c2 = Cluster::builder("krt-cp-frag").build().unwrap();

@@ -376,6 +376,16 @@ fn every_cluster_paths_service_path_over_ipv6() {
         assert!(translated >= 1, "{target}: no packet too big translated");
         println!("packet too big to {target}: {translated} translated");
     }
+    // node-1's own path to the backend smaller still: node-1 routes the source-NATed segments
+    // itself and answers those that do not fit with "packet too big" for the client.
+    let backend = format!("{}/128", c.pod(1, 0).ip6.as_ref().unwrap());
+    c.node(0).ns.run(&["ip", "-6", "route", "add", &backend, "via", &node2, "mtu", "lock", "1300"]).unwrap();
+    let answered = counted(&c, 0, "frag_needed_sent", || {
+        let out = netprobe(client, &["bulk", "[2001:db8:51::20]:80", "2000000"]);
+        assert_eq!(out, "pod-2-0 2000000", "2 MB over node-1's 1,300-byte path");
+    });
+    assert!(answered >= 1, "no packet too big sent by node-1");
+    println!("upload over a 1,300-byte path: {answered} packet too big sent");
     lap("packet too big");
     assert_eq!(c.node(0).stats()["redirect_failed"], 0, "node-1 dropped packets it routes");
 }
