@@ -41,9 +41,10 @@ use crate::{
     netif,
     router::{RouterController, RouterOptions},
     services::{
-        compile::{assign_ids, plan_for, CompileWarning, LbPlan, Limits, MapContents},
+        compile::{assign_ids, CompileWarning, LbPlan, Limits, MapContents},
         family::{AddressFamily, IpFamily, V4, V6},
-        model::{ExternalIpPolicy, NodeContext},
+        incremental::{Changed, FamilyCompiler, ServiceCatalog},
+        model::{ExternalIpPolicy, NodeContext, ServiceName},
         source::{load_file, StateBuilder},
         sync::{ServiceMaps, ServiceSync, SyncReport},
     },
@@ -130,6 +131,13 @@ struct ServiceController {
     health_checks: tokio::sync::watch::Sender<BTreeMap<u16, crate::healthcheck::LocalEndpoints>>,
     loopback_node_ports: bool,
     maglev_all: bool,
+    compiler: FamilyCompiler<V4>,
+    compiler_v6: FamilyCompiler<V6>,
+    /// The node as the last compile saw it.
+    last_node: Option<NodeContext>,
+    /// `KUBE_ROUTER_FULL_SERVICE_COMPILE=1`: convert and compile every Service on every change
+    /// (the path before incremental compilation; for benchmarks and comparisons).
+    full_compile_only: bool,
 }
 
 impl ServiceController {
@@ -157,14 +165,15 @@ impl ServiceController {
         }
     }
 
-    /// Compiles `builder` and writes only the differences. `complete` says the state reflects a
-    /// full listing of every kind, which is what allows deletions. Returns the number of failed
-    /// writes (left for a retry).
-    fn apply(&mut self, builder: &StateBuilder, complete: bool) -> u64 {
+    /// Compiles the Services of `catalog` that `changed` names (all of them when the node, a
+    /// flag, an unfinished listing or a failed write makes that necessary) and writes only the
+    /// differences. `complete` says the state reflects a full listing of every kind, which is
+    /// what allows deletions. Returns the number of failed writes (left for a retry).
+    fn apply(&mut self, catalog: &ServiceCatalog, changed: Changed, complete: bool) -> u64 {
         let started = Instant::now();
         let mut current = BTreeSet::new();
         // Each distinct problem is logged and counted once, however often the state is rebuilt.
-        for problem in &builder.problems {
+        for problem in catalog.problems() {
             let text = format!("{problem:?}");
             if !self.reported.contains(&text) {
                 let kind: &'static str = if problem.kind == "Service" { "Service" } else { "EndpointSlice" };
@@ -179,9 +188,36 @@ impl ServiceController {
             current.insert(text);
         }
         let node = self.node_context();
-        let lb_plan = plan_for::<V4>(&builder.state, &node, self.limits);
-        let lb_plan_v6 = plan_for::<V6>(&builder.state, &node, self.limits);
-        for warning in lb_plan.warnings.iter().chain(&lb_plan_v6.warnings) {
+        // NodePorts, zone hints, families and flags follow the node: a change recompiles all.
+        let node_changed = self.last_node.as_ref() != Some(&node);
+        self.last_node = Some(node.clone());
+        let changed = match changed {
+            Changed::Services(names) if complete && !node_changed && !self.full_compile_only => Some(names),
+            _ => None,
+        };
+        let limits = self.limits;
+        let (mut report, owners) = sync_family(
+            &mut self.compiler,
+            &mut self.sync,
+            &mut self.maps,
+            catalog,
+            changed.as_ref(),
+            &node,
+            limits,
+            complete,
+        );
+        let (report_v6, owners_v6) = sync_family(
+            &mut self.compiler_v6,
+            &mut self.sync_v6,
+            &mut self.maps_v6,
+            catalog,
+            changed.as_ref(),
+            &node,
+            limits,
+            complete,
+        );
+        report.merge(report_v6);
+        for warning in self.compiler.warnings().chain(self.compiler_v6.warnings()) {
             let text = format!("{warning:?}");
             if !self.reported.contains(&text) {
                 match warning {
@@ -201,13 +237,11 @@ impl ServiceController {
         }
         self.reported = current;
         self.health_checks.send_if_modified(|checks| {
-            let now = crate::healthcheck::health_checks(&builder.state, &self.node_name);
+            let now = crate::healthcheck::health_checks(&catalog.state, &self.node_name);
             let changed = *checks != now;
             *checks = now;
             changed
         });
-        let mut report = sync_family(&mut self.sync, &mut self.maps, &lb_plan, complete);
-        report.merge(sync_family(&mut self.sync_v6, &mut self.maps_v6, &lb_plan_v6, complete));
         self.report_full_maps(&report);
         let total = report.total();
         let programmed = self.sync.programmed();
@@ -219,13 +253,15 @@ impl ServiceController {
             deletes = total.deletes,
             errors = total.errors,
             complete,
+            incremental = changed.is_some(),
             services = programmed.services.len() + programmed_v6.services.len(),
             backends = programmed.backends.len() + programmed_v6.backends.len(),
             "service sync complete"
         );
         self.metrics.record_sync(&report, started.elapsed());
+        let dropped_endpoints = self.compiler.dropped_endpoints() + self.compiler_v6.dropped_endpoints();
         self.metrics.with(|m| {
-            m.dropped_endpoints = lb_plan.dropped_endpoints + lb_plan_v6.dropped_endpoints;
+            m.dropped_endpoints = dropped_endpoints;
             m.map_entries.insert(map_names::SERVICES, programmed.services.len() as u64);
             m.map_entries.insert(map_names::BACKEND_SLOTS, programmed.slots.len() as u64);
             m.map_entries.insert(map_names::BACKENDS, programmed.backends.len() as u64);
@@ -233,9 +269,14 @@ impl ServiceController {
             m.map_entries.insert(map_names::BACKEND_SLOTS_V6, programmed_v6.slots.len() as u64);
             m.map_entries.insert(map_names::BACKENDS_V6, programmed_v6.backends.len() as u64);
             // Label each frontend with its Service; a rejected Service's kept frontends keep theirs.
-            let mut owners = std::mem::take(&mut m.kr.frontends);
-            m.kr.frontends = frontend_owners(programmed, &lb_plan, &mut owners);
-            m.kr.frontends.extend(frontend_owners(programmed_v6, &lb_plan_v6, &mut owners));
+            if let (OwnerUpdate::Some(touched), OwnerUpdate::Some(touched_v6)) = (&owners, &owners_v6) {
+                update_frontend_owners(&mut m.kr.frontends, touched);
+                update_frontend_owners(&mut m.kr.frontends, touched_v6);
+            } else {
+                let mut previous = std::mem::take(&mut m.kr.frontends);
+                m.kr.frontends = frontend_owners(programmed, owners.plan(), &mut previous);
+                m.kr.frontends.extend(frontend_owners(programmed_v6, owners_v6.plan(), &mut previous));
+            }
         });
         self.metrics.heartbeat("services");
         // A full map is retried when the desired state changes (space may free), not on a timer.
@@ -266,11 +307,44 @@ impl ServiceController {
     }
 }
 
+/// How a sync changed which Service owns each programmed frontend (for the metrics' labels).
+enum OwnerUpdate<F: AddressFamily> {
+    /// Everything was compiled: the whole plan.
+    All(LbPlan<F>),
+    /// Only these frontends were compiled: each one's owner now, `None` when it is not programmed.
+    Some(Vec<(FrontendId, Option<FrontendOwner>)>),
+}
+
+impl<F: AddressFamily> OwnerUpdate<F> {
+    fn plan(&self) -> Option<&LbPlan<F>> {
+        match self {
+            OwnerUpdate::All(plan) => Some(plan),
+            OwnerUpdate::Some(_) => None,
+        }
+    }
+}
+
+fn update_frontend_owners(
+    owners: &mut BTreeMap<FrontendId, FrontendOwner>,
+    touched: &[(FrontendId, Option<FrontendOwner>)],
+) {
+    for (id, owner) in touched {
+        match owner {
+            Some(owner) => {
+                owners.insert(*id, owner.clone());
+            }
+            None => {
+                owners.remove(id);
+            }
+        }
+    }
+}
+
 /// Each programmed frontend of one family with its Service: from the plan, else (a rejected
 /// Service's kept frontend) the owner it had.
 fn frontend_owners<F: AddressFamily>(
     programmed: &MapContents<F>,
-    lb_plan: &LbPlan<F>,
+    lb_plan: Option<&LbPlan<F>>,
     previous: &mut BTreeMap<FrontendId, FrontendOwner>,
 ) -> BTreeMap<FrontendId, FrontendOwner> {
     programmed
@@ -278,7 +352,7 @@ fn frontend_owners<F: AddressFamily>(
         .keys()
         .filter_map(|key| {
             let id = FrontendId::of::<F>(key);
-            let owner = match lb_plan.frontends.get(key) {
+            let owner = match lb_plan.and_then(|plan| plan.frontends.get(key)) {
                 Some(f) => FrontendOwner {
                     namespace: f.backend_set.service.namespace.clone(),
                     name: f.backend_set.service.name.clone(),
@@ -298,9 +372,48 @@ fn read_service_stats(pin_dir: &Path) -> Result<BTreeMap<FrontendId, ServiceStat
     Ok(v4.chain(v6.into_iter().map(|(key, stats)| (FrontendId::of::<V6>(&key), stats))).collect())
 }
 
+/// Brings one family's maps to the desired state: only the `changed` Services' entries when
+/// the compiler can do that, else everything.
+#[allow(clippy::too_many_arguments)]
+fn sync_family<F: AddressFamily>(
+    compiler: &mut FamilyCompiler<F>,
+    sync: &mut ServiceSync<F>,
+    maps: &mut impl ServiceMaps<F>,
+    catalog: &ServiceCatalog,
+    changed: Option<&BTreeSet<ServiceName>>,
+    node: &NodeContext,
+    limits: Limits,
+    complete: bool,
+) -> (SyncReport, OwnerUpdate<F>) {
+    if let Some(changed) = changed {
+        if let Some(increment) = compiler.compile_changed(catalog, changed, node, limits, sync.programmed()) {
+            let report = sync.write(maps, increment.ops.clone());
+            compiler.written(&increment, report.total().errors == 0);
+            let programmed = sync.programmed();
+            let owners = increment
+                .frontends()
+                .map(|key| {
+                    let owner = programmed.services.contains_key(key).then(|| {
+                        increment.plan.frontends.get(key).map(|f| FrontendOwner {
+                            namespace: f.backend_set.service.namespace.clone(),
+                            name: f.backend_set.service.name.clone(),
+                        })
+                    });
+                    (FrontendId::of::<F>(key), owner.flatten())
+                })
+                .collect();
+            return (report, OwnerUpdate::Some(owners));
+        }
+    }
+    let lb_plan = compiler.plan_all(catalog, node, limits);
+    let report = sync_all(sync, maps, &lb_plan, complete);
+    compiler.adopt(&lb_plan, sync.programmed(), complete && report.total().errors == 0);
+    (report, OwnerUpdate::All(lb_plan))
+}
+
 /// Brings one family's maps to `lb_plan`. Inserts come before deletes: when a map was full and
 /// this pass freed room, one more pass with the same plan programs what waited.
-fn sync_family<F: AddressFamily>(
+fn sync_all<F: AddressFamily>(
     sync: &mut ServiceSync<F>,
     maps: &mut impl ServiceMaps<F>,
     lb_plan: &LbPlan<F>,
@@ -370,7 +483,7 @@ impl FileSource {
     /// Applies the file if it changed; failed writes make the next poll re-apply it.
     fn sync(&mut self, controller: &mut ServiceController, metrics: &Metrics) {
         if let Some(builder) = self.poll(metrics) {
-            if controller.apply(&builder, true) > 0 {
+            if controller.apply(&ServiceCatalog::from_builder(builder), Changed::All, true) > 0 {
                 self.stamp = None;
             }
         }
@@ -379,6 +492,10 @@ impl FileSource {
 
 struct ApiSource {
     objects: ClusterObjects,
+    /// The Services and EndpointSlices converted, kept up to date object by object.
+    catalog: ServiceCatalog,
+    /// The Services changed since the last sync.
+    changed: Changed,
     updates: mpsc::Receiver<WatchUpdate>,
     dirty: bool,
     restored_from_checkpoint: bool,
@@ -519,7 +636,15 @@ async fn start_api_source(options: &ApiOptions, state_dir: &Path, metrics: &Metr
             false
         }
     };
-    Ok(ApiSource { objects, updates, dirty: restored_from_checkpoint, restored_from_checkpoint, retry_at: None })
+    Ok(ApiSource {
+        objects,
+        catalog: ServiceCatalog::default(),
+        changed: Changed::All,
+        updates,
+        dirty: restored_from_checkpoint,
+        restored_from_checkpoint,
+        retry_at: None,
+    })
 }
 
 #[derive(Clone, Debug)]
@@ -654,6 +779,10 @@ impl ServiceProxy {
             health_checks,
             loopback_node_ports: config.socket_lb.enabled,
             maglev_all: config.maglev_all,
+            compiler: FamilyCompiler::default(),
+            compiler_v6: FamilyCompiler::default(),
+            last_node: None,
+            full_compile_only: full_compile_only(),
         };
         let snat_addr =
             config.node_ip.or_else(netif::default_route_source).or_else(|| netif::ipv4_addresses().first().copied());
@@ -837,7 +966,11 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                 if let Some(kind) = api.objects.apply_kind(update) {
                     checkpoint_due = true;
                     sync_soon.get_or_insert_with(|| tokio::time::Instant::now() + SYNC_DEBOUNCE);
-                    api.dirty |= matches!(kind, Kind::Services | Kind::EndpointSlices);
+                    if matches!(kind, Kind::Services | Kind::EndpointSlices) {
+                        api.dirty = true;
+                        let changed = api.objects.update_catalog(&mut api.catalog);
+                        api.changed.merge(changed);
+                    }
                     router_dirty |= kind == Kind::Nodes
                         || (advertise_services && matches!(kind, Kind::Services | Kind::EndpointSlices));
                     nets_dirty |= kind == Kind::Nodes;
@@ -873,7 +1006,15 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                 if (api.dirty || retry) && (complete || api.restored_from_checkpoint) {
                     api.dirty = false;
                     if let Some(proxy) = service_proxy.as_mut() {
-                        let failed = proxy.controller.apply(&api.objects.state(), complete);
+                        if proxy.controller.full_compile_only {
+                            api.catalog = ServiceCatalog::from_builder(api.objects.state());
+                        }
+                        if api.changed == Changed::All {
+                            // Restored from the checkpoint, or never converted yet.
+                            api.objects.update_catalog(&mut api.catalog);
+                        }
+                        let changed = std::mem::take(&mut api.changed);
+                        let failed = proxy.controller.apply(&api.catalog, changed, complete);
                         api.retry_at = (failed > 0).then(|| Instant::now() + WRITE_RETRY_INTERVAL);
                     }
                 }
@@ -1009,6 +1150,11 @@ pub fn read_programmed(pin_dir: &Path) -> Result<crate::services::compile::MapCo
 /// [`read_programmed`] of the IPv6 maps.
 pub fn read_programmed_v6(pin_dir: &Path) -> Result<crate::services::compile::MapContents<V6>> {
     Ok(BpfServiceMapsV6::open_pinned(pin_dir)?.read_all()?)
+}
+
+/// `KUBE_ROUTER_FULL_SERVICE_COMPILE=1`: see [`ServiceController::full_compile_only`].
+fn full_compile_only() -> bool {
+    std::env::var("KUBE_ROUTER_FULL_SERVICE_COMPILE").is_ok_and(|v| v == "1")
 }
 
 /// How long after a change the controllers run: long enough to take a burst of watch events

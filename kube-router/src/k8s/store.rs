@@ -4,7 +4,7 @@
 //! completed relist changes it. A relist (`Init` .. `InitDone`) is buffered and swapped in whole
 //! at `InitDone`, so a list that breaks halfway (API outage) removes nothing — an empty or
 //! failed list is not "no services".
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use kube::{runtime::watcher::Event, Resource, ResourceExt};
 
@@ -15,11 +15,14 @@ pub struct ObjectStore<K> {
     objects: BTreeMap<ObjectKey, K>,
     relist: Option<BTreeMap<ObjectKey, K>>,
     synced: bool,
+    /// Keys whose object changed since the last [`ObjectStore::take_changed`]; `None` until
+    /// someone asks (only the kinds compiled incrementally keep it).
+    changed: Option<BTreeSet<ObjectKey>>,
 }
 
 impl<K> Default for ObjectStore<K> {
     fn default() -> Self {
-        Self { objects: BTreeMap::new(), relist: None, synced: false }
+        Self { objects: BTreeMap::new(), relist: None, synced: false, changed: None }
     }
 }
 
@@ -48,6 +51,10 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
             }
             Event::InitDone => {
                 let listed = self.relist.take().unwrap_or_default();
+                if let Some(changed) = self.changed.as_mut() {
+                    let differs = |key: &&ObjectKey| listed.get(*key) != self.objects.get(*key);
+                    changed.extend(listed.keys().chain(self.objects.keys()).filter(differs).cloned());
+                }
                 // The first complete list always counts: it is what allows deletions at all.
                 let changed = listed != self.objects || !self.synced;
                 self.objects = listed;
@@ -61,7 +68,11 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
                     buffer.remove(&key);
                 }
                 let stale = matches!((self.objects.get(&key).and_then(version_of), version_of(&object)), (Some(have), Some(got)) if got < have);
-                !stale && self.objects.remove(&key).is_some()
+                let removed = !stale && self.objects.remove(&key).is_some();
+                if let (true, Some(changed)) = (removed, self.changed.as_mut()) {
+                    changed.insert(key);
+                }
+                removed
             }
         }
     }
@@ -79,8 +90,21 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
         if self.objects.get(&key) == Some(&object) {
             return false;
         }
+        if let Some(changed) = self.changed.as_mut() {
+            changed.insert(key.clone());
+        }
         self.objects.insert(key, object);
         true
+    }
+
+    /// The keys whose object changed (added, modified, removed) since the last call; `None` the
+    /// first time (and after a restore): everything may have.
+    pub fn take_changed(&mut self) -> Option<BTreeSet<ObjectKey>> {
+        self.changed.replace(BTreeSet::new())
+    }
+
+    pub fn get(&self, key: &ObjectKey) -> Option<&K> {
+        self.objects.get(key)
     }
 
     /// A complete list has been seen at least once.
@@ -103,6 +127,7 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
     /// Seeds the store from a checkpoint; it stays unsynced until the API lists it.
     pub fn restore(&mut self, objects: impl IntoIterator<Item = K>) {
         self.objects = objects.into_iter().map(|o| (key_of(&o), o)).collect();
+        self.changed = None;
     }
 }
 
