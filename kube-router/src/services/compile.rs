@@ -370,14 +370,14 @@ pub struct MapContents<F: AddressFamily = V4> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IdsInUse<W: Ord> {
     pub backend_ids: BTreeMap<Backend<W>, u32>,
-    pub backends: BTreeSet<u32>,
-    /// Service id -> number of frontends carrying it.
-    pub services: BTreeMap<u32, usize>,
+    pub backends: IdPool,
+    /// Service ids, counted once per frontend carrying them.
+    pub services: IdPool,
 }
 
 impl<W: Ord> Default for IdsInUse<W> {
     fn default() -> Self {
-        Self { backend_ids: BTreeMap::new(), backends: BTreeSet::new(), services: BTreeMap::new() }
+        Self { backend_ids: BTreeMap::new(), backends: IdPool::default(), services: IdPool::default() }
     }
 }
 
@@ -386,22 +386,100 @@ impl<W: Copy + Ord> IdsInUse<W> {
         let mut ids = Self::default();
         for (id, backend) in &current.backends {
             ids.backend_ids.insert(*backend, *id);
-            ids.backends.insert(*id);
+            ids.backends.take(*id);
         }
         for value in current.services.values() {
-            *ids.services.entry(value.service_id).or_default() += 1;
+            ids.services.take(value.service_id);
         }
         ids
     }
 }
 
-/// The lowest id from `next` on that neither `taken` nor `used` holds; `next` moves past it.
-fn lowest_free(taken: impl Fn(u32) -> bool, used: &mut BTreeSet<u32>, next: &mut u32) -> u32 {
-    while taken(*next) || used.contains(next) {
-        *next += 1;
+/// Taken ids (each with a count of its holders) and the free ranges between them, so the lowest
+/// free id is found without walking the taken ones.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IdPool {
+    counts: BTreeMap<u32, usize>,
+    /// Free ranges from 1 on: start -> end (exclusive).
+    free: BTreeMap<u32, u64>,
+}
+
+impl Default for IdPool {
+    fn default() -> Self {
+        Self { counts: BTreeMap::new(), free: BTreeMap::from([(1, u64::from(u32::MAX) + 1)]) }
     }
-    let id = *next;
-    *next += 1;
+}
+
+impl IdPool {
+    pub fn contains(&self, id: u32) -> bool {
+        self.counts.contains_key(&id)
+    }
+
+    /// One more holder of `id`.
+    pub fn take(&mut self, id: u32) {
+        let count = self.counts.entry(id).or_default();
+        *count += 1;
+        if *count > 1 {
+            return;
+        }
+        let Some((&start, &end)) = self.free.range(..=id).next_back() else { return };
+        if end <= u64::from(id) {
+            return;
+        }
+        self.free.remove(&start);
+        if start < id {
+            self.free.insert(start, u64::from(id));
+        }
+        if u64::from(id) + 1 < end {
+            self.free.insert(id + 1, end);
+        }
+    }
+
+    /// One holder of `id` fewer; the last one frees it.
+    pub fn release(&mut self, id: u32) {
+        let Some(count) = self.counts.get_mut(&id) else { return };
+        *count -= 1;
+        if *count > 0 {
+            return;
+        }
+        self.counts.remove(&id);
+        if id == 0 {
+            return;
+        }
+        let (mut start, mut end) = (id, u64::from(id) + 1);
+        if let Some((&before, &before_end)) = self.free.range(..id).next_back() {
+            if before_end == u64::from(id) {
+                self.free.remove(&before);
+                start = before;
+            }
+        }
+        if let Some(after_end) = u32::try_from(end).ok().and_then(|after| self.free.remove(&after)) {
+            end = after_end;
+        }
+        self.free.insert(start, end);
+    }
+
+    /// The lowest free id from `from` on that `also` does not hold either.
+    pub fn lowest_free(&self, from: u32, also: &BTreeSet<u32>) -> u32 {
+        let containing = self.free.range(..=from).next_back().filter(|(_, end)| **end > u64::from(from));
+        let ranges = containing.into_iter().chain(self.free.range(from.saturating_add(1)..));
+        for (&start, &end) in ranges {
+            let mut id = u64::from(start.max(from));
+            while id < end && also.contains(&(id as u32)) {
+                id += 1;
+            }
+            if id < end {
+                return id as u32;
+            }
+        }
+        u32::MAX
+    }
+}
+
+/// The lowest id from `next` on that neither `taken` nor `used` holds; `next` moves past it.
+fn lowest_free(taken: &IdPool, used: &mut BTreeSet<u32>, next: &mut u32) -> u32 {
+    let id = taken.lowest_free(*next, used);
+    *next = id.saturating_add(1);
     used.insert(id);
     id
 }
@@ -433,7 +511,7 @@ pub fn assign_ids_using<F: AddressFamily>(
     for backend in &needed {
         let id = match ids.backend_ids.get(backend) {
             Some(id) => *id,
-            None => lowest_free(|id| ids.backends.contains(&id), &mut used, &mut next),
+            None => lowest_free(&ids.backends, &mut used, &mut next),
         };
         backend_ids.insert(*backend, id);
         desired.backends.insert(id, *backend);
@@ -453,10 +531,9 @@ pub fn assign_ids_using<F: AddressFamily>(
         }
     }
     let mut used = claimed;
-    let taken = |id| ids.services.contains_key(&id);
     let mut next = 1;
     for set in plan.backend_sets.keys() {
-        set_ids.entry(set).or_insert_with(|| lowest_free(taken, &mut used, &mut next));
+        set_ids.entry(set).or_insert_with(|| lowest_free(&ids.services, &mut used, &mut next));
     }
 
     // One slot per backend, or a Maglev table over them.
@@ -475,7 +552,7 @@ pub fn assign_ids_using<F: AddressFamily>(
         if maglev && holds_other_slots(current, service_id, &table) {
             // A changed Maglev table is written under a new id and each frontend switches to it
             // in one write: no flow ever hashes into a half-written table. The old one goes after.
-            service_id = lowest_free(taken, &mut used, &mut next);
+            service_id = lowest_free(&ids.services, &mut used, &mut next);
             set_ids.insert(set, service_id);
         }
         slot_counts.insert(set, table.len() as u32);

@@ -342,44 +342,37 @@ impl<F: AddressFamily> FamilyCompiler<F> {
             self.exact = false;
             return;
         }
-        fn forget_service_id<W: Ord>(id: u32, ids: &mut IdsInUse<W>) {
-            if let Some(count) = ids.services.get_mut(&id) {
-                *count -= 1;
-                if *count == 0 {
-                    ids.services.remove(&id);
-                }
-            }
-        }
         let before = &increment.before;
         let ids = &mut self.ids;
         for op in &increment.ops {
             match op {
                 MapOp::PutBackend(id, backend) => {
-                    if let Some(old) = before.backends.get(id) {
-                        if ids.backend_ids.get(old) == Some(id) {
+                    match before.backends.get(id) {
+                        Some(old) if ids.backend_ids.get(old) == Some(id) => {
                             ids.backend_ids.remove(old);
                         }
+                        Some(_) => {}
+                        None => ids.backends.take(*id),
                     }
                     ids.backend_ids.insert(*backend, *id);
-                    ids.backends.insert(*id);
                 }
                 MapOp::DeleteBackend(id) => {
                     if let Some(old) = before.backends.get(id) {
                         if ids.backend_ids.get(old) == Some(id) {
                             ids.backend_ids.remove(old);
                         }
+                        ids.backends.release(*id);
                     }
-                    ids.backends.remove(id);
                 }
                 MapOp::PutService(key, value) => {
                     if let Some(old) = before.services.get(key) {
-                        forget_service_id(old.service_id, ids);
+                        ids.services.release(old.service_id);
                     }
-                    *ids.services.entry(value.service_id).or_default() += 1;
+                    ids.services.take(value.service_id);
                 }
                 MapOp::DeleteService(key) => {
                     if let Some(old) = before.services.get(key) {
-                        forget_service_id(old.service_id, ids);
+                        ids.services.release(old.service_id);
                     }
                 }
                 MapOp::PutSlot(..) | MapOp::DeleteSlot(_) | MapOp::PutSourceRange(_) | MapOp::DeleteSourceRange(_) => {}
@@ -711,6 +704,35 @@ mod tests {
                 let node = node(node_variant);
                 v4.step(&catalog, changed, &node);
                 v6.step(&catalog, changed, &node);
+            }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn the_id_pool_finds_the_lowest_free_id_like_a_walk_over_the_taken_ones(
+            ops in proptest::collection::vec((any::<bool>(), 0u32..40), 0..80),
+            also in proptest::collection::btree_set(1u32..45, 0..6),
+            from in 1u32..50,
+        ) {
+            let mut pool = crate::services::compile::IdPool::default();
+            let mut counts: BTreeMap<u32, usize> = BTreeMap::new();
+            for (take, id) in ops {
+                if take {
+                    pool.take(id);
+                    *counts.entry(id).or_default() += 1;
+                } else if let Some(count) = counts.get_mut(&id) {
+                    pool.release(id);
+                    *count -= 1;
+                    if *count == 0 {
+                        counts.remove(&id);
+                    }
+                }
+            }
+            let walked = (from..).find(|id| !counts.contains_key(id) && !also.contains(id)).unwrap();
+            prop_assert_eq!(pool.lowest_free(from, &also), walked);
+            for id in 0..45 {
+                prop_assert_eq!(pool.contains(id), counts.contains_key(&id));
             }
         }
     }
