@@ -899,7 +899,8 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     // 200 ms tick stays for retries and housekeeping.
     let mut sync_soon: Option<tokio::time::Instant> = None;
     // Services and EndpointSlices are compiled incrementally, in well under a millisecond per
-    // change: they are applied sooner, without waiting for the other controllers' debounce.
+    // change: they are applied as soon as no more events are queued (at the latest after
+    // SERVICE_SYNC_DEBOUNCE), without waiting for the other controllers' debounce.
     let mut services_soon: Option<tokio::time::Instant> = None;
     tracing::info!("agent running");
     loop {
@@ -995,6 +996,12 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     }
                     policy_dirty |= matches!(kind, Kind::Pods | Kind::Namespaces | Kind::NetworkPolicies);
                 }
+                // Nothing more queued: the Services are compiled now rather than after the
+                // timer (whose resolution is a millisecond or more).
+                if services_soon.is_some() && api.updates.is_empty() {
+                    services_soon = None;
+                    services_due = true;
+                }
             }
             _ = tick.tick() => due = true,
             _ = sync_at(sync_soon) => {
@@ -1043,10 +1050,10 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                 {
                     checkpoint_due = false;
                     last_checkpoint = Instant::now();
-                    let snapshot = api.objects.checkpoint();
+                    let snapshot = api.objects.snapshot();
                     let (state_dir, metrics) = (config.state_dir.clone(), metrics.clone());
                     checkpoint_write = Some(tokio::task::spawn_blocking(move || {
-                        if let Err(e) = checkpoint::write(&state_dir, &snapshot) {
+                        if let Err(e) = checkpoint::write(&state_dir, &snapshot.checkpoint()) {
                             tracing::error!(error = %e, "cannot write checkpoint");
                             metrics.with(|m| m.checkpoint_errors += 1);
                         }
@@ -1172,8 +1179,8 @@ fn full_compile_only() -> bool {
 /// (a relist, a rollout touching many EndpointSlices) as one sync.
 const SYNC_DEBOUNCE: Duration = Duration::from_millis(10);
 
-/// The same for Service and EndpointSlice changes: a relist arrives whole (the store swaps it in
-/// at its end), so this only gathers events already queued.
+/// The same for Service and EndpointSlice changes, at the latest (they are applied as soon as no
+/// more events are queued): a relist arrives whole (the store swaps it in at its end).
 const SERVICE_SYNC_DEBOUNCE: Duration = Duration::from_millis(1);
 
 /// Resolves at `at`, never without one.

@@ -4,16 +4,21 @@
 //! completed relist changes it. A relist (`Init` .. `InitDone`) is buffered and swapped in whole
 //! at `InitDone`, so a list that breaks halfway (API outage) removes nothing — an empty or
 //! failed list is not "no services".
-use std::collections::{BTreeMap, BTreeSet};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::Arc,
+};
 
 use kube::{runtime::watcher::Event, Resource, ResourceExt};
 
 /// (namespace, name); namespace is "" for cluster-scoped kinds.
 pub type ObjectKey = (String, String);
 
+/// Objects are shared (`Arc`), so a snapshot for the checkpoint costs a pointer per object on
+/// the agent's loop; the copy is made off it.
 pub struct ObjectStore<K> {
-    objects: BTreeMap<ObjectKey, K>,
-    relist: Option<BTreeMap<ObjectKey, K>>,
+    objects: BTreeMap<ObjectKey, Arc<K>>,
+    relist: Option<BTreeMap<ObjectKey, Arc<K>>>,
     synced: bool,
     /// Keys whose object changed since the last [`ObjectStore::take_changed`]; `None` until
     /// someone asks (only the kinds compiled incrementally keep it).
@@ -46,7 +51,7 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
             }
             Event::InitApply(object) => {
                 let buffer = self.relist.get_or_insert_with(BTreeMap::new);
-                buffer.insert(key_of(&object), object);
+                buffer.insert(key_of(&object), Arc::new(object));
                 false
             }
             Event::InitDone => {
@@ -67,7 +72,7 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
                 if let Some(buffer) = self.relist.as_mut() {
                     buffer.remove(&key);
                 }
-                let stale = matches!((self.objects.get(&key).and_then(version_of), version_of(&object)), (Some(have), Some(got)) if got < have);
+                let stale = matches!((self.objects.get(&key).and_then(|o| version_of(&**o)), version_of(&object)), (Some(have), Some(got)) if got < have);
                 let removed = !stale && self.objects.remove(&key).is_some();
                 if let (true, Some(changed)) = (removed, self.changed.as_mut()) {
                     changed.insert(key);
@@ -79,10 +84,11 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
 
     fn upsert(&mut self, object: K) -> bool {
         let key = key_of(&object);
+        let object = Arc::new(object);
         if let Some(buffer) = self.relist.as_mut() {
             buffer.insert(key.clone(), object.clone());
         }
-        if let (Some(have), Some(got)) = (self.objects.get(&key).and_then(version_of), version_of(&object)) {
+        if let (Some(have), Some(got)) = (self.objects.get(&key).and_then(|o| version_of(&**o)), version_of(&*object)) {
             if got < have {
                 return false;
             }
@@ -104,7 +110,12 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
     }
 
     pub fn get(&self, key: &ObjectKey) -> Option<&K> {
-        self.objects.get(key)
+        self.objects.get(key).map(|o| &**o)
+    }
+
+    /// Every object, shared: for a copy made elsewhere.
+    pub fn snapshot(&self) -> Vec<Arc<K>> {
+        self.objects.values().cloned().collect()
     }
 
     /// A complete list has been seen at least once.
@@ -113,7 +124,7 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
     }
 
     pub fn objects(&self) -> impl Iterator<Item = &K> {
-        self.objects.values()
+        self.objects.values().map(|o| &**o)
     }
 
     pub fn len(&self) -> usize {
@@ -126,7 +137,7 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
 
     /// Seeds the store from a checkpoint; it stays unsynced until the API lists it.
     pub fn restore(&mut self, objects: impl IntoIterator<Item = K>) {
-        self.objects = objects.into_iter().map(|o| (key_of(&o), o)).collect();
+        self.objects = objects.into_iter().map(|o| (key_of(&o), Arc::new(o))).collect();
         self.changed = None;
     }
 }

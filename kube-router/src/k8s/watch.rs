@@ -4,7 +4,7 @@
 //! capped); errors are reported, never acted on. What the watchers deliver goes through
 //! [`ObjectStore`](super::store::ObjectStore), which only changes on real events or complete
 //! relists, so an outage leaves the desired state — and therefore the maps — as they were.
-use std::{collections::BTreeSet, path::PathBuf, time::Duration};
+use std::{collections::BTreeSet, path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::{Context, Result};
 use futures_util::StreamExt;
@@ -192,6 +192,34 @@ fn spawn_one<K>(
     });
 }
 
+/// Every object at one moment, shared with the stores.
+pub struct CheckpointSnapshot {
+    written_unix: f64,
+    services: Vec<Arc<Service>>,
+    endpoint_slices: Vec<Arc<EndpointSlice>>,
+    pods: Vec<Arc<Pod>>,
+    namespaces: Vec<Arc<Namespace>>,
+    nodes: Vec<Arc<Node>>,
+    network_policies: Vec<Arc<NetworkPolicy>>,
+}
+
+impl CheckpointSnapshot {
+    pub fn checkpoint(self) -> Checkpoint {
+        fn owned<K: Clone>(objects: Vec<Arc<K>>) -> Vec<K> {
+            objects.into_iter().map(|o| Arc::unwrap_or_clone(o)).collect()
+        }
+        Checkpoint {
+            written_unix: self.written_unix,
+            services: owned(self.services),
+            endpoint_slices: owned(self.endpoint_slices),
+            pods: owned(self.pods),
+            namespaces: owned(self.namespaces),
+            nodes: owned(self.nodes),
+            network_policies: owned(self.network_policies),
+        }
+    }
+}
+
 /// The watched kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -304,6 +332,19 @@ impl ClusterObjects {
             changed.extend(catalog.set_slice(&key, converted));
         }
         Changed::Services(changed)
+    }
+
+    /// Every object, shared, for [`CheckpointSnapshot::checkpoint`] to copy off the agent's loop.
+    pub fn snapshot(&self) -> CheckpointSnapshot {
+        CheckpointSnapshot {
+            written_unix: crate::metrics::unix_now(),
+            services: self.services.snapshot(),
+            endpoint_slices: self.endpoint_slices.snapshot(),
+            pods: self.pods.snapshot(),
+            namespaces: self.namespaces.snapshot(),
+            nodes: self.nodes.snapshot(),
+            network_policies: self.network_policies.snapshot(),
+        }
     }
 
     pub fn checkpoint(&self) -> Checkpoint {
