@@ -269,14 +269,8 @@ impl ServiceController {
             m.map_entries.insert(map_names::BACKEND_SLOTS_V6, programmed_v6.slots.len() as u64);
             m.map_entries.insert(map_names::BACKENDS_V6, programmed_v6.backends.len() as u64);
             // Label each frontend with its Service; a rejected Service's kept frontends keep theirs.
-            if let (OwnerUpdate::Some(touched), OwnerUpdate::Some(touched_v6)) = (&owners, &owners_v6) {
-                update_frontend_owners(&mut m.kr.frontends, touched);
-                update_frontend_owners(&mut m.kr.frontends, touched_v6);
-            } else {
-                let mut previous = std::mem::take(&mut m.kr.frontends);
-                m.kr.frontends = frontend_owners(programmed, owners.plan(), &mut previous);
-                m.kr.frontends.extend(frontend_owners(programmed_v6, owners_v6.plan(), &mut previous));
-            }
+            owners.update(&mut m.kr.frontends, programmed);
+            owners_v6.update(&mut m.kr.frontends, programmed_v6);
         });
         self.metrics.heartbeat("services");
         // A full map is retried when the desired state changes (space may free), not on a timer.
@@ -316,25 +310,26 @@ enum OwnerUpdate<F: AddressFamily> {
 }
 
 impl<F: AddressFamily> OwnerUpdate<F> {
-    fn plan(&self) -> Option<&LbPlan<F>> {
+    /// Brings the owners of this family's frontends in `owners` (both families') up to date.
+    fn update(&self, owners: &mut BTreeMap<FrontendId, FrontendOwner>, programmed: &MapContents<F>) {
         match self {
-            OwnerUpdate::All(plan) => Some(plan),
-            OwnerUpdate::Some(_) => None,
-        }
-    }
-}
-
-fn update_frontend_owners(
-    owners: &mut BTreeMap<FrontendId, FrontendOwner>,
-    touched: &[(FrontendId, Option<FrontendOwner>)],
-) {
-    for (id, owner) in touched {
-        match owner {
-            Some(owner) => {
-                owners.insert(*id, owner.clone());
+            OwnerUpdate::All(plan) => {
+                let family = |id: &FrontendId| IpFamily::of(&id.addr) == F::FAMILY;
+                let (mut previous, others) = std::mem::take(owners).into_iter().partition(|(id, _)| family(id));
+                *owners = others;
+                owners.extend(frontend_owners(programmed, plan, &mut previous));
             }
-            None => {
-                owners.remove(id);
+            OwnerUpdate::Some(touched) => {
+                for (id, owner) in touched {
+                    match owner {
+                        Some(owner) => {
+                            owners.insert(*id, owner.clone());
+                        }
+                        None => {
+                            owners.remove(id);
+                        }
+                    }
+                }
             }
         }
     }
@@ -344,7 +339,7 @@ fn update_frontend_owners(
 /// Service's kept frontend) the owner it had.
 fn frontend_owners<F: AddressFamily>(
     programmed: &MapContents<F>,
-    lb_plan: Option<&LbPlan<F>>,
+    lb_plan: &LbPlan<F>,
     previous: &mut BTreeMap<FrontendId, FrontendOwner>,
 ) -> BTreeMap<FrontendId, FrontendOwner> {
     programmed
@@ -352,7 +347,7 @@ fn frontend_owners<F: AddressFamily>(
         .keys()
         .filter_map(|key| {
             let id = FrontendId::of::<F>(key);
-            let owner = match lb_plan.and_then(|plan| plan.frontends.get(key)) {
+            let owner = match lb_plan.frontends.get(key) {
                 Some(f) => FrontendOwner {
                     namespace: f.backend_set.service.namespace.clone(),
                     name: f.backend_set.service.name.clone(),

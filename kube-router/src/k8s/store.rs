@@ -113,6 +113,10 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
         self.objects.get(key).map(|o| &**o)
     }
 
+    pub fn keys(&self) -> impl Iterator<Item = &ObjectKey> {
+        self.objects.keys()
+    }
+
     /// Every object, shared: for a copy made elsewhere.
     pub fn snapshot(&self) -> Vec<Arc<K>> {
         self.objects.values().cloned().collect()

@@ -308,9 +308,13 @@ impl ClusterObjects {
     /// Converts again the Services and EndpointSlices that changed since the last call, into
     /// `catalog`; returns the Services they concern. The first call converts everything.
     pub fn update_catalog(&mut self, catalog: &mut ServiceCatalog) -> Changed {
-        let (Some(services), Some(slices)) = (self.services.take_changed(), self.endpoint_slices.take_changed()) else {
-            *catalog = ServiceCatalog::from_builder(self.state());
-            return Changed::All;
+        let (services, slices, all) = match (self.services.take_changed(), self.endpoint_slices.take_changed()) {
+            (Some(services), Some(slices)) => (services, slices, false),
+            // Object by object all the same, so each one's problems are its own to clear.
+            _ => {
+                *catalog = ServiceCatalog::default();
+                (self.services.keys().cloned().collect(), self.endpoint_slices.keys().cloned().collect(), true)
+            }
         };
         let mut changed = BTreeSet::new();
         for key in services {
@@ -330,6 +334,9 @@ impl ClusterObjects {
                 builder
             });
             changed.extend(catalog.set_slice(&key, converted));
+        }
+        if all {
+            return Changed::All;
         }
         Changed::Services(changed)
     }
@@ -458,6 +465,12 @@ mod tests {
     fn the_catalog_follows_each_change_and_names_the_services_it_concerns() {
         let mut objects = ClusterObjects::default();
         let mut catalog = ServiceCatalog::default();
+        objects.apply(WatchUpdate::Services(Event::Apply(service("d", "not an address", 1))));
+        assert_eq!(objects.update_catalog(&mut catalog), Changed::All, "the first call converts everything");
+        assert_eq!(catalog.problems().count(), 1);
+        objects.apply(WatchUpdate::Services(Event::Delete(service("d", "not an address", 2))));
+        objects.update_catalog(&mut catalog);
+        assert_eq!(catalog.problems().count(), 0);
         let names = |changed: Changed| match changed {
             Changed::Services(names) => names.into_iter().map(|n| n.name).collect::<Vec<_>>(),
             Changed::All => vec!["*".to_string()],
@@ -475,7 +488,7 @@ mod tests {
             vec![service("a", "10.96.0.1", 1), service("b", "10.96.0.2", 2)],
             vec![slice("a", "10.0.0.1", 3)],
         );
-        assert_eq!(names(objects.update_catalog(&mut catalog)), ["*"]);
+        assert_eq!(names(objects.update_catalog(&mut catalog)), ["a", "b"]);
         same_as_a_full_conversion(&objects, &catalog);
 
         objects.apply(WatchUpdate::EndpointSlices(Event::Apply(slice("a", "10.0.0.2", 4))));
