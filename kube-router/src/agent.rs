@@ -217,6 +217,7 @@ impl ServiceController {
             complete,
         );
         report.merge(report_v6);
+        let alone = matches!((&owners, &owners_v6), (OwnerUpdate::Some(_), OwnerUpdate::Some(_)));
         for warning in self.compiler.warnings().chain(self.compiler_v6.warnings()) {
             let text = format!("{warning:?}");
             if !self.reported.contains(&text) {
@@ -253,7 +254,7 @@ impl ServiceController {
             deletes = total.deletes,
             errors = total.errors,
             complete,
-            incremental = changed.is_some(),
+            incremental = alone,
             services = programmed.services.len() + programmed_v6.services.len(),
             backends = programmed.backends.len() + programmed_v6.backends.len(),
             "service sync complete"
@@ -384,6 +385,14 @@ fn sync_family<F: AddressFamily>(
         if let Some(increment) = compiler.compile_changed(catalog, changed, node, limits, sync.programmed()) {
             let report = sync.write(maps, increment.ops.clone());
             compiler.written(&increment, report.total().errors == 0);
+            if report.total().full > 0 && report.total().deletes > 0 {
+                // This pass freed room in a full map: a full pass programs what waited, in the
+                // documented priority order, as a full sync's second pass does.
+                let lb_plan = compiler.plan_all(catalog, node, limits);
+                let second = sync_all(sync, maps, &lb_plan, complete);
+                compiler.adopt(&lb_plan, sync.programmed(), complete && second.total().errors == 0);
+                return (add_second_pass(report, second), OwnerUpdate::All(lb_plan));
+            }
             let programmed = sync.programmed();
             let owners = increment
                 .frontends()
@@ -415,18 +424,24 @@ fn sync_all<F: AddressFamily>(
     complete: bool,
 ) -> SyncReport {
     let desired = assign_ids(lb_plan, sync.programmed());
-    let mut report = sync.sync(maps, &desired, complete);
+    let report = sync.sync(maps, &desired, complete);
     if report.total().full > 0 && report.total().deletes > 0 {
         let desired = assign_ids(lb_plan, sync.programmed());
         let second = sync.sync(maps, &desired, complete);
-        for (map, counts) in second.per_map {
-            let total = report.per_map.entry(map).or_default();
-            total.inserts += counts.inserts;
-            total.updates += counts.updates;
-            total.deletes += counts.deletes;
-            total.errors = counts.errors;
-            total.full = counts.full;
-        }
+        return add_second_pass(report, second);
+    }
+    report
+}
+
+/// The writes of both passes; the errors of the second (what still waits).
+fn add_second_pass(mut report: SyncReport, second: SyncReport) -> SyncReport {
+    for (map, counts) in second.per_map {
+        let total = report.per_map.entry(map).or_default();
+        total.inserts += counts.inserts;
+        total.updates += counts.updates;
+        total.deletes += counts.deletes;
+        total.errors = counts.errors;
+        total.full = counts.full;
     }
     report
 }
