@@ -1200,3 +1200,92 @@ async fn sync_at(at: Option<tokio::time::Instant>) {
         None => std::future::pending().await,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+    use crate::services::{
+        diff::MapOp,
+        model::{Protocol, Service, ServicePort},
+        sync::MapWriteError,
+    };
+
+    /// Service maps with room for `capacity` frontends.
+    struct Capped {
+        inner: MapContents,
+        capacity: usize,
+    }
+
+    impl ServiceMaps for Capped {
+        fn write(&mut self, op: &MapOp) -> Result<(), MapWriteError> {
+            if let MapOp::PutService(key, _) = op {
+                if !self.inner.services.contains_key(key) && self.inner.services.len() >= self.capacity {
+                    return Err(MapWriteError { map: map_names::SERVICES, message: "E2BIG".into(), full: true });
+                }
+            }
+            self.inner.apply(op);
+            Ok(())
+        }
+        fn read_all(&self) -> Result<MapContents, MapWriteError> {
+            Ok(self.inner.clone())
+        }
+    }
+
+    /// ClusterIP Services `(name, last octet of 10.96.0.x)`.
+    fn catalog(services: &[(&str, u8)]) -> ServiceCatalog {
+        let mut builder = StateBuilder::default();
+        for (name, octet) in services {
+            let name = ServiceName::new("ns", *name);
+            let service = Service {
+                name: name.clone(),
+                cluster_ips: vec![Ipv4Addr::new(10, 96, 0, *octet).into()],
+                external_ips: vec![],
+                load_balancer_ips: vec![],
+                ip_families: vec![],
+                ports: vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: None }],
+                affinity_timeout_secs: None,
+                external_traffic_local: false,
+                internal_traffic_local: false,
+                publish_not_ready: false,
+                hairpin: false,
+                health_check_node_port: None,
+                source_ranges: None,
+                maglev: None,
+            };
+            builder.state.services.insert(name, service);
+        }
+        ServiceCatalog::from_builder(builder)
+    }
+
+    #[test]
+    fn an_increment_that_frees_room_in_a_full_map_programs_what_waited() {
+        let node = NodeContext::default();
+        let limits = Limits::default();
+        let mut compiler = FamilyCompiler::<V4>::default();
+        let mut maps = Capped { inner: MapContents::default(), capacity: 2 };
+        let mut sync = ServiceSync::adopt(&maps).unwrap();
+        let before = catalog(&[("a", 1), ("b", 2)]);
+        sync_family(&mut compiler, &mut sync, &mut maps, &before, None, &node, limits, true);
+        assert_eq!(maps.inner.services.len(), 2);
+
+        // a goes, c comes: c's insert is refused before a's delete makes room.
+        let after = catalog(&[("b", 2), ("c", 3)]);
+        let changed = [ServiceName::new("ns", "a"), ServiceName::new("ns", "c")].into_iter().collect();
+        let (report, owners) =
+            sync_family(&mut compiler, &mut sync, &mut maps, &after, Some(&changed), &node, limits, true);
+        assert!(matches!(owners, OwnerUpdate::All(_)), "followed by a full pass");
+        assert_eq!(report.total().errors, 0);
+        let addrs: Vec<std::net::IpAddr> = maps.inner.services.keys().map(|k| FrontendId::of::<V4>(k).addr).collect();
+        let expected: Vec<std::net::IpAddr> =
+            vec![Ipv4Addr::new(10, 96, 0, 2).into(), Ipv4Addr::new(10, 96, 0, 3).into()];
+        assert_eq!(addrs, expected);
+
+        // The maps hold the whole plan again: the next change is compiled alone.
+        let (report, owners) =
+            sync_family(&mut compiler, &mut sync, &mut maps, &after, Some(&changed), &node, limits, true);
+        assert!(matches!(owners, OwnerUpdate::Some(_)));
+        assert_eq!(report.total().writes(), 0);
+    }
+}
