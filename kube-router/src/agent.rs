@@ -41,9 +41,10 @@ use crate::{
     netif,
     router::{RouterController, RouterOptions},
     services::{
-        compile::{assign_ids, plan_for, CompileWarning, LbPlan, Limits, MapContents},
+        compile::{assign_ids, CompileWarning, LbPlan, Limits, MapContents},
         family::{AddressFamily, IpFamily, V4, V6},
-        model::{ExternalIpPolicy, NodeContext},
+        incremental::{Changed, FamilyCompiler, ServiceCatalog},
+        model::{ExternalIpPolicy, NodeContext, ServiceName},
         source::{load_file, StateBuilder},
         sync::{ServiceMaps, ServiceSync, SyncReport},
     },
@@ -130,6 +131,13 @@ struct ServiceController {
     health_checks: tokio::sync::watch::Sender<BTreeMap<u16, crate::healthcheck::LocalEndpoints>>,
     loopback_node_ports: bool,
     maglev_all: bool,
+    compiler: FamilyCompiler<V4>,
+    compiler_v6: FamilyCompiler<V6>,
+    /// The node as the last compile saw it.
+    last_node: Option<NodeContext>,
+    /// `KUBE_ROUTER_FULL_SERVICE_COMPILE=1`: convert and compile every Service on every change
+    /// (the path before incremental compilation; for benchmarks and comparisons).
+    full_compile_only: bool,
 }
 
 impl ServiceController {
@@ -157,14 +165,15 @@ impl ServiceController {
         }
     }
 
-    /// Compiles `builder` and writes only the differences. `complete` says the state reflects a
-    /// full listing of every kind, which is what allows deletions. Returns the number of failed
-    /// writes (left for a retry).
-    fn apply(&mut self, builder: &StateBuilder, complete: bool) -> u64 {
+    /// Compiles the Services of `catalog` that `changed` names (all of them when the node, a
+    /// flag, an unfinished listing or a failed write makes that necessary) and writes only the
+    /// differences. `complete` says the state reflects a full listing of every kind, which is
+    /// what allows deletions. Returns the number of failed writes (left for a retry).
+    fn apply(&mut self, catalog: &ServiceCatalog, changed: Changed, complete: bool) -> u64 {
         let started = Instant::now();
         let mut current = BTreeSet::new();
         // Each distinct problem is logged and counted once, however often the state is rebuilt.
-        for problem in &builder.problems {
+        for problem in catalog.problems() {
             let text = format!("{problem:?}");
             if !self.reported.contains(&text) {
                 let kind: &'static str = if problem.kind == "Service" { "Service" } else { "EndpointSlice" };
@@ -179,9 +188,37 @@ impl ServiceController {
             current.insert(text);
         }
         let node = self.node_context();
-        let lb_plan = plan_for::<V4>(&builder.state, &node, self.limits);
-        let lb_plan_v6 = plan_for::<V6>(&builder.state, &node, self.limits);
-        for warning in lb_plan.warnings.iter().chain(&lb_plan_v6.warnings) {
+        // NodePorts, zone hints, families and flags follow the node: a change recompiles all.
+        let node_changed = self.last_node.as_ref() != Some(&node);
+        self.last_node = Some(node.clone());
+        let changed = match changed {
+            Changed::Services(names) if complete && !node_changed && !self.full_compile_only => Some(names),
+            _ => None,
+        };
+        let limits = self.limits;
+        let (mut report, owners) = sync_family(
+            &mut self.compiler,
+            &mut self.sync,
+            &mut self.maps,
+            catalog,
+            changed.as_ref(),
+            &node,
+            limits,
+            complete,
+        );
+        let (report_v6, owners_v6) = sync_family(
+            &mut self.compiler_v6,
+            &mut self.sync_v6,
+            &mut self.maps_v6,
+            catalog,
+            changed.as_ref(),
+            &node,
+            limits,
+            complete,
+        );
+        report.merge(report_v6);
+        let alone = matches!((&owners, &owners_v6), (OwnerUpdate::Some(_), OwnerUpdate::Some(_)));
+        for warning in self.compiler.warnings().chain(self.compiler_v6.warnings()) {
             let text = format!("{warning:?}");
             if !self.reported.contains(&text) {
                 match warning {
@@ -201,13 +238,11 @@ impl ServiceController {
         }
         self.reported = current;
         self.health_checks.send_if_modified(|checks| {
-            let now = crate::healthcheck::health_checks(&builder.state, &self.node_name);
+            let now = crate::healthcheck::health_checks(&catalog.state, &self.node_name);
             let changed = *checks != now;
             *checks = now;
             changed
         });
-        let mut report = sync_family(&mut self.sync, &mut self.maps, &lb_plan, complete);
-        report.merge(sync_family(&mut self.sync_v6, &mut self.maps_v6, &lb_plan_v6, complete));
         self.report_full_maps(&report);
         let total = report.total();
         let programmed = self.sync.programmed();
@@ -219,13 +254,15 @@ impl ServiceController {
             deletes = total.deletes,
             errors = total.errors,
             complete,
+            incremental = alone,
             services = programmed.services.len() + programmed_v6.services.len(),
             backends = programmed.backends.len() + programmed_v6.backends.len(),
             "service sync complete"
         );
         self.metrics.record_sync(&report, started.elapsed());
+        let dropped_endpoints = self.compiler.dropped_endpoints() + self.compiler_v6.dropped_endpoints();
         self.metrics.with(|m| {
-            m.dropped_endpoints = lb_plan.dropped_endpoints + lb_plan_v6.dropped_endpoints;
+            m.dropped_endpoints = dropped_endpoints;
             m.map_entries.insert(map_names::SERVICES, programmed.services.len() as u64);
             m.map_entries.insert(map_names::BACKEND_SLOTS, programmed.slots.len() as u64);
             m.map_entries.insert(map_names::BACKENDS, programmed.backends.len() as u64);
@@ -233,9 +270,8 @@ impl ServiceController {
             m.map_entries.insert(map_names::BACKEND_SLOTS_V6, programmed_v6.slots.len() as u64);
             m.map_entries.insert(map_names::BACKENDS_V6, programmed_v6.backends.len() as u64);
             // Label each frontend with its Service; a rejected Service's kept frontends keep theirs.
-            let mut owners = std::mem::take(&mut m.kr.frontends);
-            m.kr.frontends = frontend_owners(programmed, &lb_plan, &mut owners);
-            m.kr.frontends.extend(frontend_owners(programmed_v6, &lb_plan_v6, &mut owners));
+            owners.update(&mut m.kr.frontends, programmed);
+            owners_v6.update(&mut m.kr.frontends, programmed_v6);
         });
         self.metrics.heartbeat("services");
         // A full map is retried when the desired state changes (space may free), not on a timer.
@@ -263,6 +299,40 @@ impl ServiceController {
             }
         });
         self.full_maps = now;
+    }
+}
+
+/// How a sync changed which Service owns each programmed frontend (for the metrics' labels).
+enum OwnerUpdate<F: AddressFamily> {
+    /// Everything was compiled: the whole plan.
+    All(LbPlan<F>),
+    /// Only these frontends were compiled: each one's owner now, `None` when it is not programmed.
+    Some(Vec<(FrontendId, Option<FrontendOwner>)>),
+}
+
+impl<F: AddressFamily> OwnerUpdate<F> {
+    /// Brings the owners of this family's frontends in `owners` (both families') up to date.
+    fn update(&self, owners: &mut BTreeMap<FrontendId, FrontendOwner>, programmed: &MapContents<F>) {
+        match self {
+            OwnerUpdate::All(plan) => {
+                let family = |id: &FrontendId| IpFamily::of(&id.addr) == F::FAMILY;
+                let (mut previous, others) = std::mem::take(owners).into_iter().partition(|(id, _)| family(id));
+                *owners = others;
+                owners.extend(frontend_owners(programmed, plan, &mut previous));
+            }
+            OwnerUpdate::Some(touched) => {
+                for (id, owner) in touched {
+                    match owner {
+                        Some(owner) => {
+                            owners.insert(*id, owner.clone());
+                        }
+                        None => {
+                            owners.remove(id);
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -298,27 +368,80 @@ fn read_service_stats(pin_dir: &Path) -> Result<BTreeMap<FrontendId, ServiceStat
     Ok(v4.chain(v6.into_iter().map(|(key, stats)| (FrontendId::of::<V6>(&key), stats))).collect())
 }
 
+/// Brings one family's maps to the desired state: only the `changed` Services' entries when
+/// the compiler can do that, else everything.
+#[allow(clippy::too_many_arguments)]
+fn sync_family<F: AddressFamily>(
+    compiler: &mut FamilyCompiler<F>,
+    sync: &mut ServiceSync<F>,
+    maps: &mut impl ServiceMaps<F>,
+    catalog: &ServiceCatalog,
+    changed: Option<&BTreeSet<ServiceName>>,
+    node: &NodeContext,
+    limits: Limits,
+    complete: bool,
+) -> (SyncReport, OwnerUpdate<F>) {
+    if let Some(changed) = changed {
+        if let Some(increment) = compiler.compile_changed(catalog, changed, node, limits, sync.programmed()) {
+            let report = sync.write(maps, increment.ops.clone());
+            compiler.written(&increment, report.total().errors == 0);
+            if report.total().full > 0 && report.total().deletes > 0 {
+                // This pass freed room in a full map: a full pass programs what waited, in the
+                // documented priority order, as a full sync's second pass does.
+                let lb_plan = compiler.plan_all(catalog, node, limits);
+                let second = sync_all(sync, maps, &lb_plan, complete);
+                compiler.adopt(&lb_plan, sync.programmed(), complete && second.total().errors == 0);
+                return (add_second_pass(report, second), OwnerUpdate::All(lb_plan));
+            }
+            let programmed = sync.programmed();
+            let owners = increment
+                .frontends()
+                .map(|key| {
+                    let owner = programmed.services.contains_key(key).then(|| {
+                        increment.plan.frontends.get(key).map(|f| FrontendOwner {
+                            namespace: f.backend_set.service.namespace.clone(),
+                            name: f.backend_set.service.name.clone(),
+                        })
+                    });
+                    (FrontendId::of::<F>(key), owner.flatten())
+                })
+                .collect();
+            return (report, OwnerUpdate::Some(owners));
+        }
+    }
+    let lb_plan = compiler.plan_all(catalog, node, limits);
+    let report = sync_all(sync, maps, &lb_plan, complete);
+    compiler.adopt(&lb_plan, sync.programmed(), complete && report.total().errors == 0);
+    (report, OwnerUpdate::All(lb_plan))
+}
+
 /// Brings one family's maps to `lb_plan`. Inserts come before deletes: when a map was full and
 /// this pass freed room, one more pass with the same plan programs what waited.
-fn sync_family<F: AddressFamily>(
+fn sync_all<F: AddressFamily>(
     sync: &mut ServiceSync<F>,
     maps: &mut impl ServiceMaps<F>,
     lb_plan: &LbPlan<F>,
     complete: bool,
 ) -> SyncReport {
     let desired = assign_ids(lb_plan, sync.programmed());
-    let mut report = sync.sync(maps, &desired, complete);
+    let report = sync.sync(maps, &desired, complete);
     if report.total().full > 0 && report.total().deletes > 0 {
         let desired = assign_ids(lb_plan, sync.programmed());
         let second = sync.sync(maps, &desired, complete);
-        for (map, counts) in second.per_map {
-            let total = report.per_map.entry(map).or_default();
-            total.inserts += counts.inserts;
-            total.updates += counts.updates;
-            total.deletes += counts.deletes;
-            total.errors = counts.errors;
-            total.full = counts.full;
-        }
+        return add_second_pass(report, second);
+    }
+    report
+}
+
+/// The writes of both passes; the errors of the second (what still waits).
+fn add_second_pass(mut report: SyncReport, second: SyncReport) -> SyncReport {
+    for (map, counts) in second.per_map {
+        let total = report.per_map.entry(map).or_default();
+        total.inserts += counts.inserts;
+        total.updates += counts.updates;
+        total.deletes += counts.deletes;
+        total.errors = counts.errors;
+        total.full = counts.full;
     }
     report
 }
@@ -370,7 +493,7 @@ impl FileSource {
     /// Applies the file if it changed; failed writes make the next poll re-apply it.
     fn sync(&mut self, controller: &mut ServiceController, metrics: &Metrics) {
         if let Some(builder) = self.poll(metrics) {
-            if controller.apply(&builder, true) > 0 {
+            if controller.apply(&ServiceCatalog::from_builder(builder), Changed::All, true) > 0 {
                 self.stamp = None;
             }
         }
@@ -379,6 +502,10 @@ impl FileSource {
 
 struct ApiSource {
     objects: ClusterObjects,
+    /// The Services and EndpointSlices converted, kept up to date object by object.
+    catalog: ServiceCatalog,
+    /// The Services changed since the last sync.
+    changed: Changed,
     updates: mpsc::Receiver<WatchUpdate>,
     dirty: bool,
     restored_from_checkpoint: bool,
@@ -519,7 +646,15 @@ async fn start_api_source(options: &ApiOptions, state_dir: &Path, metrics: &Metr
             false
         }
     };
-    Ok(ApiSource { objects, updates, dirty: restored_from_checkpoint, restored_from_checkpoint, retry_at: None })
+    Ok(ApiSource {
+        objects,
+        catalog: ServiceCatalog::default(),
+        changed: Changed::All,
+        updates,
+        dirty: restored_from_checkpoint,
+        restored_from_checkpoint,
+        retry_at: None,
+    })
 }
 
 #[derive(Clone, Debug)]
@@ -654,6 +789,10 @@ impl ServiceProxy {
             health_checks,
             loopback_node_ports: config.socket_lb.enabled,
             maglev_all: config.maglev_all,
+            compiler: FamilyCompiler::default(),
+            compiler_v6: FamilyCompiler::default(),
+            last_node: None,
+            full_compile_only: full_compile_only(),
         };
         let snat_addr =
             config.node_ip.or_else(netif::default_route_source).or_else(|| netif::ipv4_addresses().first().copied());
@@ -769,9 +908,14 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     // A change is applied this soon after it arrives (a burst of watch events is one sync); the
     // 200 ms tick stays for retries and housekeeping.
     let mut sync_soon: Option<tokio::time::Instant> = None;
+    // Services and EndpointSlices are compiled incrementally, in well under a millisecond per
+    // change: they are applied as soon as no more events are queued (at the latest after
+    // SERVICE_SYNC_DEBOUNCE), without waiting for the other controllers' debounce.
+    let mut services_soon: Option<tokio::time::Instant> = None;
     tracing::info!("agent running");
     loop {
         let mut due = false;
+        let mut services_due = false;
         let link_changed = async {
             match link_events.as_mut() {
                 Some(events) => events.changed().await,
@@ -837,7 +981,12 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                 if let Some(kind) = api.objects.apply_kind(update) {
                     checkpoint_due = true;
                     sync_soon.get_or_insert_with(|| tokio::time::Instant::now() + SYNC_DEBOUNCE);
-                    api.dirty |= matches!(kind, Kind::Services | Kind::EndpointSlices);
+                    if matches!(kind, Kind::Services | Kind::EndpointSlices) {
+                        api.dirty = true;
+                        let changed = api.objects.update_catalog(&mut api.catalog);
+                        api.changed.merge(changed);
+                        services_soon.get_or_insert_with(|| tokio::time::Instant::now() + SERVICE_SYNC_DEBOUNCE);
+                    }
                     router_dirty |= kind == Kind::Nodes
                         || (advertise_services && matches!(kind, Kind::Services | Kind::EndpointSlices));
                     nets_dirty |= kind == Kind::Nodes;
@@ -857,14 +1006,24 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     }
                     policy_dirty |= matches!(kind, Kind::Pods | Kind::Namespaces | Kind::NetworkPolicies);
                 }
+                // Nothing more queued: the Services are compiled now rather than after the
+                // timer (whose resolution is a millisecond or more).
+                if services_soon.is_some() && api.updates.is_empty() {
+                    services_soon = None;
+                    services_due = true;
+                }
             }
             _ = tick.tick() => due = true,
             _ = sync_at(sync_soon) => {
                 sync_soon = None;
                 due = true;
             }
+            _ = sync_at(services_soon) => {
+                services_soon = None;
+                services_due = true;
+            }
         }
-        if due {
+        if due || services_due {
             if let Some(api) = api_source.as_mut() {
                 let complete = api.objects.synced();
                 // Before the first complete list, only a checkpoint-restored state is worth
@@ -873,11 +1032,21 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                 if (api.dirty || retry) && (complete || api.restored_from_checkpoint) {
                     api.dirty = false;
                     if let Some(proxy) = service_proxy.as_mut() {
-                        let failed = proxy.controller.apply(&api.objects.state(), complete);
+                        if proxy.controller.full_compile_only {
+                            api.catalog = ServiceCatalog::from_builder(api.objects.state());
+                        }
+                        if api.changed == Changed::All {
+                            // Restored from the checkpoint, or never converted yet.
+                            api.objects.update_catalog(&mut api.catalog);
+                        }
+                        let changed = std::mem::take(&mut api.changed);
+                        let failed = proxy.controller.apply(&api.catalog, changed, complete);
                         api.retry_at = (failed > 0).then(|| Instant::now() + WRITE_RETRY_INTERVAL);
                     }
                 }
             }
+        }
+        if due {
             if let Some(api) = api_source.as_ref() {
                 // Every kind, after each change, once all have been listed completely: a
                 // restart during an outage then has the same Services, Nodes and policies.
@@ -891,10 +1060,10 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                 {
                     checkpoint_due = false;
                     last_checkpoint = Instant::now();
-                    let snapshot = api.objects.checkpoint();
+                    let snapshot = api.objects.snapshot();
                     let (state_dir, metrics) = (config.state_dir.clone(), metrics.clone());
                     checkpoint_write = Some(tokio::task::spawn_blocking(move || {
-                        if let Err(e) = checkpoint::write(&state_dir, &snapshot) {
+                        if let Err(e) = checkpoint::write(&state_dir, &snapshot.checkpoint()) {
                             tracing::error!(error = %e, "cannot write checkpoint");
                             metrics.with(|m| m.checkpoint_errors += 1);
                         }
@@ -1011,14 +1180,112 @@ pub fn read_programmed_v6(pin_dir: &Path) -> Result<crate::services::compile::Ma
     Ok(BpfServiceMapsV6::open_pinned(pin_dir)?.read_all()?)
 }
 
+/// `KUBE_ROUTER_FULL_SERVICE_COMPILE=1`: see [`ServiceController::full_compile_only`].
+fn full_compile_only() -> bool {
+    std::env::var("KUBE_ROUTER_FULL_SERVICE_COMPILE").is_ok_and(|v| v == "1")
+}
+
 /// How long after a change the controllers run: long enough to take a burst of watch events
 /// (a relist, a rollout touching many EndpointSlices) as one sync.
 const SYNC_DEBOUNCE: Duration = Duration::from_millis(10);
+
+/// The same for Service and EndpointSlice changes, at the latest (they are applied as soon as no
+/// more events are queued): a relist arrives whole (the store swaps it in at its end).
+const SERVICE_SYNC_DEBOUNCE: Duration = Duration::from_millis(1);
 
 /// Resolves at `at`, never without one.
 async fn sync_at(at: Option<tokio::time::Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+    use crate::services::{
+        diff::MapOp,
+        model::{Protocol, Service, ServicePort},
+        sync::MapWriteError,
+    };
+
+    /// Service maps with room for `capacity` frontends.
+    struct Capped {
+        inner: MapContents,
+        capacity: usize,
+    }
+
+    impl ServiceMaps for Capped {
+        fn write(&mut self, op: &MapOp) -> Result<(), MapWriteError> {
+            if let MapOp::PutService(key, _) = op {
+                if !self.inner.services.contains_key(key) && self.inner.services.len() >= self.capacity {
+                    return Err(MapWriteError { map: map_names::SERVICES, message: "E2BIG".into(), full: true });
+                }
+            }
+            self.inner.apply(op);
+            Ok(())
+        }
+        fn read_all(&self) -> Result<MapContents, MapWriteError> {
+            Ok(self.inner.clone())
+        }
+    }
+
+    /// ClusterIP Services `(name, last octet of 10.96.0.x)`.
+    fn catalog(services: &[(&str, u8)]) -> ServiceCatalog {
+        let mut builder = StateBuilder::default();
+        for (name, octet) in services {
+            let name = ServiceName::new("ns", *name);
+            let service = Service {
+                name: name.clone(),
+                cluster_ips: vec![Ipv4Addr::new(10, 96, 0, *octet).into()],
+                external_ips: vec![],
+                load_balancer_ips: vec![],
+                ip_families: vec![],
+                ports: vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: None }],
+                affinity_timeout_secs: None,
+                external_traffic_local: false,
+                internal_traffic_local: false,
+                publish_not_ready: false,
+                hairpin: false,
+                health_check_node_port: None,
+                source_ranges: None,
+                maglev: None,
+            };
+            builder.state.services.insert(name, service);
+        }
+        ServiceCatalog::from_builder(builder)
+    }
+
+    #[test]
+    fn an_increment_that_frees_room_in_a_full_map_programs_what_waited() {
+        let node = NodeContext::default();
+        let limits = Limits::default();
+        let mut compiler = FamilyCompiler::<V4>::default();
+        let mut maps = Capped { inner: MapContents::default(), capacity: 2 };
+        let mut sync = ServiceSync::adopt(&maps).unwrap();
+        let before = catalog(&[("a", 1), ("b", 2)]);
+        sync_family(&mut compiler, &mut sync, &mut maps, &before, None, &node, limits, true);
+        assert_eq!(maps.inner.services.len(), 2);
+
+        // a goes, c comes: c's insert is refused before a's delete makes room.
+        let after = catalog(&[("b", 2), ("c", 3)]);
+        let changed = [ServiceName::new("ns", "a"), ServiceName::new("ns", "c")].into_iter().collect();
+        let (report, owners) =
+            sync_family(&mut compiler, &mut sync, &mut maps, &after, Some(&changed), &node, limits, true);
+        assert!(matches!(owners, OwnerUpdate::All(_)), "followed by a full pass");
+        assert_eq!(report.total().errors, 0);
+        let addrs: Vec<std::net::IpAddr> = maps.inner.services.keys().map(|k| FrontendId::of::<V4>(k).addr).collect();
+        let expected: Vec<std::net::IpAddr> =
+            vec![Ipv4Addr::new(10, 96, 0, 2).into(), Ipv4Addr::new(10, 96, 0, 3).into()];
+        assert_eq!(addrs, expected);
+
+        // The maps hold the whole plan again: the next change is compiled alone.
+        let (report, owners) =
+            sync_family(&mut compiler, &mut sync, &mut maps, &after, Some(&changed), &node, limits, true);
+        assert!(matches!(owners, OwnerUpdate::Some(_)));
+        assert_eq!(report.total().writes(), 0);
     }
 }

@@ -4,22 +4,30 @@
 //! completed relist changes it. A relist (`Init` .. `InitDone`) is buffered and swapped in whole
 //! at `InitDone`, so a list that breaks halfway (API outage) removes nothing — an empty or
 //! failed list is not "no services".
-use std::collections::BTreeMap;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::Arc,
+};
 
 use kube::{runtime::watcher::Event, Resource, ResourceExt};
 
 /// (namespace, name); namespace is "" for cluster-scoped kinds.
 pub type ObjectKey = (String, String);
 
+/// Objects are shared (`Arc`), so a snapshot for the checkpoint costs a pointer per object on
+/// the agent's loop; the copy is made off it.
 pub struct ObjectStore<K> {
-    objects: BTreeMap<ObjectKey, K>,
-    relist: Option<BTreeMap<ObjectKey, K>>,
+    objects: BTreeMap<ObjectKey, Arc<K>>,
+    relist: Option<BTreeMap<ObjectKey, Arc<K>>>,
     synced: bool,
+    /// Keys whose object changed since the last [`ObjectStore::take_changed`]; `None` until
+    /// someone asks (only the kinds compiled incrementally keep it).
+    changed: Option<BTreeSet<ObjectKey>>,
 }
 
 impl<K> Default for ObjectStore<K> {
     fn default() -> Self {
-        Self { objects: BTreeMap::new(), relist: None, synced: false }
+        Self { objects: BTreeMap::new(), relist: None, synced: false, changed: None }
     }
 }
 
@@ -43,11 +51,15 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
             }
             Event::InitApply(object) => {
                 let buffer = self.relist.get_or_insert_with(BTreeMap::new);
-                buffer.insert(key_of(&object), object);
+                buffer.insert(key_of(&object), Arc::new(object));
                 false
             }
             Event::InitDone => {
                 let listed = self.relist.take().unwrap_or_default();
+                if let Some(changed) = self.changed.as_mut() {
+                    let differs = |key: &&ObjectKey| listed.get(*key) != self.objects.get(*key);
+                    changed.extend(listed.keys().chain(self.objects.keys()).filter(differs).cloned());
+                }
                 // The first complete list always counts: it is what allows deletions at all.
                 let changed = listed != self.objects || !self.synced;
                 self.objects = listed;
@@ -60,18 +72,23 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
                 if let Some(buffer) = self.relist.as_mut() {
                     buffer.remove(&key);
                 }
-                let stale = matches!((self.objects.get(&key).and_then(version_of), version_of(&object)), (Some(have), Some(got)) if got < have);
-                !stale && self.objects.remove(&key).is_some()
+                let stale = matches!((self.objects.get(&key).and_then(|o| version_of(&**o)), version_of(&object)), (Some(have), Some(got)) if got < have);
+                let removed = !stale && self.objects.remove(&key).is_some();
+                if let (true, Some(changed)) = (removed, self.changed.as_mut()) {
+                    changed.insert(key);
+                }
+                removed
             }
         }
     }
 
     fn upsert(&mut self, object: K) -> bool {
         let key = key_of(&object);
+        let object = Arc::new(object);
         if let Some(buffer) = self.relist.as_mut() {
             buffer.insert(key.clone(), object.clone());
         }
-        if let (Some(have), Some(got)) = (self.objects.get(&key).and_then(version_of), version_of(&object)) {
+        if let (Some(have), Some(got)) = (self.objects.get(&key).and_then(|o| version_of(&**o)), version_of(&*object)) {
             if got < have {
                 return false;
             }
@@ -79,8 +96,30 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
         if self.objects.get(&key) == Some(&object) {
             return false;
         }
+        if let Some(changed) = self.changed.as_mut() {
+            changed.insert(key.clone());
+        }
         self.objects.insert(key, object);
         true
+    }
+
+    /// The keys whose object changed (added, modified, removed) since the last call; `None` the
+    /// first time (and after a restore): everything may have.
+    pub fn take_changed(&mut self) -> Option<BTreeSet<ObjectKey>> {
+        self.changed.replace(BTreeSet::new())
+    }
+
+    pub fn get(&self, key: &ObjectKey) -> Option<&K> {
+        self.objects.get(key).map(|o| &**o)
+    }
+
+    pub fn keys(&self) -> impl Iterator<Item = &ObjectKey> {
+        self.objects.keys()
+    }
+
+    /// Every object, shared: for a copy made elsewhere.
+    pub fn snapshot(&self) -> Vec<Arc<K>> {
+        self.objects.values().cloned().collect()
     }
 
     /// A complete list has been seen at least once.
@@ -89,7 +128,7 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
     }
 
     pub fn objects(&self) -> impl Iterator<Item = &K> {
-        self.objects.values()
+        self.objects.values().map(|o| &**o)
     }
 
     pub fn len(&self) -> usize {
@@ -102,7 +141,8 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
 
     /// Seeds the store from a checkpoint; it stays unsynced until the API lists it.
     pub fn restore(&mut self, objects: impl IntoIterator<Item = K>) {
-        self.objects = objects.into_iter().map(|o| (key_of(&o), o)).collect();
+        self.objects = objects.into_iter().map(|o| (key_of(&o), Arc::new(o))).collect();
+        self.changed = None;
     }
 }
 

@@ -4,7 +4,7 @@
 //! capped); errors are reported, never acted on. What the watchers deliver goes through
 //! [`ObjectStore`](super::store::ObjectStore), which only changes on real events or complete
 //! relists, so an outage leaves the desired state — and therefore the maps — as they were.
-use std::{path::PathBuf, time::Duration};
+use std::{collections::BTreeSet, path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::{Context, Result};
 use futures_util::StreamExt;
@@ -21,7 +21,11 @@ use kube::{
 use tokio::sync::mpsc;
 
 use super::{checkpoint::Checkpoint, store::ObjectStore};
-use crate::services::source::StateBuilder;
+use crate::services::{
+    incremental::{Changed, ServiceCatalog},
+    model::ServiceName,
+    source::StateBuilder,
+};
 
 /// How to reach the API server (kube-router's `--kubeconfig` / `--master`).
 #[derive(Clone, Debug, Default)]
@@ -188,6 +192,34 @@ fn spawn_one<K>(
     });
 }
 
+/// Every object at one moment, shared with the stores.
+pub struct CheckpointSnapshot {
+    written_unix: f64,
+    services: Vec<Arc<Service>>,
+    endpoint_slices: Vec<Arc<EndpointSlice>>,
+    pods: Vec<Arc<Pod>>,
+    namespaces: Vec<Arc<Namespace>>,
+    nodes: Vec<Arc<Node>>,
+    network_policies: Vec<Arc<NetworkPolicy>>,
+}
+
+impl CheckpointSnapshot {
+    pub fn checkpoint(self) -> Checkpoint {
+        fn owned<K: Clone>(objects: Vec<Arc<K>>) -> Vec<K> {
+            objects.into_iter().map(|o| Arc::unwrap_or_clone(o)).collect()
+        }
+        Checkpoint {
+            written_unix: self.written_unix,
+            services: owned(self.services),
+            endpoint_slices: owned(self.endpoint_slices),
+            pods: owned(self.pods),
+            namespaces: owned(self.namespaces),
+            nodes: owned(self.nodes),
+            network_policies: owned(self.network_policies),
+        }
+    }
+}
+
 /// The watched kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -271,6 +303,55 @@ impl ClusterObjects {
             builder.add_endpoint_slice(slice);
         }
         builder
+    }
+
+    /// Converts again the Services and EndpointSlices that changed since the last call, into
+    /// `catalog`; returns the Services they concern. The first call converts everything.
+    pub fn update_catalog(&mut self, catalog: &mut ServiceCatalog) -> Changed {
+        let (services, slices, all) = match (self.services.take_changed(), self.endpoint_slices.take_changed()) {
+            (Some(services), Some(slices)) => (services, slices, false),
+            // Object by object all the same, so each one's problems are its own to clear.
+            _ => {
+                *catalog = ServiceCatalog::default();
+                (self.services.keys().cloned().collect(), self.endpoint_slices.keys().cloned().collect(), true)
+            }
+        };
+        let mut changed = BTreeSet::new();
+        for key in services {
+            let name = ServiceName::new(key.0.clone(), key.1.clone());
+            let converted = self.services.get(&key).map(|object| {
+                let mut builder = StateBuilder::default();
+                builder.add_service(object);
+                builder
+            });
+            catalog.set_service(&name, converted);
+            changed.insert(name);
+        }
+        for key in slices {
+            let converted = self.endpoint_slices.get(&key).map(|object| {
+                let mut builder = StateBuilder::default();
+                builder.add_endpoint_slice(object);
+                builder
+            });
+            changed.extend(catalog.set_slice(&key, converted));
+        }
+        if all {
+            return Changed::All;
+        }
+        Changed::Services(changed)
+    }
+
+    /// Every object, shared, for [`CheckpointSnapshot::checkpoint`] to copy off the agent's loop.
+    pub fn snapshot(&self) -> CheckpointSnapshot {
+        CheckpointSnapshot {
+            written_unix: crate::metrics::unix_now(),
+            services: self.services.snapshot(),
+            endpoint_slices: self.endpoint_slices.snapshot(),
+            pods: self.pods.snapshot(),
+            namespaces: self.namespaces.snapshot(),
+            nodes: self.nodes.snapshot(),
+            network_policies: self.network_policies.snapshot(),
+        }
     }
 
     pub fn checkpoint(&self) -> Checkpoint {
@@ -378,5 +459,60 @@ mod tests {
         restored.restore(objects.checkpoint());
         assert!(!restored.synced(), "a checkpoint is not a complete listing");
         assert_eq!(contents(&restored, &programmed), programmed);
+    }
+
+    #[test]
+    fn the_catalog_follows_each_change_and_names_the_services_it_concerns() {
+        let mut objects = ClusterObjects::default();
+        let mut catalog = ServiceCatalog::default();
+        objects.apply(WatchUpdate::Services(Event::Apply(service("d", "not an address", 1))));
+        assert_eq!(objects.update_catalog(&mut catalog), Changed::All, "the first call converts everything");
+        assert_eq!(catalog.problems().count(), 1);
+        objects.apply(WatchUpdate::Services(Event::Delete(service("d", "not an address", 2))));
+        objects.update_catalog(&mut catalog);
+        assert_eq!(catalog.problems().count(), 0);
+        let names = |changed: Changed| match changed {
+            Changed::Services(names) => names.into_iter().map(|n| n.name).collect::<Vec<_>>(),
+            Changed::All => vec!["*".to_string()],
+        };
+        let same_as_a_full_conversion = |objects: &ClusterObjects, catalog: &ServiceCatalog| {
+            assert_eq!(catalog.state, objects.state().state);
+            for name in catalog.state.services.keys() {
+                let slices: Vec<&crate::services::model::EndpointSlice> =
+                    catalog.state.slices.values().filter(|s| &s.service == name).collect();
+                assert_eq!(catalog.slices_of(name), slices);
+            }
+        };
+        listed(
+            &mut objects,
+            vec![service("a", "10.96.0.1", 1), service("b", "10.96.0.2", 2)],
+            vec![slice("a", "10.0.0.1", 3)],
+        );
+        assert_eq!(names(objects.update_catalog(&mut catalog)), ["a", "b"]);
+        same_as_a_full_conversion(&objects, &catalog);
+
+        objects.apply(WatchUpdate::EndpointSlices(Event::Apply(slice("a", "10.0.0.2", 4))));
+        assert_eq!(names(objects.update_catalog(&mut catalog)), ["a"]);
+        same_as_a_full_conversion(&objects, &catalog);
+
+        // A broken relist changes nothing; a complete one with a difference names it.
+        objects.apply(WatchUpdate::Services(Event::Init));
+        objects.apply(WatchUpdate::Services(Event::InitApply(service("a", "10.96.0.1", 1))));
+        assert_eq!(names(objects.update_catalog(&mut catalog)), Vec::<String>::new());
+        objects.apply(WatchUpdate::Services(Event::Init));
+        objects.apply(WatchUpdate::Services(Event::InitApply(service("a", "10.96.0.1", 1))));
+        objects.apply(WatchUpdate::Services(Event::InitApply(service("c", "10.96.0.3", 5))));
+        objects.apply(WatchUpdate::Services(Event::InitDone));
+        assert_eq!(names(objects.update_catalog(&mut catalog)), ["b", "c"]);
+        same_as_a_full_conversion(&objects, &catalog);
+
+        objects.apply(WatchUpdate::EndpointSlices(Event::Delete(slice("a", "10.0.0.2", 6))));
+        objects.apply(WatchUpdate::Services(Event::Apply(service("a", "not an address", 7))));
+        assert_eq!(names(objects.update_catalog(&mut catalog)), ["a"]);
+        same_as_a_full_conversion(&objects, &catalog);
+        assert_eq!(catalog.problems().count(), 1);
+        objects.apply(WatchUpdate::Services(Event::Apply(service("a", "10.96.0.1", 8))));
+        objects.update_catalog(&mut catalog);
+        assert_eq!(catalog.problems().count(), 0);
     }
 }

@@ -92,6 +92,9 @@ pub struct LbPlan<F: AddressFamily = V4> {
     pub protected_frontends: BTreeSet<ServiceKey<F::Words>>,
     pub warnings: Vec<CompileWarning>,
     pub dropped_endpoints: u64,
+    /// Backend sets that had more endpoints than the limit, with how many were left out (the
+    /// incremental compiler counts them only for sets that keep a frontend).
+    pub truncated: BTreeMap<BackendSetKey, usize>,
 }
 
 pub fn addr_be(addr: Ipv4Addr) -> u32 {
@@ -124,109 +127,133 @@ pub fn plan(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan 
 pub fn plan_for<F: AddressFamily>(state: &ServiceState, node: &NodeContext, limits: Limits) -> LbPlan<F> {
     let mut plan = LbPlan::<F>::default();
     let mut owners: BTreeMap<ServiceKey<F::Words>, ServiceName> = BTreeMap::new();
-    let of_family = |ips: &[IpAddr]| -> Vec<F::Addr> { ips.iter().filter_map(|ip| F::addr_of(*ip)).collect() };
-    let unavailable = node.unavailable_families.contains(&F::FAMILY);
+    let slices_by_service = slices_by_service(state);
+    // A Service whose own object or one of whose slices was rejected keeps what it has.
+    for service in state.services.values().filter(|s| !state.rejected.contains_key(&s.name)) {
+        let slices = slices_by_service.get(&service.name).map(Vec::as_slice).unwrap_or(&[]);
+        plan_service(&mut plan, &mut owners, service, slices, node, limits);
+    }
+    protect_rejected(&mut plan, state, node);
+    plan
+}
 
+/// Each Service's EndpointSlices.
+pub fn slices_by_service(state: &ServiceState) -> BTreeMap<&ServiceName, Vec<&EndpointSlice>> {
     let mut slices_by_service: BTreeMap<&ServiceName, Vec<&EndpointSlice>> = BTreeMap::new();
     for slice in state.slices.values() {
         slices_by_service.entry(&slice.service).or_default().push(slice);
     }
+    slices_by_service
+}
 
-    // A Service whose own object or one of whose slices was rejected keeps what it has.
-    for service in state.services.values().filter(|s| !state.rejected.contains_key(&s.name)) {
-        if !service.serves(F::FAMILY) {
-            continue;
+/// Adds one Service's frontends to `plan`; a frontend already in `owners` stays with the
+/// Service that claimed it first (a conflict warning when that is another Service).
+pub fn plan_service<F: AddressFamily>(
+    plan: &mut LbPlan<F>,
+    owners: &mut BTreeMap<ServiceKey<F::Words>, ServiceName>,
+    service: &Service,
+    slices: &[&EndpointSlice],
+    node: &NodeContext,
+    limits: Limits,
+) {
+    let of_family = |ips: &[IpAddr]| -> Vec<F::Addr> { ips.iter().filter_map(|ip| F::addr_of(*ip)).collect() };
+    if !service.serves(F::FAMILY) {
+        return;
+    }
+    if node.unavailable_families.contains(&F::FAMILY) {
+        plan.warnings.push(CompileWarning::FamilyUnavailable { service: service.name.clone(), family: F::FAMILY });
+        return;
+    }
+    for port in &service.ports {
+        let affinity_flags = if service.affinity_timeout_secs.is_some() { SVC_FLAG_AFFINITY } else { 0 };
+        let affinity_timeout_secs = service.affinity_timeout_secs.unwrap_or(0);
+        let set = |local_only: bool| BackendSetKey {
+            service: service.name.clone(),
+            port_name: port.name.clone(),
+            protocol: port.protocol,
+            local_only,
+        };
+        let internal = set(service.internal_traffic_local);
+        let external = set(service.external_traffic_local);
+        let local_flag = |local: bool| if local { SVC_FLAG_LOCAL_ONLY } else { 0 };
+        let hairpin = if service.hairpin || node.hairpin_all { SVC_FLAG_HAIRPIN } else { 0 };
+        let maglev = match service.maglev.or(node.maglev_all.then_some(true)) {
+            Some(true) => SVC_FLAG_MAGLEV | SVC_FLAG_MAGLEV_PORT,
+            Some(false) => SVC_FLAG_MAGLEV,
+            None => 0,
+        };
+        if maglev != 0 {
+            plan.maglev_sets.insert(internal.clone());
+            plan.maglev_sets.insert(external.clone());
         }
-        if unavailable {
-            plan.warnings.push(CompileWarning::FamilyUnavailable { service: service.name.clone(), family: F::FAMILY });
-            continue;
-        }
-        let slices = slices_by_service.get(&service.name).map(Vec::as_slice).unwrap_or(&[]);
-        for port in &service.ports {
-            let affinity_flags = if service.affinity_timeout_secs.is_some() { SVC_FLAG_AFFINITY } else { 0 };
-            let affinity_timeout_secs = service.affinity_timeout_secs.unwrap_or(0);
-            let set = |local_only: bool| BackendSetKey {
-                service: service.name.clone(),
-                port_name: port.name.clone(),
-                protocol: port.protocol,
-                local_only,
-            };
-            let internal = set(service.internal_traffic_local);
-            let external = set(service.external_traffic_local);
-            let local_flag = |local: bool| if local { SVC_FLAG_LOCAL_ONLY } else { 0 };
-            let hairpin = if service.hairpin || node.hairpin_all { SVC_FLAG_HAIRPIN } else { 0 };
-            let maglev = match service.maglev.or(node.maglev_all.then_some(true)) {
-                Some(true) => SVC_FLAG_MAGLEV | SVC_FLAG_MAGLEV_PORT,
-                Some(false) => SVC_FLAG_MAGLEV,
-                None => 0,
-            };
-            if maglev != 0 {
-                plan.maglev_sets.insert(internal.clone());
-                plan.maglev_sets.insert(external.clone());
-            }
-            let affinity_flags = affinity_flags | hairpin | maglev;
+        let affinity_flags = affinity_flags | hairpin | maglev;
 
-            let mut frontends = Vec::new();
-            for ip in of_family(&service.cluster_ips) {
-                frontends.push((
-                    key_of::<F>(ip, port.port, port.protocol),
-                    affinity_flags | local_flag(internal.local_only),
-                    internal.clone(),
-                ));
+        let mut frontends = Vec::new();
+        for ip in of_family(&service.cluster_ips) {
+            frontends.push((
+                key_of::<F>(ip, port.port, port.protocol),
+                affinity_flags | local_flag(internal.local_only),
+                internal.clone(),
+            ));
+        }
+        let external_ips = of_family(&service.external_ips).into_iter().map(|ip| (ip, false));
+        let load_balancer_ips = of_family(&service.load_balancer_ips).into_iter().map(|ip| (ip, true));
+        for (ip, is_lb) in external_ips.chain(load_balancer_ips) {
+            if let Some(reason) = node.external_ips.refusal(ip.into(), is_lb) {
+                if port == &service.ports[0] {
+                    plan.warnings.push(CompileWarning::ExternalIpRefused { service: service.name.clone(), reason });
+                }
+                continue;
             }
-            let external_ips = of_family(&service.external_ips).into_iter().map(|ip| (ip, false));
-            let load_balancer_ips = of_family(&service.load_balancer_ips).into_iter().map(|ip| (ip, true));
-            for (ip, is_lb) in external_ips.chain(load_balancer_ips) {
-                if let Some(reason) = node.external_ips.refusal(ip.into(), is_lb) {
-                    if port == &service.ports[0] {
-                        plan.warnings.push(CompileWarning::ExternalIpRefused { service: service.name.clone(), reason });
-                    }
-                    continue;
-                }
-                // As kube-proxy: the source ranges guard the LoadBalancer IPs only.
-                let ranges = service.source_ranges.as_ref().filter(|_| is_lb);
-                let guarded = if ranges.is_some() { SVC_FLAG_SOURCE_RANGES } else { 0 };
-                if let Some(ranges) = ranges {
-                    let ranges = ranges.iter().filter_map(|net| F::net_of(*net)).collect();
-                    plan.source_ranges.insert(external.clone(), ranges);
-                }
+            // As kube-proxy: the source ranges guard the LoadBalancer IPs only.
+            let ranges = service.source_ranges.as_ref().filter(|_| is_lb);
+            let guarded = if ranges.is_some() { SVC_FLAG_SOURCE_RANGES } else { 0 };
+            if let Some(ranges) = ranges {
+                let ranges = ranges.iter().filter_map(|net| F::net_of(*net)).collect();
+                plan.source_ranges.insert(external.clone(), ranges);
+            }
+            frontends.push((
+                key_of::<F>(ip, port.port, port.protocol),
+                affinity_flags | local_flag(external.local_only) | SVC_FLAG_EXTERNAL | guarded,
+                external.clone(),
+            ));
+        }
+        if let Some(node_port) = port.node_port {
+            for ip in node.node_port_frontend_addrs::<F>() {
                 frontends.push((
-                    key_of::<F>(ip, port.port, port.protocol),
-                    affinity_flags | local_flag(external.local_only) | SVC_FLAG_EXTERNAL | guarded,
+                    key_of::<F>(ip, node_port, port.protocol),
+                    affinity_flags | local_flag(external.local_only) | SVC_FLAG_EXTERNAL | SVC_FLAG_NODEPORT,
                     external.clone(),
                 ));
             }
-            if let Some(node_port) = port.node_port {
-                for ip in node.node_port_frontend_addrs::<F>() {
-                    frontends.push((
-                        key_of::<F>(ip, node_port, port.protocol),
-                        affinity_flags | local_flag(external.local_only) | SVC_FLAG_EXTERNAL | SVC_FLAG_NODEPORT,
-                        external.clone(),
-                    ));
+        }
+        for (key, flags, backend_set) in frontends {
+            if let Some(owner) = owners.get(&key) {
+                if owner != &service.name {
+                    plan.warnings.push(CompileWarning::FrontendConflict {
+                        frontend: describe_frontend::<F>(&key),
+                        kept: owner.clone(),
+                        ignored: service.name.clone(),
+                    });
                 }
+                continue;
             }
-            for (key, flags, backend_set) in frontends {
-                if let Some(owner) = owners.get(&key) {
-                    if owner != &service.name {
-                        plan.warnings.push(CompileWarning::FrontendConflict {
-                            frontend: describe_frontend::<F>(&key),
-                            kept: owner.clone(),
-                            ignored: service.name.clone(),
-                        });
-                    }
-                    continue;
+            owners.insert(key, service.name.clone());
+            if !plan.backend_sets.contains_key(&backend_set) {
+                let backends = backends_for::<F>(service, port, slices, backend_set.local_only, node, limits, plan);
+                if backends.1 > 0 {
+                    plan.truncated.insert(backend_set.clone(), backends.1);
                 }
-                owners.insert(key, service.name.clone());
-                if !plan.backend_sets.contains_key(&backend_set) {
-                    let backends =
-                        backends_for::<F>(service, port, slices, backend_set.local_only, node, limits, &mut plan);
-                    plan.backend_sets.insert(backend_set.clone(), backends);
-                }
-                plan.frontends.insert(key, Frontend { flags, affinity_timeout_secs, backend_set });
+                plan.backend_sets.insert(backend_set.clone(), backends.0);
             }
+            plan.frontends.insert(key, Frontend { flags, affinity_timeout_secs, backend_set });
         }
     }
+}
 
+/// The frontends of rejected Services (by address, and their NodePorts) keep what the maps hold.
+pub fn protect_rejected<F: AddressFamily>(plan: &mut LbPlan<F>, state: &ServiceState, node: &NodeContext) {
+    let of_family = |ips: &[IpAddr]| -> Vec<F::Addr> { ips.iter().filter_map(|ip| F::addr_of(*ip)).collect() };
     for (name, rejected) in &state.rejected {
         let mut addrs = rejected.addrs.clone();
         let mut node_ports = rejected.node_ports.clone();
@@ -243,7 +270,6 @@ pub fn plan_for<F: AddressFamily>(state: &ServiceState, node: &NodeContext, limi
             }
         }
     }
-    plan
 }
 
 /// kube-proxy's topology-aware routing: the node's zone, if every ready endpoint carries zone
@@ -273,7 +299,7 @@ fn backends_for<F: AddressFamily>(
     node: &NodeContext,
     limits: Limits,
     plan: &mut LbPlan<F>,
-) -> Vec<Backend<F::Words>> {
+) -> (Vec<Backend<F::Words>>, usize) {
     let mut ready = BTreeSet::new();
     let mut terminating = BTreeSet::new();
     // Ready endpoints' zone hints, for topology-aware routing.
@@ -315,8 +341,8 @@ fn backends_for<F: AddressFamily>(
             flags: if local { BACKEND_FLAG_LOCAL } else { 0 },
         })
         .collect();
-    if kept.len() < total {
-        let dropped = total - kept.len();
+    let dropped = total - kept.len();
+    if dropped > 0 {
         plan.dropped_endpoints += dropped as u64;
         plan.warnings.push(CompileWarning::EndpointsTruncated {
             service: service.name.clone(),
@@ -325,7 +351,7 @@ fn backends_for<F: AddressFamily>(
             dropped,
         });
     }
-    kept
+    (kept, dropped)
 }
 
 /// The exact contents of one family's service maps.
@@ -338,12 +364,123 @@ pub struct MapContents<F: AddressFamily = V4> {
     pub source_ranges: BTreeMap<SourceRange<F::Words>, u8>,
 }
 
-fn lowest_free(used: &BTreeSet<u32>, next: &mut u32) -> u32 {
-    while used.contains(next) {
-        *next += 1;
+/// The IDs a family's maps hold, indexed for allocation: which backend address:port has which
+/// id, and which ids are taken. Built from the maps once, then kept up to date by the
+/// incremental compiler, so that assigning ids to a few Services costs nothing per entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IdsInUse<W: Ord> {
+    pub backend_ids: BTreeMap<Backend<W>, u32>,
+    pub backends: IdPool,
+    /// Service ids, counted once per frontend carrying them.
+    pub services: IdPool,
+}
+
+impl<W: Ord> Default for IdsInUse<W> {
+    fn default() -> Self {
+        Self { backend_ids: BTreeMap::new(), backends: IdPool::default(), services: IdPool::default() }
     }
-    let id = *next;
-    *next += 1;
+}
+
+impl<W: Copy + Ord> IdsInUse<W> {
+    pub fn of<F: AddressFamily<Words = W>>(current: &MapContents<F>) -> Self {
+        let mut ids = Self::default();
+        for (id, backend) in &current.backends {
+            ids.backend_ids.insert(*backend, *id);
+            ids.backends.take(*id);
+        }
+        for value in current.services.values() {
+            ids.services.take(value.service_id);
+        }
+        ids
+    }
+}
+
+/// Taken ids (each with a count of its holders) and the free ranges between them, so the lowest
+/// free id is found without walking the taken ones.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IdPool {
+    counts: BTreeMap<u32, usize>,
+    /// Free ranges from 1 on: start -> end (exclusive).
+    free: BTreeMap<u32, u64>,
+}
+
+impl Default for IdPool {
+    fn default() -> Self {
+        Self { counts: BTreeMap::new(), free: BTreeMap::from([(1, u64::from(u32::MAX) + 1)]) }
+    }
+}
+
+impl IdPool {
+    pub fn contains(&self, id: u32) -> bool {
+        self.counts.contains_key(&id)
+    }
+
+    /// One more holder of `id`.
+    pub fn take(&mut self, id: u32) {
+        let count = self.counts.entry(id).or_default();
+        *count += 1;
+        if *count > 1 {
+            return;
+        }
+        let Some((&start, &end)) = self.free.range(..=id).next_back() else { return };
+        if end <= u64::from(id) {
+            return;
+        }
+        self.free.remove(&start);
+        if start < id {
+            self.free.insert(start, u64::from(id));
+        }
+        if u64::from(id) + 1 < end {
+            self.free.insert(id + 1, end);
+        }
+    }
+
+    /// One holder of `id` fewer; the last one frees it.
+    pub fn release(&mut self, id: u32) {
+        let Some(count) = self.counts.get_mut(&id) else { return };
+        *count -= 1;
+        if *count > 0 {
+            return;
+        }
+        self.counts.remove(&id);
+        if id == 0 {
+            return;
+        }
+        let (mut start, mut end) = (id, u64::from(id) + 1);
+        if let Some((&before, &before_end)) = self.free.range(..id).next_back() {
+            if before_end == u64::from(id) {
+                self.free.remove(&before);
+                start = before;
+            }
+        }
+        if let Some(after_end) = u32::try_from(end).ok().and_then(|after| self.free.remove(&after)) {
+            end = after_end;
+        }
+        self.free.insert(start, end);
+    }
+
+    /// The lowest free id from `from` on that `also` does not hold either.
+    pub fn lowest_free(&self, from: u32, also: &BTreeSet<u32>) -> u32 {
+        let containing = self.free.range(..=from).next_back().filter(|(_, end)| **end > u64::from(from));
+        let ranges = containing.into_iter().chain(self.free.range(from.saturating_add(1)..));
+        for (&start, &end) in ranges {
+            let mut id = u64::from(start.max(from));
+            while id < end && also.contains(&(id as u32)) {
+                id += 1;
+            }
+            if id < end {
+                return id as u32;
+            }
+        }
+        u32::MAX
+    }
+}
+
+/// The lowest id from `next` on that neither `taken` nor `used` holds; `next` moves past it.
+fn lowest_free(taken: &IdPool, used: &mut BTreeSet<u32>, next: &mut u32) -> u32 {
+    let id = taken.lowest_free(*next, used);
+    *next = id.saturating_add(1);
+    used.insert(id);
     id
 }
 
@@ -351,23 +488,30 @@ fn lowest_free(used: &BTreeSet<u32>, next: &mut u32) -> u32 {
 /// IDs) or the same address:port (backend IDs) are kept, so a restart or a resync rewrites
 /// nothing that is already right; new IDs never reuse one still present in `current`.
 pub fn assign_ids<F: AddressFamily>(plan: &LbPlan<F>, current: &MapContents<F>) -> MapContents<F> {
+    let mut desired = assign_ids_using(plan, current, &IdsInUse::of(current));
+    keep_protected(plan, current, &mut desired);
+    desired
+}
+
+/// [`assign_ids`] with `ids` the index of `current`, and without the entries of rejected
+/// Services: the contents of exactly the frontends, backend sets and backends of `plan`. Only
+/// looks `current` up by key, so its cost follows the plan's size, not the maps'.
+pub fn assign_ids_using<F: AddressFamily>(
+    plan: &LbPlan<F>,
+    current: &MapContents<F>,
+    ids: &IdsInUse<F::Words>,
+) -> MapContents<F> {
     let mut desired = MapContents::<F>::default();
 
     // Backend IDs.
-    let current_backend_ids: BTreeMap<Backend<F::Words>, u32> =
-        current.backends.iter().map(|(id, b)| (*b, *id)).collect();
     let needed: BTreeSet<Backend<F::Words>> = plan.backend_sets.values().flatten().copied().collect();
-    let mut used: BTreeSet<u32> = current.backends.keys().copied().collect();
+    let mut used = BTreeSet::new();
     let mut backend_ids = BTreeMap::new();
     let mut next = 1;
     for backend in &needed {
-        let id = match current_backend_ids.get(backend) {
+        let id = match ids.backend_ids.get(backend) {
             Some(id) => *id,
-            None => {
-                let id = lowest_free(&used, &mut next);
-                used.insert(id);
-                id
-            }
+            None => lowest_free(&ids.backends, &mut used, &mut next),
         };
         backend_ids.insert(*backend, id);
         desired.backends.insert(id, *backend);
@@ -386,15 +530,10 @@ pub fn assign_ids<F: AddressFamily>(plan: &LbPlan<F>, current: &MapContents<F>) 
             }
         }
     }
-    let mut used: BTreeSet<u32> = current.services.values().map(|v| v.service_id).collect();
-    used.extend(&claimed);
+    let mut used = claimed;
     let mut next = 1;
     for set in plan.backend_sets.keys() {
-        set_ids.entry(set).or_insert_with(|| {
-            let id = lowest_free(&used, &mut next);
-            used.insert(id);
-            id
-        });
+        set_ids.entry(set).or_insert_with(|| lowest_free(&ids.services, &mut used, &mut next));
     }
 
     // One slot per backend, or a Maglev table over them.
@@ -413,8 +552,7 @@ pub fn assign_ids<F: AddressFamily>(plan: &LbPlan<F>, current: &MapContents<F>) 
         if maglev && holds_other_slots(current, service_id, &table) {
             // A changed Maglev table is written under a new id and each frontend switches to it
             // in one write: no flow ever hashes into a half-written table. The old one goes after.
-            service_id = lowest_free(&used, &mut next);
-            used.insert(service_id);
+            service_id = lowest_free(&ids.services, &mut used, &mut next);
             set_ids.insert(set, service_id);
         }
         slot_counts.insert(set, table.len() as u32);
@@ -442,8 +580,6 @@ pub fn assign_ids<F: AddressFamily>(plan: &LbPlan<F>, current: &MapContents<F>) 
             },
         );
     }
-
-    keep_protected(plan, current, &mut desired);
     desired
 }
 

@@ -3,6 +3,7 @@ pub mod compile;
 pub mod diff;
 pub mod family;
 pub mod from_k8s;
+pub mod incremental;
 pub mod maglev;
 pub mod model;
 pub mod source;

@@ -102,11 +102,18 @@ impl<F: AddressFamily> ServiceSync<F> {
         desired: &MapContents<F>,
         allow_deletes: bool,
     ) -> SyncReport {
+        let ops = diff(&self.programmed, desired, allow_deletes);
+        self.write(maps, ops)
+    }
+
+    /// Writes `ops`, a difference computed by the caller (the incremental compiler's, over the
+    /// entries of the Services that changed), as [`Self::sync`] writes its own.
+    pub fn write(&mut self, maps: &mut impl ServiceMaps<F>, ops: Vec<MapOp<F>>) -> SyncReport {
         let mut report = SyncReport::default();
         // Once a map refuses an insert for lack of room, later inserts into it in this pass are
         // not even tried: a full map costs one failed syscall per sync, not one per entry.
         let mut full: std::collections::BTreeSet<&'static str> = Default::default();
-        for op in diff(&self.programmed, desired, allow_deletes) {
+        for op in ops {
             let counts = report.per_map.entry(op.map_name()).or_default();
             let insert = self.programmed.is_insert(&op);
             if insert && full.contains(op.map_name()) {
