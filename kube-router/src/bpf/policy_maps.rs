@@ -32,57 +32,30 @@ use crate::{
     services::sync::MapWriteError,
 };
 
-/// A `pol_peers_v4` key as stored: LPM prefix length (32 peer-set bits + address bits) and data.
-/// aya's `Key` is packed and not `Ord`; this is the same 12 bytes in a comparable form.
+/// An LPM trie key as stored: prefix length and data. aya's `Key` is packed and not `Ord`; this
+/// is the same bytes in a comparable form.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PeerKeyV4 {
+pub struct LpmKey<T> {
     pub prefix_len: u32,
-    pub data: PeerPrefixV4,
+    pub data: T,
 }
 
-impl PeerKeyV4 {
-    fn to_lpm(self) -> Key<PeerPrefixV4> {
+impl<T: aya::Pod> LpmKey<T> {
+    fn to_lpm(self) -> Key<T> {
         Key::new(self.prefix_len, self.data)
     }
 
-    fn from_lpm(key: &Key<PeerPrefixV4>) -> Self {
-        PeerKeyV4 { prefix_len: key.prefix_len(), data: key.data() }
+    fn from_lpm(key: &Key<T>) -> Self {
+        LpmKey { prefix_len: key.prefix_len(), data: key.data() }
     }
 }
 
-/// A `pol_peers_v6` key as stored (see [`PeerKeyV4`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PeerKeyV6 {
-    pub prefix_len: u32,
-    pub data: PeerPrefixV6,
-}
-
-impl PeerKeyV6 {
-    fn to_lpm(self) -> Key<PeerPrefixV6> {
-        Key::new(self.prefix_len, self.data)
-    }
-
-    fn from_lpm(key: &Key<PeerPrefixV6>) -> Self {
-        PeerKeyV6 { prefix_len: key.prefix_len(), data: key.data() }
-    }
-}
-
-/// A `pol_ports` key as stored (see [`PeerKeyV4`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PortKey {
-    pub prefix_len: u32,
-    pub data: PolicyPortKey,
-}
-
-impl PortKey {
-    fn to_lpm(self) -> Key<PolicyPortKey> {
-        Key::new(self.prefix_len, self.data)
-    }
-
-    fn from_lpm(key: &Key<PolicyPortKey>) -> Self {
-        PortKey { prefix_len: key.prefix_len(), data: key.data() }
-    }
-}
+/// A `pol_peers_v4` key: 32 peer-set bits + address bits.
+pub type PeerKeyV4 = LpmKey<PeerPrefixV4>;
+/// A `pol_peers_v6` key.
+pub type PeerKeyV6 = LpmKey<PeerPrefixV6>;
+/// A `pol_ports` key: slot, protocol and port bits.
+pub type PortKey = LpmKey<PolicyPortKey>;
 
 /// A pod direction key of either family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
