@@ -433,6 +433,9 @@ struct Touched {
     pod_slots: BTreeMap<PodSlotKey, Option<PodSlotValue>>,
     slot_ports: BTreeMap<SlotPortKey, Option<PeerSetId>>,
     peer_prefixes: BTreeMap<PeerPrefixKey, Option<PrefixVerdict>>,
+    /// Each peer set's prefixes, computed once per flattening (the model does not change within
+    /// one) however many merged sets it is a member of.
+    member_prefixes: BTreeMap<PeerSet, BTreeMap<IpNet, PrefixVerdict>>,
 }
 
 fn touch<K: Ord + Clone, V: Clone>(record: bool, touched: &mut BTreeMap<K, Option<V>>, map: &BTreeMap<K, V>, key: &K) {
@@ -663,11 +666,20 @@ impl MapFlattener {
     }
 
     /// The prefixes a written set must hold now.
-    fn set_contents(members: &BTreeSet<PeerSet>, model: &CompiledModel) -> BTreeMap<IpNet, PrefixVerdict> {
-        let prefixes: Vec<BTreeMap<IpNet, PrefixVerdict>> = members.iter().map(|m| set_prefixes(m, model)).collect();
+    fn set_contents(
+        members: &BTreeSet<PeerSet>,
+        model: &CompiledModel,
+        known: &mut BTreeMap<PeerSet, BTreeMap<IpNet, PrefixVerdict>>,
+    ) -> BTreeMap<IpNet, PrefixVerdict> {
+        for member in members {
+            if !known.contains_key(member) {
+                known.insert(member.clone(), set_prefixes(member, model));
+            }
+        }
+        let prefixes: Vec<&BTreeMap<IpNet, PrefixVerdict>> = members.iter().map(|m| &known[m]).collect();
         match prefixes.as_slice() {
-            [only] => only.clone(),
-            many => union_prefixes(&many.iter().collect::<Vec<_>>()),
+            [only] => (*only).clone(),
+            many => union_prefixes(many),
         }
     }
 
@@ -681,7 +693,7 @@ impl MapFlattener {
     fn write_set(&mut self, members: &BTreeSet<PeerSet>, model: &CompiledModel, touched: &mut Touched) {
         let Some(id) = self.peer_set_ids.ids.get(members).copied() else { return };
         let peer_set = PeerSetId(id);
-        let wanted = Self::set_contents(members, model);
+        let wanted = Self::set_contents(members, model, &mut touched.member_prefixes);
         for key in self.set_range(peer_set) {
             if !wanted.contains_key(&key.prefix) {
                 touch(touched.record, &mut touched.peer_prefixes, &self.state.entries.peer_prefixes, &key);
