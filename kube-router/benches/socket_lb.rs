@@ -46,22 +46,11 @@ fn services() -> ServiceState {
     let port = |name: &str, protocol, port| ServicePort { name: name.into(), protocol, port, node_port: None };
     state.services.insert(
         name.clone(),
-        Service {
-            name: name.clone(),
-            cluster_ips: vec![VIP.into()],
-            ip_families: vec![],
-            external_ips: vec![],
-            load_balancer_ips: vec![],
-            ports: vec![port("http", Protocol::Tcp, 80), port("dns", Protocol::Udp, 53)],
-            affinity_timeout_secs: None,
-            external_traffic_local: false,
-            internal_traffic_local: false,
-            publish_not_ready: false,
-            hairpin: false,
-            health_check_node_port: None,
-            source_ranges: None,
-            maglev: None,
-        },
+        Service::cluster_ip(
+            name.clone(),
+            vec![VIP.into()],
+            vec![port("http", Protocol::Tcp, 80), port("dns", Protocol::Udp, 53)],
+        ),
     );
     let endpoint = Endpoint {
         addr: BACKEND.into(),

@@ -1238,22 +1238,11 @@ mod tests {
         let mut builder = StateBuilder::default();
         for (name, octet) in services {
             let name = ServiceName::new("ns", *name);
-            let service = Service {
-                name: name.clone(),
-                cluster_ips: vec![Ipv4Addr::new(10, 96, 0, *octet).into()],
-                external_ips: vec![],
-                load_balancer_ips: vec![],
-                ip_families: vec![],
-                ports: vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: None }],
-                affinity_timeout_secs: None,
-                external_traffic_local: false,
-                internal_traffic_local: false,
-                publish_not_ready: false,
-                hairpin: false,
-                health_check_node_port: None,
-                source_ranges: None,
-                maglev: None,
-            };
+            let service = Service::cluster_ip(
+                name.clone(),
+                vec![Ipv4Addr::new(10, 96, 0, *octet).into()],
+                vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: None }],
+            );
             builder.state.services.insert(name, service);
         }
         ServiceCatalog::from_builder(builder)

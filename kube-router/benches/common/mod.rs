@@ -13,27 +13,16 @@ pub fn state(services: usize, endpoints: usize) -> ServiceState {
         let vip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 0)) + i as u32);
         state.services.insert(
             name.clone(),
-            Service {
-                name: name.clone(),
-                cluster_ips: vec![vip.into()],
-                ip_families: vec![],
-                external_ips: vec![],
-                load_balancer_ips: vec![],
-                ports: vec![ServicePort {
+            Service::cluster_ip(
+                name.clone(),
+                vec![vip.into()],
+                vec![ServicePort {
                     name: "http".into(),
                     protocol: Protocol::Tcp,
                     port: 80,
                     node_port: (i == 5000).then_some(30080),
                 }],
-                affinity_timeout_secs: None,
-                external_traffic_local: false,
-                internal_traffic_local: false,
-                publish_not_ready: false,
-                hairpin: false,
-                health_check_node_port: None,
-                source_ranges: None,
-                maglev: None,
-            },
+            ),
         );
         let endpoints = (0..endpoints)
             .map(|e| Endpoint {

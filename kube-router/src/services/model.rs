@@ -92,6 +92,27 @@ pub struct Service {
 }
 
 impl Service {
+    /// A Service with these ClusterIPs and ports and every other field at its Kubernetes
+    /// default (no affinity, Cluster traffic policies, no external addresses).
+    pub fn cluster_ip(name: ServiceName, cluster_ips: Vec<IpAddr>, ports: Vec<ServicePort>) -> Service {
+        Service {
+            name,
+            cluster_ips,
+            external_ips: vec![],
+            load_balancer_ips: vec![],
+            ip_families: vec![],
+            ports,
+            affinity_timeout_secs: None,
+            external_traffic_local: false,
+            internal_traffic_local: false,
+            publish_not_ready: false,
+            hairpin: false,
+            health_check_node_port: None,
+            source_ranges: None,
+            maglev: None,
+        }
+    }
+
     /// Whether the Service has frontends in `family`.
     pub fn serves(&self, family: IpFamily) -> bool {
         if self.ip_families.is_empty() {
