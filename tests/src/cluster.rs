@@ -208,6 +208,19 @@ impl ClusterNode {
         }
     }
 
+    /// Sets the MTU of the pod bridge and of every pod veth on it: a smaller hop in front of
+    /// this node's pods.
+    pub fn set_pod_bridge_mtu(&self, mtu: u32) -> Result<()> {
+        let mtu = mtu.to_string();
+        let host_veths = self.ns.run(&["ip", "-o", "link", "show", "master", "kube-bridge"])?;
+        for line in host_veths.lines() {
+            let name = line.split(':').nth(1).context("ip -o link output")?.trim().split('@').next().unwrap_or("");
+            self.ns.run(&["ip", "link", "set", name, "mtu", &mtu])?;
+        }
+        self.ns.run(&["ip", "link", "set", "kube-bridge", "mtu", &mtu])?;
+        Ok(())
+    }
+
     /// Where the agent writes this node's CNI configuration (`--cni-conf-file`).
     pub fn cni_conf_file(&self) -> PathBuf {
         self.cni_dir.join("10-kuberouter.conflist")
@@ -272,6 +285,33 @@ pub fn request(ns: &Netns, proto: &str, addr: &str, count: usize) -> Vec<String>
         Ok(out) => out.lines().map(str::to_string).collect(),
         Err(e) => vec![format!("ERR {e}")],
     }
+}
+
+/// A NetworkPolicy `name` isolating the ingress of the pod labelled `pod=<pod>`, admitting only
+/// the pod labelled `pod=<from>` (`None`: nothing, default deny).
+pub fn ingress_policy(name: &str, pod: &str, from: Option<&str>) -> Value {
+    let mut spec = json!({"podSelector": {"matchLabels": {"pod": pod}}, "policyTypes": ["Ingress"]});
+    if let Some(from) = from {
+        spec["ingress"] = json!([{"from": [{"podSelector": {"matchLabels": {"pod": from}}}]}]);
+    }
+    json!({
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"namespace": "default", "name": name},
+        "spec": spec
+    })
+}
+
+/// Waits until a new TCP connection from `ns` to `target` fails (a policy denying it is
+/// programmed); an error after 20 s.
+pub fn wait_denied(ns: &Netns, target: &str) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while netprobe(ns, &["timed", "tcp", target]).starts_with("OK") {
+        if Instant::now() > deadline {
+            bail!("the policy never took effect: {target} still connects");
+        }
+        thread::sleep(Duration::from_millis(200));
+    }
+    Ok(())
 }
 
 /// One netprobe command in a namespace, its output trimmed.

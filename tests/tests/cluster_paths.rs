@@ -10,7 +10,7 @@ use std::{
 
 use kube_router_tests::{
     apiserver::FaultMode,
-    cluster::{netprobe, request, Cluster, Svc, CLIENT_ADDR},
+    cluster::{ingress_policy, netprobe, request, wait_denied, Cluster, Svc, CLIENT_ADDR},
 };
 
 fn all_from(replies: &[String], backend: &str) -> bool {
@@ -109,13 +109,7 @@ fn path_mtu_discovery_and_large_udp_replies_work_through_a_service() {
     // A 1,400-byte hop in front of the backend: node-2 forwards into kube-bridge with MTU 1400,
     // while the backend itself (MTU 1500) advertises a 1460-byte MSS. node-2 answers full-sized
     // segments with "fragmentation needed", which must reach the client translated.
-    let node2 = &c.node(1).ns;
-    let host_veths = node2.run(&["ip", "-o", "link", "show", "master", "kube-bridge"]).unwrap();
-    for line in host_veths.lines() {
-        let name = line.split(':').nth(1).unwrap().trim().split('@').next().unwrap();
-        node2.run(&["ip", "link", "set", name, "mtu", "1400"]).unwrap();
-    }
-    node2.run(&["ip", "link", "set", "kube-bridge", "mtu", "1400"]).unwrap();
+    c.node(1).set_pod_bridge_mtu(1400).unwrap();
     let out = netprobe(&c.pod(0, 0).ns, &["bulk", "10.96.1.60:80", "2000000"]);
     assert_eq!(out, "pod-2-0 2000000", "2 MB through the ClusterIP with PMTU discovery");
     assert!(c.node(0).stats()["icmp_error_nat"] >= 1, "{:?}", c.node(0).stats());
@@ -364,19 +358,9 @@ fn a_default_deny_policy_still_lets_the_node_probe_its_pod() {
     let target_addr = format!("{}:8080", target.ip);
     // Before: everyone reaches pod-1-0.
     assert_eq!(netprobe(&c.pod(1, 0).ns, &["ask", "tcp", &target_addr, "who"]), format!("pod-1-0 {}", c.pod(1, 0).ip));
-    c.server
-        .apply(serde_json::json!({
-            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": {"namespace": "default", "name": "deny-to-pod-1-0"},
-            "spec": {"podSelector": {"matchLabels": {"pod": "pod-1-0"}}, "policyTypes": ["Ingress"]}
-        }))
-        .unwrap();
+    c.server.apply(ingress_policy("deny-to-pod-1-0", "pod-1-0", None)).unwrap();
     // A pod on the other node is denied once the policy is programmed...
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while netprobe(&c.pod(1, 0).ns, &["timed", "tcp", &target_addr]).starts_with("OK") {
-        assert!(Instant::now() < deadline, "the policy never took effect");
-        thread::sleep(Duration::from_millis(200));
-    }
+    wait_denied(&c.pod(1, 0).ns, &target_addr).unwrap();
     // ...while the node's own probe (kubelet's liveness check, from the node address) connects.
     for _ in 0..5 {
         let from_node = netprobe(&c.node(0).ns, &["ask", "tcp", &target_addr, "who"]);
@@ -489,13 +473,7 @@ fn the_monitor_names_the_pods_of_a_denied_connection_and_the_service_of_a_new_fl
     let c = Cluster::builder("krt-cp-mon").build().unwrap();
     c.add_service(Svc::cluster_ip("web", "10.96.1.140").select("pod", "pod-2-0")).unwrap();
     let target = format!("{}:8080", c.pod(0, 0).ip);
-    c.server
-        .apply(serde_json::json!({
-            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": {"namespace": "default", "name": "deny-to-pod-1-0"},
-            "spec": {"podSelector": {"matchLabels": {"pod": "pod-1-0"}}, "policyTypes": ["Ingress"]}
-        }))
-        .unwrap();
+    c.server.apply(ingress_policy("deny-to-pod-1-0", "pod-1-0", None)).unwrap();
     let denied = || netprobe(&c.pod(1, 0).ns, &["matrix", "300", &format!("tcp:{target}")]).contains(" ERR");
     let deadline = Instant::now() + Duration::from_secs(20);
     while !denied() {

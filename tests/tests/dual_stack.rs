@@ -9,10 +9,9 @@ use std::{
 
 use kube_router_tests::{
     apiserver::FaultMode,
-    cluster::{netprobe, node_ip6, request, Cluster, Svc, CLIENT_ADDR6, INTERNET_ADDR6},
+    cluster::{ingress_policy, netprobe, node_ip6, request, wait_denied, Cluster, Svc, CLIENT_ADDR6, INTERNET_ADDR6},
     netprobe_bin, Netns,
 };
-use serde_json::json;
 
 /// `[addr]:port`.
 fn v6(addr: &str, port: u16) -> String {
@@ -52,23 +51,9 @@ fn an_api_outage_changes_no_ipv6_route_and_ipv6_traffic_keeps_flowing() {
     c.add_service(Svc::cluster_ip("web", "10.96.1.50").dual_stack("fd00:96::50").select("pod", "pod-2-0")).unwrap();
     wait_listed(&c, "fd00:96::50");
     // pod-2-0 admits only pod-1-0: the IPv6 policy maps have entries to keep.
-    c.server
-        .apply(json!({
-            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": {"namespace": "default", "name": "only-pod-1-0"},
-            "spec": {
-                "podSelector": {"matchLabels": {"pod": "pod-2-0"}},
-                "policyTypes": ["Ingress"],
-                "ingress": [{"from": [{"podSelector": {"matchLabels": {"pod": "pod-1-0"}}}]}]
-            }
-        }))
-        .unwrap();
+    c.server.apply(ingress_policy("only-pod-1-0", "pod-2-0", Some("pod-1-0"))).unwrap();
     let target = v6(c.pod(1, 0).ip6.as_deref().unwrap(), 8080);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while netprobe(&c.pod(0, 1).ns, &["timed", "tcp", &target]).starts_with("OK") {
-        assert!(Instant::now() < deadline, "the policy never took effect");
-        thread::sleep(Duration::from_millis(200));
-    }
+    wait_denied(&c.pod(0, 1).ns, &target).unwrap();
     let probe = |ns: &Netns, target: &str| {
         ns.spawn_collecting(&[netprobe_bin().to_str().unwrap(), "probe", target, "200"]).unwrap()
     };
@@ -168,22 +153,8 @@ fn an_isolated_pod_is_unreachable_over_ipv6_by_a_denied_peer_and_reachable_by_an
     for peer in [allowed, denied_remote, denied_local] {
         assert!(netprobe(&peer.ns, &["timed", "tcp", &target6]).starts_with("OK"), "{} before the policy", peer.name);
     }
-    c.server
-        .apply(json!({
-            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": {"namespace": "default", "name": "only-pod-2-0"},
-            "spec": {
-                "podSelector": {"matchLabels": {"pod": target.name}},
-                "policyTypes": ["Ingress"],
-                "ingress": [{"from": [{"podSelector": {"matchLabels": {"pod": allowed.name}}}]}]
-            }
-        }))
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while netprobe(&denied_remote.ns, &["timed", "tcp", &target4]).starts_with("OK") {
-        assert!(Instant::now() < deadline, "the policy never took effect");
-        thread::sleep(Duration::from_millis(200));
-    }
+    c.server.apply(ingress_policy("only-pod-2-0", &target.name, Some(&allowed.name))).unwrap();
+    wait_denied(&denied_remote.ns, &target4).unwrap();
     for (peer, open) in [(allowed, true), (denied_remote, false), (denied_local, false)] {
         for (proto, addr) in [("tcp", &target6), ("udp", &v6(target.ip6.as_deref().unwrap(), 5353)), ("tcp", &target4)]
         {
@@ -359,13 +330,7 @@ fn every_cluster_paths_service_path_over_ipv6() {
     // "Packet too big" about a translated flow reaches the client translated: node-2 forwards
     // into its pod bridge at MTU 1400 while the backend advertises an MSS for 1500 (last: this
     // changes node-2 for good).
-    let node2_ns = &c.node(1).ns;
-    let host_veths = node2_ns.run(&["ip", "-o", "link", "show", "master", "kube-bridge"]).unwrap();
-    for line in host_veths.lines() {
-        let name = line.split(':').nth(1).unwrap().trim().split('@').next().unwrap();
-        node2_ns.run(&["ip", "link", "set", name, "mtu", "1400"]).unwrap();
-    }
-    node2_ns.run(&["ip", "link", "set", "kube-bridge", "mtu", "1400"]).unwrap();
+    c.node(1).set_pod_bridge_mtu(1400).unwrap();
     // East-west (destination NAT only) and north-south (source-NATed to node-1 as well: the
     // error comes back to node-1's address and must reach the client).
     for (ns, target) in [(&pod1.ns, "[fd00:96::20]:80"), (client, "[2001:db8:51::20]:80")] {

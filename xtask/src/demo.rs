@@ -14,7 +14,7 @@ use std::{
 use anyhow::{bail, ensure, Result};
 use kube_router_tests::{
     apiserver::FaultMode,
-    cluster::{netprobe, request, Cluster, Svc, INTERNET_ADDR},
+    cluster::{ingress_policy, netprobe, request, Cluster, Svc, INTERNET_ADDR},
     netprobe_bin, tally, Netns,
 };
 
@@ -139,15 +139,7 @@ fn demo(c: &Cluster) -> Result<()> {
     println!("  node-1 datapath counters: {}", counters.join(" "));
 
     step("NetworkPolicy: pod-1-1 admits only pod-2-0, over IPv4 and IPv6 alike")?;
-    c.server.apply(serde_json::json!({
-        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": {"namespace": "default", "name": "only-pod-2-0"},
-        "spec": {
-            "podSelector": {"matchLabels": {"pod": "pod-1-1"}},
-            "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": {"matchLabels": {"pod": "pod-2-0"}}}]}]
-        }
-    }))?;
+    c.server.apply(ingress_policy("only-pod-2-0", "pod-1-1", Some("pod-2-0")))?;
     let target = c.pod(0, 1);
     let (target4, target6) =
         (format!("{}:8080", target.ip), format!("[{}]:8080", target.ip6.as_deref().unwrap_or("::")));
