@@ -38,6 +38,9 @@ pub struct FirewallController {
     /// Rejected policies already reported, so one that stays broken is logged once.
     reported: BTreeSet<String>,
     adopted: bool,
+    /// The map whose failed writes were last reported: a map that stays full is logged once,
+    /// not at every sync (the failures are counted in `kube_router_map_writes_total`).
+    reported_write_failure: Option<&'static str>,
     /// The maps hold exactly what the flattener holds (the last sync was a complete listing and
     /// every write took): the next change can be flattened and written incrementally.
     in_step: bool,
@@ -95,6 +98,7 @@ impl FirewallController {
             metrics,
             reported: BTreeSet::new(),
             adopted: false,
+            reported_write_failure: None,
             in_step: false,
             compiler: None,
             seen: Seen::default(),
@@ -196,6 +200,22 @@ impl FirewallController {
             diff.peer_prefixes.deletes.clear();
         }
         let report = apply_diff(&mut self.maps, &diff);
+        match &report.first_error {
+            Some((map, error)) if self.reported_write_failure != Some(*map) => {
+                tracing::warn!(
+                    map,
+                    %error,
+                    failed = report.errors,
+                    full = report.full,
+                    "policy map writes failed; the previous entries stay and deletions wait, retried at every sync"
+                );
+                self.reported_write_failure = Some(*map);
+            }
+            None if self.reported_write_failure.take().is_some() => {
+                tracing::info!("policy map writes succeed again");
+            }
+            _ => {}
+        }
         let everything_written = report.errors == 0;
         self.in_step = everything_written && complete;
         self.programmed = if everything_written {

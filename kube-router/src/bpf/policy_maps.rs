@@ -335,7 +335,7 @@ pub fn decode(contents: &PolicyMapContents) -> Result<MapEntries, DecodeError> {
 
 // ---- applying a diff ------------------------------------------------------------------------
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PolicyWriteReport {
     /// Successful inserts/updates and deletes, over all three maps.
     pub puts: u64,
@@ -346,6 +346,9 @@ pub struct PolicyWriteReport {
     /// Deletes not attempted because an upsert failed: the old entries stay, so a pod whose new
     /// entry could not be written keeps a complete old policy instead of a dangling one.
     pub deletes_deferred: u64,
+    /// The map and error of the first failed write, for the caller to report once (a full map
+    /// fails every write to it, every sync).
+    pub first_error: Option<(&'static str, String)>,
 }
 
 impl PolicyWriteReport {
@@ -368,7 +371,7 @@ pub fn apply_diff(maps: &mut impl PolicyMaps, diff: &MapDiff) -> PolicyWriteRepo
             Ok(()) if op.is_delete() => report.deletes += 1,
             Ok(()) => report.puts += 1,
             Err(error) => {
-                tracing::warn!(map = error.map, error = %error.message, "policy map write failed");
+                report.first_error.get_or_insert((error.map, error.message));
                 report.errors += 1;
                 if error.full {
                     report.full += 1;
@@ -662,6 +665,11 @@ mod tests {
         let mut maps = FullPorts(encode_entries(&old));
         let report = apply_diff(&mut maps, &old.diff(&new));
         assert_eq!((report.errors, report.full), (1, 1));
+        assert_eq!(
+            report.first_error,
+            Some((map_names::POLICY_PORTS, "full".to_string())),
+            "reported once, by the caller"
+        );
         assert_eq!(report.deletes, 0);
         assert!(report.deletes_deferred > 0);
         assert_eq!(maps.0, encode_entries(&old), "the old, complete policy is still there");
