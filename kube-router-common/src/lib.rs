@@ -452,7 +452,16 @@ pub mod lb_stat {
     /// A packet we route that does not fit the route's MTU: answered with ICMP "fragmentation
     /// needed" / ICMPv6 "packet too big" quoting it as its sender sent it, and dropped.
     pub const FRAG_NEEDED_SENT: u32 = 22;
-    pub const COUNT: u32 = 23;
+    /// A connection opened straight to a backend from the client address and port of a closed
+    /// Service flow to that backend (ports are unique per peer, and that flow's peer was the
+    /// frontend): the old flow's entries were released so its reverse translation does not
+    /// catch the new connection's replies.
+    pub const CT_TUPLE_REUSED: u32 = 23;
+    /// The same while that Service flow is still open: both have one tuple at the backend; the
+    /// open flow keeps its translation and the new connection cannot open (see
+    /// `conntrack::release_reply_tuple`).
+    pub const CT_TUPLE_CLASH: u32 = 24;
+    pub const COUNT: u32 = 25;
     /// Metric label of each index, in index order.
     pub const NAMES: [&str; COUNT as usize] = [
         "packets",
@@ -478,6 +487,8 @@ pub mod lb_stat {
         "egress_masquerade",
         "source_range_drop",
         "frag_needed_sent",
+        "ct_tuple_reused",
+        "ct_tuple_clash",
     ];
 }
 

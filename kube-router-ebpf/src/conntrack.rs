@@ -5,8 +5,9 @@ use kube_router_common::*;
 
 use crate::{
     family::Family,
+    maps::count,
     maps::CtScratch,
-    parsing::{LbFlow, TCP_FLAG_FIN, TCP_FLAG_RST},
+    parsing::{LbFlow, TCP_FLAG_ACK, TCP_FLAG_FIN, TCP_FLAG_RST, TCP_FLAG_SYN},
 };
 
 const REFRESH_INTERVAL_NS: u64 = 1_000_000_000;
@@ -57,6 +58,47 @@ pub fn mark_seen_reply<F: Family>(entry: &mut CtValue<F::Addr>, proto: u8) {
     if let Some(forward) = F::conntrack().get_ptr_mut(entry.reverse_key(proto)) {
         // SAFETY: pointer from a successful lookup, valid for this run.
         unsafe { (*forward).flags |= CT_FLAG_SEEN_REPLY };
+    }
+}
+
+/// A TCP connection that is no Service's flow opens (a SYN without ACK) on a tuple whose replies
+/// match the reverse entry of an earlier Service flow: the client's kernel reused that flow's
+/// source port towards the backend itself, which it may (ports are unique per peer, and the
+/// earlier flow's peer is the frontend). Left alone, the new connection's replies would be
+/// rewritten to come from the frontend and it would never open. A closed (or expired) earlier
+/// flow gives its tuple up. An open one keeps it, counted: both connections have the same tuple
+/// at the backend, and telling their replies apart would need a source port rewrite translated
+/// back at the client's own interface, which these programs cannot tell from the bridge's.
+// Not inlined: its keys would not fit on the caller's stack beside a new flow's.
+#[inline(never)]
+pub fn release_reply_tuple<F: Family>(flow: &LbFlow<F::Addr>, now: u64) {
+    if flow.proto != IPPROTO_TCP || flow.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) != TCP_FLAG_SYN {
+        return;
+    }
+    let reply = key((flow.dst_addr, flow.dst_port), (flow.src_addr, flow.src_port), flow.proto);
+    let Some(entry) = F::conntrack().get_ptr_mut(reply) else {
+        return;
+    };
+    // SAFETY: pointer from a successful lookup, valid for this run.
+    let entry = unsafe { &*entry };
+    // Only replies translated towards a client keeping its own address (a source-NATed flow's
+    // reply goes to a node address and a port from the SNAT range, which no kernel picks), and
+    // only of an answered flow: an unanswered one's SYN, already translated by an earlier hook
+    // on this node (pod interface, then bridge), is that flow's own packet, not a new one.
+    if entry.flags & (CT_FLAG_REVERSE | CT_FLAG_FULL_NAT | CT_FLAG_SEEN_REPLY) != CT_FLAG_REVERSE | CT_FLAG_SEEN_REPLY {
+        return;
+    }
+    // SAFETY: read-only use of a map value within this run.
+    let forward_closing = match unsafe { F::conntrack().get(entry.reverse_key(flow.proto)) } {
+        Some(forward) => forward.flags & CT_FLAG_CLOSING != 0,
+        None => true,
+    };
+    let expired = now.saturating_sub(entry.last_seen_ns) > entry.lifetime_ns(flow.proto);
+    if expired || forward_closing || entry.flags & CT_FLAG_CLOSING != 0 {
+        forget::<F>(&reply, entry);
+        count(lb_stat::CT_TUPLE_REUSED);
+    } else {
+        count(lb_stat::CT_TUPLE_CLASH);
     }
 }
 

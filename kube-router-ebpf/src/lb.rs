@@ -173,6 +173,7 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
     // SAFETY: read-only copy of a map value.
     let Some(service) = (unsafe { F::services().get(frontend) }).copied() else {
         count(lb_stat::NO_SERVICE);
+        conntrack::release_reply_tuple::<F>(flow, now);
         return TC_ACT_UNSPEC;
     };
     // loadBalancerSourceRanges: a firewall in front of the load balancer, for new flows.

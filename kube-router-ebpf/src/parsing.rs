@@ -12,6 +12,8 @@ pub const IP_DST_OFF: usize = ETH_HDR_LEN + 16;
 
 pub const TCP_FLAG_FIN: u8 = 0x01;
 pub const TCP_FLAG_RST: u8 = 0x04;
+pub const TCP_FLAG_SYN: u8 = 0x02;
+pub const TCP_FLAG_ACK: u8 = 0x10;
 
 /// What the policy check needs of a packet. Addresses and ports stay in network byte order;
 /// `A` is `u32` (IPv4) or [`Ipv6Words`].

@@ -96,6 +96,56 @@ fn an_api_outage_changes_no_ipv6_route_and_ipv6_traffic_keeps_flowing() {
     assert!(netprobe(&c.pod(0, 1).ns, &["timed", "tcp", &target]).starts_with("ERR"));
 }
 
+/// A pod's kernel keeps source ports unique per peer, and the peer of a connection through a
+/// Service is the ClusterIP: right after one, the same port may open a connection straight to the
+/// backend that served it. The earlier flow's reverse entry matches that connection's replies
+/// (same backend address and port, same client address and port) and, until it expired, would
+/// rewrite them to come from the ClusterIP: the connection could not open. Its first packet now
+/// releases the closed flow's tuple. Over both families.
+/// (An open Service flow keeps its tuple; see `ct_tuple_clash` in docs/maps.md.)
+#[test]
+fn a_source_port_reused_after_a_service_connection_reaches_the_backend_directly() {
+    let c = Cluster::builder("krt-ds-reuse").dual_stack().build().unwrap();
+    c.add_service(Svc::cluster_ip("web", "10.96.1.70").dual_stack("fd00:96::70").select("pod", "pod-2-0")).unwrap();
+    wait_listed(&c, "fd00:96::70");
+    let (client, backend) = (c.pod(0, 0), c.pod(1, 0));
+    let paths = [
+        ("10.96.1.70:80".to_string(), format!("{}:8080", backend.ip), client.ip.clone()),
+        (v6("fd00:96::70", 80), v6(backend.ip6.as_deref().unwrap(), 8080), client.ip6.clone().unwrap()),
+    ];
+    for (i, (service, direct, own_address)) in paths.iter().enumerate() {
+        let port = (40_000 + i).to_string();
+        let reused = c.node(0).stats().get("ct_tuple_reused").copied().unwrap_or_default();
+        let answer = format!("pod-2-0 {own_address}");
+        assert_eq!(netprobe(&client.ns, &["tcp-from", &port, service, "who"]), answer, "{service}");
+        assert_eq!(netprobe(&client.ns, &["tcp-from", &port, direct, "who"]), answer, "{direct} after {service}");
+        assert_eq!(c.node(0).stats()["ct_tuple_reused"], reused + 1, "{direct}");
+
+        // The same while the connection through the Service is still open: that connection
+        // keeps the tuple and keeps working; the clash is counted (the direct one cannot open:
+        // both would be one connection at the backend).
+        let port = (40_010 + i).to_string();
+        let held =
+            client.ns.spawn_collecting(&[netprobe_bin().to_str().unwrap(), "hold", service, "100", &port]).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while held.lock().unwrap().is_empty() {
+            assert!(Instant::now() < deadline, "{service}: the held connection never answered");
+            thread::sleep(Duration::from_millis(20));
+        }
+        let clashes = c.node(0).stats().get("ct_tuple_clash").copied().unwrap_or_default();
+        netprobe(&client.ns, &["tcp-from", &port, direct, "who"]);
+        assert!(c.node(0).stats()["ct_tuple_clash"] > clashes, "{direct} while {service} is open from the same port");
+        let replies_before = held.lock().unwrap().len();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while held.lock().unwrap().len() < replies_before + 3 {
+            assert!(Instant::now() < deadline, "{service}: the held connection stopped");
+            thread::sleep(Duration::from_millis(20));
+        }
+        let held = held.lock().unwrap();
+        assert!(held.iter().all(|r| r == "pod-2-0"), "{service}: {held:?}");
+    }
+}
+
 /// Waits until every node's `kube-router services` lists a frontend containing `needle`.
 fn wait_listed(c: &Cluster, needle: &str) {
     let deadline = Instant::now() + Duration::from_secs(30);

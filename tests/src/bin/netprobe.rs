@@ -5,13 +5,16 @@
 //!                                           "big N" gets N bytes starting with NAME, a TCP line "sink N" followed
 //!                                           by N bytes gets "NAME N"
 //!   krt-netprobe request tcp|udp ADDR COUNT COUNT new connections (or datagrams); prints one reply (or ERR ...) per line
-//!   krt-netprobe hold ADDR INTERVAL_MS      one TCP connection, a request every INTERVAL_MS, prints each reply, forever
+//!   krt-netprobe hold ADDR INTERVAL_MS [SRCPORT]  one TCP connection (from SRCPORT if given), a request
+//!                                           every INTERVAL_MS, prints each reply, forever
 //!   krt-netprobe probe ADDR INTERVAL_MS     a new TCP connection every INTERVAL_MS, prints each reply (or ERR ...), forever
 //!   krt-netprobe http ADDR PATH             one HTTP/1.0 GET; prints the status code, then the body
 //!   krt-netprobe matrix TIMEOUT_MS PROTO:ADDR...  one attempt per target, all at once; prints
 //!                                           "PROTO:ADDR OK NAME" or "PROTO:ADDR ERR ..." per target, in order
 //!   krt-netprobe ask tcp|udp ADDR MESSAGE    one exchange sending MESSAGE ("who", "big 4000"); prints the reply
 //!   krt-netprobe timed tcp|udp ADDR         one exchange; prints "OK REPLY MS" or "ERR ... MS" (milliseconds taken)
+//!   krt-netprobe tcp-from SRCPORT ADDR MESSAGE  one TCP exchange from a fixed source port (SO_REUSEADDR, as
+//!                                           a kernel-chosen port may be reused); prints the reply (or ERR ...)
 //!   krt-netprobe udp-fixed SRCPORT ADDR COUNT INTERVAL_MS  COUNT datagrams from one fixed source port; one
 //!                                           reply (or ERR ...) per line
 //!   krt-netprobe bulk ADDR BYTES            one TCP connection carrying BYTES to the server; prints its reply
@@ -146,6 +149,35 @@ fn udp_ask(socket: &UdpSocket, message: &str, timeout: Duration) -> Result<Strin
     Ok(reply.trim().to_string())
 }
 
+/// A TCP connection from `source_port` (SO_REUSEADDR: the port may be in TIME_WAIT towards
+/// another peer), or from a port the kernel picks.
+fn connect_from(source_port: Option<u16>, addr: SocketAddr) -> Result<TcpStream, String> {
+    use socket2::{Domain, Socket, Type};
+    let Some(source_port) = source_port else {
+        return TcpStream::connect_timeout(&addr, TIMEOUT).map_err(|e| format!("connect: {e}"));
+    };
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None).map_err(|e| e.to_string())?;
+    socket.set_reuse_address(true).map_err(|e| e.to_string())?;
+    let any: SocketAddr =
+        if addr.is_ipv4() { ([0, 0, 0, 0], source_port).into() } else { ([0u16; 8], source_port).into() };
+    socket.bind(&any.into()).map_err(|e| format!("bind: {e}"))?;
+    socket.connect_timeout(&addr.into(), TIMEOUT).map_err(|e| format!("connect: {e}"))?;
+    Ok(socket.into())
+}
+
+/// One TCP exchange from `source_port`.
+fn tcp_ask_from(source_port: u16, addr: SocketAddr, message: &str) -> Result<String, String> {
+    let stream = connect_from(Some(source_port), addr)?;
+    stream.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
+    (&stream).write_all(format!("{message}\n").as_bytes()).map_err(|e| format!("write: {e}"))?;
+    let mut line = String::new();
+    BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("read: {e}"))?;
+    if line.is_empty() {
+        return Err("closed".into());
+    }
+    Ok(line.trim().to_string())
+}
+
 fn ask(proto: &str, addr: SocketAddr, message: &str) -> Result<String, String> {
     match proto {
         "udp" => udp_ask(&udp_socket(addr, 0)?, message, TIMEOUT),
@@ -218,8 +250,8 @@ fn http_get(addr: SocketAddr, path: &str) -> Result<(String, String), String> {
     Ok((status, body))
 }
 
-fn hold(addr: SocketAddr, interval: Duration) -> ! {
-    let stream = TcpStream::connect_timeout(&addr, TIMEOUT).expect("connect");
+fn hold(addr: SocketAddr, interval: Duration, source_port: Option<u16>) -> ! {
+    let stream = connect_from(source_port, addr).expect("connect");
     stream.set_read_timeout(Some(TIMEOUT)).expect("timeout");
     let mut reader = BufReader::new(stream.try_clone().expect("clone"));
     loop {
@@ -261,7 +293,11 @@ fn main() {
             let addr: SocketAddr = arg(1).parse().expect("addr");
             let interval = Duration::from_millis(arg(2).parse().expect("interval"));
             loop {
-                print_result(tcp_once(addr));
+                let started = std::time::SystemTime::now();
+                let result = tcp_once(addr);
+                // A failure says when its attempt began (Unix ms), to line it up with the test's events.
+                let since_epoch = started.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+                print_result(result.map_err(|e| format!("{e} (attempt at {} ms)", since_epoch.as_millis())));
                 std::thread::sleep(interval);
             }
         }
@@ -296,7 +332,11 @@ fn main() {
                 }
             }
         }
-        "hold" => hold(arg(1).parse().expect("addr"), Duration::from_millis(arg(2).parse().expect("interval"))),
+        "hold" => hold(
+            arg(1).parse().expect("addr"),
+            Duration::from_millis(arg(2).parse().expect("interval")),
+            args.get(3).map(|port| port.parse().expect("source port")),
+        ),
         "ask" => print_result(ask(&arg(1), arg(2).parse().expect("addr"), &arg(3))),
         "timed" => {
             let started = Instant::now();
@@ -306,6 +346,9 @@ fn main() {
                 Ok(reply) => println!("OK {reply} {ms:.1}"),
                 Err(e) => println!("ERR {e} {ms:.1}"),
             }
+        }
+        "tcp-from" => {
+            print_result(tcp_ask_from(arg(1).parse().expect("source port"), arg(2).parse().expect("addr"), &arg(3)))
         }
         "udp-fixed" => {
             let addr: SocketAddr = arg(2).parse().expect("addr");
