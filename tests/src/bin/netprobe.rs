@@ -105,10 +105,15 @@ fn tcp_once(addr: SocketAddr) -> Result<String, String> {
 
 fn tcp_ask(addr: SocketAddr, message: &str, timeout: Duration) -> Result<String, String> {
     let stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| format!("connect: {e}"))?;
+    tcp_exchange(&stream, message, timeout)
+}
+
+/// One line sent on `stream` and the line answered, within `timeout`.
+fn tcp_exchange(mut stream: &TcpStream, message: &str, timeout: Duration) -> Result<String, String> {
     stream.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
-    (&stream).write_all(format!("{message}\n").as_bytes()).map_err(|e| format!("write: {e}"))?;
+    stream.write_all(format!("{message}\n").as_bytes()).map_err(|e| format!("write: {e}"))?;
     let mut line = String::new();
-    BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("read: {e}"))?;
+    BufReader::new(stream).read_line(&mut line).map_err(|e| format!("read: {e}"))?;
     if line.is_empty() {
         return Err("closed".into());
     }
@@ -167,15 +172,7 @@ fn connect_from(source_port: Option<u16>, addr: SocketAddr) -> Result<TcpStream,
 
 /// One TCP exchange from `source_port`.
 fn tcp_ask_from(source_port: u16, addr: SocketAddr, message: &str) -> Result<String, String> {
-    let stream = connect_from(Some(source_port), addr)?;
-    stream.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
-    (&stream).write_all(format!("{message}\n").as_bytes()).map_err(|e| format!("write: {e}"))?;
-    let mut line = String::new();
-    BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("read: {e}"))?;
-    if line.is_empty() {
-        return Err("closed".into());
-    }
-    Ok(line.trim().to_string())
+    tcp_exchange(&connect_from(Some(source_port), addr)?, message, TIMEOUT)
 }
 
 fn ask(proto: &str, addr: SocketAddr, message: &str) -> Result<String, String> {
