@@ -14,7 +14,7 @@ use std::{
 };
 
 use kube_router_tests::{
-    cluster::{netprobe, request, Cluster, ClusterNode, Svc},
+    cluster::{netprobe, node_ip6, request, Cluster, ClusterNode, Svc},
     netprobe_bin,
 };
 
@@ -72,6 +72,28 @@ fn north_south_flows_to_the_other_node_are_served_at_xdp() {
     // TC routed next to nothing of it (only packets whose next hop the FIB could not give).
     assert!(delta(&before, &after, "redirected") <= delta(&before, &after, "xdp_pass_no_route"), "{after:?}");
     wait_for("the XDP counters in /metrics", || node.metric("kube_router_xdp_packets_total", "event=\"tx\"") > 0.0);
+}
+
+#[test]
+fn ipv6_north_south_flows_to_the_other_node_are_served_at_xdp() {
+    let c =
+        Cluster::builder("krt-xdp-v6").dual_stack().full_checksums().agent_args(&["--xdp", "native"]).build().unwrap();
+    let svc = Svc::node_port("web", "10.96.1.10", 30080).dual_stack("fd00:96::10").select("pod", "pod-2-0");
+    c.add_service(svc).unwrap();
+    let node = c.node(0);
+    wait_for("native XDP on node-1's uplink", || node.uplink_xdp().is_some_and(|(mode, _)| mode == "xdp"));
+    let node_port = format!("[{}]:30080", node_ip6(0));
+    wait_for("the IPv6 NodePort", || request(&c.client, "tcp", &node_port, 1) == ["pod-2-0"]);
+    let before = node.stats();
+    assert_all_from(&request(&c.client, "tcp", &node_port, 10), "pod-2-0");
+    // Source-NATed to node-1's IPv6 address, as at TC.
+    assert_eq!(netprobe(&c.client, &["ask", "tcp", &node_port, "who"]), format!("pod-2-0 {}", node_ip6(0)));
+    assert_all_from(&request(&c.client, "udp", &format!("[{}]:30081", node_ip6(0)), 10), "pod-2-0");
+    let flows = 21;
+    let after = node.stats();
+    assert_eq!(delta(&before, &after, "xdp_new_flow"), flows, "{after:?}");
+    assert!(delta(&before, &after, "xdp_reply") >= flows, "{after:?}");
+    assert!(delta(&before, &after, "xdp_tx") >= 2 * flows, "{after:?}");
 }
 
 /// Every map write the agent counted since it started.
