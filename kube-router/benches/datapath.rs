@@ -144,7 +144,8 @@ fn main() {
         ],
     )
     .expect("bench netns");
-    let ifindex = Some(node.ifindex("up0"));
+    let uplink = node.ifindex("up0");
+    let ifindex = Some(uplink);
     let ingress = datapath.program_fd(Hook::Ingress).unwrap();
     let egress = datapath.program_fd(Hook::Egress).unwrap();
     let avg = |fd: i32, frame: &dyn Fn(u16) -> Vec<u8>| -> f64 {
@@ -192,7 +193,6 @@ fn main() {
     // The XDP fast path on the same packets: the established NodePort flow TC created above,
     // its reply, new NodePort flows, and a packet to no Service (XDP_PASS, the baseline).
     let xdp_fd = xdp::program_fd(&mut datapath).unwrap();
-    let uplink = ifindex.unwrap();
     let xavg = |frame: &dyn Fn(u16) -> Vec<u8>| -> f64 {
         let total: u64 =
             (0..SAMPLES).map(|i| u64::from(run_xdp(xdp_fd, &frame(i), 1, uplink).expect("test run").duration_ns)).sum();
