@@ -211,16 +211,14 @@ impl Metrics {
             for (what, n) in &m.datapath_packets {
                 let _ = writeln!(out, "kube_router_datapath_packets_total{{event=\"{what}\"}} {n}");
             }
-            if !m.xdp_packets.is_empty() {
-                family(
-                    &mut out,
-                    "kube_router_xdp_packets_total",
-                    "counter",
-                    "Packets seen by the XDP fast path on node uplinks, by outcome (per-CPU counters summed).",
-                );
-                for (what, n) in &m.xdp_packets {
-                    let _ = writeln!(out, "kube_router_xdp_packets_total{{event=\"{what}\"}} {n}");
-                }
+            family(
+                &mut out,
+                "kube_router_xdp_packets_total",
+                "counter",
+                "Packets seen by the XDP fast path on node uplinks, by outcome (per-CPU counters summed).",
+            );
+            for (what, n) in &m.xdp_packets {
+                let _ = writeln!(out, "kube_router_xdp_packets_total{{event=\"{what}\"}} {n}");
             }
             family(
                 &mut out,

@@ -14,7 +14,7 @@ use std::{
 };
 
 use kube_router_tests::{
-    cluster::{netprobe, node_ip6, request, Cluster, ClusterNode, Svc},
+    cluster::{netprobe, node_ip6, request, Cluster, Svc},
     netprobe_bin,
 };
 
@@ -96,11 +96,6 @@ fn ipv6_north_south_flows_to_the_other_node_are_served_at_xdp() {
     assert!(delta(&before, &after, "xdp_tx") >= 2 * flows, "{after:?}");
 }
 
-/// Every map write the agent counted since it started.
-fn map_writes(node: &ClusterNode) -> f64 {
-    node.metric("kube_router_map_writes_total", "")
-}
-
 fn restarted_and_synced(c: &Cluster, args: &[&str]) {
     c.restart_agent_with(0, args).unwrap();
     wait_for("the restarted agent's first sync", || {
@@ -127,11 +122,13 @@ fn an_established_connection_survives_restarts_and_switching_xdp_off_and_on() {
     rising("xdp_forward");
     let maps = c.agent_maps();
 
-    // The same flags: the link is adopted, nothing is rewritten, the connection goes on.
+    // The same flags: the link is adopted (the same program stays attached), the maps end as
+    // they were, the connection goes on. (A restarted agent's first sync can run before all its
+    // lists are in and rewrite entries the complete sync then restores, XDP or not: the maps are
+    // compared once it is complete.)
     restarted_and_synced(&c, &[]);
     assert_eq!(node.uplink_xdp(), Some((mode.clone(), program)), "the XDP link was re-adopted, not re-made");
-    assert_eq!(map_writes(node), 0.0, "a restart rewrote maps");
-    assert_eq!(c.agent_maps(), maps);
+    wait_for("the maps as before the restart", || c.agent_maps() == maps);
     rising("xdp_forward");
 
     // --xdp off: our program leaves the uplink, TC carries the same connection on.
