@@ -253,8 +253,9 @@ struct RunArgs {
     #[arg(long, env = "KUBE_ROUTER_TC_MODE", default_value = "auto", value_parser = ["auto", "tcx", "classic"])]
     tc_mode: String,
     /// The XDP fast path on node uplinks for north-south Service flows to backends on other
-    /// nodes: auto (native where the driver has it, else generic), native, generic, or off (TC
-    /// alone; removes the XDP program an earlier run attached, never another's).
+    /// nodes: auto (native where the driver has it, else generic; generic on veths, whose peer
+    /// must run NAPI to receive native XDP_TX frames), native, generic, or off (TC alone;
+    /// removes the XDP program an earlier run attached, never another's).
     #[arg(long, env = "KUBE_ROUTER_XDP", default_value = "auto", value_parser = ["auto", "native", "generic", "off"])]
     xdp: String,
     /// Find new interfaces (pod veths) and node addresses through netlink notifications as they

@@ -1,5 +1,5 @@
 //! Benchmark (root): real north-south traffic through a NodePort to a backend on the other node,
-//! with the XDP fast path (`--xdp auto`: native on the harness's veth uplinks) against TC alone
+//! with the XDP fast path (`--xdp native`; the harness's fabric-side peers run NAPI) against TC alone
 //! (`--xdp off`), on the same cluster (`kube_router_tests::cluster`), switched by restarting
 //! node-1's agent; rounds interleaved (alternating which goes first), averaged. New TCP
 //! connections per second and new UDP flows per second (a fixed number of flows one after
@@ -57,7 +57,7 @@ fn measure(c: &Cluster) -> Figures {
 }
 
 fn switch(c: &Cluster, xdp: bool) {
-    let args: &[&str] = if xdp { &[] } else { &["--xdp", "off"] };
+    let args: &[&str] = if xdp { &["--xdp", "native"] } else { &["--xdp", "off"] };
     c.restart_agent_with(0, args).unwrap();
     let deadline = Instant::now() + Duration::from_secs(15);
     while c.node(0).uplink_xdp().is_some() != xdp

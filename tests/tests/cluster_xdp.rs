@@ -105,13 +105,13 @@ fn restarted_and_synced(c: &Cluster, args: &[&str]) {
 
 #[test]
 fn an_established_connection_survives_restarts_and_switching_xdp_off_and_on() {
-    // Default flags: --xdp auto (native on these veths).
+    // Default flags: --xdp auto (generic on these veth uplinks).
     let c = Cluster::builder("krt-xdp-restart").full_checksums().build().unwrap();
     web(&c);
     let node = c.node(0);
     wait_for("XDP on node-1's uplink", || node.uplink_xdp().is_some());
     let (mode, program) = node.uplink_xdp().unwrap();
-    assert_eq!(mode, "xdp", "auto attaches natively where the driver can");
+    assert_eq!(mode, "xdpgeneric", "auto attaches a veth generically");
     let held =
         c.client.spawn_collecting(&[netprobe_bin().to_str().unwrap(), "hold", "10.100.0.1:30080", "50"]).unwrap();
     let replies = || held.lock().unwrap().len();

@@ -23,7 +23,7 @@ const PIN_PREFIX: &str = "xdp_";
 /// The agent's `--xdp`: which XDP mode to attach in, or none.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum XdpSetting {
-    /// Native (driver) mode where the interface's driver has it, generic elsewhere.
+    /// Native (driver) mode where the interface's driver has it, generic elsewhere and on veths.
     Auto,
     Native,
     Generic,
@@ -61,9 +61,13 @@ impl XdpMode {
 }
 
 impl XdpSetting {
-    /// The modes to try, in order.
-    fn modes(self) -> &'static [XdpMode] {
+    /// The modes to try, in order, on an interface of driver `driver`. `auto` takes a veth
+    /// generically: native XDP_TX frames reach a veth's peer only if the peer runs NAPI (an XDP
+    /// program or GRO of its own), which cannot be seen from this side, and are silently lost
+    /// otherwise (a container-in-container node, kind, would black-hole its north-south flows).
+    fn modes(self, driver: Option<&str>) -> &'static [XdpMode] {
         match self {
+            XdpSetting::Auto if driver == Some("veth") => &[XdpMode::Generic],
             XdpSetting::Auto => &[XdpMode::Native, XdpMode::Generic],
             XdpSetting::Native => &[XdpMode::Native],
             XdpSetting::Generic => &[XdpMode::Generic],
@@ -189,7 +193,7 @@ pub fn attach(
         }
     }
     let mut errors = Vec::new();
-    for &mode in setting.modes() {
+    for &mode in setting.modes(crate::netif::driver(interface).as_deref()) {
         match link_create(prog_fd, ifindex, mode) {
             Ok(link) => {
                 obj_pin(&link, &path).with_context(|| format!("pinning {}", path.display()))?;
@@ -260,9 +264,13 @@ mod tests {
 
     #[test]
     fn settings_try_native_before_generic_and_off_tries_nothing() {
-        assert_eq!("auto".parse::<XdpSetting>().unwrap().modes(), &[XdpMode::Native, XdpMode::Generic]);
-        assert_eq!("generic".parse::<XdpSetting>().unwrap().modes(), &[XdpMode::Generic]);
-        assert!("off".parse::<XdpSetting>().unwrap().modes().is_empty());
+        let modes = |setting: &str, driver| setting.parse::<XdpSetting>().unwrap().modes(driver);
+        assert_eq!(modes("auto", Some("ixgbe")), &[XdpMode::Native, XdpMode::Generic]);
+        assert_eq!(modes("auto", None), &[XdpMode::Native, XdpMode::Generic]);
+        assert_eq!(modes("auto", Some("veth")), &[XdpMode::Generic], "a veth's peer may not take native XDP_TX");
+        assert_eq!(modes("native", Some("veth")), &[XdpMode::Native]);
+        assert_eq!(modes("generic", Some("ixgbe")), &[XdpMode::Generic]);
+        assert!(modes("off", None).is_empty());
         assert!("fast".parse::<XdpSetting>().is_err());
     }
 }
