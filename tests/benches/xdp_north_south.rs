@@ -1,6 +1,6 @@
 //! Benchmark (root): real north-south traffic through a NodePort to a backend on the other node,
-//! with the XDP fast path (`--xdp native`; the harness's fabric-side peers run NAPI) against TC alone
-//! (`--xdp off`), on the same cluster (`kube_router_tests::cluster`), switched by restarting
+//! with the XDP fast path, native (the harness's fabric-side peers run NAPI) and generic, against
+//! TC alone (`--xdp off`), on the same cluster (`kube_router_tests::cluster`), switched by restarting
 //! node-1's agent; rounds interleaved (alternating which goes first), averaged. New TCP
 //! connections per second and new UDP flows per second (a fixed number of flows one after
 //! another: latency-bound), one TCP upload's throughput. Packets carry complete checksums (`full_checksums`,
@@ -56,14 +56,23 @@ fn measure(c: &Cluster) -> Figures {
     }
 }
 
-fn switch(c: &Cluster, xdp: bool) {
-    let args: &[&str] = if xdp { &["--xdp", "native"] } else { &["--xdp", "off"] };
-    c.restart_agent_with(0, args).unwrap();
+/// Restarts node-1's agent with `--xdp <mode>` and waits until it has attached (or removed) the
+/// XDP program and synced. Through `off` first: a restart re-adopts our link whatever its mode.
+fn switch(c: &Cluster, mode: &str) {
+    if mode != "off" && c.node(0).uplink_xdp().is_some() {
+        switch(c, "off");
+    }
+    c.restart_agent_with(0, &["--xdp", mode]).unwrap();
+    let want = match mode {
+        "native" => Some("xdp"),
+        "generic" => Some("xdpgeneric"),
+        _ => None,
+    };
     let deadline = Instant::now() + Duration::from_secs(15);
-    while c.node(0).uplink_xdp().is_some() != xdp
+    while c.node(0).uplink_xdp().map(|(m, _)| m).as_deref() != want
         || c.node(0).metric("kube_router_sync_duration_seconds_count", "") < 1.0
     {
-        assert!(Instant::now() < deadline, "node-1's agent did not come up with XDP {xdp}");
+        assert!(Instant::now() < deadline, "node-1's agent did not come up with --xdp {mode}");
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -76,44 +85,48 @@ fn main() {
         .build()
         .unwrap();
     c.add_service(Svc::node_port("web", "10.96.1.20", 30080).select("pod", "pod-2-0")).unwrap();
+    const MODES: [&str; 3] = ["off", "native", "generic"];
     let rounds = 4;
-    let (mut with_xdp, mut tc_only) = (Figures::default(), Figures::default());
-    let mut exhausted = [0u64; 2];
+    let mut sums = [Figures::default(); 3];
+    let mut exhausted = [0u64; 3];
     for round in 0..rounds {
-        // Alternating which goes first cancels what one leaves for the other (SNAT ports held).
-        let order = if round % 2 == 0 { [true, false] } else { [false, true] };
-        for xdp in order {
-            switch(&c, xdp);
+        // Rotating which goes first cancels what one leaves for the next (SNAT ports held).
+        for k in 0..MODES.len() {
+            let i = (round + k) % MODES.len();
+            switch(&c, MODES[i]);
             let before = c.node(0).stats();
             let f = measure(&c);
             let after = c.node(0).stats();
             let served = after["xdp_tx"] - before["xdp_tx"];
-            exhausted[usize::from(xdp)] += after["snat_ports_exhausted"] - before["snat_ports_exhausted"];
-            assert_eq!(served > 0, xdp, "XDP served {served} packets with XDP {xdp}");
-            let sum = if xdp { &mut with_xdp } else { &mut tc_only };
+            assert_eq!(served > 0, MODES[i] != "off", "XDP served {served} packets with --xdp {}", MODES[i]);
+            exhausted[i] += after["snat_ports_exhausted"] - before["snat_ports_exhausted"];
+            let sum = &mut sums[i];
             sum.tcp_per_s += f.tcp_per_s / rounds as f64;
             sum.udp_per_s += f.udp_per_s / rounds as f64;
+            sum.upload_mbit_s += f.upload_mbit_s / rounds as f64;
             sum.tcp_failed += f.tcp_failed;
             sum.udp_failed += f.udp_failed;
-            sum.upload_mbit_s += f.upload_mbit_s / rounds as f64;
         }
     }
-    println!("== north-south through a NodePort to the other node ({rounds} rounds, interleaved)");
-    println!("{:<34} {:>12} {:>12} {:>8}", "", "TC only", "with XDP", "XDP/TC");
-    for (what, tc, xdp) in [
-        ("new TCP connections / s", tc_only.tcp_per_s, with_xdp.tcp_per_s),
-        ("new UDP flows / s", tc_only.udp_per_s, with_xdp.udp_per_s),
-        ("one TCP upload, Mbit/s", tc_only.upload_mbit_s, with_xdp.upload_mbit_s),
+    println!("== north-south through a NodePort to the other node ({rounds} rounds, rotated), --xdp:");
+    println!("{:<34} {:>10} {:>10} {:>10} {:>8} {:>8}", "", "off (TC)", "native", "generic", "nat/TC", "gen/TC");
+    let [tc, native, generic] = sums;
+    for (what, get) in [
+        ("new TCP connections / s", (|f: &Figures| f.tcp_per_s) as fn(&Figures) -> f64),
+        ("new UDP flows / s", |f| f.udp_per_s),
+        ("one TCP upload, Mbit/s", |f| f.upload_mbit_s),
     ] {
-        println!("{what:<34} {tc:>12.1} {xdp:>12.1} {:>7.2}x", xdp / tc);
+        let (t, n, g) = (get(&tc), get(&native), get(&generic));
+        println!("{what:<34} {t:>10.1} {n:>10.1} {g:>10.1} {:>7.2}x {:>7.2}x", n / t, g / t);
     }
-    for (what, tc, xdp) in [
-        ("failed TCP connections (sum)", tc_only.tcp_failed, with_xdp.tcp_failed),
-        ("failed UDP flows (sum)", tc_only.udp_failed, with_xdp.udp_failed),
-    ] {
-        println!("{what:<34} {tc:>12} {xdp:>12}");
-    }
-    println!("{:<34} {:>12} {:>12}", "new flows refused: SNAT ports", exhausted[0], exhausted[1]);
+    println!(
+        "{:<34} {:>10} {:>10} {:>10}",
+        "failed flows (TCP + UDP, sum)",
+        tc.tcp_failed + tc.udp_failed,
+        native.tcp_failed + native.udp_failed,
+        generic.tcp_failed + generic.udp_failed
+    );
+    println!("{:<34} {:>10} {:>10} {:>10}", "new flows refused: SNAT ports", exhausted[0], exhausted[1], exhausted[2]);
     let stats = c.node(0).stats();
     let counters = ["xdp_pass_no_route", "xdp_pass_checksum_partial", "xdp_rewrite_failed"];
     println!("node-1: {}", counters.map(|n| format!("{n} {}", stats[n])).join(", "));

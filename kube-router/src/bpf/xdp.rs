@@ -163,7 +163,8 @@ fn our_program(datapath: &mut Datapath) -> Result<(i32, ProgramInfo)> {
 }
 
 /// Attaches `kr_xdp_lb` to `interface` in the first of the setting's modes the interface takes,
-/// re-adopting the link a previous agent pinned (whatever its mode) when it is still attached.
+/// re-adopting the link a previous agent pinned when it is still attached, whatever its mode (a
+/// link does not tell its mode; switching between native and generic takes a run with `off`).
 /// An XDP program someone else attached is left alone (and reported as an error).
 pub fn attach(
     datapath: &mut Datapath,
