@@ -56,6 +56,7 @@ pub mod map_names {
     pub const OVERLAY_ROUTES: &str = "ovl_routes_v4";
     pub const OVERLAY_REMOTES: &str = "ovl_remotes_v4";
     pub const OVERLAY_STATS: &str = "ovl_stats";
+    pub const XDP_STATS: &str = "xdp_stats";
 }
 
 pub const SERVICES_MAX_ENTRIES: u32 = 65_536;
@@ -539,6 +540,112 @@ pub mod ovl_stat {
         ["encapsulated", "decapsulated", "encap_failed", "decap_failed", "unknown_remote"];
 }
 
+/// Indices of the `xdp_stats` per-CPU counters of the XDP fast path on node uplinks
+/// (`kr_xdp_lb`). Every packet it sees ends in exactly one of the verdict counters
+/// (`tx`, `redirect`, `pass_*`, `rewrite_failed`); `new_flow`, `forward` and `reply` say which
+/// kind of flow packet was served.
+pub mod xdp_stat {
+    pub const PACKETS: u32 = 0;
+    /// Translated and sent back out of the interface it came in on (`XDP_TX`).
+    pub const TX: u32 = 1;
+    /// Translated and sent out of another interface (`XDP_REDIRECT`).
+    pub const REDIRECT: u32 = 2;
+    /// First packets of new flows recorded by XDP (conntrack and NAT entries written).
+    pub const NEW_FLOW: u32 = 3;
+    /// Client-to-backend packets of known flows served.
+    pub const FORWARD: u32 = 4;
+    /// Backend-to-client replies of known flows served (reverse NAT).
+    pub const REPLY: u32 = 5;
+    /// Not IPv4/IPv6 TCP or UDP (ARP, ICMP, other protocols): passed to TC.
+    pub const PASS_NOT_LB: u32 = 6;
+    pub const PASS_FRAGMENT: u32 = 7;
+    /// No flow and no frontend: not service traffic.
+    pub const PASS_NO_SERVICE: u32 = 8;
+    /// Service traffic whose translation TC does (local backend, no endpoints, source ranges,
+    /// masquerade, a gone backend, ...).
+    pub const PASS_TO_TC: u32 = 9;
+    /// The FIB lookup did not give a complete next hop (no neighbour entry yet, no route, MTU,
+    /// TTL): TC routes it (and resolves the neighbour).
+    pub const PASS_NO_ROUTE: u32 = 10;
+    pub const REWRITE_FAILED: u32 = 11;
+    /// A checksum still to be completed by the sender (CHECKSUM_PARTIAL, from a veth peer on
+    /// this host): XDP cannot update it correctly without the skb, TC can.
+    pub const PASS_CHECKSUM_PARTIAL: u32 = 12;
+    pub const COUNT: u32 = 13;
+    pub const NAMES: [&str; COUNT as usize] = [
+        "packets",
+        "tx",
+        "redirect",
+        "new_flow",
+        "forward",
+        "reply",
+        "pass_not_lb",
+        "pass_fragment",
+        "pass_no_service",
+        "pass_to_tc",
+        "pass_no_route",
+        "rewrite_failed",
+        "pass_checksum_partial",
+    ];
+}
+
+/// Incremental Internet checksum updates (RFC 1624, eqn. 3) for programs that rewrite packet
+/// fields without the kernel's checksum helpers (XDP). Words are taken as they lie in memory:
+/// the one's-complement sum does not depend on byte order as long as every word is read alike.
+pub mod csum {
+    /// `check` after one 16-bit word changed from `old` to `new`.
+    #[inline(always)]
+    pub fn replace16(check: u16, old: u16, new: u16) -> u16 {
+        let sum = u32::from(!check) + u32::from(!old) + u32::from(new);
+        !fold(sum)
+    }
+
+    /// `check` after a 32-bit field (two words) changed from `old` to `new`.
+    #[inline(always)]
+    pub fn replace32(check: u16, old: u32, new: u32) -> u16 {
+        let sum = u32::from(!check)
+            + u32::from(!(old as u16))
+            + u32::from(!((old >> 16) as u16))
+            + u32::from(new as u16)
+            + u32::from((new >> 16) as u16);
+        !fold(sum)
+    }
+
+    /// A UDP checksum update: 0 means "no checksum" (IPv4) and stays 0; a computed 0 is sent as
+    /// 0xffff, its other one's-complement spelling.
+    #[inline(always)]
+    pub fn udp(check: u16, update: impl FnOnce(u16) -> u16) -> u16 {
+        if check == 0 {
+            return 0;
+        }
+        match update(check) {
+            0 => 0xffff,
+            new => new,
+        }
+    }
+
+    /// `sum` plus the two words of a 32-bit field (an IPv4 address or a quarter of an IPv6 one).
+    #[inline(always)]
+    pub fn add32(sum: u32, value: u32) -> u32 {
+        sum + (value & 0xffff) + (value >> 16)
+    }
+
+    /// The TCP/UDP pseudo-header's sum, folded but not complemented, from the sum of its
+    /// addresses (`addr_sum`, see [`add32`]): what a CHECKSUM_PARTIAL packet carries in its
+    /// checksum field until the sender's NIC (or the kernel) completes it.
+    #[inline(always)]
+    pub fn pseudo_header(addr_sum: u32, proto: u8, l4_len: u16) -> u16 {
+        fold(addr_sum + u32::from(u16::from_ne_bytes([0, proto])) + u32::from(u16::from_ne_bytes(l4_len.to_be_bytes())))
+    }
+
+    #[inline(always)]
+    fn fold(sum: u32) -> u16 {
+        // Two folds: the first leaves at most 0x1fffe, the second at most 0xffff.
+        let sum = (sum & 0xffff) + (sum >> 16);
+        ((sum & 0xffff) + (sum >> 16)) as u16
+    }
+}
+
 #[cfg(feature = "user")]
 mod user {
     use super::*;
@@ -598,5 +705,50 @@ mod tests {
         assert_eq!(size_of::<OverlayPrefixV4>(), 4);
         assert_eq!(size_of::<OverlayTunnelV4>(), 12);
         assert_eq!(size_of::<ServiceStats>(), 40);
+    }
+
+    /// The full checksum of `words` (RFC 1071), for checking the incremental updates.
+    fn full(words: &[u16]) -> u16 {
+        let mut sum: u32 = words.iter().map(|&w| u32::from(w)).sum();
+        while sum >> 16 != 0 {
+            sum = (sum & 0xffff) + (sum >> 16);
+        }
+        !(sum as u16)
+    }
+
+    #[test]
+    fn incremental_checksum_matches_a_full_recomputation() {
+        let mut words = [0x4500u16, 0x0054, 0x1c46, 0x4000, 0x4006, 0, 0xac10, 0x0a63, 0xac10, 0x0a0c];
+        let check = full(&words);
+        words[6] = 0xc0a8;
+        words[7] = 0x0001;
+        // Words 6 and 7 form one 32-bit field: low half first, as a little-endian load reads it.
+        let updated = csum::replace32(check, 0x0a63 << 16 | 0xac10, 0x0001 << 16 | 0xc0a8);
+        assert_eq!(updated, full(&words));
+        let before = full(&words);
+        words[9] = 0xffff;
+        assert_eq!(csum::replace16(before, 0x0a0c, 0xffff), full(&words));
+    }
+
+    #[test]
+    fn the_pseudo_header_sum_is_what_a_partial_checksum_holds() {
+        // 10.0.0.1 -> 10.0.0.2, TCP, 20 bytes: the pseudo-header's bytes, summed as loaded.
+        let (src, dst) = (u32::from_ne_bytes([10, 0, 0, 1]), u32::from_ne_bytes([10, 0, 0, 2]));
+        let bytes = [10u8, 0, 0, 1, 10, 0, 0, 2, 0, 6, 0, 20];
+        let mut folded: u32 = bytes.chunks(2).map(|c| u32::from(u16::from_ne_bytes([c[0], c[1]]))).sum();
+        while folded >> 16 != 0 {
+            folded = (folded & 0xffff) + (folded >> 16);
+        }
+        let sum = csum::add32(csum::add32(0, src), dst);
+        assert_eq!(csum::pseudo_header(sum, 6, 20), folded as u16);
+    }
+
+    #[test]
+    fn udp_checksum_zero_stays_absent_and_a_computed_zero_is_sent_as_ffff() {
+        assert_eq!(csum::udp(0, |c| csum::replace16(c, 1, 2)), 0);
+        // 0xfffe + (new - old) = 0xffff + 0 ... folds to a sum of 0xffff, whose complement is 0.
+        let check = !0xfffeu16;
+        assert_eq!(csum::replace16(check, 0, 1), 0);
+        assert_eq!(csum::udp(check, |c| csum::replace16(c, 0, 1)), 0xffff);
     }
 }

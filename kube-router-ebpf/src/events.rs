@@ -5,9 +5,10 @@
 use aya_ebpf::{
     macros::map,
     maps::{Array, PerCpuArray, RingBuf},
-    programs::TcContext,
 };
 use kube_router_common::*;
+
+use crate::packet::Packet;
 
 #[map(name = "events")]
 static EVENTS: RingBuf = RingBuf::pinned(EVENTS_RING_BYTES, 0);
@@ -62,7 +63,7 @@ fn admitted(now: u64) -> bool {
 
 /// Writes an event if a monitor listens and the rate allows.
 #[inline(always)]
-pub fn emit(ctx: &TcContext, now: u64, event: impl FnOnce(u32) -> MonitorEvent) {
+pub fn emit<C: Packet>(ctx: &C, now: u64, event: impl FnOnce(u32) -> MonitorEvent) {
     if !listening(now) || !admitted(now) {
         return;
     }
@@ -70,9 +71,7 @@ pub fn emit(ctx: &TcContext, now: u64, event: impl FnOnce(u32) -> MonitorEvent) 
         count(event_stat::LOST);
         return;
     };
-    // SAFETY: the context's skb pointer is valid for this run.
-    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    entry.write(event(ifindex));
+    entry.write(event(ctx.ifindex()));
     entry.submit(0);
     count(event_stat::EMITTED);
 }

@@ -9,6 +9,7 @@ use kube_router_common::*;
 use crate::{
     maps::*,
     nat::{self, Tuple},
+    packet::Packet,
     parsing::{self, IcmpError, LbFlow, LbParsed},
     reject, route,
     svc_stats::{SVC_STATS, SVC_STATS_V6},
@@ -28,7 +29,7 @@ pub trait Family: 'static {
     fn work() -> &'static PerCpuArray<Work<Self::Addr>>;
     fn svc_stats() -> &'static PerCpuHashMap<ServiceKey<Self::Addr>, ServiceStats>;
     /// Parses the packet into `out` (per-CPU map memory); `false` if it cannot be read.
-    fn parse(ctx: &TcContext, out: &mut LbParsed<Self::Addr>) -> bool;
+    fn parse<C: Packet>(ctx: &C, out: &mut LbParsed<Self::Addr>) -> bool;
     /// `CLUSTER_NET_*` flags of the longest prefix holding `addr` (0: outside the cluster).
     fn cluster_net(addr: &Self::Addr) -> u32;
     /// The node address source-NATed flows of this family leave with, if configured.
@@ -87,7 +88,7 @@ impl Family for V4 {
     }
     // Not inlined: the parser's temporaries get a frame of their own.
     #[inline(never)]
-    fn parse(ctx: &TcContext, out: &mut LbParsed<u32>) -> bool {
+    fn parse<C: Packet>(ctx: &C, out: &mut LbParsed<u32>) -> bool {
         parsing::parse_lb_v4(ctx, out).is_ok()
     }
     #[inline(always)]
@@ -161,7 +162,7 @@ impl Family for V6 {
         &SVC_STATS_V6
     }
     #[inline(never)]
-    fn parse(ctx: &TcContext, out: &mut LbParsed<Ipv6Words>) -> bool {
+    fn parse<C: Packet>(ctx: &C, out: &mut LbParsed<Ipv6Words>) -> bool {
         parsing::parse_lb_v6(ctx, out).is_ok()
     }
     #[inline(always)]

@@ -23,6 +23,7 @@ use crate::{
     icmp::{self, Hook},
     maps::{count, Work, LB_CONFIG},
     nat::Tuple,
+    packet::Packet,
     parsing::{ip_version, Fragment, IpVersion, LbFlow, LbParsed},
     route,
     svc_stats::{self, Way},
@@ -137,78 +138,163 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
     let now = unsafe { bpf_ktime_get_ns() };
     work.key = conntrack::key_of(flow);
     if let Some(entry) = conntrack::lookup::<F>(&work.key, flow.tcp_flags, now) {
-        if entry.flags & CT_FLAG_EGRESS != 0 {
-            // A masqueraded pod flow: translated as it leaves the node.
-            return TC_ACT_UNSPEC;
-        }
-        if entry.flags & CT_FLAG_FORWARD != 0 {
-            if !(flow.has_l4() && backend_gone::<F>(entry) && may_move(entry.flags, flow.proto)) {
+        match known::<F>(flow, entry) {
+            // A masqueraded pod flow (translated as it leaves the node), or a backend's reply
+            // (translated on its way out, egress, after routing).
+            Known::Masqueraded | Known::BackendReply => return TC_ACT_UNSPEC,
+            Known::Forward => {
                 count(if flow.fragment == Fragment::Later { lb_stat::FRAGMENT_NAT } else { lb_stat::CT_HIT });
-                svc_stats::count::<F>(ctx, flow.dst_addr, flow.dst_port, flow.proto, Way::In);
+                svc_stats::count::<F, _>(ctx, flow.dst_addr, flow.dst_port, flow.proto, Way::In);
                 return translate::<F>(ctx, flow, entry, &mut work.to);
             }
-            // Its backend is gone and nothing was answered yet: balance it again.
-            count(lb_stat::CT_RESELECTED);
-            conntrack::forget::<F>(&work.key, entry);
-        } else if entry.flags & CT_FLAG_FULL_NAT != 0 {
-            if entry.service_id == 0 {
-                count(lb_stat::EGRESS_MASQUERADE);
-            } else {
-                count(lb_stat::REVERSE_NAT);
-                // The reverse entry restores the frontend as the source.
-                svc_stats::count::<F>(ctx, entry.nat_src_addr, entry.nat_src_port, flow.proto, Way::Out);
+            Known::Reselect => {
+                count(lb_stat::CT_RESELECTED);
+                conntrack::forget::<F>(&work.key, entry);
             }
-            conntrack::mark_seen_reply::<F>(entry, flow.proto);
-            return translate::<F>(ctx, flow, entry, &mut work.to);
-        } else {
-            // A backend's reply: translated on its way out (egress), after routing.
-            return TC_ACT_UNSPEC;
+            Known::FullNatReply => {
+                if entry.service_id == 0 {
+                    count(lb_stat::EGRESS_MASQUERADE);
+                } else {
+                    count(lb_stat::REVERSE_NAT);
+                    // The reverse entry restores the frontend as the source.
+                    svc_stats::count::<F, _>(ctx, entry.nat_src_addr, entry.nat_src_port, flow.proto, Way::Out);
+                }
+                conntrack::mark_seen_reply::<F>(entry, flow.proto);
+                return translate::<F>(ctx, flow, entry, &mut work.to);
+            }
         }
     }
     if !flow.has_l4() || (flow.proto != IPPROTO_TCP && flow.proto != IPPROTO_UDP) {
         return TC_ACT_UNSPEC;
     }
 
-    let frontend = ServiceKey { addr: flow.dst_addr, port: flow.dst_port, proto: flow.proto, pad: 0 };
-    // SAFETY: read-only copy of a map value.
-    let Some(service) = (unsafe { F::services().get(frontend) }).copied() else {
-        count(lb_stat::NO_SERVICE);
-        conntrack::release_reply_tuple::<F>(flow, now);
-        return TC_ACT_UNSPEC;
-    };
-    // loadBalancerSourceRanges: a firewall in front of the load balancer, for new flows.
-    if service.flags & SVC_FLAG_SOURCE_RANGES != 0 && !F::source_allowed(service.service_id, &flow.src_addr) {
-        count(lb_stat::SOURCE_RANGE_DROP);
-        return TC_ACT_SHOT;
+    match choose::<F>(flow, now, &mut work.service, &mut work.chosen) {
+        Choice::NoService => {
+            count(lb_stat::NO_SERVICE);
+            conntrack::release_reply_tuple::<F>(flow, now);
+            return TC_ACT_UNSPEC;
+        }
+        Choice::SourceDenied => {
+            count(lb_stat::SOURCE_RANGE_DROP);
+            return TC_ACT_SHOT;
+        }
+        Choice::NoBackend => {
+            count(lb_stat::NO_BACKEND_DROP);
+            return REFUSE;
+        }
+        Choice::Backend => {}
     }
-    let Some(chosen) = select_backend::<F>(flow.src_addr, flow.src_port, &service, now) else {
-        count(lb_stat::NO_BACKEND_DROP);
-        return REFUSE;
-    };
-    match new_flow::<F>(flow, &service, &chosen, now, &mut work.new) {
+    match new_flow::<F>(flow, &work.service, &work.chosen, now, &mut work.new) {
         NewFlowVerdict::DROP => TC_ACT_SHOT,
         verdict => {
-            svc_stats::count::<F>(ctx, flow.dst_addr, flow.dst_port, flow.proto, Way::New);
-            let backend = work.new.nat_dst;
-            events::emit(ctx, now, |ifindex| MonitorEvent {
-                timestamp_ns: now,
-                kind: EVENT_SERVICE_NAT,
-                family: if size_of::<F::Addr>() == 4 { 4 } else { 6 },
-                proto: flow.proto,
-                direction: 0,
-                ifindex,
-                src: flow.src_addr.event_words(),
-                dst: flow.dst_addr.event_words(),
-                nat: backend.0.event_words(),
-                src_port: flow.src_port,
-                dst_port: flow.dst_port,
-                nat_port: backend.1,
-                pad: 0,
-            });
+            flow_opened::<F, _>(ctx, flow, &work.new, now, Way::New);
             work.to = Tuple { src: work.new.nat_src, dst: work.new.nat_dst };
             apply::<F>(ctx, flow, &work.to, verdict == NewFlowVerdict::ROUTE)
         }
     }
+}
+
+/// What a conntrack entry found for an arriving packet says about it. Shared by the TC and XDP
+/// ingress hooks, so both read the one conntrack state alike.
+pub(crate) enum Known {
+    /// A masqueraded pod flow's reply or packet: translated at TC egress.
+    Masqueraded,
+    /// Client to backend: translated as the entry says.
+    Forward,
+    /// Client to a backend that is gone, and the flow may move: balance it again.
+    Reselect,
+    /// The reply of a source-NATed flow (to the node address): reverse-translated on arrival.
+    FullNatReply,
+    /// A backend's reply to a flow not source-NATed: translated at TC egress, after routing.
+    BackendReply,
+}
+
+#[inline(always)]
+pub(crate) fn known<F: Family>(flow: &LbFlow<F::Addr>, entry: &CtValue<F::Addr>) -> Known {
+    if entry.flags & CT_FLAG_EGRESS != 0 {
+        Known::Masqueraded
+    } else if entry.flags & CT_FLAG_FORWARD != 0 {
+        // A backend gone while nothing was answered yet: the flow is balanced again.
+        if flow.has_l4() && backend_gone::<F>(entry) && may_move(entry.flags, flow.proto) {
+            Known::Reselect
+        } else {
+            Known::Forward
+        }
+    } else if entry.flags & CT_FLAG_FULL_NAT != 0 {
+        Known::FullNatReply
+    } else {
+        Known::BackendReply
+    }
+}
+
+/// The backend choice for a new flow's first packet (TCP or UDP with its ports).
+pub(crate) enum Choice {
+    /// No frontend at the destination: not service traffic.
+    NoService,
+    /// Outside the service's `loadBalancerSourceRanges`.
+    SourceDenied,
+    /// The frontend has no endpoints.
+    NoBackend,
+    /// The frontend and the backend chosen are in `service` and `chosen`.
+    Backend,
+}
+
+/// Looks up the flow's frontend and chooses its backend, into `service` and `chosen` (the work
+/// area: map memory, not the BPF stack).
+#[inline(always)]
+pub(crate) fn choose<F: Family>(
+    flow: &LbFlow<F::Addr>,
+    now: u64,
+    service: &mut ServiceValue,
+    chosen: &mut (u32, Backend<F::Addr>),
+) -> Choice {
+    let frontend = ServiceKey { addr: flow.dst_addr, port: flow.dst_port, proto: flow.proto, pad: 0 };
+    // SAFETY: read-only copy of a map value.
+    let Some(found) = (unsafe { F::services().get(frontend) }) else {
+        return Choice::NoService;
+    };
+    *service = *found;
+    // loadBalancerSourceRanges: a firewall in front of the load balancer, for new flows.
+    if service.flags & SVC_FLAG_SOURCE_RANGES != 0 && !F::source_allowed(service.service_id, &flow.src_addr) {
+        return Choice::SourceDenied;
+    }
+    match select_backend::<F>(flow.src_addr, flow.src_port, service, now) {
+        Some(backend) => {
+            *chosen = backend;
+            Choice::Backend
+        }
+        None => Choice::NoBackend,
+    }
+}
+
+/// Counts a flow `new_flow` recorded (`way`: `New` where its first packet is translated too,
+/// `Opened` where another hook translates it) and tells a listening monitor.
+// Not inlined: the event is built in a frame of its own, not beside the caller's.
+#[inline(never)]
+pub(crate) fn flow_opened<F: Family, C: Packet>(
+    ctx: &C,
+    flow: &LbFlow<F::Addr>,
+    new: &NewFlow<F::Addr>,
+    now: u64,
+    way: Way,
+) {
+    svc_stats::count::<F, C>(ctx, flow.dst_addr, flow.dst_port, flow.proto, way);
+    let backend = new.nat_dst;
+    events::emit(ctx, now, |ifindex| MonitorEvent {
+        timestamp_ns: now,
+        kind: EVENT_SERVICE_NAT,
+        family: if size_of::<F::Addr>() == 4 { 4 } else { 6 },
+        proto: flow.proto,
+        direction: 0,
+        ifindex,
+        src: flow.src_addr.event_words(),
+        dst: flow.dst_addr.event_words(),
+        nat: backend.0.event_words(),
+        src_port: flow.src_port,
+        dst_port: flow.dst_port,
+        nat_port: backend.1,
+        pad: 0,
+    });
 }
 
 #[inline(never)]
@@ -225,7 +311,7 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
     match conntrack::lookup::<F>(&work.key, flow.tcp_flags, now) {
         Some(entry) if entry.flags & (CT_FLAG_REVERSE | CT_FLAG_FULL_NAT) == CT_FLAG_REVERSE => {
             count(if flow.fragment == Fragment::Later { lb_stat::FRAGMENT_NAT } else { lb_stat::REVERSE_NAT });
-            svc_stats::count::<F>(ctx, entry.nat_src_addr, entry.nat_src_port, flow.proto, Way::Out);
+            svc_stats::count::<F, _>(ctx, entry.nat_src_addr, entry.nat_src_port, flow.proto, Way::Out);
             conntrack::mark_seen_reply::<F>(entry, flow.proto);
             translate::<F>(ctx, flow, entry, &mut work.to)
         }
@@ -285,13 +371,13 @@ fn apply<F: Family>(ctx: &TcContext, flow: &LbFlow<F::Addr>, to: &Tuple<F::Addr>
 /// What to do with a new flow's first packet (an integer: it crosses a BPF function call).
 #[derive(Clone, Copy, PartialEq, Eq)]
 #[repr(transparent)]
-struct NewFlowVerdict(i32);
+pub(crate) struct NewFlowVerdict(i32);
 
 impl NewFlowVerdict {
-    const TRANSLATE: Self = Self(0);
+    pub(crate) const TRANSLATE: Self = Self(0);
     /// Translate, then route it ourselves (its new source is a node address).
-    const ROUTE: Self = Self(1);
-    const DROP: Self = Self(2);
+    pub(crate) const ROUTE: Self = Self(1);
+    pub(crate) const DROP: Self = Self(2);
 }
 
 /// Records the first packet of a flow and says what it becomes (`new`, in the work area). Source NAT where the reply
@@ -300,7 +386,7 @@ impl NewFlowVerdict {
 /// through its service (hairpin, to the frontend address), or every flow with `--masquerade-all`.
 // Not inlined: its stack would not fit beside the caller's in 512 bytes.
 #[inline(never)]
-fn new_flow<F: Family>(
+pub(crate) fn new_flow<F: Family>(
     flow: &LbFlow<F::Addr>,
     service: &ServiceValue,
     chosen: &(u32, Backend<F::Addr>),

@@ -7,6 +7,9 @@
 //! than XDP because the checksum helpers need an skb (and handle CHECKSUM_PARTIAL packets from
 //! local veths), and TC also sees traffic that XDP cannot (pod veths, locally routed packets).
 //!
+//! `kr_xdp_lb` is an optional XDP fast path in front of `kr_lb_ingress` on node uplinks, for
+//! north-south flows whose backend is on another node (see `xdp`).
+//!
 //! `kr_pol_ingress` / `kr_pol_egress` enforce NetworkPolicy on the host side of pod veths (see
 //! `policy`): TC ingress there carries the pod's egress traffic, TC egress its ingress traffic.
 //!
@@ -28,17 +31,19 @@ mod lb;
 mod maps;
 mod nat;
 mod overlay;
+mod packet;
 mod parsing;
 mod policy;
 mod reject;
 mod route;
 mod sock;
 mod svc_stats;
+mod xdp;
 
 use aya_ebpf::{
     bindings::TC_ACT_UNSPEC,
-    macros::{cgroup_sock_addr, classifier},
-    programs::{SockAddrContext, TcContext},
+    macros::{cgroup_sock_addr, classifier, xdp},
+    programs::{SockAddrContext, TcContext, XdpContext},
 };
 
 // A packet we cannot parse is not ours to judge: it is handed on untouched.
@@ -50,6 +55,13 @@ pub fn kr_lb_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn kr_lb_egress(ctx: TcContext) -> i32 {
     lb::handle_egress(&ctx).unwrap_or(TC_ACT_UNSPEC)
+}
+
+/// XDP on node uplinks: north-south service flows to backends on other nodes, translated and
+/// sent back out before the stack sees them (see `xdp`); everything else passes on to TC.
+#[xdp]
+pub fn kr_xdp_lb(ctx: XdpContext) -> u32 {
+    xdp::handle(&ctx)
 }
 
 /// Host side of a pod veth, TC ingress: packets from the pod, judged by its egress policy.

@@ -78,6 +78,9 @@ pub struct Work<A> {
     pub key: CtKey<A>,
     pub to: Tuple<A>,
     pub new: NewFlow<A>,
+    /// A new flow's frontend and chosen backend (see `lb::choose`).
+    pub service: ServiceValue,
+    pub chosen: (u32, Backend<A>),
 }
 
 // Not pinned: scratch space, nothing to keep across agent restarts.

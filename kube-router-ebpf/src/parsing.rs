@@ -1,5 +1,8 @@
-//! Ethernet / IPv4 / TCP / UDP (and, for policy, SCTP / ICMP) header parsing with bounds-checked skb loads.
+//! Ethernet / IPv4 / TCP / UDP (and, for policy, SCTP / ICMP) header parsing with bounds-checked
+//! loads; the load balancer's view works on TC and XDP packets alike (see `packet`).
 use aya_ebpf::programs::TcContext;
+
+use crate::packet::Packet;
 use kube_router_common::{Ipv6Words, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
 pub const ETH_HDR_LEN: usize = 14;
@@ -224,14 +227,14 @@ const IPPROTO_DSTOPTS: u8 = 60;
 const MAX_IPV6_EXT_HEADERS: usize = 4;
 
 #[inline(always)]
-fn ipv4_header_len(ctx: &TcContext, ip_off: usize) -> Result<Option<usize>, i64> {
+fn ipv4_header_len<C: Packet>(ctx: &C, ip_off: usize) -> Result<Option<usize>, i64> {
     let version_ihl: u8 = ctx.load(ip_off)?;
     let header_len = ((version_ihl & 0x0f) as usize) * 4;
     Ok((version_ihl >> 4 == 4 && header_len >= 20).then_some(header_len))
 }
 
 #[inline(always)]
-pub fn ip_version(ctx: &TcContext) -> Result<IpVersion, i64> {
+pub fn ip_version<C: Packet>(ctx: &C) -> Result<IpVersion, i64> {
     Ok(match u16::from_be(ctx.load::<u16>(12)?) {
         ETH_P_IP => IpVersion::V4,
         ETH_P_IPV6 => IpVersion::V6,
@@ -242,7 +245,7 @@ pub fn ip_version(ctx: &TcContext) -> Result<IpVersion, i64> {
 /// The load balancer's parse of an IPv4 packet: TCP, UDP (fragments included: a later fragment
 /// has no ports yet), ICMP echo, and ICMP errors about TCP or UDP packets.
 #[inline(always)]
-pub fn parse_lb_v4(ctx: &TcContext, out: &mut LbParsed<u32>) -> Result<(), i64> {
+pub fn parse_lb_v4<C: Packet>(ctx: &C, out: &mut LbParsed<u32>) -> Result<(), i64> {
     let Some(header_len) = ipv4_header_len(ctx, ETH_HDR_LEN)? else {
         return other(out);
     };
@@ -281,7 +284,7 @@ pub fn parse_lb_v4(ctx: &TcContext, out: &mut LbParsed<u32>) -> Result<(), i64> 
 
 /// The same for IPv6 (extension headers skipped, a bounded number of them).
 #[inline(always)]
-pub fn parse_lb_v6(ctx: &TcContext, out: &mut LbParsed<Ipv6Words>) -> Result<(), i64> {
+pub fn parse_lb_v6<C: Packet>(ctx: &C, out: &mut LbParsed<Ipv6Words>) -> Result<(), i64> {
     let version: u8 = ctx.load(ETH_HDR_LEN)?;
     if version >> 4 != 6 {
         return other(out);
@@ -322,7 +325,11 @@ pub fn parse_lb_v6(ctx: &TcContext, out: &mut LbParsed<Ipv6Words>) -> Result<(),
 /// Skips IPv6 extension headers (a bounded number): the upper-layer protocol and its offset, the
 /// fragment position and the datagram id. `None`: too many headers to look past.
 #[inline(always)]
-fn ipv6_upper_layer(ctx: &TcContext, mut next: u8, mut off: usize) -> Result<Option<(u8, usize, Fragment, u32)>, i64> {
+fn ipv6_upper_layer<C: Packet>(
+    ctx: &C,
+    mut next: u8,
+    mut off: usize,
+) -> Result<Option<(u8, usize, Fragment, u32)>, i64> {
     let mut fragment = Fragment::Whole;
     let mut frag_id = 0;
     for _ in 0..MAX_IPV6_EXT_HEADERS {
@@ -363,8 +370,8 @@ fn other<A>(out: &mut LbParsed<A>) -> Result<(), i64> {
 }
 
 #[inline(always)]
-fn transport<A>(
-    ctx: &TcContext,
+fn transport<A, C: Packet>(
+    ctx: &C,
     (src_addr, dst_addr): (A, A),
     proto: u8,
     l4_off: usize,
@@ -388,8 +395,8 @@ fn transport<A>(
 /// An echo request or reply: its identifier stands for both ports, so request and reply share
 /// the conntrack key.
 #[inline(always)]
-fn echo<A>(
-    ctx: &TcContext,
+fn echo<A, C: Packet>(
+    ctx: &C,
     src_addr: A,
     dst_addr: A,
     proto: u8,
@@ -414,8 +421,8 @@ fn echo<A>(
 
 /// `addr_offs`: where the quoted header keeps its source and destination.
 #[inline(always)]
-fn icmp_error<A>(
-    ctx: &TcContext,
+fn icmp_error<A, C: Packet>(
+    ctx: &C,
     (outer_dst, icmp_off): (A, usize),
     inner_ip_off: usize,
     inner_l4_off: usize,

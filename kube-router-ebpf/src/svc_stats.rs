@@ -1,9 +1,9 @@
 //! Per-frontend Service counters (`svc_stats_v4` / `svc_stats_v6`), kube-router's IPVS service
 //! statistics: connections, packets and bytes in (client to Service) and out (replies).
-use aya_ebpf::{macros::map, maps::PerCpuHashMap, programs::TcContext};
+use aya_ebpf::{macros::map, maps::PerCpuHashMap};
 use kube_router_common::*;
 
-use crate::{family::Family, parsing::ETH_HDR_LEN};
+use crate::{family::Family, packet::Packet, parsing::ETH_HDR_LEN};
 
 /// Memory only for the frontends that exist (a preallocated per-CPU map would cost
 /// 65,536 × 40 B on every CPU).
@@ -24,6 +24,9 @@ pub enum Way {
     New,
     /// Client to Service.
     In,
+    /// A new flow recorded by one hook whose first packet another hook translates: only the
+    /// connection is counted here (the packet where it is translated).
+    Opened,
     /// Backend to client (a reply).
     Out,
 }
@@ -31,12 +34,12 @@ pub enum Way {
 /// Counts one packet of the frontend `(addr, port, proto)`. Frontends without an entry (the
 /// agent has not created it yet) are not counted.
 #[inline(always)]
-pub fn count<F: Family>(ctx: &TcContext, addr: F::Addr, port: u16, proto: u8, way: Way) {
+pub fn count<F: Family, C: Packet>(ctx: &C, addr: F::Addr, port: u16, proto: u8, way: Way) {
     let key = ServiceKey { addr, port, proto, pad: 0 };
     let Some(stats) = F::svc_stats().get_ptr_mut(key) else {
         return;
     };
-    // IP bytes, as IPVS counts them (TC sees the Ethernet header too).
+    // IP bytes, as IPVS counts them (TC and XDP see the Ethernet header too).
     let bytes = (ctx.len() as u64).saturating_sub(ETH_HDR_LEN as u64);
     // SAFETY: this CPU's copy of a map value, valid for this run; no other CPU writes it.
     let stats = unsafe { &mut *stats };
@@ -45,6 +48,7 @@ pub fn count<F: Family>(ctx: &TcContext, addr: F::Addr, port: u16, proto: u8, wa
             stats.packets_out += 1;
             stats.bytes_out += bytes;
         }
+        Way::Opened => stats.connections += 1,
         Way::New | Way::In => {
             stats.connections += u64::from(way == Way::New);
             stats.packets_in += 1;

@@ -12,7 +12,8 @@ use kube_router::{
         datapath::{self, Datapath, Hook},
         service_maps::write_lb_config,
         service_maps::{BpfServiceMaps, BpfServiceMapsV6},
-        test_run::{packet, run_on, NodeNetns},
+        test_run::{packet, run_on, run_xdp, NodeNetns},
+        xdp,
     },
     services::{
         compile::{assign_ids, plan, plan_for, Limits, MapContents},
@@ -39,7 +40,7 @@ fn peak_rss_mib() -> f64 {
 fn main() {
     let pin_dir = Path::new("/sys/fs/bpf/krt-bench");
     let _ = datapath::remove_all(pin_dir);
-    let datapath = Datapath::load(pin_dir).expect("load datapath (root needed)");
+    let mut datapath = Datapath::load(pin_dir).expect("load datapath (root needed)");
     let mut maps = BpfServiceMaps::open_pinned(pin_dir).expect("maps");
     let node = NodeContext {
         name: "node-a".into(),
@@ -130,14 +131,21 @@ fn main() {
             &["link", "set", "up0", "up"],
             &["link", "set", "up1", "up"],
             &["route", "add", "10.244.0.0/16", "via", "10.100.0.2"],
+            // The benchmark Services' backends (benches/common): without this route the NodePort
+            // figures timed a failed FIB lookup (a drop).
+            &["route", "add", "10.128.0.0/9", "via", "10.100.0.2"],
             &["route", "add", "10.1.0.0/16", "via", "10.100.0.254"],
             &["addr", "add", "fd00:100::1/64", "dev", "up0", "nodad"],
             &["-6", "route", "add", "fd00:128::/64", "via", "fd00:100::2"],
             &["-6", "route", "add", "fd00:1::/64", "via", "fd00:100::fe"],
+            // Known next hops: XDP sends only with the neighbour's MAC in hand.
+            &["neigh", "add", "10.100.0.2", "lladdr", "02:00:00:00:00:02", "dev", "up0", "nud", "permanent"],
+            &["neigh", "add", "10.100.0.254", "lladdr", "02:00:00:00:00:fe", "dev", "up0", "nud", "permanent"],
         ],
     )
     .expect("bench netns");
-    let ifindex = Some(node.ifindex("up0"));
+    let uplink = node.ifindex("up0");
+    let ifindex = Some(uplink);
     let ingress = datapath.program_fd(Hook::Ingress).unwrap();
     let egress = datapath.program_fd(Hook::Egress).unwrap();
     let avg = |fd: i32, frame: &dyn Fn(u16) -> Vec<u8>| -> f64 {
@@ -181,6 +189,34 @@ fn main() {
     );
     row("ingress, NodePort to another node, established (DNAT + SNAT + FIB)", snat_hit, ct_hit, "of a conntrack hit");
     row("ingress, its reply (reverse SNAT + DNAT + FIB)", snat_reply, ct_hit, "of a conntrack hit");
+
+    // The XDP fast path on the same packets: the established NodePort flow TC created above,
+    // its reply, new NodePort flows, and a packet to no Service (XDP_PASS, the baseline).
+    let xdp_fd = xdp::program_fd(&mut datapath).unwrap();
+    let xavg = |frame: &dyn Fn(u16) -> Vec<u8>| -> f64 {
+        let total: u64 =
+            (0..SAMPLES).map(|i| u64::from(run_xdp(xdp_fd, &frame(i), 1, uplink).expect("test run").duration_ns)).sum();
+        total as f64 / f64::from(SAMPLES)
+    };
+    const XDP_PASS: i32 = 2;
+    const XDP_TX: i32 = 3;
+    let not_ours = tcp(client, (Ipv4Addr::new(10, 200, 0, 1), 80), packet::TCP_ACK);
+    assert_eq!(run_xdp(xdp_fd, &not_ours, 1, uplink).unwrap().retval, XDP_PASS);
+    let established = tcp((outside, 1000), node_port, packet::TCP_ACK);
+    let sent = run_xdp(xdp_fd, &established, 1, uplink).unwrap();
+    assert_eq!((sent.retval, packet::endpoints(&sent.packet)), (XDP_TX, (snat_src, snat_dst)), "XDP serves TC's flow");
+    let xdp_pass = xavg(&|_| not_ours.clone());
+    let xdp_hit = xavg(&|_| established.clone());
+    let xdp_reply = xavg(&|_| tcp(snat_dst, snat_src, packet::TCP_ACK));
+    let elsewhere = Ipv4Addr::new(10, 1, 2, 9);
+    let xdp_new = xavg(&|i| tcp((elsewhere, 1000 + i), node_port, packet::TCP_SYN));
+    println!("\n== XDP fast path (kr_xdp_lb) on the same NodePort packets: program time only (TEST_RUN");
+    println!("   times the program, not the skb allocation and stack traversal XDP_TX saves)");
+    row("XDP, not a service: XDP_PASS (baseline)", xdp_pass, miss, "of TC ingress, not a service");
+    row("XDP, NodePort to another node, established -> XDP_TX", xdp_hit, snat_hit, "of TC (same packet)");
+    row("", xdp_hit, xdp_pass, "of the XDP_PASS baseline");
+    row("XDP, its reply -> XDP_TX", xdp_reply, snat_reply, "of TC (same packet)");
+    row("XDP, NodePort to another node, new flow -> XDP_TX", xdp_new, snat_new, "of TC");
 
     println!("\n== IPv6, the same cases (10,000 IPv6 Services programmed), as ratios to IPv4 above");
     let client6 = (Ipv6Addr::new(0xfd00, 1, 0, 0, 0, 0, 0, 7), 40000);

@@ -13,7 +13,7 @@ use std::{
 
 use anyhow::{Context, Result};
 use kube_router_common::{
-    lb_stat, map_names, pol_stat, LbConfig, ServiceStats, LB_CONFIG_MASQUERADE_ALL, LB_CONFIG_POD_EGRESS,
+    lb_stat, map_names, pol_stat, xdp_stat, LbConfig, ServiceStats, LB_CONFIG_MASQUERADE_ALL, LB_CONFIG_POD_EGRESS,
 };
 use tokio::{
     signal::unix::{signal, SignalKind},
@@ -30,6 +30,7 @@ use crate::{
         },
         socket_lb::{self, SocketLbOptions},
         svc_stats::{SvcStatsMap, SvcStatsMapV6},
+        xdp::{self, XdpSetting},
     },
     firewall::FirewallController,
     k8s::{
@@ -86,6 +87,8 @@ pub struct AgentConfig {
     pub attach_mode: crate::bpf::datapath::AttachMode,
     /// `--tc-mode`: pod veths (classic under `auto`).
     pub pod_attach_mode: crate::bpf::datapath::AttachMode,
+    /// `--xdp`: the XDP fast path on node uplinks, and in which mode.
+    pub xdp: crate::bpf::xdp::XdpSetting,
     /// Netlink link and address notifications (else only the periodic rescan).
     pub link_events: bool,
     /// `--bpf-lb-map-max`, `--bpf-ct-global-max`.
@@ -525,6 +528,7 @@ fn attach_all(
     attached: &mut BTreeMap<String, u32>,
     load_balancer: bool,
     firewall: bool,
+    xdp: XdpSetting,
 ) {
     let present: BTreeMap<String, u32> = netif::interfaces_with_index().into_iter().collect();
     attached.retain(|name, index| present.get(name) == Some(index));
@@ -573,9 +577,31 @@ fn attach_all(
                 }
             }
         }
+        // The XDP fast path sits in front of the load balancer on uplinks only (north-south
+        // traffic arrives there); a failure leaves TC serving everything, as without it.
+        if load_balancer {
+            apply_xdp(datapath, &interface, xdp != XdpSetting::Off && uplinks.contains(&interface), xdp);
+        }
         if ok {
             attached.insert(interface, index);
         }
+    }
+}
+
+/// Attaches (`wanted`) or removes our XDP link on `interface`; never touches another's.
+fn apply_xdp(datapath: &mut Datapath, interface: &str, wanted: bool, setting: XdpSetting) {
+    if !wanted {
+        match xdp::detach(datapath.pin_dir(), interface) {
+            Ok(true) => tracing::info!(interface, "XDP fast path detached"),
+            Ok(false) => {}
+            Err(e) => tracing::warn!(interface, error = format!("{e:#}"), "cannot detach the XDP fast path"),
+        }
+        return;
+    }
+    match xdp::attach(datapath, interface, setting) {
+        Ok((outcome, mode)) => tracing::info!(interface, ?outcome, ?mode, "XDP fast path attached"),
+        // Logged once: the interface is not retried until it is re-created or the agent restarts.
+        Err(e) => tracing::error!(interface, error = format!("{e:#}"), "cannot attach the XDP fast path; TC serves it"),
     }
 }
 
@@ -597,6 +623,9 @@ fn refresh_policy_metrics(pin_dir: &Path, metrics: &Metrics, conntrack: &mut Pol
 fn refresh_datapath_metrics(pin_dir: &Path, metrics: &Metrics, conntrack: &mut (Conntrack, ConntrackV6), gc: bool) {
     if let Ok(stats) = read_lb_stats(pin_dir) {
         metrics.with(|m| m.datapath_packets = lb_stat::NAMES.iter().copied().zip(stats).collect());
+    }
+    if let Ok(Some(stats)) = xdp::read_stats(pin_dir) {
+        metrics.with(|m| m.xdp_packets = xdp_stat::NAMES.iter().copied().zip(stats).collect());
     }
     socket_lb::refresh_metrics(pin_dir, metrics);
     let started = Instant::now();
@@ -836,7 +865,14 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let mut attached = BTreeMap::new();
     if let Some(datapath) = datapath.as_mut() {
         datapath.set_pod_mode(config.pod_attach_mode);
-        attach_all(datapath, &config.interfaces, &mut attached, config.run_service_proxy, config.run_firewall);
+        attach_all(
+            datapath,
+            &config.interfaces,
+            &mut attached,
+            config.run_service_proxy,
+            config.run_firewall,
+            config.xdp,
+        );
         socket_lb::apply(datapath, &config.socket_lb, &metrics);
         // The links run our programs now: an upgrade from the previous map layout can complete.
         datapath.finish_upgrade().context("finishing the upgrade of the pinned maps")?;
@@ -937,7 +973,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     link_events = None;
                 }
                 if let (Some(datapath), None) = (datapath.as_mut(), &config.interfaces) {
-                    attach_all(datapath, &config.interfaces, &mut attached, config.run_service_proxy, config.run_firewall);
+                    attach_all(datapath, &config.interfaces, &mut attached, config.run_service_proxy, config.run_firewall, config.xdp);
                     last_rescan = Instant::now();
                 }
                 let now = netif::node_addresses();
@@ -1128,6 +1164,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                         &mut attached,
                         config.run_service_proxy,
                         config.run_firewall,
+                        config.xdp,
                     );
                     last_rescan = Instant::now();
                 }

@@ -11,6 +11,7 @@ use kube_router::{
         layout::MapSizes,
         service_maps::{read_lb_stats, FamilyConntrack},
         socket_lb::{read_sock_stats, SocketLbOptions},
+        xdp,
     },
     k8s::watch::ApiOptions,
     overlay::{Encap, OverlayConfig, OverlayType},
@@ -20,7 +21,7 @@ use kube_router::{
         family::{AddressFamily, V4, V6},
     },
 };
-use kube_router_common::{event_stat, lb_stat, sock_stat, DEFAULT_PIN_DIR};
+use kube_router_common::{event_stat, lb_stat, sock_stat, xdp_stat, DEFAULT_PIN_DIR};
 
 #[derive(Parser)]
 #[command(
@@ -251,6 +252,12 @@ struct RunArgs {
     /// grace period, so a new pod is policed and load-balanced sooner).
     #[arg(long, env = "KUBE_ROUTER_TC_MODE", default_value = "auto", value_parser = ["auto", "tcx", "classic"])]
     tc_mode: String,
+    /// The XDP fast path on node uplinks for north-south Service flows to backends on other
+    /// nodes: auto (native where the driver has it, else generic; generic on veths, whose peer
+    /// must run NAPI to receive native XDP_TX frames), native, generic, or off (TC alone;
+    /// removes the XDP program an earlier run attached, never another's).
+    #[arg(long, env = "KUBE_ROUTER_XDP", default_value = "auto", value_parser = ["auto", "native", "generic", "off"])]
+    xdp: String,
     /// Find new interfaces (pod veths) and node addresses through netlink notifications as they
     /// appear; false leaves only the 5 s rescan (a baseline for the attach-latency benchmark).
     #[arg(long, env = "KUBE_ROUTER_LINK_EVENTS", default_value_t = true, action = clap::ArgAction::Set, hide = true)]
@@ -529,6 +536,12 @@ fn main() -> ExitCode {
             for (name, n) in lb_stat::NAMES.iter().zip(stats) {
                 println!("{name} {n}");
             }
+            // The XDP fast path's counters, if it ever ran.
+            for (name, n) in
+                xdp_stat::NAMES.iter().zip(xdp::read_stats(&cli.bpf_root).ok().flatten().unwrap_or_default())
+            {
+                println!("xdp_{name} {n}");
+            }
             // The socket load balancer's counters, if it ever ran.
             for (name, n) in sock_stat::NAMES.iter().zip(read_sock_stats(&cli.bpf_root).unwrap_or_default()) {
                 println!("sock_{name} {n}");
@@ -644,6 +657,7 @@ fn run(cli: &Cli) -> Result<()> {
             "tcx" => AttachMode::Tcx,
             _ => AttachMode::Classic,
         },
+        xdp: args.xdp.parse().map_err(anyhow::Error::msg)?,
         link_events: args.link_events,
         map_sizes,
         cni: args

@@ -60,6 +60,8 @@ pub struct MetricsState {
     pub rejected_objects: BTreeMap<&'static str, u64>,
     pub dropped_endpoints: u64,
     pub datapath_packets: Vec<(&'static str, u64)>,
+    /// `xdp_stats`: the XDP fast path's packets by outcome (empty until it ever ran).
+    pub xdp_packets: Vec<(&'static str, u64)>,
     pub conntrack_entries: u64,
     pub conntrack_gc_removed: u64,
     pub api_reachable: bool,
@@ -208,6 +210,15 @@ impl Metrics {
             );
             for (what, n) in &m.datapath_packets {
                 let _ = writeln!(out, "kube_router_datapath_packets_total{{event=\"{what}\"}} {n}");
+            }
+            family(
+                &mut out,
+                "kube_router_xdp_packets_total",
+                "counter",
+                "Packets seen by the XDP fast path on node uplinks, by outcome (per-CPU counters summed).",
+            );
+            for (what, n) in &m.xdp_packets {
+                let _ = writeln!(out, "kube_router_xdp_packets_total{{event=\"{what}\"}} {n}");
             }
             family(
                 &mut out,

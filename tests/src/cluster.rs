@@ -260,6 +260,15 @@ impl ClusterNode {
             .sum()
     }
 
+    /// The XDP mode `eth0` runs a program in ("xdp": native, "xdpgeneric", ...), if any, and
+    /// that program's id.
+    pub fn uplink_xdp(&self) -> Option<(String, u32)> {
+        let out = self.ns.run(&["ip", "-d", "link", "show", "eth0"]).ok()?;
+        let mode = out.lines().next()?.split_whitespace().find(|w| w.starts_with("xdp"))?.to_string();
+        let id = out.split_once("prog/xdp id ")?.1.split_whitespace().next()?.parse().ok()?;
+        Some((mode, id))
+    }
+
     /// The datapath counters (`kube-router stats`) by name.
     pub fn stats(&self) -> BTreeMap<String, u64> {
         let out = Command::new(kube_router_bin()).arg("--bpf-root").arg(&self.bpf_root).arg("stats").output();
@@ -475,6 +484,7 @@ pub struct ClusterBuilder {
     tor: bool,
     socket_lb: bool,
     dual_stack: bool,
+    full_checksums: bool,
 }
 
 /// The top-of-rack BGP speaker's ASN (gobgpd in the fabric, `ClusterBuilder::tor_bgp`).
@@ -506,6 +516,14 @@ impl ClusterBuilder {
         self.dual_stack = true;
         self
     }
+    /// Packets from the client, the internet host and the pods carry complete checksums, as
+    /// packets from a physical NIC do (their eth0's transmit checksum offload is off). Over a
+    /// veth an offloaded checksum stays incomplete (CHECKSUM_PARTIAL) up to the receiver, which
+    /// XDP cannot complete: the XDP fast path leaves such packets to TC.
+    pub fn full_checksums(mut self) -> Self {
+        self.full_checksums = true;
+        self
+    }
     /// Extra flags for every agent.
     pub fn agent_args(mut self, args: &[&str]) -> Self {
         self.agent_args.extend(args.iter().map(|a| a.to_string()));
@@ -527,6 +545,8 @@ pub struct Cluster {
     pub server: Arc<FakeApiServer>,
     agents: Mutex<Vec<Option<Agent>>>,
     agent_args: Vec<String>,
+    /// Flags of one node's agent beyond `agent_args` (see [`Cluster::restart_agent_with`]).
+    node_agent_args: Mutex<Vec<Vec<String>>>,
     services: Mutex<BTreeMap<String, Svc>>,
     /// Pods marked not ready (left out of EndpointSlices).
     unready: Mutex<Vec<String>>,
@@ -551,6 +571,7 @@ impl Cluster {
             tor: false,
             socket_lb: false,
             dual_stack: false,
+            full_checksums: false,
         }
     }
 
@@ -575,6 +596,12 @@ impl Cluster {
         fabric.run(&["ip", "link", "set", "fab0", "up"])?;
 
         let client = Netns::new(&format!("{p}-cli"))?;
+        let full_checksums = |ns: &Netns| -> Result<()> {
+            if b.full_checksums {
+                ns.run(&[netprobe_bin().to_str().unwrap(), "feature", "eth0", "tx-checksum", "off"])?;
+            }
+            Ok(())
+        };
         if dual {
             ipv6_without_dad(&client)?;
         }
@@ -582,6 +609,7 @@ impl Cluster {
         fabric.run(&["ip", "addr", "add", "192.168.100.1/24", "dev", "cli0"])?;
         client.run(&["ip", "addr", "add", &format!("{CLIENT_ADDR}/24"), "dev", "eth0"])?;
         client.run(&["ip", "route", "add", "default", "via", "192.168.100.1"])?;
+        full_checksums(&client)?;
         if dual {
             fabric.run(&["ip", "addr", "add", "fd00:c::1/64", "dev", "cli0"])?;
             client.run(&["ip", "addr", "add", &format!("{CLIENT_ADDR6}/64"), "dev", "eth0"])?;
@@ -596,6 +624,7 @@ impl Cluster {
         fabric.run(&["ip", "addr", "add", "203.0.113.1/24", "dev", "net0"])?;
         internet.run(&["ip", "addr", "add", &format!("{INTERNET_ADDR}/24"), "dev", "eth0"])?;
         internet.run(&["ip", "route", "add", "default", "via", "203.0.113.1"])?;
+        full_checksums(&internet)?;
         if dual {
             fabric.run(&["ip", "addr", "add", "2001:db8:113::1/64", "dev", "net0"])?;
             internet.run(&["ip", "addr", "add", &format!("{INTERNET_ADDR6}/64"), "dev", "eth0"])?;
@@ -641,6 +670,13 @@ impl Cluster {
                 ns.sysctl("net.ipv6.conf.all.forwarding", "1")?;
             }
             link(&fabric, &format!("n{}", i + 1), &ns, "eth0")?;
+            // Frames a native XDP program sends back out of a veth (XDP_TX) reach its peer only
+            // if the peer runs NAPI, which it does with an XDP program of its own (a NIC needs
+            // nothing): an XDP_PASS one, attached the legacy way and held by the interface.
+            let pin = format!("/sys/fs/bpf/{p}-xdp-pass-n{}", i + 1);
+            fabric.run(&[netprobe_bin().to_str().unwrap(), "xdp-pass", &pin])?;
+            fabric.run(&["ip", "link", "set", "dev", &format!("n{}", i + 1), "xdpdrv", "pinned", &pin])?;
+            fs::remove_file(&pin)?;
             fabric.run(&["ip", "link", "set", &format!("n{}", i + 1), "master", "fab0"])?;
             ns.run(&["ip", "addr", "add", &format!("{}/24", node_ip(i)), "dev", "eth0"])?;
             ns.run(&["ip", "route", "add", "default", "via", FABRIC_ADDR])?;
@@ -692,6 +728,7 @@ impl Cluster {
             server,
             agents: Mutex::new(Vec::new()),
             agent_args,
+            node_agent_args: Mutex::new(vec![Vec::new(); b.nodes]),
             services: Mutex::new(BTreeMap::new()),
             unready: Mutex::new(Vec::new()),
             dir,
@@ -703,7 +740,9 @@ impl Cluster {
         for (i, node) in cluster.nodes.iter().enumerate() {
             let conflist = wait_conflist(&node.cni_conf_file())?;
             for j in 0..b.pods_per_node {
-                pods.push(Self::new_pod(p, node, &conflist, i, j)?);
+                let pod = Self::new_pod(p, node, &conflist, i, j)?;
+                full_checksums(&pod.ns)?;
+                pods.push(pod);
             }
         }
         cluster.pods = pods;
@@ -786,7 +825,16 @@ impl Cluster {
             args.extend(["--bpf-lb-sock=true", "--cgroup-root", cgroup]);
         }
         args.extend(self.agent_args.iter().map(String::as_str));
+        let node_args = self.node_agent_args.lock().unwrap()[i].clone();
+        args.extend(node_args.iter().map(String::as_str));
         Agent::start(&node.ns, &node.bpf_root, &args)
+    }
+
+    /// Kills node `i`'s agent and starts it again with `args` beyond the cluster's (in place of
+    /// those of an earlier call): a restart with other flags.
+    pub fn restart_agent_with(&self, i: usize, args: &[&str]) -> Result<()> {
+        self.node_agent_args.lock().unwrap()[i] = args.iter().map(|a| a.to_string()).collect();
+        self.restart_agent(i)
     }
 
     /// Kills node `i`'s agent (a crash) and starts it again.

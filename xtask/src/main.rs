@@ -167,6 +167,10 @@ fn bench() -> Result<()> {
     run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .args(["bench", "-p", "kube-router-tests", "--bench", "service_datapath"])
         .env("KUBE_ROUTER_BIN", &agent))?;
+    // North-south through a NodePort with the XDP fast path against TC alone.
+    run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["bench", "-p", "kube-router-tests", "--bench", "xdp_north_south"])
+        .env("KUBE_ROUTER_BIN", &agent))?;
     run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .args(["bench", "-p", "kube-router-tests", "--bench", "bgp_convergence"])
         .env("KUBE_ROUTER_BIN", &agent))

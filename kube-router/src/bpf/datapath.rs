@@ -214,15 +214,17 @@ fn load_program(program: &mut Program) -> Result<(), ProgramError> {
     match program {
         Program::SchedClassifier(p) => p.load(),
         Program::CgroupSockAddr(p) => p.load(),
+        Program::Xdp(p) => p.load(),
         // A new program type gets its arm above (and, if optional, in is_optional).
         _ => Err(ProgramError::UnexpectedProgramType),
     }
 }
 
 /// Programs the agent can run without: the socket load balancer needs kernel features newer than
-/// the TC datapath's (see docs/maps.md), and the TC load balancer works without it.
+/// the TC datapath's (see docs/maps.md), and the TC load balancer works without it; so does it
+/// without the XDP fast path in front of it.
 fn is_optional(program: &Program) -> bool {
-    matches!(program, Program::CgroupSockAddr(_))
+    matches!(program, Program::CgroupSockAddr(_) | Program::Xdp(_))
 }
 
 pub fn ensure_bpffs(pin_dir: &Path) -> Result<()> {
@@ -672,7 +674,9 @@ pub fn prune_vanished(pin_dir: &Path, present: &std::collections::BTreeSet<Strin
     let mut removed = 0;
     for entry in fs::read_dir(pin_dir.join("links")).into_iter().flatten().flatten() {
         let name = entry.file_name();
-        let Some((_, interface)) = name.to_str().and_then(Hook::from_pin_name) else { continue };
+        let interface =
+            name.to_str().and_then(|n| Hook::from_pin_name(n).map(|(_, i)| i).or(super::xdp::interface_of_pin(n)));
+        let Some(interface) = interface else { continue };
         if !present.contains(interface) && fs::remove_file(entry.path()).is_ok() {
             tracing::info!(interface, pin = %entry.path().display(), "interface gone; its pin removed");
             removed += 1;

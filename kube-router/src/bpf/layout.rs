@@ -179,8 +179,12 @@ impl MapSizes {
     }
 }
 
+/// The XDP fast path's counters: a map of its own, created beside the others when absent (no
+/// layout change for datapaths from before it).
+pub const XDP_MAPS: [MapSpec; 1] = [spec::<u32, u64>(map_names::XDP_STATS, MapType::PerCpuArray, xdp_stat::COUNT)];
+
 fn all_specs() -> impl Iterator<Item = &'static MapSpec> {
-    SERVICE_MAPS.iter().chain(&POLICY_MAPS).chain(&OVERLAY_MAPS).chain(&SOCK_MAPS).chain(&MONITOR_MAPS)
+    SERVICE_MAPS.iter().chain(&POLICY_MAPS).chain(&OVERLAY_MAPS).chain(&SOCK_MAPS).chain(&MONITOR_MAPS).chain(&XDP_MAPS)
 }
 
 /// What the pinned maps hold against what this agent expects.

@@ -7,6 +7,7 @@ pub mod service_maps;
 pub mod socket_lb;
 pub mod svc_stats;
 pub mod test_run;
+pub mod xdp;
 
 /// The datapath object built by build.rs (aya-build) from the kube-router-ebpf crate.
 pub static DATAPATH_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/kube-router"));

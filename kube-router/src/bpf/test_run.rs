@@ -117,6 +117,40 @@ fn run_with(
     Ok(TestRunResult { retval: attr.retval as i32, duration_ns: attr.duration, packet: out })
 }
 
+/// Runs an XDP program on `packet` arriving on interface `ingress_ifindex` of the calling
+/// thread's network namespace (so its FIB lookups see that namespace's routes and neighbours).
+/// `retval` is the XDP action.
+pub fn run_xdp(prog_fd: RawFd, packet: &[u8], repeat: u32, ingress_ifindex: u32) -> io::Result<TestRunResult> {
+    // struct xdp_md: data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex.
+    let ctx: [u32; 6] = [0, packet.len() as u32, 0, ingress_ifindex, 0, 0];
+    let mut out = vec![0u8; packet.len() + 256];
+    let mut attr = TestRunAttr {
+        prog_fd: prog_fd as u32,
+        data_size_in: packet.len() as u32,
+        data_size_out: out.len() as u32,
+        data_in: packet.as_ptr() as u64,
+        data_out: out.as_mut_ptr() as u64,
+        repeat,
+        ctx_size_in: size_of_val(&ctx) as u32,
+        ctx_in: ctx.as_ptr() as u64,
+        ..Default::default()
+    };
+    // SAFETY: attr points at valid buffers of the stated sizes for the duration of the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_PROG_TEST_RUN,
+            &mut attr as *mut TestRunAttr,
+            std::mem::size_of::<TestRunAttr>() as u32,
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    out.truncate(attr.data_size_out as usize);
+    Ok(TestRunResult { retval: attr.retval as i32, duration_ns: attr.duration, packet: out })
+}
+
 /// A network namespace for packets that programs route themselves (FIB lookup + redirect): the
 /// calling thread enters it, so TEST_RUN packets given one of its interfaces arrive there and
 /// lookups see its routes. Deleted on drop.

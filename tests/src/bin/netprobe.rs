@@ -18,6 +18,10 @@
 //!   krt-netprobe udp-fixed SRCPORT ADDR COUNT INTERVAL_MS  COUNT datagrams from one fixed source port; one
 //!                                           reply (or ERR ...) per line
 //!   krt-netprobe bulk ADDR BYTES            one TCP connection carrying BYTES to the server; prints its reply
+//!   krt-netprobe feature IFACE tx-checksum on|off
+//!                                           sets an interface offload (the ethtool ioctl: no ethtool binary here)
+//!   krt-netprobe xdp-pass PIN               loads a two-instruction XDP program returning XDP_PASS and pins it
+//!                                           at PIN (for `ip link set dev X xdpdrv pinned PIN`)
 //!   krt-netprobe rate tcp|udp ADDR SECONDS  new flows back to back (a connection or socket per exchange)
 //!                                           for SECONDS; prints "OK FAILED PER-SECOND"
 //!   krt-netprobe peer tcp|udp|udp-connected ADDR COUNT
@@ -265,6 +269,70 @@ fn hold(addr: SocketAddr, interval: Duration, source_port: Option<u16>) -> ! {
     }
 }
 
+/// `r0 = XDP_PASS; exit`, loaded and pinned at `path`.
+fn pin_xdp_pass(path: &str) -> std::io::Result<()> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let insns: [u64; 2] =
+        [u64::from_le_bytes([0xb7, 0, 0, 0, 2, 0, 0, 0]), u64::from_le_bytes([0x95, 0, 0, 0, 0, 0, 0, 0])];
+    let license = c"GPL";
+    // union bpf_attr, BPF_PROG_LOAD: prog_type (XDP = 6), insn_cnt, insns, license.
+    let mut attr = [0u64; 16];
+    attr[0] = 6 | (insns.len() as u64) << 32;
+    attr[1] = insns.as_ptr() as u64;
+    attr[2] = license.as_ptr() as u64;
+    // SAFETY: a valid BPF_PROG_LOAD attribute whose pointers outlive the call.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, 5, attr.as_mut_ptr(), 128u32) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the new program fd is ours.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let path = std::ffi::CString::new(path).map_err(std::io::Error::other)?;
+    // BPF_OBJ_PIN: pathname, bpf_fd.
+    let mut attr = [0u64; 16];
+    attr[0] = path.as_ptr() as u64;
+    attr[1] = fd.as_raw_fd() as u64;
+    // SAFETY: as above.
+    if unsafe { libc::syscall(libc::SYS_bpf, 6, attr.as_mut_ptr(), 128u32) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// An offload switched through the legacy ethtool ioctl (`ETHTOOL_STXCSUM`).
+fn set_feature(interface: &str, feature: &str, on: bool) -> std::io::Result<()> {
+    const SIOCETHTOOL: libc::c_ulong = 0x8946;
+    let cmd: u32 = match feature {
+        "tx-checksum" => 0x17,
+        other => return Err(std::io::Error::other(format!("unknown feature {other}"))),
+    };
+    // struct ethtool_value { cmd, data }.
+    let mut value = [cmd, u32::from(on)];
+    // SAFETY: an all-zero ifreq is valid; the name fits (checked) and stays NUL-terminated.
+    let mut request: libc::ifreq = unsafe { std::mem::zeroed() };
+    if interface.len() >= request.ifr_name.len() {
+        return Err(std::io::Error::other("interface name too long"));
+    }
+    for (dst, src) in request.ifr_name.iter_mut().zip(interface.bytes()) {
+        *dst = src as libc::c_char;
+    }
+    request.ifr_ifru.ifru_data = value.as_mut_ptr().cast();
+    // SAFETY: a datagram socket for the ioctl, closed below.
+    let socket = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0) };
+    if socket < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: request names the interface and points at `value`, which outlives the call.
+    let rc = unsafe { libc::ioctl(socket, SIOCETHTOOL, &mut request) };
+    let error = std::io::Error::last_os_error();
+    // SAFETY: closing the socket opened above.
+    unsafe { libc::close(socket) };
+    if rc < 0 {
+        return Err(error);
+    }
+    Ok(())
+}
+
 fn print_result(result: Result<String, String>) {
     match result {
         Ok(reply) => println!("{reply}"),
@@ -356,6 +424,15 @@ fn main() {
                 std::thread::sleep(interval);
             }
         }
+        "feature" => {
+            let on = match arg(3).as_str() {
+                "on" => true,
+                "off" => false,
+                other => panic!("feature: on or off, not {other}"),
+            };
+            set_feature(&arg(1), &arg(2), on).unwrap_or_else(|e| panic!("feature {} {}: {e}", arg(1), arg(2)));
+        }
+        "xdp-pass" => pin_xdp_pass(&arg(1)).unwrap_or_else(|e| panic!("xdp-pass {}: {e}", arg(1))),
         "bulk" => print_result(bulk(arg(1).parse().expect("addr"), arg(2).parse().expect("bytes"))),
         "rate" => {
             // New flows back to back: a TCP connection (or a UDP socket) per exchange.

@@ -1,0 +1,255 @@
+//! The XDP fast path (`kr_xdp_lb`), run in the kernel with BPF_PROG_TEST_RUN on packets arriving
+//! on a node uplink: north-south flows to a backend on another node are translated (DNAT + SNAT
+//! to the node, as TC does) and sent back out (XDP_TX) with valid checksums and the next hop's
+//! MAC; their replies are reverse-translated; the conntrack state is TC's own, whichever hook
+//! made it; everything else passes untouched. Needs root.
+use std::{net::Ipv4Addr, path::PathBuf};
+
+use kube_router::{
+    bpf::{
+        datapath::{self, Datapath, Hook},
+        service_maps::{write_lb_config, BpfServiceMaps},
+        test_run::{packet, run_on, run_xdp, NodeNetns},
+        xdp,
+    },
+    services::{
+        compile::{addr_be, assign_ids, plan, Limits},
+        model::NodeContext,
+        source::parse_objects,
+        sync::ServiceSync,
+    },
+};
+use kube_router_common::{xdp_stat, LbConfig};
+
+const XDP_PASS: i32 = 2;
+const XDP_TX: i32 = 3;
+const TC_ACT_UNSPEC: i32 = -1;
+const TC_ACT_REDIRECT: i32 = 7;
+
+const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 100, 0, 1);
+const CLIENT: Ipv4Addr = Ipv4Addr::new(192, 168, 100, 2);
+const LB_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
+const LOCAL_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 5);
+const REMOTE_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 5);
+const SNAT_PORTS: (u16, u16) = (20_000, 20_099);
+/// The MACs of the other node (next hop to its pods) and of the fabric router (to the client).
+const NODE_B_MAC: [u8; 6] = [0x02, 0, 0, 0, 0xb, 0xb];
+const ROUTER_MAC: [u8; 6] = [0x02, 0, 0, 0, 0xf, 0xe];
+
+/// A LoadBalancer Service `web` (NodePort 30080/TCP, 30053/UDP, LB IP) over the endpoints.
+fn service_yaml(endpoints: &[(Ipv4Addr, &str)]) -> String {
+    let endpoints: String = endpoints
+        .iter()
+        .map(|(addr, node)| format!("- addresses: [\"{addr}\"]\n  nodeName: {node}\n  conditions: {{ready: true}}\n"))
+        .collect();
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{namespace: default, name: web}}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  ports:\n  - {{name: http, protocol: TCP, port: 80, nodePort: 30080}}\n  - {{name: dns, protocol: UDP, port: 53, nodePort: 30053}}\nstatus:\n  loadBalancer:\n    ingress: [{{ip: {LB_IP}}}]\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  namespace: default\n  name: web-1\n  labels: {{kubernetes.io/service-name: web}}\naddressType: IPv4\n\
+         ports:\n- {{name: http, protocol: TCP, port: 8080}}\n- {{name: dns, protocol: UDP, port: 5353}}\nendpoints:\n{endpoints}"
+    )
+}
+
+fn mac(bytes: [u8; 6]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
+}
+
+struct Loaded {
+    datapath: Datapath,
+    pin_dir: PathBuf,
+    uplink: u32,
+    _node: NodeNetns,
+}
+
+impl Drop for Loaded {
+    fn drop(&mut self) {
+        let _ = datapath::remove_all(&self.pin_dir);
+    }
+}
+
+/// The node: `up0` (NODE_IP/24) towards the fabric, with the other node's pods and the client
+/// routed via neighbours whose MACs are known (`neighbours`: else resolved by the stack).
+fn load(test: &str, endpoints: &[(Ipv4Addr, &str)], neighbours: bool) -> Loaded {
+    let (b_mac, router_mac) = (mac(NODE_B_MAC), mac(ROUTER_MAC));
+    let mut commands: Vec<Vec<&str>> = vec![
+        vec!["link", "add", "up0", "type", "veth", "peer", "name", "up1"],
+        vec!["addr", "add", "10.100.0.1/24", "dev", "up0"],
+        vec!["link", "set", "up0", "up"],
+        vec!["link", "set", "up1", "up"],
+        vec!["route", "add", "10.244.2.0/24", "via", "10.100.0.2"],
+        vec!["route", "add", "192.168.100.0/24", "via", "10.100.0.254"],
+        vec!["link", "add", "pod0", "type", "veth", "peer", "name", "pod1"],
+        vec!["addr", "add", "10.244.1.1/24", "dev", "pod0"],
+        vec!["link", "set", "pod0", "up"],
+        vec!["link", "set", "pod1", "up"],
+    ];
+    if neighbours {
+        commands.push(vec!["neigh", "add", "10.100.0.2", "lladdr", &b_mac, "dev", "up0", "nud", "permanent"]);
+        commands.push(vec!["neigh", "add", "10.100.0.254", "lladdr", &router_mac, "dev", "up0", "nud", "permanent"]);
+    }
+    let commands: Vec<&[&str]> = commands.iter().map(Vec::as_slice).collect();
+    let node = NodeNetns::enter(&format!("krt-xdp-unit-{test}"), &commands).expect("node netns");
+    let uplink = node.ifindex("up0");
+    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/krt-xdp-unit-{test}"));
+    let _ = datapath::remove_all(&pin_dir);
+    let datapath = Datapath::load(&pin_dir).expect("load datapath (run as root)");
+    let mut maps = BpfServiceMaps::open_pinned(&pin_dir).unwrap();
+    let mut sync = ServiceSync::adopt(&maps).unwrap();
+    let context = NodeContext { name: "node-a".into(), node_port_addrs: vec![NODE_IP.into()], ..Default::default() };
+    let builder = parse_objects(&service_yaml(endpoints)).unwrap();
+    let desired = assign_ids(&plan(&builder.state, &context, Limits::default()), sync.programmed());
+    assert_eq!(sync.sync(&mut maps, &desired, true).total().errors, 0);
+    let config = LbConfig {
+        snat_addr: addr_be(NODE_IP),
+        snat_addr_v6: Default::default(),
+        snat_port_min: SNAT_PORTS.0,
+        snat_port_max: SNAT_PORTS.1,
+        flags: 0,
+        pad: 0,
+    };
+    write_lb_config(&pin_dir, &config).unwrap();
+    Loaded { datapath, pin_dir, uplink, _node: node }
+}
+
+impl Loaded {
+    fn xdp(&mut self, frame: &[u8]) -> (i32, Vec<u8>) {
+        let fd = xdp::program_fd(&mut self.datapath).unwrap();
+        let out = run_xdp(fd, frame, 1, self.uplink).unwrap();
+        (out.retval, out.packet)
+    }
+    fn tc_ingress(&self, frame: &[u8]) -> (i32, Vec<u8>) {
+        let fd = self.datapath.program_fd(Hook::Ingress).unwrap();
+        let out = run_on(fd, frame, 1, Some(self.uplink)).unwrap();
+        (out.retval, out.packet)
+    }
+    fn stat(&self, index: u32) -> u64 {
+        xdp::read_stats(&self.pin_dir).unwrap().expect("xdp_stats pinned")[index as usize]
+    }
+}
+
+fn ttl(frame: &[u8]) -> u8 {
+    frame[14 + 8]
+}
+
+fn macs(frame: &[u8]) -> ([u8; 6], [u8; 6]) {
+    (frame[..6].try_into().unwrap(), frame[6..12].try_into().unwrap())
+}
+
+#[test]
+fn a_new_flow_to_a_remote_backend_is_translated_and_sent_back_out_and_so_is_its_reply() {
+    let mut lb = load("remote", &[(REMOTE_POD, "node-b")], true);
+    // This thread's namespace (a child process inherits it; /sys shows another).
+    let link = std::process::Command::new("ip").args(["-br", "link", "show", "up0"]).output().unwrap();
+    let up0_mac = String::from_utf8(link.stdout).unwrap().split_whitespace().nth(2).unwrap().to_string();
+    let mut flows = 0;
+    for (proto, frontend, backend_port) in
+        [(packet::TCP, (NODE_IP, 30080), 8080), (packet::UDP, (NODE_IP, 30053), 5353), (packet::TCP, (LB_IP, 80), 8080)]
+    {
+        flows += 1;
+        let client = (CLIENT, 40000 + flows);
+        let syn = packet::ipv4(proto, client, frontend, packet::TCP_SYN, b"hello");
+        let (verdict, out) = lb.xdp(&syn);
+        assert_eq!(verdict, XDP_TX, "sent back out of the uplink it came in on");
+        let (src, dst) = packet::endpoints(&out);
+        assert_eq!(dst, (REMOTE_POD, backend_port), "DNAT to the backend");
+        assert_eq!(src.0, NODE_IP, "SNAT to this node, as at TC");
+        assert!((SNAT_PORTS.0..=SNAT_PORTS.1).contains(&src.1), "port {} from the SNAT range", src.1);
+        assert_eq!(ttl(&out), 63, "forwarded like a router: TTL decremented");
+        assert!(packet::checksums_valid(&out), "IP and {proto} checksums valid after the rewrite");
+        assert_eq!(macs(&out).0, NODE_B_MAC, "to the next hop");
+        assert_eq!(mac(macs(&out).1), up0_mac.trim(), "from the uplink");
+
+        // The backend node's reply comes back to the node address and leaves as the frontend's.
+        let reply = packet::ipv4(proto, dst, src, packet::TCP_ACK, b"world");
+        let (verdict, back) = lb.xdp(&reply);
+        assert_eq!(verdict, XDP_TX);
+        assert_eq!(packet::endpoints(&back), (frontend, client));
+        assert!(packet::checksums_valid(&back));
+        assert_eq!(macs(&back).0, ROUTER_MAC);
+
+        // One conntrack state whichever hook sees the flow: TC translates the next packet alike.
+        let next = packet::ipv4(proto, client, frontend, packet::TCP_ACK, b"again");
+        let (verdict, at_tc) = lb.tc_ingress(&next);
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+        assert_eq!(packet::endpoints(&at_tc), (src, dst));
+        let (verdict, at_xdp) = lb.xdp(&next);
+        assert_eq!(verdict, XDP_TX);
+        assert_eq!(packet::endpoints(&at_xdp), (src, dst));
+    }
+    assert_eq!(lb.stat(xdp_stat::NEW_FLOW), 3);
+    assert_eq!(lb.stat(xdp_stat::REPLY), 3);
+    assert_eq!(lb.stat(xdp_stat::FORWARD), 3);
+    assert_eq!(lb.stat(xdp_stat::TX), 9);
+    assert_eq!(lb.stat(xdp_stat::PACKETS), 9);
+}
+
+#[test]
+fn a_flow_that_tc_started_is_served_by_xdp() {
+    let mut lb = load("tcfirst", &[(REMOTE_POD, "node-b")], true);
+    let syn = packet::ipv4(packet::TCP, (CLIENT, 41000), (NODE_IP, 30080), packet::TCP_SYN, b"");
+    let (verdict, at_tc) = lb.tc_ingress(&syn);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    let ack = packet::ipv4(packet::TCP, (CLIENT, 41000), (NODE_IP, 30080), packet::TCP_ACK, b"data");
+    let (verdict, at_xdp) = lb.xdp(&ack);
+    assert_eq!(verdict, XDP_TX);
+    assert_eq!(packet::endpoints(&at_xdp), packet::endpoints(&at_tc));
+    assert_eq!(lb.stat(xdp_stat::NEW_FLOW), 0);
+}
+
+#[test]
+fn non_service_traffic_fragments_and_unresolved_next_hops_pass_untouched() {
+    let mut lb = load("pass", &[(REMOTE_POD, "node-b")], false);
+    // Not to a frontend.
+    let other = packet::ipv4(packet::TCP, (CLIENT, 40000), (NODE_IP, 22), packet::TCP_SYN, b"ssh");
+    assert_eq!(lb.xdp(&other), (XDP_PASS, other.clone()));
+    // A first fragment to the NodePort: fragments are TC's (it tracks their ports).
+    let l4 = packet::l4_segment(packet::UDP, (CLIENT, 40001), (NODE_IP, 30053), 0, &[7; 64]);
+    let first = packet::ipv4_frame(packet::UDP, CLIENT, NODE_IP, 0x2000, &l4);
+    assert_eq!(lb.xdp(&first), (XDP_PASS, first.clone()));
+    let later = packet::ipv4_frame(packet::UDP, CLIENT, NODE_IP, 0x0003, &[7; 24]);
+    assert_eq!(lb.xdp(&later), (XDP_PASS, later.clone()));
+    // ICMP is TC's too.
+    let echo = packet::icmp_echo(8, CLIENT, NODE_IP, 7);
+    assert_eq!(lb.xdp(&echo), (XDP_PASS, echo.clone()));
+    // No neighbour entry for the next hop: the stack resolves it, through TC, from the flow
+    // state XDP recorded.
+    let syn = packet::ipv4(packet::TCP, (CLIENT, 40002), (NODE_IP, 30080), packet::TCP_SYN, b"");
+    assert_eq!(lb.xdp(&syn), (XDP_PASS, syn.clone()));
+    let (verdict, at_tc) = lb.tc_ingress(&syn);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(packet::endpoints(&at_tc).1, (REMOTE_POD, 8080));
+    assert_eq!(lb.stat(xdp_stat::PASS_NO_SERVICE), 1);
+    assert_eq!(lb.stat(xdp_stat::PASS_FRAGMENT), 2);
+    assert_eq!(lb.stat(xdp_stat::PASS_NOT_LB), 1);
+    assert_eq!(lb.stat(xdp_stat::PASS_NO_ROUTE), 1);
+    assert_eq!(lb.stat(xdp_stat::TX), 0);
+}
+
+#[test]
+fn local_backends_and_partial_checksums_are_left_to_tc() {
+    let mut lb = load("local", &[(LOCAL_POD, "node-a")], true);
+    let syn = packet::ipv4(packet::TCP, (CLIENT, 40000), (NODE_IP, 30080), packet::TCP_SYN, b"");
+    assert_eq!(lb.xdp(&syn), (XDP_PASS, syn.clone()));
+    // TC translates it from the state XDP recorded (client address kept: local delivery).
+    let (verdict, at_tc) = lb.tc_ingress(&syn);
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    assert_eq!(packet::endpoints(&at_tc), ((CLIENT, 40000), (LOCAL_POD, 8080)));
+    assert_eq!(lb.stat(xdp_stat::PASS_TO_TC), 1);
+
+    // A checksum field holding only the pseudo-header sum (CHECKSUM_PARTIAL from a local veth
+    // peer): XDP cannot complete it, TC can.
+    let mut lb = load("partial", &[(REMOTE_POD, "node-b")], true);
+    let mut partial = packet::ipv4(packet::TCP, (CLIENT, 40001), (NODE_IP, 30080), packet::TCP_SYN, b"");
+    let l4_len = (partial.len() - 34) as u32;
+    let mut sum: u32 = [CLIENT.octets(), NODE_IP.octets()]
+        .iter()
+        .flat_map(|a| [u32::from(u16::from_be_bytes([a[0], a[1]])), u32::from(u16::from_be_bytes([a[2], a[3]]))])
+        .sum::<u32>()
+        + u32::from(packet::TCP)
+        + l4_len;
+    while sum >> 16 != 0 {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    partial[34 + 16..34 + 18].copy_from_slice(&(sum as u16).to_be_bytes());
+    assert_eq!(lb.xdp(&partial), (XDP_PASS, partial.clone()));
+    assert_eq!(lb.stat(xdp_stat::PASS_CHECKSUM_PARTIAL), 1);
+}
