@@ -15,4 +15,5 @@ pub mod netif;
 pub mod overlay;
 pub mod policy;
 pub mod router;
+pub mod runtime;
 pub mod services;
