@@ -3,6 +3,8 @@ pub mod agent;
 pub mod bgp;
 pub mod bpf;
 pub mod cni;
+pub mod config;
+pub mod controllers;
 pub mod egress;
 pub mod fib;
 pub mod firewall;

@@ -9,7 +9,7 @@ use std::{
     fmt::Write as _,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::PathBuf,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use anyhow::{Context, Result};
@@ -208,22 +208,13 @@ pub struct RouterController {
     last_problem: Option<String>,
     last_warnings: Vec<String>,
     metrics: Metrics,
-    /// A speaker that failed to start: what to start it with, when to try again, and how.
+    /// A speaker that failed to start: how often, and why (logged once per reason).
     failed_start: Option<FailedStart>,
 }
 
 struct FailedStart {
-    config: NodeBgpConfig,
-    vips: ServiceVips,
     attempts: u32,
-    retry_at: Instant,
     error: String,
-}
-
-/// Backoff between start attempts: 1 s doubling to 30 s (a port still held by an old process,
-/// an address not yet configured).
-fn start_backoff(attempts: u32) -> Duration {
-    Duration::from_secs(1u64 << attempts.saturating_sub(1).min(5)).min(Duration::from_secs(30))
 }
 
 impl RouterController {
@@ -302,13 +293,13 @@ impl RouterController {
 
     /// Re-derives the configuration from the Node, Service and EndpointSlice objects we know.
     /// A problem (this node not found yet, a broken annotation on it) is logged once and
-    /// changes nothing.
+    /// changes nothing. An error: the speaker could not start (to be tried again).
     pub async fn update_from_nodes<'a>(
         &mut self,
         nodes: impl Iterator<Item = &'a Node>,
         services: impl Iterator<Item = &'a Service>,
         endpoint_slices: impl Iterator<Item = &'a EndpointSlice>,
-    ) {
+    ) -> Result<()> {
         let nodes: Vec<Node> = nodes.cloned().collect();
         match node_bgp_config(&nodes, &self.settings()) {
             Ok(mut config) => {
@@ -341,7 +332,7 @@ impl RouterController {
                     slices: &slices,
                 };
                 let vips = service_vips(services, self.options.advertise, &local);
-                self.apply(config, vips).await;
+                self.apply(config, vips).await
             }
             Err(e) => {
                 let problem = e.to_string();
@@ -350,16 +341,19 @@ impl RouterController {
                     self.metrics.with(|m| *m.rejected_objects.entry("Node").or_default() += 1);
                     self.last_problem = Some(problem);
                 }
+                Ok(())
             }
         }
     }
 
-    pub async fn apply(&mut self, config: NodeBgpConfig, vips: ServiceVips) {
+    /// Tells the speaker, starting it first if needed. An error: it could not start; the
+    /// caller tries again later (the controller's runner, with backoff).
+    pub async fn apply(&mut self, config: NodeBgpConfig, vips: ServiceVips) -> Result<()> {
         let mut prefixes: Vec<Originated> = prefixes_of(&config.pod_cidrs, OriginKind::PodCidr).collect();
         prefixes.extend(prefixes_of(&vips.advertised, OriginKind::ServiceVip));
         let wanted = Applied { peers: config.peers.clone(), prefixes, policies: self.policies(&config, &vips) };
         if self.applied.as_ref() == Some(&wanted) {
-            return;
+            return Ok(());
         }
         match &self.speaker {
             Some(speaker) => {
@@ -377,30 +371,26 @@ impl RouterController {
                 Err(e) => {
                     let error = format!("{e:#}");
                     let attempts = self.failed_start.as_ref().map_or(0, |f| f.attempts) + 1;
-                    let retry_in = start_backoff(attempts);
                     // Logged when the reason changes, not on every attempt.
                     if self.failed_start.as_ref().is_none_or(|f| f.error != error) {
-                        tracing::error!(error = %error, retry_in = ?retry_in, "cannot start the BGP speaker; will retry");
+                        tracing::error!(error = %error, "cannot start the BGP speaker; will retry with backoff");
                     }
-                    let retry_at = Instant::now() + retry_in;
-                    self.failed_start = Some(FailedStart { config, vips, attempts, retry_at, error });
-                    return;
+                    self.failed_start = Some(FailedStart { attempts, error: error.clone() });
+                    anyhow::bail!("BGP speaker not started: {error}");
                 }
             },
         }
         self.applied = Some(wanted);
+        Ok(())
     }
 
-    /// Tries again to start a speaker that failed to, once its backoff has passed, with the
-    /// configuration it was last given (a newer one given meanwhile through `apply` replaces it).
-    pub async fn retry_start_if_due(&mut self) {
-        let due = self.speaker.is_none() && self.failed_start.as_ref().is_some_and(|f| Instant::now() >= f.retry_at);
-        if !due {
-            return;
-        }
-        let failed = self.failed_start.as_ref().expect("checked above");
-        let (config, vips) = (failed.config.clone(), failed.vips.clone());
-        self.apply(config, vips).await;
+    /// The last attempt to start the speaker failed.
+    pub fn start_failed(&self) -> bool {
+        self.speaker.is_none() && self.failed_start.is_some()
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
     }
 
     async fn start(&self, config: &NodeBgpConfig, wanted: &Applied) -> Result<Speaker> {

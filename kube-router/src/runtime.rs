@@ -127,6 +127,15 @@ pub struct Running<C> {
     pub task: JoinHandle<C>,
 }
 
+impl<C: Send + 'static> Running<C> {
+    /// A handle that only says when the task ended.
+    pub fn detach(self) -> JoinHandle<()> {
+        tokio::spawn(async move {
+            let _ = self.task.await;
+        })
+    }
+}
+
 /// Runs `controller` on its own task until `stop` turns true (or its sender goes away); a
 /// reconcile under way is finished first. The first reconcile runs at once.
 pub fn spawn<C: Controller>(
