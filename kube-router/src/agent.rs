@@ -64,6 +64,9 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         });
     }
 
+    // Until a BGP speaker runs (if ever), /bgp says so.
+    metrics.register_page("bgp", Arc::new(|| crate::router::render_status(None)));
+
     // The object holds every program; loading it creates (or re-adopts) every pinned map.
     let interfaces = if config.run_service_proxy || config.run_firewall {
         let mut datapath = Datapath::load_sized(&config.pin_dir, config.attach_mode, Some(config.map_sizes))?;

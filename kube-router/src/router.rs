@@ -9,6 +9,7 @@ use std::{
     fmt::Write as _,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::PathBuf,
+    sync::Arc,
     time::Duration,
 };
 
@@ -29,7 +30,7 @@ use crate::{
         speaker::{run_fib, GracefulRestartSettings, Originated, Policies, Speaker, SpeakerConfig, SpeakerStatus},
     },
     fib::{netlink::NetlinkRoutes, resolve::Reachability},
-    metrics::Metrics,
+    metrics::{family, Metrics},
     overlay::OverlayConfig,
 };
 
@@ -210,6 +211,8 @@ pub struct RouterController {
     metrics: Metrics,
     /// A speaker that failed to start: how often, and why (logged once per reason).
     failed_start: Option<FailedStart>,
+    /// The speaker's families and page are registered with the metrics.
+    registered: bool,
 }
 
 struct FailedStart {
@@ -227,6 +230,7 @@ impl RouterController {
             last_warnings: Vec::new(),
             metrics,
             failed_start: None,
+            registered: false,
         }
     }
 
@@ -438,11 +442,19 @@ impl RouterController {
         self.speaker.as_ref().map(Speaker::status)
     }
 
-    pub fn publish_metrics(&self) {
+    pub fn publish_metrics(&mut self) {
         if let Some(speaker) = &self.speaker {
-            self.metrics.with(|m| {
-                m.bgp.get_or_insert_with(|| speaker.clone());
-            });
+            if !self.registered {
+                // Read fresh on every scrape and every request of /bgp.
+                let scraped = speaker.clone();
+                self.metrics.register_families(
+                    "bgp",
+                    Arc::new(move |out: &mut String| render_bgp_families(out, &scraped.status())),
+                );
+                let shown = speaker.clone();
+                self.metrics.register_page("bgp", Arc::new(move || render_status(Some(&shown.status()))));
+                self.registered = true;
+            }
             self.metrics.heartbeat("bgp");
         }
         if self.options.overlay.is_some() {
@@ -469,6 +481,110 @@ fn first_global_ipv6() -> Option<Ipv6Addr> {
         let scope = fields.nth(2)?;
         (scope == "00").then(|| u128::from_str_radix(hex, 16).ok().map(Ipv6Addr::from)).flatten()
     })
+}
+
+/// The BGP sessions' metric families, under our names and kube-router's.
+pub fn render_bgp_families(out: &mut String, status: &SpeakerStatus) {
+    render_session_families(out, status);
+    crate::kr_metrics::render_bgp(out, status);
+}
+
+fn render_session_families(out: &mut String, bgp: &SpeakerStatus) {
+    family(out, "kube_router_bgp_session_established", "gauge", "1 if the BGP session with the peer is Established.");
+    for p in &bgp.peers {
+        let up = u8::from(p.state == State::Established);
+        let _ = writeln!(out, "kube_router_bgp_session_established{{peer=\"{}\",asn=\"{}\"}} {up}", p.address, p.asn);
+    }
+    family(
+        out,
+        "kube_router_bgp_session_state",
+        "gauge",
+        "BGP FSM state of each peer (the current state has value 1).",
+    );
+    for p in &bgp.peers {
+        let _ = writeln!(out, "kube_router_bgp_session_state{{peer=\"{}\",state=\"{:?}\"}} 1", p.address, p.state);
+    }
+    for (name, help, pick) in [
+        ("kube_router_bgp_prefixes_received", "Prefixes in the peer's Adj-RIB-In.", 0),
+        ("kube_router_bgp_prefixes_stale", "Prefixes kept as stale while the peer restarts.", 1),
+        ("kube_router_bgp_prefixes_advertised", "Prefixes in the peer's Adj-RIB-Out.", 2),
+        ("kube_router_bgp_prefixes_rejected", "Prefixes of the peer the import policy refuses (kept, unused).", 3),
+        (
+            "kube_router_bgp_prefixes_unresolved",
+            "Prefixes of the peer whose next hop does not resolve (kept, unused).",
+            4,
+        ),
+    ] {
+        family(out, name, "gauge", help);
+        for p in &bgp.peers {
+            let n = [
+                p.prefixes_received,
+                p.prefixes_stale,
+                p.prefixes_advertised,
+                p.prefixes_rejected,
+                p.prefixes_unresolved,
+            ][pick];
+            let _ = writeln!(out, "{name}{{peer=\"{}\"}} {n}", p.address);
+        }
+    }
+    family(out, "kube_router_bgp_bfd_up", "gauge", "1 if the BFD session watching the peer is Up (BFD peers only).");
+    for p in &bgp.peers {
+        if let Some(up) = p.bfd_up {
+            let _ = writeln!(out, "kube_router_bgp_bfd_up{{peer=\"{}\"}} {}", p.address, u8::from(up));
+        }
+    }
+    for (name, help, pick) in [
+        ("kube_router_bgp_updates_received_total", "UPDATE messages received.", 0),
+        ("kube_router_bgp_notifications_received_total", "NOTIFICATION messages received.", 1),
+        ("kube_router_bgp_notifications_sent_total", "NOTIFICATION messages sent.", 2),
+    ] {
+        family(out, name, "counter", help);
+        for p in &bgp.peers {
+            let n = [p.updates_received, p.notifications_received, p.notifications_sent][pick];
+            let _ = writeln!(out, "{name}{{peer=\"{}\"}} {n}", p.address);
+        }
+    }
+    family(
+        out,
+        "kube_router_bgp_malformed_messages_total",
+        "counter",
+        "Malformed BGP messages received (RFC 7606 handling).",
+    );
+    let _ = writeln!(out, "kube_router_bgp_malformed_messages_total {}", bgp.malformed_messages);
+    family(
+        out,
+        "kube_router_bgp_ignored_nlri_total",
+        "counter",
+        "UPDATE parts ignored with the session kept: NLRI of families we do not route, unrepresentable prefixes.",
+    );
+    let _ = writeln!(out, "kube_router_bgp_ignored_nlri_total {}", bgp.ignored_nlri);
+    family(out, "kube_router_bgp_routes_rejected_total", "counter", "Paths refused by the import policy, per reason.");
+    for (peer, reason, n) in &bgp.rejections {
+        let _ =
+            writeln!(out, "kube_router_bgp_routes_rejected_total{{peer=\"{peer}\",reason=\"{}\"}} {n}", reason.label());
+    }
+    family(out, "kube_router_bgp_routes", "gauge", "Prefixes in the Loc-RIB (best paths, local and learned).");
+    let _ = writeln!(out, "kube_router_bgp_routes {}", bgp.loc_rib_size);
+    let fib = &bgp.fib;
+    for (name, kind, help, n) in [
+        (
+            "kube_router_bgp_route_conflicts",
+            "gauge",
+            "Learned destinations not installed because another route (not ours) already claims them.",
+            fib.conflicts as u64,
+        ),
+        ("kube_router_bgp_route_conflicts_total", "counter", "Route conflicts seen (each once).", fib.conflicts_total),
+        (
+            "kube_router_bgp_routes_refused",
+            "gauge",
+            "Learned routes the kernel refused, waiting for a retry.",
+            fib.refused as u64,
+        ),
+        ("kube_router_bgp_route_refusals_total", "counter", "Kernel route writes refused.", fib.refusals_total),
+    ] {
+        family(out, name, kind, help);
+        let _ = writeln!(out, "{name} {n}");
+    }
 }
 
 /// Human-readable neighbors and routes, served on /bgp and printed by `kube-router bgp`.
