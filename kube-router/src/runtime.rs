@@ -163,26 +163,31 @@ async fn run<C: Controller>(
         if *stop.borrow() {
             break;
         }
-        tokio::select! {
-            biased;
-            stopped = stop.changed() => {
-                if stopped.is_err() {
-                    break;
+        // Due already: run now. A timer would round up to its next millisecond tick, which is
+        // the whole latency budget of a Service change.
+        let ready = due.is_some_and(|at| at <= Instant::now());
+        if !ready {
+            tokio::select! {
+                biased;
+                stopped = stop.changed() => {
+                    if stopped.is_err() {
+                        break;
+                    }
+                    continue;
                 }
-                continue;
-            }
-            open = trigger.changed(), if inputs_open => {
-                if open {
-                    // A change runs the controller soon, also when it waits for a retry: the
-                    // new input may be what it needed. A burst does not push the run later.
-                    let soon = Instant::now() + options.debounce;
-                    due = Some(due.map_or(soon, |at| at.min(soon)));
-                } else {
-                    inputs_open = false;
+                open = trigger.changed(), if inputs_open => {
+                    if open {
+                        // A change runs the controller soon, also when it waits for a retry: the
+                        // new input may be what it needed. A burst does not push the run later.
+                        let soon = Instant::now() + options.debounce;
+                        due = Some(due.map_or(soon, |at| at.min(soon)));
+                    } else {
+                        inputs_open = false;
+                    }
+                    continue;
                 }
-                continue;
+                _ = wait_until(due) => {}
             }
-            _ = wait_until(due) => {}
         }
         let result = controller.reconcile().await;
         let now = Instant::now();
