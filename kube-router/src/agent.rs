@@ -41,7 +41,7 @@ use crate::{
     metrics::{self, Metrics},
     netif,
     router::RouterController,
-    runtime::{self, NoTrigger, RunOptions},
+    runtime::{self, NoTrigger, RunOptions, Running, Status},
     services::family::V6,
 };
 
@@ -116,7 +116,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let cache = api.as_ref().map(|(cache, _)| cache.clone());
 
     let (stop_tx, stop) = watch::channel(false);
-    let mut tasks: Vec<JoinHandle<()>> = Vec::new();
+    let mut tasks = Controllers::default();
     // Without a datapath the node's addresses matter to nobody: a channel that never changes.
     let node_addresses: watch::Receiver<Vec<IpAddr>> = match &interfaces {
         Some(interfaces) => interfaces.node_addresses(),
@@ -131,18 +131,18 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         } else {
             None
         };
-        tasks.push(runtime::spawn(interfaces, LinkTrigger(events), AT_ONCE, stop.clone()).detach());
+        tasks.add(runtime::spawn(interfaces, LinkTrigger(events), AT_ONCE, stop.clone()));
     }
     if let Some(controller) = services {
         match (&config.source, &cache) {
             (DesiredSource::File(path), _) => {
                 let services = ServicesFromFile::new(controller, path.clone(), node_addresses.clone());
-                tasks.push(runtime::spawn(services, node_addresses.clone(), AT_ONCE, stop.clone()).detach());
+                tasks.add(runtime::spawn(services, node_addresses.clone(), AT_ONCE, stop.clone()));
             }
             (DesiredSource::Api(_), Some(cache)) => {
                 let services = ServicesFromApi::new(controller, cache.clone(), node_addresses.clone());
                 let trigger = (cache.subscribe(SERVICE_TRIGGER_KINDS), node_addresses.clone());
-                tasks.push(runtime::spawn(services, trigger, AT_ONCE, stop.clone()).detach());
+                tasks.add(runtime::spawn(services, trigger, AT_ONCE, stop.clone()));
             }
             (DesiredSource::Api(_), None) => unreachable!("the API source has a cache"),
         }
@@ -150,9 +150,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     if let Some(cache) = &cache {
         if let Some(firewall) = firewall {
             let policy = PolicyController::new(firewall, cache.clone());
-            tasks.push(
-                runtime::spawn(policy, cache.subscribe(POLICY_KINDS), RunOptions::default(), stop.clone()).detach(),
-            );
+            tasks.add(runtime::spawn(policy, cache.subscribe(POLICY_KINDS), RunOptions::default(), stop.clone()));
         }
         let cni = config.cni.clone().map(|options| {
             CniWriter::new(options, config.node_name.clone(), config.node_ip.or_else(netif::default_route_source))
@@ -160,14 +158,12 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         if config.run_service_proxy || cni.is_some() {
             let egress = config.run_service_proxy.then(|| egress.clone());
             let nets = NodeNetsController::new(cache.clone(), egress, cni, metrics.clone());
-            tasks.push(runtime::spawn(nets, cache.subscribe(NODE_KINDS), RunOptions::default(), stop.clone()).detach());
+            tasks.add(runtime::spawn(nets, cache.subscribe(NODE_KINDS), RunOptions::default(), stop.clone()));
         }
         let writer = CheckpointWriter::new(cache.clone(), config.state_dir.clone(), metrics.clone());
-        tasks.push(
-            runtime::spawn(writer, cache.subscribe(CHECKPOINT_KINDS), RunOptions::default(), stop.clone()).detach(),
-        );
+        tasks.add(runtime::spawn(writer, cache.subscribe(CHECKPOINT_KINDS), RunOptions::default(), stop.clone()));
     }
-    tasks.push(runtime::spawn(stats, NoTrigger, RunOptions::default(), stop.clone()).detach());
+    tasks.add(runtime::spawn(stats, NoTrigger, RunOptions::default(), stop.clone()));
     // Without the API the configuration comes from flags; with it, from the Node objects (or
     // their checkpoint), as soon as they are known.
     let routing = config.router.clone().map(|options| {
@@ -183,6 +179,13 @@ pub async fn run(config: AgentConfig) -> Result<()> {
             None => runtime::spawn(router, NoTrigger, RunOptions::default(), stop.clone()),
         }
     });
+
+    if let Some(routing) = &routing {
+        tasks.statuses.push((routing.name, routing.status.clone()));
+    }
+    let statuses = std::mem::take(&mut tasks.statuses);
+    metrics
+        .register_families("controllers", Arc::new(move |out: &mut String| runtime::render_families(out, &statuses)));
 
     let mut terminate = signal(SignalKind::terminate())?;
     let mut interrupt = signal(SignalKind::interrupt())?;
@@ -212,7 +215,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     // our routes until we are back. Each controller finishes what it is doing (a checkpoint
     // being written is finished; it is replaced atomically either way).
     let _ = stop_tx.send(true);
-    for task in tasks {
+    for task in tasks.tasks {
         let _ = task.await;
     }
     tracing::info!("stopping; datapath and routes left in place");
@@ -222,6 +225,20 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The spawned controllers: their tasks, and their statuses for the metrics.
+#[derive(Default)]
+struct Controllers {
+    tasks: Vec<JoinHandle<()>>,
+    statuses: Vec<(&'static str, watch::Receiver<Status>)>,
+}
+
+impl Controllers {
+    fn add<C: Send + 'static>(&mut self, running: Running<C>) {
+        self.statuses.push((running.name, running.status.clone()));
+        self.tasks.push(running.detach());
+    }
 }
 
 /// The API server's reachability, from what the watchers report.

@@ -495,6 +495,8 @@ mod tests {
         });
         let mut text = metrics.render();
         crate::router::render_bgp_families(&mut text, &crate::bgp::speaker::SpeakerStatus::default());
+        let (_, status) = tokio::sync::watch::channel(crate::runtime::Status::default());
+        crate::runtime::render_families(&mut text, &[("services", status)]);
         parse(&text).0
     }
 

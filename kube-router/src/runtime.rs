@@ -123,6 +123,7 @@ pub struct Status {
 
 /// A spawned controller: its status, and the controller back once stopped.
 pub struct Running<C> {
+    pub name: &'static str,
     pub status: watch::Receiver<Status>,
     pub task: JoinHandle<C>,
 }
@@ -136,6 +137,42 @@ impl<C: Send + 'static> Running<C> {
     }
 }
 
+/// The controllers' reconciles by outcome, and how many times in a row each has failed (it is
+/// retrying while that is above 0).
+pub fn render_families(out: &mut String, controllers: &[(&'static str, watch::Receiver<Status>)]) {
+    use std::fmt::Write as _;
+    crate::metrics::family(
+        out,
+        "kube_router_controller_reconciles_total",
+        "counter",
+        "Reconciles run by each controller, by outcome.",
+    );
+    let statuses: Vec<(&str, Status)> =
+        controllers.iter().map(|(name, status)| (*name, status.borrow().clone())).collect();
+    for (name, status) in &statuses {
+        let errors = status.runs - status.successes;
+        let _ = writeln!(
+            out,
+            "kube_router_controller_reconciles_total{{controller=\"{name}\",outcome=\"success\"}} {}",
+            status.successes
+        );
+        let _ = writeln!(
+            out,
+            "kube_router_controller_reconciles_total{{controller=\"{name}\",outcome=\"error\"}} {errors}"
+        );
+    }
+    crate::metrics::family(
+        out,
+        "kube_router_controller_consecutive_failures",
+        "gauge",
+        "Failed reconciles of each controller since its last success (retried with backoff while above 0).",
+    );
+    for (name, status) in &statuses {
+        let _ =
+            writeln!(out, "kube_router_controller_consecutive_failures{{controller=\"{name}\"}} {}", status.failures);
+    }
+}
+
 /// Runs `controller` on its own task until `stop` turns true (or its sender goes away); a
 /// reconcile under way is finished first. The first reconcile runs at once.
 pub fn spawn<C: Controller>(
@@ -145,8 +182,9 @@ pub fn spawn<C: Controller>(
     stop: watch::Receiver<bool>,
 ) -> Running<C> {
     let (status, status_rx) = watch::channel(Status::default());
+    let name = controller.name();
     let task = tokio::spawn(run(controller, trigger, options, stop, status));
-    Running { status: status_rx, task }
+    Running { name, status: status_rx, task }
 }
 
 async fn run<C: Controller>(
