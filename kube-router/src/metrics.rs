@@ -47,6 +47,11 @@ impl Histogram {
     }
 }
 
+/// Renders metric families into the exposition text.
+pub type Family = Arc<dyn Fn(&mut String) + Send + Sync>;
+/// Renders a status page.
+pub type Page = Arc<dyn Fn() -> String + Send + Sync>;
+
 #[derive(Default)]
 pub struct MetricsState {
     /// (map, op) -> count, op in insert/update/delete/error/full.
@@ -81,8 +86,11 @@ pub struct MetricsState {
     pub socket_lb_events: Vec<(&'static str, u64)>,
     /// Failures to attach the socket load balancer.
     pub socket_lb_errors: u64,
-    /// The BGP speaker, if it runs; its status is read fresh on every scrape.
-    pub bgp: Option<crate::bgp::speaker::Speaker>,
+    /// Families rendered by the part of the agent that registered them, fresh on every
+    /// scrape (BGP sessions), by name.
+    pub families: BTreeMap<&'static str, Family>,
+    /// Text pages served at `/<name>` (`/bgp`).
+    pub pages: BTreeMap<&'static str, Page>,
     /// `ovl_stats` counters, summed over CPUs (once the overlay is in use).
     pub overlay_packets: Vec<(&'static str, u64)>,
     /// kube-router's names (per-Service counters, sync times), see `kr_metrics`.
@@ -326,18 +334,28 @@ impl Metrics {
                 );
                 let _ = writeln!(out, "kube_router_policy_sync_seconds {seconds}");
             }
-            if let Some(bgp) = &m.bgp {
-                let status = bgp.status();
-                render_bgp(&mut out, &status);
-                crate::kr_metrics::render_bgp(&mut out, &status);
+            for render in m.families.values() {
+                render(&mut out);
             }
             render_kube_router_names(&mut out, m);
             out
         })
     }
 
-    pub fn bgp_text(&self) -> String {
-        self.with(|m| crate::router::render_status(m.bgp.as_ref().map(|s| s.status()).as_ref()))
+    /// Adds (or replaces) the families `name` renders on every scrape.
+    pub fn register_families(&self, name: &'static str, render: Family) {
+        self.with(|m| m.families.insert(name, render));
+    }
+
+    /// Serves the page `render` writes at `/<name>`.
+    pub fn register_page(&self, name: &'static str, render: Page) {
+        self.with(|m| m.pages.insert(name, render));
+    }
+
+    /// The page registered as `name`, rendered now.
+    pub fn page(&self, name: &str) -> Option<String> {
+        let render = self.with(|m| m.pages.get(name).cloned())?;
+        Some(render())
     }
 
     /// Liveness: the process answers. Detail: seconds since each controller's last heartbeat.
@@ -404,104 +422,6 @@ pub(crate) fn family(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
-fn render_bgp(out: &mut String, bgp: &crate::bgp::speaker::SpeakerStatus) {
-    family(out, "kube_router_bgp_session_established", "gauge", "1 if the BGP session with the peer is Established.");
-    for p in &bgp.peers {
-        let up = u8::from(p.state == crate::bgp::fsm::State::Established);
-        let _ = writeln!(out, "kube_router_bgp_session_established{{peer=\"{}\",asn=\"{}\"}} {up}", p.address, p.asn);
-    }
-    family(
-        out,
-        "kube_router_bgp_session_state",
-        "gauge",
-        "BGP FSM state of each peer (the current state has value 1).",
-    );
-    for p in &bgp.peers {
-        let _ = writeln!(out, "kube_router_bgp_session_state{{peer=\"{}\",state=\"{:?}\"}} 1", p.address, p.state);
-    }
-    for (name, help, pick) in [
-        ("kube_router_bgp_prefixes_received", "Prefixes in the peer's Adj-RIB-In.", 0),
-        ("kube_router_bgp_prefixes_stale", "Prefixes kept as stale while the peer restarts.", 1),
-        ("kube_router_bgp_prefixes_advertised", "Prefixes in the peer's Adj-RIB-Out.", 2),
-        ("kube_router_bgp_prefixes_rejected", "Prefixes of the peer the import policy refuses (kept, unused).", 3),
-        (
-            "kube_router_bgp_prefixes_unresolved",
-            "Prefixes of the peer whose next hop does not resolve (kept, unused).",
-            4,
-        ),
-    ] {
-        family(out, name, "gauge", help);
-        for p in &bgp.peers {
-            let n = [
-                p.prefixes_received,
-                p.prefixes_stale,
-                p.prefixes_advertised,
-                p.prefixes_rejected,
-                p.prefixes_unresolved,
-            ][pick];
-            let _ = writeln!(out, "{name}{{peer=\"{}\"}} {n}", p.address);
-        }
-    }
-    family(out, "kube_router_bgp_bfd_up", "gauge", "1 if the BFD session watching the peer is Up (BFD peers only).");
-    for p in &bgp.peers {
-        if let Some(up) = p.bfd_up {
-            let _ = writeln!(out, "kube_router_bgp_bfd_up{{peer=\"{}\"}} {}", p.address, u8::from(up));
-        }
-    }
-    for (name, help, pick) in [
-        ("kube_router_bgp_updates_received_total", "UPDATE messages received.", 0),
-        ("kube_router_bgp_notifications_received_total", "NOTIFICATION messages received.", 1),
-        ("kube_router_bgp_notifications_sent_total", "NOTIFICATION messages sent.", 2),
-    ] {
-        family(out, name, "counter", help);
-        for p in &bgp.peers {
-            let n = [p.updates_received, p.notifications_received, p.notifications_sent][pick];
-            let _ = writeln!(out, "{name}{{peer=\"{}\"}} {n}", p.address);
-        }
-    }
-    family(
-        out,
-        "kube_router_bgp_malformed_messages_total",
-        "counter",
-        "Malformed BGP messages received (RFC 7606 handling).",
-    );
-    let _ = writeln!(out, "kube_router_bgp_malformed_messages_total {}", bgp.malformed_messages);
-    family(
-        out,
-        "kube_router_bgp_ignored_nlri_total",
-        "counter",
-        "UPDATE parts ignored with the session kept: NLRI of families we do not route, unrepresentable prefixes.",
-    );
-    let _ = writeln!(out, "kube_router_bgp_ignored_nlri_total {}", bgp.ignored_nlri);
-    family(out, "kube_router_bgp_routes_rejected_total", "counter", "Paths refused by the import policy, per reason.");
-    for (peer, reason, n) in &bgp.rejections {
-        let _ =
-            writeln!(out, "kube_router_bgp_routes_rejected_total{{peer=\"{peer}\",reason=\"{}\"}} {n}", reason.label());
-    }
-    family(out, "kube_router_bgp_routes", "gauge", "Prefixes in the Loc-RIB (best paths, local and learned).");
-    let _ = writeln!(out, "kube_router_bgp_routes {}", bgp.loc_rib_size);
-    let fib = &bgp.fib;
-    for (name, kind, help, n) in [
-        (
-            "kube_router_bgp_route_conflicts",
-            "gauge",
-            "Learned destinations not installed because another route (not ours) already claims them.",
-            fib.conflicts as u64,
-        ),
-        ("kube_router_bgp_route_conflicts_total", "counter", "Route conflicts seen (each once).", fib.conflicts_total),
-        (
-            "kube_router_bgp_routes_refused",
-            "gauge",
-            "Learned routes the kernel refused, waiting for a retry.",
-            fib.refused as u64,
-        ),
-        ("kube_router_bgp_route_refusals_total", "counter", "Kernel route writes refused.", fib.refusals_total),
-    ] {
-        family(out, name, kind, help);
-        let _ = writeln!(out, "{name} {n}");
-    }
-}
-
 /// Serves /metrics and /healthz on `port` (all addresses) until the task is dropped.
 pub async fn serve(metrics: Metrics, port: u16) -> std::io::Result<()> {
     let listener = TcpListener::bind(("0.0.0.0", port)).await?;
@@ -517,8 +437,10 @@ pub async fn serve(metrics: Metrics, port: u16) -> std::io::Result<()> {
             let (status, content_type, body) = match path {
                 "/metrics" => ("200 OK", "text/plain; version=0.0.4", metrics.render()),
                 "/healthz" | "/livez" | "/readyz" => ("200 OK", "application/json", metrics.health()),
-                "/bgp" => ("200 OK", "text/plain", metrics.bgp_text()),
-                _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
+                page => match metrics.page(page.trim_start_matches('/')) {
+                    Some(text) => ("200 OK", "text/plain", text),
+                    None => ("404 Not Found", "text/plain", "not found\n".to_string()),
+                },
             };
             let response = format!(
                 "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
@@ -583,9 +505,9 @@ mod tests {
             m.policy_sync_seconds = Some(0.1);
         });
         let mut text = metrics.render();
-        let status = crate::bgp::speaker::SpeakerStatus::default();
-        render_bgp(&mut text, &status);
-        crate::kr_metrics::render_bgp(&mut text, &status);
+        crate::router::render_bgp_families(&mut text, &crate::bgp::speaker::SpeakerStatus::default());
+        let (_, status) = tokio::sync::watch::channel(crate::runtime::Status::default());
+        crate::runtime::render_families(&mut text, &[("services", status)]);
         parse(&text).0
     }
 

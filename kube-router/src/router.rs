@@ -9,7 +9,8 @@ use std::{
     fmt::Write as _,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::PathBuf,
-    time::{Duration, Instant},
+    sync::Arc,
+    time::Duration,
 };
 
 use anyhow::{Context, Result};
@@ -29,7 +30,7 @@ use crate::{
         speaker::{run_fib, GracefulRestartSettings, Originated, Policies, Speaker, SpeakerConfig, SpeakerStatus},
     },
     fib::{netlink::NetlinkRoutes, resolve::Reachability},
-    metrics::Metrics,
+    metrics::{family, Metrics},
     overlay::OverlayConfig,
 };
 
@@ -208,22 +209,15 @@ pub struct RouterController {
     last_problem: Option<String>,
     last_warnings: Vec<String>,
     metrics: Metrics,
-    /// A speaker that failed to start: what to start it with, when to try again, and how.
+    /// A speaker that failed to start: how often, and why (logged once per reason).
     failed_start: Option<FailedStart>,
+    /// The speaker's families and page are registered with the metrics.
+    registered: bool,
 }
 
 struct FailedStart {
-    config: NodeBgpConfig,
-    vips: ServiceVips,
     attempts: u32,
-    retry_at: Instant,
     error: String,
-}
-
-/// Backoff between start attempts: 1 s doubling to 30 s (a port still held by an old process,
-/// an address not yet configured).
-fn start_backoff(attempts: u32) -> Duration {
-    Duration::from_secs(1u64 << attempts.saturating_sub(1).min(5)).min(Duration::from_secs(30))
 }
 
 impl RouterController {
@@ -236,6 +230,7 @@ impl RouterController {
             last_warnings: Vec::new(),
             metrics,
             failed_start: None,
+            registered: false,
         }
     }
 
@@ -302,13 +297,13 @@ impl RouterController {
 
     /// Re-derives the configuration from the Node, Service and EndpointSlice objects we know.
     /// A problem (this node not found yet, a broken annotation on it) is logged once and
-    /// changes nothing.
+    /// changes nothing. An error: the speaker could not start (to be tried again).
     pub async fn update_from_nodes<'a>(
         &mut self,
         nodes: impl Iterator<Item = &'a Node>,
         services: impl Iterator<Item = &'a Service>,
         endpoint_slices: impl Iterator<Item = &'a EndpointSlice>,
-    ) {
+    ) -> Result<()> {
         let nodes: Vec<Node> = nodes.cloned().collect();
         match node_bgp_config(&nodes, &self.settings()) {
             Ok(mut config) => {
@@ -341,7 +336,7 @@ impl RouterController {
                     slices: &slices,
                 };
                 let vips = service_vips(services, self.options.advertise, &local);
-                self.apply(config, vips).await;
+                self.apply(config, vips).await
             }
             Err(e) => {
                 let problem = e.to_string();
@@ -350,16 +345,19 @@ impl RouterController {
                     self.metrics.with(|m| *m.rejected_objects.entry("Node").or_default() += 1);
                     self.last_problem = Some(problem);
                 }
+                Ok(())
             }
         }
     }
 
-    pub async fn apply(&mut self, config: NodeBgpConfig, vips: ServiceVips) {
+    /// Tells the speaker, starting it first if needed. An error: it could not start; the
+    /// caller tries again later (the controller's runner, with backoff).
+    pub async fn apply(&mut self, config: NodeBgpConfig, vips: ServiceVips) -> Result<()> {
         let mut prefixes: Vec<Originated> = prefixes_of(&config.pod_cidrs, OriginKind::PodCidr).collect();
         prefixes.extend(prefixes_of(&vips.advertised, OriginKind::ServiceVip));
         let wanted = Applied { peers: config.peers.clone(), prefixes, policies: self.policies(&config, &vips) };
         if self.applied.as_ref() == Some(&wanted) {
-            return;
+            return Ok(());
         }
         match &self.speaker {
             Some(speaker) => {
@@ -377,30 +375,26 @@ impl RouterController {
                 Err(e) => {
                     let error = format!("{e:#}");
                     let attempts = self.failed_start.as_ref().map_or(0, |f| f.attempts) + 1;
-                    let retry_in = start_backoff(attempts);
                     // Logged when the reason changes, not on every attempt.
                     if self.failed_start.as_ref().is_none_or(|f| f.error != error) {
-                        tracing::error!(error = %error, retry_in = ?retry_in, "cannot start the BGP speaker; will retry");
+                        tracing::error!(error = %error, "cannot start the BGP speaker; will retry with backoff");
                     }
-                    let retry_at = Instant::now() + retry_in;
-                    self.failed_start = Some(FailedStart { config, vips, attempts, retry_at, error });
-                    return;
+                    self.failed_start = Some(FailedStart { attempts, error: error.clone() });
+                    anyhow::bail!("BGP speaker not started: {error}");
                 }
             },
         }
         self.applied = Some(wanted);
+        Ok(())
     }
 
-    /// Tries again to start a speaker that failed to, once its backoff has passed, with the
-    /// configuration it was last given (a newer one given meanwhile through `apply` replaces it).
-    pub async fn retry_start_if_due(&mut self) {
-        let due = self.speaker.is_none() && self.failed_start.as_ref().is_some_and(|f| Instant::now() >= f.retry_at);
-        if !due {
-            return;
-        }
-        let failed = self.failed_start.as_ref().expect("checked above");
-        let (config, vips) = (failed.config.clone(), failed.vips.clone());
-        self.apply(config, vips).await;
+    /// The last attempt to start the speaker failed.
+    pub fn start_failed(&self) -> bool {
+        self.speaker.is_none() && self.failed_start.is_some()
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
     }
 
     async fn start(&self, config: &NodeBgpConfig, wanted: &Applied) -> Result<Speaker> {
@@ -448,11 +442,19 @@ impl RouterController {
         self.speaker.as_ref().map(Speaker::status)
     }
 
-    pub fn publish_metrics(&self) {
+    pub fn publish_metrics(&mut self) {
         if let Some(speaker) = &self.speaker {
-            self.metrics.with(|m| {
-                m.bgp.get_or_insert_with(|| speaker.clone());
-            });
+            if !self.registered {
+                // Read fresh on every scrape and every request of /bgp.
+                let scraped = speaker.clone();
+                self.metrics.register_families(
+                    "bgp",
+                    Arc::new(move |out: &mut String| render_bgp_families(out, &scraped.status())),
+                );
+                let shown = speaker.clone();
+                self.metrics.register_page("bgp", Arc::new(move || render_status(Some(&shown.status()))));
+                self.registered = true;
+            }
             self.metrics.heartbeat("bgp");
         }
         if self.options.overlay.is_some() {
@@ -479,6 +481,110 @@ fn first_global_ipv6() -> Option<Ipv6Addr> {
         let scope = fields.nth(2)?;
         (scope == "00").then(|| u128::from_str_radix(hex, 16).ok().map(Ipv6Addr::from)).flatten()
     })
+}
+
+/// The BGP sessions' metric families, under our names and kube-router's.
+pub fn render_bgp_families(out: &mut String, status: &SpeakerStatus) {
+    render_session_families(out, status);
+    crate::kr_metrics::render_bgp(out, status);
+}
+
+fn render_session_families(out: &mut String, bgp: &SpeakerStatus) {
+    family(out, "kube_router_bgp_session_established", "gauge", "1 if the BGP session with the peer is Established.");
+    for p in &bgp.peers {
+        let up = u8::from(p.state == State::Established);
+        let _ = writeln!(out, "kube_router_bgp_session_established{{peer=\"{}\",asn=\"{}\"}} {up}", p.address, p.asn);
+    }
+    family(
+        out,
+        "kube_router_bgp_session_state",
+        "gauge",
+        "BGP FSM state of each peer (the current state has value 1).",
+    );
+    for p in &bgp.peers {
+        let _ = writeln!(out, "kube_router_bgp_session_state{{peer=\"{}\",state=\"{:?}\"}} 1", p.address, p.state);
+    }
+    for (name, help, pick) in [
+        ("kube_router_bgp_prefixes_received", "Prefixes in the peer's Adj-RIB-In.", 0),
+        ("kube_router_bgp_prefixes_stale", "Prefixes kept as stale while the peer restarts.", 1),
+        ("kube_router_bgp_prefixes_advertised", "Prefixes in the peer's Adj-RIB-Out.", 2),
+        ("kube_router_bgp_prefixes_rejected", "Prefixes of the peer the import policy refuses (kept, unused).", 3),
+        (
+            "kube_router_bgp_prefixes_unresolved",
+            "Prefixes of the peer whose next hop does not resolve (kept, unused).",
+            4,
+        ),
+    ] {
+        family(out, name, "gauge", help);
+        for p in &bgp.peers {
+            let n = [
+                p.prefixes_received,
+                p.prefixes_stale,
+                p.prefixes_advertised,
+                p.prefixes_rejected,
+                p.prefixes_unresolved,
+            ][pick];
+            let _ = writeln!(out, "{name}{{peer=\"{}\"}} {n}", p.address);
+        }
+    }
+    family(out, "kube_router_bgp_bfd_up", "gauge", "1 if the BFD session watching the peer is Up (BFD peers only).");
+    for p in &bgp.peers {
+        if let Some(up) = p.bfd_up {
+            let _ = writeln!(out, "kube_router_bgp_bfd_up{{peer=\"{}\"}} {}", p.address, u8::from(up));
+        }
+    }
+    for (name, help, pick) in [
+        ("kube_router_bgp_updates_received_total", "UPDATE messages received.", 0),
+        ("kube_router_bgp_notifications_received_total", "NOTIFICATION messages received.", 1),
+        ("kube_router_bgp_notifications_sent_total", "NOTIFICATION messages sent.", 2),
+    ] {
+        family(out, name, "counter", help);
+        for p in &bgp.peers {
+            let n = [p.updates_received, p.notifications_received, p.notifications_sent][pick];
+            let _ = writeln!(out, "{name}{{peer=\"{}\"}} {n}", p.address);
+        }
+    }
+    family(
+        out,
+        "kube_router_bgp_malformed_messages_total",
+        "counter",
+        "Malformed BGP messages received (RFC 7606 handling).",
+    );
+    let _ = writeln!(out, "kube_router_bgp_malformed_messages_total {}", bgp.malformed_messages);
+    family(
+        out,
+        "kube_router_bgp_ignored_nlri_total",
+        "counter",
+        "UPDATE parts ignored with the session kept: NLRI of families we do not route, unrepresentable prefixes.",
+    );
+    let _ = writeln!(out, "kube_router_bgp_ignored_nlri_total {}", bgp.ignored_nlri);
+    family(out, "kube_router_bgp_routes_rejected_total", "counter", "Paths refused by the import policy, per reason.");
+    for (peer, reason, n) in &bgp.rejections {
+        let _ =
+            writeln!(out, "kube_router_bgp_routes_rejected_total{{peer=\"{peer}\",reason=\"{}\"}} {n}", reason.label());
+    }
+    family(out, "kube_router_bgp_routes", "gauge", "Prefixes in the Loc-RIB (best paths, local and learned).");
+    let _ = writeln!(out, "kube_router_bgp_routes {}", bgp.loc_rib_size);
+    let fib = &bgp.fib;
+    for (name, kind, help, n) in [
+        (
+            "kube_router_bgp_route_conflicts",
+            "gauge",
+            "Learned destinations not installed because another route (not ours) already claims them.",
+            fib.conflicts as u64,
+        ),
+        ("kube_router_bgp_route_conflicts_total", "counter", "Route conflicts seen (each once).", fib.conflicts_total),
+        (
+            "kube_router_bgp_routes_refused",
+            "gauge",
+            "Learned routes the kernel refused, waiting for a retry.",
+            fib.refused as u64,
+        ),
+        ("kube_router_bgp_route_refusals_total", "counter", "Kernel route writes refused.", fib.refusals_total),
+    ] {
+        family(out, name, kind, help);
+        let _ = writeln!(out, "{name} {n}");
+    }
 }
 
 /// Human-readable neighbors and routes, served on /bgp and printed by `kube-router bgp`.

@@ -1,4 +1,5 @@
 //! The Kubernetes API side: client setup, watchers, the stores they fill, the checkpoint.
+pub mod cache;
 pub mod checkpoint;
 pub mod store;
 pub mod watch;

@@ -1,0 +1,80 @@
+//! The agent's configuration, from the command line.
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    path::PathBuf,
+    time::Duration,
+};
+
+use crate::{
+    bpf::socket_lb::SocketLbOptions, k8s::watch::ApiOptions, router::RouterOptions, services::compile::Limits,
+};
+
+pub enum DesiredSource {
+    /// A YAML/JSON file of Service and EndpointSlice objects, re-read when it changes.
+    File(PathBuf),
+    /// The API server.
+    Api(ApiOptions),
+}
+
+pub struct AgentConfig {
+    pub pin_dir: PathBuf,
+    pub source: DesiredSource,
+    pub state_dir: PathBuf,
+    /// Warn when the desired state is older than this while the API is unreachable.
+    pub max_stale: Option<Duration>,
+    pub interfaces: Option<Vec<String>>,
+    pub node_name: String,
+    pub nodeport_addresses: Option<Vec<IpAddr>>,
+    pub limits: Limits,
+    pub metrics_port: u16,
+    pub health_port: u16,
+    pub conntrack_gc_interval: Duration,
+    /// `--hairpin-mode`.
+    pub hairpin_mode: bool,
+    /// `--bpf-lb-algorithm maglev`.
+    pub maglev_all: bool,
+    /// `--masquerade-all`.
+    pub masquerade_all: bool,
+    /// `--snat-port-range`, inclusive.
+    pub snat_port_range: (u16, u16),
+    /// `--node-ip`: the address source-NATed flows leave with.
+    pub node_ip: Option<Ipv4Addr>,
+    /// `--enable-pod-egress`: masquerade pod traffic leaving the cluster.
+    pub pod_egress: bool,
+    /// `--tc-mode`: node interfaces.
+    pub attach_mode: crate::bpf::datapath::AttachMode,
+    /// `--tc-mode`: pod veths (classic under `auto`).
+    pub pod_attach_mode: crate::bpf::datapath::AttachMode,
+    /// `--xdp`: the XDP fast path on node uplinks, and in which mode.
+    pub xdp: crate::bpf::xdp::XdpSetting,
+    /// Netlink link and address notifications (else only the periodic rescan).
+    pub link_events: bool,
+    /// `--bpf-lb-map-max`, `--bpf-ct-global-max`.
+    pub map_sizes: crate::bpf::layout::MapSizes,
+    /// `--enable-cni`: write the node's CNI configuration.
+    pub cni: Option<CniOptions>,
+    /// `--cluster-cidr`.
+    pub cluster_cidrs: Vec<ipnet::IpNet>,
+    /// `--service-cluster-ip-range`.
+    pub service_ranges: Vec<ipnet::IpNet>,
+    /// `--service-external-ip-range`.
+    pub external_ip_ranges: Vec<ipnet::IpNet>,
+    /// `--loadbalancer-ip-range`.
+    pub load_balancer_ip_ranges: Vec<ipnet::IpNet>,
+    /// Program the service load balancer (`--run-service-proxy`).
+    pub run_service_proxy: bool,
+    /// Enforce NetworkPolicy (`--run-firewall`).
+    pub run_firewall: bool,
+    /// Socket-level load balancing for the node's own sockets (`--bpf-lb-sock`, `--cgroup-root`).
+    pub socket_lb: SocketLbOptions,
+    /// BGP pod routing (`--run-router`), when enabled.
+    pub router: Option<RouterOptions>,
+}
+
+#[derive(Clone, Debug)]
+pub struct CniOptions {
+    /// `--cni-conf-file`.
+    pub conf_file: PathBuf,
+    /// `--auto-mtu`.
+    pub auto_mtu: bool,
+}

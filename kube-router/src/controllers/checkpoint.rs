@@ -1,0 +1,67 @@
+//! The checkpoint writer: every kind, after each change, once all have been listed completely,
+//! so a restart during an outage has the same Services, Nodes and policies.
+use std::{
+    path::PathBuf,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::Result;
+
+use crate::{
+    k8s::{cache::Cache, checkpoint, watch::Kind},
+    metrics::Metrics,
+    runtime::{Action, Controller},
+};
+
+pub const CHECKPOINT_KINDS: &[Kind] =
+    &[Kind::Services, Kind::EndpointSlices, Kind::Pods, Kind::Namespaces, Kind::Nodes, Kind::NetworkPolicies];
+
+/// At most one write this often: serialising and syncing 10,000 objects takes a while.
+const MIN_INTERVAL: Duration = Duration::from_secs(1);
+
+pub struct CheckpointWriter {
+    cache: Arc<Cache>,
+    state_dir: PathBuf,
+    metrics: Metrics,
+    /// The changes already written.
+    written: u64,
+    last_write: Option<Instant>,
+}
+
+impl CheckpointWriter {
+    pub fn new(cache: Arc<Cache>, state_dir: PathBuf, metrics: Metrics) -> Self {
+        // What was restored is already on disk.
+        Self { cache, state_dir, metrics, written: 0, last_write: None }
+    }
+}
+
+impl Controller for CheckpointWriter {
+    fn name(&self) -> &'static str {
+        "checkpoint"
+    }
+
+    async fn reconcile(&mut self) -> Result<Action> {
+        let generation = self.cache.generation(CHECKPOINT_KINDS);
+        // Only a whole picture is worth saving.
+        if generation == self.written || !self.cache.all_synced() {
+            return Ok(Action::AwaitChange);
+        }
+        if let Some(wait) = self.last_write.and_then(|at| MIN_INTERVAL.checked_sub(at.elapsed())) {
+            return Ok(Action::RequeueAfter(wait));
+        }
+        self.last_write = Some(Instant::now());
+        // A snapshot is a pointer per object; the copy and the write happen off the cache's lock.
+        let snapshot = self.cache.with(|o| o.snapshot());
+        let state_dir = self.state_dir.clone();
+        let written =
+            tokio::task::spawn_blocking(move || checkpoint::write(&state_dir, &snapshot.checkpoint())).await?;
+        if let Err(e) = written {
+            tracing::error!(error = %e, "cannot write checkpoint");
+            self.metrics.with(|m| m.checkpoint_errors += 1);
+            return Err(e.into());
+        }
+        self.written = generation;
+        Ok(Action::AwaitChange)
+    }
+}

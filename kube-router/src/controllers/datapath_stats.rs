@@ -1,0 +1,188 @@
+//! Conntrack garbage collection (one schedule over every conntrack map) and the datapath's
+//! counters for the metrics. The maps are opened once and kept open: reading them every second
+//! costs a lookup per counter, not an open of every pinned map.
+use std::{
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use anyhow::Result;
+use kube_router_common::{lb_stat, map_names, pol_stat, sock_map_names, sock_stat, xdp_stat};
+
+use crate::{
+    bpf::{
+        counters::Counters,
+        policy_maps::PolicyConntrack,
+        service_maps::{Conntrack, ConntrackV6},
+        svc_stats::{SvcStatsMap, SvcStatsMapV6},
+    },
+    kr_metrics::FrontendId,
+    metrics::{self, Metrics},
+    runtime::{Action, Controller},
+    services::family::{V4, V6},
+};
+
+/// How often the counters are read.
+const REFRESH_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The load balancer's maps read here.
+struct ServiceMapsRead {
+    conntrack: Conntrack,
+    conntrack_v6: ConntrackV6,
+    stats: Counters,
+    frontends: SvcStatsMap,
+    frontends_v6: SvcStatsMapV6,
+}
+
+/// The policy's maps read here.
+struct PolicyMapsRead {
+    conntrack: PolicyConntrack,
+    stats: Counters,
+}
+
+pub struct DatapathStatsController {
+    pin_dir: PathBuf,
+    metrics: Metrics,
+    services: Option<ServiceMapsRead>,
+    policy: Option<PolicyMapsRead>,
+    /// `None` until the socket load balancer's map exists (it may never).
+    socket_stats: Option<Counters>,
+    /// `None` until the XDP fast path's map exists (`--xdp off` from the start: never).
+    xdp_stats: Option<Counters>,
+    gc_interval: Duration,
+    last_gc: Instant,
+    max_stale: Option<Duration>,
+    last_stale_warning: Instant,
+}
+
+impl DatapathStatsController {
+    /// Opens the maps of the parts that run (`load_balancer`, `firewall`).
+    pub fn open(
+        pin_dir: &Path,
+        metrics: Metrics,
+        load_balancer: bool,
+        firewall: bool,
+        gc_interval: Duration,
+        max_stale: Option<Duration>,
+    ) -> Result<Self> {
+        let services = if load_balancer {
+            Some(ServiceMapsRead {
+                conntrack: Conntrack::open_pinned(pin_dir)?,
+                conntrack_v6: ConntrackV6::open_pinned(pin_dir)?,
+                stats: Counters::open_pinned(pin_dir, map_names::LB_STATS, lb_stat::COUNT)?,
+                frontends: SvcStatsMap::open_pinned(pin_dir)?,
+                frontends_v6: SvcStatsMapV6::open_pinned(pin_dir)?,
+            })
+        } else {
+            None
+        };
+        let policy = if firewall {
+            Some(PolicyMapsRead {
+                conntrack: PolicyConntrack::open_pinned(pin_dir)?,
+                stats: Counters::open_pinned(pin_dir, map_names::POLICY_STATS, pol_stat::COUNT)?,
+            })
+        } else {
+            None
+        };
+        let now = Instant::now();
+        Ok(Self {
+            pin_dir: pin_dir.to_path_buf(),
+            metrics,
+            services,
+            policy,
+            socket_stats: None,
+            xdp_stats: None,
+            gc_interval,
+            last_gc: now,
+            max_stale,
+            last_stale_warning: now,
+        })
+    }
+
+    fn refresh_policy(&mut self, gc: bool) {
+        let Some(policy) = self.policy.as_mut() else { return };
+        if let Ok(stats) = policy.stats.read() {
+            self.metrics.with(|m| m.policy_packets = pol_stat::NAMES.iter().copied().zip(stats).collect());
+        }
+        if gc {
+            match policy.conntrack.collect_garbage() {
+                Ok((left, removed)) => self.metrics.with(|m| {
+                    m.policy_conntrack_entries = left as u64;
+                    m.conntrack_gc_removed += removed as u64;
+                }),
+                Err(e) => tracing::warn!(error = %e, "policy conntrack GC failed"),
+            }
+        }
+    }
+
+    fn refresh_services(&mut self, gc: bool) {
+        let Some(services) = self.services.as_mut() else { return };
+        if let Ok(stats) = services.stats.read() {
+            self.metrics.with(|m| m.datapath_packets = lb_stat::NAMES.iter().copied().zip(stats).collect());
+        }
+        if self.socket_stats.is_none() {
+            self.socket_stats = Counters::open_pinned(&self.pin_dir, sock_map_names::SOCK_STATS, sock_stat::COUNT).ok();
+        }
+        if let Some(Ok(stats)) = self.socket_stats.as_ref().map(Counters::read) {
+            self.metrics.with(|m| m.socket_lb_events = sock_stat::NAMES.iter().copied().zip(stats).collect());
+        }
+        if self.xdp_stats.is_none() {
+            self.xdp_stats = Counters::open_pinned(&self.pin_dir, map_names::XDP_STATS, xdp_stat::COUNT).ok();
+        }
+        if let Some(Ok(stats)) = self.xdp_stats.as_ref().map(Counters::read) {
+            self.metrics.with(|m| m.xdp_packets = xdp_stat::NAMES.iter().copied().zip(stats).collect());
+        }
+        let started = Instant::now();
+        let per_frontend = services.frontends.read_all().and_then(|v4| Ok((v4, services.frontends_v6.read_all()?)));
+        match per_frontend {
+            Ok((v4, v6)) => {
+                let v4 = v4.into_iter().map(|(key, stats)| (FrontendId::of::<V4>(&key), stats));
+                let v6 = v6.into_iter().map(|(key, stats)| (FrontendId::of::<V6>(&key), stats));
+                let stats = v4.chain(v6).collect();
+                self.metrics.with(|m| {
+                    m.kr.sample(started, stats);
+                    m.kr.stats_export_time.observe(started.elapsed().as_secs_f64());
+                });
+            }
+            Err(e) => tracing::debug!(error = %e, "cannot read svc_stats_v4/v6"),
+        }
+        if gc {
+            let (v4, v6) = (&mut services.conntrack, &mut services.conntrack_v6);
+            match v4.collect_garbage().and_then(|a| Ok((a, v6.collect_garbage()?))) {
+                Ok(((left, removed), (left_v6, removed_v6))) => self.metrics.with(|m| {
+                    m.conntrack_entries = (left + left_v6) as u64;
+                    m.conntrack_gc_removed += (removed + removed_v6) as u64;
+                }),
+                Err(e) => tracing::warn!(error = %e, "conntrack GC failed"),
+            }
+            self.metrics.heartbeat("conntrack-gc");
+        }
+    }
+
+    fn warn_if_stale(&mut self) {
+        let Some(max_stale) = self.max_stale else { return };
+        let stale = self.metrics.with(|m| m.last_sync_unix.map(|t| metrics::unix_now() - t)).unwrap_or(0.0);
+        if stale > max_stale.as_secs_f64() && self.last_stale_warning.elapsed() > Duration::from_secs(60) {
+            tracing::warn!(stale_secs = stale as u64, "desired state older than --max-stale; still serving it");
+            self.last_stale_warning = Instant::now();
+        }
+    }
+}
+
+impl Controller for DatapathStatsController {
+    fn name(&self) -> &'static str {
+        "datapath-stats"
+    }
+
+    async fn reconcile(&mut self) -> Result<Action> {
+        let gc = self.last_gc.elapsed() >= self.gc_interval;
+        if gc {
+            self.last_gc = Instant::now();
+        }
+        self.refresh_policy(gc);
+        self.refresh_services(gc);
+        self.warn_if_stale();
+        self.metrics.heartbeat("agent");
+        Ok(Action::RequeueAfter(REFRESH_INTERVAL))
+    }
+}

@@ -1,0 +1,98 @@
+//! Pod routing as a controller: the BGP speaker follows the Node objects (and the Services it
+//! advertises), or the flags alone without the API server. A speaker that fails to start is an
+//! error of this controller, so the runner tries again with backoff, with no new input needed.
+use std::{sync::Arc, time::Duration};
+
+use anyhow::Result;
+
+use crate::{
+    k8s::{cache::Cache, watch::Kind},
+    router::RouterController,
+    runtime::{Action, Controller},
+};
+
+/// The kinds the routes are derived from.
+pub const ROUTING_KINDS: &[Kind] = &[Kind::Nodes, Kind::Services, Kind::EndpointSlices];
+
+/// What wakes the routing controller: Nodes, and Services and EndpointSlices when it
+/// advertises Service addresses.
+pub fn trigger_kinds(advertise_services: bool) -> &'static [Kind] {
+    if advertise_services {
+        ROUTING_KINDS
+    } else {
+        &[Kind::Nodes]
+    }
+}
+
+/// How often the speaker's state is published to the metrics.
+const PUBLISH_INTERVAL: Duration = Duration::from_secs(1);
+
+pub struct RoutingController {
+    router: RouterController,
+    /// `None`: configuration from the flags only.
+    cache: Option<Arc<Cache>>,
+    /// The kinds whose changes re-derive the configuration.
+    kinds: &'static [Kind],
+    /// The changes of the kinds read, as last applied.
+    generation: Option<u64>,
+    /// Flags only: the configuration is incomplete (logged once).
+    static_config_missing: bool,
+}
+
+impl RoutingController {
+    pub fn new(router: RouterController, cache: Option<Arc<Cache>>, advertise_services: bool) -> Self {
+        let kinds = trigger_kinds(advertise_services);
+        Self { router, cache, kinds, generation: None, static_config_missing: false }
+    }
+
+    /// For the ordered shutdown.
+    pub fn into_router(self) -> RouterController {
+        self.router
+    }
+
+    async fn sync(&mut self) -> Result<()> {
+        let Some(cache) = self.cache.as_ref() else {
+            return match self.router.static_config() {
+                Ok(bgp) => self.router.apply(bgp, Default::default()).await,
+                Err(e) => {
+                    if !std::mem::replace(&mut self.static_config_missing, true) {
+                        tracing::info!(reason = %e, "BGP not started");
+                    }
+                    Ok(())
+                }
+            };
+        };
+        let generation = cache.generation(self.kinds);
+        if self.generation == Some(generation) && !self.router.start_failed() {
+            return Ok(());
+        }
+        // Peers leave the mesh only on a complete listing of Nodes (or its checkpoint), never
+        // because a list failed; the cache keeps the last complete one through an outage.
+        let Some(listing) =
+            cache.read(&[Kind::Nodes], |o| (o.nodes.snapshot(), o.services.snapshot(), o.endpoint_slices.snapshot()))
+        else {
+            return Ok(());
+        };
+        self.generation = Some(generation);
+        let (nodes, services, slices) = listing.objects;
+        let started = std::time::Instant::now();
+        let result = self
+            .router
+            .update_from_nodes(nodes.iter().map(|n| &**n), services.iter().map(|s| &**s), slices.iter().map(|s| &**s))
+            .await;
+        self.router.metrics().with(|m| m.kr.bgp_peers_sync_time.observe(started.elapsed().as_secs_f64()));
+        result
+    }
+}
+
+impl Controller for RoutingController {
+    fn name(&self) -> &'static str {
+        "routing"
+    }
+
+    async fn reconcile(&mut self) -> Result<Action> {
+        let result = self.sync().await;
+        self.router.publish_metrics();
+        result.map(|()| Action::RequeueAfter(PUBLISH_INTERVAL))
+    }
+}

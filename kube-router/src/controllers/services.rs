@@ -1,0 +1,683 @@
+//! The service load balancer's controller: converts the Services and EndpointSlices that
+//! changed, compiles just them when it can, and writes only the differences to the pinned maps.
+//! Deletions need a complete listing; failed writes are retried by the runner with backoff.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+    path::PathBuf,
+    sync::Arc,
+    time::{Duration, Instant, SystemTime},
+};
+
+use anyhow::{Context, Result};
+use kube_router_common::{map_names, LbConfig, LB_CONFIG_MASQUERADE_ALL, LB_CONFIG_POD_EGRESS};
+use tokio::sync::watch;
+
+use crate::{
+    bpf::service_maps::{write_lb_config, BpfServiceMaps, BpfServiceMapsV6},
+    config::AgentConfig,
+    k8s::{
+        cache::{Cache, Completeness},
+        watch::Kind,
+    },
+    kr_metrics::{FrontendId, FrontendOwner},
+    metrics::Metrics,
+    netif,
+    runtime::{Action, Controller},
+    services::{
+        compile::{assign_ids, CompileWarning, LbPlan, Limits, MapContents},
+        family::{AddressFamily, IpFamily, V4, V6},
+        incremental::{Changed, FamilyCompiler, ServiceCatalog},
+        model::{ExternalIpPolicy, NodeContext, ServiceName},
+        source::{load_file, StateBuilder},
+        sync::{ServiceMaps, ServiceSync, SyncReport},
+    },
+};
+
+/// The health check ports the node serves, by port.
+pub type HealthChecks = watch::Sender<BTreeMap<u16, crate::healthcheck::LocalEndpoints>>;
+
+pub struct ServiceController {
+    maps: BpfServiceMaps,
+    sync: ServiceSync,
+    maps_v6: BpfServiceMapsV6,
+    sync_v6: ServiceSync<V6>,
+    metrics: Metrics,
+    limits: Limits,
+    node_name: String,
+    nodeport_addresses: Option<Vec<IpAddr>>,
+    hairpin_all: bool,
+    external_ips: ExternalIpPolicy,
+    /// Warnings already logged, so one that persists is reported once.
+    reported: BTreeSet<String>,
+    /// Maps that had no room for every entry at the last sync.
+    full_maps: BTreeSet<&'static str>,
+    /// This node's `topology.kubernetes.io/zone` (topology-aware routing), from its Node.
+    zone: Option<String>,
+    /// The health check ports the node serves (`spec.healthCheckNodePort`).
+    health_checks: tokio::sync::watch::Sender<BTreeMap<u16, crate::healthcheck::LocalEndpoints>>,
+    loopback_node_ports: bool,
+    maglev_all: bool,
+    compiler: FamilyCompiler<V4>,
+    compiler_v6: FamilyCompiler<V6>,
+    /// The node as the last compile saw it.
+    last_node: Option<NodeContext>,
+    /// `KUBE_ROUTER_FULL_SERVICE_COMPILE=1`: convert and compile every Service on every change
+    /// (the path before incremental compilation; for benchmarks and comparisons).
+    full_compile_only: bool,
+}
+
+impl ServiceController {
+    fn node_context(&self) -> NodeContext {
+        let mut external_ips = self.external_ips.clone();
+        // The node's own addresses are never a Service's to capture.
+        let node_addresses = netif::node_addresses();
+        external_ips.forbidden.extend(node_addresses.iter().map(|a| ipnet::IpNet::from(*a)));
+        // IPv6 Services need an IPv6 address on the node to carry their traffic. IPv4 is always
+        // served, as kube-proxy serves its primary family: a node whose address is not up yet
+        // (or a test namespace with only loopback) must not lose every Service.
+        let unavailable_families = [IpFamily::IPv6]
+            .into_iter()
+            .filter(|family| !node_addresses.iter().any(|a| IpFamily::of(a) == *family))
+            .collect();
+        NodeContext {
+            name: self.node_name.clone(),
+            node_port_addrs: self.nodeport_addresses.clone().unwrap_or(node_addresses),
+            unavailable_families,
+            hairpin_all: self.hairpin_all,
+            external_ips,
+            zone: self.zone.clone(),
+            loopback_node_ports: self.loopback_node_ports,
+            maglev_all: self.maglev_all,
+        }
+    }
+
+    /// Compiles the Services of `catalog` that `changed` names (all of them when the node, a
+    /// flag, an unfinished listing or a failed write makes that necessary) and writes only the
+    /// differences. `complete` says the state reflects a full listing of every kind, which is
+    /// what allows deletions. Returns the number of failed writes (left for a retry).
+    pub fn apply(&mut self, catalog: &ServiceCatalog, changed: Changed, complete: bool) -> u64 {
+        let started = Instant::now();
+        let mut current = BTreeSet::new();
+        // Each distinct problem is logged and counted once, however often the state is rebuilt.
+        for problem in catalog.problems() {
+            let text = format!("{problem:?}");
+            if !self.reported.contains(&text) {
+                let kind: &'static str = if problem.kind == "Service" { "Service" } else { "EndpointSlice" };
+                let (object, error) = (problem.name.as_str(), problem.message.as_str());
+                if problem.partial {
+                    tracing::warn!(kind, object, error, "part of an object left out; the rest is programmed");
+                } else {
+                    tracing::error!(kind, object, error, "rejected object; its programmed state is kept as it was");
+                }
+                self.metrics.with(|m| *m.rejected_objects.entry(kind).or_default() += 1);
+            }
+            current.insert(text);
+        }
+        let node = self.node_context();
+        // NodePorts, zone hints, families and flags follow the node: a change recompiles all.
+        let node_changed = self.last_node.as_ref() != Some(&node);
+        self.last_node = Some(node.clone());
+        let changed = match changed {
+            Changed::Services(names) if complete && !node_changed && !self.full_compile_only => Some(names),
+            _ => None,
+        };
+        let limits = self.limits;
+        let (mut report, owners) = sync_family(
+            &mut self.compiler,
+            &mut self.sync,
+            &mut self.maps,
+            catalog,
+            changed.as_ref(),
+            &node,
+            limits,
+            complete,
+        );
+        let (report_v6, owners_v6) = sync_family(
+            &mut self.compiler_v6,
+            &mut self.sync_v6,
+            &mut self.maps_v6,
+            catalog,
+            changed.as_ref(),
+            &node,
+            limits,
+            complete,
+        );
+        report.merge(report_v6);
+        let alone = matches!((&owners, &owners_v6), (OwnerUpdate::Some(_), OwnerUpdate::Some(_)));
+        for warning in self.compiler.warnings().chain(self.compiler_v6.warnings()) {
+            let text = format!("{warning:?}");
+            if !self.reported.contains(&text) {
+                match warning {
+                    CompileWarning::FrontendConflict { .. } => tracing::error!(?warning, "frontend claimed twice"),
+                    CompileWarning::EndpointsTruncated { .. } => tracing::warn!(?warning, "too many endpoints"),
+                    CompileWarning::ExternalIpRefused { service, reason } => {
+                        tracing::error!(service = %service, reason, "external IP refused; the rest of the Service is programmed");
+                        self.metrics.with(|m| *m.rejected_objects.entry("ExternalIP").or_default() += 1);
+                    }
+                    CompileWarning::FamilyUnavailable { service, family } => {
+                        tracing::warn!(service = %service, ?family, "the node has no address of this family; the Service is not programmed in it");
+                        self.metrics.with(|m| *m.rejected_objects.entry("IPFamily").or_default() += 1);
+                    }
+                }
+            }
+            current.insert(text);
+        }
+        self.reported = current;
+        self.health_checks.send_if_modified(|checks| {
+            let now = crate::healthcheck::health_checks(&catalog.state, &self.node_name);
+            let changed = *checks != now;
+            *checks = now;
+            changed
+        });
+        self.report_full_maps(&report);
+        let total = report.total();
+        let programmed = self.sync.programmed();
+        let programmed_v6 = self.sync_v6.programmed();
+        // Totals over both families.
+        tracing::info!(
+            inserts = total.inserts,
+            updates = total.updates,
+            deletes = total.deletes,
+            errors = total.errors,
+            complete,
+            incremental = alone,
+            services = programmed.services.len() + programmed_v6.services.len(),
+            backends = programmed.backends.len() + programmed_v6.backends.len(),
+            "service sync complete"
+        );
+        self.metrics.record_sync(&report, started.elapsed());
+        let dropped_endpoints = self.compiler.dropped_endpoints() + self.compiler_v6.dropped_endpoints();
+        self.metrics.with(|m| {
+            m.dropped_endpoints = dropped_endpoints;
+            m.map_entries.insert(map_names::SERVICES, programmed.services.len() as u64);
+            m.map_entries.insert(map_names::BACKEND_SLOTS, programmed.slots.len() as u64);
+            m.map_entries.insert(map_names::BACKENDS, programmed.backends.len() as u64);
+            m.map_entries.insert(map_names::SERVICES_V6, programmed_v6.services.len() as u64);
+            m.map_entries.insert(map_names::BACKEND_SLOTS_V6, programmed_v6.slots.len() as u64);
+            m.map_entries.insert(map_names::BACKENDS_V6, programmed_v6.backends.len() as u64);
+            // Label each frontend with its Service; a rejected Service's kept frontends keep theirs.
+            owners.update(&mut m.kr.frontends, programmed);
+            owners_v6.update(&mut m.kr.frontends, programmed_v6);
+        });
+        self.metrics.heartbeat("services");
+        // A full map is retried when the desired state changes (space may free), not on a timer.
+        total.errors - total.full
+    }
+
+    /// Logs a map becoming full, and having room again, once per transition.
+    fn report_full_maps(&mut self, report: &crate::services::sync::SyncReport) {
+        let now: BTreeSet<&'static str> =
+            report.per_map.iter().filter(|(_, c)| c.full > 0).map(|(map, _)| *map).collect();
+        for map in now.difference(&self.full_maps) {
+            let waiting = report.per_map[map].full;
+            tracing::error!(
+                map,
+                waiting,
+                "map is full: entries already programmed stay, new ones wait until space frees"
+            );
+        }
+        for map in self.full_maps.difference(&now) {
+            tracing::info!(map, "map has room again; every entry is programmed");
+        }
+        self.metrics.with(|m| {
+            for map in [V4::MAPS, V6::MAPS].iter().flat_map(|f| [f.services, f.slots, f.backends, f.source_ranges]) {
+                m.map_full.insert(map, now.contains(map));
+            }
+        });
+        self.full_maps = now;
+    }
+}
+
+/// How a sync changed which Service owns each programmed frontend (for the metrics' labels).
+enum OwnerUpdate<F: AddressFamily> {
+    /// Everything was compiled: the whole plan.
+    All(LbPlan<F>),
+    /// Only these frontends were compiled: each one's owner now, `None` when it is not programmed.
+    Some(Vec<(FrontendId, Option<FrontendOwner>)>),
+}
+
+impl<F: AddressFamily> OwnerUpdate<F> {
+    /// Brings the owners of this family's frontends in `owners` (both families') up to date.
+    fn update(&self, owners: &mut BTreeMap<FrontendId, FrontendOwner>, programmed: &MapContents<F>) {
+        match self {
+            OwnerUpdate::All(plan) => {
+                let family = |id: &FrontendId| IpFamily::of(&id.addr) == F::FAMILY;
+                let (mut previous, others) = std::mem::take(owners).into_iter().partition(|(id, _)| family(id));
+                *owners = others;
+                owners.extend(frontend_owners(programmed, plan, &mut previous));
+            }
+            OwnerUpdate::Some(touched) => {
+                for (id, owner) in touched {
+                    match owner {
+                        Some(owner) => {
+                            owners.insert(*id, owner.clone());
+                        }
+                        None => {
+                            owners.remove(id);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Each programmed frontend of one family with its Service: from the plan, else (a rejected
+/// Service's kept frontend) the owner it had.
+fn frontend_owners<F: AddressFamily>(
+    programmed: &MapContents<F>,
+    lb_plan: &LbPlan<F>,
+    previous: &mut BTreeMap<FrontendId, FrontendOwner>,
+) -> BTreeMap<FrontendId, FrontendOwner> {
+    programmed
+        .services
+        .keys()
+        .filter_map(|key| {
+            let id = FrontendId::of::<F>(key);
+            let owner = match lb_plan.frontends.get(key) {
+                Some(f) => FrontendOwner {
+                    namespace: f.backend_set.service.namespace.clone(),
+                    name: f.backend_set.service.name.clone(),
+                },
+                None => previous.remove(&id)?,
+            };
+            Some((id, owner))
+        })
+        .collect()
+}
+
+/// Brings one family's maps to the desired state: only the `changed` Services' entries when
+/// the compiler can do that, else everything.
+#[allow(clippy::too_many_arguments)]
+fn sync_family<F: AddressFamily>(
+    compiler: &mut FamilyCompiler<F>,
+    sync: &mut ServiceSync<F>,
+    maps: &mut impl ServiceMaps<F>,
+    catalog: &ServiceCatalog,
+    changed: Option<&BTreeSet<ServiceName>>,
+    node: &NodeContext,
+    limits: Limits,
+    complete: bool,
+) -> (SyncReport, OwnerUpdate<F>) {
+    if let Some(changed) = changed {
+        if let Some(increment) = compiler.compile_changed(catalog, changed, node, limits, sync.programmed()) {
+            let report = sync.write(maps, increment.ops.clone());
+            compiler.written(&increment, report.total().errors == 0);
+            if report.total().full > 0 && report.total().deletes > 0 {
+                // This pass freed room in a full map: a full pass programs what waited, in the
+                // documented priority order, as a full sync's second pass does.
+                let lb_plan = compiler.plan_all(catalog, node, limits);
+                let second = sync_all(sync, maps, &lb_plan, complete);
+                compiler.adopt(&lb_plan, sync.programmed(), complete && second.total().errors == 0);
+                return (add_second_pass(report, second), OwnerUpdate::All(lb_plan));
+            }
+            let programmed = sync.programmed();
+            let owners = increment
+                .frontends()
+                .map(|key| {
+                    let owner = programmed.services.contains_key(key).then(|| {
+                        increment.plan.frontends.get(key).map(|f| FrontendOwner {
+                            namespace: f.backend_set.service.namespace.clone(),
+                            name: f.backend_set.service.name.clone(),
+                        })
+                    });
+                    (FrontendId::of::<F>(key), owner.flatten())
+                })
+                .collect();
+            return (report, OwnerUpdate::Some(owners));
+        }
+    }
+    let lb_plan = compiler.plan_all(catalog, node, limits);
+    let report = sync_all(sync, maps, &lb_plan, complete);
+    compiler.adopt(&lb_plan, sync.programmed(), complete && report.total().errors == 0);
+    (report, OwnerUpdate::All(lb_plan))
+}
+
+/// Brings one family's maps to `lb_plan`. Inserts come before deletes: when a map was full and
+/// this pass freed room, one more pass with the same plan programs what waited.
+fn sync_all<F: AddressFamily>(
+    sync: &mut ServiceSync<F>,
+    maps: &mut impl ServiceMaps<F>,
+    lb_plan: &LbPlan<F>,
+    complete: bool,
+) -> SyncReport {
+    let desired = assign_ids(lb_plan, sync.programmed());
+    let report = sync.sync(maps, &desired, complete);
+    if report.total().full > 0 && report.total().deletes > 0 {
+        let desired = assign_ids(lb_plan, sync.programmed());
+        let second = sync.sync(maps, &desired, complete);
+        return add_second_pass(report, second);
+    }
+    report
+}
+
+/// The writes of both passes; the errors of the second (what still waits).
+fn add_second_pass(mut report: SyncReport, second: SyncReport) -> SyncReport {
+    for (map, counts) in second.per_map {
+        let total = report.per_map.entry(map).or_default();
+        total.inserts += counts.inserts;
+        total.updates += counts.updates;
+        total.deletes += counts.deletes;
+        total.errors = counts.errors;
+        total.full = counts.full;
+    }
+    report
+}
+
+const TOPOLOGY_ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+struct FileSource {
+    path: PathBuf,
+    stamp: Option<SystemTime>,
+    /// The last read error, so a file that stays broken is reported once, not every second.
+    last_error: Option<String>,
+}
+
+impl FileSource {
+    fn new(path: PathBuf) -> Self {
+        Self { path, stamp: None, last_error: None }
+    }
+
+    /// The file's objects if it changed since the last read.
+    fn poll(&mut self, metrics: &Metrics) -> Option<StateBuilder> {
+        let stamp = std::fs::metadata(&self.path).and_then(|m| m.modified()).ok();
+        if stamp.is_some() && stamp == self.stamp {
+            return None;
+        }
+        self.stamp = stamp;
+        match load_file(&self.path) {
+            Ok(builder) => {
+                self.last_error = None;
+                Some(builder)
+            }
+            Err(e) => {
+                let error = format!("{e:#}");
+                if self.last_error.as_ref() != Some(&error) {
+                    // An unreadable desired state is not an empty one: keep everything programmed.
+                    tracing::error!(error, "cannot read desired state; maps left as they are");
+                    metrics.with(|m| *m.rejected_objects.entry("file").or_default() += 1);
+                    self.last_error = Some(error);
+                }
+                None
+            }
+        }
+    }
+}
+
+impl ServiceController {
+    /// Adopts what the maps hold and configures source NAT.
+    pub fn start(config: &AgentConfig, metrics: &Metrics, health_checks: HealthChecks) -> Result<Self> {
+        let maps = BpfServiceMaps::open_pinned(&config.pin_dir)?;
+        let sync = ServiceSync::adopt(&maps).context("reading the programmed service maps")?;
+        let maps_v6 = BpfServiceMapsV6::open_pinned(&config.pin_dir)?;
+        let sync_v6 = ServiceSync::adopt(&maps_v6).context("reading the programmed IPv6 service maps")?;
+        tracing::info!(
+            services = sync.programmed().services.len(),
+            backends = sync.programmed().backends.len(),
+            services_v6 = sync_v6.programmed().services.len(),
+            backends_v6 = sync_v6.programmed().backends.len(),
+            "adopted programmed state"
+        );
+        let controller = ServiceController {
+            maps,
+            sync,
+            maps_v6,
+            sync_v6,
+            metrics: metrics.clone(),
+            limits: config.limits,
+            node_name: config.node_name.clone(),
+            nodeport_addresses: config.nodeport_addresses.clone(),
+            hairpin_all: config.hairpin_mode,
+            external_ips: ExternalIpPolicy {
+                external_ip_ranges: config.external_ip_ranges.clone(),
+                load_balancer_ranges: config.load_balancer_ip_ranges.clone(),
+                forbidden: config.cluster_cidrs.iter().chain(&config.service_ranges).copied().collect(),
+            },
+            reported: BTreeSet::new(),
+            full_maps: BTreeSet::new(),
+            zone: None,
+            health_checks,
+            loopback_node_ports: config.socket_lb.enabled,
+            maglev_all: config.maglev_all,
+            compiler: FamilyCompiler::default(),
+            compiler_v6: FamilyCompiler::default(),
+            last_node: None,
+            full_compile_only: full_compile_only(),
+        };
+        let snat_addr =
+            config.node_ip.or_else(netif::default_route_source).or_else(|| netif::ipv4_addresses().first().copied());
+        let snat_addr_v6 = netif::default_route_source_v6().or_else(|| netif::ipv6_addresses().first().copied());
+        let lb_config = LbConfig {
+            snat_addr: snat_addr.map(crate::services::compile::addr_be).unwrap_or(0),
+            snat_addr_v6: snat_addr_v6.map(V6::words).unwrap_or_default(),
+            snat_port_min: config.snat_port_range.0,
+            snat_port_max: config.snat_port_range.1,
+            flags: if config.masquerade_all { LB_CONFIG_MASQUERADE_ALL } else { 0 }
+                | if config.pod_egress { LB_CONFIG_POD_EGRESS } else { 0 },
+            pad: 0,
+        };
+        write_lb_config(&config.pin_dir, &lb_config)?;
+        tracing::info!(snat_address = ?snat_addr, snat_address_v6 = ?snat_addr_v6, ports = ?config.snat_port_range, masquerade_all = config.masquerade_all, "source NAT configured");
+        Ok(controller)
+    }
+}
+
+/// The kinds the services controller reads.
+pub const SERVICE_KINDS: &[Kind] = &[Kind::Services, Kind::EndpointSlices];
+/// What wakes it: those, and Nodes (this node's zone).
+pub const SERVICE_TRIGGER_KINDS: &[Kind] = &[Kind::Services, Kind::EndpointSlices, Kind::Nodes];
+
+/// Services from the API server (or the checkpoint until it lists them).
+pub struct ServicesFromApi {
+    controller: ServiceController,
+    cache: Arc<Cache>,
+    /// The Services and EndpointSlices converted, kept up to date object by object.
+    catalog: ServiceCatalog,
+    /// The Services changed since the last sync.
+    changed: Changed,
+    /// Something other than the objects (the node's zone or addresses, a failed write) asks
+    /// for a sync.
+    dirty: bool,
+    /// The node's addresses (NodePorts listen on them), as the interfaces controller saw them.
+    node_addresses: watch::Receiver<Vec<IpAddr>>,
+    /// The changes of the Services and EndpointSlices seen so far.
+    generation: u64,
+}
+
+impl ServicesFromApi {
+    pub fn new(controller: ServiceController, cache: Arc<Cache>, node_addresses: watch::Receiver<Vec<IpAddr>>) -> Self {
+        // Restored from the checkpoint: applied at once (without deletions).
+        let dirty = cache.restored();
+        Self {
+            controller,
+            cache,
+            catalog: ServiceCatalog::default(),
+            changed: Changed::All,
+            dirty,
+            node_addresses,
+            generation: 0,
+        }
+    }
+
+    /// Only this node's zone matters to the Services; other Node changes do not.
+    fn follow_zone(&mut self) {
+        let name = self.controller.node_name.as_str();
+        let zone = self.cache.with(|o| {
+            o.nodes
+                .objects()
+                .find(|n| n.metadata.name.as_deref() == Some(name))
+                .and_then(|n| n.metadata.labels.as_ref()?.get(TOPOLOGY_ZONE_LABEL).cloned())
+        });
+        if zone != self.controller.zone {
+            tracing::info!(zone = ?zone, "node zone changed; topology hints follow it");
+            self.controller.zone = zone;
+            self.dirty = true;
+        }
+    }
+}
+
+impl Controller for ServicesFromApi {
+    fn name(&self) -> &'static str {
+        "services"
+    }
+
+    async fn reconcile(&mut self) -> Result<Action> {
+        self.follow_zone();
+        if self.node_addresses.has_changed().unwrap_or(false) {
+            self.node_addresses.borrow_and_update();
+            self.dirty = true;
+        }
+        let generation = self.cache.generation(SERVICE_KINDS);
+        if generation != self.generation {
+            self.generation = generation;
+            self.dirty = true;
+        }
+        if !self.dirty {
+            return Ok(Action::AwaitChange);
+        }
+        // Before the first complete listing only a checkpoint-restored state is applied, and
+        // then without deletions.
+        let full = self.controller.full_compile_only;
+        let catalog = &mut self.catalog;
+        let Some(listing) = self.cache.update(SERVICE_KINDS, |o| {
+            if full {
+                *catalog = ServiceCatalog::from_builder(o.state());
+            }
+            o.update_catalog(catalog)
+        }) else {
+            return Ok(Action::AwaitChange);
+        };
+        self.changed.merge(listing.objects);
+        self.dirty = false;
+        let changed = std::mem::take(&mut self.changed);
+        let failed = self.controller.apply(&self.catalog, changed, listing.completeness == Completeness::Complete);
+        if failed > 0 {
+            // The maps hold less than planned: the next run syncs again, even unchanged.
+            self.dirty = true;
+            anyhow::bail!("{failed} service map writes failed");
+        }
+        Ok(Action::AwaitChange)
+    }
+}
+
+/// Services from a file (`--service-file`), read again when it changes.
+pub struct ServicesFromFile {
+    controller: ServiceController,
+    file: FileSource,
+    node_addresses: watch::Receiver<Vec<IpAddr>>,
+}
+
+impl ServicesFromFile {
+    pub fn new(controller: ServiceController, path: PathBuf, node_addresses: watch::Receiver<Vec<IpAddr>>) -> Self {
+        Self { controller, file: FileSource::new(path), node_addresses }
+    }
+}
+
+/// How often the file's modification time is checked.
+const FILE_POLL: Duration = Duration::from_secs(1);
+
+impl Controller for ServicesFromFile {
+    fn name(&self) -> &'static str {
+        "services"
+    }
+
+    async fn reconcile(&mut self) -> Result<Action> {
+        if self.node_addresses.has_changed().unwrap_or(false) {
+            self.node_addresses.borrow_and_update();
+            self.file.stamp = None;
+        }
+        if let Some(builder) = self.file.poll(&self.controller.metrics) {
+            let failed = self.controller.apply(&ServiceCatalog::from_builder(builder), Changed::All, true);
+            if failed > 0 {
+                // Read and applied again at the retry.
+                self.file.stamp = None;
+                anyhow::bail!("{failed} service map writes failed");
+            }
+        }
+        Ok(Action::RequeueAfter(FILE_POLL))
+    }
+}
+
+/// `KUBE_ROUTER_FULL_SERVICE_COMPILE=1`: see [`ServiceController::full_compile_only`].
+fn full_compile_only() -> bool {
+    std::env::var("KUBE_ROUTER_FULL_SERVICE_COMPILE").is_ok_and(|v| v == "1")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+    use crate::services::{
+        diff::MapOp,
+        model::{Protocol, Service, ServicePort},
+        sync::MapWriteError,
+    };
+
+    /// Service maps with room for `capacity` frontends.
+    struct Capped {
+        inner: MapContents,
+        capacity: usize,
+    }
+
+    impl ServiceMaps for Capped {
+        fn write(&mut self, op: &MapOp) -> Result<(), MapWriteError> {
+            if let MapOp::PutService(key, _) = op {
+                if !self.inner.services.contains_key(key) && self.inner.services.len() >= self.capacity {
+                    return Err(MapWriteError { map: map_names::SERVICES, message: "E2BIG".into(), full: true });
+                }
+            }
+            self.inner.apply(op);
+            Ok(())
+        }
+        fn read_all(&self) -> Result<MapContents, MapWriteError> {
+            Ok(self.inner.clone())
+        }
+    }
+
+    /// ClusterIP Services `(name, last octet of 10.96.0.x)`.
+    fn catalog(services: &[(&str, u8)]) -> ServiceCatalog {
+        let mut builder = StateBuilder::default();
+        for (name, octet) in services {
+            let name = ServiceName::new("ns", *name);
+            let service = Service::cluster_ip(
+                name.clone(),
+                vec![Ipv4Addr::new(10, 96, 0, *octet).into()],
+                vec![ServicePort { name: "http".into(), protocol: Protocol::Tcp, port: 80, node_port: None }],
+            );
+            builder.state.services.insert(name, service);
+        }
+        ServiceCatalog::from_builder(builder)
+    }
+
+    #[test]
+    fn an_increment_that_frees_room_in_a_full_map_programs_what_waited() {
+        let node = NodeContext::default();
+        let limits = Limits::default();
+        let mut compiler = FamilyCompiler::<V4>::default();
+        let mut maps = Capped { inner: MapContents::default(), capacity: 2 };
+        let mut sync = ServiceSync::adopt(&maps).unwrap();
+        let before = catalog(&[("a", 1), ("b", 2)]);
+        sync_family(&mut compiler, &mut sync, &mut maps, &before, None, &node, limits, true);
+        assert_eq!(maps.inner.services.len(), 2);
+
+        // a goes, c comes: c's insert is refused before a's delete makes room.
+        let after = catalog(&[("b", 2), ("c", 3)]);
+        let changed = [ServiceName::new("ns", "a"), ServiceName::new("ns", "c")].into_iter().collect();
+        let (report, owners) =
+            sync_family(&mut compiler, &mut sync, &mut maps, &after, Some(&changed), &node, limits, true);
+        assert!(matches!(owners, OwnerUpdate::All(_)), "followed by a full pass");
+        assert_eq!(report.total().errors, 0);
+        let addrs: Vec<std::net::IpAddr> = maps.inner.services.keys().map(|k| FrontendId::of::<V4>(k).addr).collect();
+        let expected: Vec<std::net::IpAddr> =
+            vec![Ipv4Addr::new(10, 96, 0, 2).into(), Ipv4Addr::new(10, 96, 0, 3).into()];
+        assert_eq!(addrs, expected);
+
+        // The maps hold the whole plan again: the next change is compiled alone.
+        let (report, owners) =
+            sync_family(&mut compiler, &mut sync, &mut maps, &after, Some(&changed), &node, limits, true);
+        assert!(matches!(owners, OwnerUpdate::Some(_)));
+        assert_eq!(report.total().writes(), 0);
+    }
+}
