@@ -1063,7 +1063,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     let snapshot = api.objects.snapshot();
                     let (state_dir, metrics) = (config.state_dir.clone(), metrics.clone());
                     checkpoint_write = Some(tokio::task::spawn_blocking(move || {
-                        if let Err(e) = checkpoint::write(&state_dir, &snapshot.checkpoint()) {
+                        if let Err(e) = checkpoint::write_payload(&state_dir, &snapshot) {
                             tracing::error!(error = %e, "cannot write checkpoint");
                             metrics.with(|m| m.checkpoint_errors += 1);
                         }

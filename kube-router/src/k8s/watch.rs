@@ -203,20 +203,25 @@ pub struct CheckpointSnapshot {
     network_policies: Vec<Arc<NetworkPolicy>>,
 }
 
-impl CheckpointSnapshot {
-    pub fn checkpoint(self) -> Checkpoint {
-        fn owned<K: Clone>(objects: Vec<Arc<K>>) -> Vec<K> {
-            objects.into_iter().map(|o| Arc::unwrap_or_clone(o)).collect()
+/// Serialises as the [`Checkpoint`] of the same objects, read in place (no copy of them).
+impl serde::Serialize for CheckpointSnapshot {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        struct Shared<'a, K>(&'a [Arc<K>]);
+        impl<K: serde::Serialize> serde::Serialize for Shared<'_, K> {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                serializer.collect_seq(self.0.iter().map(|object| &**object))
+            }
         }
-        Checkpoint {
-            written_unix: self.written_unix,
-            services: owned(self.services),
-            endpoint_slices: owned(self.endpoint_slices),
-            pods: owned(self.pods),
-            namespaces: owned(self.namespaces),
-            nodes: owned(self.nodes),
-            network_policies: owned(self.network_policies),
-        }
+        let mut checkpoint = serializer.serialize_struct("Checkpoint", 7)?;
+        checkpoint.serialize_field("written_unix", &self.written_unix)?;
+        checkpoint.serialize_field("services", &Shared(&self.services))?;
+        checkpoint.serialize_field("endpoint_slices", &Shared(&self.endpoint_slices))?;
+        checkpoint.serialize_field("pods", &Shared(&self.pods))?;
+        checkpoint.serialize_field("namespaces", &Shared(&self.namespaces))?;
+        checkpoint.serialize_field("nodes", &Shared(&self.nodes))?;
+        checkpoint.serialize_field("network_policies", &Shared(&self.network_policies))?;
+        checkpoint.end()
     }
 }
 
@@ -341,7 +346,7 @@ impl ClusterObjects {
         Changed::Services(changed)
     }
 
-    /// Every object, shared, for [`CheckpointSnapshot::checkpoint`] to copy off the agent's loop.
+    /// Every object, shared, for the checkpoint to be written off the agent's loop.
     pub fn snapshot(&self) -> CheckpointSnapshot {
         CheckpointSnapshot {
             written_unix: crate::metrics::unix_now(),
@@ -381,6 +386,7 @@ mod tests {
     use kube::runtime::watcher::Event;
 
     use super::*;
+    use crate::k8s::checkpoint;
     use crate::services::{
         compile::{assign_ids, plan, Limits, MapContents},
         diff::diff,
@@ -459,6 +465,24 @@ mod tests {
         restored.restore(objects.checkpoint());
         assert!(!restored.synced(), "a checkpoint is not a complete listing");
         assert_eq!(contents(&restored, &programmed), programmed);
+    }
+
+    #[test]
+    fn the_streamed_snapshot_reads_back_as_the_checkpoint_of_the_same_objects() {
+        let mut objects = ClusterObjects::default();
+        let mut odd = service("a", "10.96.0.1", 1);
+        // Quotes, backslashes, a control character and non-ASCII text inside the payload.
+        odd.metadata.annotations =
+            Some([("note".to_string(), "say \"hi\" \\ tab\there, ünïcødé \u{1}".to_string())].into());
+        listed(&mut objects, vec![odd, service("b", "10.96.0.2", 2)], vec![slice("a", "10.0.0.1", 3)]);
+        let dir = std::env::temp_dir().join(format!("krt-snapshot-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let snapshot = objects.snapshot();
+        let written_unix = snapshot.written_unix;
+        checkpoint::write_payload(&dir, &snapshot).unwrap();
+        let read = checkpoint::read(&dir).unwrap();
+        assert_eq!(read, Checkpoint { written_unix, ..objects.checkpoint() });
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
