@@ -241,7 +241,18 @@ fn main() {
     dropped("IPv4 programmed-map model (ServiceSync)", &mut || v4.sync = ServiceSync::adopt(&Kernel).unwrap());
     dropped("IPv4 compiler (plans, claims, entries, ids)", &mut || v4.compiler = FamilyCompiler::default());
     dropped("catalog (converted Services + slices)", &mut || catalog = ServiceCatalog::default());
-    dropped("stores (kube-rs objects)", &mut || objects = ClusterObjects::default());
+    dropped("stores: EndpointSlices (kube-rs objects)", &mut || objects.endpoint_slices = Default::default());
+    dropped("stores: Services (kube-rs objects)", &mut || objects = ClusterObjects::default());
+    eprintln!(
+        "sizes: Service {} EndpointSlice {} Endpoint {} ObjectMeta {} model::Endpoint {} model::Service {} LbPlan {}",
+        std::mem::size_of::<Service>(),
+        std::mem::size_of::<EndpointSlice>(),
+        std::mem::size_of::<k8s_openapi::api::discovery::v1::Endpoint>(),
+        std::mem::size_of::<k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>(),
+        std::mem::size_of::<kube_router::services::model::Endpoint>(),
+        std::mem::size_of::<kube_router::services::model::Service>(),
+        std::mem::size_of::<kube_router::services::compile::LbPlan<V4>>()
+    );
 
     println!(
         "== Service state at {SERVICES} Services / {} endpoints ({entries} IPv4 map entries)",

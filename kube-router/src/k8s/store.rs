@@ -41,6 +41,13 @@ fn version_of<K: Resource>(object: &K) -> Option<u64> {
     object.meta().resource_version.as_deref().and_then(|v| v.parse().ok())
 }
 
+/// The object without what no part of the agent reads and the API server sends with every
+/// object: `managedFields` (server-side apply bookkeeping, often larger than the object).
+fn trimmed<K: Resource>(mut object: K) -> K {
+    object.meta_mut().managed_fields = None;
+    object
+}
+
 impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
     /// Applies one watcher event; returns whether the visible contents changed.
     pub fn apply(&mut self, event: Event<K>) -> bool {
@@ -50,6 +57,7 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
                 false
             }
             Event::InitApply(object) => {
+                let object = trimmed(object);
                 let buffer = self.relist.get_or_insert_with(BTreeMap::new);
                 buffer.insert(key_of(&object), Arc::new(object));
                 false
@@ -83,6 +91,7 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
     }
 
     fn upsert(&mut self, object: K) -> bool {
+        let object = trimmed(object);
         let key = key_of(&object);
         let object = Arc::new(object);
         if let Some(buffer) = self.relist.as_mut() {
