@@ -196,12 +196,14 @@ impl<F: AddressFamily> Increment<F> {
 #[derive(Clone, Debug)]
 struct Fragment<F: AddressFamily> {
     frontends: Box<[(ServiceKey<F::Words>, Frontend)]>,
-    backend_sets: Box<[(BackendSetKey, Box<[Backend<F::Words>]>)]>,
+    backend_sets: Box<[(BackendSetKey, Backends<F>)]>,
     source_ranges: Box<[(BackendSetKey, Vec<F::Net>)]>,
     maglev_sets: Box<[BackendSetKey]>,
     truncated: Box<[(BackendSetKey, usize)]>,
     warnings: Box<[CompileWarning]>,
 }
+
+type Backends<F> = Box<[Backend<<F as AddressFamily>::Words>]>;
 
 impl<F: AddressFamily> From<LbPlan<F>> for Fragment<F> {
     fn from(plan: LbPlan<F>) -> Self {
