@@ -646,9 +646,14 @@ async fn start_api_source(options: &ApiOptions, state_dir: &Path, metrics: &Metr
             false
         }
     };
+    // Converted now: the BGP speaker finds a Service's EndpointSlices through the catalog.
+    let mut catalog = ServiceCatalog::default();
+    if restored_from_checkpoint {
+        objects.update_catalog(&mut catalog);
+    }
     Ok(ApiSource {
         objects,
-        catalog: ServiceCatalog::default(),
+        catalog,
         changed: Changed::All,
         updates,
         dirty: restored_from_checkpoint,
@@ -1106,9 +1111,13 @@ pub async fn run(config: AgentConfig) -> Result<()> {
                     router_dirty = false;
                     let o = &api.objects;
                     let started = Instant::now();
-                    router
-                        .update_from_nodes(o.nodes.objects(), o.services.objects(), o.endpoint_slices.objects())
-                        .await;
+                    // Through the catalog's index: only the slices asked for are decoded.
+                    let slices_of =
+                        |namespace: &str, name: &str| -> Vec<k8s_openapi::api::discovery::v1::EndpointSlice> {
+                            let keys = api.catalog.slice_keys_of(&ServiceName::new(namespace, name));
+                            keys.iter().filter_map(|key| o.endpoint_slices.get(key)).collect()
+                        };
+                    router.update_from_nodes(o.nodes.objects(), o.services.objects(), &slices_of).await;
                     metrics.with(|m| m.kr.bgp_peers_sync_time.observe(started.elapsed().as_secs_f64()));
                 }
             }

@@ -20,7 +20,10 @@ use kube::{
 };
 use tokio::sync::mpsc;
 
-use super::{checkpoint::Checkpoint, store::ObjectStore};
+use super::{
+    checkpoint::Checkpoint,
+    store::{ObjectStore, Packed},
+};
 use crate::services::{
     incremental::{Changed, ServiceCatalog},
     model::ServiceName,
@@ -196,7 +199,7 @@ fn spawn_one<K>(
 pub struct CheckpointSnapshot {
     written_unix: f64,
     services: Vec<Arc<Service>>,
-    endpoint_slices: Vec<Arc<EndpointSlice>>,
+    endpoint_slices: Vec<Packed<EndpointSlice>>,
     pods: Vec<Arc<Pod>>,
     namespaces: Vec<Arc<Namespace>>,
     nodes: Vec<Arc<Node>>,
@@ -207,8 +210,8 @@ pub struct CheckpointSnapshot {
 impl serde::Serialize for CheckpointSnapshot {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
-        struct Shared<'a, K>(&'a [Arc<K>]);
-        impl<K: serde::Serialize> serde::Serialize for Shared<'_, K> {
+        struct Shared<'a, H>(&'a [H]);
+        impl<H: std::ops::Deref<Target: serde::Serialize>> serde::Serialize for Shared<'_, H> {
             fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
                 serializer.collect_seq(self.0.iter().map(|object| &**object))
             }
@@ -216,7 +219,7 @@ impl serde::Serialize for CheckpointSnapshot {
         let mut checkpoint = serializer.serialize_struct("Checkpoint", 7)?;
         checkpoint.serialize_field("written_unix", &self.written_unix)?;
         checkpoint.serialize_field("services", &Shared(&self.services))?;
-        checkpoint.serialize_field("endpoint_slices", &Shared(&self.endpoint_slices))?;
+        checkpoint.serialize_field("endpoint_slices", &self.endpoint_slices)?;
         checkpoint.serialize_field("pods", &Shared(&self.pods))?;
         checkpoint.serialize_field("namespaces", &Shared(&self.namespaces))?;
         checkpoint.serialize_field("nodes", &Shared(&self.nodes))?;
@@ -234,20 +237,8 @@ fn map_object<K>(event: watcher::Event<K>, f: fn(K) -> K) -> watcher::Event<K> {
     }
 }
 
-/// Decoding leaves lists with room to grow (4 → 8 → 16): 10 endpoints took 16 slots of 352
-/// bytes. Every object is kept as long as it exists, so its lists are cut to their length.
-fn compact_slice(mut slice: EndpointSlice) -> EndpointSlice {
-    slice.endpoints.shrink_to_fit();
-    for endpoint in &mut slice.endpoints {
-        endpoint.addresses.shrink_to_fit();
-    }
-    if let Some(ports) = slice.ports.as_mut() {
-        ports.shrink_to_fit();
-    }
-    slice
-}
-
-/// [`compact_slice`] for a Service's lists.
+/// Decoding leaves lists with room to grow (4 → 8 → 16); every object is kept as long as it
+/// exists, so its lists are cut to their length.
 fn compact_service(mut service: Service) -> Service {
     if let Some(spec) = service.spec.as_mut() {
         for list in [&mut spec.cluster_ips, &mut spec.external_ips, &mut spec.ip_families].into_iter().flatten() {
@@ -273,10 +264,12 @@ pub enum Kind {
 
 /// Every watched object, as last seen. Pods, Namespaces, Nodes and NetworkPolicies are kept
 /// (and checkpointed) for the policy and BGP controllers; the service proxy reads the first two.
+/// EndpointSlices, the bulk of them (10 endpoints: 5.5 KiB decoded, 1 KiB of JSON), are kept
+/// packed: only the changed ones are decoded, for the catalog, and the BGP speaker's few.
 #[derive(Default)]
 pub struct ClusterObjects {
     pub services: ObjectStore<Service>,
-    pub endpoint_slices: ObjectStore<EndpointSlice>,
+    pub endpoint_slices: ObjectStore<EndpointSlice, Packed<EndpointSlice>>,
     pub pods: ObjectStore<Pod>,
     pub namespaces: ObjectStore<Namespace>,
     pub nodes: ObjectStore<Node>,
@@ -294,9 +287,7 @@ impl ClusterObjects {
     pub fn apply_kind(&mut self, update: WatchUpdate) -> Option<Kind> {
         let (kind, changed) = match update {
             WatchUpdate::Services(event) => (Kind::Services, self.services.apply(map_object(event, compact_service))),
-            WatchUpdate::EndpointSlices(event) => {
-                (Kind::EndpointSlices, self.endpoint_slices.apply(map_object(event, compact_slice)))
-            }
+            WatchUpdate::EndpointSlices(event) => (Kind::EndpointSlices, self.endpoint_slices.apply(event)),
             WatchUpdate::Pods(event) => (Kind::Pods, self.pods.apply(event)),
             WatchUpdate::Namespaces(event) => (Kind::Namespaces, self.namespaces.apply(event)),
             WatchUpdate::Nodes(event) => (Kind::Nodes, self.nodes.apply(event)),
@@ -342,7 +333,7 @@ impl ClusterObjects {
             builder.add_service(service);
         }
         for slice in self.endpoint_slices.objects() {
-            builder.add_endpoint_slice(slice);
+            builder.add_endpoint_slice(&slice);
         }
         builder
     }
@@ -372,7 +363,7 @@ impl ClusterObjects {
         for key in slices {
             let converted = self.endpoint_slices.get(&key).map(|object| {
                 let mut builder = StateBuilder::default();
-                builder.add_endpoint_slice(object);
+                builder.add_endpoint_slice(&object);
                 builder
             });
             changed.extend(catalog.set_slice(&key, converted));
@@ -400,7 +391,7 @@ impl ClusterObjects {
         Checkpoint {
             written_unix: crate::metrics::unix_now(),
             services: self.services.objects().cloned().collect(),
-            endpoint_slices: self.endpoint_slices.objects().cloned().collect(),
+            endpoint_slices: self.endpoint_slices.objects().collect(),
             pods: self.pods.objects().cloned().collect(),
             namespaces: self.namespaces.objects().cloned().collect(),
             nodes: self.nodes.objects().cloned().collect(),
