@@ -145,6 +145,7 @@ impl<F: AddressFamily> Family<F> {
     }
 
     fn full(&mut self, catalog: &ServiceCatalog, node: &NodeContext) {
+        // As the agent's full sync does (agent::sync_all).
         let plan = self.compiler.plan_all(catalog, node, Limits::default());
         let desired = assign_ids(&plan, self.sync.programmed());
         let report = self.sync.sync(&mut Kernel, &desired, true);
@@ -162,7 +163,7 @@ impl<F: AddressFamily> Family<F> {
 
 struct Phase {
     name: &'static str,
-    live: usize,
+    live: isize,
     peak: usize,
     rss_kib: usize,
 }
@@ -173,7 +174,7 @@ fn phase(name: &'static str, log: &mut Vec<Phase>, f: impl FnOnce()) {
     f();
     log.push(Phase {
         name,
-        live: LIVE.load(Relaxed) - before,
+        live: LIVE.load(Relaxed) as isize - before as isize,
         peak: PEAK.load(Relaxed) - before,
         rss_kib: status_kib("VmRSS:"),
     });
@@ -205,7 +206,26 @@ fn main() {
         objects.apply(WatchUpdate::EndpointSlices(Event::InitDone));
     });
     phase("converted catalog", &mut log, || assert_eq!(objects.update_catalog(&mut catalog), Changed::All));
-    phase("IPv4: full compile, compiler + programmed model", &mut log, || v4.full(&catalog, &node));
+    // The IPv4 full compile step by step: what each step leaves, and its transient peak.
+    let mut plan = None;
+    let mut desired = None;
+    phase("IPv4 full compile: plan every Service", &mut log, || {
+        plan = Some(v4.compiler.plan_all(&catalog, &node, Limits::default()))
+    });
+    phase("IPv4 full compile: assign ids (desired contents)", &mut log, || {
+        desired = Some(assign_ids(plan.as_ref().unwrap(), v4.sync.programmed()))
+    });
+    phase("IPv4 full compile: diff and write", &mut log, || {
+        let report = v4.sync.sync(&mut Kernel, desired.as_ref().unwrap(), true);
+        assert_eq!(report.total().errors, 0);
+    });
+    phase("IPv4 full compile: compiler adopts the result", &mut log, || {
+        v4.compiler.adopt(plan.as_ref().unwrap(), v4.sync.programmed(), true)
+    });
+    phase("IPv4 full compile: plan and desired contents dropped", &mut log, || {
+        plan = None;
+        desired = None;
+    });
     phase("IPv6: full compile (no IPv6 Services)", &mut log, || v6.full(&catalog, &node));
     let programmed = v4.sync.programmed();
     let entries = programmed.services.len() + programmed.slots.len() + programmed.backends.len();
@@ -261,7 +281,8 @@ fn main() {
     println!("(bytes as glibc malloc takes them: 8-byte header, 16-byte granules, 32 at least)");
     println!("{:<52} {:>10} {:>10} {:>10}", "phase", "kept MiB", "peak MiB", "RSS MiB");
     for p in &log {
-        println!("{:<52} {:>10.1} {:>10.1} {:>10.1}", p.name, mib(p.live), mib(p.peak), p.rss_kib as f64 / 1024.0);
+        let kept = p.live as f64 / (1024.0 * 1024.0);
+        println!("{:<52} {:>10.1} {:>10.1} {:>10.1}", p.name, kept, mib(p.peak), p.rss_kib as f64 / 1024.0);
     }
     println!("{:<52} {:>10}", "part (dropped at the end)", "held MiB");
     for (name, bytes, _) in &held {

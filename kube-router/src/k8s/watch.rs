@@ -524,7 +524,7 @@ mod tests {
         objects.update_catalog(&mut catalog);
         assert_eq!(catalog.problems().count(), 0);
         let names = |changed: Changed| match changed {
-            Changed::Services(names) => names.into_iter().map(|n| n.name).collect::<Vec<_>>(),
+            Changed::Services(names) => names.into_iter().map(|n| n.name.to_string()).collect::<Vec<_>>(),
             Changed::All => vec!["*".to_string()],
         };
         let same_as_a_full_conversion = |objects: &ClusterObjects, catalog: &ServiceCatalog| {

@@ -93,7 +93,7 @@ impl ServiceCatalog {
     pub fn set_service(&mut self, name: &ServiceName, converted: Option<StateBuilder>) {
         self.state.services.remove(name);
         self.state.rejected.remove(name);
-        let key = ("Service", name.namespace.clone(), name.name.clone());
+        let key = ("Service", name.namespace.to_string(), name.name.to_string());
         self.problems.remove(&key);
         let Some(builder) = converted else { return };
         self.state.services.extend(builder.state.services);
