@@ -237,7 +237,7 @@ pub struct FamilyCompiler<F: AddressFamily> {
     claims: BTreeMap<ServiceKey<F::Words>, Vec<ServiceName>>,
     entries: BTreeMap<ServiceName, Entries<F::Words>>,
     /// Backend id -> number of Services using it.
-    backend_users: BTreeMap<u32, usize>,
+    backend_users: BTreeMap<u32, u32>,
     warnings: BTreeMap<ServiceName, Vec<CompileWarning>>,
     dropped: BTreeMap<ServiceName, u64>,
     ids: IdsInUse<F::Words>,
@@ -498,7 +498,7 @@ impl<F: AddressFamily> FamilyCompiler<F> {
                 if let Some(&count) = sorted_get(&fragment.truncated, set) {
                     warnings.push(CompileWarning::EndpointsTruncated {
                         service: name.clone(),
-                        port_name: set.port_name.clone(),
+                        port_name: set.port_name.to_string(),
                         kept: backends.len(),
                         dropped: count,
                     });
