@@ -64,7 +64,7 @@ use kube_router::{
     },
     policy::{
         bpf_maps::{MapEntries, MapFlattener},
-        compile, CompileOptions, CompileOutput, Direction, PolicyCompiler,
+        compile, CompileOutput, Direction, PolicyCompiler,
     },
 };
 use kube_router_common::{POLICY_PEERS_MAX_ENTRIES, POLICY_PODS_MAX_ENTRIES, POLICY_PORTS_MAX_ENTRIES};
@@ -593,11 +593,6 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-fn options() -> CompileOptions {
-    // As the agent compiles: no rule limit.
-    CompileOptions::default()
-}
-
 fn check_fits(output: &CompileOutput, entries: &MapEntries) {
     assert!(output.policy_errors.is_empty(), "{:?}", output.policy_errors);
     assert!(entries.pod_slots.len() <= POLICY_PODS_MAX_ENTRIES as usize);
@@ -636,7 +631,7 @@ fn main() {
     // Loading creates and pins the maps; it must outlive the writes.
     let _datapath = Datapath::load(pin_dir).expect("load datapath (root needed)");
     let mut maps = BpfPolicyMaps::open_pinned(pin_dir).expect("policy maps");
-    let (output, compile_time) = timed(|| compile(&pods, &namespaces, &policies, &options()));
+    let (output, compile_time) = timed(|| compile(&pods, &namespaces, &policies));
     let mut flattener = MapFlattener::new();
     let (entries, flatten_time) = timed(|| flattener.flatten(&output.model));
     check_fits(&output, &entries);
@@ -666,7 +661,7 @@ fn main() {
     let mut changed_pods = pods.clone();
     changed_pods[CHANGED_POD] = k8s_pod(&cluster.pods[CHANGED_POD]);
     let ((changed_output, changed_entries, diff), recompile_time) = timed(|| {
-        let output = compile(&changed_pods, &namespaces, &policies, &options());
+        let output = compile(&changed_pods, &namespaces, &policies);
         let changed = flattener.flatten(&output.model);
         let diff = entries.diff(&changed);
         (output, changed, diff)
@@ -677,7 +672,7 @@ fn main() {
     // What the agent does: the incremental compiler recomputes only the changed pod's entries
     // and sets, and the flattener rewrites only what its delta names. It must reach the same
     // maps with the same writes.
-    let mut incremental = PolicyCompiler::from_snapshot(&pods, &namespaces, &policies, options());
+    let mut incremental = PolicyCompiler::from_snapshot(&pods, &namespaces, &policies);
     let mut flattener = flattener_before_change;
     let (incremental_diff, incremental_time) = timed(|| {
         let delta = incremental.upsert_pod(&changed_pods[CHANGED_POD]);

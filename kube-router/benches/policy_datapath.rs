@@ -37,7 +37,7 @@ use kube_router::{
     },
     policy::{
         bpf_maps::{MapEntries, MapFlattener},
-        compile, CompileOptions,
+        compile,
     },
 };
 use serde_json::json;
@@ -148,7 +148,7 @@ fn measure(label: &str, (objects, last_rule, port): Model, ipv6: bool) -> Figure
     let datapath = Datapath::load(pin_dir).expect("load datapath (root needed)");
     let (pod_objects, namespaces, policies) = objects;
     let started = Instant::now();
-    let output = compile(&pod_objects, &namespaces, &policies, &CompileOptions::default());
+    let output = compile(&pod_objects, &namespaces, &policies);
     let entries = MapFlattener::new().flatten(&output.model);
     let compiled = started.elapsed();
     let mut maps = BpfPolicyMaps::open_pinned(pin_dir).unwrap();

@@ -24,7 +24,7 @@ use crate::{
     metrics::Metrics,
     policy::{
         bpf_maps::{MapEntries, MapFlattener},
-        CompileOptions, Delta, PodRules, PodSetKey, PolicyCompiler,
+        Delta, PodRules, PodSetKey, PolicyCompiler,
     },
 };
 
@@ -150,9 +150,7 @@ impl FirewallController {
                 compiler
             }
             None => {
-                let options = CompileOptions::default();
-                let compiler =
-                    PolicyCompiler::from_snapshot(&values(&pods), &values(&namespaces), &values(&policies), options);
+                let compiler = PolicyCompiler::from_snapshot(&values(&pods), &values(&namespaces), &values(&policies));
                 self.seen = Seen { pods, namespaces, policies };
                 self.compiler.insert(compiler)
             }

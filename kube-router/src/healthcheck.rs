@@ -48,7 +48,7 @@ pub fn health_checks(state: &ServiceState, node: &str) -> BTreeMap<u16, LocalEnd
 pub fn response(check: &LocalEndpoints) -> (&'static str, String) {
     let status = if check.count > 0 { "200 OK" } else { "503 Service Unavailable" };
     let body = serde_json::json!({
-        "service": {"namespace": check.service.namespace, "name": check.service.name},
+        "service": {"namespace": &*check.service.namespace, "name": &*check.service.name},
         "localEndpoints": check.count,
         "serviceProxyHealthy": true,
     })

@@ -105,7 +105,10 @@ pub struct LocalEndpoints<'a> {
     pub node_name: &'a str,
     /// The node's own addresses (an endpoint without nodeName is local if it is one of them).
     pub node_addresses: &'a BTreeSet<IpAddr>,
-    pub slices: &'a [&'a EndpointSlice],
+    /// The EndpointSlices of a Service (namespace, name); more are ignored. Asked only for the
+    /// Services with a local traffic policy: the agent keeps the slices packed and decodes
+    /// those alone.
+    pub slices_of: &'a (dyn Fn(&str, &str) -> Vec<EndpointSlice> + Sync),
 }
 
 impl LocalEndpoints<'_> {
@@ -113,7 +116,7 @@ impl LocalEndpoints<'_> {
     fn has_ready(&self, service: &Service) -> bool {
         let namespace = service.metadata.namespace.as_deref().unwrap_or("default");
         let name = service.metadata.name.as_deref().unwrap_or("");
-        self.slices
+        (self.slices_of)(namespace, name)
             .iter()
             .filter(|slice| slice.metadata.namespace.as_deref().unwrap_or("default") == namespace)
             .filter(|slice| {
@@ -302,7 +305,7 @@ impl RouterController {
         &mut self,
         nodes: impl Iterator<Item = &'a Node>,
         services: impl Iterator<Item = &'a Service>,
-        endpoint_slices: impl Iterator<Item = &'a EndpointSlice>,
+        slices_of: &(dyn Fn(&str, &str) -> Vec<EndpointSlice> + Sync),
     ) -> Result<()> {
         let nodes: Vec<Node> = nodes.cloned().collect();
         match node_bgp_config(&nodes, &self.settings()) {
@@ -329,12 +332,8 @@ impl RouterController {
                     .flatten()
                     .filter_map(|a| a.address.parse().ok())
                     .collect();
-                let slices: Vec<&EndpointSlice> = endpoint_slices.collect();
-                let local = LocalEndpoints {
-                    node_name: &self.options.node_name,
-                    node_addresses: &node_addresses,
-                    slices: &slices,
-                };
+                let local =
+                    LocalEndpoints { node_name: &self.options.node_name, node_addresses: &node_addresses, slices_of };
                 let vips = service_vips(services, self.options.advertise, &local);
                 self.apply(config, vips).await
             }
@@ -648,9 +647,9 @@ mod tests {
     }
 
     fn advertised(services: &[Service], advertise: AdvertiseServices, slices: &[EndpointSlice]) -> Vec<String> {
-        let slices: Vec<&EndpointSlice> = slices.iter().collect();
         let addresses = BTreeSet::from(["192.168.0.1".parse().unwrap()]);
-        let local = LocalEndpoints { node_name: "node-1", node_addresses: &addresses, slices: &slices };
+        let local =
+            LocalEndpoints { node_name: "node-1", node_addresses: &addresses, slices_of: &|_, _| slices.to_vec() };
         service_vips(services.iter(), advertise, &local).advertised.iter().map(|n| n.to_string()).collect()
     }
 
@@ -710,9 +709,8 @@ mod tests {
             "addressType": "IPv4", "endpoints": [{"addresses": ["192.168.0.1"]}]}));
         assert_eq!(advertised(&services, all, &[host]).len(), 3);
         // Every VIP stays known to the import policy either way.
-        let slices: Vec<&EndpointSlice> = Vec::new();
         let addresses = BTreeSet::new();
-        let local = LocalEndpoints { node_name: "node-1", node_addresses: &addresses, slices: &slices };
+        let local = LocalEndpoints { node_name: "node-1", node_addresses: &addresses, slices_of: &|_, _| Vec::new() };
         assert_eq!(service_vips(services.iter(), all, &local).all.len(), 3);
     }
 }

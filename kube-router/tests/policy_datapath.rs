@@ -21,7 +21,7 @@ use kube_router::{
     policy::{
         allows,
         bpf_maps::{MapEntries, MapFlattener},
-        compile, CompileOptions, CompileOutput, Protocol,
+        compile, CompileOutput, Protocol,
     },
 };
 use kube_router_common::pol_stat;
@@ -93,7 +93,7 @@ impl Cluster {
     }
 
     fn compile(&self, policies: &[NetworkPolicy]) -> CompileOutput {
-        let out = compile(&self.pods, &self.namespaces, policies, &CompileOptions::default());
+        let out = compile(&self.pods, &self.namespaces, policies);
         assert!(out.policy_errors.is_empty(), "{:?}", out.policy_errors);
         out
     }

@@ -54,8 +54,7 @@ impl Controller for CheckpointWriter {
         // A snapshot is a pointer per object; the copy and the write happen off the cache's lock.
         let snapshot = self.cache.with(|o| o.snapshot());
         let state_dir = self.state_dir.clone();
-        let written =
-            tokio::task::spawn_blocking(move || checkpoint::write(&state_dir, &snapshot.checkpoint())).await?;
+        let written = tokio::task::spawn_blocking(move || checkpoint::write_payload(&state_dir, &snapshot)).await?;
         if let Err(e) = written {
             tracing::error!(error = %e, "cannot write checkpoint");
             self.metrics.with(|m| m.checkpoint_errors += 1);

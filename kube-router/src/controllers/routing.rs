@@ -1,12 +1,13 @@
 //! Pod routing as a controller: the BGP speaker follows the Node objects (and the Services it
 //! advertises), or the flags alone without the API server. A speaker that fails to start is an
 //! error of this controller, so the runner tries again with backoff, with no new input needed.
-use std::{sync::Arc, time::Duration};
+use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use anyhow::Result;
+use k8s_openapi::{api::discovery::v1::EndpointSlice, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 
 use crate::{
-    k8s::{cache::Cache, watch::Kind},
+    k8s::{cache::Cache, store::Packed, watch::Kind},
     router::RouterController,
     runtime::{Action, Controller},
 };
@@ -76,10 +77,16 @@ impl RoutingController {
         self.generation = Some(generation);
         let (nodes, services, slices) = listing.objects;
         let started = std::time::Instant::now();
-        let result = self
-            .router
-            .update_from_nodes(nodes.iter().map(|n| &**n), services.iter().map(|s| &**s), slices.iter().map(|s| &**s))
-            .await;
+        // The slices stay packed; only those of Services with a local traffic policy are decoded.
+        let owners = std::sync::OnceLock::new();
+        let slices_of = |namespace: &str, name: &str| -> Vec<EndpointSlice> {
+            let owners = owners.get_or_init(|| slices_by_service(&slices));
+            owners
+                .get(&(namespace.to_string(), name.to_string()))
+                .map_or_else(Vec::new, |found: &Vec<usize>| found.iter().map(|&i| slices[i].decode()).collect())
+        };
+        let result =
+            self.router.update_from_nodes(nodes.iter().map(|n| &**n), services.iter().map(|s| &**s), &slices_of).await;
         self.router.metrics().with(|m| m.kr.bgp_peers_sync_time.observe(started.elapsed().as_secs_f64()));
         result
     }
@@ -95,4 +102,20 @@ impl Controller for RoutingController {
         self.router.publish_metrics();
         result.map(|()| Action::RequeueAfter(PUBLISH_INTERVAL))
     }
+}
+
+/// Indices of the slices of each Service (namespace, `kubernetes.io/service-name`), from their
+/// metadata alone.
+fn slices_by_service(slices: &[Packed<EndpointSlice>]) -> HashMap<(String, String), Vec<usize>> {
+    #[derive(serde::Deserialize)]
+    struct Owner {
+        metadata: ObjectMeta,
+    }
+    let mut owners: HashMap<(String, String), Vec<usize>> = HashMap::new();
+    for (i, slice) in slices.iter().enumerate() {
+        let Some(Owner { metadata }) = slice.decode_as::<Owner>() else { continue };
+        let Some(service) = metadata.labels.and_then(|mut l| l.remove("kubernetes.io/service-name")) else { continue };
+        owners.entry((metadata.namespace.unwrap_or_else(|| "default".into()), service)).or_default().push(i);
+    }
+    owners
 }

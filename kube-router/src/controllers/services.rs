@@ -277,8 +277,8 @@ fn frontend_owners<F: AddressFamily>(
             let id = FrontendId::of::<F>(key);
             let owner = match lb_plan.frontends.get(key) {
                 Some(f) => FrontendOwner {
-                    namespace: f.backend_set.service.namespace.clone(),
-                    name: f.backend_set.service.name.clone(),
+                    namespace: f.backend_set.service.namespace.to_string(),
+                    name: f.backend_set.service.name.to_string(),
                 },
                 None => previous.remove(&id)?,
             };
@@ -318,8 +318,8 @@ fn sync_family<F: AddressFamily>(
                 .map(|key| {
                     let owner = programmed.services.contains_key(key).then(|| {
                         increment.plan.frontends.get(key).map(|f| FrontendOwner {
-                            namespace: f.backend_set.service.namespace.clone(),
-                            name: f.backend_set.service.name.clone(),
+                            namespace: f.backend_set.service.namespace.to_string(),
+                            name: f.backend_set.service.name.to_string(),
                         })
                     });
                     (FrontendId::of::<F>(key), owner.flatten())

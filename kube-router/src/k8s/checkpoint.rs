@@ -51,8 +51,14 @@ pub enum CheckpointError {
     VersionMismatch { path: PathBuf, found: u32 },
 }
 
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
 fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, b| (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+    fnv1a_from(FNV_OFFSET, bytes)
+}
+
+fn fnv1a_from(hash: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(hash, |hash, b| (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
 }
 
 pub fn path_in(state_dir: &Path) -> PathBuf {
@@ -60,18 +66,66 @@ pub fn path_in(state_dir: &Path) -> PathBuf {
 }
 
 pub fn write(state_dir: &Path, checkpoint: &Checkpoint) -> std::io::Result<()> {
+    write_payload(state_dir, checkpoint)
+}
+
+/// Writes anything that serialises as a [`Checkpoint`] (the agent's snapshot of shared
+/// objects). The payload is streamed into the file, escaped as the envelope's JSON string and
+/// hashed on the way: no copy of the objects, of their JSON or of the envelope is held (at
+/// 20,000 objects those copies were ~100 MiB of peak memory). The envelope's fields come in
+/// another order than a whole-envelope serialisation gives; JSON readers do not care.
+pub fn write_payload(state_dir: &Path, payload: &impl Serialize) -> std::io::Result<()> {
     fs::create_dir_all(state_dir)?;
-    let payload = serde_json::to_string(checkpoint)?;
-    let envelope =
-        Envelope { version: CHECKPOINT_VERSION, checksum: format!("{:016x}", fnv1a(payload.as_bytes())), payload };
     let final_path = path_in(state_dir);
     let temp_path = state_dir.join(format!(".{FILE_NAME}.tmp"));
-    let mut file = File::create(&temp_path)?;
-    file.write_all(serde_json::to_string(&envelope)?.as_bytes())?;
+    let mut out = std::io::BufWriter::with_capacity(1 << 16, File::create(&temp_path)?);
+    write!(out, "{{\"version\":{CHECKPOINT_VERSION},\"payload\":\"")?;
+    let mut escaped = EscapedHashed { out: &mut out, hash: FNV_OFFSET };
+    serde_json::to_writer(&mut escaped, payload)?;
+    let checksum = escaped.hash;
+    write!(out, "\",\"checksum\":\"{checksum:016x}\"}}")?;
+    let file = out.into_inner().map_err(|e| e.into_error())?;
     file.sync_all()?;
     fs::rename(&temp_path, &final_path)?;
     // The rename itself must reach the disk before we call the checkpoint written.
     File::open(state_dir)?.sync_all()
+}
+
+/// Passes JSON text on as the contents of a JSON string, and hashes the text (unescaped) with
+/// [`fnv1a`].
+struct EscapedHashed<W> {
+    out: W,
+    hash: u64,
+}
+
+impl<W: Write> Write for EscapedHashed<W> {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.hash = fnv1a_from(self.hash, bytes);
+        let mut plain = 0;
+        for (i, &b) in bytes.iter().enumerate() {
+            let escape: Option<&[u8]> = match b {
+                b'"' => Some(b"\\\""),
+                b'\\' => Some(b"\\\\"),
+                _ => None,
+            };
+            if let Some(escape) = escape {
+                self.out.write_all(&bytes[plain..i])?;
+                self.out.write_all(escape)?;
+                plain = i + 1;
+            } else if b < 0x20 {
+                // serde_json never emits raw control characters; escaped all the same.
+                self.out.write_all(&bytes[plain..i])?;
+                write!(self.out, "\\u{b:04x}")?;
+                plain = i + 1;
+            }
+        }
+        self.out.write_all(&bytes[plain..])?;
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.out.flush()
+    }
 }
 
 pub fn read(state_dir: &Path) -> Result<Checkpoint, CheckpointError> {

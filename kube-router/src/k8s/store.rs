@@ -6,28 +6,100 @@
 //! failed list is not "no services".
 use std::{
     collections::{BTreeMap, BTreeSet},
+    marker::PhantomData,
     sync::Arc,
 };
 
 use kube::{runtime::watcher::Event, Resource, ResourceExt};
+use serde::{de::DeserializeOwned, Serialize};
 
 /// (namespace, name); namespace is "" for cluster-scoped kinds.
 pub type ObjectKey = (String, String);
 
-/// Objects are shared (`Arc`), so a snapshot for the checkpoint costs a pointer per object on
-/// the agent's loop; the copy is made off it.
-pub struct ObjectStore<K> {
-    objects: BTreeMap<ObjectKey, Arc<K>>,
-    relist: Option<BTreeMap<ObjectKey, Arc<K>>>,
+/// How a store keeps its objects: decoded and shared ([`Arc`]), or [`Packed`]. Either way a
+/// snapshot for the checkpoint costs a pointer per object on the agent's loop.
+pub trait Held<K>: Clone + PartialEq {
+    fn hold(object: K) -> Self;
+    /// The object's resourceVersion as a number (see [`version_of`]).
+    fn version(&self) -> Option<u64>;
+}
+
+impl<K: Resource> Held<K> for Arc<K>
+where
+    K: PartialEq,
+{
+    fn hold(object: K) -> Self {
+        Arc::new(object)
+    }
+    fn version(&self) -> Option<u64> {
+        version_of(&**self)
+    }
+}
+
+/// An object kept as its JSON text, decoded when read. For the kinds of which the agent keeps
+/// many and reads few at a time: an EndpointSlice of 10 endpoints is ~1 KiB of JSON, and
+/// ~5.5 KiB decoded (a k8s-openapi `Endpoint` is 352 bytes before its strings).
+pub struct Packed<K> {
+    json: Arc<[u8]>,
+    version: Option<u64>,
+    kind: PhantomData<fn() -> K>,
+}
+
+impl<K> Clone for Packed<K> {
+    fn clone(&self) -> Self {
+        Self { json: self.json.clone(), version: self.version, kind: PhantomData }
+    }
+}
+
+/// The same text is the same object: serialisation is deterministic (fields in declaration
+/// order, maps sorted).
+impl<K> PartialEq for Packed<K> {
+    fn eq(&self, other: &Self) -> bool {
+        self.json == other.json
+    }
+}
+
+impl<K: Resource + Serialize> Held<K> for Packed<K> {
+    fn hold(object: K) -> Self {
+        let json = serde_json::to_vec(&object).expect("a Kubernetes object serialises");
+        Self { json: json.into(), version: version_of(&object), kind: PhantomData }
+    }
+    fn version(&self) -> Option<u64> {
+        self.version
+    }
+}
+
+impl<K: DeserializeOwned> Packed<K> {
+    pub fn decode(&self) -> K {
+        serde_json::from_slice(&self.json).expect("the text was serialised from this type")
+    }
+
+    /// Part of the object (a struct of some of its fields), without decoding the rest.
+    pub fn decode_as<T: DeserializeOwned>(&self) -> Option<T> {
+        serde_json::from_slice(&self.json).ok()
+    }
+}
+
+/// Serialises as the object it holds.
+impl<K: DeserializeOwned + Serialize> Serialize for Packed<K> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.decode().serialize(serializer)
+    }
+}
+
+pub struct ObjectStore<K, H = Arc<K>> {
+    objects: BTreeMap<ObjectKey, H>,
+    relist: Option<BTreeMap<ObjectKey, H>>,
     synced: bool,
     /// Keys whose object changed since the last [`ObjectStore::take_changed`]; `None` until
     /// someone asks (only the kinds compiled incrementally keep it).
     changed: Option<BTreeSet<ObjectKey>>,
+    kind: PhantomData<fn() -> K>,
 }
 
-impl<K> Default for ObjectStore<K> {
+impl<K, H> Default for ObjectStore<K, H> {
     fn default() -> Self {
-        Self { objects: BTreeMap::new(), relist: None, synced: false, changed: None }
+        Self { objects: BTreeMap::new(), relist: None, synced: false, changed: None, kind: PhantomData }
     }
 }
 
@@ -41,7 +113,14 @@ fn version_of<K: Resource>(object: &K) -> Option<u64> {
     object.meta().resource_version.as_deref().and_then(|v| v.parse().ok())
 }
 
-impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
+/// The object without what no part of the agent reads and the API server sends with every
+/// object: `managedFields` (server-side apply bookkeeping, often larger than the object).
+fn trimmed<K: Resource>(mut object: K) -> K {
+    object.meta_mut().managed_fields = None;
+    object
+}
+
+impl<K: Resource, H: Held<K>> ObjectStore<K, H> {
     /// Applies one watcher event; returns whether the visible contents changed.
     pub fn apply(&mut self, event: Event<K>) -> bool {
         match event {
@@ -50,8 +129,10 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
                 false
             }
             Event::InitApply(object) => {
+                let object = trimmed(object);
+                let key = key_of(&object);
                 let buffer = self.relist.get_or_insert_with(BTreeMap::new);
-                buffer.insert(key_of(&object), Arc::new(object));
+                buffer.insert(key, H::hold(object));
                 false
             }
             Event::InitDone => {
@@ -72,7 +153,7 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
                 if let Some(buffer) = self.relist.as_mut() {
                     buffer.remove(&key);
                 }
-                let stale = matches!((self.objects.get(&key).and_then(|o| version_of(&**o)), version_of(&object)), (Some(have), Some(got)) if got < have);
+                let stale = matches!((self.objects.get(&key).and_then(H::version), version_of(&object)), (Some(have), Some(got)) if got < have);
                 let removed = !stale && self.objects.remove(&key).is_some();
                 if let (true, Some(changed)) = (removed, self.changed.as_mut()) {
                     changed.insert(key);
@@ -83,12 +164,13 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
     }
 
     fn upsert(&mut self, object: K) -> bool {
+        let object = trimmed(object);
         let key = key_of(&object);
-        let object = Arc::new(object);
+        let object = H::hold(object);
         if let Some(buffer) = self.relist.as_mut() {
             buffer.insert(key.clone(), object.clone());
         }
-        if let (Some(have), Some(got)) = (self.objects.get(&key).and_then(|o| version_of(&**o)), version_of(&*object)) {
+        if let (Some(have), Some(got)) = (self.objects.get(&key).and_then(H::version), object.version()) {
             if got < have {
                 return false;
             }
@@ -109,26 +191,18 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
         self.changed.replace(BTreeSet::new())
     }
 
-    pub fn get(&self, key: &ObjectKey) -> Option<&K> {
-        self.objects.get(key).map(|o| &**o)
-    }
-
     pub fn keys(&self) -> impl Iterator<Item = &ObjectKey> {
         self.objects.keys()
     }
 
     /// Every object, shared: for a copy made elsewhere.
-    pub fn snapshot(&self) -> Vec<Arc<K>> {
+    pub fn snapshot(&self) -> Vec<H> {
         self.objects.values().cloned().collect()
     }
 
     /// A complete list has been seen at least once.
     pub fn synced(&self) -> bool {
         self.synced
-    }
-
-    pub fn objects(&self) -> impl Iterator<Item = &K> {
-        self.objects.values().map(|o| &**o)
     }
 
     pub fn len(&self) -> usize {
@@ -141,8 +215,30 @@ impl<K: Resource + Clone + PartialEq> ObjectStore<K> {
 
     /// Seeds the store from a checkpoint; it stays unsynced until the API lists it.
     pub fn restore(&mut self, objects: impl IntoIterator<Item = K>) {
-        self.objects = objects.into_iter().map(|o| (key_of(&o), Arc::new(o))).collect();
+        self.objects = objects.into_iter().map(|o| (key_of(&o), H::hold(trimmed(o)))).collect();
         self.changed = None;
+    }
+}
+
+impl<K> ObjectStore<K, Arc<K>> {
+    pub fn get(&self, key: &ObjectKey) -> Option<&K> {
+        self.objects.get(key).map(|o| &**o)
+    }
+
+    pub fn objects(&self) -> impl Iterator<Item = &K> {
+        self.objects.values().map(|o| &**o)
+    }
+}
+
+impl<K: DeserializeOwned> ObjectStore<K, Packed<K>> {
+    /// The object, decoded.
+    pub fn get(&self, key: &ObjectKey) -> Option<K> {
+        self.objects.get(key).map(Packed::decode)
+    }
+
+    /// Every object, decoded one at a time.
+    pub fn objects(&self) -> impl Iterator<Item = K> + '_ {
+        self.objects.values().map(Packed::decode)
     }
 }
 
@@ -171,7 +267,7 @@ mod tests {
 
     #[test]
     fn initial_list_is_applied_at_init_done_only() {
-        let mut store = ObjectStore::default();
+        let mut store = ObjectStore::<Service>::default();
         assert!(!store.apply(Event::Init));
         assert!(!store.apply(Event::InitApply(svc("a", 1))));
         assert!(store.is_empty() && !store.synced());
@@ -182,7 +278,7 @@ mod tests {
 
     #[test]
     fn an_interrupted_relist_removes_nothing() {
-        let mut store = ObjectStore::default();
+        let mut store = ObjectStore::<Service>::default();
         for e in [Event::Init, Event::InitApply(svc("a", 1)), Event::InitApply(svc("b", 2)), Event::InitDone] {
             store.apply(e);
         }
@@ -199,7 +295,7 @@ mod tests {
 
     #[test]
     fn a_relist_with_the_same_objects_is_no_change() {
-        let mut store = ObjectStore::default();
+        let mut store = ObjectStore::<Service>::default();
         for e in [Event::Init, Event::InitApply(svc("a", 1)), Event::InitDone] {
             store.apply(e);
         }
@@ -211,7 +307,7 @@ mod tests {
 
     #[test]
     fn duplicate_and_out_of_order_events_are_ignored() {
-        let mut store = ObjectStore::default();
+        let mut store = ObjectStore::<Service>::default();
         store.apply(Event::InitDone);
         assert!(store.apply(Event::Apply(svc("a", 5))));
         assert!(!store.apply(Event::Apply(svc("a", 5))), "duplicate");
@@ -225,7 +321,7 @@ mod tests {
 
     #[test]
     fn events_during_a_relist_also_land_in_the_new_list() {
-        let mut store = ObjectStore::default();
+        let mut store = ObjectStore::<Service>::default();
         store.apply(Event::Init);
         store.apply(Event::InitApply(svc("a", 1)));
         store.apply(Event::Apply(svc("b", 2)));
@@ -235,8 +331,43 @@ mod tests {
     }
 
     #[test]
+    fn a_packed_store_sees_the_same_changes_and_objects_as_a_shared_one() {
+        let mut shared = ObjectStore::<Service>::default();
+        let mut packed = ObjectStore::<Service, Packed<Service>>::default();
+        let mut annotated = svc("c", 7);
+        annotated.metadata.annotations = Some([("k".to_string(), "v \"quoted\"".to_string())].into());
+        let events = || {
+            [
+                Event::Init,
+                Event::InitApply(svc("a", 1)),
+                Event::InitApply(svc("b", 2)),
+                Event::InitDone,
+                Event::Apply(svc("a", 1)),
+                Event::Apply(svc("a", 5)),
+                Event::Apply(svc("a", 3)),
+                Event::Delete(svc("b", 1)),
+                Event::Apply(annotated.clone()),
+                Event::Init,
+                Event::InitApply(svc("a", 5)),
+                Event::InitApply(annotated.clone()),
+                Event::InitDone,
+                Event::Delete(svc("a", 6)),
+            ]
+        };
+        shared.take_changed();
+        packed.take_changed();
+        for (a, b) in events().into_iter().zip(events()) {
+            assert_eq!(shared.apply(a), packed.apply(b));
+            assert_eq!(shared.take_changed(), packed.take_changed());
+            let decoded: Vec<Service> = packed.objects().collect();
+            assert_eq!(shared.objects().cloned().collect::<Vec<_>>(), decoded);
+        }
+        assert_eq!(packed.get(&("default".into(), "c".into())), Some(annotated));
+    }
+
+    #[test]
     fn restored_objects_survive_until_a_complete_list() {
-        let mut store = ObjectStore::default();
+        let mut store = ObjectStore::<Service>::default();
         store.restore([svc("a", 1), svc("b", 1)]);
         assert!(!store.synced());
         store.apply(Event::Init);

@@ -20,7 +20,10 @@ use kube::{
 };
 use tokio::sync::mpsc;
 
-use super::{checkpoint::Checkpoint, store::ObjectStore};
+use super::{
+    checkpoint::Checkpoint,
+    store::{ObjectStore, Packed},
+};
 use crate::services::{
     incremental::{Changed, ServiceCatalog},
     model::ServiceName,
@@ -196,28 +199,56 @@ fn spawn_one<K>(
 pub struct CheckpointSnapshot {
     written_unix: f64,
     services: Vec<Arc<Service>>,
-    endpoint_slices: Vec<Arc<EndpointSlice>>,
+    endpoint_slices: Vec<Packed<EndpointSlice>>,
     pods: Vec<Arc<Pod>>,
     namespaces: Vec<Arc<Namespace>>,
     nodes: Vec<Arc<Node>>,
     network_policies: Vec<Arc<NetworkPolicy>>,
 }
 
-impl CheckpointSnapshot {
-    pub fn checkpoint(self) -> Checkpoint {
-        fn owned<K: Clone>(objects: Vec<Arc<K>>) -> Vec<K> {
-            objects.into_iter().map(|o| Arc::unwrap_or_clone(o)).collect()
+/// Serialises as the [`Checkpoint`] of the same objects, read in place (no copy of them).
+impl serde::Serialize for CheckpointSnapshot {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        struct Shared<'a, H>(&'a [H]);
+        impl<H: std::ops::Deref<Target: serde::Serialize>> serde::Serialize for Shared<'_, H> {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                serializer.collect_seq(self.0.iter().map(|object| &**object))
+            }
         }
-        Checkpoint {
-            written_unix: self.written_unix,
-            services: owned(self.services),
-            endpoint_slices: owned(self.endpoint_slices),
-            pods: owned(self.pods),
-            namespaces: owned(self.namespaces),
-            nodes: owned(self.nodes),
-            network_policies: owned(self.network_policies),
+        let mut checkpoint = serializer.serialize_struct("Checkpoint", 7)?;
+        checkpoint.serialize_field("written_unix", &self.written_unix)?;
+        checkpoint.serialize_field("services", &Shared(&self.services))?;
+        checkpoint.serialize_field("endpoint_slices", &self.endpoint_slices)?;
+        checkpoint.serialize_field("pods", &Shared(&self.pods))?;
+        checkpoint.serialize_field("namespaces", &Shared(&self.namespaces))?;
+        checkpoint.serialize_field("nodes", &Shared(&self.nodes))?;
+        checkpoint.serialize_field("network_policies", &Shared(&self.network_policies))?;
+        checkpoint.end()
+    }
+}
+
+/// `f` applied to the object an event carries, if any.
+fn map_object<K>(event: watcher::Event<K>, f: fn(K) -> K) -> watcher::Event<K> {
+    match event {
+        watcher::Event::Apply(object) => watcher::Event::Apply(f(object)),
+        watcher::Event::InitApply(object) => watcher::Event::InitApply(f(object)),
+        other => other,
+    }
+}
+
+/// Decoding leaves lists with room to grow (4 → 8 → 16); every object is kept as long as it
+/// exists, so its lists are cut to their length.
+fn compact_service(mut service: Service) -> Service {
+    if let Some(spec) = service.spec.as_mut() {
+        for list in [&mut spec.cluster_ips, &mut spec.external_ips, &mut spec.ip_families].into_iter().flatten() {
+            list.shrink_to_fit();
+        }
+        if let Some(ports) = spec.ports.as_mut() {
+            ports.shrink_to_fit();
         }
     }
+    service
 }
 
 /// The watched kinds.
@@ -233,10 +264,12 @@ pub enum Kind {
 
 /// Every watched object, as last seen. Pods, Namespaces, Nodes and NetworkPolicies are kept
 /// (and checkpointed) for the policy and BGP controllers; the service proxy reads the first two.
+/// EndpointSlices, the bulk of them (10 endpoints: 5.5 KiB decoded, 1 KiB of JSON), are kept
+/// packed: only the changed ones are decoded, for the catalog, and the BGP speaker's few.
 #[derive(Default)]
 pub struct ClusterObjects {
     pub services: ObjectStore<Service>,
-    pub endpoint_slices: ObjectStore<EndpointSlice>,
+    pub endpoint_slices: ObjectStore<EndpointSlice, Packed<EndpointSlice>>,
     pub pods: ObjectStore<Pod>,
     pub namespaces: ObjectStore<Namespace>,
     pub nodes: ObjectStore<Node>,
@@ -253,7 +286,7 @@ impl ClusterObjects {
     /// Applies a watcher update; returns the kind whose visible contents changed, if any.
     pub fn apply_kind(&mut self, update: WatchUpdate) -> Option<Kind> {
         let (kind, changed) = match update {
-            WatchUpdate::Services(event) => (Kind::Services, self.services.apply(event)),
+            WatchUpdate::Services(event) => (Kind::Services, self.services.apply(map_object(event, compact_service))),
             WatchUpdate::EndpointSlices(event) => (Kind::EndpointSlices, self.endpoint_slices.apply(event)),
             WatchUpdate::Pods(event) => (Kind::Pods, self.pods.apply(event)),
             WatchUpdate::Namespaces(event) => (Kind::Namespaces, self.namespaces.apply(event)),
@@ -300,7 +333,7 @@ impl ClusterObjects {
             builder.add_service(service);
         }
         for slice in self.endpoint_slices.objects() {
-            builder.add_endpoint_slice(slice);
+            builder.add_endpoint_slice(&slice);
         }
         builder
     }
@@ -330,7 +363,7 @@ impl ClusterObjects {
         for key in slices {
             let converted = self.endpoint_slices.get(&key).map(|object| {
                 let mut builder = StateBuilder::default();
-                builder.add_endpoint_slice(object);
+                builder.add_endpoint_slice(&object);
                 builder
             });
             changed.extend(catalog.set_slice(&key, converted));
@@ -341,7 +374,7 @@ impl ClusterObjects {
         Changed::Services(changed)
     }
 
-    /// Every object, shared, for [`CheckpointSnapshot::checkpoint`] to copy off the agent's loop.
+    /// Every object, shared, for the checkpoint to be written off the agent's loop.
     pub fn snapshot(&self) -> CheckpointSnapshot {
         CheckpointSnapshot {
             written_unix: crate::metrics::unix_now(),
@@ -358,7 +391,7 @@ impl ClusterObjects {
         Checkpoint {
             written_unix: crate::metrics::unix_now(),
             services: self.services.objects().cloned().collect(),
-            endpoint_slices: self.endpoint_slices.objects().cloned().collect(),
+            endpoint_slices: self.endpoint_slices.objects().collect(),
             pods: self.pods.objects().cloned().collect(),
             namespaces: self.namespaces.objects().cloned().collect(),
             nodes: self.nodes.objects().cloned().collect(),
@@ -381,6 +414,7 @@ mod tests {
     use kube::runtime::watcher::Event;
 
     use super::*;
+    use crate::k8s::checkpoint;
     use crate::services::{
         compile::{assign_ids, plan, Limits, MapContents},
         diff::diff,
@@ -462,6 +496,26 @@ mod tests {
     }
 
     #[test]
+    fn the_streamed_snapshot_reads_back_as_the_checkpoint_of_the_same_objects() {
+        let mut objects = ClusterObjects::default();
+        let mut odd = service("a", "10.96.0.1", 1);
+        // Quotes, backslashes, a control character and non-ASCII text inside the payload.
+        odd.metadata.annotations =
+            Some([("note".to_string(), "say \"hi\" \\ tab\there, ünïcødé \u{1}".to_string())].into());
+        listed(&mut objects, vec![odd, service("b", "10.96.0.2", 2)], vec![slice("a", "10.0.0.1", 3)]);
+        let dir = std::env::temp_dir().join(format!("krt-snapshot-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let snapshot = objects.snapshot();
+        let written_unix = snapshot.written_unix;
+        checkpoint::write_payload(&dir, &snapshot).unwrap();
+        let read = checkpoint::read(&dir).unwrap();
+        // A float read back from JSON may differ in its last bit.
+        assert!((read.written_unix - written_unix).abs() < 1e-3);
+        assert_eq!(Checkpoint { written_unix: 0.0, ..read }, Checkpoint { written_unix: 0.0, ..objects.checkpoint() });
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn the_catalog_follows_each_change_and_names_the_services_it_concerns() {
         let mut objects = ClusterObjects::default();
         let mut catalog = ServiceCatalog::default();
@@ -472,7 +526,7 @@ mod tests {
         objects.update_catalog(&mut catalog);
         assert_eq!(catalog.problems().count(), 0);
         let names = |changed: Changed| match changed {
-            Changed::Services(names) => names.into_iter().map(|n| n.name).collect::<Vec<_>>(),
+            Changed::Services(names) => names.into_iter().map(|n| n.name.to_string()).collect::<Vec<_>>(),
             Changed::All => vec!["*".to_string()],
         };
         let same_as_a_full_conversion = |objects: &ClusterObjects, catalog: &ServiceCatalog| {

@@ -5,9 +5,9 @@ use std::collections::BTreeSet;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 
-use super::error::{PolicyError, RuleLimitError};
+use super::error::PolicyError;
 use super::inputs::Inputs;
-use super::model::{CompileOptions, CompiledModel, PodSetKey};
+use super::model::{CompiledModel, PodSetKey};
 use super::parse::{namespace_labels, PodInfo, ValidatedPolicy};
 
 /// Everything a compile produces.
@@ -16,8 +16,6 @@ pub struct CompileOutput {
     pub model: CompiledModel,
     /// Policies skipped as invalid, sorted by namespace/name.
     pub policy_errors: Vec<PolicyError>,
-    /// Pods over the rule limit, sorted by IP and direction.
-    pub rule_limit_errors: Vec<RuleLimitError>,
 }
 
 impl CompileOutput {
@@ -50,12 +48,11 @@ pub(crate) fn load_inputs(pods: &[Pod], namespaces: &[Namespace], policies: &[Ne
 }
 
 /// Compiles every pod entry and every referenced pod set of `inputs`.
-pub(crate) fn compile_inputs(inputs: &Inputs, options: &CompileOptions) -> CompileOutput {
+pub(crate) fn compile_inputs(inputs: &Inputs) -> CompileOutput {
     let mut output = CompileOutput::default();
     for ip in inputs.pod_ips() {
-        if let Some(computed) = inputs.compute_pod(ip, options) {
-            output.rule_limit_errors.extend(computed.limit_errors);
-            output.model.pods.insert(ip, computed.rules);
+        if let Some(rules) = inputs.compute_pod(ip) {
+            output.model.pods.insert(ip, rules);
         }
     }
     let referenced: BTreeSet<&PodSetKey> =
@@ -70,18 +67,12 @@ pub(crate) fn compile_inputs(inputs: &Inputs, options: &CompileOptions) -> Compi
     output.model.pod_sets = pod_sets;
     output.policy_errors = inputs.policy_errors().cloned().collect();
     output.policy_errors.sort();
-    output.rule_limit_errors.sort();
     output
 }
 
 /// Compiles a complete snapshot of the cluster's pods, namespaces and
 /// NetworkPolicies. Invalid policies are skipped and reported; pods without
 /// IPs, in a terminal phase or on the host network are ignored.
-pub fn compile(
-    pods: &[Pod],
-    namespaces: &[Namespace],
-    policies: &[NetworkPolicy],
-    options: &CompileOptions,
-) -> CompileOutput {
-    compile_inputs(&load_inputs(pods, namespaces, policies), options)
+pub fn compile(pods: &[Pod], namespaces: &[Namespace], policies: &[NetworkPolicy]) -> CompileOutput {
+    compile_inputs(&load_inputs(pods, namespaces, policies))
 }

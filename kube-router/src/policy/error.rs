@@ -1,8 +1,4 @@
-//! Errors: per-policy validation failures and per-pod rule-limit overflows.
-
-use std::net::IpAddr;
-
-use super::model::{Direction, PodRef};
+//! Errors: per-policy validation failures.
 
 /// A NetworkPolicy that could not be compiled. The policy is skipped as a
 /// whole (as if absent); every other policy still compiles.
@@ -42,19 +38,4 @@ pub enum PolicyErrorKind {
     InvalidSelector { field: String, reason: String },
     #[error("{field}: invalid peer: {reason}")]
     InvalidPeer { field: String, reason: String },
-}
-
-/// A pod whose compiled rule list for one direction exceeds
-/// [`super::CompileOptions::max_rules_per_pod`]. That direction is compiled
-/// as deny-all (fail closed) until the inputs shrink.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, thiserror::Error)]
-#[error(
-    "pod {pod} ({ip}) {direction:?}: {rule_count} rules exceed the limit of {limit}; denying all {direction:?} traffic"
-)]
-pub struct RuleLimitError {
-    pub ip: IpAddr,
-    pub pod: PodRef,
-    pub direction: Direction,
-    pub rule_count: usize,
-    pub limit: usize,
 }

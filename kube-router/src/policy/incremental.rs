@@ -20,9 +20,9 @@ use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 
 use super::compile::{compile_inputs, load_inputs, CompileOutput};
-use super::error::{PolicyError, RuleLimitError};
+use super::error::PolicyError;
 use super::inputs::Inputs;
-use super::model::{CompileOptions, CompiledModel, Direction, PodRef, PodRules, PodSetKey};
+use super::model::{CompiledModel, PodRef, PodRules, PodSetKey};
 use super::parse::{namespace_labels, pod_ref, PodInfo, ValidatedPolicy};
 
 /// How a pod set changed in one operation.
@@ -44,8 +44,6 @@ pub struct Delta {
     pub pod_sets: BTreeMap<PodSetKey, PodSetChange>,
     /// Errors raised by this operation (an invalid policy version).
     pub policy_errors: Vec<PolicyError>,
-    /// Rule-limit overflows of the entries recomputed by this operation.
-    pub rule_limit_errors: Vec<RuleLimitError>,
     /// How many pod IP entries were recomputed (changed or not): a cost
     /// measure that lets tests check that unrelated pods were left alone.
     pub pods_recomputed: usize,
@@ -90,55 +88,32 @@ struct MembershipEdits {
 }
 
 /// Stateful compiler fed by watch events.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct PolicyCompiler {
-    options: CompileOptions,
     inputs: Inputs,
     model: CompiledModel,
     /// How many rules (across all pod entries) reference each pod set.
     pod_set_refs: BTreeMap<PodSetKey, usize>,
-    rule_limit_errors: BTreeMap<(IpAddr, Direction), RuleLimitError>,
 }
 
 impl PolicyCompiler {
-    pub fn new(options: CompileOptions) -> PolicyCompiler {
-        PolicyCompiler {
-            options,
-            inputs: Inputs::default(),
-            model: CompiledModel::default(),
-            pod_set_refs: BTreeMap::new(),
-            rule_limit_errors: BTreeMap::new(),
-        }
+    pub fn new() -> PolicyCompiler {
+        PolicyCompiler::default()
     }
 
     /// Starts from a full snapshot (e.g. after the initial informer list).
-    pub fn from_snapshot(
-        pods: &[Pod],
-        namespaces: &[Namespace],
-        policies: &[NetworkPolicy],
-        options: CompileOptions,
-    ) -> PolicyCompiler {
+    pub fn from_snapshot(pods: &[Pod], namespaces: &[Namespace], policies: &[NetworkPolicy]) -> PolicyCompiler {
         let inputs = load_inputs(pods, namespaces, policies);
-        let output = compile_inputs(&inputs, &options);
+        let output = compile_inputs(&inputs);
         let mut pod_set_refs: BTreeMap<PodSetKey, usize> = BTreeMap::new();
         for key in output.model.pods.values().flat_map(|r| r.referenced_pod_sets()) {
             *pod_set_refs.entry(key.clone()).or_default() += 1;
         }
-        PolicyCompiler {
-            options,
-            inputs,
-            model: output.model,
-            pod_set_refs,
-            rule_limit_errors: output.rule_limit_errors.into_iter().map(|e| ((e.ip, e.direction), e)).collect(),
-        }
+        PolicyCompiler { inputs, model: output.model, pod_set_refs }
     }
 
     pub fn model(&self) -> &CompiledModel {
         &self.model
-    }
-
-    pub fn options(&self) -> &CompileOptions {
-        &self.options
     }
 
     /// Currently skipped policies, sorted.
@@ -152,18 +127,9 @@ impl PolicyCompiler {
         self.inputs.policy_errors().count()
     }
 
-    /// Current rule-limit overflows, sorted.
-    pub fn rule_limit_errors(&self) -> Vec<RuleLimitError> {
-        self.rule_limit_errors.values().cloned().collect()
-    }
-
     /// The same view as a from-scratch [`super::compile`] would return.
     pub fn output(&self) -> CompileOutput {
-        CompileOutput {
-            model: self.model.clone(),
-            policy_errors: self.policy_errors(),
-            rule_limit_errors: self.rule_limit_errors(),
-        }
+        CompileOutput { model: self.model.clone(), policy_errors: self.policy_errors() }
     }
 
     pub fn upsert_pod(&mut self, pod: &Pod) -> Delta {
@@ -270,17 +236,7 @@ impl PolicyCompiler {
         let mut ref_changes: BTreeMap<PodSetKey, i64> = BTreeMap::new();
         delta.pods_recomputed = recompute_ips.len();
         for ip in recompute_ips {
-            let computed = self.inputs.compute_pod(ip, &self.options);
-            for direction in Direction::ALL {
-                self.rule_limit_errors.remove(&(ip, direction));
-            }
-            let new_rules = computed.map(|c| {
-                for error in c.limit_errors {
-                    delta.rule_limit_errors.push(error.clone());
-                    self.rule_limit_errors.insert((error.ip, error.direction), error);
-                }
-                c.rules
-            });
+            let new_rules = self.inputs.compute_pod(ip);
             let old_rules = self.model.pods.get(&ip);
             if old_rules == new_rules.as_ref() {
                 continue;

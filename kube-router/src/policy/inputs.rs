@@ -6,20 +6,13 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
-use super::error::{PolicyError, RuleLimitError};
+use super::error::PolicyError;
 use super::model::{
-    CompileOptions, Direction, Isolation, NamedPortFilter, NamespaceScope, PeerSet, PodRef, PodRules, PodSetKey,
-    PortRange, Ports, Protocol, Rule,
+    Direction, Isolation, NamedPortFilter, NamespaceScope, PeerSet, PodRef, PodRules, PodSetKey, PortRange, Ports,
+    Protocol, Rule,
 };
 use super::parse::{implicit_namespace_labels, PeerSpec, PodInfo, PortSpec, ValidatedPolicy, ValidatedRule};
 use super::selector::{Labels, Selector};
-
-/// Result of compiling one pod IP.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct ComputedPod {
-    pub rules: PodRules,
-    pub limit_errors: Vec<RuleLimitError>,
-}
 
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Inputs {
@@ -208,7 +201,7 @@ impl Inputs {
     }
 
     /// Compiles the entry of one IP; `None` if no pod owns it.
-    pub fn compute_pod(&self, ip: IpAddr, options: &CompileOptions) -> Option<ComputedPod> {
+    pub fn compute_pod(&self, ip: IpAddr) -> Option<PodRules> {
         let pod = self.owner(ip)?;
         let selecting: Vec<&ValidatedPolicy> = self
             .policies
@@ -217,27 +210,9 @@ impl Inputs {
             .flat_map(|by_name| by_name.values())
             .filter(|p| p.pod_selector.matches(&pod.labels))
             .collect();
-        let mut limit_errors = Vec::new();
-        let mut compile_direction = |direction: Direction| {
-            let isolation = self.compute_isolation(pod, &selecting, direction);
-            match isolation {
-                Isolation::Isolated(rules) if rules.len() > options.max_rules_per_pod => {
-                    limit_errors.push(RuleLimitError {
-                        ip,
-                        pod: pod.pod.clone(),
-                        direction,
-                        rule_count: rules.len(),
-                        limit: options.max_rules_per_pod,
-                    });
-                    // Fail closed: never allow more than the policies do.
-                    Isolation::Isolated(Vec::new())
-                }
-                other => other,
-            }
-        };
-        let ingress = compile_direction(Direction::Ingress);
-        let egress = compile_direction(Direction::Egress);
-        Some(ComputedPod { rules: PodRules { pod: pod.pod.clone(), ingress, egress }, limit_errors })
+        let ingress = self.compute_isolation(pod, &selecting, Direction::Ingress);
+        let egress = self.compute_isolation(pod, &selecting, Direction::Egress);
+        Some(PodRules { pod: pod.pod.clone(), ingress, egress })
     }
 
     fn compute_isolation(&self, pod: &PodInfo, selecting: &[&ValidatedPolicy], direction: Direction) -> Isolation {

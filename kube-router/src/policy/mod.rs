@@ -29,12 +29,12 @@ mod selector;
 mod tests;
 
 pub use compile::{compile, CompileOutput};
-pub use error::{PolicyError, PolicyErrorKind, RuleLimitError};
+pub use error::{PolicyError, PolicyErrorKind};
 pub use eval::{allows, side_allows};
 pub use incremental::{Delta, PodSetChange, PolicyCompiler};
 pub use model::{
-    CidrBlock, CompileOptions, CompiledModel, Direction, Isolation, NamedPortFilter, NamespaceScope, PeerSet, PodRef,
-    PodRules, PodSetKey, PortRange, Ports, Protocol, Rule,
+    CidrBlock, CompiledModel, Direction, Isolation, NamedPortFilter, NamespaceScope, PeerSet, PodRef, PodRules,
+    PodSetKey, PortRange, Ports, Protocol, Rule,
 };
 pub use parse::NAMESPACE_NAME_LABEL;
 pub use selector::{Labels, Operator, Requirement, Selector};

@@ -260,19 +260,3 @@ impl CompiledModel {
         }
     }
 }
-
-/// Tunables of compilation.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CompileOptions {
-    /// Maximum rules per pod and direction; none by default (the datapath judges a flow in
-    /// two lookups however many rules a pod has). A pod over a limit set here is reported as a
-    /// [`super::RuleLimitError`] and fails closed (deny all for that direction) rather than
-    /// being silently truncated: for embedders with a bounded datapath.
-    pub max_rules_per_pod: usize,
-}
-
-impl Default for CompileOptions {
-    fn default() -> Self {
-        CompileOptions { max_rules_per_pod: usize::MAX }
-    }
-}

@@ -28,7 +28,8 @@ impl Default for Limits {
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct BackendSetKey {
     pub service: ServiceName,
-    pub port_name: String,
+    /// Shared by the set's keys in the plans (a frontend names its set).
+    pub port_name: std::sync::Arc<str>,
     pub protocol: Protocol,
     pub local_only: bool,
 }
@@ -167,9 +168,10 @@ pub fn plan_service<F: AddressFamily>(
     for port in &service.ports {
         let affinity_flags = if service.affinity_timeout_secs.is_some() { SVC_FLAG_AFFINITY } else { 0 };
         let affinity_timeout_secs = service.affinity_timeout_secs.unwrap_or(0);
+        let port_name: std::sync::Arc<str> = port.name.as_str().into();
         let set = |local_only: bool| BackendSetKey {
             service: service.name.clone(),
-            port_name: port.name.clone(),
+            port_name: port_name.clone(),
             protocol: port.protocol,
             local_only,
         };
@@ -399,7 +401,7 @@ impl<W: Copy + Ord> IdsInUse<W> {
 /// free id is found without walking the taken ones.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IdPool {
-    counts: BTreeMap<u32, usize>,
+    counts: BTreeMap<u32, u32>,
     /// Free ranges from 1 on: start -> end (exclusive).
     free: BTreeMap<u32, u64>,
 }

@@ -365,8 +365,11 @@ pub fn endpoint_slice(object: &discovery::EndpointSlice) -> Result<Option<Conver
             });
         }
     }
+    // Kept as long as the slice exists (the agent's catalog): no room to grow.
+    ports.shrink_to_fit();
+    endpoints.shrink_to_fit();
     Ok(Some((
-        (slice_name.namespace.clone(), slice_name.name),
+        (slice_name.namespace.to_string(), slice_name.name.to_string()),
         EndpointSlice { service: ServiceName::new(slice_name.namespace, service_name), ports, endpoints },
         warnings,
     )))

@@ -4,21 +4,46 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
     net::IpAddr,
+    sync::Arc,
 };
 
 use super::family::{AddressFamily, IpFamily};
 
 use serde::{Deserialize, Serialize};
 
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+/// Shared text: a Service's name is a key of the catalog, of each of its slices, of the
+/// compilers' plans, claims and entries and of every backend set (ten copies and more), and
+/// a copy is a reference count, not two strings.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ServiceName {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
+}
+
+/// As `{"namespace": .., "name": ..}`, as when both were `String`s.
+#[derive(Serialize, Deserialize)]
+#[serde(rename = "ServiceName")]
+struct ServiceNameText<S> {
+    namespace: S,
+    name: S,
+}
+
+impl Serialize for ServiceName {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        ServiceNameText { namespace: &*self.namespace, name: &*self.name }.serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for ServiceName {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = ServiceNameText::<String>::deserialize(deserializer)?;
+        Ok(ServiceName::new(text.namespace, text.name))
+    }
 }
 
 impl ServiceName {
-    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
-        Self { namespace: namespace.into(), name: name.into() }
+    pub fn new(namespace: impl AsRef<str>, name: impl AsRef<str>) -> Self {
+        Self { namespace: namespace.as_ref().into(), name: name.as_ref().into() }
     }
 }
 

@@ -349,7 +349,7 @@ fn a_frontend_claimed_twice_goes_to_the_first_service_by_name() {
     assert!(plan
         .warnings
         .iter()
-        .any(|w| matches!(w, CompileWarning::FrontendConflict { kept, .. } if kept.name == "web")));
+        .any(|w| matches!(w, CompileWarning::FrontendConflict { kept, .. } if &*kept.name == "web")));
     assert_eq!(plan.frontends.len(), 3);
 }
 

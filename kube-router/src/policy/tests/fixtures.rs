@@ -7,7 +7,7 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 use serde_json::{json, Value};
 
 use crate::policy::bpf_maps::MapFlattener;
-use crate::policy::{allows, compile, CompileOptions, CompileOutput, Protocol};
+use crate::policy::{allows, compile, CompileOutput, Protocol};
 
 pub fn ip(text: &str) -> IpAddr {
     text.parse().expect("test IP literal")
@@ -91,7 +91,7 @@ impl Cluster {
     }
 
     pub fn compile(&self, policies: &[NetworkPolicy]) -> CompileOutput {
-        compile(&self.pods, &self.namespaces, policies, &CompileOptions::default())
+        compile(&self.pods, &self.namespaces, policies)
     }
 
     pub fn ip_of(&self, name: &str) -> IpAddr {

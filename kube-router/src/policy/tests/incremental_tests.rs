@@ -3,10 +3,10 @@
 use serde_json::json;
 
 use super::fixtures::{ip, namespace, pod, policy, Cluster};
-use crate::policy::{allows, compile, CompileOptions, Isolation, PodSetChange, PolicyCompiler, Protocol};
+use crate::policy::{allows, compile, Isolation, PodSetChange, PolicyCompiler, Protocol};
 
 fn compiler_for(cluster: &Cluster, policies: &[k8s_openapi::api::networking::v1::NetworkPolicy]) -> PolicyCompiler {
-    PolicyCompiler::from_snapshot(&cluster.pods, &cluster.namespaces, policies, CompileOptions::default())
+    PolicyCompiler::from_snapshot(&cluster.pods, &cluster.namespaces, policies)
 }
 
 fn allow_from_b() -> k8s_openapi::api::networking::v1::NetworkPolicy {
@@ -133,7 +133,7 @@ fn deltas_applied_to_a_copy_reproduce_the_model() {
     let mut pods = cluster.pods.clone();
     pods.retain(|p| p.metadata.name.as_deref() != Some("b") || p.metadata.namespace.as_deref() != Some("x"));
     pods.push(pod("x", "d", "10.0.1.4", &[("pod", "b")]));
-    assert_eq!(compiler.output(), compile(&pods, &cluster.namespaces, &[allow_from_b()], &CompileOptions::default()));
+    assert_eq!(compiler.output(), compile(&pods, &cluster.namespaces, &[allow_from_b()]));
 }
 
 #[test]
@@ -147,17 +147,12 @@ fn ip_takeover_by_a_pod_without_named_ports_updates_egress_named_port_rules() {
         json!({"podSelector": {"matchLabels": {"app": "client"}}, "policyTypes": ["Egress"],
                "egress": [{"ports": [{"port": "http"}]}]}),
     );
-    let mut compiler = PolicyCompiler::from_snapshot(
-        &[client.clone(), web.clone()],
-        &[],
-        std::slice::from_ref(&np),
-        CompileOptions::default(),
-    );
+    let mut compiler = PolicyCompiler::from_snapshot(&[client.clone(), web.clone()], &[], std::slice::from_ref(&np));
     assert!(allows(compiler.model(), ip("10.8.0.9"), ip("10.8.0.1"), Protocol::Tcp, 8080));
     // A pod sorting before z-web claims the same IP and becomes its owner.
     let squatter = pod_with_ports("x", "a-plain", &["10.8.0.1"], &[], json!([]));
     compiler.upsert_pod(&squatter);
-    let expected = compile(&[client, web, squatter], &[], &[np], &CompileOptions::default());
+    let expected = compile(&[client, web, squatter], &[], &[np]);
     assert_eq!(compiler.output(), expected);
     assert!(!allows(compiler.model(), ip("10.8.0.9"), ip("10.8.0.1"), Protocol::Tcp, 8080));
 }

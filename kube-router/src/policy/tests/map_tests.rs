@@ -6,7 +6,7 @@ use super::fixtures::{ip, policy, Cluster};
 use crate::policy::bpf_maps::{
     port_prefixes, union_prefixes, MapFlattener, PeerPrefixKey, PodSlotKey, PortPrefix, PrefixVerdict,
 };
-use crate::policy::{allows, CompileOptions, Direction, PolicyCompiler, Protocol};
+use crate::policy::{allows, Direction, PolicyCompiler, Protocol};
 
 #[test]
 fn except_entries_become_deny_prefixes() {
@@ -159,8 +159,7 @@ fn ids_are_stable_across_recompiles_and_diffs_are_minimal() {
         "from-y",
         json!({"podSelector": {"matchLabels": {"pod": "a"}}, "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"ns": "y"}}}]}]}),
     );
-    let mut compiler =
-        PolicyCompiler::from_snapshot(&cluster.pods, &cluster.namespaces, &[from_b], CompileOptions::default());
+    let mut compiler = PolicyCompiler::from_snapshot(&cluster.pods, &cluster.namespaces, &[from_b]);
     let mut flattener = MapFlattener::new();
     let first = flattener.flatten(compiler.model());
 

@@ -10,7 +10,7 @@ use proptest::prelude::*;
 use serde_json::{json, Value};
 
 use super::fixtures::{namespace, pod_with_ports, policy};
-use crate::policy::{compile, CompileOptions, PolicyCompiler};
+use crate::policy::{compile, PolicyCompiler};
 
 const NAMESPACES: [&str; 3] = ["x", "y", "z"];
 const POD_NAMES: [&str; 4] = ["a", "b", "c", "d"];
@@ -191,9 +191,7 @@ proptest! {
 
     #[test]
     fn incremental_equals_from_scratch(ops in prop::collection::vec(op_strategy(), 1..40)) {
-        // A low limit so rule-limit errors are exercised too.
-        let options = CompileOptions { max_rules_per_pod: 6 };
-        let mut compiler = PolicyCompiler::new(options.clone());
+        let mut compiler = PolicyCompiler::new();
         let mut mirror = compiler.model().clone();
         let mut pods: BTreeMap<(usize, usize), Pod> = BTreeMap::new();
         let mut namespaces: BTreeMap<usize, Namespace> = BTreeMap::new();
@@ -234,7 +232,7 @@ proptest! {
         let pods: Vec<Pod> = pods.into_values().collect();
         let namespaces: Vec<Namespace> = namespaces.into_values().collect();
         let policies: Vec<NetworkPolicy> = policies.into_values().collect();
-        let expected = compile(&pods, &namespaces, &policies, &options);
+        let expected = compile(&pods, &namespaces, &policies);
         prop_assert_eq!(compiler.output(), expected);
     }
 }
@@ -251,7 +249,7 @@ proptest! {
         use std::net::IpAddr;
         use crate::policy::bpf_maps::{MapEntries, MapFlattener};
         use crate::policy::Protocol;
-        let mut compiler = PolicyCompiler::new(CompileOptions::default());
+        let mut compiler = PolicyCompiler::new();
         let mut flattener = MapFlattener::new();
         let mut programmed = MapEntries::default();
         for op in &ops {

@@ -4,7 +4,7 @@ use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 
 use super::fixtures::{ip, namespace, pod, pod_with_ports, policy, Cluster};
-use crate::policy::{allows, compile, CompileOptions, Direction, Isolation, PeerSet, PortRange, Ports, Protocol};
+use crate::policy::{allows, compile, Direction, Isolation, PeerSet, PortRange, Ports, Protocol};
 
 fn isolation(out: &crate::policy::CompileOutput, address: &str, direction: Direction) -> Isolation {
     out.model.pods[&ip(address)].direction(direction).clone()
@@ -32,8 +32,7 @@ fn pods_without_ip_terminal_or_host_network_are_skipped() {
     let garbage_ip = pod("x", "garbage", "not-an-ip", &[]);
     let no_status = Pod { status: None, ..pod("x", "nostatus", "10.9.0.5", &[]) };
     let running = pod("x", "running", "10.9.0.6", &[]);
-    let out =
-        compile(&[no_ip, finished, failed, host, garbage_ip, no_status, running], &[], &[], &CompileOptions::default());
+    let out = compile(&[no_ip, finished, failed, host, garbage_ip, no_status, running], &[], &[]);
     assert_eq!(out.model.pods.keys().copied().collect::<Vec<_>>(), vec![ip("10.9.0.6")]);
 }
 
@@ -47,7 +46,7 @@ fn dual_stack_pod_gets_an_entry_per_ip() {
         json!({"podSelector": {"matchLabels": {"pod": "a"}},
                "ingress": [{"from": [{"podSelector": {"matchLabels": {"pod": "b"}}}]}]}),
     );
-    let out = compile(&[dual, peer], &[], &[deny_from_others], &CompileOptions::default());
+    let out = compile(&[dual, peer], &[], &[deny_from_others]);
     assert_eq!(out.model.pods.len(), 4);
     assert!(allows(&out.model, ip("fd00::2"), ip("fd00::1"), Protocol::Tcp, 80));
     assert!(allows(&out.model, ip("10.1.0.2"), ip("10.1.0.1"), Protocol::Tcp, 80));
@@ -182,7 +181,7 @@ fn namespace_name_label_is_implicit() {
         json!({"podSelector": {}, "ingress": [{"from": [{"namespaceSelector": {"matchExpressions": [
             {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["y", "q"]}]}}]}]}),
     );
-    let out = compile(&pods, &namespaces, &[np], &CompileOptions::default());
+    let out = compile(&pods, &namespaces, &[np]);
     assert!(allows(&out.model, ip("10.0.2.1"), ip("10.0.1.1"), Protocol::Tcp, 80));
     assert!(allows(&out.model, ip("10.0.4.1"), ip("10.0.1.1"), Protocol::Tcp, 80));
 }
@@ -212,7 +211,7 @@ fn ipv6_ip_block() {
         "v6",
         json!({"podSelector": {}, "ingress": [{"from": [{"ipBlock": {"cidr": "2001:db8::/32", "except": ["2001:db8:1::/48"]}}]}]}),
     );
-    let out = compile(&pods, &[], &[np], &CompileOptions::default());
+    let out = compile(&pods, &[], &[np]);
     assert!(allows(&out.model, ip("2001:db8::5"), ip("fd00::1"), Protocol::Tcp, 1));
     assert!(!allows(&out.model, ip("2001:db8:1::5"), ip("fd00::1"), Protocol::Tcp, 1));
     assert!(!allows(&out.model, ip("10.0.0.1"), ip("fd00::1"), Protocol::Tcp, 1));
@@ -230,7 +229,7 @@ fn ingress_named_port_resolves_per_target_pod() {
         "http",
         json!({"podSelector": {"matchLabels": {"app": "web"}}, "ingress": [{"ports": [{"port": "http"}]}]}),
     );
-    let out = compile(&pods, &[], &[np], &CompileOptions::default());
+    let out = compile(&pods, &[], &[np]);
     let src = ip("10.9.9.9");
     assert!(allows(&out.model, src, ip("10.2.0.1"), Protocol::Tcp, 8080));
     assert!(!allows(&out.model, src, ip("10.2.0.1"), Protocol::Tcp, 9090));
@@ -244,7 +243,7 @@ fn ingress_named_port_resolves_per_target_pod() {
 fn unresolvable_named_port_allows_nothing_but_keeps_isolation() {
     let pods = [web_pod("w1", "10.2.0.1", 8080)];
     let np = policy("x", "metrics", json!({"podSelector": {}, "ingress": [{"ports": [{"port": "metrics"}]}]}));
-    let out = compile(&pods, &[], &[np], &CompileOptions::default());
+    let out = compile(&pods, &[], &[np]);
     assert_eq!(isolation(&out, "10.2.0.1", Direction::Ingress), Isolation::Isolated(vec![]));
 }
 
@@ -259,7 +258,7 @@ fn egress_named_port_resolves_per_destination_pod() {
                "egress": [{"to": [{"podSelector": {"matchLabels": {"app": "web"}}}],
                            "ports": [{"port": "http"}, {"port": 443}]}]}),
     );
-    let out = compile(&pods, &[], &[np], &CompileOptions::default());
+    let out = compile(&pods, &[], &[np]);
     let client_ip = ip("10.2.0.9");
     assert!(allows(&out.model, client_ip, ip("10.2.0.1"), Protocol::Tcp, 8080));
     assert!(!allows(&out.model, client_ip, ip("10.2.0.1"), Protocol::Tcp, 9090));
@@ -280,7 +279,7 @@ fn egress_named_port_to_ip_block_only_reaches_pods_inside_it() {
         json!({"podSelector": {}, "policyTypes": ["Egress"],
                "egress": [{"to": [{"ipBlock": {"cidr": "10.2.0.0/16"}}], "ports": [{"port": "http"}]}]}),
     );
-    let out = compile(&pods, &[], &[np], &CompileOptions::default());
+    let out = compile(&pods, &[], &[np]);
     assert!(allows(&out.model, ip("10.2.0.9"), ip("10.2.0.1"), Protocol::Tcp, 8080));
     assert!(!allows(&out.model, ip("10.2.0.9"), ip("10.3.0.1"), Protocol::Tcp, 8080));
     assert!(!allows(&out.model, ip("10.2.0.9"), ip("10.2.0.77"), Protocol::Tcp, 8080));
@@ -313,25 +312,11 @@ fn identical_rules_from_different_policies_are_deduplicated() {
 }
 
 #[test]
-fn rule_limit_reports_an_error_and_fails_closed() {
-    let cluster = Cluster::xyz();
-    let ports: Vec<_> = (0..3).map(|i| json!({"from": [{"ipBlock": {"cidr": format!("192.168.{i}.0/24")}}]})).collect();
-    let np = policy("x", "many", json!({"podSelector": {"matchLabels": {"pod": "a"}}, "ingress": ports}));
-    let out = compile(&cluster.pods, &cluster.namespaces, &[np], &CompileOptions { max_rules_per_pod: 2 });
-    assert_eq!(out.rule_limit_errors.len(), 1);
-    let error = &out.rule_limit_errors[0];
-    assert_eq!((error.ip, error.direction, error.rule_count, error.limit), (ip("10.0.1.1"), Direction::Ingress, 3, 2));
-    assert!(error.to_string().contains("x/a"), "{error}");
-    assert_eq!(isolation(&out, "10.0.1.1", Direction::Ingress), Isolation::Isolated(vec![]));
-    assert!(out.policy_errors.is_empty());
-}
-
-#[test]
 fn conflicting_ip_claims_resolve_to_the_smallest_pod_name() {
     let np = policy("x", "deny-b", json!({"podSelector": {"matchLabels": {"pod": "b"}}}));
     let first = pod("x", "b-new", "10.5.0.1", &[("pod", "b")]);
     let second = pod("x", "a-old", "10.5.0.1", &[("pod", "a")]);
-    let out = compile(&[first, second], &[], &[np], &CompileOptions::default());
+    let out = compile(&[first, second], &[], &[np]);
     assert_eq!(out.model.pods[&ip("10.5.0.1")].pod.name, "a-old");
     assert_eq!(out.model.pods[&ip("10.5.0.1")].ingress, Isolation::NotIsolated);
 }
@@ -348,6 +333,6 @@ fn sidecar_init_container_ports_count_for_named_ports() {
         spec.init_containers = Some(vec![sidecar]);
     }
     let np = policy("x", "p", json!({"podSelector": {}, "ingress": [{"ports": [{"port": "proxy"}]}]}));
-    let out = compile(&[with_sidecar], &[], &[np], &CompileOptions::default());
+    let out = compile(&[with_sidecar], &[], &[np]);
     assert!(allows(&out.model, ip("10.7.0.1"), ip("10.6.0.1"), Protocol::Tcp, 15001));
 }
