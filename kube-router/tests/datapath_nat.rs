@@ -110,11 +110,9 @@ fn load(test: &str, yaml: &str) -> Loaded {
     program(&pin_dir, yaml);
     let config = LbConfig {
         snat_addr: addr_be(NODE_IP),
-        snat_addr_v6: Default::default(),
         snat_port_min: SNAT_PORTS.0,
         snat_port_max: SNAT_PORTS.1,
-        flags: 0,
-        pad: 0,
+        ..Default::default()
     };
     write_lb_config(&pin_dir, &config).unwrap();
     Loaded { datapath, pin_dir, ifindex, _node: node }
@@ -509,11 +507,10 @@ fn pod_traffic_leaving_the_cluster_is_masqueraded_and_its_replies_restored() {
     let lb = load("egress", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
     let config = LbConfig {
         snat_addr: addr_be(NODE_IP),
-        snat_addr_v6: Default::default(),
         snat_port_min: SNAT_PORTS.0,
         snat_port_max: SNAT_PORTS.1,
         flags: LB_CONFIG_POD_EGRESS,
-        pad: 0,
+        ..Default::default()
     };
     write_lb_config(&lb.pin_dir, &config).unwrap();
     let nets =

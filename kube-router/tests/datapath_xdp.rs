@@ -100,11 +100,9 @@ fn load(test: &str, endpoints: &[(Ipv4Addr, &str)], neighbours: bool) -> Loaded 
     assert_eq!(sync.sync(&mut maps, &desired, true).total().errors, 0);
     let config = LbConfig {
         snat_addr: addr_be(NODE_IP),
-        snat_addr_v6: Default::default(),
         snat_port_min: SNAT_PORTS.0,
         snat_port_max: SNAT_PORTS.1,
-        flags: 0,
-        pad: 0,
+        ..Default::default()
     };
     write_lb_config(&pin_dir, &config).unwrap();
     Loaded { datapath, pin_dir, uplink, _node: node }

@@ -68,6 +68,7 @@ fn a_failing_controller_retries_with_backoff_without_new_input_and_recovers() {
         .unwrap();
     assert!(!listening("kube-router"), "the speaker listens although the port is held");
     assert!(routing(errors).unwrap() >= 3.0);
+    assert_eq!(agent.log_count("cannot start the BGP speaker"), 1, "one line for one unchanged reason");
 
     holder.kill().unwrap();
     holder.wait().unwrap();

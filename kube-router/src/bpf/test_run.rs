@@ -101,12 +101,17 @@ fn run_with(
         attr.ctx_size_in = SK_BUFF_SIZE as u32;
         attr.ctx_in = ctx.as_ptr() as u64;
     }
+    test_run(&mut attr, out)
+}
+
+/// BPF_PROG_TEST_RUN with `attr`, whose output buffer is `out`.
+fn test_run(attr: &mut TestRunAttr, mut out: Vec<u8>) -> io::Result<TestRunResult> {
     // SAFETY: attr points at valid buffers of the stated sizes for the duration of the call.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_bpf,
             BPF_PROG_TEST_RUN,
-            &mut attr as *mut TestRunAttr,
+            attr as *mut TestRunAttr,
             std::mem::size_of::<TestRunAttr>() as u32,
         )
     };
@@ -135,20 +140,7 @@ pub fn run_xdp(prog_fd: RawFd, packet: &[u8], repeat: u32, ingress_ifindex: u32)
         ctx_in: ctx.as_ptr() as u64,
         ..Default::default()
     };
-    // SAFETY: attr points at valid buffers of the stated sizes for the duration of the call.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_PROG_TEST_RUN,
-            &mut attr as *mut TestRunAttr,
-            std::mem::size_of::<TestRunAttr>() as u32,
-        )
-    };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    out.truncate(attr.data_size_out as usize);
-    Ok(TestRunResult { retval: attr.retval as i32, duration_ns: attr.duration, packet: out })
+    test_run(&mut attr, out)
 }
 
 /// A network namespace for packets that programs route themselves (FIB lookup + redirect): the
