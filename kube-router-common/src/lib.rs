@@ -77,6 +77,12 @@ pub const CLUSTER_NET_SERVICE: u32 = 1 << 2;
 
 /// Index in the `meta` array holding [`LAYOUT_VERSION`].
 pub const META_LAYOUT_VERSION: u32 = 0;
+/// Index in the `meta` array holding the API state the service maps were last written from
+/// completely (unix seconds of the cache read; 0: never, or a write that did not finish). The
+/// agent alone reads it: at a restart it decides whether the checkpoint is older than the maps.
+pub const META_SERVICES_AS_OF: u32 = 1;
+/// The same for the policy maps.
+pub const META_POLICY_AS_OF: u32 = 2;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;

@@ -276,7 +276,7 @@ async fn start_api_source(
     let (sender, updates) = mpsc::channel(1024);
     watchers::spawn_watchers(client, sender);
     let mut objects = ClusterObjects::default();
-    let restored_from_checkpoint = match checkpoint::read(state_dir) {
+    let restored_from_checkpoint: Option<f64> = match checkpoint::read(state_dir) {
         Ok(saved) => {
             let age = metrics::unix_now() - saved.written_unix;
             tracing::info!(
@@ -286,15 +286,16 @@ async fn start_api_source(
                 "restored desired state from checkpoint until the API server lists it"
             );
             metrics.with(|m| m.checkpoint_age_at_start = Some(age));
+            let taken = saved.written_unix;
             objects.restore(saved);
-            true
+            Some(taken)
         }
-        Err(checkpoint::CheckpointError::Missing(_)) => false,
+        Err(checkpoint::CheckpointError::Missing(_)) => None,
         Err(e) => {
             // The maps stay as the previous agent left them; the API will tell us the truth.
             tracing::error!(error = %e, "ignoring checkpoint");
             metrics.with(|m| m.checkpoint_errors += 1);
-            false
+            None
         }
     };
     Ok((Cache::new(objects, restored_from_checkpoint), updates))

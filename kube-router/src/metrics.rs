@@ -73,6 +73,9 @@ pub struct MetricsState {
     pub api_errors: u64,
     pub last_api_contact_unix: Option<f64>,
     pub checkpoint_errors: u64,
+    /// Restored checkpoints not programmed into a set of maps (`service`, `policy`) that
+    /// already held newer API state.
+    pub checkpoint_superseded: BTreeMap<&'static str, u64>,
     /// CNI configuration that could not be derived or written (`--enable-cni`).
     pub cni_errors: u64,
     pub checkpoint_age_at_start: Option<f64>,
@@ -271,6 +274,16 @@ impl Metrics {
                 "Checkpoints that could not be written or read.",
             );
             let _ = writeln!(out, "kube_router_checkpoint_errors_total {}", m.checkpoint_errors);
+            family(
+                &mut out,
+                "kube_router_checkpoint_superseded_total",
+                "counter",
+                "Restored checkpoints not programmed because the maps already held newer API state (a restart within a second of a change).",
+            );
+            for maps in ["policy", "service"] {
+                let count = m.checkpoint_superseded.get(maps).copied().unwrap_or(0);
+                let _ = writeln!(out, "kube_router_checkpoint_superseded_total{{maps=\"{maps}\"}} {count}");
+            }
             family(
                 &mut out,
                 "kube_router_cni_config_errors_total",

@@ -87,6 +87,15 @@ impl Env {
         (status.trim().to_string(), body.trim().to_string())
     }
 
+    fn try_scrape(&self) -> Option<String> {
+        let probe = netprobe_bin().display().to_string();
+        self.topo.node.run(&[probe.as_str(), "http", "127.0.0.1:20241", "/metrics"]).ok()
+    }
+
+    fn scrape(&self) -> String {
+        self.try_scrape().expect("metrics endpoint")
+    }
+
     /// A client opening a new connection to the ClusterIP every 200 ms, until the test ends.
     fn prober(&self) -> Arc<std::sync::Mutex<Vec<String>>> {
         self.topo
@@ -236,6 +245,49 @@ fn killed_during_an_outage_the_agent_restarts_from_its_checkpoint() {
     let all = probes.lock().unwrap().clone();
     assert!(all.len() > 20);
     assert!(failures(&all).is_empty(), "traffic stopped: {:?}", failures(&all));
+}
+
+/// The checkpoint follows the maps by up to a second (and not at all while it cannot be
+/// written): an agent killed in between has maps newer than its checkpoint, and programming
+/// the checkpoint during an outage would bring back a backend the API had removed.
+#[test]
+fn a_checkpoint_older_than_the_maps_does_not_take_them_back() {
+    let env = Env::new("krt-cknew");
+    let mut agent = env.agent();
+    agent.wait_for_log("complete=true", 1, Duration::from_secs(30)).unwrap();
+    env.wait_for_checkpoint();
+    // From here on the checkpoint cannot be written (its temporary file is a directory), so
+    // it keeps three web backends while the API goes on to two.
+    std::fs::create_dir(env.state_dir.join(".checkpoint.json.tmp")).unwrap();
+    // Stamps have whole seconds: the change must be read in a later second than the checkpoint.
+    thread::sleep(Duration::from_millis(1100));
+    let maps_before_change = env.agent_maps();
+    env.apply(&web_and_sticky(&backend_addrs(2)));
+    agent.wait_for_sync_totals(1, (0, 6, 2), Duration::from_secs(30)).unwrap();
+    let maps_after_change = env.agent_maps();
+    assert_ne!(maps_after_change, maps_before_change);
+    wait_until("the checkpoint writer failing", Duration::from_secs(10), || {
+        Ok(metric(&env.scrape(), "kube_router_checkpoint_errors_total") > 0.0)
+    })
+    .unwrap();
+    let probes = env.prober();
+
+    env.set_mode(FaultMode::Refuse);
+    agent.kill();
+    let _agent = env.agent();
+    wait_until("the restart to find its checkpoint older than the maps", Duration::from_secs(20), || {
+        Ok(env
+            .try_scrape()
+            .is_some_and(|s| s.lines().any(|l| l == "kube_router_checkpoint_superseded_total{maps=\"service\"} 1")))
+    })
+    .unwrap();
+    // Long enough for a restored sync to have happened, had it been going to.
+    thread::sleep(Duration::from_secs(3));
+    assert_eq!(env.agent_maps(), maps_after_change, "the older checkpoint was programmed");
+    let all = probes.lock().unwrap().clone();
+    assert!(all.len() > 10, "prober ran: {all:?}");
+    assert!(failures(&all).is_empty(), "traffic stopped: {:?}", failures(&all));
+    assert!(!all.iter().any(|p| p.starts_with("backend-3")), "the removed backend answered: {all:?}");
 }
 
 #[test]

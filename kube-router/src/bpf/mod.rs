@@ -6,6 +6,7 @@ pub mod migrate;
 pub mod policy_maps;
 pub mod service_maps;
 pub mod socket_lb;
+pub mod stamps;
 pub mod svc_stats;
 pub mod test_run;
 pub mod xdp;

@@ -53,17 +53,20 @@ impl Completeness {
 pub struct Listing<T> {
     pub objects: T,
     pub completeness: Completeness,
+    /// Unix time of the read: how new the state is that a writer programs from it.
+    pub as_of_unix: f64,
 }
 
 pub struct Cache {
     objects: RwLock<ClusterObjects>,
-    /// The objects came from the checkpoint before the watchers started.
-    restored: bool,
+    /// The objects came from the checkpoint (taken at this unix time) before the watchers started.
+    restored: Option<f64>,
     generations: watch::Sender<Generations>,
 }
 
 impl Cache {
-    pub fn new(objects: ClusterObjects, restored: bool) -> Arc<Self> {
+    /// `restored`: the unix time of the checkpoint the objects were restored from.
+    pub fn new(objects: ClusterObjects, restored: Option<f64>) -> Arc<Self> {
         Arc::new(Self {
             objects: RwLock::new(objects),
             restored,
@@ -72,6 +75,11 @@ impl Cache {
     }
 
     pub fn restored(&self) -> bool {
+        self.restored.is_some()
+    }
+
+    /// When the restored checkpoint was taken.
+    pub fn restored_as_of(&self) -> Option<f64> {
         self.restored
     }
 
@@ -107,7 +115,7 @@ impl Cache {
         };
         if kinds.iter().all(synced) {
             Some(Completeness::Complete)
-        } else if self.restored {
+        } else if self.restored.is_some() {
             Some(Completeness::Restored)
         } else {
             // Half a list is not the cluster: half the pods would deny allowed traffic.
@@ -120,14 +128,14 @@ impl Cache {
     pub fn read<R>(&self, kinds: &[Kind], read: impl FnOnce(&ClusterObjects) -> R) -> Option<Listing<R>> {
         let objects = self.objects.read().expect("cache lock");
         let completeness = self.completeness(&objects, kinds)?;
-        Some(Listing { objects: read(&objects), completeness })
+        Some(Listing { objects: read(&objects), completeness, as_of_unix: crate::metrics::unix_now() })
     }
 
     /// Like [`Self::read`], for readers that take the stores' change sets.
     pub fn update<R>(&self, kinds: &[Kind], update: impl FnOnce(&mut ClusterObjects) -> R) -> Option<Listing<R>> {
         let mut objects = self.objects.write().expect("cache lock");
         let completeness = self.completeness(&objects, kinds)?;
-        Some(Listing { objects: update(&mut objects), completeness })
+        Some(Listing { objects: update(&mut objects), completeness, as_of_unix: crate::metrics::unix_now() })
     }
 
     /// Every kind has been listed completely since start.
@@ -176,7 +184,7 @@ mod tests {
 
     #[tokio::test]
     async fn readers_see_nothing_before_a_complete_listing_unless_restored() {
-        let cache = Cache::new(ClusterObjects::default(), false);
+        let cache = Cache::new(ClusterObjects::default(), None);
         assert!(cache.read(&[Kind::Nodes], |o| o.nodes.len()).is_none());
         cache.apply(WatchUpdate::Nodes(Event::Init));
         cache.apply(WatchUpdate::Nodes(Event::InitApply(node("a"))));
@@ -188,14 +196,14 @@ mod tests {
 
         let mut restored = ClusterObjects::default();
         restored.nodes.restore([node("a")]);
-        let cache = Cache::new(restored, true);
+        let cache = Cache::new(restored, Some(1.0));
         let listing = cache.read(&[Kind::Nodes], |o| o.nodes.len()).unwrap();
         assert_eq!((listing.objects, listing.completeness), (1, Completeness::Restored));
     }
 
     #[tokio::test]
     async fn a_subscription_wakes_for_its_kinds_only() {
-        let cache = Cache::new(ClusterObjects::default(), false);
+        let cache = Cache::new(ClusterObjects::default(), None);
         let mut nodes = cache.subscribe(&[Kind::Nodes]);
         cache.apply(WatchUpdate::Pods(Event::InitDone));
         let woke = tokio::time::timeout(std::time::Duration::from_millis(50), nodes.changed()).await;

@@ -1,0 +1,81 @@
+//! How new the API state in the pinned maps is, so a restart can tell whether its checkpoint
+//! is older than what the maps already hold.
+//!
+//! The checkpoint is written at most once a second and after the maps, so an agent killed
+//! within that second leaves maps newer than its checkpoint. Programming that checkpoint during
+//! an outage would put the older state back (a removed backend, a revoked policy peer). Each
+//! writer stamps, in the `meta` map, the time of the API state it wrote completely: cleared
+//! before its writes, set after them. A restored checkpoint is applied only to maps whose stamp
+//! is older, or missing (maps created fresh, or a write cut off by the kill: the checkpoint then
+//! fills in what is missing, without deleting anything).
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use aya::maps::{Array, MapData};
+
+/// A writer's slot in the `meta` map.
+pub struct MapsStamp {
+    meta: Array<MapData, u32>,
+    slot: u32,
+    /// What the slot holds.
+    written: u32,
+}
+
+impl MapsStamp {
+    /// `slot`: `META_SERVICES_AS_OF` or `META_POLICY_AS_OF`.
+    pub fn open(pin_dir: &Path, slot: u32) -> Result<Self> {
+        let path = super::pinned_map(pin_dir, kube_router_common::map_names::META);
+        let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
+        let meta = Array::try_from(aya::maps::Map::Array(data))?;
+        let written = meta.get(&slot, 0)?;
+        Ok(Self { meta, slot, written })
+    }
+
+    /// Unix seconds of the API state the maps were last written from completely.
+    pub fn as_of(&self) -> Option<u32> {
+        (self.written != 0).then_some(self.written)
+    }
+
+    /// Before writing API state: until [`Self::finish`], the maps may be half-way between two
+    /// states.
+    pub fn begin(&mut self) -> Result<()> {
+        self.set(0)
+    }
+
+    /// The maps now hold the API state read at `as_of_unix`, every write done.
+    pub fn finish(&mut self, as_of_unix: f64) -> Result<()> {
+        self.set(as_of_unix as u32)
+    }
+
+    fn set(&mut self, value: u32) -> Result<()> {
+        if value != self.written {
+            self.meta.set(self.slot, value, 0)?;
+            self.written = value;
+        }
+        Ok(())
+    }
+}
+
+/// Whether maps stamped `maps_as_of` hold newer state than a checkpoint taken at
+/// `checkpoint_unix`. Stamps have whole seconds: within the checkpoint's own second the
+/// checkpoint is applied (without deletions), as the maps might be the older.
+pub fn maps_newer_than_checkpoint(maps_as_of: Option<u32>, checkpoint_unix: f64) -> bool {
+    maps_as_of.is_some_and(|stamp| f64::from(stamp) > checkpoint_unix.floor())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unstamped_maps_take_the_checkpoint() {
+        assert!(!maps_newer_than_checkpoint(None, 1_000.5));
+    }
+
+    #[test]
+    fn maps_written_after_the_checkpoint_keep_their_state() {
+        assert!(maps_newer_than_checkpoint(Some(1_001), 1_000.5));
+        assert!(!maps_newer_than_checkpoint(Some(1_000), 1_000.5), "the same second: the checkpoint");
+        assert!(!maps_newer_than_checkpoint(Some(999), 1_000.5));
+    }
+}
