@@ -12,7 +12,7 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use aya::maps::{Array, Map, MapData, PerCpuArray, RingBuf};
+use aya::maps::{Array, Map, MapData, RingBuf};
 use kube_router_common::*;
 
 use crate::bpf::pinned_map;
@@ -194,9 +194,7 @@ pub fn render(event: &MonitorEvent, names: &Names, json: bool, filter: EventFilt
 
 /// The `events_stats` counters summed over CPUs, in [`event_stat::NAMES`] order.
 pub fn read_stats(pin_dir: &Path) -> Result<Vec<u64>> {
-    let stats: PerCpuArray<MapData, u64> =
-        PerCpuArray::try_from(Map::PerCpuArray(open(pin_dir, monitor_map_names::EVENTS_STATS)?))?;
-    (0..event_stat::COUNT).map(|i| Ok(stats.get(&i, 0)?.iter().sum())).collect()
+    crate::bpf::counters::read_pinned(pin_dir, monitor_map_names::EVENTS_STATS, event_stat::COUNT)
 }
 
 /// Runs until SIGINT or SIGTERM; turns events off on the way out.

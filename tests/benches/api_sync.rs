@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 
 const SERVICES: usize = 10_000;
 const ENDPOINTS_PER_SERVICE: usize = 10;
-const CHANGES: usize = 100;
+const CHANGES: usize = 1_000;
 
 fn ip(base: [u8; 2], n: usize) -> String {
     format!("{}.{}.{}.{}", base[0], base[1], (n >> 8) & 0xff, n & 0xff)

@@ -3,7 +3,7 @@
 //!
 //! * `per_rack_asns_without_full_mesh`: `--nodes-full-mesh=false`, racks 10.91.0.0/24 (node-1,
 //!   node-2, AS 65001) and 10.92.0.0/24 (node-3, node-4, AS 65002) set by
-//!   `kube-router.io/node.asn`; every node peers with its rack's router (BIRD in `krt-topo-fab`,
+//!   `kube-router.io/node.asn`; every node peers with its rack's router (BIRD in the fabric namespace,
 //!   AS 65100, installing what it learns) through the `kube-router.io/peers` annotation. Nodes
 //!   of a rack peer with each other, never across racks; pods reach every other pod.
 //! * `route_reflection_from_annotations`: one subnet, `kube-router.io/rr.server` on node-1 and
@@ -28,19 +28,21 @@ struct Fabric {
     _runtime: NetnsRuntime,
     server: Arc<FakeApiServer>,
     dir: PathBuf,
+    /// Names this test's namespaces and bpffs directories, so two tests never share them.
+    prefix: String,
     agents: Vec<Agent>,
     bird: Option<std::process::Child>,
 }
 
-fn bpf_root(i: usize) -> PathBuf {
-    PathBuf::from(format!("/sys/fs/bpf/krt-topo-n{i}"))
+fn bpf_root(prefix: &str, i: usize) -> PathBuf {
+    PathBuf::from(format!("/sys/fs/bpf/{prefix}-n{i}"))
 }
 
 impl Fabric {
     /// `subnet_of(i)`: the third octet of node i's subnet 10.X.0.0/24 (a bridge in the fabric
     /// namespace with 10.X.0.254); the API server listens on the first subnet's .254.
-    fn new(subnet_of: impl Fn(usize) -> u8) -> Self {
-        let fabric = Netns::new("krt-topo-fab").unwrap();
+    fn new(prefix: &str, subnet_of: impl Fn(usize) -> u8) -> Self {
+        let fabric = Netns::new(&format!("{prefix}-fab")).unwrap();
         fabric.sysctl("net.ipv4.ip_forward", "1").unwrap();
         let mut subnets: Vec<u8> = (1..=NODES).map(&subnet_of).collect();
         subnets.dedup();
@@ -53,7 +55,7 @@ impl Fabric {
         let mut nodes = Vec::new();
         for i in 1..=NODES {
             let s = subnet_of(i);
-            let ns = Netns::new(&format!("krt-topo-n{i}")).unwrap();
+            let ns = Netns::new(&format!("{prefix}-n{i}")).unwrap();
             let port = format!("port{i}");
             fabric
                 .run(&["ip", "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns", &ns.path()])
@@ -75,10 +77,19 @@ impl Fabric {
             ..FakeApiServerConfig::default()
         };
         let server = Arc::new(runtime.run(async { FakeApiServer::spawn(config).await.unwrap() }));
-        let dir = PathBuf::from("/tmp/krt-topo");
+        let dir = PathBuf::from(format!("/tmp/{prefix}"));
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).unwrap();
-        Fabric { fabric, nodes, _runtime: runtime, server, dir, agents: Vec::new(), bird: None }
+        Fabric {
+            fabric,
+            nodes,
+            _runtime: runtime,
+            server,
+            dir,
+            prefix: prefix.to_string(),
+            agents: Vec::new(),
+            bird: None,
+        }
     }
 
     fn node_ip(&self, i: usize) -> String {
@@ -114,7 +125,7 @@ impl Fabric {
             ];
             args.extend(extra.iter().map(|s| s.to_string()));
             let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-            self.agents.push(Agent::start(&self.nodes[i - 1], &bpf_root(i), &refs).unwrap());
+            self.agents.push(Agent::start(&self.nodes[i - 1], &bpf_root(&self.prefix, i), &refs).unwrap());
         }
     }
 
@@ -181,7 +192,7 @@ impl Drop for Fabric {
         }
         for i in 1..=NODES {
             let _ = self.nodes[i - 1].run(&["ip", "route", "flush", "proto", "186"]);
-            remove_bpf_root(&bpf_root(i));
+            remove_bpf_root(&bpf_root(&self.prefix, i));
         }
         let _ = &self.fabric;
     }
@@ -190,7 +201,7 @@ impl Drop for Fabric {
 #[test]
 fn per_rack_asns_without_full_mesh() {
     let rack = |i: usize| if i <= 2 { 91 } else { 92 };
-    let mut fabric = Fabric::new(rack);
+    let mut fabric = Fabric::new("krt-topo-asn", rack);
     let asn = |i: usize| if i <= 2 { 65001 } else { 65002 };
     // The racks' router: BIRD, AS 65100, one session per node, installing what it learns.
     let mut bird_conf =
@@ -248,7 +259,7 @@ fn per_rack_asns_without_full_mesh() {
 
 #[test]
 fn route_reflection_from_annotations() {
-    let mut fabric = Fabric::new(|_| 93);
+    let mut fabric = Fabric::new("krt-topo-rr", |_| 93);
     fabric.add_node(1, json!({"kube-router.io/rr.server": "42"}));
     for i in 2..=NODES {
         fabric.add_node(i, json!({"kube-router.io/rr.client": "42"}));

@@ -137,6 +137,11 @@ fn demo(c: &Cluster) -> Result<()> {
     let interesting = ["new_flow", "ct_hit", "snat_new_flow", "reject_sent", "egress_masquerade_new_flow"];
     let counters: Vec<String> = interesting.iter().filter_map(|k| stats.get(*k).map(|n| format!("{k}={n}"))).collect();
     println!("  node-1 datapath counters: {}", counters.join(" "));
+    // From outside, the uplink's XDP program takes new flows and their later packets before TC.
+    let xdp = ["xdp_new_flow", "xdp_forward", "xdp_reply", "xdp_tx", "xdp_pass_to_tc"];
+    let counters: Vec<String> = xdp.iter().filter_map(|k| stats.get(*k).map(|n| format!("{k}={n}"))).collect();
+    let mode = c.node(0).uplink_xdp().map_or_else(|| "none".to_string(), |(mode, _)| mode);
+    println!("  node-1 uplink XDP ({mode}): {}", counters.join(" "));
 
     step("NetworkPolicy: pod-1-1 admits only pod-2-0, over IPv4 and IPv6 alike")?;
     c.server.apply(ingress_policy("only-pod-2-0", "pod-1-1", Some("pod-2-0")))?;

@@ -23,3 +23,8 @@ impl Counters {
         (0..self.count).map(|i| Ok(self.map.get(&i, 0)?.iter().sum())).collect()
     }
 }
+
+/// Reads the pinned array `name` of `count` counters once (commands, tests).
+pub fn read_pinned(pin_dir: &Path, name: &str, count: u32) -> Result<Vec<u64>> {
+    Counters::open_pinned(pin_dir, name, count)?.read()
+}

@@ -6,7 +6,7 @@ use ipnet::Ipv4Net;
 use anyhow::{Context, Result};
 use aya::maps::{
     lpm_trie::{Key, LpmTrie},
-    HashMap, Map, MapData, MapError, PerCpuArray,
+    HashMap, Map, MapData, MapError,
 };
 use kube_router_common::*;
 
@@ -215,9 +215,7 @@ where
 
 /// Sums the per-CPU packet counters of `lb_stats`, in `lb_stat` index order.
 pub fn read_lb_stats(pin_dir: &Path) -> Result<Vec<u64>> {
-    let stats: PerCpuArray<MapData, u64> =
-        PerCpuArray::try_from(Map::PerCpuArray(open(pin_dir, map_names::LB_STATS)?))?;
-    (0..lb_stat::COUNT).map(|i| Ok(stats.get(&i, 0)?.iter().sum())).collect()
+    super::counters::read_pinned(pin_dir, map_names::LB_STATS, lb_stat::COUNT)
 }
 
 /// One family's Service conntrack (`ct_v4` / `ct_v6`).

@@ -15,7 +15,7 @@ use std::{
 
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
-    maps::{Array, Map, MapData, PerCpuArray},
+    maps::{Array, Map, MapData},
     programs::{links::FdLink, loaded_programs, CgroupAttachMode, CgroupSockAddr},
 };
 use kube_router_common::{sock_map_names, sock_stat, SockLbConfig, SOCK_CONFIG_INDEX};
@@ -329,10 +329,7 @@ pub fn netns_cookie() -> Result<u64> {
 
 /// Sums the per-CPU counters of `sock_stats`, in `sock_stat` index order.
 pub fn read_sock_stats(pin_dir: &Path) -> Result<Vec<u64>> {
-    let path = super::pinned_map(pin_dir, sock_map_names::SOCK_STATS);
-    let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
-    let stats: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(data))?;
-    (0..sock_stat::COUNT).map(|i| Ok(stats.get(&i, 0)?.iter().sum())).collect()
+    super::counters::read_pinned(pin_dir, sock_map_names::SOCK_STATS, sock_stat::COUNT)
 }
 
 /// Refreshes the socket LB counters in the metrics (absent map: the socket LB never ran).

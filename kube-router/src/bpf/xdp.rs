@@ -9,10 +9,7 @@ use std::{
 };
 
 use anyhow::{anyhow, bail, Context, Result};
-use aya::{
-    maps::{Map, PerCpuArray},
-    programs::{ProgramInfo, Xdp},
-};
+use aya::programs::{ProgramInfo, Xdp};
 use kube_router_common::{map_names, xdp_stat};
 
 use super::datapath::{same_program, AttachOutcome, Datapath};
@@ -245,9 +242,7 @@ pub fn read_stats(pin_dir: &Path) -> Result<Option<Vec<u64>>> {
     if !path.exists() {
         return Ok(None);
     }
-    let data = aya::maps::MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
-    let stats: PerCpuArray<_, u64> = PerCpuArray::try_from(Map::PerCpuArray(data))?;
-    Ok(Some((0..xdp_stat::COUNT).map(|i| Ok(stats.get(&i, 0)?.iter().sum())).collect::<Result<_>>()?))
+    super::counters::read_pinned(pin_dir, map_names::XDP_STATS, xdp_stat::COUNT).map(Some)
 }
 
 #[cfg(test)]

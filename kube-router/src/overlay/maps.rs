@@ -6,7 +6,7 @@ use std::{
 };
 
 use anyhow::{anyhow, Context, Result};
-use aya::maps::{lpm_trie::Key, HashMap, LpmTrie, Map, MapData, PerCpuArray};
+use aya::maps::{lpm_trie::Key, HashMap, LpmTrie, Map, MapData};
 use ipnet::Ipv4Net;
 use kube_router_common::{map_names, ovl_stat, OverlayPrefixV4, OverlayTunnelV4};
 
@@ -66,9 +66,7 @@ impl OverlayMaps {
 
 /// Per-counter sums of `ovl_stats` (see [`ovl_stat`]).
 pub fn read_stats(pin_dir: &Path) -> Result<Vec<u64>> {
-    let stats: PerCpuArray<MapData, u64> =
-        PerCpuArray::try_from(Map::PerCpuArray(open(pin_dir, map_names::OVERLAY_STATS)?))?;
-    (0..ovl_stat::COUNT).map(|i| Ok(stats.get(&i, 0)?.iter().sum())).collect()
+    crate::bpf::counters::read_pinned(pin_dir, map_names::OVERLAY_STATS, ovl_stat::COUNT)
 }
 
 /// Brings the datapath to an [`OverlayTarget`]: loads the programs the first time a tunnel is
