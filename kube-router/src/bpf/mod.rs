@@ -1,4 +1,5 @@
 //! The kernel side of the agent: loading the datapath, pinned maps and links, map writes.
+pub mod conntrack_gc;
 pub mod counters;
 pub mod datapath;
 pub mod layout;

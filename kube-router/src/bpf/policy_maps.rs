@@ -20,7 +20,7 @@ use aya::maps::{
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use kube_router_common::*;
 
-use super::service_maps::{monotonic_now_ns, write_error};
+use super::service_maps::write_error;
 use crate::{
     policy::{
         bpf_maps::{
@@ -494,28 +494,14 @@ impl PolicyConntrack {
     /// connections (whose replies would then be judged as new flows). Returns (left, removed)
     /// over both families.
     pub fn collect_garbage(&mut self) -> Result<(usize, usize)> {
-        let now = monotonic_now_ns();
-        let (left4, removed4) = collect_expired(&mut self.map, now, |key| key.proto);
-        let (left6, removed6) = collect_expired(&mut self.map_v6, now, |key| key.proto);
+        use super::conntrack_gc::collect_expired;
+        let expired = |proto: u8, value: &PolicyCtValue, now: u64| {
+            now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(proto)
+        };
+        let (left4, removed4) = collect_expired(&mut self.map, |key, value, now| expired(key.proto, value, now));
+        let (left6, removed6) = collect_expired(&mut self.map_v6, |key, value, now| expired(key.proto, value, now));
         Ok((left4 + left6, removed4 + removed6))
     }
-}
-
-fn collect_expired<K: aya::Pod>(
-    map: &mut HashMap<MapData, K, PolicyCtValue>,
-    now: u64,
-    proto: impl Fn(&K) -> u8,
-) -> (usize, usize) {
-    let mut total = 0;
-    let mut expired = Vec::new();
-    for (key, value) in map.iter().filter_map(Result::ok) {
-        total += 1;
-        if now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(proto(&key)) {
-            expired.push(key);
-        }
-    }
-    let removed = expired.iter().filter(|key| map.remove(key).is_ok()).count();
-    (total - removed, removed)
 }
 
 #[cfg(test)]

@@ -231,13 +231,6 @@ pub type Conntrack = FamilyConntrack<V4>;
 /// The IPv6 Service conntrack.
 pub type ConntrackV6 = FamilyConntrack<V6>;
 
-pub(crate) fn monotonic_now_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: plain syscall writing into a local timespec. bpf_ktime_get_ns is CLOCK_MONOTONIC.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 impl<F: AddressFamily> FamilyConntrack<F>
 where
     CtKey<F::Words>: aya::Pod,
@@ -254,22 +247,8 @@ where
     /// Active GC: removes entries idle past their lifetime, so the LRU never has to evict live
     /// flows to make room for new ones. Returns (entries left, entries removed).
     pub fn collect_garbage(&mut self) -> Result<(usize, usize)> {
-        let now = monotonic_now_ns();
-        // One pass over the map: count every entry and pick the expired ones.
-        let mut total = 0;
-        let mut expired: Vec<CtKey<F::Words>> = Vec::new();
-        for (key, value) in self.map.iter().filter_map(Result::ok) {
-            total += 1;
-            if now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(key.proto) {
-                expired.push(key);
-            }
-        }
-        let mut removed = 0;
-        for key in &expired {
-            if self.map.remove(key).is_ok() {
-                removed += 1;
-            }
-        }
-        Ok((total - removed, removed))
+        Ok(super::conntrack_gc::collect_expired(&mut self.map, |key, value, now| {
+            now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(key.proto)
+        }))
     }
 }
