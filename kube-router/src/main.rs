@@ -538,6 +538,12 @@ fn main() -> ExitCode {
                 let id = a.program_id.map(|i| i.to_string()).unwrap_or_else(|| "?".into());
                 println!("{:<16} {:<15} {how:<10} program {id:<6} {state}", a.interface, a.hook.program());
             }
+            // The uplinks' XDP fast path (its mode, native or generic, is in `ip link show`).
+            for a in xdp::attachments(&cli.bpf_root) {
+                let state = if a.attached { "attached" } else { "NOT attached" };
+                let id = a.program_id.map(|i| i.to_string()).unwrap_or_else(|| "?".into());
+                println!("{:<16} {:<15} {:<10} program {id:<6} {state}", a.interface, xdp::PROGRAM, "xdp link");
+            }
         }),
         Command::Checkpoint => show_checkpoint(&cli),
         Command::Monitor { json, filter, rate } => kube_router::monitor::run(&kube_router::monitor::Options {

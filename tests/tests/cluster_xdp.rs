@@ -15,7 +15,7 @@ use std::{
 
 use kube_router_tests::{
     cluster::{netprobe, node_ip6, request, Cluster, Svc},
-    netprobe_bin,
+    kube_router_bin, netprobe_bin,
 };
 
 fn assert_all_from(replies: &[String], backend: &str) {
@@ -52,6 +52,21 @@ fn north_south_flows_to_the_other_node_are_served_at_xdp() {
     web(&c);
     let node = c.node(0);
     wait_for("native XDP on node-1's uplink", || node.uplink_xdp().is_some_and(|(mode, _)| mode == "xdp"));
+    // `kube-router interfaces` lists the link with the program the kernel has on the uplink.
+    let (_, program) = node.uplink_xdp().unwrap();
+    let bin = kube_router_bin();
+    let listed =
+        node.ns.run(&[bin.to_str().unwrap(), "--bpf-root", node.bpf_root.to_str().unwrap(), "interfaces"]).unwrap();
+    assert!(
+        listed.lines().any(|l| {
+            let words: Vec<&str> = l.split_whitespace().collect();
+            words.first() == Some(&"eth0")
+                && words.contains(&"kr_xdp_lb")
+                && l.contains(&format!("program {program} "))
+                && l.ends_with(" attached")
+        }),
+        "{listed}"
+    );
     let before = node.stats();
     let mut flows = 0;
     for frontend in ["10.100.0.1:30080", "198.51.100.20:80"] {

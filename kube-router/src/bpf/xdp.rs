@@ -207,6 +207,37 @@ pub fn attach(
     bail!("cannot attach {PROGRAM} to {interface}: {}", errors.join("; "))
 }
 
+/// One of our pinned XDP links, as the kernel sees it (`kube-router interfaces`).
+#[derive(Debug, PartialEq, Eq)]
+pub struct XdpAttachment {
+    pub interface: String,
+    /// `None`: the pin is not an XDP link we can read.
+    pub program_id: Option<u32>,
+    /// The link is still on its interface (false once the interface went away).
+    pub attached: bool,
+}
+
+/// Our pinned XDP links, by interface.
+pub fn attachments(pin_dir: &Path) -> Vec<XdpAttachment> {
+    let mut out: Vec<XdpAttachment> = fs::read_dir(pin_dir.join("links"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let interface = interface_of_pin(&name)?.to_string();
+            let state = obj_get(&entry.path()).ok().and_then(|fd| link_state(&fd));
+            Some(XdpAttachment {
+                interface,
+                program_id: state.as_ref().map(|s| s.program_id),
+                attached: state.is_some_and(|s| s.ifindex != 0),
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| a.interface.cmp(&b.interface));
+    out
+}
+
 /// Removes our XDP link from `interface`, if we attached one (its pin says so).
 pub fn detach(pin_dir: &Path, interface: &str) -> Result<bool> {
     let path = link_path(pin_dir, interface);
