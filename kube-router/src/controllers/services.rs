@@ -55,6 +55,8 @@ pub struct ServiceController {
     reported: BTreeSet<String>,
     /// Maps that had no room for every entry at the last sync.
     full_maps: BTreeSet<&'static str>,
+    /// Maps that refused writes for other reasons at the last sync.
+    failing_maps: BTreeSet<&'static str>,
     /// This node's `topology.kubernetes.io/zone` (topology-aware routing), from its Node.
     zone: Option<String>,
     /// The health check ports the node serves (`spec.healthCheckNodePort`).
@@ -246,6 +248,17 @@ impl ServiceController {
             }
         });
         self.full_maps = now;
+        // Other failures: once when a map starts failing and once when it recovers, not per
+        // entry and retry (each failed write is counted in kube_router_map_writes_total).
+        let failing: BTreeSet<&'static str> = report.first_errors.keys().copied().collect();
+        for map in failing.difference(&self.failing_maps) {
+            let failed = report.per_map[map].errors - report.per_map[map].full;
+            tracing::warn!(map, failed, error = %report.first_errors[map], "map writes failed; retried with backoff");
+        }
+        for map in self.failing_maps.difference(&failing) {
+            tracing::info!(map, "map writes succeed again");
+        }
+        self.failing_maps = failing;
     }
 }
 
@@ -382,6 +395,7 @@ fn add_second_pass(mut report: SyncReport, second: SyncReport) -> SyncReport {
         total.errors = counts.errors;
         total.full = counts.full;
     }
+    report.first_errors = second.first_errors;
     report
 }
 
@@ -456,6 +470,7 @@ impl ServiceController {
             },
             reported: BTreeSet::new(),
             full_maps: BTreeSet::new(),
+            failing_maps: BTreeSet::new(),
             zone: None,
             health_checks,
             loopback_node_ports: config.socket_lb.enabled,

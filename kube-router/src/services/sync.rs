@@ -41,6 +41,8 @@ impl OpCounts {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SyncReport {
     pub per_map: BTreeMap<&'static str, OpCounts>,
+    /// The first failure of each map that refused a write for another reason than room.
+    pub first_errors: BTreeMap<&'static str, String>,
 }
 
 impl SyncReport {
@@ -53,6 +55,9 @@ impl SyncReport {
             total.deletes += counts.deletes;
             total.errors += counts.errors;
             total.full += counts.full;
+        }
+        for (map, error) in other.first_errors {
+            self.first_errors.entry(map).or_insert(error);
         }
     }
 
@@ -136,7 +141,8 @@ impl<F: AddressFamily> ServiceSync<F> {
                         counts.full += 1;
                         full.insert(op.map_name());
                     } else {
-                        tracing::warn!(error = %e, ?op, "map write failed; retried later");
+                        // Logged by the controller once per map that starts failing.
+                        report.first_errors.entry(op.map_name()).or_insert_with(|| format!("{e} ({op:?})"));
                     }
                 }
             }

@@ -924,3 +924,37 @@ fn a_model_written_before_dual_stack_still_reads_as_ipv4() {
     .unwrap();
     assert_eq!(endpoint.addr, std::net::IpAddr::from(Ipv4Addr::new(10, 0, 0, 1)));
 }
+
+/// In-memory maps whose `backends_v4` refuses every write (not for lack of room).
+struct RefusingBackends {
+    inner: MapContents,
+}
+
+impl super::sync::ServiceMaps for RefusingBackends {
+    fn write(&mut self, op: &super::diff::MapOp) -> Result<(), super::sync::MapWriteError> {
+        if op.map_name() == map_names::BACKENDS {
+            let message = "EINVAL".into();
+            return Err(super::sync::MapWriteError { map: map_names::BACKENDS, message, full: false });
+        }
+        self.inner.apply(op);
+        Ok(())
+    }
+    fn read_all(&self) -> Result<MapContents, super::sync::MapWriteError> {
+        Ok(self.inner.clone())
+    }
+}
+
+#[test]
+fn a_refused_write_is_reported_once_per_map_with_its_first_error_and_retried() {
+    let mut maps = RefusingBackends { inner: MapContents::default() };
+    let mut sync = ServiceSync::adopt(&MapContents::default()).unwrap();
+    let desired = compile(OBJECTS, &MapContents::default());
+    let report = sync.sync(&mut maps, &desired, true);
+    let backends = report.per_map[map_names::BACKENDS];
+    assert_eq!((backends.errors, backends.full), (desired.backends.len() as u64, 0));
+    assert_eq!(report.first_errors.keys().copied().collect::<Vec<_>>(), [map_names::BACKENDS]);
+    assert!(report.first_errors[map_names::BACKENDS].contains("EINVAL"));
+    // Left out of the model: the next sync tries them again.
+    let again = sync.sync(&mut maps, &desired, true);
+    assert_eq!(again.per_map[map_names::BACKENDS].errors, desired.backends.len() as u64);
+}
