@@ -16,6 +16,7 @@ use serde_json::{json, Value};
 
 const SERVICES: usize = 10_000;
 const ENDPOINTS_PER_SERVICE: usize = 10;
+/// The count; `KRT_BENCH_CHANGES` overrides it (e.g. to look for growth over more).
 const CHANGES: usize = 1_000;
 
 fn ip(base: [u8; 2], n: usize) -> String {
@@ -95,7 +96,9 @@ fn main() {
 
     let mut latencies = Vec::new();
     let mut incremental = 0;
-    for change in 1..=CHANGES {
+    let changes: usize = std::env::var("KRT_BENCH_CHANGES").ok().and_then(|n| n.parse().ok()).unwrap_or(CHANGES);
+    let mut rss_every_500 = Vec::new();
+    for change in 1..=changes {
         let before = agent.log_count("service sync complete");
         let started = Instant::now();
         server.apply(slice(change * 37 % SERVICES, change)).unwrap();
@@ -110,6 +113,9 @@ fn main() {
             eprintln!("{line}");
         }
         incremental += usize::from(line.contains("incremental=true"));
+        if change % 500 == 0 {
+            rss_every_500.push(agent.rss_kib().unwrap_or(0) / 1024);
+        }
         thread::sleep(Duration::from_millis(50));
     }
     latencies.sort();
@@ -134,7 +140,8 @@ fn main() {
         secs(api_time) / secs(file_time),
         api_rss as f64 / file_rss.max(1) as f64
     );
-    println!("== one endpoint changed -> maps updated ({CHANGES} changes, includes the log pipe)");
+    println!("== one endpoint changed -> maps updated ({changes} changes, includes the log pipe)");
+    println!("RSS every 500 changes (MiB): {rss_every_500:?}");
     println!(
         "p50 {:>7.1} ms   p90 {:>7.1} ms   p99 {:>7.1} ms   max {:>7.1} ms   peak RSS after changes {:.1} MiB",
         percentile(&latencies, 0.5).as_secs_f64() * 1e3,
@@ -144,7 +151,7 @@ fn main() {
         total_rss as f64 / 1024.0
     );
     println!(
-        "{incremental} of {CHANGES} changes compiled alone (KUBE_ROUTER_FULL_SERVICE_COMPILE={})",
+        "{incremental} of {changes} changes compiled alone (KUBE_ROUTER_FULL_SERVICE_COMPILE={})",
         std::env::var("KUBE_ROUTER_FULL_SERVICE_COMPILE").unwrap_or_default()
     );
 }

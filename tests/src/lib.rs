@@ -378,6 +378,12 @@ impl Agent {
         status.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()
     }
 
+    /// Resident memory now (`VmRSS`), KiB.
+    pub fn rss_kib(&self) -> Option<u64> {
+        let status = fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;
+        status.lines().find(|l| l.starts_with("VmRSS:"))?.split_whitespace().nth(1)?.parse().ok()
+    }
+
     pub fn log_count(&self, needle: &str) -> usize {
         self.log.lock().unwrap().iter().filter(|l| l.contains(needle)).count()
     }

@@ -69,14 +69,22 @@ where
 
     /// Every frontend's counters, summed over CPUs.
     pub fn read_all(&self) -> Result<BTreeMap<ServiceKey<F::Words>, ServiceStats>, MapError> {
-        self.map
-            .iter()
-            .map(|entry| {
-                let (key, values) = entry?;
-                let mut sum = ServiceStats::default();
-                values.iter().for_each(|cpu| sum.add(cpu));
-                Ok((key, sum))
-            })
-            .collect()
+        let mut all = BTreeMap::new();
+        self.for_each(|key, sum| {
+            all.insert(key, sum);
+        })?;
+        Ok(all)
+    }
+
+    /// Each frontend's counters, summed over CPUs, handed to `each` as they are read (no copy
+    /// of the whole map: the metrics read it every second).
+    pub fn for_each(&self, mut each: impl FnMut(ServiceKey<F::Words>, ServiceStats)) -> Result<(), MapError> {
+        for entry in self.map.iter() {
+            let (key, values) = entry?;
+            let mut sum = ServiceStats::default();
+            values.iter().for_each(|cpu| sum.add(cpu));
+            each(key, sum);
+        }
+        Ok(())
     }
 }
