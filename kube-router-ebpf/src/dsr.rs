@@ -11,6 +11,8 @@
 //!   address, DF set, loses its outer header; its inner packet is translated to the backend the
 //!   tunnel named and recorded (`CT_FLAG_DSR_DELIVER`, both directions) so the backend's reply
 //!   is restored to come from the frontend at TC egress and leaves straight for the client.
+//!   The port is taken from the flow's first packet only: a GSO packet segmented after the
+//!   outer header went on carries consecutive IDs in its segments.
 use aya_ebpf::{
     bindings::{
         bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, bpf_fib_lookup as FibLookup, bpf_redir_neigh,
@@ -150,8 +152,10 @@ pub fn deliver(ctx: &TcContext, backend: &(u32, u16)) -> i32 {
     let now = unsafe { bpf_ktime_get_ns() };
     work.key = conntrack::key_of(flow);
     if let Some(entry) = conntrack::lookup::<V4>(&work.key, flow.tcp_flags, now) {
-        if entry.flags & CT_FLAG_DSR_DELIVER != 0 && entry.nat_dst_addr == backend.0 && entry.nat_dst_port == backend.1
-        {
+        // The address only: the port is exact in a flow's first packet alone (a SYN, a first
+        // datagram). Segmenting a GSO packet after encapsulation gives the outer headers
+        // consecutive IP IDs.
+        if entry.flags & CT_FLAG_DSR_DELIVER != 0 && entry.nat_dst_addr == backend.0 {
             count_lb(lb_stat::CT_HIT);
             svc_stats::count::<V4, _>(ctx, flow.dst_addr, flow.dst_port, flow.proto, Way::In);
             return lb::translate::<V4>(ctx, flow, entry, &mut work.to);
