@@ -218,6 +218,14 @@ fn a_tunnelled_packet_is_delivered_to_the_backend_it_names_and_answered_from_the
         assert!(packet::checksums_valid(&out));
     }
     assert_eq!((lb.dsr(dsr_stat::DECAPSULATED), lb.dsr(dsr_stat::DELIVER_NEW_FLOW)), (6, 2));
+    // The same flows reaching this node directly (the network moved them here): they stay on the
+    // tunnel's backend, which is no slot's id here and must not count as gone (UDP would move).
+    for (proto, frontend, backend_port) in [(packet::TCP, 80, 8080u16), (packet::UDP, 53, 5353)] {
+        let direct = packet::ipv4(proto, (CLIENT, 41000), (EXTERNAL_IP, frontend), packet::TCP_ACK, b"direct");
+        let (_, out) = lb.run(Hook::Ingress, &direct);
+        assert_eq!(packet::endpoints(&out), ((CLIENT, 41000), (LOCAL_POD, backend_port)));
+    }
+    assert_eq!(lb.lb(lb_stat::CT_RESELECTED), 0);
 
     // Not from a node, or not to a pod: not ours, untouched.
     let inner = packet::ipv4(packet::TCP, (CLIENT, 41001), (EXTERNAL_IP, 80), packet::TCP_SYN, b"");
