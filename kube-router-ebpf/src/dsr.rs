@@ -182,7 +182,8 @@ pub fn deliver(ctx: &TcContext, backend: &(u32, u16)) -> i32 {
         count_lb(lb_stat::CT_INSERT_FAILED);
     }
     count(dsr_stat::DELIVER_NEW_FLOW);
-    lb::flow_opened::<V4, _>(ctx, flow, &work.new, now, Way::New);
+    // The connection is counted where its backend was chosen; here only its packets.
+    lb::flow_opened::<V4, _>(ctx, flow, &work.new, now, Way::In);
     work.to = Tuple { src: work.new.nat_src, dst: work.new.nat_dst };
     lb::apply::<V4>(ctx, flow, &work.to, false)
 }
