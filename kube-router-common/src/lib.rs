@@ -57,6 +57,7 @@ pub mod map_names {
     pub const OVERLAY_REMOTES: &str = "ovl_remotes_v4";
     pub const OVERLAY_STATS: &str = "ovl_stats";
     pub const XDP_STATS: &str = "xdp_stats";
+    pub const DSR_STATS: &str = "dsr_stats";
 }
 
 pub const SERVICES_MAX_ENTRIES: u32 = 65_536;
@@ -174,6 +175,11 @@ pub const SVC_FLAG_MAGLEV: u32 = 1 << 6;
 /// With [`SVC_FLAG_MAGLEV`]: the client's source port is hashed too (IPVS mh's `mh-port`);
 /// without it, only the client address (every connection of a client to one backend).
 pub const SVC_FLAG_MAGLEV_PORT: u32 = 1 << 7;
+/// Direct server return (`kube-router.io/service.dsr: tunnel`, ExternalIP and LoadBalancer IP
+/// frontends, IPv4): a new flow whose backend is on another node is not translated here but
+/// carried to it in IPIP (outer destination: the backend's own address, which the cluster
+/// routes to its node); that node translates it and its reply goes straight to the client.
+pub const SVC_FLAG_DSR: u32 = 1 << 8;
 
 /// Addresses as the 32-bit words Maglev's flow hash consumes (packet byte order).
 pub trait FlowHashWords {
@@ -304,6 +310,13 @@ pub const CT_FLAG_SEEN_REPLY: u16 = 1 << 5;
 /// Pod egress masquerade: the forward direction is translated at TC egress, as the packet leaves
 /// the node (after NetworkPolicy judged it at the pod's interface), not at ingress.
 pub const CT_FLAG_EGRESS: u16 = 1 << 6;
+/// Direct server return, on the node the client's packets reach: the forward entry's packets
+/// are tunnelled untranslated to the backend `nat_dst_*` (its port travels in the outer
+/// header's IP ID). No reverse entry: the replies never come back through this node.
+pub const CT_FLAG_DSR_ENCAP: u16 = 1 << 7;
+/// Direct server return, on the backend's node: both entries were made from a tunnelled packet
+/// (the tunnel named the backend, not a slot of this node's).
+pub const CT_FLAG_DSR_DELIVER: u16 = 1 << 8;
 
 pub const CT_LIFETIME_TCP_SECS: u64 = 6 * 3600;
 pub const CT_LIFETIME_NON_TCP_SECS: u64 = 60;
@@ -592,6 +605,39 @@ pub mod xdp_stat {
         "pass_no_route",
         "rewrite_failed",
         "pass_checksum_partial",
+    ];
+}
+
+/// Indices of the `dsr_stats` per-CPU counters (direct server return, IPv4 IPIP; a map of its
+/// own so that the older maps keep their layout).
+pub mod dsr_stat {
+    /// New flows the node the client reached sends to another node's backend in IPIP.
+    pub const NEW_FLOW: u32 = 0;
+    /// Packets encapsulated and routed to the backend's node (first and later ones).
+    pub const ENCAPSULATED: u32 = 1;
+    /// Encapsulation (`bpf_skb_adjust_room`) failed: dropped.
+    pub const ENCAP_FAILED: u32 = 2;
+    /// A packet too big for the route once encapsulated: answered with "fragmentation needed"
+    /// (the route's MTU less the outer header) as its sender sent it.
+    pub const FRAG_NEEDED_SENT: u32 = 3;
+    /// Tunnelled packets decapsulated on the backend's node (first and later ones).
+    pub const DECAPSULATED: u32 = 4;
+    /// New flows recorded on the backend's node from a tunnelled packet (translated to the
+    /// backend there, replies restored to the frontend and routed straight to the client).
+    pub const DELIVER_NEW_FLOW: u32 = 5;
+    /// A tunnelled packet for no frontend of this node, or from no cluster node: dropped.
+    pub const DECAP_REFUSED: u32 = 6;
+    pub const DECAP_FAILED: u32 = 7;
+    pub const COUNT: u32 = 8;
+    pub const NAMES: [&str; COUNT as usize] = [
+        "new_flow",
+        "encapsulated",
+        "encap_failed",
+        "frag_needed_sent",
+        "decapsulated",
+        "deliver_new_flow",
+        "decap_refused",
+        "decap_failed",
     ];
 }
 

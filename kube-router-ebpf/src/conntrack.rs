@@ -168,6 +168,15 @@ pub fn create<F: Family>(flow: &LbFlow<F::Addr>, new: &NewFlow<F::Addr>, now: u6
     F::conntrack().insert(&s.forward_key, &s.forward, 0).map_err(|e| e as i64)
 }
 
+/// Records a flow's forward entry only: one whose replies never pass this node (direct server
+/// return's tunnel).
+#[allow(clippy::needless_borrows_for_generic_args)] // see `create`
+#[inline(always)]
+pub fn create_forward<F: Family>(flow: &LbFlow<F::Addr>, new: &NewFlow<F::Addr>, now: u64) -> Result<(), i64> {
+    let s = entries::<F>(flow, new, now).ok_or(-1i64)?;
+    F::conntrack().insert(&s.forward_key, &s.forward, 0).map_err(|e| e as i64)
+}
+
 pub enum SnatError {
     /// Every port tried is in use towards this destination: the flow is refused.
     PortsExhausted,

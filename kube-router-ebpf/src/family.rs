@@ -7,6 +7,7 @@ use aya_ebpf::{
 use kube_router_common::*;
 
 use crate::{
+    dsr,
     maps::*,
     nat::{self, Tuple},
     packet::Packet,
@@ -51,6 +52,10 @@ pub trait Family: 'static {
     /// Answers a routed packet (`flow` as it arrived, translated to `to`) that does not fit the
     /// route's `mtu`; the TC verdict.
     fn frag_needed(ctx: &TcContext, flow: &LbFlow<Self::Addr>, to: &Tuple<Self::Addr>, mtu: u16) -> i32;
+    /// Direct server return: tunnels the untranslated packet from this node to `backend` and
+    /// routes it; the TC verdict, or `route::FRAG_NEEDED` with the MTU left for the packet
+    /// itself. IPv4 only (IPIP): never asked of IPv6.
+    fn tunnel(ctx: &TcContext, backend: &(Self::Addr, u16), proto: u8, l4_off: usize) -> i32;
 }
 
 pub struct V4;
@@ -129,6 +134,10 @@ impl Family for V4 {
     fn frag_needed(ctx: &TcContext, flow: &LbFlow<u32>, to: &Tuple<u32>, mtu: u16) -> i32 {
         reject::frag_needed_v4(ctx, flow, to, mtu)
     }
+    #[inline(always)]
+    fn tunnel(ctx: &TcContext, backend: &(u32, u16), proto: u8, l4_off: usize) -> i32 {
+        dsr::tunnel(ctx, backend, proto, l4_off)
+    }
 }
 
 impl Family for V6 {
@@ -202,5 +211,10 @@ impl Family for V6 {
     #[inline(always)]
     fn frag_needed(ctx: &TcContext, flow: &LbFlow<Ipv6Words>, to: &Tuple<Ipv6Words>, mtu: u16) -> i32 {
         reject::frag_needed_v6(ctx, flow, to, mtu)
+    }
+    #[inline(always)]
+    fn tunnel(_: &TcContext, _: &(Ipv6Words, u16), _: u8, _: usize) -> i32 {
+        // `lb::new_flow` makes no IPv6 flow a DSR one.
+        aya_ebpf::bindings::TC_ACT_SHOT
     }
 }

@@ -17,7 +17,7 @@ use kube_router_common::*;
 use crate::{
     backend::select_backend,
     conntrack::{self, NewFlow, SnatError},
-    events,
+    dsr, events,
     family::{Family, V4, V6},
     frag,
     icmp::{self, Hook},
@@ -32,7 +32,7 @@ use crate::{
 /// The flow of the parsed packet, ready for translation (ports resolved for fragments); or the
 /// verdict for a packet that is not one (ICMP errors are translated here).
 #[inline(always)]
-fn flow_of<F: Family>(
+pub(crate) fn flow_of<F: Family>(
     ctx: &TcContext,
     parsed: &mut LbParsed<F::Addr>,
     hook: Hook,
@@ -57,11 +57,13 @@ pub fn handle_ingress(ctx: &TcContext) -> Result<i32, i64> {
     // A refusal or a "too big" answer is built here, not inside `ingress`: the two frames would
     // not fit on one stack.
     Ok(match ip_version(ctx)? {
-        IpVersion::V4 => match ingress::<V4>(ctx) {
-            REFUSE => refuse::<V4>(ctx),
-            too_big if too_big >= route::FRAG_NEEDED => frag_needed::<V4>(ctx, too_big as u16),
-            verdict => verdict,
-        },
+        IpVersion::V4 => {
+            match dsr::decap(ctx).map(|backend| dsr::deliver(ctx, &backend)).unwrap_or_else(|| ingress::<V4>(ctx)) {
+                REFUSE => refuse::<V4>(ctx),
+                too_big if too_big >= route::FRAG_NEEDED => frag_needed::<V4>(ctx, too_big as u16),
+                verdict => verdict,
+            }
+        }
         IpVersion::V6 => match ingress::<V6>(ctx) {
             REFUSE => refuse::<V6>(ctx),
             too_big if too_big >= route::FRAG_NEEDED => frag_needed::<V6>(ctx, too_big as u16),
@@ -118,7 +120,7 @@ pub fn handle_egress(ctx: &TcContext) -> Result<i32, i64> {
 
 /// The packet parsed into the family's per-CPU work area.
 #[inline(always)]
-fn parse_into<F: Family>(ctx: &TcContext) -> Option<&'static mut Work<F::Addr>> {
+pub(crate) fn parse_into<F: Family>(ctx: &TcContext) -> Option<&'static mut Work<F::Addr>> {
     let work = F::work().get_ptr_mut(0)?;
     // SAFETY: per-CPU map memory, used by this program run only.
     let work = unsafe { &mut *work };
@@ -145,6 +147,9 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
             Known::Forward => {
                 count(if flow.fragment == Fragment::Later { lb_stat::FRAGMENT_NAT } else { lb_stat::CT_HIT });
                 svc_stats::count::<F, _>(ctx, flow.dst_addr, flow.dst_port, flow.proto, Way::In);
+                if entry.flags & CT_FLAG_DSR_ENCAP != 0 {
+                    return tunnel::<F>(ctx, flow, &(entry.nat_dst_addr, entry.nat_dst_port), &mut work.to);
+                }
                 return translate::<F>(ctx, flow, entry, &mut work.to);
             }
             Known::Reselect => {
@@ -186,6 +191,10 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
     }
     match new_flow::<F>(flow, &work.service, &work.chosen, now, &mut work.new) {
         NewFlowVerdict::DROP => TC_ACT_SHOT,
+        NewFlowVerdict::TUNNEL => {
+            flow_opened::<F, _>(ctx, flow, &work.new, now, Way::New);
+            tunnel::<F>(ctx, flow, &work.new.nat_dst, &mut work.to)
+        }
         verdict => {
             flow_opened::<F, _>(ctx, flow, &work.new, now, Way::New);
             work.to = Tuple { src: work.new.nat_src, dst: work.new.nat_dst };
@@ -215,7 +224,12 @@ pub(crate) fn known<F: Family>(flow: &LbFlow<F::Addr>, entry: &CtValue<F::Addr>)
         Known::Masqueraded
     } else if entry.flags & CT_FLAG_FORWARD != 0 {
         // A backend gone while nothing was answered yet: the flow is balanced again.
-        if flow.has_l4() && backend_gone::<F>(entry) && may_move(entry.flags, flow.proto) {
+        // A backend named by a direct-server-return tunnel is no slot's: never gone here.
+        if flow.has_l4()
+            && entry.flags & CT_FLAG_DSR_DELIVER == 0
+            && backend_gone::<F>(entry)
+            && may_move(entry.flags, flow.proto)
+        {
             Known::Reselect
         } else {
             Known::Forward
@@ -325,6 +339,19 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
     }
 }
 
+/// Direct server return: the packet, untranslated, tunnelled to `backend`'s node (see `dsr`);
+/// `to` is scratch, left naming the packet's own tuple for a "fragmentation needed" answer.
+#[inline(always)]
+fn tunnel<F: Family>(
+    ctx: &TcContext,
+    flow: &LbFlow<F::Addr>,
+    backend: &(F::Addr, u16),
+    to: &mut Tuple<F::Addr>,
+) -> i32 {
+    *to = Tuple { src: (flow.src_addr, flow.src_port), dst: (flow.dst_addr, flow.dst_port) };
+    F::tunnel(ctx, backend, flow.proto, flow.l4_off)
+}
+
 /// The backend the entry was made for is no longer programmed at that id.
 #[inline(always)]
 fn backend_gone<F: Family>(entry: &CtValue<F::Addr>) -> bool {
@@ -344,7 +371,7 @@ fn may_move(flags: u16, proto: u8) -> bool {
 
 /// Translates the packet as the entry says; `to` is scratch for the new tuple.
 #[inline(always)]
-fn translate<F: Family>(
+pub(crate) fn translate<F: Family>(
     ctx: &TcContext,
     flow: &LbFlow<F::Addr>,
     entry: &CtValue<F::Addr>,
@@ -355,7 +382,7 @@ fn translate<F: Family>(
 }
 
 #[inline(always)]
-fn apply<F: Family>(ctx: &TcContext, flow: &LbFlow<F::Addr>, to: &Tuple<F::Addr>, route: bool) -> i32 {
+pub(crate) fn apply<F: Family>(ctx: &TcContext, flow: &LbFlow<F::Addr>, to: &Tuple<F::Addr>, route: bool) -> i32 {
     if F::rewrite(ctx, flow, to).is_err() {
         count(lb_stat::REWRITE_FAILED);
         return TC_ACT_SHOT;
@@ -378,6 +405,8 @@ impl NewFlowVerdict {
     /// Translate, then route it ourselves (its new source is a node address).
     pub(crate) const ROUTE: Self = Self(1);
     pub(crate) const DROP: Self = Self(2);
+    /// Direct server return: tunnel it, untranslated, to the backend's node (`lb::tunnel`).
+    pub(crate) const TUNNEL: Self = Self(3);
 }
 
 /// Records the first packet of a flow and says what it becomes (`new`, in the work area). Source NAT where the reply
@@ -410,6 +439,19 @@ pub(crate) fn new_flow<F: Family>(
     let leaves_node = service.flags & (SVC_FLAG_EXTERNAL | SVC_FLAG_LOCAL_ONLY) == SVC_FLAG_EXTERNAL
         && backend.flags & BACKEND_FLAG_LOCAL == 0;
     let snat_addr = F::snat_addr(config);
+    // Direct server return (IPv4 IPIP): the backend's node translates, its reply goes straight
+    // to the client. The node address is the tunnel's source.
+    let dsr = service.flags & SVC_FLAG_DSR != 0 && leaves_node && !hairpin && size_of::<F::Addr>() == 4;
+    if dsr && snat_addr.is_some() {
+        new.forward_flags = CT_FLAG_DSR_ENCAP;
+        if conntrack::create_forward::<F>(flow, new, now).is_err() {
+            // Still tunnelled; the next packet retries the insert (and may choose again).
+            count(lb_stat::CT_INSERT_FAILED);
+        }
+        count(lb_stat::NEW_FLOW);
+        dsr::count(dsr_stat::NEW_FLOW);
+        return NewFlowVerdict::TUNNEL;
+    }
     let masquerade = snat_addr.is_some() && (leaves_node || config.flags & LB_CONFIG_MASQUERADE_ALL != 0);
     if hairpin || masquerade {
         // A NodePort frontend is a node address: whichever direction gets it as its new source

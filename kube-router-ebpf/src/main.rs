@@ -23,6 +23,7 @@
 
 mod backend;
 mod conntrack;
+mod dsr;
 mod events;
 mod family;
 mod frag;

@@ -27,12 +27,12 @@ use crate::{
 };
 
 const ETH_P_IP: u16 = 0x0800;
-const IPPROTO_IPIP: u8 = 4;
+pub(crate) const IPPROTO_IPIP: u8 = 4;
 const IPPROTO_UDP: u8 = 17;
-const IP_HDR_LEN: usize = 20;
+pub(crate) const IP_HDR_LEN: usize = 20;
 const UDP_GUE_LEN: usize = 12;
 const OUTER_TTL: u8 = 64;
-const IP_DF: u16 = 0x4000;
+pub(crate) const IP_DF: u16 = 0x4000;
 
 /// The outer IPv4 header, as it goes on the wire (multi-byte fields in network order).
 #[repr(C)]
@@ -83,6 +83,50 @@ fn ipv4_checksum(h: &OuterIpv4) -> u16 {
     (!(sum as u16)).to_be()
 }
 
+/// The outer IPv4 header to put in front of an IPv4 packet.
+pub(crate) struct OuterSpec {
+    /// Bytes added in all: the outer IPv4 header and whatever the caller writes after it.
+    pub overhead: usize,
+    /// `bpf_skb_adjust_room` flags (`BPF_F_ADJ_ROOM_ENCAP_*`).
+    pub flags: u64,
+    pub protocol: u8,
+    pub src: u32,
+    pub dst: u32,
+    /// The IP ID, as it goes on the wire.
+    pub id: u16,
+    /// DF whatever the inner packet says (the ID then means nothing to reassembly, RFC 6864).
+    pub always_df: bool,
+}
+
+/// Makes room for `outer` in front of the IPv4 packet and writes its IPv4 header (the inner
+/// packet's TOS; DF as the inner packet has it unless `always_df`); the inner packet's length,
+/// or `None` if the room could not be made (the packet is unchanged).
+#[inline(always)]
+pub(crate) fn push_outer_ipv4(ctx: &TcContext, outer: &OuterSpec) -> Result<Option<u16>, i64> {
+    let tos: u8 = ctx.load(ETH_HDR_LEN + 1)?;
+    let inner_len = u16::from_be(ctx.load::<u16>(ETH_HDR_LEN + 2)?);
+    let inner_frag = u16::from_be(ctx.load::<u16>(ETH_HDR_LEN + 6)?);
+    if ctx.adjust_room(outer.overhead as i32, BPF_ADJ_ROOM_MAC, outer.flags).is_err() {
+        return Ok(None);
+    }
+    let mut header = OuterIpv4 {
+        version_ihl: 0x45,
+        tos,
+        total_len: (inner_len + outer.overhead as u16).to_be(),
+        id: outer.id,
+        // Don't fragment what the inner packet said not to.
+        frag: (if outer.always_df { IP_DF } else { inner_frag & IP_DF }).to_be(),
+        ttl: OUTER_TTL,
+        protocol: outer.protocol,
+        checksum: 0,
+        src: outer.src,
+        dst: outer.dst,
+    };
+    header.checksum = ipv4_checksum(&header);
+    ctx.store(ETH_HDR_LEN, &header, 0)?;
+    Ok(Some(inner_len))
+}
+
 #[inline(always)]
 fn is_ipv4(ctx: &TcContext) -> Result<bool, i64> {
     Ok(u16::from_be(ctx.load::<u16>(12)?) == ETH_P_IP)
@@ -99,9 +143,6 @@ pub fn encap(ctx: &TcContext) -> Result<i32, i64> {
         return Ok(TC_ACT_UNSPEC);
     };
     let tunnel = *tunnel;
-    let tos: u8 = ctx.load(ETH_HDR_LEN + 1)?;
-    let inner_len = u16::from_be(ctx.load::<u16>(ETH_HDR_LEN + 2)?);
-    let inner_frag = u16::from_be(ctx.load::<u16>(ETH_HDR_LEN + 6)?);
     let fou = tunnel.encap == OVERLAY_ENCAP_FOU;
     let (overhead, protocol, flags) = if fou {
         (IP_HDR_LEN + UDP_GUE_LEN, IPPROTO_UDP, (BPF_F_ADJ_ROOM_ENCAP_L3_IPV4 | BPF_F_ADJ_ROOM_ENCAP_L4_UDP) as u64)
@@ -111,25 +152,11 @@ pub fn encap(ctx: &TcContext) -> Result<i32, i64> {
     // Hashed before the headers move: the inner flow picks the FOU source port (ECMP in the
     // underlay spreads flows, not packets).
     let hash = unsafe { bpf_get_hash_recalc(ctx.skb.skb) };
-    if ctx.adjust_room(overhead as i32, BPF_ADJ_ROOM_MAC, flags).is_err() {
+    let outer = OuterSpec { overhead, flags, protocol, src: tunnel.local, dst: tunnel.remote, id: 0, always_df: false };
+    let Some(inner_len) = push_outer_ipv4(ctx, &outer)? else {
         count_overlay(ovl_stat::ENCAP_FAILED);
         return Ok(TC_ACT_UNSPEC);
-    }
-    let mut outer = OuterIpv4 {
-        version_ihl: 0x45,
-        tos,
-        total_len: (inner_len + overhead as u16).to_be(),
-        id: 0,
-        // Don't fragment what the inner packet said not to.
-        frag: (inner_frag & IP_DF).to_be(),
-        ttl: OUTER_TTL,
-        protocol,
-        checksum: 0,
-        src: tunnel.local,
-        dst: tunnel.remote,
     };
-    outer.checksum = ipv4_checksum(&outer);
-    ctx.store(ETH_HDR_LEN, &outer, 0)?;
     if fou {
         let udp = UdpGue {
             src_port: ((hash >> 16) as u16 | 0xc000).to_be(),

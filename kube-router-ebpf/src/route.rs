@@ -22,7 +22,7 @@ use crate::{
     },
 };
 
-const AF_INET: u8 = 2;
+pub(crate) const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
 const BPF_FIB_LKUP_RET_SUCCESS: i64 = 0;
 const BPF_FIB_LKUP_RET_NO_NEIGH: i64 = 7;
@@ -97,7 +97,7 @@ pub fn redirect_v6(ctx: &TcContext, src: &Ipv6Words, dst: &Ipv6Words, proto: u8,
 /// The IP length of what leaves the node: `ip_len`, or for a GSO packet its segments' (headers
 /// up to the end of the TCP or UDP header, plus `gso_size`).
 #[inline(always)]
-fn wire_len(ctx: &TcContext, ip_len: u16, proto: u8, l4_off: usize) -> Result<u16, i64> {
+pub(crate) fn wire_len(ctx: &TcContext, ip_len: u16, proto: u8, l4_off: usize) -> Result<u16, i64> {
     // SAFETY: reading the skb's GSO segment size from its context.
     let gso_size = unsafe { (*ctx.skb.skb).gso_size };
     if gso_size == 0 {
@@ -115,7 +115,7 @@ fn wire_len(ctx: &TcContext, ip_len: u16, proto: u8, l4_off: usize) -> Result<u1
 }
 
 #[inline(always)]
-fn lookup(ctx: &TcContext, params: &mut FibLookup) -> Result<(), i64> {
+pub(crate) fn lookup(ctx: &TcContext, params: &mut FibLookup) -> Result<(), i64> {
     // SAFETY: reading the skb's ingress interface index from its context.
     params.ifindex = unsafe { (*ctx.skb.skb).ifindex };
     // SAFETY: params is a valid bpf_fib_lookup of the size passed.
@@ -127,14 +127,14 @@ fn lookup(ctx: &TcContext, params: &mut FibLookup) -> Result<(), i64> {
 }
 
 #[inline(always)]
-fn send(ifindex: u32, neigh: &mut bpf_redir_neigh) -> i32 {
+pub(crate) fn send(ifindex: u32, neigh: &mut bpf_redir_neigh) -> i32 {
     // SAFETY: neigh is a valid bpf_redir_neigh of the size passed.
     unsafe { bpf_redirect_neigh(ifindex, neigh, core::mem::size_of::<bpf_redir_neigh>() as i32, 0) as i32 }
 }
 
 /// The TC verdict, or [`FRAG_NEEDED`] with the MTU the lookup reported (counted by the answer).
 #[inline(always)]
-fn verdict(routed: Result<i32, i64>, params: &FibLookup) -> i32 {
+pub(crate) fn verdict(routed: Result<i32, i64>, params: &FibLookup) -> i32 {
     match routed {
         Ok(verdict) => {
             count(lb_stat::REDIRECTED);

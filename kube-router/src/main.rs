@@ -21,7 +21,7 @@ use kube_router::{
         family::{AddressFamily, V4, V6},
     },
 };
-use kube_router_common::{event_stat, lb_stat, sock_stat, xdp_stat, DEFAULT_PIN_DIR};
+use kube_router_common::{dsr_stat, event_stat, lb_stat, map_names, sock_stat, xdp_stat, DEFAULT_PIN_DIR};
 
 #[derive(Parser)]
 #[command(
@@ -562,6 +562,11 @@ fn main() -> ExitCode {
                 xdp_stat::NAMES.iter().zip(xdp::read_stats(&cli.bpf_root).ok().flatten().unwrap_or_default())
             {
                 println!("xdp_{name} {n}");
+            }
+            // Direct server return's counters, if the datapath ever had them.
+            let dsr = xdp::read_counters(&cli.bpf_root, map_names::DSR_STATS, dsr_stat::COUNT);
+            for (name, n) in dsr_stat::NAMES.iter().zip(dsr.ok().flatten().unwrap_or_default()) {
+                println!("dsr_{name} {n}");
             }
             // The socket load balancer's counters, if it ever ran.
             for (name, n) in sock_stat::NAMES.iter().zip(read_sock_stats(&cli.bpf_root).unwrap_or_default()) {

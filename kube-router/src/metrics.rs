@@ -67,6 +67,8 @@ pub struct MetricsState {
     pub datapath_packets: Vec<(&'static str, u64)>,
     /// `xdp_stats`: the XDP fast path's packets by outcome (empty until it ever ran).
     pub xdp_packets: Vec<(&'static str, u64)>,
+    /// `dsr_stats`: direct server return's packets and flows by event.
+    pub dsr_packets: Vec<(&'static str, u64)>,
     pub conntrack_entries: u64,
     pub conntrack_gc_removed: u64,
     pub api_reachable: bool,
@@ -230,6 +232,15 @@ impl Metrics {
             );
             for (what, n) in &m.xdp_packets {
                 let _ = writeln!(out, "kube_router_xdp_packets_total{{event=\"{what}\"}} {n}");
+            }
+            family(
+                &mut out,
+                "kube_router_dsr_packets_total",
+                "counter",
+                "Direct server return: packets tunnelled to and received from other nodes, and flows, by event.",
+            );
+            for (what, n) in &m.dsr_packets {
+                let _ = writeln!(out, "kube_router_dsr_packets_total{{event=\"{what}\"}} {n}");
             }
             family(
                 &mut out,

@@ -63,6 +63,7 @@ fn render_family<F: AddressFamily>(state: &ServiceState, prefix: &str, out: &mut
             (SVC_FLAG_EXTERNAL, "external"),
             (SVC_FLAG_HAIRPIN, "hairpin"),
             (SVC_FLAG_SOURCE_RANGES, "source-ranges"),
+            (SVC_FLAG_DSR, "dsr"),
         ]
         .into_iter()
         .filter(|(bit, _)| value.flags & bit != 0)

@@ -183,8 +183,18 @@ impl MapSizes {
 /// layout change for datapaths from before it).
 pub const XDP_MAPS: [MapSpec; 1] = [spec::<u32, u64>(map_names::XDP_STATS, MapType::PerCpuArray, xdp_stat::COUNT)];
 
+/// Direct server return's counters: a map of its own for the same reason.
+pub const DSR_MAPS: [MapSpec; 1] = [spec::<u32, u64>(map_names::DSR_STATS, MapType::PerCpuArray, dsr_stat::COUNT)];
+
 fn all_specs() -> impl Iterator<Item = &'static MapSpec> {
-    SERVICE_MAPS.iter().chain(&POLICY_MAPS).chain(&OVERLAY_MAPS).chain(&SOCK_MAPS).chain(&MONITOR_MAPS).chain(&XDP_MAPS)
+    SERVICE_MAPS
+        .iter()
+        .chain(&POLICY_MAPS)
+        .chain(&OVERLAY_MAPS)
+        .chain(&SOCK_MAPS)
+        .chain(&MONITOR_MAPS)
+        .chain(&XDP_MAPS)
+        .chain(&DSR_MAPS)
 }
 
 /// What the pinned maps hold against what this agent expects.

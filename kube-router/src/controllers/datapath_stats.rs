@@ -7,7 +7,7 @@ use std::{
 };
 
 use anyhow::Result;
-use kube_router_common::{lb_stat, map_names, pol_stat, sock_map_names, sock_stat, xdp_stat, ServiceStats};
+use kube_router_common::{dsr_stat, lb_stat, map_names, pol_stat, sock_map_names, sock_stat, xdp_stat, ServiceStats};
 
 use crate::{
     bpf::{
@@ -49,6 +49,8 @@ pub struct DatapathStatsController {
     socket_stats: Option<Counters>,
     /// `None` until the XDP fast path's map exists (`--xdp off` from the start: never).
     xdp_stats: Option<Counters>,
+    /// `None` until direct server return's map exists.
+    dsr_stats: Option<Counters>,
     /// Every frontend's counters of the last reading.
     frontend_stats: Vec<(FrontendId, ServiceStats)>,
     gc_interval: Duration,
@@ -94,6 +96,7 @@ impl DatapathStatsController {
             policy,
             socket_stats: None,
             xdp_stats: None,
+            dsr_stats: None,
             frontend_stats: Vec::new(),
             gc_interval,
             last_gc: now,
@@ -134,6 +137,12 @@ impl DatapathStatsController {
         }
         if let Some(Ok(stats)) = self.xdp_stats.as_ref().map(Counters::read) {
             self.metrics.with(|m| m.xdp_packets = xdp_stat::NAMES.iter().copied().zip(stats).collect());
+        }
+        if self.dsr_stats.is_none() {
+            self.dsr_stats = Counters::open_pinned(&self.pin_dir, map_names::DSR_STATS, dsr_stat::COUNT).ok();
+        }
+        if let Some(Ok(stats)) = self.dsr_stats.as_ref().map(Counters::read) {
+            self.metrics.with(|m| m.dsr_packets = dsr_stat::NAMES.iter().copied().zip(stats).collect());
         }
         let started = Instant::now();
         // Read outside the metrics' lock (tens of thousands of syscalls at 10,000 Services)

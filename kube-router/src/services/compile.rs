@@ -207,6 +207,8 @@ pub fn plan_service<F: AddressFamily>(
                 }
                 continue;
             }
+            // Direct server return is IPIP: IPv4 frontends only.
+            let dsr = if service.dsr && F::FAMILY == IpFamily::IPv4 { SVC_FLAG_DSR } else { 0 };
             // As kube-proxy: the source ranges guard the LoadBalancer IPs only.
             let ranges = service.source_ranges.as_ref().filter(|_| is_lb);
             let guarded = if ranges.is_some() { SVC_FLAG_SOURCE_RANGES } else { 0 };
@@ -216,7 +218,7 @@ pub fn plan_service<F: AddressFamily>(
             }
             frontends.push((
                 key_of::<F>(ip, port.port, port.protocol),
-                affinity_flags | local_flag(external.local_only) | SVC_FLAG_EXTERNAL | guarded,
+                affinity_flags | local_flag(external.local_only) | SVC_FLAG_EXTERNAL | guarded | dsr,
                 external.clone(),
             ));
         }

@@ -19,6 +19,8 @@ pub const SOURCE_RANGES_ANNOTATION: &str = "service.beta.kubernetes.io/load-bala
 /// (rr, lc, sh, dh) mean the default random choice here.
 pub const SCHEDULER_ANNOTATION: &str = "kube-router.io/service.scheduler";
 pub const SCHEDFLAGS_ANNOTATION: &str = "kube-router.io/service.schedflags";
+/// kube-router's direct server return annotation; `tunnel` (IPIP) is the one mode.
+pub const DSR_ANNOTATION: &str = "kube-router.io/service.dsr";
 const DEFAULT_AFFINITY_TIMEOUT_SECS: u32 = 10_800;
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -267,6 +269,7 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
                 .filter(|p| *p != 0),
             source_ranges,
             maglev: maglev(object),
+            dsr: dsr(object, &mut warnings),
         },
         warnings,
     ))
@@ -280,6 +283,19 @@ fn maglev(object: &core::Service) -> Option<bool> {
     }
     let flags = annotations.get(SCHEDFLAGS_ANNOTATION).map(String::as_str).unwrap_or("");
     Some(flags.split(',').any(|f| f.trim() == "mh-port"))
+}
+
+/// Whether the Service asks for direct server return (`tunnel`); another value is reported in
+/// `warnings` and the Service is served without it.
+fn dsr(object: &core::Service, warnings: &mut Vec<String>) -> bool {
+    let Some(value) = object.metadata.annotations.as_ref().and_then(|a| a.get(DSR_ANNOTATION)) else {
+        return false;
+    };
+    if value.trim() == "tunnel" {
+        return true;
+    }
+    warnings.push(format!("{DSR_ANNOTATION}: {value:?} is not supported (only \"tunnel\"); served without DSR"));
+    false
 }
 
 /// `spec.loadBalancerSourceRanges`, else the legacy annotation (comma-separated), as kube-proxy

@@ -601,6 +601,7 @@ mod tests {
                 1 => Some(false),
                 _ => None,
             },
+            dsr: k(12) % 5 == 0,
         }
     }
 

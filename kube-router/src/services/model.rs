@@ -114,6 +114,10 @@ pub struct Service {
     /// is hashed too).
     #[serde(default)]
     pub maglev: Option<bool>,
+    /// `kube-router.io/service.dsr: tunnel`: direct server return for the IPv4 ExternalIPs and
+    /// LoadBalancer IPs (IPIP to the backend's node, which answers the client directly).
+    #[serde(default)]
+    pub dsr: bool,
 }
 
 impl Service {
@@ -135,6 +139,7 @@ impl Service {
             health_check_node_port: None,
             source_ranges: None,
             maglev: None,
+            dsr: false,
         }
     }
 

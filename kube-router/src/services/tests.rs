@@ -120,6 +120,57 @@ fn hairpin_follows_the_flag_and_the_annotation() {
 }
 
 #[test]
+fn dsr_tunnel_marks_only_the_external_ipv4_frontends_and_another_value_is_reported() {
+    let with_dsr = |value: &str| {
+        OBJECTS.replacen(
+            "metadata: {namespace: default, name: web}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.10\n",
+            &format!(
+                "metadata: {{namespace: default, name: web, annotations: {{kube-router.io/service.dsr: \"{value}\"}}}}\n\
+                 spec:\n  type: NodePort\n  clusterIP: 10.96.0.10\n  externalIPs: [192.0.2.7]\n"
+            ),
+            1,
+        )
+    };
+    assert_ne!(with_dsr("tunnel"), OBJECTS);
+    let flags_of = |text: &str| {
+        let builder = parse_objects(text).expect("parse");
+        let contents = assign_ids(&plan(&builder.state, &node(), Limits::default()), &MapContents::default());
+        let flags = |ip: Ipv4Addr, port: u16| contents.services[&frontend_key(ip, port, Protocol::Tcp)].flags;
+        let node_port = contents
+            .services
+            .iter()
+            .find(|(k, _)| k.port == 30080u16.to_be())
+            .map(|(_, v)| v.flags)
+            .expect("a NodePort frontend");
+        let external = flags(Ipv4Addr::new(192, 0, 2, 7), 80);
+        let cluster_ip = flags(Ipv4Addr::new(10, 96, 0, 10), 80);
+        (external, cluster_ip, node_port, builder.problems)
+    };
+    let (external, cluster_ip, node_port, problems) = flags_of(&with_dsr("tunnel"));
+    assert_ne!(external & SVC_FLAG_DSR, 0, "the ExternalIP is served by DSR");
+    assert_eq!(cluster_ip & SVC_FLAG_DSR, 0, "ClusterIPs are not");
+    assert_eq!(node_port & SVC_FLAG_DSR, 0, "NodePorts are not");
+    assert!(problems.is_empty(), "{problems:?}");
+    // Surrounding blanks are tolerated, as for the scheduler annotation.
+    assert_ne!(flags_of(&with_dsr(" tunnel ")).0 & SVC_FLAG_DSR, 0);
+    // Any other mode: reported once for the Service, which is served without DSR.
+    let (external, _, _, problems) = flags_of(&with_dsr("direct"));
+    assert_eq!(external & SVC_FLAG_DSR, 0);
+    assert_ne!(external & SVC_FLAG_EXTERNAL, 0, "the ExternalIP is still served");
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(problems[0].partial && problems[0].message.contains("kube-router.io/service.dsr"), "{problems:?}");
+    assert!(problems[0].message.contains("\"direct\""), "{problems:?}");
+    // No annotation: no DSR, no problem.
+    let (external, _, _, problems) = flags_of(&OBJECTS.replacen(
+        "  clusterIP: 10.96.0.10\n",
+        "  clusterIP: 10.96.0.10\n  externalIPs: [192.0.2.7]\n",
+        1,
+    ));
+    assert_eq!(external & SVC_FLAG_DSR, 0);
+    assert!(problems.is_empty());
+}
+
+#[test]
 fn terminating_endpoints_serve_when_none_is_ready() {
     let text = OBJECTS.replace("conditions: {ready: true}", "conditions: {ready: false}");
     let contents = compile(&text, &MapContents::default());

@@ -1,0 +1,189 @@
+//! Direct server return (`kube-router.io/service.dsr: tunnel`) for IPv4 ExternalIP and
+//! LoadBalancer IP frontends, in two halves:
+//!
+//! * On the node the client's packet reaches (`tunnel`): a flow whose backend is on another node
+//!   is not translated. The packet, still client -> frontend, gets an outer IPv4 header (IPIP)
+//!   from this node to the backend's own address (the cluster already routes pod addresses to
+//!   their node) carrying the backend's port in its IP ID (with DF set the ID means nothing to
+//!   reassembly, RFC 6864), and is routed out. Its conntrack entry (`CT_FLAG_DSR_ENCAP`) keeps
+//!   the flow's later packets on that backend; there is no reverse entry, no reply comes back.
+//! * On the backend's node (`decap` + `deliver`): an IPIP packet from a cluster node to a pod
+//!   address, DF set, loses its outer header; its inner packet is translated to the backend the
+//!   tunnel named and recorded (`CT_FLAG_DSR_DELIVER`, both directions) so the backend's reply
+//!   is restored to come from the frontend at TC egress and leaves straight for the client.
+//!   The port is taken from the flow's first packet only: a GSO packet segmented after the
+//!   outer header went on carries consecutive IDs in its segments.
+use aya_ebpf::{
+    bindings::{
+        bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, bpf_fib_lookup as FibLookup, bpf_redir_neigh,
+        BPF_F_ADJ_ROOM_DECAP_L3_IPV4, BPF_F_ADJ_ROOM_ENCAP_L3_IPV4, TC_ACT_SHOT,
+    },
+    helpers::bpf_ktime_get_ns,
+    macros::map,
+    maps::PerCpuArray,
+    programs::TcContext,
+};
+use kube_router_common::*;
+
+use crate::{
+    conntrack::{self, NewFlow},
+    family::{Family, V4},
+    icmp::Hook,
+    lb,
+    maps::{count as count_lb, LB_CONFIG},
+    nat::Tuple,
+    overlay::{push_outer_ipv4, OuterSpec, IPPROTO_IPIP, IP_DF, IP_HDR_LEN},
+    parsing::{ETH_HDR_LEN, IP_DST_OFF, IP_SRC_OFF, IP_TOT_LEN_OFF},
+    route,
+    svc_stats::{self, Way},
+};
+
+#[map(name = "dsr_stats")]
+static DSR_STATS: PerCpuArray<u64> = PerCpuArray::pinned(dsr_stat::COUNT, 0);
+
+#[inline(always)]
+pub fn count(stat: u32) {
+    if let Some(counter) = DSR_STATS.get_ptr_mut(stat) {
+        // Per-CPU slot: no other CPU writes it, a plain add is enough.
+        unsafe { *counter += 1 };
+    }
+}
+
+/// Tunnels the IPv4 packet as it arrived to `backend` (address, port) from this node's address
+/// and routes it; the TC verdict, or `route::FRAG_NEEDED` with the MTU left for the inner packet
+/// (the packet untouched: the route is checked before the outer header goes on, so it can be
+/// answered as its sender sent it).
+// Not inlined: the route lookup's frame stays out of the caller's.
+#[inline(never)]
+pub fn tunnel(ctx: &TcContext, backend: &(u32, u16), proto: u8, l4_off: usize) -> i32 {
+    // `lb::new_flow` makes no DSR flow without it.
+    let Some(local) = LB_CONFIG.get(0).map(|c| c.snat_addr).filter(|a| *a != 0) else {
+        return TC_ACT_SHOT;
+    };
+    // SAFETY: an all-zero bpf_fib_lookup is a valid request skeleton (integers and unions of them).
+    let mut params: FibLookup = unsafe { core::mem::zeroed() };
+    params.family = route::AF_INET;
+    params.l4_protocol = IPPROTO_IPIP;
+    params.__bindgen_anon_3.ipv4_src = local;
+    params.__bindgen_anon_4.ipv4_dst = backend.0;
+    let routed = (|| {
+        let ip_len = u16::from_be(ctx.load::<u16>(IP_TOT_LEN_OFF)?);
+        // SAFETY: reading the skb's GSO segment size from its context.
+        let gso = unsafe { (*ctx.skb.skb).gso_size } != 0;
+        // A GSO packet's segments keep their size: the encapsulation takes the outer header
+        // off each segment's payload (`bpf_skb_adjust_room` lowers gso_size).
+        let outer = if gso { 0 } else { IP_HDR_LEN as u16 };
+        params.__bindgen_anon_1.tot_len = route::wire_len(ctx, ip_len, proto, l4_off)? + outer;
+        route::lookup(ctx, &mut params)?;
+        let outer = OuterSpec {
+            overhead: IP_HDR_LEN,
+            flags: BPF_F_ADJ_ROOM_ENCAP_L3_IPV4 as u64,
+            protocol: IPPROTO_IPIP,
+            src: local,
+            dst: backend.0,
+            id: backend.1,
+            always_df: true,
+        };
+        if !matches!(push_outer_ipv4(ctx, &outer), Ok(Some(_))) {
+            count(dsr_stat::ENCAP_FAILED);
+            return Ok(TC_ACT_SHOT);
+        }
+        count(dsr_stat::ENCAPSULATED);
+        // SAFETY: reading the union member the lookup filled for AF_INET.
+        let next_hop = unsafe { params.__bindgen_anon_4.ipv4_dst };
+        let mut neigh: bpf_redir_neigh = unsafe { core::mem::zeroed() };
+        neigh.nh_family = route::AF_INET as u32;
+        neigh.__bindgen_anon_1.ipv4_nh = next_hop;
+        Ok(route::send(params.ifindex, &mut neigh))
+    })();
+    match route::verdict(routed, &params) {
+        too_big if too_big >= route::FRAG_NEEDED => {
+            count(dsr_stat::FRAG_NEEDED_SENT);
+            let mtu = (too_big & 0xffff) as u16;
+            route::FRAG_NEEDED | i32::from(mtu.saturating_sub(IP_HDR_LEN as u16))
+        }
+        verdict => verdict,
+    }
+}
+
+/// The backend (address, port) a direct-server-return tunnel packet names, its outer header
+/// removed; `None` for any other packet (left untouched). IPv4 only.
+#[inline(always)]
+pub fn decap(ctx: &TcContext) -> Option<(u32, u16)> {
+    let version_ihl: u8 = ctx.load(ETH_HDR_LEN).ok()?;
+    let protocol: u8 = ctx.load(ETH_HDR_LEN + 9).ok()?;
+    let frag = u16::from_be(ctx.load::<u16>(ETH_HDR_LEN + 6).ok()?);
+    // Exactly what `tunnel` writes: no options, DF and nothing else in the fragment field.
+    if version_ihl != 0x45 || protocol != IPPROTO_IPIP || frag != IP_DF {
+        return None;
+    }
+    let src: u32 = ctx.load(IP_SRC_OFF).ok()?;
+    let dst: u32 = ctx.load(IP_DST_OFF).ok()?;
+    // From a node of the cluster to a pod: the pod overlay's tunnels run node to node.
+    if V4::cluster_net(&src) & CLUSTER_NET_NODE == 0 || V4::cluster_net(&dst) & CLUSTER_NET_POD == 0 {
+        return None;
+    }
+    let port: u16 = ctx.load(ETH_HDR_LEN + 4).ok()?;
+    if ctx.adjust_room(-(IP_HDR_LEN as i32), BPF_ADJ_ROOM_MAC, BPF_F_ADJ_ROOM_DECAP_L3_IPV4 as u64).is_err() {
+        count(dsr_stat::DECAP_FAILED);
+        return None;
+    }
+    count(dsr_stat::DECAPSULATED);
+    Some((dst, port))
+}
+
+/// The inner packet of a tunnel to `backend`: translated to it (a new flow recorded first); the
+/// TC verdict. A packet for no frontend here is dropped.
+// Not inlined: a frame of its own, beside `lb::ingress`'s.
+#[inline(never)]
+pub fn deliver(ctx: &TcContext, backend: &(u32, u16)) -> i32 {
+    let Some(work) = lb::parse_into::<V4>(ctx) else {
+        count(dsr_stat::DECAP_REFUSED);
+        return TC_ACT_SHOT;
+    };
+    let flow = match lb::flow_of::<V4>(ctx, &mut work.parsed, Hook::Ingress) {
+        Ok(flow) => flow,
+        Err(verdict) => return verdict,
+    };
+    if !flow.has_l4() || (flow.proto != IPPROTO_TCP && flow.proto != IPPROTO_UDP) {
+        count(dsr_stat::DECAP_REFUSED);
+        return TC_ACT_SHOT;
+    }
+    let now = unsafe { bpf_ktime_get_ns() };
+    work.key = conntrack::key_of(flow);
+    if let Some(entry) = conntrack::lookup::<V4>(&work.key, flow.tcp_flags, now) {
+        // The address only: the port is exact in a flow's first packet alone (a SYN, a first
+        // datagram). Segmenting a GSO packet after encapsulation gives the outer headers
+        // consecutive IP IDs.
+        if entry.flags & CT_FLAG_DSR_DELIVER != 0 && entry.nat_dst_addr == backend.0 {
+            count_lb(lb_stat::CT_HIT);
+            svc_stats::count::<V4, _>(ctx, flow.dst_addr, flow.dst_port, flow.proto, Way::In);
+            return lb::translate::<V4>(ctx, flow, entry, &mut work.to);
+        }
+        // Another backend, or another kind of flow on this tuple: the tunnel decides.
+        conntrack::forget::<V4>(&work.key, entry);
+    }
+    let frontend = ServiceKey { addr: flow.dst_addr, port: flow.dst_port, proto: flow.proto, pad: 0 };
+    // SAFETY: read-only use of a map value within this run.
+    let Some(service_id) = (unsafe { V4::services().get(frontend) }).map(|s| s.service_id) else {
+        count(dsr_stat::DECAP_REFUSED);
+        return TC_ACT_SHOT;
+    };
+    work.new = NewFlow {
+        nat_src: (flow.src_addr, flow.src_port),
+        nat_dst: *backend,
+        forward_flags: CT_FLAG_DSR_DELIVER,
+        reverse_flags: CT_FLAG_DSR_DELIVER,
+        service_id,
+        backend_id: 0,
+    };
+    if conntrack::create::<V4>(flow, &work.new, now).is_err() {
+        // Still delivered; the next packet retries the insert.
+        count_lb(lb_stat::CT_INSERT_FAILED);
+    }
+    count(dsr_stat::DELIVER_NEW_FLOW);
+    // The connection is counted where its backend was chosen; here only its packets.
+    lb::flow_opened::<V4, _>(ctx, flow, &work.new, now, Way::In);
+    work.to = Tuple { src: work.new.nat_src, dst: work.new.nat_dst };
+    lb::apply::<V4>(ctx, flow, &work.to, false)
+}

@@ -1,0 +1,182 @@
+//! Direct server return (`kube-router.io/service.dsr: tunnel`) on the multi-node harness: an
+//! external client's flows to a LoadBalancer IP or ExternalIP that the fabric routes to node-1,
+//! with the backend on node-2, are tunnelled (IPIP) untranslated to node-2, which hands them to
+//! the pod and sends its replies straight to the client from the frontend address. The client's
+//! own address reaches the backend, the counters of both nodes show the tunnel, and node-1's
+//! uplink does not carry the replies. A local backend, and a Service without the annotation, are
+//! served as before. Real TCP and UDP, as root, in network namespaces.
+use std::{
+    collections::BTreeMap,
+    thread,
+    time::{Duration, Instant},
+};
+
+use kube_router_tests::{
+    cluster::{netprobe, request, Cluster, Svc, CLIENT_ADDR},
+    netprobe_bin, Netns,
+};
+
+const DSR: (&str, &str) = ("kube-router.io/service.dsr", "tunnel");
+
+fn assert_all_from(replies: &[String], backend: &str) {
+    assert!(
+        !replies.is_empty() && replies.iter().all(|r| r == backend),
+        "expected every reply from {backend}: {replies:?}"
+    );
+}
+
+/// Polls `done` for up to 15 s.
+fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn delta(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>, name: &str) -> u64 {
+    after.get(name).copied().unwrap_or(0) - before.get(name).copied().unwrap_or(0)
+}
+
+/// Bytes sent out of the namespace's `eth0` so far (its uplink to the fabric).
+fn uplink_tx_bytes(ns: &Netns) -> u64 {
+    let out = ns.run(&["ip", "-j", "-s", "link", "show", "dev", "eth0"]).unwrap();
+    let links: serde_json::Value = serde_json::from_str(&out).unwrap();
+    links[0]["stats64"]["tx"]["bytes"].as_u64().expect("tx bytes")
+}
+
+/// A LoadBalancer Service (TCP 80, UDP 53) at `lb_ip` plus ExternalIP `external_ip`, both routed
+/// by the fabric to node-1, selecting `pod`.
+fn service(c: &Cluster, name: &str, cluster_ip: &str, node_port: u16, ips: (&str, &str), pod: &str, dsr: bool) {
+    let mut svc = Svc::load_balancer(name, cluster_ip, node_port, ips.0).external_ip(ips.1).select("pod", pod);
+    if dsr {
+        svc = svc.annotate(DSR.0, DSR.1);
+    }
+    c.add_service(svc).unwrap();
+    for ip in [ips.0, ips.1] {
+        c.wait_backends(&format!("{ip}:80"), 1).unwrap();
+        c.route_via(ip, 0).unwrap();
+    }
+}
+
+/// Checksum offload on at the client (its veth sends TSO aggregates with partial checksums,
+/// segmented after the tunnel header goes on) or off (complete checksums, MTU-sized packets).
+#[test]
+fn external_flows_to_a_remote_backend_are_tunnelled_and_answered_directly() {
+    tunnelled_and_answered_directly(&Cluster::builder("krt-dsr-v4").build().unwrap());
+}
+
+#[test]
+fn external_flows_with_complete_checksums_are_tunnelled_and_answered_directly() {
+    tunnelled_and_answered_directly(&Cluster::builder("krt-dsr-v4-csum").full_checksums().build().unwrap());
+}
+
+fn tunnelled_and_answered_directly(c: &Cluster) {
+    service(c, "dsr", "10.96.1.70", 30170, ("198.51.100.70", "198.51.100.71"), "pod-2-0", true);
+    let (ingress, backend) = (c.node(0), c.node(1));
+    let before = (ingress.stats(), backend.stats());
+    let mut flows = 0;
+    for frontend in ["198.51.100.70:80", "198.51.100.71:80"] {
+        assert_all_from(&request(&c.client, "tcp", frontend, 10), "pod-2-0");
+        // No source NAT anywhere: the backend sees the client itself.
+        assert_eq!(netprobe(&c.client, &["ask", "tcp", frontend, "who"]), format!("pod-2-0 {CLIENT_ADDR}"));
+        flows += 11;
+    }
+    assert_all_from(&request(&c.client, "udp", "198.51.100.70:53", 10), "pod-2-0");
+    assert_eq!(netprobe(&c.client, &["ask", "udp", "198.51.100.70:53", "who"]), format!("pod-2-0 {CLIENT_ADDR}"));
+    flows += 11;
+    let after = (ingress.stats(), backend.stats());
+    // node-1 chose the backend and tunnelled every flow, translating nothing itself.
+    assert_eq!(delta(&before.0, &after.0, "dsr_new_flow"), flows, "{:?}", after.0);
+    assert!(delta(&before.0, &after.0, "dsr_encapsulated") >= flows, "{:?}", after.0);
+    assert_eq!(delta(&before.0, &after.0, "snat_new_flow"), 0, "{:?}", after.0);
+    // XDP (--xdp auto) records each flow and leaves the encapsulation to TC.
+    assert_eq!(delta(&before.0, &after.0, "xdp_new_flow"), flows, "{:?}", after.0);
+    assert_eq!(delta(&before.0, &after.0, "xdp_tx") + delta(&before.0, &after.0, "xdp_redirect"), 0);
+    // No reply came back through it to be translated.
+    assert_eq!(delta(&before.0, &after.0, "reverse_nat"), 0, "{:?}", after.0);
+    assert_eq!(delta(&before.0, &after.0, "xdp_reply"), 0, "{:?}", after.0);
+    // node-2 took each flow out of the tunnel and recorded it once.
+    assert!(delta(&before.1, &after.1, "dsr_decapsulated") >= delta(&before.0, &after.0, "dsr_encapsulated"));
+    assert_eq!(delta(&before.1, &after.1, "dsr_deliver_new_flow"), flows, "{:?}", after.1);
+    assert_eq!(delta(&before.1, &after.1, "dsr_decap_refused"), 0, "{:?}", after.1);
+
+    // A 1 MB answer leaves through node-2's uplink, not node-1's.
+    let sent = (uplink_tx_bytes(&ingress.ns), uplink_tx_bytes(&backend.ns));
+    let reply = netprobe(&c.client, &["ask", "tcp", "198.51.100.70:80", "big 1000000"]);
+    assert!(reply.starts_with("pod-2-0 ") && reply.len() == 999_999, "reply of {} bytes", reply.len());
+    let sent = (uplink_tx_bytes(&ingress.ns) - sent.0, uplink_tx_bytes(&backend.ns) - sent.1);
+    eprintln!("uplink bytes sent during a 1 MB reply: node-1 {}, node-2 {}", sent.0, sent.1);
+    assert!(sent.1 >= 1_000_000, "node-2 sent {} bytes", sent.1);
+    assert!(sent.0 < 100_000, "node-1 sent {} bytes: the reply went through it", sent.0);
+
+    // An upload of full-size segments: the tunnel's 20 bytes are found by path MTU discovery
+    // (or taken off GSO segments), nothing is lost.
+    let upload = netprobe(&c.client, &["bulk", "198.51.100.70:80", "2000000"]);
+    let last = ingress.stats();
+    assert_eq!(upload, "pod-2-0 2000000", "node-1: {last:?}\nnode-2: {:?}", backend.stats());
+    assert_eq!(last["dsr_encap_failed"], 0, "{last:?}");
+    eprintln!("frag_needed_sent on node-1 after the upload: {}", last["dsr_frag_needed_sent"]);
+    wait_for("the DSR counters in /metrics", || {
+        backend.metric("kube_router_dsr_packets_total", "event=\"decapsulated\"") > 0.0
+    });
+}
+
+#[test]
+fn local_backends_and_services_without_the_annotation_are_served_as_before() {
+    let c = Cluster::builder("krt-dsr-as-before").full_checksums().build().unwrap();
+    // DSR asked for, but the backend is on node-1 itself: plain DNAT there.
+    service(&c, "local", "10.96.1.72", 30172, ("198.51.100.72", "198.51.100.73"), "pod-1-0", true);
+    // No annotation: node-1 source-NATs the flow to node-2's backend, as always.
+    service(&c, "snat", "10.96.1.74", 30174, ("198.51.100.74", "198.51.100.75"), "pod-2-0", false);
+    let (ingress, backend) = (c.node(0), c.node(1));
+    let before = (ingress.stats(), backend.stats());
+    assert_all_from(&request(&c.client, "tcp", "198.51.100.72:80", 5), "pod-1-0");
+    assert_eq!(netprobe(&c.client, &["ask", "tcp", "198.51.100.73:80", "who"]), format!("pod-1-0 {CLIENT_ADDR}"));
+    assert_all_from(&request(&c.client, "udp", "198.51.100.72:53", 5), "pod-1-0");
+    assert_all_from(&request(&c.client, "tcp", "198.51.100.74:80", 5), "pod-2-0");
+    assert_eq!(netprobe(&c.client, &["ask", "tcp", "198.51.100.75:80", "who"]), "pod-2-0 10.100.0.1");
+    assert_all_from(&request(&c.client, "udp", "198.51.100.74:53", 5), "pod-2-0");
+    let after = (ingress.stats(), backend.stats());
+    for name in ["dsr_new_flow", "dsr_encapsulated"] {
+        assert_eq!(delta(&before.0, &after.0, name), 0, "{name}: {:?}", after.0);
+    }
+    for name in ["dsr_decapsulated", "dsr_deliver_new_flow"] {
+        assert_eq!(delta(&before.1, &after.1, name), 0, "{name}: {:?}", after.1);
+    }
+    assert_eq!(delta(&before.0, &after.0, "snat_new_flow"), 11, "{:?}", after.0);
+}
+
+fn restarted_and_synced(c: &Cluster, i: usize) {
+    c.restart_agent(i).unwrap();
+    wait_for("the restarted agent's first sync", || {
+        c.node(i).metric("kube_router_sync_duration_seconds_count", "") >= 1.0
+    });
+}
+
+#[test]
+fn an_established_dsr_connection_survives_agent_restarts_on_both_nodes() {
+    // Checksum offload left on: the client's packets travel with partial checksums
+    // (CHECKSUM_PARTIAL) through the tunnel, as from a local sender.
+    let c = Cluster::builder("krt-dsr-restart").build().unwrap();
+    service(&c, "dsr", "10.96.1.76", 30176, ("198.51.100.76", "198.51.100.77"), "pod-2-0", true);
+    let held =
+        c.client.spawn_collecting(&[netprobe_bin().to_str().unwrap(), "hold", "198.51.100.76:80", "50"]).unwrap();
+    let replies = || held.lock().unwrap().len();
+    let rising = |node: usize, counter: &str| {
+        let start = c.node(node).stats()[counter];
+        wait_for(counter, || c.node(node).stats()[counter] >= start + 5);
+    };
+    rising(0, "dsr_encapsulated");
+    rising(1, "dsr_decapsulated");
+    let maps = c.agent_maps();
+    restarted_and_synced(&c, 0);
+    restarted_and_synced(&c, 1);
+    wait_for("the maps as before the restarts", || c.agent_maps() == maps);
+    rising(0, "dsr_encapsulated");
+    rising(1, "dsr_decapsulated");
+    let seen = replies();
+    wait_for("more replies", || replies() > seen);
+    let replies = held.lock().unwrap().clone();
+    assert!(replies.iter().all(|r| r == "pod-2-0"), "the held connection broke or moved: {replies:?}");
+}
