@@ -149,6 +149,8 @@ fn cargo_test(args: &[&str], env: &[(&str, &str)]) -> Result<(u64, u64)> {
 fn bench() -> Result<()> {
     require_root()?;
     cargo(&["bench", "-p", "kube-router", "--bench", "datapath"])?;
+    // Packets per second one CPU forwards: XDP fast path vs TC vs kernel routing (live frames).
+    cargo(&["bench", "-p", "kube-router", "--bench", "xdp_rate"])?;
     cargo(&["bench", "-p", "kube-router", "--bench", "policy_datapath"])?;
     // connect()/sendto() with and without the socket load balancer (own netns and cgroups).
     cargo(&["bench", "-p", "kube-router", "--bench", "socket_lb"])?;
