@@ -173,6 +173,10 @@ fn bench() -> Result<()> {
     run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .args(["bench", "-p", "kube-router-tests", "--bench", "xdp_north_south"])
         .env("KUBE_ROUTER_BIN", &agent))?;
+    // Sustained new connections on a small SNAT range with the conntrack GC lagging vs running.
+    run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["bench", "-p", "kube-router-tests", "--bench", "snat_churn"])
+        .env("KUBE_ROUTER_BIN", &agent))?;
     run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .args(["bench", "-p", "kube-router-tests", "--bench", "bgp_convergence"])
         .env("KUBE_ROUTER_BIN", &agent))
