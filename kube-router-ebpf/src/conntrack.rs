@@ -206,10 +206,53 @@ pub fn create_snat<F: Family>(
             new.nat_dst.1 = new.nat_src.1;
         }
         let s = entries::<F>(flow, new, now).ok_or(SnatError::Insert)?;
-        // NOEXIST: the port is ours only if no live flow holds this reverse key.
-        if F::conntrack().insert(&s.reverse_key, &s.reverse, BPF_NOEXIST as u64).is_ok() {
+        // NOEXIST: the port is ours only if no live flow holds this reverse key. A flow that is
+        // over but not yet collected by the agent gives it up first.
+        let free = F::conntrack().insert(&s.reverse_key, &s.reverse, BPF_NOEXIST as u64).is_ok()
+            || (reclaim_stale::<F>(now)
+                && F::conntrack().insert(&s.reverse_key, &s.reverse, BPF_NOEXIST as u64).is_ok());
+        if free {
             return F::conntrack().insert(&s.forward_key, &s.forward, 0).map_err(|_| SnatError::Insert);
         }
     }
     Err(SnatError::PortsExhausted)
+}
+
+/// Removes the flow holding the reverse key a new source-NATed flow wants (the scratch's
+/// `reverse_key`) if it is over: both its entries idle past their lifetime, or past the closing
+/// lifetime once either saw a FIN or RST (a reset flow's other side never closes its entry,
+/// which would hold the port for the TCP lifetime). Both entries go, so no entry is left
+/// translating to a port that now belongs to another flow. True if the key is free now.
+// Inlined, with the old flow's other key in map memory: `ingress` -> `new_flow` already uses
+// the whole 512-byte stack, so this adds no frame and no key to it.
+#[allow(clippy::needless_borrows_for_generic_args)] // keys by reference: see `create`
+#[inline(always)]
+fn reclaim_stale<F: Family>(now: u64) -> bool {
+    let Some(s) = F::ct_scratch().get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: per-CPU map memory, used only within this program run on this CPU.
+    let s = unsafe { &mut *s };
+    let proto = s.reverse_key.proto;
+    let Some(held) = F::conntrack().get_ptr(&s.reverse_key) else {
+        // Gone since the insert failed (collected, evicted): free.
+        return true;
+    };
+    // SAFETY: pointer from a successful lookup, valid for this run; read only.
+    let held = unsafe { &*held };
+    s.stale_key = held.reverse_key(proto);
+    // SAFETY: as above.
+    let opposite = F::conntrack().get_ptr(&s.stale_key).map(|p| unsafe { &*p });
+    let closing = held.flags & CT_FLAG_CLOSING != 0 || opposite.is_some_and(|o| o.flags & CT_FLAG_CLOSING != 0);
+    let lifetime = if closing { CT_LIFETIME_CLOSING_SECS * 1_000_000_000 } else { held.lifetime_ns(proto) };
+    // An absent opposite entry (evicted, collected) leaves the held one to decide alone. A new
+    // flow's reverse entry is never judged without its forward one: it is fresh.
+    if now.saturating_sub(held.last_seen_ns) <= lifetime
+        || opposite.is_some_and(|o| now.saturating_sub(o.last_seen_ns) <= lifetime)
+    {
+        return false;
+    }
+    let _ = F::conntrack().remove(&s.stale_key);
+    let _ = F::conntrack().remove(&s.reverse_key);
+    true
 }

@@ -69,6 +69,8 @@ pub struct CtScratch<A> {
     pub reverse: CtValue<A>,
     pub forward_key: CtKey<A>,
     pub reverse_key: CtKey<A>,
+    /// The other key of a stale flow holding `reverse_key` (see `conntrack::reclaim_stale`).
+    pub stale_key: CtKey<A>,
 }
 
 /// The packet being handled and what it becomes, in map memory for the same reason.

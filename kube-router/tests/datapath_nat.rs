@@ -20,7 +20,10 @@ use kube_router::{
         sync::ServiceSync,
     },
 };
-use kube_router_common::{lb_stat, LbConfig, CT_FLAG_SEEN_REPLY, LB_CONFIG_POD_EGRESS};
+use kube_router_common::{
+    lb_stat, CtKeyV4, CtValueV4, LbConfig, CT_FLAG_CLOSING, CT_FLAG_SEEN_REPLY, CT_LIFETIME_CLOSING_SECS,
+    CT_LIFETIME_NON_TCP_SECS, LB_CONFIG_POD_EGRESS,
+};
 
 const TC_ACT_UNSPEC: i32 = -1;
 const TC_ACT_SHOT: i32 = 2;
@@ -52,9 +55,9 @@ fn service_yaml(endpoints: &[(Ipv4Addr, &str)], annotations: &str) -> String {
 
 /// The node's network namespace: `up0` (NODE_IP/24) towards the fabric, the other node's pod
 /// CIDR and the client's subnet routed via the fabric, this node's pods on `pod0`.
-fn node_netns(test: &str) -> NodeNetns {
+fn node_netns(name: &str) -> NodeNetns {
     NodeNetns::enter(
-        &format!("krt-unit-nat-{test}"),
+        name,
         &[
             &["link", "add", "up0", "type", "veth", "peer", "name", "up1"],
             &["addr", "add", "10.100.0.1/24", "dev", "up0"],
@@ -102,9 +105,14 @@ fn program(pin_dir: &std::path::Path, yaml: &str) {
 }
 
 fn load(test: &str, yaml: &str) -> Loaded {
-    let node = node_netns(test);
+    load_named(&format!("krt-unit-nat-{test}"), yaml)
+}
+
+/// `load` with the network namespace and pin directory named `name`.
+fn load_named(name: &str, yaml: &str) -> Loaded {
+    let node = node_netns(name);
     let ifindex = node.ifindex("up0");
-    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/krt-unit-nat-{test}"));
+    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/{name}"));
     let _ = datapath::remove_all(&pin_dir);
     let datapath = Datapath::load(&pin_dir).expect("load datapath (run as root)");
     program(&pin_dir, yaml);
@@ -357,6 +365,163 @@ fn snat_ports_run_out_new_flows_are_refused_and_existing_ones_kept() {
         assert_eq!(verdict, TC_ACT_REDIRECT);
         assert_eq!(packet::endpoints(&out).0, (NODE_IP, snat_port), "established flows untouched");
     }
+}
+
+/// `ct_v4` opened for writing: the tests age entries as time would.
+fn conntrack_map(pin_dir: &std::path::Path) -> aya::maps::HashMap<aya::maps::MapData, CtKeyV4, CtValueV4> {
+    let data = aya::maps::MapData::from_pin(kube_router::bpf::pinned_map(pin_dir, "ct_v4")).unwrap();
+    aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data)).unwrap()
+}
+
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: writes into a local timespec; CLOCK_MONOTONIC is bpf_ktime_get_ns's clock.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// One NodePort flow from `CLIENT:client_port` to REMOTE_POD, as the program recorded it.
+struct Flow {
+    client_port: u16,
+    snat_port: u16,
+}
+
+impl Flow {
+    fn forward_key(&self, proto: u8, node_port: u16) -> CtKeyV4 {
+        ct_key(proto, (CLIENT, self.client_port), (NODE_IP, node_port))
+    }
+    fn reverse_key(&self, proto: u8, backend_port: u16) -> CtKeyV4 {
+        ct_key(proto, (REMOTE_POD, backend_port), (NODE_IP, self.snat_port))
+    }
+}
+
+fn ct_key(proto: u8, src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)) -> CtKeyV4 {
+    CtKeyV4 {
+        src_addr: addr_be(src.0),
+        dst_addr: addr_be(dst.0),
+        src_port: src.1.to_be(),
+        dst_port: dst.1.to_be(),
+        proto,
+        pad: [0; 3],
+    }
+}
+
+/// Opens new NodePort flows from client ports `from..` until one is refused; the flows opened.
+fn open_until_refused(lb: &Loaded, proto: u8, node_port: u16, from: u16) -> Vec<Flow> {
+    let mut flows = Vec::new();
+    for client_port in from..from + 64 {
+        let syn = packet::ipv4(proto, (CLIENT, client_port), (NODE_IP, node_port), packet::TCP_SYN, b"");
+        match lb.ingress(&syn) {
+            (TC_ACT_REDIRECT, out) => flows.push(Flow { client_port, snat_port: packet::endpoints(&out).0 .1 }),
+            (TC_ACT_SHOT, _) => return flows,
+            other => panic!("unexpected verdict {}", other.0),
+        }
+    }
+    panic!("never refused after {} flows", flows.len())
+}
+
+/// Sets the entry's last packet `idle_secs` ago, and marks it closing if asked.
+fn age(
+    ct: &mut aya::maps::HashMap<aya::maps::MapData, CtKeyV4, CtValueV4>,
+    key: &CtKeyV4,
+    idle_secs: u64,
+    closing: bool,
+) {
+    let mut value = ct.get(key, 0).expect("the entry exists");
+    value.last_seen_ns = monotonic_ns() - idle_secs * 1_000_000_000;
+    if closing {
+        value.flags |= CT_FLAG_CLOSING;
+    }
+    ct.insert(key, value, 0).unwrap();
+}
+
+/// Every entry's opposite entry exists and points back at it: no entry translates to a port
+/// that another flow now holds.
+fn assert_pairs_consistent(ct: &aya::maps::HashMap<aya::maps::MapData, CtKeyV4, CtValueV4>) {
+    let entries: std::collections::HashMap<CtKeyV4, CtValueV4> = ct.iter().map(Result::unwrap).collect();
+    for (key, value) in &entries {
+        let opposite = value.reverse_key(key.proto);
+        let back = entries.get(&opposite).unwrap_or_else(|| panic!("{key:?} has no opposite entry"));
+        assert_eq!(back.reverse_key(key.proto), *key, "{key:?} and {opposite:?} are not one flow's");
+    }
+}
+
+/// At a high rate of new flows, closed and expired flows hold their SNAT ports until the agent's
+/// conntrack GC runs; a new flow takes such a port (and removes both entries of the old flow)
+/// instead of being refused. Ports of live flows are never taken.
+#[test]
+fn a_new_flow_takes_the_snat_port_of_an_expired_flow_never_a_live_ones() {
+    let lb = load_named("krt-perf-nat-reclaim", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+    let mut ct = conntrack_map(&lb.pin_dir);
+    let range = usize::from(SNAT_PORTS.1 - SNAT_PORTS.0) + 1;
+    let (tcp, udp) = ((packet::TCP, 30080, 8080), (packet::UDP, 30053, 5353));
+
+    // The whole range held by flows that are over: closed ones (either side's FIN or RST, idle
+    // past the closing lifetime) and, for UDP, idle past its lifetime.
+    let closed = open_until_refused(&lb, tcp.0, tcp.1, 50000);
+    assert_eq!(closed.len(), range);
+    let refused = lb.stat(lb_stat::SNAT_PORTS_EXHAUSTED);
+    for (i, flow) in closed.iter().enumerate() {
+        // Alternately the client's and the backend's side saw the FIN / RST.
+        let (closing_forward, closing_reverse) = (i % 2 == 0, i % 2 == 1);
+        age(&mut ct, &flow.forward_key(tcp.0, tcp.1), CT_LIFETIME_CLOSING_SECS + 1, closing_forward);
+        age(&mut ct, &flow.reverse_key(tcp.0, tcp.2), CT_LIFETIME_CLOSING_SECS + 1, closing_reverse);
+    }
+    let silent = open_until_refused(&lb, udp.0, udp.1, 50000);
+    assert_eq!(silent.len(), range);
+    for flow in &silent {
+        age(&mut ct, &flow.forward_key(udp.0, udp.1), CT_LIFETIME_NON_TCP_SECS + 1, false);
+        age(&mut ct, &flow.reverse_key(udp.0, udp.2), CT_LIFETIME_NON_TCP_SECS + 1, false);
+    }
+    let refused = refused + 1; // the UDP fill's last attempt
+    assert_eq!(lb.stat(lb_stat::SNAT_PORTS_EXHAUSTED), refused);
+
+    // New flows get every one of those ports, and nothing is refused.
+    for (proto, node_port, _) in [tcp, udp] {
+        let new = open_until_refused(&lb, proto, node_port, 51000);
+        let mut ports: Vec<u16> = new.iter().map(|f| f.snat_port).collect();
+        ports.sort_unstable();
+        ports.dedup();
+        assert_eq!(ports.len(), range, "every port of the expired flows given again, once");
+    }
+    // Only the attempt after each range filled up again is refused.
+    assert_eq!(lb.stat(lb_stat::SNAT_PORTS_EXHAUSTED), refused + 2);
+    // The old flows' entries went with their ports: 2 entries for each new flow only.
+    for flow in &closed {
+        assert!(ct.get(&flow.forward_key(tcp.0, tcp.1), 0).is_err(), "old forward entry removed");
+    }
+    assert_eq!(ct.keys().count(), 2 * 2 * range);
+    assert_pairs_consistent(&ct);
+
+    // Live flows keep their ports: idle but within the TCP lifetime, closed on one side but
+    // still sending on the other, or just open. The TCP flows opened above hold the range.
+    let holders: Vec<(CtKeyV4, CtValueV4)> = ct.iter().map(Result::unwrap).filter(|(k, _)| k.proto == tcp.0).collect();
+    let reverse_keys: Vec<CtKeyV4> =
+        holders.iter().filter(|(k, _)| k.src_addr == addr_be(REMOTE_POD)).map(|(k, _)| *k).collect();
+    assert_eq!(reverse_keys.len(), range);
+    for (i, reverse) in reverse_keys.iter().enumerate() {
+        let forward = ct.get(reverse, 0).unwrap().reverse_key(tcp.0);
+        match i % 3 {
+            // Idle 11 s, not closed: TCP lives 6 hours.
+            0 => {
+                age(&mut ct, &forward, CT_LIFETIME_CLOSING_SECS + 1, false);
+                age(&mut ct, reverse, CT_LIFETIME_CLOSING_SECS + 1, false);
+            }
+            // The backend closed long ago; the client is still sending.
+            1 => {
+                age(&mut ct, reverse, CT_LIFETIME_CLOSING_SECS + 1, true);
+                age(&mut ct, &forward, 0, false);
+            }
+            // Just open.
+            _ => {}
+        }
+    }
+    let before: std::collections::HashMap<CtKeyV4, CtValueV4> = ct.iter().map(Result::unwrap).collect();
+    let refused = lb.stat(lb_stat::SNAT_PORTS_EXHAUSTED);
+    assert!(open_until_refused(&lb, tcp.0, tcp.1, 53000).is_empty(), "no live flow's port taken");
+    assert_eq!(lb.stat(lb_stat::SNAT_PORTS_EXHAUSTED), refused + 1);
+    let after: std::collections::HashMap<CtKeyV4, CtValueV4> = ct.iter().map(Result::unwrap).collect();
+    assert_eq!(after, before, "live flows' entries untouched");
 }
 
 #[test]

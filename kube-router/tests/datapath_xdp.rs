@@ -19,7 +19,10 @@ use kube_router::{
         sync::ServiceSync,
     },
 };
-use kube_router_common::{xdp_stat, LbConfig};
+use kube_router_common::{
+    lb_stat, xdp_stat, CtKeyV4, CtValueV4, LbConfig, CT_FLAG_CLOSING, CT_FLAG_FORWARD, CT_FLAG_FULL_NAT,
+    CT_FLAG_REDIRECT, CT_FLAG_REVERSE, CT_LIFETIME_CLOSING_SECS,
+};
 
 const XDP_PASS: i32 = 2;
 const XDP_TX: i32 = 3;
@@ -69,6 +72,11 @@ impl Drop for Loaded {
 /// The node: `up0` (NODE_IP/24) towards the fabric, with the other node's pods and the client
 /// routed via neighbours whose MACs are known (`neighbours`: else resolved by the stack).
 fn load(test: &str, endpoints: &[(Ipv4Addr, &str)], neighbours: bool) -> Loaded {
+    load_named(&format!("krt-xdp-unit-{test}"), endpoints, neighbours)
+}
+
+/// `load` with the network namespace and pin directory named `name`.
+fn load_named(name: &str, endpoints: &[(Ipv4Addr, &str)], neighbours: bool) -> Loaded {
     let (b_mac, router_mac) = (mac(NODE_B_MAC), mac(ROUTER_MAC));
     let mut commands: Vec<Vec<&str>> = vec![
         vec!["link", "add", "up0", "type", "veth", "peer", "name", "up1"],
@@ -87,9 +95,9 @@ fn load(test: &str, endpoints: &[(Ipv4Addr, &str)], neighbours: bool) -> Loaded 
         commands.push(vec!["neigh", "add", "10.100.0.254", "lladdr", &router_mac, "dev", "up0", "nud", "permanent"]);
     }
     let commands: Vec<&[&str]> = commands.iter().map(Vec::as_slice).collect();
-    let node = NodeNetns::enter(&format!("krt-xdp-unit-{test}"), &commands).expect("node netns");
+    let node = NodeNetns::enter(name, &commands).expect("node netns");
     let uplink = node.ifindex("up0");
-    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/krt-xdp-unit-{test}"));
+    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/{name}"));
     let _ = datapath::remove_all(&pin_dir);
     let datapath = Datapath::load(&pin_dir).expect("load datapath (run as root)");
     let mut maps = BpfServiceMaps::open_pinned(&pin_dir).unwrap();
@@ -250,4 +258,73 @@ fn local_backends_and_partial_checksums_are_left_to_tc() {
     partial[34 + 16..34 + 18].copy_from_slice(&(sum as u16).to_be_bytes());
     assert_eq!(lb.xdp(&partial), (XDP_PASS, partial.clone()));
     assert_eq!(lb.stat(xdp_stat::PASS_CHECKSUM_PARTIAL), 1);
+}
+
+fn ct_key(proto: u8, src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)) -> CtKeyV4 {
+    CtKeyV4 {
+        src_addr: addr_be(src.0),
+        dst_addr: addr_be(dst.0),
+        src_port: src.1.to_be(),
+        dst_port: dst.1.to_be(),
+        proto,
+        pad: [0; 3],
+    }
+}
+
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: writes into a local timespec; CLOCK_MONOTONIC is bpf_ktime_get_ns's clock.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// The XDP fast path allocates SNAT ports with TC's code: every port held by a closed NodePort
+/// flow past its closing lifetime (entries as TC or XDP leave them, not yet collected), a new
+/// flow served at XDP takes one, and the old flow's entries go.
+#[test]
+fn a_new_flow_at_xdp_takes_the_snat_port_of_a_closed_flow() {
+    let mut lb = load_named("krt-perf-xdp-reclaim", &[(REMOTE_POD, "node-b")], true);
+    let data = aya::maps::MapData::from_pin(kube_router::bpf::pinned_map(&lb.pin_dir, "ct_v4")).unwrap();
+    let mut ct: aya::maps::HashMap<_, CtKeyV4, CtValueV4> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data)).unwrap();
+    let closed_at = monotonic_ns() - (CT_LIFETIME_CLOSING_SECS + 1) * 1_000_000_000;
+    let (tcp, node_port, backend) = (packet::TCP, (NODE_IP, 30080), (REMOTE_POD, 8080));
+    let entry = |nat_src: (Ipv4Addr, u16), nat_dst: (Ipv4Addr, u16), flags: u16| CtValueV4 {
+        last_seen_ns: closed_at,
+        nat_src_addr: addr_be(nat_src.0),
+        nat_dst_addr: addr_be(nat_dst.0),
+        nat_src_port: nat_src.1.to_be(),
+        nat_dst_port: nat_dst.1.to_be(),
+        flags: flags | CT_FLAG_FULL_NAT | CT_FLAG_REDIRECT,
+        pad: 0,
+        service_id: 1,
+        backend_id: 1,
+    };
+    for port in SNAT_PORTS.0..=SNAT_PORTS.1 {
+        let client = (CLIENT, 30_000 + port - SNAT_PORTS.0);
+        let snat = (NODE_IP, port);
+        // The client's FIN or RST: its forward entry is closing; the reverse one is not.
+        ct.insert(ct_key(tcp, client, node_port), entry(snat, backend, CT_FLAG_FORWARD | CT_FLAG_CLOSING), 0).unwrap();
+        ct.insert(ct_key(tcp, backend, snat), entry(node_port, client, CT_FLAG_REVERSE), 0).unwrap();
+    }
+    let exhausted = |lb: &Loaded| {
+        kube_router::bpf::service_maps::read_lb_stats(&lb.pin_dir).unwrap()[lb_stat::SNAT_PORTS_EXHAUSTED as usize]
+    };
+    assert_eq!(exhausted(&lb), 0);
+
+    let syn = packet::ipv4(tcp, (CLIENT, 40000), node_port, packet::TCP_SYN, b"");
+    let (verdict, out) = lb.xdp(&syn);
+    assert_eq!(verdict, XDP_TX, "served at XDP, not refused");
+    let (src, dst) = packet::endpoints(&out);
+    assert_eq!((src.0, dst), (NODE_IP, backend));
+    assert!((SNAT_PORTS.0..=SNAT_PORTS.1).contains(&src.1));
+    assert_eq!(exhausted(&lb), 0);
+    // The port's old flow is gone, both ways; the new flow holds it; the other old flows stay.
+    let old_client = (CLIENT, 30_000 + src.1 - SNAT_PORTS.0);
+    assert!(ct.get(&ct_key(tcp, old_client, node_port), 0).is_err(), "old forward entry removed");
+    let reverse = ct.get(&ct_key(tcp, backend, src), 0).unwrap();
+    assert_eq!(u16::from_be(reverse.nat_dst_port), 40000, "the reverse entry is the new flow's");
+    let range = usize::from(SNAT_PORTS.1 - SNAT_PORTS.0) + 1;
+    assert_eq!(ct.keys().count(), 2 * range);
+    assert_eq!(lb.stat(xdp_stat::NEW_FLOW), 1);
 }

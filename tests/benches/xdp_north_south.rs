@@ -40,6 +40,20 @@ fn flows_per_second(c: &Cluster, proto: &str, addr: &str) -> (f64, f64) {
     (FLOWS as f64 / elapsed, failed as f64)
 }
 
+/// The client's TCP retransmissions so far: (all segments, SYNs). A new connection whose SYN is
+/// lost waits a whole second for its retransmission, which alone sinks a flows-per-second run.
+fn client_retransmits(c: &Cluster) -> (u64, u64) {
+    let snmp = c.client.run(&["cat", "/proc/net/snmp", "/proc/net/netstat"]).unwrap();
+    (counter(&snmp, "Tcp:", "RetransSegs"), counter(&snmp, "TcpExt:", "TCPSynRetrans"))
+}
+
+/// A counter from /proc/net/snmp-style text: a header line of names, then a line of values.
+fn counter(text: &str, section: &str, name: &str) -> u64 {
+    let lines: Vec<&str> = text.lines().filter(|l| l.starts_with(section)).collect();
+    let index = lines[0].split_whitespace().position(|n| n == name).unwrap_or_else(|| panic!("no {name}"));
+    lines[1].split_whitespace().nth(index).unwrap().parse().unwrap()
+}
+
 fn measure(c: &Cluster) -> Figures {
     let started = Instant::now();
     let reply = netprobe(&c.client, &["bulk", NODE_PORT, &UPLOAD_BYTES.to_string()]);
@@ -89,14 +103,25 @@ fn main() {
     let rounds = 4;
     let mut sums = [Figures::default(); 3];
     let mut exhausted = [0u64; 3];
+    // Client retransmissions (segments, SYNs) and node-1's drops of new flows, per mode.
+    let mut retransmits = [(0u64, 0u64); 3];
+    let mut dropped = [0u64; 3];
     for round in 0..rounds {
         // Rotating which goes first cancels what one leaves for the next (SNAT ports held).
         for k in 0..MODES.len() {
             let i = (round + k) % MODES.len();
             switch(&c, MODES[i]);
             let before = c.node(0).stats();
+            let retransmits_before = client_retransmits(&c);
             let f = measure(&c);
+            let retransmits_after = client_retransmits(&c);
             let after = c.node(0).stats();
+            retransmits[i].0 += retransmits_after.0 - retransmits_before.0;
+            retransmits[i].1 += retransmits_after.1 - retransmits_before.1;
+            dropped[i] += ["redirect_failed", "ct_insert_failed", "rewrite_failed"]
+                .iter()
+                .map(|n| after[*n] - before[*n])
+                .sum::<u64>();
             let served = after["xdp_tx"] - before["xdp_tx"];
             assert_eq!(served > 0, MODES[i] != "off", "XDP served {served} packets with --xdp {}", MODES[i]);
             exhausted[i] += after["snat_ports_exhausted"] - before["snat_ports_exhausted"];
@@ -127,6 +152,9 @@ fn main() {
         generic.tcp_failed + generic.udp_failed
     );
     println!("{:<34} {:>10} {:>10} {:>10}", "new flows refused: SNAT ports", exhausted[0], exhausted[1], exhausted[2]);
+    println!("{:<34} {:>10} {:>10} {:>10}", "dropped: redirect/insert/rewrite", dropped[0], dropped[1], dropped[2]);
+    let [r0, r1, r2] = retransmits.map(|(segments, syns)| format!("{segments}/{syns}"));
+    println!("{:<34} {r0:>10} {r1:>10} {r2:>10}", "client TCP retransmits (all/SYN)");
     let stats = c.node(0).stats();
     let counters = ["xdp_pass_no_route", "xdp_pass_checksum_partial", "xdp_rewrite_failed"];
     println!("node-1: {}", counters.map(|n| format!("{n} {}", stats[n])).join(", "));

@@ -149,6 +149,8 @@ fn cargo_test(args: &[&str], env: &[(&str, &str)]) -> Result<(u64, u64)> {
 fn bench() -> Result<()> {
     require_root()?;
     cargo(&["bench", "-p", "kube-router", "--bench", "datapath"])?;
+    // Packets per second one CPU forwards: XDP fast path vs TC vs kernel routing (live frames).
+    cargo(&["bench", "-p", "kube-router", "--bench", "xdp_rate"])?;
     cargo(&["bench", "-p", "kube-router", "--bench", "policy_datapath"])?;
     // connect()/sendto() with and without the socket load balancer (own netns and cgroups).
     cargo(&["bench", "-p", "kube-router", "--bench", "socket_lb"])?;
@@ -170,6 +172,10 @@ fn bench() -> Result<()> {
     // North-south through a NodePort with the XDP fast path against TC alone.
     run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .args(["bench", "-p", "kube-router-tests", "--bench", "xdp_north_south"])
+        .env("KUBE_ROUTER_BIN", &agent))?;
+    // Sustained new connections on a small SNAT range with the conntrack GC lagging vs running.
+    run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["bench", "-p", "kube-router-tests", "--bench", "snat_churn"])
         .env("KUBE_ROUTER_BIN", &agent))?;
     run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .args(["bench", "-p", "kube-router-tests", "--bench", "bgp_convergence"])
