@@ -143,6 +143,33 @@ fn demo(c: &Cluster) -> Result<()> {
     let mode = c.node(0).uplink_xdp().map_or_else(|| "none".to_string(), |(mode, _)| mode);
     println!("  node-1 uplink XDP ({mode}): {}", counters.join(" "));
 
+    step("Direct server return (kube-router.io/service.dsr: tunnel): node-1 tunnels, node-2's pod answers the client itself")?;
+    let dsr = Svc::load_balancer("dsr", "10.96.0.14", 30120, "198.51.100.14")
+        .select("pod", "pod-2-0")
+        .annotate("kube-router.io/service.dsr", "tunnel");
+    c.add_service(dsr)?;
+    c.wait_backends("198.51.100.14:80", 1)?;
+    c.route_via("198.51.100.14", 0)?;
+    let before = (c.node(0).stats(), c.node(1).stats());
+    show("client -> DSR LoadBalancer IP 198.51.100.14:80", &request(&c.client, "tcp", "198.51.100.14:80", 20));
+    println!(
+        "  the backend sees (no source NAT: the client itself):    {}",
+        netprobe(&c.client, &["ask", "tcp", "198.51.100.14:80", "who"])
+    );
+    let after = (c.node(0).stats(), c.node(1).stats());
+    let grown =
+        |before: &std::collections::BTreeMap<String, u64>, after: &std::collections::BTreeMap<String, u64>, k: &str| {
+            format!("{k}=+{}", after.get(k).copied().unwrap_or(0) - before.get(k).copied().unwrap_or(0))
+        };
+    println!(
+        "  node-1: {} {} {}   node-2: {} {}",
+        grown(&before.0, &after.0, "dsr_new_flow"),
+        grown(&before.0, &after.0, "dsr_encapsulated"),
+        grown(&before.0, &after.0, "reverse_nat"),
+        grown(&before.1, &after.1, "dsr_decapsulated"),
+        grown(&before.1, &after.1, "dsr_deliver_new_flow"),
+    );
+
     step("NetworkPolicy: pod-1-1 admits only pod-2-0, over IPv4 and IPv6 alike")?;
     c.server.apply(ingress_policy("only-pod-2-0", "pod-1-1", Some("pod-2-0")))?;
     let target = c.pod(0, 1);
@@ -166,6 +193,7 @@ fn demo(c: &Cluster) -> Result<()> {
         ("pod -> IPv6 ClusterIP on the other node", probe(&pod.ns, "[fd00:96::10]:80")?),
         ("client -> NodePort, backend on the other node", probe(&c.client, "10.100.0.1:30080")?),
         ("client -> LoadBalancer IP", probe(&c.client, "198.51.100.10:80")?),
+        ("client -> DSR LoadBalancer IP", probe(&c.client, "198.51.100.14:80")?),
         ("pod -> its own Service (hairpin)", probe(&pod.ns, "10.96.0.11:80")?),
         ("pod -> internet", probe(&pod.ns, &format!("{INTERNET_ADDR}:8080"))?),
     ];
