@@ -142,6 +142,7 @@ fn demo(c: &Cluster) -> Result<()> {
     let counters: Vec<String> = xdp.iter().filter_map(|k| stats.get(*k).map(|n| format!("{k}={n}"))).collect();
     let mode = c.node(0).uplink_xdp().map_or_else(|| "none".to_string(), |(mode, _)| mode);
     println!("  node-1 uplink XDP ({mode}): {}", counters.join(" "));
+    println!("  (the client's veth sends partial checksums, which XDP leaves to TC; cluster_xdp.rs shows XDP_TX with complete ones)");
 
     step("Direct server return (kube-router.io/service.dsr: tunnel): node-1 tunnels, node-2's pod answers the client itself")?;
     let dsr = Svc::load_balancer("dsr", "10.96.0.14", 30120, "198.51.100.14")
