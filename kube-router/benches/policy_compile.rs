@@ -635,7 +635,8 @@ fn main() {
     let mut flattener = MapFlattener::new();
     let (entries, flatten_time) = timed(|| flattener.flatten(&output.model));
     check_fits(&output, &entries);
-    let (report, write_time) = timed(|| apply_diff(&mut maps, &MapEntries::default().diff(&entries)));
+    let (report, write_time) =
+        timed(|| apply_diff(&mut maps, &MapEntries::default().diff(&entries), &MapEntries::default()));
     assert_eq!(report.errors, 0, "{report:?}");
     let ingress_slots = entries.pod_slots.keys().filter(|k| k.direction == Direction::Ingress).count();
     let egress_slots = entries.pod_slots.len() - ingress_slots;
@@ -667,7 +668,7 @@ fn main() {
         (output, changed, diff)
     });
     check_fits(&changed_output, &changed_entries);
-    let (change_report, change_write_time) = timed(|| apply_diff(&mut maps, &diff));
+    let (change_report, change_write_time) = timed(|| apply_diff(&mut maps, &diff, &entries));
     assert_eq!(change_report.errors, 0, "{change_report:?}");
     // What the agent does: the incremental compiler recomputes only the changed pod's entries
     // and sets, and the flattener rewrites only what its delta names. It must reach the same

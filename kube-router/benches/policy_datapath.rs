@@ -153,7 +153,7 @@ fn measure(label: &str, (objects, last_rule, port): Model, ipv6: bool) -> Figure
     let compiled = started.elapsed();
     let mut maps = BpfPolicyMaps::open_pinned(pin_dir).unwrap();
     let started = Instant::now();
-    let report = apply_diff(&mut maps, &MapEntries::default().diff(&entries));
+    let report = apply_diff(&mut maps, &MapEntries::default().diff(&entries), &MapEntries::default());
     let written = started.elapsed();
     assert_eq!(report.errors, 0, "{report:?}");
     println!(

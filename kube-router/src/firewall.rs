@@ -197,7 +197,7 @@ impl FirewallController {
             diff.slot_ports.deletes.clear();
             diff.peer_prefixes.deletes.clear();
         }
-        let report = apply_diff(&mut self.maps, &diff);
+        let report = apply_diff(&mut self.maps, &diff, &self.programmed);
         match &report.first_error {
             Some((map, error)) if self.reported_write_failure != Some(*map) => {
                 tracing::warn!(
@@ -253,20 +253,9 @@ impl FirewallController {
             rejected = policy_errors.len(),
             "policy sync complete"
         );
+        self.metrics.record_map_writes(&report.per_map);
         self.metrics.with(|m| {
             use kube_router_common::map_names as n;
-            for (map, op, count) in [
-                (n::POLICY_PODS, "write", report.puts),
-                (n::POLICY_PODS, "delete", report.deletes),
-                (n::POLICY_PODS, "error", report.errors),
-                (n::POLICY_PODS, "full", report.full),
-            ] {
-                if count > 0 {
-                    // One series per operation for all three policy maps: the writer reports
-                    // them together.
-                    *m.map_writes.entry((map, op)).or_default() += count;
-                }
-            }
             let pods_v6 = self.programmed.pod_slots.keys().filter(|k| k.pod_ip.is_ipv6()).count() as u64;
             let peers_v6 = self.programmed.peer_prefixes.keys().filter(|k| k.prefix.addr().is_ipv6()).count() as u64;
             m.map_entries.insert(n::POLICY_PODS, self.programmed.pod_slots.len() as u64 - pods_v6);

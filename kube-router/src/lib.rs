@@ -11,6 +11,7 @@ pub mod firewall;
 pub mod healthcheck;
 pub mod k8s;
 pub mod kr_metrics;
+pub mod map_writes;
 pub mod metrics;
 pub mod monitor;
 pub mod netif;

@@ -11,7 +11,7 @@ use tokio::{
     net::TcpListener,
 };
 
-use crate::services::sync::SyncReport;
+use crate::map_writes::SyncReport;
 
 /// Upper bounds (seconds) of the sync-duration histogram buckets.
 const SYNC_BUCKETS: [f64; 10] = [0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0];
@@ -115,7 +115,8 @@ impl Metrics {
         f(&mut state)
     }
 
-    pub fn record_sync(&self, report: &SyncReport, duration: Duration) {
+    /// Every write of one pass of the map writer, by map and operation.
+    pub fn record_map_writes(&self, report: &SyncReport) {
         self.with(|m| {
             for (map, c) in &report.per_map {
                 for (op, n) in [
@@ -124,12 +125,19 @@ impl Metrics {
                     ("delete", c.deletes),
                     ("error", c.errors),
                     ("full", c.full),
+                    ("deferred", c.deferred),
                 ] {
                     if n > 0 {
                         *m.map_writes.entry((map, op)).or_default() += n;
                     }
                 }
             }
+        });
+    }
+
+    pub fn record_sync(&self, report: &SyncReport, duration: Duration) {
+        self.record_map_writes(report);
+        self.with(|m| {
             m.sync_duration.observe(duration.as_secs_f64());
             m.kr.services_sync_time.observe(duration.as_secs_f64());
             m.syncs += 1;
@@ -480,7 +488,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
-    use crate::services::sync::OpCounts;
+    use crate::map_writes::OpCounts;
 
     /// A minimal Prometheus text-format reader: family -> type, and every sample's family.
     fn parse(text: &str) -> (BTreeMap<String, String>, Vec<(String, f64)>) {

@@ -135,7 +135,7 @@ impl Loaded {
     fn program(&mut self, output: &CompileOutput) -> PolicyWriteReport {
         let entries = self.flattener.flatten(&output.model);
         let mut maps = BpfPolicyMaps::open_pinned(&self.pin_dir).unwrap();
-        let report = apply_diff(&mut maps, &self.programmed.diff(&entries));
+        let report = apply_diff(&mut maps, &self.programmed.diff(&entries), &self.programmed);
         assert_eq!(report.errors, 0, "{report:?}");
         self.programmed = entries;
         report

@@ -22,6 +22,7 @@ use kube_router_common::*;
 
 use super::service_maps::write_error;
 use crate::{
+    map_writes::{write_ops, MapOperation, MapWriteError, SyncReport, WriteRules, WriteTarget},
     policy::{
         bpf_maps::{
             MapDiff, MapEntries, PeerPrefixKey, PeerSetId, PodSlotKey, PodSlotValue, PortPrefix, PrefixVerdict, SlotId,
@@ -29,7 +30,6 @@ use crate::{
         },
         Direction, Protocol,
     },
-    services::sync::MapWriteError,
 };
 
 /// An LPM trie key as stored: prefix length and data. aya's `Key` is packed and not `Ord`; this
@@ -335,6 +335,8 @@ pub fn decode(contents: &PolicyMapContents) -> Result<MapEntries, DecodeError> {
 
 // ---- applying a diff ------------------------------------------------------------------------
 
+/// What [`apply_diff`] did, over the policy maps together, and per map (`per_map`, for the
+/// metrics).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PolicyWriteReport {
     /// Successful inserts/updates and deletes, over all three maps.
@@ -349,6 +351,7 @@ pub struct PolicyWriteReport {
     /// The map and error of the first failed write, for the caller to report once (a full map
     /// fails every write to it, every sync).
     pub first_error: Option<(&'static str, String)>,
+    pub per_map: SyncReport,
 }
 
 impl PolicyWriteReport {
@@ -357,29 +360,70 @@ impl PolicyWriteReport {
     }
 }
 
-/// Applies `diff` in the safe order. A failed upsert is counted and the writes go on (a missing
+impl MapOperation for PolicyMapOp {
+    fn map_name(&self) -> &'static str {
+        PolicyMapOp::map_name(self)
+    }
+    fn is_delete(&self) -> bool {
+        PolicyMapOp::is_delete(self)
+    }
+}
+
+/// A write with whether its key is new to the maps (known from the model, not the maps).
+#[derive(Debug)]
+struct Write {
+    op: PolicyMapOp,
+    insert: bool,
+}
+
+impl MapOperation for Write {
+    fn map_name(&self) -> &'static str {
+        self.op.map_name()
+    }
+    fn is_delete(&self) -> bool {
+        self.op.is_delete()
+    }
+}
+
+struct Target<'a, M>(&'a mut M);
+
+impl<M: PolicyMaps> WriteTarget<Write> for Target<'_, M> {
+    fn is_insert(&self, write: &Write) -> bool {
+        write.insert
+    }
+    fn write(&mut self, write: &Write) -> Result<(), MapWriteError> {
+        self.0.write(&write.op)
+    }
+}
+
+/// Applies `diff` (from `programmed`, what the maps hold) in the safe order, through the one map
+/// writer the service maps use too. A failed upsert is counted and the writes go on (a missing
 /// rule or prefix makes the datapath deny, never allow); the deletes are then held back and left
 /// for the next sync, which retries everything that is still different.
-pub fn apply_diff(maps: &mut impl PolicyMaps, diff: &MapDiff) -> PolicyWriteReport {
-    let mut report = PolicyWriteReport::default();
-    for op in &encode_diff(diff) {
-        if op.is_delete() && report.errors > 0 {
-            report.deletes_deferred += 1;
-            continue;
-        }
-        match maps.write(op) {
-            Ok(()) if op.is_delete() => report.deletes += 1,
-            Ok(()) => report.puts += 1,
-            Err(error) => {
-                report.first_error.get_or_insert((error.map, error.message));
-                report.errors += 1;
-                if error.full {
-                    report.full += 1;
-                }
-            }
-        }
+pub fn apply_diff(maps: &mut impl PolicyMaps, diff: &MapDiff, programmed: &MapEntries) -> PolicyWriteReport {
+    // In `encode_diff`'s order: peer prefixes, port entries and pod slots written, then deleted.
+    let new = |existed: bool| !existed;
+    let inserts = diff
+        .peer_prefixes
+        .upserts
+        .keys()
+        .map(|k| new(programmed.peer_prefixes.contains_key(k)))
+        .chain(diff.slot_ports.upserts.keys().map(|k| new(programmed.slot_ports.contains_key(k))))
+        .chain(diff.pod_slots.upserts.keys().map(|k| new(programmed.pod_slots.contains_key(k))))
+        .chain(std::iter::repeat(false));
+    let writes = encode_diff(diff).into_iter().zip(inserts).map(|(op, insert)| Write { op, insert });
+    let per_map = write_ops(&mut Target(maps), writes, WriteRules { hold_deletes_after_failure: true });
+    let total = per_map.total();
+    let first_error = per_map.first_error().map(|(map, e)| (map, e.to_string()));
+    PolicyWriteReport {
+        puts: total.inserts + total.updates,
+        deletes: total.deletes,
+        errors: total.errors,
+        full: total.full,
+        deletes_deferred: total.deferred,
+        first_error,
+        per_map,
     }
-    report
 }
 
 // ---- the pinned maps ------------------------------------------------------------------------
@@ -623,7 +667,7 @@ mod tests {
         assert_eq!(kinds, ["put-peer", "put-port", "put-pod", "del-pod", "del-port", "del-port", "del-peer"]);
 
         let mut maps = encode_entries(&old);
-        let report = apply_diff(&mut maps, &old.diff(&new));
+        let report = apply_diff(&mut maps, &old.diff(&new), &old);
         assert_eq!((report.puts, report.deletes, report.errors), (3, 4, 0));
         assert_eq!(maps, encode_entries(&new));
     }
@@ -649,7 +693,7 @@ mod tests {
         let mut new = MapEntries::default();
         new.slot_ports.insert(SlotPortKey { slot: SlotId(9), ports: PortPrefix::AllProtocols }, PeerSetId(1));
         let mut maps = FullPorts(encode_entries(&old));
-        let report = apply_diff(&mut maps, &old.diff(&new));
+        let report = apply_diff(&mut maps, &old.diff(&new), &old);
         assert_eq!((report.errors, report.full), (1, 1));
         assert_eq!(
             report.first_error,

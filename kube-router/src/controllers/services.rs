@@ -250,7 +250,8 @@ impl ServiceController {
         self.full_maps = now;
         // Other failures: once when a map starts failing and once when it recovers, not per
         // entry and retry (each failed write is counted in kube_router_map_writes_total).
-        let failing: BTreeSet<&'static str> = report.first_errors.keys().copied().collect();
+        let failing: BTreeSet<&'static str> =
+            report.per_map.iter().filter(|(_, c)| c.errors > c.full).map(|(map, _)| *map).collect();
         for map in failing.difference(&self.failing_maps) {
             let failed = report.per_map[map].errors - report.per_map[map].full;
             tracing::warn!(map, failed, error = %report.first_errors[map], "map writes failed; retried with backoff");

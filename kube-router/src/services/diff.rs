@@ -21,6 +21,15 @@ pub enum MapOp<F: AddressFamily = V4> {
     DeleteSourceRange(SourceRange<F::Words>),
 }
 
+impl<F: AddressFamily> crate::map_writes::MapOperation for MapOp<F> {
+    fn map_name(&self) -> &'static str {
+        MapOp::map_name(self)
+    }
+    fn is_delete(&self) -> bool {
+        MapOp::is_delete(self)
+    }
+}
+
 impl<F: AddressFamily> MapOp<F> {
     pub fn map_name(&self) -> &'static str {
         match self {

@@ -1,0 +1,236 @@
+//! The one way the agent writes a computed difference into its maps, the service maps and the
+//! policy maps alike: each write in the order the differ gave, counted per map (insert, update,
+//! delete, error, full); a map that ran out of room is not tried again in the same pass (a
+//! full map costs one failed syscall per sync, not one per entry); with
+//! [`WriteRules::hold_deletes_after_failure`] no delete follows a failed write (the old entries
+//! a failed new one would replace stay). What failed is left for the next sync: it is still
+//! a difference then.
+use std::collections::{BTreeMap, BTreeSet};
+
+#[derive(Debug, thiserror::Error)]
+#[error("{map}: {message}")]
+pub struct MapWriteError {
+    pub map: &'static str,
+    pub message: String,
+    /// The map had no room left (E2BIG / ENOMEM on insert).
+    pub full: bool,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OpCounts {
+    pub inserts: u64,
+    pub updates: u64,
+    pub deletes: u64,
+    pub errors: u64,
+    pub full: u64,
+    /// Deletes not tried because a write before them failed.
+    pub deferred: u64,
+}
+
+impl OpCounts {
+    pub fn writes(&self) -> u64 {
+        self.inserts + self.updates + self.deletes
+    }
+
+    fn add(&mut self, other: &OpCounts) {
+        self.inserts += other.inserts;
+        self.updates += other.updates;
+        self.deletes += other.deletes;
+        self.errors += other.errors;
+        self.full += other.full;
+        self.deferred += other.deferred;
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SyncReport {
+    pub per_map: BTreeMap<&'static str, OpCounts>,
+    /// The first failure of each map that refused a write (for lack of room or otherwise).
+    pub first_errors: BTreeMap<&'static str, String>,
+}
+
+impl SyncReport {
+    /// Adds another report (the other family's) map by map.
+    pub fn merge(&mut self, other: SyncReport) {
+        for (map, counts) in other.per_map {
+            self.per_map.entry(map).or_default().add(&counts);
+        }
+        for (map, error) in other.first_errors {
+            self.first_errors.entry(map).or_insert(error);
+        }
+    }
+
+    pub fn total(&self) -> OpCounts {
+        let mut total = OpCounts::default();
+        self.per_map.values().for_each(|c| total.add(c));
+        total
+    }
+
+    /// The first error of any map, for a caller that reports one line.
+    pub fn first_error(&self) -> Option<(&'static str, &str)> {
+        self.first_errors.iter().next().map(|(map, error)| (*map, error.as_str()))
+    }
+}
+
+/// A write the differ produced.
+pub trait MapOperation: std::fmt::Debug {
+    fn map_name(&self) -> &'static str;
+    fn is_delete(&self) -> bool;
+}
+
+/// Where the writes go, with what is known of the maps' contents.
+pub trait WriteTarget<O> {
+    /// `op` adds a key the maps do not hold yet (an insert, not an update).
+    fn is_insert(&self, op: &O) -> bool;
+    fn write(&mut self, op: &O) -> Result<(), MapWriteError>;
+    /// `op` took effect: a model of the maps' contents follows it.
+    fn written(&mut self, _op: &O) {}
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct WriteRules {
+    /// After a failed write, deletes are not tried (counted `deferred`): the policy maps'
+    /// entries point at each other, and a pod whose new entries could not all be written keeps
+    /// its complete old ones rather than half of either.
+    pub hold_deletes_after_failure: bool,
+}
+
+/// Writes `ops` in order into `target` under `rules`.
+pub fn write_ops<O: MapOperation>(
+    target: &mut impl WriteTarget<O>,
+    ops: impl IntoIterator<Item = O>,
+    rules: WriteRules,
+) -> SyncReport {
+    let mut report = SyncReport::default();
+    let mut full: BTreeSet<&'static str> = BTreeSet::new();
+    let mut failed = false;
+    for op in ops {
+        let map = op.map_name();
+        let counts = report.per_map.entry(map).or_default();
+        if op.is_delete() && failed && rules.hold_deletes_after_failure {
+            counts.deferred += 1;
+            continue;
+        }
+        let insert = target.is_insert(&op);
+        if insert && full.contains(map) {
+            counts.errors += 1;
+            counts.full += 1;
+            failed = true;
+            continue;
+        }
+        match target.write(&op) {
+            Ok(()) => {
+                match () {
+                    _ if op.is_delete() => counts.deletes += 1,
+                    _ if insert => counts.inserts += 1,
+                    _ => counts.updates += 1,
+                }
+                target.written(&op);
+            }
+            Err(e) => {
+                failed = true;
+                counts.errors += 1;
+                if e.full {
+                    counts.full += 1;
+                    full.insert(map);
+                }
+                // Logged by the caller once per map that starts failing, not per entry.
+                report.first_errors.entry(map).or_insert_with(|| e.message.clone());
+            }
+        }
+    }
+    report
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    enum Op {
+        Put(&'static str, u32),
+        Delete(&'static str, u32),
+    }
+
+    impl MapOperation for Op {
+        fn map_name(&self) -> &'static str {
+            match self {
+                Op::Put(map, _) | Op::Delete(map, _) => map,
+            }
+        }
+        fn is_delete(&self) -> bool {
+            matches!(self, Op::Delete(..))
+        }
+    }
+
+    /// Maps of at most `room` keys each; `broken` refuses every write.
+    #[derive(Default)]
+    struct Maps {
+        keys: BTreeMap<&'static str, BTreeSet<u32>>,
+        room: usize,
+        broken: Option<&'static str>,
+        attempts: usize,
+    }
+
+    impl WriteTarget<Op> for Maps {
+        fn is_insert(&self, op: &Op) -> bool {
+            matches!(op, Op::Put(map, key) if !self.keys.get(map).is_some_and(|k| k.contains(key)))
+        }
+        fn write(&mut self, op: &Op) -> Result<(), MapWriteError> {
+            self.attempts += 1;
+            let map = op.map_name();
+            if self.broken == Some(map) {
+                return Err(MapWriteError { map, message: "EINVAL".into(), full: false });
+            }
+            let keys = self.keys.entry(map).or_default();
+            match op {
+                Op::Put(_, key) if !keys.contains(key) && keys.len() >= self.room => {
+                    Err(MapWriteError { map, message: "E2BIG".into(), full: true })
+                }
+                Op::Put(_, key) => {
+                    keys.insert(*key);
+                    Ok(())
+                }
+                Op::Delete(_, key) => {
+                    keys.remove(key);
+                    Ok(())
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn inserts_updates_and_deletes_are_counted_per_map() {
+        let mut maps = Maps { room: 10, ..Default::default() };
+        maps.keys.entry("a").or_default().insert(1);
+        let ops = [Op::Put("a", 1), Op::Put("a", 2), Op::Put("b", 1), Op::Delete("a", 1)];
+        let report = write_ops(&mut maps, ops, WriteRules::default());
+        assert_eq!(report.per_map["a"], OpCounts { inserts: 1, updates: 1, deletes: 1, ..Default::default() });
+        assert_eq!(report.per_map["b"], OpCounts { inserts: 1, ..Default::default() });
+        assert!(report.first_errors.is_empty());
+    }
+
+    #[test]
+    fn a_full_map_is_tried_once_per_pass_and_the_other_maps_go_on() {
+        let mut maps = Maps { room: 1, ..Default::default() };
+        let ops = [Op::Put("a", 1), Op::Put("a", 2), Op::Put("a", 3), Op::Put("b", 1), Op::Delete("a", 1)];
+        let report = write_ops(&mut maps, ops, WriteRules::default());
+        assert_eq!(maps.attempts, 4, "a's third insert not tried");
+        assert_eq!((report.per_map["a"].errors, report.per_map["a"].full), (2, 2));
+        assert_eq!(report.per_map["b"].inserts, 1);
+        assert_eq!(report.per_map["a"].deletes, 1, "deletes still go by default");
+        assert_eq!(report.first_error(), Some(("a", "E2BIG")));
+    }
+
+    #[test]
+    fn held_deletes_wait_for_a_pass_without_failures() {
+        let mut maps = Maps { room: 10, broken: Some("b"), ..Default::default() };
+        maps.keys.entry("a").or_default().insert(1);
+        let ops = [Op::Put("b", 1), Op::Put("a", 2), Op::Delete("a", 1)];
+        let rules = WriteRules { hold_deletes_after_failure: true };
+        let report = write_ops(&mut maps, ops, rules);
+        assert_eq!(report.per_map["a"], OpCounts { inserts: 1, deferred: 1, ..Default::default() });
+        assert_eq!(report.first_error().map(|(map, _)| map), Some("b"));
+        assert!(maps.keys["a"].contains(&1), "the old entry stays");
+    }
+}
