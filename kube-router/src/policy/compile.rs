@@ -25,7 +25,11 @@ impl CompileOutput {
 }
 
 /// Loads objects into an input store (later duplicates replace earlier ones).
-pub(crate) fn load_inputs(pods: &[Pod], namespaces: &[Namespace], policies: &[NetworkPolicy]) -> Inputs {
+pub(crate) fn load_inputs<'a>(
+    pods: impl IntoIterator<Item = &'a Pod>,
+    namespaces: impl IntoIterator<Item = &'a Namespace>,
+    policies: impl IntoIterator<Item = &'a NetworkPolicy>,
+) -> Inputs {
     let mut inputs = Inputs::default();
     for namespace in namespaces {
         if let Some((name, labels)) = namespace_labels(namespace) {

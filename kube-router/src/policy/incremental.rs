@@ -102,7 +102,11 @@ impl PolicyCompiler {
     }
 
     /// Starts from a full snapshot (e.g. after the initial informer list).
-    pub fn from_snapshot(pods: &[Pod], namespaces: &[Namespace], policies: &[NetworkPolicy]) -> PolicyCompiler {
+    pub fn from_snapshot<'a>(
+        pods: impl IntoIterator<Item = &'a Pod>,
+        namespaces: impl IntoIterator<Item = &'a Namespace>,
+        policies: impl IntoIterator<Item = &'a NetworkPolicy>,
+    ) -> PolicyCompiler {
         let inputs = load_inputs(pods, namespaces, policies);
         let output = compile_inputs(&inputs);
         let mut pod_set_refs: BTreeMap<PodSetKey, usize> = BTreeMap::new();
@@ -121,6 +125,11 @@ impl PolicyCompiler {
         let mut errors: Vec<PolicyError> = self.inputs.policy_errors().cloned().collect();
         errors.sort();
         errors
+    }
+
+    /// Policies held, valid or not.
+    pub fn policy_count(&self) -> usize {
+        self.inputs.policy_count()
     }
 
     pub fn skipped_policy_count(&self) -> usize {

@@ -99,6 +99,10 @@ impl Inputs {
         self.policies.get(namespace)?.get(name)
     }
 
+    pub fn policy_count(&self) -> usize {
+        self.policies.values().map(BTreeMap::len).sum::<usize>() + self.policy_errors.len()
+    }
+
     pub fn policy_errors(&self) -> impl Iterator<Item = &PolicyError> {
         self.policy_errors.values()
     }
