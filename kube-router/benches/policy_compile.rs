@@ -614,7 +614,28 @@ fn row(step: impl Into<String>, ours: Option<Duration>, baseline: Option<Duratio
     Row { step: step.into(), ours, baseline }
 }
 
+/// `POLICY_COMPILE_PROFILE=<rounds>`: compile and flatten that many times, without maps or a
+/// baseline (no root needed), printing each round: steady numbers for a profiler.
+fn profile(rounds: usize) {
+    let (pods, namespaces, policies) = k8s_objects(&cluster());
+    for round in 0..rounds {
+        let (output, compile_time) = timed(|| compile(&pods, &namespaces, &policies));
+        let (entries, flatten_time) = timed(|| MapFlattener::new().flatten(&output.model));
+        let (_, encode_time) =
+            timed(|| kube_router::bpf::policy_maps::encode_diff(&MapEntries::default().diff(&entries)));
+        println!(
+            "round {round}: compile {:.1} ms, flatten {:.1} ms, diff+encode {:.1} ms",
+            ms(compile_time),
+            ms(flatten_time),
+            ms(encode_time)
+        );
+    }
+}
+
 fn main() {
+    if let Some(rounds) = std::env::var("POLICY_COMPILE_PROFILE").ok().and_then(|r| r.parse().ok()) {
+        return profile(rounds);
+    }
     let pin_dir = Path::new(PIN_DIR);
     let mut cluster = cluster();
     println!(
