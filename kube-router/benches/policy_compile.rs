@@ -614,7 +614,100 @@ fn row(step: impl Into<String>, ours: Option<Duration>, baseline: Option<Duratio
     Row { step: step.into(), ours, baseline }
 }
 
+/// `POLICY_COMPILE_PROFILE=<rounds>`: compile and flatten that many times, without maps or a
+/// baseline (no root needed), printing each round: steady numbers for a profiler.
+fn profile(rounds: usize) {
+    let (pods, namespaces, policies) = k8s_objects(&cluster());
+    for round in 0..rounds {
+        let (output, compile_time) = timed(|| compile(&pods, &namespaces, &policies));
+        let (entries, flatten_time) = timed(|| MapFlattener::new().flatten(&output.model));
+        let (_, encode_time) =
+            timed(|| kube_router::bpf::policy_maps::encode_diff(&MapEntries::default().diff(&entries)));
+        println!(
+            "round {round}: compile {:.1} ms, flatten {:.1} ms, diff+encode {:.1} ms",
+            ms(compile_time),
+            ms(flatten_time),
+            ms(encode_time)
+        );
+    }
+}
+
+/// Every pod on this node, as the bench programs every pod.
+const BENCH_NODE: &str = "krt-polbench-node";
+
+struct ControllerRun {
+    first: Duration,
+    first_writes: u64,
+    change: Duration,
+    change_writes: u64,
+    /// Objects the compiler was fed for the change.
+    fed: usize,
+}
+
+/// The policy controller on the pinned maps holding `pods`: its first sync, then one reconcile
+/// after `changed` arrives as a watch event.
+fn through_the_controller(
+    pin_dir: &Path,
+    pods: &[Pod],
+    namespaces: &[Namespace],
+    policies: &[NetworkPolicy],
+    changed: &Pod,
+) -> ControllerRun {
+    use kube::runtime::watcher::Event;
+    use kube_router::{
+        controllers::policy::PolicyController,
+        firewall::FirewallController,
+        k8s::{
+            cache::Cache,
+            watch::{ClusterObjects, WatchUpdate},
+        },
+        metrics::Metrics,
+        runtime::Controller,
+    };
+    fn here(pod: &Pod) -> Pod {
+        let mut pod = pod.clone();
+        pod.spec.get_or_insert_default().node_name = Some(BENCH_NODE.into());
+        pod
+    }
+    fn list<K: Clone>(cache: &Cache, wrap: fn(Event<K>) -> WatchUpdate, objects: impl IntoIterator<Item = K>) {
+        cache.apply(wrap(Event::Init));
+        for object in objects {
+            cache.apply(wrap(Event::InitApply(object)));
+        }
+        cache.apply(wrap(Event::InitDone));
+    }
+    let cache = Cache::new(ClusterObjects::default(), None);
+    list(&cache, WatchUpdate::Namespaces, namespaces.iter().cloned());
+    list(&cache, WatchUpdate::Pods, pods.iter().map(here));
+    list(&cache, WatchUpdate::NetworkPolicies, policies.iter().cloned());
+    let maps = BpfPolicyMaps::open_pinned(pin_dir).expect("policy maps");
+    let metrics = Metrics::default();
+    let writes = || {
+        use kube_router_common::map_names::POLICY_PODS;
+        metrics.with(|m| ["write", "delete"].iter().filter_map(|op| m.map_writes.get(&(POLICY_PODS, *op))).sum::<u64>())
+    };
+    let firewall = FirewallController::with_maps(maps, BENCH_NODE, metrics.clone()).expect("adopt the maps");
+    let mut controller = PolicyController::new(firewall, cache.clone());
+    let runtime = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+    let (first, first_time) = timed(|| runtime.block_on(controller.reconcile()));
+    first.expect("first policy sync");
+    let first_writes = writes();
+    cache.apply(WatchUpdate::Pods(Event::Apply(here(changed))));
+    let (change, change_time) = timed(|| runtime.block_on(controller.reconcile()));
+    change.expect("policy sync after one change");
+    ControllerRun {
+        first: first_time,
+        first_writes,
+        change: change_time,
+        change_writes: writes() - first_writes,
+        fed: controller.firewall().last_sync().objects_fed,
+    }
+}
+
 fn main() {
+    if let Some(rounds) = std::env::var("POLICY_COMPILE_PROFILE").ok().and_then(|r| r.parse().ok()) {
+        return profile(rounds);
+    }
     let pin_dir = Path::new(PIN_DIR);
     let mut cluster = cluster();
     println!(
@@ -681,6 +774,10 @@ fn main() {
         flattener.update(incremental.model(), &delta.pods, &sets)
     });
     assert_eq!(incremental_diff, diff, "the incremental path writes what a full compile writes");
+    // The agent's own path: the policy controller over the same pinned maps, fed by the object
+    // stores. Its first sync adopts what is programmed (the cluster as changed above); then the
+    // pod's label goes back, one watch event, and one reconcile takes it to the maps.
+    let controller = through_the_controller(pin_dir, &changed_pods, &namespaces, &policies, &pods[CHANGED_POD]);
     // Baseline: kube-router re-renders everything, swaps every ipset and re-runs a full
     // iptables-restore on every sync.
     let (resync, rerender_time) = timed(|| render_baseline(&cluster, SetLoad::Swap));
@@ -707,6 +804,16 @@ fn main() {
         row(
             "1 label: total",
             Some(recompile_time + change_write_time),
+            Some(rerender_time + reipset_time + reiptables_time),
+        ),
+        row(
+            format!("agent restart: controller's first sync ({} writes)", controller.first_writes),
+            Some(controller.first),
+            None,
+        ),
+        row(
+            format!("1 label: controller reconcile ({} fed, {} writes)", controller.fed, controller.change_writes),
+            Some(controller.change),
             Some(rerender_time + reipset_time + reiptables_time),
         ),
         row(

@@ -150,7 +150,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     }
     if let Some(cache) = &cache {
         if let Some(firewall) = firewall {
-            let policy = PolicyController::new(firewall, cache.clone());
+            let policy = PolicyController::new(firewall, cache.clone()).with_stamp(&config.pin_dir);
             tasks.add(runtime::spawn(policy, cache.subscribe(POLICY_KINDS), RunOptions::default(), stop.clone()));
         }
         let cni = config.cni.clone().map(|options| {

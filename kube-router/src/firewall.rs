@@ -6,10 +6,15 @@
 //! differences only, and before the first complete listing of all three kinds nothing is
 //! deleted. A policy the compiler rejects (bad CIDR, bad port) is skipped with an error and
 //! leaves every other policy as it is.
+//!
+//! The compiler is fed per object: the first sync (and one after a restore of the stores)
+//! compiles every object; after that only the objects the stores recorded as changed are
+//! upserted or deleted, and only the entries the compiler's deltas name are flattened and written.
 use std::{
-    collections::{BTreeMap, BTreeSet, HashSet},
+    collections::{BTreeMap, BTreeSet, HashMap},
     net::IpAddr,
     path::Path,
+    sync::Arc,
     time::Instant,
 };
 
@@ -21,6 +26,7 @@ use k8s_openapi::api::{
 
 use crate::{
     bpf::policy_maps::{apply_diff, decode, BpfPolicyMaps, PolicyMaps},
+    k8s::store::ObjectKey,
     metrics::Metrics,
     policy::{
         bpf_maps::{MapEntries, MapFlattener},
@@ -28,11 +34,14 @@ use crate::{
     },
 };
 
-pub struct FirewallController {
-    maps: BpfPolicyMaps,
+pub struct FirewallController<M: PolicyMaps = BpfPolicyMaps> {
+    maps: M,
     flattener: MapFlattener,
     /// What the maps hold, as far as we know.
     programmed: MapEntries,
+    /// IPv6 entries among `programmed`'s, for the entry gauges (counted as entries come and go,
+    /// not by walking 100,000 prefixes at every sync).
+    programmed_v6: V6Counts,
     node_name: String,
     metrics: Metrics,
     /// Rejected policies already reported, so one that stays broken is logged once.
@@ -47,41 +56,139 @@ pub struct FirewallController {
     /// Incremental compiler, fed only the objects that changed since the last sync: one pod's
     /// label change recompiles what depends on it, not the cluster.
     compiler: Option<PolicyCompiler>,
-    seen: Seen,
+    /// This node's pods and their IPs, kept up to date from the same changes.
+    local: LocalPods,
+    last_sync: SyncStats,
 }
 
-/// The objects the compiler was last fed, by key.
+/// What one sync cost, for tests and the log.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SyncStats {
+    /// The compiler was rebuilt from every object.
+    pub full_compile: bool,
+    /// Objects handed to the compiler one by one (upserts and deletes).
+    pub objects_fed: usize,
+    /// Pod IP entries the compiler recomputed for them.
+    pub pods_recomputed: usize,
+    /// Map writes tried (puts, deletes, failures).
+    pub writes: u64,
+}
+
+/// What changed among the Pods, Namespaces and NetworkPolicies since the last sync, as the
+/// object stores recorded it.
+pub enum PolicyChanges {
+    /// Everything may have (the first sync, after a restore): every object as it is now.
+    All { pods: Vec<Arc<Pod>>, namespaces: Vec<Arc<Namespace>>, policies: Vec<Arc<NetworkPolicy>> },
+    /// Only these keys: each with its object now, `None` when it is gone.
+    Keys {
+        pods: Vec<(ObjectKey, Option<Arc<Pod>>)>,
+        namespaces: Vec<(ObjectKey, Option<Arc<Namespace>>)>,
+        policies: Vec<(ObjectKey, Option<Arc<NetworkPolicy>>)>,
+    },
+}
+
+/// The pods scheduled on this node and the IPs they hold: whose `pol_pods` entries we write.
 #[derive(Default)]
-struct Seen {
-    pods: BTreeMap<(String, String), Pod>,
-    namespaces: BTreeMap<String, Namespace>,
-    policies: BTreeMap<(String, String), NetworkPolicy>,
+struct LocalPods {
+    ips_of: HashMap<ObjectKey, Vec<IpAddr>>,
+    /// Pods holding each IP (two pods may claim one for a while).
+    holders: HashMap<IpAddr, usize>,
 }
 
-fn values<Id, K: Clone>(map: &BTreeMap<Id, K>) -> Vec<K> {
-    map.values().cloned().collect()
+impl LocalPods {
+    fn contains(&self, ip: &IpAddr) -> bool {
+        self.holders.contains_key(ip)
+    }
+
+    fn len(&self) -> usize {
+        self.holders.len()
+    }
+
+    /// Records `pod` (now, `None`: gone) under `key`; returns the IPs that became or stopped
+    /// being this node's.
+    fn set(&mut self, node_name: &str, key: &ObjectKey, pod: Option<&Pod>, flipped: &mut Vec<IpAddr>) {
+        let now: Vec<IpAddr> = pod.filter(|p| on_node(p, node_name)).map(pod_ips).unwrap_or_default();
+        let before = self.ips_of.remove(key).unwrap_or_default();
+        if before == now {
+            if !now.is_empty() {
+                self.ips_of.insert(key.clone(), now);
+            }
+            return;
+        }
+        for ip in &before {
+            if let Some(count) = self.holders.get_mut(ip) {
+                *count -= 1;
+                if *count == 0 {
+                    self.holders.remove(ip);
+                    flipped.push(*ip);
+                }
+            }
+        }
+        for ip in &now {
+            let count = self.holders.entry(*ip).or_default();
+            *count += 1;
+            if *count == 1 {
+                flipped.push(*ip);
+            }
+        }
+        if !now.is_empty() {
+            self.ips_of.insert(key.clone(), now);
+        }
+    }
 }
 
-fn namespaced_key<K: kube::Resource>(object: &K) -> (String, String) {
+fn on_node(pod: &Pod, node_name: &str) -> bool {
+    pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node_name)
+}
+
+fn pod_ips(pod: &Pod) -> Vec<IpAddr> {
+    let mut ips: Vec<IpAddr> =
+        // The compiler's reading of the status: every podIP, and podIP.
+        pod.status
+            .iter()
+            .flat_map(|s| s.pod_ips.iter().flatten().map(|i| i.ip.as_str()).chain(s.pod_ip.as_deref()))
+            .filter_map(|ip| ip.trim().parse().ok())
+            .collect();
+    ips.sort();
+    ips.dedup();
+    ips
+}
+
+fn present<K>(changes: Vec<(ObjectKey, Option<Arc<K>>)>) -> Vec<Arc<K>> {
+    changes.into_iter().filter_map(|(_, object)| object).collect()
+}
+
+fn namespaced_key<K: kube::Resource>(object: &K) -> ObjectKey {
     let meta = object.meta();
     (meta.namespace.clone().unwrap_or_default(), meta.name.clone().unwrap_or_default())
 }
 
-/// What differs between `seen` and `now` (objects to upsert, ids to delete); `seen` becomes `now`.
-fn changes<K: Clone + PartialEq, Id: Ord + Clone>(
-    seen: &mut BTreeMap<Id, K>,
-    now: BTreeMap<Id, K>,
-) -> (Vec<K>, Vec<Id>) {
-    let upserts = now.iter().filter(|(id, object)| seen.get(*id) != Some(*object)).map(|(_, o)| o.clone()).collect();
-    let deletes = seen.keys().filter(|id| !now.contains_key(*id)).cloned().collect();
-    *seen = now;
-    (upserts, deletes)
+/// IPv6 entries among a set of map entries.
+#[derive(Debug, Clone, Copy, Default)]
+struct V6Counts {
+    pods: u64,
+    peers: u64,
+}
+
+impl V6Counts {
+    fn of(entries: &MapEntries) -> Self {
+        Self {
+            pods: entries.pod_slots.keys().filter(|k| k.pod_ip.is_ipv6()).count() as u64,
+            peers: entries.peer_prefixes.keys().filter(|k| k.prefix.addr().is_ipv6()).count() as u64,
+        }
+    }
 }
 
 impl FirewallController {
     /// Opens the pinned policy maps and reads what a previous agent left in them.
     pub fn start(pin_dir: &Path, node_name: &str, metrics: Metrics) -> Result<Self> {
-        let maps = BpfPolicyMaps::open_pinned(pin_dir)?;
+        Self::with_maps(BpfPolicyMaps::open_pinned(pin_dir)?, node_name, metrics)
+    }
+}
+
+impl<M: PolicyMaps> FirewallController<M> {
+    /// Takes over `maps` with what a previous agent left in them.
+    pub fn with_maps(maps: M, node_name: &str, metrics: Metrics) -> Result<Self> {
         let contents = maps.read_all().map_err(|e| anyhow::anyhow!("{}: {}", e.map, e.message))?;
         let programmed = decode(&contents).context("decoding the programmed policy maps")?;
         tracing::info!(
@@ -93,6 +200,7 @@ impl FirewallController {
         Ok(Self {
             maps,
             flattener: MapFlattener::new(),
+            programmed_v6: V6Counts::of(&programmed),
             programmed,
             node_name: node_name.to_string(),
             metrics,
@@ -101,60 +209,94 @@ impl FirewallController {
             reported_write_failure: None,
             in_step: false,
             compiler: None,
-            seen: Seen::default(),
+            local: LocalPods::default(),
+            last_sync: SyncStats::default(),
         })
     }
 
-    /// Compiles the objects and writes the differences. `complete`: every kind has been listed
+    /// The compiler holds every object already: from now on, changes alone are enough.
+    pub fn has_compiled(&self) -> bool {
+        self.compiler.is_some()
+    }
+
+    pub fn metrics(&self) -> Metrics {
+        self.metrics.clone()
+    }
+
+    pub fn last_sync(&self) -> SyncStats {
+        self.last_sync
+    }
+
+    /// The maps' writer (tests read what was written).
+    pub fn maps(&self) -> &M {
+        &self.maps
+    }
+
+    /// Compiles the changes and writes the differences. `complete`: every kind has been listed
     /// completely since start, so entries that are no longer wanted may go. Returns failed writes.
-    pub fn apply<'a>(
-        &mut self,
-        pods: impl Iterator<Item = &'a Pod>,
-        namespaces: impl Iterator<Item = &'a Namespace>,
-        policies: impl Iterator<Item = &'a NetworkPolicy>,
-        complete: bool,
-    ) -> u64 {
+    pub fn apply(&mut self, changes: PolicyChanges, complete: bool) -> u64 {
         let started = Instant::now();
-        let pods: BTreeMap<(String, String), Pod> = pods.map(|p| (namespaced_key(p), p.clone())).collect();
-        let namespaces: BTreeMap<String, Namespace> =
-            namespaces.map(|n| (n.metadata.name.clone().unwrap_or_default(), n.clone())).collect();
-        let policies: BTreeMap<(String, String), NetworkPolicy> =
-            policies.map(|p| (namespaced_key(p), p.clone())).collect();
-        let local: HashSet<IpAddr> = pods
-            .values()
-            .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(self.node_name.as_str()))
-            .flat_map(|p| p.status.iter().flat_map(|s| s.pod_ips.iter().flatten().map(|i| i.ip.clone())))
-            .filter_map(|ip| ip.parse().ok())
-            .collect();
-        let policy_count = policies.len();
+        let mut stats = SyncStats::default();
         // What the compiler's deltas say changed: pod entries (last value wins) and pod sets.
         let mut changed_pods: BTreeMap<IpAddr, Option<PodRules>> = BTreeMap::new();
         let mut changed_sets: BTreeSet<PodSetKey> = BTreeSet::new();
-        let incremental = self.compiler.is_some();
-        let compiler = match self.compiler.as_mut() {
-            Some(compiler) => {
+        // IPs that became or stopped being this node's: their entries come or go even when
+        // their rules stay the same.
+        let mut flipped = Vec::new();
+        let compiler = match (changes, self.compiler.as_mut()) {
+            (PolicyChanges::Keys { pods, namespaces, policies }, Some(compiler)) => {
                 let mut take = |delta: Delta| {
+                    stats.objects_fed += 1;
+                    stats.pods_recomputed += delta.pods_recomputed;
                     changed_pods.extend(delta.pods);
                     changed_sets.extend(delta.pod_sets.into_keys());
                 };
                 // Namespaces first: pods and policies resolve against their labels.
-                let (upserts, deletes) = changes(&mut self.seen.namespaces, namespaces);
-                upserts.iter().for_each(|n| take(compiler.upsert_namespace(n)));
-                deletes.iter().for_each(|name| take(compiler.delete_namespace(name)));
-                let (upserts, deletes) = changes(&mut self.seen.pods, pods);
-                upserts.iter().for_each(|p| take(compiler.upsert_pod(p)));
-                deletes.iter().for_each(|(ns, name)| take(compiler.delete_pod(ns, name)));
-                let (upserts, deletes) = changes(&mut self.seen.policies, policies);
-                upserts.iter().for_each(|p| take(compiler.upsert_policy(p)));
-                deletes.iter().for_each(|(ns, name)| take(compiler.delete_policy(ns, name)));
+                for ((_, name), namespace) in &namespaces {
+                    take(match namespace {
+                        Some(namespace) => compiler.upsert_namespace(namespace),
+                        None => compiler.delete_namespace(name),
+                    });
+                }
+                for (key, pod) in &pods {
+                    self.local.set(&self.node_name, key, pod.as_deref(), &mut flipped);
+                    take(match pod {
+                        Some(pod) => compiler.upsert_pod(pod),
+                        None => compiler.delete_pod(&key.0, &key.1),
+                    });
+                }
+                for ((namespace, name), policy) in &policies {
+                    take(match policy {
+                        Some(policy) => compiler.upsert_policy(policy),
+                        None => compiler.delete_policy(namespace, name),
+                    });
+                }
                 compiler
             }
-            None => {
-                let compiler = PolicyCompiler::from_snapshot(&values(&pods), &values(&namespaces), &values(&policies));
-                self.seen = Seen { pods, namespaces, policies };
+            (changes, _) => {
+                let (pods, namespaces, policies) = match changes {
+                    PolicyChanges::All { pods, namespaces, policies } => (pods, namespaces, policies),
+                    // Changes without a compiled start are not enough: the controller sends
+                    // everything at first, so this is only reached by a misuse.
+                    PolicyChanges::Keys { pods, namespaces, policies } => {
+                        (present(pods), present(namespaces), present(policies))
+                    }
+                };
+                stats.full_compile = true;
+                self.local = LocalPods::default();
+                for pod in &pods {
+                    self.local.set(&self.node_name, &namespaced_key(&**pod), Some(pod), &mut flipped);
+                }
+                let compiler = PolicyCompiler::from_snapshot(
+                    pods.iter().map(|p| &**p),
+                    namespaces.iter().map(|n| &**n),
+                    policies.iter().map(|p| &**p),
+                );
                 self.compiler.insert(compiler)
             }
         };
+        let incremental = !stats.full_compile;
+        let policy_count = compiler.policy_count();
         let policy_errors = compiler.policy_errors();
         let mut broken = BTreeSet::new();
         for error in &policy_errors {
@@ -169,6 +311,10 @@ impl FirewallController {
         let mut diff = if incremental && self.in_step && complete {
             // Only what the compiler says changed: this node's pods (and pods that stopped
             // being this node's), and the members of the pod sets that changed.
+            for ip in flipped {
+                changed_pods.entry(ip).or_insert_with(|| compiler.model().pods.get(&ip).cloned());
+            }
+            let local = &self.local;
             let pods: BTreeMap<IpAddr, Option<PodRules>> = changed_pods
                 .into_iter()
                 .filter_map(|(ip, rules)| {
@@ -182,7 +328,7 @@ impl FirewallController {
             self.flattener.update(compiler.model(), &pods, &changed_sets)
         } else {
             let mut model = compiler.model().clone();
-            model.pods.retain(|ip, _| local.contains(ip));
+            model.pods.retain(|ip, _| self.local.contains(ip));
             // The first time, take over the ids a previous agent left, so a restart writes nothing.
             let wanted = if self.adopted {
                 self.flattener.flatten(&model)
@@ -216,31 +362,42 @@ impl FirewallController {
         }
         let everything_written = report.errors == 0;
         self.in_step = everything_written && complete;
-        self.programmed = if everything_written {
+        if everything_written {
             // Every write took: the maps now hold the old entries with the diff applied (which
             // is the flattener's entries unless deletions were held back).
-            let mut programmed = std::mem::take(&mut self.programmed);
+            let (programmed, v6) = (&mut self.programmed, &mut self.programmed_v6);
             for key in &diff.pod_slots.deletes {
-                programmed.pod_slots.remove(key);
+                if programmed.pod_slots.remove(key).is_some() && key.pod_ip.is_ipv6() {
+                    v6.pods -= 1;
+                }
             }
             for key in &diff.slot_ports.deletes {
                 programmed.slot_ports.remove(key);
             }
             for key in &diff.peer_prefixes.deletes {
-                programmed.peer_prefixes.remove(key);
+                if programmed.peer_prefixes.remove(key).is_some() && key.prefix.addr().is_ipv6() {
+                    v6.peers -= 1;
+                }
             }
-            programmed.pod_slots.extend(diff.pod_slots.upserts);
+            for (key, value) in diff.pod_slots.upserts {
+                if programmed.pod_slots.insert(key, value).is_none() && key.pod_ip.is_ipv6() {
+                    v6.pods += 1;
+                }
+            }
             programmed.slot_ports.extend(diff.slot_ports.upserts);
-            programmed.peer_prefixes.extend(diff.peer_prefixes.upserts);
-            programmed
+            for (key, value) in diff.peer_prefixes.upserts {
+                if programmed.peer_prefixes.insert(key, value).is_none() && key.prefix.addr().is_ipv6() {
+                    v6.peers += 1;
+                }
+            }
         } else {
             // Re-read rather than assume: a failed or skipped write leaves the old entry, and
             // the next sync must see the real difference.
-            match self.maps.read_all().ok().and_then(|c| decode(&c).ok()) {
-                Some(entries) => entries,
-                None => self.programmed.clone(),
+            if let Some(entries) = self.maps.read_all().ok().and_then(|c| decode(&c).ok()) {
+                self.programmed_v6 = V6Counts::of(&entries);
+                self.programmed = entries;
             }
-        };
+        }
         tracing::info!(
             writes = report.puts,
             deletes = report.deletes,
@@ -248,7 +405,9 @@ impl FirewallController {
             full = report.full,
             // Not "complete": "complete=true" is what tests and operators grep for service syncs.
             full_listing = complete,
-            local_pods = local.len(),
+            local_pods = self.local.len(),
+            full_compile = stats.full_compile,
+            objects_fed = stats.objects_fed,
             policies = policy_count,
             rejected = policy_errors.len(),
             "policy sync complete"
@@ -256,8 +415,7 @@ impl FirewallController {
         self.metrics.record_map_writes(&report.per_map);
         self.metrics.with(|m| {
             use kube_router_common::map_names as n;
-            let pods_v6 = self.programmed.pod_slots.keys().filter(|k| k.pod_ip.is_ipv6()).count() as u64;
-            let peers_v6 = self.programmed.peer_prefixes.keys().filter(|k| k.prefix.addr().is_ipv6()).count() as u64;
+            let V6Counts { pods: pods_v6, peers: peers_v6 } = self.programmed_v6;
             m.map_entries.insert(n::POLICY_PODS, self.programmed.pod_slots.len() as u64 - pods_v6);
             m.map_entries.insert(n::POLICY_PODS_V6, pods_v6);
             m.map_entries.insert(n::POLICY_PORTS, self.programmed.slot_ports.len() as u64);
@@ -267,6 +425,8 @@ impl FirewallController {
             m.kr.policy_sync_time.observe(started.elapsed().as_secs_f64());
         });
         self.metrics.heartbeat("firewall");
+        stats.writes = report.writes() + report.errors;
+        self.last_sync = stats;
         report.errors
     }
 }

@@ -190,7 +190,8 @@ impl<K: Resource, H: Held<K>> ObjectStore<K, H> {
     }
 
     /// The keys whose object changed (added, modified, removed) since the last call; `None` the
-    /// first time (and after a restore): everything may have.
+    /// first time (and after a restore): everything may have. A store's change set has one
+    /// consumer (see [`super::watch::ClusterObjects`]): a second one would take its changes.
     pub fn take_changed(&mut self) -> Option<BTreeSet<ObjectKey>> {
         self.changed.replace(BTreeSet::new())
     }
@@ -231,6 +232,11 @@ impl<K> ObjectStore<K, Arc<K>> {
 
     pub fn objects(&self) -> impl Iterator<Item = &K> {
         self.objects.values().map(|o| &**o)
+    }
+
+    /// The object, shared: for a reader that uses it outside the lock.
+    pub fn shared(&self, key: &ObjectKey) -> Option<Arc<K>> {
+        self.objects.get(key).cloned()
     }
 }
 

@@ -266,6 +266,10 @@ pub enum Kind {
 /// (and checkpointed) for the policy and BGP controllers; the service proxy reads the first two.
 /// EndpointSlices, the bulk of them (10 endpoints: 5.5 KiB decoded, 1 KiB of JSON), are kept
 /// packed: only the changed ones are decoded, for the catalog, and the BGP speaker's few.
+///
+/// Each store's change set ([`ObjectStore::take_changed`]) has exactly one consumer: Services
+/// and EndpointSlices the services controller ([`Self::update_catalog`]); Pods, Namespaces and
+/// NetworkPolicies the policy controller. Every other reader reads the objects themselves.
 #[derive(Default)]
 pub struct ClusterObjects {
     pub services: ObjectStore<Service>,

@@ -1,6 +1,6 @@
 //! From-scratch compilation of a full set of inputs.
 
-use std::collections::BTreeSet;
+use std::collections::HashMap;
 
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
@@ -25,7 +25,11 @@ impl CompileOutput {
 }
 
 /// Loads objects into an input store (later duplicates replace earlier ones).
-pub(crate) fn load_inputs(pods: &[Pod], namespaces: &[Namespace], policies: &[NetworkPolicy]) -> Inputs {
+pub(crate) fn load_inputs<'a>(
+    pods: impl IntoIterator<Item = &'a Pod>,
+    namespaces: impl IntoIterator<Item = &'a Namespace>,
+    policies: impl IntoIterator<Item = &'a NetworkPolicy>,
+) -> Inputs {
     let mut inputs = Inputs::default();
     for namespace in namespaces {
         if let Some((name, labels)) = namespace_labels(namespace) {
@@ -49,25 +53,30 @@ pub(crate) fn load_inputs(pods: &[Pod], namespaces: &[Namespace], policies: &[Ne
 
 /// Compiles every pod entry and every referenced pod set of `inputs`.
 pub(crate) fn compile_inputs(inputs: &Inputs) -> CompileOutput {
+    compile_counting_references(inputs).0
+}
+
+/// [`compile_inputs`], with how many rules reference each pod set (what the incremental
+/// compiler keeps). 10,000 pods name ~1,000 sets ~50,000 times: they are counted by hash and
+/// only the distinct ones sorted.
+pub(crate) fn compile_counting_references(inputs: &Inputs) -> (CompileOutput, HashMap<PodSetKey, usize>) {
     let mut output = CompileOutput::default();
     for ip in inputs.pod_ips() {
         if let Some(rules) = inputs.compute_pod(ip) {
             output.model.pods.insert(ip, rules);
         }
     }
-    let referenced: BTreeSet<&PodSetKey> =
-        output.model.pods.values().flat_map(|rules| rules.referenced_pod_sets()).collect();
-    let pod_sets = referenced
-        .into_iter()
-        .map(|key| {
-            let members = inputs.pod_set_members(key);
-            (key.clone(), members)
-        })
-        .collect();
-    output.model.pod_sets = pod_sets;
+    let mut references: HashMap<&PodSetKey, usize> = HashMap::new();
+    for key in output.model.pods.values().flat_map(|rules| rules.referenced_pod_sets()) {
+        *references.entry(key).or_default() += 1;
+    }
+    let mut referenced: Vec<&PodSetKey> = references.keys().copied().collect();
+    referenced.sort_unstable();
+    output.model.pod_sets = referenced.into_iter().map(|key| (key.clone(), inputs.pod_set_members(key))).collect();
+    let references = references.into_iter().map(|(key, count)| (key.clone(), count)).collect();
     output.policy_errors = inputs.policy_errors().cloned().collect();
     output.policy_errors.sort();
-    output
+    (output, references)
 }
 
 /// Compiles a complete snapshot of the cluster's pods, namespaces and

@@ -13,13 +13,13 @@
 //! memberships only (plus egress-named-port targets when it carries named
 //! ports); other pods see the change through the shared pod-set entries.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 
-use super::compile::{compile_inputs, load_inputs, CompileOutput};
+use super::compile::{compile_counting_references, load_inputs, CompileOutput};
 use super::error::PolicyError;
 use super::inputs::Inputs;
 use super::model::{CompiledModel, PodRef, PodRules, PodSetKey};
@@ -93,7 +93,7 @@ pub struct PolicyCompiler {
     inputs: Inputs,
     model: CompiledModel,
     /// How many rules (across all pod entries) reference each pod set.
-    pod_set_refs: BTreeMap<PodSetKey, usize>,
+    pod_set_refs: HashMap<PodSetKey, usize>,
 }
 
 impl PolicyCompiler {
@@ -102,13 +102,13 @@ impl PolicyCompiler {
     }
 
     /// Starts from a full snapshot (e.g. after the initial informer list).
-    pub fn from_snapshot(pods: &[Pod], namespaces: &[Namespace], policies: &[NetworkPolicy]) -> PolicyCompiler {
+    pub fn from_snapshot<'a>(
+        pods: impl IntoIterator<Item = &'a Pod>,
+        namespaces: impl IntoIterator<Item = &'a Namespace>,
+        policies: impl IntoIterator<Item = &'a NetworkPolicy>,
+    ) -> PolicyCompiler {
         let inputs = load_inputs(pods, namespaces, policies);
-        let output = compile_inputs(&inputs);
-        let mut pod_set_refs: BTreeMap<PodSetKey, usize> = BTreeMap::new();
-        for key in output.model.pods.values().flat_map(|r| r.referenced_pod_sets()) {
-            *pod_set_refs.entry(key.clone()).or_default() += 1;
-        }
+        let (output, pod_set_refs) = compile_counting_references(&inputs);
         PolicyCompiler { inputs, model: output.model, pod_set_refs }
     }
 
@@ -121,6 +121,11 @@ impl PolicyCompiler {
         let mut errors: Vec<PolicyError> = self.inputs.policy_errors().cloned().collect();
         errors.sort();
         errors
+    }
+
+    /// Policies held, valid or not.
+    pub fn policy_count(&self) -> usize {
+        self.inputs.policy_count()
     }
 
     pub fn skipped_policy_count(&self) -> usize {

@@ -17,7 +17,8 @@ use super::selector::{Labels, Selector};
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Inputs {
     pods: BTreeMap<PodRef, PodInfo>,
-    pods_by_namespace: BTreeMap<String, BTreeSet<PodRef>>,
+    /// How many pods each namespace has (its pods are a range of `pods`, ordered by namespace).
+    pods_per_namespace: BTreeMap<String, usize>,
     /// Every pod claiming an IP. The smallest PodRef owns it, so conflicting
     /// claims (stale objects, misbehaving IPAM) resolve deterministically.
     ip_claims: BTreeMap<IpAddr, BTreeSet<PodRef>>,
@@ -35,8 +36,11 @@ impl Inputs {
         for ip in &info.ips {
             self.ip_claims.entry(*ip).or_default().insert(info.pod.clone());
         }
-        self.pods_by_namespace.entry(info.pod.namespace.clone()).or_default().insert(info.pod.clone());
-        self.pods.insert(info.pod.clone(), info);
+        // Callers remove a pod before inserting it again: a new key is a new pod.
+        let namespace = info.pod.namespace.clone();
+        if self.pods.insert(info.pod.clone(), info).is_none() {
+            *self.pods_per_namespace.entry(namespace).or_default() += 1;
+        }
     }
 
     pub fn remove_pod(&mut self, pod: &PodRef) -> Option<PodInfo> {
@@ -49,10 +53,10 @@ impl Inputs {
                 }
             }
         }
-        if let Some(names) = self.pods_by_namespace.get_mut(&pod.namespace) {
-            names.remove(pod);
-            if names.is_empty() {
-                self.pods_by_namespace.remove(&pod.namespace);
+        if let Some(count) = self.pods_per_namespace.get_mut(&pod.namespace) {
+            *count -= 1;
+            if *count == 0 {
+                self.pods_per_namespace.remove(&pod.namespace);
             }
         }
         Some(info)
@@ -99,6 +103,10 @@ impl Inputs {
         self.policies.get(namespace)?.get(name)
     }
 
+    pub fn policy_count(&self) -> usize {
+        self.policies.values().map(BTreeMap::len).sum::<usize>() + self.policy_errors.len()
+    }
+
     pub fn policy_errors(&self) -> impl Iterator<Item = &PolicyError> {
         self.policy_errors.values()
     }
@@ -119,13 +127,7 @@ impl Inputs {
 
     /// IPs owned by pods of `namespace`.
     pub fn ips_in_namespace(&self, namespace: &str) -> BTreeSet<IpAddr> {
-        self.pods_by_namespace
-            .get(namespace)
-            .into_iter()
-            .flatten()
-            .filter_map(|pod| self.pods.get(pod))
-            .flat_map(|info| info.ips.iter().copied())
-            .collect()
+        self.pods_of(namespace).flat_map(|info| info.ips.iter().copied()).collect()
     }
 
     fn namespace_matches(&self, selector: &Selector, namespace: &str) -> bool {
@@ -153,37 +155,55 @@ impl Inputs {
                 .is_none_or(|filter| pod.resolve_named_port(&filter.name, filter.protocol).any(|n| n == filter.port))
     }
 
+    /// The pods of `namespace`: a range of `pods`, which is ordered by namespace first.
+    fn pods_of<'a>(&'a self, namespace: &str) -> impl Iterator<Item = &'a PodInfo> + 'a {
+        let first = PodRef { namespace: namespace.to_string(), name: String::new() };
+        let namespace = first.namespace.clone();
+        self.pods.range(first..).map(|(_, info)| info).take_while(move |info| info.pod.namespace == namespace)
+    }
+
+    /// Whether `pod` owns `ip` (the smallest of the pods claiming it).
+    fn owns(&self, pod: &PodRef, ip: IpAddr) -> bool {
+        self.ip_claims.get(&ip).and_then(|claims| claims.first()) == Some(pod)
+    }
+
     /// Every IP in the set `key`: only the pods of the namespaces in its scope are looked at
-    /// (one namespace, or those whose labels match), so resolving all sets of a cluster is not
-    /// (sets x pods). Same members as testing every pod IP with [`Self::pod_set_contains`].
+    /// (one namespace, or those whose labels match, each judged once), so resolving all sets
+    /// of a cluster is not (sets x pods). Same members as testing every pod IP with
+    /// [`Self::pod_set_contains`].
     pub fn pod_set_members(&self, key: &PodSetKey) -> BTreeSet<IpAddr> {
-        let in_scope: Vec<&BTreeSet<PodRef>> = match &key.namespaces {
-            NamespaceScope::Named(ns) => self.pods_by_namespace.get(ns).into_iter().collect(),
+        let in_scope: Vec<&str> = match &key.namespaces {
+            NamespaceScope::Named(ns) => vec![ns.as_str()],
             NamespaceScope::Selected(sel) => self
-                .pods_by_namespace
-                .iter()
-                .filter(|(ns, _)| self.namespace_matches(sel, ns))
-                .map(|(_, pods)| pods)
+                .pods_per_namespace
+                .keys()
+                .filter(|ns| self.namespace_matches(sel, ns))
+                .map(String::as_str)
                 .collect(),
         };
-        in_scope
-            .into_iter()
-            .flatten()
-            .filter_map(|pod| self.pods.get(pod))
-            .flat_map(|info| info.ips.iter().copied())
-            // Ownership, labels, ipBlock and named port exactly as for a single IP (an IP two
+        let mut members = BTreeSet::new();
+        for pod in in_scope.into_iter().flat_map(|ns| self.pods_of(ns)) {
+            // Labels and named port are the pod's; ipBlock and ownership each IP's (an IP two
             // pods claim belongs to its owner only).
-            .filter(|ip| self.pod_set_contains(key, *ip))
-            .collect()
+            if !key.pods.matches(&pod.labels)
+                || !key.named_port.as_ref().is_none_or(|filter| {
+                    pod.resolve_named_port(&filter.name, filter.protocol).any(|n| n == filter.port)
+                })
+            {
+                continue;
+            }
+            for ip in &pod.ips {
+                if key.within.as_ref().is_none_or(|block| block.contains(*ip)) && self.owns(&pod.pod, *ip) {
+                    members.insert(*ip);
+                }
+            }
+        }
+        members
     }
 
     /// IPs of the pods a policy selects (its targets).
     pub fn policy_targets(&self, policy: &ValidatedPolicy) -> BTreeSet<IpAddr> {
-        self.pods_by_namespace
-            .get(&policy.namespace)
-            .into_iter()
-            .flatten()
-            .filter_map(|pod| self.pods.get(pod))
+        self.pods_of(&policy.namespace)
             .filter(|info| policy.pod_selector.matches(&info.labels))
             .flat_map(|info| info.ips.iter().copied())
             .collect()
@@ -266,11 +286,14 @@ impl Inputs {
                 for (protocol, name) in named {
                     ranges.extend(target.resolve_named_port(name, protocol).map(|n| PortRange::single(protocol, n)));
                 }
-                push_ranges(out, &peers, ranges);
+                push_ranges(out, peers, ranges);
             }
             // Egress: the destination is the peer; resolve against each one.
             Direction::Egress => {
-                push_ranges(out, &peers, ranges);
+                if named.is_empty() {
+                    return push_ranges(out, peers, ranges);
+                }
+                push_ranges(out, peers.clone(), ranges);
                 for (protocol, name) in named {
                     for peer in &peers {
                         self.expand_egress_named_port(peer, protocol, name, out);
@@ -310,7 +333,7 @@ impl Inputs {
     }
 }
 
-fn push_ranges(out: &mut Vec<Rule>, peers: &[PeerSet], mut ranges: Vec<PortRange>) {
+fn push_ranges(out: &mut Vec<Rule>, peers: Vec<PeerSet>, mut ranges: Vec<PortRange>) {
     // A rule whose ports all failed to resolve allows nothing: drop it
     // rather than emitting an empty list that could be misread as "all".
     if ranges.is_empty() {
@@ -318,5 +341,5 @@ fn push_ranges(out: &mut Vec<Rule>, peers: &[PeerSet], mut ranges: Vec<PortRange
     }
     ranges.sort();
     ranges.dedup();
-    out.extend(peers.iter().map(|peers| Rule { peers: peers.clone(), ports: Ports::Ranges(ranges.clone()) }));
+    out.extend(peers.into_iter().map(|peers| Rule { peers, ports: Ports::Ranges(ranges.clone()) }));
 }
