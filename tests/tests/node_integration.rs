@@ -80,7 +80,7 @@ fn pods_reach_the_internet_through_the_node_masquerade() {
     assert!(c.node(0).stats()["egress_masquerade_new_flow"] >= 3);
 
     // Policy only on the pods' veths; the uplink (default route) and the bridge get the load
-    // balancer alone.
+    // balancer alone, the uplink its XDP fast path too (`--xdp auto`).
     let node = c.node(0);
     let bin = kube_router_tests::kube_router_bin();
     let listed = node.ns.run(&[bin.to_str().unwrap(), "--bpf-root", node.bpf_root.to_str().unwrap(), "interfaces"]);
@@ -92,7 +92,7 @@ fn pods_reach_the_internet_through_the_node_masquerade() {
             .filter_map(|l| l.split_whitespace().nth(1))
             .collect()
     };
-    assert_eq!(programs("eth0"), ["kr_lb_egress", "kr_lb_ingress"], "{listed}");
+    assert_eq!(programs("eth0"), ["kr_lb_egress", "kr_lb_ingress", "kr_xdp_lb"], "{listed}");
     assert_eq!(programs("kube-bridge"), ["kr_lb_egress", "kr_lb_ingress"], "{listed}");
     let pod_veths: Vec<&str> =
         listed.lines().filter_map(|l| l.split_whitespace().next()).filter(|i| i.starts_with("veth")).collect();
