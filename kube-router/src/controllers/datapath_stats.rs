@@ -193,8 +193,13 @@ impl Controller for DatapathStatsController {
         if gc {
             self.last_gc = Instant::now();
         }
-        self.refresh_policy(gc);
-        self.refresh_services(gc);
+        // Tens of thousands of map syscalls at 10,000 Services (every frontend's counters, the
+        // conntrack walk): off the async workers, so the controllers that write the maps after
+        // a change never wait behind them (two workers on a two-core node).
+        tokio::task::block_in_place(|| {
+            self.refresh_policy(gc);
+            self.refresh_services(gc);
+        });
         self.warn_if_stale();
         self.metrics.heartbeat("agent");
         Ok(Action::RequeueAfter(REFRESH_INTERVAL))
