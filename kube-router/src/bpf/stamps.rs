@@ -13,6 +13,8 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use aya::maps::{Array, MapData};
 
+use crate::metrics::Metrics;
+
 /// A writer's slot in the `meta` map.
 pub struct MapsStamp {
     /// `None`: kept in memory only (tests of the controllers on in-memory maps).
@@ -61,6 +63,89 @@ impl MapsStamp {
             self.written = value;
         }
         Ok(())
+    }
+}
+
+/// What each map writer (services, policy) does with its stamp: decide once, at a restart from
+/// the checkpoint, whether its maps are newer (logged and counted once); clear the stamp before
+/// writing API state and set it after. A stamp that cannot be read or written is dropped with a
+/// warning: the restart then applies the checkpoint, without deletions, as without stamps.
+pub struct ApiStateStamp {
+    /// `service` or `policy`: the `maps` label of `kube_router_checkpoint_superseded_total`.
+    maps: &'static str,
+    stamp: Option<MapsStamp>,
+    newer_than_checkpoint: Option<bool>,
+    /// The stamp before the write in progress.
+    before_write: Option<u32>,
+}
+
+impl ApiStateStamp {
+    /// The stamp of the pinned maps, in `slot` of the `meta` map.
+    pub fn open(pin_dir: &Path, slot: u32, maps: &'static str) -> Self {
+        let stamp = MapsStamp::open(pin_dir, slot)
+            .inspect_err(|e| tracing::warn!(maps, error = %e, "cannot read when the maps were last written"))
+            .ok();
+        Self::with(maps, stamp)
+    }
+
+    /// No stamp: every restored checkpoint is applied.
+    pub fn none(maps: &'static str) -> Self {
+        Self::with(maps, None)
+    }
+
+    pub fn with(maps: &'static str, stamp: Option<MapsStamp>) -> Self {
+        Self { maps, stamp, newer_than_checkpoint: None, before_write: None }
+    }
+
+    pub fn as_of(&self) -> Option<u32> {
+        self.stamp.as_ref().and_then(MapsStamp::as_of)
+    }
+
+    /// Whether the maps hold newer API state than the checkpoint restored at `restored_as_of`
+    /// (`None`: nothing restored), so that programming it would take them back.
+    pub fn keeps_maps_over_checkpoint(&mut self, restored_as_of: Option<f64>, metrics: &Metrics) -> bool {
+        let Some(taken) = restored_as_of else { return false };
+        let (maps, as_of) = (self.maps, self.as_of());
+        *self.newer_than_checkpoint.get_or_insert_with(|| {
+            let newer = maps_newer_than_checkpoint(as_of, taken);
+            if newer {
+                tracing::info!(
+                    maps,
+                    maps_as_of = as_of,
+                    checkpoint_as_of = taken as u64,
+                    "the maps hold newer API state than the checkpoint; kept as they are until the API lists everything"
+                );
+                metrics.with(|m| *m.checkpoint_superseded.entry(maps).or_default() += 1);
+            }
+            newer
+        })
+    }
+
+    /// Before writing API state: the maps may be half-way between two states until
+    /// [`Self::finish_write`].
+    pub fn begin_write(&mut self) {
+        self.before_write = self.stamp.as_ref().map(|s| s.as_of().unwrap_or(0));
+        self.update(MapsStamp::begin);
+    }
+
+    /// Every write of the API state read at `as_of_unix` took; `wrote` says whether there was
+    /// any (none: the maps held this state already, since their previous stamp).
+    pub fn finish_write(&mut self, wrote: bool, as_of_unix: f64) {
+        let as_of = match self.before_write.take() {
+            Some(previous) if !wrote => f64::from(previous),
+            _ => as_of_unix,
+        };
+        self.update(|stamp| stamp.finish(as_of));
+    }
+
+    fn update(&mut self, update: impl FnOnce(&mut MapsStamp) -> Result<()>) {
+        if let Some(stamp) = self.stamp.as_mut() {
+            if let Err(e) = update(stamp) {
+                let maps = self.maps;
+                tracing::warn!(maps, error = %e, "cannot stamp the maps; a restart during an outage will apply the checkpoint");
+                self.stamp = None;
+            }
+        }
     }
 }
 

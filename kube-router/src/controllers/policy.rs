@@ -13,7 +13,7 @@ use kube_router_common::META_POLICY_AS_OF;
 use crate::{
     bpf::{
         policy_maps::{BpfPolicyMaps, PolicyMaps},
-        stamps::{maps_newer_than_checkpoint, MapsStamp},
+        stamps::ApiStateStamp,
     },
     firewall::{FirewallController, PolicyChanges},
     k8s::{
@@ -29,54 +29,20 @@ pub const POLICY_KINDS: &[Kind] = &[Kind::Pods, Kind::Namespaces, Kind::NetworkP
 pub struct PolicyController<M: PolicyMaps = BpfPolicyMaps> {
     firewall: FirewallController<M>,
     cache: Arc<Cache>,
-    /// How new the API state in the policy maps is (see `bpf::stamps`); `None` without pinned
-    /// maps (tests) or when it cannot be read.
-    stamp: Option<MapsStamp>,
-    /// Whether the maps hold newer API state than the restored checkpoint (decided once).
-    maps_newer: Option<bool>,
+    /// How new the API state in the policy maps is (see `bpf::stamps`); none without pinned
+    /// maps (tests).
+    stamp: ApiStateStamp,
 }
 
 impl<M: PolicyMaps> PolicyController<M> {
     pub fn new(firewall: FirewallController<M>, cache: Arc<Cache>) -> Self {
-        Self { firewall, cache, stamp: None, maps_newer: None }
+        Self { firewall, cache, stamp: ApiStateStamp::none("policy") }
     }
 
     /// Stamps the pinned policy maps with the API state written into them.
     pub fn with_stamp(mut self, pin_dir: &Path) -> Self {
-        self.stamp = MapsStamp::open(pin_dir, META_POLICY_AS_OF)
-            .inspect_err(|e| tracing::warn!(error = %e, "cannot read when the policy maps were last written"))
-            .ok();
+        self.stamp = ApiStateStamp::open(pin_dir, META_POLICY_AS_OF, "policy");
         self
-    }
-
-    /// A restart within a second of a change leaves maps newer than the checkpoint: they are
-    /// kept as they are until the API lists everything.
-    fn maps_newer_than_checkpoint(&mut self) -> bool {
-        let Some(taken) = self.cache.restored_as_of() else { return false };
-        let stamp = &self.stamp;
-        let metrics = self.firewall.metrics();
-        *self.maps_newer.get_or_insert_with(|| {
-            let as_of = stamp.as_ref().and_then(MapsStamp::as_of);
-            let newer = maps_newer_than_checkpoint(as_of, taken);
-            if newer {
-                tracing::info!(
-                    maps_as_of = as_of,
-                    checkpoint_as_of = taken as u64,
-                    "the policy maps hold newer API state than the checkpoint; kept as they are until the API lists everything"
-                );
-                metrics.with(|m| *m.checkpoint_superseded.entry("policy").or_default() += 1);
-            }
-            newer
-        })
-    }
-
-    fn stamp_with(&mut self, update: impl FnOnce(&mut MapsStamp) -> Result<()>) {
-        if let Some(stamp) = self.stamp.as_mut() {
-            if let Err(e) = update(stamp) {
-                tracing::warn!(error = %e, "cannot stamp the policy maps; a restart during an outage will apply the checkpoint");
-                self.stamp = None;
-            }
-        }
     }
 
     pub fn firewall(&self) -> &FirewallController<M> {
@@ -89,25 +55,20 @@ impl<M: PolicyMaps> PolicyController<M> {
         // of pods would deny traffic that is allowed. Before that the change sets stay where
         // they are, and keep growing.
         let restored_only = self.cache.read(POLICY_KINDS, |_| ()).is_some_and(|l| !l.completeness.is_complete());
-        if restored_only && self.maps_newer_than_checkpoint() {
+        if restored_only && self.stamp.keeps_maps_over_checkpoint(self.cache.restored_as_of(), &self.firewall.metrics())
+        {
             // Programming the checkpoint would take the maps back to an older state.
             return None;
         }
         let compiled = self.firewall.has_compiled();
         let listing = self.cache.update(POLICY_KINDS, |o| policy_changes(o, compiled))?;
         let complete = listing.completeness.is_complete();
-        let stamped = self.stamp.as_ref().map(|s| s.as_of().unwrap_or(0));
         if complete {
-            self.stamp_with(|stamp| stamp.begin());
+            self.stamp.begin_write();
         }
         let failed = self.firewall.apply(listing.objects, complete);
         if complete && failed == 0 {
-            // Nothing written: the maps held this state already, since their stamp.
-            let as_of = match stamped {
-                Some(previous) if self.firewall.last_sync().writes == 0 => f64::from(previous),
-                _ => listing.as_of_unix,
-            };
-            self.stamp_with(|stamp| stamp.finish(as_of));
+            self.stamp.finish_write(self.firewall.last_sync().writes > 0, listing.as_of_unix);
         }
         Some(failed)
     }
@@ -170,7 +131,10 @@ mod tests {
 
     use super::*;
     use crate::{
-        bpf::policy_maps::{decode, PolicyMapContents},
+        bpf::{
+            policy_maps::{decode, PolicyMapContents},
+            stamps::MapsStamp,
+        },
         firewall::SyncStats,
         k8s::watch::WatchUpdate,
         metrics::Metrics,
@@ -345,9 +309,9 @@ mod tests {
         list(&cache, WatchUpdate::Pods, (0..PODS).map(|i| pod(i, if i == 0 { "web" } else { app(i) }, 1)));
         list(&cache, WatchUpdate::NetworkPolicies, (0..3).map(policy));
         let mut live = controller(&cache);
-        live.stamp = Some(MapsStamp::in_memory(0));
+        live.stamp = ApiStateStamp::with("policy", Some(MapsStamp::in_memory(0)));
         assert_eq!(live.sync(), Some(0));
-        let stamped = live.stamp.as_ref().and_then(MapsStamp::as_of).expect("a complete sync stamps the maps");
+        let stamped = live.stamp.as_of().expect("a complete sync stamps the maps");
         let maps = live.firewall().maps().clone();
         assert!(!programmed_pods(&live).contains(&ip(0)));
 
@@ -359,7 +323,7 @@ mod tests {
             let cache = Cache::new(restored, Some(checkpoint_unix));
             let firewall = FirewallController::with_maps(maps.clone(), NODE, Metrics::default()).unwrap();
             let mut controller = PolicyController::new(firewall, cache);
-            controller.stamp = Some(MapsStamp::in_memory(stamped));
+            controller.stamp = ApiStateStamp::with("policy", Some(MapsStamp::in_memory(stamped)));
             let outcome = controller.sync();
             (outcome, controller)
         };

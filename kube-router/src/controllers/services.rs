@@ -16,7 +16,7 @@ use tokio::sync::watch;
 use crate::{
     bpf::{
         service_maps::{write_lb_config, BpfServiceMaps, BpfServiceMapsV6},
-        stamps::{maps_newer_than_checkpoint, MapsStamp},
+        stamps::ApiStateStamp,
     },
     config::AgentConfig,
     k8s::{
@@ -70,25 +70,13 @@ pub struct ServiceController {
     /// `KUBE_ROUTER_FULL_SERVICE_COMPILE=1`: convert and compile every Service on every change
     /// (the path before incremental compilation; for benchmarks and comparisons).
     full_compile_only: bool,
-    /// How new the API state in the maps is (`None`: the stamp cannot be read or written; a
-    /// restored checkpoint is then applied as before).
-    stamp: Option<MapsStamp>,
+    /// How new the API state in the maps is.
+    stamp: ApiStateStamp,
     /// Map writes (attempted) of the last [`Self::apply`].
     last_writes: u64,
 }
 
 impl ServiceController {
-    /// Updates the maps' stamp; a failure costs only the check at the next restart (the
-    /// checkpoint is then applied, without deletions), so it is logged, not fatal.
-    fn stamp_with(&mut self, update: impl FnOnce(&mut MapsStamp) -> Result<()>) {
-        if let Some(stamp) = self.stamp.as_mut() {
-            if let Err(e) = update(stamp) {
-                tracing::warn!(error = %e, "cannot stamp the service maps; a restart during an outage will apply the checkpoint");
-                self.stamp = None;
-            }
-        }
-    }
-
     fn node_context(&self) -> NodeContext {
         let mut external_ips = self.external_ips.clone();
         // The node's own addresses are never a Service's to capture.
@@ -480,9 +468,7 @@ impl ServiceController {
             compiler_v6: FamilyCompiler::default(),
             last_node: None,
             full_compile_only: full_compile_only(),
-            stamp: MapsStamp::open(&config.pin_dir, META_SERVICES_AS_OF)
-                .inspect_err(|e| tracing::warn!(error = %e, "cannot read when the service maps were last written"))
-                .ok(),
+            stamp: ApiStateStamp::open(&config.pin_dir, META_SERVICES_AS_OF, "service"),
             last_writes: 0,
         };
         let snat_addr =
@@ -523,8 +509,6 @@ pub struct ServicesFromApi {
     node_addresses: watch::Receiver<Vec<IpAddr>>,
     /// The changes of the Services and EndpointSlices seen so far.
     generation: u64,
-    /// Whether the pinned maps hold newer API state than the restored checkpoint.
-    maps_newer: Option<bool>,
 }
 
 impl ServicesFromApi {
@@ -539,7 +523,6 @@ impl ServicesFromApi {
             dirty,
             node_addresses,
             generation: 0,
-            maps_newer: None,
         }
     }
 
@@ -594,14 +577,14 @@ impl Controller for ServicesFromApi {
         self.changed.merge(listing.objects);
         self.dirty = false;
         let complete = listing.completeness == Completeness::Complete;
-        if !complete && self.maps_newer_than_checkpoint() {
+        let restored_as_of = self.cache.restored_as_of();
+        if !complete && self.controller.stamp.keeps_maps_over_checkpoint(restored_as_of, &self.controller.metrics) {
             // Programming the checkpoint would take the maps back to an older state.
             return Ok(Action::AwaitChange);
         }
         let changed = std::mem::take(&mut self.changed);
-        let stamped = self.controller.stamp.as_ref().map(|s| s.as_of().unwrap_or(0));
         if complete {
-            self.controller.stamp_with(|stamp| stamp.begin());
+            self.controller.stamp.begin_write();
         }
         let failed = self.controller.apply(&self.catalog, changed, complete);
         if failed > 0 {
@@ -610,36 +593,9 @@ impl Controller for ServicesFromApi {
             anyhow::bail!("{failed} service map writes failed");
         }
         if complete {
-            // Nothing written: the maps held this state already, since their stamp.
-            let as_of = match stamped {
-                Some(previous) if self.controller.last_writes == 0 => f64::from(previous),
-                _ => listing.as_of_unix,
-            };
-            self.controller.stamp_with(|stamp| stamp.finish(as_of));
+            self.controller.stamp.finish_write(self.controller.last_writes > 0, listing.as_of_unix);
         }
         Ok(Action::AwaitChange)
-    }
-}
-
-impl ServicesFromApi {
-    /// A restart within a second of a change leaves maps newer than the checkpoint: they are
-    /// kept as they are until the API lists everything (decided once, reported once).
-    fn maps_newer_than_checkpoint(&mut self) -> bool {
-        let Some(taken) = self.cache.restored_as_of() else { return false };
-        let verdict = *self.maps_newer.get_or_insert_with(|| {
-            let as_of = self.controller.stamp.as_ref().and_then(MapsStamp::as_of);
-            let newer = maps_newer_than_checkpoint(as_of, taken);
-            if newer {
-                tracing::info!(
-                    maps_as_of = as_of,
-                    checkpoint_as_of = taken as u64,
-                    "the service maps hold newer API state than the checkpoint; kept as they are until the API lists everything"
-                );
-                self.controller.metrics.with(|m| *m.checkpoint_superseded.entry("service").or_default() += 1);
-            }
-            newer
-        });
-        verdict
     }
 }
 
