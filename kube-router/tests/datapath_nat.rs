@@ -9,6 +9,7 @@ use std::{net::Ipv4Addr, path::PathBuf};
 
 use kube_router::{
     bpf::{
+        conntrack_gc::monotonic_now_ns,
         datapath::{self, Datapath, Hook},
         service_maps::{read_lb_stats, sync_cluster_nets, write_lb_config, BpfServiceMaps, Conntrack},
         test_run::{packet, run_gso, run_on, NodeNetns},
@@ -373,13 +374,6 @@ fn conntrack_map(pin_dir: &std::path::Path) -> aya::maps::HashMap<aya::maps::Map
     aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data)).unwrap()
 }
 
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: writes into a local timespec; CLOCK_MONOTONIC is bpf_ktime_get_ns's clock.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 /// One NodePort flow from `CLIENT:client_port` to REMOTE_POD, as the program recorded it.
 struct Flow {
     client_port: u16,
@@ -388,21 +382,10 @@ struct Flow {
 
 impl Flow {
     fn forward_key(&self, proto: u8, node_port: u16) -> CtKeyV4 {
-        ct_key(proto, (CLIENT, self.client_port), (NODE_IP, node_port))
+        packet::ct_key_v4(proto, (CLIENT, self.client_port), (NODE_IP, node_port))
     }
     fn reverse_key(&self, proto: u8, backend_port: u16) -> CtKeyV4 {
-        ct_key(proto, (REMOTE_POD, backend_port), (NODE_IP, self.snat_port))
-    }
-}
-
-fn ct_key(proto: u8, src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)) -> CtKeyV4 {
-    CtKeyV4 {
-        src_addr: addr_be(src.0),
-        dst_addr: addr_be(dst.0),
-        src_port: src.1.to_be(),
-        dst_port: dst.1.to_be(),
-        proto,
-        pad: [0; 3],
+        packet::ct_key_v4(proto, (REMOTE_POD, backend_port), (NODE_IP, self.snat_port))
     }
 }
 
@@ -428,7 +411,7 @@ fn age(
     closing: bool,
 ) {
     let mut value = ct.get(key, 0).expect("the entry exists");
-    value.last_seen_ns = monotonic_ns() - idle_secs * 1_000_000_000;
+    value.last_seen_ns = monotonic_now_ns() - idle_secs * 1_000_000_000;
     if closing {
         value.flags |= CT_FLAG_CLOSING;
     }

@@ -7,6 +7,7 @@ use std::{net::Ipv4Addr, path::PathBuf};
 
 use kube_router::{
     bpf::{
+        conntrack_gc::monotonic_now_ns,
         datapath::{self, Datapath, Hook},
         service_maps::{write_lb_config, BpfServiceMaps},
         test_run::{packet, run_on, run_xdp, NodeNetns},
@@ -260,24 +261,6 @@ fn local_backends_and_partial_checksums_are_left_to_tc() {
     assert_eq!(lb.stat(xdp_stat::PASS_CHECKSUM_PARTIAL), 1);
 }
 
-fn ct_key(proto: u8, src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)) -> CtKeyV4 {
-    CtKeyV4 {
-        src_addr: addr_be(src.0),
-        dst_addr: addr_be(dst.0),
-        src_port: src.1.to_be(),
-        dst_port: dst.1.to_be(),
-        proto,
-        pad: [0; 3],
-    }
-}
-
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: writes into a local timespec; CLOCK_MONOTONIC is bpf_ktime_get_ns's clock.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 /// The XDP fast path allocates SNAT ports with TC's code: every port held by a closed NodePort
 /// flow past its closing lifetime (entries as TC or XDP leave them, not yet collected), a new
 /// flow served at XDP takes one, and the old flow's entries go.
@@ -287,7 +270,7 @@ fn a_new_flow_at_xdp_takes_the_snat_port_of_a_closed_flow() {
     let data = aya::maps::MapData::from_pin(kube_router::bpf::pinned_map(&lb.pin_dir, "ct_v4")).unwrap();
     let mut ct: aya::maps::HashMap<_, CtKeyV4, CtValueV4> =
         aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data)).unwrap();
-    let closed_at = monotonic_ns() - (CT_LIFETIME_CLOSING_SECS + 1) * 1_000_000_000;
+    let closed_at = monotonic_now_ns() - (CT_LIFETIME_CLOSING_SECS + 1) * 1_000_000_000;
     let (tcp, node_port, backend) = (packet::TCP, (NODE_IP, 30080), (REMOTE_POD, 8080));
     let entry = |nat_src: (Ipv4Addr, u16), nat_dst: (Ipv4Addr, u16), flags: u16| CtValueV4 {
         last_seen_ns: closed_at,
@@ -304,8 +287,13 @@ fn a_new_flow_at_xdp_takes_the_snat_port_of_a_closed_flow() {
         let client = (CLIENT, 30_000 + port - SNAT_PORTS.0);
         let snat = (NODE_IP, port);
         // The client's FIN or RST: its forward entry is closing; the reverse one is not.
-        ct.insert(ct_key(tcp, client, node_port), entry(snat, backend, CT_FLAG_FORWARD | CT_FLAG_CLOSING), 0).unwrap();
-        ct.insert(ct_key(tcp, backend, snat), entry(node_port, client, CT_FLAG_REVERSE), 0).unwrap();
+        ct.insert(
+            packet::ct_key_v4(tcp, client, node_port),
+            entry(snat, backend, CT_FLAG_FORWARD | CT_FLAG_CLOSING),
+            0,
+        )
+        .unwrap();
+        ct.insert(packet::ct_key_v4(tcp, backend, snat), entry(node_port, client, CT_FLAG_REVERSE), 0).unwrap();
     }
     let exhausted = |lb: &Loaded| {
         kube_router::bpf::service_maps::read_lb_stats(&lb.pin_dir).unwrap()[lb_stat::SNAT_PORTS_EXHAUSTED as usize]
@@ -321,8 +309,8 @@ fn a_new_flow_at_xdp_takes_the_snat_port_of_a_closed_flow() {
     assert_eq!(exhausted(&lb), 0);
     // The port's old flow is gone, both ways; the new flow holds it; the other old flows stay.
     let old_client = (CLIENT, 30_000 + src.1 - SNAT_PORTS.0);
-    assert!(ct.get(&ct_key(tcp, old_client, node_port), 0).is_err(), "old forward entry removed");
-    let reverse = ct.get(&ct_key(tcp, backend, src), 0).unwrap();
+    assert!(ct.get(&packet::ct_key_v4(tcp, old_client, node_port), 0).is_err(), "old forward entry removed");
+    let reverse = ct.get(&packet::ct_key_v4(tcp, backend, src), 0).unwrap();
     assert_eq!(u16::from_be(reverse.nat_dst_port), 40000, "the reverse entry is the new flow's");
     let range = usize::from(SNAT_PORTS.1 - SNAT_PORTS.0) + 1;
     assert_eq!(ct.keys().count(), 2 * range);

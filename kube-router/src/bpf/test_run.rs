@@ -236,6 +236,19 @@ pub mod packet {
     pub const TCP_ACK: u8 = 0x10;
     pub const TCP_RST: u8 = 0x04;
 
+    /// A `ct_v4` key of a flow from `src` to `dst` (addresses and ports as given, stored in
+    /// network order as the datapath keeps them).
+    pub fn ct_key_v4(proto: u8, src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)) -> kube_router_common::CtKeyV4 {
+        kube_router_common::CtKeyV4 {
+            src_addr: crate::services::compile::addr_be(src.0),
+            dst_addr: crate::services::compile::addr_be(dst.0),
+            src_port: src.1.to_be(),
+            dst_port: dst.1.to_be(),
+            proto,
+            pad: [0; 3],
+        }
+    }
+
     fn fold(mut sum: u32) -> u16 {
         while sum > 0xffff {
             sum = (sum & 0xffff) + (sum >> 16);
