@@ -49,11 +49,17 @@ const CASES: [(u8, bool, u64, bool); 6] = [
     (IPPROTO_UDP, false, CT_LIFETIME_NON_TCP_SECS + 20, false),
 ];
 
+/// A clock reading past every case's age, whatever the machine's uptime (a freshly booted
+/// machine's monotonic clock is younger than the longest lifetime).
+fn gc_clock() -> u64 {
+    monotonic_now_ns() + (CT_LIFETIME_TCP_SECS + 3_600) * SEC
+}
+
 #[test]
 fn service_conntrack_entries_past_their_lifetime_are_removed_and_live_ones_kept() {
     let loaded = load("lb");
     let mut map: HashMap<MapData, CtKeyV4, CtValueV4> = pinned(&loaded.pin_dir, map_names::CONNTRACK);
-    let now = monotonic_now_ns();
+    let now = gc_clock();
     let key = |i: usize, proto: u8| CtKeyV4 {
         src_addr: u32::from_ne_bytes([10, 1, 0, 7]),
         dst_addr: u32::from_ne_bytes([10, 96, 0, 10]),
@@ -77,7 +83,7 @@ fn service_conntrack_entries_past_their_lifetime_are_removed_and_live_ones_kept(
         };
         map.insert(key(i, *proto), value, 0).unwrap();
     }
-    let (left, removed) = Conntrack::open_pinned(&loaded.pin_dir).unwrap().collect_garbage().unwrap();
+    let (left, removed) = Conntrack::open_pinned(&loaded.pin_dir).unwrap().collect_garbage_at(now).unwrap();
     assert_eq!((left, removed), (3, 3));
     for (i, (proto, _, _, stays)) in CASES.iter().enumerate() {
         assert_eq!(map.get(&key(i, *proto), 0).is_ok(), *stays, "case {i}: {:?}", CASES[i]);
@@ -88,7 +94,7 @@ fn service_conntrack_entries_past_their_lifetime_are_removed_and_live_ones_kept(
 fn policy_conntrack_entries_past_their_lifetime_are_removed_and_live_ones_kept() {
     let loaded = load("pol");
     let mut map: HashMap<MapData, PolicyCtKeyV4, PolicyCtValue> = pinned(&loaded.pin_dir, map_names::POLICY_CONNTRACK);
-    let now = monotonic_now_ns();
+    let now = gc_clock();
     let key = |i: usize, proto: u8| PolicyCtKeyV4 {
         pod_addr: u32::from_ne_bytes([10, 244, 1, 2]),
         peer_addr: u32::from_ne_bytes([10, 244, 2, 2]),
@@ -101,7 +107,7 @@ fn policy_conntrack_entries_past_their_lifetime_are_removed_and_live_ones_kept()
         let flags = if *closing { POLICY_CT_CLOSING } else { 0 };
         map.insert(key(i, *proto), PolicyCtValue { last_seen_ns: now - idle * SEC, flags, pad: [0; 7] }, 0).unwrap();
     }
-    let (left, removed) = PolicyConntrack::open_pinned(&loaded.pin_dir).unwrap().collect_garbage().unwrap();
+    let (left, removed) = PolicyConntrack::open_pinned(&loaded.pin_dir).unwrap().collect_garbage_at(now).unwrap();
     assert_eq!((left, removed), (3, 3));
     for (i, (proto, _, _, stays)) in CASES.iter().enumerate() {
         assert_eq!(map.get(&key(i, *proto), 0).is_ok(), *stays, "case {i}: {:?}", CASES[i]);

@@ -3,13 +3,13 @@
 //! removed, so the LRU never has to evict live flows to make room for new ones.
 use aya::maps::{HashMap, MapData};
 
-/// Removes the entries `expired` picks (given the monotonic clock now, in the datapath's
-/// `bpf_ktime_get_ns` time). Returns (entries left, entries removed).
+/// Removes the entries `expired` picks, given the clock reading `now` (the datapath's
+/// `bpf_ktime_get_ns` time, `monotonic_now_ns`). Returns (entries left, entries removed).
 pub fn collect_expired<K: aya::Pod, V: aya::Pod>(
     map: &mut HashMap<MapData, K, V>,
+    now: u64,
     expired: impl Fn(&K, &V, u64) -> bool,
 ) -> (usize, usize) {
-    let now = monotonic_now_ns();
     // One pass over the map: count every entry and pick the expired ones.
     let mut total = 0;
     let mut gone = Vec::new();

@@ -538,12 +538,19 @@ impl PolicyConntrack {
     /// connections (whose replies would then be judged as new flows). Returns (left, removed)
     /// over both families.
     pub fn collect_garbage(&mut self) -> Result<(usize, usize)> {
+        self.collect_garbage_at(super::conntrack_gc::monotonic_now_ns())
+    }
+
+    /// `collect_garbage` as if the clock read `now` (tests: entries older than the machine's
+    /// uptime cannot be written otherwise).
+    pub fn collect_garbage_at(&mut self, now: u64) -> Result<(usize, usize)> {
         use super::conntrack_gc::collect_expired;
         let expired = |proto: u8, value: &PolicyCtValue, now: u64| {
             now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(proto)
         };
-        let (left4, removed4) = collect_expired(&mut self.map, |key, value, now| expired(key.proto, value, now));
-        let (left6, removed6) = collect_expired(&mut self.map_v6, |key, value, now| expired(key.proto, value, now));
+        let (left4, removed4) = collect_expired(&mut self.map, now, |key, value, now| expired(key.proto, value, now));
+        let (left6, removed6) =
+            collect_expired(&mut self.map_v6, now, |key, value, now| expired(key.proto, value, now));
         Ok((left4 + left6, removed4 + removed6))
     }
 }

@@ -247,7 +247,13 @@ where
     /// Active GC: removes entries idle past their lifetime, so the LRU never has to evict live
     /// flows to make room for new ones. Returns (entries left, entries removed).
     pub fn collect_garbage(&mut self) -> Result<(usize, usize)> {
-        Ok(super::conntrack_gc::collect_expired(&mut self.map, |key, value, now| {
+        self.collect_garbage_at(super::conntrack_gc::monotonic_now_ns())
+    }
+
+    /// `collect_garbage` as if the clock read `now` (tests: entries older than the machine's
+    /// uptime cannot be written otherwise).
+    pub fn collect_garbage_at(&mut self, now: u64) -> Result<(usize, usize)> {
+        Ok(super::conntrack_gc::collect_expired(&mut self.map, now, |key, value, now| {
             now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(key.proto)
         }))
     }
