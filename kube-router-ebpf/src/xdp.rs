@@ -22,6 +22,7 @@ use crate::{
     conntrack,
     family::{Family, V4, V6},
     lb::{choose, flow_opened, known, new_flow, Choice, Known, NewFlowVerdict},
+    maps::Work,
     nat::Tuple,
     packet::{xdp_store, Packet},
     parsing::{
@@ -61,15 +62,16 @@ const BPF_FIB_LKUP_RET_SUCCESS: i64 = 0;
 pub fn handle(ctx: &XdpContext) -> u32 {
     count(xdp_stat::PACKETS);
     match ip_version(ctx) {
-        Ok(IpVersion::V4) => serve::<V4>(ctx),
-        Ok(IpVersion::V6) => serve::<V6>(ctx),
+        Ok(IpVersion::V4) => parse_and_serve::<V4>(ctx),
+        Ok(IpVersion::V6) => parse_and_serve::<V6>(ctx),
         _ => pass(xdp_stat::PASS_NOT_LB),
     }
 }
 
-// Not inlined: one frame per family, as at TC.
-#[inline(never)]
-fn serve<F: Forward>(ctx: &XdpContext) -> u32 {
+/// Parses here, beside `serve` rather than inside it: the parser reads the frame directly, and
+/// its frame on top of `serve`'s and `send`'s would pass the verifier's 512-byte stack bound.
+#[inline(always)]
+fn parse_and_serve<F: Forward>(ctx: &XdpContext) -> u32 {
     let Some(work) = F::work().get_ptr_mut(0) else {
         return pass(xdp_stat::PASS_NOT_LB);
     };
@@ -78,6 +80,12 @@ fn serve<F: Forward>(ctx: &XdpContext) -> u32 {
     if !F::parse(ctx, &mut work.parsed) {
         return pass(xdp_stat::PASS_NOT_LB);
     }
+    serve::<F>(ctx, work)
+}
+
+// Not inlined: one frame per family, as at TC.
+#[inline(never)]
+fn serve<F: Forward>(ctx: &XdpContext, work: &mut Work<F::Addr>) -> u32 {
     let LbParsed::Flow(flow) = &work.parsed else {
         return pass(xdp_stat::PASS_NOT_LB);
     };
