@@ -8,10 +8,10 @@ use std::{collections::BTreeMap, net::Ipv4Addr, path::PathBuf};
 
 use kube_router::{
     bpf::{
+        counters::read_pinned_if_exists,
         datapath::{self, Datapath, Hook},
         service_maps::{read_lb_stats, sync_cluster_nets, write_lb_config, BpfServiceMaps},
         test_run::{packet, run_on, NodeNetns},
-        xdp::read_counters,
     },
     services::{
         compile::{addr_be, assign_ids, plan, Limits},
@@ -108,7 +108,8 @@ impl Loaded {
         (out.retval, out.packet)
     }
     fn dsr(&self, index: u32) -> u64 {
-        read_counters(&self.pin_dir, map_names::DSR_STATS, dsr_stat::COUNT).unwrap().expect("dsr_stats")[index as usize]
+        read_pinned_if_exists(&self.pin_dir, map_names::DSR_STATS, dsr_stat::COUNT).unwrap().expect("dsr_stats")
+            [index as usize]
     }
     fn lb(&self, index: u32) -> u64 {
         read_lb_stats(&self.pin_dir).unwrap()[index as usize]
