@@ -12,7 +12,7 @@ use kube_router::{
         datapath::{self, Datapath, Hook},
         service_maps::write_lb_config,
         service_maps::{BpfServiceMaps, BpfServiceMapsV6},
-        test_run::{packet, run_on, run_xdp, NodeNetns},
+        test_run::{packet, run_on, run_xdp, NodeNetns, XDP_PASS, XDP_TX},
         xdp,
     },
     services::{
@@ -198,8 +198,6 @@ fn main() {
             (0..SAMPLES).map(|i| u64::from(run_xdp(xdp_fd, &frame(i), 1, uplink).expect("test run").duration_ns)).sum();
         total as f64 / f64::from(SAMPLES)
     };
-    const XDP_PASS: i32 = 2;
-    const XDP_TX: i32 = 3;
     let not_ours = tcp(client, (Ipv4Addr::new(10, 200, 0, 1), 80), packet::TCP_ACK);
     assert_eq!(run_xdp(xdp_fd, &not_ours, 1, uplink).unwrap().retval, XDP_PASS);
     let established = tcp((outside, 1000), node_port, packet::TCP_ACK);

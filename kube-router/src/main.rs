@@ -7,6 +7,7 @@ use kube_router::{
     agent::{self, AgentConfig, DesiredSource},
     bgp::peers::parse_external_peer_flags,
     bpf::{
+        counters::read_pinned_if_exists,
         datapath::{self, AttachMode},
         layout::MapSizes,
         service_maps::{read_lb_stats, FamilyConntrack},
@@ -564,7 +565,7 @@ fn main() -> ExitCode {
                 println!("xdp_{name} {n}");
             }
             // Direct server return's counters, if the datapath ever had them.
-            let dsr = xdp::read_counters(&cli.bpf_root, map_names::DSR_STATS, dsr_stat::COUNT);
+            let dsr = read_pinned_if_exists(&cli.bpf_root, map_names::DSR_STATS, dsr_stat::COUNT);
             for (name, n) in dsr_stat::NAMES.iter().zip(dsr.ok().flatten().unwrap_or_default()) {
                 println!("dsr_{name} {n}");
             }

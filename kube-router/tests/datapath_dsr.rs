@@ -4,36 +4,24 @@
 //! the MTU less the outer header, and leaves NodePorts to source NAT; the backend's node takes the
 //! tunnel apart, delivers the inner packet to the backend the tunnel names and restores the
 //! reply to the frontend. Needs root. (End to end: tests/tests/cluster_dsr.rs.)
-use std::{collections::BTreeMap, net::Ipv4Addr, path::PathBuf};
+use std::{collections::BTreeMap, net::Ipv4Addr};
 
 use kube_router::{
     bpf::{
-        datapath::{self, Datapath, Hook},
-        service_maps::{read_lb_stats, sync_cluster_nets, write_lb_config, BpfServiceMaps},
-        test_run::{packet, run_on, NodeNetns},
-        xdp::read_counters,
+        counters::read_pinned_if_exists,
+        datapath::Hook,
+        service_maps::sync_cluster_nets,
+        test_run::{packet, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC},
     },
-    services::{
-        compile::{addr_be, assign_ids, plan, Limits},
-        model::NodeContext,
-        source::parse_objects,
-        sync::ServiceSync,
-    },
+    services::{compile::addr_be, model::NodeContext},
 };
 use kube_router_common::{dsr_stat, lb_stat, map_names, LbConfig, CLUSTER_NET_NODE, CLUSTER_NET_POD};
 
-const TC_ACT_UNSPEC: i32 = -1;
-const TC_ACT_SHOT: i32 = 2;
-const TC_ACT_REDIRECT: i32 = 7;
-const IPIP: u8 = 4;
+mod common;
+use common::{load_node, Loaded, CLIENT, EXTERNAL_IP, LOCAL_POD, NODE_IP, REMOTE_POD, VIP};
 
-const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 100, 0, 1);
+const IPIP: u8 = 4;
 const OTHER_NODE: Ipv4Addr = Ipv4Addr::new(10, 100, 0, 2);
-const CLIENT: Ipv4Addr = Ipv4Addr::new(192, 168, 100, 2);
-const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
-const LOCAL_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 5);
-const REMOTE_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 5);
 
 /// Service `web` with DSR: ClusterIP VIP, NodePort 30080/30053, ExternalIP, TCP 80 -> 8080 and
 /// UDP 53 -> 5353, over one endpoint.
@@ -47,50 +35,12 @@ fn service_yaml(endpoint: (Ipv4Addr, &str)) -> String {
     )
 }
 
-struct Loaded {
-    datapath: Datapath,
-    pin_dir: PathBuf,
-    ifindex: u32,
-    _node: NodeNetns,
-}
-
-impl Drop for Loaded {
-    fn drop(&mut self) {
-        let _ = datapath::remove_all(&self.pin_dir);
-    }
-}
-
 /// This node (`node-a`, NODE_IP on `up0`, pods 10.244.1.0/24) with `endpoint` behind `web`.
 fn load(test: &str, endpoint: (Ipv4Addr, &str)) -> Loaded {
-    let name = format!("krt-dsr-unit-{test}");
-    let node = NodeNetns::enter(
-        &name,
-        &[
-            &["link", "add", "up0", "type", "veth", "peer", "name", "up1"],
-            &["addr", "add", "10.100.0.1/24", "dev", "up0"],
-            &["link", "set", "up0", "up"],
-            &["link", "set", "up1", "up"],
-            &["route", "add", "10.244.2.0/24", "via", "10.100.0.2"],
-            &["route", "add", "192.168.100.0/24", "via", "10.100.0.254"],
-            &["link", "add", "pod0", "type", "veth", "peer", "name", "pod1"],
-            &["addr", "add", "10.244.1.1/24", "dev", "pod0"],
-            &["link", "set", "pod0", "up"],
-            &["link", "set", "pod1", "up"],
-        ],
-    )
-    .expect("node netns");
-    let ifindex = node.ifindex("up0");
-    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/{name}"));
-    let _ = datapath::remove_all(&pin_dir);
-    let datapath = Datapath::load(&pin_dir).expect("load datapath (run as root)");
-    let mut maps = BpfServiceMaps::open_pinned(&pin_dir).unwrap();
-    let mut sync = ServiceSync::adopt(&maps).unwrap();
-    let builder = parse_objects(&service_yaml(endpoint)).unwrap();
     let node_context =
         NodeContext { name: "node-a".into(), node_port_addrs: vec![NODE_IP.into()], ..Default::default() };
-    let desired = assign_ids(&plan(&builder.state, &node_context, Limits::default()), sync.programmed());
-    assert_eq!(sync.sync(&mut maps, &desired, true).total().errors, 0);
-    write_lb_config(&pin_dir, &LbConfig { snat_addr: addr_be(NODE_IP), ..Default::default() }).unwrap();
+    let config = LbConfig { snat_addr: addr_be(NODE_IP), ..Default::default() };
+    let lb = load_node(&format!("krt-dsr-unit-{test}"), &[], &service_yaml(endpoint), &node_context, &config);
     // As the agent writes them from the Node objects.
     let nets = BTreeMap::from([
         ("10.244.1.0/24".parse().unwrap(), CLUSTER_NET_POD),
@@ -98,20 +48,15 @@ fn load(test: &str, endpoint: (Ipv4Addr, &str)) -> Loaded {
         ("10.100.0.1/32".parse().unwrap(), CLUSTER_NET_NODE),
         ("10.100.0.2/32".parse().unwrap(), CLUSTER_NET_NODE),
     ]);
-    sync_cluster_nets(&pin_dir, &nets).unwrap();
-    Loaded { datapath, pin_dir, ifindex, _node: node }
+    sync_cluster_nets(&lb.pin_dir, &nets).unwrap();
+    lb
 }
 
 impl Loaded {
-    fn run(&self, hook: Hook, frame: &[u8]) -> (i32, Vec<u8>) {
-        let out = run_on(self.datapath.program_fd(hook).unwrap(), frame, 1, Some(self.ifindex)).unwrap();
-        (out.retval, out.packet)
-    }
-    fn dsr(&self, index: u32) -> u64 {
-        read_counters(&self.pin_dir, map_names::DSR_STATS, dsr_stat::COUNT).unwrap().expect("dsr_stats")[index as usize]
-    }
-    fn lb(&self, index: u32) -> u64 {
-        read_lb_stats(&self.pin_dir).unwrap()[index as usize]
+    /// Direct server return's counter `index` (`dsr_stat`), summed over the CPUs.
+    fn dsr_stat(&self, index: u32) -> u64 {
+        read_pinned_if_exists(&self.pin_dir, map_names::DSR_STATS, dsr_stat::COUNT).unwrap().expect("dsr_stats")
+            [index as usize]
     }
 }
 
@@ -150,8 +95,8 @@ fn a_flow_to_a_backend_on_another_node_is_tunnelled_untranslated() {
     let later = packet::ipv4(packet::TCP, (CLIENT, 40000), (EXTERNAL_IP, 80), packet::TCP_ACK, b"more");
     let (verdict, out) = lb.run(Hook::Ingress, &later);
     assert_eq!((verdict, &out[34..]), (TC_ACT_REDIRECT, &later[14..]));
-    assert_eq!((lb.dsr(dsr_stat::NEW_FLOW), lb.dsr(dsr_stat::ENCAPSULATED)), (4, 5));
-    assert_eq!(lb.lb(lb_stat::SNAT_NEW_FLOW), 0);
+    assert_eq!((lb.dsr_stat(dsr_stat::NEW_FLOW), lb.dsr_stat(dsr_stat::ENCAPSULATED)), (4, 5));
+    assert_eq!(lb.lb_stat(lb_stat::SNAT_NEW_FLOW), 0);
 
     // The NodePort and the ClusterIP of the same Service: translated as always.
     let (verdict, out) =
@@ -162,7 +107,7 @@ fn a_flow_to_a_backend_on_another_node_is_tunnelled_untranslated() {
     let (_, out) =
         lb.run(Hook::Ingress, &packet::ipv4(packet::TCP, (LOCAL_POD, 40101), (VIP, 80), packet::TCP_SYN, b""));
     assert_eq!(packet::endpoints(&out), ((LOCAL_POD, 40101), (REMOTE_POD, 8080)));
-    assert_eq!(lb.dsr(dsr_stat::NEW_FLOW), 4);
+    assert_eq!(lb.dsr_stat(dsr_stat::NEW_FLOW), 4);
 }
 
 #[test]
@@ -182,13 +127,13 @@ fn a_packet_too_big_for_the_tunnel_is_answered_with_the_mtu_less_the_outer_heade
     assert_eq!(u16::from_be_bytes([out[40], out[41]]), 1480, "the link's MTU less the outer header");
     assert_eq!(&out[42..], &full[14..14 + 28], "quoting the packet as the client sent it");
     assert!(packet::icmp_checksums_valid(&out));
-    assert_eq!(lb.dsr(dsr_stat::FRAG_NEEDED_SENT), 1);
+    assert_eq!(lb.dsr_stat(dsr_stat::FRAG_NEEDED_SENT), 1);
     // 1,480 bytes fit.
     let l4 = packet::l4_segment(packet::TCP, client, (EXTERNAL_IP, 80), packet::TCP_ACK, &[7u8; 1440]);
     let fits = packet::ipv4_frame(packet::TCP, CLIENT, EXTERNAL_IP, 0x4000, &l4);
     let (verdict, out) = lb.run(Hook::Ingress, &fits);
     assert_eq!((verdict, out.len()), (TC_ACT_REDIRECT, fits.len() + 20));
-    assert_eq!(lb.dsr(dsr_stat::ENCAP_FAILED), 0);
+    assert_eq!(lb.dsr_stat(dsr_stat::ENCAP_FAILED), 0);
 }
 
 #[test]
@@ -217,7 +162,7 @@ fn a_tunnelled_packet_is_delivered_to_the_backend_it_names_and_answered_from_the
         assert_eq!(packet::endpoints(&out), ((EXTERNAL_IP, frontend), client));
         assert!(packet::checksums_valid(&out));
     }
-    assert_eq!((lb.dsr(dsr_stat::DECAPSULATED), lb.dsr(dsr_stat::DELIVER_NEW_FLOW)), (6, 2));
+    assert_eq!((lb.dsr_stat(dsr_stat::DECAPSULATED), lb.dsr_stat(dsr_stat::DELIVER_NEW_FLOW)), (6, 2));
     // The same flows reaching this node directly (the network moved them here): they stay on the
     // tunnel's backend, which is no slot's id here and must not count as gone (UDP would move).
     for (proto, frontend, backend_port) in [(packet::TCP, 80, 8080u16), (packet::UDP, 53, 5353)] {
@@ -225,7 +170,7 @@ fn a_tunnelled_packet_is_delivered_to_the_backend_it_names_and_answered_from_the
         let (_, out) = lb.run(Hook::Ingress, &direct);
         assert_eq!(packet::endpoints(&out), ((CLIENT, 41000), (LOCAL_POD, backend_port)));
     }
-    assert_eq!(lb.lb(lb_stat::CT_RESELECTED), 0);
+    assert_eq!(lb.lb_stat(lb_stat::CT_RESELECTED), 0);
 
     // Not from a node, or not to a pod: not ours, untouched.
     let inner = packet::ipv4(packet::TCP, (CLIENT, 41001), (EXTERNAL_IP, 80), packet::TCP_SYN, b"");
@@ -236,6 +181,6 @@ fn a_tunnelled_packet_is_delivered_to_the_backend_it_names_and_answered_from_the
     // From a node to a pod, but for no frontend here: dropped.
     let stray = packet::ipv4(packet::TCP, (CLIENT, 41002), (Ipv4Addr::new(192, 0, 2, 99), 80), packet::TCP_SYN, b"");
     assert_eq!(lb.run(Hook::Ingress, &tunnelled(OTHER_NODE, LOCAL_POD, 8080, &stray)).0, TC_ACT_SHOT);
-    assert_eq!(lb.dsr(dsr_stat::DECAP_REFUSED), 1);
-    assert_eq!(lb.dsr(dsr_stat::DECAPSULATED), 7);
+    assert_eq!(lb.dsr_stat(dsr_stat::DECAP_REFUSED), 1);
+    assert_eq!(lb.dsr_stat(dsr_stat::DECAPSULATED), 7);
 }

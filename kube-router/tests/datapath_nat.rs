@@ -5,38 +5,25 @@
 //!
 //! Packets that the program routes (FIB lookup + redirect) are run "arriving" on an interface of
 //! a network namespace made for the test, so the lookup sees that namespace's routes.
-use std::{net::Ipv4Addr, path::PathBuf};
+use std::net::Ipv4Addr;
 
 use kube_router::{
     bpf::{
         conntrack_gc::monotonic_now_ns,
-        datapath::{self, Datapath, Hook},
-        service_maps::{read_lb_stats, sync_cluster_nets, write_lb_config, BpfServiceMaps, Conntrack},
-        test_run::{packet, run_gso, run_on, NodeNetns},
+        datapath::Hook,
+        service_maps::{sync_cluster_nets, write_lb_config, Conntrack},
+        test_run::{packet, run_gso, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC},
     },
-    services::{
-        compile::{addr_be, assign_ids, plan, Limits},
-        model::NodeContext,
-        source::parse_objects,
-        sync::ServiceSync,
-    },
+    services::{compile::addr_be, model::NodeContext},
 };
 use kube_router_common::{
     lb_stat, CtKeyV4, CtValueV4, LbConfig, CT_FLAG_CLOSING, CT_FLAG_SEEN_REPLY, CT_LIFETIME_CLOSING_SECS,
     CT_LIFETIME_NON_TCP_SECS, LB_CONFIG_POD_EGRESS,
 };
 
-const TC_ACT_UNSPEC: i32 = -1;
-const TC_ACT_SHOT: i32 = 2;
-const TC_ACT_REDIRECT: i32 = 7;
+mod common;
+use common::{load_node, program_services, ttl, Loaded, CLIENT, EXTERNAL_IP, LOCAL_POD, NODE_IP, REMOTE_POD, VIP};
 
-const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 100, 0, 1);
-const CLIENT: Ipv4Addr = Ipv4Addr::new(192, 168, 100, 2);
-const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
-/// A pod on this node ("node-a") and one on another node.
-const LOCAL_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 5);
-const REMOTE_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 5);
 const SNAT_PORTS: (u16, u16) = (20_000, 20_003);
 
 /// A Service `web`: ClusterIP VIP:80/TCP and :53/UDP, NodePort 30080/TCP and 30053/UDP, an
@@ -54,40 +41,6 @@ fn service_yaml(endpoints: &[(Ipv4Addr, &str)], annotations: &str) -> String {
     )
 }
 
-/// The node's network namespace: `up0` (NODE_IP/24) towards the fabric, the other node's pod
-/// CIDR and the client's subnet routed via the fabric, this node's pods on `pod0`.
-fn node_netns(name: &str) -> NodeNetns {
-    NodeNetns::enter(
-        name,
-        &[
-            &["link", "add", "up0", "type", "veth", "peer", "name", "up1"],
-            &["addr", "add", "10.100.0.1/24", "dev", "up0"],
-            &["link", "set", "up0", "up"],
-            &["link", "set", "up1", "up"],
-            &["route", "add", "10.244.2.0/24", "via", "10.100.0.2"],
-            &["route", "add", "192.168.100.0/24", "via", "10.100.0.254"],
-            &["link", "add", "pod0", "type", "veth", "peer", "name", "pod1"],
-            &["addr", "add", "10.244.1.1/24", "dev", "pod0"],
-            &["link", "set", "pod0", "up"],
-            &["link", "set", "pod1", "up"],
-        ],
-    )
-    .expect("node netns")
-}
-
-struct Loaded {
-    datapath: Datapath,
-    pin_dir: PathBuf,
-    ifindex: u32,
-    _node: NodeNetns,
-}
-
-impl Drop for Loaded {
-    fn drop(&mut self) {
-        let _ = datapath::remove_all(&self.pin_dir);
-    }
-}
-
 fn node_context() -> NodeContext {
     NodeContext {
         name: "node-a".into(),
@@ -98,11 +51,7 @@ fn node_context() -> NodeContext {
 }
 
 fn program(pin_dir: &std::path::Path, yaml: &str) {
-    let mut maps = BpfServiceMaps::open_pinned(pin_dir).unwrap();
-    let mut sync = ServiceSync::adopt(&maps).unwrap();
-    let builder = parse_objects(yaml).unwrap();
-    let desired = assign_ids(&plan(&builder.state, &node_context(), Limits::default()), sync.programmed());
-    assert_eq!(sync.sync(&mut maps, &desired, true).total().errors, 0);
+    program_services(pin_dir, yaml, &node_context());
 }
 
 fn load(test: &str, yaml: &str) -> Loaded {
@@ -111,40 +60,13 @@ fn load(test: &str, yaml: &str) -> Loaded {
 
 /// `load` with the network namespace and pin directory named `name`.
 fn load_named(name: &str, yaml: &str) -> Loaded {
-    let node = node_netns(name);
-    let ifindex = node.ifindex("up0");
-    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/{name}"));
-    let _ = datapath::remove_all(&pin_dir);
-    let datapath = Datapath::load(&pin_dir).expect("load datapath (run as root)");
-    program(&pin_dir, yaml);
     let config = LbConfig {
         snat_addr: addr_be(NODE_IP),
         snat_port_min: SNAT_PORTS.0,
         snat_port_max: SNAT_PORTS.1,
         ..Default::default()
     };
-    write_lb_config(&pin_dir, &config).unwrap();
-    Loaded { datapath, pin_dir, ifindex, _node: node }
-}
-
-impl Loaded {
-    fn ingress(&self, frame: &[u8]) -> (i32, Vec<u8>) {
-        let fd = self.datapath.program_fd(Hook::Ingress).unwrap();
-        let out = run_on(fd, frame, 1, Some(self.ifindex)).unwrap();
-        (out.retval, out.packet)
-    }
-    fn egress(&self, frame: &[u8]) -> (i32, Vec<u8>) {
-        let fd = self.datapath.program_fd(Hook::Egress).unwrap();
-        let out = run_on(fd, frame, 1, Some(self.ifindex)).unwrap();
-        (out.retval, out.packet)
-    }
-    fn stat(&self, index: u32) -> u64 {
-        read_lb_stats(&self.pin_dir).unwrap()[index as usize]
-    }
-}
-
-fn ttl(frame: &[u8]) -> u8 {
-    frame[14 + 8]
+    load_node(name, &[], yaml, &node_context(), &config)
 }
 
 #[test]
@@ -181,9 +103,9 @@ fn north_south_to_another_node_is_source_natted_and_routed_both_ways() {
     let (verdict, back) = lb.ingress(&packet::ipv4(packet::TCP, dst, src, packet::TCP_ACK, b""));
     assert_eq!(verdict, TC_ACT_UNSPEC);
     assert_eq!(packet::endpoints(&back), ((EXTERNAL_IP, 80), (CLIENT, 40001)));
-    assert_eq!(lb.stat(lb_stat::SNAT_NEW_FLOW), 3);
+    assert_eq!(lb.lb_stat(lb_stat::SNAT_NEW_FLOW), 3);
     // Every packet of the NodePort flows both ways, and the ExternalIP flow's first packet.
-    assert_eq!(lb.stat(lb_stat::REDIRECTED), 7);
+    assert_eq!(lb.lb_stat(lb_stat::REDIRECTED), 7);
 
     // A ClusterIP flow from a pod keeps the pod's address (no source NAT for east-west).
     let (verdict, out) = lb.ingress(&packet::ipv4(packet::TCP, (LOCAL_POD, 41000), (VIP, 80), packet::TCP_SYN, b""));
@@ -211,8 +133,8 @@ fn merged_segments_are_routed_by_their_segment_size() {
     assert_eq!((out.retval, frag_needed_mtu(&out.packet)), (TC_ACT_REDIRECT, Some(1500)));
     let (verdict, out) = lb.ingress(&merged);
     assert_eq!((verdict, frag_needed_mtu(&out)), (TC_ACT_REDIRECT, Some(1500)));
-    assert_eq!(lb.stat(lb_stat::FRAG_NEEDED_SENT), 2);
-    assert_eq!(lb.stat(lb_stat::REDIRECT_FAILED), 0);
+    assert_eq!(lb.lb_stat(lb_stat::FRAG_NEEDED_SENT), 2);
+    assert_eq!(lb.lb_stat(lb_stat::REDIRECT_FAILED), 0);
 }
 
 /// The next-hop MTU of an ICMP "fragmentation needed" (3/4) frame, `None` for anything else.
@@ -257,7 +179,7 @@ fn a_packet_too_big_for_the_route_is_answered_with_fragmentation_needed() {
         assert_eq!(&out[42..], &full[14..14 + 28], "quotes the header and 8 bytes exactly as the client sent them");
         assert_eq!(packet::quoted_endpoints(&out), (client, frontend));
         assert!(packet::icmp_checksums_valid(&out));
-        assert_eq!(lb.stat(lb_stat::FRAG_NEEDED_SENT), sent as u64 + 1);
+        assert_eq!(lb.lb_stat(lb_stat::FRAG_NEEDED_SENT), sent as u64 + 1);
     }
     // The other way: the backend's full-size reply to the NodePort flow, routed by us towards the
     // client over a smaller path, is answered to the backend, quoted as the backend sent it.
@@ -281,8 +203,8 @@ fn a_packet_too_big_for_the_route_is_answered_with_fragmentation_needed() {
     assert_eq!(&out[14 + 12..14 + 20], &[NODE_IP.octets(), REMOTE_POD.octets()].concat()[..]);
     assert_eq!(&out[42..], &reply[14..14 + 28]);
     assert!(packet::icmp_checksums_valid(&out));
-    assert_eq!(lb.stat(lb_stat::FRAG_NEEDED_SENT), 5);
-    assert_eq!(lb.stat(lb_stat::REDIRECT_FAILED), 0);
+    assert_eq!(lb.lb_stat(lb_stat::FRAG_NEEDED_SENT), 5);
+    assert_eq!(lb.lb_stat(lb_stat::REDIRECT_FAILED), 0);
     // What fits the route still goes: 1,400 bytes.
     let l4 = packet::l4_segment(packet::TCP, (CLIENT, 40000), (NODE_IP, 30080), packet::TCP_ACK, &[7u8; 1360]);
     let (verdict, out) = lb.ingress(&packet::ipv4_frame(packet::TCP, CLIENT, NODE_IP, 0x4000, &l4));
@@ -306,7 +228,7 @@ fn local_backends_and_traffic_policy_local_keep_the_client_address() {
         assert_eq!(verdict, TC_ACT_UNSPEC);
         assert_eq!(packet::endpoints(&out), ((CLIENT, port), (LOCAL_POD, 8080)), "only the local endpoint");
     }
-    assert_eq!(lb.stat(lb_stat::SNAT_NEW_FLOW), 0);
+    assert_eq!(lb.lb_stat(lb_stat::SNAT_NEW_FLOW), 0);
 }
 
 #[test]
@@ -330,11 +252,7 @@ fn a_backend_reaching_itself_through_its_service_is_answered_from_the_vip() {
 
     // Without hairpin (flag and annotation off) the packet is only DNATed.
     let node = NodeContext { hairpin_all: false, ..node_context() };
-    let mut maps = BpfServiceMaps::open_pinned(&lb.pin_dir).unwrap();
-    let mut sync = ServiceSync::adopt(&maps).unwrap();
-    let builder = parse_objects(&service_yaml(&[(LOCAL_POD, "node-a")], "")).unwrap();
-    let desired = assign_ids(&plan(&builder.state, &node, Limits::default()), sync.programmed());
-    sync.sync(&mut maps, &desired, true);
+    program_services(&lb.pin_dir, &service_yaml(&[(LOCAL_POD, "node-a")], ""), &node);
     let (_, out) = lb.ingress(&packet::ipv4(packet::TCP, (LOCAL_POD, 45002), (VIP, 80), packet::TCP_SYN, b""));
     assert_eq!(packet::endpoints(&out), ((LOCAL_POD, 45002), (LOCAL_POD, 8080)));
 }
@@ -359,7 +277,7 @@ fn snat_ports_run_out_new_flows_are_refused_and_existing_ones_kept() {
     ports.sort_unstable();
     ports.dedup();
     assert_eq!(ports.len(), range, "no port given twice");
-    assert_eq!(lb.stat(lb_stat::SNAT_PORTS_EXHAUSTED), refused);
+    assert_eq!(lb.lb_stat(lb_stat::SNAT_PORTS_EXHAUSTED), refused);
     for (client_port, snat_port) in flows {
         let (verdict, out) =
             lb.ingress(&packet::ipv4(packet::TCP, (CLIENT, client_port), (NODE_IP, 30080), packet::TCP_ACK, b""));
@@ -443,7 +361,7 @@ fn a_new_flow_takes_the_snat_port_of_an_expired_flow_never_a_live_ones() {
     // past the closing lifetime) and, for UDP, idle past its lifetime.
     let closed = open_until_refused(&lb, tcp.0, tcp.1, 50000);
     assert_eq!(closed.len(), range);
-    let refused = lb.stat(lb_stat::SNAT_PORTS_EXHAUSTED);
+    let refused = lb.lb_stat(lb_stat::SNAT_PORTS_EXHAUSTED);
     for (i, flow) in closed.iter().enumerate() {
         // Alternately the client's and the backend's side saw the FIN / RST.
         let (closing_forward, closing_reverse) = (i % 2 == 0, i % 2 == 1);
@@ -457,7 +375,7 @@ fn a_new_flow_takes_the_snat_port_of_an_expired_flow_never_a_live_ones() {
         age(&mut ct, &flow.reverse_key(udp.0, udp.2), CT_LIFETIME_NON_TCP_SECS + 1, false);
     }
     let refused = refused + 1; // the UDP fill's last attempt
-    assert_eq!(lb.stat(lb_stat::SNAT_PORTS_EXHAUSTED), refused);
+    assert_eq!(lb.lb_stat(lb_stat::SNAT_PORTS_EXHAUSTED), refused);
 
     // New flows get every one of those ports, and nothing is refused.
     for (proto, node_port, _) in [tcp, udp] {
@@ -468,7 +386,7 @@ fn a_new_flow_takes_the_snat_port_of_an_expired_flow_never_a_live_ones() {
         assert_eq!(ports.len(), range, "every port of the expired flows given again, once");
     }
     // Only the attempt after each range filled up again is refused.
-    assert_eq!(lb.stat(lb_stat::SNAT_PORTS_EXHAUSTED), refused + 2);
+    assert_eq!(lb.lb_stat(lb_stat::SNAT_PORTS_EXHAUSTED), refused + 2);
     // The old flows' entries went with their ports: 2 entries for each new flow only.
     for flow in &closed {
         assert!(ct.get(&flow.forward_key(tcp.0, tcp.1), 0).is_err(), "old forward entry removed");
@@ -500,9 +418,9 @@ fn a_new_flow_takes_the_snat_port_of_an_expired_flow_never_a_live_ones() {
         }
     }
     let before: std::collections::HashMap<CtKeyV4, CtValueV4> = ct.iter().map(Result::unwrap).collect();
-    let refused = lb.stat(lb_stat::SNAT_PORTS_EXHAUSTED);
+    let refused = lb.lb_stat(lb_stat::SNAT_PORTS_EXHAUSTED);
     assert!(open_until_refused(&lb, tcp.0, tcp.1, 53000).is_empty(), "no live flow's port taken");
-    assert_eq!(lb.stat(lb_stat::SNAT_PORTS_EXHAUSTED), refused + 1);
+    assert_eq!(lb.lb_stat(lb_stat::SNAT_PORTS_EXHAUSTED), refused + 1);
     let after: std::collections::HashMap<CtKeyV4, CtValueV4> = ct.iter().map(Result::unwrap).collect();
     assert_eq!(after, before, "live flows' entries untouched");
 }
@@ -529,7 +447,7 @@ fn a_service_without_endpoints_answers_with_a_reset_or_port_unreachable() {
     assert_eq!(&icmp[34..36], &[3, 3], "destination unreachable, port unreachable");
     assert_eq!(&icmp[42..42 + 28], &query[14..14 + 28], "quotes the datagram's header and 8 bytes");
     assert!(packet::icmp_checksums_valid(&icmp));
-    assert_eq!(lb.stat(lb_stat::REJECT_SENT), 2);
+    assert_eq!(lb.lb_stat(lb_stat::REJECT_SENT), 2);
 
     // A RST is never answered.
     let (verdict, _) = lb.ingress(&packet::ipv4(packet::TCP, (CLIENT, 40002), (VIP, 80), packet::TCP_RST, b""));
@@ -572,7 +490,7 @@ fn icmp_errors_about_translated_flows_are_translated_back() {
     assert_eq!(packet::endpoints(&out).1 .0, REMOTE_POD);
     assert_eq!(packet::quoted_endpoints(&out), ((REMOTE_POD, 8080), (LOCAL_POD, 42000)));
     assert!(packet::icmp_checksums_valid(&out));
-    assert_eq!(lb.stat(lb_stat::ICMP_ERROR_NAT), 4);
+    assert_eq!(lb.lb_stat(lb_stat::ICMP_ERROR_NAT), 4);
 
     // Errors about flows we never saw pass untouched.
     let stranger = packet::ipv4(packet::UDP, (LOCAL_POD, 1), (Ipv4Addr::new(8, 8, 8, 8), 53), 0, b"");
@@ -609,14 +527,14 @@ fn fragments_of_a_translated_datagram_are_translated_with_the_first_ones_ports()
     }
     whole[24..26].copy_from_slice(&(!(sum as u16)).to_be_bytes());
     assert!(packet::checksums_valid(&whole), "UDP checksum over the reassembled datagram");
-    assert_eq!(lb.stat(lb_stat::FRAGMENT_NAT), 1);
+    assert_eq!(lb.lb_stat(lb_stat::FRAGMENT_NAT), 1);
 
     // A later fragment whose first fragment never passed: untouched, counted.
     let mut orphan = second.clone();
     orphan[18..20].copy_from_slice(&[0x99, 0x99]); // another datagram id
     let (verdict, _) = lb.egress(&orphan);
     assert_eq!(verdict, TC_ACT_UNSPEC);
-    assert_eq!(lb.stat(lb_stat::FRAGMENT_PASS), 1);
+    assert_eq!(lb.lb_stat(lb_stat::FRAGMENT_PASS), 1);
 }
 
 #[test]
@@ -647,7 +565,7 @@ fn flows_leave_a_removed_backend_unless_established_tcp() {
     assert_eq!(packet::endpoints(&out).1 .0, other, "an unanswered TCP flow moves too");
     let (_, out) = lb.ingress(&packet::ipv4(packet::TCP, (LOCAL_POD, answered), (VIP, 80), packet::TCP_ACK, b""));
     assert_eq!(packet::endpoints(&out).1 .0, REMOTE_POD, "an established TCP flow stays");
-    assert_eq!(lb.stat(lb_stat::CT_RESELECTED), 2);
+    assert_eq!(lb.lb_stat(lb_stat::CT_RESELECTED), 2);
 }
 
 #[test]
@@ -699,5 +617,5 @@ fn pod_traffic_leaving_the_cluster_is_masqueraded_and_its_replies_restored() {
         let packet = packet::ipv4(packet::UDP, (from, 5000), (to, 53), 0, b"");
         assert_eq!(lb.egress(&packet).1, packet, "{from} -> {to}");
     }
-    assert_eq!(lb.stat(lb_stat::EGRESS_MASQUERADE_NEW_FLOW), 2);
+    assert_eq!(lb.lb_stat(lb_stat::EGRESS_MASQUERADE_NEW_FLOW), 2);
 }

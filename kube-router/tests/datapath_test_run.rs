@@ -6,19 +6,14 @@ use kube_router::{
     bpf::{
         datapath::{self, Datapath, Hook},
         service_maps::{read_lb_stats, BpfServiceMaps, Conntrack},
-        test_run::{packet, run},
+        test_run::{packet, run, TC_ACT_REDIRECT, TC_ACT_UNSPEC},
     },
-    services::{
-        compile::{assign_ids, plan, Limits, MapContents},
-        model::NodeContext,
-        source::parse_objects,
-        sync::ServiceSync,
-    },
+    services::{compile::MapContents, model::NodeContext, sync::ServiceSync},
 };
 use kube_router_common::lb_stat;
 
-const TC_ACT_UNSPEC: i32 = -1;
-const TC_ACT_REDIRECT: i32 = 7;
+mod common;
+use common::{program_services, VIP};
 
 struct Loaded {
     datapath: Datapath,
@@ -51,15 +46,9 @@ fn load(test: &str, yaml: &str) -> Loaded {
 }
 
 fn program(pin_dir: &std::path::Path, yaml: &str) {
-    let mut maps = BpfServiceMaps::open_pinned(pin_dir).unwrap();
-    let mut sync = ServiceSync::adopt(&maps).unwrap();
-    let builder = parse_objects(yaml).unwrap();
-    let desired = assign_ids(&plan(&builder.state, &NodeContext::default(), Limits::default()), sync.programmed());
-    let report = sync.sync(&mut maps, &desired, true);
-    assert_eq!(report.total().errors, 0);
+    program_services(pin_dir, yaml, &NodeContext::default());
 }
 
-const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 1, 0, 7);
 
 #[test]

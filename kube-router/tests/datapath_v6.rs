@@ -8,12 +8,9 @@ use aya::maps::{lpm_trie::Key, HashMap, LpmTrie, Map, MapData};
 use kube_router::bpf::{
     datapath::{self, Datapath, Hook},
     service_maps::{read_lb_stats, write_lb_config},
-    test_run::{packet, run_on, NodeNetns},
+    test_run::{packet, run_on, NodeNetns, TC_ACT_REDIRECT, TC_ACT_UNSPEC},
 };
 use kube_router_common::*;
-
-const TC_ACT_UNSPEC: i32 = -1;
-const TC_ACT_REDIRECT: i32 = 7;
 
 fn ip(text: &str) -> Ipv6Addr {
     text.parse().unwrap()

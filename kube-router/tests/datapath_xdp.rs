@@ -3,38 +3,24 @@
 //! to the node, as TC does) and sent back out (XDP_TX) with valid checksums and the next hop's
 //! MAC; their replies are reverse-translated; the conntrack state is TC's own, whichever hook
 //! made it; everything else passes untouched. Needs root.
-use std::{net::Ipv4Addr, path::PathBuf};
+use std::net::Ipv4Addr;
 
 use kube_router::{
     bpf::{
         conntrack_gc::monotonic_now_ns,
-        datapath::{self, Datapath, Hook},
-        service_maps::{write_lb_config, BpfServiceMaps},
-        test_run::{packet, run_on, run_xdp, NodeNetns},
+        test_run::{packet, run_xdp, TC_ACT_REDIRECT, TC_ACT_UNSPEC, XDP_PASS, XDP_TX},
         xdp,
     },
-    services::{
-        compile::{addr_be, assign_ids, plan, Limits},
-        model::NodeContext,
-        source::parse_objects,
-        sync::ServiceSync,
-    },
+    services::{compile::addr_be, model::NodeContext},
 };
 use kube_router_common::{
     lb_stat, xdp_stat, CtKeyV4, CtValueV4, LbConfig, CT_FLAG_CLOSING, CT_FLAG_FORWARD, CT_FLAG_FULL_NAT,
     CT_FLAG_REDIRECT, CT_FLAG_REVERSE, CT_LIFETIME_CLOSING_SECS,
 };
 
-const XDP_PASS: i32 = 2;
-const XDP_TX: i32 = 3;
-const TC_ACT_UNSPEC: i32 = -1;
-const TC_ACT_REDIRECT: i32 = 7;
+mod common;
+use common::{load_node, ttl, Loaded, CLIENT, EXTERNAL_IP as LB_IP, LOCAL_POD, NODE_IP, REMOTE_POD};
 
-const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 100, 0, 1);
-const CLIENT: Ipv4Addr = Ipv4Addr::new(192, 168, 100, 2);
-const LB_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
-const LOCAL_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 5);
-const REMOTE_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 5);
 const SNAT_PORTS: (u16, u16) = (20_000, 20_099);
 /// The MACs of the other node (next hop to its pods) and of the fabric router (to the client).
 const NODE_B_MAC: [u8; 6] = [0x02, 0, 0, 0, 0xb, 0xb];
@@ -57,21 +43,8 @@ fn mac(bytes: [u8; 6]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
 }
 
-struct Loaded {
-    datapath: Datapath,
-    pin_dir: PathBuf,
-    uplink: u32,
-    _node: NodeNetns,
-}
-
-impl Drop for Loaded {
-    fn drop(&mut self) {
-        let _ = datapath::remove_all(&self.pin_dir);
-    }
-}
-
-/// The node: `up0` (NODE_IP/24) towards the fabric, with the other node's pods and the client
-/// routed via neighbours whose MACs are known (`neighbours`: else resolved by the stack).
+/// The node ([`common::NODE_NETNS`]) with the other node's pods and the client routed via
+/// neighbours whose MACs are known (`neighbours`: else resolved by the stack).
 fn load(test: &str, endpoints: &[(Ipv4Addr, &str)], neighbours: bool) -> Loaded {
     load_named(&format!("krt-xdp-unit-{test}"), endpoints, neighbours)
 }
@@ -79,62 +52,31 @@ fn load(test: &str, endpoints: &[(Ipv4Addr, &str)], neighbours: bool) -> Loaded 
 /// `load` with the network namespace and pin directory named `name`.
 fn load_named(name: &str, endpoints: &[(Ipv4Addr, &str)], neighbours: bool) -> Loaded {
     let (b_mac, router_mac) = (mac(NODE_B_MAC), mac(ROUTER_MAC));
-    let mut commands: Vec<Vec<&str>> = vec![
-        vec!["link", "add", "up0", "type", "veth", "peer", "name", "up1"],
-        vec!["addr", "add", "10.100.0.1/24", "dev", "up0"],
-        vec!["link", "set", "up0", "up"],
-        vec!["link", "set", "up1", "up"],
-        vec!["route", "add", "10.244.2.0/24", "via", "10.100.0.2"],
-        vec!["route", "add", "192.168.100.0/24", "via", "10.100.0.254"],
-        vec!["link", "add", "pod0", "type", "veth", "peer", "name", "pod1"],
-        vec!["addr", "add", "10.244.1.1/24", "dev", "pod0"],
-        vec!["link", "set", "pod0", "up"],
-        vec!["link", "set", "pod1", "up"],
+    let neighbour_commands: &[&[&str]] = &[
+        &["neigh", "add", "10.100.0.2", "lladdr", &b_mac, "dev", "up0", "nud", "permanent"],
+        &["neigh", "add", "10.100.0.254", "lladdr", &router_mac, "dev", "up0", "nud", "permanent"],
     ];
-    if neighbours {
-        commands.push(vec!["neigh", "add", "10.100.0.2", "lladdr", &b_mac, "dev", "up0", "nud", "permanent"]);
-        commands.push(vec!["neigh", "add", "10.100.0.254", "lladdr", &router_mac, "dev", "up0", "nud", "permanent"]);
-    }
-    let commands: Vec<&[&str]> = commands.iter().map(Vec::as_slice).collect();
-    let node = NodeNetns::enter(name, &commands).expect("node netns");
-    let uplink = node.ifindex("up0");
-    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/{name}"));
-    let _ = datapath::remove_all(&pin_dir);
-    let datapath = Datapath::load(&pin_dir).expect("load datapath (run as root)");
-    let mut maps = BpfServiceMaps::open_pinned(&pin_dir).unwrap();
-    let mut sync = ServiceSync::adopt(&maps).unwrap();
+    let extra = if neighbours { neighbour_commands } else { &[] };
     let context = NodeContext { name: "node-a".into(), node_port_addrs: vec![NODE_IP.into()], ..Default::default() };
-    let builder = parse_objects(&service_yaml(endpoints)).unwrap();
-    let desired = assign_ids(&plan(&builder.state, &context, Limits::default()), sync.programmed());
-    assert_eq!(sync.sync(&mut maps, &desired, true).total().errors, 0);
     let config = LbConfig {
         snat_addr: addr_be(NODE_IP),
         snat_port_min: SNAT_PORTS.0,
         snat_port_max: SNAT_PORTS.1,
         ..Default::default()
     };
-    write_lb_config(&pin_dir, &config).unwrap();
-    Loaded { datapath, pin_dir, uplink, _node: node }
+    load_node(name, extra, &service_yaml(endpoints), &context, &config)
 }
 
 impl Loaded {
     fn xdp(&mut self, frame: &[u8]) -> (i32, Vec<u8>) {
         let fd = xdp::program_fd(&mut self.datapath).unwrap();
-        let out = run_xdp(fd, frame, 1, self.uplink).unwrap();
+        let out = run_xdp(fd, frame, 1, self.ifindex).unwrap();
         (out.retval, out.packet)
     }
-    fn tc_ingress(&self, frame: &[u8]) -> (i32, Vec<u8>) {
-        let fd = self.datapath.program_fd(Hook::Ingress).unwrap();
-        let out = run_on(fd, frame, 1, Some(self.uplink)).unwrap();
-        (out.retval, out.packet)
-    }
-    fn stat(&self, index: u32) -> u64 {
+    /// The XDP fast path's counter `index` (`xdp_stat`), summed over the CPUs.
+    fn xdp_stat(&self, index: u32) -> u64 {
         xdp::read_stats(&self.pin_dir).unwrap().expect("xdp_stats pinned")[index as usize]
     }
-}
-
-fn ttl(frame: &[u8]) -> u8 {
-    frame[14 + 8]
 }
 
 fn macs(frame: &[u8]) -> ([u8; 6], [u8; 6]) {
@@ -175,31 +117,31 @@ fn a_new_flow_to_a_remote_backend_is_translated_and_sent_back_out_and_so_is_its_
 
         // One conntrack state whichever hook sees the flow: TC translates the next packet alike.
         let next = packet::ipv4(proto, client, frontend, packet::TCP_ACK, b"again");
-        let (verdict, at_tc) = lb.tc_ingress(&next);
+        let (verdict, at_tc) = lb.ingress(&next);
         assert_eq!(verdict, TC_ACT_REDIRECT);
         assert_eq!(packet::endpoints(&at_tc), (src, dst));
         let (verdict, at_xdp) = lb.xdp(&next);
         assert_eq!(verdict, XDP_TX);
         assert_eq!(packet::endpoints(&at_xdp), (src, dst));
     }
-    assert_eq!(lb.stat(xdp_stat::NEW_FLOW), 3);
-    assert_eq!(lb.stat(xdp_stat::REPLY), 3);
-    assert_eq!(lb.stat(xdp_stat::FORWARD), 3);
-    assert_eq!(lb.stat(xdp_stat::TX), 9);
-    assert_eq!(lb.stat(xdp_stat::PACKETS), 9);
+    assert_eq!(lb.xdp_stat(xdp_stat::NEW_FLOW), 3);
+    assert_eq!(lb.xdp_stat(xdp_stat::REPLY), 3);
+    assert_eq!(lb.xdp_stat(xdp_stat::FORWARD), 3);
+    assert_eq!(lb.xdp_stat(xdp_stat::TX), 9);
+    assert_eq!(lb.xdp_stat(xdp_stat::PACKETS), 9);
 }
 
 #[test]
 fn a_flow_that_tc_started_is_served_by_xdp() {
     let mut lb = load("tcfirst", &[(REMOTE_POD, "node-b")], true);
     let syn = packet::ipv4(packet::TCP, (CLIENT, 41000), (NODE_IP, 30080), packet::TCP_SYN, b"");
-    let (verdict, at_tc) = lb.tc_ingress(&syn);
+    let (verdict, at_tc) = lb.ingress(&syn);
     assert_eq!(verdict, TC_ACT_REDIRECT);
     let ack = packet::ipv4(packet::TCP, (CLIENT, 41000), (NODE_IP, 30080), packet::TCP_ACK, b"data");
     let (verdict, at_xdp) = lb.xdp(&ack);
     assert_eq!(verdict, XDP_TX);
     assert_eq!(packet::endpoints(&at_xdp), packet::endpoints(&at_tc));
-    assert_eq!(lb.stat(xdp_stat::NEW_FLOW), 0);
+    assert_eq!(lb.xdp_stat(xdp_stat::NEW_FLOW), 0);
 }
 
 #[test]
@@ -221,14 +163,14 @@ fn non_service_traffic_fragments_and_unresolved_next_hops_pass_untouched() {
     // state XDP recorded.
     let syn = packet::ipv4(packet::TCP, (CLIENT, 40002), (NODE_IP, 30080), packet::TCP_SYN, b"");
     assert_eq!(lb.xdp(&syn), (XDP_PASS, syn.clone()));
-    let (verdict, at_tc) = lb.tc_ingress(&syn);
+    let (verdict, at_tc) = lb.ingress(&syn);
     assert_eq!(verdict, TC_ACT_REDIRECT);
     assert_eq!(packet::endpoints(&at_tc).1, (REMOTE_POD, 8080));
-    assert_eq!(lb.stat(xdp_stat::PASS_NO_SERVICE), 1);
-    assert_eq!(lb.stat(xdp_stat::PASS_FRAGMENT), 2);
-    assert_eq!(lb.stat(xdp_stat::PASS_NOT_LB), 1);
-    assert_eq!(lb.stat(xdp_stat::PASS_NO_ROUTE), 1);
-    assert_eq!(lb.stat(xdp_stat::TX), 0);
+    assert_eq!(lb.xdp_stat(xdp_stat::PASS_NO_SERVICE), 1);
+    assert_eq!(lb.xdp_stat(xdp_stat::PASS_FRAGMENT), 2);
+    assert_eq!(lb.xdp_stat(xdp_stat::PASS_NOT_LB), 1);
+    assert_eq!(lb.xdp_stat(xdp_stat::PASS_NO_ROUTE), 1);
+    assert_eq!(lb.xdp_stat(xdp_stat::TX), 0);
 }
 
 #[test]
@@ -237,10 +179,10 @@ fn local_backends_and_partial_checksums_are_left_to_tc() {
     let syn = packet::ipv4(packet::TCP, (CLIENT, 40000), (NODE_IP, 30080), packet::TCP_SYN, b"");
     assert_eq!(lb.xdp(&syn), (XDP_PASS, syn.clone()));
     // TC translates it from the state XDP recorded (client address kept: local delivery).
-    let (verdict, at_tc) = lb.tc_ingress(&syn);
+    let (verdict, at_tc) = lb.ingress(&syn);
     assert_eq!(verdict, TC_ACT_UNSPEC);
     assert_eq!(packet::endpoints(&at_tc), ((CLIENT, 40000), (LOCAL_POD, 8080)));
-    assert_eq!(lb.stat(xdp_stat::PASS_TO_TC), 1);
+    assert_eq!(lb.xdp_stat(xdp_stat::PASS_TO_TC), 1);
 
     // A checksum field holding only the pseudo-header sum (CHECKSUM_PARTIAL from a local veth
     // peer): XDP cannot complete it, TC can.
@@ -258,7 +200,7 @@ fn local_backends_and_partial_checksums_are_left_to_tc() {
     }
     partial[34 + 16..34 + 18].copy_from_slice(&(sum as u16).to_be_bytes());
     assert_eq!(lb.xdp(&partial), (XDP_PASS, partial.clone()));
-    assert_eq!(lb.stat(xdp_stat::PASS_CHECKSUM_PARTIAL), 1);
+    assert_eq!(lb.xdp_stat(xdp_stat::PASS_CHECKSUM_PARTIAL), 1);
 }
 
 /// The XDP fast path allocates SNAT ports with TC's code: every port held by a closed NodePort
@@ -314,5 +256,5 @@ fn a_new_flow_at_xdp_takes_the_snat_port_of_a_closed_flow() {
     assert_eq!(u16::from_be(reverse.nat_dst_port), 40000, "the reverse entry is the new flow's");
     let range = usize::from(SNAT_PORTS.1 - SNAT_PORTS.0) + 1;
     assert_eq!(ct.keys().count(), 2 * range);
-    assert_eq!(lb.stat(xdp_stat::NEW_FLOW), 1);
+    assert_eq!(lb.xdp_stat(xdp_stat::NEW_FLOW), 1);
 }

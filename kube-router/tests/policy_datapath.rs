@@ -16,7 +16,7 @@ use kube_router::{
     bpf::{
         datapath::{self, Datapath, Hook},
         policy_maps::{apply_diff, decode, BpfPolicyMaps, PolicyConntrack, PolicyMaps, PolicyWriteReport},
-        test_run::{packet, run, run_forwarded},
+        test_run::{packet, run, run_forwarded, TC_ACT_SHOT, TC_ACT_UNSPEC},
     },
     policy::{
         allows,
@@ -27,8 +27,6 @@ use kube_router::{
 use kube_router_common::pol_stat;
 use serde_json::{json, Value};
 
-const TC_ACT_UNSPEC: i32 = -1;
-const TC_ACT_SHOT: i32 = 2;
 const SCTP: u8 = 132;
 const ICMP: u8 = 1;
 

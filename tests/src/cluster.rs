@@ -331,6 +331,29 @@ pub fn netprobe(ns: &Netns, args: &[&str]) -> String {
     ns.run(&refs).map(|o| o.trim().to_string()).unwrap_or_else(|e| format!("ERR {e}"))
 }
 
+/// Some replies came, all from `backend` (each reply names the pod that answered).
+pub fn assert_all_from(replies: &[String], backend: &str) {
+    assert!(
+        !replies.is_empty() && replies.iter().all(|r| r == backend),
+        "expected every reply from {backend}: {replies:?}"
+    );
+}
+
+/// Polls `done` for up to 15 s (the agent samples its counters and metrics every second).
+pub fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The growth of counter `name` between two [`ClusterNode::stats`] readings (a counter a
+/// reading lacks counts as 0).
+pub fn stats_growth(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>, name: &str) -> u64 {
+    after.get(name).copied().unwrap_or(0) - before.get(name).copied().unwrap_or(0)
+}
+
 /// A Service the harness publishes (with its EndpointSlice from the selected ready pods).
 #[derive(Clone, Debug)]
 pub struct Svc {

@@ -5,38 +5,13 @@
 //! own address reaches the backend, the counters of both nodes show the tunnel, and node-1's
 //! uplink does not carry the replies. A local backend, and a Service without the annotation, are
 //! served as before. Real TCP and UDP, as root, in network namespaces.
-use std::{
-    collections::BTreeMap,
-    thread,
-    time::{Duration, Instant},
-};
 
 use kube_router_tests::{
-    cluster::{netprobe, request, Cluster, Svc, CLIENT_ADDR},
+    cluster::{assert_all_from, netprobe, request, stats_growth, wait_for, Cluster, Svc, CLIENT_ADDR},
     netprobe_bin, Netns,
 };
 
 const DSR: (&str, &str) = ("kube-router.io/service.dsr", "tunnel");
-
-fn assert_all_from(replies: &[String], backend: &str) {
-    assert!(
-        !replies.is_empty() && replies.iter().all(|r| r == backend),
-        "expected every reply from {backend}: {replies:?}"
-    );
-}
-
-/// Polls `done` for up to 15 s.
-fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn delta(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>, name: &str) -> u64 {
-    after.get(name).copied().unwrap_or(0) - before.get(name).copied().unwrap_or(0)
-}
 
 /// Bytes sent out of the namespace's `eth0` so far (its uplink to the fabric).
 fn uplink_tx_bytes(ns: &Netns) -> u64 {
@@ -87,19 +62,21 @@ fn tunnelled_and_answered_directly(c: &Cluster) {
     flows += 11;
     let after = (ingress.stats(), backend.stats());
     // node-1 chose the backend and tunnelled every flow, translating nothing itself.
-    assert_eq!(delta(&before.0, &after.0, "dsr_new_flow"), flows, "{:?}", after.0);
-    assert!(delta(&before.0, &after.0, "dsr_encapsulated") >= flows, "{:?}", after.0);
-    assert_eq!(delta(&before.0, &after.0, "snat_new_flow"), 0, "{:?}", after.0);
+    assert_eq!(stats_growth(&before.0, &after.0, "dsr_new_flow"), flows, "{:?}", after.0);
+    assert!(stats_growth(&before.0, &after.0, "dsr_encapsulated") >= flows, "{:?}", after.0);
+    assert_eq!(stats_growth(&before.0, &after.0, "snat_new_flow"), 0, "{:?}", after.0);
     // XDP (--xdp auto) records each flow and leaves the encapsulation to TC.
-    assert_eq!(delta(&before.0, &after.0, "xdp_new_flow"), flows, "{:?}", after.0);
-    assert_eq!(delta(&before.0, &after.0, "xdp_tx") + delta(&before.0, &after.0, "xdp_redirect"), 0);
+    assert_eq!(stats_growth(&before.0, &after.0, "xdp_new_flow"), flows, "{:?}", after.0);
+    assert_eq!(stats_growth(&before.0, &after.0, "xdp_tx") + stats_growth(&before.0, &after.0, "xdp_redirect"), 0);
     // No reply came back through it to be translated.
-    assert_eq!(delta(&before.0, &after.0, "reverse_nat"), 0, "{:?}", after.0);
-    assert_eq!(delta(&before.0, &after.0, "xdp_reply"), 0, "{:?}", after.0);
+    assert_eq!(stats_growth(&before.0, &after.0, "reverse_nat"), 0, "{:?}", after.0);
+    assert_eq!(stats_growth(&before.0, &after.0, "xdp_reply"), 0, "{:?}", after.0);
     // node-2 took each flow out of the tunnel and recorded it once.
-    assert!(delta(&before.1, &after.1, "dsr_decapsulated") >= delta(&before.0, &after.0, "dsr_encapsulated"));
-    assert_eq!(delta(&before.1, &after.1, "dsr_deliver_new_flow"), flows, "{:?}", after.1);
-    assert_eq!(delta(&before.1, &after.1, "dsr_decap_refused"), 0, "{:?}", after.1);
+    assert!(
+        stats_growth(&before.1, &after.1, "dsr_decapsulated") >= stats_growth(&before.0, &after.0, "dsr_encapsulated")
+    );
+    assert_eq!(stats_growth(&before.1, &after.1, "dsr_deliver_new_flow"), flows, "{:?}", after.1);
+    assert_eq!(stats_growth(&before.1, &after.1, "dsr_decap_refused"), 0, "{:?}", after.1);
 
     // A 1 MB answer leaves through node-2's uplink, not node-1's.
     let sent = (uplink_tx_bytes(&ingress.ns), uplink_tx_bytes(&backend.ns));
@@ -139,12 +116,12 @@ fn local_backends_and_services_without_the_annotation_are_served_as_before() {
     assert_all_from(&request(&c.client, "udp", "198.51.100.74:53", 5), "pod-2-0");
     let after = (ingress.stats(), backend.stats());
     for name in ["dsr_new_flow", "dsr_encapsulated"] {
-        assert_eq!(delta(&before.0, &after.0, name), 0, "{name}: {:?}", after.0);
+        assert_eq!(stats_growth(&before.0, &after.0, name), 0, "{name}: {:?}", after.0);
     }
     for name in ["dsr_decapsulated", "dsr_deliver_new_flow"] {
-        assert_eq!(delta(&before.1, &after.1, name), 0, "{name}: {:?}", after.1);
+        assert_eq!(stats_growth(&before.1, &after.1, name), 0, "{name}: {:?}", after.1);
     }
-    assert_eq!(delta(&before.0, &after.0, "snat_new_flow"), 11, "{:?}", after.0);
+    assert_eq!(stats_growth(&before.0, &after.0, "snat_new_flow"), 11, "{:?}", after.0);
 }
 
 fn restarted_and_synced(c: &Cluster, i: usize) {

@@ -10,16 +10,8 @@ use std::{
 
 use kube_router_tests::{
     apiserver::FaultMode,
-    cluster::{ingress_policy, netprobe, request, wait_denied, Cluster, Svc, CLIENT_ADDR},
+    cluster::{assert_all_from, ingress_policy, netprobe, request, wait_denied, wait_for, Cluster, Svc, CLIENT_ADDR},
 };
-
-fn all_from(replies: &[String], backend: &str) -> bool {
-    !replies.is_empty() && replies.iter().all(|r| r == backend)
-}
-
-fn assert_all_from(replies: &[String], backend: &str) {
-    assert!(all_from(replies, backend), "expected every reply from {backend}: {replies:?}");
-}
 
 #[test]
 fn cluster_ip_from_a_pod_to_a_backend_on_another_node() {
@@ -243,7 +235,7 @@ fn health_check_node_port_answers_as_local_endpoints_come_and_go() {
         let (status, body) = out.split_once('\n').unwrap_or((&out, ""));
         (status.to_string(), serde_json::from_str(body).unwrap_or_default())
     };
-    let wait_for = |node: &str, status: &str| {
+    let wait_for_health = |node: &str, status: &str| {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let (got, body) = check(node);
@@ -254,14 +246,14 @@ fn health_check_node_port_answers_as_local_endpoints_come_and_go() {
             thread::sleep(Duration::from_millis(100));
         }
     };
-    let body = wait_for("10.100.0.1", "200");
+    let body = wait_for_health("10.100.0.1", "200");
     assert_eq!(body["localEndpoints"], 1);
     assert_eq!(body["service"]["name"], "web");
-    assert_eq!(wait_for("10.100.0.2", "503")["localEndpoints"], 0, "node-2 has no local endpoint");
+    assert_eq!(wait_for_health("10.100.0.2", "503")["localEndpoints"], 0, "node-2 has no local endpoint");
     c.set_ready("pod-1-0", false).unwrap();
-    assert_eq!(wait_for("10.100.0.1", "503")["localEndpoints"], 0);
+    assert_eq!(wait_for_health("10.100.0.1", "503")["localEndpoints"], 0);
     c.set_ready("pod-1-0", true).unwrap();
-    wait_for("10.100.0.1", "200");
+    wait_for_health("10.100.0.1", "200");
 }
 
 #[test]
@@ -400,15 +392,6 @@ fn the_node_itself_reaches_services_on_both_nodes_through_the_socket_load_balanc
         assert_eq!(backends, ["pod-1-0", "pod-2-0"].into(), "{mode} {target}: both nodes' backends");
         // The application sees the address it asked for, never a backend's.
         assert!(replies.iter().all(|(_, peer)| peer == target), "{mode} {target}: {replies:?}");
-    }
-}
-
-/// Polls `done` for up to 15 s (the agent samples its counters every second).
-fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        thread::sleep(Duration::from_millis(250));
     }
 }
 

@@ -7,37 +7,11 @@
 //! XDP_TX on a veth needs NAPI there) and, with `full_checksums`, turns checksum offload off
 //! where packets start, so they carry complete checksums as from a physical NIC (XDP leaves
 //! incomplete CHECKSUM_PARTIAL ones to TC). As root, in network namespaces.
-use std::{
-    collections::BTreeMap,
-    thread,
-    time::{Duration, Instant},
-};
 
 use kube_router_tests::{
-    cluster::{netprobe, node_ip6, request, Cluster, Svc},
+    cluster::{assert_all_from, netprobe, node_ip6, request, stats_growth, wait_for, Cluster, Svc},
     kube_router_bin, netprobe_bin,
 };
-
-fn assert_all_from(replies: &[String], backend: &str) {
-    assert!(
-        !replies.is_empty() && replies.iter().all(|r| r == backend),
-        "expected every reply from {backend}: {replies:?}"
-    );
-}
-
-/// Polls `done` for up to 15 s.
-fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        thread::sleep(Duration::from_millis(100));
-    }
-}
-
-/// The growth of each counter between two `kube-router stats` readings.
-fn delta(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>, name: &str) -> u64 {
-    after.get(name).copied().unwrap_or(0) - before.get(name).copied().unwrap_or(0)
-}
 
 fn web(c: &Cluster) {
     let svc = Svc::load_balancer("web", "10.96.1.20", 30080, "198.51.100.20").select("pod", "pod-2-0");
@@ -79,13 +53,16 @@ fn north_south_flows_to_the_other_node_are_served_at_xdp() {
     flows += 10;
     let after = node.stats();
     // Every flow was recorded at XDP, in the conntrack state TC shares (its SNAT counter).
-    assert_eq!(delta(&before, &after, "xdp_new_flow"), flows, "{after:?}");
-    assert_eq!(delta(&before, &after, "snat_new_flow"), flows, "{after:?}");
+    assert_eq!(stats_growth(&before, &after, "xdp_new_flow"), flows, "{after:?}");
+    assert_eq!(stats_growth(&before, &after, "snat_new_flow"), flows, "{after:?}");
     // At least each flow's first packet and first reply went back out at XDP.
-    assert!(delta(&before, &after, "xdp_reply") >= flows, "{after:?}");
-    assert!(delta(&before, &after, "xdp_tx") >= 2 * flows, "{after:?}");
+    assert!(stats_growth(&before, &after, "xdp_reply") >= flows, "{after:?}");
+    assert!(stats_growth(&before, &after, "xdp_tx") >= 2 * flows, "{after:?}");
     // TC routed next to nothing of it (only packets whose next hop the FIB could not give).
-    assert!(delta(&before, &after, "redirected") <= delta(&before, &after, "xdp_pass_no_route"), "{after:?}");
+    assert!(
+        stats_growth(&before, &after, "redirected") <= stats_growth(&before, &after, "xdp_pass_no_route"),
+        "{after:?}"
+    );
     wait_for("the XDP counters in /metrics", || node.metric("kube_router_xdp_packets_total", "event=\"tx\"") > 0.0);
 }
 
@@ -106,9 +83,9 @@ fn ipv6_north_south_flows_to_the_other_node_are_served_at_xdp() {
     assert_all_from(&request(&c.client, "udp", &format!("[{}]:30081", node_ip6(0)), 10), "pod-2-0");
     let flows = 21;
     let after = node.stats();
-    assert_eq!(delta(&before, &after, "xdp_new_flow"), flows, "{after:?}");
-    assert!(delta(&before, &after, "xdp_reply") >= flows, "{after:?}");
-    assert!(delta(&before, &after, "xdp_tx") >= 2 * flows, "{after:?}");
+    assert_eq!(stats_growth(&before, &after, "xdp_new_flow"), flows, "{after:?}");
+    assert!(stats_growth(&before, &after, "xdp_reply") >= flows, "{after:?}");
+    assert!(stats_growth(&before, &after, "xdp_tx") >= 2 * flows, "{after:?}");
 }
 
 fn restarted_and_synced(c: &Cluster, args: &[&str]) {

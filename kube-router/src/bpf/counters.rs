@@ -28,3 +28,12 @@ impl Counters {
 pub fn read_pinned(pin_dir: &Path, name: &str, count: u32) -> Result<Vec<u64>> {
     Counters::open_pinned(pin_dir, name, count)?.read()
 }
+
+/// Like [`read_pinned`], but `None` when the map was never created (a datapath from before the
+/// feature that owns it).
+pub fn read_pinned_if_exists(pin_dir: &Path, name: &str, count: u32) -> Result<Option<Vec<u64>>> {
+    if !super::pinned_map(pin_dir, name).exists() {
+        return Ok(None);
+    }
+    read_pinned(pin_dir, name, count).map(Some)
+}

@@ -12,6 +12,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use aya::maps::{Array, MapData};
+use kube_router_common::map_names::META;
 
 use crate::metrics::Metrics;
 
@@ -27,7 +28,7 @@ pub struct MapsStamp {
 impl MapsStamp {
     /// `slot`: `META_SERVICES_AS_OF` or `META_POLICY_AS_OF`.
     pub fn open(pin_dir: &Path, slot: u32) -> Result<Self> {
-        let path = super::pinned_map(pin_dir, kube_router_common::map_names::META);
+        let path = super::pinned_map(pin_dir, META);
         let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
         let meta = Array::try_from(aya::maps::Map::Array(data))?;
         let written = meta.get(&slot, 0)?;
@@ -69,7 +70,8 @@ impl MapsStamp {
 /// What each map writer (services, policy) does with its stamp: decide once, at a restart from
 /// the checkpoint, whether its maps are newer (logged and counted once); clear the stamp before
 /// writing API state and set it after. A stamp that cannot be read or written is dropped with a
-/// warning: the restart then applies the checkpoint, without deletions, as without stamps.
+/// warning (a failed write also counted in `kube_router_map_writes_total{map="meta",op="error"}`):
+/// the restart then applies the checkpoint, without deletions, as without stamps.
 pub struct ApiStateStamp {
     /// `service` or `policy`: the `maps` label of `kube_router_checkpoint_superseded_total`.
     maps: &'static str,
@@ -123,26 +125,28 @@ impl ApiStateStamp {
 
     /// Before writing API state: the maps may be half-way between two states until
     /// [`Self::finish_write`].
-    pub fn begin_write(&mut self) {
+    pub fn begin_write(&mut self, metrics: &Metrics) {
         self.before_write = self.stamp.as_ref().map(|s| s.as_of().unwrap_or(0));
-        self.update(MapsStamp::begin);
+        self.update(MapsStamp::begin, metrics);
     }
 
     /// Every write of the API state read at `as_of_unix` took; `wrote` says whether there was
     /// any (none: the maps held this state already, since their previous stamp).
-    pub fn finish_write(&mut self, wrote: bool, as_of_unix: f64) {
+    pub fn finish_write(&mut self, wrote: bool, as_of_unix: f64, metrics: &Metrics) {
         let as_of = match self.before_write.take() {
             Some(previous) if !wrote => f64::from(previous),
             _ => as_of_unix,
         };
-        self.update(|stamp| stamp.finish(as_of));
+        self.update(|stamp| stamp.finish(as_of), metrics);
     }
 
-    fn update(&mut self, update: impl FnOnce(&mut MapsStamp) -> Result<()>) {
+    /// A failed write drops the stamp, so it is logged and counted once, not at every sync.
+    fn update(&mut self, update: impl FnOnce(&mut MapsStamp) -> Result<()>, metrics: &Metrics) {
         if let Some(stamp) = self.stamp.as_mut() {
             if let Err(e) = update(stamp) {
                 let maps = self.maps;
                 tracing::warn!(maps, error = %e, "cannot stamp the maps; a restart during an outage will apply the checkpoint");
+                metrics.with(|m| *m.map_writes.entry((META, "error")).or_default() += 1);
                 self.stamp = None;
             }
         }
@@ -170,5 +174,25 @@ mod tests {
         assert!(maps_newer_than_checkpoint(Some(1_001), 1_000.5));
         assert!(!maps_newer_than_checkpoint(Some(1_000), 1_000.5), "the same second: the checkpoint");
         assert!(!maps_newer_than_checkpoint(Some(999), 1_000.5));
+    }
+
+    #[test]
+    fn a_failed_stamp_write_is_counted_once_and_the_stamp_dropped() {
+        let metrics = Metrics::default();
+        let mut stamp = ApiStateStamp::with("service", Some(MapsStamp::in_memory(1_000)));
+        stamp.begin_write(&metrics);
+        stamp.finish_write(true, 1_001.0, &metrics);
+        assert_eq!(stamp.as_of(), Some(1_001));
+        let errors = |metrics: &Metrics| metrics.with(|m| m.map_writes.get(&(META, "error")).copied());
+        assert_eq!(errors(&metrics), None, "writes that took count nothing");
+
+        stamp.update(|_| Err(anyhow::anyhow!("EPERM")), &metrics);
+        assert_eq!(errors(&metrics), Some(1));
+        assert_eq!(stamp.as_of(), None, "no stamp: a restart applies the checkpoint");
+        assert!(metrics.render().contains("kube_router_map_writes_total{map=\"meta\",op=\"error\"} 1"));
+        // Later syncs do not try (nor count, nor log) again.
+        stamp.begin_write(&metrics);
+        stamp.finish_write(true, 1_002.0, &metrics);
+        assert_eq!(errors(&metrics), Some(1));
     }
 }

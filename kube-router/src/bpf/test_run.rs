@@ -8,6 +8,14 @@ use std::{
 
 const BPF_PROG_TEST_RUN: libc::c_long = 10;
 
+/// What a TC program returns (the kernel's `TC_ACT_*`).
+pub const TC_ACT_UNSPEC: i32 = -1;
+pub const TC_ACT_SHOT: i32 = 2;
+pub const TC_ACT_REDIRECT: i32 = 7;
+/// What an XDP program returns (the kernel's `XDP_*`).
+pub const XDP_PASS: i32 = 2;
+pub const XDP_TX: i32 = 3;
+
 #[repr(C)]
 #[derive(Default)]
 struct TestRunAttr {

@@ -269,17 +269,7 @@ pub fn program_fd(datapath: &mut Datapath) -> Result<std::os::fd::RawFd> {
 /// Sums the per-CPU counters of `xdp_stats`, in `xdp_stat` index order; `None` when the map was
 /// never created (a datapath from before the XDP fast path).
 pub fn read_stats(pin_dir: &Path) -> Result<Option<Vec<u64>>> {
-    read_counters(pin_dir, map_names::XDP_STATS, xdp_stat::COUNT)
-}
-
-/// Sums the per-CPU counters of the pinned array `name` (`count` of them), in index order;
-/// `None` when the map was never created.
-pub fn read_counters(pin_dir: &Path, name: &str, count: u32) -> Result<Option<Vec<u64>>> {
-    let path = super::pinned_map(pin_dir, name);
-    if !path.exists() {
-        return Ok(None);
-    }
-    super::counters::read_pinned(pin_dir, name, count).map(Some)
+    super::counters::read_pinned_if_exists(pin_dir, map_names::XDP_STATS, xdp_stat::COUNT)
 }
 
 #[cfg(test)]

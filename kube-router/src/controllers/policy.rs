@@ -64,11 +64,11 @@ impl<M: PolicyMaps> PolicyController<M> {
         let listing = self.cache.update(POLICY_KINDS, |o| policy_changes(o, compiled))?;
         let complete = listing.completeness.is_complete();
         if complete {
-            self.stamp.begin_write();
+            self.stamp.begin_write(&self.firewall.metrics());
         }
         let failed = self.firewall.apply(listing.objects, complete);
         if complete && failed == 0 {
-            self.stamp.finish_write(self.firewall.last_sync().writes > 0, listing.as_of_unix);
+            self.stamp.finish_write(self.firewall.last_sync().writes > 0, listing.as_of_unix, &self.firewall.metrics());
         }
         Some(failed)
     }

@@ -584,7 +584,7 @@ impl Controller for ServicesFromApi {
         }
         let changed = std::mem::take(&mut self.changed);
         if complete {
-            self.controller.stamp.begin_write();
+            self.controller.stamp.begin_write(&self.controller.metrics);
         }
         let failed = self.controller.apply(&self.catalog, changed, complete);
         if failed > 0 {
@@ -593,7 +593,11 @@ impl Controller for ServicesFromApi {
             anyhow::bail!("{failed} service map writes failed");
         }
         if complete {
-            self.controller.stamp.finish_write(self.controller.last_writes > 0, listing.as_of_unix);
+            self.controller.stamp.finish_write(
+                self.controller.last_writes > 0,
+                listing.as_of_unix,
+                &self.controller.metrics,
+            );
         }
         Ok(Action::AwaitChange)
     }
