@@ -30,7 +30,7 @@ use crate::{
         node_nets::{sync_egress_nets, CniWriter, EgressNets, NodeNetsController, NODE_KINDS},
         policy::{PolicyController, POLICY_KINDS},
         routing::{self, RoutingController},
-        services::{ServiceController, ServicesFromApi, ServicesFromFile, SERVICE_TRIGGER_KINDS},
+        services::{FileEvents, ServiceController, ServicesFromApi, ServicesFromFile, SERVICE_TRIGGER_KINDS},
     },
     firewall::FirewallController,
     k8s::{
@@ -138,7 +138,8 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         match (&config.source, &cache) {
             (DesiredSource::File(path), _) => {
                 let services = ServicesFromFile::new(controller, path.clone(), node_addresses.clone());
-                tasks.add(runtime::spawn(services, node_addresses.clone(), AT_ONCE, stop.clone()));
+                let trigger = (node_addresses.clone(), FileEvents::watch(path));
+                tasks.add(runtime::spawn(services, trigger, AT_ONCE, stop.clone()));
             }
             (DesiredSource::Api(_), Some(cache)) => {
                 let services = ServicesFromApi::new(controller, cache.clone(), node_addresses.clone());
