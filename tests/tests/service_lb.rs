@@ -363,7 +363,10 @@ fn a_full_service_map_is_reported_once_stays_cheap_and_fills_as_space_frees() {
     };
     let full_writes = || metric(&scrape(), "kube_router_map_writes_total{map=\"svc_v4\",op=\"full\"}");
     let (writes_before, ticks_before, started) = (full_writes(), cpu_ticks(agent.pid()), std::time::Instant::now());
+    let unix_now = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    let mut last_write = 0.0;
     for variant in 1..=10 {
+        last_write = unix_now();
         file.write(&services(0..10, variant)).unwrap();
         thread::sleep(Duration::from_millis(500));
     }
@@ -377,7 +380,8 @@ fn a_full_service_map_is_reported_once_stays_cheap_and_fills_as_space_frees() {
     assert!((4.0..=40.0).contains(&failed), "the 4 waiting frontends, counted once per sync: {failed}");
     assert!(cpu < 0.05, "the agent busy-loops on a full map: {:.1} % of a core", cpu * 100.0);
     // Once the last change is applied, nothing changes and nothing is retried.
-    let last_write = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64() - 0.5;
+    // (A sync that finished after the last write began; the file's directory is watched, so it
+    // may finish within milliseconds of it.)
     let last_sync = || metric(&scrape(), "kube_router_last_sync_timestamp_seconds");
     wait_until("the last change applied", Duration::from_secs(10), || Ok(last_sync() >= last_write)).unwrap();
     let settled = (full_writes(), last_sync());
