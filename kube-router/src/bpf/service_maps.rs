@@ -44,6 +44,9 @@ where
     backends: HashMap<MapData, u32, Backend<F::Words>>,
     source_ranges: LpmTrie<MapData, SourceRangeKey<F::Words>, u8>,
     stats: super::svc_stats::FamilySvcStats<F>,
+    /// A counter reset failed and was said: once, not for every frontend of every sync (the
+    /// counters map fills with the frontends map, whose refusals are logged and counted).
+    stats_reset_warned: bool,
 }
 
 /// The IPv4 service maps.
@@ -82,6 +85,7 @@ where
             backends: open_hash(pin_dir, F::MAPS.backends)?,
             source_ranges: LpmTrie::try_from(Map::LpmTrie(open(pin_dir, F::MAPS.source_ranges)?))?,
             stats: super::svc_stats::FamilySvcStats::open_pinned(pin_dir)?,
+            stats_reset_warned: false,
         };
         // Frontends programmed before the counters existed (an upgrade) get them now.
         let frontends: Vec<ServiceKey<F::Words>> = maps.services.keys().collect::<Result<_, _>>()?;
@@ -94,8 +98,13 @@ where
     fn reset_stats(&mut self, key: &ServiceKey<F::Words>, value: &ServiceValue) {
         let same = self.services.get(key, 0).is_ok_and(|old| old.service_id == value.service_id);
         if !same {
-            if let Err(e) = self.stats.reset(key) {
-                tracing::warn!(error = %e, map = F::MAPS.stats, "cannot reset a frontend's counters");
+            match self.stats.reset(key) {
+                Err(e) if !self.stats_reset_warned => {
+                    tracing::warn!(error = %e, map = F::MAPS.stats, "cannot reset a frontend's counters (said once)");
+                    self.stats_reset_warned = true;
+                }
+                Err(e) => tracing::debug!(error = %e, map = F::MAPS.stats, "cannot reset a frontend's counters"),
+                Ok(()) => {}
             }
         }
     }
