@@ -4,7 +4,9 @@
 //! the backend (8080, 5353):
 //!
 //! * plain routing: the client talks to the backend's own address (the floor);
-//! * this agent (TC programs, from a `--service-file`);
+//! * this agent as a Service proxy only (TC programs, from a `--service-file`,
+//!   `--run-firewall=false`), as kube-proxy is one; and the agent with its NetworkPolicy programs
+//!   as well (the default; no policy selects anything), a row of its own;
 //! * kube-proxy's iptables mode, its rule shape (KUBE-SERVICES -> KUBE-SVC-* -> KUBE-SEP-* DNAT),
 //!   loaded with iptables-restore through both backends (legacy and nft);
 //! * kube-proxy's nftables mode, its table shape (a `service-ips` verdict map, per-service chains
@@ -17,98 +19,21 @@
 //! programmed them all (`KRT_BENCH_PROGRAMMING_ONLY=1`: only that). Numbers from a loaded
 //! 2-core VM: read the ratios.
 use std::{
-    fmt::Write as _,
     fs,
     path::Path,
     thread,
     time::{Duration, Instant},
 };
 
-use kube_router_tests::{kube_router_bin, netprobe_bin, remove_bpf_root, wait_until, Agent, ServiceFile, Topology};
+use kube_router_tests::{
+    kube_proxy::{self, vip},
+    kube_router_bin, netprobe_bin, remove_bpf_root, wait_until, Agent, ServiceFile, Topology,
+};
 
 const BACKEND: &str = "10.0.10.2";
 const SECONDS: &str = "3";
 const BULK_BYTES: u64 = 1 << 30;
 const METRICS_PORT: &str = "20290";
-
-fn vip(i: usize) -> String {
-    let base = u32::from(std::net::Ipv4Addr::new(10, 100, 0, 0));
-    std::net::Ipv4Addr::from(base + 1 + i as u32).to_string()
-}
-
-/// The backend of Service `i`: the real one for the measured (last) Service, made-up ones else.
-fn endpoint(i: usize, n: usize) -> String {
-    if i + 1 == n {
-        BACKEND.to_string()
-    } else {
-        let base = u32::from(std::net::Ipv4Addr::new(10, 200, 0, 0));
-        std::net::Ipv4Addr::from(base + 1 + i as u32).to_string()
-    }
-}
-
-fn service_yaml(n: usize) -> String {
-    let mut out = String::new();
-    for i in 0..n {
-        let _ = write!(
-            out,
-            "---\napiVersion: v1\nkind: Service\nmetadata: {{namespace: bench, name: s{i}}}\nspec:\n  clusterIP: {}\n  ports:\n  - {{name: http, protocol: TCP, port: 80}}\n  - {{name: dns, protocol: UDP, port: 53}}\n\
-             ---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  namespace: bench\n  name: s{i}-1\n  labels: {{kubernetes.io/service-name: s{i}}}\naddressType: IPv4\n\
-             ports:\n- {{name: http, protocol: TCP, port: 8080}}\n- {{name: dns, protocol: UDP, port: 5353}}\nendpoints:\n- addresses: [\"{}\"]\n  conditions: {{ready: true}}\n",
-            vip(i),
-            endpoint(i, n)
-        );
-    }
-    out
-}
-
-/// kube-proxy's iptables-mode rules for `n` single-endpoint Services.
-fn iptables_rules(n: usize) -> String {
-    let mut chains = String::from("*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n");
-    let mut rules =
-        String::from("-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n");
-    for i in 0..n {
-        for (proto, port, target) in [("tcp", 80, 8080), ("udp", 53, 5353)] {
-            let (svc, sep) = (format!("KUBE-SVC-{i:07}{proto}"), format!("KUBE-SEP-{i:07}{proto}"));
-            let _ = writeln!(chains, ":{svc} - [0:0]\n:{sep} - [0:0]");
-            let _ = writeln!(
-                rules,
-                "-A KUBE-SERVICES -d {}/32 -p {proto} -m comment --comment \"bench/s{i}:{proto} cluster IP\" -m {proto} --dport {port} -j {svc}",
-                vip(i)
-            );
-            let _ = writeln!(
-                rules,
-                "-A {svc} -m comment --comment \"bench/s{i}:{proto} -> {}:{target}\" -j {sep}",
-                endpoint(i, n)
-            );
-            let _ =
-                writeln!(rules, "-A {sep} -p {proto} -m {proto} -j DNAT --to-destination {}:{target}", endpoint(i, n));
-        }
-    }
-    format!("{chains}{rules}COMMIT\n")
-}
-
-/// kube-proxy's nftables-mode table for `n` single-endpoint Services.
-fn nftables_rules(n: usize) -> String {
-    let mut out = String::from(
-        "table ip kube-proxy {\n  map service-ips { type ipv4_addr . inet_proto . inet_service : verdict; }\n  \
-         chain nat-prerouting { type nat hook prerouting priority dstnat; policy accept; jump services; }\n  \
-         chain services { ip daddr . meta l4proto . th dport vmap @service-ips; }\n",
-    );
-    let mut elements = Vec::new();
-    for i in 0..n {
-        for (proto, port, target) in [("tcp", 80, 8080), ("udp", 53, 5353)] {
-            let (svc, ep) = (format!("service-{i}-{proto}"), format!("endpoint-{i}-{proto}"));
-            let _ = writeln!(out, "  chain {svc} {{ numgen random mod 1 vmap {{ 0 : goto {ep} }}; }}");
-            let _ = writeln!(out, "  chain {ep} {{ meta l4proto {proto} dnat to {}:{target}; }}", endpoint(i, n));
-            elements.push(format!("{} . {proto} . {port} : goto {svc}", vip(i)));
-        }
-    }
-    out.push_str("}\n");
-    for chunk in elements.chunks(2000) {
-        let _ = writeln!(out, "add element ip kube-proxy service-ips {{ {} }}", chunk.join(", "));
-    }
-    out
-}
 
 struct Contender {
     name: &'static str,
@@ -131,34 +56,25 @@ fn load_rules(topo: &Topology, tool: &str, args: &[&str], rules: &str, dir: &Pat
     started.elapsed().as_secs_f64()
 }
 
-/// `with_packets` false: the contenders are only programmed (no `nft -f`, which takes a minute).
-fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
-    let mut list = Vec::new();
-    let vip = vip(n - 1);
-    let plain = Topology::new("krt-sb-plain", 1).unwrap();
-    list.push(Contender {
-        name: "plain routing",
-        topo: plain,
-        target: BACKEND.into(),
-        agent: None,
-        programmed_in: 0.0,
-    });
-
-    let topo = Topology::new("krt-sb-ours", 1).unwrap();
+/// The agent in a topology of its own, `n` Services programmed from a file; also the seconds
+/// from writing the file to the log line of the sync that programmed them all.
+fn start_agent(prefix: &str, n: usize, extra_args: &[&str]) -> (Topology, Agent, f64) {
+    let topo = Topology::new(prefix, 1).unwrap();
     let root = topo.bpf_root();
     remove_bpf_root(&root);
-    let file = ServiceFile::new("krt-sb");
+    let file = ServiceFile::new(prefix);
     file.write("").unwrap();
-    let args = ["--service-file", &file.arg(), "--health-port", "0", "--metrics-port", METRICS_PORT];
-    let agent = Agent::start(&topo.node, &root, &args).unwrap();
+    let file_arg = file.arg();
+    let mut args = vec!["--service-file", &file_arg, "--health-port", "0", "--metrics-port", METRICS_PORT];
+    args.extend_from_slice(extra_args);
+    let mut agent = Agent::start(&topo.node, &root, &args).unwrap();
     let scrape =
         || topo.node.run(&[netprobe_bin().to_str().unwrap(), "http", &format!("127.0.0.1:{METRICS_PORT}"), "/metrics"]);
     wait_until("agent serving metrics", Duration::from_secs(20), || Ok(scrape().is_ok())).unwrap();
     // Metrics are served before the datapath is loaded: the clock starts once the empty file
     // is programmed, so that what is timed is the Services, not the agent's start.
-    let mut agent = agent;
     agent.wait_for_log("service sync complete", 1, Duration::from_secs(60)).unwrap();
-    let yaml = service_yaml(n);
+    let yaml = kube_proxy::service_yaml(n, BACKEND);
     let scanned = agent.log.lock().unwrap().len();
     let started = Instant::now();
     file.write(&yaml).unwrap();
@@ -177,21 +93,46 @@ fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
     let programmed_in = started.elapsed().as_secs_f64();
     let wanted = format!("kube_router_map_entries{{map=\"svc_v4\"}} {}\n", 2 * n);
     wait_until("every frontend programmed", Duration::from_secs(10), || Ok(scrape()?.contains(&wanted))).unwrap();
+    (topo, agent, programmed_in)
+}
+
+/// `with_packets` false: the contenders are only programmed (no `nft -f`, which takes a minute).
+fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
+    let mut list = Vec::new();
+    let vip = vip(n - 1);
+    let plain = Topology::new("krt-sb-plain", 1).unwrap();
+    list.push(Contender {
+        name: "plain routing",
+        topo: plain,
+        target: BACKEND.into(),
+        agent: None,
+        programmed_in: 0.0,
+    });
+
+    // kube-proxy is a Service proxy only: so is the agent compared with it (the "Service proxy
+    // only" manifest). The agent as deployed with NetworkPolicy is a row of its own: its policy
+    // programs on both pod-facing interfaces, no policy selecting anything.
+    let (topo, agent, programmed_in) = start_agent("krt-sb-ours", n, &["--run-firewall=false"]);
     list.push(Contender { name: "this datapath (TC)", topo, target: vip.clone(), agent: Some(agent), programmed_in });
+    if with_packets {
+        let (topo, agent, programmed_in) = start_agent("krt-sb-pol", n, &[]);
+        let name = "this datapath + policy programs";
+        list.push(Contender { name, topo, target: vip.clone(), agent: Some(agent), programmed_in });
+    }
 
     for (name, prefix, tool) in [
         ("kube-proxy iptables (legacy)", "krt-sb-ipl", "iptables-legacy-restore"),
         ("kube-proxy iptables (nft)", "krt-sb-ipn", "iptables-nft-restore"),
     ] {
         let topo = Topology::new(prefix, 1).unwrap();
-        let programmed_in = load_rules(&topo, tool, &[], &iptables_rules(n), dir);
+        let programmed_in = load_rules(&topo, tool, &[], &kube_proxy::iptables_rules(n, BACKEND), dir);
         list.push(Contender { name, topo, target: vip.clone(), agent: None, programmed_in });
     }
     if !with_packets {
         return list;
     }
     let topo = Topology::new("krt-sb-nft", 1).unwrap();
-    let programmed_in = load_rules(&topo, "nft", &["-f"], &nftables_rules(n), dir);
+    let programmed_in = load_rules(&topo, "nft", &["-f"], &kube_proxy::nftables_rules(n, BACKEND), dir);
     list.push(Contender { name: "kube-proxy nftables", topo, target: vip, agent: None, programmed_in });
     list
 }
@@ -248,7 +189,12 @@ fn main() {
         stop_agents(list);
         return;
     }
-    for n in [1usize, 10_000] {
+    // KRT_BENCH_SERVICES=1 (or 10000): only that measurement.
+    let sizes: Vec<usize> = match std::env::var("KRT_BENCH_SERVICES") {
+        Ok(n) => vec![n.parse().expect("KRT_BENCH_SERVICES: a number of Services")],
+        Err(_) => vec![1, 10_000],
+    };
+    for n in sizes {
         let list = contenders(n, &dir, true);
         for c in &list {
             c.topo.client.sysctl("net.ipv4.tcp_tw_reuse", "1").unwrap();
@@ -288,7 +234,7 @@ fn main() {
 
 fn report_programming(list: &[Contender]) {
     let ours_programmed = list[1].programmed_in;
-    for c in &list[2..] {
+    for c in list[2..].iter().filter(|c| c.agent.is_none()) {
         println!("  programming: {} / this datapath = {:.1}x", c.name, c.programmed_in / ours_programmed);
     }
 }

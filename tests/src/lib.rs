@@ -19,6 +19,7 @@ pub mod apiserver;
 pub mod cluster;
 pub mod gobgp;
 pub mod image;
+pub mod kube_proxy;
 pub mod raw_bgp;
 
 pub fn target_dir() -> PathBuf {

@@ -151,6 +151,9 @@ fn bench() -> Result<()> {
     cargo(&["bench", "-p", "kube-router", "--bench", "datapath"])?;
     // Packets per second one CPU forwards: XDP fast path vs TC vs kernel routing (live frames).
     cargo(&["bench", "-p", "kube-router", "--bench", "xdp_rate"])?;
+    // New flows per second through a ClusterIP on one core: the node's datapath alone, ours
+    // against kube-proxy's iptables and nftables rules.
+    cargo(&["bench", "-p", "kube-router", "--bench", "new_flow_rate"])?;
     cargo(&["bench", "-p", "kube-router", "--bench", "policy_datapath"])?;
     // connect()/sendto() with and without the socket load balancer (own netns and cgroups).
     cargo(&["bench", "-p", "kube-router", "--bench", "socket_lb"])?;

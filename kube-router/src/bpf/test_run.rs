@@ -219,6 +219,22 @@ impl NodeNetns {
         Ok(ns)
     }
 
+    /// Moves the calling thread (back) into the namespace.
+    pub fn join(&self) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let file = std::fs::File::open(format!("/run/netns/{}", self.name))?;
+        // SAFETY: setns on the calling thread only, with a valid namespace fd.
+        if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// The namespace's name (for `ip -n`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// The index of `interface` in the namespace (the calling thread must be in it).
     pub fn ifindex(&self, interface: &str) -> u32 {
         let name = std::ffi::CString::new(interface).expect("interface name");
