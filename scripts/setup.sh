@@ -3,7 +3,7 @@
 # Idempotent: re-running skips what is already present.
 set -euo pipefail
 
-APT_PACKAGES=(bpftool iproute2 iputils-ping gobgpd bird2 frr tcpdump iperf3 netcat-openbsd ipset iptables nftables jq procps psmisc containernetworking-plugins
+APT_PACKAGES=(bpftool iproute2 iputils-ping gobgpd bird2 frr tcpdump iperf3 netcat-openbsd ipset iptables nftables conntrack jq procps psmisc containernetworking-plugins
   # The container image (cargo xtask image, tests/tests/image_smoke.rs): static musl build, built
   # without a daemon, run with runc; skopeo pushes it to a registry.
   musl-tools ca-certificates buildah podman runc skopeo)

@@ -12,7 +12,8 @@
 //! what is measured is the node's cost of a new flow (translation, connection tracking,
 //! forwarding) without the end hosts' TCP stacks, which dominate `service_datapath`'s
 //! connections per second. Each contender has its own network namespace (and its own kernel
-//! conntrack table); both connection tables hold 262,144 entries and are full after the warm-up,
+//! conntrack table, flushed after each measurement: the kernel hashes every namespace's entries
+//! in one table); both connection tables hold 262,144 entries and are full after the warm-up,
 //! so every new flow also evicts one, as under a flood of new flows.
 use std::{
     net::Ipv4Addr,
@@ -252,6 +253,12 @@ fn measure(c: &Contender, pin_dir: &Path) -> (f64, f64, u64) {
     std::thread::sleep(Duration::from_millis(20));
     let forwarded = received_at_ga(c.netns.name()) - before;
     let new = new_flows(pin_dir) - new_before;
+    if let Kind::Rules(..) = c.kind {
+        // The kernel's connection table is one hash for every namespace: a full table left
+        // behind would lengthen the next contender's hash chains.
+        let out = Command::new("ip").args(["netns", "exec", c.netns.name(), "conntrack", "-F"]).output().unwrap();
+        assert!(out.status.success(), "conntrack -F: {}", String::from_utf8_lossy(&out.stderr));
+    }
     let share = forwarded as f64 / f64::from(frames);
     if c.kind == Kind::Floor {
         return (f64::from(frames) / elapsed.as_secs_f64(), share, 0);
