@@ -12,6 +12,7 @@
 //! * kube-proxy's nftables mode, its table shape (a `service-ips` verdict map, per-service chains
 //!   with `numgen random`, endpoint chains with `dnat`), loaded with `nft -f`.
 //!
+//! Client and servers run on one CPU (`taskset`), the agent wherever the scheduler puts it.
 //! At 1 and at 10,000 Services (two ports each; the measured one generated last): new TCP
 //! connections per second, new UDP flows (a socket per request) per second, one TCP flow's
 //! throughput; two rounds interleaved across the contenders, averaged. Also the time to program
@@ -34,6 +35,10 @@ const BACKEND: &str = "10.0.10.2";
 const SECONDS: &str = "3";
 const BULK_BYTES: u64 = 1 << 30;
 const METRICS_PORT: &str = "20290";
+/// Client and backend processes run on this CPU (and so does the packets' processing on the
+/// node, in their softirqs): a one-exchange-at-a-time figure otherwise follows where the
+/// scheduler happens to put the two ends (up to 3x apart between runs on 2 cores).
+const CPU: &str = "1";
 
 struct Contender {
     name: &'static str,
@@ -150,7 +155,16 @@ fn measure(c: &Contender) -> Figures {
         let out = c
             .topo
             .client
-            .run(&[probe.to_str().unwrap(), "rate", proto, &format!("{}:{port}", c.target), SECONDS])
+            .run(&[
+                "taskset",
+                "-c",
+                CPU,
+                probe.to_str().unwrap(),
+                "rate",
+                proto,
+                &format!("{}:{port}", c.target),
+                SECONDS,
+            ])
             .unwrap();
         let fields: Vec<&str> = out.split_whitespace().collect();
         assert_eq!(fields.get(1), Some(&"0"), "{}: failed exchanges: {out}", c.name);
@@ -163,7 +177,15 @@ fn measure(c: &Contender) -> Figures {
     let out = c
         .topo
         .client
-        .run(&[probe.to_str().unwrap(), "bulk", &format!("{}:{tcp_port}", c.target), &BULK_BYTES.to_string()])
+        .run(&[
+            "taskset",
+            "-c",
+            CPU,
+            probe.to_str().unwrap(),
+            "bulk",
+            &format!("{}:{tcp_port}", c.target),
+            &BULK_BYTES.to_string(),
+        ])
         .unwrap();
     assert!(out.starts_with("backend-1"), "{}: bulk transfer failed: {out}", c.name);
     let gbit_per_s = BULK_BYTES as f64 * 8.0 / started.elapsed().as_secs_f64() / 1e9;
@@ -198,6 +220,7 @@ fn main() {
         let list = contenders(n, &dir, true);
         for c in &list {
             c.topo.client.sysctl("net.ipv4.tcp_tw_reuse", "1").unwrap();
+            pin_servers(&c.topo);
         }
         let mut sums = vec![Figures::default(); list.len()];
         for _round in 0..2 {
@@ -229,6 +252,17 @@ fn main() {
         }
         report_programming(&list);
         stop_agents(list);
+    }
+}
+
+/// Moves the backends' servers (every thread, and so the threads they start) to [`CPU`].
+fn pin_servers(topo: &Topology) {
+    for backend in &topo.backends {
+        let pids = std::process::Command::new("ip").args(["netns", "pids", &backend.name]).output().unwrap();
+        for pid in String::from_utf8_lossy(&pids.stdout).split_whitespace() {
+            let ok = std::process::Command::new("taskset").args(["-a", "-p", "-c", CPU, pid]).output().unwrap();
+            assert!(ok.status.success(), "taskset {pid}: {}", String::from_utf8_lossy(&ok.stderr));
+        }
     }
 }
 
