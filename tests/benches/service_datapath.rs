@@ -14,7 +14,8 @@
 //! connections per second, new UDP flows (a socket per request) per second, one TCP flow's
 //! throughput; two rounds interleaved across the contenders, averaged. Also the time to program
 //! the 10,000 Services, from writing the file to the agent's log line for the sync that
-//! programmed them all (`KRT_BENCH_PROGRAMMING_ONLY=1`: only that). Numbers from a loaded
+//! programmed them all (`KRT_BENCH_PROGRAMMING_ONLY=1`: only that, and the same objects given
+//! to a second agent as kubectl's JSON). Numbers from a loaded
 //! 2-core VM: read the ratios.
 use std::{
     fmt::Write as _,
@@ -59,6 +60,30 @@ fn service_yaml(n: usize) -> String {
         );
     }
     out
+}
+
+/// The objects of [`service_yaml`] as kubectl prints them (`-o json`): one indented List.
+fn service_json(n: usize) -> String {
+    let mut items = Vec::new();
+    for i in 0..n {
+        items.push(serde_json::json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": "bench", "name": format!("s{i}")},
+            "spec": {"clusterIP": vip(i), "ports": [
+                {"name": "http", "protocol": "TCP", "port": 80},
+                {"name": "dns", "protocol": "UDP", "port": 53}]}
+        }));
+        items.push(serde_json::json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"namespace": "bench", "name": format!("s{i}-1"),
+                         "labels": {"kubernetes.io/service-name": format!("s{i}")}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "protocol": "TCP", "port": 8080},
+                      {"name": "dns", "protocol": "UDP", "port": 5353}],
+            "endpoints": [{"addresses": [endpoint(i, n)], "conditions": {"ready": true}}]
+        }));
+    }
+    serde_json::to_string_pretty(&serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items})).unwrap()
 }
 
 /// kube-proxy's iptables-mode rules for `n` single-endpoint Services.
@@ -131,23 +156,13 @@ fn load_rules(topo: &Topology, tool: &str, args: &[&str], rules: &str, dir: &Pat
     started.elapsed().as_secs_f64()
 }
 
-/// `with_packets` false: the contenders are only programmed (no `nft -f`, which takes a minute).
-fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
-    let mut list = Vec::new();
-    let vip = vip(n - 1);
-    let plain = Topology::new("krt-sb-plain", 1).unwrap();
-    list.push(Contender {
-        name: "plain routing",
-        topo: plain,
-        target: BACKEND.into(),
-        agent: None,
-        programmed_in: 0.0,
-    });
-
-    let topo = Topology::new("krt-sb-ours", 1).unwrap();
+/// This agent, timed from writing `text` (the `n` Services) to its file to the sync that
+/// programmed them all.
+fn ours(name: &'static str, prefix: &str, n: usize, text: &str) -> Contender {
+    let topo = Topology::new(prefix, 1).unwrap();
     let root = topo.bpf_root();
     remove_bpf_root(&root);
-    let file = ServiceFile::new("krt-sb");
+    let file = ServiceFile::new(prefix);
     file.write("").unwrap();
     let args = ["--service-file", &file.arg(), "--health-port", "0", "--metrics-port", METRICS_PORT];
     let agent = Agent::start(&topo.node, &root, &args).unwrap();
@@ -158,10 +173,9 @@ fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
     // is programmed, so that what is timed is the Services, not the agent's start.
     let mut agent = agent;
     agent.wait_for_log("service sync complete", 1, Duration::from_secs(60)).unwrap();
-    let yaml = service_yaml(n);
     let scanned = agent.log.lock().unwrap().len();
     let started = Instant::now();
-    file.write(&yaml).unwrap();
+    file.write(text).unwrap();
     // Timed to the agent's log line for the sync that programmed every frontend, looked for
     // every 0.2 ms in the new lines only (a metrics scrape spawns a process in the namespace:
     // tens of milliseconds, as long as what is measured).
@@ -177,7 +191,23 @@ fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
     let programmed_in = started.elapsed().as_secs_f64();
     let wanted = format!("kube_router_map_entries{{map=\"svc_v4\"}} {}\n", 2 * n);
     wait_until("every frontend programmed", Duration::from_secs(10), || Ok(scrape()?.contains(&wanted))).unwrap();
-    list.push(Contender { name: "this datapath (TC)", topo, target: vip.clone(), agent: Some(agent), programmed_in });
+    Contender { name, topo, target: vip(n - 1), agent: Some(agent), programmed_in }
+}
+
+/// `with_packets` false: the contenders are only programmed (no `nft -f`, which takes a minute).
+fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
+    let mut list = Vec::new();
+    let vip = vip(n - 1);
+    let plain = Topology::new("krt-sb-plain", 1).unwrap();
+    list.push(Contender {
+        name: "plain routing",
+        topo: plain,
+        target: BACKEND.into(),
+        agent: None,
+        programmed_in: 0.0,
+    });
+
+    list.push(ours("this datapath (TC)", "krt-sb-ours", n, &service_yaml(n)));
 
     for (name, prefix, tool) in [
         ("kube-proxy iptables (legacy)", "krt-sb-ipl", "iptables-legacy-restore"),
@@ -188,6 +218,9 @@ fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
         list.push(Contender { name, topo, target: vip.clone(), agent: None, programmed_in });
     }
     if !with_packets {
+        // A second agent given the same objects as kubectl's JSON, after the baselines (the
+        // ratios are against the YAML file's agent).
+        list.push(ours("this datapath (TC), JSON file", "krt-sb-json", n, &service_json(n)));
         return list;
     }
     let topo = Topology::new("krt-sb-nft", 1).unwrap();
