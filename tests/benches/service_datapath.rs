@@ -17,7 +17,8 @@
 //! connections per second, new UDP flows (a socket per request) per second, one TCP flow's
 //! throughput; two rounds interleaved across the contenders, averaged. Also the time to program
 //! the 10,000 Services, from writing the file to the agent's log line for the sync that
-//! programmed them all (`KRT_BENCH_PROGRAMMING_ONLY=1`: only that). Numbers from a loaded
+//! programmed them all (`KRT_BENCH_PROGRAMMING_ONLY=1`: only that, and the same objects given
+//! to a second agent as kubectl's JSON). Numbers from a loaded
 //! 2-core VM: read the ratios.
 use std::{
     fs,
@@ -61,9 +62,9 @@ fn load_rules(topo: &Topology, tool: &str, args: &[&str], rules: &str, dir: &Pat
     started.elapsed().as_secs_f64()
 }
 
-/// The agent in a topology of its own, `n` Services programmed from a file; also the seconds
-/// from writing the file to the log line of the sync that programmed them all.
-fn start_agent(prefix: &str, n: usize, extra_args: &[&str]) -> (Topology, Agent, f64) {
+/// The agent in a topology of its own, the `n` Services programmed from a file of `text`; also
+/// the seconds from writing the file to the log line of the sync that programmed them all.
+fn start_agent(prefix: &str, n: usize, text: &str, extra_args: &[&str]) -> (Topology, Agent, f64) {
     let topo = Topology::new(prefix, 1).unwrap();
     let root = topo.bpf_root();
     remove_bpf_root(&root);
@@ -79,10 +80,9 @@ fn start_agent(prefix: &str, n: usize, extra_args: &[&str]) -> (Topology, Agent,
     // Metrics are served before the datapath is loaded: the clock starts once the empty file
     // is programmed, so that what is timed is the Services, not the agent's start.
     agent.wait_for_log("service sync complete", 1, Duration::from_secs(60)).unwrap();
-    let yaml = kube_proxy::service_yaml(n, BACKEND);
     let scanned = agent.log.lock().unwrap().len();
     let started = Instant::now();
-    file.write(&yaml).unwrap();
+    file.write(text).unwrap();
     // Timed to the agent's log line for the sync that programmed every frontend, looked for
     // every 0.2 ms in the new lines only (a metrics scrape spawns a process in the namespace:
     // tens of milliseconds, as long as what is measured).
@@ -117,10 +117,11 @@ fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
     // kube-proxy is a Service proxy only: so is the agent compared with it (the "Service proxy
     // only" manifest). The agent as deployed with NetworkPolicy is a row of its own: its policy
     // programs on both pod-facing interfaces, no policy selecting anything.
-    let (topo, agent, programmed_in) = start_agent("krt-sb-ours", n, &["--run-firewall=false"]);
+    let yaml = kube_proxy::service_yaml(n, BACKEND);
+    let (topo, agent, programmed_in) = start_agent("krt-sb-ours", n, &yaml, &["--run-firewall=false"]);
     list.push(Contender { name: "this datapath (TC)", topo, target: vip.clone(), agent: Some(agent), programmed_in });
     if with_packets {
-        let (topo, agent, programmed_in) = start_agent("krt-sb-pol", n, &[]);
+        let (topo, agent, programmed_in) = start_agent("krt-sb-pol", n, &yaml, &[]);
         let name = "this datapath + policy programs";
         list.push(Contender { name, topo, target: vip.clone(), agent: Some(agent), programmed_in });
     }
@@ -134,6 +135,12 @@ fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
         list.push(Contender { name, topo, target: vip.clone(), agent: None, programmed_in });
     }
     if !with_packets {
+        // A second agent given the same objects as kubectl's JSON, after the baselines (the
+        // ratios are against the YAML file's agent).
+        let json = kube_proxy::service_json(n, BACKEND);
+        let (topo, agent, programmed_in) = start_agent("krt-sb-json", n, &json, &["--run-firewall=false"]);
+        let name = "this datapath (TC), JSON file";
+        list.push(Contender { name, topo, target: vip, agent: Some(agent), programmed_in });
         return list;
     }
     let topo = Topology::new("krt-sb-nft", 1).unwrap();

@@ -1,6 +1,6 @@
-//! `n` single-endpoint Services (TCP 80 → 8080 and UDP 53 → 5353 each) in three forms, for the
+//! `n` single-endpoint Services (TCP 80 → 8080 and UDP 53 → 5353 each) in several forms, for the
 //! benchmarks that compare this datapath with kube-proxy on the same Services: Kubernetes
-//! objects for the agent, kube-proxy's iptables-mode rules (KUBE-SERVICES → KUBE-SVC-* →
+//! objects for the agent (YAML, or kubectl's JSON), kube-proxy's iptables-mode rules (KUBE-SERVICES → KUBE-SVC-* →
 //! KUBE-SEP-* DNAT, for iptables-restore) and its nftables-mode table (a `service-ips` verdict
 //! map, per-service chains with `numgen random`, endpoint chains with `dnat`, for `nft -f`).
 //! The measured Service is generated last (the worst place in a rule chain) and its endpoint is
@@ -40,6 +40,30 @@ pub fn service_yaml(n: usize, backend: &str) -> String {
         );
     }
     out
+}
+
+/// The objects of [`service_yaml`] as kubectl prints them (`-o json`): one indented List.
+pub fn service_json(n: usize, backend: &str) -> String {
+    let mut items = Vec::new();
+    for i in 0..n {
+        items.push(serde_json::json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": "bench", "name": format!("s{i}")},
+            "spec": {"clusterIP": vip(i), "ports": [
+                {"name": "http", "protocol": "TCP", "port": 80},
+                {"name": "dns", "protocol": "UDP", "port": 53}]}
+        }));
+        items.push(serde_json::json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"namespace": "bench", "name": format!("s{i}-1"),
+                         "labels": {"kubernetes.io/service-name": format!("s{i}")}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "protocol": "TCP", "port": 8080},
+                      {"name": "dns", "protocol": "UDP", "port": 5353}],
+            "endpoints": [{"addresses": [endpoint(i, n, backend)], "conditions": {"ready": true}}]
+        }));
+    }
+    serde_json::to_string_pretty(&serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items})).unwrap()
 }
 
 /// kube-proxy's iptables-mode rules (the nat table, for iptables-restore).

@@ -4,6 +4,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use k8s_openapi::api::{core::v1 as core, discovery::v1 as discovery};
 use serde::Deserialize;
+use serde_json::value::RawValue;
 
 use super::{
     from_k8s::{self, ServiceOutcome},
@@ -144,14 +145,90 @@ pub fn load_file(path: &Path) -> Result<StateBuilder> {
     parse_objects(&text).with_context(|| format!("parsing {}", path.display()))
 }
 
+/// JSON text (kubectl's `-o json`: an object, a List, or an array or stream of them) is decoded
+/// by serde_json, each object straight into its type; anything else is YAML documents. Text that
+/// only looks like JSON (a YAML flow mapping `{kind: Service}`) is read as YAML.
 pub fn parse_objects(text: &str) -> Result<StateBuilder> {
+    if text.trim_start().starts_with(['{', '[']) {
+        if let Ok(builder) = parse_json(text) {
+            return Ok(builder);
+        }
+    }
+    parse_yaml(text)
+}
+
+/// Each document goes to a `serde_json::Value` directly, not through a `serde_yaml::Value`.
+fn parse_yaml(text: &str) -> Result<StateBuilder> {
     let mut builder = StateBuilder::default();
     for document in serde_yaml::Deserializer::from_str(text) {
-        let value = serde_yaml::Value::deserialize(document)?;
+        let value = serde_json::Value::deserialize(document)?;
         if value.is_null() {
             continue;
         }
-        builder.add_value(serde_json::to_value(value)?)?;
+        builder.add_value(value)?;
     }
     Ok(builder)
+}
+
+fn parse_json(text: &str) -> Result<StateBuilder> {
+    let mut builder = StateBuilder::default();
+    for value in serde_json::Deserializer::from_str(text).into_iter::<&RawValue>() {
+        let raw = value?.get();
+        if raw.starts_with('[') {
+            for item in serde_json::from_str::<Vec<&RawValue>>(raw)? {
+                builder.add_json(item.get());
+            }
+        } else {
+            builder.add_json(raw);
+        }
+    }
+    Ok(builder)
+}
+
+/// What names an object's kind, and a List's items: the rest of the object is skipped unparsed.
+#[derive(Deserialize)]
+struct Head<'a> {
+    #[serde(borrow)]
+    kind: Option<&'a RawValue>,
+    #[serde(borrow)]
+    items: Option<&'a RawValue>,
+}
+
+impl StateBuilder {
+    /// Adds one object of JSON text (already checked to be well-formed): decoded into its type
+    /// from the text, without a `serde_json::Value` of it unless it does not decode (to name it).
+    fn add_json(&mut self, raw: &str) {
+        // Not an object (an array, a string, null): not one of ours, as in `add_value`.
+        if !raw.starts_with('{') {
+            return;
+        }
+        let Ok(head) = serde_json::from_str::<Head>(raw) else { return };
+        let kind: String = head.kind.and_then(|k| serde_json::from_str(k.get()).ok()).unwrap_or_default();
+        match kind.as_str() {
+            "List" | "ServiceList" | "EndpointSliceList" => {
+                let items = head.items.and_then(|i| serde_json::from_str::<Vec<&RawValue>>(i.get()).ok());
+                for item in items.into_iter().flatten() {
+                    self.add_json(item.get());
+                }
+            }
+            "Service" => match serde_json::from_str::<core::Service>(raw) {
+                Ok(service) => self.add_service(&service),
+                Err(_) => self.add_undecodable_json(raw),
+            },
+            "EndpointSlice" => match serde_json::from_str::<discovery::EndpointSlice>(raw) {
+                Ok(slice) => self.add_endpoint_slice(&slice),
+                Err(_) => self.add_undecodable_json(raw),
+            },
+            _ => {}
+        }
+    }
+
+    /// Named, and its Service's programmed state kept, from its value as a YAML document's is:
+    /// the same problem, word for word (a position in the text would be relative to the object).
+    fn add_undecodable_json(&mut self, raw: &str) {
+        if let Ok(value) = serde_json::from_str(raw) {
+            // Only a List's items can fail, and a List is not what this object is.
+            let _ = self.add_value(value);
+        }
+    }
 }

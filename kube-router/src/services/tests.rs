@@ -281,6 +281,70 @@ fn a_service_that_no_longer_decodes_keeps_everything_programmed_for_it() {
     assert_eq!(assign_ids(&plan(&builder.state, &node(), Limits::default()), &first), first);
 }
 
+/// `yaml`'s documents as kubectl prints them (`-o json`: one indented List), as a bare array,
+/// and as a stream of objects.
+fn as_json_files(yaml: &str) -> Vec<String> {
+    let items: Vec<serde_json::Value> = serde_yaml::Deserializer::from_str(yaml)
+        .map(|document| serde::Deserialize::deserialize(document).unwrap())
+        .filter(|v: &serde_json::Value| !v.is_null())
+        .collect();
+    let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "metadata": {}, "items": items});
+    let stream: Vec<String> = items.iter().map(|i| serde_json::to_string(i).unwrap()).collect();
+    vec![serde_json::to_string_pretty(&list).unwrap(), serde_json::to_string(&items).unwrap(), stream.join("\n")]
+}
+
+#[test]
+fn a_json_file_gives_the_state_and_problems_of_the_same_objects_in_yaml() {
+    let broken_service = OBJECTS.replace("port: 80, targetPort: 8080", "port: \"eighty\", targetPort: 8080");
+    let broken_slice = OBJECTS.replace("port: 8080}", "port: [8080]}");
+    let partial = OBJECTS.replace("addresses: [10.0.0.2]", "addresses: [10.0.0.299]");
+    for yaml in [OBJECTS, DUAL_STACK, &broken_service, &broken_slice, &partial] {
+        let from_yaml = parse_objects(yaml).unwrap();
+        assert!(!from_yaml.state.services.is_empty() || !from_yaml.state.rejected.is_empty());
+        for json in as_json_files(yaml) {
+            let from_json = parse_objects(&json).unwrap();
+            assert_eq!(from_json.state, from_yaml.state, "{json}");
+            assert_eq!(from_json.problems, from_yaml.problems, "{json}");
+        }
+    }
+    // The malformed Service is still named and its programmed state kept from a JSON file.
+    let builder = parse_objects(&as_json_files(&broken_service)[0]).unwrap();
+    assert_eq!(builder.problems.len(), 1);
+    assert_eq!(builder.problems[0].name, "default/web");
+    assert!(
+        builder.problems[0].message.starts_with("not a valid Service object: invalid type"),
+        "{:?}",
+        builder.problems
+    );
+    assert_eq!(builder.state.rejected.len(), 1);
+}
+
+#[test]
+fn typed_lists_nested_lists_and_stray_values_in_a_json_file_decode_as_in_yaml() {
+    let items: Vec<serde_json::Value> =
+        serde_yaml::Deserializer::from_str(OBJECTS).map(|d| serde::Deserialize::deserialize(d).unwrap()).collect();
+    let json = serde_json::json!({"kind": "List", "items": [
+        {"kind": "ServiceList", "items": [items[0].clone()]},
+        {"kind": "EndpointSliceList", "items": [items[1].clone()]},
+        null, "text", [items[0].clone()], {"kind": "ConfigMap", "data": {"kind": "Service"}}, {"kind": 7}
+    ]});
+    let from_json = parse_objects(&json.to_string()).unwrap();
+    let from_yaml = parse_objects(OBJECTS).unwrap();
+    assert_eq!(from_json.state, from_yaml.state);
+    assert_eq!(from_json.problems, from_yaml.problems);
+    // The same text as one YAML document (JSON is YAML) decodes the same.
+    let as_yaml = parse_objects(&format!("# a comment first: read as YAML\n{json}")).unwrap();
+    assert_eq!(as_yaml.state, from_yaml.state);
+}
+
+#[test]
+fn a_yaml_flow_mapping_that_looks_like_json_is_read_as_yaml() {
+    let text = "{apiVersion: v1, kind: Service, metadata: {namespace: default, name: web}, spec: {clusterIP: 10.96.0.10, ports: [{protocol: TCP, port: 80}]}}\n---\n{kind: ConfigMap}\n";
+    let builder = parse_objects(text).unwrap();
+    assert_eq!(builder.state.services.len(), 1, "{:?}", builder.problems);
+    assert!(builder.problems.is_empty());
+}
+
 #[test]
 fn one_unreadable_endpoint_address_leaves_the_others_serving() {
     let text = OBJECTS.replace("addresses: [10.0.0.2]", "addresses: [10.0.0.299]");
