@@ -159,6 +159,8 @@ fn bench() -> Result<()> {
     cargo(&["bench", "-p", "kube-router", "--bench", "socket_lb"])?;
     // Compile + map writes against ipset/iptables-restore in a private network namespace.
     cargo(&["bench", "-p", "kube-router", "--bench", "policy_compile"])?;
+    // Decoding a 10,000-Service --service-file (YAML and kubectl's JSON) against generic trees.
+    cargo(&["bench", "-p", "kube-router", "--bench", "service_file"])?;
     // The API benchmark runs the agent as a process: measure the optimised build.
     cargo(&["build", "--release", "-p", "kube-router"])?;
     let agent = workspace_root().join("target/release/kube-router");
