@@ -40,7 +40,7 @@ use kube_router_common::{lb_stat, LbConfig};
 use kube_router_tests::kube_proxy;
 
 mod live_frames;
-use live_frames::{pin_to_cpu, raw, received_at_ga};
+use live_frames::{netns_sysctls, pin_to_cpu, raw, received_at_ga};
 
 const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 50, 0, 1);
 /// The backend, on another node (next hop 10.50.0.2, out of `gb`).
@@ -201,17 +201,17 @@ fn setup(
     .expect("bench netns (root needed)");
     // Forwarded back out of the interface it came in on: no redirects; sources are not checked
     // against routes; no IPv6 chatter on the counted link.
-    for sysctl in [
-        "net.ipv4.conf.all.send_redirects=0",
-        "net.ipv4.conf.gb.send_redirects=0",
-        "net.ipv4.conf.all.rp_filter=0",
-        "net.ipv4.conf.gb.rp_filter=0",
-        "net.ipv6.conf.ga.disable_ipv6=1",
-        "net.ipv6.conf.gb.disable_ipv6=1",
-    ] {
-        let ok = Command::new("ip").args(["netns", "exec", netns.name(), "sysctl", "-qw", sysctl]).status();
-        assert!(ok.is_ok_and(|s| s.success()), "{sysctl}");
-    }
+    netns_sysctls(
+        netns.name(),
+        &[
+            "net.ipv4.conf.all.send_redirects=0",
+            "net.ipv4.conf.gb.send_redirects=0",
+            "net.ipv4.conf.all.rp_filter=0",
+            "net.ipv4.conf.gb.rp_filter=0",
+            "net.ipv6.conf.ga.disable_ipv6=1",
+            "net.ipv6.conf.gb.disable_ipv6=1",
+        ],
+    );
     let (ga, gb) = (netns.ifindex("ga"), netns.ifindex("gb"));
     let mut links = vec![raw::attach(drop_prog, ga)];
     links.push(raw::attach(if kind == Kind::Floor { drop_prog } else { pass_prog }, gb));
@@ -239,7 +239,7 @@ fn setup(
     // it, and the random source port would break one).
     frame[18..20].copy_from_slice(&[0xff, 0xff]);
     frame[24..26].copy_from_slice(&[0, 0]);
-    let checksum = ipv4_header_checksum(&frame[14..34]);
+    let checksum = packet::ipv4_header_checksum(&frame[14..34]);
     frame[24..26].copy_from_slice(&checksum.to_be_bytes());
     frame[40..42].copy_from_slice(&[0, 0]);
     let header_len = 44; // Ethernet + IPv4 + UDP headers and 2 bytes, in whole words
@@ -247,12 +247,6 @@ fn setup(
     let probe = run_xdp_live(generator.as_raw_fd(), &frame, PROBE_FRAMES, ga).expect("live test run");
     let estimate = f64::from(PROBE_FRAMES) / probe.as_secs_f64();
     Contender { name, kind, netns, ga, generator, frame, estimate, _links: links }
-}
-
-fn ipv4_header_checksum(header: &[u8]) -> u16 {
-    let sum: u32 = header.chunks_exact(2).map(|w| u32::from(u16::from_be_bytes([w[0], w[1]]))).sum();
-    let folded = (sum & 0xffff) + (sum >> 16);
-    !(((folded & 0xffff) + (folded >> 16)) as u16)
 }
 
 /// New flows `c` forwarded per second with its tables as `tables` says (frames dropped at the

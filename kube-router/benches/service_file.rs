@@ -7,12 +7,12 @@
 //! peak of live heap. Numbers from a loaded 2-core VM: read the ratios.
 use std::{
     alloc::{GlobalAlloc, Layout, System},
-    fmt::Write as _,
     sync::atomic::{AtomicUsize, Ordering::Relaxed},
     time::Instant,
 };
 
 use kube_router::services::source::{parse_objects, StateBuilder};
+use kube_router_tests::kube_proxy;
 use serde::Deserialize;
 
 struct Counting;
@@ -50,53 +50,8 @@ static ALLOCATOR: Counting = Counting;
 const SERVICES: usize = 10_000;
 const ROUNDS: usize = 5;
 
-fn vip(i: usize) -> std::net::Ipv4Addr {
-    std::net::Ipv4Addr::from(u32::from(std::net::Ipv4Addr::new(10, 100, 0, 0)) + 1 + i as u32)
-}
-
-fn backend(i: usize) -> std::net::Ipv4Addr {
-    std::net::Ipv4Addr::from(u32::from(std::net::Ipv4Addr::new(10, 200, 0, 0)) + 1 + i as u32)
-}
-
-/// The objects of `tests/benches/service_datapath.rs`: two ports, one ready endpoint each.
-fn yaml_file() -> String {
-    let mut out = String::new();
-    for i in 0..SERVICES {
-        let _ = write!(
-            out,
-            "---\napiVersion: v1\nkind: Service\nmetadata: {{namespace: bench, name: s{i}}}\nspec:\n  clusterIP: {}\n  ports:\n  - {{name: http, protocol: TCP, port: 80}}\n  - {{name: dns, protocol: UDP, port: 53}}\n\
-             ---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  namespace: bench\n  name: s{i}-1\n  labels: {{kubernetes.io/service-name: s{i}}}\naddressType: IPv4\n\
-             ports:\n- {{name: http, protocol: TCP, port: 8080}}\n- {{name: dns, protocol: UDP, port: 5353}}\nendpoints:\n- addresses: [\"{}\"]\n  conditions: {{ready: true}}\n",
-            vip(i),
-            backend(i)
-        );
-    }
-    out
-}
-
-/// The same objects as kubectl prints them: one indented `List`.
-fn json_file() -> String {
-    let mut items = Vec::new();
-    for i in 0..SERVICES {
-        items.push(serde_json::json!({
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"namespace": "bench", "name": format!("s{i}")},
-            "spec": {"clusterIP": vip(i).to_string(), "ports": [
-                {"name": "http", "protocol": "TCP", "port": 80},
-                {"name": "dns", "protocol": "UDP", "port": 53}]}
-        }));
-        items.push(serde_json::json!({
-            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"namespace": "bench", "name": format!("s{i}-1"),
-                         "labels": {"kubernetes.io/service-name": format!("s{i}")}},
-            "addressType": "IPv4",
-            "ports": [{"name": "http", "protocol": "TCP", "port": 8080},
-                      {"name": "dns", "protocol": "UDP", "port": 5353}],
-            "endpoints": [{"addresses": [backend(i).to_string()], "conditions": {"ready": true}}]
-        }));
-    }
-    serde_json::to_string_pretty(&serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items})).unwrap()
-}
+/// The measured Service's endpoint in the benchmarks the objects come from (any address does).
+const BACKEND: &str = "10.0.10.2";
 
 /// The decode `parse_objects` replaced: every document through two generic values.
 fn baseline(text: &str) -> StateBuilder {
@@ -131,7 +86,10 @@ fn measure(text: &str, decode: impl Fn(&str) -> StateBuilder) -> (f64, f64) {
 
 fn main() {
     println!("{SERVICES} Services + {SERVICES} EndpointSlices; best of {ROUNDS}, transient heap peak");
-    for (format, text) in [("YAML", yaml_file()), ("JSON", json_file())] {
+    // The objects of `tests/benches/service_datapath.rs`: two ports, one ready endpoint each.
+    let yaml = kube_proxy::service_yaml(SERVICES, BACKEND);
+    let json = kube_proxy::service_json(SERVICES, BACKEND);
+    for (format, text) in [("YAML", yaml), ("JSON", json)] {
         let (old_s, old_mib) = measure(&text, baseline);
         let (new_s, new_mib) = measure(&text, |t| parse_objects(t).unwrap());
         println!("  {format} ({:.1} MB):", text.len() as f64 / 1e6);

@@ -49,7 +49,7 @@ apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  namespace: de
 ports:\n- {name: dns, protocol: UDP, port: 5353}\nendpoints:\n- addresses: [\"10.244.2.5\"]\n  nodeName: node-b\n  conditions: {ready: true}\n";
 
 mod live_frames;
-use live_frames::{pin_to_cpu, raw, received_at_ga};
+use live_frames::{netns_sysctls, pin_to_cpu, raw, received_at_ga};
 
 enum Receiver {
     /// A trivial program returning this verdict (XDP_DROP: the floor; XDP_PASS: the stack, and
@@ -89,15 +89,15 @@ fn main() {
     )
     .expect("bench netns (root needed)");
     // No IPv6 chatter (router solicitations, MLD) on the link whose received packets are counted.
-    for sysctl in [
-        "net.ipv4.conf.all.send_redirects=0",
-        "net.ipv4.conf.gb.send_redirects=0",
-        "net.ipv6.conf.ga.disable_ipv6=1",
-        "net.ipv6.conf.gb.disable_ipv6=1",
-    ] {
-        let ok = std::process::Command::new("ip").args(["netns", "exec", netns, "sysctl", "-qw", sysctl]).status();
-        assert!(ok.is_ok_and(|s| s.success()), "{sysctl}");
-    }
+    netns_sysctls(
+        netns,
+        &[
+            "net.ipv4.conf.all.send_redirects=0",
+            "net.ipv4.conf.gb.send_redirects=0",
+            "net.ipv6.conf.ga.disable_ipv6=1",
+            "net.ipv6.conf.gb.disable_ipv6=1",
+        ],
+    );
     let (ga, gb) = (node.ifindex("ga"), node.ifindex("gb"));
 
     let pin_dir = PathBuf::from("/sys/fs/bpf/krt-perf-xdprate");

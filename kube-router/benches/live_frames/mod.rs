@@ -66,21 +66,7 @@ pub mod raw {
     /// frame leaves as built whatever a receiver did to its page before, and redirects it to
     /// `ifindex`. A frame shorter than the header is dropped.
     pub fn generator(header: &[u8], ifindex: u32) -> OwnedFd {
-        let words: Vec<i32> = header.chunks_exact(4).map(|w| i32::from_ne_bytes(w.try_into().unwrap())).collect();
-        let mut p = vec![
-            insn(0x61, 2, 1, 0, 0), // r2 = ctx->data
-            insn(0x61, 3, 1, 4, 0), // r3 = ctx->data_end
-            insn(0xbf, 4, 2, 0, 0), // r4 = r2
-            insn(0x07, 4, 0, 0, 4 * words.len() as i32),
-            // if r4 > r3: to the drop at the end (past the stores and the 4 redirect instructions)
-            insn(0x2d, 4, 3, words.len() as i16 + 4, 0),
-        ];
-        for (i, word) in words.iter().enumerate() {
-            p.push(insn(0x62, 2, 0, 4 * i as i16, *word)); // *(u32 *)(r2 + 4i) = word
-        }
-        p.extend([mov_imm(1, ifindex as i32), mov_imm(2, 0), insn(0x85, 0, 0, 0, BPF_FUNC_REDIRECT), exit()]);
-        p.extend([mov_imm(0, XDP_DROP), exit()]);
-        load(&p)
+        load(&frame_writer(header, ifindex, &[]))
     }
 
     /// Like [`generator`], for an IPv4 UDP `header` whose source address ends in 0.0 and whose
@@ -90,30 +76,38 @@ pub mod raw {
     pub fn new_flow_generator(header: &[u8], ifindex: u32) -> OwnedFd {
         assert_eq!(&header[28..30], &[0, 0], "source address x.y.0.0");
         assert_eq!(&header[18..20], &[0xff, 0xff], "IP id 0xffff");
-        let words: Vec<i32> = header.chunks_exact(4).map(|w| i32::from_ne_bytes(w.try_into().unwrap())).collect();
-        let mut p = vec![
-            insn(0x61, 6, 1, 0, 0), // r6 = ctx->data (callee-saved: survives the helper call)
-            insn(0x61, 3, 1, 4, 0), // r3 = ctx->data_end
-            insn(0xbf, 4, 6, 0, 0), // r4 = r6
-            insn(0x07, 4, 0, 0, 4 * words.len() as i32),
-            // if r4 > r3: to the drop at the end (past the stores, the 6 randomising
-            // instructions and the 4 redirect instructions)
-            insn(0x2d, 4, 3, words.len() as i16 + 10, 0),
-        ];
-        for (i, word) in words.iter().enumerate() {
-            p.push(insn(0x62, 6, 0, 4 * i as i16, *word)); // *(u32 *)(r6 + 4i) = word
-        }
-        p.extend([
+        let randomise = [
             insn(0x85, 0, 0, 0, BPF_FUNC_GET_PRANDOM_U32),
             insn(0x6b, 6, 0, 34, 0),     // *(u16 *)(r6 + 34) = r0: UDP source port
             insn(0x77, 0, 0, 0, 16),     // r0 >>= 16
             insn(0x6b, 6, 0, 28, 0),     // *(u16 *)(r6 + 28) = r0: source address, last two bytes
             insn(0xa7, 0, 0, 0, 0xffff), // r0 ^= 0xffff
             insn(0x6b, 6, 0, 18, 0),     // *(u16 *)(r6 + 18) = r0: IP id
-        ]);
-        p.extend([mov_imm(1, ifindex as i32), mov_imm(2, 0), insn(0x85, 0, 0, 0, BPF_FUNC_REDIRECT), exit()]);
+        ];
+        load(&frame_writer(header, ifindex, &randomise))
+    }
+
+    /// Instructions that write `header` over the frame (r6 points at it: callee-saved, so
+    /// `per_frame` may call helpers and still write through it), run `per_frame`, and redirect
+    /// the frame to `ifindex`; a frame shorter than the header is dropped.
+    fn frame_writer(header: &[u8], ifindex: u32, per_frame: &[u64]) -> Vec<u64> {
+        let words: Vec<i32> = header.chunks_exact(4).map(|w| i32::from_ne_bytes(w.try_into().unwrap())).collect();
+        let redirect = [mov_imm(1, ifindex as i32), mov_imm(2, 0), insn(0x85, 0, 0, 0, BPF_FUNC_REDIRECT), exit()];
+        let mut p = vec![
+            insn(0x61, 6, 1, 0, 0), // r6 = ctx->data
+            insn(0x61, 3, 1, 4, 0), // r3 = ctx->data_end
+            insn(0xbf, 4, 6, 0, 0), // r4 = r6
+            insn(0x07, 4, 0, 0, 4 * words.len() as i32),
+            // if r4 > r3: to the drop at the end, past the stores, `per_frame` and the redirect
+            insn(0x2d, 4, 3, (words.len() + per_frame.len() + redirect.len()) as i16, 0),
+        ];
+        for (i, word) in words.iter().enumerate() {
+            p.push(insn(0x62, 6, 0, 4 * i as i16, *word)); // *(u32 *)(r6 + 4i) = word
+        }
+        p.extend_from_slice(per_frame);
+        p.extend(redirect);
         p.extend([mov_imm(0, XDP_DROP), exit()]);
-        load(&p)
+        p
     }
 
     /// Attaches `prog` to `ifindex` in native mode; detached when the link is dropped.
@@ -124,6 +118,14 @@ pub mod raw {
         attr[8..12].copy_from_slice(&BPF_XDP.to_ne_bytes());
         attr[12..16].copy_from_slice(&XDP_FLAGS_DRV_MODE.to_ne_bytes());
         bpf(BPF_LINK_CREATE, &mut attr).expect("attach a benchmark XDP program")
+    }
+}
+
+/// Sets each `name=value` sysctl in network namespace `netns`.
+pub fn netns_sysctls(netns: &str, settings: &[&str]) {
+    for setting in settings {
+        let ok = std::process::Command::new("ip").args(["netns", "exec", netns, "sysctl", "-qw", setting]).status();
+        assert!(ok.is_ok_and(|s| s.success()), "{setting}");
     }
 }
 

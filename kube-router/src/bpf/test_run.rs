@@ -284,6 +284,11 @@ pub mod packet {
         bytes.chunks(2).map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]))).sum()
     }
 
+    /// The checksum of an IPv4 header whose checksum field is zero.
+    pub fn ipv4_header_checksum(ip: &[u8]) -> u16 {
+        fold(sum_words(ip))
+    }
+
     fn l4_checksum(src: [u8; 4], dst: [u8; 4], proto: u8, l4: &[u8]) -> u16 {
         let pseudo = sum_words(&src) + sum_words(&dst) + u32::from(proto) + l4.len() as u32;
         fold(pseudo + sum_words(l4))
@@ -305,7 +310,7 @@ pub mod packet {
         ip[6..8].copy_from_slice(&fragment.to_be_bytes());
         ip.extend_from_slice(&src.octets());
         ip.extend_from_slice(&dst.octets());
-        let ip_sum = fold(sum_words(&ip));
+        let ip_sum = ipv4_header_checksum(&ip);
         ip[10..12].copy_from_slice(&ip_sum.to_be_bytes());
         frame.extend(ip);
         frame.extend_from_slice(l4);
