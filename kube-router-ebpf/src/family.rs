@@ -28,6 +28,7 @@ pub trait Family: 'static {
     fn fragments() -> &'static LruHashMap<FragKey<Self::Addr>, FragPorts>;
     fn ct_scratch() -> &'static PerCpuArray<CtScratch<Self::Addr>>;
     fn work() -> &'static PerCpuArray<Work<Self::Addr>>;
+    fn forwarded() -> &'static PerCpuArray<CtKey<Self::Addr>>;
     fn svc_stats() -> &'static PerCpuHashMap<ServiceKey<Self::Addr>, ServiceStats>;
     /// Parses the packet into `out` (per-CPU map memory); `false` if it cannot be read.
     fn parse<C: Packet>(ctx: &C, out: &mut LbParsed<Self::Addr>) -> bool;
@@ -87,6 +88,9 @@ impl Family for V4 {
     }
     fn work() -> &'static PerCpuArray<Work<u32>> {
         &WORK
+    }
+    fn forwarded() -> &'static PerCpuArray<CtKeyV4> {
+        &FORWARDED
     }
     fn svc_stats() -> &'static PerCpuHashMap<ServiceKeyV4, ServiceStats> {
         &SVC_STATS
@@ -166,6 +170,9 @@ impl Family for V6 {
     }
     fn work() -> &'static PerCpuArray<Work<Ipv6Words>> {
         &WORK_V6
+    }
+    fn forwarded() -> &'static PerCpuArray<CtKeyV6> {
+        &FORWARDED_V6
     }
     fn svc_stats() -> &'static PerCpuHashMap<ServiceKeyV6, ServiceStats> {
         &SVC_STATS_V6

@@ -21,7 +21,7 @@ use crate::{
     family::{Family, V4, V6},
     frag,
     icmp::{self, Hook},
-    maps::{count, Work, LB_CONFIG},
+    maps::{count, Work, FORWARDED_SLOTS, LB_CONFIG},
     nat::Tuple,
     packet::Packet,
     parsing::{ip_version, Fragment, IpVersion, LbFlow, LbParsed},
@@ -150,7 +150,9 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
                 if entry.flags & CT_FLAG_DSR_ENCAP != 0 {
                     return tunnel::<F>(ctx, flow, &(entry.nat_dst_addr, entry.nat_dst_port), &mut work.to);
                 }
-                return translate::<F>(ctx, flow, entry, &mut work.to);
+                let verdict = translate::<F>(ctx, flow, entry, &mut work.to);
+                note_forwarded::<F>(&work.to, flow.proto, verdict);
+                return verdict;
             }
             Known::Reselect => {
                 count(lb_stat::CT_RESELECTED);
@@ -198,9 +200,40 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
         verdict => {
             flow_opened::<F, _>(ctx, flow, &work.new, now, Way::New);
             work.to = Tuple { src: work.new.nat_src, dst: work.new.nat_dst };
-            apply::<F>(ctx, flow, &work.to, verdict == NewFlowVerdict::ROUTE)
+            let verdict = apply::<F>(ctx, flow, &work.to, verdict == NewFlowVerdict::ROUTE);
+            note_forwarded::<F>(&work.to, flow.proto, verdict);
+            verdict
         }
     }
+}
+
+/// Remembers the tuple a client's packet was just translated to (`to`) when the stack forwards
+/// it on: its TC egress then skips the conntrack lookup (see `egress`).
+#[inline(always)]
+fn note_forwarded<F: Family>(to: &Tuple<F::Addr>, proto: u8, verdict: i32) {
+    if verdict != TC_ACT_UNSPEC {
+        return;
+    }
+    let key = conntrack::key(to.src, to.dst, proto);
+    if let Some(slot) = F::forwarded().get_ptr_mut(forwarded_slot(&key)) {
+        // SAFETY: per-CPU map memory; no other program run on this CPU is in between.
+        unsafe { *slot = key };
+    }
+}
+
+/// `key`'s slot in the family's `forwarded` table: a hash of the whole tuple.
+#[inline(always)]
+fn forwarded_slot<A: FlowHashWords>(key: &CtKey<A>) -> u32 {
+    let hash = key.dst_addr.mix_into(key.src_addr.mix_into(0));
+    let hash = mix32(hash, ((key.src_port as u32) << 16) | (key.dst_port as u32 ^ ((key.proto as u32) << 8)));
+    fmix32(hash) % FORWARDED_SLOTS
+}
+
+/// TC ingress translated a client's packet to `key` and left it to the stack (`note_forwarded`).
+#[inline(always)]
+fn was_forwarded<F: Family>(key: &CtKey<F::Addr>) -> bool {
+    // SAFETY: read-only per-CPU map memory.
+    F::forwarded().get(forwarded_slot(key)).is_some_and(|noted| noted == key)
 }
 
 /// What a conntrack entry found for an arriving packet says about it. Shared by the TC and XDP
@@ -320,8 +353,17 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
         Ok(flow) => flow,
         Err(verdict) => return verdict,
     };
-    let now = unsafe { bpf_ktime_get_ns() };
     work.key = conntrack::key_of(flow);
+    // A packet TC ingress translated for a client, forwarded by the stack: a client's packet,
+    // not a backend's reply, so no reverse entry is its (one would be another flow's clashing
+    // tuple). Only pod egress masquerade could still apply, to a backend outside the cluster.
+    // Its lookup would be a miss, a walk of the table's chain on cold memory that costs about
+    // what ingress's lookup does. Ingress runs a whole receive batch before the stack forwards
+    // the first packet of it, hence a table of recent tuples rather than the last one.
+    if was_forwarded::<F>(&work.key) && !masquerade_candidate::<F>(flow) {
+        return TC_ACT_UNSPEC;
+    }
+    let now = unsafe { bpf_ktime_get_ns() };
     match conntrack::lookup::<F>(&work.key, flow.tcp_flags, now) {
         Some(entry) if entry.flags & (CT_FLAG_REVERSE | CT_FLAG_FULL_NAT) == CT_FLAG_REVERSE => {
             count(if flow.fragment == Fragment::Later { lb_stat::FRAGMENT_NAT } else { lb_stat::REVERSE_NAT });
@@ -492,6 +534,17 @@ pub(crate) fn new_flow<F: Family>(
     }
 }
 
+/// Pod egress masquerade is on and the packet goes from a pod to an address outside the cluster
+/// (no pod CIDR, node or service address).
+#[inline(always)]
+fn masquerade_candidate<F: Family>(flow: &LbFlow<F::Addr>) -> bool {
+    LB_CONFIG.get(0).is_some_and(|config| {
+        config.flags & LB_CONFIG_POD_EGRESS != 0
+            && F::cluster_net(&flow.src_addr) & CLUSTER_NET_POD != 0
+            && F::cluster_net(&flow.dst_addr) == 0
+    })
+}
+
 /// A pod's packet to an address outside the cluster (no pod CIDR, node or service address)
 /// leaves with the node's address, as kube-router's pod egress masquerade does.
 // Not inlined: keeps its stack out of the egress hot path's.
@@ -503,10 +556,7 @@ fn masquerade<F: Family>(ctx: &TcContext, flow: &LbFlow<F::Addr>, now: u64, to: 
     let Some(snat_addr) = F::snat_addr(config) else {
         return TC_ACT_UNSPEC;
     };
-    if config.flags & LB_CONFIG_POD_EGRESS == 0
-        || F::cluster_net(&flow.src_addr) & CLUSTER_NET_POD == 0
-        || F::cluster_net(&flow.dst_addr) != 0
-    {
+    if !masquerade_candidate::<F>(flow) {
         return TC_ACT_UNSPEC;
     }
     let mut new = NewFlow {

@@ -98,6 +98,18 @@ pub static CT_SCRATCH: PerCpuArray<CtScratch<u32>> = PerCpuArray::with_max_entri
 #[map(name = "ct_scratch_v6")]
 pub static CT_SCRATCH_V6: PerCpuArray<CtScratch<Ipv6Words>> = PerCpuArray::with_max_entries(1, 0);
 
+/// Slots of `forwarded_v4/v6`: more than the packets one receive batch (NAPI's 64) takes
+/// through TC ingress before the stack forwards the first of them to TC egress.
+pub const FORWARDED_SLOTS: u32 = 256;
+
+// The tuples TC ingress recently translated client packets to and left to the stack, one per
+// slot of their hash (see `lb::egress`). Not pinned: a cache, empty after a reload.
+#[map(name = "forwarded_v4")]
+pub static FORWARDED: PerCpuArray<CtKeyV4> = PerCpuArray::with_max_entries(FORWARDED_SLOTS, 0);
+
+#[map(name = "forwarded_v6")]
+pub static FORWARDED_V6: PerCpuArray<CtKeyV6> = PerCpuArray::with_max_entries(FORWARDED_SLOTS, 0);
+
 #[map(name = "lb_stats")]
 pub static LB_STATS: PerCpuArray<u64> = PerCpuArray::pinned(lb_stat::COUNT, 0);
 

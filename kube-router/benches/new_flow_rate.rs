@@ -81,6 +81,17 @@ enum Kind {
     Rules(&'static str, &'static [&'static str]),
 }
 
+impl Kind {
+    fn short_name(&self) -> &'static str {
+        match self {
+            Kind::Floor => "floor",
+            Kind::Plain => "plain",
+            Kind::Ours => "ours",
+            Kind::Rules(tool, _) => tool,
+        }
+    }
+}
+
 struct Contender {
     name: &'static str,
     kind: Kind,
@@ -121,6 +132,10 @@ fn main() {
             ("kube-proxy iptables (nft)", Kind::Rules("iptables-nft-restore", &[])),
             ("kube-proxy nftables", Kind::Rules("nft", &["-f"])),
         ]);
+        // KRT_BENCH_CONTENDERS=floor,plain,nft,... keeps ours and the ones named (Kind::short_name).
+        if let Ok(only) = std::env::var("KRT_BENCH_CONTENDERS") {
+            kinds.retain(|(_, kind)| *kind == Kind::Ours || only.split(',').any(|name| name == kind.short_name()));
+        }
         let contenders: Vec<Contender> = kinds
             .into_iter()
             .enumerate()
@@ -149,7 +164,9 @@ fn main() {
                 .map(|(name, i)| (name, (after[i].0 - before[i].0) as f64 / (after[i].1 - before[i].1) as f64))
                 .to_vec()
         };
-        let (plain, ours) = (rates[1], rates[2]);
+        let rate_of = |kind: Kind| contenders.iter().position(|c| c.kind == kind).map(|i| rates[i]);
+        let (plain, ours) =
+            (rate_of(Kind::Plain).unwrap_or([f64::NAN; 2]), rate_of(Kind::Ours).unwrap_or([f64::NAN; 2]));
         println!("\n{n} Service(s), two ports each; the measured one generated last. Mpps, and ours / it:");
         println!("  {:<45} {:>22} {:>22}", "", "tables emptied", "tables full");
         for (c, rate) in contenders.iter().zip(&rates) {

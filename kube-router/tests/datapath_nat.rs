@@ -619,3 +619,63 @@ fn pod_traffic_leaving_the_cluster_is_masqueraded_and_its_replies_restored() {
     }
     assert_eq!(lb.lb_stat(lb_stat::EGRESS_MASQUERADE_NEW_FLOW), 2);
 }
+
+/// Keeps the calling thread on the CPU it runs on: per-CPU state that one program run leaves
+/// for the next (TC ingress's note of what it forwarded, read by TC egress) is then seen.
+fn stay_on_this_cpu() {
+    // SAFETY: a zeroed cpu_set_t with one bit set, applied to the calling thread.
+    unsafe {
+        let cpu = libc::sched_getcpu();
+        assert!(cpu >= 0);
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu as usize, &mut set);
+        assert_eq!(libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set), 0);
+    }
+}
+
+/// A Service whose endpoint is outside the cluster (a Service without a selector, its
+/// EndpointSlice naming an external database): a pod's packets to it are DNATed at TC ingress and
+/// then masqueraded at TC egress, every one of them on the port its flow got first. TC egress
+/// skips its conntrack lookup for packets TC ingress just translated, but not for these.
+#[test]
+fn a_pods_flow_to_a_backend_outside_the_cluster_is_masqueraded_on_every_packet() {
+    let database = Ipv4Addr::new(203, 0, 113, 20);
+    let lb = load("external-endpoint", &service_yaml(&[(database, "node-x")], ""));
+    let config = LbConfig {
+        snat_addr: addr_be(NODE_IP),
+        snat_port_min: SNAT_PORTS.0,
+        snat_port_max: SNAT_PORTS.1,
+        flags: LB_CONFIG_POD_EGRESS,
+        ..Default::default()
+    };
+    write_lb_config(&lb.pin_dir, &config).unwrap();
+    let nets =
+        kube_router::egress::cluster_nets(&[], &["10.244.0.0/16".parse().unwrap()], &["10.96.0.0/12".parse().unwrap()]);
+    sync_cluster_nets(&lb.pin_dir, &nets).unwrap();
+    stay_on_this_cpu();
+
+    let mut source = None;
+    for flags in [packet::TCP_SYN, packet::TCP_ACK, packet::TCP_ACK] {
+        let (verdict, translated) =
+            lb.ingress(&packet::ipv4(packet::TCP, (LOCAL_POD, 41000), (VIP, 80), flags, b"query"));
+        assert_eq!(verdict, TC_ACT_UNSPEC);
+        assert_eq!(packet::endpoints(&translated), ((LOCAL_POD, 41000), (database, 8080)));
+        let (verdict, out) = lb.egress(&translated);
+        assert_eq!(verdict, TC_ACT_UNSPEC);
+        let (src, dst) = packet::endpoints(&out);
+        assert_eq!((src.0, dst), (NODE_IP, (database, 8080)), "masqueraded (TCP flags {flags:#x})");
+        assert_eq!(*source.get_or_insert(src), src, "on the port the flow got first");
+        assert!(packet::checksums_valid(&out));
+    }
+    assert_eq!(lb.lb_stat(lb_stat::EGRESS_MASQUERADE_NEW_FLOW), 1);
+    assert_eq!(lb.lb_stat(lb_stat::EGRESS_MASQUERADE), 2);
+
+    // A pod's flow to an in-cluster backend is left alone at egress, as before.
+    program(&lb.pin_dir, &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+    for flags in [packet::TCP_SYN, packet::TCP_ACK] {
+        let (_, translated) = lb.ingress(&packet::ipv4(packet::TCP, (LOCAL_POD, 42000), (VIP, 80), flags, b""));
+        assert_eq!(packet::endpoints(&translated).1, (REMOTE_POD, 8080));
+        assert_eq!(lb.egress(&translated), (TC_ACT_UNSPEC, translated));
+    }
+    assert_eq!(lb.lb_stat(lb_stat::EGRESS_MASQUERADE_NEW_FLOW), 1);
+}
