@@ -175,10 +175,11 @@ pub const SVC_FLAG_MAGLEV: u32 = 1 << 6;
 /// With [`SVC_FLAG_MAGLEV`]: the client's source port is hashed too (IPVS mh's `mh-port`);
 /// without it, only the client address (every connection of a client to one backend).
 pub const SVC_FLAG_MAGLEV_PORT: u32 = 1 << 7;
-/// Direct server return (`kube-router.io/service.dsr: tunnel`, ExternalIP and LoadBalancer IP
-/// frontends, IPv4): a new flow whose backend is on another node is not translated here but
-/// carried to it in IPIP (outer destination: the backend's own address, which the cluster
+/// Direct server return (`kube-router.io/service.dsr: tunnel`, ExternalIP, LoadBalancer IP and
+/// NodePort frontends, IPv4): a new flow whose backend is on another node is not translated here
+/// but carried to it in IPIP (outer destination: the backend's own address, which the cluster
 /// routes to its node); that node translates it and its reply goes straight to the client.
+/// On a NodePort, for clients outside the cluster only (see `lb::new_flow`).
 pub const SVC_FLAG_DSR: u32 = 1 << 8;
 
 /// Addresses as the 32-bit words Maglev's flow hash consumes (packet byte order).
@@ -625,7 +626,8 @@ pub mod dsr_stat {
     /// New flows recorded on the backend's node from a tunnelled packet (translated to the
     /// backend there, replies restored to the frontend and routed straight to the client).
     pub const DELIVER_NEW_FLOW: u32 = 5;
-    /// A tunnelled packet for no frontend of this node, or from no cluster node: dropped.
+    /// A tunnelled packet for no frontend of this node (nor for this NodePort on another node),
+    /// or not TCP or UDP: dropped.
     pub const DECAP_REFUSED: u32 = 6;
     pub const DECAP_FAILED: u32 = 7;
     pub const COUNT: u32 = 8;

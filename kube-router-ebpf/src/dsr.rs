@@ -1,5 +1,6 @@
-//! Direct server return (`kube-router.io/service.dsr: tunnel`) for IPv4 ExternalIP and
-//! LoadBalancer IP frontends, in two halves:
+//! Direct server return (`kube-router.io/service.dsr: tunnel`) for IPv4 ExternalIP,
+//! LoadBalancer IP and NodePort frontends (a NodePort's for clients outside the cluster), in
+//! two halves:
 //!
 //! * On the node the client's packet reaches (`tunnel`): a flow whose backend is on another node
 //!   is not translated. The packet, still client -> frontend, gets an outer IPv4 header (IPIP)
@@ -12,7 +13,10 @@
 //!   tunnel named and recorded (`CT_FLAG_DSR_DELIVER`, both directions) so the backend's reply
 //!   is restored to come from the frontend at TC egress and leaves straight for the client.
 //!   The port is taken from the flow's first packet only: a GSO packet segmented after the
-//!   outer header went on carries consecutive IDs in its segments.
+//!   outer header went on carries consecutive IDs in its segments. A NodePort flow's inner
+//!   destination is the other node's address, no frontend here: it is admitted by this node's
+//!   own NodePort (same port, cluster-wide), and its reply leaves from the other node's address.
+
 use aya_ebpf::{
     bindings::{
         bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, bpf_fib_lookup as FibLookup, bpf_redir_neigh,
@@ -163,9 +167,7 @@ pub fn deliver(ctx: &TcContext, backend: &(u32, u16)) -> i32 {
         // Another backend, or another kind of flow on this tuple: the tunnel decides.
         conntrack::forget::<V4>(&work.key, entry);
     }
-    let frontend = ServiceKey { addr: flow.dst_addr, port: flow.dst_port, proto: flow.proto, pad: 0 };
-    // SAFETY: read-only use of a map value within this run.
-    let Some(service_id) = (unsafe { V4::services().get(frontend) }).map(|s| s.service_id) else {
+    let Some(service_id) = tunnelled_service(flow.dst_addr, flow.dst_port, flow.proto) else {
         count(dsr_stat::DECAP_REFUSED);
         return TC_ACT_SHOT;
     };
@@ -186,4 +188,24 @@ pub fn deliver(ctx: &TcContext, backend: &(u32, u16)) -> i32 {
     lb::flow_opened::<V4, _>(ctx, flow, &work.new, now, Way::In);
     work.to = Tuple { src: work.new.nat_src, dst: work.new.nat_dst };
     lb::apply::<V4>(ctx, flow, &work.to, false)
+}
+
+/// The service id of the frontend a tunnelled flow is for: a frontend programmed here (a VIP),
+/// or, for another node's NodePort, the same NodePort on this node's address (node ports are
+/// allocated cluster-wide). `None`: no Service of this node's serves it.
+#[inline(always)]
+fn tunnelled_service(addr: u32, port: u16, proto: u8) -> Option<u32> {
+    let frontend = ServiceKey { addr, port, proto, pad: 0 };
+    // SAFETY: read-only use of a map value within this run.
+    if let Some(service) = unsafe { V4::services().get(frontend) } {
+        return Some(service.service_id);
+    }
+    if V4::cluster_net(&addr) & CLUSTER_NET_NODE == 0 {
+        return None;
+    }
+    let local = LB_CONFIG.get(0).map(|c| c.snat_addr).filter(|a| *a != 0)?;
+    let own = ServiceKey { addr: local, port, proto, pad: 0 };
+    // SAFETY: as above.
+    let service = unsafe { V4::services().get(own) }?;
+    (service.flags & SVC_FLAG_NODEPORT != 0).then_some(service.service_id)
 }

@@ -483,7 +483,11 @@ pub(crate) fn new_flow<F: Family>(
     let snat_addr = F::snat_addr(config);
     // Direct server return (IPv4 IPIP): the backend's node translates, its reply goes straight
     // to the client. The node address is the tunnel's source.
-    let dsr = service.flags & SVC_FLAG_DSR != 0 && leaves_node && !hairpin && size_of::<F::Addr>() == 4;
+    let dsr = service.flags & SVC_FLAG_DSR != 0
+        && leaves_node
+        && !hairpin
+        && size_of::<F::Addr>() == 4
+        && (service.flags & SVC_FLAG_NODEPORT == 0 || node_port_dsr::<F>(flow));
     if dsr && snat_addr.is_some() {
         new.forward_flags = CT_FLAG_DSR_ENCAP;
         if conntrack::create_forward::<F>(flow, new, now).is_err() {
@@ -543,6 +547,16 @@ fn masquerade_candidate<F: Family>(flow: &LbFlow<F::Addr>) -> bool {
             && F::cluster_net(&flow.src_addr) & CLUSTER_NET_POD != 0
             && F::cluster_net(&flow.dst_addr) == 0
     })
+}
+
+/// A NodePort flow may be tunnelled: its client is outside the cluster (a reply from this
+/// node's own address would be dropped here as a martian on its way to a pod of this node, and
+/// delivered untranslated to a node's own address on the backend's node), and its frontend is a
+/// node address `cluster_nets` knows (the backend's node admits the tunnel by it). Otherwise it
+/// is source-NATed.
+#[inline(always)]
+fn node_port_dsr<F: Family>(flow: &LbFlow<F::Addr>) -> bool {
+    F::cluster_net(&flow.src_addr) == 0 && F::cluster_net(&flow.dst_addr) & CLUSTER_NET_NODE != 0
 }
 
 /// A pod's packet to an address outside the cluster (no pod CIDR, node or service address)

@@ -152,7 +152,9 @@ fn serve<F: Forward>(ctx: &XdpContext, work: &mut Work<F::Addr>) -> u32 {
         work.to = Tuple { src: work.new.nat_src, dst: work.new.nat_dst };
         send::<F>(ctx, flow, &work.to)
     } else {
-        // Delivered here or routed by the stack: TC translates it from the entries just made.
+        // Delivered here, routed by the stack, or tunnelled to the backend's node (direct server
+        // return, whatever the frontend: only TC can add the outer header): TC translates or
+        // encapsulates it from the entries just made.
         pass(xdp_stat::PASS_TO_TC)
     };
     flow_opened::<F, _>(ctx, flow, &work.new, now, if served(verdict) { Way::New } else { Way::Opened });

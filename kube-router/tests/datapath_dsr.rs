@@ -1,9 +1,10 @@
 //! Direct server return (`kube-router.io/service.dsr: tunnel`) packet by packet, run in the
 //! kernel with BPF_PROG_TEST_RUN: the node the client reached tunnels the untranslated packet to
 //! the backend (outer header checked byte by byte), answers a packet too big for the tunnel with
-//! the MTU less the outer header, and leaves NodePorts to source NAT; the backend's node takes the
-//! tunnel apart, delivers the inner packet to the backend the tunnel names and restores the
-//! reply to the frontend. Needs root. (End to end: tests/tests/cluster_dsr.rs.)
+//! the MTU less the outer header, tunnels a NodePort flow from outside the cluster and
+//! source-NATs one from inside; the backend's node takes the tunnel apart, delivers the inner
+//! packet to the backend the tunnel names (another node's NodePort through its own) and restores
+//! the reply to the frontend. Needs root. (End to end: tests/tests/cluster_dsr.rs.)
 use std::{collections::BTreeMap, net::Ipv4Addr};
 
 use kube_router::{
@@ -22,6 +23,9 @@ use common::{load_node, Loaded, CLIENT, EXTERNAL_IP, LOCAL_POD, NODE_IP, REMOTE_
 
 const IPIP: u8 = 4;
 const OTHER_NODE: Ipv4Addr = Ipv4Addr::new(10, 100, 0, 2);
+/// An address of this node's that serves NodePorts but is not in its Node object (no
+/// `cluster_nets_v4` entry): another node would refuse a tunnel for it.
+const UNLISTED_NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 100, 9, 1);
 
 /// Service `web` with DSR: ClusterIP VIP, NodePort 30080/30053, ExternalIP, TCP 80 -> 8080 and
 /// UDP 53 -> 5353, over one endpoint.
@@ -37,8 +41,11 @@ fn service_yaml(endpoint: (Ipv4Addr, &str)) -> String {
 
 /// This node (`node-a`, NODE_IP on `up0`, pods 10.244.1.0/24) with `endpoint` behind `web`.
 fn load(test: &str, endpoint: (Ipv4Addr, &str)) -> Loaded {
-    let node_context =
-        NodeContext { name: "node-a".into(), node_port_addrs: vec![NODE_IP.into()], ..Default::default() };
+    let node_context = NodeContext {
+        name: "node-a".into(),
+        node_port_addrs: vec![NODE_IP.into(), UNLISTED_NODE_IP.into()],
+        ..Default::default()
+    };
     let config = LbConfig { snat_addr: addr_be(NODE_IP), ..Default::default() };
     let lb = load_node(&format!("krt-dsr-unit-{test}"), &[], &service_yaml(endpoint), &node_context, &config);
     // As the agent writes them from the Node objects.
@@ -98,16 +105,35 @@ fn a_flow_to_a_backend_on_another_node_is_tunnelled_untranslated() {
     assert_eq!((lb.dsr_stat(dsr_stat::NEW_FLOW), lb.dsr_stat(dsr_stat::ENCAPSULATED)), (4, 5));
     assert_eq!(lb.lb_stat(lb_stat::SNAT_NEW_FLOW), 0);
 
-    // The NodePort and the ClusterIP of the same Service: translated as always.
-    let (verdict, out) =
-        lb.run(Hook::Ingress, &packet::ipv4(packet::TCP, (CLIENT, 40100), (NODE_IP, 30080), packet::TCP_SYN, b""));
-    assert_eq!(verdict, TC_ACT_REDIRECT);
-    assert_eq!(out[14 + 9], packet::TCP, "not tunnelled");
-    assert_eq!(packet::endpoints(&out).0 .0, NODE_IP, "source-NATed");
+    // The NodePort, from outside the cluster: tunnelled too, the node's address as it was.
+    for (proto, node_port, backend_port) in [(packet::TCP, 30080, 8080u16), (packet::UDP, 30053, 5353)] {
+        let sent = packet::ipv4(proto, (CLIENT, 40100), (NODE_IP, node_port), packet::TCP_SYN, b"np");
+        let (verdict, out) = lb.run(Hook::Ingress, &sent);
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+        assert_eq!(out[14 + 9], IPIP, "tunnelled");
+        assert_eq!(&out[26..34], &[NODE_IP.octets(), REMOTE_POD.octets()].concat()[..], "node -> backend");
+        assert_eq!(u16::from_be_bytes([out[18], out[19]]), backend_port, "the backend port in the IP ID");
+        assert_eq!(&out[34..], &sent[14..], "the client's packet, untranslated");
+    }
+    assert_eq!(lb.dsr_stat(dsr_stat::NEW_FLOW), 6);
+    // From a pod or a node of the cluster (a reply from this node's own address would not reach
+    // them), or to a node address the other nodes do not know: source-NATed as always.
+    let not_tunnelled = [(LOCAL_POD, NODE_IP), (OTHER_NODE, NODE_IP), (CLIENT, UNLISTED_NODE_IP)];
+    for (n, (client, node_ip)) in not_tunnelled.into_iter().enumerate() {
+        let client = (client, 40102 + n as u16);
+        let (verdict, out) =
+            lb.run(Hook::Ingress, &packet::ipv4(packet::TCP, client, (node_ip, 30080), packet::TCP_SYN, b""));
+        assert_eq!(verdict, TC_ACT_REDIRECT, "{client:?} -> {node_ip}");
+        assert_eq!(out[14 + 9], packet::TCP, "{client:?} -> {node_ip}: not tunnelled");
+        assert_eq!(packet::endpoints(&out).0 .0, NODE_IP, "source-NATed");
+        assert_eq!(packet::endpoints(&out).1, (REMOTE_POD, 8080));
+    }
+    assert_eq!(lb.lb_stat(lb_stat::SNAT_NEW_FLOW), 3);
+    // The ClusterIP of the same Service: translated as always.
     let (_, out) =
         lb.run(Hook::Ingress, &packet::ipv4(packet::TCP, (LOCAL_POD, 40101), (VIP, 80), packet::TCP_SYN, b""));
     assert_eq!(packet::endpoints(&out), ((LOCAL_POD, 40101), (REMOTE_POD, 8080)));
-    assert_eq!(lb.dsr_stat(dsr_stat::NEW_FLOW), 4);
+    assert_eq!(lb.dsr_stat(dsr_stat::NEW_FLOW), 6);
 }
 
 #[test]
@@ -172,6 +198,29 @@ fn a_tunnelled_packet_is_delivered_to_the_backend_it_names_and_answered_from_the
     }
     assert_eq!(lb.lb_stat(lb_stat::CT_RESELECTED), 0);
 
+    // Another node's NodePort: admitted by this node's own (the same port), the reply restored
+    // to come from the other node's address, which the client connected to.
+    for (proto, node_port, backend_port) in [(packet::TCP, 30080, 8080u16), (packet::UDP, 30053, 5353)] {
+        let client = (CLIENT, 41010);
+        let inner = packet::ipv4(proto, client, (OTHER_NODE, node_port), packet::TCP_SYN, b"np");
+        let (verdict, out) = lb.run(Hook::Ingress, &tunnelled(OTHER_NODE, LOCAL_POD, backend_port, &inner));
+        assert_eq!(verdict, TC_ACT_UNSPEC);
+        assert_eq!(packet::endpoints(&out), (client, (LOCAL_POD, backend_port)));
+        assert!(packet::checksums_valid(&out));
+        let reply = packet::ipv4(proto, (LOCAL_POD, backend_port), client, packet::TCP_ACK, b"hello");
+        let (verdict, out) = lb.run(Hook::Egress, &reply);
+        assert_eq!(verdict, TC_ACT_UNSPEC);
+        assert_eq!(packet::endpoints(&out), ((OTHER_NODE, node_port), client));
+        assert!(packet::checksums_valid(&out));
+    }
+    assert_eq!((lb.dsr_stat(dsr_stat::DECAPSULATED), lb.dsr_stat(dsr_stat::DELIVER_NEW_FLOW)), (8, 4));
+    // A port that is no NodePort here, or a node address that is not the cluster's: refused.
+    for frontend in [(OTHER_NODE, 30099), (Ipv4Addr::new(192, 0, 2, 98), 30080)] {
+        let inner = packet::ipv4(packet::TCP, (CLIENT, 41011), frontend, packet::TCP_SYN, b"");
+        assert_eq!(lb.run(Hook::Ingress, &tunnelled(OTHER_NODE, LOCAL_POD, 8080, &inner)).0, TC_ACT_SHOT);
+    }
+    assert_eq!(lb.dsr_stat(dsr_stat::DECAP_REFUSED), 2);
+
     // Not from a node, or not to a pod: not ours, untouched.
     let inner = packet::ipv4(packet::TCP, (CLIENT, 41001), (EXTERNAL_IP, 80), packet::TCP_SYN, b"");
     for (src, dst) in [(CLIENT, LOCAL_POD), (OTHER_NODE, NODE_IP)] {
@@ -181,6 +230,6 @@ fn a_tunnelled_packet_is_delivered_to_the_backend_it_names_and_answered_from_the
     // From a node to a pod, but for no frontend here: dropped.
     let stray = packet::ipv4(packet::TCP, (CLIENT, 41002), (Ipv4Addr::new(192, 0, 2, 99), 80), packet::TCP_SYN, b"");
     assert_eq!(lb.run(Hook::Ingress, &tunnelled(OTHER_NODE, LOCAL_POD, 8080, &stray)).0, TC_ACT_SHOT);
-    assert_eq!(lb.dsr_stat(dsr_stat::DECAP_REFUSED), 1);
-    assert_eq!(lb.dsr_stat(dsr_stat::DECAPSULATED), 7);
+    assert_eq!(lb.dsr_stat(dsr_stat::DECAP_REFUSED), 3);
+    assert_eq!(lb.dsr_stat(dsr_stat::DECAPSULATED), 11);
 }

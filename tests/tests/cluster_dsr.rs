@@ -1,10 +1,11 @@
 //! Direct server return (`kube-router.io/service.dsr: tunnel`) on the multi-node harness: an
 //! external client's flows to a LoadBalancer IP or ExternalIP that the fabric routes to node-1,
-//! with the backend on node-2, are tunnelled (IPIP) untranslated to node-2, which hands them to
-//! the pod and sends its replies straight to the client from the frontend address. The client's
-//! own address reaches the backend, the counters of both nodes show the tunnel, and node-1's
-//! uplink does not carry the replies. A local backend, and a Service without the annotation, are
-//! served as before. Real TCP and UDP, as root, in network namespaces.
+//! or to node-1's NodePort, with the backend on node-2, are tunnelled (IPIP) untranslated to
+//! node-2, which hands them to the pod and sends its replies straight to the client from the
+//! frontend address (node-1's, for the NodePort). The client's own address reaches the backend,
+//! the counters of both nodes show the tunnel, and node-1's uplink does not carry the replies. A
+//! local backend, the Local traffic policy, clients inside the cluster (NodePort) and a Service
+//! without the annotation are served as before. Real TCP and UDP, as root, in network namespaces.
 
 use kube_router_tests::{
     cluster::{assert_all_from, netprobe, request, stats_growth, wait_for, Cluster, Svc, CLIENT_ADDR},
@@ -122,6 +123,104 @@ fn local_backends_and_services_without_the_annotation_are_served_as_before() {
         assert_eq!(stats_growth(&before.1, &after.1, name), 0, "{name}: {:?}", after.1);
     }
     assert_eq!(stats_growth(&before.0, &after.0, "snat_new_flow"), 11, "{:?}", after.0);
+}
+
+/// The UDP replies' source as the client's `recvfrom` reports it, `count` exchanges with `target`
+/// (each from a new socket): (backend name, peer address) per reply.
+fn udp_peers(c: &Cluster, target: &str, count: usize) -> Vec<(String, String)> {
+    let out = netprobe(&c.client, &["peer", "udp", target, &count.to_string()]);
+    let peers: Vec<(String, String)> = out
+        .lines()
+        .map(|l| {
+            let fields: Vec<&str> = l.split_whitespace().collect();
+            assert_eq!(fields.first(), Some(&"OK"), "{target}: {l}");
+            (fields[1].to_string(), fields[2].to_string())
+        })
+        .collect();
+    assert_eq!(peers.len(), count, "{out}");
+    peers
+}
+
+#[test]
+fn external_flows_to_a_node_port_are_tunnelled_and_answered_from_that_node_address() {
+    let c = Cluster::builder("krt-dsr-np").build().unwrap();
+    // NodePorts of node-1 (10.100.0.1), which the client reaches directly on the fabric.
+    let dsr = |svc: Svc| svc.annotate(DSR.0, DSR.1);
+    c.add_service(dsr(Svc::node_port("remote", "10.96.1.78", 30178).select("pod", "pod-2-0"))).unwrap();
+    c.add_service(dsr(Svc::node_port("here", "10.96.1.79", 30180).select("pod", "pod-1-0"))).unwrap();
+    c.add_service(dsr(Svc::node_port("local", "10.96.1.80", 30182).select("pod", "pod-1-0").local())).unwrap();
+    // Every node has the ClusterIPs (the NodePorts are each node's own), programmed alike.
+    for frontend in ["10.96.1.78:80", "10.96.1.79:80", "10.96.1.80:80"] {
+        c.wait_backends(frontend, 1).unwrap();
+    }
+    let (ingress, backend) = (c.node(0), c.node(1));
+    let before = (ingress.stats(), backend.stats());
+    let mut flows = 0;
+    assert_all_from(&request(&c.client, "tcp", "10.100.0.1:30178", 10), "pod-2-0");
+    // No source NAT anywhere: the backend sees the client itself.
+    assert_eq!(netprobe(&c.client, &["ask", "tcp", "10.100.0.1:30178", "who"]), format!("pod-2-0 {CLIENT_ADDR}"));
+    assert_all_from(&request(&c.client, "udp", "10.100.0.1:30179", 10), "pod-2-0");
+    assert_eq!(netprobe(&c.client, &["ask", "udp", "10.100.0.1:30179", "who"]), format!("pod-2-0 {CLIENT_ADDR}"));
+    flows += 22;
+    // Each UDP reply comes from node-1's address and NodePort, though node-2 sent it.
+    let peers = udp_peers(&c, "10.100.0.1:30179", 5);
+    assert!(peers.iter().all(|(name, peer)| name == "pod-2-0" && peer == "10.100.0.1:30179"), "{peers:?}");
+    flows += 5;
+    let after = (ingress.stats(), backend.stats());
+    // node-1 chose the backend and tunnelled every flow, translating nothing itself.
+    assert_eq!(stats_growth(&before.0, &after.0, "dsr_new_flow"), flows, "{:?}", after.0);
+    assert!(stats_growth(&before.0, &after.0, "dsr_encapsulated") >= flows, "{:?}", after.0);
+    assert_eq!(stats_growth(&before.0, &after.0, "snat_new_flow"), 0, "{:?}", after.0);
+    // XDP (--xdp auto) records each flow and leaves the encapsulation to TC.
+    assert_eq!(stats_growth(&before.0, &after.0, "xdp_new_flow"), flows, "{:?}", after.0);
+    assert_eq!(stats_growth(&before.0, &after.0, "xdp_tx") + stats_growth(&before.0, &after.0, "xdp_redirect"), 0);
+    assert_eq!(stats_growth(&before.0, &after.0, "reverse_nat"), 0, "{:?}", after.0);
+    assert_eq!(stats_growth(&before.0, &after.0, "xdp_reply"), 0, "{:?}", after.0);
+    // node-2 admitted node-1's NodePort through its own and recorded each flow once.
+    assert!(
+        stats_growth(&before.1, &after.1, "dsr_decapsulated") >= stats_growth(&before.0, &after.0, "dsr_encapsulated")
+    );
+    assert_eq!(stats_growth(&before.1, &after.1, "dsr_deliver_new_flow"), flows, "{:?}", after.1);
+    assert_eq!(stats_growth(&before.1, &after.1, "dsr_decap_refused"), 0, "{:?}", after.1);
+
+    // A 1 MB answer leaves through node-2's uplink, not node-1's.
+    let sent = (uplink_tx_bytes(&ingress.ns), uplink_tx_bytes(&backend.ns));
+    let reply = netprobe(&c.client, &["ask", "tcp", "10.100.0.1:30178", "big 1000000"]);
+    assert!(reply.starts_with("pod-2-0 ") && reply.len() == 999_999, "reply of {} bytes", reply.len());
+    let sent = (uplink_tx_bytes(&ingress.ns) - sent.0, uplink_tx_bytes(&backend.ns) - sent.1);
+    eprintln!("uplink bytes sent during a 1 MB NodePort reply: node-1 {}, node-2 {}", sent.0, sent.1);
+    assert!(sent.1 >= 1_000_000, "node-2 sent {} bytes", sent.1);
+    assert!(sent.0 < 100_000, "node-1 sent {} bytes: the reply went through it", sent.0);
+    // Full-size segments up the tunnel (path MTU discovery, or GSO segments made smaller).
+    assert_eq!(netprobe(&c.client, &["bulk", "10.100.0.1:30178", "2000000"]), "pod-2-0 2000000");
+    assert_eq!(ingress.stats()["dsr_encap_failed"], 0);
+
+    // Served as before: a backend on node-1 itself (plain DNAT there), the Local traffic policy
+    // (node-1's endpoint only; node-2 has none and refuses), and clients inside the cluster,
+    // whose replies from node-1's own address would not reach them (source-NATed).
+    let before = (ingress.stats(), backend.stats());
+    for frontend in ["10.100.0.1:30180", "10.100.0.1:30182"] {
+        assert_all_from(&request(&c.client, "tcp", frontend, 5), "pod-1-0");
+        assert_eq!(netprobe(&c.client, &["ask", "tcp", frontend, "who"]), format!("pod-1-0 {CLIENT_ADDR}"));
+    }
+    for frontend in ["10.100.0.1:30181", "10.100.0.1:30183"] {
+        assert_eq!(netprobe(&c.client, &["ask", "udp", frontend, "who"]), format!("pod-1-0 {CLIENT_ADDR}"));
+    }
+    let refused = netprobe(&c.client, &["timed", "tcp", "10.100.0.2:30182"]);
+    assert!(refused.starts_with("ERR connect: Connection refused"), "{refused}");
+    // pod-1-0 (a pod on node-1) and node-2 itself, to node-1's NodePort whose backend is on node-2.
+    assert_all_from(&c.pod(0, 0).request("tcp", "10.100.0.1:30178", 5), "pod-2-0");
+    assert_all_from(&c.pod(0, 0).request("udp", "10.100.0.1:30179", 5), "pod-2-0");
+    assert_all_from(&backend.request("tcp", "10.100.0.1:30178", 5), "pod-2-0");
+    let after = (ingress.stats(), backend.stats());
+    for name in ["dsr_new_flow", "dsr_encapsulated"] {
+        assert_eq!(stats_growth(&before.0, &after.0, name), 0, "{name}: {:?}", after.0);
+    }
+    for name in ["dsr_decapsulated", "dsr_deliver_new_flow"] {
+        assert_eq!(stats_growth(&before.1, &after.1, name), 0, "{name}: {:?}", after.1);
+    }
+    assert_eq!(stats_growth(&before.0, &after.0, "snat_new_flow"), 15, "{:?}", after.0);
+    assert_eq!(stats_growth(&before.1, &after.1, "snat_new_flow"), 0, "node-2 forwarded no Local flow");
 }
 
 fn restarted_and_synced(c: &Cluster, i: usize) {

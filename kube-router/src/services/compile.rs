@@ -198,6 +198,9 @@ pub fn plan_service<F: AddressFamily>(
                 internal.clone(),
             ));
         }
+        // Direct server return is IPIP: IPv4 frontends only. Its node-local (`Local` traffic
+        // policy) frontends never send a flow to another node: the flag is inert there.
+        let dsr = if service.dsr && F::FAMILY == IpFamily::IPv4 { SVC_FLAG_DSR } else { 0 };
         let external_ips = of_family(&service.external_ips).into_iter().map(|ip| (ip, false));
         let load_balancer_ips = of_family(&service.load_balancer_ips).into_iter().map(|ip| (ip, true));
         for (ip, is_lb) in external_ips.chain(load_balancer_ips) {
@@ -207,8 +210,6 @@ pub fn plan_service<F: AddressFamily>(
                 }
                 continue;
             }
-            // Direct server return is IPIP: IPv4 frontends only.
-            let dsr = if service.dsr && F::FAMILY == IpFamily::IPv4 { SVC_FLAG_DSR } else { 0 };
             // As kube-proxy: the source ranges guard the LoadBalancer IPs only.
             let ranges = service.source_ranges.as_ref().filter(|_| is_lb);
             let guarded = if ranges.is_some() { SVC_FLAG_SOURCE_RANGES } else { 0 };
@@ -226,7 +227,7 @@ pub fn plan_service<F: AddressFamily>(
             for ip in node.node_port_frontend_addrs::<F>() {
                 frontends.push((
                     key_of::<F>(ip, node_port, port.protocol),
-                    affinity_flags | local_flag(external.local_only) | SVC_FLAG_EXTERNAL | SVC_FLAG_NODEPORT,
+                    affinity_flags | local_flag(external.local_only) | SVC_FLAG_EXTERNAL | SVC_FLAG_NODEPORT | dsr,
                     external.clone(),
                 ));
             }

@@ -149,7 +149,7 @@ fn dsr_tunnel_marks_only_the_external_ipv4_frontends_and_another_value_is_report
     let (external, cluster_ip, node_port, problems) = flags_of(&with_dsr("tunnel"));
     assert_ne!(external & SVC_FLAG_DSR, 0, "the ExternalIP is served by DSR");
     assert_eq!(cluster_ip & SVC_FLAG_DSR, 0, "ClusterIPs are not");
-    assert_eq!(node_port & SVC_FLAG_DSR, 0, "NodePorts are not");
+    assert_ne!(node_port & SVC_FLAG_DSR, 0, "the NodePort is served by DSR");
     assert!(problems.is_empty(), "{problems:?}");
     // Surrounding blanks are tolerated, as for the scheduler annotation.
     assert_ne!(flags_of(&with_dsr(" tunnel ")).0 & SVC_FLAG_DSR, 0);
@@ -921,6 +921,40 @@ fn ipv6_node_ports_listen_on_the_nodes_ipv6_addresses_and_the_wildcard() {
     let v4_only = NodeContext { node_port_addrs: vec![Ipv4Addr::new(192, 0, 2, 1).into()], ..node() };
     let contents = compile_v6(DUAL_STACK, &v4_only, &MapContents::default());
     assert!(contents.services.keys().all(|k| u16::from_be(k.port) == 80), "{:?}", contents.services);
+}
+
+#[test]
+fn dsr_tunnel_marks_the_ipv4_node_ports_and_no_ipv6_frontend() {
+    let text = DUAL_STACK.replacen(
+        "name: web}\nspec:",
+        "name: web, annotations: {kube-router.io/service.dsr: tunnel}}\nspec:",
+        1,
+    );
+    assert_ne!(text, DUAL_STACK);
+    let node = NodeContext { loopback_node_ports: true, ..dual_stack_node() };
+    let compile_v4 = |text: &str| {
+        let builder = parse_objects(text).expect("parse");
+        assign_ids(&plan_for::<V4>(&builder.state, &node, Limits::default()), &MapContents::default())
+    };
+    let v4 = compile_v4(&text);
+    // The node address and the wildcard the socket load balancer reads.
+    for ip in [Ipv4Addr::new(192, 0, 2, 1), Ipv4Addr::UNSPECIFIED] {
+        let flags = v4.services[&key_of::<V4>(ip, 30080, Protocol::Tcp)].flags;
+        let wanted = SVC_FLAG_NODEPORT | SVC_FLAG_EXTERNAL | SVC_FLAG_DSR;
+        assert_eq!(flags & (wanted | SVC_FLAG_LOCAL_ONLY), wanted, "{ip}: {flags:#x}");
+    }
+    assert_eq!(v4.services[&key_of::<V4>(Ipv4Addr::new(10, 96, 0, 10), 80, Protocol::Tcp)].flags & SVC_FLAG_DSR, 0);
+    // IPIP is IPv4: the IPv6 NodePorts (and every IPv6 frontend) are served without DSR.
+    let v6_contents = compile_v6(&text, &node, &MapContents::default());
+    assert!(v6_contents.services.contains_key(&key_of::<V6>(v6("2001:db8::1"), 30080, Protocol::Tcp)));
+    assert!(v6_contents.services.values().all(|s| s.flags & SVC_FLAG_DSR == 0), "{:?}", v6_contents.services);
+    // externalTrafficPolicy: Local: the NodePort serves this node's endpoint alone, so the flag
+    // it carries never sends a flow to another node.
+    let local = text.replacen("  type: NodePort\n", "  type: NodePort\n  externalTrafficPolicy: Local\n", 1);
+    assert_ne!(local, text);
+    let node_port = compile_v4(&local).services[&key_of::<V4>(Ipv4Addr::new(192, 0, 2, 1), 30080, Protocol::Tcp)];
+    assert_ne!(node_port.flags & SVC_FLAG_LOCAL_ONLY, 0, "{:#x}", node_port.flags);
+    assert_eq!(node_port.backend_count, 1, "node-a's endpoint only");
 }
 
 #[test]
