@@ -105,12 +105,14 @@ impl KubeRouterMetrics {
         self.samples.retain(|_, sample| sample.reading == reading);
     }
 
-    /// The per-Service families, one series per frontend with counters and an owner.
+    /// The per-Service families, one series per programmed frontend (with an owner). One
+    /// without counters has seen no packet yet (the datapath creates them with the first): zero.
     pub fn render_services(&self, out: &mut String) {
+        let unseen = Sample { at: Instant::now(), stats: ServiceStats::default(), rates: Rates::default(), reading: 0 };
         let series: Vec<(String, &Sample)> = self
-            .samples
+            .frontends
             .iter()
-            .filter_map(|(key, sample)| Some((labels(key, self.frontends.get(key)?), sample)))
+            .map(|(key, owner)| (labels(key, owner), self.samples.get(key).unwrap_or(&unseen)))
             .collect();
         type Pick = fn(&Sample) -> f64;
         let families: [(&str, &str, &str, Pick); 10] = [
@@ -222,6 +224,24 @@ mod tests {
             "svc_namespace=\"default\",service_name=\"web\",service_vip=\"10.96.0.10\",protocol=\"tcp\",port=\"80\"";
         assert!(out.contains(&format!("kube_router_service_total_connections{{{labels}}} 4\n")), "{out}");
         assert!(out.contains(&format!("kube_router_service_cps{{{labels}}} 4\n")), "{out}");
+    }
+
+    #[test]
+    fn a_programmed_frontend_without_counters_is_exported_at_zero() {
+        let mut m = KubeRouterMetrics::default();
+        let (seen, unseen) = (key(10, 80), key(10, 443));
+        for k in [seen, unseen] {
+            m.frontends.insert(k, FrontendOwner { namespace: "default".into(), name: "web".into() });
+        }
+        m.sample(Instant::now(), BTreeMap::from([(seen, ServiceStats { connections: 2, ..Default::default() })]));
+        let mut out = String::new();
+        m.render_services(&mut out);
+        let labels = |port| {
+            format!("svc_namespace=\"default\",service_name=\"web\",service_vip=\"10.96.0.10\",protocol=\"tcp\",port=\"{port}\"")
+        };
+        assert!(out.contains(&format!("kube_router_service_total_connections{{{}}} 2\n", labels(80))), "{out}");
+        assert!(out.contains(&format!("kube_router_service_total_connections{{{}}} 0\n", labels(443))), "{out}");
+        assert!(out.contains(&format!("kube_router_service_cps{{{}}} 0\n", labels(443))), "{out}");
     }
 
     #[test]

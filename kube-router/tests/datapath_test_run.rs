@@ -393,12 +393,19 @@ fn each_frontend_counts_its_connections_packets_and_bytes_and_a_new_service_star
         bytes_out: 2 * ip_len(&reply),
     };
     assert_eq!(all.get(&http), Some(&want));
-    assert_eq!(all.get(&dns), Some(&ServiceStats::default()), "the other port of the Service saw nothing");
-    assert_eq!(all.len(), 2, "one entry per programmed frontend");
+    assert_eq!(all.get(&dns), None, "the other port of the Service saw nothing: no counters yet");
+    assert_eq!(all.len(), 1, "counters only for frontends that saw a packet");
 
     // The Service is removed, and one is programmed again on the same frontend: it starts at 0.
     program(&loaded.pin_dir, "");
     assert!(stats.read_all().unwrap().is_empty(), "counters removed with their frontends");
+    // A packet of the old flow after its frontend went: no counters come back for it.
+    run(fd, &data, 1).unwrap();
+    assert!(stats.read_all().unwrap().is_empty(), "no counters for a frontend that is not programmed");
     program(&loaded.pin_dir, &yaml);
-    assert_eq!(stats.read_all().unwrap().get(&http), Some(&ServiceStats::default()));
+    assert_eq!(stats.read_all().unwrap().get(&http), None, "not inherited");
+    let new_syn = packet::ipv4(packet::TCP, (CLIENT, 40002), (VIP, 80), packet::TCP_SYN, b"");
+    run(fd, &new_syn, 1).unwrap();
+    let fresh = ServiceStats { connections: 1, packets_in: 1, bytes_in: ip_len(&new_syn), ..Default::default() };
+    assert_eq!(stats.read_all().unwrap().get(&http), Some(&fresh), "counted from zero");
 }

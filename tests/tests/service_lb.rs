@@ -389,8 +389,9 @@ fn a_full_service_map_is_reported_once_stays_cheap_and_fills_as_space_frees() {
     assert_eq!((full_writes(), last_sync()), settled, "a full map is retried without any change");
     let logged = |text: &str| agent.log.lock().unwrap().iter().filter(|l| l.contains(text)).count();
     assert_eq!(logged("map is full"), 1);
-    // The waiting frontends' counters cannot be created either: said once, not per frontend and sync.
-    assert_eq!(logged("cannot reset a frontend's counters"), 1);
+    // Their counters are not written by the agent (the datapath creates them with a programmed
+    // frontend's first packet), so nothing is refused there.
+    assert_eq!(logged("cannot reset a frontend's counters"), 0);
 
     // Three Services go: the two waiting ones get their room, and answer.
     file.write(&services(3..10, 0)).unwrap();

@@ -79,18 +79,14 @@ where
     SourceRangeKey<F::Words>: aya::Pod,
 {
     pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
-        let mut maps = Self {
+        Ok(Self {
             services: open_hash(pin_dir, F::MAPS.services)?,
             slots: open_hash(pin_dir, F::MAPS.slots)?,
             backends: open_hash(pin_dir, F::MAPS.backends)?,
             source_ranges: LpmTrie::try_from(Map::LpmTrie(open(pin_dir, F::MAPS.source_ranges)?))?,
             stats: super::svc_stats::FamilySvcStats::open_pinned(pin_dir)?,
             stats_reset_warned: false,
-        };
-        // Frontends programmed before the counters existed (an upgrade) get them now.
-        let frontends: Vec<ServiceKey<F::Words>> = maps.services.keys().collect::<Result<_, _>>()?;
-        maps.stats.ensure(&frontends)?;
-        Ok(maps)
+        })
     }
 
     /// Before a frontend is written: a new one, or one handed to another backend set, starts

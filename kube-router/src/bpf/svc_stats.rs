@@ -1,22 +1,20 @@
-//! The per-frontend Service counters (`svc_stats_v4` / `svc_stats_v6`): created zeroed with each new frontend,
-//! removed with it, read (summed over CPUs) for kube-router's `kube_router_service_*` metrics.
+//! The per-frontend Service counters (`svc_stats_v4` / `svc_stats_v6`): created by the datapath
+//! with a frontend's first packet, removed with the frontend (and before a new one takes its
+//! key), read (summed over CPUs) for kube-router's `kube_router_service_*` metrics. A programmed
+//! frontend without an entry has seen no packet: its counters are zero.
 use std::{collections::BTreeMap, path::Path};
 
 use anyhow::{Context, Result};
-use aya::maps::{Map, MapData, MapError, PerCpuHashMap, PerCpuValues};
+use aya::maps::{Map, MapData, MapError, PerCpuHashMap};
 use kube_router_common::*;
 
 use crate::services::family::{AddressFamily, V4, V6};
-
-/// `bpf(2)` update flag: only if absent (a count written meanwhile by the datapath is kept).
-const BPF_NOEXIST: u64 = 1;
 
 pub struct FamilySvcStats<F: AddressFamily>
 where
     ServiceKey<F::Words>: aya::Pod,
 {
     map: PerCpuHashMap<MapData, ServiceKey<F::Words>, ServiceStats>,
-    cpus: usize,
 }
 
 /// `svc_stats_v4`.
@@ -31,33 +29,14 @@ where
     pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
         let path = super::pinned_map(pin_dir, F::MAPS.stats);
         let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
-        let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow::anyhow!("{what}: {e}"))?;
-        Ok(Self { map: PerCpuHashMap::try_from(Map::PerCpuHashMap(data))?, cpus })
+        Ok(Self { map: PerCpuHashMap::try_from(Map::PerCpuHashMap(data))? })
     }
 
-    fn zeros(&self) -> PerCpuValues<ServiceStats> {
-        PerCpuValues::try_from(vec![ServiceStats::default(); self.cpus]).expect("one value per possible CPU")
-    }
-
-    /// Zeroes (or creates) the counters of a frontend: a new Service never inherits old counts.
+    /// Zeroes the counters of a frontend: a new Service never inherits old counts. Removed, not
+    /// written: the datapath creates them again with the frontend's first packet, and a written
+    /// entry of this map (per-CPU, not preallocated) costs a per-CPU allocation of ~20 µs.
     pub fn reset(&mut self, frontend: &ServiceKey<F::Words>) -> Result<(), MapError> {
-        self.map.insert(frontend, self.zeros(), 0)
-    }
-
-    /// Creates zeroed counters for the frontends that have none (programmed by an agent without
-    /// this map), keeping existing ones. Returns how many were created.
-    pub fn ensure<'a>(
-        &mut self,
-        frontends: impl IntoIterator<Item = &'a ServiceKey<F::Words>>,
-    ) -> Result<usize, MapError> {
-        let mut created = 0;
-        for frontend in frontends {
-            if self.map.get(frontend, 0).is_err() {
-                self.map.insert(frontend, self.zeros(), BPF_NOEXIST)?;
-                created += 1;
-            }
-        }
-        Ok(created)
+        self.remove(frontend)
     }
 
     pub fn remove(&mut self, frontend: &ServiceKey<F::Words>) -> Result<(), MapError> {
