@@ -568,9 +568,9 @@ fn flows_leave_a_removed_backend_unless_established_tcp() {
     assert_eq!(lb.lb_stat(lb_stat::CT_RESELECTED), 2);
 }
 
-#[test]
-fn pod_traffic_leaving_the_cluster_is_masqueraded_and_its_replies_restored() {
-    let lb = load("egress", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+/// Turns pod egress masquerade on, with pods in 10.244.0.0/16 and Services in 10.96.0.0/12;
+/// returns how many cluster prefixes were written.
+fn enable_pod_egress(lb: &Loaded) -> usize {
     let config = LbConfig {
         snat_addr: addr_be(NODE_IP),
         snat_port_min: SNAT_PORTS.0,
@@ -581,8 +581,14 @@ fn pod_traffic_leaving_the_cluster_is_masqueraded_and_its_replies_restored() {
     write_lb_config(&lb.pin_dir, &config).unwrap();
     let nets =
         kube_router::egress::cluster_nets(&[], &["10.244.0.0/16".parse().unwrap()], &["10.96.0.0/12".parse().unwrap()]);
-    assert_eq!(sync_cluster_nets(&lb.pin_dir, &nets).unwrap(), 2);
-    assert_eq!(sync_cluster_nets(&lb.pin_dir, &nets).unwrap(), 0, "only differences are written");
+    sync_cluster_nets(&lb.pin_dir, &nets).unwrap()
+}
+
+#[test]
+fn pod_traffic_leaving_the_cluster_is_masqueraded_and_its_replies_restored() {
+    let lb = load("egress", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+    assert_eq!(enable_pod_egress(&lb), 2);
+    assert_eq!(enable_pod_egress(&lb), 0, "only differences are written");
     let internet = Ipv4Addr::new(203, 0, 113, 10);
 
     // Judged at the pod's interface untranslated (ingress leaves it alone), masqueraded as it leaves.
@@ -641,17 +647,7 @@ fn stay_on_this_cpu() {
 fn a_pods_flow_to_a_backend_outside_the_cluster_is_masqueraded_on_every_packet() {
     let database = Ipv4Addr::new(203, 0, 113, 20);
     let lb = load("external-endpoint", &service_yaml(&[(database, "node-x")], ""));
-    let config = LbConfig {
-        snat_addr: addr_be(NODE_IP),
-        snat_port_min: SNAT_PORTS.0,
-        snat_port_max: SNAT_PORTS.1,
-        flags: LB_CONFIG_POD_EGRESS,
-        ..Default::default()
-    };
-    write_lb_config(&lb.pin_dir, &config).unwrap();
-    let nets =
-        kube_router::egress::cluster_nets(&[], &["10.244.0.0/16".parse().unwrap()], &["10.96.0.0/12".parse().unwrap()]);
-    sync_cluster_nets(&lb.pin_dir, &nets).unwrap();
+    enable_pod_egress(&lb);
     stay_on_this_cpu();
 
     let mut source = None;
