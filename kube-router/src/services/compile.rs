@@ -207,8 +207,8 @@ pub fn plan_service<F: AddressFamily>(
                 }
                 continue;
             }
-            // Direct server return is IPIP: IPv4 frontends only.
-            let dsr = if service.dsr && F::FAMILY == IpFamily::IPv4 { SVC_FLAG_DSR } else { 0 };
+            // Direct server return: IPIP for IPv4 frontends, IPv6-in-IPv6 for IPv6 ones.
+            let dsr = if service.dsr { SVC_FLAG_DSR } else { 0 };
             // As kube-proxy: the source ranges guard the LoadBalancer IPs only.
             let ranges = service.source_ranges.as_ref().filter(|_| is_lb);
             let guarded = if ranges.is_some() { SVC_FLAG_SOURCE_RANGES } else { 0 };

@@ -878,6 +878,24 @@ fn a_dual_stack_service_fills_both_families_maps_each_from_its_own_slice() {
 }
 
 #[test]
+fn dsr_tunnel_marks_the_external_ipv6_frontends_too() {
+    let annotated = DUAL_STACK.replacen(
+        "metadata: {namespace: default, name: web}",
+        "metadata: {namespace: default, name: web, annotations: {kube-router.io/service.dsr: tunnel}}",
+        1,
+    );
+    assert_ne!(annotated, DUAL_STACK);
+    let v6_maps = compile_v6(&annotated, &dual_stack_node(), &MapContents::default());
+    let flags = |ip: &str, port: u16| v6_maps.services[&key_of::<V6>(v6(ip), port, Protocol::Tcp)].flags;
+    assert_ne!(flags("2001:db8:50::1", 80) & SVC_FLAG_DSR, 0, "the IPv6 ExternalIP is served by DSR");
+    assert_eq!(flags("fd00:96::10", 80) & SVC_FLAG_DSR, 0, "ClusterIPs are not");
+    assert_eq!(flags("2001:db8::1", 30080) & SVC_FLAG_DSR, 0, "NodePorts are not");
+    // Without the annotation: no DSR.
+    let plain = compile_v6(DUAL_STACK, &dual_stack_node(), &MapContents::default());
+    assert_eq!(plain.services[&key_of::<V6>(v6("2001:db8:50::1"), 80, Protocol::Tcp)].flags & SVC_FLAG_DSR, 0);
+}
+
+#[test]
 fn ipv6_ids_are_stable_across_recompiles_and_readopted_from_the_maps() {
     let node = dual_stack_node();
     let first = compile_v6(DUAL_STACK, &node, &MapContents::default());
