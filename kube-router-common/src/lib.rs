@@ -175,11 +175,11 @@ pub const SVC_FLAG_MAGLEV: u32 = 1 << 6;
 /// With [`SVC_FLAG_MAGLEV`]: the client's source port is hashed too (IPVS mh's `mh-port`);
 /// without it, only the client address (every connection of a client to one backend).
 pub const SVC_FLAG_MAGLEV_PORT: u32 = 1 << 7;
-/// Direct server return (`kube-router.io/service.dsr: tunnel`, ExternalIP, LoadBalancer IP and
-/// NodePort frontends, IPv4): a new flow whose backend is on another node is not translated here
-/// but carried to it in IPIP (outer destination: the backend's own address, which the cluster
-/// routes to its node); that node translates it and its reply goes straight to the client.
-/// On a NodePort, for clients outside the cluster only (see `lb::new_flow`).
+/// Direct server return (`kube-router.io/service.dsr: tunnel`, ExternalIP and LoadBalancer IP
+/// frontends, and IPv4 NodePorts): a new flow whose backend is on another node is not translated
+/// here but carried to it in IPIP or IPv6-in-IPv6 (outer destination: the backend's own address,
+/// which the cluster routes to its node); that node translates it and its reply goes straight to
+/// the client. On a NodePort, for clients outside the cluster only (see `lb::new_flow`).
 pub const SVC_FLAG_DSR: u32 = 1 << 8;
 
 /// Addresses as the 32-bit words Maglev's flow hash consumes (packet byte order).
@@ -609,17 +609,17 @@ pub mod xdp_stat {
     ];
 }
 
-/// Indices of the `dsr_stats` per-CPU counters (direct server return, IPv4 IPIP; a map of its
-/// own so that the older maps keep their layout).
+/// Indices of the `dsr_stats` per-CPU counters (direct server return, both families; a map of
+/// its own so that the older maps keep their layout).
 pub mod dsr_stat {
-    /// New flows the node the client reached sends to another node's backend in IPIP.
+    /// New flows the node the client reached sends to another node's backend in a tunnel.
     pub const NEW_FLOW: u32 = 0;
     /// Packets encapsulated and routed to the backend's node (first and later ones).
     pub const ENCAPSULATED: u32 = 1;
     /// Encapsulation (`bpf_skb_adjust_room`) failed: dropped.
     pub const ENCAP_FAILED: u32 = 2;
-    /// A packet too big for the route once encapsulated: answered with "fragmentation needed"
-    /// (the route's MTU less the outer header) as its sender sent it.
+    /// A packet too big for the route once encapsulated: answered with "fragmentation needed" /
+    /// "packet too big" (the route's MTU less the outer header) as its sender sent it.
     pub const FRAG_NEEDED_SENT: u32 = 3;
     /// Tunnelled packets decapsulated on the backend's node (first and later ones).
     pub const DECAPSULATED: u32 = 4;

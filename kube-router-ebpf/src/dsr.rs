@@ -1,6 +1,6 @@
-//! Direct server return (`kube-router.io/service.dsr: tunnel`) for IPv4 ExternalIP,
-//! LoadBalancer IP and NodePort frontends (a NodePort's for clients outside the cluster), in
-//! two halves:
+//! Direct server return (`kube-router.io/service.dsr: tunnel`) for ExternalIP and LoadBalancer
+//! IP frontends, IPv4 (IPIP) and IPv6 (IPv6-in-IPv6), and for IPv4 NodePort frontends (a
+//! NodePort's for clients outside the cluster), in two halves:
 //!
 //! * On the node the client's packet reaches (`tunnel`): a flow whose backend is on another node
 //!   is not translated. The packet, still client -> frontend, gets an outer IPv4 header (IPIP)
@@ -16,11 +16,15 @@
 //!   outer header went on carries consecutive IDs in its segments. A NodePort flow's inner
 //!   destination is the other node's address, no frontend here: it is admitted by this node's
 //!   own NodePort (same port, cluster-wide), and its reply leaves from the other node's address.
-
+//! * IPv6 is the same with an outer IPv6 header (next header 41) from this node's IPv6 address.
+//!   IPv6 has no IP ID: the port rides in the outer flow label (20 bits, a 16-bit port fits; the
+//!   label is the sender's to choose, RFC 6437, and routers leave it alone). Every segment of a
+//!   GSO packet keeps it.
 use aya_ebpf::{
     bindings::{
         bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, bpf_fib_lookup as FibLookup, bpf_redir_neigh,
-        BPF_F_ADJ_ROOM_DECAP_L3_IPV4, BPF_F_ADJ_ROOM_ENCAP_L3_IPV4, TC_ACT_SHOT,
+        BPF_F_ADJ_ROOM_DECAP_L3_IPV4, BPF_F_ADJ_ROOM_DECAP_L3_IPV6, BPF_F_ADJ_ROOM_ENCAP_L3_IPV4,
+        BPF_F_ADJ_ROOM_ENCAP_L3_IPV6, TC_ACT_SHOT,
     },
     helpers::bpf_ktime_get_ns,
     macros::map,
@@ -29,15 +33,24 @@ use aya_ebpf::{
 };
 use kube_router_common::*;
 
+/// IPv6 next header: an IPv6 packet (RFC 2473).
+const IPPROTO_IPV6: u8 = 41;
+/// The outer IPv6 header's hop limit, as the IPv4 tunnel's TTL.
+const OUTER_HOP_LIMIT: u8 = 64;
+const FLOW_LABEL_MASK: u32 = 0x000f_ffff;
+
 use crate::{
     conntrack::{self, NewFlow},
-    family::{Family, V4},
+    family::{Family, V4, V6},
     icmp::Hook,
     lb,
     maps::{count as count_lb, LB_CONFIG},
     nat::Tuple,
     overlay::{push_outer_ipv4, OuterSpec, IPPROTO_IPIP, IP_DF, IP_HDR_LEN},
-    parsing::{ETH_HDR_LEN, IP_DST_OFF, IP_SRC_OFF, IP_TOT_LEN_OFF},
+    parsing::{
+        ETH_HDR_LEN, IPV6_DST_OFF, IPV6_HDR_LEN, IPV6_PAYLOAD_LEN_OFF, IPV6_SRC_OFF, IP_DST_OFF, IP_SRC_OFF,
+        IP_TOT_LEN_OFF,
+    },
     route,
     svc_stats::{self, Way},
 };
@@ -111,7 +124,7 @@ pub fn tunnel(ctx: &TcContext, backend: &(u32, u16), proto: u8, l4_off: usize) -
 }
 
 /// The backend (address, port) a direct-server-return tunnel packet names, its outer header
-/// removed; `None` for any other packet (left untouched). IPv4 only.
+/// removed; `None` for any other packet (left untouched).
 #[inline(always)]
 pub fn decap(ctx: &TcContext) -> Option<(u32, u16)> {
     let version_ihl: u8 = ctx.load(ETH_HDR_LEN).ok()?;
@@ -136,16 +149,128 @@ pub fn decap(ctx: &TcContext) -> Option<(u32, u16)> {
     Some((dst, port))
 }
 
+/// The outer IPv6 header, as it goes on the wire (multi-byte fields in network order).
+#[repr(C)]
+struct OuterIpv6 {
+    /// Version, traffic class and flow label.
+    version_class_label: u32,
+    payload_len: u16,
+    next_header: u8,
+    hop_limit: u8,
+    src: Ipv6Words,
+    dst: Ipv6Words,
+}
+
+/// As [`tunnel`], for IPv6: the packet in an outer IPv6 header from this node's IPv6 address to
+/// `backend`, the backend's port in the flow label; "too big" leaves the MTU less the 40 bytes.
+#[inline(never)]
+pub fn tunnel_v6(ctx: &TcContext, backend: &(Ipv6Words, u16), proto: u8, l4_off: usize) -> i32 {
+    // `lb::new_flow` makes no DSR flow without it.
+    let Some(local) = LB_CONFIG.get(0).and_then(V6::snat_addr) else {
+        return TC_ACT_SHOT;
+    };
+    // SAFETY: an all-zero bpf_fib_lookup is a valid request skeleton (integers and unions of them).
+    let mut params: FibLookup = unsafe { core::mem::zeroed() };
+    params.family = route::AF_INET6;
+    params.l4_protocol = IPPROTO_IPV6;
+    params.__bindgen_anon_3.ipv6_src = local.0;
+    params.__bindgen_anon_4.ipv6_dst = backend.0 .0;
+    let routed = (|| {
+        let first_word = u32::from_be(ctx.load::<u32>(ETH_HDR_LEN)?);
+        let inner_len = u16::from_be(ctx.load::<u16>(IPV6_PAYLOAD_LEN_OFF)?) + IPV6_HDR_LEN as u16;
+        // SAFETY: reading the skb's GSO segment size from its context.
+        let gso = unsafe { (*ctx.skb.skb).gso_size } != 0;
+        // As IPv4: a GSO packet's segments keep their size (the outer header comes off gso_size).
+        let outer = if gso { 0 } else { IPV6_HDR_LEN as u16 };
+        params.__bindgen_anon_1.tot_len = route::wire_len(ctx, inner_len, proto, l4_off)? + outer;
+        route::lookup(ctx, &mut params)?;
+        if ctx.adjust_room(IPV6_HDR_LEN as i32, BPF_ADJ_ROOM_MAC, BPF_F_ADJ_ROOM_ENCAP_L3_IPV6 as u64).is_err() {
+            count(dsr_stat::ENCAP_FAILED);
+            return Ok(TC_ACT_SHOT);
+        }
+        // The inner packet's traffic class; the port (host order) as the flow label.
+        let class = first_word & 0x0ff0_0000;
+        let label = u32::from(u16::from_be(backend.1)) & FLOW_LABEL_MASK;
+        let header = OuterIpv6 {
+            version_class_label: (6 << 28 | class | label).to_be(),
+            payload_len: inner_len.to_be(),
+            next_header: IPPROTO_IPV6,
+            hop_limit: OUTER_HOP_LIMIT,
+            src: local,
+            dst: backend.0,
+        };
+        if ctx.store(ETH_HDR_LEN, &header, 0).is_err() {
+            count(dsr_stat::ENCAP_FAILED);
+            return Ok(TC_ACT_SHOT);
+        }
+        count(dsr_stat::ENCAPSULATED);
+        // SAFETY: reading the union member the lookup filled for AF_INET6.
+        let next_hop = unsafe { params.__bindgen_anon_4.ipv6_dst };
+        let mut neigh: bpf_redir_neigh = unsafe { core::mem::zeroed() };
+        neigh.nh_family = route::AF_INET6 as u32;
+        neigh.__bindgen_anon_1.ipv6_nh = next_hop;
+        Ok(route::send(params.ifindex, &mut neigh))
+    })();
+    match route::verdict(routed, &params) {
+        too_big if too_big >= route::FRAG_NEEDED => {
+            count(dsr_stat::FRAG_NEEDED_SENT);
+            let mtu = (too_big & 0xffff) as u16;
+            route::FRAG_NEEDED | i32::from(mtu.saturating_sub(IPV6_HDR_LEN as u16))
+        }
+        verdict => verdict,
+    }
+}
+
+/// [`receive_v6`]'s answer for a packet that is no tunnel of ours (not a TC verdict).
+pub const NOT_TUNNELLED: i32 = i32::MIN + 1;
+
+/// As [`decap`] + [`deliver`], for IPv6: an IPv6-in-IPv6 packet from a cluster node to a pod
+/// address, no extension headers, its flow label a port, loses its outer header and is
+/// delivered; the TC verdict, or [`NOT_TUNNELLED`] for any other packet (left untouched).
+// Not inlined: the addresses would otherwise stay in the program's first frame, under every
+// other call's.
+#[inline(never)]
+pub fn receive_v6(ctx: &TcContext) -> i32 {
+    match decap_v6(ctx) {
+        Some(backend) => deliver::<V6>(ctx, &backend),
+        None => NOT_TUNNELLED,
+    }
+}
+
+#[inline(always)]
+fn decap_v6(ctx: &TcContext) -> Option<(Ipv6Words, u16)> {
+    let first_word = u32::from_be(ctx.load::<u32>(ETH_HDR_LEN).ok()?);
+    let next_header: u8 = ctx.load(ETH_HDR_LEN + 6).ok()?;
+    let inner_version: u8 = ctx.load(ETH_HDR_LEN + IPV6_HDR_LEN).ok()?;
+    let label = first_word & FLOW_LABEL_MASK;
+    // Exactly what `tunnel_v6` writes: an IPv6 packet straight after the header, a port (never
+    // zero, at most 16 bits) as the label.
+    if first_word >> 28 != 6 || next_header != IPPROTO_IPV6 || inner_version >> 4 != 6 || label == 0 || label > 0xffff {
+        return None;
+    }
+    let src: Ipv6Words = ctx.load(IPV6_SRC_OFF).ok()?;
+    let dst: Ipv6Words = ctx.load(IPV6_DST_OFF).ok()?;
+    if V6::cluster_net(&src) & CLUSTER_NET_NODE == 0 || V6::cluster_net(&dst) & CLUSTER_NET_POD == 0 {
+        return None;
+    }
+    if ctx.adjust_room(-(IPV6_HDR_LEN as i32), BPF_ADJ_ROOM_MAC, BPF_F_ADJ_ROOM_DECAP_L3_IPV6 as u64).is_err() {
+        count(dsr_stat::DECAP_FAILED);
+        return None;
+    }
+    count(dsr_stat::DECAPSULATED);
+    Some((dst, (label as u16).to_be()))
+}
+
 /// The inner packet of a tunnel to `backend`: translated to it (a new flow recorded first); the
 /// TC verdict. A packet for no frontend here is dropped.
 // Not inlined: a frame of its own, beside `lb::ingress`'s.
 #[inline(never)]
-pub fn deliver(ctx: &TcContext, backend: &(u32, u16)) -> i32 {
-    let Some(work) = lb::parse_into::<V4>(ctx) else {
+pub fn deliver<F: Family>(ctx: &TcContext, backend: &(F::Addr, u16)) -> i32 {
+    let Some(work) = lb::parse_into::<F>(ctx) else {
         count(dsr_stat::DECAP_REFUSED);
         return TC_ACT_SHOT;
     };
-    let flow = match lb::flow_of::<V4>(ctx, &mut work.parsed, Hook::Ingress) {
+    let flow = match lb::flow_of::<F>(ctx, &mut work.parsed, Hook::Ingress) {
         Ok(flow) => flow,
         Err(verdict) => return verdict,
     };
@@ -155,19 +280,19 @@ pub fn deliver(ctx: &TcContext, backend: &(u32, u16)) -> i32 {
     }
     let now = unsafe { bpf_ktime_get_ns() };
     work.key = conntrack::key_of(flow);
-    if let Some(entry) = conntrack::lookup::<V4>(&work.key, flow.tcp_flags, now) {
+    if let Some(entry) = conntrack::lookup::<F>(&work.key, flow.tcp_flags, now) {
         // The address only: the port is exact in a flow's first packet alone (a SYN, a first
         // datagram). Segmenting a GSO packet after encapsulation gives the outer headers
         // consecutive IP IDs.
         if entry.flags & CT_FLAG_DSR_DELIVER != 0 && entry.nat_dst_addr == backend.0 {
             count_lb(lb_stat::CT_HIT);
-            svc_stats::count::<V4, _>(ctx, flow.dst_addr, flow.dst_port, flow.proto, Way::In);
-            return lb::translate::<V4>(ctx, flow, entry, &mut work.to);
+            svc_stats::count::<F, _>(ctx, flow.dst_addr, flow.dst_port, flow.proto, Way::In);
+            return lb::translate::<F>(ctx, flow, entry, &mut work.to);
         }
         // Another backend, or another kind of flow on this tuple: the tunnel decides.
-        conntrack::forget::<V4>(&work.key, entry);
+        conntrack::forget::<F>(&work.key, entry);
     }
-    let Some(service_id) = tunnelled_service(flow.dst_addr, flow.dst_port, flow.proto) else {
+    let Some(service_id) = tunnelled_service::<F>(flow.dst_addr, flow.dst_port, flow.proto) else {
         count(dsr_stat::DECAP_REFUSED);
         return TC_ACT_SHOT;
     };
@@ -179,33 +304,33 @@ pub fn deliver(ctx: &TcContext, backend: &(u32, u16)) -> i32 {
         service_id,
         backend_id: 0,
     };
-    if conntrack::create::<V4>(flow, &work.new, now).is_err() {
+    if conntrack::create::<F>(flow, &work.new, now).is_err() {
         // Still delivered; the next packet retries the insert.
         count_lb(lb_stat::CT_INSERT_FAILED);
     }
     count(dsr_stat::DELIVER_NEW_FLOW);
     // The connection is counted where its backend was chosen; here only its packets.
-    lb::flow_opened::<V4, _>(ctx, flow, &work.new, now, Way::In);
+    lb::flow_opened::<F, _>(ctx, flow, &work.new, now, Way::In);
     work.to = Tuple { src: work.new.nat_src, dst: work.new.nat_dst };
-    lb::apply::<V4>(ctx, flow, &work.to, false)
+    lb::apply::<F>(ctx, flow, &work.to, false)
 }
 
 /// The service id of the frontend a tunnelled flow is for: a frontend programmed here (a VIP),
 /// or, for another node's NodePort, the same NodePort on this node's address (node ports are
 /// allocated cluster-wide). `None`: no Service of this node's serves it.
 #[inline(always)]
-fn tunnelled_service(addr: u32, port: u16, proto: u8) -> Option<u32> {
+fn tunnelled_service<F: Family>(addr: F::Addr, port: u16, proto: u8) -> Option<u32> {
     let frontend = ServiceKey { addr, port, proto, pad: 0 };
     // SAFETY: read-only use of a map value within this run.
-    if let Some(service) = unsafe { V4::services().get(frontend) } {
+    if let Some(service) = unsafe { F::services().get(frontend) } {
         return Some(service.service_id);
     }
-    if V4::cluster_net(&addr) & CLUSTER_NET_NODE == 0 {
+    if F::cluster_net(&addr) & CLUSTER_NET_NODE == 0 {
         return None;
     }
-    let local = LB_CONFIG.get(0).map(|c| c.snat_addr).filter(|a| *a != 0)?;
+    let local = LB_CONFIG.get(0).and_then(F::snat_addr)?;
     let own = ServiceKey { addr: local, port, proto, pad: 0 };
     // SAFETY: as above.
-    let service = unsafe { V4::services().get(own) }?;
+    let service = unsafe { F::services().get(own) }?;
     (service.flags & SVC_FLAG_NODEPORT != 0).then_some(service.service_id)
 }

@@ -55,7 +55,7 @@ pub trait Family: 'static {
     fn frag_needed(ctx: &TcContext, flow: &LbFlow<Self::Addr>, to: &Tuple<Self::Addr>, mtu: u16) -> i32;
     /// Direct server return: tunnels the untranslated packet from this node to `backend` and
     /// routes it; the TC verdict, or `route::FRAG_NEEDED` with the MTU left for the packet
-    /// itself. IPv4 only (IPIP): never asked of IPv6.
+    /// itself. IPIP for IPv4, IPv6-in-IPv6 for IPv6.
     fn tunnel(ctx: &TcContext, backend: &(Self::Addr, u16), proto: u8, l4_off: usize) -> i32;
 }
 
@@ -220,8 +220,7 @@ impl Family for V6 {
         reject::frag_needed_v6(ctx, flow, to, mtu)
     }
     #[inline(always)]
-    fn tunnel(_: &TcContext, _: &(Ipv6Words, u16), _: u8, _: usize) -> i32 {
-        // `lb::new_flow` makes no IPv6 flow a DSR one.
-        aya_ebpf::bindings::TC_ACT_SHOT
+    fn tunnel(ctx: &TcContext, backend: &(Ipv6Words, u16), proto: u8, l4_off: usize) -> i32 {
+        dsr::tunnel_v6(ctx, backend, proto, l4_off)
     }
 }

@@ -58,13 +58,17 @@ pub fn handle_ingress(ctx: &TcContext) -> Result<i32, i64> {
     // not fit on one stack.
     Ok(match ip_version(ctx)? {
         IpVersion::V4 => {
-            match dsr::decap(ctx).map(|backend| dsr::deliver(ctx, &backend)).unwrap_or_else(|| ingress::<V4>(ctx)) {
+            match dsr::decap(ctx).map(|backend| dsr::deliver::<V4>(ctx, &backend)).unwrap_or_else(|| ingress::<V4>(ctx))
+            {
                 REFUSE => refuse::<V4>(ctx),
                 too_big if too_big >= route::FRAG_NEEDED => frag_needed::<V4>(ctx, too_big as u16),
                 verdict => verdict,
             }
         }
-        IpVersion::V6 => match ingress::<V6>(ctx) {
+        IpVersion::V6 => match match dsr::receive_v6(ctx) {
+            dsr::NOT_TUNNELLED => ingress::<V6>(ctx),
+            delivered => delivered,
+        } {
             REFUSE => refuse::<V6>(ctx),
             too_big if too_big >= route::FRAG_NEEDED => frag_needed::<V6>(ctx, too_big as u16),
             verdict => verdict,
@@ -481,13 +485,12 @@ pub(crate) fn new_flow<F: Family>(
     let leaves_node = service.flags & (SVC_FLAG_EXTERNAL | SVC_FLAG_LOCAL_ONLY) == SVC_FLAG_EXTERNAL
         && backend.flags & BACKEND_FLAG_LOCAL == 0;
     let snat_addr = F::snat_addr(config);
-    // Direct server return (IPv4 IPIP): the backend's node translates, its reply goes straight
-    // to the client. The node address is the tunnel's source.
+    // Direct server return (IPIP, IPv6-in-IPv6): the backend's node translates, its reply goes
+    // straight to the client. The node address is the tunnel's source. NodePorts: IPv4 only.
     let dsr = service.flags & SVC_FLAG_DSR != 0
         && leaves_node
         && !hairpin
-        && size_of::<F::Addr>() == 4
-        && (service.flags & SVC_FLAG_NODEPORT == 0 || node_port_dsr::<F>(flow));
+        && (service.flags & SVC_FLAG_NODEPORT == 0 || (size_of::<F::Addr>() == 4 && node_port_dsr::<F>(flow)));
     if dsr && snat_addr.is_some() {
         new.forward_flags = CT_FLAG_DSR_ENCAP;
         if conntrack::create_forward::<F>(flow, new, now).is_err() {

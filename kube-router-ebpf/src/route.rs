@@ -23,7 +23,7 @@ use crate::{
 };
 
 pub(crate) const AF_INET: u8 = 2;
-const AF_INET6: u8 = 10;
+pub(crate) const AF_INET6: u8 = 10;
 const BPF_FIB_LKUP_RET_SUCCESS: i64 = 0;
 const BPF_FIB_LKUP_RET_NO_NEIGH: i64 = 7;
 const BPF_FIB_LKUP_RET_FRAG_NEEDED: i64 = 8;

@@ -1,14 +1,19 @@
 //! The load balancer on IPv6, run in the kernel with BPF_PROG_TEST_RUN: DNAT and reverse NAT
 //! with valid pseudo-header checksums, north-south source NAT routed by the program, refusals
 //! (TCP RST, ICMPv6 port unreachable), ICMPv6 errors and fragments of translated flows, pod
-//! egress masquerade, extension headers, and neighbour discovery passing untouched. Needs root.
-use std::{net::Ipv6Addr, path::PathBuf};
+//! egress masquerade, extension headers, neighbour discovery passing untouched, and direct
+//! server return in IPv6-in-IPv6. Needs root.
+use std::{collections::BTreeMap, net::Ipv6Addr, path::PathBuf};
 
 use aya::maps::{lpm_trie::Key, HashMap, LpmTrie, Map, MapData};
-use kube_router::bpf::{
-    datapath::{self, Datapath, Hook},
-    service_maps::{read_lb_stats, write_lb_config},
-    test_run::{packet, run_on, NodeNetns, TC_ACT_REDIRECT, TC_ACT_UNSPEC},
+use kube_router::{
+    bpf::{
+        counters::read_pinned_if_exists,
+        datapath::{self, Datapath, Hook},
+        service_maps::{read_lb_stats, sync_cluster_nets_of, write_lb_config},
+        test_run::{packet, run_on, NodeNetns, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC},
+    },
+    services::family::V6,
 };
 use kube_router_common::*;
 
@@ -118,6 +123,21 @@ impl Lb {
     }
     fn stat(&self, index: u32) -> u64 {
         read_lb_stats(&self.pin_dir).unwrap()[index as usize]
+    }
+    /// Direct server return's counter `index` (`dsr_stat`), summed over the CPUs.
+    fn dsr_stat(&self, index: u32) -> u64 {
+        read_pinned_if_exists(&self.pin_dir, map_names::DSR_STATS, dsr_stat::COUNT).unwrap().expect("dsr_stats")
+            [index as usize]
+    }
+    /// The pod prefixes and node addresses, as the agent writes them from the Node objects.
+    fn cluster_nets(&self) {
+        let nets = BTreeMap::from([
+            ("fd00:244:1::/64".parse().unwrap(), CLUSTER_NET_POD),
+            ("fd00:244:2::/64".parse().unwrap(), CLUSTER_NET_POD),
+            ("fd00:100::1/128".parse().unwrap(), CLUSTER_NET_NODE),
+            ("fd00:100::2/128".parse().unwrap(), CLUSTER_NET_NODE),
+        ]);
+        sync_cluster_nets_of::<V6>(&self.pin_dir, &nets).unwrap();
     }
 }
 
@@ -294,4 +314,165 @@ fn pod_traffic_leaving_the_cluster_is_masqueraded() {
     let inside = packet::ipv6(packet::UDP, (local_pod(), 5000), (remote_pod(), 53), 0, b"");
     assert_eq!(lb.egress(&inside).1, inside);
     assert_eq!(lb.stat(lb_stat::EGRESS_MASQUERADE_NEW_FLOW), 2);
+}
+
+fn external_ip() -> Ipv6Addr {
+    ip("fd00:203::7")
+}
+fn other_node() -> Ipv6Addr {
+    ip("fd00:100::2")
+}
+const IPV6_IN_IPV6: u8 = 41;
+
+/// `inner` (a frame) in an IPv6 packet from `src` to `dst` with flow label `label`.
+fn tunnelled_v6(src: Ipv6Addr, dst: Ipv6Addr, label: u32, inner: &[u8]) -> Vec<u8> {
+    let mut frame = packet::ipv6_frame(IPV6_IN_IPV6, src, dst, &inner[14..]);
+    frame[15] |= (label >> 16) as u8 & 0x0f;
+    frame[16..18].copy_from_slice(&(label as u16).to_be_bytes());
+    frame
+}
+
+/// The flow label of an IPv6 frame's (outer) header.
+fn flow_label(frame: &[u8]) -> u32 {
+    u32::from_be_bytes(frame[14..18].try_into().unwrap()) & 0x000f_ffff
+}
+
+/// An ExternalIP frontend with direct server return (TCP 80 -> 8080, UDP 53 -> 5353) over `backend`.
+fn dsr_services(lb: &Lb, backend: Ipv6Addr, local: bool) {
+    let flags = SVC_FLAG_EXTERNAL | SVC_FLAG_DSR;
+    lb.service(1, (external_ip(), 80, packet::TCP), flags, &[(backend, 8080, local)]);
+    lb.service(2, (external_ip(), 53, packet::UDP), flags, &[(backend, 5353, local)]);
+}
+
+#[test]
+fn dsr_a_flow_to_a_backend_on_another_node_is_tunnelled_in_ipv6_untranslated() {
+    let lb = Lb::load("dsr-encap");
+    lb.cluster_nets();
+    dsr_services(&lb, remote_pod(), false);
+    for (proto, frontend, backend_port) in [(packet::TCP, 80, 8080u16), (packet::UDP, 53, 5353)] {
+        for (n, flags) in [packet::TCP_SYN, packet::TCP_ACK].into_iter().enumerate() {
+            let mut sent = packet::ipv6(proto, (client(), 40000 + n as u16), (external_ip(), frontend), flags, b"hi");
+            // Traffic class 0xb8 (EF), flow label 0x12345: the class is copied out, the label not.
+            sent[14..18].copy_from_slice(&(6u32 << 28 | 0xb8 << 20 | 0x12345).to_be_bytes());
+            let (verdict, out) = lb.ingress(&sent);
+            assert_eq!(verdict, TC_ACT_REDIRECT, "routed by the program");
+            assert_eq!(out.len(), sent.len() + 40);
+            let outer = &out[14..54];
+            assert_eq!(outer[0] >> 4, 6);
+            assert_eq!(u32::from_be_bytes(outer[0..4].try_into().unwrap()) >> 20 & 0xff, 0xb8, "traffic class");
+            assert_eq!(flow_label(&out), u32::from(backend_port), "the backend port in the flow label");
+            assert_eq!(
+                usize::from(u16::from_be_bytes([outer[4], outer[5]])),
+                sent.len() - 14,
+                "payload: the inner packet"
+            );
+            assert_eq!((outer[6], outer[7]), (IPV6_IN_IPV6, 64), "next header, hop limit");
+            assert_eq!(&outer[8..40], &[node_ip().octets(), remote_pod().octets()].concat()[..], "node -> backend");
+            assert_eq!(&out[54..], &sent[14..], "the client's packet, untranslated (hop limit too)");
+            assert!(packet::checksums_valid_v6(&out[40..]), "the inner checksum untouched");
+        }
+    }
+    // Later packets of a flow follow its entry.
+    let later = packet::ipv6(packet::TCP, (client(), 40000), (external_ip(), 80), packet::TCP_ACK, b"more");
+    let (verdict, out) = lb.ingress(&later);
+    assert_eq!((verdict, &out[54..]), (TC_ACT_REDIRECT, &later[14..]));
+    assert_eq!(flow_label(&out), 8080);
+    assert_eq!((lb.dsr_stat(dsr_stat::NEW_FLOW), lb.dsr_stat(dsr_stat::ENCAPSULATED)), (4, 5));
+    assert_eq!(lb.stat(lb_stat::SNAT_NEW_FLOW), 0);
+
+    // A frontend without the flag: source-NATed and routed as always.
+    lb.service(3, (external_ip(), 81, packet::TCP), SVC_FLAG_EXTERNAL, &[(remote_pod(), 8080, false)]);
+    let (verdict, out) =
+        lb.ingress(&packet::ipv6(packet::TCP, (client(), 40100), (external_ip(), 81), packet::TCP_SYN, b""));
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(out[14 + 6], packet::TCP, "not tunnelled");
+    assert_eq!(packet::endpoints_v6(&out).0 .0, node_ip(), "source-NATed");
+    assert_eq!(lb.dsr_stat(dsr_stat::NEW_FLOW), 4);
+}
+
+#[test]
+fn dsr_a_packet_too_big_for_the_ipv6_tunnel_is_answered_with_the_mtu_less_the_outer_header() {
+    let lb = Lb::load("dsr-mtu");
+    lb.cluster_nets();
+    let route = [
+        "-n",
+        "krt-unit-v6-dsr-mtu",
+        "route",
+        "replace",
+        "fd00:244:2::/64",
+        "via",
+        "fd00:100::2",
+        "mtu",
+        "lock",
+        "1400",
+    ];
+    assert!(std::process::Command::new("ip").args(route).status().unwrap().success());
+    dsr_services(&lb, remote_pod(), false);
+    let (client, frontend) = ((client(), 40000), (external_ip(), 80));
+    assert_eq!(lb.ingress(&packet::ipv6(packet::TCP, client, frontend, packet::TCP_SYN, b"")).0, TC_ACT_REDIRECT);
+    // 1,400 bytes: fits the route, not with the 40-byte outer header.
+    let full = packet::ipv6(packet::TCP, client, frontend, packet::TCP_ACK, &vec![7u8; 1340]);
+    assert_eq!(full.len(), 14 + 1400);
+    let (verdict, out) = lb.ingress(&full);
+    assert_eq!(verdict, TC_ACT_REDIRECT, "answered out of the interface it came in on");
+    assert_eq!(out[14 + 6], packet::ICMPV6);
+    assert_eq!(&out[14 + 8..14 + 40], &[external_ip().octets(), client.0.octets()].concat()[..], "from the frontend");
+    assert_eq!(out[54], 2, "packet too big");
+    assert_eq!(&out[58..62], &1360u32.to_be_bytes(), "the route's MTU less the outer header");
+    assert_eq!(&out[62..], &full[14..14 + 48], "quoting the packet as the client sent it");
+    assert!(packet::checksums_valid_v6(&out));
+    assert_eq!(lb.dsr_stat(dsr_stat::FRAG_NEEDED_SENT), 1);
+    // 1,360 bytes fit.
+    let fits = packet::ipv6(packet::TCP, client, frontend, packet::TCP_ACK, &vec![7u8; 1300]);
+    let (verdict, out) = lb.ingress(&fits);
+    assert_eq!((verdict, out.len()), (TC_ACT_REDIRECT, fits.len() + 40));
+    assert_eq!(lb.dsr_stat(dsr_stat::ENCAP_FAILED), 0);
+}
+
+#[test]
+fn dsr_an_ipv6_tunnel_packet_is_delivered_to_the_backend_it_names_and_answered_from_the_frontend() {
+    let lb = Lb::load("dsr-deliver");
+    lb.cluster_nets();
+    dsr_services(&lb, local_pod(), true);
+    for (proto, frontend, backend_port) in [(packet::TCP, 80, 8080u16), (packet::UDP, 53, 5353)] {
+        let client = (client(), 41000);
+        let inner = packet::ipv6(proto, client, (external_ip(), frontend), packet::TCP_SYN, b"hi");
+        let (verdict, out) = lb.ingress(&tunnelled_v6(other_node(), local_pod(), backend_port.into(), &inner));
+        assert_eq!(verdict, TC_ACT_UNSPEC, "on to the stack, which routes it to the pod");
+        assert_eq!(out.len(), inner.len(), "the outer header is gone");
+        assert_eq!(&out[12..14], &[0x86, 0xdd]);
+        assert_eq!(
+            packet::endpoints_v6(&out),
+            (client, (local_pod(), backend_port)),
+            "translated to the named backend"
+        );
+        assert!(packet::checksums_valid_v6(&out));
+        // A later packet: the same, from the entry.
+        let again = packet::ipv6(proto, client, (external_ip(), frontend), packet::TCP_ACK, b"more");
+        let (_, out) = lb.ingress(&tunnelled_v6(other_node(), local_pod(), backend_port.into(), &again));
+        assert_eq!(packet::endpoints_v6(&out), (client, (local_pod(), backend_port)));
+        // The pod's reply leaves as the frontend's, to the client itself.
+        let reply = packet::ipv6(proto, (local_pod(), backend_port), client, packet::TCP_ACK, b"hello");
+        assert_eq!(lb.ingress(&reply).0, TC_ACT_UNSPEC, "not translated where it enters");
+        let (verdict, out) = lb.egress(&reply);
+        assert_eq!(verdict, TC_ACT_UNSPEC);
+        assert_eq!(packet::endpoints_v6(&out), ((external_ip(), frontend), client));
+        assert!(packet::checksums_valid_v6(&out));
+    }
+    assert_eq!((lb.dsr_stat(dsr_stat::DECAPSULATED), lb.dsr_stat(dsr_stat::DELIVER_NEW_FLOW)), (4, 2));
+    assert_eq!(lb.stat(lb_stat::CT_RESELECTED), 0);
+
+    // Not from a node, not to a pod, or a label that is no port: not ours, untouched.
+    let inner = packet::ipv6(packet::TCP, (client(), 41001), (external_ip(), 80), packet::TCP_SYN, b"");
+    for (src, dst, label) in
+        [(client(), local_pod(), 8080), (other_node(), node_ip(), 8080), (other_node(), local_pod(), 0x1_0000)]
+    {
+        let frame = tunnelled_v6(src, dst, label, &inner);
+        assert_eq!(lb.ingress(&frame), (TC_ACT_UNSPEC, frame.clone()));
+    }
+    // From a node to a pod, but for no frontend here: dropped.
+    let stray = packet::ipv6(packet::TCP, (client(), 41002), (ip("fd00:203::99"), 80), packet::TCP_SYN, b"");
+    assert_eq!(lb.ingress(&tunnelled_v6(other_node(), local_pod(), 8080, &stray)).0, TC_ACT_SHOT);
+    assert_eq!(lb.dsr_stat(dsr_stat::DECAP_REFUSED), 1);
+    assert_eq!(lb.dsr_stat(dsr_stat::DECAPSULATED), 5);
 }

@@ -5,10 +5,12 @@
 //! frontend address (node-1's, for the NodePort). The client's own address reaches the backend,
 //! the counters of both nodes show the tunnel, and node-1's uplink does not carry the replies. A
 //! local backend, the Local traffic policy, clients inside the cluster (NodePort) and a Service
-//! without the annotation are served as before. Real TCP and UDP, as root, in network namespaces.
+//! without the annotation are served as before. The same over IPv6 (IPv6-in-IPv6) on a
+//! dual-stack cluster, for the LoadBalancer IP and ExternalIP. Real TCP and UDP, as root, in
+//! network namespaces.
 
 use kube_router_tests::{
-    cluster::{assert_all_from, netprobe, request, stats_growth, wait_for, Cluster, Svc, CLIENT_ADDR},
+    cluster::{assert_all_from, netprobe, request, stats_growth, wait_for, Cluster, Svc, CLIENT_ADDR, CLIENT_ADDR6},
     netprobe_bin, Netns,
 };
 
@@ -97,6 +99,82 @@ fn tunnelled_and_answered_directly(c: &Cluster) {
     eprintln!("frag_needed_sent on node-1 after the upload: {}", last["dsr_frag_needed_sent"]);
     wait_for("the DSR counters in /metrics", || {
         backend.metric("kube_router_dsr_packets_total", "event=\"decapsulated\"") > 0.0
+    });
+}
+
+/// IPv6: an ExternalIP and a LoadBalancer IP routed to node-1, the backend on node-2; checksum
+/// offload on or off at the client, as for IPv4.
+#[test]
+fn ipv6_external_flows_to_a_remote_backend_are_tunnelled_and_answered_directly() {
+    ipv6_tunnelled_and_answered_directly(&Cluster::builder("krt-dsr-v6").dual_stack().build().unwrap());
+}
+
+#[test]
+fn ipv6_external_flows_with_complete_checksums_are_tunnelled_and_answered_directly() {
+    ipv6_tunnelled_and_answered_directly(
+        &Cluster::builder("krt-dsr-v6-csum").dual_stack().full_checksums().build().unwrap(),
+    );
+}
+
+fn ipv6_tunnelled_and_answered_directly(c: &Cluster) {
+    let (lb_ip, external_ip) = ("2001:db8:51::78", "2001:db8:2::78");
+    let svc = Svc::load_balancer("dsr6", "10.96.1.78", 30178, "198.51.100.78")
+        .dual_stack("fd00:96::78")
+        .load_balancer_ip(lb_ip)
+        .external_ip(external_ip)
+        .select("pod", "pod-2-0")
+        .annotate(DSR.0, DSR.1);
+    c.add_service(svc).unwrap();
+    for ip in [lb_ip, external_ip] {
+        c.wait_backends(&format!("[{ip}]:80"), 1).unwrap();
+        c.route_via(ip, 0).unwrap();
+    }
+    let (ingress, backend) = (c.node(0), c.node(1));
+    let before = (ingress.stats(), backend.stats());
+    let mut flows = 0;
+    for ip in [lb_ip, external_ip] {
+        let frontend = format!("[{ip}]:80");
+        assert_all_from(&request(&c.client, "tcp", &frontend, 10), "pod-2-0");
+        // No source NAT anywhere: the backend sees the client itself.
+        assert_eq!(netprobe(&c.client, &["ask", "tcp", &frontend, "who"]), format!("pod-2-0 {CLIENT_ADDR6}"));
+        flows += 11;
+    }
+    let udp = format!("[{lb_ip}]:53");
+    assert_all_from(&request(&c.client, "udp", &udp, 10), "pod-2-0");
+    assert_eq!(netprobe(&c.client, &["ask", "udp", &udp, "who"]), format!("pod-2-0 {CLIENT_ADDR6}"));
+    flows += 11;
+    let after = (ingress.stats(), backend.stats());
+    assert_eq!(stats_growth(&before.0, &after.0, "dsr_new_flow"), flows, "{:?}", after.0);
+    assert!(stats_growth(&before.0, &after.0, "dsr_encapsulated") >= flows, "{:?}", after.0);
+    assert_eq!(stats_growth(&before.0, &after.0, "snat_new_flow"), 0, "{:?}", after.0);
+    assert_eq!(stats_growth(&before.0, &after.0, "reverse_nat"), 0, "{:?}", after.0);
+    // XDP records each IPv6 flow too and leaves the encapsulation to TC.
+    assert_eq!(stats_growth(&before.0, &after.0, "xdp_new_flow"), flows, "{:?}", after.0);
+    assert_eq!(stats_growth(&before.0, &after.0, "xdp_tx") + stats_growth(&before.0, &after.0, "xdp_redirect"), 0);
+    assert!(
+        stats_growth(&before.1, &after.1, "dsr_decapsulated") >= stats_growth(&before.0, &after.0, "dsr_encapsulated")
+    );
+    assert_eq!(stats_growth(&before.1, &after.1, "dsr_deliver_new_flow"), flows, "{:?}", after.1);
+    assert_eq!(stats_growth(&before.1, &after.1, "dsr_decap_refused"), 0, "{:?}", after.1);
+
+    // A 1 MB answer leaves through node-2's uplink, not node-1's.
+    let sent = (uplink_tx_bytes(&ingress.ns), uplink_tx_bytes(&backend.ns));
+    let reply = netprobe(&c.client, &["ask", "tcp", &format!("[{lb_ip}]:80"), "big 1000000"]);
+    assert!(reply.starts_with("pod-2-0 ") && reply.len() == 999_999, "reply of {} bytes", reply.len());
+    let sent = (uplink_tx_bytes(&ingress.ns) - sent.0, uplink_tx_bytes(&backend.ns) - sent.1);
+    eprintln!("uplink bytes sent during a 1 MB IPv6 reply: node-1 {}, node-2 {}", sent.0, sent.1);
+    assert!(sent.1 >= 1_000_000, "node-2 sent {} bytes", sent.1);
+    assert!(sent.0 < 100_000, "node-1 sent {} bytes: the reply went through it", sent.0);
+
+    // An upload of full-size segments: the tunnel's 40 bytes are found by path MTU discovery
+    // ("packet too big") or taken off GSO segments; nothing is lost.
+    let upload = netprobe(&c.client, &["bulk", &format!("[{lb_ip}]:80"), "2000000"]);
+    let last = ingress.stats();
+    assert_eq!(upload, "pod-2-0 2000000", "node-1: {last:?}\nnode-2: {:?}", backend.stats());
+    assert_eq!(last["dsr_encap_failed"], 0, "{last:?}");
+    eprintln!("frag_needed_sent on node-1 after the IPv6 upload: {}", last["dsr_frag_needed_sent"]);
+    wait_for("the DSR counters in /metrics", || {
+        backend.metric("kube_router_dsr_packets_total", "event=\"deliver_new_flow\"") >= flows as f64
     });
 }
 

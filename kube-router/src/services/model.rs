@@ -114,9 +114,9 @@ pub struct Service {
     /// is hashed too).
     #[serde(default)]
     pub maglev: Option<bool>,
-    /// `kube-router.io/service.dsr: tunnel`: direct server return for the IPv4 ExternalIPs,
-    /// LoadBalancer IPs and NodePorts (IPIP to the backend's node, which answers the client
-    /// directly).
+    /// `kube-router.io/service.dsr: tunnel`: direct server return for the ExternalIPs and
+    /// LoadBalancer IPs (IPIP or IPv6-in-IPv6 to the backend's node, which answers the client
+    /// directly), and for the IPv4 NodePorts.
     #[serde(default)]
     pub dsr: bool,
 }

@@ -878,6 +878,24 @@ fn a_dual_stack_service_fills_both_families_maps_each_from_its_own_slice() {
 }
 
 #[test]
+fn dsr_tunnel_marks_the_external_ipv6_frontends_too() {
+    let annotated = DUAL_STACK.replacen(
+        "metadata: {namespace: default, name: web}",
+        "metadata: {namespace: default, name: web, annotations: {kube-router.io/service.dsr: tunnel}}",
+        1,
+    );
+    assert_ne!(annotated, DUAL_STACK);
+    let v6_maps = compile_v6(&annotated, &dual_stack_node(), &MapContents::default());
+    let flags = |ip: &str, port: u16| v6_maps.services[&key_of::<V6>(v6(ip), port, Protocol::Tcp)].flags;
+    assert_ne!(flags("2001:db8:50::1", 80) & SVC_FLAG_DSR, 0, "the IPv6 ExternalIP is served by DSR");
+    assert_eq!(flags("fd00:96::10", 80) & SVC_FLAG_DSR, 0, "ClusterIPs are not");
+    assert_eq!(flags("2001:db8::1", 30080) & SVC_FLAG_DSR, 0, "NodePorts are not");
+    // Without the annotation: no DSR.
+    let plain = compile_v6(DUAL_STACK, &dual_stack_node(), &MapContents::default());
+    assert_eq!(plain.services[&key_of::<V6>(v6("2001:db8:50::1"), 80, Protocol::Tcp)].flags & SVC_FLAG_DSR, 0);
+}
+
+#[test]
 fn ipv6_ids_are_stable_across_recompiles_and_readopted_from_the_maps() {
     let node = dual_stack_node();
     let first = compile_v6(DUAL_STACK, &node, &MapContents::default());
@@ -924,7 +942,7 @@ fn ipv6_node_ports_listen_on_the_nodes_ipv6_addresses_and_the_wildcard() {
 }
 
 #[test]
-fn dsr_tunnel_marks_the_ipv4_node_ports_and_no_ipv6_frontend() {
+fn dsr_tunnel_marks_the_ipv4_node_ports_and_no_ipv6_node_port() {
     let text = DUAL_STACK.replacen(
         "name: web}\nspec:",
         "name: web, annotations: {kube-router.io/service.dsr: tunnel}}\nspec:",
@@ -944,10 +962,11 @@ fn dsr_tunnel_marks_the_ipv4_node_ports_and_no_ipv6_frontend() {
         assert_eq!(flags & (wanted | SVC_FLAG_LOCAL_ONLY), wanted, "{ip}: {flags:#x}");
     }
     assert_eq!(v4.services[&key_of::<V4>(Ipv4Addr::new(10, 96, 0, 10), 80, Protocol::Tcp)].flags & SVC_FLAG_DSR, 0);
-    // IPIP is IPv4: the IPv6 NodePorts (and every IPv6 frontend) are served without DSR.
+    // NodePort DSR is IPv4 only: the IPv6 NodePorts are served without it.
     let v6_contents = compile_v6(&text, &node, &MapContents::default());
-    assert!(v6_contents.services.contains_key(&key_of::<V6>(v6("2001:db8::1"), 30080, Protocol::Tcp)));
-    assert!(v6_contents.services.values().all(|s| s.flags & SVC_FLAG_DSR == 0), "{:?}", v6_contents.services);
+    let v6_node_port = v6_contents.services[&key_of::<V6>(v6("2001:db8::1"), 30080, Protocol::Tcp)];
+    assert_ne!(v6_node_port.flags & SVC_FLAG_NODEPORT, 0);
+    assert_eq!(v6_node_port.flags & SVC_FLAG_DSR, 0, "{:#x}", v6_node_port.flags);
     // externalTrafficPolicy: Local: the NodePort serves this node's endpoint alone, so the flag
     // it carries never sends a flow to another node.
     let local = text.replacen("  type: NodePort\n", "  type: NodePort\n  externalTrafficPolicy: Local\n", 1);
