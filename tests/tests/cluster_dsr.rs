@@ -16,11 +16,44 @@ use kube_router_tests::{
 
 const DSR: (&str, &str) = ("kube-router.io/service.dsr", "tunnel");
 
+/// A node's datapath counters (`NodeHandle::stats`).
+type NodeStats = std::collections::BTreeMap<String, u64>;
+
 /// Bytes sent out of the namespace's `eth0` so far (its uplink to the fabric).
 fn uplink_tx_bytes(ns: &Netns) -> u64 {
     let out = ns.run(&["ip", "-j", "-s", "link", "show", "dev", "eth0"]).unwrap();
     let links: serde_json::Value = serde_json::from_str(&out).unwrap();
     links[0]["stats64"]["tx"]["bytes"].as_u64().expect("tx bytes")
+}
+
+/// node-1 chose the backend of each of `flows` new flows and tunnelled it, translating nothing
+/// itself (XDP, `--xdp auto`, records each flow and leaves the encapsulation to TC; no reply came
+/// back through it); node-2 took each out of the tunnel and recorded it once.
+fn assert_tunnelled(before: &(NodeStats, NodeStats), after: &(NodeStats, NodeStats), flows: u64) {
+    let first = |name| stats_growth(&before.0, &after.0, name);
+    let second = |name| stats_growth(&before.1, &after.1, name);
+    assert_eq!(first("dsr_new_flow"), flows, "{:?}", after.0);
+    assert!(first("dsr_encapsulated") >= flows, "{:?}", after.0);
+    assert_eq!(first("snat_new_flow"), 0, "{:?}", after.0);
+    assert_eq!(first("xdp_new_flow"), flows, "{:?}", after.0);
+    assert_eq!(first("xdp_tx") + first("xdp_redirect"), 0, "{:?}", after.0);
+    assert_eq!(first("reverse_nat"), 0, "{:?}", after.0);
+    assert_eq!(first("xdp_reply"), 0, "{:?}", after.0);
+    assert!(second("dsr_decapsulated") >= first("dsr_encapsulated"), "{:?}", after.1);
+    assert_eq!(second("dsr_deliver_new_flow"), flows, "{:?}", after.1);
+    assert_eq!(second("dsr_decap_refused"), 0, "{:?}", after.1);
+}
+
+/// A 1 MB answer from `frontend` (TCP) leaves through node-2's uplink, not node-1's.
+fn assert_reply_leaves_node_2(c: &Cluster, frontend: &str) {
+    let (ingress, backend) = (c.node(0), c.node(1));
+    let sent = (uplink_tx_bytes(&ingress.ns), uplink_tx_bytes(&backend.ns));
+    let reply = netprobe(&c.client, &["ask", "tcp", frontend, "big 1000000"]);
+    assert!(reply.starts_with("pod-2-0 ") && reply.len() == 999_999, "reply of {} bytes", reply.len());
+    let sent = (uplink_tx_bytes(&ingress.ns) - sent.0, uplink_tx_bytes(&backend.ns) - sent.1);
+    eprintln!("uplink bytes sent during a 1 MB reply from {frontend}: node-1 {}, node-2 {}", sent.0, sent.1);
+    assert!(sent.1 >= 1_000_000, "node-2 sent {} bytes", sent.1);
+    assert!(sent.0 < 100_000, "node-1 sent {} bytes: the reply went through it", sent.0);
 }
 
 /// A LoadBalancer Service (TCP 80, UDP 53) at `lb_ip` plus ExternalIP `external_ip`, both routed
@@ -63,32 +96,9 @@ fn tunnelled_and_answered_directly(c: &Cluster) {
     assert_all_from(&request(&c.client, "udp", "198.51.100.70:53", 10), "pod-2-0");
     assert_eq!(netprobe(&c.client, &["ask", "udp", "198.51.100.70:53", "who"]), format!("pod-2-0 {CLIENT_ADDR}"));
     flows += 11;
-    let after = (ingress.stats(), backend.stats());
-    // node-1 chose the backend and tunnelled every flow, translating nothing itself.
-    assert_eq!(stats_growth(&before.0, &after.0, "dsr_new_flow"), flows, "{:?}", after.0);
-    assert!(stats_growth(&before.0, &after.0, "dsr_encapsulated") >= flows, "{:?}", after.0);
-    assert_eq!(stats_growth(&before.0, &after.0, "snat_new_flow"), 0, "{:?}", after.0);
-    // XDP (--xdp auto) records each flow and leaves the encapsulation to TC.
-    assert_eq!(stats_growth(&before.0, &after.0, "xdp_new_flow"), flows, "{:?}", after.0);
-    assert_eq!(stats_growth(&before.0, &after.0, "xdp_tx") + stats_growth(&before.0, &after.0, "xdp_redirect"), 0);
-    // No reply came back through it to be translated.
-    assert_eq!(stats_growth(&before.0, &after.0, "reverse_nat"), 0, "{:?}", after.0);
-    assert_eq!(stats_growth(&before.0, &after.0, "xdp_reply"), 0, "{:?}", after.0);
-    // node-2 took each flow out of the tunnel and recorded it once.
-    assert!(
-        stats_growth(&before.1, &after.1, "dsr_decapsulated") >= stats_growth(&before.0, &after.0, "dsr_encapsulated")
-    );
-    assert_eq!(stats_growth(&before.1, &after.1, "dsr_deliver_new_flow"), flows, "{:?}", after.1);
-    assert_eq!(stats_growth(&before.1, &after.1, "dsr_decap_refused"), 0, "{:?}", after.1);
+    assert_tunnelled(&before, &(ingress.stats(), backend.stats()), flows);
 
-    // A 1 MB answer leaves through node-2's uplink, not node-1's.
-    let sent = (uplink_tx_bytes(&ingress.ns), uplink_tx_bytes(&backend.ns));
-    let reply = netprobe(&c.client, &["ask", "tcp", "198.51.100.70:80", "big 1000000"]);
-    assert!(reply.starts_with("pod-2-0 ") && reply.len() == 999_999, "reply of {} bytes", reply.len());
-    let sent = (uplink_tx_bytes(&ingress.ns) - sent.0, uplink_tx_bytes(&backend.ns) - sent.1);
-    eprintln!("uplink bytes sent during a 1 MB reply: node-1 {}, node-2 {}", sent.0, sent.1);
-    assert!(sent.1 >= 1_000_000, "node-2 sent {} bytes", sent.1);
-    assert!(sent.0 < 100_000, "node-1 sent {} bytes: the reply went through it", sent.0);
+    assert_reply_leaves_node_2(c, "198.51.100.70:80");
 
     // An upload of full-size segments: the tunnel's 20 bytes are found by path MTU discovery
     // (or taken off GSO segments), nothing is lost.
@@ -143,28 +153,9 @@ fn ipv6_tunnelled_and_answered_directly(c: &Cluster) {
     assert_all_from(&request(&c.client, "udp", &udp, 10), "pod-2-0");
     assert_eq!(netprobe(&c.client, &["ask", "udp", &udp, "who"]), format!("pod-2-0 {CLIENT_ADDR6}"));
     flows += 11;
-    let after = (ingress.stats(), backend.stats());
-    assert_eq!(stats_growth(&before.0, &after.0, "dsr_new_flow"), flows, "{:?}", after.0);
-    assert!(stats_growth(&before.0, &after.0, "dsr_encapsulated") >= flows, "{:?}", after.0);
-    assert_eq!(stats_growth(&before.0, &after.0, "snat_new_flow"), 0, "{:?}", after.0);
-    assert_eq!(stats_growth(&before.0, &after.0, "reverse_nat"), 0, "{:?}", after.0);
-    // XDP records each IPv6 flow too and leaves the encapsulation to TC.
-    assert_eq!(stats_growth(&before.0, &after.0, "xdp_new_flow"), flows, "{:?}", after.0);
-    assert_eq!(stats_growth(&before.0, &after.0, "xdp_tx") + stats_growth(&before.0, &after.0, "xdp_redirect"), 0);
-    assert!(
-        stats_growth(&before.1, &after.1, "dsr_decapsulated") >= stats_growth(&before.0, &after.0, "dsr_encapsulated")
-    );
-    assert_eq!(stats_growth(&before.1, &after.1, "dsr_deliver_new_flow"), flows, "{:?}", after.1);
-    assert_eq!(stats_growth(&before.1, &after.1, "dsr_decap_refused"), 0, "{:?}", after.1);
+    assert_tunnelled(&before, &(ingress.stats(), backend.stats()), flows);
 
-    // A 1 MB answer leaves through node-2's uplink, not node-1's.
-    let sent = (uplink_tx_bytes(&ingress.ns), uplink_tx_bytes(&backend.ns));
-    let reply = netprobe(&c.client, &["ask", "tcp", &format!("[{lb_ip}]:80"), "big 1000000"]);
-    assert!(reply.starts_with("pod-2-0 ") && reply.len() == 999_999, "reply of {} bytes", reply.len());
-    let sent = (uplink_tx_bytes(&ingress.ns) - sent.0, uplink_tx_bytes(&backend.ns) - sent.1);
-    eprintln!("uplink bytes sent during a 1 MB IPv6 reply: node-1 {}, node-2 {}", sent.0, sent.1);
-    assert!(sent.1 >= 1_000_000, "node-2 sent {} bytes", sent.1);
-    assert!(sent.0 < 100_000, "node-1 sent {} bytes: the reply went through it", sent.0);
+    assert_reply_leaves_node_2(c, &format!("[{lb_ip}]:80"));
 
     // An upload of full-size segments: the tunnel's 40 bytes are found by path MTU discovery
     // ("packet too big") or taken off GSO segments; nothing is lost.
@@ -244,31 +235,9 @@ fn external_flows_to_a_node_port_are_tunnelled_and_answered_from_that_node_addre
     let peers = udp_peers(&c, "10.100.0.1:30179", 5);
     assert!(peers.iter().all(|(name, peer)| name == "pod-2-0" && peer == "10.100.0.1:30179"), "{peers:?}");
     flows += 5;
-    let after = (ingress.stats(), backend.stats());
-    // node-1 chose the backend and tunnelled every flow, translating nothing itself.
-    assert_eq!(stats_growth(&before.0, &after.0, "dsr_new_flow"), flows, "{:?}", after.0);
-    assert!(stats_growth(&before.0, &after.0, "dsr_encapsulated") >= flows, "{:?}", after.0);
-    assert_eq!(stats_growth(&before.0, &after.0, "snat_new_flow"), 0, "{:?}", after.0);
-    // XDP (--xdp auto) records each flow and leaves the encapsulation to TC.
-    assert_eq!(stats_growth(&before.0, &after.0, "xdp_new_flow"), flows, "{:?}", after.0);
-    assert_eq!(stats_growth(&before.0, &after.0, "xdp_tx") + stats_growth(&before.0, &after.0, "xdp_redirect"), 0);
-    assert_eq!(stats_growth(&before.0, &after.0, "reverse_nat"), 0, "{:?}", after.0);
-    assert_eq!(stats_growth(&before.0, &after.0, "xdp_reply"), 0, "{:?}", after.0);
-    // node-2 admitted node-1's NodePort through its own and recorded each flow once.
-    assert!(
-        stats_growth(&before.1, &after.1, "dsr_decapsulated") >= stats_growth(&before.0, &after.0, "dsr_encapsulated")
-    );
-    assert_eq!(stats_growth(&before.1, &after.1, "dsr_deliver_new_flow"), flows, "{:?}", after.1);
-    assert_eq!(stats_growth(&before.1, &after.1, "dsr_decap_refused"), 0, "{:?}", after.1);
+    assert_tunnelled(&before, &(ingress.stats(), backend.stats()), flows);
 
-    // A 1 MB answer leaves through node-2's uplink, not node-1's.
-    let sent = (uplink_tx_bytes(&ingress.ns), uplink_tx_bytes(&backend.ns));
-    let reply = netprobe(&c.client, &["ask", "tcp", "10.100.0.1:30178", "big 1000000"]);
-    assert!(reply.starts_with("pod-2-0 ") && reply.len() == 999_999, "reply of {} bytes", reply.len());
-    let sent = (uplink_tx_bytes(&ingress.ns) - sent.0, uplink_tx_bytes(&backend.ns) - sent.1);
-    eprintln!("uplink bytes sent during a 1 MB NodePort reply: node-1 {}, node-2 {}", sent.0, sent.1);
-    assert!(sent.1 >= 1_000_000, "node-2 sent {} bytes", sent.1);
-    assert!(sent.0 < 100_000, "node-1 sent {} bytes: the reply went through it", sent.0);
+    assert_reply_leaves_node_2(&c, "10.100.0.1:30178");
     // Full-size segments up the tunnel (path MTU discovery, or GSO segments made smaller).
     assert_eq!(netprobe(&c.client, &["bulk", "10.100.0.1:30178", "2000000"]), "pod-2-0 2000000");
     assert_eq!(ingress.stats()["dsr_encap_failed"], 0);
