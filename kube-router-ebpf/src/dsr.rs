@@ -33,12 +33,6 @@ use aya_ebpf::{
 };
 use kube_router_common::*;
 
-/// IPv6 next header: an IPv6 packet (RFC 2473).
-const IPPROTO_IPV6: u8 = 41;
-/// The outer IPv6 header's hop limit, as the IPv4 tunnel's TTL.
-const OUTER_HOP_LIMIT: u8 = 64;
-const FLOW_LABEL_MASK: u32 = 0x000f_ffff;
-
 use crate::{
     conntrack::{self, NewFlow},
     family::{Family, V4, V6},
@@ -46,7 +40,7 @@ use crate::{
     lb,
     maps::{count as count_lb, LB_CONFIG},
     nat::Tuple,
-    overlay::{push_outer_ipv4, OuterSpec, IPPROTO_IPIP, IP_DF, IP_HDR_LEN},
+    overlay::{push_outer_ipv4, OuterSpec, IPPROTO_IPIP, IP_DF, IP_HDR_LEN, OUTER_TTL},
     parsing::{
         ETH_HDR_LEN, IPV6_DST_OFF, IPV6_HDR_LEN, IPV6_PAYLOAD_LEN_OFF, IPV6_SRC_OFF, IP_DST_OFF, IP_SRC_OFF,
         IP_TOT_LEN_OFF,
@@ -54,6 +48,10 @@ use crate::{
     route,
     svc_stats::{self, Way},
 };
+
+/// IPv6 next header: an IPv6 packet (RFC 2473).
+const IPPROTO_IPV6: u8 = 41;
+const FLOW_LABEL_MASK: u32 = 0x000f_ffff;
 
 #[map(name = "dsr_stats")]
 static DSR_STATS: PerCpuArray<u64> = PerCpuArray::pinned(dsr_stat::COUNT, 0);
@@ -113,14 +111,19 @@ pub fn tunnel(ctx: &TcContext, backend: &(u32, u16), proto: u8, l4_off: usize) -
         neigh.__bindgen_anon_1.ipv4_nh = next_hop;
         Ok(route::send(params.ifindex, &mut neigh))
     })();
-    match route::verdict(routed, &params) {
-        too_big if too_big >= route::FRAG_NEEDED => {
-            count(dsr_stat::FRAG_NEEDED_SENT);
-            let mtu = (too_big & 0xffff) as u16;
-            route::FRAG_NEEDED | i32::from(mtu.saturating_sub(IP_HDR_LEN as u16))
-        }
-        verdict => verdict,
+    inner_mtu(route::verdict(routed, &params), IP_HDR_LEN)
+}
+
+/// A tunnel's TC verdict; a "too big" one (`route::FRAG_NEEDED` with the route's MTU) counted and
+/// left with the MTU the inner packet has once the `outer` header's bytes are taken off.
+#[inline(always)]
+fn inner_mtu(verdict: i32, outer: usize) -> i32 {
+    if verdict < route::FRAG_NEEDED {
+        return verdict;
     }
+    count(dsr_stat::FRAG_NEEDED_SENT);
+    let mtu = (verdict & 0xffff) as u16;
+    route::FRAG_NEEDED | i32::from(mtu.saturating_sub(outer as u16))
 }
 
 /// The backend (address, port) a direct-server-return tunnel packet names, its outer header
@@ -195,7 +198,7 @@ pub fn tunnel_v6(ctx: &TcContext, backend: &(Ipv6Words, u16), proto: u8, l4_off:
             version_class_label: (6 << 28 | class | label).to_be(),
             payload_len: inner_len.to_be(),
             next_header: IPPROTO_IPV6,
-            hop_limit: OUTER_HOP_LIMIT,
+            hop_limit: OUTER_TTL,
             src: local,
             dst: backend.0,
         };
@@ -211,14 +214,7 @@ pub fn tunnel_v6(ctx: &TcContext, backend: &(Ipv6Words, u16), proto: u8, l4_off:
         neigh.__bindgen_anon_1.ipv6_nh = next_hop;
         Ok(route::send(params.ifindex, &mut neigh))
     })();
-    match route::verdict(routed, &params) {
-        too_big if too_big >= route::FRAG_NEEDED => {
-            count(dsr_stat::FRAG_NEEDED_SENT);
-            let mtu = (too_big & 0xffff) as u16;
-            route::FRAG_NEEDED | i32::from(mtu.saturating_sub(IPV6_HDR_LEN as u16))
-        }
-        verdict => verdict,
-    }
+    inner_mtu(route::verdict(routed, &params), IPV6_HDR_LEN)
 }
 
 /// [`receive_v6`]'s answer for a packet that is no tunnel of ours (not a TC verdict).

@@ -57,22 +57,17 @@ pub fn handle_ingress(ctx: &TcContext) -> Result<i32, i64> {
     // A refusal or a "too big" answer is built here, not inside `ingress`: the two frames would
     // not fit on one stack.
     Ok(match ip_version(ctx)? {
-        IpVersion::V4 => {
-            match dsr::decap(ctx).map(|backend| dsr::deliver::<V4>(ctx, &backend)).unwrap_or_else(|| ingress::<V4>(ctx))
-            {
-                REFUSE => refuse::<V4>(ctx),
-                too_big if too_big >= route::FRAG_NEEDED => frag_needed::<V4>(ctx, too_big as u16),
-                verdict => verdict,
-            }
-        }
-        IpVersion::V6 => match match dsr::receive_v6(ctx) {
-            dsr::NOT_TUNNELLED => ingress::<V6>(ctx),
-            delivered => delivered,
-        } {
-            REFUSE => refuse::<V6>(ctx),
-            too_big if too_big >= route::FRAG_NEEDED => frag_needed::<V6>(ctx, too_big as u16),
-            verdict => verdict,
-        },
+        IpVersion::V4 => answer::<V4>(
+            ctx,
+            dsr::decap(ctx).map(|backend| dsr::deliver::<V4>(ctx, &backend)).unwrap_or_else(|| ingress::<V4>(ctx)),
+        ),
+        IpVersion::V6 => answer::<V6>(
+            ctx,
+            match dsr::receive_v6(ctx) {
+                dsr::NOT_TUNNELLED => ingress::<V6>(ctx),
+                delivered => delivered,
+            },
+        ),
         IpVersion::Neither => {
             count(lb_stat::NOT_IP);
             TC_ACT_UNSPEC
@@ -82,6 +77,16 @@ pub fn handle_ingress(ctx: &TcContext) -> Result<i32, i64> {
 
 /// `ingress`'s answer for a new flow to a frontend without endpoints (not a TC verdict).
 const REFUSE: i32 = i32::MIN;
+
+/// The TC verdict for what ingress said: a refusal or a "too big" answer is built here.
+#[inline(always)]
+fn answer<F: Family>(ctx: &TcContext, said: i32) -> i32 {
+    match said {
+        REFUSE => refuse::<F>(ctx),
+        too_big if too_big >= route::FRAG_NEEDED => frag_needed::<F>(ctx, too_big as u16),
+        verdict => verdict,
+    }
+}
 
 /// Answers the packet in the work area, which `ingress` found to be a new flow to a frontend
 /// without endpoints.

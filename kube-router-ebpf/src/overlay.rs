@@ -31,7 +31,8 @@ pub(crate) const IPPROTO_IPIP: u8 = 4;
 const IPPROTO_UDP: u8 = 17;
 pub(crate) const IP_HDR_LEN: usize = 20;
 const UDP_GUE_LEN: usize = 12;
-const OUTER_TTL: u8 = 64;
+/// Outer headers' TTL (IPv4) or hop limit (IPv6).
+pub(crate) const OUTER_TTL: u8 = 64;
 pub(crate) const IP_DF: u16 = 0x4000;
 
 /// The outer IPv4 header, as it goes on the wire (multi-byte fields in network order).
