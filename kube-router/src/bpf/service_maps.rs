@@ -94,7 +94,7 @@ where
     fn reset_stats(&mut self, key: &ServiceKey<F::Words>, value: &ServiceValue) {
         let same = self.services.get(key, 0).is_ok_and(|old| old.service_id == value.service_id);
         if !same {
-            match self.stats.reset(key) {
+            match self.stats.remove(key) {
                 Err(e) if !self.stats_reset_warned => {
                     tracing::warn!(error = %e, map = F::MAPS.stats, "cannot reset a frontend's counters (said once)");
                     self.stats_reset_warned = true;

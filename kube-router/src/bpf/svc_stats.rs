@@ -32,13 +32,9 @@ where
         Ok(Self { map: PerCpuHashMap::try_from(Map::PerCpuHashMap(data))? })
     }
 
-    /// Zeroes the counters of a frontend: a new Service never inherits old counts. Removed, not
-    /// written: the datapath creates them again with the frontend's first packet, and a written
-    /// entry of this map (per-CPU, not preallocated) costs a per-CPU allocation of ~20 µs.
-    pub fn reset(&mut self, frontend: &ServiceKey<F::Words>) -> Result<(), MapError> {
-        self.remove(frontend)
-    }
-
+    /// Removes a frontend's counters (absent ones too). Also how they are zeroed for a new
+    /// Service: the datapath creates them again with the frontend's first packet, where a write
+    /// from here (per-CPU, not preallocated) would cost a per-CPU allocation of ~20 µs.
     pub fn remove(&mut self, frontend: &ServiceKey<F::Words>) -> Result<(), MapError> {
         match self.map.remove(frontend) {
             Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),

@@ -120,7 +120,7 @@ fn hairpin_follows_the_flag_and_the_annotation() {
 }
 
 #[test]
-fn dsr_tunnel_marks_only_the_external_ipv4_frontends_and_another_value_is_reported() {
+fn dsr_tunnel_marks_the_external_and_node_port_frontends_and_another_value_is_reported() {
     let with_dsr = |value: &str| {
         OBJECTS.replacen(
             "metadata: {namespace: default, name: web}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.10\n",
@@ -877,14 +877,20 @@ fn a_dual_stack_service_fills_both_families_maps_each_from_its_own_slice() {
     assert_eq!(v6_maps.backends.keys().copied().collect::<Vec<_>>(), [1, 2]);
 }
 
-#[test]
-fn dsr_tunnel_marks_the_external_ipv6_frontends_too() {
+/// `DUAL_STACK` with its Service `web` annotated `kube-router.io/service.dsr: tunnel`.
+fn dual_stack_with_dsr() -> String {
     let annotated = DUAL_STACK.replacen(
         "metadata: {namespace: default, name: web}",
         "metadata: {namespace: default, name: web, annotations: {kube-router.io/service.dsr: tunnel}}",
         1,
     );
     assert_ne!(annotated, DUAL_STACK);
+    annotated
+}
+
+#[test]
+fn dsr_tunnel_marks_the_external_ipv6_frontends_too() {
+    let annotated = dual_stack_with_dsr();
     let v6_maps = compile_v6(&annotated, &dual_stack_node(), &MapContents::default());
     let flags = |ip: &str, port: u16| v6_maps.services[&key_of::<V6>(v6(ip), port, Protocol::Tcp)].flags;
     assert_ne!(flags("2001:db8:50::1", 80) & SVC_FLAG_DSR, 0, "the IPv6 ExternalIP is served by DSR");
@@ -943,12 +949,7 @@ fn ipv6_node_ports_listen_on_the_nodes_ipv6_addresses_and_the_wildcard() {
 
 #[test]
 fn dsr_tunnel_marks_the_ipv4_node_ports_and_no_ipv6_node_port() {
-    let text = DUAL_STACK.replacen(
-        "name: web}\nspec:",
-        "name: web, annotations: {kube-router.io/service.dsr: tunnel}}\nspec:",
-        1,
-    );
-    assert_ne!(text, DUAL_STACK);
+    let text = dual_stack_with_dsr();
     let node = NodeContext { loopback_node_ports: true, ..dual_stack_node() };
     let compile_v4 = |text: &str| {
         let builder = parse_objects(text).expect("parse");
