@@ -188,6 +188,9 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
         Choice::NoService => {
             count(lb_stat::NO_SERVICE);
             conntrack::release_reply_tuple::<F>(flow, now);
+            // Not service traffic and no entry holds its tuple: its TC egress, with the same
+            // tuple, would only miss again.
+            note_no_entry::<F>(&work.key);
             return TC_ACT_UNSPEC;
         }
         Choice::SourceDenied => {
@@ -223,10 +226,15 @@ fn note_forwarded<F: Family>(to: &Tuple<F::Addr>, proto: u8, verdict: i32) {
     if verdict != TC_ACT_UNSPEC {
         return;
     }
-    let key = conntrack::key(to.src, to.dst, proto);
-    if let Some(slot) = F::forwarded().get_ptr_mut(forwarded_slot(&key)) {
+    note_no_entry::<F>(&conntrack::key(to.src, to.dst, proto));
+}
+
+/// Remembers a tuple TC egress would find no conntrack entry for (see `egress`).
+#[inline(always)]
+fn note_no_entry<F: Family>(key: &CtKey<F::Addr>) {
+    if let Some(slot) = F::forwarded().get_ptr_mut(forwarded_slot(key)) {
         // SAFETY: per-CPU map memory; no other program run on this CPU is in between.
-        unsafe { *slot = key };
+        unsafe { *slot = *key };
     }
 }
 
@@ -238,7 +246,8 @@ fn forwarded_slot<A: FlowHashWords>(key: &CtKey<A>) -> u32 {
     fmix32(hash) % FORWARDED_SLOTS
 }
 
-/// TC ingress translated a client's packet to `key` and left it to the stack (`note_forwarded`).
+/// TC ingress left a packet with tuple `key` to the stack, translated for a client
+/// (`note_forwarded`) or untouched, with no entry of its own (`note_no_entry`).
 #[inline(always)]
 fn was_forwarded<F: Family>(key: &CtKey<F::Addr>) -> bool {
     // SAFETY: read-only per-CPU map memory.
@@ -365,10 +374,12 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
     work.key = conntrack::key_of(flow);
     // A packet TC ingress translated for a client, forwarded by the stack: a client's packet,
     // not a backend's reply, so no reverse entry is its (one would be another flow's clashing
-    // tuple). Only pod egress masquerade could still apply, to a backend outside the cluster.
-    // Its lookup would be a miss, a walk of the table's chain on cold memory that costs about
-    // what ingress's lookup does. Ingress runs a whole receive batch before the stack forwards
-    // the first packet of it, hence a table of recent tuples rather than the last one.
+    // tuple). Or one that is no service traffic at all, whose tuple ingress has just looked up
+    // in vain (pod to pod, or a packet XDP translated). Only pod egress masquerade could still
+    // apply, to an address outside the cluster. The lookup would be a miss: for a translated
+    // tuple a walk of the table's chain on cold memory that costs about what ingress's lookup
+    // does. Ingress runs a whole receive batch before the stack forwards the first packet of
+    // it, hence a table of recent tuples, not the last one.
     if was_forwarded::<F>(&work.key) && !masquerade_candidate::<F>(flow) {
         return TC_ACT_UNSPEC;
     }

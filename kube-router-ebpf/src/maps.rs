@@ -102,8 +102,9 @@ pub static CT_SCRATCH_V6: PerCpuArray<CtScratch<Ipv6Words>> = PerCpuArray::with_
 /// through TC ingress before the stack forwards the first of them to TC egress.
 pub const FORWARDED_SLOTS: u32 = 256;
 
-// The tuples TC ingress recently translated client packets to and left to the stack, one per
-// slot of their hash (see `lb::egress`). Not pinned: a cache, empty after a reload.
+// The tuples of packets TC ingress recently left to the stack that TC egress need not look up:
+// client packets translated, and packets with no entry of their own, one per slot of their hash
+// (see `lb::egress`). Not pinned: a cache, empty after a reload.
 #[map(name = "forwarded_v4")]
 pub static FORWARDED: PerCpuArray<CtKeyV4> = PerCpuArray::with_max_entries(FORWARDED_SLOTS, 0);
 

@@ -675,3 +675,33 @@ fn a_pods_flow_to_a_backend_outside_the_cluster_is_masqueraded_on_every_packet()
     }
     assert_eq!(lb.lb_stat(lb_stat::EGRESS_MASQUERADE_NEW_FLOW), 1);
 }
+
+/// TC ingress notes the tuple of a packet it found no entry for (no Service, no flow), so that
+/// TC egress skips its own lookup of that tuple. Pod egress masquerade still applies: a pod's
+/// flow to the internet is masqueraded on every packet, on the port it got first, and pod to pod
+/// traffic keeps its addresses.
+#[test]
+fn a_pods_flow_to_the_internet_is_masqueraded_after_ingress_found_no_entry() {
+    let lb = load("ingress-found-nothing", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+    enable_pod_egress(&lb);
+    stay_on_this_cpu();
+    let internet = Ipv4Addr::new(198, 51, 100, 7);
+
+    let mut source = None;
+    for flags in [packet::TCP_SYN, packet::TCP_ACK, packet::TCP_ACK] {
+        let sent = packet::ipv4(packet::TCP, (LOCAL_POD, 43000), (internet, 443), flags, b"");
+        assert_eq!(lb.ingress(&sent), (TC_ACT_UNSPEC, sent.clone()), "not service traffic");
+        let (verdict, out) = lb.egress(&sent);
+        assert_eq!(verdict, TC_ACT_UNSPEC);
+        let (src, dst) = packet::endpoints(&out);
+        assert_eq!((src.0, dst), (NODE_IP, (internet, 443)), "masqueraded (TCP flags {flags:#x})");
+        assert_eq!(*source.get_or_insert(src), src, "on the port the flow got first");
+    }
+    assert_eq!(lb.lb_stat(lb_stat::EGRESS_MASQUERADE_NEW_FLOW), 1);
+    assert_eq!(lb.lb_stat(lb_stat::EGRESS_MASQUERADE), 2);
+
+    let pod_to_pod = packet::ipv4(packet::UDP, (LOCAL_POD, 5000), (REMOTE_POD, 53), 0, b"");
+    assert_eq!(lb.ingress(&pod_to_pod), (TC_ACT_UNSPEC, pod_to_pod.clone()));
+    assert_eq!(lb.egress(&pod_to_pod), (TC_ACT_UNSPEC, pod_to_pod));
+    assert_eq!(lb.lb_stat(lb_stat::EGRESS_MASQUERADE_NEW_FLOW), 1);
+}

@@ -7,6 +7,8 @@
 //! * this agent as a Service proxy only (TC programs, from a `--service-file`,
 //!   `--run-firewall=false`), as kube-proxy is one; and the agent with its NetworkPolicy programs
 //!   as well (the default; no policy selects anything), a row of its own;
+//! * plain routing through the node the agent runs in (the client talks to the backend's own
+//!   address, on ports of its own): what the programs cost traffic that uses no Service;
 //! * kube-proxy's iptables mode, its rule shape (KUBE-SERVICES -> KUBE-SVC-* -> KUBE-SEP-* DNAT),
 //!   loaded with iptables-restore through both backends (legacy and nft);
 //! * kube-proxy's nftables mode, its table shape (a `service-ips` verdict map, per-service chains
@@ -23,6 +25,7 @@
 use std::{
     fs,
     path::Path,
+    rc::Rc,
     thread,
     time::{Duration, Instant},
 };
@@ -35,6 +38,12 @@ use kube_router_tests::{
 const BACKEND: &str = "10.0.10.2";
 const SECONDS: &str = "3";
 const BULK_BYTES: u64 = 1 << 30;
+/// The Service's (TCP, UDP) ports, and its backend's.
+const VIP_PORTS: (u16, u16) = (80, 53);
+const BACKEND_PORTS: (u16, u16) = (8080, 5353);
+/// Extra servers on the backend for plain routing through the agent's node.
+const PASSING_PORTS: (u16, u16) = (8081, 5354);
+const PASSING_PORTS_ARGS: [&str; 2] = ["8081", "5354"];
 const METRICS_PORT: &str = "20290";
 /// Client and backend processes run on this CPU (and so does the packets' processing on the
 /// node, in their softirqs): a one-exchange-at-a-time figure otherwise follows where the
@@ -43,9 +52,12 @@ const CPU: &str = "1";
 
 struct Contender {
     name: &'static str,
-    topo: Topology,
+    /// Shared by "this datapath (TC)" and the plain routing through its node.
+    topo: Rc<Topology>,
     /// Where the client sends: the Service address, or the backend itself for plain routing.
     target: String,
+    /// The (TCP, UDP) ports at `target`.
+    ports: (u16, u16),
     agent: Option<Agent>,
     /// Seconds to program the Services.
     programmed_in: f64,
@@ -108,8 +120,9 @@ fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
     let plain = Topology::new("krt-sb-plain", 1).unwrap();
     list.push(Contender {
         name: "plain routing",
-        topo: plain,
+        topo: Rc::new(plain),
         target: BACKEND.into(),
+        ports: BACKEND_PORTS,
         agent: None,
         programmed_in: 0.0,
     });
@@ -119,11 +132,40 @@ fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
     // programs on both pod-facing interfaces, no policy selecting anything.
     let yaml = kube_proxy::service_yaml(n, BACKEND);
     let (topo, agent, programmed_in) = start_agent("krt-sb-ours", n, &yaml, &["--run-firewall=false"]);
-    list.push(Contender { name: "this datapath (TC)", topo, target: vip.clone(), agent: Some(agent), programmed_in });
+    let topo = Rc::new(topo);
+    let agent = Some(agent);
+    list.push(Contender {
+        name: "this datapath (TC)",
+        topo: topo.clone(),
+        target: vip.clone(),
+        ports: VIP_PORTS,
+        agent,
+        programmed_in,
+    });
+    if with_packets {
+        // Plain routing through the node the agent runs in: what the programs cost traffic that
+        // uses no Service (pod to pod), with the conntrack table as the Service rows left it.
+        // Ports of their own: a client port the Service rows used would match their reverse
+        // entries (docs/datapath.md, "A client port reused").
+        for port in PASSING_PORTS_ARGS {
+            topo.backends[0].spawn(&[netprobe_bin().to_str().unwrap(), "serve", "backend-1", port]).unwrap();
+        }
+        thread::sleep(Duration::from_millis(300));
+        let name = "plain routing through ours";
+        list.push(Contender {
+            name,
+            topo,
+            target: BACKEND.into(),
+            ports: PASSING_PORTS,
+            agent: None,
+            programmed_in: 0.0,
+        });
+    }
     if with_packets {
         let (topo, agent, programmed_in) = start_agent("krt-sb-pol", n, &yaml, &[]);
         let name = "this datapath + policy programs";
-        list.push(Contender { name, topo, target: vip.clone(), agent: Some(agent), programmed_in });
+        let (topo, agent) = (Rc::new(topo), Some(agent));
+        list.push(Contender { name, topo, target: vip.clone(), ports: VIP_PORTS, agent, programmed_in });
     }
 
     for (name, prefix, tool) in [
@@ -132,7 +174,14 @@ fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
     ] {
         let topo = Topology::new(prefix, 1).unwrap();
         let programmed_in = load_rules(&topo, tool, &[], &kube_proxy::iptables_rules(n, BACKEND), dir);
-        list.push(Contender { name, topo, target: vip.clone(), agent: None, programmed_in });
+        list.push(Contender {
+            name,
+            topo: Rc::new(topo),
+            target: vip.clone(),
+            ports: VIP_PORTS,
+            agent: None,
+            programmed_in,
+        });
     }
     if !with_packets {
         // A second agent given the same objects as kubectl's JSON, after the baselines (the
@@ -140,12 +189,21 @@ fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
         let json = kube_proxy::service_json(n, BACKEND);
         let (topo, agent, programmed_in) = start_agent("krt-sb-json", n, &json, &["--run-firewall=false"]);
         let name = "this datapath (TC), JSON file";
-        list.push(Contender { name, topo, target: vip, agent: Some(agent), programmed_in });
+        let (topo, agent) = (Rc::new(topo), Some(agent));
+        list.push(Contender { name, topo, target: vip, ports: VIP_PORTS, agent, programmed_in });
         return list;
     }
     let topo = Topology::new("krt-sb-nft", 1).unwrap();
     let programmed_in = load_rules(&topo, "nft", &["-f"], &kube_proxy::nftables_rules(n, BACKEND), dir);
-    list.push(Contender { name: "kube-proxy nftables", topo, target: vip, agent: None, programmed_in });
+    let topo = Rc::new(topo);
+    list.push(Contender {
+        name: "kube-proxy nftables",
+        topo,
+        target: vip,
+        ports: VIP_PORTS,
+        agent: None,
+        programmed_in,
+    });
     list
 }
 
@@ -177,7 +235,7 @@ fn measure(c: &Contender) -> Figures {
         assert_eq!(fields.get(1), Some(&"0"), "{}: failed exchanges: {out}", c.name);
         fields[2].parse().unwrap()
     };
-    let (tcp_port, udp_port) = if c.name == "plain routing" { (8080, 5353) } else { (80, 53) };
+    let (tcp_port, udp_port) = c.ports;
     let tcp_per_s = rate("tcp", tcp_port);
     let udp_per_s = rate("udp", udp_port);
     let started = Instant::now();
@@ -275,7 +333,7 @@ fn pin_servers(topo: &Topology) {
 
 fn report_programming(list: &[Contender]) {
     let ours_programmed = list[1].programmed_in;
-    for c in list[2..].iter().filter(|c| c.agent.is_none()) {
+    for c in list[2..].iter().filter(|c| c.agent.is_none() && c.programmed_in > 0.0) {
         println!("  programming: {} / this datapath = {:.1}x", c.name, c.programmed_in / ours_programmed);
     }
 }
