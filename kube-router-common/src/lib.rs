@@ -176,7 +176,7 @@ pub const SVC_FLAG_MAGLEV: u32 = 1 << 6;
 /// without it, only the client address (every connection of a client to one backend).
 pub const SVC_FLAG_MAGLEV_PORT: u32 = 1 << 7;
 /// Direct server return (`kube-router.io/service.dsr: tunnel`, ExternalIP and LoadBalancer IP
-/// frontends, and IPv4 NodePorts): a new flow whose backend is on another node is not translated
+/// frontends, and NodePorts): a new flow whose backend is on another node is not translated
 /// here but carried to it in IPIP or IPv6-in-IPv6 (outer destination: the backend's own address,
 /// which the cluster routes to its node); that node translates it and its reply goes straight to
 /// the client. On a NodePort, for clients outside the cluster only (see `lb::new_flow`).

@@ -1,6 +1,6 @@
 //! Direct server return (`kube-router.io/service.dsr: tunnel`) for ExternalIP and LoadBalancer
-//! IP frontends, IPv4 (IPIP) and IPv6 (IPv6-in-IPv6), and for IPv4 NodePort frontends (a
-//! NodePort's for clients outside the cluster), in two halves:
+//! IP frontends and NodePort frontends (a NodePort's for clients outside the cluster), IPv4
+//! (IPIP) and IPv6 (IPv6-in-IPv6), in two halves:
 //!
 //! * On the node the client's packet reaches (`tunnel`): a flow whose backend is on another node
 //!   is not translated. The packet, still client -> frontend, gets an outer IPv4 header (IPIP)

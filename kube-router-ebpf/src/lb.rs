@@ -502,11 +502,11 @@ pub(crate) fn new_flow<F: Family>(
         && backend.flags & BACKEND_FLAG_LOCAL == 0;
     let snat_addr = F::snat_addr(config);
     // Direct server return (IPIP, IPv6-in-IPv6): the backend's node translates, its reply goes
-    // straight to the client. The node address is the tunnel's source. NodePorts: IPv4 only.
+    // straight to the client. The node address is the tunnel's source.
     let dsr = service.flags & SVC_FLAG_DSR != 0
         && leaves_node
         && !hairpin
-        && (service.flags & SVC_FLAG_NODEPORT == 0 || (size_of::<F::Addr>() == 4 && node_port_dsr::<F>(flow)));
+        && (service.flags & SVC_FLAG_NODEPORT == 0 || node_port_dsr::<F>(flow));
     if dsr && snat_addr.is_some() {
         new.forward_flags = CT_FLAG_DSR_ENCAP;
         if conntrack::create_forward::<F>(flow, new, now).is_err() {

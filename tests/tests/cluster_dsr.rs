@@ -6,11 +6,13 @@
 //! the counters of both nodes show the tunnel, and node-1's uplink does not carry the replies. A
 //! local backend, the Local traffic policy, clients inside the cluster (NodePort) and a Service
 //! without the annotation are served as before. The same over IPv6 (IPv6-in-IPv6) on a
-//! dual-stack cluster, for the LoadBalancer IP and ExternalIP. Real TCP and UDP, as root, in
-//! network namespaces.
+//! dual-stack cluster, for the LoadBalancer IP, ExternalIP and NodePort. Real TCP and UDP, as
+//! root, in network namespaces.
 
 use kube_router_tests::{
-    cluster::{assert_all_from, netprobe, request, stats_growth, wait_for, Cluster, Svc, CLIENT_ADDR, CLIENT_ADDR6},
+    cluster::{
+        assert_all_from, netprobe, node_ip6, request, stats_growth, wait_for, Cluster, Svc, CLIENT_ADDR, CLIENT_ADDR6,
+    },
     netprobe_bin, Netns,
 };
 
@@ -126,7 +128,9 @@ fn ipv6_external_flows_with_complete_checksums_are_tunnelled_and_answered_direct
     );
 }
 
-fn ipv6_tunnelled_and_answered_directly(c: &Cluster) {
+/// A dual-stack LoadBalancer Service with DSR (TCP 80, UDP 53; NodePorts 30178 and 30179) over
+/// pod-2-0, its IPv6 LoadBalancer IP and ExternalIP routed by the fabric to node-1: those two.
+fn ipv6_dsr_service(c: &Cluster) -> (&'static str, &'static str) {
     let (lb_ip, external_ip) = ("2001:db8:51::78", "2001:db8:2::78");
     let svc = Svc::load_balancer("dsr6", "10.96.1.78", 30178, "198.51.100.78")
         .dual_stack("fd00:96::78")
@@ -139,6 +143,11 @@ fn ipv6_tunnelled_and_answered_directly(c: &Cluster) {
         c.wait_backends(&format!("[{ip}]:80"), 1).unwrap();
         c.route_via(ip, 0).unwrap();
     }
+    (lb_ip, external_ip)
+}
+
+fn ipv6_tunnelled_and_answered_directly(c: &Cluster) {
+    let (lb_ip, external_ip) = ipv6_dsr_service(c);
     let (ingress, backend) = (c.node(0), c.node(1));
     let before = (ingress.stats(), backend.stats());
     let mut flows = 0;
@@ -153,7 +162,25 @@ fn ipv6_tunnelled_and_answered_directly(c: &Cluster) {
     assert_all_from(&request(&c.client, "udp", &udp, 10), "pod-2-0");
     assert_eq!(netprobe(&c.client, &["ask", "udp", &udp, "who"]), format!("pod-2-0 {CLIENT_ADDR6}"));
     flows += 11;
+    // node-1's IPv6 NodePorts: tunnelled alike, each UDP reply from node-1's address and port,
+    // though node-2 sent it.
+    let node_port = format!("[{}]:30178", node_ip6(0));
+    assert_all_from(&request(&c.client, "tcp", &node_port, 10), "pod-2-0");
+    assert_eq!(netprobe(&c.client, &["ask", "tcp", &node_port, "who"]), format!("pod-2-0 {CLIENT_ADDR6}"));
+    let udp_node_port = format!("[{}]:30179", node_ip6(0));
+    assert_eq!(netprobe(&c.client, &["ask", "udp", &udp_node_port, "who"]), format!("pod-2-0 {CLIENT_ADDR6}"));
+    let peers = udp_peers(c, &udp_node_port, 5);
+    assert!(peers.iter().all(|(name, peer)| name == "pod-2-0" && peer == &udp_node_port), "{peers:?}");
+    flows += 17;
     assert_tunnelled(&before, &(ingress.stats(), backend.stats()), flows);
+    assert_reply_leaves_node_2(c, &node_port);
+    // Clients inside the cluster stay source-NATed: a pod on node-1, and node-2 itself.
+    let inside = ingress.stats();
+    assert_all_from(&c.pod(0, 0).request("tcp", &node_port, 5), "pod-2-0");
+    assert_all_from(&backend.request("tcp", &node_port, 5), "pod-2-0");
+    let after = ingress.stats();
+    assert_eq!(stats_growth(&inside, &after, "dsr_new_flow"), 0, "{after:?}");
+    assert_eq!(stats_growth(&inside, &after, "snat_new_flow"), 10, "{after:?}");
 
     assert_reply_leaves_node_2(c, &format!("[{lb_ip}]:80"));
 
@@ -283,8 +310,20 @@ fn an_established_dsr_connection_survives_agent_restarts_on_both_nodes() {
     // (CHECKSUM_PARTIAL) through the tunnel, as from a local sender.
     let c = Cluster::builder("krt-dsr-restart").build().unwrap();
     service(&c, "dsr", "10.96.1.76", 30176, ("198.51.100.76", "198.51.100.77"), "pod-2-0", true);
-    let held =
-        c.client.spawn_collecting(&[netprobe_bin().to_str().unwrap(), "hold", "198.51.100.76:80", "50"]).unwrap();
+    survives_agent_restarts_on_both_nodes(&c, "198.51.100.76:80");
+}
+
+#[test]
+fn an_established_ipv6_dsr_connection_survives_agent_restarts_on_both_nodes() {
+    let c = Cluster::builder("krt-dsr-rst6").dual_stack().build().unwrap();
+    let (lb_ip, _) = ipv6_dsr_service(&c);
+    survives_agent_restarts_on_both_nodes(&c, &format!("[{lb_ip}]:80"));
+}
+
+/// A connection held open to `frontend` (answered by pod-2-0 through the tunnel) goes on
+/// through a restart of node-1's agent and then node-2's, which leave the maps as they were.
+fn survives_agent_restarts_on_both_nodes(c: &Cluster, frontend: &str) {
+    let held = c.client.spawn_collecting(&[netprobe_bin().to_str().unwrap(), "hold", frontend, "50"]).unwrap();
     let replies = || held.lock().unwrap().len();
     let rising = |node: usize, counter: &str| {
         let start = c.node(node).stats()[counter];
@@ -293,8 +332,8 @@ fn an_established_dsr_connection_survives_agent_restarts_on_both_nodes() {
     rising(0, "dsr_encapsulated");
     rising(1, "dsr_decapsulated");
     let maps = c.agent_maps();
-    restarted_and_synced(&c, 0);
-    restarted_and_synced(&c, 1);
+    restarted_and_synced(c, 0);
+    restarted_and_synced(c, 1);
     wait_for("the maps as before the restarts", || c.agent_maps() == maps);
     rising(0, "dsr_encapsulated");
     rising(1, "dsr_decapsulated");

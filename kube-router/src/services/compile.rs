@@ -198,11 +198,10 @@ pub fn plan_service<F: AddressFamily>(
                 internal.clone(),
             ));
         }
-        // Direct server return: IPIP for IPv4 frontends, IPv6-in-IPv6 for IPv6 ones; NodePorts
-        // IPv4 only. Its node-local (`Local` traffic policy) frontends never send a flow to
+        // Direct server return: IPIP for IPv4 frontends, IPv6-in-IPv6 for IPv6 ones, NodePorts
+        // included. Its node-local (`Local` traffic policy) frontends never send a flow to
         // another node: the flag is inert there.
         let dsr = if service.dsr { SVC_FLAG_DSR } else { 0 };
-        let node_port_dsr = if F::FAMILY == IpFamily::IPv4 { dsr } else { 0 };
         let external_ips = of_family(&service.external_ips).into_iter().map(|ip| (ip, false));
         let load_balancer_ips = of_family(&service.load_balancer_ips).into_iter().map(|ip| (ip, true));
         for (ip, is_lb) in external_ips.chain(load_balancer_ips) {
@@ -229,11 +228,7 @@ pub fn plan_service<F: AddressFamily>(
             for ip in node.node_port_frontend_addrs::<F>() {
                 frontends.push((
                     key_of::<F>(ip, node_port, port.protocol),
-                    affinity_flags
-                        | local_flag(external.local_only)
-                        | SVC_FLAG_EXTERNAL
-                        | SVC_FLAG_NODEPORT
-                        | node_port_dsr,
+                    affinity_flags | local_flag(external.local_only) | SVC_FLAG_EXTERNAL | SVC_FLAG_NODEPORT | dsr,
                     external.clone(),
                 ));
             }

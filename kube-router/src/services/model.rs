@@ -116,7 +116,7 @@ pub struct Service {
     pub maglev: Option<bool>,
     /// `kube-router.io/service.dsr: tunnel`: direct server return for the ExternalIPs and
     /// LoadBalancer IPs (IPIP or IPv6-in-IPv6 to the backend's node, which answers the client
-    /// directly), and for the IPv4 NodePorts.
+    /// directly), and for the NodePorts.
     #[serde(default)]
     pub dsr: bool,
 }

@@ -895,7 +895,7 @@ fn dsr_tunnel_marks_the_external_ipv6_frontends_too() {
     let flags = |ip: &str, port: u16| v6_maps.services[&key_of::<V6>(v6(ip), port, Protocol::Tcp)].flags;
     assert_ne!(flags("2001:db8:50::1", 80) & SVC_FLAG_DSR, 0, "the IPv6 ExternalIP is served by DSR");
     assert_eq!(flags("fd00:96::10", 80) & SVC_FLAG_DSR, 0, "ClusterIPs are not");
-    assert_eq!(flags("2001:db8::1", 30080) & SVC_FLAG_DSR, 0, "NodePorts are not");
+    assert_ne!(flags("2001:db8::1", 30080) & SVC_FLAG_DSR, 0, "the IPv6 NodePort is served by DSR");
     // Without the annotation: no DSR.
     let plain = compile_v6(DUAL_STACK, &dual_stack_node(), &MapContents::default());
     assert_eq!(plain.services[&key_of::<V6>(v6("2001:db8:50::1"), 80, Protocol::Tcp)].flags & SVC_FLAG_DSR, 0);
@@ -948,7 +948,7 @@ fn ipv6_node_ports_listen_on_the_nodes_ipv6_addresses_and_the_wildcard() {
 }
 
 #[test]
-fn dsr_tunnel_marks_the_ipv4_node_ports_and_no_ipv6_node_port() {
+fn dsr_tunnel_marks_the_node_ports_of_both_families() {
     let text = dual_stack_with_dsr();
     let node = NodeContext { loopback_node_ports: true, ..dual_stack_node() };
     let compile_v4 = |text: &str| {
@@ -963,11 +963,10 @@ fn dsr_tunnel_marks_the_ipv4_node_ports_and_no_ipv6_node_port() {
         assert_eq!(flags & (wanted | SVC_FLAG_LOCAL_ONLY), wanted, "{ip}: {flags:#x}");
     }
     assert_eq!(v4.services[&key_of::<V4>(Ipv4Addr::new(10, 96, 0, 10), 80, Protocol::Tcp)].flags & SVC_FLAG_DSR, 0);
-    // NodePort DSR is IPv4 only: the IPv6 NodePorts are served without it.
     let v6_contents = compile_v6(&text, &node, &MapContents::default());
     let v6_node_port = v6_contents.services[&key_of::<V6>(v6("2001:db8::1"), 30080, Protocol::Tcp)];
-    assert_ne!(v6_node_port.flags & SVC_FLAG_NODEPORT, 0);
-    assert_eq!(v6_node_port.flags & SVC_FLAG_DSR, 0, "{:#x}", v6_node_port.flags);
+    let wanted = SVC_FLAG_NODEPORT | SVC_FLAG_DSR;
+    assert_eq!(v6_node_port.flags & wanted, wanted, "{:#x}", v6_node_port.flags);
     // externalTrafficPolicy: Local: the NodePort serves this node's endpoint alone, so the flag
     // it carries never sends a flow to another node.
     let local = text.replacen("  type: NodePort\n", "  type: NodePort\n  externalTrafficPolicy: Local\n", 1);
