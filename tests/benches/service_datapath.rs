@@ -43,7 +43,6 @@ const VIP_PORTS: (u16, u16) = (80, 53);
 const BACKEND_PORTS: (u16, u16) = (8080, 5353);
 /// Extra servers on the backend for plain routing through the agent's node.
 const PASSING_PORTS: (u16, u16) = (8081, 5354);
-const PASSING_PORTS_ARGS: [&str; 2] = ["8081", "5354"];
 const METRICS_PORT: &str = "20290";
 /// Client and backend processes run on this CPU (and so does the packets' processing on the
 /// node, in their softirqs): a one-exchange-at-a-time figure otherwise follows where the
@@ -147,8 +146,9 @@ fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
         // uses no Service (pod to pod), with the conntrack table as the Service rows left it.
         // Ports of their own: a client port the Service rows used would match their reverse
         // entries (docs/datapath.md, "A client port reused").
-        for port in PASSING_PORTS_ARGS {
-            topo.backends[0].spawn(&[netprobe_bin().to_str().unwrap(), "serve", "backend-1", port]).unwrap();
+        for port in [PASSING_PORTS.0, PASSING_PORTS.1] {
+            let port = port.to_string();
+            topo.backends[0].spawn(&[netprobe_bin().to_str().unwrap(), "serve", "backend-1", &port]).unwrap();
         }
         thread::sleep(Duration::from_millis(300));
         let name = "plain routing through ours";
@@ -160,8 +160,6 @@ fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
             agent: None,
             programmed_in: 0.0,
         });
-    }
-    if with_packets {
         let (topo, agent, programmed_in) = start_agent("krt-sb-pol", n, &yaml, &[]);
         let name = "this datapath + policy programs";
         let (topo, agent) = (Rc::new(topo), Some(agent));

@@ -169,8 +169,7 @@ fn ipv6_tunnelled_and_answered_directly(c: &Cluster) {
     assert_eq!(netprobe(&c.client, &["ask", "tcp", &node_port, "who"]), format!("pod-2-0 {CLIENT_ADDR6}"));
     let udp_node_port = format!("[{}]:30179", node_ip6(0));
     assert_eq!(netprobe(&c.client, &["ask", "udp", &udp_node_port, "who"]), format!("pod-2-0 {CLIENT_ADDR6}"));
-    let peers = udp_peers(c, &udp_node_port, 5);
-    assert!(peers.iter().all(|(name, peer)| name == "pod-2-0" && peer == &udp_node_port), "{peers:?}");
+    assert_udp_replies_from(c, &udp_node_port);
     flows += 17;
     assert_tunnelled(&before, &(ingress.stats(), backend.stats()), flows);
     assert_reply_leaves_node_2(c, &node_port);
@@ -221,6 +220,13 @@ fn local_backends_and_services_without_the_annotation_are_served_as_before() {
     assert_eq!(stats_growth(&before.0, &after.0, "snat_new_flow"), 11, "{:?}", after.0);
 }
 
+/// Five UDP exchanges with `frontend`, each answered by pod-2-0 from `frontend` itself as the
+/// client's `recvfrom` reports it (not from the node or pod that sent the reply).
+fn assert_udp_replies_from(c: &Cluster, frontend: &str) {
+    let peers = udp_peers(c, frontend, 5);
+    assert!(peers.iter().all(|(name, peer)| name == "pod-2-0" && peer == frontend), "{peers:?}");
+}
+
 /// The UDP replies' source as the client's `recvfrom` reports it, `count` exchanges with `target`
 /// (each from a new socket): (backend name, peer address) per reply.
 fn udp_peers(c: &Cluster, target: &str, count: usize) -> Vec<(String, String)> {
@@ -259,8 +265,7 @@ fn external_flows_to_a_node_port_are_tunnelled_and_answered_from_that_node_addre
     assert_eq!(netprobe(&c.client, &["ask", "udp", "10.100.0.1:30179", "who"]), format!("pod-2-0 {CLIENT_ADDR}"));
     flows += 22;
     // Each UDP reply comes from node-1's address and NodePort, though node-2 sent it.
-    let peers = udp_peers(&c, "10.100.0.1:30179", 5);
-    assert!(peers.iter().all(|(name, peer)| name == "pod-2-0" && peer == "10.100.0.1:30179"), "{peers:?}");
+    assert_udp_replies_from(&c, "10.100.0.1:30179");
     flows += 5;
     assert_tunnelled(&before, &(ingress.stats(), backend.stats()), flows);
 
