@@ -151,8 +151,11 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
     if let Some(entry) = conntrack::lookup::<F>(&work.key, flow.tcp_flags, now) {
         match known::<F>(flow, entry) {
             // A masqueraded pod flow (translated as it leaves the node), or a backend's reply
-            // (translated on its way out, egress, after routing).
-            Known::Masqueraded | Known::BackendReply => return TC_ACT_UNSPEC,
+            // (translated on its way out, egress, after routing): egress must look it up.
+            Known::Masqueraded | Known::BackendReply => {
+                forget_no_entry::<F>(&work.key);
+                return TC_ACT_UNSPEC;
+            }
             Known::Forward => {
                 count(if flow.fragment == Fragment::Later { lb_stat::FRAGMENT_NAT } else { lb_stat::CT_HIT });
                 svc_stats::count::<F, _>(ctx, flow.dst_addr, flow.dst_port, flow.proto, Way::In);
@@ -235,6 +238,22 @@ fn note_no_entry<F: Family>(key: &CtKey<F::Addr>) {
     if let Some(slot) = F::forwarded().get_ptr_mut(forwarded_slot(key)) {
         // SAFETY: per-CPU map memory; no other program run on this CPU is in between.
         unsafe { *slot = *key };
+    }
+}
+
+/// Ingress found an entry for `key`: a note that an earlier packet of the same tuple left (before
+/// a flow took that tuple, e.g. a client port reused from a direct connection for one through a
+/// Service) must not make egress skip the translation this packet needs. Notes are never
+/// expired otherwise: a slot keeps its tuple until another one hashes there.
+#[inline(always)]
+fn forget_no_entry<F: Family>(key: &CtKey<F::Addr>) {
+    if let Some(slot) = F::forwarded().get_ptr_mut(forwarded_slot(key)) {
+        // SAFETY: per-CPU map memory; no other program run on this CPU is in between.
+        let slot = unsafe { &mut *slot };
+        if slot == key {
+            // No TCP or UDP tuple has protocol 0: the slot matches nothing now.
+            slot.proto = 0;
+        }
     }
 }
 

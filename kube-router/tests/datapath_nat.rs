@@ -639,6 +639,33 @@ fn stay_on_this_cpu() {
     }
 }
 
+/// TC ingress's note of a tuple it found no entry for outlives its packet. A client port that a
+/// direct connection to a backend used is free again for a connection to a Service (another
+/// peer), whose backend may be that same backend: the new flow's replies then have the tuple the
+/// note names. Ingress finds their entry, so egress must not skip its lookup on the old note, or
+/// the client gets the backend's own address back and answers the reply with a reset (seen as
+/// connections timing out through an IPv6 ClusterIP in dual_stack's outage test).
+#[test]
+fn a_reply_is_translated_when_its_tuple_was_noted_without_an_entry_before_the_flow() {
+    let lb = load("stale-note", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+    stay_on_this_cpu();
+    let reply = |flags| packet::ipv4(packet::TCP, (REMOTE_POD, 8080), (LOCAL_POD, 41000), flags, b"");
+    // The direct connection's last packet from the backend: no Service, no entry, noted.
+    let direct = reply(packet::TCP_ACK);
+    assert_eq!(lb.ingress(&direct), (TC_ACT_UNSPEC, direct.clone()));
+    // The same client port towards the ClusterIP, balanced to the same backend.
+    let syn = packet::ipv4(packet::TCP, (LOCAL_POD, 41000), (VIP, 80), packet::TCP_SYN, b"");
+    let (verdict, out) = lb.ingress(&syn);
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    assert_eq!(packet::endpoints(&out).1, (REMOTE_POD, 8080));
+    // Its SYN-ACK: ingress finds the reverse entry, egress restores the ClusterIP.
+    let syn_ack = reply(packet::TCP_SYN | packet::TCP_ACK);
+    assert_eq!(lb.ingress(&syn_ack), (TC_ACT_UNSPEC, syn_ack.clone()));
+    let (verdict, out) = lb.egress(&syn_ack);
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    assert_eq!(packet::endpoints(&out), ((VIP, 80), (LOCAL_POD, 41000)), "reply restored to the ClusterIP");
+}
+
 /// A Service whose endpoint is outside the cluster (a Service without a selector, its
 /// EndpointSlice naming an external database): a pod's packets to it are DNATed at TC ingress and
 /// then masqueraded at TC egress, every one of them on the port its flow got first. TC egress
