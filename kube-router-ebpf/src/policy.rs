@@ -258,11 +258,9 @@ fn judge<F: PolicyFamily>(ctx: &TcContext, hook: VethHook, flow: &Flow<F::Addr>)
     }
     // An ICMP error about a live connection of the pod (fragmentation needed / packet too big
     // keep path MTU discovery working under an isolating policy). Not tracked itself.
-    if flow.quoted.proto != 0 {
-        if related::<F>(&flow.quoted, hook, now) {
-            count_guard(pol_guard_stat::ICMP_ERROR_RELATED);
-            return Ok(TC_ACT_UNSPEC);
-        }
+    if flow.quoted.proto != 0 && related::<F>(&flow.quoted, hook, now) {
+        count_guard(pol_guard_stat::ICMP_ERROR_RELATED);
+        return Ok(TC_ACT_UNSPEC);
     }
     // A reply to a Service flow the pod opened, already translated back to the Service address
     // before this hook (by the load balancer on a bridge the veth is a port of): the policy entry
@@ -358,7 +356,7 @@ fn related<F: PolicyFamily>(quoted: &Quoted<F::Addr>, hook: VethHook, now: u64) 
         }
     };
     // SAFETY: read-only copy of a map value.
-    unsafe { F::conntrack().get(&key) }
+    unsafe { F::conntrack().get(key) }
         .is_some_and(|entry| now.saturating_sub(entry.last_seen_ns) <= entry.lifetime_ns(quoted.proto))
 }
 
