@@ -271,6 +271,16 @@ mod tests {
     use core::mem::size_of;
 
     #[test]
+    fn an_unreplied_entry_lives_a_minute_until_its_reply_and_closing_still_wins() {
+        let entry = |flags| PolicyCtValue { last_seen_ns: 0, flags, pad: [0; 7] };
+        let secs = |flags, proto| entry(flags).lifetime_ns(proto) / 1_000_000_000;
+        assert_eq!(secs(POLICY_CT_TO_POD | POLICY_CT_UNREPLIED, crate::IPPROTO_TCP), 60);
+        assert_eq!(secs(POLICY_CT_TO_POD, crate::IPPROTO_TCP), crate::CT_LIFETIME_TCP_SECS);
+        assert_eq!(secs(POLICY_CT_UNREPLIED | POLICY_CT_CLOSING, crate::IPPROTO_TCP), crate::CT_LIFETIME_CLOSING_SECS);
+        assert_eq!(secs(POLICY_CT_FROM_POD, 47), crate::CT_LIFETIME_NON_TCP_SECS);
+    }
+
+    #[test]
     fn layouts_have_no_implicit_padding() {
         assert_eq!(size_of::<PolicyPodKeyV4>(), 8);
         assert_eq!(size_of::<PolicyPodValue>(), 8);
