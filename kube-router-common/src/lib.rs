@@ -58,6 +58,7 @@ pub mod map_names {
     pub const OVERLAY_STATS: &str = "ovl_stats";
     pub const XDP_STATS: &str = "xdp_stats";
     pub const DSR_STATS: &str = "dsr_stats";
+    pub const POLICY_GUARD_STATS: &str = "pol_guard_stats";
 }
 
 pub const SERVICES_MAX_ENTRIES: u32 = 65_536;

@@ -14,6 +14,12 @@ pub const EVENTS_RING_BYTES: u32 = 256 * 1024;
 pub const EVENT_POLICY_DROP: u8 = 1;
 /// A new Service flow: client → frontend translated to a backend.
 pub const EVENT_SERVICE_NAT: u8 = 2;
+/// A frame a pod veth's policy program dropped unjudged: `proto` is the reason
+/// (`FRAME_DROP_*`), `src_port` the ethertype (network byte order), no addresses.
+pub const EVENT_POLICY_FRAME_DROP: u8 = 3;
+pub const FRAME_DROP_UNKNOWN_L3: u8 = 1;
+pub const FRAME_DROP_VLAN: u8 = 2;
+pub const FRAME_DROP_MALFORMED: u8 = 3;
 
 /// `events_stats` slots (per CPU).
 pub mod event_stat {

@@ -145,6 +145,14 @@ pub const POLICY_CT_FROM_POD: u8 = 1 << 0;
 pub const POLICY_CT_TO_POD: u8 = 1 << 1;
 /// A FIN or RST was seen: the entry expires after [`crate::CT_LIFETIME_CLOSING_SECS`].
 pub const POLICY_CT_CLOSING: u8 = 1 << 2;
+/// No packet of the other direction was seen yet: the entry lives
+/// [`POLICY_CT_LIFETIME_UNREPLIED_SECS`], not a TCP connection's hours, so a flood of unanswered
+/// SYNs cannot hold the map. Set on new entries and cleared by the first reply: entries written
+/// before the bit existed lack it and keep their lifetime across an upgrade.
+pub const POLICY_CT_UNREPLIED: u8 = 1 << 3;
+/// Lifetime of an entry without a reply (Cilium: 60 s until the reply; nf_conntrack's SYN_SENT
+/// 120 s).
+pub const POLICY_CT_LIFETIME_UNREPLIED_SECS: u64 = 60;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -160,6 +168,8 @@ impl PolicyCtValue {
     pub const fn lifetime_ns(&self, proto: u8) -> u64 {
         let secs = if self.flags & POLICY_CT_CLOSING != 0 {
             crate::CT_LIFETIME_CLOSING_SECS
+        } else if self.flags & POLICY_CT_UNREPLIED != 0 {
+            POLICY_CT_LIFETIME_UNREPLIED_SECS
         } else if proto == crate::IPPROTO_TCP {
             crate::CT_LIFETIME_TCP_SECS
         } else {
@@ -172,8 +182,8 @@ impl PolicyCtValue {
 /// Indices of the per-CPU `pol_stats` array (u64 packet counters, summed over both programs).
 pub mod pol_stat {
     pub const PACKETS: u32 = 0;
-    /// Neither IPv4 nor IPv6, or not TCP/UDP/SCTP/ICMP(v6), or IPv6 neighbour discovery and
-    /// router advertisements: passed unevaluated.
+    /// ARP, or IPv6 neighbour discovery, router advertisements and multicast listener messages:
+    /// passed unevaluated (every other frame is judged or dropped, see [`super::pol_guard_stat`]).
     pub const NOT_EVALUATED: u32 = 1;
     /// A non-first fragment (no ports to judge): passed; its first fragment was judged.
     pub const FRAGMENT_PASS: u32 = 2;
@@ -213,6 +223,31 @@ pub mod pol_stat {
     ];
 }
 
+/// Indices of the per-CPU `pol_guard_stats` array: what the policy programs drop before judging
+/// a flow, on every pod veth whether the pod is isolated or not, and the flows judged beyond
+/// TCP/UDP/SCTP. A map of its own so that `pol_stats` keeps its layout.
+pub mod pol_guard_stat {
+    /// An ethertype other than IPv4, IPv6 and ARP (Cilium's DROP_UNKNOWN_L3): dropped.
+    pub const DROP_UNKNOWN_L3: u32 = 0;
+    /// A VLAN-tagged frame (802.1Q / 802.1ad ethertype, or a tag the kernel already took off
+    /// into the skb): dropped, tagged IPv4 inside included.
+    pub const DROP_VLAN: u32 = 1;
+    /// A header shorter than it claims (the program could not read what it must judge):
+    /// dropped, isolated pod or not; the receiving stack would drop it anyway.
+    pub const DROP_MALFORMED: u32 = 2;
+    /// An ICMP(v6) error quoting a live connection of the pod (fragmentation needed, packet
+    /// too big, unreachable): passed as part of that connection.
+    pub const ICMP_ERROR_RELATED: u32 = 3;
+    /// A new flow to or from an isolated pod of an IP protocol other than TCP, UDP, SCTP, ICMP
+    /// and ICMPv6 (GRE, IPIP, ...) was judged: only a rule without ports admits it. Counted
+    /// whatever the verdict.
+    pub const OTHER_PROTOCOL_JUDGED: u32 = 4;
+    pub const COUNT: u32 = 5;
+    /// Metric label of each index (`kube_router_policy_packets_total{result=...}`), index order.
+    pub const NAMES: [&str; COUNT as usize] =
+        ["drop_unknown_l3", "drop_vlan", "drop_malformed", "icmp_error_related", "other_protocol_judged"];
+}
+
 #[cfg(feature = "user")]
 mod user {
     use super::*;
@@ -234,6 +269,16 @@ mod user {
 mod tests {
     use super::*;
     use core::mem::size_of;
+
+    #[test]
+    fn an_unreplied_entry_lives_a_minute_until_its_reply_and_closing_still_wins() {
+        let entry = |flags| PolicyCtValue { last_seen_ns: 0, flags, pad: [0; 7] };
+        let secs = |flags, proto| entry(flags).lifetime_ns(proto) / 1_000_000_000;
+        assert_eq!(secs(POLICY_CT_TO_POD | POLICY_CT_UNREPLIED, crate::IPPROTO_TCP), 60);
+        assert_eq!(secs(POLICY_CT_TO_POD, crate::IPPROTO_TCP), crate::CT_LIFETIME_TCP_SECS);
+        assert_eq!(secs(POLICY_CT_UNREPLIED | POLICY_CT_CLOSING, crate::IPPROTO_TCP), crate::CT_LIFETIME_CLOSING_SECS);
+        assert_eq!(secs(POLICY_CT_FROM_POD, 47), crate::CT_LIFETIME_NON_TCP_SECS);
+    }
 
     #[test]
     fn layouts_have_no_implicit_padding() {

@@ -65,16 +65,18 @@ pub fn kr_xdp_lb(ctx: XdpContext) -> u32 {
     xdp::handle(&ctx)
 }
 
-/// Host side of a pod veth, TC ingress: packets from the pod, judged by its egress policy.
+/// Host side of a pod veth, TC ingress: packets from the pod, judged by its egress policy. A
+/// packet the policy cannot read is dropped, not handed on unjudged (see `policy::malformed`).
 #[classifier]
 pub fn kr_pol_ingress(ctx: TcContext) -> i32 {
-    policy::enforce(&ctx, policy::VethHook::FromPod).unwrap_or(TC_ACT_UNSPEC)
+    policy::enforce(&ctx, policy::VethHook::FromPod)
+        .unwrap_or_else(|_| policy::malformed(&ctx, policy::VethHook::FromPod))
 }
 
 /// Host side of a pod veth, TC egress: packets to the pod, judged by its ingress policy.
 #[classifier]
 pub fn kr_pol_egress(ctx: TcContext) -> i32 {
-    policy::enforce(&ctx, policy::VethHook::ToPod).unwrap_or(TC_ACT_UNSPEC)
+    policy::enforce(&ctx, policy::VethHook::ToPod).unwrap_or_else(|_| policy::malformed(&ctx, policy::VethHook::ToPod))
 }
 
 /// TC egress of an interface towards tunnel endpoints: encapsulation.

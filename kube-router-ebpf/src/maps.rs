@@ -154,6 +154,18 @@ pub static POLICY_CONNTRACK_V6: LruHashMap<PolicyCtKeyV6, PolicyCtValue> =
 #[map(name = "pol_stats")]
 pub static POLICY_STATS: PerCpuArray<u64> = PerCpuArray::pinned(pol_stat::COUNT, 0);
 
+/// What the policy programs drop before judging a flow (see `pol_guard_stat`).
+#[map(name = "pol_guard_stats")]
+pub static POLICY_GUARD_STATS: PerCpuArray<u64> = PerCpuArray::pinned(pol_guard_stat::COUNT, 0);
+
+#[inline(always)]
+pub fn count_policy_guard(stat: u32) {
+    if let Some(counter) = POLICY_GUARD_STATS.get_ptr_mut(stat) {
+        // Per-CPU slot: no other CPU writes it, a plain add is enough.
+        unsafe { *counter += 1 };
+    }
+}
+
 #[inline(always)]
 pub fn count_policy(stat: u32) {
     if let Some(counter) = POLICY_STATS.get_ptr_mut(stat) {

@@ -27,34 +27,62 @@ pub struct Flow<A = u32> {
     pub dst_port: u16,
     pub proto: u8,
     pub tcp_flags: u8,
+    /// An ICMP(v6) error: the packet it quotes, as that packet's sender sent it (protocol 0
+    /// when there is none, or it is not a TCP/UDP/SCTP header we can read). Not an `Option`:
+    /// every byte stays initialised for the verifier.
+    pub quoted: Quoted<A>,
+}
+
+/// The endpoints of the packet an ICMP(v6) error quotes. Network byte order.
+#[derive(Clone, Copy)]
+pub struct Quoted<A> {
+    /// 0: nothing quoted.
+    pub src_addr: A,
+    pub dst_addr: A,
+    pub src_port: u16,
+    pub dst_port: u16,
+    pub proto: u8,
+}
+
+impl Quoted<u32> {
+    const NONE_V4: Self = Quoted { src_addr: 0, dst_addr: 0, src_port: 0, dst_port: 0, proto: 0 };
+}
+
+impl Quoted<Ipv6Words> {
+    const NONE_V6: Self =
+        Quoted { src_addr: Ipv6Words([0; 4]), dst_addr: Ipv6Words([0; 4]), src_port: 0, dst_port: 0, proto: 0 };
 }
 
 pub enum Parsed<A = u32> {
     Flow(Flow<A>),
-    /// Not this family.
+    /// The ethertype's family but not its header (version or header length wrong).
     NotIpv4,
     /// A non-first fragment (or a fragmented datagram): it carries no ports.
     Fragment,
-    /// IPv4 but a protocol this view does not handle (passed untouched).
-    OtherProtocol,
+    /// Link control the stack cannot work without (IPv6 neighbour discovery, router
+    /// advertisements, multicast listener messages): passed unjudged.
+    LinkControl,
 }
 
-/// The policy view: also SCTP and ICMP (echo identifier in both ports, so a reply's
-/// conntrack key matches its request). A first fragment carries the ports and is judged like
-/// any packet; only later fragments are `Fragment`.
+/// The policy view: every IP protocol. TCP, UDP and SCTP with their ports, ICMP echo with its
+/// identifier in both ports (so a reply's conntrack key matches its request), every other
+/// protocol (ICMP errors, GRE, IPIP, ...) with ports 0: only a rule without ports admits it.
+/// A first fragment carries the ports and is judged like any packet; only later fragments are
+/// `Fragment`.
 #[inline(always)]
 pub fn parse_for_policy(ctx: &TcContext) -> Result<Parsed, i64> {
-    parse_ipv4(ctx, true)
+    parse_ipv4(ctx)
 }
 
 /// The policy view of an IPv6 packet: as [`parse_for_policy`], with extension headers looked
 /// past (a bounded number). ICMPv6 echo is judged like ICMP echo and errors (types below 128)
-/// without ports; the link's own control messages (type 130 and up besides echo: multicast
-/// listener queries and reports, neighbour discovery, router advertisements) are
-/// `OtherProtocol`: a pod must always be able to resolve its neighbours and join its groups,
-/// and they open no connection to track. A packet whose upper
-/// layer lies beyond the headers we look past is judged as protocol 255 without ports, so only
-/// a rule admitting every port can let it through: never passed unjudged.
+/// without ports; the link's own control messages (multicast listener queries, reports and
+/// done, types 130-132 and 143; router and neighbour solicitations and advertisements and
+/// redirects, 133-137) are `LinkControl`: a pod must always be able to resolve its neighbours
+/// and join its groups, and they open no connection to track. Every other ICMPv6 type is judged
+/// without ports. A packet whose upper layer lies beyond the headers we look past is judged as
+/// protocol 255 without ports, so only a rule admitting every port can let it through: never
+/// passed unjudged.
 #[inline(always)]
 pub fn parse_for_policy_v6(ctx: &TcContext) -> Result<Parsed<Ipv6Words>, i64> {
     let version: u8 = ctx.load(ETH_HDR_LEN)?;
@@ -64,11 +92,20 @@ pub fn parse_for_policy_v6(ctx: &TcContext) -> Result<Parsed<Ipv6Words>, i64> {
     let next: u8 = ctx.load(ETH_HDR_LEN + 6)?;
     let (src_addr, dst_addr) = (ctx.load(IPV6_SRC_OFF)?, ctx.load(IPV6_DST_OFF)?);
     let Some((proto, l4_off, fragment, _)) = ipv6_upper_layer(ctx, next, ETH_HDR_LEN + IPV6_HDR_LEN)? else {
-        return Ok(Parsed::Flow(Flow { src_addr, dst_addr, src_port: 0, dst_port: 0, proto: 255, tcp_flags: 0 }));
+        return Ok(Parsed::Flow(Flow {
+            src_addr,
+            dst_addr,
+            src_port: 0,
+            dst_port: 0,
+            proto: 255,
+            tcp_flags: 0,
+            quoted: Quoted::NONE_V6,
+        }));
     };
     if fragment == Fragment::Later {
         return Ok(Parsed::Fragment);
     }
+    let mut quoted = Quoted::NONE_V6;
     let (src_port, dst_port) = match proto {
         IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP => (ctx.load(l4_off)?, ctx.load(l4_off + 2)?),
         IPPROTO_ICMPV6 => {
@@ -76,25 +113,75 @@ pub fn parse_for_policy_v6(ctx: &TcContext) -> Result<Parsed<Ipv6Words>, i64> {
             if icmp_type == ICMPV6_ECHO_REQUEST || icmp_type == ICMPV6_ECHO_REPLY {
                 let id: u16 = ctx.load(l4_off + 4)?;
                 (id, id)
-            } else if icmp_type < ICMPV6_ECHO_REQUEST {
-                (0, 0)
+            } else if is_ipv6_link_control(icmp_type) {
+                return Ok(Parsed::LinkControl);
             } else {
-                return Ok(Parsed::OtherProtocol);
+                if (ICMPV6_DEST_UNREACH..=ICMPV6_PARAMETER_PROBLEM).contains(&icmp_type) {
+                    quoted = quoted_v6(ctx, l4_off + 8).unwrap_or(Quoted::NONE_V6);
+                }
+                (0, 0)
             }
         }
-        // Judged without ports, as IPv4 judges ICMP errors and other protocols are not.
-        _ => return Ok(Parsed::OtherProtocol),
+        // Every other protocol is judged without ports.
+        _ => (0, 0),
     };
     let tcp_flags = if proto == IPPROTO_TCP { ctx.load::<u8>(l4_off + 13)? } else { 0 };
-    Ok(Parsed::Flow(Flow { src_addr, dst_addr, src_port, dst_port, proto, tcp_flags }))
+    Ok(Parsed::Flow(Flow { src_addr, dst_addr, src_port, dst_port, proto, tcp_flags, quoted }))
+}
+
+/// ICMPv6 types the link needs whatever the policy: multicast listener query, report, done
+/// (130-132), router solicitation and advertisement, neighbour solicitation and advertisement,
+/// redirect (133-137), multicast listener report v2 (143).
+#[inline(always)]
+fn is_ipv6_link_control(icmp_type: u8) -> bool {
+    (130..=137).contains(&icmp_type) || icmp_type == 143
+}
+
+/// The quoted TCP/UDP/SCTP packet of an ICMP error (its own extension headers not walked);
+/// `None` if the quote is anything else or too short to name the connection.
+#[inline(always)]
+fn quoted_v6(ctx: &TcContext, ip_off: usize) -> Option<Quoted<Ipv6Words>> {
+    let proto: u8 = ctx.load(ip_off + 6).ok()?;
+    if proto != IPPROTO_TCP && proto != IPPROTO_UDP && proto != IPPROTO_SCTP {
+        return None;
+    }
+    let l4_off = ip_off + IPV6_HDR_LEN;
+    Some(Quoted {
+        src_addr: ctx.load(ip_off + 8).ok()?,
+        dst_addr: ctx.load(ip_off + 24).ok()?,
+        src_port: ctx.load(l4_off).ok()?,
+        dst_port: ctx.load(l4_off + 2).ok()?,
+        proto,
+    })
+}
+
+/// The same for IPv4.
+#[inline(always)]
+fn quoted_v4(ctx: &TcContext, ip_off: usize) -> Option<Quoted<u32>> {
+    let version_ihl: u8 = ctx.load(ip_off).ok()?;
+    let header_len = ((version_ihl & 0x0f) as usize) * 4;
+    let proto: u8 = ctx.load(ip_off + 9).ok()?;
+    if version_ihl >> 4 != 4 || header_len < 20 {
+        return None;
+    }
+    if proto != IPPROTO_TCP && proto != IPPROTO_UDP && proto != IPPROTO_SCTP {
+        return None;
+    }
+    let l4_off = ip_off + header_len;
+    Some(Quoted {
+        src_addr: ctx.load(ip_off + 12).ok()?,
+        dst_addr: ctx.load(ip_off + 16).ok()?,
+        src_port: ctx.load(l4_off).ok()?,
+        dst_port: ctx.load(l4_off + 2).ok()?,
+        proto,
+    })
 }
 
 const ICMP_ECHO_REPLY: u8 = 0;
 const ICMP_ECHO_REQUEST: u8 = 8;
 
-// `policy` is a constant at every call site, so each program only keeps its own branches.
 #[inline(always)]
-fn parse_ipv4(ctx: &TcContext, policy: bool) -> Result<Parsed, i64> {
+fn parse_ipv4(ctx: &TcContext) -> Result<Parsed, i64> {
     let ether_type = u16::from_be(ctx.load::<u16>(12)?);
     if ether_type != ETH_P_IP {
         return Ok(Parsed::NotIpv4);
@@ -105,28 +192,31 @@ fn parse_ipv4(ctx: &TcContext, policy: bool) -> Result<Parsed, i64> {
         return Ok(Parsed::NotIpv4);
     }
     let proto: u8 = ctx.load(ETH_HDR_LEN + 9)?;
-    let ported = proto == IPPROTO_TCP || proto == IPPROTO_UDP || (policy && proto == IPPROTO_SCTP);
-    let icmp = policy && proto == IPPROTO_ICMP;
-    if !ported && !icmp {
-        return Ok(Parsed::OtherProtocol);
-    }
-    // More-fragments flag or a fragment offset: ports are not (all) there.
+    let ported = proto == IPPROTO_TCP || proto == IPPROTO_UDP || proto == IPPROTO_SCTP;
+    let icmp = proto == IPPROTO_ICMP;
+    // A fragment offset: the ports (if any) are in the first fragment, judged on its own.
     let frag = u16::from_be(ctx.load::<u16>(ETH_HDR_LEN + 6)?);
-    let fragment_mask = if policy { 0x1fff } else { 0x3fff };
-    if frag & fragment_mask != 0 {
+    if frag & 0x1fff != 0 {
         return Ok(Parsed::Fragment);
     }
     let l4_off = ETH_HDR_LEN + header_len;
+    let mut quoted = Quoted::NONE_V4;
     let (src_port, dst_port) = if icmp {
         let icmp_type: u8 = ctx.load(l4_off)?;
         if icmp_type == ICMP_ECHO_REQUEST || icmp_type == ICMP_ECHO_REPLY {
             let id: u16 = ctx.load(l4_off + 4)?;
             (id, id)
         } else {
+            if icmp_type == ICMP_DEST_UNREACH || icmp_type == ICMP_TIME_EXCEEDED || icmp_type == ICMP_PARAMETER_PROBLEM
+            {
+                quoted = quoted_v4(ctx, l4_off + 8).unwrap_or(Quoted::NONE_V4);
+            }
             (0, 0)
         }
-    } else {
+    } else if ported {
         (ctx.load(l4_off)?, ctx.load(l4_off + 2)?)
+    } else {
+        (0, 0)
     };
     let tcp_flags = if proto == IPPROTO_TCP { ctx.load::<u8>(l4_off + 13)? } else { 0 };
     Ok(Parsed::Flow(Flow {
@@ -136,6 +226,7 @@ fn parse_ipv4(ctx: &TcContext, policy: bool) -> Result<Parsed, i64> {
         dst_port,
         proto,
         tcp_flags,
+        quoted,
     }))
 }
 

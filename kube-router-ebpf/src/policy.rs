@@ -13,7 +13,13 @@
 //!
 //! Replies are never judged: an allowed new flow is recorded in `pol_ct_v4` under a key
 //! normalised to the local pod (pod, peer, pod port, peer port), which the reply — seen by the
-//! other hook of the same veth — looks up identically.
+//! other hook of the same veth — looks up identically. Until that reply comes, the entry lives
+//! a minute (`POLICY_CT_UNREPLIED`).
+//!
+//! Fails closed: every IP protocol is judged (those without ports only by rules without ports),
+//! ICMP errors pass only for a live connection they quote or as ICMP, frames of any ethertype
+//! but IPv4, IPv6 and ARP (VLAN tags included) and packets whose headers cannot be read are
+//! dropped on every pod veth (`pol_guard_stats`).
 use aya_ebpf::{
     bindings::{TC_ACT_SHOT, TC_ACT_UNSPEC},
     helpers::bpf_ktime_get_ns,
@@ -25,14 +31,18 @@ use kube_router_common::*;
 use crate::{
     events,
     maps::{
-        count_policy as count, CONNTRACK, CONNTRACK_V6, POLICY_CONNTRACK, POLICY_CONNTRACK_V6, POLICY_PEERS,
-        POLICY_PEERS_V6, POLICY_PODS, POLICY_PODS_V6, POLICY_PORTS,
+        count_policy as count, count_policy_guard as count_guard, CONNTRACK, CONNTRACK_V6, POLICY_CONNTRACK,
+        POLICY_CONNTRACK_V6, POLICY_PEERS, POLICY_PEERS_V6, POLICY_PODS, POLICY_PODS_V6, POLICY_PORTS,
     },
-    parsing::{parse_for_policy, parse_for_policy_v6, Flow, Parsed, TCP_FLAG_FIN, TCP_FLAG_RST},
+    parsing::{parse_for_policy, parse_for_policy_v6, Flow, Parsed, Quoted, TCP_FLAG_FIN, TCP_FLAG_RST},
 };
 
 const REFRESH_INTERVAL_NS: u64 = 1_000_000_000;
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_ARP: u16 = 0x0806;
 const ETH_P_IPV6: u16 = 0x86dd;
+const ETH_P_8021Q: u16 = 0x8100;
+const ETH_P_8021AD: u16 = 0x88a8;
 
 /// Which end of the pod's veth the program is attached to.
 #[derive(Clone, Copy)]
@@ -145,21 +155,75 @@ impl PolicyFamily for V6 {
 pub fn enforce(ctx: &TcContext, hook: VethHook) -> Result<i32, i64> {
     count(pol_stat::PACKETS);
     let ether_type = u16::from_be(ctx.load::<u16>(12)?);
-    if ether_type == ETH_P_IPV6 {
-        return match parse_for_policy_v6(ctx)? {
-            Parsed::Flow(flow) => judge::<V6>(ctx, hook, &flow),
-            parsed => Ok(pass_unjudged(parsed)),
-        };
+    // A tag the kernel already took off into the skb (it does so before TC ingress) leaves the
+    // inner ethertype in the frame: a pod sending 802.1ad + 802.1Q tags with VLAN id 0 around
+    // IPv4 would otherwise be judged as its inner tag, i.e. not at all, and the receiving pod's
+    // stack strips both priority tags and delivers the IPv4 packet.
+    // SAFETY: reading a field of the context the program was called with.
+    if unsafe { (*ctx.skb.skb).vlan_present } != 0 || ether_type == ETH_P_8021Q || ether_type == ETH_P_8021AD {
+        return Ok(drop_frame(ctx, hook, pol_guard_stat::DROP_VLAN, FRAME_DROP_VLAN, ether_type));
     }
-    match parse_for_policy(ctx)? {
-        Parsed::Flow(flow) => judge::<V4>(ctx, hook, &flow),
-        parsed => Ok(pass_unjudged(parsed)),
+    match ether_type {
+        ETH_P_IPV6 => match parse_for_policy_v6(ctx)? {
+            Parsed::Flow(flow) => judge::<V6>(ctx, hook, &flow),
+            parsed => Ok(pass_unjudged(ctx, hook, parsed, ether_type)),
+        },
+        ETH_P_IP => match parse_for_policy(ctx)? {
+            Parsed::Flow(flow) => judge::<V4>(ctx, hook, &flow),
+            parsed => Ok(pass_unjudged(ctx, hook, parsed, ether_type)),
+        },
+        ETH_P_ARP => {
+            count(pol_stat::NOT_EVALUATED);
+            Ok(TC_ACT_UNSPEC)
+        }
+        _ => Ok(drop_frame(ctx, hook, pol_guard_stat::DROP_UNKNOWN_L3, FRAME_DROP_UNKNOWN_L3, ether_type)),
     }
 }
 
+/// The verdict on a packet the policy could not read (a header shorter than it claims): dropped,
+/// for every pod. Whether the pod is isolated cannot be known without its address, and the
+/// receiving stack drops such a packet anyway; a tiny first fragment whose TCP flags are cut
+/// off would otherwise pass unjudged, and its later fragments after it.
 #[inline(always)]
-fn pass_unjudged<A>(parsed: Parsed<A>) -> i32 {
-    count(if matches!(parsed, Parsed::Fragment) { pol_stat::FRAGMENT_PASS } else { pol_stat::NOT_EVALUATED });
+pub fn malformed(ctx: &TcContext, hook: VethHook) -> i32 {
+    let ether_type = ctx.load::<u16>(12).map(u16::from_be).unwrap_or(0);
+    drop_frame(ctx, hook, pol_guard_stat::DROP_MALFORMED, FRAME_DROP_MALFORMED, ether_type)
+}
+
+#[inline(always)]
+fn drop_frame(ctx: &TcContext, hook: VethHook, stat: u32, reason: u8, ether_type: u16) -> i32 {
+    count_guard(stat);
+    let now = unsafe { bpf_ktime_get_ns() };
+    let direction = match hook {
+        VethHook::FromPod => POLICY_DIR_EGRESS,
+        VethHook::ToPod => POLICY_DIR_INGRESS,
+    };
+    events::emit(ctx, now, |ifindex| MonitorEvent {
+        timestamp_ns: now,
+        kind: EVENT_POLICY_FRAME_DROP,
+        family: 0,
+        proto: reason,
+        direction,
+        ifindex,
+        src: [0; 4],
+        dst: [0; 4],
+        nat: [0; 4],
+        src_port: ether_type.to_be(),
+        dst_port: 0,
+        nat_port: 0,
+        pad: 0,
+    });
+    TC_ACT_SHOT
+}
+
+#[inline(always)]
+fn pass_unjudged<A>(ctx: &TcContext, hook: VethHook, parsed: Parsed<A>, ether_type: u16) -> i32 {
+    match parsed {
+        Parsed::Fragment => count(pol_stat::FRAGMENT_PASS),
+        Parsed::LinkControl => count(pol_stat::NOT_EVALUATED),
+        // The ethertype names a family whose header this is not.
+        _ => return drop_frame(ctx, hook, pol_guard_stat::DROP_MALFORMED, FRAME_DROP_MALFORMED, ether_type),
+    }
     TC_ACT_UNSPEC
 }
 
@@ -188,8 +252,14 @@ fn judge<F: PolicyFamily>(ctx: &TcContext, hook: VethHook, flow: &Flow<F::Addr>)
     let ct_key = F::ct_key(pod_addr, peer_addr, pod_port, peer_port, flow.proto);
     let now = unsafe { bpf_ktime_get_ns() };
     let closing = flow.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST) != 0;
-    if established(F::conntrack(), &ct_key, flow.proto, closing, now) {
+    if established(F::conntrack(), &ct_key, flow.proto, closing, origin, now) {
         count(pol_stat::CT_ESTABLISHED);
+        return Ok(TC_ACT_UNSPEC);
+    }
+    // An ICMP error about a live connection of the pod (fragmentation needed / packet too big
+    // keep path MTU discovery working under an isolating policy). Not tracked itself.
+    if flow.quoted.proto != 0 && related::<F>(&flow.quoted, hook, now) {
+        count_guard(pol_guard_stat::ICMP_ERROR_RELATED);
         return Ok(TC_ACT_UNSPEC);
     }
     // A reply to a Service flow the pod opened, already translated back to the Service address
@@ -208,7 +278,7 @@ fn judge<F: PolicyFamily>(ctx: &TcContext, hook: VethHook, flow: &Flow<F::Addr>)
     match F::isolated(pod_addr, direction) {
         _ if matches!(hook, VethHook::ToPod) && sent_by_this_node(ctx) => count(pol_stat::NODE_EXEMPT),
         None => count(pol_stat::NOT_ISOLATED),
-        Some(pod) => match evaluate::<F>(&pod, peer_addr, flow.proto, u16::from_be(flow.dst_port)) {
+        Some(pod) => match evaluate::<F>(&pod, peer_addr, flow, u16::from_be(flow.dst_port)) {
             Verdict::Allow => count(pol_stat::ALLOWED),
             Verdict::Deny => {
                 count(denied);
@@ -225,7 +295,7 @@ fn judge<F: PolicyFamily>(ctx: &TcContext, hook: VethHook, flow: &Flow<F::Addr>)
     }
     // Tracked even when not isolated: the reply is judged by the *other* direction of this pod,
     // which may be isolated (or become so while the connection lives).
-    let flags = origin | if closing { POLICY_CT_CLOSING } else { 0 };
+    let flags = origin | POLICY_CT_UNREPLIED | if closing { POLICY_CT_CLOSING } else { 0 };
     let entry = PolicyCtValue { last_seen_ns: now, flags, pad: [0; 7] };
     if F::conntrack().insert(ct_key, entry, 0).is_err() {
         count(pol_stat::CT_INSERT_FAILED);
@@ -243,8 +313,17 @@ fn sent_by_this_node(ctx: &TcContext) -> bool {
 }
 
 /// A live entry for this connection at this pod, refreshed; expired entries count as absent.
+/// `origin`: the entry flag a packet of this hook would have opened the connection with; an
+/// entry opened the other way sees its reply.
 #[inline(always)]
-fn established<K>(conntrack: &LruHashMap<K, PolicyCtValue>, key: &K, proto: u8, closing: bool, now: u64) -> bool {
+fn established<K>(
+    conntrack: &LruHashMap<K, PolicyCtValue>,
+    key: &K,
+    proto: u8,
+    closing: bool,
+    origin: u8,
+    now: u64,
+) -> bool {
     let Some(entry) = conntrack.get_ptr_mut(key) else {
         return false;
     };
@@ -256,6 +335,9 @@ fn established<K>(conntrack: &LruHashMap<K, PolicyCtValue>, key: &K, proto: u8, 
     if closing {
         entry.flags |= POLICY_CT_CLOSING;
     }
+    if entry.flags & POLICY_CT_UNREPLIED != 0 && entry.flags & origin == 0 {
+        entry.flags &= !POLICY_CT_UNREPLIED;
+    }
     // Refresh at most once a second so a busy flow does not write the shared entry per packet.
     if now.saturating_sub(entry.last_seen_ns) > REFRESH_INTERVAL_NS {
         entry.last_seen_ns = now;
@@ -263,10 +345,30 @@ fn established<K>(conntrack: &LruHashMap<K, PolicyCtValue>, key: &K, proto: u8, 
     true
 }
 
-/// The reference lookup of `MapEntries::side_allows`: the longest `pol_ports` entry of the slot
-/// for the protocol and destination port names the peers admitted there.
+/// Whether an ICMP error quotes a live connection of this pod: to the pod, a packet the pod
+/// sent; from the pod, a packet it received. Looked up, not refreshed.
 #[inline(always)]
-fn evaluate<F: PolicyFamily>(pod: &PolicyPodValue, peer_addr: F::Addr, proto: u8, dst_port: u16) -> Verdict {
+fn related<F: PolicyFamily>(quoted: &Quoted<F::Addr>, hook: VethHook, now: u64) -> bool {
+    let key = match hook {
+        VethHook::ToPod => F::ct_key(quoted.src_addr, quoted.dst_addr, quoted.src_port, quoted.dst_port, quoted.proto),
+        VethHook::FromPod => {
+            F::ct_key(quoted.dst_addr, quoted.src_addr, quoted.dst_port, quoted.src_port, quoted.proto)
+        }
+    };
+    // SAFETY: read-only copy of a map value.
+    unsafe { F::conntrack().get(key) }
+        .is_some_and(|entry| now.saturating_sub(entry.last_seen_ns) <= entry.lifetime_ns(quoted.proto))
+}
+
+/// The reference lookup of `MapEntries::side_allows`: the longest `pol_ports` entry of the slot
+/// for the protocol and destination port names the peers admitted there. A protocol without
+/// ports (GRE, IPIP, ICMP errors, ...) has entries only slot-wide, from rules without ports.
+#[inline(always)]
+fn evaluate<F: PolicyFamily>(pod: &PolicyPodValue, peer_addr: F::Addr, flow: &Flow<F::Addr>, dst_port: u16) -> Verdict {
+    let proto = flow.proto;
+    if !matches!(proto, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP | IPPROTO_ICMP | IPPROTO_ICMPV6) {
+        count_guard(pol_guard_stat::OTHER_PROTOCOL_JUDGED);
+    }
     let key = Key::new(
         POLICY_PORT_FULL_BITS,
         PolicyPortKey { slot_be: pod.slot.to_be(), proto, port: dst_port.to_be_bytes(), pad: 0 },

@@ -381,8 +381,13 @@ fn cleanup(cli: &Cli) -> Result<()> {
 
 fn show_policy(cli: &Cli) -> Result<()> {
     use kube_router::bpf::policy_maps::{decode, read_policy_stats, BpfPolicyMaps, PolicyMaps};
-    use kube_router_common::pol_stat;
+    use kube_router_common::{pol_guard_stat, pol_stat};
     for (name, n) in pol_stat::NAMES.iter().zip(read_policy_stats(&cli.bpf_root)?) {
+        println!("{name} {n}");
+    }
+    let guard =
+        read_pinned_if_exists(&cli.bpf_root, map_names::POLICY_GUARD_STATS, pol_guard_stat::COUNT)?.unwrap_or_default();
+    for (name, n) in pol_guard_stat::NAMES.iter().zip(guard) {
         println!("{name} {n}");
     }
     let maps = BpfPolicyMaps::open_pinned(&cli.bpf_root)?;

@@ -326,7 +326,7 @@ impl Metrics {
                     &mut out,
                     "kube_router_policy_packets_total",
                     "counter",
-                    "NetworkPolicy datapath verdicts and passes (pol_stats), summed over CPUs.",
+                    "NetworkPolicy datapath verdicts, passes and drops before judging (pol_stats, pol_guard_stats), summed over CPUs.",
                 );
                 for (name, n) in &m.policy_packets {
                     let _ = writeln!(out, "kube_router_policy_packets_total{{result=\"{name}\"}} {n}");

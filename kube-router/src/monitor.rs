@@ -168,6 +168,24 @@ pub fn render(event: &MonitorEvent, names: &Names, json: bool, filter: EventFilt
                 )
             }
         }
+        EVENT_POLICY_FRAME_DROP if filter != EventFilter::Nat => {
+            let direction = if event.direction == POLICY_DIR_INGRESS { "ingress" } else { "egress" };
+            let reason = match event.proto {
+                FRAME_DROP_UNKNOWN_L3 => "unknown-l3",
+                FRAME_DROP_VLAN => "vlan",
+                _ => "malformed",
+            };
+            let ether_type = format!("0x{:04x}", u16::from_be(event.src_port));
+            if json {
+                serde_json::json!({
+                    "type": "drop", "direction": direction, "reason": reason, "ethertype": ether_type,
+                    "ifindex": event.ifindex,
+                })
+                .to_string()
+            } else {
+                format!("DROP {direction:<7} frame {reason} ethertype {ether_type} ifindex {}", event.ifindex)
+            }
+        }
         EVENT_SERVICE_NAT if filter != EventFilter::Drop => {
             let backend = address(event.family, event.nat);
             let backend_at = endpoint(backend, event.nat_port);
@@ -294,5 +312,18 @@ mod tests {
             "NAT  tcp default/client 10.244.1.5:40000 -> shop/db 10.96.0.10:5432 => shop/db 10.244.2.7:5432"
         );
         assert!(render(&nat, &names, false, EventFilter::Drop).is_none());
+        let vlan = MonitorEvent {
+            kind: EVENT_POLICY_FRAME_DROP,
+            family: 0,
+            proto: FRAME_DROP_VLAN,
+            direction: POLICY_DIR_EGRESS,
+            ifindex: 7,
+            src_port: 0x8100u16.to_be(),
+            ..Default::default()
+        };
+        assert_eq!(
+            render(&vlan, &names, false, EventFilter::Drop).unwrap(),
+            "DROP egress  frame vlan ethertype 0x8100 ifindex 7"
+        );
     }
 }

@@ -24,7 +24,7 @@ use kube_router::{
         compile, CompileOutput, Protocol,
     },
 };
-use kube_router_common::pol_stat;
+use kube_router_common::{map_names, pol_guard_stat, pol_stat};
 use serde_json::{json, Value};
 
 const SCTP: u8 = 132;
@@ -602,9 +602,6 @@ fn traffic_that_is_not_judged_passes_and_is_counted() {
     let mut arp = packet::ipv4(packet::TCP, (ip(1, 0), 1), (ip(0, 0), 80), packet::TCP_SYN, b"");
     arp[12..14].copy_from_slice(&[0x08, 0x06]);
     assert!(loaded.send(&arp));
-    let mut gre = packet::ipv4(packet::TCP, (ip(1, 0), 1), (ip(0, 0), 80), packet::TCP_SYN, b"");
-    gre[14 + 9] = 47;
-    assert!(loaded.send(&gre));
     // A later fragment carries no ports: passed; its first fragment is judged (and denied here).
     let mut tail = packet::ipv4(packet::UDP, (ip(1, 0), 1), (ip(0, 0), 53), 0, b"12345678");
     tail[14 + 6..14 + 8].copy_from_slice(&0x0001u16.to_be_bytes());
@@ -613,9 +610,208 @@ fn traffic_that_is_not_judged_passes_and_is_counted() {
     first[14 + 6..14 + 8].copy_from_slice(&0x2000u16.to_be_bytes());
     assert!(!loaded.send(&first));
     let stats = loaded.stats();
-    assert_eq!(stats[pol_stat::NOT_EVALUATED as usize], 4, "arp and gre, at both hooks");
+    assert_eq!(stats[pol_stat::NOT_EVALUATED as usize], 2, "arp, at both hooks");
     assert_eq!(stats[pol_stat::FRAGMENT_PASS as usize], 2);
     assert_eq!(stats[pol_stat::DENIED_INGRESS as usize], 1);
+}
+
+// ---- fail closed: protocols, ethertypes, unreadable headers, ICMP errors ---------------------
+
+fn guard_stats(loaded: &Loaded) -> Vec<u64> {
+    kube_router::bpf::counters::read_pinned(&loaded.pin_dir, map_names::POLICY_GUARD_STATS, pol_guard_stat::COUNT)
+        .unwrap()
+}
+
+/// A packet of IP protocol `proto` (no ports: GRE, IPIP, 253 ...) carrying `payload`.
+fn portless(proto: u8, src: IpAddr, dst: IpAddr) -> Vec<u8> {
+    let payload = [0u8, 0, 0x08, 0, b'p', b'r', b'o', b'b', b'e', 0, 0, 0];
+    match (src, dst) {
+        (IpAddr::V4(src), IpAddr::V4(dst)) => packet::ipv4_frame(proto, src, dst, 0, &payload),
+        (IpAddr::V6(src), IpAddr::V6(dst)) => packet::ipv6_frame(proto, src, dst, &payload),
+        (src, dst) => panic!("{src} -> {dst}: one family per packet"),
+    }
+}
+
+const GRE: u8 = 47;
+const IPIP: u8 = 4;
+const EXPERIMENTAL: u8 = 253;
+
+/// Guard: every IP protocol of a new flow is judged (parse_for_policy, evaluate). x's pods admit
+/// y on every port (a rule without ports) and z on TCP 80 only; their egress admits y on TCP 80
+/// only. GRE, IPIP and protocol 253 pass from y, are denied from z and from outside, in both
+/// families; x's own GRE to y is denied by its egress, unless it answers y's.
+#[test]
+fn every_ip_protocol_is_judged_and_only_rules_without_ports_admit_those_without_ports() {
+    let policies = [
+        policy(
+            "x",
+            "in",
+            json!({"podSelector": {}, "ingress": [
+                {"from": [{"namespaceSelector": {"matchLabels": {"ns": "y"}}}]},
+                {"from": [{"namespaceSelector": {"matchLabels": {"ns": "z"}}}], "ports": [{"port": 80}]}]}),
+        ),
+        policy(
+            "x",
+            "out",
+            json!({"podSelector": {}, "policyTypes": ["Egress"], "egress": [
+                {"to": [{"namespaceSelector": {"matchLabels": {"ns": "y"}}}], "ports": [{"port": 80}]}]}),
+        ),
+    ];
+    let mut loaded = load("protocols");
+    loaded.program(&Cluster::xyz().compile(&policies));
+    for ipv6 in [false, true] {
+        let addr = |n, p| if ipv6 { IpAddr::V6(ip6(n, p)) } else { IpAddr::V4(ip(n, p)) };
+        let outside = if ipv6 { IpAddr::V6(OUTSIDE6) } else { IpAddr::V4(OUTSIDE) };
+        for proto in [GRE, IPIP, EXPERIMENTAL] {
+            assert!(loaded.send(&portless(proto, addr(1, 1), addr(0, 1))), "y -> x proto {proto} (IPv6 {ipv6})");
+            assert!(
+                loaded.send(&portless(proto, addr(0, 1), addr(1, 1))),
+                "x answers y: tracked, although x's egress admits only TCP 80 (proto {proto}, IPv6 {ipv6})"
+            );
+            assert!(!loaded.send(&portless(proto, addr(2, 1), addr(0, 1))), "z -> x proto {proto} (IPv6 {ipv6})");
+            assert!(!loaded.send(&portless(proto, outside, addr(0, 1))), "outside -> x proto {proto}");
+            assert!(!loaded.send(&portless(proto, addr(0, 2), addr(1, 2))), "x -> y proto {proto} (IPv6 {ipv6})");
+        }
+    }
+    let stats = loaded.stats();
+    // Per family and protocol: z and the outside are outside the peers of x's rule without ports;
+    // x's egress has no rule without ports at all.
+    assert_eq!(stats[pol_stat::DENIED_INGRESS as usize], 2 * 3 * 2);
+    assert_eq!((stats[pol_stat::DENIED_EGRESS as usize], stats[pol_stat::NO_PORT_MATCH as usize]), (2 * 3, 2 * 3));
+    // Per family and protocol: y -> x, z -> x, outside -> x, x -> y (x's answer was tracked).
+    assert_eq!(guard_stats(&loaded)[pol_guard_stat::OTHER_PROTOCOL_JUDGED as usize], 2 * 3 * 4);
+}
+
+/// 802.1ad outer tag, 802.1Q inner tag (VLAN ids `outer`, `inner`) around the IPv4 packet of
+/// `frame`.
+fn double_tagged(frame: &[u8], outer: u16, inner: u16) -> Vec<u8> {
+    let mut tagged = frame[..12].to_vec();
+    tagged.extend_from_slice(&[0x88, 0xa8]);
+    tagged.extend_from_slice(&outer.to_be_bytes());
+    tagged.extend_from_slice(&[0x81, 0x00]);
+    tagged.extend_from_slice(&inner.to_be_bytes());
+    tagged.extend_from_slice(&frame[12..]);
+    tagged
+}
+
+/// Guard: frames of an ethertype other than IPv4, IPv6 and ARP, VLAN tags included, are dropped
+/// at both hooks of every pod veth, isolated or not (enforce's ethertype match).
+#[test]
+fn frames_other_than_ip_and_arp_are_dropped_at_both_hooks_isolated_or_not() {
+    let loaded = load("ethertypes");
+    let syn = packet::ipv4(packet::TCP, (ip(1, 0), 1000), (ip(0, 0), 80), packet::TCP_SYN, b"");
+    let mut unknown = syn.clone();
+    unknown[12..14].copy_from_slice(&0x88b5u16.to_be_bytes()); // IEEE local experimental
+    let mut single = syn[..12].to_vec();
+    single.extend_from_slice(&[0x81, 0x00, 0x00, 0x00]);
+    single.extend_from_slice(&syn[12..]);
+    let stacked = double_tagged(&syn, 0, 0);
+    for frame in [&unknown, &single, &stacked] {
+        assert_eq!(run(loaded.fd(Hook::PolicyIngress), frame, 1).unwrap().retval, TC_ACT_SHOT);
+        assert_eq!(run_forwarded(loaded.fd(Hook::PolicyEgress), frame, 1, 1).unwrap().retval, TC_ACT_SHOT);
+    }
+    let mut arp = syn.clone();
+    arp[12..14].copy_from_slice(&[0x08, 0x06]);
+    assert!(loaded.send(&arp));
+    assert!(loaded.send(&syn), "no policy: the untagged packet passes");
+    let guard = guard_stats(&loaded);
+    assert_eq!((guard[pol_guard_stat::DROP_UNKNOWN_L3 as usize], guard[pol_guard_stat::DROP_VLAN as usize]), (2, 4));
+}
+
+/// Guard: a packet whose headers cannot be read is dropped (`policy::malformed`), not handed on
+/// unjudged: a tiny first fragment whose TCP flags are cut off (its later fragments would follow
+/// it through), an IPv4 ethertype over an IPv6 header, an IPv6 TCP header cut short (BPF_PROG_TEST_RUN
+/// itself refuses frames shorter than their IP header).
+#[test]
+fn packets_whose_headers_cannot_be_read_are_dropped() {
+    let mut loaded = load("malformed");
+    loaded.program(&Cluster::xyz().compile(&[policy("x", "deny", json!({"podSelector": {}}))]));
+    let segment = packet::l4_segment(packet::TCP, (ip(2, 0), 1000), (ip(0, 0), 80), packet::TCP_SYN, b"");
+    let tiny_first_fragment = packet::ipv4_frame(packet::TCP, ip(2, 0), ip(0, 0), 0x2000, &segment[..8]);
+    let mut wrong_version = packet::ipv6(packet::TCP, (ip6(2, 0), 1000), (ip6(0, 0), 80), packet::TCP_SYN, b"");
+    wrong_version[12..14].copy_from_slice(&[0x08, 0x00]);
+    let v6 = packet::ipv6(packet::TCP, (ip6(2, 0), 1000), (ip6(0, 0), 80), packet::TCP_SYN, b"");
+    let cut_short = &v6[..14 + 40 + 10];
+    for frame in [&tiny_first_fragment[..], &wrong_version[..], cut_short] {
+        assert_eq!(run(loaded.fd(Hook::PolicyIngress), frame, 1).unwrap().retval, TC_ACT_SHOT);
+        assert_eq!(run_forwarded(loaded.fd(Hook::PolicyEgress), frame, 1, 1).unwrap().retval, TC_ACT_SHOT);
+    }
+    assert_eq!(guard_stats(&loaded)[pol_guard_stat::DROP_MALFORMED as usize], 6);
+}
+
+/// Guard: an ICMP error passes an isolated pod when it quotes one of the pod's live connections
+/// (`policy::related`): "fragmentation needed" / "packet too big" for a connection x opened
+/// (path MTU discovery keeps working), x's own "port unreachable" for a datagram y was allowed
+/// to send it. An error quoting no connection of the pod is judged as ICMP without ports.
+#[test]
+fn icmp_errors_pass_for_a_live_connection_and_are_judged_as_icmp_otherwise() {
+    let policies = [policy(
+        "x",
+        "in-out",
+        json!({"podSelector": {}, "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"ns": "y"}}}], "ports": [{"port": 53, "protocol": "UDP"}]}],
+            "egress": [{"to": [{"namespaceSelector": {"matchLabels": {"ns": "z"}}}], "ports": [{"port": 443}]}]}),
+    )];
+    let mut loaded = load("icmp-errors");
+    loaded.program(&Cluster::xyz().compile(&policies));
+    let router = Ipv4Addr::new(10, 0, 0, 254);
+    // x opens TCP to z:443; a router on the way answers "fragmentation needed".
+    let to_z = packet::ipv4(packet::TCP, (ip(0, 0), 40000), (ip(2, 0), 443), packet::TCP_ACK, b"big");
+    assert!(loaded.send(&to_z));
+    assert!(loaded.send(&packet::icmp_error(3, 4, router, ip(0, 0), &to_z)), "frag needed for x's connection");
+    let never_sent = packet::ipv4(packet::TCP, (ip(0, 0), 40001), (ip(2, 0), 443), packet::TCP_ACK, b"big");
+    assert!(!loaded.send(&packet::icmp_error(3, 4, router, ip(0, 0), &never_sent)), "quotes no connection");
+    // y sends x a datagram on an allowed port; x answers "port unreachable" through its egress.
+    let from_y = packet::ipv4(packet::UDP, (ip(1, 0), 5353), (ip(0, 0), 53), 0, b"query");
+    assert!(loaded.send(&from_y));
+    assert!(loaded.send(&packet::icmp_error(3, 3, ip(0, 0), ip(1, 0), &from_y)), "x's error about y's datagram");
+    let not_received = packet::ipv4(packet::UDP, (ip(1, 0), 5354), (ip(0, 0), 53), 0, b"query");
+    assert!(!loaded.send(&packet::icmp_error(3, 3, ip(0, 0), ip(1, 0), &not_received)));
+    // IPv6: "packet too big" for x's connection.
+    let to_z6 = packet::ipv6(packet::TCP, (ip6(0, 0), 40000), (ip6(2, 0), 443), packet::TCP_ACK, b"big");
+    assert!(loaded.send(&to_z6));
+    let router6 = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0xfe);
+    assert!(loaded.send(&packet::icmpv6_error(2, 0, router6, ip6(0, 0), &to_z6)), "packet too big");
+    let never_sent6 = packet::ipv6(packet::TCP, (ip6(0, 0), 40001), (ip6(2, 0), 443), packet::TCP_ACK, b"big");
+    assert!(!loaded.send(&packet::icmpv6_error(2, 0, router6, ip6(0, 0), &never_sent6)));
+    // Each passes both hooks of `send` as related: the pod's and its peer's end of the connection.
+    assert_eq!(guard_stats(&loaded)[pol_guard_stat::ICMP_ERROR_RELATED as usize], 2 * 3);
+}
+
+/// Guard: a new flow's policy conntrack entry is marked unreplied and lives a minute
+/// (`POLICY_CT_UNREPLIED`), so unanswered SYNs cannot hold `pol_ct_v4` for six hours; the first
+/// reply clears the mark and the connection keeps its hours. Clock: the GC's, set by the test.
+#[test]
+fn an_unanswered_flow_is_tracked_for_a_minute_and_an_answered_one_for_hours() {
+    use kube_router::bpf::conntrack_gc::monotonic_now_ns;
+    use kube_router_common::{POLICY_CT_LIFETIME_UNREPLIED_SECS, POLICY_CT_UNREPLIED};
+    let mut loaded = load("unreplied");
+    loaded.program(&Cluster::xyz().compile(&[policy(
+        "x",
+        "from-y",
+        json!({"podSelector": {}, "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"ns": "y"}}}]}]}),
+    )]));
+    let syn = |sport| packet::ipv4(packet::TCP, (ip(1, 0), sport), (ip(0, 0), 80), packet::TCP_SYN, b"");
+    assert!(loaded.send(&syn(41000)), "unanswered");
+    assert!(loaded.send(&syn(41001)));
+    let reply = packet::ipv4(packet::TCP, (ip(0, 0), 80), (ip(1, 0), 41001), packet::TCP_SYN | packet::TCP_ACK, b"");
+    assert!(loaded.send(&reply));
+    let mut conntrack = PolicyConntrack::open_pinned(&loaded.pin_dir).unwrap();
+    let unreplied = |conntrack: &PolicyConntrack| -> Vec<(u16, bool)> {
+        let mut entries: Vec<(u16, bool)> = conntrack
+            .entries()
+            .unwrap()
+            .into_iter()
+            .filter(|(key, _)| key.pod_addr == u32::from_ne_bytes(ip(0, 0).octets()))
+            .map(|(key, value)| (u16::from_be(key.peer_port), value.flags & POLICY_CT_UNREPLIED != 0))
+            .collect();
+        entries.sort();
+        entries
+    };
+    assert_eq!(unreplied(&conntrack), [(41000, true), (41001, false)], "x's entries: the reply cleared the mark");
+    let later = monotonic_now_ns() + (POLICY_CT_LIFETIME_UNREPLIED_SECS + 1) * 1_000_000_000;
+    conntrack.collect_garbage_at(later).unwrap();
+    assert_eq!(unreplied(&conntrack), [(41001, false)], "a minute later only the answered connection is left");
 }
 
 // ---- layout check and attachment -------------------------------------------------------------

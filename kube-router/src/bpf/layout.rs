@@ -183,6 +183,11 @@ impl MapSizes {
 /// layout change for datapaths from before it).
 pub const XDP_MAPS: [MapSpec; 1] = [spec::<u32, u64>(map_names::XDP_STATS, MapType::PerCpuArray, xdp_stat::COUNT)];
 
+/// The policy programs' drops before judging a flow: a map of its own so `pol_stats` keeps
+/// its layout.
+pub const POLICY_GUARD_MAPS: [MapSpec; 1] =
+    [spec::<u32, u64>(map_names::POLICY_GUARD_STATS, MapType::PerCpuArray, pol_guard_stat::COUNT)];
+
 /// Direct server return's counters: a map of its own for the same reason.
 pub const DSR_MAPS: [MapSpec; 1] = [spec::<u32, u64>(map_names::DSR_STATS, MapType::PerCpuArray, dsr_stat::COUNT)];
 
@@ -195,6 +200,7 @@ fn all_specs() -> impl Iterator<Item = &'static MapSpec> {
         .chain(&MONITOR_MAPS)
         .chain(&XDP_MAPS)
         .chain(&DSR_MAPS)
+        .chain(&POLICY_GUARD_MAPS)
 }
 
 /// What the pinned maps hold against what this agent expects.

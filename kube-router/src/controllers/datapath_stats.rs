@@ -7,7 +7,9 @@ use std::{
 };
 
 use anyhow::Result;
-use kube_router_common::{dsr_stat, lb_stat, map_names, pol_stat, sock_map_names, sock_stat, xdp_stat, ServiceStats};
+use kube_router_common::{
+    dsr_stat, lb_stat, map_names, pol_guard_stat, pol_stat, sock_map_names, sock_stat, xdp_stat, ServiceStats,
+};
 
 use crate::{
     bpf::{
@@ -38,6 +40,8 @@ struct ServiceMapsRead {
 struct PolicyMapsRead {
     conntrack: PolicyConntrack,
     stats: Counters,
+    /// `None` until the policy's guard counters exist (a datapath from before them).
+    guard_stats: Option<Counters>,
 }
 
 pub struct DatapathStatsController {
@@ -84,6 +88,7 @@ impl DatapathStatsController {
             Some(PolicyMapsRead {
                 conntrack: PolicyConntrack::open_pinned(pin_dir)?,
                 stats: Counters::open_pinned(pin_dir, map_names::POLICY_STATS, pol_stat::COUNT)?,
+                guard_stats: None,
             })
         } else {
             None
@@ -107,8 +112,14 @@ impl DatapathStatsController {
 
     fn refresh_policy(&mut self, gc: bool) {
         let Some(policy) = self.policy.as_mut() else { return };
+        if policy.guard_stats.is_none() {
+            policy.guard_stats =
+                Counters::open_pinned(&self.pin_dir, map_names::POLICY_GUARD_STATS, pol_guard_stat::COUNT).ok();
+        }
         if let Ok(stats) = policy.stats.read() {
-            self.metrics.with(|m| m.policy_packets = pol_stat::NAMES.iter().copied().zip(stats).collect());
+            let guard = policy.guard_stats.as_ref().and_then(|c| c.read().ok()).unwrap_or_default();
+            let guard = pol_guard_stat::NAMES.iter().copied().zip(guard);
+            self.metrics.with(|m| m.policy_packets = pol_stat::NAMES.iter().copied().zip(stats).chain(guard).collect());
         }
         if gc {
             match policy.conntrack.collect_garbage() {

@@ -29,6 +29,17 @@
 //!                                           per line, PEER being what the socket API reports: getpeername
 //!                                           (tcp), the recvfrom source (udp), both, which must agree
 //!                                           (udp-connected: connect, send, recvfrom)
+//!   krt-netprobe raw-ip PROTO DST COUNT     COUNT IPv4 packets of IP protocol PROTO (GRE, IPIP, 253 ...) to DST
+//!                                           from a raw socket, each carrying the marker "krt-hostile"
+//!   krt-netprobe raw-frame IFACE DST_MAC TAGS ETHERTYPE SRC DST PROTO COUNT
+//!                                           COUNT Ethernet frames from a packet socket on IFACE: TAGS "-" or
+//!                                           comma-separated tag ethertypes (88a8,8100: 802.1ad outside 802.1Q,
+//!                                           VLAN id 0), then ETHERTYPE (hex); for 0800 an IPv4 header SRC -> DST
+//!                                           of protocol PROTO, then the marker
+//!   krt-netprobe count-ip PROTO SECONDS     prints "ready", then after SECONDS "count N": the IPv4 packets of
+//!                                           protocol PROTO carrying the marker that a raw socket received
+//!   krt-netprobe count-frames IFACE ETHERTYPE SECONDS
+//!                                           the same for frames of ETHERTYPE (hex) a packet socket on IFACE got
 use std::{
     io::{BufRead, BufReader, Read, Write},
     net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
@@ -341,6 +352,189 @@ fn print_result(result: Result<String, String>) {
     let _ = std::io::stdout().flush();
 }
 
+/// What the hostile-traffic modes put in every packet they send and look for in what arrives.
+const MARKER: &[u8] = b"krt-hostile";
+
+fn os_error(what: &str) -> std::io::Error {
+    let e = std::io::Error::last_os_error();
+    std::io::Error::new(e.kind(), format!("{what}: {e}"))
+}
+
+fn ipv4_checksum(header: &[u8]) -> u16 {
+    let mut sum: u32 = header.chunks(2).map(|w| u32::from(u16::from_be_bytes([w[0], w[1]]))).sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// A raw IPv4 socket of `proto`: the kernel writes the IP header and resolves the neighbour.
+fn raw_ip_socket(proto: i32) -> std::io::Result<i32> {
+    // SAFETY: plain socket(2) call.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, proto) };
+    if fd < 0 {
+        return Err(os_error("socket(AF_INET, SOCK_RAW)"));
+    }
+    Ok(fd)
+}
+
+fn send_raw_ip(proto: i32, dst: std::net::Ipv4Addr, count: usize) -> std::io::Result<()> {
+    let fd = raw_ip_socket(proto)?;
+    // SAFETY: an all-zero sockaddr_in is valid; the fields set below make it the destination.
+    let mut to: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    to.sin_family = libc::AF_INET as u16;
+    to.sin_addr.s_addr = u32::from_ne_bytes(dst.octets());
+    for _ in 0..count {
+        // SAFETY: the buffer and address outlive the call.
+        let sent = unsafe {
+            libc::sendto(
+                fd,
+                MARKER.as_ptr().cast(),
+                MARKER.len(),
+                0,
+                (&to as *const libc::sockaddr_in).cast(),
+                size_of::<libc::sockaddr_in>() as u32,
+            )
+        };
+        if sent < 0 {
+            return Err(os_error("sendto"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+fn interface_index(iface: &str) -> std::io::Result<i32> {
+    let name = std::ffi::CString::new(iface).expect("interface name");
+    // SAFETY: a NUL-terminated name.
+    match unsafe { libc::if_nametoindex(name.as_ptr()) } {
+        0 => Err(os_error(&format!("no interface {iface}"))),
+        index => Ok(index as i32),
+    }
+}
+
+fn mac(text: &str) -> [u8; 6] {
+    let bytes: Vec<u8> = text.trim().split(':').map(|b| u8::from_str_radix(b, 16).expect("MAC")).collect();
+    bytes.try_into().expect("six MAC bytes")
+}
+
+/// `iface`'s MAC address (SIOCGIFHWADDR: /sys/class/net shows the namespace sysfs was mounted
+/// in, not ours).
+fn hardware_address(iface: &str) -> std::io::Result<[u8; 6]> {
+    // SAFETY: plain socket(2) call.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0) };
+    if fd < 0 {
+        return Err(os_error("socket"));
+    }
+    // SAFETY: an all-zero ifreq is valid; the name is copied in below.
+    let mut request: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (to, from) in request.ifr_name.iter_mut().zip(iface.bytes().take(libc::IFNAMSIZ - 1)) {
+        *to = from as libc::c_char;
+    }
+    // SAFETY: the request outlives the call.
+    let result = unsafe { libc::ioctl(fd, libc::SIOCGIFHWADDR, &mut request) };
+    // SAFETY: closing the descriptor opened above.
+    unsafe { libc::close(fd) };
+    if result < 0 {
+        return Err(os_error("SIOCGIFHWADDR"));
+    }
+    // SAFETY: SIOCGIFHWADDR filled in the hardware address member.
+    let data = unsafe { request.ifr_ifru.ifru_hwaddr.sa_data };
+    Ok(std::array::from_fn(|i| data[i] as u8))
+}
+
+/// A packet socket on `iface` for frames of `ether_type` (host order), bound to it.
+fn packet_socket(iface: &str, ether_type: u16) -> std::io::Result<(i32, libc::sockaddr_ll)> {
+    // SAFETY: plain socket(2) call.
+    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from(ether_type.to_be())) };
+    if fd < 0 {
+        return Err(os_error("socket(AF_PACKET)"));
+    }
+    // SAFETY: an all-zero sockaddr_ll is valid; the fields set below name the interface.
+    let mut at: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    at.sll_family = libc::AF_PACKET as u16;
+    at.sll_protocol = ether_type.to_be();
+    at.sll_ifindex = interface_index(iface)?;
+    at.sll_halen = 6;
+    // SAFETY: the address outlives the call.
+    if unsafe { libc::bind(fd, (&at as *const libc::sockaddr_ll).cast(), size_of::<libc::sockaddr_ll>() as u32) } < 0 {
+        return Err(os_error("bind(AF_PACKET)"));
+    }
+    Ok((fd, at))
+}
+
+/// `raw-frame`: see the usage.
+fn send_raw_frames(args: &[String]) -> std::io::Result<()> {
+    let (iface, dst_mac, tags, ether_type) = (&args[0], mac(&args[1]), &args[2], &args[3]);
+    let ether_type = u16::from_str_radix(ether_type, 16).expect("ethertype (hex)");
+    let src_mac = hardware_address(iface)?;
+    let mut frame = dst_mac.to_vec();
+    frame.extend_from_slice(&src_mac);
+    for tag in tags.split(',').filter(|t| *t != "-") {
+        frame.extend_from_slice(&u16::from_str_radix(tag, 16).expect("tag ethertype (hex)").to_be_bytes());
+        frame.extend_from_slice(&[0, 0]); // priority 0, VLAN id 0
+    }
+    frame.extend_from_slice(&ether_type.to_be_bytes());
+    if ether_type == 0x0800 {
+        let src: std::net::Ipv4Addr = args[4].parse().expect("source address");
+        let dst: std::net::Ipv4Addr = args[5].parse().expect("destination address");
+        let total = (20 + MARKER.len()) as u16;
+        let mut ip = vec![0x45, 0, 0, 0, 0, 1, 0x40, 0, 64, args[6].parse().expect("protocol"), 0, 0];
+        ip[2..4].copy_from_slice(&total.to_be_bytes());
+        ip.extend_from_slice(&src.octets());
+        ip.extend_from_slice(&dst.octets());
+        let sum = ipv4_checksum(&ip);
+        ip[10..12].copy_from_slice(&sum.to_be_bytes());
+        frame.extend(ip);
+    }
+    frame.extend_from_slice(MARKER);
+    let (fd, at) = packet_socket(iface, ether_type)?;
+    for _ in 0..args[7].parse::<usize>().expect("count") {
+        // SAFETY: the buffer and address outlive the call.
+        let sent = unsafe {
+            libc::sendto(
+                fd,
+                frame.as_ptr().cast(),
+                frame.len(),
+                0,
+                (&at as *const libc::sockaddr_ll).cast(),
+                size_of::<libc::sockaddr_ll>() as u32,
+            )
+        };
+        if sent < 0 {
+            return Err(os_error("sendto(AF_PACKET)"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+/// Prints "ready", then counts for `seconds` what `fd` receives carrying the marker.
+fn count_marked(fd: i32, seconds: f64) -> usize {
+    let timeout = libc::timeval { tv_sec: 0, tv_usec: 100_000 };
+    // SAFETY: the option value outlives the call.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&timeout as *const libc::timeval).cast(),
+            size_of::<libc::timeval>() as u32,
+        )
+    };
+    println!("ready");
+    let _ = std::io::stdout().flush();
+    let (started, mut count, mut buf) = (Instant::now(), 0, vec![0u8; 65536]);
+    while started.elapsed().as_secs_f64() < seconds {
+        // SAFETY: the buffer outlives the call.
+        let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0) };
+        if n > 0 && buf[..n as usize].windows(MARKER.len()).any(|w| w == MARKER) {
+            count += 1;
+        }
+    }
+    count
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let arg = |i: usize| {
@@ -451,6 +645,22 @@ fn main() {
                 }
             }
             println!("{ok} {failed} {:.1}", ok as f64 / started.elapsed().as_secs_f64());
+        }
+        "raw-ip" => send_raw_ip(
+            arg(1).parse().expect("protocol"),
+            arg(2).parse().expect("IPv4 destination"),
+            arg(3).parse().expect("count"),
+        )
+        .unwrap_or_else(|e| panic!("raw-ip: {e}")),
+        "raw-frame" => send_raw_frames(&args[1..]).unwrap_or_else(|e| panic!("raw-frame: {e}")),
+        "count-ip" => {
+            let fd = raw_ip_socket(arg(1).parse().expect("protocol")).unwrap_or_else(|e| panic!("count-ip: {e}"));
+            println!("count {}", count_marked(fd, arg(2).parse().expect("seconds")));
+        }
+        "count-frames" => {
+            let ether_type = u16::from_str_radix(&arg(2), 16).expect("ethertype (hex)");
+            let (fd, _) = packet_socket(&arg(1), ether_type).unwrap_or_else(|e| panic!("count-frames: {e}"));
+            println!("count {}", count_marked(fd, arg(3).parse().expect("seconds")));
         }
         other => panic!("unknown command {other}"),
     }
