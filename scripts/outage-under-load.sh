@@ -7,6 +7,7 @@
 set -euo pipefail
 runs=${1:-10}
 cd "$(dirname "$0")/.."
+cargo build -p kube-router --bins >/dev/null 2>&1  # the agent the tests start
 cargo test -p kube-router-tests --test api_outage --test dual_stack --no-run >/dev/null 2>&1
 hogs=()
 for _ in $(seq "$(nproc)"); do
