@@ -34,14 +34,16 @@ fn http(ns: &kube_router_tests::Netns, addr: &str, path: &str) -> (String, Strin
     (status.to_string(), body.to_string(), started.elapsed())
 }
 
-/// Starts a flood of `FLOOD` idle connections from `pod` to `target` and waits until it has
-/// made that many connection attempts (and one more round).
+/// Starts a flood of `FLOOD` idle connections from `pod` to `target` and waits until its first
+/// round of connection attempts is done (under a second), 20 s at most: a server that stopped
+/// accepting makes each attempt wait, and then the assertions that follow say what broke.
 fn flood(pod: &kube_router_tests::Netns, target: &str) -> std::sync::Arc<std::sync::Mutex<Vec<String>>> {
     let bin = kube_router_tests::netprobe_bin();
     let lines = pod.spawn_collecting(&[bin.to_str().unwrap(), "flood", target, FLOOD]).unwrap();
-    wait_for("the flood's 2,000 connections", || {
-        lines.lock().unwrap().iter().filter_map(|l| l.split_whitespace().nth(3)?.parse::<u64>().ok()).count() >= 2
-    });
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while lines.lock().unwrap().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
     lines
 }
 
