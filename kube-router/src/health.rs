@@ -85,7 +85,7 @@ mod tests {
     use super::*;
     use crate::runtime::{spawn, Action, Controller, NoTrigger, RunOptions};
 
-    /// Succeeds, fails, hangs or panics at its second reconcile, as told.
+    /// Succeeds, fails, hangs, panics or waits for input at its second reconcile, as told.
     struct Scripted {
         second: &'static str,
         runs: u32,
@@ -103,6 +103,7 @@ mod tests {
                     "fail" => anyhow::bail!("API server unreachable"),
                     "hang" => pending::<()>().await,
                     "panic" => panic!("a bug"),
+                    "idle" => return Ok(Action::AwaitChange),
                     _ => {}
                 }
             }
@@ -151,7 +152,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn an_idle_controller_stays_live_and_ready_waits_for_the_sync() {
-        let (health, _stop) = health_of("ok", false);
+        // Waits for a change that never comes: only the runner's idle heartbeat shows it alive.
+        let (health, _stop) = health_of("idle", false);
         tokio::time::sleep(Duration::from_secs(3600)).await;
         let verdict = health.check();
         assert_eq!((verdict.live, verdict.ready), (true, false), "not synced: not ready");

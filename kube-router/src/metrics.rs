@@ -619,6 +619,28 @@ mod tests {
         }
     }
 
+    /// Rendering works on a copy: a family that records into the metrics while it renders (as
+    /// any controller may at that moment) does not wait for the scrape to end.
+    #[test]
+    fn rendering_does_not_hold_the_lock_the_controllers_record_under() {
+        let metrics = Metrics::default();
+        let recorder = metrics.clone();
+        metrics.register_families(
+            "records-while-rendering",
+            Arc::new(move |out: &mut String| {
+                let syncs = recorder.with(|m| {
+                    m.syncs += 1;
+                    m.syncs
+                });
+                let _ = writeln!(out, "# recorded {syncs}");
+            }),
+        );
+        let (done, rendered) = std::sync::mpsc::channel();
+        std::thread::spawn(move || done.send(metrics.render()).unwrap());
+        let text = rendered.recv_timeout(Duration::from_secs(5)).expect("the render finished (no deadlock)");
+        assert!(text.contains("# recorded 1"));
+    }
+
     #[test]
     fn health_is_ok_even_when_the_api_is_unreachable() {
         let metrics = Metrics::default();
