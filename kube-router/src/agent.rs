@@ -52,17 +52,7 @@ const AT_ONCE: RunOptions =
 
 pub async fn run(config: AgentConfig) -> Result<()> {
     let metrics = Metrics::default();
-    let mut ports = vec![config.health_port, config.metrics_port];
-    ports.retain(|p| *p != 0);
-    ports.dedup();
-    for port in ports {
-        let metrics = metrics.clone();
-        tokio::spawn(async move {
-            if let Err(e) = metrics::serve(metrics, port).await {
-                tracing::error!(port, error = %e, "metrics/health server failed");
-            }
-        });
-    }
+    serve_http(&config, &metrics).await;
 
     // Until a BGP speaker runs (if ever), /bgp says so.
     metrics.register_page("bgp", Arc::new(|| crate::router::render_status(None)));
@@ -186,6 +176,14 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         tasks.statuses.push((routing.name, routing.status.clone()));
     }
     let statuses = std::mem::take(&mut tasks.statuses);
+    let synced: crate::health::Synced = match &cache {
+        Some(cache) => {
+            let cache = cache.clone();
+            Arc::new(move || cache.all_synced() || cache.restored())
+        }
+        None => Arc::new(|| true),
+    };
+    metrics.with(|m| m.health.clone()).watch(statuses.clone(), synced);
     metrics
         .register_families("controllers", Arc::new(move |out: &mut String| runtime::render_families(out, &statuses)));
 
@@ -227,6 +225,31 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The health listener (every address: the kubelet probes the node's) and the metrics listener
+/// (`--metrics-addr`, the loopback address by default). One that cannot bind is logged; the
+/// agent runs on without it.
+async fn serve_http(config: &AgentConfig, metrics: &Metrics) {
+    if config.health_port != 0 {
+        match tokio::net::TcpListener::bind(("0.0.0.0", config.health_port)).await {
+            Ok(listener) => {
+                tracing::info!(port = config.health_port, "serving /healthz, /livez and /readyz");
+                tokio::spawn(metrics::serve_health(metrics.clone(), listener));
+            }
+            Err(e) => tracing::error!(port = config.health_port, error = %e, "cannot serve the health endpoints"),
+        }
+    }
+    if config.metrics_port != 0 {
+        let addr = std::net::SocketAddr::new(config.metrics_addr, config.metrics_port);
+        match tokio::net::TcpListener::bind(addr).await {
+            Ok(listener) => {
+                tracing::info!(%addr, path = config.metrics_path, "serving metrics, /bgp and health");
+                tokio::spawn(metrics::serve_metrics(metrics.clone(), listener, config.metrics_path.clone()));
+            }
+            Err(e) => tracing::error!(%addr, error = %e, "cannot serve the metrics"),
+        }
+    }
 }
 
 /// The spawned controllers: their tasks, and their statuses for the metrics.

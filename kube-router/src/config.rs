@@ -26,7 +26,11 @@ pub struct AgentConfig {
     pub node_name: String,
     pub nodeport_addresses: Option<Vec<IpAddr>>,
     pub limits: Limits,
+    /// The metrics listener (0: none): metrics at `metrics_path`, `/bgp`, health.
     pub metrics_port: u16,
+    pub metrics_addr: IpAddr,
+    pub metrics_path: String,
+    /// The health endpoints alone, on every address (0: none).
     pub health_port: u16,
     pub conntrack_gc_interval: Duration,
     /// `--hairpin-mode`.

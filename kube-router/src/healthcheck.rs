@@ -77,7 +77,7 @@ pub async fn serve(mut checks: watch::Receiver<BTreeMap<u16, LocalEndpoints>>, m
             match listen(port).await {
                 Ok(listener) => {
                     failed.remove(&port);
-                    listeners.insert(port, tokio::spawn(answer(listener, port, checks.clone())));
+                    listeners.insert(port, tokio::spawn(answer(listener, port, checks.clone(), metrics.clone())));
                 }
                 Err(e) => {
                     if failed.insert(port) {
@@ -123,28 +123,21 @@ async fn listen(port: u16) -> std::io::Result<TcpListener> {
     socket.listen(1024)
 }
 
-async fn answer(listener: TcpListener, port: u16, checks: watch::Receiver<BTreeMap<u16, LocalEndpoints>>) {
+/// Answers on `port` with the latest check, through the agent's hardened server (a load
+/// balancer and every pod reach this port).
+async fn answer(
+    listener: TcpListener,
+    port: u16,
+    checks: watch::Receiver<BTreeMap<u16, LocalEndpoints>>,
+    metrics: Metrics,
+) {
     let checks = Arc::new(checks);
-    loop {
-        let Ok((mut stream, _)) = listener.accept().await else { continue };
-        let checks = checks.clone();
-        tokio::spawn(async move {
-            use tokio::io::{AsyncReadExt, AsyncWriteExt};
-            let mut buf = [0u8; 1024];
-            let read = tokio::time::timeout(std::time::Duration::from_secs(5), stream.read(&mut buf)).await;
-            if !matches!(read, Ok(Ok(_))) {
-                return;
-            }
-            let check = checks.borrow().get(&port).cloned();
-            let Some(check) = check else { return };
-            let (status, body) = response(&check);
-            let reply = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = stream.write_all(reply.as_bytes()).await;
-        });
-    }
+    let handler: crate::http::Handler = Arc::new(move |_path| {
+        let check = checks.borrow().get(&port).cloned()?;
+        let (status, body) = response(&check);
+        Some(crate::http::Response::new(status, "application/json", body))
+    });
+    crate::http::serve(listener, "health_check_node_port", crate::http::Limits::default(), metrics, handler).await
 }
 
 #[cfg(test)]

@@ -52,7 +52,7 @@ struct Sample {
     reading: u64,
 }
 
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct KubeRouterMetrics {
     /// Every programmed frontend and its Service, from the last compile.
     pub frontends: BTreeMap<FrontendId, FrontendOwner>,

@@ -73,10 +73,19 @@ struct RunArgs {
     /// Endpoints per service port beyond this are left out (the first N by address are kept).
     #[arg(long, env = "KUBE_ROUTER_MAX_BACKENDS_PER_SERVICE", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=65536))]
     max_backends_per_service: u32,
-    /// Port for /metrics (0 disables).
+    /// Port of the metrics listener: Prometheus metrics at --metrics-path, the /bgp status page
+    /// (`kube-router bgp` reads it) and the health endpoints (0 disables).
     #[arg(long, env = "KUBE_ROUTER_METRICS_PORT", default_value_t = 0)]
     metrics_port: u16,
-    /// Port for /healthz (0 disables).
+    /// Address of the metrics listener. The default keeps the metrics (every Service, VIP, BGP
+    /// peer and route) from the pods: set the node's InternalIP (or 0.0.0.0) to scrape it from
+    /// elsewhere, behind a firewall rule or NetworkPolicy for the node.
+    #[arg(long, env = "KUBE_ROUTER_METRICS_ADDR", default_value = "127.0.0.1")]
+    metrics_addr: std::net::IpAddr,
+    /// Path of the Prometheus metrics on the metrics listener.
+    #[arg(long, env = "KUBE_ROUTER_METRICS_PATH", default_value = "/metrics", value_parser = parse_metrics_path)]
+    metrics_path: String,
+    /// Port for the health endpoints /healthz, /livez and /readyz, on every address (0 disables).
     #[arg(long, env = "KUBE_ROUTER_HEALTH_PORT", default_value_t = 20244)]
     health_port: u16,
     /// Program the eBPF service load balancer (ClusterIP, NodePort, ExternalIP, LoadBalancer).
@@ -428,11 +437,25 @@ fn show_checkpoint(cli: &Cli) -> Result<()> {
     Ok(())
 }
 
+fn parse_metrics_path(path: &str) -> Result<String, String> {
+    if path.starts_with('/') && !path.contains(char::is_whitespace) {
+        Ok(path.to_string())
+    } else {
+        Err("a path starting with / without spaces".to_string())
+    }
+}
+
 fn show_bgp(cli: &Cli) -> Result<()> {
     use std::io::{Read, Write};
-    let port = cli.run.health_port;
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port))
-        .map_err(|e| anyhow::anyhow!("cannot reach the agent on 127.0.0.1:{port} (--health-port): {e}"))?;
+    let port = cli.run.metrics_port;
+    anyhow::ensure!(port != 0, "the agent serves /bgp on its metrics listener: give its --metrics-port");
+    let addr = match cli.run.metrics_addr {
+        any if any.is_unspecified() => std::net::IpAddr::V4(Ipv4Addr::LOCALHOST),
+        addr => addr,
+    };
+    let mut stream = std::net::TcpStream::connect((addr, port)).map_err(|e| {
+        anyhow::anyhow!("cannot reach the agent on {addr}:{port} (--metrics-addr, --metrics-port): {e}")
+    })?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
     stream.write_all(b"GET /bgp HTTP/1.0\r\n\r\n")?;
     let mut response = String::new();
@@ -672,6 +695,8 @@ fn run(cli: &Cli) -> Result<()> {
         nodeport_addresses: args.nodeport_addresses.clone(),
         limits: Limits { max_backends_per_service: args.max_backends_per_service as usize },
         metrics_port: args.metrics_port,
+        metrics_addr: args.metrics_addr,
+        metrics_path: args.metrics_path.clone(),
         health_port: args.health_port,
         conntrack_gc_interval: Duration::from_secs(args.conntrack_gc_interval),
         hairpin_mode: args.hairpin_mode,
@@ -707,6 +732,31 @@ fn run(cli: &Cli) -> Result<()> {
         },
         router,
     };
+    raise_fd_limit();
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     runtime.block_on(agent::run(config))
+}
+
+/// Raises the soft limit of open files to the hard limit, as the Go runtime does for every Go
+/// program (kube-router upstream included): the soft default of 1,024 is used up by a few
+/// hundred connections to the agent's servers plus its maps, links and sockets.
+fn raise_fd_limit() {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit with a valid pointer to an rlimit we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "cannot read the open files limit");
+        return;
+    }
+    if limit.rlim_cur >= limit.rlim_max {
+        tracing::info!(soft = limit.rlim_cur, "open files limit already at its hard limit");
+        return;
+    }
+    let before = limit.rlim_cur;
+    limit.rlim_cur = limit.rlim_max;
+    // SAFETY: as above.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), soft = before, "cannot raise the open files limit");
+        return;
+    }
+    tracing::info!(from = before, to = limit.rlim_cur, "raised the open files soft limit to the hard limit");
 }

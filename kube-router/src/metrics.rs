@@ -1,4 +1,4 @@
-//! Prometheus text-format metrics and the health endpoint, served over plain HTTP/1.1.
+//! Prometheus text-format metrics and the health endpoints, served over plain HTTP/1.1.
 use std::{
     collections::BTreeMap,
     fmt::Write as _,
@@ -6,17 +6,14 @@ use std::{
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpListener,
-};
+use tokio::net::TcpListener;
 
-use crate::map_writes::SyncReport;
+use crate::{http::Response, map_writes::SyncReport};
 
 /// Upper bounds (seconds) of the sync-duration histogram buckets.
 const SYNC_BUCKETS: [f64; 10] = [0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0];
 
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct Histogram {
     counts: [u64; SYNC_BUCKETS.len()],
     count: u64,
@@ -52,7 +49,7 @@ pub type Family = Arc<dyn Fn(&mut String) + Send + Sync>;
 /// Renders a status page.
 pub type Page = Arc<dyn Fn() -> String + Send + Sync>;
 
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct MetricsState {
     /// (map, op) -> count, op in insert/update/delete/error/full.
     pub map_writes: BTreeMap<(&'static str, &'static str), u64>,
@@ -100,6 +97,12 @@ pub struct MetricsState {
     pub overlay_packets: Vec<(&'static str, u64)>,
     /// kube-router's names (per-Service counters, sync times), see `kr_metrics`.
     pub kr: crate::kr_metrics::KubeRouterMetrics,
+    /// (server, reason) -> connections closed unanswered: over a limit, or too slow.
+    pub http_rejected: BTreeMap<(&'static str, &'static str), u64>,
+    /// (server, errno name) -> failed `accept()` calls.
+    pub http_accept_errors: BTreeMap<(&'static str, &'static str), u64>,
+    /// The controllers' liveness and the agent's readiness.
+    pub health: Arc<crate::health::Health>,
 }
 
 #[derive(Clone, Default)]
@@ -151,8 +154,12 @@ impl Metrics {
         })
     }
 
+    /// The exposition text. The state is copied under the lock and rendered without it: every
+    /// controller records into it, and a scrape (or a slow client's many) must not stall them.
     pub fn render(&self) -> String {
-        self.with(|m| {
+        let snapshot = self.with(|m| m.clone());
+        let m = &snapshot;
+        {
             let mut out = String::new();
             family(
                 &mut out,
@@ -369,9 +376,10 @@ impl Metrics {
             for render in m.families.values() {
                 render(&mut out);
             }
+            render_http_families(&mut out, m);
             render_kube_router_names(&mut out, m);
             out
-        })
+        }
     }
 
     /// Adds (or replaces) the families `name` renders on every scrape.
@@ -390,27 +398,61 @@ impl Metrics {
         Some(render())
     }
 
-    /// Liveness: the process answers. Detail: seconds since each controller's last heartbeat.
-    pub fn health(&self) -> String {
-        self.with(|m| {
+    /// The health endpoints' answer: `/livez` and `/healthz` 503 when a controller task died or
+    /// hangs, `/readyz` 503 also until the first complete sync (see `health`). Never because of
+    /// the API server: its reachability is reported in the body only.
+    pub fn health(&self, readiness: bool) -> (bool, String) {
+        let (health, detail, api, api_contact) = self.with(|m| {
             let detail: BTreeMap<&str, f64> =
                 m.heartbeats.iter().map(|(k, t)| (*k, t.elapsed().as_secs_f64())).collect();
-            // Always "ok" for liveness: an unreachable API server is degraded, never fatal.
             // "unknown" until the API has answered once (or with no API at all, --service-file).
             let api = match (m.api_reachable, m.last_api_contact_unix) {
                 (true, _) => "reachable",
                 (false, None) => "unknown",
                 (false, Some(_)) => "unreachable",
             };
-            let api_contact = m.last_api_contact_unix.map(|t| (unix_now() - t).round());
-            serde_json::json!({
-                "status": "ok",
-                "api": api,
-                "seconds_since_api_contact": api_contact,
-                "seconds_since_heartbeat": detail,
-            })
-            .to_string()
+            (m.health.clone(), detail, api, m.last_api_contact_unix.map(|t| (unix_now() - t).round()))
+        });
+        let verdict = health.check();
+        let ok = if readiness { verdict.ready } else { verdict.live };
+        let status = match (ok, verdict.live) {
+            (true, _) => "ok",
+            (false, true) => "not ready",
+            (false, false) => "failed",
+        };
+        let body = serde_json::json!({
+            "status": status,
+            "ready": verdict.ready,
+            "problems": verdict.problems,
+            "api": api,
+            "seconds_since_api_contact": api_contact,
+            "seconds_since_heartbeat": detail,
         })
+        .to_string();
+        (ok, body)
+    }
+}
+
+/// The agent's HTTP servers' refused connections and failed accepts.
+fn render_http_families(out: &mut String, m: &MetricsState) {
+    family(
+        out,
+        "kube_router_http_connections_rejected_total",
+        "counter",
+        "Connections to the agent's HTTP servers closed unanswered, by server and reason (a limit, or a timeout).",
+    );
+    for ((server, reason), n) in &m.http_rejected {
+        let _ =
+            writeln!(out, "kube_router_http_connections_rejected_total{{server=\"{server}\",reason=\"{reason}\"}} {n}");
+    }
+    family(
+        out,
+        "kube_router_http_accept_errors_total",
+        "counter",
+        "Failed accept() calls of the agent's HTTP servers, by server and error (each followed by a short backoff).",
+    );
+    for ((server, error), n) in &m.http_accept_errors {
+        let _ = writeln!(out, "kube_router_http_accept_errors_total{{server=\"{server}\",error=\"{error}\"}} {n}");
     }
 }
 
@@ -454,33 +496,37 @@ pub(crate) fn family(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
-/// Serves /metrics and /healthz on `port` (all addresses) until the task is dropped.
-pub async fn serve(metrics: Metrics, port: u16) -> std::io::Result<()> {
-    let listener = TcpListener::bind(("0.0.0.0", port)).await?;
-    tracing::info!(port, "serving /metrics and /healthz");
-    loop {
-        let (mut stream, _) = listener.accept().await?;
-        let metrics = metrics.clone();
-        tokio::spawn(async move {
-            let mut buf = [0u8; 2048];
-            let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await else { return };
-            let request = String::from_utf8_lossy(&buf[..n]);
-            let path = request.split_whitespace().nth(1).unwrap_or("/");
-            let (status, content_type, body) = match path {
-                "/metrics" => ("200 OK", "text/plain; version=0.0.4", metrics.render()),
-                "/healthz" | "/livez" | "/readyz" => ("200 OK", "application/json", metrics.health()),
-                page => match metrics.page(page.trim_start_matches('/')) {
-                    Some(text) => ("200 OK", "text/plain", text),
-                    None => ("404 Not Found", "text/plain", "not found\n".to_string()),
-                },
-            };
-            let response = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = stream.write_all(response.as_bytes()).await;
-        });
-    }
+/// Serves the health endpoints (`/healthz`, `/livez`, `/readyz`) and nothing else: the
+/// kubelet probes them on the node's address, where every pod reaches them too.
+pub async fn serve_health(metrics: Metrics, listener: TcpListener) {
+    let health = metrics.clone();
+    let handler: crate::http::Handler = Arc::new(move |path| Some(health_response(&health, path)));
+    crate::http::serve(listener, "health", crate::http::Limits::default(), metrics, handler).await
+}
+
+fn health_response(metrics: &Metrics, path: &str) -> Response {
+    let readiness = match path {
+        "/healthz" | "/livez" => false,
+        "/readyz" => true,
+        _ => return Response::new("404 Not Found", "text/plain", "not found\n".to_string()),
+    };
+    let (ok, body) = metrics.health(readiness);
+    Response::new(if ok { "200 OK" } else { "503 Service Unavailable" }, "application/json", body)
+}
+
+/// Serves the metrics at `path`, the status pages (`/bgp`) and the health endpoints.
+pub async fn serve_metrics(metrics: Metrics, listener: TcpListener, path: String) {
+    let state = metrics.clone();
+    let handler: crate::http::Handler = Arc::new(move |request| {
+        Some(if request == path {
+            Response::new("200 OK", "text/plain; version=0.0.4", state.render())
+        } else if let Some(text) = state.page(request.trim_start_matches('/')) {
+            Response::new("200 OK", "text/plain", text)
+        } else {
+            health_response(&state, request)
+        })
+    });
+    crate::http::serve(listener, "metrics", crate::http::Limits::default(), metrics, handler).await
 }
 
 #[cfg(test)]
@@ -573,6 +619,28 @@ mod tests {
         }
     }
 
+    /// Rendering works on a copy: a family that records into the metrics while it renders (as
+    /// any controller may at that moment) does not wait for the scrape to end.
+    #[test]
+    fn rendering_does_not_hold_the_lock_the_controllers_record_under() {
+        let metrics = Metrics::default();
+        let recorder = metrics.clone();
+        metrics.register_families(
+            "records-while-rendering",
+            Arc::new(move |out: &mut String| {
+                let syncs = recorder.with(|m| {
+                    m.syncs += 1;
+                    m.syncs
+                });
+                let _ = writeln!(out, "# recorded {syncs}");
+            }),
+        );
+        let (done, rendered) = std::sync::mpsc::channel();
+        std::thread::spawn(move || done.send(metrics.render()).unwrap());
+        let text = rendered.recv_timeout(Duration::from_secs(5)).expect("the render finished (no deadlock)");
+        assert!(text.contains("# recorded 1"));
+    }
+
     #[test]
     fn health_is_ok_even_when_the_api_is_unreachable() {
         let metrics = Metrics::default();
@@ -580,7 +648,9 @@ mod tests {
             m.last_api_contact_unix = Some(unix_now() - 100.0);
             m.api_reachable = false;
         });
-        let health: serde_json::Value = serde_json::from_str(&metrics.health()).unwrap();
+        let (live, health) = metrics.health(false);
+        assert!(live);
+        let health: serde_json::Value = serde_json::from_str(&health).unwrap();
         assert_eq!(health["status"], "ok");
         assert_eq!(health["api"], "unreachable");
         assert!(health["seconds_since_api_contact"].as_f64().unwrap() >= 100.0);

@@ -119,7 +119,13 @@ pub struct Status {
     /// Failures since the last success.
     pub failures: u32,
     pub last_error: Option<String>,
+    /// When the task last showed it is alive: a reconcile ended, or it waited
+    /// [`HEARTBEAT_INTERVAL`] for work. Stale only while a reconcile hangs, or the task is gone.
+    pub last_beat: Option<Instant>,
 }
+
+/// How often a waiting controller task says it is alive.
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(10);
 
 /// A spawned controller: its status, and the controller back once stopped.
 pub struct Running<C> {
@@ -181,7 +187,7 @@ pub fn spawn<C: Controller>(
     options: RunOptions,
     stop: watch::Receiver<bool>,
 ) -> Running<C> {
-    let (status, status_rx) = watch::channel(Status::default());
+    let (status, status_rx) = watch::channel(Status { last_beat: Some(Instant::now()), ..Status::default() });
     let name = controller.name();
     let task = tokio::spawn(run(controller, trigger, options, stop, status));
     Running { name, status: status_rx, task }
@@ -225,6 +231,14 @@ async fn run<C: Controller>(
                     continue;
                 }
                 _ = wait_until(due) => {}
+                _ = tokio::time::sleep(HEARTBEAT_INTERVAL) => {
+                    // Alive and idle; nobody needs waking for that.
+                    status.send_if_modified(|s| {
+                        s.last_beat = Some(Instant::now());
+                        false
+                    });
+                    continue;
+                }
             }
         }
         let result = controller.reconcile().await;
@@ -249,6 +263,7 @@ async fn run<C: Controller>(
         }
         let failures = backoff.failures();
         status.send_modify(|s| {
+            s.last_beat = Some(now);
             s.runs += 1;
             s.failures = failures;
             if failures == 0 {

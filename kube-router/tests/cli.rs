@@ -9,6 +9,8 @@ fn kube_router(args: &[&str]) -> std::process::Output {
 fn bad_flag_values_exit_2_with_a_message_naming_the_flag() {
     for (args, needle) in [
         (&["--metrics-port", "70000"][..], "--metrics-port"),
+        (&["--metrics-addr", "localhost"][..], "--metrics-addr"),
+        (&["--metrics-path", "metrics"][..], "--metrics-path"),
         (&["--max-backends-per-service", "0"][..], "--max-backends-per-service"),
         (&["--nodeport-addresses", "10.0.0.300"][..], "--nodeport-addresses"),
         (&["--no-such-flag"][..], "--no-such-flag"),
@@ -74,7 +76,11 @@ fn a_missing_checkpoint_and_an_absent_agent_are_clear_errors() {
     let out = kube_router(&["--state-dir", "/tmp/krt-cli-no-state", "checkpoint"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("checkpoint"), "{}", String::from_utf8_lossy(&out.stderr));
-    let out = kube_router(&["--health-port", "1", "bgp"]);
+    let out = kube_router(&["--metrics-port", "1", "bgp"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach the agent"));
+    // /bgp is on the metrics listener only: without its port the error says so.
+    let out = kube_router(&["bgp"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--metrics-port"));
 }

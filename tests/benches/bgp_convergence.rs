@@ -130,7 +130,7 @@ fn main() {
             .arg(&bin)
             .args(["--run-service-proxy=false", "--service-file", empty.to_str().unwrap()])
             .args(["--state-dir", state.to_str().unwrap(), "--router-id", RX, "--cluster-asn", "65020"])
-            .args(["--peer-router-ips", SRC, "--peer-router-asns", "65010", "--health-port", "20270"])
+            .args(["--peer-router-ips", SRC, "--peer-router-asns", "65010", "--metrics-port", "20270"])
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(fs::File::create(dir.join(log)).unwrap())
@@ -140,7 +140,7 @@ fn main() {
     let started = Instant::now();
     let mut agent = start_agent("agent.log");
     let agent_received = || -> usize {
-        rx.run(&[bin.to_str().unwrap(), "--health-port", "20270", "bgp"])
+        rx.run(&[bin.to_str().unwrap(), "--metrics-port", "20270", "bgp"])
             .ok()
             .and_then(|out| {
                 out.lines().find(|l| l.starts_with(SRC)).and_then(|l| l.split_whitespace().nth(4)?.parse().ok())
@@ -161,7 +161,7 @@ fn main() {
     let restart = Instant::now();
     let mut agent = start_agent("agent-restart.log");
     let restarted = || {
-        rx.run(&[bin.to_str().unwrap(), "--health-port", "20270", "bgp"])
+        rx.run(&[bin.to_str().unwrap(), "--metrics-port", "20270", "bgp"])
             .is_ok_and(|out| !out.contains("waiting for peers' End-of-RIB") && out.contains("Established"))
     };
     wait("the restarted agent to complete its graceful restart", Duration::from_secs(300), || {

@@ -870,6 +870,21 @@ impl Cluster {
         Ok(())
     }
 
+    /// Wires a new pod `pod-<i+1>-<j>` on node `i` of the running cluster and publishes it:
+    /// a pod created while the agents run. The caller owns it (its namespace goes with it).
+    pub fn add_pod(&self, i: usize, j: usize) -> Result<Pod> {
+        let node = &self.nodes[i];
+        let conflist = wait_conflist(&node.cni_conf_file())?;
+        let pod = Self::new_pod(&self.prefix, node, &conflist, i, j)?;
+        self.server.apply(self.pod_object(&pod))?;
+        Ok(pod)
+    }
+
+    /// The process id of node `i`'s agent.
+    pub fn agent_pid(&self, i: usize) -> Option<u32> {
+        self.agents.lock().unwrap()[i].as_ref().map(Agent::pid)
+    }
+
     /// Every agent is still running.
     pub fn agents_running(&self) -> bool {
         self.agents.lock().unwrap().iter_mut().all(|a| a.as_mut().is_some_and(Agent::is_running))

@@ -78,10 +78,15 @@ impl Env {
     }
 
     fn health(&self) -> (String, String) {
+        self.health_at("/healthz")
+    }
+
+    /// Status and body of a health endpoint (`/healthz`, `/livez`, `/readyz`).
+    fn health_at(&self, path: &str) -> (String, String) {
         let out = self
             .topo
             .node
-            .run(&[netprobe_bin().to_str().unwrap(), "http", &format!("127.0.0.1:{HEALTH_PORT}"), "/healthz"])
+            .run(&[netprobe_bin().to_str().unwrap(), "http", &format!("127.0.0.1:{HEALTH_PORT}"), path])
             .unwrap();
         let (status, body) = out.split_once('\n').unwrap_or((&out, ""));
         (status.trim().to_string(), body.trim().to_string())
@@ -228,6 +233,12 @@ fn killed_during_an_outage_the_agent_restarts_from_its_checkpoint() {
     thread::sleep(Duration::from_secs(3));
     assert_eq!(env.agent_maps(), maps_before);
     assert!(agent.is_running());
+    // Restored from the checkpoint with the API down: live and ready (the kubelet neither
+    // restarts it nor holds a rollout).
+    for path in ["/livez", "/readyz"] {
+        let (status, body) = env.health_at(path);
+        assert_eq!(status, "200", "{path} after a cold start from the checkpoint during an outage: {body}");
+    }
 
     // A 500-answering API is no better; then it recovers with nothing changed.
     env.set_mode(FaultMode::Errors500);

@@ -19,7 +19,8 @@ use kube_router_tests::{
     remove_bpf_root, veth, wait_until, Agent, Netns, NetnsRuntime,
 };
 
-const HEALTH_PORT: &str = "20263";
+/// The agents' metrics listener (/metrics, /bgp).
+const METRICS_PORT: &str = "20263";
 const BPF_ROOT: &str = "/sys/fs/bpf/krt-fab-unused";
 const POD_V4: &str = "10.244.1.0/24";
 const POD_V6: &str = "fd00:244:1::/64";
@@ -58,8 +59,8 @@ impl Node {
             ips.join(","),
             "--peer-router-asns".into(),
             asns.join(","),
-            "--health-port".into(),
-            HEALTH_PORT.into(),
+            "--metrics-port".into(),
+            METRICS_PORT.into(),
         ];
         if !extra.iter().any(|a| a.starts_with("--bgp-holdtime")) {
             args.push("--bgp-holdtime=9s".into());
@@ -90,12 +91,12 @@ impl Node {
     }
 
     fn bgp(&self) -> String {
-        self.ns.run(&[kube_router_bin().to_str().unwrap(), "--health-port", HEALTH_PORT, "bgp"]).unwrap_or_default()
+        self.ns.run(&[kube_router_bin().to_str().unwrap(), "--metrics-port", METRICS_PORT, "bgp"]).unwrap_or_default()
     }
 
     fn scrape(&self) -> String {
         self.ns
-            .run(&[netprobe_bin().to_str().unwrap(), "http", &format!("127.0.0.1:{HEALTH_PORT}"), "/metrics"])
+            .run(&[netprobe_bin().to_str().unwrap(), "http", &format!("127.0.0.1:{METRICS_PORT}"), "/metrics"])
             .unwrap_or_default()
     }
 

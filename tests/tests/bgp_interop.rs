@@ -22,7 +22,8 @@ const NODE_ASN: &str = "65001";
 const PEER_ASN: &str = "65002";
 const POD_CIDR_V4: &str = "10.244.1.0/24";
 const POD_CIDR_V6: &str = "fd00:244:1::/64";
-const HEALTH_PORT: &str = "20260";
+/// The agents' metrics listener (/metrics, /bgp).
+const METRICS_PORT: &str = "20260";
 
 struct Lab {
     node: Netns,
@@ -67,8 +68,8 @@ impl Lab {
             &format!("{PEER_V4},{PEER_V6}"),
             "--peer-router-asns",
             &format!("{PEER_ASN},{PEER_ASN}"),
-            "--health-port",
-            HEALTH_PORT,
+            "--metrics-port",
+            METRICS_PORT,
             "--bgp-holdtime",
             "9s",
             "--bgp-graceful-restart-time",
@@ -115,7 +116,7 @@ impl Lab {
 
     fn agent_bgp(&self) -> String {
         self.node
-            .run(&[kube_router_tests::kube_router_bin().to_str().unwrap(), "--health-port", HEALTH_PORT, "bgp"])
+            .run(&[kube_router_tests::kube_router_bin().to_str().unwrap(), "--metrics-port", METRICS_PORT, "bgp"])
             .unwrap_or_default()
     }
 }
@@ -606,7 +607,7 @@ fn a_misbehaving_peer_is_isolated_and_reported() {
             .run(&[
                 kube_router_tests::netprobe_bin().to_str().unwrap(),
                 "http",
-                &format!("127.0.0.1:{HEALTH_PORT}"),
+                &format!("127.0.0.1:{METRICS_PORT}"),
                 "/metrics",
             ])
             .unwrap()

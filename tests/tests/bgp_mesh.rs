@@ -19,7 +19,8 @@ use kube_router_tests::{
 };
 use serde_json::json;
 
-const HEALTH_PORT: &str = "20262";
+/// The agents' metrics listener (/metrics, /bgp).
+const METRICS_PORT: &str = "20262";
 const NODES: usize = 3;
 
 fn node_ip(i: usize) -> String {
@@ -95,8 +96,8 @@ impl Mesh {
             "--run-service-proxy=false",
             "--state-dir",
             state.to_str().unwrap(),
-            "--health-port",
-            HEALTH_PORT,
+            "--metrics-port",
+            METRICS_PORT,
             "--bgp-holdtime",
             "9s",
             "--bgp-graceful-restart-deferral-time",
@@ -112,7 +113,7 @@ impl Mesh {
 
     fn bgp(&self, i: usize) -> String {
         self.nodes[i - 1]
-            .run(&[kube_router_bin().to_str().unwrap(), "--health-port", HEALTH_PORT, "bgp"])
+            .run(&[kube_router_bin().to_str().unwrap(), "--metrics-port", METRICS_PORT, "bgp"])
             .unwrap_or_default()
     }
 

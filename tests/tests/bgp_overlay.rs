@@ -22,7 +22,8 @@ use kube_router_tests::{
 };
 use serde_json::json;
 
-const HEALTH_PORT: &str = "20264";
+/// The agents' metrics listener (/metrics, /bgp).
+const METRICS_PORT: &str = "20264";
 
 fn node_ip(i: usize) -> String {
     format!("10.{}.0.1", 79 + i)
@@ -105,8 +106,8 @@ impl Lab {
             "--run-firewall=false",
             "--state-dir",
             state.to_str().unwrap(),
-            "--health-port",
-            HEALTH_PORT,
+            "--metrics-port",
+            METRICS_PORT,
             "--bgp-holdtime",
             "9s",
         ];
@@ -131,7 +132,7 @@ impl Lab {
     /// An overlay counter of node `i` (`kube_router_overlay_packets_total{event=...}`).
     fn overlay_stat(&self, i: usize, event: &str) -> f64 {
         let scrape = self.nodes[i - 1]
-            .run(&[netprobe_bin().to_str().unwrap(), "http", &format!("127.0.0.1:{HEALTH_PORT}"), "/metrics"])
+            .run(&[netprobe_bin().to_str().unwrap(), "http", &format!("127.0.0.1:{METRICS_PORT}"), "/metrics"])
             .unwrap_or_default();
         let series = format!("kube_router_overlay_packets_total{{event=\"{event}\"}}");
         if scrape.contains(&series) {
@@ -158,7 +159,7 @@ impl Lab {
 
     fn bgp(&self, i: usize) -> String {
         self.nodes[i - 1]
-            .run(&[kube_router_bin().to_str().unwrap(), "--health-port", HEALTH_PORT, "bgp"])
+            .run(&[kube_router_bin().to_str().unwrap(), "--metrics-port", METRICS_PORT, "bgp"])
             .unwrap_or_default()
     }
 }

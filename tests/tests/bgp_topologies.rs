@@ -19,7 +19,8 @@ use kube_router_tests::{
 };
 use serde_json::json;
 
-const HEALTH_PORT: &str = "20265";
+/// The agents' metrics listener (/metrics, /bgp).
+const METRICS_PORT: &str = "20265";
 const NODES: usize = 4;
 
 struct Fabric {
@@ -120,8 +121,8 @@ impl Fabric {
                 "--run-firewall=false".into(),
                 "--state-dir".into(),
                 state.display().to_string(),
-                "--health-port".into(),
-                HEALTH_PORT.into(),
+                "--metrics-port".into(),
+                METRICS_PORT.into(),
             ];
             args.extend(extra.iter().map(|s| s.to_string()));
             let refs: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -138,7 +139,7 @@ impl Fabric {
 
     fn bgp(&self, i: usize) -> String {
         self.nodes[i - 1]
-            .run(&[kube_router_bin().to_str().unwrap(), "--health-port", HEALTH_PORT, "bgp"])
+            .run(&[kube_router_bin().to_str().unwrap(), "--metrics-port", METRICS_PORT, "bgp"])
             .unwrap_or_default()
     }
 

@@ -280,6 +280,38 @@ fn hold(addr: SocketAddr, interval: Duration, source_port: Option<u16>) -> ! {
     }
 }
 
+/// Keeps `count` idle TCP connections to `addr` open, reopening each the server closes, once a
+/// second; prints `open <n> connects <total>` after every round (a hostile pod's flood).
+fn flood(addr: SocketAddr, count: usize) -> ! {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit with a valid pointer to an rlimit we own.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
+        limit.rlim_cur = limit.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+    }
+    let mut streams: Vec<Option<TcpStream>> = (0..count).map(|_| None).collect();
+    let mut connects = 0u64;
+    loop {
+        for slot in &mut streams {
+            // Closed by the server: a read returns 0 (or an error) at once.
+            let closed = slot.as_ref().is_none_or(|stream| {
+                let mut byte = [0u8; 1];
+                stream.set_nonblocking(true).is_ok()
+                    && !matches!(stream.peek(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+            });
+            if closed {
+                *slot = TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok();
+                connects += 1;
+            }
+        }
+        let open = streams.iter().filter(|s| s.is_some()).count();
+        println!("open {open} connects {connects}");
+        let _ = std::io::stdout().flush();
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
 /// `r0 = XDP_PASS; exit`, loaded and pinned at `path`.
 fn pin_xdp_pass(path: &str) -> std::io::Result<()> {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -596,6 +628,7 @@ fn main() {
             Duration::from_millis(arg(2).parse().expect("interval")),
             args.get(3).map(|port| port.parse().expect("source port")),
         ),
+        "flood" => flood(arg(1).parse().expect("addr"), arg(2).parse().expect("connections")),
         "ask" => print_result(ask(&arg(1), arg(2).parse().expect("addr"), &arg(3))),
         "timed" => {
             let started = Instant::now();
