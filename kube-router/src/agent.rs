@@ -50,8 +50,12 @@ use crate::{
 const AT_ONCE: RunOptions =
     RunOptions { debounce: Duration::ZERO, retry_initial: Duration::from_secs(1), retry_max: Duration::from_secs(30) };
 
-pub async fn run(config: AgentConfig) -> Result<()> {
+pub async fn run(mut config: AgentConfig) -> Result<()> {
     let metrics = Metrics::default();
+    if let DesiredSource::Api(options) = &config.source {
+        config.api_server_addresses = watchers::api_server_addresses(options).await;
+        tracing::info!(addresses = ?config.api_server_addresses, "API server addresses (never a Service's)");
+    }
     let mut ports = vec![config.health_port, config.metrics_port];
     ports.retain(|p| *p != 0);
     ports.dedup();
@@ -168,7 +172,8 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     tasks.add(runtime::spawn(stats, NoTrigger, RunOptions::default(), stop.clone()));
     // Without the API the configuration comes from flags; with it, from the Node objects (or
     // their checkpoint), as soon as they are known.
-    let routing = config.router.clone().map(|options| {
+    let routing = config.router.clone().map(|mut options| {
+        options.external_ips = config.external_ip_policy();
         let advertise = options.advertise.any();
         let router = RoutingController::new(RouterController::new(options, metrics.clone()), cache.clone(), advertise);
         match &cache {

@@ -38,6 +38,35 @@ pub struct ApiOptions {
 }
 
 pub async fn client(options: &ApiOptions) -> Result<Client> {
+    let mut config = config(options).await?;
+    // Bounded reads so a black-holed API server is noticed and retried instead of hanging.
+    config.read_timeout = Some(Duration::from_secs(30));
+    config.connect_timeout = Some(Duration::from_secs(10));
+    Ok(Client::try_from(config)?)
+}
+
+/// The addresses the agent reaches the API server at (`--kubeconfig`/`--master`, else the
+/// in-cluster config), a host name resolved once. No Service may capture them.
+pub async fn api_server_addresses(options: &ApiOptions) -> std::collections::BTreeSet<std::net::IpAddr> {
+    let Ok(config) = config(options).await else { return Default::default() };
+    let url = &config.cluster_url;
+    let Some(host) = url.host() else { return Default::default() };
+    let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
+    if let Ok(ip) = host.parse() {
+        return [ip].into();
+    }
+    let port = url.port_u16().unwrap_or(443);
+    let resolved = tokio::net::lookup_host(format!("{host}:{port}")).await;
+    match resolved {
+        Ok(addrs) => addrs.map(|a| a.ip()).collect(),
+        Err(error) => {
+            tracing::warn!(%host, %error, "cannot resolve the API server's name; its endpoints still protect it");
+            Default::default()
+        }
+    }
+}
+
+async fn config(options: &ApiOptions) -> Result<Config> {
     let mut config = match (&options.kubeconfig, &options.master) {
         (Some(path), _) => {
             let kubeconfig =
@@ -52,10 +81,7 @@ pub async fn client(options: &ApiOptions) -> Result<Client> {
     if let (Some(_), Some(master)) = (&options.kubeconfig, &options.master) {
         config.cluster_url = master.parse().with_context(|| format!("--master {master:?} is not a URL"))?;
     }
-    // Bounded reads so a black-holed API server is noticed and retried instead of hanging.
-    config.read_timeout = Some(Duration::from_secs(30));
-    config.connect_timeout = Some(Duration::from_secs(10));
-    Ok(Client::try_from(config)?)
+    Ok(config)
 }
 
 /// (API group, resource) of everything the agent lists and watches; the RBAC in
