@@ -282,6 +282,10 @@ async fn start_api_source(
     let (sender, updates) = mpsc::channel(1024);
     watchers::spawn_watchers(client, sender);
     let mut objects = ClusterObjects::default();
+    // An older agent left the directory 0755 and the file 0644.
+    if let Err(e) = checkpoint::restrict_permissions(state_dir) {
+        tracing::warn!(error = %e, dir = %state_dir.display(), "cannot make the state directory private");
+    }
     let restored_from_checkpoint: Option<f64> = match checkpoint::read(state_dir) {
         Ok(saved) => {
             let age = metrics::unix_now() - saved.written_unix;
