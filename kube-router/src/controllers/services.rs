@@ -137,6 +137,11 @@ impl ServiceController {
             _ => None,
         };
         let limits = self.limits;
+        // Before a complete listing nothing is deleted, except what no Service may hold: a
+        // frontend on a node's or the API server's address (or another never-valid one) left in
+        // the pinned maps would cut the agent off the listing that could remove it.
+        let mut purged = purge_refused(&mut self.sync, &mut self.maps, &node.external_ips, complete);
+        purged.merge(purge_refused(&mut self.sync_v6, &mut self.maps_v6, &node.external_ips, complete));
         let (mut report, owners) = sync_family(
             &mut self.compiler,
             &mut self.sync,
@@ -158,6 +163,7 @@ impl ServiceController {
             complete,
         );
         report.merge(report_v6);
+        report.merge(purged);
         let alone = matches!((&owners, &owners_v6), (OwnerUpdate::Some(_), OwnerUpdate::Some(_)));
         for warning in self.compiler.warnings().chain(self.compiler_v6.warnings()) {
             let text = format!("{warning:?}");
@@ -315,6 +321,36 @@ fn frontend_owners<F: AddressFamily>(
             Some((id, owner))
         })
         .collect()
+}
+
+/// Deletes the programmed external frontends (externalIP, LoadBalancer IP) whose address the
+/// policy refuses as either kind; nothing when `complete` (the normal diff removes them then).
+fn purge_refused<F: AddressFamily>(
+    sync: &mut ServiceSync<F>,
+    maps: &mut impl ServiceMaps<F>,
+    policy: &ExternalIpPolicy,
+    complete: bool,
+) -> SyncReport {
+    use kube_router_common::{SVC_FLAG_EXTERNAL, SVC_FLAG_NODEPORT};
+    if complete {
+        return SyncReport::default();
+    }
+    let ops: Vec<_> = sync
+        .programmed()
+        .services
+        .iter()
+        .filter(|(_, v)| v.flags & SVC_FLAG_EXTERNAL != 0 && v.flags & SVC_FLAG_NODEPORT == 0)
+        .filter(|(k, _)| {
+            let addr = FrontendId::of::<F>(k).addr;
+            policy.refusal(addr, false).is_some() && policy.refusal(addr, true).is_some()
+        })
+        .map(|(k, _)| crate::services::diff::MapOp::DeleteService(*k))
+        .collect();
+    if ops.is_empty() {
+        return SyncReport::default();
+    }
+    tracing::warn!(frontends = ops.len(), "removing refused external frontends found in the maps");
+    sync.write(maps, ops)
 }
 
 /// Brings one family's maps to the desired state: only the `changed` Services' entries when
