@@ -36,7 +36,17 @@ fn publish_kubernetes_endpoints(c: &Cluster) {
 /// programmed), and a restart from the checkpoint with the API down refuses them again.
 #[test]
 fn a_service_cannot_capture_the_api_server_another_node_or_the_metadata_address() {
-    let c = Cluster::builder("krt-he-cap").build().unwrap();
+    // A careless operator allows the node subnet and link-local too, and the Service range
+    // (default 10.96.0.0/12) is narrowed off the node subnet: the guards alone refuse.
+    let c = Cluster::builder("krt-he-cap")
+        .agent_args(&[
+            "--service-external-ip-range",
+            "10.100.0.0/24,169.254.0.0/16",
+            "--service-cluster-ip-range",
+            "10.96.0.0/16",
+        ])
+        .build()
+        .unwrap();
     publish_kubernetes_endpoints(&c);
     let other_node = node_ip(1);
     let refused = [FABRIC_ADDR, OTHER_API_SERVER, other_node.as_str(), "169.254.169.254"];
