@@ -50,9 +50,13 @@ use crate::{
 const AT_ONCE: RunOptions =
     RunOptions { debounce: Duration::ZERO, retry_initial: Duration::from_secs(1), retry_max: Duration::from_secs(30) };
 
-pub async fn run(config: AgentConfig) -> Result<()> {
+pub async fn run(mut config: AgentConfig) -> Result<()> {
     let metrics = Metrics::default();
     serve_http(&config, &metrics).await;
+    if let DesiredSource::Api(options) = &config.source {
+        config.api_server_addresses = watchers::api_server_addresses(options).await;
+        tracing::info!(addresses = ?config.api_server_addresses, "API server addresses (never a Service's)");
+    }
 
     // Until a BGP speaker runs (if ever), /bgp says so.
     metrics.register_page("bgp", Arc::new(|| crate::router::render_status(None)));
@@ -158,7 +162,8 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     tasks.add(runtime::spawn(stats, NoTrigger, RunOptions::default(), stop.clone()));
     // Without the API the configuration comes from flags; with it, from the Node objects (or
     // their checkpoint), as soon as they are known.
-    let routing = config.router.clone().map(|options| {
+    let routing = config.router.clone().map(|mut options| {
+        options.external_ips = config.external_ip_policy();
         let advertise = options.advertise.any();
         let router = RoutingController::new(RouterController::new(options, metrics.clone()), cache.clone(), advertise);
         match &cache {
@@ -300,6 +305,10 @@ async fn start_api_source(
     let (sender, updates) = mpsc::channel(1024);
     watchers::spawn_watchers(client, sender);
     let mut objects = ClusterObjects::default();
+    // An older agent left the directory 0755 and the file 0644.
+    if let Err(e) = checkpoint::restrict_permissions(state_dir) {
+        tracing::warn!(error = %e, dir = %state_dir.display(), "cannot make the state directory private");
+    }
     let restored_from_checkpoint: Option<f64> = match checkpoint::read(state_dir) {
         Ok(saved) => {
             let age = metrics::unix_now() - saved.written_unix;

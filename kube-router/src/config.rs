@@ -65,6 +65,10 @@ pub struct AgentConfig {
     pub external_ip_ranges: Vec<ipnet::IpNet>,
     /// `--loadbalancer-ip-range`.
     pub load_balancer_ip_ranges: Vec<ipnet::IpNet>,
+    /// `--strict-external-ip-validation`.
+    pub strict_external_ip_validation: bool,
+    /// The API server's addresses from `--kubeconfig`/`--master` (filled in at start).
+    pub api_server_addresses: std::collections::BTreeSet<IpAddr>,
     /// Program the service load balancer (`--run-service-proxy`).
     pub run_service_proxy: bool,
     /// Enforce NetworkPolicy (`--run-firewall`).
@@ -81,4 +85,19 @@ pub struct CniOptions {
     pub conf_file: PathBuf,
     /// `--auto-mtu`.
     pub auto_mtu: bool,
+}
+
+impl AgentConfig {
+    /// The external IP validation from the flags; every Node's and the API server's
+    /// endpoints' addresses are added by the controllers as they learn them.
+    pub fn external_ip_policy(&self) -> crate::services::model::ExternalIpPolicy {
+        crate::services::model::ExternalIpPolicy {
+            external_ip_ranges: self.external_ip_ranges.clone(),
+            strict: self.strict_external_ip_validation,
+            load_balancer_ranges: self.load_balancer_ip_ranges.clone(),
+            forbidden: self.cluster_cidrs.iter().chain(&self.service_ranges).copied().collect(),
+            node_addresses: Default::default(),
+            api_server_addresses: self.api_server_addresses.clone(),
+        }
+    }
 }

@@ -206,6 +206,11 @@ struct RunArgs {
     /// Advertise every Service's LoadBalancer ingress IPs over BGP as host routes.
     #[arg(long, env = "KUBE_ROUTER_ADVERTISE_LOADBALANCER_IP", default_value_t = false, action = clap::ArgAction::Set)]
     advertise_loadbalancer_ip: bool,
+    /// Let a Service's kube-router.io/service.advertise.<kind>: "true" annotation advertise
+    /// what the --advertise-* flags leave out. Default: the annotations can only narrow them
+    /// ("false"), so a namespace user cannot make every node announce prefixes.
+    #[arg(long, env = "KUBE_ROUTER_SERVICE_ADVERTISE_ANNOTATIONS_OVERRIDE", default_value_t = false, action = clap::ArgAction::Set)]
+    service_advertise_annotations_override: bool,
     /// Routing protocol number on the kernel routes we install (`ip route show proto N`).
     #[arg(long, env = "KUBE_ROUTER_ROUTE_PROTOCOL", default_value_t = kube_router::fib::DEFAULT_ROUTE_PROTOCOL)]
     route_protocol: u8,
@@ -226,9 +231,14 @@ struct RunArgs {
     #[arg(long, env = "KUBE_ROUTER_NODE_IP")]
     node_ip: Option<Ipv4Addr>,
     /// externalIPs must be inside one of these CIDRs (comma-separated); others are refused.
-    /// Default: any address outside the cluster's own ranges.
+    /// Without it, --strict-external-ip-validation decides. Never accepted whatever the range:
+    /// node and API server addresses, the cluster's own ranges, link-local, loopback, multicast.
     #[arg(long, env = "KUBE_ROUTER_SERVICE_EXTERNAL_IP_RANGE", value_delimiter = ',')]
     service_external_ip_range: Vec<ipnet::IpNet>,
+    /// Refuse every externalIP when no --service-external-ip-range is configured (kube-router
+    /// 2.8's flag and default); false accepts any address the other checks let through.
+    #[arg(long, env = "KUBE_ROUTER_STRICT_EXTERNAL_IP_VALIDATION", default_value_t = true, action = clap::ArgAction::Set)]
+    strict_external_ip_validation: bool,
     /// LoadBalancer ingress IPs must be inside one of these CIDRs (comma-separated).
     #[arg(long, env = "KUBE_ROUTER_LOADBALANCER_IP_RANGE", value_delimiter = ',')]
     loadbalancer_ip_range: Vec<ipnet::IpNet>,
@@ -678,7 +688,10 @@ fn run(cli: &Cli) -> Result<()> {
             cluster_ip: args.advertise_cluster_ip,
             external_ip: args.advertise_external_ip,
             load_balancer_ip: args.advertise_loadbalancer_ip,
+            annotations_override: args.service_advertise_annotations_override,
         },
+        // Filled in by the agent from the same flags as the service proxy's.
+        external_ips: Default::default(),
     });
     let map_sizes = MapSizes { lb_frontends: args.bpf_lb_map_max, conntrack: args.bpf_ct_global_max };
     map_sizes.validate().map_err(anyhow::Error::msg)?;
@@ -722,6 +735,8 @@ fn run(cli: &Cli) -> Result<()> {
             .then(|| agent::CniOptions { conf_file: args.cni_conf_file.clone(), auto_mtu: args.auto_mtu }),
         external_ip_ranges: args.service_external_ip_range.clone(),
         load_balancer_ip_ranges: args.loadbalancer_ip_range.clone(),
+        strict_external_ip_validation: args.strict_external_ip_validation,
+        api_server_addresses: Default::default(),
         cluster_cidrs: args.cluster_cidr.clone(),
         service_ranges: args.service_cluster_ip_range.clone(),
         run_service_proxy: args.run_service_proxy,

@@ -60,6 +60,8 @@ pub struct MetricsState {
     pub syncs: u64,
     pub last_sync_unix: Option<f64>,
     pub rejected_objects: BTreeMap<&'static str, u64>,
+    /// externalIPs and LoadBalancer IPs refused, by reason (once per Service and address).
+    pub external_ips_refused: BTreeMap<&'static str, u64>,
     pub dropped_endpoints: u64,
     pub datapath_packets: Vec<(&'static str, u64)>,
     /// `xdp_stats`: the XDP fast path's packets by outcome (empty until it ever ran).
@@ -222,6 +224,15 @@ impl Metrics {
             );
             for (kind, n) in &m.rejected_objects {
                 let _ = writeln!(out, "kube_router_rejected_objects_total{{kind=\"{kind}\"}} {n}");
+            }
+            family(
+                &mut out,
+                "kube_router_service_external_ips_refused_total",
+                "counter",
+                "Service externalIPs and LoadBalancer IPs refused (not programmed, not advertised), by reason.",
+            );
+            for (reason, n) in &m.external_ips_refused {
+                let _ = writeln!(out, "kube_router_service_external_ips_refused_total{{reason=\"{reason}\"}} {n}");
             }
             family(
                 &mut out,

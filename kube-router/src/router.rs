@@ -32,6 +32,7 @@ use crate::{
     fib::{netlink::NetlinkRoutes, resolve::Reachability},
     metrics::{family, Metrics},
     overlay::OverlayConfig,
+    services::model::ExternalIpPolicy,
 };
 
 #[derive(Debug, Clone)]
@@ -70,24 +71,31 @@ pub struct RouterOptions {
     pub route_table: u32,
     pub state_dir: PathBuf,
     pub advertise: AdvertiseServices,
+    /// The service proxy's external IP validation: an externalIP or LoadBalancer IP it refuses
+    /// is never advertised (nor kept from import as a VIP). Every Node's addresses and the API
+    /// server's endpoints are added as the objects come.
+    pub external_ips: ExternalIpPolicy,
     /// bpffs directory of the datapath (the overlay's programs and maps).
     pub bpf_root: PathBuf,
 }
 
 /// Which Service addresses every node advertises as host routes (kube-router's
 /// `--advertise-cluster-ip`, `--advertise-external-ip`, `--advertise-loadbalancer-ip`). A
-/// Service can override each with the annotation `kube-router.io/service.advertise.<kind>`
-/// set to "true" or "false".
+/// Service can turn each off with the annotation `kube-router.io/service.advertise.<kind>:
+/// "false"`; "true" turns one on only with `annotations_override`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct AdvertiseServices {
     pub cluster_ip: bool,
     pub external_ip: bool,
     pub load_balancer_ip: bool,
+    /// `--service-advertise-annotations-override`: "true" annotations widen the flags.
+    pub annotations_override: bool,
 }
 
 impl AdvertiseServices {
+    /// Some Service address may be advertised (the Services are worth watching).
     pub fn any(&self) -> bool {
-        self.cluster_ip || self.external_ip || self.load_balancer_ip
+        self.cluster_ip || self.external_ip || self.load_balancer_ip || self.annotations_override
     }
 }
 
@@ -140,10 +148,12 @@ impl LocalEndpoints<'_> {
 /// `kube-router.io/service.local: "true"`) a Service's external and LoadBalancer IPs, and with
 /// `internalTrafficPolicy: Local` its ClusterIPs, come only from nodes running a ready endpoint
 /// of it: a node without one would drop or forward the traffic (kube-router does the same).
-/// Headless Services (clusterIP None) and unparsable addresses contribute nothing.
+/// Headless Services (clusterIP None) and unparsable addresses contribute nothing, nor do
+/// externalIPs and LoadBalancer IPs `external_ips` refuses (the service proxy's own check).
 pub fn service_vips<'a>(
     services: impl Iterator<Item = &'a Service>,
     advertise: AdvertiseServices,
+    external_ips: &ExternalIpPolicy,
     local: &LocalEndpoints<'_>,
 ) -> ServiceVips {
     let mut advertised = BTreeSet::new();
@@ -152,7 +162,7 @@ pub fn service_vips<'a>(
         let annotations = service.metadata.annotations.as_ref();
         let annotation = |key: &str| annotations.and_then(|a| a.get(key)).map(String::as_str);
         let wants = |kind: &str, default: bool| match annotation(&format!("kube-router.io/service.advertise.{kind}")) {
-            Some("true") => true,
+            Some("true") => default || advertise.annotations_override,
             Some("false") => false,
             _ => default,
         };
@@ -163,6 +173,8 @@ pub fn service_vips<'a>(
         let mut has_local = None;
         let mut local_ready = || *has_local.get_or_insert_with(|| local.has_ready(service));
         let parse = |a: &String| a.parse::<IpAddr>().ok().map(IpNet::from);
+        let accepted =
+            |load_balancer: bool| move |net: &IpNet| external_ips.refusal(net.addr(), load_balancer).is_none();
         let mut add = |addresses: Vec<IpNet>, needs_local: bool, local_ready: &mut dyn FnMut() -> bool| {
             if addresses.is_empty() {
                 return;
@@ -179,13 +191,25 @@ pub fn service_vips<'a>(
             add(ips, internal_local, &mut local_ready);
         }
         if wants("externalip", advertise.external_ip) {
-            let ips = spec.and_then(|s| s.external_ips.as_ref()).into_iter().flatten().filter_map(parse).collect();
+            let ips = spec
+                .and_then(|s| s.external_ips.as_ref())
+                .into_iter()
+                .flatten()
+                .filter_map(parse)
+                .filter(accepted(false))
+                .collect();
             add(ips, external_local, &mut local_ready);
         }
         if wants("loadbalancerip", advertise.load_balancer_ip) {
             let ingress =
                 service.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
-            let ips = ingress.into_iter().flatten().filter_map(|i| i.ip.as_ref()).filter_map(parse).collect();
+            let ips = ingress
+                .into_iter()
+                .flatten()
+                .filter_map(|i| i.ip.as_ref())
+                .filter_map(parse)
+                .filter(accepted(true))
+                .collect();
             add(ips, external_local, &mut local_ready);
         }
     }
@@ -334,7 +358,11 @@ impl RouterController {
                     .collect();
                 let local =
                     LocalEndpoints { node_name: &self.options.node_name, node_addresses: &node_addresses, slices_of };
-                let vips = service_vips(services, self.options.advertise, &local);
+                let external_ips = self.options.external_ips.with_cluster_addresses(
+                    nodes.iter().flat_map(crate::services::from_k8s::node_object_addresses),
+                    crate::services::from_k8s::endpoint_addresses(&slices_of("default", "kubernetes")),
+                );
+                let vips = service_vips(services, self.options.advertise, &external_ips, &local);
                 self.apply(config, vips).await
             }
             Err(e) => {
@@ -650,7 +678,11 @@ mod tests {
         let addresses = BTreeSet::from(["192.168.0.1".parse().unwrap()]);
         let local =
             LocalEndpoints { node_name: "node-1", node_addresses: &addresses, slices_of: &|_, _| slices.to_vec() };
-        service_vips(services.iter(), advertise, &local).advertised.iter().map(|n| n.to_string()).collect()
+        service_vips(services.iter(), advertise, &ExternalIpPolicy::default(), &local)
+            .advertised
+            .iter()
+            .map(|n| n.to_string())
+            .collect()
     }
 
     #[test]
@@ -667,13 +699,17 @@ mod tests {
                     "annotations": {"kube-router.io/service.advertise.externalip": "true"}},
                 "spec": {"clusterIP": "10.96.0.30", "externalIPs": ["192.0.2.30"]}})),
         ];
-        assert_eq!(advertised(&services, AdvertiseServices::default(), &[]), ["192.0.2.30/32"]);
-        let cluster = AdvertiseServices { cluster_ip: true, ..Default::default() };
+        // "true" annotations widen the flags only when the operator lets them.
+        assert!(advertised(&services, AdvertiseServices::default(), &[]).is_empty());
+        let override_on = AdvertiseServices { annotations_override: true, ..Default::default() };
+        assert_eq!(advertised(&services, override_on, &[]), ["192.0.2.30/32"]);
+        let cluster = AdvertiseServices { cluster_ip: true, annotations_override: true, ..Default::default() };
         assert_eq!(
             advertised(&services, cluster, &[]),
             ["10.96.0.10/32", "10.96.0.30/32", "192.0.2.30/32", "fd00:96::10/128"]
         );
-        let all = AdvertiseServices { cluster_ip: true, external_ip: true, load_balancer_ip: true };
+        let all =
+            AdvertiseServices { cluster_ip: true, external_ip: true, load_balancer_ip: true, ..Default::default() };
         assert_eq!(
             advertised(&services, all, &[]),
             ["10.96.0.10/32", "10.96.0.30/32", "192.0.2.7/32", "192.0.2.30/32", "198.51.100.1/32", "fd00:96::10/128"]
@@ -685,7 +721,8 @@ mod tests {
         let services = [service(serde_json::json!({"metadata": {"namespace": "shop", "name": "web"},
             "spec": {"clusterIP": "10.96.0.10", "externalIPs": ["192.0.2.7"], "externalTrafficPolicy": "Local"},
             "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.1"}]}}}))];
-        let all = AdvertiseServices { cluster_ip: true, external_ip: true, load_balancer_ip: true };
+        let all =
+            AdvertiseServices { cluster_ip: true, external_ip: true, load_balancer_ip: true, ..Default::default() };
         let endpoints = |node: &str, ready: bool| {
             slice(serde_json::json!({"metadata": {"namespace": "shop", "name": "web-1",
                     "labels": {"kubernetes.io/service-name": "web"}},
@@ -711,6 +748,40 @@ mod tests {
         // Every VIP stays known to the import policy either way.
         let addresses = BTreeSet::new();
         let local = LocalEndpoints { node_name: "node-1", node_addresses: &addresses, slices_of: &|_, _| Vec::new() };
-        assert_eq!(service_vips(services.iter(), all, &local).all.len(), 3);
+        assert_eq!(service_vips(services.iter(), all, &ExternalIpPolicy::default(), &local).all.len(), 3);
+    }
+
+    #[test]
+    fn bgp_advertises_only_the_external_and_load_balancer_ips_the_service_proxy_accepts() {
+        // The same refusal the datapath applies (ExternalIpPolicy::refusal), not a copy of it.
+        let many: Vec<String> = (0..5000u32).map(|i| std::net::Ipv4Addr::from(0xc633_0000 + i).to_string()).collect();
+        let services = [
+            service(serde_json::json!({"metadata": {"name": "capture",
+                    "annotations": {"kube-router.io/service.advertise.externalip": "true"}},
+                "spec": {"clusterIP": "10.96.0.10",
+                    "externalIPs": ["192.168.0.1", "192.168.0.100", "169.254.169.254", "192.0.2.7", "10.244.0.9"]},
+                "status": {"loadBalancer": {"ingress": [{"ip": "192.168.0.1"}, {"ip": "203.0.113.5"}]}}})),
+            service(serde_json::json!({"metadata": {"name": "flood",
+                    "annotations": {"kube-router.io/service.advertise.externalip": "true"}},
+                "spec": {"clusterIP": "10.96.0.11", "externalIPs": many}})),
+        ];
+        let policy = ExternalIpPolicy {
+            external_ip_ranges: vec!["192.0.2.0/24".parse().unwrap()],
+            strict: true,
+            forbidden: vec!["10.244.0.0/16".parse().unwrap()],
+            ..Default::default()
+        };
+        let policy =
+            policy.with_cluster_addresses(["192.168.0.1".parse().unwrap()], ["192.168.0.100".parse().unwrap()]);
+        let addresses = BTreeSet::new();
+        let local = LocalEndpoints { node_name: "node-1", node_addresses: &addresses, slices_of: &|_, _| Vec::new() };
+        let all = AdvertiseServices { external_ip: true, load_balancer_ip: true, ..Default::default() };
+        let vips = service_vips(services.iter(), all, &policy, &local);
+        let advertised: Vec<String> = vips.advertised.iter().map(|n| n.to_string()).collect();
+        assert_eq!(advertised, ["192.0.2.7/32", "203.0.113.5/32"]);
+        assert_eq!(vips.all, vips.advertised, "refused addresses are not kept from import either");
+        // The annotation alone (flags off) advertises nothing without the operator's opt-in.
+        let annotation_only = service_vips(services.iter(), AdvertiseServices::default(), &policy, &local);
+        assert!(annotation_only.advertised.is_empty());
     }
 }

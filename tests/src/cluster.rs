@@ -52,6 +52,8 @@ pub const INTERNET_ADDR6: &str = "2001:db8:113::10";
 /// Ports every pod (and the internet host) serves on, TCP and UDP.
 pub const POD_PORTS: [u16; 2] = [8080, 5353];
 pub const CNI_PLUGIN_DIR: &str = "/usr/lib/cni";
+/// The `--service-external-ip-range` every cluster agent runs with.
+pub const EXTERNAL_IP_RANGES: &str = "192.0.2.0/24,2001:db8:2::/64";
 const HEALTH_PORT: &str = "20244";
 const METRICS_PORT: &str = "20241";
 
@@ -842,6 +844,10 @@ impl Cluster {
             "30s",
             "--cni-conf-file",
             &cni_conf,
+            // The externalIPs tests use, allowed as an operator would (strict validation refuses
+            // every externalIP without a range).
+            "--service-external-ip-range",
+            EXTERNAL_IP_RANGES,
         ];
         let cgroup = node.cgroup.as_ref().map(|c| c.path.display().to_string());
         if let Some(cgroup) = &cgroup {

@@ -108,6 +108,9 @@ fn local_traffic_policy_vips_come_only_from_nodes_with_a_ready_endpoint() {
                 "65100",
                 "--advertise-external-ip=true",
                 "--advertise-loadbalancer-ip=true",
+                // As an operator would: externalIPs are refused without an allowed range.
+                "--service-external-ip-range",
+                "192.0.2.0/24",
             ];
             Agent::start(&nodes[i - 1], &bpf_root(i), &args).unwrap()
         })

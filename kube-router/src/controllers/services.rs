@@ -51,6 +51,8 @@ pub struct ServiceController {
     nodeport_addresses: Option<Vec<IpAddr>>,
     hairpin_all: bool,
     external_ips: ExternalIpPolicy,
+    /// Addresses from the API objects no Service may claim (none with a service file).
+    cluster_addresses: ClusterAddresses,
     /// Warnings already logged, so one that persists is reported once.
     reported: BTreeSet<String>,
     /// Maps that had no room for every entry at the last sync.
@@ -78,10 +80,13 @@ pub struct ServiceController {
 
 impl ServiceController {
     fn node_context(&self) -> NodeContext {
-        let mut external_ips = self.external_ips.clone();
-        // The node's own addresses are never a Service's to capture.
+        // No node's address (this one's interfaces, every Node object's) and no API server
+        // endpoint is ever a Service's to capture.
         let node_addresses = netif::node_addresses();
-        external_ips.forbidden.extend(node_addresses.iter().map(|a| ipnet::IpNet::from(*a)));
+        let external_ips = self.external_ips.with_cluster_addresses(
+            node_addresses.iter().chain(&self.cluster_addresses.nodes).copied(),
+            self.cluster_addresses.api_server.iter().copied(),
+        );
         // IPv6 Services need an IPv6 address on the node to carry their traffic. IPv4 is always
         // served, as kube-proxy serves its primary family: a node whose address is not up yet
         // (or a test namespace with only loopback) must not lose every Service.
@@ -132,6 +137,11 @@ impl ServiceController {
             _ => None,
         };
         let limits = self.limits;
+        // Before a complete listing nothing is deleted, except what no Service may hold: a
+        // frontend on a node's or the API server's address (or another never-valid one) left in
+        // the pinned maps would cut the agent off the listing that could remove it.
+        let mut purged = purge_refused(&mut self.sync, &mut self.maps, &node.external_ips, complete);
+        purged.merge(purge_refused(&mut self.sync_v6, &mut self.maps_v6, &node.external_ips, complete));
         let (mut report, owners) = sync_family(
             &mut self.compiler,
             &mut self.sync,
@@ -153,6 +163,7 @@ impl ServiceController {
             complete,
         );
         report.merge(report_v6);
+        report.merge(purged);
         let alone = matches!((&owners, &owners_v6), (OwnerUpdate::Some(_), OwnerUpdate::Some(_)));
         for warning in self.compiler.warnings().chain(self.compiler_v6.warnings()) {
             let text = format!("{warning:?}");
@@ -160,9 +171,12 @@ impl ServiceController {
                 match warning {
                     CompileWarning::FrontendConflict { .. } => tracing::error!(?warning, "frontend claimed twice"),
                     CompileWarning::EndpointsTruncated { .. } => tracing::warn!(?warning, "too many endpoints"),
-                    CompileWarning::ExternalIpRefused { service, reason } => {
-                        tracing::error!(service = %service, reason, "external IP refused; the rest of the Service is programmed");
-                        self.metrics.with(|m| *m.rejected_objects.entry("ExternalIP").or_default() += 1);
+                    CompileWarning::ExternalIpRefused { service, refusal } => {
+                        tracing::error!(service = %service, reason = refusal.reason, error = %refusal.message, "external IP refused; the rest of the Service is programmed");
+                        self.metrics.with(|m| {
+                            *m.rejected_objects.entry("ExternalIP").or_default() += 1;
+                            *m.external_ips_refused.entry(refusal.reason).or_default() += 1;
+                        });
                     }
                     CompileWarning::FamilyUnavailable { service, family } => {
                         tracing::warn!(service = %service, ?family, "the node has no address of this family; the Service is not programmed in it");
@@ -309,6 +323,36 @@ fn frontend_owners<F: AddressFamily>(
         .collect()
 }
 
+/// Deletes the programmed external frontends (externalIP, LoadBalancer IP) whose address the
+/// policy refuses as either kind; nothing when `complete` (the normal diff removes them then).
+fn purge_refused<F: AddressFamily>(
+    sync: &mut ServiceSync<F>,
+    maps: &mut impl ServiceMaps<F>,
+    policy: &ExternalIpPolicy,
+    complete: bool,
+) -> SyncReport {
+    use kube_router_common::{SVC_FLAG_EXTERNAL, SVC_FLAG_NODEPORT};
+    if complete {
+        return SyncReport::default();
+    }
+    let ops: Vec<_> = sync
+        .programmed()
+        .services
+        .iter()
+        .filter(|(_, v)| v.flags & SVC_FLAG_EXTERNAL != 0 && v.flags & SVC_FLAG_NODEPORT == 0)
+        .filter(|(k, _)| {
+            let addr = FrontendId::of::<F>(k).addr;
+            policy.refusal(addr, false).is_some() && policy.refusal(addr, true).is_some()
+        })
+        .map(|(k, _)| crate::services::diff::MapOp::DeleteService(*k))
+        .collect();
+    if ops.is_empty() {
+        return SyncReport::default();
+    }
+    tracing::warn!(frontends = ops.len(), "removing refused external frontends found in the maps");
+    sync.write(maps, ops)
+}
+
 /// Brings one family's maps to the desired state: only the `changed` Services' entries when
 /// the compiler can do that, else everything.
 #[allow(clippy::too_many_arguments)]
@@ -452,11 +496,8 @@ impl ServiceController {
             node_name: config.node_name.clone(),
             nodeport_addresses: config.nodeport_addresses.clone(),
             hairpin_all: config.hairpin_mode,
-            external_ips: ExternalIpPolicy {
-                external_ip_ranges: config.external_ip_ranges.clone(),
-                load_balancer_ranges: config.load_balancer_ip_ranges.clone(),
-                forbidden: config.cluster_cidrs.iter().chain(&config.service_ranges).copied().collect(),
-            },
+            external_ips: config.external_ip_policy(),
+            cluster_addresses: ClusterAddresses::default(),
             reported: BTreeSet::new(),
             full_maps: BTreeSet::new(),
             failing_maps: BTreeSet::new(),
@@ -489,6 +530,16 @@ impl ServiceController {
     }
 }
 
+/// The addresses of the cluster's objects no Service may claim as an externalIP or
+/// LoadBalancer IP.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClusterAddresses {
+    /// Every Node's InternalIP and ExternalIP.
+    pub nodes: BTreeSet<IpAddr>,
+    /// The endpoints of `default/kubernetes`: the API servers.
+    pub api_server: BTreeSet<IpAddr>,
+}
+
 /// The kinds the services controller reads.
 pub const SERVICE_KINDS: &[Kind] = &[Kind::Services, Kind::EndpointSlices];
 /// What wakes it: those, and Nodes (this node's zone).
@@ -509,6 +560,8 @@ pub struct ServicesFromApi {
     node_addresses: watch::Receiver<Vec<IpAddr>>,
     /// The changes of the Services and EndpointSlices seen so far.
     generation: u64,
+    /// The changes of the Nodes seen so far (their addresses are refused as externalIPs).
+    node_generation: u64,
 }
 
 impl ServicesFromApi {
@@ -523,6 +576,29 @@ impl ServicesFromApi {
             dirty,
             node_addresses,
             generation: 0,
+            node_generation: 0,
+        }
+    }
+
+    /// Every Node's addresses and the API server's endpoints: refused as externalIPs. The
+    /// checkpoint restores them with the Services, so a restart never lets a refused address in.
+    fn follow_cluster_addresses(&mut self) {
+        let nodes = self.cache.with(|o| {
+            o.nodes.objects().flat_map(crate::services::from_k8s::node_object_addresses).collect::<BTreeSet<_>>()
+        });
+        let kubernetes = ServiceName::new("default", "kubernetes");
+        let api_server = self
+            .catalog
+            .state
+            .slices
+            .values()
+            .filter(|s| s.service == kubernetes)
+            .flat_map(|s| s.endpoints.iter().map(|e| e.addr))
+            .collect();
+        let now = ClusterAddresses { nodes, api_server };
+        if now != self.controller.cluster_addresses {
+            tracing::info!(nodes = ?now.nodes, api_server = ?now.api_server, "addresses no Service may claim");
+            self.controller.cluster_addresses = now;
         }
     }
 
@@ -550,6 +626,11 @@ impl Controller for ServicesFromApi {
 
     async fn reconcile(&mut self) -> Result<Action> {
         self.follow_zone();
+        let node_generation = self.cache.generation(&[Kind::Nodes]);
+        if node_generation != self.node_generation {
+            self.node_generation = node_generation;
+            self.dirty = true;
+        }
         if self.node_addresses.has_changed().unwrap_or(false) {
             self.node_addresses.borrow_and_update();
             self.dirty = true;
@@ -576,6 +657,7 @@ impl Controller for ServicesFromApi {
         };
         self.changed.merge(listing.objects);
         self.dirty = false;
+        self.follow_cluster_addresses();
         let complete = listing.completeness == Completeness::Complete;
         let restored_as_of = self.cache.restored_as_of();
         if !complete && self.controller.stamp.keeps_maps_over_checkpoint(restored_as_of, &self.controller.metrics) {

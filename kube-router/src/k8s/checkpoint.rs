@@ -9,10 +9,13 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use k8s_openapi::api::{
-    core::v1::{Namespace, Node, Pod, Service},
-    discovery::v1::EndpointSlice,
-    networking::v1::NetworkPolicy,
+use k8s_openapi::{
+    api::{
+        core::v1::{Namespace, Node, Pod, Service},
+        discovery::v1::EndpointSlice,
+        networking::v1::NetworkPolicy,
+    },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 use serde::{Deserialize, Serialize};
 
@@ -61,6 +64,84 @@ fn fnv1a_from(hash: u64, bytes: &[u8]) -> u64 {
     bytes.iter().fold(hash, |hash, b| (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
 }
 
+/// The Pod as the checkpoint keeps it: only what the agent reads (names, labels, node, host
+/// network, phase, addresses, container port names). Environment, volumes, images and the
+/// rest (secrets among them) never reach the disk.
+pub fn pod_for_checkpoint(pod: &Pod) -> Pod {
+    use k8s_openapi::api::core::v1::{Container, PodSpec, PodStatus};
+    let meta = &pod.metadata;
+    let ports_only = |c: &Container| Container {
+        name: c.name.clone(),
+        ports: c.ports.clone(),
+        restart_policy: c.restart_policy.clone(),
+        ..Default::default()
+    };
+    Pod {
+        metadata: ObjectMeta {
+            name: meta.name.clone(),
+            namespace: meta.namespace.clone(),
+            uid: meta.uid.clone(),
+            resource_version: meta.resource_version.clone(),
+            labels: meta.labels.clone(),
+            ..Default::default()
+        },
+        spec: pod.spec.as_ref().map(|spec| PodSpec {
+            node_name: spec.node_name.clone(),
+            host_network: spec.host_network,
+            containers: spec.containers.iter().map(ports_only).collect(),
+            init_containers: spec.init_containers.as_ref().map(|c| c.iter().map(ports_only).collect()),
+            ..Default::default()
+        }),
+        status: pod.status.as_ref().map(|status| PodStatus {
+            phase: status.phase.clone(),
+            pod_ip: status.pod_ip.clone(),
+            pod_ips: status.pod_ips.clone(),
+            ..Default::default()
+        }),
+    }
+}
+
+/// The Node as the checkpoint keeps it: without its TCP-MD5 peer passwords (the
+/// `kube-router.io/peer.passwords` annotation, `password` in `kube-router.io/peers`). After a
+/// cold start from the checkpoint with the API down, annotation peers run without their key
+/// (their sessions cannot come up) until the live Node is read; passwords given by
+/// `--peer-router-passwords-file` are unaffected.
+pub fn node_for_checkpoint(node: &Node) -> Node {
+    use crate::bgp::peers::{PEERS_ANNOTATION, PEER_PASSWORDS_ANNOTATION};
+    let mut node = node.clone();
+    if let Some(annotations) = node.metadata.annotations.as_mut() {
+        annotations.remove(PEER_PASSWORDS_ANNOTATION);
+        if let Some(peers) = annotations.get_mut(PEERS_ANNOTATION) {
+            match serde_yaml::from_str::<serde_yaml::Value>(peers) {
+                Ok(mut value) => {
+                    if let Some(list) = value.as_sequence_mut() {
+                        for peer in list.iter_mut().filter_map(|p| p.as_mapping_mut()) {
+                            peer.remove("password");
+                        }
+                    }
+                    *peers = serde_yaml::to_string(&value).unwrap_or_default();
+                }
+                // Not YAML: useless to the agent, and it may hold a password.
+                Err(_) => peers.clear(),
+            }
+        }
+    }
+    node.metadata.managed_fields = None;
+    node
+}
+
+/// The state directory 0700 and the checkpoint 0600, also when an older agent left them
+/// 0755 / 0644: the file holds the cluster's objects.
+pub fn restrict_permissions(state_dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::create_dir_all(state_dir)?;
+    fs::set_permissions(state_dir, fs::Permissions::from_mode(0o700))?;
+    match fs::set_permissions(path_in(state_dir), fs::Permissions::from_mode(0o600)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
 pub fn path_in(state_dir: &Path) -> PathBuf {
     state_dir.join(FILE_NAME)
 }
@@ -75,10 +156,14 @@ pub fn write(state_dir: &Path, checkpoint: &Checkpoint) -> std::io::Result<()> {
 /// 20,000 objects those copies were ~100 MiB of peak memory). The envelope's fields come in
 /// another order than a whole-envelope serialisation gives; JSON readers do not care.
 pub fn write_payload(state_dir: &Path, payload: &impl Serialize) -> std::io::Result<()> {
-    fs::create_dir_all(state_dir)?;
+    use std::os::unix::fs::OpenOptionsExt;
+    restrict_permissions(state_dir)?;
     let final_path = path_in(state_dir);
     let temp_path = state_dir.join(format!(".{FILE_NAME}.tmp"));
-    let mut out = std::io::BufWriter::with_capacity(1 << 16, File::create(&temp_path)?);
+    // A temp file an earlier write left keeps its mode through truncation: removed first.
+    let _ = fs::remove_file(&temp_path);
+    let file = fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&temp_path)?;
+    let mut out = std::io::BufWriter::with_capacity(1 << 16, file);
     write!(out, "{{\"version\":{CHECKPOINT_VERSION},\"payload\":\"")?;
     let mut escaped = EscapedHashed { out: &mut out, hash: FNV_OFFSET };
     serde_json::to_writer(&mut escaped, payload)?;
@@ -165,6 +250,55 @@ mod tests {
         }))
         .unwrap();
         Checkpoint { written_unix: 1.5, services: vec![service], ..Default::default() }
+    }
+
+    #[test]
+    fn the_checkpoint_is_private_and_holds_no_peer_password_nor_pod_secrets() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = temp_dir("private");
+        // As an older agent left it: world-readable.
+        fs::create_dir_all(&dir).unwrap();
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
+        fs::write(path_in(&dir), "old").unwrap();
+        fs::set_permissions(path_in(&dir), fs::Permissions::from_mode(0o644)).unwrap();
+        restrict_permissions(&dir).unwrap();
+        let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!((mode(&dir), mode(&path_in(&dir))), (0o700, 0o600), "fixed on start");
+
+        let node: Node = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "node-1", "annotations": {
+                "kube-router.io/peer.ips": "192.0.2.1", "kube-router.io/peer.asns": "65000",
+                "kube-router.io/peer.passwords": "czNjcmV0LWtleQ==",
+                "kube-router.io/peers": "- {remoteip: 192.0.2.2, remoteasn: 65001, password: czNjcmV0LXlhbWw=}\n"}},
+        }))
+        .unwrap();
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "shop", "name": "web-1", "labels": {"app": "web"},
+                         "annotations": {"note": "s3cret-annotation"}},
+            "spec": {"nodeName": "node-1", "containers": [{"name": "web", "image": "web:1",
+                "env": [{"name": "TOKEN", "value": "s3cret-env"}],
+                "ports": [{"name": "http", "containerPort": 8080}]}]},
+            "status": {"phase": "Running", "podIP": "10.244.1.5", "podIPs": [{"ip": "10.244.1.5"}]}
+        }))
+        .unwrap();
+        let checkpoint = Checkpoint {
+            nodes: vec![node_for_checkpoint(&node)],
+            pods: vec![pod_for_checkpoint(&pod)],
+            ..Default::default()
+        };
+        write(&dir, &checkpoint).unwrap();
+        assert_eq!(mode(&path_in(&dir)), 0o600);
+        let text = fs::read_to_string(path_in(&dir)).unwrap();
+        for secret in ["czNjcmV0", "peer.passwords", "s3cret", "TOKEN", "image"] {
+            assert!(!text.contains(secret), "{secret} in the checkpoint");
+        }
+        // What the agent reads survives: the peers, the pod's policy inputs.
+        let restored = read(&dir).unwrap();
+        let annotations = restored.nodes[0].metadata.annotations.as_ref().unwrap();
+        assert_eq!(annotations["kube-router.io/peer.ips"], "192.0.2.1");
+        assert!(annotations["kube-router.io/peers"].contains("192.0.2.2"));
+        let info = crate::policy::parse::PodInfo::from_pod(&restored.pods[0]).unwrap();
+        assert_eq!(info, crate::policy::parse::PodInfo::from_pod(&pod).unwrap());
     }
 
     #[test]

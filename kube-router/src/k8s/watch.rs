@@ -38,6 +38,35 @@ pub struct ApiOptions {
 }
 
 pub async fn client(options: &ApiOptions) -> Result<Client> {
+    let mut config = config(options).await?;
+    // Bounded reads so a black-holed API server is noticed and retried instead of hanging.
+    config.read_timeout = Some(Duration::from_secs(30));
+    config.connect_timeout = Some(Duration::from_secs(10));
+    Ok(Client::try_from(config)?)
+}
+
+/// The addresses the agent reaches the API server at (`--kubeconfig`/`--master`, else the
+/// in-cluster config), a host name resolved once. No Service may capture them.
+pub async fn api_server_addresses(options: &ApiOptions) -> std::collections::BTreeSet<std::net::IpAddr> {
+    let Ok(config) = config(options).await else { return Default::default() };
+    let url = &config.cluster_url;
+    let Some(host) = url.host() else { return Default::default() };
+    let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
+    if let Ok(ip) = host.parse() {
+        return [ip].into();
+    }
+    let port = url.port_u16().unwrap_or(443);
+    let resolved = tokio::net::lookup_host(format!("{host}:{port}")).await;
+    match resolved {
+        Ok(addrs) => addrs.map(|a| a.ip()).collect(),
+        Err(error) => {
+            tracing::warn!(%host, %error, "cannot resolve the API server's name; its endpoints still protect it");
+            Default::default()
+        }
+    }
+}
+
+async fn config(options: &ApiOptions) -> Result<Config> {
     let mut config = match (&options.kubeconfig, &options.master) {
         (Some(path), _) => {
             let kubeconfig =
@@ -52,10 +81,7 @@ pub async fn client(options: &ApiOptions) -> Result<Client> {
     if let (Some(_), Some(master)) = (&options.kubeconfig, &options.master) {
         config.cluster_url = master.parse().with_context(|| format!("--master {master:?} is not a URL"))?;
     }
-    // Bounded reads so a black-holed API server is noticed and retried instead of hanging.
-    config.read_timeout = Some(Duration::from_secs(30));
-    config.connect_timeout = Some(Duration::from_secs(10));
-    Ok(Client::try_from(config)?)
+    Ok(config)
 }
 
 /// (API group, resource) of everything the agent lists and watches; the RBAC in
@@ -220,9 +246,17 @@ impl serde::Serialize for CheckpointSnapshot {
         checkpoint.serialize_field("written_unix", &self.written_unix)?;
         checkpoint.serialize_field("services", &Shared(&self.services))?;
         checkpoint.serialize_field("endpoint_slices", &self.endpoint_slices)?;
-        checkpoint.serialize_field("pods", &Shared(&self.pods))?;
+        // Pods and Nodes are stored without what the agent does not read (secrets among it),
+        // each copy made as it is written.
+        struct Stripped<'a, K>(&'a [Arc<K>], fn(&K) -> K);
+        impl<K: serde::Serialize> serde::Serialize for Stripped<'_, K> {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                serializer.collect_seq(self.0.iter().map(|object| (self.1)(object)))
+            }
+        }
+        checkpoint.serialize_field("pods", &Stripped(&self.pods, crate::k8s::checkpoint::pod_for_checkpoint))?;
         checkpoint.serialize_field("namespaces", &Shared(&self.namespaces))?;
-        checkpoint.serialize_field("nodes", &Shared(&self.nodes))?;
+        checkpoint.serialize_field("nodes", &Stripped(&self.nodes, crate::k8s::checkpoint::node_for_checkpoint))?;
         checkpoint.serialize_field("network_policies", &Shared(&self.network_policies))?;
         checkpoint.end()
     }
@@ -396,9 +430,9 @@ impl ClusterObjects {
             written_unix: crate::metrics::unix_now(),
             services: self.services.objects().cloned().collect(),
             endpoint_slices: self.endpoint_slices.objects().collect(),
-            pods: self.pods.objects().cloned().collect(),
+            pods: self.pods.objects().map(crate::k8s::checkpoint::pod_for_checkpoint).collect(),
             namespaces: self.namespaces.objects().cloned().collect(),
-            nodes: self.nodes.objects().cloned().collect(),
+            nodes: self.nodes.objects().map(crate::k8s::checkpoint::node_for_checkpoint).collect(),
             network_policies: self.network_policies.objects().cloned().collect(),
         }
     }

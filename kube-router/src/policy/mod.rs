@@ -22,7 +22,7 @@ mod eval;
 mod incremental;
 mod inputs;
 mod model;
-mod parse;
+pub(crate) mod parse;
 mod selector;
 
 #[cfg(test)]

@@ -59,7 +59,7 @@ pub enum CompileWarning {
     /// Service is.
     ExternalIpRefused {
         service: ServiceName,
-        reason: String,
+        refusal: super::model::ExternalIpRefusal,
     },
     /// The Service is load-balanced in a family the node has no address in: nothing of it is
     /// programmed in that family; its other family is.
@@ -205,9 +205,9 @@ pub fn plan_service<F: AddressFamily>(
         let external_ips = of_family(&service.external_ips).into_iter().map(|ip| (ip, false));
         let load_balancer_ips = of_family(&service.load_balancer_ips).into_iter().map(|ip| (ip, true));
         for (ip, is_lb) in external_ips.chain(load_balancer_ips) {
-            if let Some(reason) = node.external_ips.refusal(ip.into(), is_lb) {
+            if let Some(refusal) = node.external_ips.refusal(ip.into(), is_lb) {
                 if port == &service.ports[0] {
-                    plan.warnings.push(CompileWarning::ExternalIpRefused { service: service.name.clone(), reason });
+                    plan.warnings.push(CompileWarning::ExternalIpRefused { service: service.name.clone(), refusal });
                 }
                 continue;
             }

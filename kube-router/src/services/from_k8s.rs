@@ -73,6 +73,22 @@ fn protocol(protocol: Option<&str>, port: i32) -> Result<Protocol, ObjectError> 
 /// The label that hands a Service to another proxy (kube-proxy skips such Services).
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
 
+/// A Node's InternalIP and ExternalIP addresses (both families): no Service may claim them.
+pub fn node_object_addresses(node: &core::Node) -> impl Iterator<Item = IpAddr> + '_ {
+    node.status
+        .as_ref()
+        .and_then(|s| s.addresses.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
+        .filter_map(|a| a.address.parse().ok())
+}
+
+/// Every endpoint address of `slices` (the API server's: the slices of `default/kubernetes`).
+pub fn endpoint_addresses(slices: &[discovery::EndpointSlice]) -> Vec<IpAddr> {
+    slices.iter().flat_map(|s| &s.endpoints).flat_map(|e| &e.addresses).filter_map(|a| a.parse().ok()).collect()
+}
+
 /// An address as the API server accepts it, of either family: also the legacy IPv4 form with
 /// leading zeros (`010.000.010.002`), which old API servers stored and which means the decimal
 /// value (as Go's parser read it before 1.17).

@@ -235,31 +235,95 @@ impl NodeContext {
 }
 
 /// kube-router's external IP validation (the CVE-2020-8554 class): a Service must not capture
-/// traffic for addresses it does not own. Empty ranges allow any address outside `forbidden`.
+/// traffic for addresses it does not own. The service proxy and the BGP speaker both ask
+/// [`Self::refusal`]: an address the datapath refuses is never advertised either.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ExternalIpPolicy {
     /// `--service-external-ip-range`: externalIPs must be inside one of these.
     pub external_ip_ranges: Vec<ipnet::IpNet>,
-    /// `--loadbalancer-ip-range`: LoadBalancer ingress IPs must be inside one of these.
+    /// `--strict-external-ip-validation`: with no `--service-external-ip-range`, no externalIP
+    /// is accepted (without it, any address the other checks let through is).
+    pub strict: bool,
+    /// `--loadbalancer-ip-range`: LoadBalancer ingress IPs must be inside one of these (none:
+    /// any address the other checks let through).
     pub load_balancer_ranges: Vec<ipnet::IpNet>,
-    /// The cluster's own ranges (pod CIDRs, Service range) and node addresses: never an
-    /// externalIP or LoadBalancer IP.
+    /// The cluster's own ranges (pod CIDRs, Service range): never an externalIP or LoadBalancer IP.
     pub forbidden: Vec<ipnet::IpNet>,
+    /// Every node's addresses (this node's interfaces, every Node's InternalIP/ExternalIP).
+    pub node_addresses: BTreeSet<IpAddr>,
+    /// The API server's addresses (the agent's own kubeconfig/--master, the endpoints of
+    /// `default/kubernetes`): a Service on them would cut every node off the API.
+    pub api_server_addresses: BTreeSet<IpAddr>,
+}
+
+/// Why an externalIP or LoadBalancer IP is refused: `reason` is the metric label.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ExternalIpRefusal {
+    pub reason: &'static str,
+    pub message: String,
 }
 
 impl ExternalIpPolicy {
-    /// Why `ip` may not be programmed as an externalIP (`load_balancer`: as a LB IP), if not.
-    pub fn refusal(&self, ip: std::net::IpAddr, load_balancer: bool) -> Option<String> {
+    /// This policy with the cluster's own addresses added: `nodes` (every Node's), `api_server`
+    /// (the endpoints of `default/kubernetes`).
+    pub fn with_cluster_addresses(
+        &self,
+        nodes: impl IntoIterator<Item = IpAddr>,
+        api_server: impl IntoIterator<Item = IpAddr>,
+    ) -> Self {
+        let mut policy = self.clone();
+        policy.node_addresses.extend(nodes.into_iter().map(|a| a.to_canonical()));
+        policy.api_server_addresses.extend(api_server.into_iter().map(|a| a.to_canonical()));
+        policy
+    }
+
+    /// Why `ip` may not be programmed (or advertised) as an externalIP (`load_balancer`: as a
+    /// LoadBalancer ingress IP), if not.
+    pub fn refusal(&self, ip: IpAddr, load_balancer: bool) -> Option<ExternalIpRefusal> {
+        // `::ffff:a.b.c.d` is judged as the IPv4 address it carries.
+        let ip = ip.to_canonical();
+        let refuse = |reason: &'static str, message: String| Some(ExternalIpRefusal { reason, message });
+        let link_local = match ip {
+            IpAddr::V4(v4) => v4.is_link_local(),
+            IpAddr::V6(v6) => v6.is_unicast_link_local(),
+        };
+        if ip.is_unspecified() {
+            return refuse("unspecified", format!("{ip} is the unspecified address"));
+        }
+        if ip.is_loopback() {
+            return refuse("loopback", format!("{ip} is a loopback address"));
+        }
+        if ip.is_multicast() || ip == IpAddr::V4(std::net::Ipv4Addr::BROADCAST) {
+            return refuse("multicast", format!("{ip} is a multicast or broadcast address"));
+        }
+        if link_local {
+            return refuse("link-local", format!("{ip} is link-local (169.254.0.0/16, fe80::/10: cloud metadata)"));
+        }
+        if self.api_server_addresses.contains(&ip) {
+            return refuse("api-server", format!("{ip} is an address of the API server"));
+        }
+        if self.node_addresses.contains(&ip) {
+            return refuse("node-address", format!("{ip} is a node's address"));
+        }
         if let Some(net) = self.forbidden.iter().find(|net| net.contains(&ip)) {
-            return Some(format!("{ip} is inside the cluster's own range {net}"));
+            return refuse("cluster-range", format!("{ip} is inside the cluster's own range {net}"));
         }
         let (ranges, flag) = if load_balancer {
             (&self.load_balancer_ranges, "--loadbalancer-ip-range")
         } else {
             (&self.external_ip_ranges, "--service-external-ip-range")
         };
-        if !ranges.is_empty() && !ranges.iter().any(|net| net.contains(&ip)) {
-            return Some(format!("{ip} is outside {flag}"));
+        if ranges.is_empty() {
+            if !load_balancer && self.strict {
+                return refuse(
+                    "no-allowed-range",
+                    format!(
+                        "{ip}: no --service-external-ip-range is configured and --strict-external-ip-validation is on"
+                    ),
+                );
+            }
+        } else if !ranges.iter().any(|net| net.contains(&ip)) {
+            return refuse("outside-range", format!("{ip} is outside {flag}"));
         }
         None
     }

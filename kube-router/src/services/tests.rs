@@ -556,8 +556,8 @@ fn external_ips_are_validated_against_the_ranges_and_the_clusters_own_addresses(
     let node = NodeContext {
         external_ips: ExternalIpPolicy {
             external_ip_ranges: vec!["192.0.2.0/24".parse().unwrap()],
-            load_balancer_ranges: vec![],
             forbidden: vec!["10.244.0.0/16".parse().unwrap()],
+            ..Default::default()
         },
         ..node()
     };
@@ -571,7 +571,7 @@ fn external_ips_are_validated_against_the_ranges_and_the_clusters_own_addresses(
         .warnings
         .iter()
         .filter_map(|w| match w {
-            CompileWarning::ExternalIpRefused { reason, .. } => Some(reason),
+            CompileWarning::ExternalIpRefused { refusal, .. } => Some(&refusal.message),
             _ => None,
         })
         .collect();
@@ -1125,4 +1125,60 @@ fn a_refused_write_is_reported_once_per_map_with_its_first_error_and_retried() {
     // Left out of the model: the next sync tries them again.
     let again = sync.sync(&mut maps, &desired, true);
     assert_eq!(again.per_map[map_names::BACKENDS].errors, desired.backends.len() as u64);
+}
+
+#[test]
+fn every_refused_external_ip_class_is_refused_and_ranges_and_the_strict_flag_decide_the_rest() {
+    use std::net::IpAddr;
+
+    use crate::services::model::ExternalIpPolicy;
+    let policy = ExternalIpPolicy {
+        external_ip_ranges: vec!["192.0.2.0/24".parse().unwrap(), "2001:db8:2::/64".parse().unwrap()],
+        strict: true,
+        load_balancer_ranges: vec![],
+        forbidden: vec!["10.244.0.0/16".parse().unwrap()],
+        ..Default::default()
+    }
+    .with_cluster_addresses(
+        ["192.0.2.2".parse::<IpAddr>().unwrap(), "2001:db8:2::2".parse().unwrap()],
+        ["192.0.2.100".parse::<IpAddr>().unwrap()],
+    );
+    let reason = |ip: &str, lb: bool| policy.refusal(ip.parse().unwrap(), lb).map(|r| r.reason);
+    for (ip, expected) in [
+        ("192.0.2.100", "api-server"),
+        ("::ffff:192.0.2.100", "api-server"),
+        ("192.0.2.2", "node-address"),
+        ("2001:db8:2::2", "node-address"),
+        ("10.244.1.9", "cluster-range"),
+        ("169.254.169.254", "link-local"),
+        ("fe80::1", "link-local"),
+        ("127.0.0.1", "loopback"),
+        ("::1", "loopback"),
+        ("0.0.0.0", "unspecified"),
+        ("::", "unspecified"),
+        ("224.0.0.5", "multicast"),
+        ("ff02::1", "multicast"),
+        ("255.255.255.255", "multicast"),
+        ("198.51.100.7", "outside-range"),
+    ] {
+        assert_eq!(reason(ip, false), Some(expected), "externalIP {ip}");
+        if expected != "outside-range" {
+            assert_eq!(reason(ip, true), Some(expected), "LoadBalancer IP {ip}");
+        }
+    }
+    assert_eq!(reason("192.0.2.7", false), None, "inside --service-external-ip-range");
+    assert_eq!(reason("2001:db8:2::7", false), None);
+    // --loadbalancer-ip-range is unset: any LoadBalancer IP the other checks let through.
+    assert_eq!(reason("198.51.100.7", true), None);
+
+    // Strict, no range: no externalIP at all; LoadBalancer IPs are not affected.
+    let strict = ExternalIpPolicy { strict: true, ..Default::default() };
+    assert_eq!(strict.refusal("198.51.100.7".parse().unwrap(), false).unwrap().reason, "no-allowed-range");
+    assert_eq!(strict.refusal("198.51.100.7".parse().unwrap(), true), None);
+    let lax = ExternalIpPolicy { strict: false, ..Default::default() };
+    assert_eq!(lax.refusal("198.51.100.7".parse().unwrap(), false), None);
+    assert_eq!(lax.refusal("169.254.169.254".parse().unwrap(), false).unwrap().reason, "link-local");
+    let lb_range = ExternalIpPolicy { load_balancer_ranges: vec!["203.0.113.0/24".parse().unwrap()], ..lax };
+    assert_eq!(lb_range.refusal("198.51.100.7".parse().unwrap(), true).unwrap().reason, "outside-range");
+    assert_eq!(lb_range.refusal("203.0.113.7".parse().unwrap(), true), None);
 }
