@@ -43,8 +43,8 @@ use super::{
         Output, Session, SessionConfig, State, TimerKind,
     },
     graceful_restart::{GrTimer, GracefulRestartHelper, RestartOutput, RestartingSpeaker, TimerCommand},
-    md5::{set_tcp_md5_key, set_ttl},
-    message::{Family, Message, NextHop, Origin, PathAttributes, Prefix},
+    md5::{set_min_ttl, set_tcp_md5_key, set_ttl},
+    message::{Family, Message, NextHop, Origin, PathAttributes, Prefix, Update},
     peers::{PeerConfig, PeerKind},
     policy::{ExportPolicy, ImportPolicy, OriginKind, PeerRole, Rejection},
     rib::{BestPathChange, PeerInfo, Rib, RibConfig, RouteSource},
@@ -163,6 +163,8 @@ pub struct PeerStatus {
     pub updates_received: u64,
     pub notifications_received: u64,
     pub notifications_sent: u64,
+    /// Sessions closed because the peer exceeded its prefix limit (RFC 4486).
+    pub max_prefix_violations: u32,
     pub last_error: Option<String>,
     /// BFD session Up (Some) when BFD watches this peer.
     pub bfd_up: Option<bool>,
@@ -326,20 +328,40 @@ fn canonical(addr: IpAddr) -> IpAddr {
 }
 
 /// IP TTL (hop limit) for a session's packets: eBGP peers are directly connected unless
-/// multihop is configured (RFC 4271 §5.1.3 practice); iBGP keeps the system default.
+/// multihop is configured (RFC 4271 §5.1.3 practice); iBGP keeps the system default. With
+/// GTSM always 255 (RFC 5082 §3).
 fn session_ttl(peer: &PeerConfig, local_asn: u32) -> Option<u32> {
+    if peer.ttl_security {
+        return Some(255);
+    }
     (peer.asn != local_asn).then(|| u32::from(peer.multihop_ttl.unwrap_or(1).max(1)))
 }
 
-async fn connect(peer: PeerConfig, ttl: Option<u32>, events: mpsc::UnboundedSender<CoreEvent>, id: u64) {
+/// GTSM's lowest acceptable TTL on arrival: 255 for a directly connected peer, one less per
+/// further hop allowed by `multihop_ttl`.
+fn session_min_ttl(peer: &PeerConfig) -> Option<u32> {
+    peer.ttl_security.then(|| 256 - u32::from(peer.multihop_ttl.unwrap_or(1).max(1)))
+}
+
+/// The session's TTL and GTSM options on a socket (before connect, or right after accept).
+fn set_session_ttl(fd: std::os::fd::RawFd, peer: &PeerConfig, local_asn: u32) -> std::io::Result<()> {
+    let ipv4 = peer.address.is_ipv4();
+    if let Some(ttl) = session_ttl(peer, local_asn) {
+        set_ttl(fd, ipv4, ttl)?;
+    }
+    if let Some(min) = session_min_ttl(peer) {
+        set_min_ttl(fd, ipv4, min)?;
+    }
+    Ok(())
+}
+
+async fn connect(peer: PeerConfig, local_asn: u32, events: mpsc::UnboundedSender<CoreEvent>, id: u64) {
     let result = async {
         let socket = if peer.address.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
         if let Some(password) = &peer.password {
             set_tcp_md5_key(socket.as_raw_fd(), peer.address, password.as_bytes())?;
         }
-        if let Some(ttl) = ttl {
-            set_ttl(socket.as_raw_fd(), peer.address.is_ipv4(), ttl)?;
-        }
+        set_session_ttl(socket.as_raw_fd(), &peer, local_asn)?;
         if let Some(local) = peer.local_address.filter(|l| l.is_ipv4() == peer.address.is_ipv4()) {
             socket.bind(SocketAddr::new(local, 0))?;
         }
@@ -753,14 +775,6 @@ impl Core {
         let id = self.next_connection_id;
         self.next_connection_id += 1;
         let local = stream.local_addr().ok();
-        if direction == Direction::Inbound {
-            // Accepted sockets get the session's TTL too (outbound ones were set before connect).
-            if let Some(ttl) = self.peers.get(&peer).and_then(|p| session_ttl(&p.config, self.config.local_asn)) {
-                if let Err(e) = set_ttl(stream.as_raw_fd(), peer.is_ipv4(), ttl) {
-                    debug!(%peer, error = %e, "cannot set the session TTL");
-                }
-            }
-        }
         let (outgoing, rx) = mpsc::unbounded_channel();
         let task = tokio::spawn(run_connection(peer, id, stream, rx, self.events.clone()));
         if let Some(p) = self.peers.get_mut(&peer) {
@@ -773,6 +787,18 @@ impl Core {
             debug!(%remote, "BGP connection from an unconfigured address refused");
             return;
         };
+        if p.session.as_ref().is_some_and(Session::in_idle_hold) {
+            debug!(peer = %remote, "connection refused: the peer is held down after exceeding its prefix limit");
+            return;
+        }
+        // Accepted sockets get the session's TTL and GTSM too (outbound ones are set before
+        // connect). The handshake itself passed the shared listener, which has no minimum TTL;
+        // from here on a GTSM peer's short-TTL packets are dropped, so such a peer never gets
+        // past OpenSent.
+        if let Err(e) = set_session_ttl(stream.as_raw_fd(), &p.config, self.config.local_asn) {
+            warn!(peer = %remote, error = %e, "cannot set the session TTL or GTSM minimum; connection refused");
+            return;
+        }
         match p.state() {
             State::Established => {
                 debug!(peer = %remote, "second connection while Established; refused");
@@ -854,8 +880,7 @@ impl Core {
                     return;
                 }
                 p.pending_connect = Some(id);
-                let ttl = session_ttl(&p.config, self.config.local_asn);
-                tokio::spawn(connect(p.config.clone(), ttl, self.events.clone(), id));
+                tokio::spawn(connect(p.config.clone(), self.config.local_asn, self.events.clone(), id));
             }
             Output::CloseConnection => {
                 if let Some(p) = self.peers.get_mut(&peer) {
@@ -890,13 +915,17 @@ impl Core {
             }
             Output::SessionEstablished(negotiated) => self.established(peer, negotiated),
             Output::SessionDown { reason, negotiated } => self.down(peer, reason, negotiated),
-            Output::RoutesReceived(update) => match self.rib.apply_update(peer, &update) {
-                Ok(changes) => {
-                    self.rib_changed(changes);
-                    self.log_new_rejections();
+            Output::RoutesReceived(update) => {
+                if let Some(limit) = self.peers.get(&peer).and_then(|p| p.config.max_prefixes) {
+                    // Checked before applying: the excess never reaches the Loc-RIB, the
+                    // kernel or other peers.
+                    if let Some((family, count)) = self.rib.prefix_limit_exceeded(peer, &update, limit) {
+                        self.max_prefixes_exceeded(peer, family, count, limit);
+                        return;
+                    }
                 }
-                Err(e) => warn!(%peer, error = %e, "UPDATE for a peer the RIB does not know"),
-            },
+                self.apply_update(peer, update);
+            }
             Output::EndOfRibReceived(afi, safi) => {
                 let Some(family) = Family::from_afi_safi(afi, safi) else { return };
                 debug!(%peer, ?family, "End-of-RIB received");
@@ -923,6 +952,28 @@ impl Core {
                 self.send_all(peer, messages);
             }
         }
+    }
+
+    fn apply_update(&mut self, peer: IpAddr, update: Update) {
+        match self.rib.apply_update(peer, &update) {
+            Ok(changes) => {
+                self.rib_changed(changes);
+                self.log_new_rejections();
+            }
+            Err(e) => warn!(%peer, error = %e, "UPDATE for a peer the RIB does not know"),
+        }
+    }
+
+    /// RFC 4486: Cease 1 and the session down; its routes go as on any session loss. Logged
+    /// once per peer (the hold-down bounds how often it can recur; the metric counts each).
+    fn max_prefixes_exceeded(&mut self, peer: IpAddr, family: Family, count: usize, limit: u32) {
+        if self.logged_once.insert((peer, "max-prefixes".to_string())) {
+            warn!(%peer, ?family, count, limit, "BGP peer sent more prefixes than its limit: session closed with Cease 1 (RFC 4486) and held down (logged once per peer; counted in kube_router_bgp_max_prefixes_exceeded_total)");
+        }
+        if let Some(p) = self.peers.get_mut(&peer) {
+            p.last_error = Some(format!("prefix limit {limit} exceeded ({family:?}: {count})"));
+        }
+        self.step(peer, Event::MaxPrefixesExceeded { family, limit });
     }
 
     /// Paths whose next hop the node cannot reach, per peer: logged when a peer's count leaves
@@ -1429,6 +1480,7 @@ impl Core {
                 updates_received: p.updates_received,
                 notifications_received: p.notifications_received,
                 notifications_sent: p.notifications_sent,
+                max_prefix_violations: p.session.as_ref().map_or(0, Session::max_prefix_violations),
                 last_error: p.last_error.clone(),
                 bfd_up: p.bfd_up.filter(|_| p.config.bfd.is_some()),
             })
