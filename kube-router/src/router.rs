@@ -564,6 +564,13 @@ fn render_session_families(out: &mut String, bgp: &SpeakerStatus) {
         "UPDATE parts ignored with the session kept: NLRI of families we do not route, unrepresentable prefixes.",
     );
     let _ = writeln!(out, "kube_router_bgp_ignored_nlri_total {}", bgp.ignored_nlri);
+    family(
+        out,
+        "kube_router_bfd_packets_dropped_total",
+        "counter",
+        "BFD control packets dropped: reason ttl = IP TTL / hop limit not 255 (not from a directly connected neighbour).",
+    );
+    let _ = writeln!(out, "kube_router_bfd_packets_dropped_total{{reason=\"ttl\"}} {}", bgp.bfd_ttl_dropped);
     family(out, "kube_router_bgp_routes_rejected_total", "counter", "Paths refused by the import policy, per reason.");
     for (peer, reason, n) in &bgp.rejections {
         let _ =

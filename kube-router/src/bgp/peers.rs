@@ -1428,6 +1428,33 @@ mod tests {
     }
 
     #[test]
+    fn prefix_limit_and_ttl_security_per_peer_override_the_flags() {
+        let yaml = "- remoteip: 192.168.1.1\n  remoteasn: 65000\n  maxprefixes: 500\n  ttlsecurity: true\n\
+                    - remoteip: 192.168.1.2\n  remoteasn: 65000\n  maxprefixes: 0\n\
+                    - remoteip: 192.168.1.3\n  remoteasn: 65000\n  ttlsecurity: false\n";
+        let nodes = vec![node("node-1", "10.0.0.1", &[(PEERS_ANNOTATION, yaml)], None)];
+        let s = GlobalSettings {
+            max_prefixes: Some(1000),
+            ttl_security: true,
+            external_peers: parse_external_peer_flags(&["192.168.9.9".into()], &["65009".into()], &[], &[]).unwrap(),
+            ..settings("node-1")
+        };
+        let cfg = node_bgp_config(&nodes, &s).unwrap();
+        let got = |a: &str| (peer(&cfg, a).max_prefixes, peer(&cfg, a).ttl_security);
+        assert_eq!(got("192.168.1.1"), (Some(500), true));
+        assert_eq!(got("192.168.1.2"), (None, true), "0: no limit");
+        assert_eq!(got("192.168.1.3"), (Some(1000), false));
+        assert_eq!(got("192.168.9.9"), (Some(1000), true), "flag peers take the flags");
+        assert_eq!(GlobalSettings::default().max_prefixes, Some(DEFAULT_MAX_PREFIXES));
+
+        let broken = "- remoteip: 192.168.1.1\n  remoteasn: 65000\n  maxprefixes: 4294967296\n";
+        let nodes = vec![node("node-1", "10.0.0.1", &[(PEERS_ANNOTATION, broken)], None)];
+        let cfg = node_bgp_config(&nodes, &s).unwrap();
+        assert_eq!(addrs(&cfg), vec![ip("192.168.9.9")], "only the flag peer is left");
+        assert_eq!(cfg.warnings.len(), 1, "{:?}", cfg.warnings);
+    }
+
+    #[test]
     fn local_ips_ports_multihop_and_the_routing_annotations() {
         let nodes = vec![node(
             "node-1",

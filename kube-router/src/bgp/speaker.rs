@@ -185,6 +185,8 @@ pub struct SpeakerStatus {
     pub rejections: Vec<(IpAddr, Rejection, u64)>,
     /// NLRI of families we do not route, ignored (RFC 7606 §5.4-style, session kept).
     pub ignored_nlri: u64,
+    /// BFD control packets dropped for an IP TTL (hop limit) other than 255 (RFC 5881 §5).
+    pub bfd_ttl_dropped: u64,
     pub fib: FibStats,
 }
 
@@ -521,6 +523,8 @@ struct Core {
     unresolved_recount_at: Instant,
     /// The BFD task, once a peer wants BFD: it takes the list of watched peers.
     bfd: Option<mpsc::UnboundedSender<Vec<BfdPeer>>>,
+    /// BFD packets refused for a TTL other than 255 (the BFD task counts).
+    bfd_ttl_dropped: Arc<std::sync::atomic::AtomicU64>,
     closing: Vec<JoinHandle<()>>,
 }
 
@@ -576,6 +580,7 @@ impl Core {
             unresolved_dirty: false,
             unresolved_recount_at: Instant::now(),
             bfd: None,
+            bfd_ttl_dropped: Arc::default(),
             closing: Vec::new(),
         };
         if restarting {
@@ -1260,9 +1265,14 @@ impl Core {
         let sender = self.bfd.get_or_insert_with(|| {
             let (tx, rx) = mpsc::unbounded_channel();
             let events = self.events.clone();
-            tokio::spawn(run_bfd(self.config.bfd_port, rx, move |e| {
-                let _ = events.send(CoreEvent::Bfd(e));
-            }));
+            tokio::spawn(run_bfd(
+                self.config.bfd_port,
+                rx,
+                move |e| {
+                    let _ = events.send(CoreEvent::Bfd(e));
+                },
+                self.bfd_ttl_dropped.clone(),
+            ));
             tx
         });
         let _ = sender.send(watched);
@@ -1511,6 +1521,7 @@ impl Core {
             malformed_messages: self.malformed_messages,
             rejections: self.rib.rejections().iter().map(|((peer, reason), c)| (*peer, *reason, c.total)).collect(),
             ignored_nlri: self.ignored_nlri,
+            bfd_ttl_dropped: self.bfd_ttl_dropped.load(std::sync::atomic::Ordering::Relaxed),
             fib: FibStats::default(),
         };
         *self.status.lock().unwrap_or_else(|p| p.into_inner()) = status;
