@@ -143,6 +143,13 @@ pub struct FibTarget {
     pub allow_deletes: bool,
 }
 
+/// Events from the sockets (connections, decoded messages) waiting for the core. Bounded, and
+/// their producers await room: a peer that sends faster than the core applies is slowed down
+/// by TCP itself instead of growing a queue. The core never sends on this channel and never
+/// awaits a connection task while it runs, so the wait cannot deadlock; at shutdown it keeps
+/// draining while the connections flush their NOTIFICATIONs.
+const WIRE_QUEUE: usize = 1024;
+
 /// How often the per-peer unresolved-path counts may be recomputed while paths change.
 const UNRESOLVED_RECOUNT: Duration = Duration::from_secs(1);
 
@@ -240,6 +247,7 @@ impl Speaker {
         installed: RouteSet,
     ) -> anyhow::Result<(Self, FibLink)> {
         let (events, rx) = mpsc::unbounded_channel();
+        let (wire, wire_rx) = mpsc::channel(WIRE_QUEUE);
         let listeners = config.listen.iter().map(|addr| bind_listener(*addr)).collect::<anyhow::Result<Vec<_>>>()?;
         let restarting = config.graceful_restart.is_some() && marker_path(&config).is_some_and(|p| p.exists());
         let initial = FibTarget {
@@ -252,16 +260,17 @@ impl Speaker {
         let (fib_tx, fib_rx) = watch::channel(initial);
         let status = Arc::new(Mutex::new(SpeakerStatus::default()));
         let fib_stats = Arc::new(Mutex::new(FibStats::default()));
-        let mut core = Core::new(config, restarting, installed, &peers, events.clone(), fib_tx, status.clone());
+        let mut core =
+            Core::new(config, restarting, installed, &peers, events.clone(), wire.clone(), fib_tx, status.clone());
         for listener in listeners {
             core.listener_fds.push(listener.as_raw_fd());
-            tokio::spawn(accept_loop(listener, events.clone()));
+            tokio::spawn(accept_loop(listener, wire.clone()));
         }
         core.set_prefixes(prefixes);
         core.set_peers(peers);
         core.fib_stats = fib_stats.clone();
         core.publish();
-        tokio::spawn(core.run(rx));
+        tokio::spawn(core.run(rx, wire_rx));
         let link = FibLink { target: fib_rx, events: events.clone(), stats: fib_stats.clone() };
         Ok((Self { events, status, fib_stats }, link))
     }
@@ -305,11 +314,12 @@ fn bind_listener(addr: SocketAddr) -> anyhow::Result<TcpListener> {
     Ok(socket.listen(64)?)
 }
 
-async fn accept_loop(listener: TcpListener, events: mpsc::UnboundedSender<CoreEvent>) {
+async fn accept_loop(listener: TcpListener, wire: mpsc::Sender<CoreEvent>) {
     loop {
         match listener.accept().await {
             Ok((stream, remote)) => {
-                if events.send(CoreEvent::Accepted { remote, stream }).is_err() {
+                // While the core is behind, connections wait in the kernel's backlog.
+                if wire.send(CoreEvent::Accepted { remote, stream }).await.is_err() {
                     return;
                 }
             }
@@ -357,7 +367,7 @@ fn set_session_ttl(fd: std::os::fd::RawFd, peer: &PeerConfig, local_asn: u32) ->
     Ok(())
 }
 
-async fn connect(peer: PeerConfig, local_asn: u32, events: mpsc::UnboundedSender<CoreEvent>, id: u64) {
+async fn connect(peer: PeerConfig, local_asn: u32, wire: mpsc::Sender<CoreEvent>, id: u64) {
     let result = async {
         let socket = if peer.address.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
         if let Some(password) = &peer.password {
@@ -378,7 +388,7 @@ async fn connect(peer: PeerConfig, local_asn: u32, events: mpsc::UnboundedSender
         Ok(stream) => CoreEvent::Connected { peer: peer.address, id, stream },
         Err(e) => CoreEvent::ConnectFailed { peer: peer.address, id, error: e.to_string() },
     };
-    let _ = events.send(event);
+    let _ = wire.send(event).await;
 }
 
 /// Reads and writes one BGP connection until the core drops its sender (after flushing what
@@ -388,7 +398,7 @@ async fn run_connection(
     id: u64,
     stream: TcpStream,
     mut outgoing: mpsc::UnboundedReceiver<Message>,
-    events: mpsc::UnboundedSender<CoreEvent>,
+    wire: mpsc::Sender<CoreEvent>,
 ) {
     let _ = stream.set_nodelay(true);
     let (mut reader, mut writer) = stream.into_split();
@@ -417,24 +427,25 @@ async fn run_connection(
                     }
                 }
                 if let Err(e) = writer.write_all(&outbuf).await {
-                    let _ = events.send(CoreEvent::Closed { peer, id, error: Some(e.to_string()) });
+                    let _ = wire.send(CoreEvent::Closed { peer, id, error: Some(e.to_string()) }).await;
                     return;
                 }
             }
             read = reader.read_buf(&mut inbuf), if reading => {
                 match read {
                     Ok(0) => {
-                        let _ = events.send(CoreEvent::Closed { peer, id, error: Some("peer closed the connection".into()) });
+                        let _ = wire.send(CoreEvent::Closed { peer, id, error: Some("peer closed the connection".into()) }).await;
                         reading = false;
                     }
                     Err(e) => {
-                        let _ = events.send(CoreEvent::Closed { peer, id, error: Some(e.to_string()) });
+                        let _ = wire.send(CoreEvent::Closed { peer, id, error: Some(e.to_string()) }).await;
                         reading = false;
                     }
                     Ok(_) => {
                         while let Some(outcome) = codec.decode(&mut inbuf) {
                             let fatal = matches!(outcome, DecodeOutcome::Notify(_) | DecodeOutcome::ConnectionError(_));
-                            let _ = events.send(CoreEvent::Received { peer, id, outcome });
+                            // Waits while the core is behind: reading stops, and TCP slows the peer.
+                            let _ = wire.send(CoreEvent::Received { peer, id, outcome }).await;
                             if fatal {
                                 // The core answers with a NOTIFICATION and closes; nothing after
                                 // a framing error can be trusted.
@@ -505,6 +516,8 @@ struct Core {
     prefixes: BTreeMap<Prefix, OriginKind>,
     gr_timers: HashMap<GrTimer, Instant>,
     events: mpsc::UnboundedSender<CoreEvent>,
+    /// For the socket tasks (see [`WIRE_QUEUE`]).
+    wire: mpsc::Sender<CoreEvent>,
     fib: watch::Sender<FibTarget>,
     fib_allow_deletes: bool,
     fib_dirty: bool,
@@ -535,6 +548,7 @@ impl Core {
         installed: RouteSet,
         initial_peers: &[PeerConfig],
         events: mpsc::UnboundedSender<CoreEvent>,
+        wire: mpsc::Sender<CoreEvent>,
         fib: watch::Sender<FibTarget>,
         status: Arc<Mutex<SpeakerStatus>>,
     ) -> Self {
@@ -566,6 +580,7 @@ impl Core {
             prefixes: BTreeMap::new(),
             gr_timers: HashMap::new(),
             events,
+            wire,
             fib,
             fib_allow_deletes: false,
             fib_dirty: false,
@@ -591,29 +606,37 @@ impl Core {
         core
     }
 
-    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<CoreEvent>) {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<CoreEvent>, mut wire: mpsc::Receiver<CoreEvent>) {
         loop {
             let deadline = self.next_deadline();
             tokio::select! {
                 event = rx.recv() => {
                     let Some(event) = event else { return };
                     if let CoreEvent::Shutdown { graceful, done } = event {
-                        self.shutdown(graceful).await;
+                        self.shutdown(graceful, &mut wire).await;
                         let _ = done.send(());
                         return;
                     }
                     self.handle(event);
-                    // Drain what is already queued before publishing: one FIB update per burst.
-                    while let Ok(event) = rx.try_recv() {
-                        if let CoreEvent::Shutdown { graceful, done } = event {
-                            self.shutdown(graceful).await;
-                            let _ = done.send(());
-                            return;
-                        }
-                        self.handle(event);
-                    }
                 }
+                Some(event) = wire.recv() => self.handle(event),
                 _ = sleep_until(deadline) => self.fire_timers(),
+            }
+            // Drain what is already queued before publishing: one FIB update per burst.
+            loop {
+                let event = match rx.try_recv() {
+                    Ok(event) => event,
+                    Err(_) => match wire.try_recv() {
+                        Ok(event) => event,
+                        Err(_) => break,
+                    },
+                };
+                if let CoreEvent::Shutdown { graceful, done } = event {
+                    self.shutdown(graceful, &mut wire).await;
+                    let _ = done.send(());
+                    return;
+                }
+                self.handle(event);
             }
             self.publish();
         }
@@ -781,7 +804,7 @@ impl Core {
         self.next_connection_id += 1;
         let local = stream.local_addr().ok();
         let (outgoing, rx) = mpsc::unbounded_channel();
-        let task = tokio::spawn(run_connection(peer, id, stream, rx, self.events.clone()));
+        let task = tokio::spawn(run_connection(peer, id, stream, rx, self.wire.clone()));
         if let Some(p) = self.peers.get_mut(&peer) {
             p.connection = Some(Connection { id, direction, local, outgoing, task });
         }
@@ -885,7 +908,7 @@ impl Core {
                     return;
                 }
                 p.pending_connect = Some(id);
-                tokio::spawn(connect(p.config.clone(), self.config.local_asn, self.events.clone(), id));
+                tokio::spawn(connect(p.config.clone(), self.config.local_asn, self.wire.clone(), id));
             }
             Output::CloseConnection => {
                 if let Some(p) = self.peers.get_mut(&peer) {
@@ -1332,15 +1355,26 @@ impl Core {
         self.rib_changed(changes);
     }
 
-    async fn shutdown(&mut self, graceful: bool) {
+    async fn shutdown(&mut self, graceful: bool, wire: &mut mpsc::Receiver<CoreEvent>) {
         info!(graceful, "BGP speaker stopping; kernel routes stay");
         let addrs: Vec<IpAddr> = self.peers.keys().copied().collect();
         for addr in addrs {
             self.step(addr, Event::AgentShutdown { graceful_restart: graceful });
         }
-        for task in self.closing.drain(..) {
-            let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
-        }
+        // A connection task waiting for room in the wire queue would never get to flush its
+        // NOTIFICATION: keep taking (and dropping) its events meanwhile.
+        let closing = futures_util::future::join_all(self.closing.drain(..));
+        let drain = async {
+            while wire.recv().await.is_some() {}
+            std::future::pending::<()>().await
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(2), async {
+            tokio::select! {
+                _ = closing => {}
+                _ = drain => {}
+            }
+        })
+        .await;
         if !graceful || self.config.graceful_restart.is_none() {
             if let Some(path) = marker_path(&self.config) {
                 let _ = std::fs::remove_file(path);
