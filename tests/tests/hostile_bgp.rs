@@ -194,6 +194,22 @@ impl Drop for Lab {
     }
 }
 
+/// Bytes the node sends on a fresh TCP connection from peer A's address to its BGP port
+/// within 3 s, until it closes: a session in progress starts with our OPEN; a refused
+/// connection is closed at once with nothing sent.
+fn bytes_on_a_new_connection(lab: &Lab) -> usize {
+    use tokio::io::AsyncReadExt;
+    let runtime = kube_router_tests::NetnsRuntime::new(&lab.a.ns).unwrap();
+    runtime.run(async {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("10.77.0.2:0".parse().unwrap()).unwrap();
+        let Ok(mut stream) = socket.connect("10.77.0.1:179".parse().unwrap()).await else { return 0 };
+        let mut got = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(3), stream.read_to_end(&mut got)).await;
+        got.len()
+    })
+}
+
 /// Routes of `10.<second>.x.0/24` in a `kernel_routes` listing.
 fn count_routes(routes: &str, second: u8) -> usize {
     routes.lines().filter(|l| l.starts_with(&format!("10.{second}."))).count()
@@ -226,8 +242,10 @@ fn a_peer_over_its_prefix_limit_is_ceased_and_held_down() {
         Ok(count_routes(&lab.kernel_routes(), 200) == 0)
     })
     .unwrap();
-    // The idle hold (30 s at the first violation): gobgpd reconnects every second, and is
-    // refused; had it come back, its 25 prefixes would have tripped the limit again.
+    // The idle hold (30 s at the first violation): a connection from A's address is closed
+    // without an OPEN (gobgpd itself waits 30 s after a NOTIFICATION; FRR or BIRD need not),
+    // and A's session stays down; had it come back, its 25 prefixes would trip the limit again.
+    assert_eq!(bytes_on_a_new_connection(&lab), 0, "a connection from peer A was taken during the idle hold");
     let held_since = Instant::now();
     while held_since.elapsed() < Duration::from_secs(8) {
         assert!(!lab.a.established(), "peer A re-established during the idle hold");
