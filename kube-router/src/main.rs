@@ -143,6 +143,16 @@ struct RunArgs {
     /// IP TTL for eBGP sessions with external peers (2 or more enables multihop; default 1).
     #[arg(long, env = "KUBE_ROUTER_PEER_ROUTER_MULTIHOP_TTL", value_parser = clap::value_parser!(u8).range(1..))]
     peer_router_multihop_ttl: Option<u8>,
+    /// GTSM (RFC 5082) with external peers: send with TTL 255, drop their packets that arrive
+    /// with less (less 255 - (--peer-router-multihop-ttl - 1) with multihop); per peer:
+    /// `ttlsecurity` in the kube-router.io/peers annotation.
+    #[arg(long, env = "KUBE_ROUTER_PEER_ROUTER_TTL_SECURITY", default_value_t = false, action = clap::ArgAction::Set)]
+    peer_router_ttl_security: bool,
+    /// Most prefixes per address family a BGP peer may send; one more closes the session
+    /// (Cease, RFC 4486) and holds it down for 30 s, doubling per repeat up to 15 min. 0: no
+    /// limit. Per peer: `maxprefixes` in the kube-router.io/peers annotation.
+    #[arg(long, env = "KUBE_ROUTER_BGP_MAX_PREFIXES", default_value_t = kube_router::bgp::peers::DEFAULT_MAX_PREFIXES)]
+    bgp_max_prefixes: u32,
     /// External peers get the session's own address as next hop instead of the node IP.
     #[arg(long, env = "KUBE_ROUTER_OVERRIDE_NEXTHOP", default_value_t = false, action = clap::ArgAction::Set)]
     override_nexthop: bool,
@@ -665,6 +675,8 @@ fn run(cli: &Cli) -> Result<()> {
         full_mesh: args.nodes_full_mesh,
         enable_ibgp: args.enable_ibgp,
         multihop_ttl: args.peer_router_multihop_ttl,
+        max_prefixes: (args.bgp_max_prefixes > 0).then_some(args.bgp_max_prefixes),
+        ttl_security: args.peer_router_ttl_security,
         advertise_pod_cidr: args.advertise_pod_cidr,
         override_next_hop: args.override_nexthop,
         accept_default: args.bgp_accept_default,

@@ -50,6 +50,10 @@ pub struct RouterOptions {
     pub enable_ibgp: bool,
     /// `--peer-router-multihop-ttl`.
     pub multihop_ttl: Option<u8>,
+    /// `--bgp-max-prefixes` (None: no limit).
+    pub max_prefixes: Option<u32>,
+    /// `--peer-router-ttl-security`.
+    pub ttl_security: bool,
     /// `--advertise-pod-cidr` (to external peers; node peers always get it).
     pub advertise_pod_cidr: bool,
     /// `--override-nexthop`.
@@ -269,6 +273,8 @@ impl RouterController {
             full_mesh: self.options.full_mesh,
             multihop_ttl: self.options.multihop_ttl,
             bfd: self.options.bfd,
+            max_prefixes: self.options.max_prefixes,
+            ttl_security: self.options.ttl_security,
             external_peers: self.options.external_peers.clone(),
             peer_port: self.options.bgp_port,
             // Node peers always get the pod CIDRs; --advertise-pod-cidr is export policy.
@@ -295,17 +301,8 @@ impl RouterController {
     /// Configuration from flags alone, for running without the API server.
     pub fn static_config(&self) -> Result<NodeBgpConfig> {
         let router_id = self.options.router_id.context("--router-id is needed to run BGP without the API server")?;
-        let peers = self
-            .options
-            .external_peers
-            .iter()
-            .map(|p| {
-                let mut peer = p.peer_config(self.options.bgp_port);
-                peer.multihop_ttl = self.options.multihop_ttl;
-                peer.bfd = self.options.bfd;
-                peer
-            })
-            .collect();
+        let settings = self.settings();
+        let peers = self.options.external_peers.iter().map(|p| p.external_peer_config(&settings)).collect();
         Ok(NodeBgpConfig {
             router_id,
             local_asn: self.options.cluster_asn,
@@ -564,10 +561,20 @@ fn render_session_families(out: &mut String, bgp: &SpeakerStatus) {
         ("kube_router_bgp_updates_received_total", "UPDATE messages received.", 0),
         ("kube_router_bgp_notifications_received_total", "NOTIFICATION messages received.", 1),
         ("kube_router_bgp_notifications_sent_total", "NOTIFICATION messages sent.", 2),
+        (
+            "kube_router_bgp_max_prefixes_exceeded_total",
+            "Sessions closed because the peer sent more prefixes than its limit (Cease 1, RFC 4486).",
+            3,
+        ),
     ] {
         family(out, name, "counter", help);
         for p in &bgp.peers {
-            let n = [p.updates_received, p.notifications_received, p.notifications_sent][pick];
+            let n = [
+                p.updates_received,
+                p.notifications_received,
+                p.notifications_sent,
+                u64::from(p.max_prefix_violations),
+            ][pick];
             let _ = writeln!(out, "{name}{{peer=\"{}\"}} {n}", p.address);
         }
     }
@@ -585,6 +592,13 @@ fn render_session_families(out: &mut String, bgp: &SpeakerStatus) {
         "UPDATE parts ignored with the session kept: NLRI of families we do not route, unrepresentable prefixes.",
     );
     let _ = writeln!(out, "kube_router_bgp_ignored_nlri_total {}", bgp.ignored_nlri);
+    family(
+        out,
+        "kube_router_bfd_packets_dropped_total",
+        "counter",
+        "BFD control packets dropped: reason ttl = IP TTL / hop limit not 255 (not from a directly connected neighbour).",
+    );
+    let _ = writeln!(out, "kube_router_bfd_packets_dropped_total{{reason=\"ttl\"}} {}", bgp.bfd_ttl_dropped);
     family(out, "kube_router_bgp_routes_rejected_total", "counter", "Paths refused by the import policy, per reason.");
     for (peer, reason, n) in &bgp.rejections {
         let _ =

@@ -77,6 +77,10 @@ pub enum PacketError {
     Authentication,
     #[error("your discriminator 0 in state {0:?}")]
     MissingYourDiscriminator(BfdState),
+    /// RFC 5881 §5: single-hop packets are sent with TTL 255, so anything less crossed a
+    /// router (or was forged off-link). None: the kernel did not report it.
+    #[error("IP TTL / hop limit {0:?}, single-hop BFD requires 255")]
+    TtlNot255(Option<u8>),
 }
 
 impl ControlPacket {
@@ -92,6 +96,15 @@ impl ControlPacket {
         b[16..20].copy_from_slice(&self.required_min_rx.to_be_bytes());
         b[20..24].copy_from_slice(&self.required_min_echo_rx.to_be_bytes());
         b
+    }
+
+    /// [`Self::decode`] of a single-hop packet received with IP TTL (hop limit) `ttl`: refused
+    /// unless it is 255 (RFC 5881 §5), before anything else is looked at.
+    pub fn decode_single_hop(b: &[u8], ttl: Option<u8>) -> Result<Self, PacketError> {
+        if ttl != Some(255) {
+            return Err(PacketError::TtlNot255(ttl));
+        }
+        Self::decode(b)
     }
 
     /// Parses and validates a received packet (RFC 5880 §6.8.6, the checks before any state
@@ -348,6 +361,15 @@ mod tests {
         let mut up = p;
         up.state = BfdState::Up;
         assert_eq!(ControlPacket::decode(&up.encode()), Err(PacketError::MissingYourDiscriminator(BfdState::Up)));
+    }
+
+    #[test]
+    fn single_hop_packets_need_ttl_255() {
+        let bytes = BfdSession::new(7, fast()).packet().encode();
+        assert!(ControlPacket::decode_single_hop(&bytes, Some(255)).is_ok());
+        assert_eq!(ControlPacket::decode_single_hop(&bytes, Some(254)), Err(PacketError::TtlNot255(Some(254))));
+        assert_eq!(ControlPacket::decode_single_hop(&bytes, Some(1)), Err(PacketError::TtlNot255(Some(1))));
+        assert_eq!(ControlPacket::decode_single_hop(&bytes, None), Err(PacketError::TtlNot255(None)));
     }
 
     #[test]

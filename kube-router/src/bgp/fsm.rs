@@ -74,6 +74,10 @@ pub struct SessionConfig {
     pub passive: bool,
     pub families: Vec<Family>,
     pub graceful_restart: Option<GracefulRestartConfig>,
+    /// How long the session stays down after the peer exceeded its prefix limit (doubled on
+    /// each further violation, capped at `max`): a peer that keeps sending too much is not
+    /// re-accepted in a tight loop.
+    pub max_prefix_idle_hold: ConnectRetryBackoff,
 }
 
 impl SessionConfig {
@@ -87,6 +91,7 @@ impl SessionConfig {
             passive: false,
             families: vec![Family::Ipv4Unicast, Family::Ipv6Unicast],
             graceful_restart: None,
+            max_prefix_idle_hold: MAX_PREFIX_IDLE_HOLD,
         }
     }
     pub fn is_ibgp(&self) -> bool {
@@ -141,6 +146,12 @@ pub enum DownReason {
     /// routes are not kept for graceful restart: BFD's point is to stop forwarding into a dead
     /// link now, not after the restart time.
     BfdDown,
+    /// The peer sent more prefixes of `family` than `limit` (RFC 4486 Cease 1 sent). Its
+    /// routes are dropped, never retained for graceful restart: they are the problem.
+    MaxPrefixesExceeded {
+        family: Family,
+        limit: u32,
+    },
 }
 
 impl DownReason {
@@ -175,6 +186,12 @@ pub enum Event {
     CollisionLost,
     /// The BFD session with the peer went from Up to Down.
     BfdDown,
+    /// An UPDATE would take the peer's prefixes of `family` past `limit` (the driver checks
+    /// with [`crate::bgp::rib::Rib::prefix_limit_exceeded`] before applying it).
+    MaxPrefixesExceeded {
+        family: Family,
+        limit: u32,
+    },
 }
 
 impl From<DecodeOutcome> for Event {
@@ -211,6 +228,10 @@ pub enum Output {
     RouteRefreshRequested(Afi, Safi),
 }
 
+/// Idle hold after a prefix-limit violation: 30 s, then 1, 2, 4 ... minutes up to 15.
+pub const MAX_PREFIX_IDLE_HOLD: ConnectRetryBackoff =
+    ConnectRetryBackoff { initial: Duration::from_secs(30), max: Duration::from_secs(15 * 60) };
+
 /// Hold time used while waiting for the peer's OPEN (RFC 4271 §8: "large").
 const OPEN_HOLD_TIME: Duration = Duration::from_secs(240);
 
@@ -223,11 +244,32 @@ pub struct Session {
     /// ManualStart seen and no ManualStop since: Idle auto-restarts.
     admin_up: bool,
     negotiated: Option<Negotiated>,
+    /// Prefix-limit violations since the peer was configured; drives the idle hold (never
+    /// reset, so a peer that keeps doing it settles at the longest hold).
+    max_prefix_violations: u32,
+    /// In Idle after a prefix-limit violation, until the ConnectRetry timer fires: the driver
+    /// refuses the peer's connections meanwhile.
+    idle_hold: bool,
 }
 
 impl Session {
     pub fn new(config: SessionConfig) -> Self {
-        Self { config, state: State::Idle, connect_retry_counter: 0, admin_up: false, negotiated: None }
+        Self {
+            config,
+            state: State::Idle,
+            connect_retry_counter: 0,
+            admin_up: false,
+            negotiated: None,
+            max_prefix_violations: 0,
+            idle_hold: false,
+        }
+    }
+    /// Held down after a prefix-limit violation: no connection is accepted or made.
+    pub fn in_idle_hold(&self) -> bool {
+        self.state == State::Idle && self.idle_hold
+    }
+    pub fn max_prefix_violations(&self) -> u32 {
+        self.max_prefix_violations
     }
     pub fn state(&self) -> State {
         self.state
@@ -288,6 +330,22 @@ impl Session {
             (E::CollisionLost, S::Idle) => return,
             // Without an open BGP session there is nothing for BFD to bring down.
             (E::BfdDown, S::Idle | S::Connect | S::Active) => return,
+            (E::MaxPrefixesExceeded { .. }, S::Idle | S::Connect | S::Active) => return,
+            (E::MaxPrefixesExceeded { family, limit }, _) => {
+                let (family, limit) = (*family, *limit);
+                self.max_prefix_violations = self.max_prefix_violations.saturating_add(1);
+                let n = Notification::max_prefixes(family, limit);
+                self.teardown(Some(n), DownReason::MaxPrefixesExceeded { family, limit }, true, out);
+                // teardown scheduled the usual retry; the idle hold replaces it.
+                if self.admin_up {
+                    out.push(Output::StartTimer(
+                        TimerKind::ConnectRetry,
+                        self.config.max_prefix_idle_hold.delay(self.max_prefix_violations - 1),
+                    ));
+                    self.idle_hold = true;
+                }
+                return;
+            }
             (E::CollisionLost, _) => {
                 let n = Notification::cease(cease_subcode::CONNECTION_COLLISION_RESOLUTION);
                 self.teardown(Some(n.clone()), DownReason::NotificationSent(n), false, out);
@@ -301,10 +359,14 @@ impl Session {
             (S::Idle, E::ManualStart) => {
                 self.admin_up = true;
                 self.connect_retry_counter = 0;
+                self.idle_hold = false;
                 self.start();
                 self.start_connecting(out);
             }
-            (S::Idle, E::ConnectRetryTimerExpires) if self.admin_up => self.start_connecting(out),
+            (S::Idle, E::ConnectRetryTimerExpires) if self.admin_up => {
+                self.idle_hold = false;
+                self.start_connecting(out);
+            }
             (S::Idle, _) => {}
 
             // ---------------- Connect / Active ----------------
@@ -708,6 +770,59 @@ mod tests {
             Output::SendMessage(Message::Notification(n)) => Some((n.code, n.subcode)),
             _ => None,
         })
+    }
+
+    #[test]
+    fn max_prefixes_sends_rfc4486_cease_and_holds_the_session_down() {
+        let s = established(config());
+        let (s, out) = s.step(Event::MaxPrefixesExceeded { family: Family::Ipv6Unicast, limit: 100 });
+        assert_eq!(s.state(), State::Idle);
+        let n = out
+            .iter()
+            .find_map(|o| match o {
+                Output::SendMessage(Message::Notification(n)) => Some(n.clone()),
+                _ => None,
+            })
+            .expect("a NOTIFICATION is sent");
+        // Cease / Maximum Number of Prefixes Reached, data: AFI 2, SAFI 1, upper bound 100.
+        assert_eq!((n.code, n.subcode), (error_code::CEASE, cease_subcode::MAX_PREFIXES));
+        assert_eq!(n.data, vec![0, 2, 1, 0, 0, 0, 100]);
+        let reason = down_reason(&out).expect("the session went down");
+        assert_eq!(reason, DownReason::MaxPrefixesExceeded { family: Family::Ipv6Unicast, limit: 100 });
+        assert!(!reason.retains_routes_for_graceful_restart(), "a limit violation never keeps routes as stale");
+        // The retry waits the idle hold (the last ConnectRetry start wins in the driver).
+        let retry = out.iter().rev().find_map(|o| match o {
+            Output::StartTimer(TimerKind::ConnectRetry, d) => Some(*d),
+            _ => None,
+        });
+        assert_eq!(retry, Some(Duration::from_secs(30)));
+        assert!(s.in_idle_hold(), "connections are refused during the idle hold");
+
+        // The hold expires: the session connects again; a second violation holds twice as long.
+        let (s, out) = s.step(Event::ConnectRetryTimerExpires);
+        assert!(!s.in_idle_hold());
+        assert!(out.contains(&Output::Connect));
+        let (s, _) = run(
+            s,
+            vec![
+                Event::TcpConnectionAcknowledged,
+                Event::MessageReceived(Message::Open(peer_open())),
+                Event::MessageReceived(Message::Keepalive),
+            ],
+        );
+        assert_eq!(s.state(), State::Established);
+        let (s, out) = s.step(Event::MaxPrefixesExceeded { family: Family::Ipv4Unicast, limit: 100 });
+        let retry = out.iter().rev().find_map(|o| match o {
+            Output::StartTimer(TimerKind::ConnectRetry, d) => Some(*d),
+            _ => None,
+        });
+        assert_eq!(retry, Some(Duration::from_secs(60)));
+        assert_eq!(s.max_prefix_violations(), 2);
+
+        // Outside a session there is nothing to tear down.
+        let (s, out) =
+            Session::new(config()).step(Event::MaxPrefixesExceeded { family: Family::Ipv4Unicast, limit: 1 });
+        assert!(out.is_empty() && !s.in_idle_hold());
     }
 
     #[test]

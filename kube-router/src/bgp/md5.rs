@@ -118,6 +118,16 @@ pub fn set_ttl(fd: RawFd, ipv4: bool, ttl: u32) -> io::Result<()> {
     set_int_option(fd, level, name, ttl as libc::c_int)
 }
 
+/// `IPV6_MINHOPCOUNT` (linux/in6.h); not exported by libc on every target.
+const IPV6_MINHOPCOUNT: libc::c_int = 73;
+
+/// GTSM (RFC 5082): the kernel drops the socket's incoming packets whose TTL (IPv4) or hop
+/// limit (IPv6) is below `min`. An IPv4 peer on a dual-stack socket takes the IPv4 option.
+pub fn set_min_ttl(fd: RawFd, ipv4: bool, min: u32) -> io::Result<()> {
+    let (level, name) = if ipv4 { (libc::IPPROTO_IP, libc::IP_MINTTL) } else { (libc::IPPROTO_IPV6, IPV6_MINHOPCOUNT) };
+    set_int_option(fd, level, name, min as libc::c_int)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -402,6 +402,15 @@ impl Notification {
     pub fn cease(subcode: u8) -> Self {
         Self::new(error_code::CEASE, subcode, Vec::new())
     }
+    /// RFC 4486 §4: Cease "Maximum Number of Prefixes Reached" with its optional data: AFI (2
+    /// octets), SAFI (1) and the upper bound (4).
+    pub fn max_prefixes(family: Family, limit: u32) -> Self {
+        let mut data = Vec::with_capacity(7);
+        data.extend_from_slice(&family.afi().to_u16().to_be_bytes());
+        data.push(family.safi().to_u8());
+        data.extend_from_slice(&limit.to_be_bytes());
+        Self::new(error_code::CEASE, cease_subcode::MAX_PREFIXES, data)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

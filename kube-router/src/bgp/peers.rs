@@ -88,6 +88,11 @@ pub const DEFAULT_CLUSTER_ASN: u32 = 64512;
 /// Maximum TCP-MD5 key length (`TCP_MD5SIG_MAXKEYLEN` in Linux).
 pub const MAX_PASSWORD_LEN: usize = 80;
 
+/// `--bgp-max-prefixes` default, per peer and family. A node peer of a route reflector in a
+/// 5,000-node cluster learns every pod CIDR and Service VIP (a few tens of thousands at most);
+/// a full Internet table (about a million IPv4 prefixes) sent by mistake is stopped.
+pub const DEFAULT_MAX_PREFIXES: u32 = 100_000;
+
 const MIN_ASN: u32 = 1;
 const MAX_ASN: u32 = 4_294_967_294;
 
@@ -122,6 +127,13 @@ pub struct PeerConfig {
     pub accept_default: bool,
     /// BFD watches the session (`--enable-bfd` for external peers, `bfd` in `kube-router.io/peers`).
     pub bfd: Option<BfdConfig>,
+    /// Most prefixes per family the peer may send (`--bgp-max-prefixes`, `maxprefixes` in
+    /// `kube-router.io/peers`); one more ends the session with Cease 1 (RFC 4486). None: no limit.
+    pub max_prefixes: Option<u32>,
+    /// GTSM (RFC 5082, `--peer-router-ttl-security`, `ttlsecurity` in `kube-router.io/peers`):
+    /// send with TTL 255 and drop the session's packets that arrive with less than 255 minus
+    /// the allowed hops (`multihop_ttl` - 1).
+    pub ttl_security: bool,
 }
 
 // Hand-written so that passwords never end up in logs via `{:?}`.
@@ -139,6 +151,8 @@ impl fmt::Debug for PeerConfig {
             .field("multihop_ttl", &self.multihop_ttl)
             .field("accept_default", &self.accept_default)
             .field("bfd", &self.bfd)
+            .field("max_prefixes", &self.max_prefixes)
+            .field("ttl_security", &self.ttl_security)
             .finish()
     }
 }
@@ -158,6 +172,16 @@ impl ExternalPeerFlag {
     /// The session configuration for this peer (`port` unless it has its own).
     pub fn peer_config(&self, port: u16) -> PeerConfig {
         external_peer(self.address, self.asn, self.password.clone(), self.port.unwrap_or(port))
+    }
+
+    /// The session configuration with the agent-wide settings for external peers applied.
+    pub fn external_peer_config(&self, settings: &GlobalSettings) -> PeerConfig {
+        let mut peer = self.peer_config(settings.peer_port);
+        peer.multihop_ttl = settings.multihop_ttl;
+        peer.bfd = settings.bfd;
+        peer.max_prefixes = settings.max_prefixes;
+        peer.ttl_security = settings.ttl_security;
+        peer
     }
 }
 
@@ -189,6 +213,10 @@ pub struct GlobalSettings {
     pub multihop_ttl: Option<u8>,
     /// `--enable-bfd` (with its timers): BFD for every external peer.
     pub bfd: Option<BfdConfig>,
+    /// `--bgp-max-prefixes` (0 there: None): the prefix limit of every peer without its own.
+    pub max_prefixes: Option<u32>,
+    /// `--peer-router-ttl-security`: GTSM for every external peer without its own setting.
+    pub ttl_security: bool,
     /// Parsed `--peer-router-ips/--peer-router-asns/--peer-router-passwords`.
     pub external_peers: Vec<ExternalPeerFlag>,
     /// Port used for node peers and for external peers without an explicit port. Default 179.
@@ -206,6 +234,8 @@ impl Default for GlobalSettings {
             full_mesh: true,
             multihop_ttl: None,
             bfd: None,
+            max_prefixes: Some(DEFAULT_MAX_PREFIXES),
+            ttl_security: false,
             external_peers: Vec::new(),
             peer_port: DEFAULT_BGP_PORT,
             advertise_pod_cidr: true,
@@ -409,14 +439,20 @@ struct ParsedPeer {
     accept_default: bool,
     /// The peer's own `bfd` settings (None: the `--enable-bfd` default).
     bfd: Option<Option<BfdConfig>>,
+    /// The peer's own `maxprefixes` (Some(None): 0, no limit; None: `--bgp-max-prefixes`).
+    max_prefixes: Option<Option<u32>>,
+    /// The peer's own `ttlsecurity` (None: `--peer-router-ttl-security`).
+    ttl_security: Option<bool>,
 }
 
 impl ParsedPeer {
-    fn peer_config(self, default_port: u16, default_bfd: Option<BfdConfig>) -> PeerConfig {
-        let mut peer = external_peer(self.address, self.asn, self.password, self.port.unwrap_or(default_port));
+    fn peer_config(self, settings: &GlobalSettings) -> PeerConfig {
+        let mut peer = external_peer(self.address, self.asn, self.password, self.port.unwrap_or(settings.peer_port));
         peer.local_address = self.local_address;
         peer.accept_default = self.accept_default;
-        peer.bfd = self.bfd.unwrap_or(default_bfd);
+        peer.bfd = self.bfd.unwrap_or(settings.bfd);
+        peer.max_prefixes = self.max_prefixes.unwrap_or(settings.max_prefixes);
+        peer.ttl_security = self.ttl_security.unwrap_or(settings.ttl_security);
         peer
     }
 }
@@ -505,7 +541,17 @@ fn parse_peer_lists<S: AsRef<str>>(
             }
             _ => None,
         };
-        out.push(ParsedPeer { address, asn, password, port, local_address, accept_default: false, bfd: None });
+        out.push(ParsedPeer {
+            address,
+            asn,
+            password,
+            port,
+            local_address,
+            accept_default: false,
+            bfd: None,
+            max_prefixes: None,
+            ttl_security: None,
+        });
     }
     Ok(out)
 }
@@ -555,6 +601,12 @@ struct PeerEntry {
     acceptdefault: bool,
     #[serde(default)]
     bfd: Option<BfdEntry>,
+    /// Ours: this peer's prefix limit per family (0: none), instead of `--bgp-max-prefixes`.
+    #[serde(default)]
+    maxprefixes: Option<u64>,
+    /// Ours: GTSM for this peer, instead of `--peer-router-ttl-security`.
+    #[serde(default)]
+    ttlsecurity: Option<bool>,
 }
 
 /// The `bfd` of a `kube-router.io/peers` entry (intervals in milliseconds, as kube-router).
@@ -637,7 +689,24 @@ fn parse_peers_yaml(text: &str) -> Result<Vec<ParsedPeer>, PeerConfigError> {
                     }))
                 }
             };
-            Ok(ParsedPeer { address, asn, password, port, local_address, accept_default: e.acceptdefault, bfd })
+            let max_prefixes = match e.maxprefixes {
+                None => None,
+                Some(0) => Some(None),
+                Some(n) => Some(Some(u32::try_from(n).map_err(|_| {
+                    invalid(field, i, &n.to_string(), "maxprefixes must be in 0..=4294967295 (0: no limit)")
+                })?)),
+            };
+            Ok(ParsedPeer {
+                address,
+                asn,
+                password,
+                port,
+                local_address,
+                accept_default: e.acceptdefault,
+                bfd,
+                max_prefixes,
+                ttl_security: e.ttlsecurity,
+            })
         })
         .collect()
 }
@@ -913,22 +982,21 @@ pub fn node_bgp_config(nodes: &[Node], settings: &GlobalSettings) -> Result<Node
                     multihop_ttl: None,
                     accept_default: false,
                     bfd: None,
+                    max_prefixes: settings.max_prefixes,
+                    ttl_security: false,
                 },
             );
         }
     }
 
     for flag in &settings.external_peers {
-        let mut peer = flag.peer_config(settings.peer_port);
-        peer.multihop_ttl = settings.multihop_ttl;
-        peer.bfd = settings.bfd;
-        set.add(Source::Flag, peer);
+        set.add(Source::Flag, flag.external_peer_config(settings));
     }
 
     match node_annotation_peers(me, set.warnings) {
         Ok(parsed) => {
             for p in parsed {
-                let mut peer = p.peer_config(settings.peer_port, settings.bfd);
+                let mut peer = p.peer_config(settings);
                 peer.multihop_ttl = settings.multihop_ttl;
                 set.add(Source::Annotation(my_name.to_string()), peer);
             }
@@ -973,6 +1041,8 @@ fn external_peer(address: IpAddr, asn: u32, password: Option<String>, port: u16)
         multihop_ttl: None,
         accept_default: false,
         bfd: None,
+        max_prefixes: Some(DEFAULT_MAX_PREFIXES),
+        ttl_security: false,
     }
 }
 
@@ -1200,6 +1270,8 @@ mod tests {
                     multihop_ttl: None,
                     accept_default: false,
                     bfd: None,
+                    max_prefixes: Some(DEFAULT_MAX_PREFIXES),
+                    ttl_security: false,
                 },
                 PeerConfig {
                     address: ip("10.0.0.3"),
@@ -1213,6 +1285,8 @@ mod tests {
                     multihop_ttl: None,
                     accept_default: false,
                     bfd: None,
+                    max_prefixes: Some(DEFAULT_MAX_PREFIXES),
+                    ttl_security: false,
                 },
             ]
         );
@@ -1351,6 +1425,33 @@ mod tests {
                 cfg.warnings
             );
         }
+    }
+
+    #[test]
+    fn prefix_limit_and_ttl_security_per_peer_override_the_flags() {
+        let yaml = "- remoteip: 192.168.1.1\n  remoteasn: 65000\n  maxprefixes: 500\n  ttlsecurity: true\n\
+                    - remoteip: 192.168.1.2\n  remoteasn: 65000\n  maxprefixes: 0\n\
+                    - remoteip: 192.168.1.3\n  remoteasn: 65000\n  ttlsecurity: false\n";
+        let nodes = vec![node("node-1", "10.0.0.1", &[(PEERS_ANNOTATION, yaml)], None)];
+        let s = GlobalSettings {
+            max_prefixes: Some(1000),
+            ttl_security: true,
+            external_peers: parse_external_peer_flags(&["192.168.9.9".into()], &["65009".into()], &[], &[]).unwrap(),
+            ..settings("node-1")
+        };
+        let cfg = node_bgp_config(&nodes, &s).unwrap();
+        let got = |a: &str| (peer(&cfg, a).max_prefixes, peer(&cfg, a).ttl_security);
+        assert_eq!(got("192.168.1.1"), (Some(500), true));
+        assert_eq!(got("192.168.1.2"), (None, true), "0: no limit");
+        assert_eq!(got("192.168.1.3"), (Some(1000), false));
+        assert_eq!(got("192.168.9.9"), (Some(1000), true), "flag peers take the flags");
+        assert_eq!(GlobalSettings::default().max_prefixes, Some(DEFAULT_MAX_PREFIXES));
+
+        let broken = "- remoteip: 192.168.1.1\n  remoteasn: 65000\n  maxprefixes: 4294967296\n";
+        let nodes = vec![node("node-1", "10.0.0.1", &[(PEERS_ANNOTATION, broken)], None)];
+        let cfg = node_bgp_config(&nodes, &s).unwrap();
+        assert_eq!(addrs(&cfg), vec![ip("192.168.9.9")], "only the flag peer is left");
+        assert_eq!(cfg.warnings.len(), 1, "{:?}", cfg.warnings);
     }
 
     #[test]

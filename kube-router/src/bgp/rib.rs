@@ -219,15 +219,23 @@ struct PeerEntry {
     adj_rib_in: BTreeMap<Prefix, Route>,
     /// Paths in `adj_rib_in` the import policy refused.
     rejected: usize,
+    /// Prefixes in `adj_rib_in` per family (indexed by [`family_slot`]): the prefix limit
+    /// is checked on every UPDATE, so it is kept, not counted.
+    received: [usize; 2],
     /// What we last advertised to this peer.
     adj_rib_out: BTreeMap<Prefix, (NextHop, Arc<PathAttributes>)>,
 }
 
 impl PeerEntry {
+    fn new(info: PeerInfo) -> Self {
+        Self { info, adj_rib_in: BTreeMap::new(), rejected: 0, received: [0; 2], adj_rib_out: BTreeMap::new() }
+    }
+
     fn insert(&mut self, prefix: Prefix, route: Route) {
         let added = usize::from(route.rejected.is_some());
-        if let Some(old) = self.adj_rib_in.insert(prefix, route) {
-            self.rejected -= usize::from(old.rejected.is_some());
+        match self.adj_rib_in.insert(prefix, route) {
+            Some(old) => self.rejected -= usize::from(old.rejected.is_some()),
+            None => self.received[family_slot(prefix.family())] += 1,
         }
         self.rejected += added;
     }
@@ -235,7 +243,15 @@ impl PeerEntry {
     fn remove(&mut self, prefix: &Prefix) {
         if let Some(old) = self.adj_rib_in.remove(prefix) {
             self.rejected -= usize::from(old.rejected.is_some());
+            self.received[family_slot(prefix.family())] -= 1;
         }
+    }
+}
+
+fn family_slot(family: Family) -> usize {
+    match family {
+        Family::Ipv4Unicast => 0,
+        Family::Ipv6Unicast => 1,
     }
 }
 
@@ -414,10 +430,7 @@ impl Rib {
                 entry.adj_rib_in.keys().copied().collect()
             }
             None => {
-                self.peers.insert(
-                    address,
-                    PeerEntry { info, adj_rib_in: BTreeMap::new(), rejected: 0, adj_rib_out: BTreeMap::new() },
-                );
+                self.peers.insert(address, PeerEntry::new(info));
                 Vec::new()
             }
         };
@@ -467,6 +480,34 @@ impl Rib {
             entry.remove(p);
         }
         self.recompute(doomed)
+    }
+
+    /// Prefixes of `family` in the peer's Adj-RIB-In (everything received, before the import
+    /// policy: the limit protects memory, and refused paths are kept too).
+    pub fn received_count(&self, peer: IpAddr, family: Family) -> usize {
+        self.peers.get(&peer).map_or(0, |e| e.received[family_slot(family)])
+    }
+
+    /// The first family whose prefixes from `peer` would number more than `limit` once
+    /// `update` is applied (RFC 4486), with that number; the RIB is not changed. Announcements
+    /// that fail the loop checks are withdrawals here as in [`Self::apply_update`].
+    pub fn prefix_limit_exceeded(&self, peer: IpAddr, update: &Update, limit: u32) -> Option<(Family, usize)> {
+        let entry = self.peers.get(&peer)?;
+        let accept = self.loop_free(&entry.info, &update.attributes);
+        // Whether each touched prefix is present afterwards (the last mention wins).
+        let mut after: BTreeMap<Prefix, bool> = BTreeMap::new();
+        for prefix in &update.withdrawn {
+            after.insert(*prefix, false);
+        }
+        for (prefix, _) in &update.announced {
+            after.insert(*prefix, accept);
+        }
+        let mut counts = entry.received.map(|n| n as i64);
+        for (prefix, present) in after {
+            counts[family_slot(prefix.family())] +=
+                i64::from(present) - i64::from(entry.adj_rib_in.contains_key(&prefix));
+        }
+        Family::ALL.into_iter().map(|f| (f, counts[family_slot(f)].max(0) as usize)).find(|(_, n)| *n > limit as usize)
     }
 
     /// Apply an UPDATE received from `peer`. Announcements that fail the loop
@@ -851,6 +892,63 @@ mod tests {
             RouteSource::Peer(addr) => *addr,
             RouteSource::Local(_) => panic!("local"),
         }
+    }
+
+    #[test]
+    fn prefix_limit_counts_per_family_what_the_update_would_leave() {
+        let tor = peer(2, 65002);
+        let mut rib = rib_with(std::slice::from_ref(&tor));
+        let v4 = |i: u8| pfx(&format!("10.1.{i}.0/24"));
+        let batch = |range: std::ops::Range<u8>| Update {
+            withdrawn: vec![],
+            announced: range.map(|i| (v4(i), NextHop::V4(nh(1)))).collect(),
+            attributes: attrs(&[65002]),
+        };
+        // 3 prefixes against a limit of 3: allowed; a 4th new one is not.
+        assert_eq!(rib.prefix_limit_exceeded(tor.address, &batch(0..3), 3), None);
+        rib.apply_update(tor.address, &batch(0..3)).unwrap();
+        assert_eq!(rib.received_count(tor.address, Family::Ipv4Unicast), 3);
+        assert_eq!(rib.prefix_limit_exceeded(tor.address, &batch(3..4), 3), Some((Family::Ipv4Unicast, 4)));
+        // Re-announcing known prefixes (and repeats inside one UPDATE) adds nothing.
+        let mut repeat = batch(0..3);
+        repeat.announced.extend(batch(0..3).announced);
+        assert_eq!(rib.prefix_limit_exceeded(tor.address, &repeat, 3), None);
+        // A withdrawal in the same UPDATE makes room.
+        let mut swap = batch(3..4);
+        swap.withdrawn.push(v4(0));
+        assert_eq!(rib.prefix_limit_exceeded(tor.address, &swap, 3), None);
+        // Announcements that fail the loop check are withdrawals and free room too.
+        let mut looped = batch(0..2);
+        looped.attributes = attrs(&[65002, LOCAL_ASN]);
+        assert_eq!(rib.prefix_limit_exceeded(tor.address, &looped, 1), None, "3 - 2 looped = 1");
+        // The other family has its own count: 3 IPv6 prefixes do not trip a limit of 3.
+        let v6 = Update {
+            withdrawn: vec![],
+            announced: (0..3u8)
+                .map(|i| {
+                    let global = format!("fd00:{i}::1").parse().unwrap();
+                    (pfx(&format!("fd10:{i}::/64")), NextHop::V6 { global, link_local: None })
+                })
+                .collect(),
+            attributes: attrs(&[65002]),
+        };
+        assert_eq!(rib.prefix_limit_exceeded(tor.address, &v6, 3), None);
+        rib.apply_update(tor.address, &v6).unwrap();
+        assert_eq!(rib.received_count(tor.address, Family::Ipv6Unicast), 3);
+        // Prefixes the import policy refuses are counted: they are kept in the Adj-RIB-In.
+        let default = announce(pfx("0.0.0.0/0"), nh(1), attrs(&[65002]));
+        assert_eq!(rib.prefix_limit_exceeded(tor.address, &default, 3), Some((Family::Ipv4Unicast, 4)));
+        rib.apply_update(tor.address, &default).unwrap();
+        assert_eq!(rib.rejected_count(tor.address), 1);
+        assert_eq!(rib.received_count(tor.address, Family::Ipv4Unicast), 4);
+        // Withdrawals and session loss keep the count exact.
+        let withdraw = Update { withdrawn: vec![v4(0), v4(0), pfx("10.99.0.0/24")], ..Update::default() };
+        rib.apply_update(tor.address, &withdraw).unwrap();
+        assert_eq!(rib.received_count(tor.address, Family::Ipv4Unicast), 3);
+        rib.clear_peer_routes(tor.address, &[Family::Ipv4Unicast]);
+        assert_eq!(rib.received_count(tor.address, Family::Ipv4Unicast), 0);
+        assert_eq!(rib.received_count(tor.address, Family::Ipv6Unicast), 3);
+        assert_eq!(rib.prefix_limit_exceeded("192.0.2.1".parse().unwrap(), &batch(0..9), 1), None, "unknown peer");
     }
 
     #[test]

@@ -43,8 +43,8 @@ use super::{
         Output, Session, SessionConfig, State, TimerKind,
     },
     graceful_restart::{GrTimer, GracefulRestartHelper, RestartOutput, RestartingSpeaker, TimerCommand},
-    md5::{set_tcp_md5_key, set_ttl},
-    message::{Family, Message, NextHop, Origin, PathAttributes, Prefix},
+    md5::{set_min_ttl, set_tcp_md5_key, set_ttl},
+    message::{Family, Message, NextHop, Origin, PathAttributes, Prefix, Update},
     peers::{PeerConfig, PeerKind},
     policy::{ExportPolicy, ImportPolicy, OriginKind, PeerRole, Rejection},
     rib::{BestPathChange, PeerInfo, Rib, RibConfig, RouteSource},
@@ -143,6 +143,13 @@ pub struct FibTarget {
     pub allow_deletes: bool,
 }
 
+/// Events from the sockets (connections, decoded messages) waiting for the core. Bounded, and
+/// their producers await room: a peer that sends faster than the core applies is slowed down
+/// by TCP itself instead of growing a queue. The core never sends on this channel and never
+/// awaits a connection task while it runs, so the wait cannot deadlock; at shutdown it keeps
+/// draining while the connections flush their NOTIFICATIONs.
+const WIRE_QUEUE: usize = 1024;
+
 /// How often the per-peer unresolved-path counts may be recomputed while paths change.
 const UNRESOLVED_RECOUNT: Duration = Duration::from_secs(1);
 
@@ -163,6 +170,8 @@ pub struct PeerStatus {
     pub updates_received: u64,
     pub notifications_received: u64,
     pub notifications_sent: u64,
+    /// Sessions closed because the peer exceeded its prefix limit (RFC 4486).
+    pub max_prefix_violations: u32,
     pub last_error: Option<String>,
     /// BFD session Up (Some) when BFD watches this peer.
     pub bfd_up: Option<bool>,
@@ -183,6 +192,8 @@ pub struct SpeakerStatus {
     pub rejections: Vec<(IpAddr, Rejection, u64)>,
     /// NLRI of families we do not route, ignored (RFC 7606 §5.4-style, session kept).
     pub ignored_nlri: u64,
+    /// BFD control packets dropped for an IP TTL (hop limit) other than 255 (RFC 5881 §5).
+    pub bfd_ttl_dropped: u64,
     pub fib: FibStats,
 }
 
@@ -236,6 +247,7 @@ impl Speaker {
         installed: RouteSet,
     ) -> anyhow::Result<(Self, FibLink)> {
         let (events, rx) = mpsc::unbounded_channel();
+        let (wire, wire_rx) = mpsc::channel(WIRE_QUEUE);
         let listeners = config.listen.iter().map(|addr| bind_listener(*addr)).collect::<anyhow::Result<Vec<_>>>()?;
         let restarting = config.graceful_restart.is_some() && marker_path(&config).is_some_and(|p| p.exists());
         let initial = FibTarget {
@@ -248,16 +260,17 @@ impl Speaker {
         let (fib_tx, fib_rx) = watch::channel(initial);
         let status = Arc::new(Mutex::new(SpeakerStatus::default()));
         let fib_stats = Arc::new(Mutex::new(FibStats::default()));
-        let mut core = Core::new(config, restarting, installed, &peers, events.clone(), fib_tx, status.clone());
+        let mut core =
+            Core::new(config, restarting, installed, &peers, events.clone(), wire.clone(), fib_tx, status.clone());
         for listener in listeners {
             core.listener_fds.push(listener.as_raw_fd());
-            tokio::spawn(accept_loop(listener, events.clone()));
+            tokio::spawn(accept_loop(listener, wire.clone()));
         }
         core.set_prefixes(prefixes);
         core.set_peers(peers);
         core.fib_stats = fib_stats.clone();
         core.publish();
-        tokio::spawn(core.run(rx));
+        tokio::spawn(core.run(rx, wire_rx));
         let link = FibLink { target: fib_rx, events: events.clone(), stats: fib_stats.clone() };
         Ok((Self { events, status, fib_stats }, link))
     }
@@ -301,11 +314,12 @@ fn bind_listener(addr: SocketAddr) -> anyhow::Result<TcpListener> {
     Ok(socket.listen(64)?)
 }
 
-async fn accept_loop(listener: TcpListener, events: mpsc::UnboundedSender<CoreEvent>) {
+async fn accept_loop(listener: TcpListener, wire: mpsc::Sender<CoreEvent>) {
     loop {
         match listener.accept().await {
             Ok((stream, remote)) => {
-                if events.send(CoreEvent::Accepted { remote, stream }).is_err() {
+                // While the core is behind, connections wait in the kernel's backlog.
+                if wire.send(CoreEvent::Accepted { remote, stream }).await.is_err() {
                     return;
                 }
             }
@@ -326,20 +340,40 @@ fn canonical(addr: IpAddr) -> IpAddr {
 }
 
 /// IP TTL (hop limit) for a session's packets: eBGP peers are directly connected unless
-/// multihop is configured (RFC 4271 §5.1.3 practice); iBGP keeps the system default.
+/// multihop is configured (RFC 4271 §5.1.3 practice); iBGP keeps the system default. With
+/// GTSM always 255 (RFC 5082 §3).
 fn session_ttl(peer: &PeerConfig, local_asn: u32) -> Option<u32> {
+    if peer.ttl_security {
+        return Some(255);
+    }
     (peer.asn != local_asn).then(|| u32::from(peer.multihop_ttl.unwrap_or(1).max(1)))
 }
 
-async fn connect(peer: PeerConfig, ttl: Option<u32>, events: mpsc::UnboundedSender<CoreEvent>, id: u64) {
+/// GTSM's lowest acceptable TTL on arrival: 255 for a directly connected peer, one less per
+/// further hop allowed by `multihop_ttl`.
+fn session_min_ttl(peer: &PeerConfig) -> Option<u32> {
+    peer.ttl_security.then(|| 256 - u32::from(peer.multihop_ttl.unwrap_or(1).max(1)))
+}
+
+/// The session's TTL and GTSM options on a socket (before connect, or right after accept).
+fn set_session_ttl(fd: std::os::fd::RawFd, peer: &PeerConfig, local_asn: u32) -> std::io::Result<()> {
+    let ipv4 = peer.address.is_ipv4();
+    if let Some(ttl) = session_ttl(peer, local_asn) {
+        set_ttl(fd, ipv4, ttl)?;
+    }
+    if let Some(min) = session_min_ttl(peer) {
+        set_min_ttl(fd, ipv4, min)?;
+    }
+    Ok(())
+}
+
+async fn connect(peer: PeerConfig, local_asn: u32, wire: mpsc::Sender<CoreEvent>, id: u64) {
     let result = async {
         let socket = if peer.address.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
         if let Some(password) = &peer.password {
             set_tcp_md5_key(socket.as_raw_fd(), peer.address, password.as_bytes())?;
         }
-        if let Some(ttl) = ttl {
-            set_ttl(socket.as_raw_fd(), peer.address.is_ipv4(), ttl)?;
-        }
+        set_session_ttl(socket.as_raw_fd(), &peer, local_asn)?;
         if let Some(local) = peer.local_address.filter(|l| l.is_ipv4() == peer.address.is_ipv4()) {
             socket.bind(SocketAddr::new(local, 0))?;
         }
@@ -354,7 +388,7 @@ async fn connect(peer: PeerConfig, ttl: Option<u32>, events: mpsc::UnboundedSend
         Ok(stream) => CoreEvent::Connected { peer: peer.address, id, stream },
         Err(e) => CoreEvent::ConnectFailed { peer: peer.address, id, error: e.to_string() },
     };
-    let _ = events.send(event);
+    let _ = wire.send(event).await;
 }
 
 /// Reads and writes one BGP connection until the core drops its sender (after flushing what
@@ -364,7 +398,7 @@ async fn run_connection(
     id: u64,
     stream: TcpStream,
     mut outgoing: mpsc::UnboundedReceiver<Message>,
-    events: mpsc::UnboundedSender<CoreEvent>,
+    wire: mpsc::Sender<CoreEvent>,
 ) {
     let _ = stream.set_nodelay(true);
     let (mut reader, mut writer) = stream.into_split();
@@ -393,24 +427,25 @@ async fn run_connection(
                     }
                 }
                 if let Err(e) = writer.write_all(&outbuf).await {
-                    let _ = events.send(CoreEvent::Closed { peer, id, error: Some(e.to_string()) });
+                    let _ = wire.send(CoreEvent::Closed { peer, id, error: Some(e.to_string()) }).await;
                     return;
                 }
             }
             read = reader.read_buf(&mut inbuf), if reading => {
                 match read {
                     Ok(0) => {
-                        let _ = events.send(CoreEvent::Closed { peer, id, error: Some("peer closed the connection".into()) });
+                        let _ = wire.send(CoreEvent::Closed { peer, id, error: Some("peer closed the connection".into()) }).await;
                         reading = false;
                     }
                     Err(e) => {
-                        let _ = events.send(CoreEvent::Closed { peer, id, error: Some(e.to_string()) });
+                        let _ = wire.send(CoreEvent::Closed { peer, id, error: Some(e.to_string()) }).await;
                         reading = false;
                     }
                     Ok(_) => {
                         while let Some(outcome) = codec.decode(&mut inbuf) {
                             let fatal = matches!(outcome, DecodeOutcome::Notify(_) | DecodeOutcome::ConnectionError(_));
-                            let _ = events.send(CoreEvent::Received { peer, id, outcome });
+                            // Waits while the core is behind: reading stops, and TCP slows the peer.
+                            let _ = wire.send(CoreEvent::Received { peer, id, outcome }).await;
                             if fatal {
                                 // The core answers with a NOTIFICATION and closes; nothing after
                                 // a framing error can be trusted.
@@ -481,6 +516,8 @@ struct Core {
     prefixes: BTreeMap<Prefix, OriginKind>,
     gr_timers: HashMap<GrTimer, Instant>,
     events: mpsc::UnboundedSender<CoreEvent>,
+    /// For the socket tasks (see [`WIRE_QUEUE`]).
+    wire: mpsc::Sender<CoreEvent>,
     fib: watch::Sender<FibTarget>,
     fib_allow_deletes: bool,
     fib_dirty: bool,
@@ -499,6 +536,8 @@ struct Core {
     unresolved_recount_at: Instant,
     /// The BFD task, once a peer wants BFD: it takes the list of watched peers.
     bfd: Option<mpsc::UnboundedSender<Vec<BfdPeer>>>,
+    /// BFD packets refused for a TTL other than 255 (the BFD task counts).
+    bfd_ttl_dropped: Arc<std::sync::atomic::AtomicU64>,
     closing: Vec<JoinHandle<()>>,
 }
 
@@ -509,6 +548,7 @@ impl Core {
         installed: RouteSet,
         initial_peers: &[PeerConfig],
         events: mpsc::UnboundedSender<CoreEvent>,
+        wire: mpsc::Sender<CoreEvent>,
         fib: watch::Sender<FibTarget>,
         status: Arc<Mutex<SpeakerStatus>>,
     ) -> Self {
@@ -540,6 +580,7 @@ impl Core {
             prefixes: BTreeMap::new(),
             gr_timers: HashMap::new(),
             events,
+            wire,
             fib,
             fib_allow_deletes: false,
             fib_dirty: false,
@@ -554,6 +595,7 @@ impl Core {
             unresolved_dirty: false,
             unresolved_recount_at: Instant::now(),
             bfd: None,
+            bfd_ttl_dropped: Arc::default(),
             closing: Vec::new(),
         };
         if restarting {
@@ -564,29 +606,37 @@ impl Core {
         core
     }
 
-    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<CoreEvent>) {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<CoreEvent>, mut wire: mpsc::Receiver<CoreEvent>) {
         loop {
             let deadline = self.next_deadline();
             tokio::select! {
                 event = rx.recv() => {
                     let Some(event) = event else { return };
                     if let CoreEvent::Shutdown { graceful, done } = event {
-                        self.shutdown(graceful).await;
+                        self.shutdown(graceful, &mut wire).await;
                         let _ = done.send(());
                         return;
                     }
                     self.handle(event);
-                    // Drain what is already queued before publishing: one FIB update per burst.
-                    while let Ok(event) = rx.try_recv() {
-                        if let CoreEvent::Shutdown { graceful, done } = event {
-                            self.shutdown(graceful).await;
-                            let _ = done.send(());
-                            return;
-                        }
-                        self.handle(event);
-                    }
                 }
+                Some(event) = wire.recv() => self.handle(event),
                 _ = sleep_until(deadline) => self.fire_timers(),
+            }
+            // Drain what is already queued before publishing: one FIB update per burst.
+            loop {
+                let event = match rx.try_recv() {
+                    Ok(event) => event,
+                    Err(_) => match wire.try_recv() {
+                        Ok(event) => event,
+                        Err(_) => break,
+                    },
+                };
+                if let CoreEvent::Shutdown { graceful, done } = event {
+                    self.shutdown(graceful, &mut wire).await;
+                    let _ = done.send(());
+                    return;
+                }
+                self.handle(event);
             }
             self.publish();
         }
@@ -753,16 +803,8 @@ impl Core {
         let id = self.next_connection_id;
         self.next_connection_id += 1;
         let local = stream.local_addr().ok();
-        if direction == Direction::Inbound {
-            // Accepted sockets get the session's TTL too (outbound ones were set before connect).
-            if let Some(ttl) = self.peers.get(&peer).and_then(|p| session_ttl(&p.config, self.config.local_asn)) {
-                if let Err(e) = set_ttl(stream.as_raw_fd(), peer.is_ipv4(), ttl) {
-                    debug!(%peer, error = %e, "cannot set the session TTL");
-                }
-            }
-        }
         let (outgoing, rx) = mpsc::unbounded_channel();
-        let task = tokio::spawn(run_connection(peer, id, stream, rx, self.events.clone()));
+        let task = tokio::spawn(run_connection(peer, id, stream, rx, self.wire.clone()));
         if let Some(p) = self.peers.get_mut(&peer) {
             p.connection = Some(Connection { id, direction, local, outgoing, task });
         }
@@ -773,6 +815,18 @@ impl Core {
             debug!(%remote, "BGP connection from an unconfigured address refused");
             return;
         };
+        if p.session.as_ref().is_some_and(Session::in_idle_hold) {
+            debug!(peer = %remote, "connection refused: the peer is held down after exceeding its prefix limit");
+            return;
+        }
+        // Accepted sockets get the session's TTL and GTSM too (outbound ones are set before
+        // connect). The handshake itself passed the shared listener, which has no minimum TTL;
+        // from here on a GTSM peer's short-TTL packets are dropped, so such a peer never gets
+        // past OpenSent.
+        if let Err(e) = set_session_ttl(stream.as_raw_fd(), &p.config, self.config.local_asn) {
+            warn!(peer = %remote, error = %e, "cannot set the session TTL or GTSM minimum; connection refused");
+            return;
+        }
         match p.state() {
             State::Established => {
                 debug!(peer = %remote, "second connection while Established; refused");
@@ -854,8 +908,7 @@ impl Core {
                     return;
                 }
                 p.pending_connect = Some(id);
-                let ttl = session_ttl(&p.config, self.config.local_asn);
-                tokio::spawn(connect(p.config.clone(), ttl, self.events.clone(), id));
+                tokio::spawn(connect(p.config.clone(), self.config.local_asn, self.wire.clone(), id));
             }
             Output::CloseConnection => {
                 if let Some(p) = self.peers.get_mut(&peer) {
@@ -890,13 +943,17 @@ impl Core {
             }
             Output::SessionEstablished(negotiated) => self.established(peer, negotiated),
             Output::SessionDown { reason, negotiated } => self.down(peer, reason, negotiated),
-            Output::RoutesReceived(update) => match self.rib.apply_update(peer, &update) {
-                Ok(changes) => {
-                    self.rib_changed(changes);
-                    self.log_new_rejections();
+            Output::RoutesReceived(update) => {
+                if let Some(limit) = self.peers.get(&peer).and_then(|p| p.config.max_prefixes) {
+                    // Checked before applying: the excess never reaches the Loc-RIB, the
+                    // kernel or other peers.
+                    if let Some((family, count)) = self.rib.prefix_limit_exceeded(peer, &update, limit) {
+                        self.max_prefixes_exceeded(peer, family, count, limit);
+                        return;
+                    }
                 }
-                Err(e) => warn!(%peer, error = %e, "UPDATE for a peer the RIB does not know"),
-            },
+                self.apply_update(peer, update);
+            }
             Output::EndOfRibReceived(afi, safi) => {
                 let Some(family) = Family::from_afi_safi(afi, safi) else { return };
                 debug!(%peer, ?family, "End-of-RIB received");
@@ -923,6 +980,28 @@ impl Core {
                 self.send_all(peer, messages);
             }
         }
+    }
+
+    fn apply_update(&mut self, peer: IpAddr, update: Update) {
+        match self.rib.apply_update(peer, &update) {
+            Ok(changes) => {
+                self.rib_changed(changes);
+                self.log_new_rejections();
+            }
+            Err(e) => warn!(%peer, error = %e, "UPDATE for a peer the RIB does not know"),
+        }
+    }
+
+    /// RFC 4486: Cease 1 and the session down; its routes go as on any session loss. Logged
+    /// once per peer (the hold-down bounds how often it can recur; the metric counts each).
+    fn max_prefixes_exceeded(&mut self, peer: IpAddr, family: Family, count: usize, limit: u32) {
+        if self.logged_once.insert((peer, "max-prefixes".to_string())) {
+            warn!(%peer, ?family, count, limit, "BGP peer sent more prefixes than its limit: session closed with Cease 1 (RFC 4486) and held down (logged once per peer; counted in kube_router_bgp_max_prefixes_exceeded_total)");
+        }
+        if let Some(p) = self.peers.get_mut(&peer) {
+            p.last_error = Some(format!("prefix limit {limit} exceeded ({family:?}: {count})"));
+        }
+        self.step(peer, Event::MaxPrefixesExceeded { family, limit });
     }
 
     /// Paths whose next hop the node cannot reach, per peer: logged when a peer's count leaves
@@ -1209,9 +1288,14 @@ impl Core {
         let sender = self.bfd.get_or_insert_with(|| {
             let (tx, rx) = mpsc::unbounded_channel();
             let events = self.events.clone();
-            tokio::spawn(run_bfd(self.config.bfd_port, rx, move |e| {
-                let _ = events.send(CoreEvent::Bfd(e));
-            }));
+            tokio::spawn(run_bfd(
+                self.config.bfd_port,
+                rx,
+                move |e| {
+                    let _ = events.send(CoreEvent::Bfd(e));
+                },
+                self.bfd_ttl_dropped.clone(),
+            ));
             tx
         });
         let _ = sender.send(watched);
@@ -1271,15 +1355,26 @@ impl Core {
         self.rib_changed(changes);
     }
 
-    async fn shutdown(&mut self, graceful: bool) {
+    async fn shutdown(&mut self, graceful: bool, wire: &mut mpsc::Receiver<CoreEvent>) {
         info!(graceful, "BGP speaker stopping; kernel routes stay");
         let addrs: Vec<IpAddr> = self.peers.keys().copied().collect();
         for addr in addrs {
             self.step(addr, Event::AgentShutdown { graceful_restart: graceful });
         }
-        for task in self.closing.drain(..) {
-            let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
-        }
+        // A connection task waiting for room in the wire queue would never get to flush its
+        // NOTIFICATION: keep taking (and dropping) its events meanwhile.
+        let closing = futures_util::future::join_all(self.closing.drain(..));
+        let drain = async {
+            while wire.recv().await.is_some() {}
+            std::future::pending::<()>().await
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(2), async {
+            tokio::select! {
+                _ = closing => {}
+                _ = drain => {}
+            }
+        })
+        .await;
         if !graceful || self.config.graceful_restart.is_none() {
             if let Some(path) = marker_path(&self.config) {
                 let _ = std::fs::remove_file(path);
@@ -1429,6 +1524,7 @@ impl Core {
                 updates_received: p.updates_received,
                 notifications_received: p.notifications_received,
                 notifications_sent: p.notifications_sent,
+                max_prefix_violations: p.session.as_ref().map_or(0, Session::max_prefix_violations),
                 last_error: p.last_error.clone(),
                 bfd_up: p.bfd_up.filter(|_| p.config.bfd.is_some()),
             })
@@ -1459,6 +1555,7 @@ impl Core {
             malformed_messages: self.malformed_messages,
             rejections: self.rib.rejections().iter().map(|((peer, reason), c)| (*peer, *reason, c.total)).collect(),
             ignored_nlri: self.ignored_nlri,
+            bfd_ttl_dropped: self.bfd_ttl_dropped.load(std::sync::atomic::Ordering::Relaxed),
             fib: FibStats::default(),
         };
         *self.status.lock().unwrap_or_else(|p| p.into_inner()) = status;
