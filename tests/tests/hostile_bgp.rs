@@ -16,7 +16,7 @@ use anyhow::Result;
 use kube_router_tests::{metric, remove_bpf_root, veth, wait_until, Agent, Netns};
 
 const NODE_ASN: &str = "65001";
-const HEALTH_PORT: &str = "20261";
+const METRICS_PORT: &str = "20261";
 const BPF_ROOT: &str = "/sys/fs/bpf/krt-hb-unused";
 
 /// One gobgpd peer: its namespace, addresses and daemon.
@@ -150,8 +150,8 @@ impl Lab {
             "10.77.0.2,10.78.0.2",
             "--peer-router-asns",
             "65002,65003",
-            "--health-port",
-            HEALTH_PORT,
+            "--metrics-port",
+            METRICS_PORT,
             "--bgp-holdtime",
             "9s",
             "--bgp-graceful-restart-deferral-time",
@@ -171,7 +171,7 @@ impl Lab {
             .run(&[
                 kube_router_tests::netprobe_bin().to_str().unwrap(),
                 "http",
-                &format!("127.0.0.1:{HEALTH_PORT}"),
+                &format!("127.0.0.1:{METRICS_PORT}"),
                 "/metrics",
             ])
             .unwrap_or_default()
