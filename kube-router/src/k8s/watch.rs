@@ -56,7 +56,13 @@ pub async fn api_server_addresses(options: &ApiOptions) -> std::collections::BTr
         return [ip].into();
     }
     let port = url.port_u16().unwrap_or(443);
-    let resolved = tokio::net::lookup_host(format!("{host}:{port}")).await;
+    // Bounded: a resolver that does not answer must not hold the agent's start (an outage of the
+    // name service changes nothing either).
+    let lookup = tokio::net::lookup_host(format!("{host}:{port}"));
+    let resolved = match tokio::time::timeout(std::time::Duration::from_secs(2), lookup).await {
+        Ok(resolved) => resolved,
+        Err(_) => Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer within 2 s")),
+    };
     match resolved {
         Ok(addrs) => addrs.map(|a| a.ip()).collect(),
         Err(error) => {
