@@ -53,7 +53,7 @@ pub const INTERNET_ADDR6: &str = "2001:db8:113::10";
 pub const POD_PORTS: [u16; 2] = [8080, 5353];
 pub const CNI_PLUGIN_DIR: &str = "/usr/lib/cni";
 /// The `--service-external-ip-range` every cluster agent runs with.
-pub const EXTERNAL_IP_RANGES: &str = "192.0.2.0/24,2001:db8:2::/64";
+pub const EXTERNAL_IP_RANGES: &str = "192.0.2.0/24,198.51.100.64/28,2001:db8:2::/64";
 const HEALTH_PORT: &str = "20244";
 const METRICS_PORT: &str = "20241";
 
