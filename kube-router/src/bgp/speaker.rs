@@ -260,8 +260,15 @@ impl Speaker {
         let (fib_tx, fib_rx) = watch::channel(initial);
         let status = Arc::new(Mutex::new(SpeakerStatus::default()));
         let fib_stats = Arc::new(Mutex::new(FibStats::default()));
-        let mut core =
-            Core::new(config, restarting, installed, &peers, events.clone(), wire.clone(), fib_tx, status.clone());
+        let mut core = Core::new(
+            config,
+            restarting,
+            installed,
+            &peers,
+            CoreQueues { events: events.clone(), wire: wire.clone() },
+            fib_tx,
+            status.clone(),
+        );
         for listener in listeners {
             core.listener_fds.push(listener.as_raw_fd());
             tokio::spawn(accept_loop(listener, wire.clone()));
@@ -541,17 +548,24 @@ struct Core {
     closing: Vec<JoinHandle<()>>,
 }
 
+/// The core's two inboxes: its own timers and tasks (unbounded: they never flood), and socket
+/// events (bounded, so a flooding peer waits on TCP instead of growing memory).
+struct CoreQueues {
+    events: mpsc::UnboundedSender<CoreEvent>,
+    wire: mpsc::Sender<CoreEvent>,
+}
+
 impl Core {
     fn new(
         config: SpeakerConfig,
         restarting: bool,
         installed: RouteSet,
         initial_peers: &[PeerConfig],
-        events: mpsc::UnboundedSender<CoreEvent>,
-        wire: mpsc::Sender<CoreEvent>,
+        queues: CoreQueues,
         fib: watch::Sender<FibTarget>,
         status: Arc<Mutex<SpeakerStatus>>,
     ) -> Self {
+        let CoreQueues { events, wire } = queues;
         let mut rib = Rib::new(RibConfig::new(config.local_asn, config.router_id));
         rib.set_import_policy(config.import.clone());
         rib.set_export_policy(config.export.clone());
