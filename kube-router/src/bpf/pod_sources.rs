@@ -37,7 +37,8 @@ impl PodAddresses {
         })
     }
 
-    fn entry(&self, checked_by: u8) -> PodSources {
+    /// The `pod_src` value holding these addresses.
+    pub fn entry(&self, checked_by: u8) -> PodSources {
         let mut entry = PodSources { checked_by, ..PodSources::default() };
         for addr in &self.0 {
             match addr {
@@ -206,6 +207,7 @@ impl PodSourceCheck {
     /// the veth's programs are attached, so a pod veth is never unchecked: until the CNI has
     /// assigned the pod's addresses the entry is empty and the pod's IP traffic dropped.
     pub fn update(&mut self, interface: &str, ifindex: u32) {
+        let started = std::time::Instant::now();
         let addresses = match self.resolver.peer_addresses(ifindex) {
             Ok(addresses) => {
                 self.failed.remove(&ifindex);
@@ -222,20 +224,15 @@ impl PodSourceCheck {
                 PodAddresses::default()
             }
         };
-        let previous = self.veths.get(&ifindex);
-        if previous.is_some_and(|v| v.addresses == addresses && v.settled) {
-            return;
-        }
-        let settled = addresses.assigned() && previous.is_some_and(|v| v.addresses == addresses);
-        let changed = previous.is_none_or(|v| v.addresses != addresses);
-        if changed || previous.is_none() {
-            match self.map.insert(ifindex, addresses.entry(self.checked_by), 0) {
-                Ok(()) => tracing::info!(interface, addresses = ?addresses.0, "pod source addresses"),
-                Err(e) => {
-                    tracing::error!(interface, error = %e, "cannot write the pod's source addresses");
-                    return;
-                }
+        let previous = self.veths.get(&ifindex).map(|v| &v.addresses);
+        let settled = addresses.assigned() && previous == Some(&addresses);
+        if previous != Some(&addresses) {
+            if let Err(e) = self.map.insert(ifindex, addresses.entry(self.checked_by), 0) {
+                tracing::error!(interface, error = %e, "cannot write the pod's source addresses");
+                return;
             }
+            let micros = started.elapsed().as_micros() as u64;
+            tracing::info!(interface, addresses = ?addresses.0, micros, "pod source addresses");
         }
         self.veths.insert(ifindex, Veth { addresses, settled });
     }
