@@ -70,7 +70,7 @@ fn a_pod_forging_an_admitted_peer_never_reaches_the_isolated_pod() {
     let at_peer = sniff(peer, "udp", GENUINE_PORT);
     wait_until("the attacker's genuine packets", Duration::from_secs(10), || {
         send(attacker, "udp", &attacker.ip, &peer.ip, GENUINE_PORT);
-        Ok(received(&at_peer).iter().any(|l| *l == attacker.ip))
+        Ok(received(&at_peer).contains(&attacker.ip))
     })
     .unwrap();
     assert_eq!(received(&spoofed), Vec::<String>::new(), "forged UDP reached the isolated pod");
@@ -87,7 +87,7 @@ fn a_pod_forging_an_admitted_peer_never_reaches_the_isolated_pod() {
     c.restart_agent_with(0, &["--enable-pod-source-check=false"]).unwrap();
     wait_until("forged packets arrive with the check off", Duration::from_secs(30), || {
         send(attacker, "udp", &peer.ip, &target.ip, SPOOFED_PORT);
-        Ok(received(&spoofed).iter().any(|l| *l == peer.ip))
+        Ok(received(&spoofed).contains(&peer.ip))
     })
     .unwrap();
 }
@@ -106,7 +106,7 @@ fn a_pod_created_after_the_agent_started_is_checked_too() {
     send(attacker, "udp", "10.244.1.250", &victim.ip, SPOOFED_PORT);
     wait_until("the attacker's genuine packets", Duration::from_secs(10), || {
         send(attacker, "udp", &attacker.ip, &victim.ip, GENUINE_PORT);
-        Ok(received(&genuine).iter().any(|l| *l == attacker.ip))
+        Ok(received(&genuine).contains(&attacker.ip))
     })
     .unwrap();
     assert_eq!(received(&spoofed), Vec::<String>::new(), "a forged source reached the victim");
@@ -132,7 +132,7 @@ fn a_pod_forging_ipv6_sources_is_dropped() {
     send(attacker, "udp", "fe80::1234", &victim6, SPOOFED_PORT);
     wait_until("the attacker's genuine IPv6 packets", Duration::from_secs(10), || {
         send(attacker, "udp", &attacker6, &victim6, GENUINE_PORT);
-        Ok(received(&genuine).iter().any(|l| *l == attacker6))
+        Ok(received(&genuine).contains(&attacker6))
     })
     .unwrap();
     assert_eq!(received(&spoofed), Vec::<String>::new(), "a forged IPv6 source reached the victim");
