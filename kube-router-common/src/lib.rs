@@ -14,6 +14,8 @@ mod svc_stats;
 pub use svc_stats::*;
 mod monitor;
 pub use monitor::*;
+mod source_check;
+pub use source_check::*;
 
 /// Version of the whole map layout. Stored in the `meta` map at index [`META_LAYOUT_VERSION`],
 /// and naming the directory the maps are pinned in (`<bpf root>/v3/`), so an upgrade can create

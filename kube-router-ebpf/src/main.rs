@@ -38,18 +38,23 @@ mod policy;
 mod reject;
 mod route;
 mod sock;
+mod source_check;
 mod svc_stats;
 mod xdp;
 
 use aya_ebpf::{
-    bindings::TC_ACT_UNSPEC,
+    bindings::{TC_ACT_SHOT, TC_ACT_UNSPEC},
     macros::{cgroup_sock_addr, classifier, xdp},
     programs::{SockAddrContext, TcContext, XdpContext},
 };
 
-// A packet we cannot parse is not ours to judge: it is handed on untouched.
+// A packet we cannot parse is not ours to judge: it is handed on untouched. On a pod veth the
+// first program checks the source address (`source_check`) before anything rewrites it.
 #[classifier]
 pub fn kr_lb_ingress(ctx: TcContext) -> i32 {
+    if source_check::spoofed(&ctx, kube_router_common::SOURCE_CHECK_BY_LB) {
+        return TC_ACT_SHOT;
+    }
     lb::handle_ingress(&ctx).unwrap_or(TC_ACT_UNSPEC)
 }
 
@@ -65,10 +70,14 @@ pub fn kr_xdp_lb(ctx: XdpContext) -> u32 {
     xdp::handle(&ctx)
 }
 
-/// Host side of a pod veth, TC ingress: packets from the pod, judged by its egress policy. A
-/// packet the policy cannot read is dropped, not handed on unjudged (see `policy::malformed`).
+/// Host side of a pod veth, TC ingress: packets from the pod, judged by its egress policy (and,
+/// without the load balancer in front, their source address: `source_check`). A packet the
+/// policy cannot read is dropped, not handed on unjudged (see `policy::malformed`).
 #[classifier]
 pub fn kr_pol_ingress(ctx: TcContext) -> i32 {
+    if source_check::spoofed(&ctx, kube_router_common::SOURCE_CHECK_BY_POLICY) {
+        return TC_ACT_SHOT;
+    }
     policy::enforce(&ctx, policy::VethHook::FromPod)
         .unwrap_or_else(|_| policy::malformed(&ctx, policy::VethHook::FromPod))
 }

@@ -26,7 +26,7 @@ use crate::{
     controllers::{
         checkpoint::{CheckpointWriter, CHECKPOINT_KINDS},
         datapath_stats::DatapathStatsController,
-        interfaces::{InterfacesController, LinkTrigger},
+        interfaces::{InterfacesController, LinkTrigger, PodsTrigger},
         node_nets::{sync_egress_nets, CniWriter, EgressNets, NodeNetsController, NODE_KINDS},
         policy::{PolicyController, POLICY_KINDS},
         routing::{self, RoutingController},
@@ -71,7 +71,9 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
             config.run_service_proxy,
             config.run_firewall,
             config.xdp,
-        );
+            config.pod_source_check,
+        )
+        .with_metrics(metrics.clone());
         socket_lb::apply(interfaces.datapath(), &config.socket_lb, &metrics);
         // The links run our programs now: an upgrade from the previous map layout can complete.
         interfaces.datapath().finish_upgrade().context("finishing the upgrade of the pinned maps")?;
@@ -126,7 +128,10 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
         } else {
             None
         };
-        tasks.add(runtime::spawn(interfaces, LinkTrigger(events), AT_ONCE, stop.clone()));
+        // A pod's object gets its IPs once the CNI plugin has assigned them: the moment to read
+        // its veth's addresses for the source check.
+        let pods = PodsTrigger(cache.as_ref().map(|cache| cache.subscribe(&[crate::k8s::watch::Kind::Pods])));
+        tasks.add(runtime::spawn(interfaces, (LinkTrigger(events), pods), AT_ONCE, stop.clone()));
     }
     if let Some(controller) = services {
         match (&config.source, &cache) {

@@ -45,6 +45,8 @@ pub struct AgentConfig {
     pub node_ip: Option<Ipv4Addr>,
     /// `--enable-pod-egress`: masquerade pod traffic leaving the cluster.
     pub pod_egress: bool,
+    /// `--enable-pod-source-check`: drop packets from pods with a source not their own.
+    pub pod_source_check: bool,
     /// `--tc-mode`: node interfaces.
     pub attach_mode: crate::bpf::datapath::AttachMode,
     /// `--tc-mode`: pod veths (classic under `auto`).

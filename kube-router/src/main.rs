@@ -22,7 +22,9 @@ use kube_router::{
         family::{AddressFamily, V4, V6},
     },
 };
-use kube_router_common::{dsr_stat, event_stat, lb_stat, map_names, sock_stat, xdp_stat, DEFAULT_PIN_DIR};
+use kube_router_common::{
+    dsr_stat, event_stat, lb_stat, map_names, sock_stat, source_check_map_names, src_stat, xdp_stat, DEFAULT_PIN_DIR,
+};
 
 #[derive(Parser)]
 #[command(
@@ -295,6 +297,11 @@ struct RunArgs {
     /// Masquerade pod traffic to destinations outside the cluster to the node address.
     #[arg(long, env = "KUBE_ROUTER_ENABLE_POD_EGRESS", default_value_t = true, action = clap::ArgAction::Set)]
     enable_pod_egress: bool,
+    /// Drop packets from a pod whose source address is not one of that pod's own (read from its
+    /// network namespace), as Cilium's source IP verification and Calico's RPF check on workload
+    /// interfaces do. Checked on pod veths the agent finds itself (not an --interfaces list).
+    #[arg(long, env = "KUBE_ROUTER_ENABLE_POD_SOURCE_CHECK", default_value_t = true, action = clap::ArgAction::Set)]
+    enable_pod_source_check: bool,
     /// CIDR range(s) of the cluster's pods (comma-separated), besides every Node's podCIDRs:
     /// traffic to them is never masqueraded.
     #[arg(long, env = "KUBE_ROUTER_CLUSTER_CIDR", value_delimiter = ',')]
@@ -617,6 +624,11 @@ fn main() -> ExitCode {
             for (name, n) in dsr_stat::NAMES.iter().zip(dsr.ok().flatten().unwrap_or_default()) {
                 println!("dsr_{name} {n}");
             }
+            let source_check =
+                read_pinned_if_exists(&cli.bpf_root, source_check_map_names::SOURCE_CHECK_STATS, src_stat::COUNT);
+            for (name, n) in src_stat::NAMES.iter().zip(source_check.ok().flatten().unwrap_or_default()) {
+                println!("src_check_{name} {n}");
+            }
             // The socket load balancer's counters, if it ever ran.
             for (name, n) in sock_stat::NAMES.iter().zip(read_sock_stats(&cli.bpf_root).unwrap_or_default()) {
                 println!("sock_{name} {n}");
@@ -730,6 +742,7 @@ fn run(cli: &Cli) -> Result<()> {
         snat_port_range: args.snat_port_range,
         node_ip: args.node_ip,
         pod_egress: args.enable_pod_egress,
+        pod_source_check: args.enable_pod_source_check,
         attach_mode: match args.tc_mode.as_str() {
             "tcx" => AttachMode::Tcx,
             "classic" => AttachMode::Classic,

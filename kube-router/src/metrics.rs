@@ -68,6 +68,10 @@ pub struct MetricsState {
     pub xdp_packets: Vec<(&'static str, u64)>,
     /// `dsr_stats`: direct server return's packets and flows by event.
     pub dsr_packets: Vec<(&'static str, u64)>,
+    /// `src_chk_stats`: source-address verification on pod veths, packets by outcome.
+    pub pod_source_packets: Vec<(&'static str, u64)>,
+    /// Pod veths with a `pod_src` entry, and of those the ones whose pod has no address yet.
+    pub pod_source_veths: (usize, usize),
     pub conntrack_entries: u64,
     pub conntrack_gc_removed: u64,
     pub api_reachable: bool,
@@ -268,6 +272,24 @@ impl Metrics {
             for (what, n) in &m.dsr_packets {
                 let _ = writeln!(out, "kube_router_dsr_packets_total{{event=\"{what}\"}} {n}");
             }
+            family(
+                &mut out,
+                "kube_router_pod_source_check_packets_total",
+                "counter",
+                "Packets from pod veths by source-address verification outcome (spoofed_*: dropped).",
+            );
+            for (what, n) in &m.pod_source_packets {
+                let _ = writeln!(out, "kube_router_pod_source_check_packets_total{{event=\"{what}\"}} {n}");
+            }
+            family(
+                &mut out,
+                "kube_router_pod_source_veths",
+                "gauge",
+                "Pod veths whose source addresses are checked; unassigned: the pod has no address yet (its IP traffic is dropped).",
+            );
+            let (checked, unassigned) = m.pod_source_veths;
+            let _ = writeln!(out, "kube_router_pod_source_veths{{state=\"checked\"}} {checked}");
+            let _ = writeln!(out, "kube_router_pod_source_veths{{state=\"unassigned\"}} {unassigned}");
             family(
                 &mut out,
                 "kube_router_conntrack_entries",

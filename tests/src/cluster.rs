@@ -775,7 +775,40 @@ impl Cluster {
             cluster.server.apply(cluster.pod_object(pod))?;
         }
         cluster.wait_routes(Duration::from_secs(60))?;
+        cluster.wait_pod_sources()?;
         Ok(cluster)
+    }
+
+    /// Every agent knows the addresses of its pods (else their traffic is dropped as spoofed
+    /// until it does: the source check fails closed).
+    pub fn wait_pod_sources(&self) -> Result<()> {
+        let off = "--enable-pod-source-check=false";
+        let node_args = self.node_agent_args.lock().unwrap().clone();
+        crate::wait_until("every pod veth's source addresses known", Duration::from_secs(20), || {
+            Ok(self.nodes.iter().enumerate().all(|(i, n)| {
+                let disabled = self.agent_args.iter().chain(&node_args[i]).any(|a| a == off);
+                let pods = self.pods.iter().filter(|p| p.node == i).count() as f64;
+                let metrics = n.metrics();
+                let gauge = |state: &str| {
+                    let series = format!("kube_router_pod_source_veths{{state=\"{state}\"}} ");
+                    metrics.lines().find_map(|l| l.strip_prefix(&series)?.parse::<f64>().ok())
+                };
+                disabled || (gauge("checked").is_some_and(|n| n >= pods) && gauge("unassigned") == Some(0.0))
+            }))
+        })
+    }
+
+    /// A pod wired on node `i` now (the agent running), published, its addresses known to the
+    /// agent: the next `pod(i, _)`.
+    pub fn add_pod(&mut self, i: usize) -> Result<&Pod> {
+        let j = self.pods.iter().filter(|p| p.node == i).count();
+        let node = &self.nodes[i];
+        let conflist = wait_conflist(&node.cni_conf_file())?;
+        let pod = Self::new_pod(&self.prefix, node, &conflist, i, j)?;
+        self.server.apply(self.pod_object(&pod))?;
+        self.pods.push(pod);
+        self.wait_pod_sources()?;
+        Ok(self.pods.last().expect("just added"))
     }
 
     fn new_pod(prefix: &str, node: &ClusterNode, conflist: &Value, i: usize, j: usize) -> Result<Pod> {

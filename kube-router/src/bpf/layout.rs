@@ -191,6 +191,12 @@ pub const POLICY_GUARD_MAPS: [MapSpec; 1] =
 /// Direct server return's counters: a map of its own for the same reason.
 pub const DSR_MAPS: [MapSpec; 1] = [spec::<u32, u64>(map_names::DSR_STATS, MapType::PerCpuArray, dsr_stat::COUNT)];
 
+/// Source-address verification on pod veths: maps of their own for the same reason.
+pub const SOURCE_CHECK_MAPS: [MapSpec; 2] = [
+    spec::<u32, PodSources>(source_check_map_names::POD_SOURCES, MapType::Hash, POD_SOURCES_MAX_ENTRIES),
+    spec::<u32, u64>(source_check_map_names::SOURCE_CHECK_STATS, MapType::PerCpuArray, src_stat::COUNT),
+];
+
 fn all_specs() -> impl Iterator<Item = &'static MapSpec> {
     SERVICE_MAPS
         .iter()
@@ -201,6 +207,7 @@ fn all_specs() -> impl Iterator<Item = &'static MapSpec> {
         .chain(&XDP_MAPS)
         .chain(&DSR_MAPS)
         .chain(&POLICY_GUARD_MAPS)
+        .chain(&SOURCE_CHECK_MAPS)
 }
 
 /// What the pinned maps hold against what this agent expects.

@@ -4,6 +4,7 @@ pub mod counters;
 pub mod datapath;
 pub mod layout;
 pub mod migrate;
+pub mod pod_sources;
 pub mod policy_maps;
 pub mod service_maps;
 pub mod socket_lb;

@@ -8,7 +8,8 @@ use std::{
 
 use anyhow::Result;
 use kube_router_common::{
-    dsr_stat, lb_stat, map_names, pol_guard_stat, pol_stat, sock_map_names, sock_stat, xdp_stat, ServiceStats,
+    dsr_stat, lb_stat, map_names, pol_guard_stat, pol_stat, sock_map_names, sock_stat, source_check_map_names,
+    src_stat, xdp_stat, ServiceStats,
 };
 
 use crate::{
@@ -55,6 +56,7 @@ pub struct DatapathStatsController {
     xdp_stats: Option<Counters>,
     /// `None` until direct server return's map exists.
     dsr_stats: Option<Counters>,
+    source_check_stats: Option<Counters>,
     /// Every frontend's counters of the last reading.
     frontend_stats: Vec<(FrontendId, ServiceStats)>,
     gc_interval: Duration,
@@ -102,6 +104,7 @@ impl DatapathStatsController {
             socket_stats: None,
             xdp_stats: None,
             dsr_stats: None,
+            source_check_stats: None,
             frontend_stats: Vec::new(),
             gc_interval,
             last_gc: now,
@@ -154,6 +157,13 @@ impl DatapathStatsController {
         }
         if let Some(Ok(stats)) = self.dsr_stats.as_ref().map(Counters::read) {
             self.metrics.with(|m| m.dsr_packets = dsr_stat::NAMES.iter().copied().zip(stats).collect());
+        }
+        if self.source_check_stats.is_none() {
+            self.source_check_stats =
+                Counters::open_pinned(&self.pin_dir, source_check_map_names::SOURCE_CHECK_STATS, src_stat::COUNT).ok();
+        }
+        if let Some(Ok(stats)) = self.source_check_stats.as_ref().map(Counters::read) {
+            self.metrics.with(|m| m.pod_source_packets = src_stat::NAMES.iter().copied().zip(stats).collect());
         }
         let started = Instant::now();
         // Read outside the metrics' lock (tens of thousands of syscalls at 10,000 Services)

@@ -1,15 +1,22 @@
 //! Attaches the programs to interfaces as they appear (netlink link events, and a rescan as a
 //! safety net), and tells the services controller when the node's addresses change.
-use std::{collections::BTreeMap, net::IpAddr, time::Duration};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+    time::Duration,
+};
 
 use anyhow::Result;
+use kube_router_common::{SOURCE_CHECK_BY_LB, SOURCE_CHECK_BY_POLICY};
 use tokio::sync::watch;
 
 use crate::{
     bpf::{
         datapath::{AttachOutcome, Datapath},
+        pod_sources::{self, PodSourceCheck},
         xdp::{self, XdpSetting},
     },
+    metrics::Metrics,
     netif,
     runtime::{Action, Controller, Trigger},
 };
@@ -28,6 +35,9 @@ pub struct InterfacesController {
     /// `--xdp`: the fast path on uplinks.
     xdp: XdpSetting,
     node_addresses: watch::Sender<Vec<IpAddr>>,
+    /// `--enable-pod-source-check`: the pod veths' own addresses, written before they are attached.
+    pod_sources: Option<PodSourceCheck>,
+    metrics: Option<Metrics>,
 }
 
 impl InterfacesController {
@@ -39,11 +49,27 @@ impl InterfacesController {
         load_balancer: bool,
         firewall: bool,
         xdp: XdpSetting,
+        pod_source_check: bool,
     ) -> Self {
         let mut attached = BTreeMap::new();
-        attach_all(&mut datapath, &wanted, &mut attached, load_balancer, firewall, xdp);
+        let mut pod_sources = open_pod_sources(&datapath, pod_source_check, load_balancer);
+        attach_all(&mut datapath, &wanted, &mut attached, load_balancer, firewall, xdp, pod_sources.as_mut());
         let node_addresses = watch::Sender::new(netif::node_addresses());
-        Self { datapath, wanted, attached, load_balancer, firewall, xdp, node_addresses }
+        Self { datapath, wanted, attached, load_balancer, firewall, xdp, node_addresses, pod_sources, metrics: None }
+    }
+
+    /// Where the pod source check's state is shown.
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = Some(metrics);
+        self.publish_pod_sources();
+        self
+    }
+
+    fn publish_pod_sources(&self) {
+        if let (Some(sources), Some(metrics)) = (&self.pod_sources, &self.metrics) {
+            let counts = sources.counts();
+            metrics.with(|m| m.pod_source_veths = counts);
+        }
     }
 
     pub fn datapath(&mut self) -> &mut Datapath {
@@ -70,8 +96,16 @@ impl Controller for InterfacesController {
                 self.load_balancer,
                 self.firewall,
                 self.xdp,
+                self.pod_sources.as_mut(),
             );
         }
+        // A pod's addresses appear after its veth: read again until they are there (link
+        // events, the pod's object getting its IPs and the rescan all bring us here).
+        if let Some(sources) = self.pod_sources.as_mut() {
+            let names = self.attached.iter().map(|(name, index)| (*index, name.clone())).collect();
+            sources.refresh(&names);
+        }
+        self.publish_pod_sources();
         // NodePorts listen on the node's addresses: a changed set recompiles the Services.
         let now = netif::node_addresses();
         self.node_addresses.send_if_modified(|addresses| {
@@ -103,6 +137,41 @@ impl Trigger for LinkTrigger {
     }
 }
 
+/// The pod source check's map writer, or `None` when the check is off (its entries then
+/// removed, so no veth stays checked by an earlier run's choice).
+fn open_pod_sources(datapath: &Datapath, enabled: bool, load_balancer: bool) -> Option<PodSourceCheck> {
+    if !enabled {
+        if let Err(e) = pod_sources::clear(datapath.pin_dir()) {
+            tracing::warn!(error = format!("{e:#}"), "cannot clear the pod source addresses");
+        }
+        return None;
+    }
+    // The load balancer runs first at a veth's TC ingress and may source-NAT: it checks when there.
+    let checked_by = if load_balancer { SOURCE_CHECK_BY_LB } else { SOURCE_CHECK_BY_POLICY };
+    match PodSourceCheck::open(datapath.pin_dir(), checked_by) {
+        Ok(sources) => Some(sources),
+        Err(e) => {
+            tracing::error!(
+                error = format!("{e:#}"),
+                "pod source check unavailable: pod source addresses are not checked"
+            );
+            None
+        }
+    }
+}
+
+/// Changes of Pod objects (none without the API server).
+pub struct PodsTrigger(pub Option<crate::k8s::cache::Subscription>);
+
+impl Trigger for PodsTrigger {
+    async fn changed(&mut self) -> bool {
+        match self.0.as_mut() {
+            Some(pods) => pods.changed().await,
+            None => false,
+        }
+    }
+}
+
 /// Attaches one feature's ingress and egress programs to an interface.
 type AttachFn = fn(&mut Datapath, &str) -> Result<[AttachOutcome; 2]>;
 
@@ -117,9 +186,13 @@ fn attach_all(
     load_balancer: bool,
     firewall: bool,
     xdp: XdpSetting,
+    mut pod_sources: Option<&mut PodSourceCheck>,
 ) {
     let present: BTreeMap<String, u32> = netif::interfaces_with_index().into_iter().collect();
     attached.retain(|name, index| present.get(name) == Some(index));
+    if let Some(sources) = pod_sources.as_deref_mut() {
+        sources.retain(&present.values().copied().collect::<BTreeSet<u32>>());
+    }
     crate::bpf::datapath::prune_vanished(datapath.pin_dir(), &present.keys().cloned().collect());
     let interfaces = wanted.clone().unwrap_or_else(|| present.keys().cloned().collect());
     let uplinks = netif::default_route_interfaces();
@@ -146,6 +219,10 @@ fn attach_all(
         // Pod veths found by the agent itself are attached in the pod mode (fast); an explicit
         // --interfaces list in the node mode.
         let pod = wanted.is_none() && pod_side;
+        // Before the programs: a pod veth is never attached unchecked.
+        if let Some(sources) = pod_sources.as_deref_mut().filter(|_| pod) {
+            sources.update(&interface, index);
+        }
         let hooks: [(bool, &str, AttachFn); 2] = [
             (load_balancer, "load balancer", if pod { Datapath::attach_pod } else { Datapath::attach }),
             (

@@ -40,6 +40,10 @@
 //!                                           protocol PROTO carrying the marker that a raw socket received
 //!   krt-netprobe count-frames IFACE ETHERTYPE SECONDS
 //!                                           the same for frames of ETHERTYPE (hex) a packet socket on IFACE got
+//!   krt-netprobe spoof tcp|udp SRC DST PORT COUNT  COUNT TCP SYNs or UDP datagrams from source address SRC
+//!                                           (any, through a raw socket: what CAP_NET_RAW allows a pod)
+//!   krt-netprobe sniff tcp|udp PORT         prints the source address of every packet to PORT (raw
+//!                                           sockets, IPv4 and IPv6, before any socket lookup), forever
 use std::{
     io::{BufRead, BufReader, Read, Write},
     net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
@@ -651,6 +655,15 @@ fn main() {
                 std::thread::sleep(interval);
             }
         }
+        "spoof" => spoof(
+            &arg(1),
+            arg(2).parse().expect("source"),
+            arg(3).parse().expect("destination"),
+            arg(4).parse().expect("port"),
+            arg(5).parse().expect("count"),
+        )
+        .unwrap_or_else(|e| panic!("spoof: {e}")),
+        "sniff" => sniff(&arg(1), arg(2).parse().expect("port")),
         "feature" => {
             let on = match arg(3).as_str() {
                 "on" => true,
@@ -696,5 +709,187 @@ fn main() {
             println!("count {}", count_marked(fd, arg(3).parse().expect("seconds")));
         }
         other => panic!("unknown command {other}"),
+    }
+}
+
+fn ip_proto(proto: &str) -> i32 {
+    match proto {
+        "tcp" => libc::IPPROTO_TCP,
+        "udp" => libc::IPPROTO_UDP,
+        other => panic!("tcp or udp, not {other}"),
+    }
+}
+
+fn checksum_add(sum: &mut u32, bytes: &[u8]) {
+    for chunk in bytes.chunks(2) {
+        *sum += u32::from(u16::from_be_bytes([chunk[0], *chunk.get(1).unwrap_or(&0)]));
+    }
+}
+
+fn checksum_fold(mut sum: u32) -> u16 {
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// A TCP SYN or a UDP datagram ("spoof") from `src:40000+i` to `dst:port`, checksummed.
+fn transport_segment(proto: i32, src: &[u8], dst: &[u8], port: u16, i: u16) -> Vec<u8> {
+    let src_port = 40000 + i;
+    let mut segment = Vec::new();
+    segment.extend(src_port.to_be_bytes());
+    segment.extend(port.to_be_bytes());
+    if proto == libc::IPPROTO_TCP {
+        segment.extend(u32::from(i).to_be_bytes()); // sequence
+        segment.extend([0; 4]); // ack
+        segment.extend([0x50, 0x02]); // 20-byte header, SYN
+        segment.extend(64240u16.to_be_bytes());
+        segment.extend([0; 4]); // checksum, urgent
+    } else {
+        segment.extend((8u16 + 5).to_be_bytes());
+        segment.extend([0; 2]);
+        segment.extend(b"spoof");
+    }
+    let mut sum = 0;
+    checksum_add(&mut sum, src);
+    checksum_add(&mut sum, dst);
+    checksum_add(&mut sum, &[0, proto as u8]);
+    checksum_add(&mut sum, &(segment.len() as u16).to_be_bytes());
+    checksum_add(&mut sum, &segment);
+    let check = checksum_fold(sum).to_be_bytes();
+    let at = if proto == libc::IPPROTO_TCP { 16 } else { 6 };
+    segment[at..at + 2].copy_from_slice(&check);
+    segment
+}
+
+fn spoof(proto: &str, src: std::net::IpAddr, dst: std::net::IpAddr, port: u16, count: u16) -> std::io::Result<()> {
+    use std::net::IpAddr;
+    let proto = ip_proto(proto);
+    let family = if dst.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
+    // SAFETY: plain socket(2); closed at the end.
+    let fd = unsafe { libc::socket(family, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::IPPROTO_RAW) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    for i in 0..count {
+        let (packet, rc) = match (src, dst) {
+            (IpAddr::V4(s), IpAddr::V4(d)) => {
+                let segment = transport_segment(proto, &s.octets(), &d.octets(), port, i);
+                let mut packet = vec![0x45, 0];
+                packet.extend(((20 + segment.len()) as u16).to_be_bytes());
+                packet.extend([0, 0, 0x40, 0, 64, proto as u8, 0, 0]);
+                packet.extend(s.octets());
+                packet.extend(d.octets());
+                let mut sum = 0;
+                checksum_add(&mut sum, &packet);
+                let check = checksum_fold(sum).to_be_bytes();
+                packet[10..12].copy_from_slice(&check);
+                packet.extend(segment);
+                // SAFETY: sockaddr_in is plain data.
+                let mut to: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+                to.sin_family = libc::AF_INET as libc::sa_family_t;
+                to.sin_addr.s_addr = u32::from_ne_bytes(d.octets());
+                // SAFETY: valid buffer and address of the sizes passed.
+                let rc = unsafe {
+                    libc::sendto(
+                        fd,
+                        packet.as_ptr().cast(),
+                        packet.len(),
+                        0,
+                        std::ptr::addr_of!(to).cast(),
+                        size_of::<libc::sockaddr_in>() as u32,
+                    )
+                };
+                (packet, rc)
+            }
+            (IpAddr::V6(s), IpAddr::V6(d)) => {
+                let segment = transport_segment(proto, &s.octets(), &d.octets(), port, i);
+                let mut packet = vec![0x60, 0, 0, 0];
+                packet.extend((segment.len() as u16).to_be_bytes());
+                packet.extend([proto as u8, 64]);
+                packet.extend(s.octets());
+                packet.extend(d.octets());
+                packet.extend(segment);
+                // SAFETY: sockaddr_in6 is plain data.
+                let mut to: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+                to.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+                to.sin6_addr.s6_addr = d.octets();
+                // SAFETY: valid buffer and address of the sizes passed.
+                let rc = unsafe {
+                    libc::sendto(
+                        fd,
+                        packet.as_ptr().cast(),
+                        packet.len(),
+                        0,
+                        std::ptr::addr_of!(to).cast(),
+                        size_of::<libc::sockaddr_in6>() as u32,
+                    )
+                };
+                (packet, rc)
+            }
+            _ => panic!("source and destination of one family"),
+        };
+        if rc != packet.len() as isize {
+            let e = std::io::Error::last_os_error();
+            // SAFETY: our fd.
+            unsafe { libc::close(fd) };
+            return Err(e);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: our fd.
+    unsafe { libc::close(fd) };
+    println!("OK {count}");
+    Ok(())
+}
+
+fn sniff(proto: &str, port: u16) {
+    let proto = ip_proto(proto);
+    let threads: Vec<_> = [libc::AF_INET, libc::AF_INET6]
+        .into_iter()
+        .map(|family| {
+            std::thread::spawn(move || {
+                // SAFETY: plain socket(2), kept for the process's life.
+                let fd = unsafe { libc::socket(family, libc::SOCK_RAW | libc::SOCK_CLOEXEC, proto) };
+                assert!(fd >= 0, "raw socket: {}", std::io::Error::last_os_error());
+                let mut buf = [0u8; 2048];
+                loop {
+                    // SAFETY: sockaddr_storage is plain data.
+                    let mut from: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+                    let mut len = size_of::<libc::sockaddr_storage>() as u32;
+                    // SAFETY: valid buffers of the sizes passed.
+                    let n = unsafe {
+                        libc::recvfrom(
+                            fd,
+                            buf.as_mut_ptr().cast(),
+                            buf.len(),
+                            0,
+                            std::ptr::addr_of_mut!(from).cast(),
+                            &mut len,
+                        )
+                    };
+                    if n < 0 {
+                        continue;
+                    }
+                    // IPv4 raw sockets deliver the IP header, IPv6 ones the payload alone.
+                    let (l4, source) = if family == libc::AF_INET {
+                        let header = usize::from(buf[0] & 0xf) * 4;
+                        (header, std::net::IpAddr::from([buf[12], buf[13], buf[14], buf[15]]))
+                    } else {
+                        // SAFETY: an AF_INET6 socket fills a sockaddr_in6.
+                        let from: libc::sockaddr_in6 = unsafe { std::ptr::read(std::ptr::addr_of!(from).cast()) };
+                        (0, std::net::IpAddr::from(from.sin6_addr.s6_addr))
+                    };
+                    if (n as usize) < l4 + 4 || u16::from_be_bytes([buf[l4 + 2], buf[l4 + 3]]) != port {
+                        continue;
+                    }
+                    println!("{source}");
+                    let _ = std::io::stdout().flush();
+                }
+            })
+        })
+        .collect();
+    for thread in threads {
+        let _ = thread.join();
     }
 }
