@@ -55,14 +55,17 @@ pub fn lookup<F: Family>(key: &CtKey<F::Addr>, tcp_flags: u8, now: u64) -> Optio
     Some(entry)
 }
 
-/// Marks the flow as answered, on the entry that was hit and on its opposite (once per flow).
+/// Marks the flow as answered, on the entry that was hit and on its opposite (once per flow), by
+/// a reply packet `flow`. A TCP reply with SYN (a SYN-ACK) does not count: a backend answers a
+/// flood of spoofed SYNs too, and those flows must keep the short unreplied lifetime. The
+/// backend's next segment (it got the client's ACK) does.
 #[inline(always)]
-pub fn mark_seen_reply<F: Family>(entry: &mut CtValue<F::Addr>, proto: u8) {
-    if entry.flags & CT_FLAG_SEEN_REPLY != 0 {
+pub fn mark_seen_reply<F: Family>(entry: &mut CtValue<F::Addr>, flow: &LbFlow<F::Addr>) {
+    if entry.flags & CT_FLAG_SEEN_REPLY != 0 || (flow.proto == IPPROTO_TCP && flow.tcp_flags & TCP_FLAG_SYN != 0) {
         return;
     }
     entry.flags |= CT_FLAG_SEEN_REPLY;
-    if let Some(forward) = F::conntrack().get_ptr_mut(entry.reverse_key(proto)) {
+    if let Some(forward) = F::conntrack().get_ptr_mut(entry.reverse_key(flow.proto)) {
         // SAFETY: pointer from a successful lookup, valid for this run.
         unsafe { (*forward).flags |= CT_FLAG_SEEN_REPLY };
     }

@@ -177,7 +177,7 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
                     // The reverse entry restores the frontend as the source.
                     svc_stats::count::<F, _>(ctx, entry.nat_src_addr, entry.nat_src_port, flow.proto, Way::Out);
                 }
-                conntrack::mark_seen_reply::<F>(entry, flow.proto);
+                conntrack::mark_seen_reply::<F>(entry, flow);
                 return translate::<F>(ctx, flow, entry, &mut work.to);
             }
         }
@@ -397,14 +397,14 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
         // A pod's reply to an outside client that connected to it directly: leaves as it is.
         Some(entry) if entry.flags & CT_FLAG_UNTRANSLATED != 0 => {
             if entry.flags & CT_FLAG_REVERSE != 0 {
-                conntrack::mark_seen_reply::<F>(entry, flow.proto);
+                conntrack::mark_seen_reply::<F>(entry, flow);
             }
             TC_ACT_UNSPEC
         }
         Some(entry) if entry.flags & (CT_FLAG_REVERSE | CT_FLAG_FULL_NAT) == CT_FLAG_REVERSE => {
             count(if flow.fragment == Fragment::Later { lb_stat::FRAGMENT_NAT } else { lb_stat::REVERSE_NAT });
             svc_stats::count::<F, _>(ctx, entry.nat_src_addr, entry.nat_src_port, flow.proto, Way::Out);
-            conntrack::mark_seen_reply::<F>(entry, flow.proto);
+            conntrack::mark_seen_reply::<F>(entry, flow);
             translate::<F>(ctx, flow, entry, &mut work.to)
         }
         Some(entry) if entry.flags & CT_FLAG_EGRESS != 0 => {

@@ -777,9 +777,11 @@ fn a_pods_tcp_segment_without_an_entry_that_is_no_syn_is_not_masqueraded() {
 }
 
 /// Defect "one client can exhaust conntrack and SNAT ports for hours": a TCP flow nothing has
-/// answered lives CT_LIFETIME_UNREPLIED_SECS (60 s), not the 6 h of an answered one, and the SNAT
+/// answered (a SYN-ACK is no answer) lives CT_LIFETIME_UNREPLIED_SECS (60 s), not the 6 h of an
+/// answered one, and the SNAT
 /// port allocator takes its port back as soon as it has expired (no wait for the agent's GC).
-/// Answered flows idle as long keep theirs. Guard: the unreplied rule of `CtValue::lifetime_ns`.
+/// Answered flows idle as long keep theirs. Guards: the unreplied rule of `CtValue::lifetime_ns`,
+/// a SYN-ACK not counted as an answer (`conntrack::mark_seen_reply`).
 #[test]
 fn an_unanswered_flow_expires_after_the_unreplied_lifetime_and_frees_its_snat_port() {
     let lb = load("unanswered", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
@@ -788,13 +790,19 @@ fn an_unanswered_flow_expires_after_the_unreplied_lifetime_and_frees_its_snat_po
     let tcp = (packet::TCP, 30080, 8080);
     let flows = open_until_refused(&lb, tcp.0, tcp.1, 50000);
     assert_eq!(flows.len(), range);
-    // Half the flows answered: the backend's SYN-ACK comes back to the node's SNAT port.
+    // The backend answers every SYN (as it does a flood of spoofed ones): a SYN-ACK alone does
+    // not make a flow answered. Half the flows complete: the backend's next segment comes back.
     let answered: Vec<&Flow> = flows.iter().step_by(2).collect();
-    for flow in &answered {
-        let syn_ack =
-            packet::ipv4(tcp.0, (REMOTE_POD, tcp.2), (NODE_IP, flow.snat_port), packet::TCP_SYN | packet::TCP_ACK, b"");
-        let (_, back) = lb.ingress(&syn_ack);
-        assert_eq!(packet::endpoints(&back).1, (CLIENT, flow.client_port));
+    for (i, flow) in flows.iter().enumerate() {
+        let mut replies = vec![packet::TCP_SYN | packet::TCP_ACK];
+        if i % 2 == 0 {
+            replies.push(packet::TCP_ACK);
+        }
+        for flags in replies {
+            let reply = packet::ipv4(tcp.0, (REMOTE_POD, tcp.2), (NODE_IP, flow.snat_port), flags, b"");
+            let (_, back) = lb.ingress(&reply);
+            assert_eq!(packet::endpoints(&back).1, (CLIENT, flow.client_port));
+        }
     }
     // Everything idle just past the unreplied lifetime.
     for flow in &flows {
