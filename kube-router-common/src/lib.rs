@@ -309,7 +309,9 @@ pub const CT_FLAG_FULL_NAT: u16 = 1 << 3;
 /// (`bpf_fib_lookup` + `bpf_redirect_neigh`) instead of entering the stack as a martian.
 pub const CT_FLAG_REDIRECT: u16 = 1 << 4;
 /// A reply has been seen (TCP: the handshake completed). Until then a flow whose backend went
-/// away is re-balanced; afterwards it stays on its backend.
+/// away is re-balanced, and its entries live [`CT_LIFETIME_UNREPLIED_SECS`]; afterwards it stays
+/// on its backend. A direct-server-return tunnel's entry (no reply passes it) gets it from the
+/// client's first ACK.
 pub const CT_FLAG_SEEN_REPLY: u16 = 1 << 5;
 /// Pod egress masquerade: the forward direction is translated at TC egress, as the packet leaves
 /// the node (after NetworkPolicy judged it at the pod's interface), not at ingress.
@@ -321,10 +323,19 @@ pub const CT_FLAG_DSR_ENCAP: u16 = 1 << 7;
 /// Direct server return, on the backend's node: both entries were made from a tunnelled packet
 /// (the tunnel named the backend, not a slot of this node's).
 pub const CT_FLAG_DSR_DELIVER: u16 = 1 << 8;
+/// A flow an outside client opened to a pod's own address (no Service): both entries leave its
+/// packets as they are. They exist so that the pod's replies are known as replies and never
+/// start a pod egress masquerade flow. Older programs read such a pair as a flow translated to
+/// its own tuple: the same packets.
+pub const CT_FLAG_UNTRANSLATED: u16 = 1 << 9;
 
+/// An answered TCP flow, idle.
 pub const CT_LIFETIME_TCP_SECS: u64 = 6 * 3600;
 pub const CT_LIFETIME_NON_TCP_SECS: u64 = 60;
 pub const CT_LIFETIME_CLOSING_SECS: u64 = 10;
+/// A flow nothing has answered yet (a SYN flood, a black-holed destination): it must not hold
+/// its entries and its SNAT port for the TCP lifetime.
+pub const CT_LIFETIME_UNREPLIED_SECS: u64 = 60;
 
 /// What a packet whose 5-tuple is the key becomes: its whole tuple after translation, so every
 /// kind of NAT (DNAT, SNAT, both, reverse) is one rewrite to `nat_*`.
@@ -353,6 +364,8 @@ impl<A: Copy> CtValue<A> {
     pub const fn lifetime_ns(&self, proto: u8) -> u64 {
         let secs = if self.flags & CT_FLAG_CLOSING != 0 {
             CT_LIFETIME_CLOSING_SECS
+        } else if self.flags & CT_FLAG_SEEN_REPLY == 0 {
+            CT_LIFETIME_UNREPLIED_SECS
         } else if proto == IPPROTO_TCP {
             CT_LIFETIME_TCP_SECS
         } else {

@@ -41,6 +41,13 @@ pub fn lookup<F: Family>(key: &CtKey<F::Addr>, tcp_flags: u8, now: u64) -> Optio
     if tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST) != 0 {
         entry.flags |= CT_FLAG_CLOSING;
     }
+    // A direct-server-return tunnel's entry: no reply passes this node. The client's ACK (it got
+    // the SYN-ACK) tells the connection is answered, so it lives the TCP lifetime.
+    if tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_ACK
+        && entry.flags & (CT_FLAG_DSR_ENCAP | CT_FLAG_SEEN_REPLY) == CT_FLAG_DSR_ENCAP
+    {
+        entry.flags |= CT_FLAG_SEEN_REPLY;
+    }
     // Refresh at most once a second so a busy flow does not write the shared entry per packet.
     if now.saturating_sub(entry.last_seen_ns) > REFRESH_INTERVAL_NS {
         entry.last_seen_ns = now;
@@ -48,14 +55,17 @@ pub fn lookup<F: Family>(key: &CtKey<F::Addr>, tcp_flags: u8, now: u64) -> Optio
     Some(entry)
 }
 
-/// Marks the flow as answered, on the entry that was hit and on its opposite (once per flow).
+/// Marks the flow as answered, on the entry that was hit and on its opposite (once per flow), by
+/// a reply packet `flow`. A TCP reply with SYN (a SYN-ACK) does not count: a backend answers a
+/// flood of spoofed SYNs too, and those flows must keep the short unreplied lifetime. The
+/// backend's next segment (it got the client's ACK) does.
 #[inline(always)]
-pub fn mark_seen_reply<F: Family>(entry: &mut CtValue<F::Addr>, proto: u8) {
-    if entry.flags & CT_FLAG_SEEN_REPLY != 0 {
+pub fn mark_seen_reply<F: Family>(entry: &mut CtValue<F::Addr>, flow: &LbFlow<F::Addr>) {
+    if entry.flags & CT_FLAG_SEEN_REPLY != 0 || (flow.proto == IPPROTO_TCP && flow.tcp_flags & TCP_FLAG_SYN != 0) {
         return;
     }
     entry.flags |= CT_FLAG_SEEN_REPLY;
-    if let Some(forward) = F::conntrack().get_ptr_mut(entry.reverse_key(proto)) {
+    if let Some(forward) = F::conntrack().get_ptr_mut(entry.reverse_key(flow.proto)) {
         // SAFETY: pointer from a successful lookup, valid for this run.
         unsafe { (*forward).flags |= CT_FLAG_SEEN_REPLY };
     }
@@ -175,6 +185,52 @@ pub fn create<F: Family>(flow: &LbFlow<F::Addr>, new: &NewFlow<F::Addr>, now: u6
 pub fn create_forward<F: Family>(flow: &LbFlow<F::Addr>, new: &NewFlow<F::Addr>, now: u64) -> Result<(), i64> {
     let s = entries::<F>(flow, new, now).ok_or(-1i64)?;
     F::conntrack().insert(&s.forward_key, &s.forward, 0).map_err(|e| e as i64)
+}
+
+/// Records a flow an outside client opens to a pod's own address (no Service) while pod egress
+/// masquerade is on: a pair of entries that leave its packets as they are
+/// (`CT_FLAG_UNTRANSLATED`), so the pod's replies are known as replies, not new flows to
+/// masquerade. A live entry of another flow holding the reply's tuple is never taken over (an
+/// expired one gives it up); the reply then finds that flow's entry, as it would without this.
+#[allow(clippy::needless_borrows_for_generic_args)] // see `create`
+#[inline(always)]
+pub fn create_untranslated<F: Family>(flow: &LbFlow<F::Addr>, now: u64) {
+    // Written straight into the scratch entries: a `NewFlow` on this frame would not fit beside
+    // `ingress`'s in 512 bytes.
+    let Some(s) = F::ct_scratch().get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: per-CPU map memory, used only within this program run on this CPU.
+    let s = unsafe { &mut *s };
+    s.forward = CtValue {
+        last_seen_ns: now,
+        nat_src_addr: flow.src_addr,
+        nat_dst_addr: flow.dst_addr,
+        nat_src_port: flow.src_port,
+        nat_dst_port: flow.dst_port,
+        flags: CT_FLAG_FORWARD | CT_FLAG_UNTRANSLATED,
+        pad: 0,
+        service_id: 0,
+        backend_id: 0,
+    };
+    s.reverse = CtValue {
+        last_seen_ns: now,
+        nat_src_addr: flow.dst_addr,
+        nat_dst_addr: flow.src_addr,
+        nat_src_port: flow.dst_port,
+        nat_dst_port: flow.src_port,
+        flags: CT_FLAG_REVERSE | CT_FLAG_UNTRANSLATED,
+        pad: 0,
+        service_id: 0,
+        backend_id: 0,
+    };
+    s.forward_key = key_of(flow);
+    s.reverse_key = s.forward.reverse_key(flow.proto);
+    let reply_tuple_ours = F::conntrack().insert(&s.reverse_key, &s.reverse, BPF_NOEXIST as u64).is_ok()
+        || (reclaim_stale::<F>(now) && F::conntrack().insert(&s.reverse_key, &s.reverse, BPF_NOEXIST as u64).is_ok());
+    if !reply_tuple_ours || F::conntrack().insert(&s.forward_key, &s.forward, 0).is_err() {
+        count(lb_stat::CT_INSERT_FAILED);
+    }
 }
 
 pub enum SnatError {

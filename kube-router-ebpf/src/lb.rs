@@ -150,9 +150,10 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
     work.key = conntrack::key_of(flow);
     if let Some(entry) = conntrack::lookup::<F>(&work.key, flow.tcp_flags, now) {
         match known::<F>(flow, entry) {
-            // A masqueraded pod flow (translated as it leaves the node), or a backend's reply
-            // (translated on its way out, egress, after routing): egress must look it up.
-            Known::Masqueraded | Known::BackendReply => {
+            // A masqueraded pod flow (translated as it leaves the node), a backend's reply
+            // (translated on its way out, egress, after routing), or an outside client's flow to a
+            // pod (marked answered at egress, where the pod's reply leaves): egress must look each up.
+            Known::Masqueraded | Known::BackendReply | Known::Untranslated => {
                 forget_no_entry::<F>(&work.key);
                 return TC_ACT_UNSPEC;
             }
@@ -178,7 +179,7 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
                     // The reverse entry restores the frontend as the source.
                     svc_stats::count::<F, _>(ctx, entry.nat_src_addr, entry.nat_src_port, flow.proto, Way::Out);
                 }
-                conntrack::mark_seen_reply::<F>(entry, flow.proto);
+                conntrack::mark_seen_reply::<F>(entry, flow);
                 return translate::<F>(ctx, flow, entry, &mut work.to);
             }
         }
@@ -191,6 +192,9 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
         Choice::NoService => {
             count(lb_stat::NO_SERVICE);
             conntrack::release_reply_tuple::<F>(flow, now);
+            if flow.opens_flow() && pod_egress_masquerade::<F>() {
+                record_if_outside_to_pod::<F>(flow, now);
+            }
             // Not service traffic and no entry holds its tuple: its TC egress, with the same
             // tuple, would only miss again.
             note_no_entry::<F>(&work.key);
@@ -278,6 +282,8 @@ fn was_forwarded<F: Family>(key: &CtKey<F::Addr>) -> bool {
 pub(crate) enum Known {
     /// A masqueraded pod flow's reply or packet: translated at TC egress.
     Masqueraded,
+    /// A flow an outside client opened to a pod's own address: left as it is.
+    Untranslated,
     /// Client to backend: translated as the entry says.
     Forward,
     /// Client to a backend that is gone, and the flow may move: balance it again.
@@ -292,6 +298,8 @@ pub(crate) enum Known {
 pub(crate) fn known<F: Family>(flow: &LbFlow<F::Addr>, entry: &CtValue<F::Addr>) -> Known {
     if entry.flags & CT_FLAG_EGRESS != 0 {
         Known::Masqueraded
+    } else if entry.flags & CT_FLAG_UNTRANSLATED != 0 {
+        Known::Untranslated
     } else if entry.flags & CT_FLAG_FORWARD != 0 {
         // A backend gone while nothing was answered yet: the flow is balanced again.
         // A backend named by a direct-server-return tunnel is no slot's: never gone here.
@@ -404,10 +412,17 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
     }
     let now = unsafe { bpf_ktime_get_ns() };
     match conntrack::lookup::<F>(&work.key, flow.tcp_flags, now) {
+        // A pod's reply to an outside client that connected to it directly: leaves as it is.
+        Some(entry) if entry.flags & CT_FLAG_UNTRANSLATED != 0 => {
+            if entry.flags & CT_FLAG_REVERSE != 0 {
+                conntrack::mark_seen_reply::<F>(entry, flow);
+            }
+            TC_ACT_UNSPEC
+        }
         Some(entry) if entry.flags & (CT_FLAG_REVERSE | CT_FLAG_FULL_NAT) == CT_FLAG_REVERSE => {
             count(if flow.fragment == Fragment::Later { lb_stat::FRAGMENT_NAT } else { lb_stat::REVERSE_NAT });
             svc_stats::count::<F, _>(ctx, entry.nat_src_addr, entry.nat_src_port, flow.proto, Way::Out);
-            conntrack::mark_seen_reply::<F>(entry, flow.proto);
+            conntrack::mark_seen_reply::<F>(entry, flow);
             translate::<F>(ctx, flow, entry, &mut work.to)
         }
         Some(entry) if entry.flags & CT_FLAG_EGRESS != 0 => {
@@ -587,6 +602,24 @@ fn masquerade_candidate<F: Family>(flow: &LbFlow<F::Addr>) -> bool {
     })
 }
 
+/// Pod egress masquerade is on (and has an address for this family).
+#[inline(always)]
+fn pod_egress_masquerade<F: Family>() -> bool {
+    LB_CONFIG.get(0).is_some_and(|config| config.flags & LB_CONFIG_POD_EGRESS != 0 && F::snat_addr(config).is_some())
+}
+
+/// An outside client's first packet to a pod's own address (no Service), while pod egress
+/// masquerade could take the pod's replies for flows of its own: the flow is recorded
+/// (`conntrack::create_untranslated`) so they leave as they are. In-cluster sources stop at
+/// the first lookup.
+// Not inlined: the prefix lookups' keys would not fit on `ingress`'s stack.
+#[inline(never)]
+fn record_if_outside_to_pod<F: Family>(flow: &LbFlow<F::Addr>, now: u64) {
+    if F::cluster_net(&flow.src_addr) == 0 && F::cluster_net(&flow.dst_addr) & CLUSTER_NET_POD != 0 {
+        conntrack::create_untranslated::<F>(flow, now);
+    }
+}
+
 /// A NodePort flow may be tunnelled: its client is outside the cluster (a reply from this
 /// node's own address would be dropped here as a martian on its way to a pod of this node, and
 /// delivered untranslated to a node's own address on the backend's node), and its frontend is a
@@ -608,7 +641,10 @@ fn masquerade<F: Family>(ctx: &TcContext, flow: &LbFlow<F::Addr>, now: u64, to: 
     let Some(snat_addr) = F::snat_addr(config) else {
         return TC_ACT_UNSPEC;
     };
-    if !masquerade_candidate::<F>(flow) {
+    // Only a packet that opens a flow starts a masqueraded one, as iptables' MASQUERADE applies
+    // to NEW connections only: a reply this node has no entry for (a SYN-ACK, a UDP answer to an
+    // outside client whose entry is gone) leaves as it is, never with the node's address.
+    if !flow.opens_flow() || !masquerade_candidate::<F>(flow) {
         return TC_ACT_UNSPEC;
     }
     let mut new = NewFlow {

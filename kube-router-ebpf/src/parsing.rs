@@ -252,6 +252,7 @@ pub struct LbFlow<A> {
     pub src_port: u16,
     pub dst_port: u16,
     pub proto: u8,
+    /// TCP's flags; an ICMP echo request's [`TCP_FLAG_SYN`] (see `echo`).
     pub tcp_flags: u8,
     pub l4_off: usize,
     pub fragment: Fragment,
@@ -260,6 +261,18 @@ pub struct LbFlow<A> {
 }
 
 impl<A> LbFlow<A> {
+    /// The packet may open a flow: a TCP SYN without ACK, an echo request, any UDP datagram.
+    /// A reply (a SYN-ACK, a segment of a connection this node never saw open, an echo reply)
+    /// may not.
+    #[inline(always)]
+    pub fn opens_flow(&self) -> bool {
+        match self.proto {
+            IPPROTO_UDP => true,
+            IPPROTO_TCP => self.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN,
+            _ => self.tcp_flags & TCP_FLAG_SYN != 0,
+        }
+    }
+
     /// The L4 header (ports, checksum) is in this packet.
     #[inline(always)]
     pub fn has_l4(&self) -> bool {
@@ -358,7 +371,7 @@ pub fn parse_lb_v4<C: Packet>(ctx: &C, out: &mut LbParsed<u32>) -> Result<(), i6
         }
         let icmp_type: u8 = ctx.load(l4_off)?;
         if icmp_type == ICMP_ECHO_REQUEST || icmp_type == ICMP_ECHO_REPLY {
-            return echo(ctx, src_addr, dst_addr, proto, l4_off, frag_id, out);
+            return echo(ctx, (src_addr, dst_addr), proto, l4_off, frag_id, icmp_type == ICMP_ECHO_REQUEST, out);
         }
         if icmp_type != ICMP_DEST_UNREACH && icmp_type != ICMP_TIME_EXCEEDED && icmp_type != ICMP_PARAMETER_PROBLEM {
             return other(out);
@@ -391,7 +404,7 @@ pub fn parse_lb_v6<C: Packet>(ctx: &C, out: &mut LbParsed<Ipv6Words>) -> Result<
         }
         let icmp_type: u8 = ctx.load(l4_off)?;
         if icmp_type == ICMPV6_ECHO_REQUEST || icmp_type == ICMPV6_ECHO_REPLY {
-            return echo(ctx, src_addr, dst_addr, proto, l4_off, frag_id, out);
+            return echo(ctx, (src_addr, dst_addr), proto, l4_off, frag_id, icmp_type == ICMPV6_ECHO_REQUEST, out);
         }
         // Errors are types 1-4; neighbour discovery, router advertisements and the rest pass.
         if !(ICMPV6_DEST_UNREACH..=ICMPV6_PARAMETER_PROBLEM).contains(&icmp_type) {
@@ -484,15 +497,16 @@ fn transport<A, C: Packet>(
 }
 
 /// An echo request or reply: its identifier stands for both ports, so request and reply share
-/// the conntrack key.
+/// the conntrack key. A request carries [`TCP_FLAG_SYN`] in `tcp_flags`: like a SYN, it may open a
+/// flow; a reply may not.
 #[inline(always)]
 fn echo<A, C: Packet>(
     ctx: &C,
-    src_addr: A,
-    dst_addr: A,
+    (src_addr, dst_addr): (A, A),
     proto: u8,
     l4_off: usize,
     frag_id: u32,
+    request: bool,
     out: &mut LbParsed<A>,
 ) -> Result<(), i64> {
     let id: u16 = ctx.load(l4_off + 4)?;
@@ -502,7 +516,7 @@ fn echo<A, C: Packet>(
         src_port: id,
         dst_port: id,
         proto,
-        tcp_flags: 0,
+        tcp_flags: if request { TCP_FLAG_SYN } else { 0 },
         l4_off,
         fragment: Fragment::Whole,
         frag_id,

@@ -126,7 +126,7 @@ fn serve<F: Forward>(ctx: &XdpContext, work: &mut Work<F::Addr>) -> u32 {
                 let verdict = send::<F>(ctx, flow, &work.to);
                 if served(verdict) {
                     count(xdp_stat::REPLY);
-                    conntrack::mark_seen_reply::<F>(entry, flow.proto);
+                    conntrack::mark_seen_reply::<F>(entry, flow);
                     svc_stats::count::<F, _>(ctx, entry.nat_src_addr, entry.nat_src_port, flow.proto, Way::Out);
                 }
                 verdict

@@ -10,9 +10,9 @@ use kube_router::bpf::{
     service_maps::Conntrack,
 };
 use kube_router_common::{
-    map_names, CtKeyV4, CtValueV4, PolicyCtKeyV4, PolicyCtValue, CT_FLAG_CLOSING, CT_FLAG_FORWARD,
-    CT_LIFETIME_CLOSING_SECS, CT_LIFETIME_NON_TCP_SECS, CT_LIFETIME_TCP_SECS, IPPROTO_TCP, IPPROTO_UDP,
-    POLICY_CT_CLOSING,
+    map_names, CtKeyV4, CtValueV4, PolicyCtKeyV4, PolicyCtValue, CT_FLAG_CLOSING, CT_FLAG_FORWARD, CT_FLAG_SEEN_REPLY,
+    CT_LIFETIME_CLOSING_SECS, CT_LIFETIME_NON_TCP_SECS, CT_LIFETIME_TCP_SECS, CT_LIFETIME_UNREPLIED_SECS, IPPROTO_TCP,
+    IPPROTO_UDP, POLICY_CT_CLOSING,
 };
 
 const SEC: u64 = 1_000_000_000;
@@ -69,7 +69,7 @@ fn service_conntrack_entries_past_their_lifetime_are_removed_and_live_ones_kept(
         pad: [0; 3],
     };
     for (i, (proto, closing, idle, _)) in CASES.iter().enumerate() {
-        let flags = CT_FLAG_FORWARD | if *closing { CT_FLAG_CLOSING } else { 0 };
+        let flags = CT_FLAG_FORWARD | CT_FLAG_SEEN_REPLY | if *closing { CT_FLAG_CLOSING } else { 0 };
         let value = CtValueV4 {
             last_seen_ns: now - idle * SEC,
             nat_src_addr: 0,
@@ -83,12 +83,35 @@ fn service_conntrack_entries_past_their_lifetime_are_removed_and_live_ones_kept(
         };
         map.insert(key(i, *proto), value, 0).unwrap();
     }
+    // A TCP flow nothing answered (a SYN flood's) lives the unreplied lifetime, not the TCP one.
+    for (i, (idle, _)) in UNREPLIED_TCP_CASES.iter().enumerate() {
+        let value = CtValueV4 {
+            last_seen_ns: now - idle * SEC,
+            nat_src_addr: 0,
+            nat_dst_addr: u32::from_ne_bytes([10, 0, 0, 1]),
+            nat_src_port: 0,
+            nat_dst_port: 8080u16.to_be(),
+            flags: CT_FLAG_FORWARD,
+            pad: 0,
+            service_id: 1,
+            backend_id: 1,
+        };
+        map.insert(key(CASES.len() + i, IPPROTO_TCP), value, 0).unwrap();
+    }
     let (left, removed) = Conntrack::open_pinned(&loaded.pin_dir).unwrap().collect_garbage_at(now).unwrap();
-    assert_eq!((left, removed), (3, 3));
+    assert_eq!((left, removed), (4, 4));
     for (i, (proto, _, _, stays)) in CASES.iter().enumerate() {
         assert_eq!(map.get(&key(i, *proto), 0).is_ok(), *stays, "case {i}: {:?}", CASES[i]);
     }
+    for (i, (idle, stays)) in UNREPLIED_TCP_CASES.iter().enumerate() {
+        let present = map.get(&key(CASES.len() + i, IPPROTO_TCP), 0).is_ok();
+        assert_eq!(present, *stays, "unreplied TCP, idle {idle} s");
+    }
 }
+
+/// (idle seconds, expected to stay) of a TCP entry without a reply.
+const UNREPLIED_TCP_CASES: [(u64, bool); 2] =
+    [(CT_LIFETIME_UNREPLIED_SECS - 20, true), (CT_LIFETIME_UNREPLIED_SECS + 20, false)];
 
 #[test]
 fn policy_conntrack_entries_past_their_lifetime_are_removed_and_live_ones_kept() {

