@@ -910,8 +910,9 @@ impl Cluster {
     }
 
     /// Wires a new pod `pod-<i+1>-<j>` on node `i` of the running cluster and publishes it:
-    /// a pod created while the agents run. The caller owns it (its namespace goes with it).
-    pub fn add_pod(&self, i: usize, j: usize) -> Result<Pod> {
+    /// a pod created while the agents run, without waiting for the agent to know it (`add_pod`
+    /// waits). The caller owns it (its namespace goes with it).
+    pub fn spawn_pod(&self, i: usize, j: usize) -> Result<Pod> {
         let node = &self.nodes[i];
         let conflist = wait_conflist(&node.cni_conf_file())?;
         let pod = Self::new_pod(&self.prefix, node, &conflist, i, j)?;

@@ -74,7 +74,7 @@ fn a_pod_flooding_the_probe_port_blinds_neither_the_kubelet_nor_the_policy() {
     eprintln!("during the flood: slowest probe {slowest:?}, {refused} refused, agent fds {agent_fds:?}");
 
     // A pod created during the flood: attached (reachable), then isolated by a policy.
-    let new_pod = c.add_pod(0, 1).unwrap();
+    let new_pod = c.spawn_pod(0, 1).unwrap();
     let target = format!("{}:8080", new_pod.ip);
     let client = &c.pod(1, 0).ns;
     wait_for("the new pod to answer", || netprobe(client, &["ask", "tcp", &target, "who"]).starts_with("pod-1-1 "));
