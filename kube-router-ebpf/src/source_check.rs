@@ -46,7 +46,7 @@ pub fn spoofed(ctx: &TcContext, checker: u8) -> bool {
     // SAFETY: reading a field of the context the program was called with.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
     // SAFETY: the value is only read, in place (the agent replaces entries whole).
-    let Some(sources) = (unsafe { POD_SOURCES.get(&ifindex) }) else {
+    let Some(sources) = (unsafe { POD_SOURCES.get(ifindex) }) else {
         return false;
     };
     if sources.checked_by != checker {
