@@ -427,20 +427,18 @@ fn send_raw_ip(proto: i32, dst: std::net::Ipv4Addr, count: usize) -> std::io::Re
     let mut to: libc::sockaddr_in = unsafe { std::mem::zeroed() };
     to.sin_family = libc::AF_INET as u16;
     to.sin_addr.s_addr = u32::from_ne_bytes(dst.octets());
+    send_paced(fd, MARKER, &to, count, "sendto")
+}
+
+/// Sends `payload` `count` times to `to` (a sockaddr_*), 20 ms apart.
+fn send_paced<A>(fd: i32, payload: &[u8], to: &A, count: usize, what: &str) -> std::io::Result<()> {
     for _ in 0..count {
-        // SAFETY: the buffer and address outlive the call.
+        // SAFETY: the buffer and address outlive the call; `A` is the socket's address type.
         let sent = unsafe {
-            libc::sendto(
-                fd,
-                MARKER.as_ptr().cast(),
-                MARKER.len(),
-                0,
-                (&to as *const libc::sockaddr_in).cast(),
-                size_of::<libc::sockaddr_in>() as u32,
-            )
+            libc::sendto(fd, payload.as_ptr().cast(), payload.len(), 0, (to as *const A).cast(), size_of::<A>() as u32)
         };
         if sent < 0 {
-            return Err(os_error("sendto"));
+            return Err(os_error(what));
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -532,24 +530,7 @@ fn send_raw_frames(args: &[String]) -> std::io::Result<()> {
     }
     frame.extend_from_slice(MARKER);
     let (fd, at) = packet_socket(iface, ether_type)?;
-    for _ in 0..args[7].parse::<usize>().expect("count") {
-        // SAFETY: the buffer and address outlive the call.
-        let sent = unsafe {
-            libc::sendto(
-                fd,
-                frame.as_ptr().cast(),
-                frame.len(),
-                0,
-                (&at as *const libc::sockaddr_ll).cast(),
-                size_of::<libc::sockaddr_ll>() as u32,
-            )
-        };
-        if sent < 0 {
-            return Err(os_error("sendto(AF_PACKET)"));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok(())
+    send_paced(fd, &frame, &at, args[7].parse().expect("count"), "sendto(AF_PACKET)")
 }
 
 /// Prints "ready", then counts for `seconds` what `fd` receives carrying the marker.
