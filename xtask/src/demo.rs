@@ -14,7 +14,7 @@ use std::{
 use anyhow::{bail, ensure, Result};
 use kube_router_tests::{
     apiserver::FaultMode,
-    cluster::{ingress_policy, netprobe, request, Cluster, Svc, INTERNET_ADDR},
+    cluster::{ingress_policy, netprobe, request, Cluster, Svc, FABRIC_ADDR, INTERNET_ADDR},
     netprobe_bin, tally, Netns,
 };
 
@@ -186,6 +186,9 @@ fn demo(c: &Cluster) -> Result<()> {
         println!("  {} -> pod-1-1: IPv4 {:<4} IPv6 {}", peer.name, verdict(&target4), verdict(&target6));
     }
 
+    step("Hostile inputs fail closed: an outside client reaches a pod by its own address, a forged source and GRE never reach the isolated pod, no Service takes the API server's address")?;
+    hostile(c)?;
+
     step("API black-holed for 40 s, a client connecting every 200 ms on every path; node-1's agent crashes and restarts in the middle")?;
     let probe =
         |ns: &Netns, target: &str| ns.spawn_collecting(&[netprobe_bin().to_str().unwrap(), "probe", target, "200"]);
@@ -239,5 +242,63 @@ fn demo(c: &Cluster) -> Result<()> {
     ensure!(failures == 0, "{failures} connections failed during the outage");
 
     step("Done: tearing the cluster down")?;
+    Ok(())
+}
+
+/// What a tenant or an outside client may try, and what it gets (docs/security.md).
+fn hostile(c: &Cluster) -> Result<()> {
+    // Pod CIDRs are routed to the cluster: the client reaches pod-2-0 itself, and its replies
+    // leave with the pod's address although pod egress masquerade is on.
+    let direct = c.pod(1, 0);
+    c.route_via(&direct.ip, 1)?;
+    for proto in ["tcp", "udp"] {
+        let port = if proto == "tcp" { 8080 } else { 5353 };
+        let answer = netprobe(&c.client, &["ask", proto, &format!("{}:{port}", direct.ip), "who"]);
+        println!("  client -> pod-2-0 {} directly ({proto}), pod-2-0 sees: {answer}", direct.ip);
+    }
+    // pod-1-1 admits only pod-2-0 (the policy above); pod-1-0 forges pod-2-0's address.
+    let (target, attacker, admitted) = (c.pod(0, 1), c.pod(0, 0), c.pod(1, 0));
+    let drops = || c.node(0).metric("kube_router_pod_source_check_packets_total", "event=\"spoofed_v4\"");
+    let before = drops();
+    let sniffed = target.ns.spawn_collecting(&[netprobe_bin().to_str().unwrap(), "sniff", "udp", "7002"])?;
+    thread::sleep(Duration::from_millis(500));
+    netprobe(&attacker.ns, &["spoof", "udp", &admitted.ip, &target.ip, "7002", "20"]);
+    thread::sleep(Duration::from_secs(1));
+    println!(
+        "  pod-1-0 sends 20 UDP packets as pod-2-0 ({}) to pod-1-1: {} arrived, {} dropped at pod-1-0's veth",
+        admitted.ip,
+        sniffed.lock().unwrap().len(),
+        drops() - before
+    );
+    // GRE: the rule admitting pod-2-0 has no ports, so it admits every protocol from pod-2-0;
+    // nothing admits pod-2-1.
+    for sender in [c.pod(1, 1), admitted] {
+        let counter = target.ns.spawn_collecting(&[netprobe_bin().to_str().unwrap(), "count-ip", "47", "3"])?;
+        thread::sleep(Duration::from_millis(500));
+        netprobe(&sender.ns, &["raw-ip", "47", &target.ip, "10"]);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let count = loop {
+            let line = counter.lock().unwrap().iter().find_map(|l| l.strip_prefix("count ").map(str::to_string));
+            match line {
+                Some(count) => break count,
+                None if Instant::now() > deadline => break "?".to_string(),
+                None => thread::sleep(Duration::from_millis(200)),
+            }
+        };
+        println!("  {} sends 10 GRE packets to pod-1-1: {count} arrived", sender.name);
+    }
+    // A namespace user asks for the API server's address as an externalIP.
+    let refused = || c.node(0).metric("kube_router_service_external_ips_refused_total", "");
+    let before = refused();
+    c.add_service(Svc::cluster_ip("capture", "10.96.0.20").select("pod", "pod-2-0").external_ip(FABRIC_ADDR))?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while refused() <= before && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(200));
+    }
+    let programmed = c.node(0).services().contains(FABRIC_ADDR);
+    println!(
+        "  Service \"capture\" with externalIPs [{FABRIC_ADDR}] (the API server): refused {} time(s), programmed: {programmed}",
+        refused() - before
+    );
     Ok(())
 }
