@@ -186,7 +186,7 @@ fn demo(c: &Cluster) -> Result<()> {
         println!("  {} -> pod-1-1: IPv4 {:<4} IPv6 {}", peer.name, verdict(&target4), verdict(&target6));
     }
 
-    step("Hostile inputs fail closed: an outside client reaches a pod by its own address, a forged source and GRE never reach the isolated pod, no Service takes the API server's address")?;
+    step("Hostile inputs fail closed: an outside client reaches a pod by its own address, a forged source never reaches the isolated pod, GRE only from the peer a rule without ports admits, no Service takes the API server's address")?;
     hostile(c)?;
 
     step("API black-holed for 40 s, a client connecting every 200 ms on every path; node-1's agent crashes and restarts in the middle")?;
