@@ -37,6 +37,8 @@ pub struct InterfacesController {
     node_addresses: watch::Sender<Vec<IpAddr>>,
     /// `--enable-pod-source-check`: the pod veths' own addresses, written before they are attached.
     pod_sources: Option<PodSourceCheck>,
+    /// The configured BGP peer routers: the links they sit on are uplinks, never pod veths.
+    peer_routers: Vec<IpAddr>,
     metrics: Option<Metrics>,
 }
 
@@ -50,12 +52,25 @@ impl InterfacesController {
         firewall: bool,
         xdp: XdpSetting,
         pod_source_check: bool,
+        peer_routers: Vec<IpAddr>,
     ) -> Self {
         let mut attached = BTreeMap::new();
         let mut pod_sources = open_pod_sources(&datapath, pod_source_check, load_balancer);
-        attach_all(&mut datapath, &wanted, &mut attached, load_balancer, firewall, xdp, pod_sources.as_mut());
+        let uplinks = uplinks(&peer_routers);
+        attach_all(&mut datapath, &wanted, &mut attached, load_balancer, firewall, xdp, &uplinks, pod_sources.as_mut());
         let node_addresses = watch::Sender::new(netif::node_addresses());
-        Self { datapath, wanted, attached, load_balancer, firewall, xdp, node_addresses, pod_sources, metrics: None }
+        Self {
+            datapath,
+            wanted,
+            attached,
+            load_balancer,
+            firewall,
+            xdp,
+            node_addresses,
+            pod_sources,
+            peer_routers,
+            metrics: None,
+        }
     }
 
     /// Where the pod source check's state is shown.
@@ -96,6 +111,7 @@ impl Controller for InterfacesController {
                 self.load_balancer,
                 self.firewall,
                 self.xdp,
+                &uplinks(&self.peer_routers),
                 self.pod_sources.as_mut(),
             );
         }
@@ -186,6 +202,7 @@ fn attach_all(
     load_balancer: bool,
     firewall: bool,
     xdp: XdpSetting,
+    uplinks: &[String],
     mut pod_sources: Option<&mut PodSourceCheck>,
 ) {
     let present: BTreeMap<String, u32> = netif::interfaces_with_index().into_iter().collect();
@@ -195,7 +212,6 @@ fn attach_all(
     }
     crate::bpf::datapath::prune_vanished(datapath.pin_dir(), &present.keys().cloned().collect());
     let interfaces = wanted.clone().unwrap_or_else(|| present.keys().cloned().collect());
-    let uplinks = netif::default_route_interfaces();
     for interface in interfaces {
         let Some(&index) = present.get(&interface) else { continue };
         if attached.contains_key(&interface) {
@@ -204,7 +220,7 @@ fn attach_all(
         let mut ok = true;
         // Policy on pod veths only (docs/requirements.md), so host and transit flows never
         // fill its conntrack; an explicit --interfaces list gets both everywhere.
-        let pod_side = wanted.is_some() || netif::is_pod_interface(&interface, &uplinks);
+        let pod_side = wanted.is_some() || netif::is_pod_interface(&interface, uplinks);
         if firewall && !pod_side {
             for hook in crate::bpf::datapath::Hook::POLICY {
                 match datapath.detach_hook(hook, &interface) {
@@ -251,6 +267,13 @@ fn attach_all(
             attached.insert(interface, index);
         }
     }
+}
+
+/// Interfaces that carry the default route or a configured peer router's link.
+fn uplinks(peer_routers: &[IpAddr]) -> Vec<String> {
+    let mut uplinks = netif::default_route_interfaces();
+    uplinks.extend(netif::on_link_interfaces(peer_routers));
+    uplinks
 }
 
 /// Attaches (`wanted`) or removes our XDP link on `interface`; never touches another's.
