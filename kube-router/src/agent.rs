@@ -72,7 +72,12 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
             config.run_firewall,
             config.xdp,
             config.pod_source_check,
-            config.router.iter().flat_map(|r| r.external_peers.iter().map(|p| p.address)).collect(),
+            config
+                .api_server_addresses
+                .iter()
+                .copied()
+                .chain(config.router.iter().flat_map(|r| r.external_peers.iter().map(|p| p.address)))
+                .collect(),
         )
         .with_metrics(metrics.clone());
         socket_lb::apply(interfaces.datapath(), &config.socket_lb, &metrics);

@@ -229,6 +229,15 @@ pub fn interface_index(name: &str) -> Option<u32> {
     (index != 0).then_some(index)
 }
 
+/// The name of the interface with index `index`, if it exists.
+pub fn interface_name(index: u32) -> Option<String> {
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: buf holds IF_NAMESIZE bytes, as if_indextoname requires.
+    let name = unsafe { libc::if_indextoname(index, buf.as_mut_ptr()) };
+    // SAFETY: on success the buffer holds a NUL-terminated name.
+    (!name.is_null()).then(|| unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+}
+
 /// Interfaces with their indexes (a re-created interface of the same name gets a new index).
 pub fn interfaces_with_index() -> Vec<(String, u32)> {
     interfaces().into_iter().filter_map(|name| Some((interface_index_of(&name)?, name))).map(|(i, n)| (n, i)).collect()
@@ -368,94 +377,10 @@ pub fn default_route_interfaces() -> Vec<String> {
         .collect()
 }
 
-/// Interfaces with an address whose prefix holds one of `peers` (the link a configured BGP
-/// peer router sits on): transit links, never a pod's.
-pub fn on_link_interfaces(peers: &[IpAddr]) -> Vec<String> {
-    let mut names = Vec::new();
-    if peers.is_empty() {
-        return names;
-    }
-    // SAFETY: getifaddrs allocates a linked list we walk read-only and free with freeifaddrs.
-    unsafe {
-        let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-        if libc::getifaddrs(&mut head) != 0 {
-            return names;
-        }
-        let mut cursor = head;
-        while !cursor.is_null() {
-            let ifa = &*cursor;
-            cursor = ifa.ifa_next;
-            if ifa.ifa_addr.is_null() || ifa.ifa_netmask.is_null() || ifa.ifa_name.is_null() {
-                continue;
-            }
-            let (Some(addr), Some(mask)) = (socket_address(ifa.ifa_addr), socket_address(ifa.ifa_netmask)) else {
-                continue;
-            };
-            if peers.iter().any(|peer| same_prefix(*peer, addr, mask)) {
-                names.push(CStr::from_ptr(ifa.ifa_name).to_string_lossy().into_owned());
-            }
-        }
-        libc::freeifaddrs(head);
-    }
-    names.sort();
-    names.dedup();
-    names
-}
-
-/// # Safety
-/// `sa` points to a valid socket address of the size its family implies.
-unsafe fn socket_address(sa: *const libc::sockaddr) -> Option<IpAddr> {
-    // SAFETY: the caller's contract; the family says which struct it is.
-    unsafe {
-        match i32::from((*sa).sa_family) {
-            libc::AF_INET => {
-                let sin = &*(sa as *const libc::sockaddr_in);
-                Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))))
-            }
-            libc::AF_INET6 => Some(IpAddr::V6(Ipv6Addr::from((*(sa as *const libc::sockaddr_in6)).sin6_addr.s6_addr))),
-            _ => None,
-        }
-    }
-}
-
-/// `peer` and `addr` share the prefix `mask` (same family only).
-fn same_prefix(peer: IpAddr, addr: IpAddr, mask: IpAddr) -> bool {
-    match (peer, addr, mask) {
-        (IpAddr::V4(p), IpAddr::V4(a), IpAddr::V4(m)) => {
-            let m = u32::from(m);
-            m != 0 && u32::from(p) & m == u32::from(a) & m
-        }
-        (IpAddr::V6(p), IpAddr::V6(a), IpAddr::V6(m)) => {
-            let m = u128::from(m);
-            m != 0 && u128::from(p) & m == u128::from(a) & m
-        }
-        _ => false,
-    }
-}
-
 /// Where NetworkPolicy is enforced: a pod's veth (host end). Every veth except an uplink: one
 /// that carries the default route (nodes that are themselves containers or namespaces have veth
-/// uplinks) or that a configured BGP peer router is on ([`on_link_interfaces`]); bridges,
+/// uplinks) or the route to the API server or a configured BGP peer router; bridges,
 /// physical and tunnel devices never carry a pod's own traffic alone.
 pub fn is_pod_interface(name: &str, uplinks: &[String]) -> bool {
     driver(name).as_deref() == Some("veth") && !uplinks.iter().any(|u| u == name)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_peer_is_on_link_only_inside_an_addresses_prefix_of_its_family() {
-        let v4 = |s: &str| IpAddr::V4(s.parse().unwrap());
-        let v6 = |s: &str| IpAddr::V6(s.parse().unwrap());
-        assert!(same_prefix(v4("10.77.0.2"), v4("10.77.0.1"), v4("255.255.255.0")));
-        assert!(!same_prefix(v4("10.78.0.2"), v4("10.77.0.1"), v4("255.255.255.0")));
-        // A /32 (or an unset mask) holds no peer but itself.
-        assert!(!same_prefix(v4("10.77.0.2"), v4("10.77.0.1"), v4("255.255.255.255")));
-        assert!(!same_prefix(v4("10.77.0.2"), v4("10.77.0.1"), v4("0.0.0.0")));
-        assert!(same_prefix(v6("fd77::2"), v6("fd77::1"), v6("ffff:ffff:ffff:ffff::")));
-        assert!(!same_prefix(v6("fd78::2"), v6("fd77::1"), v6("ffff:ffff:ffff:ffff::")));
-        assert!(!same_prefix(v4("10.77.0.2"), v6("fd77::1"), v6("ffff:ffff:ffff:ffff::")));
-    }
 }

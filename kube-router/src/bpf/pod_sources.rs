@@ -126,6 +126,40 @@ impl Resolver {
         }
     }
 
+    /// The interface the kernel's route to `destination` leaves by (RTM_GETROUTE, as `ip route
+    /// get`), if there is a route.
+    pub fn route_interface(&mut self, destination: IpAddr) -> Result<Option<u32>> {
+        use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteMessage};
+        let mut request = RouteMessage::default();
+        let (family, address, prefix) = match destination {
+            IpAddr::V4(a) => (rtnetlink::packet_route::AddressFamily::Inet, RouteAddress::Inet(a), 32),
+            IpAddr::V6(a) => (rtnetlink::packet_route::AddressFamily::Inet6, RouteAddress::Inet6(a), 128),
+        };
+        request.header.address_family = family;
+        request.header.destination_prefix_length = prefix;
+        request.attributes.push(RouteAttribute::Destination(address));
+        let replies = match self.exchange(RouteNetlinkMessage::GetRoute(request), false) {
+            Ok(replies) => replies,
+            // No route (ENETUNREACH, EHOSTUNREACH): nothing leaves by any interface.
+            Err(e)
+                if matches!(
+                    e.downcast_ref::<std::io::Error>().and_then(|e| e.raw_os_error()),
+                    Some(libc::ENETUNREACH | libc::EHOSTUNREACH)
+                ) =>
+            {
+                return Ok(None)
+            }
+            Err(e) => return Err(e),
+        };
+        Ok(replies.into_iter().find_map(|reply| match reply {
+            RouteNetlinkMessage::NewRoute(route) => route.attributes.iter().find_map(|a| match a {
+                RouteAttribute::Oif(index) => Some(*index),
+                _ => None,
+            }),
+            _ => None,
+        }))
+    }
+
     /// The addresses of the other end of veth `ifindex`, in whichever namespace it is.
     pub fn peer_addresses(&mut self, ifindex: u32) -> Result<PodAddresses> {
         let mut link = LinkMessage::default();
@@ -277,4 +311,25 @@ pub fn clear(pin_dir: &Path) -> Result<()> {
         map.remove(&key)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Needs no privilege: route lookups are open to every user.
+    #[test]
+    fn the_route_to_a_local_address_leaves_by_loopback_and_a_global_one_by_the_default_route() {
+        let mut resolver = Resolver::open().unwrap();
+        let lo = crate::netif::interface_index("lo").unwrap();
+        assert_eq!(resolver.route_interface("127.0.0.1".parse().unwrap()).unwrap(), Some(lo));
+        assert_eq!(resolver.route_interface("::1".parse().unwrap()).unwrap(), Some(lo));
+        // A global address leaves by the default route's interface, if there is one.
+        let by_default = resolver.route_interface("192.0.2.1".parse().unwrap()).unwrap();
+        let default_interfaces = crate::netif::default_route_interfaces();
+        match by_default {
+            Some(index) => assert!(default_interfaces.contains(&crate::netif::interface_name(index).unwrap())),
+            None => assert!(default_interfaces.is_empty()),
+        }
+    }
 }

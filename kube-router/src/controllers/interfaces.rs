@@ -37,8 +37,9 @@ pub struct InterfacesController {
     node_addresses: watch::Sender<Vec<IpAddr>>,
     /// `--enable-pod-source-check`: the pod veths' own addresses, written before they are attached.
     pod_sources: Option<PodSourceCheck>,
-    /// The configured BGP peer routers: the links they sit on are uplinks, never pod veths.
-    peer_routers: Vec<IpAddr>,
+    /// The API server's and the configured BGP peer routers' addresses: the links the node
+    /// reaches them by are uplinks, never pod veths.
+    upstreams: Vec<IpAddr>,
     metrics: Option<Metrics>,
 }
 
@@ -52,11 +53,11 @@ impl InterfacesController {
         firewall: bool,
         xdp: XdpSetting,
         pod_source_check: bool,
-        peer_routers: Vec<IpAddr>,
+        upstreams: Vec<IpAddr>,
     ) -> Self {
         let mut attached = BTreeMap::new();
         let mut pod_sources = open_pod_sources(&datapath, pod_source_check, load_balancer);
-        let uplinks = uplinks(&peer_routers);
+        let uplinks = uplinks(&upstreams);
         attach_all(&mut datapath, &wanted, &mut attached, load_balancer, firewall, xdp, &uplinks, pod_sources.as_mut());
         let node_addresses = watch::Sender::new(netif::node_addresses());
         Self {
@@ -68,7 +69,7 @@ impl InterfacesController {
             xdp,
             node_addresses,
             pod_sources,
-            peer_routers,
+            upstreams,
             metrics: None,
         }
     }
@@ -111,7 +112,7 @@ impl Controller for InterfacesController {
                 self.load_balancer,
                 self.firewall,
                 self.xdp,
-                &uplinks(&self.peer_routers),
+                &uplinks(&self.upstreams),
                 self.pod_sources.as_mut(),
             );
         }
@@ -269,10 +270,28 @@ fn attach_all(
     }
 }
 
-/// Interfaces that carry the default route or a configured peer router's link.
-fn uplinks(peer_routers: &[IpAddr]) -> Vec<String> {
+/// Interfaces that carry the default route or the route to one of `upstreams` (the API server,
+/// the peer routers): a node in a container or namespace may reach them over a veth, which
+/// must then not be taken for a pod's.
+fn uplinks(upstreams: &[IpAddr]) -> Vec<String> {
     let mut uplinks = netif::default_route_interfaces();
-    uplinks.extend(netif::on_link_interfaces(peer_routers));
+    if upstreams.is_empty() {
+        return uplinks;
+    }
+    let mut resolver = match pod_sources::Resolver::open() {
+        Ok(resolver) => resolver,
+        Err(e) => {
+            tracing::warn!(error = format!("{e:#}"), "cannot look up the routes to the API server and peers");
+            return uplinks;
+        }
+    };
+    for upstream in upstreams {
+        if let Ok(Some(index)) = resolver.route_interface(*upstream) {
+            uplinks.extend(netif::interface_name(index));
+        }
+    }
+    uplinks.sort();
+    uplinks.dedup();
     uplinks
 }
 
