@@ -24,16 +24,22 @@ use crate::{
 /// How often interfaces are looked for without a link event.
 const RESCAN_INTERVAL: Duration = Duration::from_secs(5);
 
+/// Which of our programs go on interfaces.
+#[derive(Clone, Copy)]
+struct Programs {
+    load_balancer: bool,
+    firewall: bool,
+    /// `--xdp`: the fast path on uplinks.
+    xdp: XdpSetting,
+}
+
 pub struct InterfacesController {
     datapath: Datapath,
     /// `--interfaces`: attached once at start; else every interface, as they come.
     wanted: Option<Vec<String>>,
     /// Interface name -> index it was attached at.
     attached: BTreeMap<String, u32>,
-    load_balancer: bool,
-    firewall: bool,
-    /// `--xdp`: the fast path on uplinks.
-    xdp: XdpSetting,
+    programs: Programs,
     node_addresses: watch::Sender<Vec<IpAddr>>,
     /// `--enable-pod-source-check`: the pod veths' own addresses, written before they are attached.
     pod_sources: Option<PodSourceCheck>,
@@ -58,20 +64,10 @@ impl InterfacesController {
         let mut attached = BTreeMap::new();
         let mut pod_sources = open_pod_sources(&datapath, pod_source_check, load_balancer);
         let uplinks = uplinks(&upstreams);
-        attach_all(&mut datapath, &wanted, &mut attached, load_balancer, firewall, xdp, &uplinks, pod_sources.as_mut());
+        let programs = Programs { load_balancer, firewall, xdp };
+        attach_all(&mut datapath, &wanted, &mut attached, programs, &uplinks, pod_sources.as_mut());
         let node_addresses = watch::Sender::new(netif::node_addresses());
-        Self {
-            datapath,
-            wanted,
-            attached,
-            load_balancer,
-            firewall,
-            xdp,
-            node_addresses,
-            pod_sources,
-            upstreams,
-            metrics: None,
-        }
+        Self { datapath, wanted, attached, programs, node_addresses, pod_sources, upstreams, metrics: None }
     }
 
     /// Where the pod source check's state is shown.
@@ -109,9 +105,7 @@ impl Controller for InterfacesController {
                 &mut self.datapath,
                 &self.wanted,
                 &mut self.attached,
-                self.load_balancer,
-                self.firewall,
-                self.xdp,
+                self.programs,
                 &uplinks(&self.upstreams),
                 self.pod_sources.as_mut(),
             );
@@ -200,12 +194,11 @@ fn attach_all(
     datapath: &mut Datapath,
     wanted: &Option<Vec<String>>,
     attached: &mut BTreeMap<String, u32>,
-    load_balancer: bool,
-    firewall: bool,
-    xdp: XdpSetting,
+    programs: Programs,
     uplinks: &[String],
     mut pod_sources: Option<&mut PodSourceCheck>,
 ) {
+    let Programs { load_balancer, firewall, xdp } = programs;
     let present: BTreeMap<String, u32> = netif::interfaces_with_index().into_iter().collect();
     attached.retain(|name, index| present.get(name) == Some(index));
     if let Some(sources) = pod_sources.as_deref_mut() {
