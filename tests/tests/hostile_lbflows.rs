@@ -75,9 +75,19 @@ fn a_syn_flood_at_a_node_port_keeps_established_flows_and_its_snat_ports_free_ag
     println!("a new client connects {:.1} s after the flood began", recovered.as_secs_f64());
     assert!(recovered >= Duration::from_secs(55), "the flood's ports freed early: {recovered:?}");
     assert_all_from(&request(&c.client, "tcp", frontend, 5), "pod-2-0");
-    let exhausted = node.stats()["snat_ports_exhausted"];
-    assert_all_from(&request(&c.client, "tcp", frontend, 20), "pod-2-0");
-    assert_eq!(node.stats()["snat_ports_exhausted"], exhausted, "no refusals once the flood expired");
+    // The flood's entries expire over as long as it took to send (and its early SYN-ACK
+    // retransmissions), so a new flow may still probe a few held ports first and its SYN be
+    // refused once (retransmitted, it connects). Once the whole flood is over, none is: a burst
+    // of 20 connections without one refusal comes by the deadline.
+    loop {
+        let exhausted = node.stats()["snat_ports_exhausted"];
+        assert_all_from(&request(&c.client, "tcp", frontend, 20), "pod-2-0");
+        if node.stats()["snat_ports_exhausted"] == exhausted {
+            break;
+        }
+        assert!(Instant::now() < deadline, "SNAT ports still refused 120 s after the flood began");
+    }
+    println!("no SNAT refusal {:.1} s after the flood began", flood_start.elapsed().as_secs_f64());
 
     let seen = held.lock().unwrap().len();
     wait_for("the held connection answering after the flood", || held.lock().unwrap().len() > seen);

@@ -46,7 +46,7 @@
 //!                                           sockets, IPv4 and IPv6, before any socket lookup), forever
 //!   krt-netprobe synflood ADDR SRC_PREFIX COUNT SECONDS
 //!                                           COUNT raw TCP SYNs to ADDR (IPv4) from random addresses
-//!                                           SRC_PREFIX.2-254 and random ports, stopping after SECONDS;
+//!                                           SRC_PREFIX.3-254 and random ports, stopping after SECONDS;
 //!                                           prints "SENT MILLIS"
 use std::{
     io::{BufRead, BufReader, Read, Write},
@@ -583,7 +583,9 @@ fn syn_flood(dst: std::net::SocketAddrV4, src_prefix: [u8; 3], count: u64, limit
     let mut sent = 0;
     while sent < count && started.elapsed() < limit {
         let r = random();
-        let src = [src_prefix[0], src_prefix[1], src_prefix[2], 2 + (r % 253) as u8];
+        // Not .1 or .2 (the gateway and the harness's client): a host that exists resets the
+        // SYN-ACK sent to it, which closes that flow early and frees its port.
+        let src = [src_prefix[0], src_prefix[1], src_prefix[2], 3 + (r % 252) as u8];
         let sport = 1024 + ((r >> 8) % 64_000) as u16;
         let mut packet = [0u8; 40];
         packet[0] = 0x45;
