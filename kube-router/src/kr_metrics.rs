@@ -1,6 +1,6 @@
 //! kube-router's own metric names, so its Grafana dashboard and alerts work unchanged: build
 //! info, per-Service counters (from `svc_stats_v4` / `_v6`, kube-router reads them from IPVS), controller
-//! sync times and BGP peers. Our own `kube_router_*` names stay beside them (see README,
+//! sync times and BGP peers. Our own `kube_router_*` names stay beside them (see docs/metrics.md,
 //! "Metrics").
 use std::{collections::BTreeMap, fmt::Write as _, time::Instant};
 

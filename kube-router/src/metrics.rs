@@ -622,13 +622,10 @@ mod tests {
         parse(&text).0
     }
 
-    /// The names README's "Metrics" section lists (first column of its tables), with its type.
-    fn readme_names() -> BTreeMap<String, String> {
-        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
-        let section = readme.split("\n## Metrics\n").nth(1).expect("README has a Metrics section");
-        let section = section.split("\n## ").next().unwrap();
-        section
-            .lines()
+    /// The names docs/metrics.md lists (first column of its tables), with its type.
+    fn documented_names() -> BTreeMap<String, String> {
+        let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/metrics.md")).unwrap();
+        page.lines()
             .filter_map(|line| {
                 let mut cells = line.strip_prefix("| `kube_router_")?.split('|');
                 let name = format!("kube_router_{}", cells.next()?.trim().trim_end_matches('`'));
@@ -638,13 +635,13 @@ mod tests {
     }
 
     #[test]
-    fn the_exported_names_and_types_are_exactly_the_ones_readme_lists() {
-        let (exported, listed) = (every_family(), readme_names());
+    fn the_exported_names_and_types_are_exactly_the_ones_the_metrics_page_lists() {
+        let (exported, listed) = (every_family(), documented_names());
         let missing: Vec<_> = exported.iter().filter(|(n, t)| listed.get(*n) != Some(t)).collect();
         let extra: Vec<_> = listed.keys().filter(|n| !exported.contains_key(*n)).collect();
         assert!(
             missing.is_empty() && extra.is_empty(),
-            "not (or wrongly) in README: {missing:?}; in README only: {extra:?}"
+            "not (or wrongly) in docs/metrics.md: {missing:?}; only there: {extra:?}"
         );
         // kube-router's names that its dashboard reads.
         for name in ["kube_router_build_info", "kube_router_service_total_connections", "kube_router_service_bps_in"] {
