@@ -74,6 +74,11 @@ pub struct MetricsState {
     pub pod_source_veths: (usize, usize),
     pub conntrack_entries: u64,
     pub conntrack_gc_removed: u64,
+    /// UDP flows whose entries the services controller removed: their backend left the flow's
+    /// frontend while still backing another.
+    pub conntrack_purged_flows: u64,
+    /// Conntrack walks for such flows (one per sync that moved a UDP backend out of a frontend).
+    pub conntrack_purge_scans: u64,
     pub api_reachable: bool,
     pub api_errors: u64,
     pub last_api_contact_unix: Option<f64>,
@@ -304,6 +309,20 @@ impl Metrics {
                 "Expired conntrack entries removed by garbage collection.",
             );
             let _ = writeln!(out, "kube_router_conntrack_gc_removed_total {}", m.conntrack_gc_removed);
+            family(
+                &mut out,
+                "kube_router_conntrack_purged_flows_total",
+                "counter",
+                "UDP flows whose conntrack entries were removed because their backend left the flow's Service frontend while still backing another; the next datagram is balanced again.",
+            );
+            let _ = writeln!(out, "kube_router_conntrack_purged_flows_total {}", m.conntrack_purged_flows);
+            family(
+                &mut out,
+                "kube_router_conntrack_purge_scans_total",
+                "counter",
+                "Walks of the Service conntrack for those flows: one per sync that took a still-programmed backend out of a UDP frontend.",
+            );
+            let _ = writeln!(out, "kube_router_conntrack_purge_scans_total {}", m.conntrack_purge_scans);
             family(
                 &mut out,
                 "kube_router_api_reachable",

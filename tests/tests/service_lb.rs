@@ -425,3 +425,93 @@ fn a_full_service_map_is_reported_once_stays_cheap_and_fills_as_space_frees() {
     drop(agent);
     remove_bpf_root(&root);
 }
+
+/// Issue 26, defect 9: two Services over the same backends (UDP 53 -> 5353). A client with a
+/// fixed source port (a DNS forwarder) talks to `dns-a` and lands on backend X; X leaves `dns-a`
+/// but still backs `dns-b`. Its next datagram from the same port reaches a backend still in
+/// `dns-a` (its conntrack entries were removed), while `dns-b`'s flows to X keep X. A change that
+/// takes no still-programmed backend out of a UDP frontend walks no conntrack.
+#[test]
+fn a_udp_flow_leaves_a_backend_that_left_its_service_but_still_backs_another() {
+    const VIP_A: &str = "10.96.0.20";
+    const VIP_B: &str = "10.96.0.21";
+    let topo = Topology::new("krt-udpmv", 3).expect("topology");
+    let root = topo.bpf_root();
+    remove_bpf_root(&root);
+    let file = ServiceFile::new("krt-udpmv");
+    let services = |a: &[String], b: &[String]| {
+        let spec =
+            |name, cluster_ip, backends| ServiceSpec { name, cluster_ip, node_port: None, affinity: false, backends };
+        format!("{}{}", service_objects(&spec("dns-a", VIP_A, a)), service_objects(&spec("dns-b", VIP_B, b)))
+    };
+    let all = backend_addrs(3);
+    file.write(&services(&all, &all)).unwrap();
+    let args = ["--service-file", &file.arg(), "--health-port", "0", "--metrics-port", "20245"];
+    let agent = Agent::start(&topo.node, &root, &args).unwrap();
+    let scrape = || topo.node.run(&[netprobe_bin().to_str().unwrap(), "http", "127.0.0.1:20245", "/metrics"]).unwrap();
+    // Each call a new socket on the same port: the same 5-tuple, the same conntrack entries.
+    let ask = |port: u16, vip: &str, count: usize| -> Vec<String> {
+        let (port, addr, count) = (port.to_string(), format!("{vip}:53"), count.to_string());
+        let out =
+            topo.client.run(&[netprobe_bin().to_str().unwrap(), "udp-fixed", &port, &addr, &count, "20"]).unwrap();
+        out.lines().map(str::to_string).collect()
+    };
+    // Through dns-b: a flow of dns-a's from another port could be on X too.
+    wait_until("the Services answer", Duration::from_secs(20), || Ok(ask(40100, VIP_B, 1)[0].starts_with("backend-")))
+        .unwrap();
+
+    const CLIENT_PORT: u16 = 40053;
+    let first = ask(CLIENT_PORT, VIP_A, 3);
+    assert_all_ok(&first);
+    let x = first[0].clone();
+    assert!(first.iter().all(|r| *r == x), "a fixed-port flow keeps its backend: {first:?}");
+    // Flows of dns-b on X (each new port is balanced anew, 1 in 3 on X).
+    let b_flows: Vec<u16> = (41000..41100).filter(|port| ask(*port, VIP_B, 1)[0] == x).take(3).collect();
+    assert_eq!(b_flows.len(), 3, "dns-b flows on {x}");
+    let purge_scans = || metric(&scrape(), "kube_router_conntrack_purge_scans_total");
+    assert_eq!(purge_scans(), 0.0, "no backend left a UDP frontend yet");
+
+    let slot_deletes = || {
+        let scrape = scrape();
+        let series = "kube_router_map_writes_total{map=\"svc_slots_v4\",op=\"delete\"}";
+        if scrape.contains(series) {
+            metric(&scrape, series)
+        } else {
+            0.0
+        }
+    };
+    let index: usize = x.trim_start_matches("backend-").parse().unwrap();
+    let without_x: Vec<String> =
+        all.iter().enumerate().filter(|(i, _)| i + 1 != index).map(|(_, b)| b.clone()).collect();
+    let deletes = slot_deletes();
+    file.write(&services(&without_x, &all)).unwrap();
+    // The sync that removed X's slots is done: its writes are counted after its conntrack purge.
+    wait_until("X's slot removed", Duration::from_secs(10), || Ok(slot_deletes() > deletes)).unwrap();
+
+    let moved = ask(CLIENT_PORT, VIP_A, 5);
+    assert_all_ok(&moved);
+    assert!(moved.iter().all(|r| *r != x), "the fixed-port flow stayed on {x}, which left dns-a: {moved:?}");
+    let moved_to = moved[0].clone();
+    assert!(moved.iter().all(|r| *r == moved_to), "balanced once, then kept: {moved:?}");
+    for port in &b_flows {
+        let replies = ask(*port, VIP_B, 3);
+        assert!(replies.iter().all(|r| *r == x), "dns-b's flow from port {port} left {x}: {replies:?}");
+    }
+    let scraped = scrape();
+    assert_eq!(metric(&scraped, "kube_router_conntrack_purged_flows_total"), 1.0, "dns-a's one flow on X alone");
+    assert_eq!(metric(&scraped, "kube_router_conntrack_purge_scans_total"), 1.0);
+
+    // Another backend leaves both Services: deleted, its flows move in the datapath; no walk.
+    let other =
+        without_x.iter().find(|b| format!("backend-{}", all.iter().position(|a| a == *b).unwrap() + 1) != moved_to);
+    let other = other.unwrap().clone();
+    let remaining_a: Vec<String> = without_x.iter().filter(|b| **b != other).cloned().collect();
+    let remaining_b: Vec<String> = all.iter().filter(|b| **b != other).cloned().collect();
+    let deletes = slot_deletes();
+    file.write(&services(&remaining_a, &remaining_b)).unwrap();
+    wait_until("the other backend's slots removed", Duration::from_secs(10), || Ok(slot_deletes() > deletes)).unwrap();
+    assert_eq!(purge_scans(), 1.0, "a backend deleted outright needs no conntrack walk");
+    assert_eq!(ask(CLIENT_PORT, VIP_A, 2), vec![moved_to.clone(), moved_to]);
+    drop(agent);
+    remove_bpf_root(&root);
+}

@@ -1,5 +1,8 @@
 //! Reading and writing the pinned service, conntrack and stats maps.
-use std::{collections::BTreeMap, path::Path};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    path::Path,
+};
 
 use ipnet::Ipv4Net;
 
@@ -12,6 +15,7 @@ use kube_router_common::*;
 
 use crate::services::{
     compile::{MapContents, SourceRange},
+    departures::{departed, Departure},
     diff::MapOp,
     family::{AddressFamily, V4, V6},
     sync::{MapWriteError, ServiceMaps},
@@ -261,5 +265,36 @@ where
         Ok(super::conntrack_gc::collect_expired(&mut self.map, now, |key, value, now| {
             now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(key.proto)
         }))
+    }
+}
+
+impl<F: AddressFamily> FamilyConntrack<F>
+where
+    CtKey<F::Words>: aya::Pod,
+    CtValue<F::Words>: aya::Pod,
+{
+    /// Removes the flows `departures` moves (see `services::departures`): each one's forward
+    /// entry, and its reverse entry when that still belongs to it, so the next datagram is
+    /// balanced again. One walk of the table however many departures. Returns the flows removed.
+    pub fn purge_departed(&mut self, departures: &BTreeSet<Departure<F::Words>>) -> Result<usize> {
+        if departures.is_empty() {
+            return Ok(0);
+        }
+        let flows: Vec<CtEntry<F>> =
+            self.map.iter().filter_map(Result::ok).filter(|(key, value)| departed(key, value, departures)).collect();
+        let mut removed = 0;
+        for (key, value) in &flows {
+            // The reverse first, as the datapath's `conntrack::forget`: a reply never finds an
+            // entry whose forward half is gone. Another flow's entry on that tuple stays.
+            let reverse = value.reverse_key(key.proto);
+            if self.map.get(&reverse, 0).is_ok_and(|r| r.reverse_key(key.proto) == *key) {
+                let _ = self.map.remove(&reverse);
+            }
+            // Gone already (expired, evicted, or the datapath re-balanced it): nothing to count.
+            if self.map.remove(key).is_ok() {
+                removed += 1;
+            }
+        }
+        Ok(removed)
     }
 }

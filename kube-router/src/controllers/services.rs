@@ -15,7 +15,7 @@ use tokio::sync::watch;
 
 use crate::{
     bpf::{
-        service_maps::{write_lb_config, BpfServiceMaps, BpfServiceMapsV6},
+        service_maps::{write_lb_config, BpfServiceMaps, BpfServiceMapsV6, Conntrack, ConntrackV6, FamilyConntrack},
         stamps::ApiStateStamp,
     },
     config::AgentConfig,
@@ -29,6 +29,7 @@ use crate::{
     runtime::{self, Action, Controller},
     services::{
         compile::{assign_ids, CompileWarning, LbPlan, Limits, MapContents},
+        departures::{udp_departures, Departure},
         family::{AddressFamily, IpFamily, V4, V6},
         incremental::{Changed, FamilyCompiler, ServiceCatalog},
         model::{ExternalIpPolicy, NodeContext, ServiceName},
@@ -45,6 +46,9 @@ pub struct ServiceController {
     sync: ServiceSync,
     maps_v6: BpfServiceMapsV6,
     sync_v6: ServiceSync<V6>,
+    /// The Service conntrack, for the UDP flows of a backend that left their frontend.
+    conntrack: Conntrack,
+    conntrack_v6: ConntrackV6,
     metrics: Metrics,
     limits: Limits,
     node_name: String,
@@ -142,7 +146,7 @@ impl ServiceController {
         // the pinned maps would cut the agent off the listing that could remove it.
         let mut purged = purge_refused(&mut self.sync, &mut self.maps, &node.external_ips, complete);
         purged.merge(purge_refused(&mut self.sync_v6, &mut self.maps_v6, &node.external_ips, complete));
-        let (mut report, owners) = sync_family(
+        let (mut report, owners, departures) = sync_family(
             &mut self.compiler,
             &mut self.sync,
             &mut self.maps,
@@ -152,7 +156,7 @@ impl ServiceController {
             limits,
             complete,
         );
-        let (report_v6, owners_v6) = sync_family(
+        let (report_v6, owners_v6, departures_v6) = sync_family(
             &mut self.compiler_v6,
             &mut self.sync_v6,
             &mut self.maps_v6,
@@ -164,6 +168,8 @@ impl ServiceController {
         );
         report.merge(report_v6);
         report.merge(purged);
+        // Only after the writes: a datagram balanced again must not find the backend in a slot.
+        self.purge_departed(&departures, &departures_v6);
         let alone = matches!((&owners, &owners_v6), (OwnerUpdate::Some(_), OwnerUpdate::Some(_)));
         for warning in self.compiler.warnings().chain(self.compiler_v6.warnings()) {
             let text = format!("{warning:?}");
@@ -227,6 +233,47 @@ impl ServiceController {
         self.metrics.heartbeat("services");
         // A full map is retried when the desired state changes (space may free), not on a timer.
         total.errors - total.full
+    }
+
+    /// Removes the conntrack entries of UDP flows whose backend left their frontend but is still
+    /// programmed for another (`services::departures`). A table walk only when there are some.
+    fn purge_departed(
+        &mut self,
+        v4: &BTreeSet<Departure<u32>>,
+        v6: &BTreeSet<Departure<<V6 as AddressFamily>::Words>>,
+    ) {
+        fn purge<F: AddressFamily>(
+            conntrack: &mut FamilyConntrack<F>,
+            departures: &BTreeSet<Departure<F::Words>>,
+            metrics: &Metrics,
+        ) where
+            kube_router_common::CtKey<F::Words>: aya::Pod,
+            kube_router_common::CtValue<F::Words>: aya::Pod,
+        {
+            if departures.is_empty() {
+                return;
+            }
+            match conntrack.purge_departed(departures) {
+                Ok(flows) => {
+                    tracing::info!(
+                        backends = departures.len(),
+                        flows,
+                        map = F::MAPS.conntrack,
+                        "UDP flows of backends that left their Service balanced again"
+                    );
+                    metrics.with(|m| {
+                        m.conntrack_purge_scans += 1;
+                        m.conntrack_purged_flows += flows as u64;
+                    });
+                }
+                // Not retried: those flows keep their backend until they idle out (60 s), as before.
+                Err(e) => {
+                    tracing::warn!(error = %e, map = F::MAPS.conntrack, "cannot remove the flows of departed UDP backends")
+                }
+            }
+        }
+        purge(&mut self.conntrack, v4, &self.metrics);
+        purge(&mut self.conntrack_v6, v6, &self.metrics);
     }
 
     /// Logs a map becoming full, and having room again, once per transition.
@@ -365,18 +412,22 @@ fn sync_family<F: AddressFamily>(
     node: &NodeContext,
     limits: Limits,
     complete: bool,
-) -> (SyncReport, OwnerUpdate<F>) {
+) -> (SyncReport, OwnerUpdate<F>, BTreeSet<Departure<F::Words>>) {
     if let Some(changed) = changed {
         if let Some(increment) = compiler.compile_changed(catalog, changed, node, limits, sync.programmed()) {
             let report = sync.write(maps, increment.ops.clone());
             compiler.written(&increment, report.total().errors == 0);
+            // The changed Services' frontends alone (an increment is only compiled after a
+            // complete listing).
+            let mut departures = udp_departures(&increment.before, sync.programmed());
             if report.total().full > 0 && report.total().deletes > 0 {
                 // This pass freed room in a full map: a full pass programs what waited, in the
                 // documented priority order, as a full sync's second pass does.
                 let lb_plan = compiler.plan_all(catalog, node, limits);
-                let second = sync_all(sync, maps, &lb_plan, complete);
+                let (second, more) = sync_all(sync, maps, &lb_plan, complete);
                 compiler.adopt(&lb_plan, sync.programmed(), complete && second.total().errors == 0);
-                return (add_second_pass(report, second), OwnerUpdate::All(lb_plan));
+                departures.extend(more);
+                return (add_second_pass(report, second), OwnerUpdate::All(lb_plan), departures);
             }
             let programmed = sync.programmed();
             let owners = increment
@@ -391,31 +442,39 @@ fn sync_family<F: AddressFamily>(
                     (FrontendId::of::<F>(key), owner.flatten())
                 })
                 .collect();
-            return (report, OwnerUpdate::Some(owners));
+            return (report, OwnerUpdate::Some(owners), departures);
         }
     }
     let lb_plan = compiler.plan_all(catalog, node, limits);
-    let report = sync_all(sync, maps, &lb_plan, complete);
+    let (report, departures) = sync_all(sync, maps, &lb_plan, complete);
     compiler.adopt(&lb_plan, sync.programmed(), complete && report.total().errors == 0);
-    (report, OwnerUpdate::All(lb_plan))
+    (report, OwnerUpdate::All(lb_plan), departures)
 }
 
 /// Brings one family's maps to `lb_plan`. Inserts come before deletes: when a map was full and
-/// this pass freed room, one more pass with the same plan programs what waited.
+/// this pass freed room, one more pass with the same plan programs what waited. Also returns
+/// the UDP backends that left a frontend while still programmed (none before a complete
+/// listing: a partial state must not move flows).
 fn sync_all<F: AddressFamily>(
     sync: &mut ServiceSync<F>,
     maps: &mut impl ServiceMaps<F>,
     lb_plan: &LbPlan<F>,
     complete: bool,
-) -> SyncReport {
+) -> (SyncReport, BTreeSet<Departure<F::Words>>) {
     let desired = assign_ids(lb_plan, sync.programmed());
+    // A full compile walks every entry anyway; the desired state stands for the written one (a
+    // failed write only makes a flow be balanced again, maybe onto the same backend).
+    let mut departures = if complete { udp_departures(sync.programmed(), &desired) } else { BTreeSet::new() };
     let report = sync.sync(maps, &desired, complete);
     if report.total().full > 0 && report.total().deletes > 0 {
         let desired = assign_ids(lb_plan, sync.programmed());
+        if complete {
+            departures.extend(udp_departures(sync.programmed(), &desired));
+        }
         let second = sync.sync(maps, &desired, complete);
-        return add_second_pass(report, second);
+        return (add_second_pass(report, second), departures);
     }
-    report
+    (report, departures)
 }
 
 /// The writes of both passes; the errors of the second (what still waits).
@@ -491,6 +550,8 @@ impl ServiceController {
             sync,
             maps_v6,
             sync_v6,
+            conntrack: Conntrack::open_pinned(&config.pin_dir)?,
+            conntrack_v6: ConntrackV6::open_pinned(&config.pin_dir)?,
             metrics: metrics.clone(),
             limits: config.limits,
             node_name: config.node_name.clone(),
@@ -814,7 +875,7 @@ mod tests {
     use super::*;
     use crate::services::{
         diff::MapOp,
-        model::{Protocol, Service, ServicePort},
+        model::{Endpoint, EndpointPort, EndpointSlice, Protocol, Service, ServicePort},
         sync::MapWriteError,
     };
 
@@ -885,7 +946,7 @@ mod tests {
         // a goes, c comes: c's insert is refused before a's delete makes room.
         let after = catalog(&[("b", 2), ("c", 3)]);
         let changed = [ServiceName::new("ns", "a"), ServiceName::new("ns", "c")].into_iter().collect();
-        let (report, owners) =
+        let (report, owners, _) =
             sync_family(&mut compiler, &mut sync, &mut maps, &after, Some(&changed), &node, limits, true);
         assert!(matches!(owners, OwnerUpdate::All(_)), "followed by a full pass");
         assert_eq!(report.total().errors, 0);
@@ -895,9 +956,89 @@ mod tests {
         assert_eq!(addrs, expected);
 
         // The maps hold the whole plan again: the next change is compiled alone.
-        let (report, owners) =
+        let (report, owners, _) =
             sync_family(&mut compiler, &mut sync, &mut maps, &after, Some(&changed), &node, limits, true);
         assert!(matches!(owners, OwnerUpdate::Some(_)));
         assert_eq!(report.total().writes(), 0);
+    }
+
+    /// DNS Services `(name, last octet of 10.96.0.x, last octets of their endpoints 10.0.0.y)`.
+    fn dns_catalog(services: &[(&str, u8, &[u8])]) -> (ServiceCatalog, Vec<ServiceName>) {
+        let mut catalog = ServiceCatalog::default();
+        let mut changed = Vec::new();
+        for (name, octet, endpoints) in services {
+            let name = ServiceName::new("ns", *name);
+            let mut builder = StateBuilder::default();
+            let port = ServicePort { name: "dns".into(), protocol: Protocol::Udp, port: 53, node_port: None };
+            let ip = Ipv4Addr::new(10, 96, 0, *octet).into();
+            builder.state.services.insert(name.clone(), Service::cluster_ip(name.clone(), vec![ip], vec![port]));
+            catalog.set_service(&name, Some(builder));
+            let mut builder = StateBuilder::default();
+            let endpoints = endpoints
+                .iter()
+                .map(|y| Endpoint {
+                    addr: Ipv4Addr::new(10, 0, 0, *y).into(),
+                    ready: true,
+                    serving: true,
+                    terminating: false,
+                    node_name: None,
+                    zone_hints: None,
+                })
+                .collect();
+            let ports = vec![EndpointPort { name: "dns".into(), protocol: Protocol::Udp, port: 5353 }];
+            let key = ("ns".to_string(), format!("{}-x", name.name));
+            builder.state.slices.insert(key.clone(), EndpointSlice { service: name.clone(), ports, endpoints });
+            changed.extend(catalog.set_slice(&key, Some(builder)));
+            changed.push(name);
+        }
+        (catalog, changed)
+    }
+
+    /// Two Services over 10.0.0.1:5353 and .2: .1 leaves `a` but still backs `b`. Both the
+    /// increment and a full sync name it, for `a`'s frontend only; a change that takes no
+    /// still-programmed backend out of a frontend names nothing (no conntrack walk).
+    #[test]
+    fn a_udp_backend_leaving_one_service_while_backing_another_departs_from_that_frontend() {
+        let (node, limits) = (NodeContext::default(), Limits::default());
+        let setup = || {
+            let mut compiler = FamilyCompiler::<V4>::default();
+            let mut maps = MapContents::<V4>::default();
+            let mut sync = ServiceSync::adopt(&maps).unwrap();
+            let (catalog, _) = dns_catalog(&[("a", 1, &[1, 2]), ("b", 2, &[1, 2])]);
+            let (_, _, departures) =
+                sync_family(&mut compiler, &mut sync, &mut maps, &catalog, None, &node, limits, true);
+            assert!(departures.is_empty(), "a first sync moves nothing");
+            (compiler, maps, sync)
+        };
+        let expected = BTreeSet::from([Departure {
+            frontend: crate::services::compile::frontend_key(Ipv4Addr::new(10, 96, 0, 1), 53, Protocol::Udp),
+            addr: u32::from_ne_bytes([10, 0, 0, 1]),
+            port: 5353u16.to_be(),
+        }]);
+        let (after, changed) = dns_catalog(&[("a", 1, &[2]), ("b", 2, &[1, 2])]);
+        let changed: BTreeSet<ServiceName> = changed.into_iter().filter(|n| &*n.name == "a").collect();
+        for incremental in [true, false] {
+            let (mut compiler, mut maps, mut sync) = setup();
+            let changed = incremental.then_some(&changed);
+            let (_, owners, departures) =
+                sync_family(&mut compiler, &mut sync, &mut maps, &after, changed, &node, limits, true);
+            assert_eq!(matches!(owners, OwnerUpdate::Some(_)), incremental);
+            assert_eq!(departures, expected, "incremental: {incremental}");
+            // Not before a complete listing: a partial state moves no flows.
+            let (mut compiler, mut maps, mut sync) = setup();
+            let (_, _, departures) =
+                sync_family(&mut compiler, &mut sync, &mut maps, &after, None, &node, limits, false);
+            assert!(departures.is_empty());
+        }
+        // .1 leaves both: deleted, the datapath moves its flows by itself. .3 added: nothing left.
+        for endpoints in [(&[2u8][..], &[2u8][..]), (&[1, 2, 3][..], &[1, 2][..])] {
+            let (mut compiler, mut maps, mut sync) = setup();
+            let (after, changed) = dns_catalog(&[("a", 1, endpoints.0), ("b", 2, endpoints.1)]);
+            let changed: BTreeSet<ServiceName> = changed.into_iter().collect();
+            let (_, owners, departures) =
+                sync_family(&mut compiler, &mut sync, &mut maps, &after, Some(&changed), &node, limits, true);
+            assert!(matches!(owners, OwnerUpdate::Some(_)));
+            assert!(departures.is_empty(), "{endpoints:?}: {departures:?}");
+        }
     }
 }

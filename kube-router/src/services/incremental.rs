@@ -531,6 +531,7 @@ mod tests {
     use super::*;
     use crate::services::{
         compile::{assign_ids, plan_for},
+        departures::udp_departures,
         family::{IpFamily, V4, V6},
         sync::ServiceSync,
     };
@@ -674,8 +675,17 @@ mod tests {
             let alone = increment.is_some();
             match increment {
                 Some(increment) => {
+                    let whole_before = self.incremental.programmed().clone();
                     let report = self.incremental.write(&mut self.incremental_maps, increment.ops.clone());
                     self.compiler.written(&increment, report.total().errors == 0);
+                    // The changed Services' entries alone name every UDP backend that left a
+                    // frontend: no other frontend's flows need looking at.
+                    let after = self.incremental.programmed();
+                    assert_eq!(
+                        udp_departures(&increment.before, after),
+                        udp_departures(&whole_before, after),
+                        "an increment's departures differ from the whole maps'"
+                    );
                 }
                 None => {
                     let plan = self.compiler.plan_all(catalog, node, limits);

@@ -1,5 +1,6 @@
 //! Service load-balancing control plane: objects -> model -> map contents -> map writes.
 pub mod compile;
+pub mod departures;
 pub mod diff;
 pub mod family;
 pub mod from_k8s;
