@@ -243,14 +243,14 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
     Ok(())
 }
 
-/// The health listener (every address: the kubelet probes the node's) and the metrics listener
+/// The health listener (`--health-addr`, every address by default: the kubelet probes the node's) and the metrics listener
 /// (`--metrics-addr`, the loopback address by default). One that cannot bind is logged; the
 /// agent runs on without it.
 async fn serve_http(config: &AgentConfig, metrics: &Metrics) {
     if config.health_port != 0 {
-        match tokio::net::TcpListener::bind(("0.0.0.0", config.health_port)).await {
+        match tokio::net::TcpListener::bind((config.health_addr, config.health_port)).await {
             Ok(listener) => {
-                tracing::info!(port = config.health_port, "serving /healthz, /livez and /readyz");
+                tracing::info!(addr = %config.health_addr, port = config.health_port, "serving /healthz, /livez and /readyz");
                 tokio::spawn(metrics::serve_health(metrics.clone(), listener));
             }
             Err(e) => tracing::error!(port = config.health_port, error = %e, "cannot serve the health endpoints"),

@@ -30,8 +30,13 @@ pub struct AgentConfig {
     pub metrics_port: u16,
     pub metrics_addr: IpAddr,
     pub metrics_path: String,
-    /// The health endpoints alone, on every address (0: none).
+    /// The health endpoints alone (0: none), on `health_addr` (`--health-addr`; unspecified:
+    /// every address).
     pub health_port: u16,
+    pub health_addr: IpAddr,
+    /// Address families whose Services are not programmed (`--enable-ipv4=false`,
+    /// `--enable-ipv6=false`).
+    pub disabled_families: std::collections::BTreeSet<crate::services::family::IpFamily>,
     pub conntrack_gc_interval: Duration,
     /// `--hairpin-mode`.
     pub hairpin_mode: bool,

@@ -8,6 +8,7 @@ pub mod controllers;
 pub mod egress;
 pub mod fib;
 pub mod firewall;
+pub mod flags;
 pub mod health;
 pub mod healthcheck;
 pub mod http;

@@ -2,10 +2,10 @@
 use std::{net::Ipv4Addr, path::PathBuf, process::ExitCode, time::Duration};
 
 use anyhow::Result;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use kube_router::{
     agent::{self, AgentConfig, DesiredSource},
-    bgp::peers::parse_external_peer_flags,
+    bgp::peers::{parse_external_peer_flags, RouterIdSetting, DEFAULT_CLUSTER_ASN},
     bpf::{
         counters::read_pinned_if_exists,
         datapath::{self, AttachMode},
@@ -14,12 +14,14 @@ use kube_router::{
         socket_lb::{read_sock_stats, SocketLbOptions},
         xdp,
     },
+    flags::{parse_go_duration, Upstream},
     k8s::watch::ApiOptions,
+    netif,
     overlay::{Encap, OverlayConfig, OverlayType},
     router::{AdvertiseServices, RouterOptions},
     services::{
         compile::{Limits, MapContents},
-        family::{AddressFamily, V4, V6},
+        family::{AddressFamily, IpFamily, V4, V6},
     },
 };
 use kube_router_common::{
@@ -30,7 +32,9 @@ use kube_router_common::{
 #[command(
     name = "kube-router",
     version,
-    about = "Kubernetes service proxy, network policy and BGP routing on an eBPF datapath"
+    about = "Kubernetes service proxy, network policy and BGP routing on an eBPF datapath",
+    // As Go's flag package: a repeated flag's last value wins (lists append).
+    args_override_self = true
 )]
 struct Cli {
     /// bpffs directory holding the pinned maps and links.
@@ -45,7 +49,7 @@ struct Cli {
 #[derive(clap::Args)]
 struct RunArgs {
     /// Path to a kubeconfig file. Without it (and without --master) the in-cluster config is used.
-    #[arg(long, env = "KUBE_ROUTER_KUBECONFIG")]
+    #[arg(long, env = "KUBE_ROUTER_KUBECONFIG", value_parser = path_or_empty())]
     kubeconfig: Option<PathBuf>,
     /// The API server URL (overrides the kubeconfig's), e.g. https://10.0.0.1:6443.
     #[arg(long, env = "KUBE_ROUTER_MASTER")]
@@ -57,21 +61,34 @@ struct RunArgs {
     /// Directory for the checkpoint of the last synced desired state.
     #[arg(long, env = "KUBE_ROUTER_STATE_DIR", default_value = "/var/lib/kube-router")]
     state_dir: PathBuf,
-    /// Warn (only warn) once the desired state is older than this many seconds because the API
-    /// server is unreachable. Default: never.
-    #[arg(long, env = "KUBE_ROUTER_MAX_STALE")]
-    max_stale: Option<u64>,
+    /// Warn (only warn) once the desired state is older than this (e.g. 10m, or seconds) because
+    /// the API server is unreachable. Default: never.
+    #[arg(long, env = "KUBE_ROUTER_MAX_STALE", value_parser = parse_go_duration)]
+    max_stale: Option<Duration>,
     /// Interfaces to attach the load balancer to (comma-separated). Default: every interface
     /// but lo, re-scanned every 5 s.
     #[arg(long, env = "KUBE_ROUTER_INTERFACES", value_delimiter = ',')]
     interfaces: Option<Vec<String>>,
-    /// Node name used for externalTrafficPolicy: Local. Default: the hostname.
+    /// This node's name (its Node object; externalTrafficPolicy: Local). Default: the NODE_NAME
+    /// environment variable (upstream's manifests set it from spec.nodeName), else the hostname.
     #[arg(long, env = "KUBE_ROUTER_HOSTNAME_OVERRIDE")]
     hostname_override: Option<String>,
     /// Addresses NodePorts listen on (comma-separated, either family). Default: every address
     /// of the node (IPv6: global ones).
     #[arg(long, env = "KUBE_ROUTER_NODEPORT_ADDRESSES", value_delimiter = ',')]
     nodeport_addresses: Option<Vec<std::net::IpAddr>>,
+    /// NodePorts on every node address; false: only on the node IP of each family (--node-ip,
+    /// else the default route's source address). --nodeport-addresses wins over both.
+    #[arg(long, env = "KUBE_ROUTER_NODEPORT_BINDON_ALL_IP", default_value_t = true, action = clap::ArgAction::Set)]
+    nodeport_bindon_all_ip: bool,
+    /// Serve IPv4. Unset: wherever the node has an IPv4 address. true: refuse to start without
+    /// one. false: IPv4 Services are not programmed.
+    #[arg(long, env = "KUBE_ROUTER_ENABLE_IPV4", action = clap::ArgAction::Set)]
+    enable_ipv4: Option<bool>,
+    /// Serve IPv6. Unset: wherever the node has a global IPv6 address. true: refuse to start
+    /// without one. false: IPv6 Services are not programmed.
+    #[arg(long, env = "KUBE_ROUTER_ENABLE_IPV6", action = clap::ArgAction::Set)]
+    enable_ipv6: Option<bool>,
     /// Endpoints per service port beyond this are left out (the first N by address are kept).
     #[arg(long, env = "KUBE_ROUTER_MAX_BACKENDS_PER_SERVICE", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=65536))]
     max_backends_per_service: u32,
@@ -82,7 +99,8 @@ struct RunArgs {
     /// Address of the metrics listener. The default keeps the metrics (every Service, VIP, BGP
     /// peer and route) from the pods: set the node's InternalIP (or 0.0.0.0) to scrape it from
     /// elsewhere, behind a firewall rule or NetworkPolicy for the node.
-    #[arg(long, env = "KUBE_ROUTER_METRICS_ADDR", default_value = "127.0.0.1")]
+    /// Empty: every address.
+    #[arg(long, env = "KUBE_ROUTER_METRICS_ADDR", default_value = "127.0.0.1", value_parser = parse_listen_addr)]
     metrics_addr: std::net::IpAddr,
     /// Path of the Prometheus metrics on the metrics listener.
     #[arg(long, env = "KUBE_ROUTER_METRICS_PATH", default_value = "/metrics", value_parser = parse_metrics_path)]
@@ -90,6 +108,10 @@ struct RunArgs {
     /// Port for the health endpoints /healthz, /livez and /readyz, on every address (0 disables).
     #[arg(long, env = "KUBE_ROUTER_HEALTH_PORT", default_value_t = 20244)]
     health_port: u16,
+    /// Address of the health endpoints (empty or 0.0.0.0: every IPv4 address; the kubelet probes
+    /// the node's, so a livenessProbe needs the same address).
+    #[arg(long, env = "KUBE_ROUTER_HEALTH_ADDR", default_value = "0.0.0.0", value_parser = parse_listen_addr)]
+    health_addr: std::net::IpAddr,
     /// Program the eBPF service load balancer (ClusterIP, NodePort, ExternalIP, LoadBalancer).
     #[arg(long, env = "KUBE_ROUTER_RUN_SERVICE_PROXY", default_value_t = true, action = clap::ArgAction::Set)]
     run_service_proxy: bool,
@@ -108,12 +130,16 @@ struct RunArgs {
     /// Advertise this node's pod CIDR over BGP and install the routes learned from peers.
     #[arg(long, env = "KUBE_ROUTER_RUN_ROUTER", default_value_t = true, action = clap::ArgAction::Set)]
     run_router: bool,
-    /// ASN of the cluster's nodes (a node's `kube-router.io/node.asn` annotation overrides it).
-    #[arg(long, env = "KUBE_ROUTER_CLUSTER_ASN", default_value_t = 64512, value_parser = clap::value_parser!(u32).range(1..=4_294_967_294))]
+    /// ASN of the cluster's nodes (a node's `kube-router.io/node.asn` annotation overrides it);
+    /// 0 is upstream's "unset": 64512.
+    #[arg(long, env = "KUBE_ROUTER_CLUSTER_ASN", default_value_t = 64512, value_parser = clap::value_parser!(u32).range(0..=4_294_967_294))]
     cluster_asn: u32,
-    /// BGP router id. Default: the node's IPv4 InternalIP (needed without the API server).
-    #[arg(long, env = "KUBE_ROUTER_ROUTER_ID")]
-    router_id: Option<Ipv4Addr>,
+    /// BGP router id: an IPv4 address; an IPv6 address (hashed to 32 bits, FNV-1a); or
+    /// "generate" (the node IP hashed so, as upstream: for IPv6-only nodes). Default: the node's
+    /// `kube-router.io/bgp-router-id` annotation, else its IPv4 InternalIP. A fixed one is needed
+    /// without the API server.
+    #[arg(long, env = "KUBE_ROUTER_ROUTER_ID", value_parser = kube_router::flags::parse_router_id)]
+    router_id: Option<RouterIdSetting>,
     /// Prefixes to advertise instead of the Node's spec.podCIDRs (comma-separated).
     #[arg(long, env = "KUBE_ROUTER_POD_CIDRS", value_delimiter = ',')]
     pod_cidrs: Option<Vec<ipnet::IpNet>>,
@@ -140,10 +166,10 @@ struct RunArgs {
     peer_router_ports: Vec<String>,
     /// File with the --peer-router-passwords (base64, comma-separated, one line); the flag wins
     /// if both are set.
-    #[arg(long, env = "KUBE_ROUTER_PEER_ROUTER_PASSWORDS_FILE")]
+    #[arg(long, env = "KUBE_ROUTER_PEER_ROUTER_PASSWORDS_FILE", value_parser = path_or_empty())]
     peer_router_passwords_file: Option<PathBuf>,
-    /// IP TTL for eBGP sessions with external peers (2 or more enables multihop; default 1).
-    #[arg(long, env = "KUBE_ROUTER_PEER_ROUTER_MULTIHOP_TTL", value_parser = clap::value_parser!(u8).range(1..))]
+    /// IP TTL for eBGP sessions with external peers (2 or more enables multihop; 0 or unset: 1).
+    #[arg(long, env = "KUBE_ROUTER_PEER_ROUTER_MULTIHOP_TTL")]
     peer_router_multihop_ttl: Option<u8>,
     /// GTSM (RFC 5082) with external peers: send with TTL 255, drop their packets that arrive
     /// with less (less 255 - (--peer-router-multihop-ttl - 1) with multihop); per peer:
@@ -207,7 +233,7 @@ struct RunArgs {
     #[arg(long, env = "KUBE_ROUTER_BGP_GRACEFUL_RESTART_TIME", default_value = "90s", value_parser = parse_restart_time)]
     bgp_graceful_restart_time: Duration,
     /// After a start, the longest wait for peers' End-of-RIB before stale kernel routes go.
-    #[arg(long, env = "KUBE_ROUTER_BGP_GRACEFUL_RESTART_DEFERRAL_TIME", default_value = "360s", value_parser = parse_duration)]
+    #[arg(long, env = "KUBE_ROUTER_BGP_GRACEFUL_RESTART_DEFERRAL_TIME", default_value = "360s", value_parser = parse_go_duration)]
     bgp_graceful_restart_deferral_time: Duration,
     /// Advertise every Service's ClusterIP(s) over BGP as host routes.
     #[arg(long, env = "KUBE_ROUTER_ADVERTISE_CLUSTER_IP", default_value_t = false, action = clap::ArgAction::Set)]
@@ -309,9 +335,148 @@ struct RunArgs {
     /// The Service ClusterIP range(s) (comma-separated): inside the cluster, never masqueraded.
     #[arg(long, env = "KUBE_ROUTER_SERVICE_CLUSTER_IP_RANGE", value_delimiter = ',', default_value = "10.96.0.0/12")]
     service_cluster_ip_range: Vec<ipnet::IpNet>,
-    /// Seconds between conntrack garbage collections.
-    #[arg(long, env = "KUBE_ROUTER_CONNTRACK_GC_INTERVAL", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
-    conntrack_gc_interval: u64,
+    /// Time between conntrack garbage collections (e.g. 30s, or seconds).
+    #[arg(long, env = "KUBE_ROUTER_CONNTRACK_GC_INTERVAL", default_value = "30s", value_parser = parse_gc_interval)]
+    conntrack_gc_interval: Duration,
+    /// Log verbosity as upstream's klog `-v` (used only when RUST_LOG is unset): 0-1 info for
+    /// the agent and warn for its libraries, 2-3 info, 4-5 debug for the agent, 6+ debug.
+    #[arg(short = 'v', long = "v", value_name = "N")]
+    v: Option<u32>,
+    /// Remove this agent's pinned maps and links, its kernel routes and the graceful-restart
+    /// marker, then exit (as `kube-router cleanup`; upstream removes its iptables, IPVS and ipset
+    /// rules).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    cleanup_config: bool,
+    #[command(flatten)]
+    upstream: UpstreamOnly,
+}
+
+/// Upstream kube-router's flags that mean nothing here (docs/flags.md says why for each): they
+/// parse so that upstream's DaemonSets run unchanged; given with an effect upstream, one warning
+/// at start. `--run-loadbalancer` and `--netpol-default-deny` stop the agent when enabled.
+#[derive(clap::Args)]
+#[command(next_help_heading = "Upstream kube-router flags (no effect here, see docs/flags.md)")]
+struct UpstreamOnly {
+    /// Upstream: deadline for the informer caches' first sync.
+    #[arg(long, value_parser = parse_go_duration)]
+    cache_sync_timeout: Option<Duration>,
+    /// Upstream: disable the AWS EC2 source/destination check through the AWS API.
+    #[arg(long, action = clap::ArgAction::Set)]
+    disable_source_dest_check: Option<bool>,
+    /// Upstream: Go's pprof on port 6060.
+    #[arg(long, action = clap::ArgAction::Set)]
+    enable_pprof: Option<bool>,
+    /// Upstream: CIDRs whose IPVS services are never deleted.
+    #[arg(long, value_delimiter = ',')]
+    excluded_cidrs: Option<Vec<String>>,
+    /// Upstream: address of GoBGP's gRPC API.
+    #[arg(long)]
+    gobgp_admin_address: Option<String>,
+    /// Upstream: port of GoBGP's gRPC API (0: off, which is what happens here).
+    #[arg(long)]
+    gobgp_admin_port: Option<u16>,
+    /// Upstream: period of the injected routes' sync.
+    #[arg(long, value_parser = parse_go_duration)]
+    injected_routes_sync_period: Option<Duration>,
+    /// Upstream: period of the iptables rules' sync.
+    #[arg(long, value_parser = parse_go_duration)]
+    iptables_sync_period: Option<Duration>,
+    /// Upstream: how long IPVS keeps a removed destination.
+    #[arg(long, value_parser = parse_go_duration)]
+    ipvs_graceful_period: Option<Duration>,
+    /// Upstream: IPVS graceful termination of removed destinations.
+    #[arg(long, action = clap::ArgAction::Set)]
+    ipvs_graceful_termination: Option<bool>,
+    /// Upstream: an iptables rule accepting all traffic to Service addresses.
+    #[arg(long, action = clap::ArgAction::Set)]
+    ipvs_permit_all: Option<bool>,
+    /// Upstream: period of the IPVS sync.
+    #[arg(long, value_parser = parse_go_duration)]
+    ipvs_sync_period: Option<Duration>,
+    /// Upstream: the LoadBalancer address allocator takes Services without a class.
+    #[arg(long, action = clap::ArgAction::Set)]
+    loadbalancer_default_class: Option<bool>,
+    /// Upstream: period of the LoadBalancer address allocator's check.
+    #[arg(long, value_parser = parse_go_duration)]
+    loadbalancer_sync_period: Option<Duration>,
+    /// Upstream: pods without a policy applied yet are denied (refused when true).
+    #[arg(long, action = clap::ArgAction::Set)]
+    netpol_default_deny: Option<bool>,
+    /// Upstream: period of the route and advertisement sync.
+    #[arg(long, value_parser = parse_go_duration)]
+    routes_sync_period: Option<Duration>,
+    /// Upstream: the LoadBalancer address allocator (refused when true).
+    #[arg(long, action = clap::ArgAction::Set)]
+    run_loadbalancer: Option<bool>,
+    /// Upstream: the container runtime's socket, for DSR.
+    #[arg(long)]
+    runtime_endpoint: Option<String>,
+    /// Upstream: the NodePort range its iptables input rules admit.
+    #[arg(long)]
+    service_node_port_range: Option<String>,
+    /// Upstream: IPVS TCP timeout (0: the system's).
+    #[arg(long, value_parser = parse_go_duration)]
+    service_tcp_timeout: Option<Duration>,
+    /// Upstream: IPVS TCP FIN timeout (0: the system's).
+    #[arg(long, value_parser = parse_go_duration)]
+    service_tcpfin_timeout: Option<Duration>,
+    /// Upstream: IPVS UDP timeout (0: the system's).
+    #[arg(long, value_parser = parse_go_duration)]
+    service_udp_timeout: Option<Duration>,
+    /// Upstream: nftables instead of iptables for NetworkPolicy.
+    #[arg(long, action = clap::ArgAction::Set)]
+    use_nftables_for_netpol: Option<bool>,
+}
+
+impl UpstreamOnly {
+    /// The flags given with an effect upstream (so worth a warning here): set at all, except
+    /// booleans and durations given their "off" value and the gRPC port given 0.
+    fn given(&self) -> Vec<&'static str> {
+        let on = |b: Option<bool>| b == Some(true);
+        let nonzero = |d: Option<Duration>| d.is_some_and(|d| !d.is_zero());
+        [
+            ("cache-sync-timeout", self.cache_sync_timeout.is_some()),
+            ("disable-source-dest-check", on(self.disable_source_dest_check)),
+            ("enable-pprof", on(self.enable_pprof)),
+            ("excluded-cidrs", self.excluded_cidrs.is_some()),
+            ("gobgp-admin-address", self.gobgp_admin_address.is_some()),
+            ("gobgp-admin-port", self.gobgp_admin_port.is_some_and(|p| p != 0)),
+            ("injected-routes-sync-period", self.injected_routes_sync_period.is_some()),
+            ("iptables-sync-period", self.iptables_sync_period.is_some()),
+            ("ipvs-graceful-period", self.ipvs_graceful_period.is_some()),
+            ("ipvs-graceful-termination", on(self.ipvs_graceful_termination)),
+            ("ipvs-permit-all", self.ipvs_permit_all.is_some()),
+            ("ipvs-sync-period", self.ipvs_sync_period.is_some()),
+            ("loadbalancer-default-class", self.loadbalancer_default_class.is_some()),
+            ("loadbalancer-sync-period", self.loadbalancer_sync_period.is_some()),
+            ("netpol-default-deny", on(self.netpol_default_deny)),
+            ("routes-sync-period", self.routes_sync_period.is_some()),
+            ("run-loadbalancer", on(self.run_loadbalancer)),
+            ("runtime-endpoint", self.runtime_endpoint.is_some()),
+            ("service-node-port-range", self.service_node_port_range.is_some()),
+            ("service-tcp-timeout", nonzero(self.service_tcp_timeout)),
+            ("service-tcpfin-timeout", nonzero(self.service_tcpfin_timeout)),
+            ("service-udp-timeout", nonzero(self.service_udp_timeout)),
+            ("use-nftables-for-netpol", on(self.use_nftables_for_netpol)),
+        ]
+        .into_iter()
+        .filter_map(|(flag, given)| given.then_some(flag))
+        .collect()
+    }
+
+    /// Err: a refused flag was enabled (the message says why and what instead). Ok: the
+    /// warnings to log, one per flag.
+    fn check(&self) -> Result<Vec<String>, String> {
+        let mut warnings = Vec::new();
+        for flag in self.given() {
+            match kube_router::flags::upstream_status(flag) {
+                Some(Upstream::Refused(why)) => return Err(format!("--{flag}: {why}")),
+                Some(Upstream::Obsolete(why)) => warnings.push(format!("--{flag} has no effect: {why}")),
+                other => unreachable!("--{flag} is not an upstream-only flag: {other:?}"),
+            }
+        }
+        Ok(warnings)
+    }
 }
 
 #[derive(Subcommand)]
@@ -348,22 +513,29 @@ enum Command {
     /// Uninstall: remove every pinned map and link (TC and cgroup), the kernel routes of our
     /// protocol and the graceful-restart marker. Traffic to services and across nodes stops.
     Cleanup,
+    /// Print docs/flags.md, the flag reference, generated from this command line.
+    #[command(hide = true)]
+    FlagsMarkdown,
 }
 
-/// "90", "90s", "5m", "1h" -> Duration.
-fn parse_duration(text: &str) -> Result<Duration, String> {
-    let (number, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
-        Some(i) => text.split_at(i),
-        None => (text, "s"),
-    };
-    let n: u64 = number.parse().map_err(|_| format!("{text:?} is not a duration like 90s, 5m or 1h"))?;
-    let secs = match unit {
-        "s" => n,
-        "m" => n * 60,
-        "h" => n * 3600,
-        _ => return Err(format!("{text:?}: unknown unit {unit:?} (use s, m or h)")),
-    };
-    Ok(Duration::from_secs(secs))
+/// A path, or empty (upstream's "unset"; dropped after parsing).
+fn path_or_empty() -> impl clap::builder::TypedValueParser<Value = PathBuf> {
+    clap::builder::TypedValueParser::map(clap::builder::OsStringValueParser::new(), PathBuf::from)
+}
+
+fn parse_gc_interval(text: &str) -> Result<Duration, String> {
+    match parse_go_duration(text)? {
+        d if d.is_zero() => Err("the interval must be more than 0".to_string()),
+        d => Ok(d),
+    }
+}
+
+/// A listening address; empty is upstream's "every address".
+fn parse_listen_addr(text: &str) -> Result<std::net::IpAddr, String> {
+    if text.is_empty() {
+        return Ok(std::net::IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+    }
+    text.parse().map_err(|_| format!("{text:?} is not an IP address"))
 }
 
 /// "10000-29999" -> (10000, 29999).
@@ -378,7 +550,7 @@ fn parse_port_range(text: &str) -> Result<(u16, u16), String> {
 }
 
 fn parse_hold_time(text: &str) -> Result<Duration, String> {
-    let d = parse_duration(text)?;
+    let d = parse_go_duration(text)?;
     match d.as_secs() {
         0 | 3..=65535 => Ok(d),
         _ => Err(format!("{text}: a BGP hold time is 0 or 3s to 65535s (RFC 4271)")),
@@ -386,7 +558,7 @@ fn parse_hold_time(text: &str) -> Result<Duration, String> {
 }
 
 fn parse_restart_time(text: &str) -> Result<Duration, String> {
-    let d = parse_duration(text)?;
+    let d = parse_go_duration(text)?;
     if d.as_secs() > 4095 {
         return Err(format!("{text}: the graceful restart time field holds at most 4095s (RFC 4724)"));
     }
@@ -570,16 +742,62 @@ fn limit_malloc_arenas() {
     }
 }
 
+/// The command line with pflag's boolean syntax (kube_router::flags::go_bool_flags), and the
+/// boolean flags' names.
+fn cli_command() -> (clap::Command, Vec<String>) {
+    kube_router::flags::go_bool_flags(Cli::command())
+}
+
+fn parse_cli_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> Result<Cli, clap::Error> {
+    let (command, bool_flags) = cli_command();
+    let matches = command.try_get_matches_from(kube_router::flags::join_bool_values(args, &bool_flags))?;
+    let mut cli = Cli::from_arg_matches(&matches)?;
+    cli.run.drop_empty_values();
+    Ok(cli)
+}
+
+impl RunArgs {
+    /// An empty string is how upstream's flags say "unset" (their defaults): read it so.
+    fn drop_empty_values(&mut self) {
+        fn keep<T: AsRef<std::ffi::OsStr>>(value: &mut Option<T>) {
+            if value.as_ref().is_some_and(|v| v.as_ref().is_empty()) {
+                *value = None;
+            }
+        }
+        keep(&mut self.kubeconfig);
+        keep(&mut self.master);
+        keep(&mut self.hostname_override);
+        keep(&mut self.peer_router_passwords_file);
+        keep(&mut self.upstream.gobgp_admin_address);
+        keep(&mut self.upstream.runtime_endpoint);
+        keep(&mut self.upstream.service_node_port_range);
+    }
+}
+
+/// `--hostname-override`, else `NODE_NAME` (upstream's manifests set it), else the hostname.
+fn node_name(hostname_override: Option<&str>, node_name_env: Option<String>) -> String {
+    hostname_override.map(str::to_string).or_else(|| node_name_env.filter(|n| !n.is_empty())).unwrap_or_else(hostname)
+}
+
 fn main() -> ExitCode {
     limit_malloc_arenas();
+    let cli = parse_cli_from(std::env::args_os()).unwrap_or_else(|e| e.exit());
+    // RUST_LOG wins; upstream's -v only picks the default.
+    let default_filter = cli.run.v.map_or("info", kube_router::flags::log_filter_for_verbosity);
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_filter.into()),
+        )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse();
     let result = match cli.command.as_ref().unwrap_or(&Command::Run) {
+        Command::Run if cli.run.cleanup_config => cleanup(&cli),
         Command::Run => run(&cli),
+        Command::FlagsMarkdown => {
+            print!("{}", kube_router::flags::markdown(&cli_command().0));
+            Ok(())
+        }
         Command::Services => show_services(&cli),
         Command::Conntrack => show_conntrack::<V4>(&cli).and_then(|()| show_conntrack::<V6>(&cli)),
         Command::Bgp => show_bgp(&cli),
@@ -673,20 +891,63 @@ fn run(cli: &Cli) -> Result<()> {
         Ok(peers) => peers,
         Err(e) => invalid(e.to_string()),
     };
+    match args.upstream.check() {
+        Ok(warnings) => warnings.iter().for_each(|w| tracing::warn!("{w}")),
+        Err(message) => invalid(message),
+    }
+    let node_addresses = netif::node_addresses();
+    let mut disabled_families = std::collections::BTreeSet::new();
+    for (flag, family, setting) in
+        [("--enable-ipv4", IpFamily::IPv4, args.enable_ipv4), ("--enable-ipv6", IpFamily::IPv6, args.enable_ipv6)]
+    {
+        match setting {
+            Some(true) if !node_addresses.iter().any(|a| IpFamily::of(a) == family) => invalid(format!(
+                "{flag}: this node has no {family:?} address (loopback and link-local ones do not count): \
+                 give it one, or leave the flag out to serve only the families the node has"
+            )),
+            Some(false) => {
+                disabled_families.insert(family);
+            }
+            _ => {}
+        }
+    }
+    if disabled_families.len() == 2 {
+        invalid("--enable-ipv4=false and --enable-ipv6=false leave no address family to serve".to_string());
+    }
+    let nodeport_addresses = match (&args.nodeport_addresses, args.nodeport_bindon_all_ip) {
+        (Some(list), _) => Some(list.clone()),
+        (None, true) => None,
+        (None, false) => {
+            let v4 = args
+                .node_ip
+                .or_else(netif::default_route_source)
+                .or_else(|| netif::ipv4_addresses().first().copied())
+                .map(std::net::IpAddr::V4);
+            let node_ips: Vec<std::net::IpAddr> =
+                v4.into_iter().chain(netif::default_route_source_v6().map(Into::into)).collect();
+            if node_ips.is_empty() {
+                tracing::warn!("--nodeport-bindon-all-ip=false: the node has no address yet; NodePorts follow every address it gets");
+                None
+            } else {
+                tracing::info!(addresses = ?node_ips, "NodePorts on the node IP only (--nodeport-bindon-all-ip=false)");
+                Some(node_ips)
+            }
+        }
+    };
     let overlay = args.enable_overlay.then(|| OverlayConfig {
         overlay_type: if args.overlay_type == "full" { OverlayType::Full } else { OverlayType::Subnet },
         encap: if args.overlay_encap == "fou" { Encap::Fou { port: args.overlay_encap_port } } else { Encap::Ipip },
     });
-    let node_name = args.hostname_override.clone().unwrap_or_else(hostname);
+    let node_name = node_name(args.hostname_override.as_deref(), std::env::var("NODE_NAME").ok());
     let router = args.run_router.then(|| RouterOptions {
         node_name: node_name.clone(),
-        cluster_asn: args.cluster_asn,
-        router_id: args.router_id,
+        cluster_asn: if args.cluster_asn == 0 { DEFAULT_CLUSTER_ASN } else { args.cluster_asn },
+        router_id: args.router_id.unwrap_or_default(),
         pod_cidrs: args.pod_cidrs.clone(),
         external_peers,
         full_mesh: args.nodes_full_mesh,
         enable_ibgp: args.enable_ibgp,
-        multihop_ttl: args.peer_router_multihop_ttl,
+        multihop_ttl: args.peer_router_multihop_ttl.filter(|ttl| *ttl > 0),
         max_prefixes: (args.bgp_max_prefixes > 0).then_some(args.bgp_max_prefixes),
         ttl_security: args.peer_router_ttl_security,
         advertise_pod_cidr: args.advertise_pod_cidr,
@@ -726,16 +987,18 @@ fn run(cli: &Cli) -> Result<()> {
             None => DesiredSource::Api(ApiOptions { kubeconfig: args.kubeconfig.clone(), master: args.master.clone() }),
         },
         state_dir: args.state_dir.clone(),
-        max_stale: args.max_stale.map(Duration::from_secs),
+        max_stale: args.max_stale,
         interfaces: args.interfaces.clone(),
         node_name,
-        nodeport_addresses: args.nodeport_addresses.clone(),
+        nodeport_addresses,
         limits: Limits { max_backends_per_service: args.max_backends_per_service as usize },
         metrics_port: args.metrics_port,
         metrics_addr: args.metrics_addr,
         metrics_path: args.metrics_path.clone(),
         health_port: args.health_port,
-        conntrack_gc_interval: Duration::from_secs(args.conntrack_gc_interval),
+        health_addr: args.health_addr,
+        disabled_families,
+        conntrack_gc_interval: args.conntrack_gc_interval,
         hairpin_mode: args.hairpin_mode,
         masquerade_all: args.masquerade_all,
         maglev_all: args.bpf_lb_algorithm == "maglev",
@@ -799,4 +1062,304 @@ fn raise_fd_limit() {
         return;
     }
     tracing::info!(from = before, to = limit.rlim_cur, "raised the open files soft limit to the hard limit");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        parse_cli_from(std::iter::once("kube-router").chain(args.iter().copied()).map(Into::into))
+    }
+
+    fn ok(args: &[&str]) -> Cli {
+        parse(args).unwrap_or_else(|e| panic!("{args:?}: {e}"))
+    }
+
+    /// Upstream's flags with their Go type and default as its `--help` prints them, transcribed
+    /// from cloudnativelabs/kube-router `pkg/options/options.go` (v2.x, `AddFlags`). Slices get a
+    /// sample value (their default is empty).
+    const UPSTREAM_WITH_DEFAULTS: &[(&str, &str, &str)] = &[
+        ("advertise-cluster-ip", "bool", "false"),
+        ("advertise-external-ip", "bool", "false"),
+        ("advertise-loadbalancer-ip", "bool", "false"),
+        ("advertise-pod-cidr", "bool", "true"),
+        ("auto-mtu", "bool", "true"),
+        ("bfd-desired-min-tx-interval", "uint32", "1000"),
+        ("bfd-detection-multiplier", "uint32", "3"),
+        ("bfd-port", "uint32", "3784"),
+        ("bfd-required-min-rx-interval", "uint32", "1000"),
+        ("bgp-graceful-restart", "bool", "false"),
+        ("bgp-graceful-restart-deferral-time", "duration", "6m0s"),
+        ("bgp-graceful-restart-time", "duration", "1m30s"),
+        ("bgp-holdtime", "duration", "1m30s"),
+        ("bgp-port", "uint32", "179"),
+        ("cache-sync-timeout", "duration", "1m0s"),
+        ("cleanup-config", "bool", "false"),
+        ("cluster-asn", "uint", "0"),
+        ("disable-source-dest-check", "bool", "true"),
+        ("enable-bfd", "bool", "false"),
+        ("enable-cni", "bool", "true"),
+        ("enable-ibgp", "bool", "true"),
+        ("enable-ipv4", "bool", "true"),
+        ("enable-ipv6", "bool", "false"),
+        ("enable-overlay", "bool", "true"),
+        ("enable-pod-egress", "bool", "true"),
+        ("enable-pprof", "bool", "false"),
+        ("excluded-cidrs", "strings", "10.0.0.0/8,192.168.0.0/16"),
+        ("hairpin-mode", "bool", "false"),
+        ("gobgp-admin-address", "string", "127.0.0.1"),
+        ("gobgp-admin-port", "uint16", "50051"),
+        ("health-addr", "string", ""),
+        ("health-port", "uint16", "20244"),
+        ("help", "bool", ""),
+        ("hostname-override", "string", ""),
+        ("injected-routes-sync-period", "duration", "1m0s"),
+        ("iptables-sync-period", "duration", "5m0s"),
+        ("ipvs-graceful-period", "duration", "30s"),
+        ("ipvs-graceful-termination", "bool", "false"),
+        ("ipvs-permit-all", "bool", "true"),
+        ("ipvs-sync-period", "duration", "5m0s"),
+        ("kubeconfig", "string", ""),
+        ("loadbalancer-default-class", "bool", "true"),
+        ("loadbalancer-ip-range", "strings", "192.0.2.0/24,2001:db8::/64"),
+        ("loadbalancer-sync-period", "duration", "1m0s"),
+        ("masquerade-all", "bool", "false"),
+        ("master", "string", ""),
+        ("metrics-path", "string", "/metrics"),
+        ("metrics-port", "uint16", "0"),
+        ("metrics-addr", "string", ""),
+        ("netpol-default-deny", "bool", "false"),
+        ("nodeport-bindon-all-ip", "bool", "false"),
+        ("nodes-full-mesh", "bool", "true"),
+        ("overlay-encap", "string", "ipip"),
+        ("overlay-encap-port", "uint16", "5555"),
+        ("overlay-type", "string", "subnet"),
+        ("override-nexthop", "bool", "false"),
+        ("peer-router-asns", "uints", "65000,65001"),
+        ("peer-router-ips", "ipSlice", "192.0.2.1,192.0.2.2"),
+        ("peer-router-multihop-ttl", "uint8", "0"),
+        ("peer-router-passwords", "strings", "cGFzcw==,"),
+        ("peer-router-passwords-file", "string", ""),
+        ("peer-router-ports", "uints", "179,1179"),
+        ("router-id", "string", ""),
+        ("routes-sync-period", "duration", "5m0s"),
+        ("run-firewall", "bool", "true"),
+        ("run-loadbalancer", "bool", "false"),
+        ("run-router", "bool", "true"),
+        ("run-service-proxy", "bool", "true"),
+        ("runtime-endpoint", "string", ""),
+        ("service-cluster-ip-range", "strings", "10.96.0.0/12"),
+        ("strict-external-ip-validation", "bool", "true"),
+        ("service-external-ip-range", "strings", "198.51.100.0/24"),
+        ("service-node-port-range", "string", "30000-32767"),
+        ("service-tcp-timeout", "duration", "0s"),
+        ("service-tcpfin-timeout", "duration", "0s"),
+        ("service-udp-timeout", "duration", "0s"),
+        ("v", "string", "0"),
+        ("use-nftables-for-netpol", "bool", "false"),
+        ("version", "bool", ""),
+    ];
+
+    #[test]
+    fn every_upstream_flag_parses_with_its_default_and_bare() {
+        let names: Vec<&str> = UPSTREAM_WITH_DEFAULTS.iter().map(|(n, _, _)| *n).collect();
+        assert_eq!(names, kube_router::flags::UPSTREAM_FLAGS, "the transcription and the flags module disagree");
+        for (name, kind, default) in UPSTREAM_WITH_DEFAULTS {
+            if matches!(*name, "help" | "version") {
+                let kind = parse(&[&format!("--{name}")]).err().map(|e| e.kind());
+                assert!(matches!(
+                    kind,
+                    Some(clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion)
+                ));
+                continue;
+            }
+            let with_value = format!("--{name}={default}");
+            let cli = ok(&[&with_value]);
+            // At its upstream default no flag refuses; one without effect here warns once.
+            let warnings = cli.run.upstream.check().unwrap_or_else(|e| panic!("{with_value}: {e}"));
+            assert!(warnings.len() <= 1, "{with_value}: {warnings:?}");
+            if *kind == "bool" {
+                ok(&[&format!("--{name}")]);
+                ok(&[&format!("--{name}"), "--kubeconfig=/k"]);
+                ok(&[&format!("--{name}=false")]);
+            } else {
+                // Go's flag package also takes the value as the next argument.
+                ok(&[&format!("--{name}"), default]);
+            }
+        }
+    }
+
+    #[test]
+    fn bare_booleans_and_go_spellings() {
+        let cli = ok(&["--advertise-cluster-ip", "--enable-cni=false", "--run-router=F", "--auto-mtu=0"]);
+        assert!(cli.run.advertise_cluster_ip);
+        assert!(!cli.run.enable_cni && !cli.run.run_router && !cli.run.auto_mtu);
+        // The word after a space is the value (as this agent always read it)...
+        assert!(!ok(&["--bpf-lb-sock", "false"]).run.bpf_lb_sock);
+        // ...but a subcommand after a bare boolean stays a subcommand.
+        let cli = ok(&["--enable-cni", "checkpoint"]);
+        assert!(cli.run.enable_cni && matches!(cli.command, Some(Command::Checkpoint)));
+        assert!(parse(&["--enable-cni=maybe"]).is_err());
+        // A repeated flag: the last wins; a repeated list appends.
+        let cli = ok(&[
+            "--run-firewall=false",
+            "--run-firewall",
+            "--service-cluster-ip-range=10.96.0.0/12",
+            "--service-cluster-ip-range=fd00::/108",
+        ]);
+        assert!(cli.run.run_firewall);
+        assert_eq!(cli.run.service_cluster_ip_range.len(), 2);
+    }
+
+    #[test]
+    fn go_durations_everywhere_a_duration_is_taken() {
+        let cli = ok(&[
+            "--bgp-holdtime=1m30s",
+            "--bgp-graceful-restart-time=2m",
+            "--bgp-graceful-restart-deferral-time=2h",
+            "--conntrack-gc-interval=300ms",
+            "--max-stale=90",
+        ]);
+        assert_eq!(cli.run.bgp_holdtime, Duration::from_secs(90));
+        assert_eq!(cli.run.bgp_graceful_restart_time, Duration::from_secs(120));
+        assert_eq!(cli.run.bgp_graceful_restart_deferral_time, Duration::from_secs(7200));
+        assert_eq!(cli.run.conntrack_gc_interval, Duration::from_millis(300));
+        assert_eq!(cli.run.max_stale, Some(Duration::from_secs(90)));
+        assert_eq!(ok(&["--conntrack-gc-interval", "30"]).run.conntrack_gc_interval, Duration::from_secs(30));
+        assert!(parse(&["--conntrack-gc-interval=0s"]).is_err());
+        assert!(parse(&["--bgp-graceful-restart-time=2h"]).is_err(), "over RFC 4724's 4095 s");
+    }
+
+    #[test]
+    fn verbosity_forms() {
+        for args in [&["-v", "3"][..], &["-v3"], &["-v=3"], &["--v=3"], &["--v", "3"], &["--v=1", "-v", "3"]] {
+            assert_eq!(ok(args).run.v, Some(3), "{args:?}");
+        }
+        assert!(parse(&["--v=high"]).is_err());
+    }
+
+    #[test]
+    fn router_ids_and_node_names() {
+        assert_eq!(ok(&["--router-id=generate"]).run.router_id, Some(RouterIdSetting::Generate));
+        assert_eq!(
+            ok(&["--router-id=10.1.2.3"]).run.router_id,
+            Some(RouterIdSetting::Fixed(Ipv4Addr::new(10, 1, 2, 3)))
+        );
+        assert!(matches!(ok(&["--router-id=2001:db8::1"]).run.router_id, Some(RouterIdSetting::Fixed(_))));
+        assert_eq!(node_name(Some("a"), Some("b".into())), "a");
+        assert_eq!(node_name(None, Some("b".into())), "b");
+        assert_eq!(node_name(None, Some(String::new())), hostname());
+        assert_eq!(ok(&["--hostname-override="]).run.hostname_override, None);
+        assert_eq!(ok(&["--metrics-addr="]).run.metrics_addr, std::net::IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+    }
+
+    #[test]
+    fn obsolete_flags_warn_once_each_and_refused_ones_refuse() {
+        let cli = ok(&[
+            "--iptables-sync-period=5m",
+            "--ipvs-sync-period",
+            "1m",
+            "--service-tcp-timeout=0s",
+            "--gobgp-admin-port=0",
+            "--enable-pprof=false",
+            "--runtime-endpoint=unix:///run/containerd/containerd.sock",
+            "--run-loadbalancer=false",
+        ]);
+        let warnings = cli.run.upstream.check().unwrap();
+        assert_eq!(warnings.len(), 3, "{warnings:#?}");
+        assert!(warnings[0].starts_with("--iptables-sync-period has no effect: "), "{warnings:?}");
+        assert!(warnings[2].starts_with("--runtime-endpoint has no effect: "), "{warnings:?}");
+        let udp = ok(&["--service-udp-timeout=5m"]).run.upstream.check().unwrap();
+        assert!(udp[0].contains("conntrack lifetimes are fixed"), "{udp:?}");
+        for refused in ["--run-loadbalancer", "--netpol-default-deny=true"] {
+            let message = ok(&[refused]).run.upstream.check().unwrap_err();
+            assert!(message.starts_with(refused.split('=').next().unwrap()), "{message}");
+        }
+    }
+
+    // The args lists of upstream's DaemonSets (cloudnativelabs/kube-router, daemonset/*.yaml),
+    // which also set NODE_NAME from spec.nodeName.
+
+    /// daemonset/generic-kuberouter-all-features.yaml
+    const GENERIC_ALL_FEATURES: &[&str] = &[
+        "--run-router=true",
+        "--run-firewall=true",
+        "--run-service-proxy=true",
+        "--bgp-graceful-restart=true",
+        "--kubeconfig=/var/lib/kube-router/kubeconfig",
+    ];
+
+    /// daemonset/kubeadm-kuberouter-all-features-dsr.yaml
+    const KUBEADM_ALL_FEATURES_DSR: &[&str] = &[
+        "--run-router=true",
+        "--run-firewall=true",
+        "--run-service-proxy=true",
+        "--bgp-graceful-restart=true",
+        "--kubeconfig=/var/lib/kube-router/kubeconfig",
+        "--runtime-endpoint=unix:///run/containerd/containerd.sock",
+    ];
+
+    /// daemonset/generic-kuberouter-only-advertise-routes.yaml, its three `<CHANGE ME>` values
+    /// filled in with examples.
+    const GENERIC_ONLY_ADVERTISE_ROUTES: &[&str] = &[
+        "--run-router=true",
+        "--run-firewall=false",
+        "--run-service-proxy=false",
+        "--bgp-graceful-restart=true",
+        "--enable-cni=false",
+        "--enable-ibgp=false",
+        "--enable-overlay=false",
+        "--peer-router-ips=192.0.2.254",
+        "--peer-router-asns=65000",
+        "--cluster-asn=65001",
+        "--advertise-cluster-ip=true",
+        "--advertise-external-ip=true",
+        "--advertise-loadbalancer-ip=true",
+    ];
+
+    #[test]
+    fn upstream_daemon_sets_run_unchanged() {
+        for args in [GENERIC_ALL_FEATURES, KUBEADM_ALL_FEATURES_DSR] {
+            let run = ok(args).run;
+            assert!(run.run_router && run.run_firewall && run.run_service_proxy && run.bgp_graceful_restart);
+            assert_eq!(run.kubeconfig.as_deref(), Some(std::path::Path::new("/var/lib/kube-router/kubeconfig")));
+            assert!(run.enable_cni && run.enable_overlay && run.strict_external_ip_validation);
+            assert!(!run.cleanup_config && run.nodeport_bindon_all_ip);
+            assert_eq!((run.enable_ipv4, run.enable_ipv6), (None, None));
+        }
+        assert_eq!(ok(GENERIC_ALL_FEATURES).run.upstream.check(), Ok(vec![]));
+        let dsr = ok(KUBEADM_ALL_FEATURES_DSR).run;
+        assert_eq!(dsr.upstream.runtime_endpoint.as_deref(), Some("unix:///run/containerd/containerd.sock"));
+        let warnings = dsr.upstream.check().unwrap();
+        assert_eq!(warnings.len(), 1);
+        assert!(warnings[0].starts_with("--runtime-endpoint has no effect"), "{warnings:?}");
+
+        let run = ok(GENERIC_ONLY_ADVERTISE_ROUTES).run;
+        assert!(run.run_router && !run.run_firewall && !run.run_service_proxy);
+        assert!(!run.enable_cni && !run.enable_ibgp && !run.enable_overlay && run.bgp_graceful_restart);
+        assert!(run.advertise_cluster_ip && run.advertise_external_ip && run.advertise_loadbalancer_ip);
+        assert_eq!(run.cluster_asn, 65001);
+        let peers = parse_external_peer_flags(
+            &run.peer_router_ips,
+            &run.peer_router_asns,
+            &run.peer_router_passwords,
+            &run.peer_router_ports,
+        )
+        .unwrap();
+        assert_eq!(peers.len(), 1);
+        assert_eq!(run.upstream.check(), Ok(vec![]));
+    }
+
+    /// docs/flags.md is what `kube-router flags-markdown` prints.
+    #[test]
+    fn docs_flags_md_is_current() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/flags.md");
+        let generated = kube_router::flags::markdown(&cli_command().0);
+        let written = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            written == generated,
+            "docs/flags.md is out of date: run `cargo run -p kube-router -- flags-markdown > docs/flags.md`"
+        );
+    }
 }

@@ -7,7 +7,7 @@
 use std::{
     collections::BTreeSet,
     fmt::Write as _,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    net::{IpAddr, Ipv6Addr, SocketAddr},
     path::PathBuf,
     sync::Arc,
     time::Duration,
@@ -25,7 +25,7 @@ use crate::{
         bfd::BfdConfig,
         fsm::State,
         message::{Family, Prefix},
-        peers::{node_bgp_config, ExternalPeerFlag, GlobalSettings, NodeBgpConfig, PeerConfig},
+        peers::{node_bgp_config, ExternalPeerFlag, GlobalSettings, NodeBgpConfig, PeerConfig, RouterIdSetting},
         policy::{ExportPolicy, ImportPolicy, OriginKind},
         speaker::{run_fib, GracefulRestartSettings, Originated, Policies, Speaker, SpeakerConfig, SpeakerStatus},
     },
@@ -39,8 +39,8 @@ use crate::{
 pub struct RouterOptions {
     pub node_name: String,
     pub cluster_asn: u32,
-    /// Overrides the Node-derived router id (needed without the API).
-    pub router_id: Option<Ipv4Addr>,
+    /// `--router-id`: overrides the Node-derived router id (a fixed one is needed without the API).
+    pub router_id: RouterIdSetting,
     /// Overrides the Node's spec.podCIDRs (needed without the API).
     pub pod_cidrs: Option<Vec<IpNet>>,
     pub external_peers: Vec<ExternalPeerFlag>,
@@ -279,6 +279,7 @@ impl RouterController {
             peer_port: self.options.bgp_port,
             // Node peers always get the pod CIDRs; --advertise-pod-cidr is export policy.
             advertise_pod_cidr: true,
+            router_id: self.options.router_id,
         }
     }
 
@@ -300,7 +301,9 @@ impl RouterController {
 
     /// Configuration from flags alone, for running without the API server.
     pub fn static_config(&self) -> Result<NodeBgpConfig> {
-        let router_id = self.options.router_id.context("--router-id is needed to run BGP without the API server")?;
+        let RouterIdSetting::Fixed(router_id) = self.options.router_id else {
+            anyhow::bail!("an IPv4 or IPv6 --router-id is needed to run BGP without the API server");
+        };
         let settings = self.settings();
         let peers = self.options.external_peers.iter().map(|p| p.external_peer_config(&settings)).collect();
         Ok(NodeBgpConfig {
@@ -338,9 +341,6 @@ impl RouterController {
                         tracing::warn!(%warning, "BGP peer configuration");
                     }
                     self.last_warnings = warnings;
-                }
-                if let Some(router_id) = self.options.router_id {
-                    config.router_id = router_id;
                 }
                 if let Some(cidrs) = &self.options.pod_cidrs {
                     config.pod_cidrs = cidrs.clone();

@@ -223,6 +223,33 @@ pub struct GlobalSettings {
     pub peer_port: u16,
     /// `--advertise-pod-cidr`, default true. When false, [`NodeBgpConfig::pod_cidrs`] is empty.
     pub advertise_pod_cidr: bool,
+    /// `--router-id`.
+    pub router_id: RouterIdSetting,
+}
+
+/// `--router-id`: where this node's BGP router id comes from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RouterIdSetting {
+    /// The `kube-router.io/bgp-router-id` annotation, else the node's first IPv4 InternalIP,
+    /// else its first IPv4 ExternalIP.
+    #[default]
+    Auto,
+    /// This id (an IPv6 `--router-id` is hashed to one: [`hashed_router_id`]).
+    Fixed(Ipv4Addr),
+    /// `generate`: hashed from the node IP (first InternalIP, else ExternalIP, either family), as
+    /// upstream does; what an IPv6-only node needs.
+    Generate,
+}
+
+/// A 32-bit router id from an address: FNV-1a over its 16-byte form (an IPv4 address
+/// IPv4-mapped), the bytes Go's `net.IP` holds, so `generate` yields upstream's id.
+pub fn hashed_router_id(ip: IpAddr) -> Ipv4Addr {
+    let bytes = match ip {
+        IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+        IpAddr::V6(v6) => v6.octets(),
+    };
+    let hash = bytes.iter().fold(0x811c_9dc5_u32, |h, b| (h ^ u32::from(*b)).wrapping_mul(0x0100_0193));
+    Ipv4Addr::from(hash)
 }
 
 impl Default for GlobalSettings {
@@ -239,6 +266,7 @@ impl Default for GlobalSettings {
             external_peers: Vec::new(),
             peer_port: DEFAULT_BGP_PORT,
             advertise_pod_cidr: true,
+            router_id: RouterIdSetting::Auto,
         }
     }
 }
@@ -899,10 +927,15 @@ pub fn node_bgp_config(nodes: &[Node], settings: &GlobalSettings) -> Result<Node
             IpAddr::V6(_) => None,
         })
     };
-    let router_id = annotated_router_id
-        .or_else(|| first_v4("InternalIP"))
-        .or_else(|| first_v4("ExternalIP"))
-        .ok_or_else(|| PeerConfigError::NoRouterId { node: my_name.to_string() })?;
+    // The flag wins over the annotation (it is the operator's, the annotation the node's).
+    let router_id = match settings.router_id {
+        RouterIdSetting::Fixed(id) => Some(id),
+        RouterIdSetting::Generate => node_ip(me).map(hashed_router_id),
+        RouterIdSetting::Auto => {
+            annotated_router_id.or_else(|| first_v4("InternalIP")).or_else(|| first_v4("ExternalIP"))
+        }
+    }
+    .ok_or_else(|| PeerConfigError::NoRouterId { node: my_name.to_string() })?;
 
     let local_asn = match (settings.full_mesh, annotated_asn(me)) {
         (true, Some((value, parsed))) => {
@@ -1771,6 +1804,24 @@ mod tests {
         let cfg = node_bgp_config(&[me], &settings("node-1")).unwrap();
         assert_eq!(cfg.router_id, Ipv4Addr::new(10, 0, 0, 1));
         assert_eq!(cfg.local_address, Some(ip("fd00::1")), "node IP is the first InternalIP");
+    }
+
+    #[test]
+    fn router_id_flag_generate_and_fixed() {
+        // Expected values: FNV-1a 32 of the 16-byte address, computed apart (Python).
+        assert_eq!(hashed_router_id(ip("10.0.0.1")), Ipv4Addr::new(0, 15, 248, 254));
+        assert_eq!(hashed_router_id(ip("fd00::1")), Ipv4Addr::new(148, 2, 92, 203));
+        let v6_only = node("node-1", "fd00::1", &[], None);
+        assert!(matches!(
+            node_bgp_config(std::slice::from_ref(&v6_only), &settings("node-1")),
+            Err(PeerConfigError::NoRouterId { .. })
+        ));
+        let generate = GlobalSettings { router_id: RouterIdSetting::Generate, ..settings("node-1") };
+        assert_eq!(node_bgp_config(&[v6_only], &generate).unwrap().router_id, Ipv4Addr::new(148, 2, 92, 203));
+        let fixed =
+            GlobalSettings { router_id: RouterIdSetting::Fixed(Ipv4Addr::new(1, 2, 3, 4)), ..settings("node-1") };
+        let me = node("node-1", "10.0.0.1", &[], None);
+        assert_eq!(node_bgp_config(&[me], &fixed).unwrap().router_id, Ipv4Addr::new(1, 2, 3, 4));
     }
 
     #[test]

@@ -53,6 +53,8 @@ pub struct ServiceController {
     limits: Limits,
     node_name: String,
     nodeport_addresses: Option<Vec<IpAddr>>,
+    /// `--enable-ipv4=false` / `--enable-ipv6=false`: families never served.
+    disabled_families: BTreeSet<IpFamily>,
     hairpin_all: bool,
     external_ips: ExternalIpPolicy,
     /// Addresses from the API objects no Service may claim (none with a service file).
@@ -97,6 +99,7 @@ impl ServiceController {
         let unavailable_families = [IpFamily::IPv6]
             .into_iter()
             .filter(|family| !node_addresses.iter().any(|a| IpFamily::of(a) == *family))
+            .chain(self.disabled_families.iter().copied())
             .collect();
         NodeContext {
             name: self.node_name.clone(),
@@ -183,6 +186,11 @@ impl ServiceController {
                             *m.rejected_objects.entry("ExternalIP").or_default() += 1;
                             *m.external_ips_refused.entry(refusal.reason).or_default() += 1;
                         });
+                    }
+                    CompileWarning::FamilyUnavailable { service, family }
+                        if self.disabled_families.contains(family) =>
+                    {
+                        tracing::info!(service = %service, ?family, "family disabled by --enable-ipv4/--enable-ipv6=false; the Service is not programmed in it");
                     }
                     CompileWarning::FamilyUnavailable { service, family } => {
                         tracing::warn!(service = %service, ?family, "the node has no address of this family; the Service is not programmed in it");
@@ -556,6 +564,7 @@ impl ServiceController {
             limits: config.limits,
             node_name: config.node_name.clone(),
             nodeport_addresses: config.nodeport_addresses.clone(),
+            disabled_families: config.disabled_families.clone(),
             hairpin_all: config.hairpin_mode,
             external_ips: config.external_ip_policy(),
             cluster_addresses: ClusterAddresses::default(),
