@@ -15,10 +15,10 @@ fn bad_flag_values_exit_2_with_a_message_naming_the_flag() {
         (&["--nodeport-addresses", "10.0.0.300"][..], "--nodeport-addresses"),
         (&["--no-such-flag"][..], "--no-such-flag"),
         (&["--service-file", "x.yaml", "--kubeconfig", "k"][..], "cannot be used with"),
-        (&["--cluster-asn", "0"][..], "--cluster-asn"),
+        (&["--cluster-asn", "4294967296"][..], "--cluster-asn"),
         (&["--bgp-holdtime", "2s"][..], "hold time"),
         (&["--bgp-graceful-restart-time", "5000s"][..], "4095"),
-        (&["--bgp-graceful-restart", "maybe"][..], "--bgp-graceful-restart"),
+        (&["--bgp-graceful-restart=maybe"][..], "--bgp-graceful-restart"),
         (&["--pod-cidrs", "10.0.0.0/33"][..], "--pod-cidrs"),
         (&["--peer-router-ips", "10.0.0.1,10.0.0.2", "--peer-router-asns", "65000"][..], "asns"),
     ] {
