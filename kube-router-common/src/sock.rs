@@ -11,10 +11,16 @@ pub mod sock_map_names {
     pub const SOCK_REVERSE_V6: &str = "sock_rev_v6";
     pub const SOCK_CONFIG: &str = "sock_cfg";
     pub const SOCK_STATS: &str = "sock_stats";
+    pub const SOCK_EXEMPT: &str = "sock_exempt";
 }
 
 pub const SOCK_REVERSE_MAX_ENTRIES: u32 = 262_144;
 pub const SOCK_CONFIG_MAX_ENTRIES: u32 = 1;
+
+/// `sock_exempt`: key the cgroup v2 id of a cgroup whose processes' sockets are never translated
+/// (the agent's own), value `u64` per CPU how many calls to a frontend it made, left untranslated. A map
+/// of its own so that `sock_cfg` and `sock_stats` keep their layout.
+pub const SOCK_EXEMPT_MAX_ENTRIES: u32 = 8;
 
 /// Index of the one [`SockLbConfig`] in `sock_cfg`.
 pub const SOCK_CONFIG_INDEX: u32 = 0;

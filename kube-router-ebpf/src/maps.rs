@@ -1,7 +1,7 @@
 //! The pinned maps. Names and layouts are documented in docs/maps.md.
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap},
 };
 use kube_router_common::*;
 
@@ -206,6 +206,10 @@ pub static SOCK_REVERSE_V6: LruHashMap<SockReverseKeyV6, SockReverseValueV6> =
 /// Written by the agent only.
 #[map(name = "sock_cfg")]
 pub static SOCK_CONFIG: Array<SockLbConfig> = Array::pinned(SOCK_CONFIG_MAX_ENTRIES, 0);
+
+/// Keys written by the agent; the programs only count in the values (per CPU: a plain add).
+#[map(name = "sock_exempt")]
+pub static SOCK_EXEMPT: PerCpuHashMap<u64, u64> = PerCpuHashMap::pinned(SOCK_EXEMPT_MAX_ENTRIES, 0);
 
 #[map(name = "sock_stats")]
 pub static SOCK_STATS: PerCpuArray<u64> = PerCpuArray::pinned(sock_stat::COUNT, 0);

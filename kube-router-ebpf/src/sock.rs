@@ -8,10 +8,15 @@
 //! The IPv6 hooks do the same over `svc_v6` and `sock_rev_v6`. An IPv6 socket may also talk
 //! IPv4 through an IPv4-mapped address (`::ffff:a.b.c.d`, a dual-stack socket): that is balanced
 //! over the IPv4 maps and the backend written back as a mapped address.
+//!
+//! Sockets of the agent's own cgroup (`sock_exempt`) are never translated: a frontend, however it
+//! got into the maps, must not capture the agent's way to the API server.
 use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 
 use aya_ebpf::{
-    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
+    helpers::{
+        bpf_get_current_cgroup_id, bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval,
+    },
     programs::SockAddrContext,
     EbpfContext,
 };
@@ -20,7 +25,7 @@ use kube_router_common::*;
 use crate::{
     backend::select_backend,
     family::{V4, V6},
-    maps::{count_sock, SERVICES, SERVICES_V6, SOCK_CONFIG, SOCK_REVERSE, SOCK_REVERSE_V6},
+    maps::{count_sock, SERVICES, SERVICES_V6, SOCK_CONFIG, SOCK_EXEMPT, SOCK_REVERSE, SOCK_REVERSE_V6},
 };
 
 /// Return values of cgroup sock_addr programs.
@@ -45,6 +50,9 @@ pub fn translate(ctx: &SockAddrContext, call: Call) -> i32 {
     let Some(service) = frontend(ctx, addr, port, proto) else {
         return ALLOW;
     };
+    if exempt() {
+        return ALLOW;
+    }
     let now = unsafe { bpf_ktime_get_ns() };
     let Some((_, backend)) = // No source port exists yet at connect(): a Maglev service hashes the client (netns) alone.
     select_backend::<V4>(client_id(ctx), 0, &service, now) else {
@@ -54,6 +62,20 @@ pub fn translate(ctx: &SockAddrContext, call: Call) -> i32 {
     set_destination(ctx, backend.addr, backend.port);
     count_sock(sock_stat::TRANSLATED);
     ALLOW
+}
+
+/// Whether the calling process is in an exempt cgroup (the agent's own); counts the call there.
+/// Asked only once a frontend matched, so other connects pay nothing for it.
+#[inline(always)]
+fn exempt() -> bool {
+    // The cgroup v2 id of the calling task, whatever cgroup the program is attached to.
+    let cgroup = unsafe { bpf_get_current_cgroup_id() };
+    let Some(untranslated) = SOCK_EXEMPT.get_ptr_mut(cgroup) else {
+        return false;
+    };
+    // SAFETY: this CPU's slot of the value: no other CPU writes it.
+    unsafe { *untranslated += 1 };
+    true
 }
 
 /// No endpoints: fail at once, as a closed port would, instead of a connect timeout.
@@ -79,6 +101,9 @@ pub fn translate6(ctx: &SockAddrContext, call: Call) -> i32 {
     let Some(service) = frontend6(ctx, &addr, port, proto) else {
         return ALLOW;
     };
+    if exempt() {
+        return ALLOW;
+    }
     let now = unsafe { bpf_ktime_get_ns() };
     let client = Ipv6Words([0, 0, 0, client_id(ctx)]);
     let Some((_, backend)) = select_backend::<V6>(client, 0, &service, now) else {
@@ -97,6 +122,9 @@ fn translate_mapped(ctx: &SockAddrContext, addr: u32, port: u16, proto: u8) -> i
     let Some(service) = frontend(ctx, addr, port, proto) else {
         return ALLOW;
     };
+    if exempt() {
+        return ALLOW;
+    }
     let now = unsafe { bpf_ktime_get_ns() };
     let Some((_, backend)) = select_backend::<V4>(client_id(ctx), 0, &service, now) else {
         return refuse();

@@ -11,7 +11,7 @@ use kube_router::{
         datapath::{self, AttachMode},
         layout::MapSizes,
         service_maps::{read_lb_stats, FamilyConntrack},
-        socket_lb::{read_sock_stats, SocketLbOptions},
+        socket_lb::{sock_events, SocketLbOptions},
         xdp,
     },
     flags::{parse_go_duration, Upstream},
@@ -25,7 +25,7 @@ use kube_router::{
     },
 };
 use kube_router_common::{
-    dsr_stat, event_stat, lb_stat, map_names, sock_stat, source_check_map_names, src_stat, xdp_stat, DEFAULT_PIN_DIR,
+    dsr_stat, event_stat, lb_stat, map_names, source_check_map_names, src_stat, xdp_stat, DEFAULT_PIN_DIR,
 };
 
 #[derive(Parser)]
@@ -848,7 +848,7 @@ fn main() -> ExitCode {
                 println!("src_check_{name} {n}");
             }
             // The socket load balancer's counters, if it ever ran.
-            for (name, n) in sock_stat::NAMES.iter().zip(read_sock_stats(&cli.bpf_root).unwrap_or_default()) {
+            for (name, n) in sock_events(&cli.bpf_root) {
                 println!("sock_{name} {n}");
             }
             // `kube-router monitor`'s events: written, over the rate limit, lost to a full ring.

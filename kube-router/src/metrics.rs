@@ -99,6 +99,9 @@ pub struct MetricsState {
     pub socket_lb_events: Vec<(&'static str, u64)>,
     /// Failures to attach the socket load balancer.
     pub socket_lb_errors: u64,
+    /// reason -> starts at which the agent's own cgroup could not be exempted from the socket
+    /// load balancer (`socket_lb::NotExempt`).
+    pub socket_lb_agent_not_exempt: BTreeMap<&'static str, u64>,
     /// Families rendered by the part of the agent that registered them, fresh on every
     /// scrape (BGP sessions), by name.
     pub families: BTreeMap<&'static str, Family>,
@@ -405,6 +408,15 @@ impl Metrics {
                 "Failures to attach the socket load balancer (cgroup programs).",
             );
             let _ = writeln!(out, "kube_router_socket_lb_errors_total {}", m.socket_lb_errors);
+            family(
+                &mut out,
+                "kube_router_socket_lb_agent_not_exempt_total",
+                "counter",
+                "Starts at which the agent's own cgroup could not be exempted from the socket load balancer, by reason.",
+            );
+            for (reason, n) in &m.socket_lb_agent_not_exempt {
+                let _ = writeln!(out, "kube_router_socket_lb_agent_not_exempt_total{{reason=\"{reason}\"}} {n}");
+            }
             if !m.socket_lb_events.is_empty() {
                 family(
                     &mut out,

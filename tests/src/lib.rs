@@ -284,10 +284,25 @@ impl Agent {
     /// `--cgroup-root` (or set `--bpf-lb-sock`): its default target is the machine's cgroup v2
     /// root, which a test must never touch.
     pub fn start(ns: &Netns, bpf_root: &Path, args: &[&str]) -> Result<Self> {
+        Self::spawn(ns, None, bpf_root, args)
+    }
+
+    /// As [`Agent::start`], the agent a process of `cgroup` (a [`TestCgroup`] or a child) from
+    /// its first instruction, as a DaemonSet's container is.
+    pub fn start_in_cgroup(ns: &Netns, cgroup: &Path, bpf_root: &Path, args: &[&str]) -> Result<Self> {
+        Self::spawn(ns, Some(cgroup), bpf_root, args)
+    }
+
+    fn spawn(ns: &Netns, cgroup: Option<&Path>, bpf_root: &Path, args: &[&str]) -> Result<Self> {
         let socket_lb_chosen = args.iter().any(|a| a.starts_with("--cgroup-root") || a.starts_with("--bpf-lb-sock"));
         let socket_lb_off: &[&str] = if socket_lb_chosen { &[] } else { &["--bpf-lb-sock", "false"] };
-        let mut child = Command::new("nsenter")
-            .arg(format!("--net={}", ns.path()))
+        let mut command = Command::new("nsenter");
+        command.arg(format!("--net={}", ns.path()));
+        if let Some(cgroup) = cgroup {
+            // The shell moves itself in, then becomes the agent (same pid).
+            command.args(["sh", "-c", "echo $$ > \"$0/cgroup.procs\" && exec \"$@\""]).arg(cgroup);
+        }
+        let mut child = command
             .arg(kube_router_bin())
             .arg("--bpf-root")
             .arg(bpf_root)

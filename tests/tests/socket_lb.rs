@@ -6,6 +6,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::{Ipv4Addr, SocketAddr},
+    os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -69,11 +70,20 @@ impl Env {
     /// The agent with the socket load balancer on the test cgroup; returns once the programs
     /// are on the cgroup and the services are in the maps.
     fn agent(&self, extra: &[&str]) -> Agent {
+        self.agent_in(None, extra)
+    }
+
+    /// As [`Env::agent`], the agent a process of `own_cgroup` when given (else the test's).
+    fn agent_in(&self, own_cgroup: Option<&Path>, extra: &[&str]) -> Agent {
         let cgroup = self.cgroup.path.to_str().unwrap();
         let mut args = vec!["--service-file", self.file.path.to_str().unwrap(), "--health-port", "0"];
         args.extend(["--cgroup-root", cgroup]);
         args.extend(extra);
-        let agent = Agent::start(&self.topo.node, &self.root(), &args).unwrap();
+        let agent = match own_cgroup {
+            Some(own) => Agent::start_in_cgroup(&self.topo.node, own, &self.root(), &args),
+            None => Agent::start(&self.topo.node, &self.root(), &args),
+        }
+        .unwrap();
         wait_until("socket LB attached and services programmed", Duration::from_secs(30), || {
             Ok(self.ours_attached()? == 8 && cli(&self.root(), "services")?.contains(&format!("{EMPTY_VIP}:80")))
         })
@@ -231,6 +241,78 @@ fn node_and_host_network_processes_reach_services_through_the_socket_lb() {
     assert_eq!(delta(&before, &after, "sock_no_backend_refused"), 10);
     assert!(delta(&before, &after, "sock_reverse_restored") >= translated, "{after:?}");
     assert_eq!(delta(&before, &after, "sock_reverse_insert_failed"), 0);
+}
+
+/// Whether pinned `sock_exempt` holds cgroup `id` (bpftool exits non-zero for a missing key).
+fn exempt_holds(root: &Path, id: u64) -> bool {
+    let map = maps_dir(root).join("sock_exempt");
+    let key: Vec<String> = id.to_le_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    let mut args = vec!["bpftool", "map", "lookup", "pinned", map.to_str().unwrap(), "key", "hex"];
+    args.extend(key.iter().map(String::as_str));
+    sh(&args).is_ok()
+}
+
+/// The agent's own sockets are never translated (issue 26): a process of the agent's cgroup
+/// reaches what listens at a frontend's own address, while every other process is balanced. The
+/// stand-in for an API server listens on the node's address at the NodePorts' ports, so a
+/// frontend (the NodePort) captures exactly its address and port, as a hostile Service on the
+/// API server's address would.
+#[test]
+fn the_agents_own_cgroup_is_never_translated() {
+    let mut env = Env::new("krt-skx");
+    let agent_cgroup = env.cgroup.child("kube-router").unwrap();
+    let agent_cgroup_id = std::fs::metadata(&agent_cgroup).unwrap().ino();
+    for ns in [&env.topo.client, &env.topo.node].into_iter().chain(&env.topo.backends) {
+        ns.wait_addresses_settled().unwrap();
+    }
+    env.file.write(&format!("{}{}", services(), ipv6_service())).unwrap();
+    for port in ["30080", "30053", "30090"] {
+        env.topo.node.spawn(&[netprobe_bin().to_str().unwrap(), "serve", "apiserver", port]).unwrap();
+    }
+    wait_until("the stand-in API server listening", Duration::from_secs(10), || {
+        Ok(!env.topo.node.run(&["ss", "-Hlnt", "sport = :30080"])?.trim().is_empty())
+    })
+    .unwrap();
+    let _agent = env.agent_in(Some(&agent_cgroup), &[]);
+    wait_until("the agent's own cgroup exempt, the IPv6 NodePort programmed", Duration::from_secs(20), || {
+        Ok(exempt_holds(&env.root(), agent_cgroup_id) && cli(&env.root(), "services")?.contains(VIP6))
+    })
+    .unwrap();
+    let root = env.root();
+    let before = stats(&root);
+
+    // The node's processes: balanced as ever, the NodePort included.
+    let vip = format!("{VIP}:80");
+    let node_port_tcp = format!("{NODE_ADDR}:30080");
+    let node_port_udp = format!("{NODE_ADDR}:30053");
+    let node_port6 = format!("[{NODE_ADDR6}]:30090");
+    let mut translated = 0;
+    for (mode, target) in [("tcp", &vip), ("tcp", &node_port_tcp), ("udp", &node_port_udp), ("tcp", &node_port6)] {
+        let backends = backends_behind(target, &env.ask_from_node(mode, target, 10));
+        assert!(backends.len() >= 2 && !backends.contains("apiserver"), "{mode} {target}: {backends:?}");
+        translated += 10;
+    }
+
+    // The agent's cgroup: connect (IPv4, IPv6, IPv6 to a mapped IPv4 address) and sendmsg reach
+    // the address the application named.
+    let mapped = format!("[::ffff:{NODE_ADDR}]:30080");
+    let mut untranslated = 0;
+    for (mode, target) in [("tcp", &node_port_tcp), ("udp", &node_port_udp), ("tcp", &mapped), ("tcp", &node_port6)] {
+        let exchanges = env.exchanges(&env.topo.node, &agent_cgroup, mode, target, 5);
+        let answered = backends_behind(target, &exchanges);
+        assert_eq!(answered, BTreeSet::from(["apiserver".to_string()]), "{mode} {target}: {exchanges:?}");
+        untranslated += 5;
+    }
+    // Nothing listens at the ClusterIP itself.
+    for e in env.exchanges(&env.topo.node, &agent_cgroup, "tcp", &vip, 2) {
+        assert!(e.outcome.is_err(), "{vip} from the agent's cgroup reached a backend: {e:?}");
+    }
+    untranslated += 2;
+
+    let after = stats(&root);
+    assert_eq!(delta(&before, &after, "sock_translated"), translated, "{before:?} -> {after:?}");
+    assert_eq!(delta(&before, &after, "sock_agent_untranslated"), untranslated, "{after:?}");
+    assert_eq!(delta(&before, &after, "new_flow"), 0, "the TC path translated none of them");
 }
 
 /// An IPv6-only Service over the IPv6 half of the topology: ClusterIP and `[::1]:<nodePort>`.

@@ -191,6 +191,11 @@ pub const POLICY_GUARD_MAPS: [MapSpec; 1] =
 /// Direct server return's counters: a map of its own for the same reason.
 pub const DSR_MAPS: [MapSpec; 1] = [spec::<u32, u64>(map_names::DSR_STATS, MapType::PerCpuArray, dsr_stat::COUNT)];
 
+/// The cgroups the socket load balancer never translates (the agent's own): a map of its own
+/// for the same reason.
+pub const SOCK_EXEMPT_MAPS: [MapSpec; 1] =
+    [spec::<u64, u64>(sock_map_names::SOCK_EXEMPT, MapType::PerCpuHash, SOCK_EXEMPT_MAX_ENTRIES)];
+
 /// Source-address verification on pod veths: maps of their own for the same reason.
 pub const SOURCE_CHECK_MAPS: [MapSpec; 2] = [
     spec::<u32, PodSources>(source_check_map_names::POD_SOURCES, MapType::Hash, POD_SOURCES_MAX_ENTRIES),
@@ -208,6 +213,7 @@ fn all_specs() -> impl Iterator<Item = &'static MapSpec> {
         .chain(&DSR_MAPS)
         .chain(&POLICY_GUARD_MAPS)
         .chain(&SOURCE_CHECK_MAPS)
+        .chain(&SOCK_EXEMPT_MAPS)
 }
 
 /// What the pinned maps hold against what this agent expects.

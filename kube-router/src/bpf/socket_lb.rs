@@ -10,12 +10,12 @@ use std::{
         fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd},
         unix::fs::MetadataExt,
     },
-    path::{Path, PathBuf},
+    path::{Component, Path, PathBuf},
 };
 
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
-    maps::{Array, Map, MapData},
+    maps::{Array, Map, MapData, PerCpuHashMap, PerCpuValues},
     programs::{links::FdLink, loaded_programs, CgroupAttachMode, CgroupSockAddr},
 };
 use kube_router_common::{sock_map_names, sock_stat, SockLbConfig, SOCK_CONFIG_INDEX};
@@ -115,6 +115,8 @@ pub fn apply(datapath: &mut Datapath, options: &SocketLbOptions, metrics: &Metri
     }
     let attached = resolve_cgroup(options.cgroup_root.as_deref()).and_then(|cgroup| {
         write_host_netns(datapath.pin_dir())?;
+        // Before the programs run: none of the agent's connects may be translated, not even once.
+        exempt_own_cgroup(datapath.pin_dir(), metrics);
         let outcomes = attach(datapath, &cgroup)?;
         Ok((cgroup, outcomes))
     });
@@ -258,17 +260,152 @@ fn nix_statfs(path: &Path) -> Result<i64> {
     Ok(stat.f_type as i64)
 }
 
-/// Mount points of cgroup v2 filesystems, in mountinfo order (proc_pid_mountinfo(5): the mount
-/// point is the fifth field, octal-escaped; the filesystem type follows the " - " separator).
+/// Mount points of cgroup v2 filesystems, in mountinfo order.
 pub fn cgroup2_mounts(mountinfo: &str) -> Vec<PathBuf> {
+    cgroup2_mounts_with_roots(mountinfo).into_iter().map(|(_, mount_point)| mount_point).collect()
+}
+
+/// (root, mount point) of cgroup v2 filesystems, in mountinfo order (proc_pid_mountinfo(5): the
+/// root inside the filesystem and the mount point are the fourth and fifth fields,
+/// octal-escaped; the filesystem type follows the " - " separator). The root is relative to
+/// the reader's cgroup namespace, as /proc/self/cgroup's paths are.
+fn cgroup2_mounts_with_roots(mountinfo: &str) -> Vec<(PathBuf, PathBuf)> {
     mountinfo
         .lines()
         .filter_map(|line| {
             let (fields, rest) = line.split_once(" - ")?;
             (rest.split_whitespace().next()? == "cgroup2").then_some(())?;
-            fields.split_whitespace().nth(4).map(|p| PathBuf::from(unescape_octal(p)))
+            let mut fields = fields.split_whitespace().skip(3);
+            let root = PathBuf::from(unescape_octal(fields.next()?));
+            Some((root, PathBuf::from(unescape_octal(fields.next()?))))
         })
         .collect()
+}
+
+/// Why the agent's own sockets are not exempt from the socket load balancer: the `reason` of
+/// `kube_router_socket_lb_agent_not_exempt_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NotExempt {
+    /// No cgroup v2 entry in /proc/self/cgroup, or its directory under no cgroup2 mount.
+    CgroupNotFound,
+    /// The agent runs in the root cgroup: exempting it would exempt every process left there.
+    RootCgroup,
+    MapWriteFailed,
+}
+
+impl NotExempt {
+    pub fn reason(self) -> &'static str {
+        match self {
+            NotExempt::CgroupNotFound => "cgroup_not_found",
+            NotExempt::RootCgroup => "root_cgroup",
+            NotExempt::MapWriteFailed => "map_write_failed",
+        }
+    }
+}
+
+/// Makes `sock_exempt` hold the agent's own cgroup and nothing else (a previous agent's cgroup
+/// is gone: ids are never reused), so that no frontend, however it got into the maps, translates
+/// the agent's connections to the API server. When the cgroup cannot be exempted, says why once
+/// and counts it; the agent runs on, its sockets balanced like any process's.
+pub fn exempt_own_cgroup(pin_dir: &Path, metrics: &Metrics) {
+    let (own, not_exempt) = match own_cgroup_id() {
+        Ok(ROOT_CGROUP_ID) => (None, Some((NotExempt::RootCgroup, "the agent runs in the root cgroup".to_string()))),
+        Ok(id) => (Some(id), None),
+        Err(e) => (None, Some((NotExempt::CgroupNotFound, format!("{e:#}")))),
+    };
+    let not_exempt = match (write_exempt_cgroups(pin_dir, own), not_exempt) {
+        (Err(e), _) => Some((NotExempt::MapWriteFailed, format!("{e:#}"))),
+        (Ok(_), not_exempt) => not_exempt,
+    };
+    let Some((why, detail)) = not_exempt else {
+        tracing::info!(cgroup_id = own, "the socket load balancer never translates the agent's own cgroup");
+        return;
+    };
+    tracing::warn!(
+        reason = why.reason(),
+        error = detail,
+        "the agent's own sockets are not exempt from the socket load balancer: a frontend on the API \
+         server's address would capture them"
+    );
+    metrics.with(|m| *m.socket_lb_agent_not_exempt.entry(why.reason()).or_default() += 1);
+}
+
+/// The cgroup v2 id of this process: the inode of its directory in a cgroup2 mount (the id
+/// `bpf_get_current_cgroup_id` returns for its sockets).
+pub fn own_cgroup_id() -> Result<u64> {
+    let cgroups = fs::read_to_string("/proc/self/cgroup").context("reading /proc/self/cgroup")?;
+    let mountinfo = fs::read_to_string("/proc/self/mountinfo").context("reading /proc/self/mountinfo")?;
+    let own = unified_cgroup(&cgroups).context("no cgroup v2 entry (`0::`) in /proc/self/cgroup")?;
+    let dirs = cgroup_dirs(&mountinfo, own);
+    dirs.iter().find_map(|dir| fs::metadata(dir).ok().map(|m| m.ino())).ok_or_else(|| {
+        anyhow!(
+            "cgroup {own} is under no cgroup2 mount (tried {dirs:?}); mount the cgroup2 filesystem in the agent's view"
+        )
+    })
+}
+
+/// The path of the `0::<path>` line (cgroups(7): the cgroup v2 hierarchy), relative to the
+/// process's cgroup namespace.
+fn unified_cgroup(proc_cgroup: &str) -> Option<&str> {
+    proc_cgroup.lines().find_map(|line| line.strip_prefix("0::")).filter(|path| path.starts_with('/'))
+}
+
+/// Where cgroup `path` (as /proc/self/cgroup shows it) is in each cgroup2 mount that holds it:
+/// a mount shows the part of the hierarchy below its root. In a container with a cgroup
+/// namespace both are `/`: its own cgroup mount's root is the container's cgroup.
+fn cgroup_dirs(mountinfo: &str, path: &str) -> Vec<PathBuf> {
+    cgroup2_mounts_with_roots(mountinfo)
+        .into_iter()
+        .filter_map(|(root, mount_point)| {
+            let below = Path::new(path).strip_prefix(&root).ok()?;
+            // `..` (a cgroup outside the namespace's root) would climb out of the mount.
+            below.components().all(|c| matches!(c, Component::Normal(_))).then(|| mount_point.join(below))
+        })
+        .collect()
+}
+
+/// Writes `sock_exempt` to hold exactly `own` (with its count kept), or nothing. Returns
+/// whether it changed.
+pub fn write_exempt_cgroups(pin_dir: &Path, own: Option<u64>) -> Result<bool> {
+    let path = super::pinned_map(pin_dir, sock_map_names::SOCK_EXEMPT);
+    let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
+    let mut exempt: PerCpuHashMap<MapData, u64, u64> = PerCpuHashMap::try_from(Map::PerCpuHashMap(data))?;
+    let stale: Vec<u64> = exempt.keys().filter_map(Result::ok).filter(|id| Some(*id) != own).collect();
+    for id in &stale {
+        exempt.remove(id)?;
+    }
+    let insert = own.filter(|id| exempt.get(id, 0).is_err());
+    if let Some(id) = insert {
+        let cpus = aya::util::nr_cpus().map_err(|(_, e)| e).context("counting the possible CPUs")?;
+        exempt.insert(id, PerCpuValues::try_from(vec![0u64; cpus])?, 0)?;
+    }
+    Ok(!stale.is_empty() || insert.is_some())
+}
+
+/// `sock_exempt` opened for reading its counts.
+pub struct ExemptCounts(PerCpuHashMap<MapData, u64, u64>);
+
+impl ExemptCounts {
+    /// The event name of [`ExemptCounts::untranslated`] beside `sock_stat::NAMES`.
+    pub const EVENT: &'static str = "agent_untranslated";
+
+    /// `None` without the map (the socket LB never ran, or a datapath from before it).
+    pub fn open_pinned(pin_dir: &Path) -> Option<Self> {
+        let data = MapData::from_pin(super::pinned_map(pin_dir, sock_map_names::SOCK_EXEMPT)).ok()?;
+        PerCpuHashMap::try_from(Map::PerCpuHashMap(data)).ok().map(Self)
+    }
+
+    /// Calls to a frontend left untranslated because an exempt cgroup (the agent's) made them.
+    pub fn untranslated(&self) -> u64 {
+        self.0.iter().filter_map(Result::ok).map(|(_, per_cpu)| per_cpu.iter().sum::<u64>()).sum()
+    }
+}
+
+/// The socket counters by name: `sock_stats`, then the agent's untranslated calls.
+pub fn sock_events(pin_dir: &Path) -> Vec<(&'static str, u64)> {
+    let stats = read_sock_stats(pin_dir).unwrap_or_default();
+    let exempt = ExemptCounts::open_pinned(pin_dir).map(|e| (ExemptCounts::EVENT, e.untranslated()));
+    sock_stat::NAMES.iter().copied().zip(stats).chain(exempt).collect()
 }
 
 fn unescape_octal(text: &str) -> String {
@@ -455,6 +592,32 @@ mod tests {
             [PathBuf::from("/sys/fs/cgroup/unified"), PathBuf::from("/host/cgroup v2")]
         );
         assert!(cgroup2_mounts("garbage\n\n1 2 3 - cgroup2").is_empty());
+    }
+
+    #[test]
+    fn finds_the_agents_own_cgroup_directory() {
+        // A hybrid host: cgroup v1 controllers, the v2 hierarchy at /sys/fs/cgroup/unified.
+        let hybrid = "\
+40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+";
+        let proc_cgroup = "12:memory:/system.slice/kr.service\n1:name=systemd:/system.slice/kr.service\n0::/system.slice/kr.service\n";
+        let own = unified_cgroup(proc_cgroup).unwrap();
+        assert_eq!(cgroup_dirs(hybrid, own), [PathBuf::from("/sys/fs/cgroup/unified/system.slice/kr.service")]);
+
+        // A container with a cgroup namespace: its own cgroup is `/`, the runtime's mount shows
+        // it as the root; the host's hierarchy mounted beside it (for attaching) lies above the
+        // namespace's root and never holds the agent's path.
+        let container = "\
+700 690 0:38 / /sys/fs/cgroup ro,nosuid - cgroup2 cgroup rw
+701 690 0:38 /../../.. /run/kube-router/cgroupv2 ro - cgroup2 cgroup2 rw
+";
+        assert_eq!(cgroup_dirs(container, unified_cgroup("0::/\n").unwrap()), [PathBuf::from("/sys/fs/cgroup")]);
+
+        // Moved out of its namespace's root after the namespace was made: nowhere below a mount.
+        assert!(cgroup_dirs(container, "/../other").is_empty());
+        // cgroup v1 only: no `0::` line.
+        assert_eq!(unified_cgroup("4:memory:/x\n1:name=systemd:/x\n"), None);
     }
 
     #[test]

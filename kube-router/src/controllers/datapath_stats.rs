@@ -17,6 +17,7 @@ use crate::{
         counters::Counters,
         policy_maps::PolicyConntrack,
         service_maps::{Conntrack, ConntrackV6},
+        socket_lb::ExemptCounts,
         svc_stats::{SvcStatsMap, SvcStatsMapV6},
     },
     kr_metrics::FrontendId,
@@ -52,6 +53,7 @@ pub struct DatapathStatsController {
     policy: Option<PolicyMapsRead>,
     /// `None` until the socket load balancer's map exists (it may never).
     socket_stats: Option<Counters>,
+    socket_exempt: Option<ExemptCounts>,
     /// `None` until the XDP fast path's map exists (`--xdp off` from the start: never).
     xdp_stats: Option<Counters>,
     /// `None` until direct server return's map exists.
@@ -102,6 +104,7 @@ impl DatapathStatsController {
             services,
             policy,
             socket_stats: None,
+            socket_exempt: None,
             xdp_stats: None,
             dsr_stats: None,
             source_check_stats: None,
@@ -143,8 +146,13 @@ impl DatapathStatsController {
         if self.socket_stats.is_none() {
             self.socket_stats = Counters::open_pinned(&self.pin_dir, sock_map_names::SOCK_STATS, sock_stat::COUNT).ok();
         }
+        if self.socket_exempt.is_none() {
+            self.socket_exempt = ExemptCounts::open_pinned(&self.pin_dir);
+        }
         if let Some(Ok(stats)) = self.socket_stats.as_ref().map(Counters::read) {
-            self.metrics.with(|m| m.socket_lb_events = sock_stat::NAMES.iter().copied().zip(stats).collect());
+            let exempt = self.socket_exempt.as_ref().map(|e| (ExemptCounts::EVENT, e.untranslated()));
+            self.metrics
+                .with(|m| m.socket_lb_events = sock_stat::NAMES.iter().copied().zip(stats).chain(exempt).collect());
         }
         if self.xdp_stats.is_none() {
             self.xdp_stats = Counters::open_pinned(&self.pin_dir, map_names::XDP_STATS, xdp_stat::COUNT).ok();
