@@ -14,6 +14,7 @@ pub mod healthcheck;
 pub mod http;
 pub mod k8s;
 pub mod kr_metrics;
+pub mod legacy;
 pub mod map_writes;
 pub mod metrics;
 pub mod monitor;

@@ -347,6 +347,10 @@ struct RunArgs {
     /// rules).
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     cleanup_config: bool,
+    /// At start, before anything is attached, remove what upstream kube-router and kube-proxy
+    /// left on the node (as `kube-router cleanup --legacy`; docs/migrating.md).
+    #[arg(long, env = "KUBE_ROUTER_CLEANUP_LEGACY_ON_START", default_value_t = false, action = clap::ArgAction::Set)]
+    cleanup_legacy_on_start: bool,
     #[command(flatten)]
     upstream: UpstreamOnly,
 }
@@ -512,7 +516,23 @@ enum Command {
     },
     /// Uninstall: remove every pinned map and link (TC and cgroup), the kernel routes of our
     /// protocol and the graceful-restart marker. Traffic to services and across nodes stops.
-    Cleanup,
+    /// With --legacy: instead remove what upstream kube-router and kube-proxy left behind
+    /// (docs/migrating.md), only that, by its known names.
+    Cleanup {
+        /// Remove upstream kube-router's and kube-proxy's leftovers (their iptables chains,
+        /// ipsets, nftables tables, IPVS services, kube-dummy-if, tun-* tunnels, protocol-17 pod
+        /// routes), not ours.
+        #[arg(long)]
+        legacy: bool,
+        /// With --legacy: the nodes' pod CIDRs whose protocol-17 routes are taken away (our BGP
+        /// installs its own). Default: every Node's, from the API server with
+        /// --master/--kubeconfig, else from the checkpoint in --state-dir.
+        #[arg(long, value_delimiter = ',', requires = "legacy")]
+        node_pod_cidrs: Vec<ipnet::IpNet>,
+        /// Report format.
+        #[arg(short = 'o', long = "output", default_value = "text", value_parser = ["text", "json"])]
+        output: String,
+    },
     /// Print docs/flags.md, the flag reference, generated from this command line.
     #[command(hide = true)]
     FlagsMarkdown,
@@ -583,6 +603,34 @@ fn cleanup(cli: &Cli) -> Result<()> {
     let marker = cli.run.state_dir.join("bgp-graceful-restart");
     if std::fs::remove_file(&marker).is_ok() {
         println!("removed {}", marker.display());
+    }
+    Ok(())
+}
+
+/// `cleanup --legacy`: upstream kube-router's and kube-proxy's leftovers, reported per kind.
+fn cleanup_legacy(cli: &Cli, node_pod_cidrs: &[ipnet::IpNet], json: bool) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let report = runtime.block_on(async {
+        let cidrs = if node_pod_cidrs.is_empty() {
+            let api = (cli.run.master.is_some() || cli.run.kubeconfig.is_some())
+                .then(|| ApiOptions { kubeconfig: cli.run.kubeconfig.clone(), master: cli.run.master.clone() });
+            let (cidrs, from) =
+                kube_router::legacy::exec::node_pod_cidrs(api.as_ref(), &cli.run.state_dir, Duration::from_secs(10))
+                    .await;
+            tracing::info!(?cidrs, %from, "node pod CIDRs");
+            cidrs
+        } else {
+            node_pod_cidrs.iter().map(|c| c.trunc()).collect()
+        };
+        kube_router::legacy::exec::cleanup(&cidrs).await
+    })?;
+    if json {
+        println!("{}", report.to_json());
+    } else {
+        print!("{}", report.render_text());
+    }
+    if !report.failed.is_empty() {
+        anyhow::bail!("{} removals failed", report.failed.len());
     }
     Ok(())
 }
@@ -858,7 +906,10 @@ fn main() -> ExitCode {
                 println!("monitor_{name} {n}");
             }
         }),
-        Command::Cleanup => cleanup(&cli),
+        Command::Cleanup { legacy: false, .. } => cleanup(&cli),
+        Command::Cleanup { legacy: true, node_pod_cidrs, output } => {
+            cleanup_legacy(&cli, node_pod_cidrs, output == "json")
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -1037,7 +1088,37 @@ fn run(cli: &Cli) -> Result<()> {
     };
     raise_fd_limit();
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    if args.cleanup_legacy_on_start {
+        runtime.block_on(cleanup_legacy_on_start(&config));
+    }
     runtime.block_on(agent::run(config))
+}
+
+/// `--cleanup-legacy-on-start`: never fatal (the agent is what repairs the node), each removal
+/// and failure logged.
+async fn cleanup_legacy_on_start(config: &AgentConfig) {
+    let api = match &config.source {
+        DesiredSource::Api(options) => Some(options),
+        DesiredSource::File(_) => None,
+    };
+    let (cidrs, from) =
+        kube_router::legacy::exec::node_pod_cidrs(api, &config.state_dir, Duration::from_secs(10)).await;
+    tracing::info!(?cidrs, %from, "legacy cleanup: node pod CIDRs");
+    match kube_router::legacy::exec::cleanup(&cidrs).await {
+        Ok(report) => {
+            for kind in kube_router::legacy::KINDS {
+                let items = report.removed.get(kind).cloned().unwrap_or_default();
+                tracing::info!(kind, count = items.len(), ?items, "legacy cleanup: removed");
+            }
+            for failure in &report.failed {
+                tracing::warn!(%failure, "legacy cleanup: a removal failed");
+            }
+            for note in &report.notes {
+                tracing::info!(%note, "legacy cleanup");
+            }
+        }
+        Err(e) => tracing::warn!("legacy cleanup failed: {e:#}"),
+    }
 }
 
 /// Raises the soft limit of open files to the hard limit, as the Go runtime does for every Go

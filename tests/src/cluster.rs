@@ -899,6 +899,14 @@ impl Cluster {
         self.restart_agent(i)
     }
 
+    /// Kills node `i`'s agent and leaves it stopped; [`Cluster::restart_agent`] (or
+    /// [`Cluster::restart_agent_with`]) starts it again.
+    pub fn stop_agent(&self, i: usize) {
+        if let Some(agent) = self.agents.lock().unwrap()[i].take() {
+            agent.kill();
+        }
+    }
+
     /// Kills node `i`'s agent (a crash) and starts it again.
     pub fn restart_agent(&self, i: usize) -> Result<()> {
         if let Some(agent) = self.agents.lock().unwrap()[i].take() {
