@@ -15,9 +15,9 @@ pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 pub const HAIRPIN_ANNOTATION: &str = "kube-router.io/service.hairpin";
 /// The pre-1.x form of `spec.loadBalancerSourceRanges`, still read by kube-proxy.
 pub const SOURCE_RANGES_ANNOTATION: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
-/// kube-router's IPVS scheduler annotation; `mh` (Maglev hashing) is honoured, IPVS's other
-/// schedulers mean the default random choice here (docs/annotations.md), any other value is
-/// reported as a warning.
+/// kube-router's IPVS scheduler annotation; `mh` (Maglev hashing) and `sh` (source hashing, as
+/// Maglev on the client address) are honoured, IPVS's other schedulers mean the default choice
+/// here (docs/annotations.md), any other value is reported as a warning.
 pub const SCHEDULER_ANNOTATION: &str = "kube-router.io/service.scheduler";
 /// IPVS's scheduler names that upstream passes through; served by the default choice here.
 const IPVS_SCHEDULERS: &[&str] =
@@ -311,14 +311,18 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
     ))
 }
 
-/// `Some(hash the port too)` for a Service scheduled by Maglev hashing (`mh`).
+/// `Some(hash the port too)` for a Service scheduled by Maglev hashing (`mh`) or by source
+/// hashing (`sh`): a Maglev table keyed on the client's address alone sends every connection
+/// of one client to one backend, on every node. `mh-port` / `sh-port` hash the port too.
 fn maglev(object: &core::Service) -> Option<bool> {
     let annotations = object.metadata.annotations.as_ref()?;
-    if annotations.get(SCHEDULER_ANNOTATION).map(|s| s.trim()) != Some("mh") {
-        return None;
-    }
+    let port_flag = match annotations.get(SCHEDULER_ANNOTATION).map(|s| s.trim()) {
+        Some("mh") => "mh-port",
+        Some("sh") => "sh-port",
+        _ => return None,
+    };
     let flags = annotations.get(SCHEDFLAGS_ANNOTATION).map(String::as_str).unwrap_or("");
-    Some(flags.split(',').any(|f| f.trim() == "mh-port"))
+    Some(flags.split(',').any(|f| f.trim() == port_flag))
 }
 
 /// Whether the Service asks for direct server return (`tunnel`); another value is reported in
@@ -469,11 +473,21 @@ mod tests {
     }
 
     #[test]
+    fn source_hashing_is_maglev_on_the_client_address_unless_sh_port() {
+        assert_eq!(converted(serde_json::json!({SCHEDULER_ANNOTATION: "sh"})).0.maglev, Some(false));
+        let with_port = serde_json::json!({SCHEDULER_ANNOTATION: "sh", SCHEDFLAGS_ANNOTATION: "sh-fallback,sh-port"});
+        assert_eq!(converted(with_port).0.maglev, Some(true));
+        // mh's port flag is not sh's.
+        let mh_flag = serde_json::json!({SCHEDULER_ANNOTATION: "sh", SCHEDFLAGS_ANNOTATION: "mh-port"});
+        assert_eq!(converted(mh_flag).0.maglev, Some(false));
+    }
+
+    #[test]
     fn ipvs_schedulers_are_accepted_and_an_unknown_one_is_reported() {
         for scheduler in ["mh", "rr", "lc", "sh", "dh", "wrr"] {
             let (service, warnings) = converted(serde_json::json!({SCHEDULER_ANNOTATION: scheduler}));
             assert!(warnings.is_empty(), "{scheduler}: {warnings:?}");
-            assert_eq!(service.maglev.is_some(), scheduler == "mh", "{scheduler}");
+            assert_eq!(service.maglev.is_some(), scheduler == "mh" || scheduler == "sh", "{scheduler}");
         }
         let (service, warnings) = converted(serde_json::json!({SCHEDULER_ANNOTATION: "fastest"}));
         assert!(service.maglev.is_none());
