@@ -204,7 +204,9 @@ pub fn service_vips<'a>(
                 .collect();
             add(ips, external_local, &mut local_ready);
         }
-        if wants("loadbalancerip", advertise.load_balancer_ip) {
+        // skiplbips: the LoadBalancer IPs are not served here, so not advertised (as upstream).
+        let skip_lb_ips = annotation(crate::services::from_k8s::SKIP_LB_IPS_ANNOTATION).is_some();
+        if wants("loadbalancerip", advertise.load_balancer_ip) && !skip_lb_ips {
             let ingress =
                 service.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
             let ips = ingress
@@ -797,5 +799,22 @@ mod tests {
         // The annotation alone (flags off) advertises nothing without the operator's opt-in.
         let annotation_only = service_vips(services.iter(), AdvertiseServices::default(), &policy, &local);
         assert!(annotation_only.advertised.is_empty());
+    }
+
+    #[test]
+    fn load_balancer_ips_of_a_skiplbips_service_are_neither_served_nor_advertised() {
+        let lb = |annotations: serde_json::Value| {
+            service(serde_json::json!({"metadata": {"name": "lb", "annotations": annotations},
+                "spec": {"clusterIP": "10.96.0.10", "type": "LoadBalancer"},
+                "status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.5"}]}}}))
+        };
+        let addresses = BTreeSet::new();
+        let local = LocalEndpoints { node_name: "node-1", node_addresses: &addresses, slices_of: &|_, _| Vec::new() };
+        let flags = AdvertiseServices { load_balancer_ip: true, ..Default::default() };
+        let policy = ExternalIpPolicy::default();
+        let plain = [lb(serde_json::json!({}))];
+        assert_eq!(service_vips(plain.iter(), flags, &policy, &local).advertised.len(), 1);
+        let skipped = [lb(serde_json::json!({"kube-router.io/service.skiplbips": "true"}))];
+        assert!(service_vips(skipped.iter(), flags, &policy, &local).advertised.is_empty());
     }
 }

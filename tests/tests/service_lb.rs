@@ -32,6 +32,24 @@ impl Drop for Env {
     }
 }
 
+const SOURCE_HASH_VIP: &str = "10.96.0.12";
+
+/// `srchash` (ClusterIP [`SOURCE_HASH_VIP`], scheduler `sh`) and `localonly` (NodePort 30081,
+/// `kube-router.io/service.local: "true"`), both over backends 1-3.
+fn annotated_services() -> String {
+    let all = backend_addrs(3);
+    let annotated = |name: &str, cluster_ip: &str, node_port: Option<u16>, annotation: &str| {
+        let objects = service_objects(&ServiceSpec { name, cluster_ip, node_port, affinity: false, backends: &all });
+        objects.replacen(
+            &format!("metadata: {{namespace: default, name: {name}}}"),
+            &format!("metadata: {{namespace: default, name: {name}, annotations: {{{annotation}}}}}"),
+            1,
+        )
+    };
+    annotated("srchash", SOURCE_HASH_VIP, None, "kube-router.io/service.scheduler: sh")
+        + &annotated("localonly", "10.96.0.13", Some(30081), "kube-router.io/service.local: \"true\"")
+}
+
 fn assert_all_ok(replies: &[String]) {
     assert!(replies.iter().all(|r| r.starts_with("backend-")), "failed requests: {replies:?}");
 }
@@ -39,6 +57,7 @@ fn assert_all_ok(replies: &[String]) {
 #[test]
 fn cluster_ip_node_port_spread_and_affinity() {
     let env = Env::new("krt-lb");
+    env.file.write(&format!("{}{}", web_and_sticky(&backend_addrs(3)), annotated_services())).unwrap();
     let _agent = env.agent();
     let topo = &env.topo;
 
@@ -62,6 +81,17 @@ fn cluster_ip_node_port_spread_and_affinity() {
     // A port that is not a service frontend is not intercepted: nothing listens, so it fails.
     let replies = topo.request("tcp", &format!("{VIP}:81"), 1).unwrap();
     assert!(replies[0].starts_with("ERR"), "{replies:?}");
+
+    // kube-router.io/service.scheduler: sh — every connection of one client address lands on one
+    // backend (`web`, the same backends without it, spreads above).
+    let replies = topo.request("tcp", &format!("{SOURCE_HASH_VIP}:80"), 30).unwrap();
+    assert_all_ok(&replies);
+    assert_eq!(tally(&replies).len(), 1, "sh pins the client to one backend: {:?}", tally(&replies));
+
+    // kube-router.io/service.local: "true" is externalTrafficPolicy Local in the datapath: no
+    // endpoint is on this node (none names it), so the NodePort serves nothing.
+    let replies = topo.request("tcp", &format!("{NODE_ADDR}:30081"), 1).unwrap();
+    assert!(replies[0].starts_with("ERR"), "service.local NodePort without a local endpoint: {replies:?}");
 }
 
 #[test]

@@ -15,9 +15,17 @@ pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 pub const HAIRPIN_ANNOTATION: &str = "kube-router.io/service.hairpin";
 /// The pre-1.x form of `spec.loadBalancerSourceRanges`, still read by kube-proxy.
 pub const SOURCE_RANGES_ANNOTATION: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
-/// kube-router's IPVS scheduler annotation; `mh` (Maglev hashing) is honoured, the others
-/// (rr, lc, sh, dh) mean the default random choice here.
+/// kube-router's IPVS scheduler annotation; `mh` (Maglev hashing) and `sh` (source hashing, as
+/// Maglev on the client address) are honoured, IPVS's other schedulers mean the default choice
+/// here (docs/annotations.md), any other value is reported as a warning.
 pub const SCHEDULER_ANNOTATION: &str = "kube-router.io/service.scheduler";
+/// IPVS's scheduler names that upstream passes through; served by the default choice here.
+const IPVS_SCHEDULERS: &[&str] =
+    &["rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "fo", "ovf", "twos"];
+/// kube-router's "force Local traffic policy" switch: `"true"` acts as externalTrafficPolicy Local.
+pub const LOCAL_ANNOTATION: &str = "kube-router.io/service.local";
+/// kube-router's switch (its presence) to leave a Service's LoadBalancer IPs unserved.
+pub const SKIP_LB_IPS_ANNOTATION: &str = "kube-router.io/service.skiplbips";
 pub const SCHEDFLAGS_ANNOTATION: &str = "kube-router.io/service.schedflags";
 /// kube-router's direct server return annotation; `tunnel` (IPIP) is the one mode.
 pub const DSR_ANNOTATION: &str = "kube-router.io/service.dsr";
@@ -188,6 +196,10 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
         .filter(|i| i.ip_mode.as_deref() != Some("Proxy"))
         .filter_map(|i| i.ip.clone())
         .collect();
+    let annotations = object.metadata.annotations.as_ref();
+    let annotation = |key: &str| annotations.and_then(|a| a.get(key)).map(|v| v.trim());
+    // skiplbips: the LoadBalancer IPs are someone else's to serve; not even claimed on rejection.
+    let lb_strings = if annotation(SKIP_LB_IPS_ANNOTATION).is_some() { Vec::new() } else { lb_strings };
     let reject = |reason: ObjectError| {
         let mut addrs = readable_addrs(Some(&cluster_ip_strings));
         addrs.extend(readable_addrs(spec.external_ips.as_ref()));
@@ -257,6 +269,14 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
     }
 
     let source_ranges = source_ranges(object, &mut warnings);
+    if let Some(scheduler) = annotation(SCHEDULER_ANNOTATION) {
+        if scheduler != "mh" && !IPVS_SCHEDULERS.contains(&scheduler) {
+            warnings
+                .push(format!("{SCHEDULER_ANNOTATION}: {scheduler:?} is not a known scheduler; served by the default"));
+        }
+    }
+    let external_traffic_local =
+        spec.external_traffic_policy.as_deref() == Some("Local") || annotation(LOCAL_ANNOTATION) == Some("true");
     let affinity_timeout_secs = (spec.session_affinity.as_deref() == Some("ClientIP")).then(|| {
         spec.session_affinity_config
             .as_ref()
@@ -274,7 +294,7 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
             ip_families,
             ports,
             affinity_timeout_secs,
-            external_traffic_local: spec.external_traffic_policy.as_deref() == Some("Local"),
+            external_traffic_local,
             internal_traffic_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
             publish_not_ready: spec.publish_not_ready_addresses.unwrap_or(false),
             hairpin: object.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(HAIRPIN_ANNOTATION)),
@@ -291,14 +311,18 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
     ))
 }
 
-/// `Some(hash the port too)` for a Service scheduled by Maglev hashing (`mh`).
+/// `Some(hash the port too)` for a Service scheduled by Maglev hashing (`mh`) or by source
+/// hashing (`sh`): a Maglev table keyed on the client's address alone sends every connection
+/// of one client to one backend, on every node. `mh-port` / `sh-port` hash the port too.
 fn maglev(object: &core::Service) -> Option<bool> {
     let annotations = object.metadata.annotations.as_ref()?;
-    if annotations.get(SCHEDULER_ANNOTATION).map(|s| s.trim()) != Some("mh") {
-        return None;
-    }
+    let port_flag = match annotations.get(SCHEDULER_ANNOTATION).map(|s| s.trim()) {
+        Some("mh") => "mh-port",
+        Some("sh") => "sh-port",
+        _ => return None,
+    };
     let flags = annotations.get(SCHEDFLAGS_ANNOTATION).map(String::as_str).unwrap_or("");
-    Some(flags.split(',').any(|f| f.trim() == "mh-port"))
+    Some(flags.split(',').any(|f| f.trim() == port_flag))
 }
 
 /// Whether the Service asks for direct server return (`tunnel`); another value is reported in
@@ -405,4 +429,69 @@ pub fn endpoint_slice(object: &discovery::EndpointSlice) -> Result<Option<Conver
         EndpointSlice { service: ServiceName::new(slice_name.namespace, service_name), ports, endpoints },
         warnings,
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A LoadBalancer Service `default/web` with the given annotations.
+    fn load_balancer(annotations: serde_json::Value) -> core::Service {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "default", "name": "web", "annotations": annotations},
+            "spec": {"type": "LoadBalancer", "clusterIP": "10.96.0.10",
+                     "ports": [{"port": 80, "nodePort": 30080}]},
+            "status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.7"}]}},
+        }))
+        .unwrap()
+    }
+
+    fn converted(annotations: serde_json::Value) -> (Service, Vec<String>) {
+        match service(&load_balancer(annotations)).unwrap() {
+            ServiceOutcome::Service(service, warnings) => (service, warnings),
+            _ => panic!("not converted to a Service"),
+        }
+    }
+
+    #[test]
+    fn service_local_true_forces_local_external_traffic() {
+        assert!(!converted(serde_json::json!({})).0.external_traffic_local);
+        assert!(converted(serde_json::json!({LOCAL_ANNOTATION: "true"})).0.external_traffic_local);
+        assert!(!converted(serde_json::json!({LOCAL_ANNOTATION: "false"})).0.external_traffic_local);
+        // Upstream's switch is about external traffic only.
+        assert!(!converted(serde_json::json!({LOCAL_ANNOTATION: "true"})).0.internal_traffic_local);
+    }
+
+    #[test]
+    fn skiplbips_leaves_the_load_balancer_ips_out() {
+        let lb_ip: IpAddr = "203.0.113.7".parse().unwrap();
+        assert_eq!(converted(serde_json::json!({})).0.load_balancer_ips, vec![lb_ip]);
+        let (skipped, warnings) = converted(serde_json::json!({SKIP_LB_IPS_ANNOTATION: ""}));
+        assert!(skipped.load_balancer_ips.is_empty());
+        assert_eq!(skipped.cluster_ips, vec!["10.96.0.10".parse::<IpAddr>().unwrap()]);
+        assert!(warnings.is_empty(), "{warnings:?}");
+    }
+
+    #[test]
+    fn source_hashing_is_maglev_on_the_client_address_unless_sh_port() {
+        assert_eq!(converted(serde_json::json!({SCHEDULER_ANNOTATION: "sh"})).0.maglev, Some(false));
+        let with_port = serde_json::json!({SCHEDULER_ANNOTATION: "sh", SCHEDFLAGS_ANNOTATION: "sh-fallback,sh-port"});
+        assert_eq!(converted(with_port).0.maglev, Some(true));
+        // mh's port flag is not sh's.
+        let mh_flag = serde_json::json!({SCHEDULER_ANNOTATION: "sh", SCHEDFLAGS_ANNOTATION: "mh-port"});
+        assert_eq!(converted(mh_flag).0.maglev, Some(false));
+    }
+
+    #[test]
+    fn ipvs_schedulers_are_accepted_and_an_unknown_one_is_reported() {
+        for scheduler in ["mh", "rr", "lc", "sh", "dh", "wrr"] {
+            let (service, warnings) = converted(serde_json::json!({SCHEDULER_ANNOTATION: scheduler}));
+            assert!(warnings.is_empty(), "{scheduler}: {warnings:?}");
+            assert_eq!(service.maglev.is_some(), scheduler == "mh" || scheduler == "sh", "{scheduler}");
+        }
+        let (service, warnings) = converted(serde_json::json!({SCHEDULER_ANNOTATION: "fastest"}));
+        assert!(service.maglev.is_none());
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(warnings[0].contains(SCHEDULER_ANNOTATION) && warnings[0].contains("fastest"), "{warnings:?}");
+    }
 }
