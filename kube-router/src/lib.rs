@@ -2,6 +2,7 @@
 pub mod agent;
 pub mod bgp;
 pub mod bpf;
+pub mod cli;
 pub mod cni;
 pub mod config;
 pub mod controllers;
