@@ -25,3 +25,4 @@ pub mod policy;
 pub mod router;
 pub mod runtime;
 pub mod services;
+pub mod status_socket;

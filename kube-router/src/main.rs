@@ -498,7 +498,8 @@ enum Command {
         #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
         output: kube_router::cli::Output,
     },
-    /// Show BGP neighbors and routes of the running agent (asks its health port).
+    /// Show BGP neighbors and routes of the running agent (asks its socket in --state-dir, else its
+    /// metrics port).
     Bgp,
     /// Show NetworkPolicy verdict counters and what the policy maps hold.
     Policy {
@@ -740,7 +741,9 @@ fn main() -> ExitCode {
         }
         Command::Services { output } => cli::services::collect(&cli.bpf_root).and_then(|r| cli::print(&r, *output)),
         Command::Conntrack { output } => cli::conntrack::collect(&cli.bpf_root).and_then(|r| cli::print(&r, *output)),
-        Command::Bgp => cli::bgp::fetch(cli.run.metrics_addr, cli.run.metrics_port).map(|page| print!("{page}")),
+        Command::Bgp => {
+            cli::bgp::show(&cli.run.state_dir, cli.run.metrics_addr, cli.run.metrics_port).map(|page| print!("{page}"))
+        }
         Command::Policy { output } => cli::policy::collect(&cli.bpf_root).and_then(|r| cli::print(&r, *output)),
         Command::Interfaces { output } => cli::interfaces::collect(&cli.bpf_root).and_then(|r| cli::print(&r, *output)),
         Command::Checkpoint { output } => {

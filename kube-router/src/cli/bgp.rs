@@ -1,5 +1,5 @@
-//! `kube-router bgp`: the running agent's BGP neighbors and routes, read from its `/bgp` page on
-//! the metrics listener.
+//! `kube-router bgp`: the running agent's BGP neighbors and routes, read from its status socket
+//! in --state-dir, else from its `/bgp` page on the metrics listener.
 use std::{
     io::{Read, Write},
     net::{IpAddr, Ipv4Addr},
@@ -7,6 +7,16 @@ use std::{
 };
 
 use anyhow::Result;
+
+/// The agent's `bgp` page: over HTTP when its metrics port is given, else from its unix socket in
+/// --state-dir (which works with the health and metrics ports disabled).
+pub fn show(state_dir: &std::path::Path, addr: IpAddr, port: u16) -> Result<String> {
+    if port != 0 {
+        return fetch(addr, port);
+    }
+    crate::status_socket::request(state_dir, "bgp")
+        .map_err(|e| e.context("or give the agent's --metrics-port to ask its /bgp page"))
+}
 
 /// The `/bgp` page of the agent listening on `addr:port` (an unspecified address: loopback).
 pub fn fetch(addr: IpAddr, port: u16) -> Result<String> {
