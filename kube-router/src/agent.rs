@@ -60,6 +60,7 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
 
     // Until a BGP speaker runs (if ever), /bgp says so.
     metrics.register_page("bgp", Arc::new(|| crate::router::render_status(None)));
+    tokio::spawn(crate::status_socket::serve(config.state_dir.clone(), metrics.clone()));
 
     // The object holds every program; loading it creates (or re-adopts) every pinned map.
     let interfaces = if config.run_service_proxy || config.run_firewall {

@@ -2,6 +2,7 @@
 pub mod agent;
 pub mod bgp;
 pub mod bpf;
+pub mod cli;
 pub mod cni;
 pub mod config;
 pub mod controllers;
@@ -24,3 +25,4 @@ pub mod policy;
 pub mod router;
 pub mod runtime;
 pub mod services;
+pub mod status_socket;

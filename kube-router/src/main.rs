@@ -7,26 +7,19 @@ use kube_router::{
     agent::{self, AgentConfig, DesiredSource},
     bgp::peers::{parse_external_peer_flags, RouterIdSetting, DEFAULT_CLUSTER_ASN},
     bpf::{
-        counters::read_pinned_if_exists,
         datapath::{self, AttachMode},
         layout::MapSizes,
-        service_maps::{read_lb_stats, FamilyConntrack},
-        socket_lb::{sock_events, SocketLbOptions},
-        xdp,
+        socket_lb::SocketLbOptions,
     },
+    cli,
     flags::{parse_go_duration, Upstream},
     k8s::watch::ApiOptions,
     netif,
     overlay::{Encap, OverlayConfig, OverlayType},
     router::{AdvertiseServices, RouterOptions},
-    services::{
-        compile::{Limits, MapContents},
-        family::{AddressFamily, IpFamily, V4, V6},
-    },
+    services::{compile::Limits, family::IpFamily},
 };
-use kube_router_common::{
-    dsr_stat, event_stat, lb_stat, map_names, source_check_map_names, src_stat, xdp_stat, DEFAULT_PIN_DIR,
-};
+use kube_router_common::DEFAULT_PIN_DIR;
 
 #[derive(Parser)]
 #[command(
@@ -488,19 +481,44 @@ enum Command {
     /// Run the agent (the default).
     Run,
     /// Show service frontends and their backends, read from the pinned maps.
-    Services,
+    Services {
+        /// Report format: table (text) or json (docs/usage.md).
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: kube_router::cli::Output,
+    },
     /// Show conntrack entries.
-    Conntrack,
+    Conntrack {
+        /// Report format: table (text) or json (docs/usage.md).
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: kube_router::cli::Output,
+    },
     /// Show the datapath packet counters.
-    Stats,
-    /// Show BGP neighbors and routes of the running agent (asks its health port).
+    Stats {
+        /// Report format: table (text) or json (docs/usage.md).
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: kube_router::cli::Output,
+    },
+    /// Show BGP neighbors and routes of the running agent (asks its socket in --state-dir, else its
+    /// metrics port).
     Bgp,
     /// Show NetworkPolicy verdict counters and what the policy maps hold.
-    Policy,
+    Policy {
+        /// Report format: table (text) or json (docs/usage.md).
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: kube_router::cli::Output,
+    },
     /// Show, per interface, which of our programs are attached and how (TCX or classic tc).
-    Interfaces,
+    Interfaces {
+        /// Report format: table (text) or json (docs/usage.md).
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: kube_router::cli::Output,
+    },
     /// Show the age and contents of the checkpoint in --state-dir.
-    Checkpoint,
+    Checkpoint {
+        /// Report format: table (text) or json (docs/usage.md).
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: kube_router::cli::Output,
+    },
     /// Stream NetworkPolicy drops and new Service flows from the datapath, with pod, namespace
     /// and Service names from the checkpoint in --state-dir. Events flow only while this runs.
     Monitor {
@@ -635,55 +653,6 @@ fn cleanup_legacy(cli: &Cli, node_pod_cidrs: &[ipnet::IpNet], json: bool) -> Res
     Ok(())
 }
 
-fn show_policy(cli: &Cli) -> Result<()> {
-    use kube_router::bpf::policy_maps::{decode, read_policy_stats, BpfPolicyMaps, PolicyMaps};
-    use kube_router_common::{pol_guard_stat, pol_stat};
-    for (name, n) in pol_stat::NAMES.iter().zip(read_policy_stats(&cli.bpf_root)?) {
-        println!("{name} {n}");
-    }
-    let guard =
-        read_pinned_if_exists(&cli.bpf_root, map_names::POLICY_GUARD_STATS, pol_guard_stat::COUNT)?.unwrap_or_default();
-    for (name, n) in pol_guard_stat::NAMES.iter().zip(guard) {
-        println!("{name} {n}");
-    }
-    let maps = BpfPolicyMaps::open_pinned(&cli.bpf_root)?;
-    let contents = maps.read_all().map_err(|e| anyhow::anyhow!("{}: {}", e.map, e.message))?;
-    let entries = decode(&contents)?;
-    for (key, value) in &entries.pod_slots {
-        println!(
-            "pod {} {:?}: {} rule(s) in slot {}{}",
-            key.pod_ip,
-            key.direction,
-            value.rule_count,
-            value.slot.0,
-            if value.rule_count == 0 { " (default deny)" } else { "" }
-        );
-    }
-    println!(
-        "{} isolated pod directions, {} port entries, {} peer prefixes",
-        entries.pod_slots.len(),
-        entries.slot_ports.len(),
-        entries.peer_prefixes.len()
-    );
-    Ok(())
-}
-
-fn show_checkpoint(cli: &Cli) -> Result<()> {
-    let saved = kube_router::k8s::checkpoint::read(&cli.run.state_dir)?;
-    let age = kube_router::metrics::unix_now() - saved.written_unix;
-    println!("checkpoint in {}: written {:.0} s ago", cli.run.state_dir.display(), age);
-    println!(
-        "services {}  endpointslices {}  pods {}  namespaces {}  nodes {}  networkpolicies {}",
-        saved.services.len(),
-        saved.endpoint_slices.len(),
-        saved.pods.len(),
-        saved.namespaces.len(),
-        saved.nodes.len(),
-        saved.network_policies.len()
-    );
-    Ok(())
-}
-
 fn parse_metrics_path(path: &str) -> Result<String, String> {
     if path.starts_with('/') && !path.contains(char::is_whitespace) {
         Ok(path.to_string())
@@ -692,88 +661,12 @@ fn parse_metrics_path(path: &str) -> Result<String, String> {
     }
 }
 
-fn show_bgp(cli: &Cli) -> Result<()> {
-    use std::io::{Read, Write};
-    let port = cli.run.metrics_port;
-    anyhow::ensure!(port != 0, "the agent serves /bgp on its metrics listener: give its --metrics-port");
-    let addr = match cli.run.metrics_addr {
-        any if any.is_unspecified() => std::net::IpAddr::V4(Ipv4Addr::LOCALHOST),
-        addr => addr,
-    };
-    let mut stream = std::net::TcpStream::connect((addr, port)).map_err(|e| {
-        anyhow::anyhow!("cannot reach the agent on {addr}:{port} (--metrics-addr, --metrics-port): {e}")
-    })?;
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    stream.write_all(b"GET /bgp HTTP/1.0\r\n\r\n")?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response)?;
-    let body = response.split_once("\r\n\r\n").map_or(response.as_str(), |(_, b)| b);
-    print!("{body}");
-    Ok(())
-}
-
 fn hostname() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: gethostname writes at most buf.len() bytes into buf.
     unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
     let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
     String::from_utf8_lossy(&buf[..end]).into_owned()
-}
-
-fn fmt_addr<F: AddressFamily>(addr: F::Words, port_be: u16) -> String {
-    let ip: std::net::IpAddr = F::addr_from_words(addr).into();
-    std::net::SocketAddr::new(ip, u16::from_be(port_be)).to_string()
-}
-
-fn show_services_of<F: AddressFamily>(contents: &MapContents<F>) {
-    for (key, value) in &contents.services {
-        let proto = if key.proto == 6 { "tcp" } else { "udp" };
-        let backends: Vec<String> = (0..value.backend_count)
-            .filter_map(|slot| {
-                contents.slots.get(&kube_router_common::BackendSlotKey { service_id: value.service_id, slot })
-            })
-            .filter_map(|s| contents.backends.get(&s.backend_id))
-            .map(|b| fmt_addr::<F>(b.addr, b.port))
-            .collect();
-        println!(
-            "{proto} {} id={} flags={:#x} backends=[{}]",
-            fmt_addr::<F>(key.addr, key.port),
-            value.service_id,
-            value.flags,
-            backends.join(", ")
-        );
-    }
-}
-
-fn show_services(cli: &Cli) -> Result<()> {
-    show_services_of(&agent::read_programmed(&cli.bpf_root)?);
-    show_services_of(&agent::read_programmed_v6(&cli.bpf_root)?);
-    Ok(())
-}
-
-fn show_conntrack<F: AddressFamily>(cli: &Cli) -> Result<()>
-where
-    kube_router_common::CtKey<F::Words>: aya::Pod,
-    kube_router_common::CtValue<F::Words>: aya::Pod,
-{
-    use kube_router_common::{CT_FLAG_FULL_NAT, CT_FLAG_REVERSE};
-    for (k, v) in FamilyConntrack::<F>::open_pinned(&cli.bpf_root)?.entries()? {
-        let kind = if v.flags & CT_FLAG_REVERSE != 0 { "reverse" } else { "forward" };
-        let nat = if v.flags & CT_FLAG_FULL_NAT != 0 { " snat" } else { "" };
-        println!(
-            "{}{} {} -> {} becomes {} -> {} flags={:#x} service={} backend={}",
-            kind,
-            nat,
-            fmt_addr::<F>(k.src_addr, k.src_port),
-            fmt_addr::<F>(k.dst_addr, k.dst_port),
-            fmt_addr::<F>(v.nat_src_addr, v.nat_src_port),
-            fmt_addr::<F>(v.nat_dst_addr, v.nat_dst_port),
-            v.flags,
-            v.service_id,
-            v.backend_id
-        );
-    }
-    Ok(())
 }
 
 /// glibc gives each thread that allocates under contention an arena of its own (up to 8 per
@@ -846,28 +739,16 @@ fn main() -> ExitCode {
             print!("{}", kube_router::flags::markdown(&cli_command().0));
             Ok(())
         }
-        Command::Services => show_services(&cli),
-        Command::Conntrack => show_conntrack::<V4>(&cli).and_then(|()| show_conntrack::<V6>(&cli)),
-        Command::Bgp => show_bgp(&cli),
-        Command::Policy => show_policy(&cli),
-        Command::Interfaces => datapath::attachments(&cli.bpf_root).map(|list| {
-            for a in list {
-                let how = match a.mode {
-                    AttachMode::Tcx => "tcx",
-                    AttachMode::Classic => "classic tc",
-                };
-                let state = if a.attached { "attached" } else { "NOT attached" };
-                let id = a.program_id.map(|i| i.to_string()).unwrap_or_else(|| "?".into());
-                println!("{:<16} {:<15} {how:<10} program {id:<6} {state}", a.interface, a.hook.program());
-            }
-            // The uplinks' XDP fast path (its mode, native or generic, is in `ip link show`).
-            for a in xdp::attachments(&cli.bpf_root) {
-                let state = if a.attached { "attached" } else { "NOT attached" };
-                let id = a.program_id.map(|i| i.to_string()).unwrap_or_else(|| "?".into());
-                println!("{:<16} {:<15} {:<10} program {id:<6} {state}", a.interface, xdp::PROGRAM, "xdp link");
-            }
-        }),
-        Command::Checkpoint => show_checkpoint(&cli),
+        Command::Services { output } => cli::services::collect(&cli.bpf_root).and_then(|r| cli::print(&r, *output)),
+        Command::Conntrack { output } => cli::conntrack::collect(&cli.bpf_root).and_then(|r| cli::print(&r, *output)),
+        Command::Bgp => {
+            cli::bgp::show(&cli.run.state_dir, cli.run.metrics_addr, cli.run.metrics_port).map(|page| print!("{page}"))
+        }
+        Command::Policy { output } => cli::policy::collect(&cli.bpf_root).and_then(|r| cli::print(&r, *output)),
+        Command::Interfaces { output } => cli::interfaces::collect(&cli.bpf_root).and_then(|r| cli::print(&r, *output)),
+        Command::Checkpoint { output } => {
+            cli::checkpoint::collect(&cli.run.state_dir).and_then(|r| cli::print(&r, *output))
+        }
         Command::Monitor { json, filter, rate } => kube_router::monitor::run(&kube_router::monitor::Options {
             pin_dir: cli.bpf_root.clone(),
             state_dir: cli.run.state_dir.clone(),
@@ -875,37 +756,7 @@ fn main() -> ExitCode {
             filter: *filter,
             rate_per_cpu: *rate,
         }),
-        Command::Stats => read_lb_stats(&cli.bpf_root).map(|stats| {
-            for (name, n) in lb_stat::NAMES.iter().zip(stats) {
-                println!("{name} {n}");
-            }
-            // The XDP fast path's counters, if it ever ran.
-            for (name, n) in
-                xdp_stat::NAMES.iter().zip(xdp::read_stats(&cli.bpf_root).ok().flatten().unwrap_or_default())
-            {
-                println!("xdp_{name} {n}");
-            }
-            // Direct server return's counters, if the datapath ever had them.
-            let dsr = read_pinned_if_exists(&cli.bpf_root, map_names::DSR_STATS, dsr_stat::COUNT);
-            for (name, n) in dsr_stat::NAMES.iter().zip(dsr.ok().flatten().unwrap_or_default()) {
-                println!("dsr_{name} {n}");
-            }
-            let source_check =
-                read_pinned_if_exists(&cli.bpf_root, source_check_map_names::SOURCE_CHECK_STATS, src_stat::COUNT);
-            for (name, n) in src_stat::NAMES.iter().zip(source_check.ok().flatten().unwrap_or_default()) {
-                println!("src_check_{name} {n}");
-            }
-            // The socket load balancer's counters, if it ever ran.
-            for (name, n) in sock_events(&cli.bpf_root) {
-                println!("sock_{name} {n}");
-            }
-            // `kube-router monitor`'s events: written, over the rate limit, lost to a full ring.
-            for (name, n) in
-                event_stat::NAMES.iter().zip(kube_router::monitor::read_stats(&cli.bpf_root).unwrap_or_default())
-            {
-                println!("monitor_{name} {n}");
-            }
-        }),
+        Command::Stats { output } => cli::stats::collect(&cli.bpf_root).and_then(|r| cli::print(&r, *output)),
         Command::Cleanup { legacy: false, .. } => cleanup(&cli),
         Command::Cleanup { legacy: true, node_pod_cidrs, output } => {
             cleanup_legacy(&cli, node_pod_cidrs, output == "json")
@@ -1280,7 +1131,7 @@ mod tests {
         assert!(!ok(&["--bpf-lb-sock", "false"]).run.bpf_lb_sock);
         // ...but a subcommand after a bare boolean stays a subcommand.
         let cli = ok(&["--enable-cni", "checkpoint"]);
-        assert!(cli.run.enable_cni && matches!(cli.command, Some(Command::Checkpoint)));
+        assert!(cli.run.enable_cni && matches!(cli.command, Some(Command::Checkpoint { .. })));
         assert!(parse(&["--enable-cni=maybe"]).is_err());
         // A repeated flag: the last wins; a repeated list appends.
         let cli = ok(&[

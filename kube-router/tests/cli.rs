@@ -84,3 +84,16 @@ fn a_missing_checkpoint_and_an_absent_agent_are_clear_errors() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--metrics-port"));
 }
+
+#[test]
+fn inspection_commands_take_table_or_json_and_reject_other_formats() {
+    for command in ["services", "conntrack", "stats", "policy", "interfaces", "checkpoint"] {
+        let out = kube_router(&[command, "-o", "yaml"]);
+        assert_eq!(out.status.code(), Some(2), "{command}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("json"), "{command}: the choices are named");
+    }
+    // Without state, -o json fails as the text form does: one message, exit 1, nothing on stdout.
+    let out = kube_router(&["--state-dir", "/tmp/krt-cli-no-state", "checkpoint", "-o", "json"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty());
+}

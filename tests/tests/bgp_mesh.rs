@@ -194,6 +194,11 @@ fn full_mesh_from_node_objects_survives_an_api_outage_and_a_crash_during_it() {
     thread::sleep(Duration::from_secs(2)); // let /bgp catch up (published every second)
     let before: Vec<String> = all.iter().map(|i| mesh.normalized_routes(*i)).collect();
     let uptime_before = uptime(&mesh.bgp(2), &node_ip(1)).expect("node-2 reports its session with node-1");
+    // The same page from the agent's socket in --state-dir, without the metrics port.
+    let from_socket = mesh.nodes[1]
+        .run(&[kube_router_bin().to_str().unwrap(), "--state-dir", mesh.dir.join("n2").to_str().unwrap(), "bgp"])
+        .unwrap();
+    assert!(uptime(&from_socket, &node_ip(1)).is_some() && from_socket.contains("Established"), "{from_socket}");
 
     // API black-holed for longer than the client's longest timeout (30 s), 3x the hold time.
     mesh.set_mode(FaultMode::BlackHole);

@@ -92,6 +92,61 @@ fn cluster_ip_node_port_spread_and_affinity() {
     // endpoint is on this node (none names it), so the NodePort serves nothing.
     let replies = topo.request("tcp", &format!("{NODE_ADDR}:30081"), 1).unwrap();
     assert!(replies[0].starts_with("ERR"), "service.local NodePort without a local endpoint: {replies:?}");
+
+    inspection_json_matches_the_traffic_sent(topo);
+}
+
+/// `-o json` of the inspection commands, parsed, against the state the traffic above left.
+fn inspection_json_matches_the_traffic_sent(topo: &Topology) {
+    let json = |command: &str| -> serde_json::Value {
+        let root = topo.bpf_root();
+        let out = topo.node.run(&[
+            kube_router_bin().to_str().unwrap(),
+            "--bpf-root",
+            root.to_str().unwrap(),
+            command,
+            "-o",
+            "json",
+        ]);
+        serde_json::from_str(&out.unwrap()).unwrap_or_else(|e| panic!("{command} -o json: {e}"))
+    };
+    let services = json("services");
+    let frontends = services["frontends"].as_array().unwrap();
+    let frontend = |addr: &str, proto: &str| {
+        frontends
+            .iter()
+            .find(|f| f["address"] == addr && f["protocol"] == proto)
+            .unwrap_or_else(|| panic!("no {proto} {addr} in {services:#}"))
+    };
+    let web = frontend(&format!("{VIP}:80"), "tcp");
+    assert_eq!(web["kind"], "ClusterIP");
+    assert_eq!(web["backends"].as_array().unwrap().len(), 3, "{web:#}");
+    // 60 requests, one connection each, every packet counted in and out.
+    assert!(web["counters"]["connections"].as_u64().unwrap() >= 60, "{web:#}");
+    assert!(web["counters"]["packets_out"].as_u64().unwrap() >= 60, "{web:#}");
+    assert!(web["counters"]["bytes_in"].as_u64().unwrap() > web["counters"]["packets_in"].as_u64().unwrap());
+    let node_port = frontend(&format!("{NODE_ADDR}:30080"), "tcp");
+    assert_eq!(node_port["kind"], "NodePort");
+    assert!(node_port["counters"]["connections"].as_u64().unwrap() >= 40, "{node_port:#}");
+    let sticky = frontend(&format!("{STICKY_VIP}:80"), "tcp");
+    assert!(
+        sticky["flags"].as_array().unwrap().iter().any(|f| f.as_str().unwrap().starts_with("affinity=")),
+        "{sticky:#}"
+    );
+    // Hairpin SNAT is on by default; no affinity on `web`.
+    assert_eq!(web["flags"], serde_json::json!(["hairpin"]), "{web:#}");
+
+    let conntrack = json("conntrack");
+    assert!(
+        conntrack.as_array().unwrap().iter().any(|e| e["direction"] == "forward" && e["dst"] == format!("{VIP}:80")),
+        "no forward entry to {VIP}:80: {conntrack:#}"
+    );
+    let stats = json("stats");
+    assert!(stats.as_object().unwrap().values().all(|v| v.is_u64()), "{stats:#}");
+    assert!(stats.as_object().unwrap().len() > 10, "{stats:#}");
+    let interfaces = json("interfaces");
+    let to_client: Vec<_> = interfaces.as_array().unwrap().iter().filter(|a| a["interface"] == "to-client").collect();
+    assert!(!to_client.is_empty() && to_client.iter().all(|a| a["attached"] == true), "{interfaces:#}");
 }
 
 #[test]
