@@ -614,9 +614,10 @@ impl Rib {
     /// A peer's path may compete: the policy accepted it and its next hop resolves.
     fn usable(&self, peer: &PeerInfo, route: &Route) -> bool {
         route.rejected.is_none()
-            && self.reach.as_ref().is_none_or(|reach| {
-                crate::overlay::next_hop_resolvable(self.overlay.as_ref(), peer.role, route.next_hop.addr(), reach)
-            })
+            && self
+                .reach
+                .as_ref()
+                .is_none_or(|reach| next_hop_resolvable(self.overlay.as_ref(), peer.role, route.next_hop.addr(), reach))
     }
 
     fn compute_best(&self, prefix: &Prefix, sources: &[RouteSource]) -> Option<BestRoute> {
@@ -814,6 +815,21 @@ impl Rib {
         let mut msgs: Vec<Message> = self.sync_adj_rib_out(peer, None).into_iter().map(Message::Update).collect();
         msgs.extend(families.into_iter().map(Message::end_of_rib));
         msgs
+    }
+}
+
+/// Whether a route learned from a peer of `role` is usable (RFC 4271 §9.1.2.1): through a
+/// tunnel when the overlay takes it (the tunnel endpoint must be reachable, by any route),
+/// otherwise its next hop must resolve without the default route.
+pub fn next_hop_resolvable(
+    overlay: Option<&OverlayConfig>,
+    role: PeerRole,
+    next_hop: IpAddr,
+    reach: &Reachability,
+) -> bool {
+    match overlay {
+        Some(o) if o.tunnels(role == PeerRole::Node, next_hop, reach) => reach.resolve_underlay(next_hop).is_some(),
+        _ => reach.resolve(next_hop).is_some(),
     }
 }
 

@@ -1427,7 +1427,7 @@ impl Core {
         };
         let role = self.rib.peer(peer).map_or(PeerRole::External, |p| p.role);
         match (self.rib.overlay(), next_hop) {
-            (Some(overlay), IpAddr::V4(remote)) if overlay.tunnels(role, next_hop, reach) => {
+            (Some(overlay), IpAddr::V4(remote)) if overlay.tunnels(role == PeerRole::Node, next_hop, reach) => {
                 let gateway = reach.resolve_underlay(next_hop)?;
                 let link = reach.link_towards(gateway);
                 Some(KernelPath {
@@ -1449,7 +1449,7 @@ impl Core {
         let (Some(overlay), Some(reach)) = (self.rib.overlay(), self.rib.reachability()) else { return };
         for (address, peer) in &self.peers {
             let IpAddr::V4(remote) = address else { continue };
-            if !matches!(peer.config.kind, PeerKind::Node { .. }) || !overlay.tunnels(PeerRole::Node, *address, reach) {
+            if !matches!(peer.config.kind, PeerKind::Node { .. }) || !overlay.tunnels(true, *address, reach) {
                 continue;
             }
             target.maps.remotes.insert(*remote, tunnel(*remote, self.tunnel_local(*address), overlay.encap));

@@ -15,7 +15,7 @@ pub mod maps;
 pub mod plan;
 use std::net::IpAddr;
 
-use crate::{bgp::policy::PeerRole, fib::resolve::Reachability};
+use crate::fib::resolve::Reachability;
 
 /// `--overlay-type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,28 +43,15 @@ pub struct OverlayConfig {
 }
 
 impl OverlayConfig {
-    /// Whether a route learned from a peer of `role` with `next_hop` goes through a tunnel.
-    pub fn tunnels(&self, role: PeerRole, next_hop: IpAddr, reach: &Reachability) -> bool {
-        role == PeerRole::Node
+    /// Whether a route with `next_hop` goes through a tunnel; only routes from node peers
+    /// (`from_node_peer`) ever do. A flag rather than BGP's peer role, so this module does not
+    /// import `bgp` (which imports it).
+    pub fn tunnels(&self, from_node_peer: bool, next_hop: IpAddr, reach: &Reachability) -> bool {
+        from_node_peer
             && next_hop.is_ipv4()
             && match self.overlay_type {
                 OverlayType::Full => true,
                 OverlayType::Subnet => !reach.on_link(next_hop),
             }
-    }
-}
-
-/// Whether a route learned from a peer of `role` is usable (RFC 4271 §9.1.2.1): through a
-/// tunnel when the overlay takes it (the tunnel endpoint must be reachable, by any route),
-/// otherwise its next hop must resolve without the default route.
-pub fn next_hop_resolvable(
-    overlay: Option<&OverlayConfig>,
-    role: PeerRole,
-    next_hop: IpAddr,
-    reach: &Reachability,
-) -> bool {
-    match overlay {
-        Some(o) if o.tunnels(role, next_hop, reach) => reach.resolve_underlay(next_hop).is_some(),
-        _ => reach.resolve(next_hop).is_some(),
     }
 }
