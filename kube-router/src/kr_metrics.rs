@@ -148,8 +148,28 @@ fn labels(key: &FrontendId, owner: &FrontendOwner) -> String {
     };
     format!(
         "svc_namespace=\"{}\",service_name=\"{}\",service_vip=\"{vip}\",protocol=\"{protocol}\",port=\"{}\"",
-        owner.namespace, owner.name, key.port
+        escape_label_value(&owner.namespace),
+        escape_label_value(&owner.name),
+        key.port
     )
+}
+
+/// The text format's label-value escaping (`\` → `\\`, `"` → `\"`, newline → `\n`): a Service
+/// name is user input and must not be able to break or forge a sample line.
+pub fn escape_label_value(value: &str) -> std::borrow::Cow<'_, str> {
+    if !value.contains(['\\', '"', '\n']) {
+        return std::borrow::Cow::Borrowed(value);
+    }
+    let mut out = String::with_capacity(value.len() + 8);
+    for c in value.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// A histogram family (kube-router's sync times are histograms in seconds).
@@ -195,6 +215,12 @@ pub fn render_bgp(out: &mut String, bgp: &crate::bgp::speaker::SpeakerStatus) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn label_values_are_escaped_so_a_service_name_cannot_forge_a_sample() {
+        assert_eq!(super::escape_label_value("plain"), "plain");
+        assert_eq!(super::escape_label_value("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+
     use std::time::Duration;
 
     use super::*;
