@@ -27,13 +27,53 @@ struct Variant {
     service_proxy: bool,
     firewall: bool,
     router: bool,
+    /// The host's CNI configuration and plugin directories.
+    cni_dirs: [&'static str; 2],
 }
 
-const VARIANTS: [Variant; 3] = [
-    Variant { file: "kube-router.yaml", service_proxy: true, firewall: true, router: true },
-    Variant { file: "kube-router-service-proxy.yaml", service_proxy: true, firewall: false, router: false },
-    Variant { file: "kube-router-router-firewall.yaml", service_proxy: false, firewall: true, router: true },
+const KUBEADM_CNI: [&str; 2] = ["/etc/cni/net.d", "/opt/cni/bin"];
+const K3S_CNI: [&str; 2] = ["/var/lib/rancher/k3s/agent/etc/cni/net.d", "/var/lib/rancher/k3s/data/current/bin"];
+
+const VARIANTS: [Variant; 4] = [
+    Variant { file: "kube-router.yaml", service_proxy: true, firewall: true, router: true, cni_dirs: KUBEADM_CNI },
+    Variant {
+        file: "kube-router-service-proxy.yaml",
+        service_proxy: true,
+        firewall: false,
+        router: false,
+        cni_dirs: KUBEADM_CNI,
+    },
+    Variant {
+        file: "kube-router-router-firewall.yaml",
+        service_proxy: false,
+        firewall: true,
+        router: true,
+        cni_dirs: KUBEADM_CNI,
+    },
+    Variant { file: "kube-router-k3s.yaml", service_proxy: true, firewall: true, router: true, cni_dirs: K3S_CNI },
 ];
+
+/// kubeadm's kube-proxy ConfigMap, key kubeconfig.conf, as `kubeadm init` writes it (only the
+/// server differs between clusters): the kubeadm manifests mount it as the agent's kubeconfig.
+const KUBEADM_KUBE_PROXY_KUBECONFIG: &str = r#"apiVersion: v1
+kind: Config
+clusters:
+- cluster:
+    certificate-authority: /var/run/secrets/kubernetes.io/serviceaccount/ca.crt
+    server: https://192.0.2.10:6443
+  name: default
+contexts:
+- context:
+    cluster: default
+    namespace: default
+    user: default
+  name: default
+current-context: default
+users:
+- name: default
+  user:
+    tokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token
+"#;
 
 const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 
@@ -159,8 +199,9 @@ fn every_manifest_is_strictly_valid() {
         assert_eq!(account, m.service_accounts[0].metadata.name.as_deref(), "{}", m.file);
         for volume in pod.volumes.iter().flatten() {
             if let Some(config) = &volume.config_map {
+                // kubeadm's kube-proxy ConfigMap is the cluster's, not the manifest's.
                 assert!(
-                    m.config_maps.contains_key(&config.name),
+                    m.config_maps.contains_key(&config.name) || config.name == "kube-proxy",
                     "{}: volume {} names no ConfigMap",
                     m.file,
                     volume.name
@@ -254,9 +295,9 @@ fn each_variant_runs_its_roles_with_the_mounts_they_need() {
             assert_eq!(m.host_path_at("/run/kube-router/cgroupv2").as_deref(), Some("/sys/fs/cgroup"), "{file}");
         }
         // The CNI role installs its config and plugin on the host.
-        for dir in ["/etc/cni/net.d", "/opt/cni/bin"] {
+        for (dir, host_dir) in KUBEADM_CNI.iter().zip(variant.cni_dirs) {
             let host = m.host_path_at(dir);
-            assert_eq!(host.as_deref(), variant.router.then_some(dir), "{file}: {dir}");
+            assert_eq!(host.as_deref(), variant.router.then_some(host_dir), "{file}: {dir}");
         }
         if variant.service_proxy {
             assert_reaches_the_api_without_a_service(&m);
@@ -269,23 +310,66 @@ fn each_variant_runs_its_roles_with_the_mounts_they_need() {
 }
 
 /// Without kube-proxy nothing programs the `kubernetes` Service before this agent does, so the
-/// agent names the API server itself (--master) and takes its credentials from a kubeconfig
-/// that points at the pod's service account token (re-read as it rotates) and CA.
+/// agent reaches the API server by its real address, unedited: on kubeadm from kube-proxy's own
+/// kubeconfig (upstream's kubeadm manifests do the same), on k3s through the API load balancer
+/// every k3s node runs on 127.0.0.1:6444. Either way the credentials are the pod's service
+/// account token (re-read as it rotates) and CA.
 fn assert_reaches_the_api_without_a_service(m: &Manifest) {
     let file = m.file;
-    let master = m.flag("KUBE_ROUTER_MASTER").unwrap_or_else(|| panic!("{file}: KUBE_ROUTER_MASTER"));
-    assert!(master.starts_with("https://"), "{file}: {master}");
     let path = m.flag("KUBE_ROUTER_KUBECONFIG").unwrap_or_else(|| panic!("{file}: KUBE_ROUTER_KUBECONFIG"));
     let (dir, key) = path.rsplit_once('/').unwrap();
     let volume = m.volume_at(dir).unwrap_or_else(|| panic!("{file}: nothing mounted at {dir}"));
-    let config_map = &volume.config_map.as_ref().expect("the kubeconfig comes from a ConfigMap").name;
-    let text = &m.config_maps[config_map][key];
+    let config_map = volume.config_map.as_ref().expect("the kubeconfig comes from a ConfigMap");
+    let text = if config_map.name == "kube-proxy" {
+        let item = config_map.items.iter().flatten().find(|i| i.path == key);
+        assert_eq!(item.map(|i| i.key.as_str()), Some("kubeconfig.conf"), "{file}: kubeadm's key");
+        assert_eq!(m.flag("KUBE_ROUTER_MASTER"), None, "{file}: the kubeconfig's server is the real one");
+        KUBEADM_KUBE_PROXY_KUBECONFIG
+    } else {
+        let master = m.flag("KUBE_ROUTER_MASTER").unwrap_or_else(|| panic!("{file}: KUBE_ROUTER_MASTER"));
+        assert_eq!(master, "https://127.0.0.1:6444", "{file}: k3s's API load balancer");
+        &m.config_maps[&config_map.name][key]
+    };
     let kubeconfig = kube::config::Kubeconfig::from_yaml(text).unwrap_or_else(|e| panic!("{file}: {e}"));
     let cluster = kubeconfig.clusters[0].cluster.as_ref().unwrap();
     assert_eq!(cluster.certificate_authority.as_deref(), Some(format!("{SERVICE_ACCOUNT_DIR}/ca.crt").as_str()));
     let user = kubeconfig.auth_infos[0].auth_info.as_ref().unwrap();
     assert_eq!(user.token_file.as_deref(), Some(format!("{SERVICE_ACCOUNT_DIR}/token").as_str()));
     assert_ne!(m.pod().automount_service_account_token, Some(false), "{file}: the token must be mounted");
+}
+
+/// Upstream's DaemonSet labels and selector (a selector is immutable, so `kubectl apply` over an
+/// upstream install needs the same one), and Prometheus' scrape annotations on the agent's port.
+#[test]
+fn labels_match_upstream_and_prometheus_scrapes_the_metrics_port() {
+    let upstream = BTreeMap::from([("k8s-app".to_string(), "kube-router".to_string()), ("tier".into(), "node".into())]);
+    for m in all() {
+        let file = m.file;
+        let ds = &m.daemon_sets[0];
+        let spec = ds.spec.as_ref().unwrap();
+        assert_eq!(spec.selector.match_labels.as_ref(), Some(&upstream), "{file}: selector");
+        assert_eq!(ds.metadata.labels.as_ref(), Some(&upstream), "{file}: labels");
+        let template = spec.template.metadata.as_ref().unwrap();
+        assert_eq!(template.labels.as_ref(), Some(&upstream), "{file}: pod labels");
+        let annotations = template.annotations.clone().unwrap_or_default();
+        assert_eq!(annotations.get("prometheus.io/scrape").map(String::as_str), Some("true"), "{file}");
+        assert_eq!(annotations.get("prometheus.io/port"), m.flag("KUBE_ROUTER_METRICS_PORT").as_ref(), "{file}");
+        assert_eq!(annotations.get("prometheus.io/path").map(String::as_str), Some("/metrics"), "{file}");
+    }
+}
+
+/// The kernel the manifests ask for is the one docs/requirements.md names.
+#[test]
+fn manifests_state_the_documented_kernel() {
+    let requirements =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/requirements.md")).unwrap();
+    let minimum =
+        requirements.split("needs **Linux ").nth(1).and_then(|r| r.split(' ').next()).expect("requirements.md");
+    for v in &VARIANTS {
+        let text =
+            std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests").join(v.file)).unwrap();
+        assert!(text.contains(&format!("Linux >= {minimum} with BTF")), "{}: not Linux >= {minimum}", v.file);
+    }
 }
 
 /// Every KUBE_ROUTER_* variable is one of the agent's flags (clap ignores unknown variables, so
@@ -345,4 +429,50 @@ fn kubectl_decodes_every_daemon_set_offline() {
         assert!(env.iter().any(|e| e.name == "KRT_DECODED"), "{}: kubectl did not process it", m.file);
         assert_eq!(spec.containers[0].image, m.container().image, "{}", m.file);
     }
+}
+
+/// The dashboard and alert rules in manifests/monitoring/ parse, the two rule files hold the same
+/// rules, and every kube_router_* metric they query is one docs/metrics.md lists (which the
+/// agent's own test holds to what it exports).
+#[test]
+fn monitoring_queries_only_documented_metrics() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let read = |p: &str| std::fs::read_to_string(root.join(p)).unwrap_or_else(|e| panic!("{p}: {e}"));
+    let documented: BTreeSet<String> =
+        read("docs/metrics.md").split('`').filter(|w| w.starts_with("kube_router_")).map(str::to_string).collect();
+    let dashboard: Value = serde_json::from_str(&read("manifests/monitoring/kube-router-dashboard.json")).unwrap();
+    let mut exprs: Vec<String> = dashboard["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["targets"].as_array().unwrap().iter().map(|t| t["expr"].as_str().unwrap().to_string()))
+        .collect();
+    let plain: Value = serde_yaml::from_str(&read("manifests/monitoring/kube-router-rules.yaml")).unwrap();
+    let operator: Value = serde_yaml::from_str(&read("manifests/monitoring/kube-router-prometheusrule.yaml")).unwrap();
+    assert_eq!(operator["kind"], "PrometheusRule");
+    assert_eq!(plain["groups"], operator["spec"]["groups"], "the two rule files differ");
+    let rules = plain["groups"][0]["rules"].as_array().unwrap();
+    for alert in [
+        "KubeRouterAgentDown",
+        "KubeRouterApiUnreachable",
+        "KubeRouterBgpSessionDown",
+        "KubeRouterMapFull",
+        "KubeRouterConntrackNearFull",
+        "KubeRouterSyncErrors",
+        "KubeRouterHighMemory",
+    ] {
+        assert!(rules.iter().any(|r| r["alert"] == alert), "no alert {alert}");
+    }
+    exprs.extend(rules.iter().map(|r| r["expr"].as_str().unwrap().to_string()));
+    let mut referenced = 0;
+    for expr in &exprs {
+        for word in
+            expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).filter(|w| w.starts_with("kube_router_"))
+        {
+            let name = ["_bucket", "_sum", "_count"].iter().find_map(|s| word.strip_suffix(s)).unwrap_or(word);
+            assert!(documented.contains(name), "{name} (in {expr}) is not in docs/metrics.md");
+            referenced += 1;
+        }
+    }
+    assert!(referenced > 20, "{referenced}");
 }

@@ -33,9 +33,15 @@ struct PodRun {
 }
 
 impl PodRun {
-    fn from_manifest(node: &Netns, scratch: &Path) -> Result<Self> {
+    /// `cluster_config_maps`: ConfigMaps the cluster holds and the manifest reads (kubeadm's
+    /// kube-proxy).
+    fn from_manifest(
+        node: &Netns,
+        scratch: &Path,
+        cluster_config_maps: BTreeMap<String, BTreeMap<String, String>>,
+    ) -> Result<Self> {
         let text = fs::read_to_string(MANIFEST)?;
-        let mut config_maps = BTreeMap::new();
+        let mut config_maps = cluster_config_maps;
         let mut daemon_set = None;
         for doc in serde_yaml::Deserializer::from_str(&text) {
             let value = serde_json::to_value(serde_yaml::Value::deserialize(doc)?)?;
@@ -74,8 +80,19 @@ impl PodRun {
             let host_dir = scratch.join(&volume.name);
             let source = if let Some(config) = &volume.config_map {
                 fs::create_dir_all(&host_dir)?;
-                for (key, value) in config_map(&config.name)? {
-                    fs::write(host_dir.join(key), value)?;
+                let data = config_map(&config.name)?;
+                match &config.items {
+                    Some(items) => {
+                        for item in items {
+                            let value = data.get(&item.key).with_context(|| format!("no key {}", item.key))?;
+                            fs::write(host_dir.join(&item.path), value)?;
+                        }
+                    }
+                    None => {
+                        for (key, value) in data {
+                            fs::write(host_dir.join(key), value)?;
+                        }
+                    }
                 }
                 host_dir
             } else if volume.host_path.as_ref().is_some_and(|h| h.path == "/sys/fs/bpf") {
@@ -289,20 +306,30 @@ fn writes(entries: &[(&str, f64)]) -> BTreeMap<String, f64> {
     entries.iter().map(|(k, v)| (k.to_string(), *v)).collect()
 }
 
-/// Programmed from the API through the manifest's own API config (kubeconfig with the service
-/// account's token and CA, `KUBE_ROUTER_MASTER` the one line a user edits); stopped, the
+/// Programmed from the API through the manifest's own API config, unedited (kubeadm's kube-proxy
+/// kubeconfig: the API server's address, the service account's token and CA); stopped, the
 /// datapath keeps forwarding; the same image started again adopts the pinned state and writes
 /// nothing, then applies a real change as exactly its difference.
 #[test]
 fn the_image_runs_as_the_manifest_describes_and_a_restart_writes_nothing() {
     let lab = Lab::new("krt-img", 3);
-    let pod = PodRun::from_manifest(&lab.topo.node, &lab.scratch).unwrap();
+    // kubeadm's kube-proxy ConfigMap as `kubeadm init` writes it, naming this test's API server.
+    let kube_proxy_kubeconfig = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- cluster:\n    certificate-authority: \
+         /var/run/secrets/kubernetes.io/serviceaccount/ca.crt\n    server: {}\n  name: default\ncontexts:\n- \
+         context:\n    cluster: default\n    user: default\n  name: default\ncurrent-context: default\nusers:\n- \
+         name: default\n  user:\n    tokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token\n",
+        lab.server.url()
+    );
+    let cluster = BTreeMap::from([(
+        "kube-proxy".to_string(),
+        BTreeMap::from([("kubeconfig.conf".to_string(), kube_proxy_kubeconfig)]),
+    )]);
+    let pod = PodRun::from_manifest(&lab.topo.node, &lab.scratch, cluster).unwrap();
     assert_eq!(pod.image, image_ref(), "the manifest runs the image `cargo xtask image` builds");
     let mut env = pod.env.clone();
-    for required in ["KUBE_ROUTER_MASTER", "KUBE_ROUTER_KUBECONFIG"] {
-        assert!(env.contains_key(required), "the manifest reaches the API without a Service: {required}");
-    }
-    env.insert("KUBE_ROUTER_MASTER".into(), lab.server.url());
+    assert!(env.contains_key("KUBE_ROUTER_KUBECONFIG"), "the manifest reaches the API without a Service");
+    assert!(!env.contains_key("KUBE_ROUTER_MASTER"), "the kubeconfig names the API server, unedited");
     env.insert("KUBE_ROUTER_BPF_ROOT".into(), lab.topo.bpf_root().display().to_string());
     let port = env.get("KUBE_ROUTER_METRICS_PORT").cloned().expect("the manifest serves metrics");
 
