@@ -29,6 +29,9 @@ enum Task {
     Test,
     /// Benchmarks: per-packet cost (BPF_PROG_TEST_RUN), socket LB per call, map sync time, policy sync against iptables (root).
     Bench,
+    /// One agent among a 5,000-node cluster's objects (root; ~10 minutes): cold start, checkpoint,
+    /// churn, BGP. `KRT_SCALE=0.05` for a quick look (tests/benches/cluster_scale.rs).
+    Scale,
     /// Bring up a small cluster in network namespaces and show the datapath at work (root).
     Demo,
 }
@@ -187,6 +190,14 @@ fn bench() -> Result<()> {
         .env("KUBE_ROUTER_BIN", &agent))
 }
 
+fn scale() -> Result<()> {
+    require_root()?;
+    cargo(&["build", "--release", "-p", "kube-router", "-p", "kube-router-tests", "--bins"])?;
+    run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["bench", "-p", "kube-router-tests", "--bench", "cluster_scale"])
+        .env("KUBE_ROUTER_BIN", workspace_root().join("target/release/kube-router")))
+}
+
 fn main() -> Result<()> {
     match Cli::parse().command {
         Task::BuildEbpf => build_ebpf(),
@@ -196,6 +207,7 @@ fn main() -> Result<()> {
         }
         Task::Test => test(),
         Task::Bench => bench(),
+        Task::Scale => scale(),
         Task::Demo => {
             require_root()?;
             cargo(&["build", "-p", "kube-router", "-p", "kube-router-tests", "--bins"])?;
