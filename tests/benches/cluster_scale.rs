@@ -91,7 +91,8 @@ fn app_of_pod(s: &Sizes, g: usize) -> String {
 
 fn node(i: usize) -> Value {
     json!({"apiVersion": "v1", "kind": "Node",
-        "metadata": {"name": format!("node-{i}"), "labels": {
+        // With --nodes-full-mesh=false every node names its ASN (kube-router's rule).
+        "metadata": {"name": format!("node-{i}"), "annotations": {"kube-router.io/node.asn": ASN.to_string()}, "labels": {
             "kubernetes.io/hostname": format!("node-{i}"), "kubernetes.io/os": "linux",
             "node.kubernetes.io/instance-type": "m5.2xlarge", "topology.kubernetes.io/zone": format!("zone-{}", i % 3)}},
         "spec": {"podCIDR": pod_cidr(i), "podCIDRs": [pod_cidr(i)]},
@@ -377,6 +378,7 @@ fn main() {
     let bird_conf = format!(
         "router id {NODES_ADDR};\nprotocol device {{ }}\nprotocol static other_nodes {{ ipv4;\n{statics}}}\n\
          protocol bgp to_rr {{ local {NODES_ADDR} as {ASN}; neighbor {RR_ADDR} as {ASN}; connect retry time 1;\n  \
+         strict bind on;\n  \
          ipv4 {{ import none; export where source = RTS_STATIC; next hop keep; }}; }}\n"
     );
     fs::write(dir.join("bird.conf"), bird_conf).unwrap();
