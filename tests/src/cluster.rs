@@ -1061,13 +1061,20 @@ impl Cluster {
     /// Waits until every node's maps show `frontend` with exactly `backends` backends.
     pub fn wait_backends(&self, frontend: &str, backends: usize) -> Result<()> {
         let deadline = Instant::now() + Duration::from_secs(30);
-        let count = |text: &str| {
-            text.lines().find(|l| l.contains(&format!(" {frontend} "))).and_then(|l| {
-                l.split_once("backends=[")?.1.strip_suffix(']').map(|b| b.split(", ").filter(|s| !s.is_empty()).count())
-            })
+        // `kube-router services -o json`: the frontend's distinct backends.
+        let count = |node: &ClusterNode| {
+            let out = Command::new(kube_router_bin())
+                .arg("--bpf-root")
+                .arg(&node.bpf_root)
+                .args(["services", "-o", "json"])
+                .output()
+                .ok()?;
+            let listing: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+            let found = listing["frontends"].as_array()?.iter().find(|f| f["address"] == frontend)?;
+            found["backends"].as_array().map(Vec::len)
         };
         loop {
-            if self.nodes.iter().all(|n| count(&n.services()) == Some(backends)) {
+            if self.nodes.iter().all(|n| count(n) == Some(backends)) {
                 return Ok(());
             }
             if Instant::now() > deadline {
