@@ -136,8 +136,14 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
             None
         };
         // A pod's object gets its IPs once the CNI plugin has assigned them: the moment to read
-        // its veth's addresses for the source check.
-        let pods = PodsTrigger(cache.as_ref().map(|cache| cache.subscribe(&[crate::k8s::watch::Kind::Pods])));
+        // its veth's addresses for the source check. Without the check no Pod concerns this
+        // controller (in a large cluster Pods change hundreds of times a second).
+        let pods = PodsTrigger(
+            cache
+                .as_ref()
+                .filter(|_| config.pod_source_check)
+                .map(|cache| cache.subscribe(&[crate::k8s::watch::Kind::Pods])),
+        );
         tasks.add(runtime::spawn(interfaces, (LinkTrigger(events), pods), AT_ONCE, stop.clone()));
     }
     if let Some(controller) = services {

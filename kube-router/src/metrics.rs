@@ -83,6 +83,8 @@ pub struct MetricsState {
     pub api_errors: u64,
     pub last_api_contact_unix: Option<f64>,
     pub checkpoint_errors: u64,
+    /// How long the last checkpoint write took (it sets the wait before the next).
+    pub checkpoint_write_seconds: Option<f64>,
     /// Restored checkpoints not programmed into a set of maps (`service`, `policy`) that
     /// already held newer API state.
     pub checkpoint_superseded: BTreeMap<&'static str, u64>,
@@ -355,6 +357,15 @@ impl Metrics {
                 "Checkpoints that could not be written or read.",
             );
             let _ = writeln!(out, "kube_router_checkpoint_errors_total {}", m.checkpoint_errors);
+            if let Some(seconds) = m.checkpoint_write_seconds {
+                family(
+                    &mut out,
+                    "kube_router_checkpoint_write_duration_seconds",
+                    "gauge",
+                    "How long the last checkpoint write took; the next waits 20 times as long (at least 1 s).",
+                );
+                let _ = writeln!(out, "kube_router_checkpoint_write_duration_seconds {seconds:.6}");
+            }
             family(
                 &mut out,
                 "kube_router_checkpoint_superseded_total",
@@ -645,6 +656,7 @@ mod tests {
             m.socket_lb_events = vec![("connect", 1)];
             m.overlay_packets = vec![("encapsulated", 1)];
             m.policy_sync_seconds = Some(0.1);
+            m.checkpoint_write_seconds = Some(0.1);
         });
         let mut text = metrics.render();
         crate::router::render_bgp_families(&mut text, &crate::bgp::speaker::SpeakerStatus::default());

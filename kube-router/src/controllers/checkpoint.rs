@@ -17,8 +17,13 @@ use crate::{
 pub const CHECKPOINT_KINDS: &[Kind] =
     &[Kind::Services, Kind::EndpointSlices, Kind::Pods, Kind::Namespaces, Kind::Nodes, Kind::NetworkPolicies];
 
-/// At most one write this often: serialising and syncing 10,000 objects takes a while.
+/// At most one write this often.
 const MIN_INTERVAL: Duration = Duration::from_secs(1);
+/// A write takes time in proportion to the cluster (a 150,000-pod cluster's checkpoint is
+/// ~100 MiB): the next waits this many times as long as the last took, so writing costs at
+/// most 1/20 of a core however large the cluster, at the price of a checkpoint that many
+/// seconds older when the API goes away.
+const INTERVAL_PER_WRITE_TIME: u32 = 20;
 
 pub struct CheckpointWriter {
     cache: Arc<Cache>,
@@ -26,13 +31,14 @@ pub struct CheckpointWriter {
     metrics: Metrics,
     /// The changes already written.
     written: u64,
-    last_write: Option<Instant>,
+    /// No write before this.
+    next_write: Option<Instant>,
 }
 
 impl CheckpointWriter {
     pub fn new(cache: Arc<Cache>, state_dir: PathBuf, metrics: Metrics) -> Self {
         // What was restored is already on disk.
-        Self { cache, state_dir, metrics, written: 0, last_write: None }
+        Self { cache, state_dir, metrics, written: 0, next_write: None }
     }
 }
 
@@ -47,14 +53,17 @@ impl Controller for CheckpointWriter {
         if generation == self.written || !self.cache.all_synced() {
             return Ok(Action::AwaitChange);
         }
-        if let Some(wait) = self.last_write.and_then(|at| MIN_INTERVAL.checked_sub(at.elapsed())) {
+        if let Some(wait) = self.next_write.and_then(|at| at.checked_duration_since(Instant::now())) {
             return Ok(Action::RequeueAfter(wait));
         }
-        self.last_write = Some(Instant::now());
+        let started = Instant::now();
         // A snapshot is a pointer per object; the copy and the write happen off the cache's lock.
         let snapshot = self.cache.with(|o| o.snapshot());
         let state_dir = self.state_dir.clone();
         let written = tokio::task::spawn_blocking(move || checkpoint::write_payload(&state_dir, &snapshot)).await?;
+        let took = started.elapsed();
+        self.next_write = Some(started + MIN_INTERVAL.max(took * INTERVAL_PER_WRITE_TIME));
+        self.metrics.with(|m| m.checkpoint_write_seconds = Some(took.as_secs_f64()));
         if let Err(e) = written {
             tracing::error!(error = %e, "cannot write checkpoint");
             self.metrics.with(|m| m.checkpoint_errors += 1);

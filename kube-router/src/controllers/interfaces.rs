@@ -63,9 +63,8 @@ impl InterfacesController {
     ) -> Self {
         let mut attached = BTreeMap::new();
         let mut pod_sources = open_pod_sources(&datapath, pod_source_check, load_balancer);
-        let uplinks = uplinks(&upstreams);
         let programs = Programs { load_balancer, firewall, xdp };
-        attach_all(&mut datapath, &wanted, &mut attached, programs, &uplinks, pod_sources.as_mut());
+        attach_all(&mut datapath, &wanted, &mut attached, programs, || uplinks(&upstreams), pod_sources.as_mut());
         let node_addresses = watch::Sender::new(netif::node_addresses());
         Self { datapath, wanted, attached, programs, node_addresses, pod_sources, upstreams, metrics: None }
     }
@@ -106,7 +105,7 @@ impl Controller for InterfacesController {
                 &self.wanted,
                 &mut self.attached,
                 self.programs,
-                &uplinks(&self.upstreams),
+                || uplinks(&self.upstreams),
                 self.pod_sources.as_mut(),
             );
         }
@@ -195,7 +194,7 @@ fn attach_all(
     wanted: &Option<Vec<String>>,
     attached: &mut BTreeMap<String, u32>,
     programs: Programs,
-    uplinks: &[String],
+    uplinks: impl FnOnce() -> Vec<String>,
     mut pod_sources: Option<&mut PodSourceCheck>,
 ) {
     let Programs { load_balancer, firewall, xdp } = programs;
@@ -206,15 +205,21 @@ fn attach_all(
     }
     crate::bpf::datapath::prune_vanished(datapath.pin_dir(), &present.keys().cloned().collect());
     let interfaces = wanted.clone().unwrap_or_else(|| present.keys().cloned().collect());
-    for interface in interfaces {
-        let Some(&index) = present.get(&interface) else { continue };
-        if attached.contains_key(&interface) {
-            continue;
-        }
+    let new: Vec<(String, u32)> = interfaces
+        .into_iter()
+        .filter(|interface| !attached.contains_key(interface))
+        .filter_map(|interface| present.get(&interface).map(|&index| (interface, index)))
+        .collect();
+    if new.is_empty() {
+        return;
+    }
+    // Only a new interface needs telling apart (a route dump: 5,000 routes on a large cluster).
+    let uplinks = uplinks();
+    for (interface, index) in new {
         let mut ok = true;
         // Policy on pod veths only (docs/requirements.md), so host and transit flows never
         // fill its conntrack; an explicit --interfaces list gets both everywhere.
-        let pod_side = wanted.is_some() || netif::is_pod_interface(&interface, uplinks);
+        let pod_side = wanted.is_some() || netif::is_pod_interface(&interface, &uplinks);
         if firewall && !pod_side {
             for hook in crate::bpf::datapath::Hook::POLICY {
                 match datapath.detach_hook(hook, &interface) {

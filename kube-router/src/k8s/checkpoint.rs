@@ -9,13 +9,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use k8s_openapi::{
-    api::{
-        core::v1::{Namespace, Node, Pod, Service},
-        discovery::v1::EndpointSlice,
-        networking::v1::NetworkPolicy,
-    },
-    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+use k8s_openapi::api::{
+    core::v1::{Namespace, Node, Pod, Service},
+    discovery::v1::EndpointSlice,
+    networking::v1::NetworkPolicy,
 };
 use serde::{Deserialize, Serialize};
 
@@ -62,43 +59,6 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 
 fn fnv1a_from(hash: u64, bytes: &[u8]) -> u64 {
     bytes.iter().fold(hash, |hash, b| (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
-}
-
-/// The Pod as the checkpoint keeps it: only what the agent reads (names, labels, node, host
-/// network, phase, addresses, container port names). Environment, volumes, images and the
-/// rest (secrets among them) never reach the disk.
-pub fn pod_for_checkpoint(pod: &Pod) -> Pod {
-    use k8s_openapi::api::core::v1::{Container, PodSpec, PodStatus};
-    let meta = &pod.metadata;
-    let ports_only = |c: &Container| Container {
-        name: c.name.clone(),
-        ports: c.ports.clone(),
-        restart_policy: c.restart_policy.clone(),
-        ..Default::default()
-    };
-    Pod {
-        metadata: ObjectMeta {
-            name: meta.name.clone(),
-            namespace: meta.namespace.clone(),
-            uid: meta.uid.clone(),
-            resource_version: meta.resource_version.clone(),
-            labels: meta.labels.clone(),
-            ..Default::default()
-        },
-        spec: pod.spec.as_ref().map(|spec| PodSpec {
-            node_name: spec.node_name.clone(),
-            host_network: spec.host_network,
-            containers: spec.containers.iter().map(ports_only).collect(),
-            init_containers: spec.init_containers.as_ref().map(|c| c.iter().map(ports_only).collect()),
-            ..Default::default()
-        }),
-        status: pod.status.as_ref().map(|status| PodStatus {
-            phase: status.phase.clone(),
-            pod_ip: status.pod_ip.clone(),
-            pod_ips: status.pod_ips.clone(),
-            ..Default::default()
-        }),
-    }
 }
 
 /// The Node as the checkpoint keeps it: without its TCP-MD5 peer passwords (the
@@ -283,7 +243,7 @@ mod tests {
         .unwrap();
         let checkpoint = Checkpoint {
             nodes: vec![node_for_checkpoint(&node)],
-            pods: vec![pod_for_checkpoint(&pod)],
+            pods: vec![crate::k8s::slim::Slim::slim(pod.clone())],
             ..Default::default()
         };
         write(&dir, &checkpoint).unwrap();

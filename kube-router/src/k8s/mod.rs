@@ -1,5 +1,6 @@
 //! The Kubernetes API side: client setup, watchers, the stores they fill, the checkpoint.
 pub mod cache;
 pub mod checkpoint;
+pub mod slim;
 pub mod store;
 pub mod watch;

@@ -13,6 +13,8 @@ use std::{
 use kube::{runtime::watcher::Event, Resource, ResourceExt};
 use serde::{de::DeserializeOwned, Serialize};
 
+use super::slim::Slim;
+
 /// (namespace, name); namespace is "" for cluster-scoped kinds.
 pub type ObjectKey = (String, String);
 
@@ -22,9 +24,11 @@ pub trait Held<K>: Clone + PartialEq {
     fn hold(object: K) -> Self;
     /// The object's resourceVersion as a number (see [`version_of`]).
     fn version(&self) -> Option<u64>;
+    /// Equal but for the resourceVersion: an update of nothing the agent keeps.
+    fn same_apart_from_version(&self, other: &Self) -> bool;
 }
 
-impl<K: Resource> Held<K> for Arc<K>
+impl<K: Resource + Clone> Held<K> for Arc<K>
 where
     K: PartialEq,
 {
@@ -33,6 +37,12 @@ where
     }
     fn version(&self) -> Option<u64> {
         version_of(&**self)
+    }
+    fn same_apart_from_version(&self, other: &Self) -> bool {
+        // A slimmed object is small: one copy to compare is cheaper than waking a controller.
+        let mut mine = (**self).clone();
+        mine.meta_mut().resource_version = other.meta().resource_version.clone();
+        mine == **other
     }
 }
 
@@ -66,6 +76,14 @@ impl<K: Resource + Serialize> Held<K> for Packed<K> {
     }
     fn version(&self) -> Option<u64> {
         self.version
+    }
+    fn same_apart_from_version(&self, other: &Self) -> bool {
+        let without_version = |json: &[u8]| {
+            let mut value: serde_json::Value = serde_json::from_slice(json).ok()?;
+            value.pointer_mut("/metadata")?.as_object_mut()?.remove("resourceVersion");
+            Some(value)
+        };
+        matches!((without_version(&self.json), without_version(&other.json)), (Some(a), Some(b)) if a == b)
     }
 }
 
@@ -117,14 +135,7 @@ fn version_of<K: Resource>(object: &K) -> Option<u64> {
     object.meta().resource_version.as_deref().and_then(|v| v.parse().ok())
 }
 
-/// The object without what no part of the agent reads and the API server sends with every
-/// object: `managedFields` (server-side apply bookkeeping, often larger than the object).
-fn trimmed<K: Resource>(mut object: K) -> K {
-    object.meta_mut().managed_fields = None;
-    object
-}
-
-impl<K: Resource, H: Held<K>> ObjectStore<K, H> {
+impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
     /// Applies one watcher event; returns whether the visible contents changed.
     pub fn apply(&mut self, event: Event<K>) -> bool {
         match event {
@@ -133,7 +144,7 @@ impl<K: Resource, H: Held<K>> ObjectStore<K, H> {
                 false
             }
             Event::InitApply(object) => {
-                let object = trimmed(object);
+                let object = object.slim();
                 let key = key_of(&object);
                 let buffer = self.relist.get_or_insert_with(BTreeMap::new);
                 buffer.insert(key, H::hold(object));
@@ -168,7 +179,7 @@ impl<K: Resource, H: Held<K>> ObjectStore<K, H> {
     }
 
     fn upsert(&mut self, object: K) -> bool {
-        let object = trimmed(object);
+        let object = object.slim();
         let key = key_of(&object);
         let object = H::hold(object);
         if let Some(buffer) = self.relist.as_mut() {
@@ -179,8 +190,15 @@ impl<K: Resource, H: Held<K>> ObjectStore<K, H> {
                 return false;
             }
         }
-        if self.objects.get(&key) == Some(&object) {
-            return false;
+        if let Some(have) = self.objects.get(&key) {
+            if *have == object {
+                return false;
+            }
+            if have.same_apart_from_version(&object) {
+                // Kept for its newer version (staleness checks), announced to no one.
+                self.objects.insert(key, object);
+                return false;
+            }
         }
         if let Some(changed) = self.changed.as_mut() {
             changed.insert(key.clone());
@@ -220,7 +238,7 @@ impl<K: Resource, H: Held<K>> ObjectStore<K, H> {
 
     /// Seeds the store from a checkpoint; it stays unsynced until the API lists it.
     pub fn restore(&mut self, objects: impl IntoIterator<Item = K>) {
-        self.objects = objects.into_iter().map(|o| (key_of(&o), H::hold(trimmed(o)))).collect();
+        self.objects = objects.into_iter().map(|o| (key_of(&o), H::hold(o.slim()))).collect();
         self.changed = None;
     }
 }
@@ -327,6 +345,22 @@ mod tests {
         assert!(store.apply(Event::Delete(svc("a", 6))));
         assert!(!store.apply(Event::Delete(svc("a", 6))), "duplicate delete");
         assert!(store.is_empty());
+    }
+
+    #[test]
+    fn an_update_of_nothing_kept_wakes_nobody_but_keeps_its_version() {
+        let mut store = ObjectStore::<Service>::default();
+        for e in [Event::Init, Event::InitApply(svc("a", 1)), Event::InitDone] {
+            store.apply(e);
+        }
+        store.take_changed();
+        let mut managed = svc("a", 5);
+        managed.metadata.managed_fields = Some(vec![Default::default()]);
+        assert!(!store.apply(Event::Apply(managed)), "only the version and dropped fields changed");
+        assert_eq!(store.take_changed(), Some(BTreeSet::new()));
+        // The newer version was kept: a delete older than it is stale.
+        assert!(!store.apply(Event::Delete(svc("a", 4))));
+        assert!(store.apply(Event::Delete(svc("a", 5))));
     }
 
     #[test]

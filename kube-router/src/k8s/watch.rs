@@ -252,15 +252,15 @@ impl serde::Serialize for CheckpointSnapshot {
         checkpoint.serialize_field("written_unix", &self.written_unix)?;
         checkpoint.serialize_field("services", &Shared(&self.services))?;
         checkpoint.serialize_field("endpoint_slices", &self.endpoint_slices)?;
-        // Pods and Nodes are stored without what the agent does not read (secrets among it),
-        // each copy made as it is written.
+        // Pods are already kept without what the agent does not read (k8s::slim). Nodes lose
+        // their BGP passwords on the way to the disk, each copy made as it is written.
         struct Stripped<'a, K>(&'a [Arc<K>], fn(&K) -> K);
         impl<K: serde::Serialize> serde::Serialize for Stripped<'_, K> {
             fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
                 serializer.collect_seq(self.0.iter().map(|object| (self.1)(object)))
             }
         }
-        checkpoint.serialize_field("pods", &Stripped(&self.pods, crate::k8s::checkpoint::pod_for_checkpoint))?;
+        checkpoint.serialize_field("pods", &Shared(&self.pods))?;
         checkpoint.serialize_field("namespaces", &Shared(&self.namespaces))?;
         checkpoint.serialize_field("nodes", &Stripped(&self.nodes, crate::k8s::checkpoint::node_for_checkpoint))?;
         checkpoint.serialize_field("network_policies", &Shared(&self.network_policies))?;
@@ -436,7 +436,7 @@ impl ClusterObjects {
             written_unix: crate::metrics::unix_now(),
             services: self.services.objects().cloned().collect(),
             endpoint_slices: self.endpoint_slices.objects().collect(),
-            pods: self.pods.objects().map(crate::k8s::checkpoint::pod_for_checkpoint).collect(),
+            pods: self.pods.objects().cloned().collect(),
             namespaces: self.namespaces.objects().cloned().collect(),
             nodes: self.nodes.objects().map(crate::k8s::checkpoint::node_for_checkpoint).collect(),
             network_policies: self.network_policies.objects().cloned().collect(),
