@@ -136,16 +136,45 @@ impl KubeRouterMetrics {
     }
 }
 
-/// kube-router's Service labels: `svc_namespace`, `service_name`, `service_vip`, `protocol`
-/// (lower case), `port`. A NodePort's VIP is the node address, as in IPVS.
-fn labels(key: &FrontendId, owner: &FrontendOwner) -> String {
-    let vip = key.addr;
-    let protocol = match key.proto {
+/// A programmed frontend and its Service, as the agent's `frontends` status page lists it
+/// (`kube-router services` names frontends with it).
+#[derive(serde::Serialize, serde::Deserialize, Clone, Debug, PartialEq)]
+pub struct NamedFrontend {
+    pub address: std::net::SocketAddr,
+    pub protocol: String,
+    pub namespace: String,
+    pub name: String,
+}
+
+/// The `frontends` page: every programmed frontend with an owner, as JSON.
+pub fn frontends_page(kr: &KubeRouterMetrics) -> String {
+    let list: Vec<NamedFrontend> = kr
+        .frontends
+        .iter()
+        .map(|(key, owner)| NamedFrontend {
+            address: std::net::SocketAddr::new(key.addr, key.port),
+            protocol: protocol_name(key.proto).to_string(),
+            namespace: owner.namespace.clone(),
+            name: owner.name.clone(),
+        })
+        .collect();
+    serde_json::to_string(&list).unwrap_or_default()
+}
+
+fn protocol_name(proto: u8) -> &'static str {
+    match proto {
         IPPROTO_TCP => "tcp",
         IPPROTO_UDP => "udp",
         IPPROTO_SCTP => "sctp",
         _ => "unknown",
-    };
+    }
+}
+
+/// kube-router's Service labels: `svc_namespace`, `service_name`, `service_vip`, `protocol`
+/// (lower case), `port`. A NodePort's VIP is the node address, as in IPVS.
+fn labels(key: &FrontendId, owner: &FrontendOwner) -> String {
+    let vip = key.addr;
+    let protocol = protocol_name(key.proto);
     format!(
         "svc_namespace=\"{}\",service_name=\"{}\",service_vip=\"{vip}\",protocol=\"{protocol}\",port=\"{}\"",
         escape_label_value(&owner.namespace),
@@ -211,6 +240,40 @@ pub fn render_bgp(out: &mut String, bgp: &crate::bgp::speaker::SpeakerStatus) {
     );
     let received: u64 = bgp.peers.iter().map(|p| p.updates_received).sum();
     let _ = writeln!(out, "kube_router_controller_bgp_advertisements_received {received}");
+    family(out, "kube_router_controller_bgp_advertisements_sent", "counter", "BGP advertisements sent");
+    let sent = &bgp.advertisements;
+    for (kind, n) in
+        [("pod-route", sent.pod_route), ("advertise-vip", sent.advertise_vip), ("withdraw-vip", sent.withdraw_vip)]
+    {
+        let _ = writeln!(out, "kube_router_controller_bgp_advertisements_sent{{type=\"{kind}\"}} {n}");
+    }
+    // kube-router's host routes: the routes learned over BGP that the agent keeps in the kernel
+    // (its injected routes), from the FIB task's passes.
+    let fib = &bgp.fib;
+    for (name, kind, help, n) in [
+        (
+            "kube_router_host_routes_synced",
+            "gauge",
+            "Count of host routes currently synced to the system",
+            fib.installed as u64,
+        ),
+        ("kube_router_host_routes_added", "counter", "Total count of host routes added to the system", fib.added_total),
+        (
+            "kube_router_host_routes_removed",
+            "counter",
+            "Total count of host routes removed to the system",
+            fib.removed_total,
+        ),
+    ] {
+        family(out, name, kind, help);
+        let _ = writeln!(out, "{name} {n}");
+    }
+    render_histogram(
+        out,
+        "kube_router_host_routes_sync_time",
+        "Time it took for the host routes controller to sync to the system",
+        &fib.pass_time,
+    );
 }
 
 #[cfg(test)]
