@@ -645,8 +645,35 @@ mod tests {
             missing.is_empty() && extra.is_empty(),
             "not (or wrongly) in docs/metrics.md: {missing:?}; only there: {extra:?}"
         );
-        // kube-router's names that its dashboard reads.
-        for name in ["kube_router_build_info", "kube_router_service_total_connections", "kube_router_service_bps_in"] {
+        // Every name kube-router's own dashboard (dashboard/kube-router.json) queries, and the
+        // process families its alerts commonly use.
+        for name in [
+            "kube_router_build_info",
+            "kube_router_controller_bgp_advertisements_received",
+            "kube_router_controller_bgp_advertisements_sent",
+            "kube_router_controller_bgp_internal_peers_sync_time",
+            "kube_router_controller_bgp_peers",
+            "kube_router_controller_iptables_sync_time",
+            "kube_router_controller_ipvs_metrics_export_time",
+            "kube_router_controller_ipvs_services",
+            "kube_router_controller_ipvs_services_sync_time",
+            "kube_router_controller_policy_chains_sync_time",
+            "kube_router_controller_routes_sync_time",
+            "kube_router_service_bps_in",
+            "kube_router_service_bps_out",
+            "kube_router_service_bytes_in",
+            "kube_router_service_bytes_out",
+            "kube_router_service_cps",
+            "kube_router_service_packets_in",
+            "kube_router_service_packets_out",
+            "kube_router_service_pps_in",
+            "kube_router_service_pps_out",
+            "kube_router_service_total_connections",
+            "process_cpu_seconds_total",
+            "process_resident_memory_bytes",
+            "process_open_fds",
+            "process_max_fds",
+        ] {
             assert!(exported.contains_key(name), "{name}");
         }
     }
