@@ -147,9 +147,8 @@ pub struct NamedFrontend {
 }
 
 /// The `frontends` page: every programmed frontend with an owner, as JSON.
-pub fn frontends_page(kr: &KubeRouterMetrics) -> String {
-    let list: Vec<NamedFrontend> = kr
-        .frontends
+pub fn frontends_page(frontends: &BTreeMap<FrontendId, FrontendOwner>) -> String {
+    let list: Vec<NamedFrontend> = frontends
         .iter()
         .map(|(key, owner)| NamedFrontend {
             address: std::net::SocketAddr::new(key.addr, key.port),
@@ -364,4 +363,16 @@ mod tests {
             "svc_namespace=\"default\",service_name=\"web\",service_vip=\"fd00:96::10\",protocol=\"udp\",port=\"80\"";
         assert!(out.contains(&format!("kube_router_service_total_connections{{{labels}}} 3\n")), "{out}");
     }
+
+    #[test]
+    fn the_frontends_page_lists_each_frontend_with_its_service_for_the_cli() {
+        let owner = FrontendOwner { namespace: "shop".into(), name: "web".into() };
+        let v6 = FrontendId { addr: "fd00:96::10".parse().unwrap(), port: 443, proto: IPPROTO_TCP };
+        let frontends = BTreeMap::from([(key(10, 80), owner.clone()), (v6, owner)]);
+        let listed: Vec<NamedFrontend> = serde_json::from_str(&frontends_page(&frontends)).unwrap();
+        let addresses: Vec<String> = listed.iter().map(|f| format!("{} {}", f.protocol, f.address)).collect();
+        assert_eq!(addresses, ["tcp 10.96.0.10:80", "tcp [fd00:96::10]:443"]);
+        assert!(listed.iter().all(|f| f.namespace == "shop" && f.name == "web"));
+    }
 }
+
