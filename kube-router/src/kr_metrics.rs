@@ -375,4 +375,3 @@ mod tests {
         assert!(listed.iter().all(|f| f.namespace == "shop" && f.name == "web"));
     }
 }
-
