@@ -43,3 +43,11 @@ impl Histogram {
 pub fn family(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
+
+/// Families of one unlabelled sample each: (name, type, help, value).
+pub fn single_samples(out: &mut String, families: &[(&str, &str, &str, u64)]) {
+    for (name, kind, help, value) in families {
+        family(out, name, kind, help);
+        let _ = writeln!(out, "{name} {value}");
+    }
+}

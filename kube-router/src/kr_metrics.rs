@@ -249,24 +249,29 @@ pub fn render_bgp(out: &mut String, bgp: &crate::bgp::speaker::SpeakerStatus) {
     // kube-router's host routes: the routes learned over BGP that the agent keeps in the kernel
     // (its injected routes), from the FIB task's passes.
     let fib = &bgp.fib;
-    for (name, kind, help, n) in [
-        (
-            "kube_router_host_routes_synced",
-            "gauge",
-            "Count of host routes currently synced to the system",
-            fib.installed as u64,
-        ),
-        ("kube_router_host_routes_added", "counter", "Total count of host routes added to the system", fib.added_total),
-        (
-            "kube_router_host_routes_removed",
-            "counter",
-            "Total count of host routes removed to the system",
-            fib.removed_total,
-        ),
-    ] {
-        family(out, name, kind, help);
-        let _ = writeln!(out, "{name} {n}");
-    }
+    crate::exposition::single_samples(
+        out,
+        &[
+            (
+                "kube_router_host_routes_synced",
+                "gauge",
+                "Count of host routes currently synced to the system",
+                fib.installed as u64,
+            ),
+            (
+                "kube_router_host_routes_added",
+                "counter",
+                "Total count of host routes added to the system",
+                fib.added_total,
+            ),
+            (
+                "kube_router_host_routes_removed",
+                "counter",
+                "Total count of host routes removed to the system",
+                fib.removed_total,
+            ),
+        ],
+    );
     render_histogram(
         out,
         "kube_router_host_routes_sync_time",
