@@ -60,6 +60,13 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
 
     // Until a BGP speaker runs (if ever), /bgp says so.
     metrics.register_page("bgp", Arc::new(|| crate::router::render_status(None)));
+    metrics.register_page("bgp.json", Arc::new(|| crate::bgp::report::BgpReport::page(None)));
+    let named = metrics.clone();
+    // Copied under the lock, serialized without it (every controller records under it).
+    metrics.register_page(
+        "frontends",
+        Arc::new(move || crate::kr_metrics::frontends_page(&named.with(|m| m.kr.frontends.clone()))),
+    );
     tokio::spawn(crate::status_socket::serve(config.state_dir.clone(), metrics.clone()));
 
     // The object holds every program; loading it creates (or re-adopts) every pinned map.

@@ -136,16 +136,44 @@ impl KubeRouterMetrics {
     }
 }
 
-/// kube-router's Service labels: `svc_namespace`, `service_name`, `service_vip`, `protocol`
-/// (lower case), `port`. A NodePort's VIP is the node address, as in IPVS.
-fn labels(key: &FrontendId, owner: &FrontendOwner) -> String {
-    let vip = key.addr;
-    let protocol = match key.proto {
+/// A programmed frontend and its Service, as the agent's `frontends` status page lists it
+/// (`kube-router services` names frontends with it).
+#[derive(serde::Serialize, serde::Deserialize, Clone, Debug, PartialEq)]
+pub struct NamedFrontend {
+    pub address: std::net::SocketAddr,
+    pub protocol: String,
+    pub namespace: String,
+    pub name: String,
+}
+
+/// The `frontends` page: every programmed frontend with an owner, as JSON.
+pub fn frontends_page(frontends: &BTreeMap<FrontendId, FrontendOwner>) -> String {
+    let list: Vec<NamedFrontend> = frontends
+        .iter()
+        .map(|(key, owner)| NamedFrontend {
+            address: std::net::SocketAddr::new(key.addr, key.port),
+            protocol: protocol_name(key.proto).to_string(),
+            namespace: owner.namespace.clone(),
+            name: owner.name.clone(),
+        })
+        .collect();
+    serde_json::to_string(&list).unwrap_or_default()
+}
+
+fn protocol_name(proto: u8) -> &'static str {
+    match proto {
         IPPROTO_TCP => "tcp",
         IPPROTO_UDP => "udp",
         IPPROTO_SCTP => "sctp",
         _ => "unknown",
-    };
+    }
+}
+
+/// kube-router's Service labels: `svc_namespace`, `service_name`, `service_vip`, `protocol`
+/// (lower case), `port`. A NodePort's VIP is the node address, as in IPVS.
+fn labels(key: &FrontendId, owner: &FrontendOwner) -> String {
+    let vip = key.addr;
+    let protocol = protocol_name(key.proto);
     format!(
         "svc_namespace=\"{}\",service_name=\"{}\",service_vip=\"{vip}\",protocol=\"{protocol}\",port=\"{}\"",
         escape_label_value(&owner.namespace),
@@ -211,6 +239,45 @@ pub fn render_bgp(out: &mut String, bgp: &crate::bgp::speaker::SpeakerStatus) {
     );
     let received: u64 = bgp.peers.iter().map(|p| p.updates_received).sum();
     let _ = writeln!(out, "kube_router_controller_bgp_advertisements_received {received}");
+    family(out, "kube_router_controller_bgp_advertisements_sent", "counter", "BGP advertisements sent");
+    let sent = &bgp.advertisements;
+    for (kind, n) in
+        [("pod-route", sent.pod_route), ("advertise-vip", sent.advertise_vip), ("withdraw-vip", sent.withdraw_vip)]
+    {
+        let _ = writeln!(out, "kube_router_controller_bgp_advertisements_sent{{type=\"{kind}\"}} {n}");
+    }
+    // kube-router's host routes: the routes learned over BGP that the agent keeps in the kernel
+    // (its injected routes), from the FIB task's passes.
+    let fib = &bgp.fib;
+    crate::exposition::single_samples(
+        out,
+        &[
+            (
+                "kube_router_host_routes_synced",
+                "gauge",
+                "Count of host routes currently synced to the system",
+                fib.installed as u64,
+            ),
+            (
+                "kube_router_host_routes_added",
+                "counter",
+                "Total count of host routes added to the system",
+                fib.added_total,
+            ),
+            (
+                "kube_router_host_routes_removed",
+                "counter",
+                "Total count of host routes removed to the system",
+                fib.removed_total,
+            ),
+        ],
+    );
+    render_histogram(
+        out,
+        "kube_router_host_routes_sync_time",
+        "Time it took for the host routes controller to sync to the system",
+        &fib.pass_time,
+    );
 }
 
 #[cfg(test)]
@@ -300,5 +367,16 @@ mod tests {
         let labels =
             "svc_namespace=\"default\",service_name=\"web\",service_vip=\"fd00:96::10\",protocol=\"udp\",port=\"80\"";
         assert!(out.contains(&format!("kube_router_service_total_connections{{{labels}}} 3\n")), "{out}");
+    }
+
+    #[test]
+    fn the_frontends_page_lists_each_frontend_with_its_service_for_the_cli() {
+        let owner = FrontendOwner { namespace: "shop".into(), name: "web".into() };
+        let v6 = FrontendId { addr: "fd00:96::10".parse().unwrap(), port: 443, proto: IPPROTO_TCP };
+        let frontends = BTreeMap::from([(key(10, 80), owner.clone()), (v6, owner)]);
+        let listed: Vec<NamedFrontend> = serde_json::from_str(&frontends_page(&frontends)).unwrap();
+        let addresses: Vec<String> = listed.iter().map(|f| format!("{} {}", f.protocol, f.address)).collect();
+        assert_eq!(addresses, ["tcp 10.96.0.10:80", "tcp [fd00:96::10]:443"]);
+        assert!(listed.iter().all(|f| f.namespace == "shop" && f.name == "web"));
     }
 }

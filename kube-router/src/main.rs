@@ -500,7 +500,11 @@ enum Command {
     },
     /// Show BGP neighbors and routes of the running agent (asks its socket in --state-dir, else its
     /// metrics port).
-    Bgp,
+    Bgp {
+        /// Report format: table (text) or json (docs/usage.md).
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: kube_router::cli::Output,
+    },
     /// Show NetworkPolicy verdict counters and what the policy maps hold.
     Policy {
         /// Report format: table (text) or json (docs/usage.md).
@@ -739,10 +743,13 @@ fn main() -> ExitCode {
             print!("{}", kube_router::flags::markdown(&cli_command().0));
             Ok(())
         }
-        Command::Services { output } => cli::services::collect(&cli.bpf_root).and_then(|r| cli::print(&r, *output)),
+        Command::Services { output } => {
+            cli::services::collect(&cli.bpf_root, &cli.run.state_dir).and_then(|r| cli::print(&r, *output))
+        }
         Command::Conntrack { output } => cli::conntrack::collect(&cli.bpf_root).and_then(|r| cli::print(&r, *output)),
-        Command::Bgp => {
-            cli::bgp::show(&cli.run.state_dir, cli.run.metrics_addr, cli.run.metrics_port).map(|page| print!("{page}"))
+        Command::Bgp { output } => {
+            cli::bgp::show(&cli.run.state_dir, cli.run.metrics_addr, cli.run.metrics_port, *output)
+                .map(|page| print!("{page}"))
         }
         Command::Policy { output } => cli::policy::collect(&cli.bpf_root).and_then(|r| cli::print(&r, *output)),
         Command::Interfaces { output } => cli::interfaces::collect(&cli.bpf_root).and_then(|r| cli::print(&r, *output)),

@@ -10,39 +10,7 @@ use tokio::net::TcpListener;
 
 use crate::{http::Response, map_writes::SyncReport};
 
-/// Upper bounds (seconds) of the sync-duration histogram buckets.
-const SYNC_BUCKETS: [f64; 10] = [0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0];
-
-#[derive(Clone, Default)]
-pub struct Histogram {
-    counts: [u64; SYNC_BUCKETS.len()],
-    count: u64,
-    sum: f64,
-}
-
-impl Histogram {
-    pub fn observe(&mut self, value: f64) {
-        for (bucket, bound) in self.counts.iter_mut().zip(SYNC_BUCKETS) {
-            if value <= bound {
-                *bucket += 1;
-            }
-        }
-        self.count += 1;
-        self.sum += value;
-    }
-
-    /// The `_bucket`, `_sum` and `_count` samples of family `name`.
-    pub fn write_samples(&self, out: &mut String, name: &str) {
-        for (bound, n) in SYNC_BUCKETS.iter().zip(self.counts) {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {n}");
-        }
-        let _ = writeln!(
-            out,
-            "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}",
-            self.count, self.sum, self.count
-        );
-    }
-}
+pub use crate::exposition::{family, Histogram, SYNC_BUCKETS};
 
 /// Renders metric families into the exposition text.
 pub type Family = Arc<dyn Fn(&mut String) + Send + Sync>;
@@ -453,6 +421,7 @@ impl Metrics {
             }
             render_http_families(&mut out, m);
             render_kube_router_names(&mut out, m);
+            crate::process_metrics::render_own(&mut out);
             out
         }
     }
@@ -561,14 +530,15 @@ fn render_kube_router_names(out: &mut String, m: &MetricsState) {
             "Time it took to sync internal bgp peers",
             &m.kr.bgp_peers_sync_time,
         ),
+        // One routing sync derives the peers and the routes together.
+        (
+            "kube_router_controller_routes_sync_time",
+            "Time it took for controller to sync routes",
+            &m.kr.bgp_peers_sync_time,
+        ),
     ] {
         render_histogram(out, name, help, h);
     }
-}
-
-/// The HELP and TYPE lines that open a metric family.
-pub(crate) fn family(out: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
 /// Serves the health endpoints (`/healthz`, `/livez`, `/readyz`) and nothing else: the
@@ -670,9 +640,10 @@ mod tests {
         let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/metrics.md")).unwrap();
         page.lines()
             .filter_map(|line| {
-                let mut cells = line.strip_prefix("| `kube_router_")?.split('|');
-                let name = format!("kube_router_{}", cells.next()?.trim().trim_end_matches('`'));
-                Some((name, cells.next()?.trim().to_string()))
+                let mut cells = line.strip_prefix("| `")?.split('|');
+                let name = cells.next()?.trim().trim_end_matches('`');
+                (name.starts_with("kube_router_") || name.starts_with("process_"))
+                    .then(|| Some((name.to_string(), cells.next()?.trim().to_string())))?
             })
             .collect()
     }
@@ -686,8 +657,35 @@ mod tests {
             missing.is_empty() && extra.is_empty(),
             "not (or wrongly) in docs/metrics.md: {missing:?}; only there: {extra:?}"
         );
-        // kube-router's names that its dashboard reads.
-        for name in ["kube_router_build_info", "kube_router_service_total_connections", "kube_router_service_bps_in"] {
+        // Every name kube-router's own dashboard (dashboard/kube-router.json) queries, and the
+        // process families its alerts commonly use.
+        for name in [
+            "kube_router_build_info",
+            "kube_router_controller_bgp_advertisements_received",
+            "kube_router_controller_bgp_advertisements_sent",
+            "kube_router_controller_bgp_internal_peers_sync_time",
+            "kube_router_controller_bgp_peers",
+            "kube_router_controller_iptables_sync_time",
+            "kube_router_controller_ipvs_metrics_export_time",
+            "kube_router_controller_ipvs_services",
+            "kube_router_controller_ipvs_services_sync_time",
+            "kube_router_controller_policy_chains_sync_time",
+            "kube_router_controller_routes_sync_time",
+            "kube_router_service_bps_in",
+            "kube_router_service_bps_out",
+            "kube_router_service_bytes_in",
+            "kube_router_service_bytes_out",
+            "kube_router_service_cps",
+            "kube_router_service_packets_in",
+            "kube_router_service_packets_out",
+            "kube_router_service_pps_in",
+            "kube_router_service_pps_out",
+            "kube_router_service_total_connections",
+            "process_cpu_seconds_total",
+            "process_resident_memory_bytes",
+            "process_open_fds",
+            "process_max_fds",
+        ] {
             assert!(exported.contains_key(name), "{name}");
         }
     }

@@ -479,6 +479,11 @@ impl RouterController {
                 );
                 let shown = speaker.clone();
                 self.metrics.register_page("bgp", Arc::new(move || render_status(Some(&shown.status()))));
+                let reported = speaker.clone();
+                self.metrics.register_page(
+                    "bgp.json",
+                    Arc::new(move || crate::bgp::report::BgpReport::page(Some(&reported.status()))),
+                );
                 self.registered = true;
             }
             self.metrics.heartbeat("bgp");

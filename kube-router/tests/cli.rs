@@ -87,7 +87,7 @@ fn a_missing_checkpoint_and_an_absent_agent_are_clear_errors() {
 
 #[test]
 fn inspection_commands_take_table_or_json_and_reject_other_formats() {
-    for command in ["services", "conntrack", "stats", "policy", "interfaces", "checkpoint"] {
+    for command in ["services", "conntrack", "stats", "policy", "interfaces", "checkpoint", "bgp"] {
         let out = kube_router(&[command, "-o", "yaml"]);
         assert_eq!(out.status.code(), Some(2), "{command}");
         assert!(String::from_utf8_lossy(&out.stderr).contains("json"), "{command}: the choices are named");
@@ -96,4 +96,41 @@ fn inspection_commands_take_table_or_json_and_reject_other_formats() {
     let out = kube_router(&["--state-dir", "/tmp/krt-cli-no-state", "checkpoint", "-o", "json"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(out.stdout.is_empty());
+}
+
+/// A stand-in agent socket in a fresh state directory, answering every request with `answer`.
+fn fake_agent(name: &str, answer: &'static str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("krt-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let listener = std::os::unix::net::UnixListener::bind(dir.join("agent.sock")).unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            use std::io::{BufRead, Write};
+            let mut stream = stream.unwrap();
+            let mut request = String::new();
+            std::io::BufReader::new(&stream).read_line(&mut request).unwrap();
+            stream.write_all(answer.as_bytes()).unwrap();
+        }
+    });
+    dir
+}
+
+#[test]
+fn bgp_as_json_is_the_agents_report_and_an_older_agent_is_a_clear_error() {
+    let report = r#"{"running":true,"local_asn":64512,"router_id":"10.0.0.1","deferring":false,"neighbors":[],"routes_total":0,"routes":[]}"#;
+    let dir = fake_agent("bgp-json", report);
+    let out = kube_router(&["--state-dir", dir.to_str().unwrap(), "bgp", "-o", "json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let printed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(printed["local_asn"], 64512);
+    assert_eq!(printed["running"], true);
+    let old = fake_agent("bgp-old", "no page \"bgp.json\"\n");
+    let out = kube_router(&["--state-dir", old.to_str().unwrap(), "bgp", "-o", "json"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no BGP report"), "{}", String::from_utf8_lossy(&out.stderr));
+    for dir in [dir, old] {
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }

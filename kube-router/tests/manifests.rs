@@ -431,15 +431,20 @@ fn kubectl_decodes_every_daemon_set_offline() {
     }
 }
 
+/// A name the agent exports: its own and kube-router's, and the process families.
+fn is_agent_metric(word: &str) -> bool {
+    word.starts_with("kube_router_") || word.starts_with("process_")
+}
+
 /// The dashboard and alert rules in manifests/monitoring/ parse, the two rule files hold the same
-/// rules, and every kube_router_* metric they query is one docs/metrics.md lists (which the
+/// rules, and every kube_router_* and process_* metric they query is one docs/metrics.md lists (which the
 /// agent's own test holds to what it exports).
 #[test]
 fn monitoring_queries_only_documented_metrics() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let read = |p: &str| std::fs::read_to_string(root.join(p)).unwrap_or_else(|e| panic!("{p}: {e}"));
     let documented: BTreeSet<String> =
-        read("docs/metrics.md").split('`').filter(|w| w.starts_with("kube_router_")).map(str::to_string).collect();
+        read("docs/metrics.md").split('`').filter(|w| is_agent_metric(w)).map(str::to_string).collect();
     let dashboard: Value = serde_json::from_str(&read("manifests/monitoring/kube-router-dashboard.json")).unwrap();
     let mut exprs: Vec<String> = dashboard["panels"]
         .as_array()
@@ -466,9 +471,7 @@ fn monitoring_queries_only_documented_metrics() {
     exprs.extend(rules.iter().map(|r| r["expr"].as_str().unwrap().to_string()));
     let mut referenced = 0;
     for expr in &exprs {
-        for word in
-            expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).filter(|w| w.starts_with("kube_router_"))
-        {
+        for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).filter(|w| is_agent_metric(w)) {
             let name = ["_bucket", "_sum", "_count"].iter().find_map(|s| word.strip_suffix(s)).unwrap_or(word);
             assert!(documented.contains(name), "{name} (in {expr}) is not in docs/metrics.md");
             referenced += 1;

@@ -271,6 +271,19 @@ impl ClusterNode {
         Some((mode, id))
     }
 
+    /// `kube-router services -o json` on this node: its maps, named by its agent (`--state-dir`).
+    pub fn services_json(&self) -> Option<serde_json::Value> {
+        let out = Command::new(kube_router_bin())
+            .arg("--bpf-root")
+            .arg(&self.bpf_root)
+            .arg("--state-dir")
+            .arg(&self.state_dir)
+            .args(["services", "-o", "json"])
+            .output()
+            .ok()?;
+        serde_json::from_slice(&out.stdout).ok()
+    }
+
     /// The datapath counters (`kube-router stats`) by name.
     pub fn stats(&self) -> BTreeMap<String, u64> {
         let out = Command::new(kube_router_bin()).arg("--bpf-root").arg(&self.bpf_root).arg("stats").output();
@@ -1063,13 +1076,7 @@ impl Cluster {
         let deadline = Instant::now() + Duration::from_secs(30);
         // `kube-router services -o json`: the frontend's distinct backends.
         let count = |node: &ClusterNode| {
-            let out = Command::new(kube_router_bin())
-                .arg("--bpf-root")
-                .arg(&node.bpf_root)
-                .args(["services", "-o", "json"])
-                .output()
-                .ok()?;
-            let listing: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+            let listing = node.services_json()?;
             let found = listing["frontends"].as_array()?.iter().find(|f| f["address"] == frontend)?;
             found["backends"].as_array().map(Vec::len)
         };

@@ -199,6 +199,23 @@ fn full_mesh_from_node_objects_survives_an_api_outage_and_a_crash_during_it() {
         .run(&[kube_router_bin().to_str().unwrap(), "--state-dir", mesh.dir.join("n2").to_str().unwrap(), "bgp"])
         .unwrap();
     assert!(uptime(&from_socket, &node_ip(1)).is_some() && from_socket.contains("Established"), "{from_socket}");
+    let report: serde_json::Value = serde_json::from_str(
+        &mesh.nodes[1]
+            .run(&[
+                kube_router_bin().to_str().unwrap(),
+                "--state-dir",
+                mesh.dir.join("n2").to_str().unwrap(),
+                "bgp",
+                "-o",
+                "json",
+            ])
+            .unwrap(),
+    )
+    .expect("bgp -o json is one JSON document");
+    let neighbor = report["neighbors"].as_array().unwrap().iter().find(|n| n["address"] == node_ip(1)).cloned();
+    let neighbor = neighbor.unwrap_or_else(|| panic!("node-1 is a neighbor of node-2: {report:#}"));
+    assert_eq!((&neighbor["state"], &neighbor["type"]), (&"Established".into(), &"internal".into()), "{report:#}");
+    assert!(report["routes"].as_array().unwrap().iter().any(|r| r["from"] == node_ip(1)), "{report:#}");
 
     // API black-holed for longer than the client's longest timeout (30 s), 3x the hold time.
     mesh.set_mode(FaultMode::BlackHole);

@@ -42,6 +42,25 @@ fn north_south_to_a_backend_on_the_other_node_is_source_natted() {
     assert_all_from(&request(&c.client, "udp", "10.100.0.1:30081", 10), "pod-2-0");
     assert_all_from(&request(&c.client, "udp", "192.0.2.20:53", 10), "pod-2-0");
     assert!(c.node(0).stats()["snat_new_flow"] >= 35, "{:?}", c.node(0).stats());
+    // `kube-router services` names each of these frontends by its Service (the type comes from
+    // the checkpoint, written shortly after the sync).
+    let web = serde_json::json!({"namespace": "default", "name": "web", "type": "LoadBalancer"});
+    wait_for("every frontend of web named", || {
+        let Some(listing) = c.node(0).services_json() else { return false };
+        ["10.96.1.20:80", "10.100.0.1:30080", "192.0.2.20:80", "198.51.100.20:80"].iter().all(|address| {
+            let found = listing["frontends"].as_array().into_iter().flatten().find(|f| f["address"] == *address);
+            found.is_some_and(|f| f["service"] == web)
+        })
+    });
+    // Upstream's names for the same facts: the learned routes in the kernel, the pod CIDR
+    // announced, and the Go client's process families.
+    let node = c.node(0);
+    wait_for("host_routes_synced equal to the kernel's learned routes", || {
+        let kernel = node.bgp_routes().lines().count();
+        kernel > 0 && node.metric("kube_router_host_routes_synced", "") == kernel as f64
+    });
+    assert!(node.metric("kube_router_controller_bgp_advertisements_sent", "type=\"pod-route\"") >= 1.0);
+    assert!(node.metric("process_resident_memory_bytes", "") > 1e6, "{}", node.metrics());
     // An upload: the client's segments arrive merged (TSO/GRO) and leave node-1 as they came.
     let failed_before = c.node(0).stats()["redirect_failed"];
     assert_eq!(netprobe(&c.client, &["bulk", "10.100.0.1:30080", "2000000"]), "pod-2-0 2000000");

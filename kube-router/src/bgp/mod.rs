@@ -14,6 +14,7 @@ pub mod md5;
 pub mod message;
 pub mod peers;
 pub mod policy;
+pub mod report;
 pub mod rib;
 pub mod sanitize;
 pub mod speaker;

@@ -195,6 +195,38 @@ pub struct SpeakerStatus {
     /// BFD control packets dropped for an IP TTL (hop limit) other than 255 (RFC 5881 §5).
     pub bfd_ttl_dropped: u64,
     pub fib: FibStats,
+    /// Locally originated prefixes announced and withdrawn since start.
+    pub advertisements: Advertisements,
+}
+
+/// Changes to the prefixes this node originates, counted as kube-router counts
+/// `controller_bgp_advertisements_sent` by `type`: a pod CIDR announced (`pod-route`), a
+/// Service VIP announced (`advertise-vip`) or withdrawn (`withdraw-vip`). A withdrawn pod CIDR
+/// has no upstream type and is not counted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Advertisements {
+    pub pod_route: u64,
+    pub advertise_vip: u64,
+    pub withdraw_vip: u64,
+}
+
+impl Advertisements {
+    /// Adds the changes from `before` to `after` (a prefix whose kind changed is announced anew).
+    pub fn count_changes(&mut self, before: &BTreeMap<Prefix, OriginKind>, after: &BTreeMap<Prefix, OriginKind>) {
+        for (prefix, kind) in before {
+            if *kind == OriginKind::ServiceVip && after.get(prefix) != Some(kind) {
+                self.withdraw_vip += 1;
+            }
+        }
+        for (prefix, kind) in after {
+            if before.get(prefix) != Some(kind) {
+                match kind {
+                    OriginKind::PodCidr => self.pod_route += 1,
+                    OriginKind::ServiceVip => self.advertise_vip += 1,
+                }
+            }
+        }
+    }
 }
 
 enum CoreEvent {
@@ -533,6 +565,7 @@ struct Core {
     listener_fds: Vec<std::os::fd::RawFd>,
     next_connection_id: u64,
     malformed_messages: u64,
+    advertisements: Advertisements,
     /// NLRI of families we do not route, ignored so far.
     ignored_nlri: u64,
     /// (peer, what) already logged once: import refusals, ignored families.
@@ -603,6 +636,7 @@ impl Core {
             listener_fds: Vec::new(),
             next_connection_id: 1,
             malformed_messages: 0,
+            advertisements: Advertisements::default(),
             ignored_nlri: 0,
             logged_once: BTreeSet::new(),
             unresolved: BTreeMap::new(),
@@ -1361,6 +1395,7 @@ impl Core {
             let attributes = PathAttributes { origin: Origin::Igp, ..PathAttributes::default() };
             changes.extend(self.rib.originate(*new, next_hop, attributes, *kind));
         }
+        self.advertisements.count_changes(&self.prefixes, &wanted);
         if self.prefixes != wanted {
             let list: Vec<String> = wanted.keys().map(Prefix::to_string).collect();
             info!(prefixes = %list.join(","), "advertising");
@@ -1571,6 +1606,7 @@ impl Core {
             ignored_nlri: self.ignored_nlri,
             bfd_ttl_dropped: self.bfd_ttl_dropped.load(std::sync::atomic::Ordering::Relaxed),
             fib: FibStats::default(),
+            advertisements: self.advertisements,
         };
         *self.status.lock().unwrap_or_else(|p| p.into_inner()) = status;
     }
@@ -1598,6 +1634,7 @@ pub async fn run_fib(routes: crate::fib::netlink::NetlinkRoutes, mut link: FibLi
     };
     loop {
         let wanted = link.target.borrow_and_update().clone();
+        let pass_started = std::time::Instant::now();
         let listed = async {
             Ok::<_, anyhow::Error>((routes.list().await?, routes.local_addresses().await?, routes.links().await?))
         }
@@ -1644,6 +1681,7 @@ pub async fn run_fib(routes: crate::fib::netlink::NetlinkRoutes, mut link: FibLi
                 if !after.is_empty() {
                     report_overlay(overlay.finish(&after));
                 }
+                health.pass_done(table.ours.len(), pass_started.elapsed());
                 link.set_stats(health.stats());
             }
             Err(e) => {
@@ -1708,5 +1746,25 @@ fn log_fib_reports(reports: &[Report]) {
                 warn!(groups, routes, "the kernel refused more learned routes (further peers or reasons)");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn advertisements_count_what_kube_router_counts_by_type() {
+        let prefix = |s: &str| s.parse::<Prefix>().unwrap();
+        let (pod, vip, other_vip) = (prefix("10.244.1.0/24"), prefix("10.96.0.10/32"), prefix("192.0.2.7/32"));
+        let mut counts = Advertisements::default();
+        let first = BTreeMap::from([(pod, OriginKind::PodCidr), (vip, OriginKind::ServiceVip)]);
+        counts.count_changes(&BTreeMap::new(), &first);
+        assert_eq!(counts, Advertisements { pod_route: 1, advertise_vip: 1, withdraw_vip: 0 });
+        // The same set again changes nothing; a VIP replaced by another is one of each.
+        counts.count_changes(&first, &first);
+        let second = BTreeMap::from([(pod, OriginKind::PodCidr), (other_vip, OriginKind::ServiceVip)]);
+        counts.count_changes(&first, &second);
+        assert_eq!(counts, Advertisements { pod_route: 1, advertise_vip: 2, withdraw_vip: 1 });
     }
 }

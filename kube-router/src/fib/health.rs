@@ -64,6 +64,13 @@ pub struct FibStats {
     pub refused: usize,
     pub conflicts_total: u64,
     pub refusals_total: u64,
+    /// Our routes in the kernel after the last pass (kube-router: host routes synced).
+    pub installed: usize,
+    /// Routes written (created, or replaced with other gateways) and deleted, since start.
+    pub added_total: u64,
+    pub removed_total: u64,
+    /// One reconcile pass: listing the kernel's routes and writing the differences.
+    pub pass_time: crate::exposition::Histogram,
 }
 
 #[derive(Clone, Debug)]
@@ -79,6 +86,12 @@ pub struct FibHealth {
     refused: BTreeMap<IpNet, Refused>,
     conflicts_total: u64,
     refusals_total: u64,
+    added_total: u64,
+    removed_total: u64,
+    /// Routes created minus routes deleted in the pass being recorded.
+    pass_net: i64,
+    installed: usize,
+    pass_time: crate::exposition::Histogram,
 }
 
 fn backoff(failures: u32) -> Duration {
@@ -145,11 +158,20 @@ impl FibHealth {
         for (op, peer, result) in results {
             let destination = op.destination();
             match (op, result) {
-                (_, Ok(())) => {
+                (op, Ok(())) => {
                     self.refused.remove(&destination);
+                    match op {
+                        RouteOp::Create(..) => {
+                            (self.added_total, self.pass_net) = (self.added_total + 1, self.pass_net + 1)
+                        }
+                        RouteOp::Replace(..) => self.added_total += 1,
+                        RouteOp::Delete(..) => {
+                            (self.removed_total, self.pass_net) = (self.removed_total + 1, self.pass_net - 1)
+                        }
+                    }
                 }
                 // Already gone: what a delete wanted.
-                (RouteOp::Delete(..), Err(KernelError::NO_SUCH_ROUTE)) => {}
+                (RouteOp::Delete(..), Err(KernelError::NO_SUCH_ROUTE)) => self.pass_net -= 1,
                 (RouteOp::Create(_, route) | RouteOp::Replace(_, route) | RouteOp::Delete(_, route), Err(error)) => {
                     self.refusals_total += 1;
                     let failures = match self.refused.get(&destination) {
@@ -182,6 +204,13 @@ impl FibHealth {
         reports
     }
 
+    /// Ends a pass that found `ours_before` of our routes in the kernel and took `took`.
+    pub fn pass_done(&mut self, ours_before: usize, took: Duration) {
+        let net = std::mem::take(&mut self.pass_net);
+        self.installed = usize::try_from(ours_before as i64 + net).unwrap_or(0);
+        self.pass_time.observe(took.as_secs_f64());
+    }
+
     /// When the earliest held-back route is due.
     pub fn next_retry(&self) -> Option<Instant> {
         self.refused.values().map(|r| r.retry_at).min()
@@ -193,6 +222,10 @@ impl FibHealth {
             refused: self.refused.len(),
             conflicts_total: self.conflicts_total,
             refusals_total: self.refusals_total,
+            installed: self.installed,
+            added_total: self.added_total,
+            removed_total: self.removed_total,
+            pass_time: self.pass_time.clone(),
         }
     }
 }
@@ -304,5 +337,38 @@ mod tests {
         assert_eq!(ops.len(), 1, "the other route is gone: ours goes in");
         assert_eq!(reports, vec![Report::ConflictsEnded { count: 1 }]);
         assert_eq!(health.stats().conflicts, 0);
+    }
+
+    #[test]
+    fn host_route_counts_follow_the_writes_that_succeeded() {
+        let mut health = FibHealth::new();
+        let desired = want(3, "10.50.0.2");
+        let (ops, _) = health.admit(reconcile(&KernelTable::default(), &desired, true), Instant::now(), false);
+        let mut results: Vec<_> = ops.iter().map(|op| (op.clone(), None, Ok(()))).collect();
+        results[2].2 = Err(KernelError(libc::EINVAL));
+        health.record(results, Instant::now());
+        health.pass_done(0, Duration::from_millis(2));
+        let stats = health.stats();
+        assert_eq!((stats.installed, stats.added_total, stats.removed_total), (2, 2, 0), "the refused one is not in");
+        // The next pass finds those two, and one of them is no longer wanted.
+        let mut table = KernelTable::default();
+        for (destination, want) in desired.iter().take(2) {
+            table.ours.insert(*destination, want.route.clone());
+        }
+        let fewer: DesiredSet = desired.iter().take(1).map(|(d, w)| (*d, w.clone())).collect();
+        let (ops, _) = health.admit(reconcile(&table, &fewer, true), Instant::now(), false);
+        assert!(matches!(&ops[..], [RouteOp::Delete(..)]), "{ops:?}");
+        health.record(ops.into_iter().map(|op| (op, None, Ok(()))), Instant::now());
+        health.pass_done(2, Duration::from_millis(1));
+        let stats = health.stats();
+        assert_eq!((stats.installed, stats.added_total, stats.removed_total), (1, 2, 1));
+        let mut text = String::new();
+        crate::kr_metrics::render_bgp(
+            &mut text,
+            &crate::bgp::speaker::SpeakerStatus { fib: stats, ..Default::default() },
+        );
+        assert!(text.contains("\nkube_router_host_routes_synced 1\n"), "{text}");
+        assert!(text.contains("\nkube_router_host_routes_removed 1\n"), "{text}");
+        assert!(text.contains("\nkube_router_host_routes_sync_time_count 2\n"), "{text}");
     }
 }
