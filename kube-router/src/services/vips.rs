@@ -467,7 +467,7 @@ mod tests {
         let mut after = before.clone();
         after.set_slice(&("shop".into(), "b-1".into()), None);
         let changed = Changed::Services([ServiceName::new("shop", "b")].into());
-        assert_eq!(view.update(&after, &changed, &settings).0, false, "nothing moved");
+        assert!(!view.update(&after, &changed, &settings).0, "nothing moved");
         assert_eq!(view.vips(), self::view(&after, &settings));
         // a goes too: the externalIP is withdrawn but still known.
         after.set_service(&ServiceName::new("shop", "a"), None);
