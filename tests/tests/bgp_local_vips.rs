@@ -105,37 +105,26 @@ fn local_traffic_policy_vips_come_only_from_nodes_with_a_ready_endpoint() {
         object["spec"]["ports"] = json!([{"name": "http", "protocol": "TCP", "port": 80}]);
         object
     };
-    server
-        .apply(extra(
-            "legacy",
-            json!({}),
-            json!({"clusterIP": "10.96.0.40", "externalIPs": ["192.0.002.040"]}),
-            json!({}),
-        ))
-        .unwrap();
-    let other_proxy = json!({"labels": {"service.kubernetes.io/service-proxy-name": "someone-else"}});
-    server
-        .apply(extra(
+    let ip = |prefix: &str| prefix.trim_end_matches("/32").to_string();
+    let refused_lb = json!({"loadBalancer": {"ingress": [{"ip": ip(PROXY_MODE_LB_IP), "ipMode": "Proxy"}]}});
+    for (name, metadata, spec, status) in [
+        ("legacy", json!({}), json!({"clusterIP": "10.96.0.40", "externalIPs": ["192.0.002.040"]}), json!({})),
+        (
             "elsewhere",
-            other_proxy,
-            json!({"clusterIP": "10.96.0.50", "externalIPs": [OTHER_PROXY_IP.trim_end_matches("/32")]}),
+            json!({"labels": {"service.kubernetes.io/service-proxy-name": "someone-else"}}),
+            json!({"clusterIP": "10.96.0.50", "externalIPs": [ip(OTHER_PROXY_IP)]}),
             json!({}),
-        ))
-        .unwrap();
-    let proxied =
-        json!({"loadBalancer": {"ingress": [{"ip": PROXY_MODE_LB_IP.trim_end_matches("/32"), "ipMode": "Proxy"}]}});
-    server
-        .apply(extra("proxied", json!({}), json!({"type": "LoadBalancer", "clusterIP": "10.96.0.51"}), proxied))
-        .unwrap();
-    let forced = json!({"annotations": {"kube-router.io/service.local": "true"}});
-    server
-        .apply(extra(
+        ),
+        ("proxied", json!({}), json!({"type": "LoadBalancer", "clusterIP": "10.96.0.51"}), refused_lb),
+        (
             "forced",
-            forced,
-            json!({"clusterIP": "10.96.0.60", "externalIPs": [FORCED_LOCAL_IP.trim_end_matches("/32")]}),
+            json!({"annotations": {"kube-router.io/service.local": "true"}}),
+            json!({"clusterIP": "10.96.0.60", "externalIPs": [ip(FORCED_LOCAL_IP)]}),
             json!({}),
-        ))
-        .unwrap();
+        ),
+    ] {
+        server.apply(extra(name, metadata, spec, status)).unwrap();
+    }
     let mut forced_slice = slice("node-1", true);
     forced_slice["metadata"] =
         json!({"namespace": "shop", "name": "forced-x1", "labels": {"kubernetes.io/service-name": "forced"}});
