@@ -12,12 +12,13 @@ use tokio::sync::watch;
 
 use crate::{
     controllers::services::{cluster_addresses, report_catalog_problems, SERVICE_KINDS},
-    k8s::cache::Cache,
+    k8s::{cache::Cache, watch::Kind},
     metrics::Metrics,
     runtime::{Action, Controller},
     services::{
+        family::IpFamily,
         incremental::{Changed, ServiceCatalog},
-        model::{ExternalIpPolicy, ServiceName},
+        model::{ExternalIpPolicy, ExternalIpRefusal, ServiceName},
         vips::{AdvertiseServices, ServiceVips, VipSettings, VipView},
     },
 };
@@ -45,23 +46,20 @@ impl VipPublisher {
         (publisher, receiver)
     }
 
-    /// Brings the view up to date with the `changed` Services (everything when the node's
-    /// settings changed) and sends it if the VIPs moved, or if it was never sent.
-    pub fn update(
-        &mut self,
-        catalog: &ServiceCatalog,
-        changed: &Changed,
+    /// The settings of this node: `external_ips` refused, `unavailable_families` not served.
+    pub fn settings(
+        &self,
         node_name: &str,
         external_ips: ExternalIpPolicy,
-        unavailable_families: BTreeSet<crate::services::family::IpFamily>,
-    ) {
-        let settings = VipSettings {
-            advertise: self.advertise,
-            node_name: node_name.to_string(),
-            external_ips,
-            unavailable_families,
-        };
-        let (moved, refused) = self.view.update(catalog, changed, &settings);
+        unavailable_families: BTreeSet<IpFamily>,
+    ) -> VipSettings {
+        VipSettings { advertise: self.advertise, node_name: node_name.to_string(), external_ips, unavailable_families }
+    }
+
+    /// Brings the view up to date with the `changed` Services (everything when the settings
+    /// changed) and sends it if the VIPs moved, or if it was never sent.
+    pub fn update(&mut self, catalog: &ServiceCatalog, changed: &Changed, settings: &VipSettings) {
+        let (moved, refused) = self.view.update(catalog, changed, settings);
         if self.report_refusals {
             self.report(changed, refused);
         }
@@ -72,7 +70,7 @@ impl VipPublisher {
         }
     }
 
-    fn report(&mut self, changed: &Changed, refused: Vec<(ServiceName, crate::services::model::ExternalIpRefusal)>) {
+    fn report(&mut self, changed: &Changed, refused: Vec<(ServiceName, ExternalIpRefusal)>) {
         let mut now: BTreeMap<ServiceName, BTreeSet<String>> = BTreeMap::new();
         for (service, refusal) in refused {
             let seen = self.reported.get(&service).is_some_and(|s| s.contains(&refusal.message));
@@ -102,6 +100,11 @@ pub struct ServiceViewController {
     node_name: String,
     /// The flags' external IP policy; the cluster's addresses are added as they come.
     external_ips: ExternalIpPolicy,
+    /// The view's settings, with the cluster's addresses in the policy: rebuilt when a Node or
+    /// the API server's endpoints change.
+    settings: Option<VipSettings>,
+    /// The Node changes the policy reflects.
+    node_generation: u64,
     /// Catalog problems already logged.
     reported: BTreeSet<String>,
     metrics: Metrics,
@@ -121,6 +124,8 @@ impl ServiceViewController {
             publisher,
             node_name,
             external_ips,
+            settings: None,
+            node_generation: 0,
             reported: BTreeSet::new(),
             metrics,
         }
@@ -141,9 +146,95 @@ impl Controller for ServiceViewController {
         let mut current = BTreeSet::new();
         report_catalog_problems(&self.catalog, &self.reported, &mut current, &self.metrics);
         self.reported = current;
-        let cluster = cluster_addresses(&self.cache, &self.catalog);
-        let external_ips = self.external_ips.with_cluster_addresses(cluster.nodes, cluster.api_server);
-        self.publisher.update(&self.catalog, &listing.objects, &self.node_name, external_ips, BTreeSet::new());
+        let node_generation = self.cache.generation(&[Kind::Nodes]);
+        let api_server = ServiceName::new("default", "kubernetes");
+        let api_server_moved = match &listing.objects {
+            Changed::All => true,
+            Changed::Services(names) => names.contains(&api_server),
+        };
+        let settings = match self.settings.take() {
+            Some(settings) if !api_server_moved && node_generation == self.node_generation => settings,
+            _ => {
+                self.node_generation = node_generation;
+                let cluster = cluster_addresses(&self.cache, &self.catalog);
+                let policy = self.external_ips.with_cluster_addresses(cluster.nodes, cluster.api_server);
+                self.publisher.settings(&self.node_name, policy, BTreeSet::new())
+            }
+        };
+        self.publisher.update(&self.catalog, &listing.objects, &settings);
+        self.settings = Some(settings);
         Ok(Action::AwaitChange)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::runtime::watcher::Event;
+    use serde_json::json;
+
+    use super::*;
+    use crate::k8s::watch::{ClusterObjects, WatchUpdate};
+
+    fn listed(cache: &Cache, kind: fn(Event<serde_json::Value>) -> WatchUpdate, objects: &[serde_json::Value]) {
+        cache.apply(kind(Event::Init));
+        for object in objects {
+            cache.apply(kind(Event::InitApply(object.clone())));
+        }
+        cache.apply(kind(Event::InitDone));
+    }
+
+    fn typed<K: serde::de::DeserializeOwned>(event: Event<serde_json::Value>) -> Event<K> {
+        let object = |o| serde_json::from_value(o).unwrap();
+        match event {
+            Event::Init => Event::Init,
+            Event::InitApply(o) => Event::InitApply(object(o)),
+            Event::InitDone => Event::InitDone,
+            Event::Apply(o) => Event::Apply(object(o)),
+            Event::Delete(o) => Event::Delete(object(o)),
+        }
+    }
+
+    fn services(event: Event<serde_json::Value>) -> WatchUpdate {
+        WatchUpdate::Services(typed(event))
+    }
+
+    fn slices(event: Event<serde_json::Value>) -> WatchUpdate {
+        WatchUpdate::EndpointSlices(typed(event))
+    }
+
+    fn slice(node: &str) -> serde_json::Value {
+        json!({"metadata": {"namespace": "shop", "name": "web-1", "resourceVersion": node,
+                "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4", "endpoints": [{"addresses": ["10.244.1.5"], "nodeName": node}]})
+    }
+
+    /// With the proxy off the VIPs are still computed, from a complete listing only, and a
+    /// slice change moves them.
+    #[tokio::test]
+    async fn without_the_proxy_the_vips_follow_the_catalog() {
+        let cache = Cache::new(ClusterObjects::default(), None);
+        let advertise = AdvertiseServices { external_ip: true, ..Default::default() };
+        let (publisher, vips) = VipPublisher::new(advertise, true, Metrics::default());
+        let mut view = ServiceViewController::new(
+            cache.clone(),
+            publisher,
+            "node-1".into(),
+            Default::default(),
+            Metrics::default(),
+        );
+        let web = json!({"metadata": {"namespace": "shop", "name": "web", "resourceVersion": "1"},
+            "spec": {"clusterIP": "10.96.0.10", "externalIPs": ["192.0.2.7"], "externalTrafficPolicy": "Local",
+                "ports": [{"port": 80}]}});
+        listed(&cache, services, &[web]);
+        view.reconcile().await.unwrap();
+        assert!(vips.borrow().is_none(), "nothing before the slices are listed too");
+        listed(&cache, slices, &[slice("node-1")]);
+        view.reconcile().await.unwrap();
+        let advertised = |vips: &VipReceiver| vips.borrow().as_ref().unwrap().advertised.clone();
+        assert_eq!(advertised(&vips), ["192.0.2.7/32".parse().unwrap()]);
+        cache.apply(slices(Event::Apply(slice("node-2"))));
+        view.reconcile().await.unwrap();
+        assert!(advertised(&vips).is_empty(), "the local endpoint left this node");
+        assert_eq!(vips.borrow().as_ref().unwrap().all.len(), 1);
     }
 }

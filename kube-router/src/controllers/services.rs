@@ -692,6 +692,15 @@ impl ServicesFromApi {
         }
     }
 
+    /// The VIPs of the Services changed in this run, judged on the node as the last compile
+    /// saw it: what it refuses or cannot serve is not advertised.
+    fn publish_vips(&mut self, changed: Option<Changed>) {
+        let (Some(vips), Some(changed)) = (self.vips.as_mut(), changed) else { return };
+        let node = self.controller.last_node.clone().unwrap_or_else(|| self.controller.node_context());
+        let settings = vips.settings(&node.name, node.external_ips, node.unavailable_families);
+        vips.update(&self.catalog, &changed, &settings);
+    }
+
     /// Only this node's zone matters to the Services; other Node changes do not.
     fn follow_zone(&mut self) {
         let name = self.controller.node_name.as_str();
@@ -747,17 +756,13 @@ impl Controller for ServicesFromApi {
         };
         self.dirty = false;
         self.follow_cluster_addresses();
-        if let Some(vips) = self.vips.as_mut() {
-            // The node as the compile sees it: what it refuses or cannot serve is not advertised.
-            let node = self.controller.node_context();
-            let node_name = &self.controller.node_name;
-            vips.update(&self.catalog, &listing.objects, node_name, node.external_ips, node.unavailable_families);
-        }
+        let changed_now = self.vips.is_some().then(|| listing.objects.clone());
         self.changed.merge(listing.objects);
         let complete = listing.completeness == Completeness::Complete;
         let restored_as_of = self.cache.restored_as_of();
         if !complete && self.controller.stamp.keeps_maps_over_checkpoint(restored_as_of, &self.controller.metrics) {
             // Programming the checkpoint would take the maps back to an older state.
+            self.publish_vips(changed_now);
             return Ok(Action::AwaitChange);
         }
         let changed = std::mem::take(&mut self.changed);
@@ -765,6 +770,8 @@ impl Controller for ServicesFromApi {
             self.controller.stamp.begin_write(&self.controller.metrics);
         }
         let failed = self.controller.apply(&self.catalog, changed, complete);
+        // After the writes: a VIP is announced once the datapath serves it.
+        self.publish_vips(changed_now);
         if failed > 0 {
             // The maps hold less than planned: the next run syncs again, even unchanged.
             self.dirty = true;

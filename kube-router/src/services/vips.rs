@@ -160,8 +160,11 @@ impl VipView {
         changed: &Changed,
         settings: &VipSettings,
     ) -> (bool, Vec<(ServiceName, ExternalIpRefusal)>) {
-        let everything = self.settings.as_ref() != Some(settings) || matches!(changed, Changed::All);
-        self.settings = Some(settings.clone());
+        let settings_changed = self.settings.as_ref() != Some(settings);
+        if settings_changed {
+            self.settings = Some(settings.clone());
+        }
+        let everything = settings_changed || matches!(changed, Changed::All);
         let names: BTreeSet<ServiceName> = match changed {
             Changed::Services(names) if !everything => names.clone(),
             _ => self.shares.keys().chain(catalog.state.services.keys()).cloned().collect(),
