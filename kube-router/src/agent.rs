@@ -30,6 +30,7 @@ use crate::{
         node_nets::{sync_egress_nets, CniWriter, EgressNets, NodeNetsController, NODE_KINDS},
         policy::{PolicyController, POLICY_KINDS},
         routing::{self, RoutingController},
+        service_view::{ServiceViewController, VipPublisher},
         services::{FileEvents, ServiceController, ServicesFromApi, ServicesFromFile, SERVICE_TRIGGER_KINDS},
     },
     firewall::FirewallController,
@@ -153,6 +154,16 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
         );
         tasks.add(runtime::spawn(interfaces, (LinkTrigger(events), pods), AT_ONCE, stop.clone()));
     }
+    // The Service VIPs BGP advertises come from the services catalog: the services
+    // controller's, or without the proxy a catalog kept for them alone.
+    let advertise = config.router.as_ref().map(|r| r.advertise).filter(|a| a.any());
+    let (mut vip_publisher, vip_receiver) = match advertise {
+        Some(advertise) => {
+            let (publisher, receiver) = VipPublisher::new(advertise, services.is_none(), metrics.clone());
+            (Some(publisher), Some(receiver))
+        }
+        None => (None, None),
+    };
     if let Some(controller) = services {
         match (&config.source, &cache) {
             (DesiredSource::File(path), _) => {
@@ -161,7 +172,10 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
                 tasks.add(runtime::spawn(services, trigger, AT_ONCE, stop.clone()));
             }
             (DesiredSource::Api(_), Some(cache)) => {
-                let services = ServicesFromApi::new(controller, cache.clone(), node_addresses.clone());
+                let mut services = ServicesFromApi::new(controller, cache.clone(), node_addresses.clone());
+                if let Some(publisher) = vip_publisher.take() {
+                    services = services.with_vips(publisher);
+                }
                 let trigger = (cache.subscribe(SERVICE_TRIGGER_KINDS), node_addresses.clone());
                 tasks.add(runtime::spawn(services, trigger, AT_ONCE, stop.clone()));
             }
@@ -181,20 +195,31 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
             let nets = NodeNetsController::new(cache.clone(), egress, cni, metrics.clone());
             tasks.add(runtime::spawn(nets, cache.subscribe(NODE_KINDS), RunOptions::default(), stop.clone()));
         }
+        if let Some(publisher) = vip_publisher.take() {
+            let view = ServiceViewController::new(
+                cache.clone(),
+                publisher,
+                config.node_name.clone(),
+                config.external_ip_policy(),
+                metrics.clone(),
+            );
+            tasks.add(runtime::spawn(view, cache.subscribe(SERVICE_TRIGGER_KINDS), AT_ONCE, stop.clone()));
+        }
         let writer = CheckpointWriter::new(cache.clone(), config.state_dir.clone(), metrics.clone());
         tasks.add(runtime::spawn(writer, cache.subscribe(CHECKPOINT_KINDS), RunOptions::default(), stop.clone()));
     }
     tasks.add(runtime::spawn(stats, NoTrigger, RunOptions::default(), stop.clone()));
     // Without the API the configuration comes from flags; with it, from the Node objects (or
     // their checkpoint), as soon as they are known.
-    let routing = config.router.clone().map(|mut options| {
-        options.external_ips = config.external_ip_policy();
-        let advertise = options.advertise.any();
-        let router = RoutingController::new(RouterController::new(options, metrics.clone()), cache.clone(), advertise);
+    let routing = config.router.clone().map(|options| {
+        let router = RouterController::new(options, metrics.clone());
+        let router = RoutingController::new(router, cache.clone(), vip_receiver.clone());
+        // Woken by the Nodes and the VIPs (a channel that never changes when none are advertised).
+        let vips = vip_receiver.clone().unwrap_or_else(|| watch::Sender::new(None).subscribe());
         match &cache {
             Some(cache) => runtime::spawn(
                 router,
-                cache.subscribe(routing::trigger_kinds(advertise)),
+                (cache.subscribe(routing::ROUTING_KINDS), vips),
                 RunOptions::default(),
                 stop.clone(),
             ),

@@ -884,8 +884,6 @@ fn run(cli: &Cli) -> Result<()> {
             load_balancer_ip: args.advertise_loadbalancer_ip,
             annotations_override: args.service_advertise_annotations_override,
         },
-        // Filled in by the agent from the same flags as the service proxy's.
-        external_ips: Default::default(),
     });
     let map_sizes = MapSizes { lb_frontends: args.bpf_lb_map_max, conntrack: args.bpf_ct_global_max };
     map_sizes.validate().map_err(anyhow::Error::msg)?;

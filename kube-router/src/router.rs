@@ -5,7 +5,6 @@
 //! checkpoint while the API is down, or from flags) and is then only ever *updated*: an API
 //! outage leaves the last configuration, the sessions, the RIB and the kernel routes alone.
 use std::{
-    collections::BTreeSet,
     fmt::Write as _,
     net::{IpAddr, Ipv6Addr, SocketAddr},
     path::PathBuf,
@@ -15,10 +14,7 @@ use std::{
 
 use anyhow::{Context, Result};
 use ipnet::IpNet;
-use k8s_openapi::api::{
-    core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
-};
+use k8s_openapi::api::core::v1::Node;
 
 use crate::{
     bgp::{
@@ -32,7 +28,6 @@ use crate::{
     fib::{netlink::NetlinkRoutes, resolve::Reachability},
     metrics::{family, Metrics},
     overlay::OverlayConfig,
-    services::model::ExternalIpPolicy,
 };
 
 #[derive(Debug, Clone)]
@@ -74,153 +69,14 @@ pub struct RouterOptions {
     pub route_protocol: u8,
     pub route_table: u32,
     pub state_dir: PathBuf,
+    /// Which Service addresses to advertise: the VIPs come from `services::vips`, computed by
+    /// whoever keeps the services catalog (`controllers::service_view`).
     pub advertise: AdvertiseServices,
-    /// The service proxy's external IP validation: an externalIP or LoadBalancer IP it refuses
-    /// is never advertised (nor kept from import as a VIP). Every Node's addresses and the API
-    /// server's endpoints are added as the objects come.
-    pub external_ips: ExternalIpPolicy,
     /// bpffs directory of the datapath (the overlay's programs and maps).
     pub bpf_root: PathBuf,
 }
 
-/// Which Service addresses every node advertises as host routes (kube-router's
-/// `--advertise-cluster-ip`, `--advertise-external-ip`, `--advertise-loadbalancer-ip`). A
-/// Service can turn each off with the annotation `kube-router.io/service.advertise.<kind>:
-/// "false"`; "true" turns one on only with `annotations_override`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct AdvertiseServices {
-    pub cluster_ip: bool,
-    pub external_ip: bool,
-    pub load_balancer_ip: bool,
-    /// `--service-advertise-annotations-override`: "true" annotations widen the flags.
-    pub annotations_override: bool,
-}
-
-impl AdvertiseServices {
-    /// Some Service address may be advertised (the Services are worth watching).
-    pub fn any(&self) -> bool {
-        self.cluster_ip || self.external_ip || self.load_balancer_ip || self.annotations_override
-    }
-}
-
-/// Service VIPs as host prefixes (/32, /128), sorted, without duplicates.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ServiceVips {
-    /// What this node advertises.
-    pub advertised: Vec<IpNet>,
-    /// Every VIP the cluster advertises from some node (never imported from a peer).
-    pub all: Vec<IpNet>,
-}
-
-/// Where this node stands for Services with a local traffic policy.
-pub struct LocalEndpoints<'a> {
-    pub node_name: &'a str,
-    /// The node's own addresses (an endpoint without nodeName is local if it is one of them).
-    pub node_addresses: &'a BTreeSet<IpAddr>,
-    /// The EndpointSlices of a Service (namespace, name); more are ignored. Asked only for the
-    /// Services with a local traffic policy: the agent keeps the slices packed and decodes
-    /// those alone.
-    pub slices_of: &'a (dyn Fn(&str, &str) -> Vec<EndpointSlice> + Sync),
-}
-
-impl LocalEndpoints<'_> {
-    /// A ready endpoint of the Service runs on this node.
-    fn has_ready(&self, service: &Service) -> bool {
-        let namespace = service.metadata.namespace.as_deref().unwrap_or("default");
-        let name = service.metadata.name.as_deref().unwrap_or("");
-        (self.slices_of)(namespace, name)
-            .iter()
-            .filter(|slice| slice.metadata.namespace.as_deref().unwrap_or("default") == namespace)
-            .filter(|slice| {
-                slice.metadata.labels.as_ref().and_then(|l| l.get("kubernetes.io/service-name")).map(String::as_str)
-                    == Some(name)
-            })
-            .flat_map(|slice| slice.endpoints.iter())
-            // An unset ready condition means ready (the API's documented default).
-            .filter(|endpoint| endpoint.conditions.as_ref().and_then(|c| c.ready) != Some(false))
-            .any(|endpoint| match &endpoint.node_name {
-                Some(node) => node == self.node_name,
-                None => endpoint
-                    .addresses
-                    .iter()
-                    .any(|a| a.parse::<IpAddr>().is_ok_and(|a| self.node_addresses.contains(&a))),
-            })
-    }
-}
-
-/// The Service addresses to advertise. With `externalTrafficPolicy: Local` (or kube-router's
-/// `kube-router.io/service.local: "true"`) a Service's external and LoadBalancer IPs, and with
-/// `internalTrafficPolicy: Local` its ClusterIPs, come only from nodes running a ready endpoint
-/// of it: a node without one would drop or forward the traffic (kube-router does the same).
-/// Headless Services (clusterIP None) and unparsable addresses contribute nothing, nor do
-/// externalIPs and LoadBalancer IPs `external_ips` refuses (the service proxy's own check).
-pub fn service_vips<'a>(
-    services: impl Iterator<Item = &'a Service>,
-    advertise: AdvertiseServices,
-    external_ips: &ExternalIpPolicy,
-    local: &LocalEndpoints<'_>,
-) -> ServiceVips {
-    let mut advertised = BTreeSet::new();
-    let mut all = BTreeSet::new();
-    for service in services {
-        let annotations = service.metadata.annotations.as_ref();
-        let annotation = |key: &str| annotations.and_then(|a| a.get(key)).map(String::as_str);
-        let wants = |kind: &str, default: bool| match annotation(&format!("kube-router.io/service.advertise.{kind}")) {
-            Some("true") => default || advertise.annotations_override,
-            Some("false") => false,
-            _ => default,
-        };
-        let spec = service.spec.as_ref();
-        let external_local = spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local")
-            || annotation("kube-router.io/service.local") == Some("true");
-        let internal_local = spec.and_then(|s| s.internal_traffic_policy.as_deref()) == Some("Local");
-        let mut has_local = None;
-        let mut local_ready = || *has_local.get_or_insert_with(|| local.has_ready(service));
-        let parse = |a: &String| a.parse::<IpAddr>().ok().map(IpNet::from);
-        let accepted =
-            |load_balancer: bool| move |net: &IpNet| external_ips.refusal(net.addr(), load_balancer).is_none();
-        let mut add = |addresses: Vec<IpNet>, needs_local: bool, local_ready: &mut dyn FnMut() -> bool| {
-            if addresses.is_empty() {
-                return;
-            }
-            all.extend(addresses.iter().copied());
-            if !needs_local || local_ready() {
-                advertised.extend(addresses);
-            }
-        };
-        if wants("clusterip", advertise.cluster_ip) {
-            let mut ips: Vec<IpNet> =
-                spec.and_then(|s| s.cluster_ips.as_ref()).into_iter().flatten().filter_map(parse).collect();
-            ips.extend(spec.and_then(|s| s.cluster_ip.as_ref()).and_then(parse));
-            add(ips, internal_local, &mut local_ready);
-        }
-        if wants("externalip", advertise.external_ip) {
-            let ips = spec
-                .and_then(|s| s.external_ips.as_ref())
-                .into_iter()
-                .flatten()
-                .filter_map(parse)
-                .filter(accepted(false))
-                .collect();
-            add(ips, external_local, &mut local_ready);
-        }
-        // skiplbips: the LoadBalancer IPs are not served here, so not advertised (as upstream).
-        let skip_lb_ips = annotation(crate::services::from_k8s::SKIP_LB_IPS_ANNOTATION).is_some();
-        if wants("loadbalancerip", advertise.load_balancer_ip) && !skip_lb_ips {
-            let ingress =
-                service.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
-            let ips = ingress
-                .into_iter()
-                .flatten()
-                .filter_map(|i| i.ip.as_ref())
-                .filter_map(parse)
-                .filter(accepted(true))
-                .collect();
-            add(ips, external_local, &mut local_ready);
-        }
-    }
-    ServiceVips { advertised: advertised.into_iter().collect(), all: all.into_iter().collect() }
-}
+pub use crate::services::vips::{AdvertiseServices, ServiceVips};
 
 fn prefixes_of(nets: &[IpNet], kind: OriginKind) -> impl Iterator<Item = Originated> + '_ {
     nets.iter().filter_map(move |net| Prefix::new(net.addr(), net.prefix_len()).ok().map(|p| (p, kind)))
@@ -324,14 +180,14 @@ impl RouterController {
         })
     }
 
-    /// Re-derives the configuration from the Node, Service and EndpointSlice objects we know.
-    /// A problem (this node not found yet, a broken annotation on it) is logged once and
-    /// changes nothing. An error: the speaker could not start (to be tried again).
+    /// Re-derives the configuration from the Node objects we know, with the Service VIPs as
+    /// the services catalog has them. A problem (this node not found yet, a broken annotation
+    /// on it) is logged once and changes nothing. An error: the speaker could not start (to be
+    /// tried again).
     pub async fn update_from_nodes<'a>(
         &mut self,
         nodes: impl Iterator<Item = &'a Node>,
-        services: impl Iterator<Item = &'a Service>,
-        slices_of: &(dyn Fn(&str, &str) -> Vec<EndpointSlice> + Sync),
+        vips: &ServiceVips,
     ) -> Result<()> {
         let nodes: Vec<Node> = nodes.cloned().collect();
         match node_bgp_config(&nodes, &self.settings()) {
@@ -347,22 +203,7 @@ impl RouterController {
                 if let Some(cidrs) = &self.options.pod_cidrs {
                     config.pod_cidrs = cidrs.clone();
                 }
-                let me = nodes.iter().find(|n| n.metadata.name.as_deref() == Some(self.options.node_name.as_str()));
-                let node_addresses: BTreeSet<IpAddr> = me
-                    .and_then(|n| n.status.as_ref())
-                    .and_then(|s| s.addresses.as_ref())
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|a| a.address.parse().ok())
-                    .collect();
-                let local =
-                    LocalEndpoints { node_name: &self.options.node_name, node_addresses: &node_addresses, slices_of };
-                let external_ips = self.options.external_ips.with_cluster_addresses(
-                    nodes.iter().flat_map(crate::services::from_k8s::node_object_addresses),
-                    crate::services::from_k8s::endpoint_addresses(&slices_of("default", "kubernetes")),
-                );
-                let vips = service_vips(services, self.options.advertise, &external_ips, &local);
-                self.apply(config, vips).await
+                self.apply(config, vips.clone()).await
             }
             Err(e) => {
                 let problem = e.to_string();
@@ -681,145 +522,4 @@ pub fn render_status(status: Option<&SpeakerStatus>) -> String {
         );
     }
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn service(value: serde_json::Value) -> Service {
-        serde_json::from_value(value).unwrap()
-    }
-
-    fn slice(value: serde_json::Value) -> EndpointSlice {
-        serde_json::from_value(value).unwrap()
-    }
-
-    fn advertised(services: &[Service], advertise: AdvertiseServices, slices: &[EndpointSlice]) -> Vec<String> {
-        let addresses = BTreeSet::from(["192.168.0.1".parse().unwrap()]);
-        let local =
-            LocalEndpoints { node_name: "node-1", node_addresses: &addresses, slices_of: &|_, _| slices.to_vec() };
-        service_vips(services.iter(), advertise, &ExternalIpPolicy::default(), &local)
-            .advertised
-            .iter()
-            .map(|n| n.to_string())
-            .collect()
-    }
-
-    #[test]
-    fn service_addresses_follow_the_flags_and_the_per_service_annotations() {
-        let services = [
-            service(serde_json::json!({"metadata": {"name": "web"},
-                "spec": {"clusterIP": "10.96.0.10", "clusterIPs": ["10.96.0.10", "fd00:96::10"], "externalIPs": ["192.0.2.7"]},
-                "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.1"}, {"hostname": "lb.example"}]}}})),
-            service(serde_json::json!({"metadata": {"name": "headless"}, "spec": {"clusterIP": "None"}})),
-            service(serde_json::json!({"metadata": {"name": "private",
-                    "annotations": {"kube-router.io/service.advertise.clusterip": "false"}},
-                "spec": {"clusterIP": "10.96.0.20"}})),
-            service(serde_json::json!({"metadata": {"name": "opt-in",
-                    "annotations": {"kube-router.io/service.advertise.externalip": "true"}},
-                "spec": {"clusterIP": "10.96.0.30", "externalIPs": ["192.0.2.30"]}})),
-        ];
-        // "true" annotations widen the flags only when the operator lets them.
-        assert!(advertised(&services, AdvertiseServices::default(), &[]).is_empty());
-        let override_on = AdvertiseServices { annotations_override: true, ..Default::default() };
-        assert_eq!(advertised(&services, override_on, &[]), ["192.0.2.30/32"]);
-        let cluster = AdvertiseServices { cluster_ip: true, annotations_override: true, ..Default::default() };
-        assert_eq!(
-            advertised(&services, cluster, &[]),
-            ["10.96.0.10/32", "10.96.0.30/32", "192.0.2.30/32", "fd00:96::10/128"]
-        );
-        let all =
-            AdvertiseServices { cluster_ip: true, external_ip: true, load_balancer_ip: true, ..Default::default() };
-        assert_eq!(
-            advertised(&services, all, &[]),
-            ["10.96.0.10/32", "10.96.0.30/32", "192.0.2.7/32", "192.0.2.30/32", "198.51.100.1/32", "fd00:96::10/128"]
-        );
-    }
-
-    #[test]
-    fn local_traffic_policy_vips_come_only_from_nodes_with_a_ready_local_endpoint() {
-        let services = [service(serde_json::json!({"metadata": {"namespace": "shop", "name": "web"},
-            "spec": {"clusterIP": "10.96.0.10", "externalIPs": ["192.0.2.7"], "externalTrafficPolicy": "Local"},
-            "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.1"}]}}}))];
-        let all =
-            AdvertiseServices { cluster_ip: true, external_ip: true, load_balancer_ip: true, ..Default::default() };
-        let endpoints = |node: &str, ready: bool| {
-            slice(serde_json::json!({"metadata": {"namespace": "shop", "name": "web-1",
-                    "labels": {"kubernetes.io/service-name": "web"}},
-                "addressType": "IPv4",
-                "endpoints": [{"addresses": ["10.244.1.5"], "nodeName": node, "conditions": {"ready": ready}}]}))
-        };
-        // No endpoint here: only the ClusterIP (cluster-wide policy) is advertised.
-        assert_eq!(advertised(&services, all, &[endpoints("node-2", true)]), ["10.96.0.10/32"]);
-        assert_eq!(advertised(&services, all, &[endpoints("node-1", false)]), ["10.96.0.10/32"], "not ready");
-        assert_eq!(
-            advertised(&services, all, &[endpoints("node-1", true)]),
-            ["10.96.0.10/32", "192.0.2.7/32", "198.51.100.1/32"]
-        );
-        // A slice of another namespace's Service of the same name does not count.
-        let mut other = endpoints("node-1", true);
-        other.metadata.namespace = Some("default".into());
-        assert_eq!(advertised(&services, all, &[other]), ["10.96.0.10/32"]);
-        // Without nodeName, an endpoint on one of the node's addresses (hostNetwork) is local.
-        let host = slice(serde_json::json!({"metadata": {"namespace": "shop", "name": "web-2",
-                "labels": {"kubernetes.io/service-name": "web"}},
-            "addressType": "IPv4", "endpoints": [{"addresses": ["192.168.0.1"]}]}));
-        assert_eq!(advertised(&services, all, &[host]).len(), 3);
-        // Every VIP stays known to the import policy either way.
-        let addresses = BTreeSet::new();
-        let local = LocalEndpoints { node_name: "node-1", node_addresses: &addresses, slices_of: &|_, _| Vec::new() };
-        assert_eq!(service_vips(services.iter(), all, &ExternalIpPolicy::default(), &local).all.len(), 3);
-    }
-
-    #[test]
-    fn bgp_advertises_only_the_external_and_load_balancer_ips_the_service_proxy_accepts() {
-        // The same refusal the datapath applies (ExternalIpPolicy::refusal), not a copy of it.
-        let many: Vec<String> = (0..5000u32).map(|i| std::net::Ipv4Addr::from(0xc633_0000 + i).to_string()).collect();
-        let services = [
-            service(serde_json::json!({"metadata": {"name": "capture",
-                    "annotations": {"kube-router.io/service.advertise.externalip": "true"}},
-                "spec": {"clusterIP": "10.96.0.10",
-                    "externalIPs": ["192.168.0.1", "192.168.0.100", "169.254.169.254", "192.0.2.7", "10.244.0.9"]},
-                "status": {"loadBalancer": {"ingress": [{"ip": "192.168.0.1"}, {"ip": "203.0.113.5"}]}}})),
-            service(serde_json::json!({"metadata": {"name": "flood",
-                    "annotations": {"kube-router.io/service.advertise.externalip": "true"}},
-                "spec": {"clusterIP": "10.96.0.11", "externalIPs": many}})),
-        ];
-        let policy = ExternalIpPolicy {
-            external_ip_ranges: vec!["192.0.2.0/24".parse().unwrap()],
-            strict: true,
-            forbidden: vec!["10.244.0.0/16".parse().unwrap()],
-            ..Default::default()
-        };
-        let policy =
-            policy.with_cluster_addresses(["192.168.0.1".parse().unwrap()], ["192.168.0.100".parse().unwrap()]);
-        let addresses = BTreeSet::new();
-        let local = LocalEndpoints { node_name: "node-1", node_addresses: &addresses, slices_of: &|_, _| Vec::new() };
-        let all = AdvertiseServices { external_ip: true, load_balancer_ip: true, ..Default::default() };
-        let vips = service_vips(services.iter(), all, &policy, &local);
-        let advertised: Vec<String> = vips.advertised.iter().map(|n| n.to_string()).collect();
-        assert_eq!(advertised, ["192.0.2.7/32", "203.0.113.5/32"]);
-        assert_eq!(vips.all, vips.advertised, "refused addresses are not kept from import either");
-        // The annotation alone (flags off) advertises nothing without the operator's opt-in.
-        let annotation_only = service_vips(services.iter(), AdvertiseServices::default(), &policy, &local);
-        assert!(annotation_only.advertised.is_empty());
-    }
-
-    #[test]
-    fn load_balancer_ips_of_a_skiplbips_service_are_neither_served_nor_advertised() {
-        let lb = |annotations: serde_json::Value| {
-            service(serde_json::json!({"metadata": {"name": "lb", "annotations": annotations},
-                "spec": {"clusterIP": "10.96.0.10", "type": "LoadBalancer"},
-                "status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.5"}]}}}))
-        };
-        let addresses = BTreeSet::new();
-        let local = LocalEndpoints { node_name: "node-1", node_addresses: &addresses, slices_of: &|_, _| Vec::new() };
-        let flags = AdvertiseServices { load_balancer_ip: true, ..Default::default() };
-        let policy = ExternalIpPolicy::default();
-        let plain = [lb(serde_json::json!({}))];
-        assert_eq!(service_vips(plain.iter(), flags, &policy, &local).advertised.len(), 1);
-        let skipped = [lb(serde_json::json!({"kube-router.io/service.skiplbips": "true"}))];
-        assert!(service_vips(skipped.iter(), flags, &policy, &local).advertised.is_empty());
-    }
 }

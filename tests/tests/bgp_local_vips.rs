@@ -16,6 +16,11 @@ use serde_json::json;
 const LOCAL_EXTERNAL_IP: &str = "192.0.2.10/32";
 const LOCAL_LB_IP: &str = "198.51.100.10/32";
 const CLUSTER_EXTERNAL_IP: &str = "192.0.2.20/32";
+/// `192.0.002.040`, as old API servers stored it.
+const LEADING_ZERO_IP: &str = "192.0.2.40/32";
+const OTHER_PROXY_IP: &str = "192.0.2.50/32";
+const PROXY_MODE_LB_IP: &str = "198.51.100.50/32";
+const FORCED_LOCAL_IP: &str = "192.0.2.60/32";
 
 fn node_ip(i: usize) -> String {
     format!("10.95.0.{i}")
@@ -89,6 +94,41 @@ fn local_traffic_policy_vips_come_only_from_nodes_with_a_ready_endpoint() {
     server.apply(service("web", "Local", LOCAL_EXTERNAL_IP, Some(LOCAL_LB_IP))).unwrap();
     server.apply(service("everywhere", "Cluster", CLUSTER_EXTERNAL_IP, None)).unwrap();
     server.apply(slice("node-1", true)).unwrap();
+    // The VIPs come from the service proxy's own model (services::vips): what it refuses is
+    // never advertised, a legacy leading-zero address is advertised as it programs it, and
+    // kube-router.io/service.local forces the Local policy.
+    let extra = |name: &str, metadata: serde_json::Value, spec: serde_json::Value, status: serde_json::Value| {
+        let mut object =
+            json!({"apiVersion": "v1", "kind": "Service", "metadata": metadata, "spec": spec, "status": status});
+        object["metadata"]["namespace"] = json!("shop");
+        object["metadata"]["name"] = json!(name);
+        object["spec"]["ports"] = json!([{"name": "http", "protocol": "TCP", "port": 80}]);
+        object
+    };
+    let ip = |prefix: &str| prefix.trim_end_matches("/32").to_string();
+    let refused_lb = json!({"loadBalancer": {"ingress": [{"ip": ip(PROXY_MODE_LB_IP), "ipMode": "Proxy"}]}});
+    for (name, metadata, spec, status) in [
+        ("legacy", json!({}), json!({"clusterIP": "10.96.0.40", "externalIPs": ["192.0.002.040"]}), json!({})),
+        (
+            "elsewhere",
+            json!({"labels": {"service.kubernetes.io/service-proxy-name": "someone-else"}}),
+            json!({"clusterIP": "10.96.0.50", "externalIPs": [ip(OTHER_PROXY_IP)]}),
+            json!({}),
+        ),
+        ("proxied", json!({}), json!({"type": "LoadBalancer", "clusterIP": "10.96.0.51"}), refused_lb),
+        (
+            "forced",
+            json!({"annotations": {"kube-router.io/service.local": "true"}}),
+            json!({"clusterIP": "10.96.0.60", "externalIPs": [ip(FORCED_LOCAL_IP)]}),
+            json!({}),
+        ),
+    ] {
+        server.apply(extra(name, metadata, spec, status)).unwrap();
+    }
+    let mut forced_slice = slice("node-1", true);
+    forced_slice["metadata"] =
+        json!({"namespace": "shop", "name": "forced-x1", "labels": {"kubernetes.io/service-name": "forced"}});
+    server.apply(forced_slice).unwrap();
 
     let agents: Vec<Agent> = (1..=2)
         .map(|i| {
@@ -141,6 +181,11 @@ fn local_traffic_policy_vips_come_only_from_nodes_with_a_ready_endpoint() {
     expect("the Local-policy external IP only from node-1", LOCAL_EXTERNAL_IP, &[1]);
     expect("the Local-policy LoadBalancer IP only from node-1", LOCAL_LB_IP, &[1]);
     assert!(advertisers("10.96.0.10/32").is_empty(), "ClusterIPs are not advertised without --advertise-cluster-ip");
+    expect("a leading-zero externalIP as the proxy reads it", LEADING_ZERO_IP, &[1, 2]);
+    expect("service.local: the externalIP only from node-1", FORCED_LOCAL_IP, &[1]);
+    // Published with the VIPs above (one view of one listing): refused ones are simply absent.
+    assert!(advertisers(OTHER_PROXY_IP).is_empty(), "another proxy's Service is not advertised");
+    assert!(advertisers(PROXY_MODE_LB_IP).is_empty(), "an ipMode Proxy LoadBalancer IP is not advertised");
 
     // The endpoint moves to node-2: node-1 withdraws, node-2 announces.
     server.apply(slice("node-2", true)).unwrap();

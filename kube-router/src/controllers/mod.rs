@@ -6,4 +6,5 @@ pub mod interfaces;
 pub mod node_nets;
 pub mod policy;
 pub mod routing;
+pub mod service_view;
 pub mod services;

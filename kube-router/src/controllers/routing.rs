@@ -1,29 +1,20 @@
-//! Pod routing as a controller: the BGP speaker follows the Node objects (and the Services it
-//! advertises), or the flags alone without the API server. A speaker that fails to start is an
-//! error of this controller, so the runner tries again with backoff, with no new input needed.
-use std::{collections::HashMap, sync::Arc, time::Duration};
+//! Pod routing as a controller: the BGP speaker follows the Node objects and the Service VIPs
+//! the services catalog publishes (`controllers::service_view`), or the flags alone without the
+//! API server. It decodes no Service or EndpointSlice itself. A speaker that fails to start is
+//! an error of this controller, so the runner tries again with backoff, with no new input needed.
+use std::{sync::Arc, time::Duration};
 
 use anyhow::Result;
-use k8s_openapi::{api::discovery::v1::EndpointSlice, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 
 use crate::{
-    k8s::{cache::Cache, store::Packed, watch::Kind},
+    controllers::service_view::VipReceiver,
+    k8s::{cache::Cache, watch::Kind},
     router::RouterController,
     runtime::{Action, Controller},
 };
 
-/// The kinds the routes are derived from.
-pub const ROUTING_KINDS: &[Kind] = &[Kind::Nodes, Kind::Services, Kind::EndpointSlices];
-
-/// What wakes the routing controller: Nodes, and Services and EndpointSlices when it
-/// advertises Service addresses.
-pub fn trigger_kinds(advertise_services: bool) -> &'static [Kind] {
-    if advertise_services {
-        ROUTING_KINDS
-    } else {
-        &[Kind::Nodes]
-    }
-}
+/// The kinds the routes are derived from (the Services come as VIPs).
+pub const ROUTING_KINDS: &[Kind] = &[Kind::Nodes];
 
 /// How often the speaker's state is published to the metrics.
 const PUBLISH_INTERVAL: Duration = Duration::from_secs(1);
@@ -32,18 +23,17 @@ pub struct RoutingController {
     router: RouterController,
     /// `None`: configuration from the flags only.
     cache: Option<Arc<Cache>>,
-    /// The kinds whose changes re-derive the configuration.
-    kinds: &'static [Kind],
-    /// The changes of the kinds read, as last applied.
+    /// The Service VIPs, when Services are advertised.
+    vips: Option<VipReceiver>,
+    /// The Node changes, as last applied.
     generation: Option<u64>,
     /// Flags only: the configuration is incomplete (logged once).
     static_config_missing: bool,
 }
 
 impl RoutingController {
-    pub fn new(router: RouterController, cache: Option<Arc<Cache>>, advertise_services: bool) -> Self {
-        let kinds = trigger_kinds(advertise_services);
-        Self { router, cache, kinds, generation: None, static_config_missing: false }
+    pub fn new(router: RouterController, cache: Option<Arc<Cache>>, vips: Option<VipReceiver>) -> Self {
+        Self { router, cache, vips, generation: None, static_config_missing: false }
     }
 
     /// For the ordered shutdown.
@@ -63,30 +53,31 @@ impl RoutingController {
                 }
             };
         };
-        let generation = cache.generation(self.kinds);
-        if self.generation == Some(generation) && !self.router.start_failed() {
+        let generation = cache.generation(ROUTING_KINDS);
+        let vips_changed = self.vips.as_ref().is_some_and(|v| v.has_changed().unwrap_or(false));
+        if self.generation == Some(generation) && !vips_changed && !self.router.start_failed() {
             return Ok(());
         }
+        // Restored from the checkpoint, the VIPs come at once: the speaker starts with them, so
+        // peers holding our routes through a restart see none withdrawn.
+        let vips = match &mut self.vips {
+            Some(receiver) => {
+                let vips = receiver.borrow_and_update().clone();
+                if vips.is_none() && cache.restored() {
+                    return Ok(());
+                }
+                vips.unwrap_or_default()
+            }
+            None => Default::default(),
+        };
         // Peers leave the mesh only on a complete listing of Nodes (or its checkpoint), never
         // because a list failed; the cache keeps the last complete one through an outage.
-        let Some(listing) =
-            cache.read(&[Kind::Nodes], |o| (o.nodes.snapshot(), o.services.snapshot(), o.endpoint_slices.snapshot()))
-        else {
+        let Some(listing) = cache.read(ROUTING_KINDS, |o| o.nodes.snapshot()) else {
             return Ok(());
         };
         self.generation = Some(generation);
-        let (nodes, services, slices) = listing.objects;
         let started = std::time::Instant::now();
-        // The slices stay packed; only those of Services with a local traffic policy are decoded.
-        let owners = std::sync::OnceLock::new();
-        let slices_of = |namespace: &str, name: &str| -> Vec<EndpointSlice> {
-            let owners = owners.get_or_init(|| slices_by_service(&slices));
-            owners
-                .get(&(namespace.to_string(), name.to_string()))
-                .map_or_else(Vec::new, |found: &Vec<usize>| found.iter().map(|&i| slices[i].decode()).collect())
-        };
-        let result =
-            self.router.update_from_nodes(nodes.iter().map(|n| &**n), services.iter().map(|s| &**s), &slices_of).await;
+        let result = self.router.update_from_nodes(listing.objects.iter().map(|n| &**n), &vips).await;
         self.router.metrics().with(|m| m.kr.bgp_peers_sync_time.observe(started.elapsed().as_secs_f64()));
         result
     }
@@ -102,20 +93,4 @@ impl Controller for RoutingController {
         self.router.publish_metrics();
         result.map(|()| Action::RequeueAfter(PUBLISH_INTERVAL))
     }
-}
-
-/// Indices of the slices of each Service (namespace, `kubernetes.io/service-name`), from their
-/// metadata alone.
-fn slices_by_service(slices: &[Packed<EndpointSlice>]) -> HashMap<(String, String), Vec<usize>> {
-    #[derive(serde::Deserialize)]
-    struct Owner {
-        metadata: ObjectMeta,
-    }
-    let mut owners: HashMap<(String, String), Vec<usize>> = HashMap::new();
-    for (i, slice) in slices.iter().enumerate() {
-        let Some(Owner { metadata }) = slice.decode_as::<Owner>() else { continue };
-        let Some(service) = metadata.labels.and_then(|mut l| l.remove("kubernetes.io/service-name")) else { continue };
-        owners.entry((metadata.namespace.unwrap_or_else(|| "default".into()), service)).or_default().push(i);
-    }
-    owners
 }

@@ -19,6 +19,7 @@ use crate::{
         stamps::ApiStateStamp,
     },
     config::AgentConfig,
+    controllers::service_view::VipPublisher,
     k8s::{
         cache::{Cache, Completeness},
         watch::Kind,
@@ -120,21 +121,7 @@ impl ServiceController {
     pub fn apply(&mut self, catalog: &ServiceCatalog, changed: Changed, complete: bool) -> u64 {
         let started = Instant::now();
         let mut current = BTreeSet::new();
-        // Each distinct problem is logged and counted once, however often the state is rebuilt.
-        for problem in catalog.problems() {
-            let text = format!("{problem:?}");
-            if !self.reported.contains(&text) {
-                let kind: &'static str = if problem.kind == "Service" { "Service" } else { "EndpointSlice" };
-                let (object, error) = (problem.name.as_str(), problem.message.as_str());
-                if problem.partial {
-                    tracing::warn!(kind, object, error, "part of an object left out; the rest is programmed");
-                } else {
-                    tracing::error!(kind, object, error, "rejected object; its programmed state is kept as it was");
-                }
-                self.metrics.with(|m| *m.rejected_objects.entry(kind).or_default() += 1);
-            }
-            current.insert(text);
-        }
+        report_catalog_problems(catalog, &self.reported, &mut current, &self.metrics);
         let node = self.node_context();
         // NodePorts, zone hints, families and flags follow the node: a change recompiles all.
         let node_changed = self.last_node.as_ref() != Some(&node);
@@ -318,6 +305,42 @@ impl ServiceController {
         }
         self.failing_maps = failing;
     }
+}
+
+/// Logs and counts each distinct problem of the catalog's objects once, however often the state
+/// is rebuilt: those not in `reported`; every current one goes into `current`.
+pub(crate) fn report_catalog_problems(
+    catalog: &ServiceCatalog,
+    reported: &BTreeSet<String>,
+    current: &mut BTreeSet<String>,
+    metrics: &Metrics,
+) {
+    for problem in catalog.problems() {
+        let text = format!("{problem:?}");
+        if !reported.contains(&text) {
+            let kind: &'static str = if problem.kind == "Service" { "Service" } else { "EndpointSlice" };
+            let (object, error) = (problem.name.as_str(), problem.message.as_str());
+            if problem.partial {
+                tracing::warn!(kind, object, error, "part of an object left out; the rest is programmed");
+            } else {
+                tracing::error!(kind, object, error, "rejected object; its programmed state is kept as it was");
+            }
+            metrics.with(|m| *m.rejected_objects.entry(kind).or_default() += 1);
+        }
+        current.insert(text);
+    }
+}
+
+/// Every Node's addresses (from the objects) and the API server's (the endpoints of
+/// `default/kubernetes` in `catalog`): no Service may claim them.
+pub(crate) fn cluster_addresses(cache: &Cache, catalog: &ServiceCatalog) -> ClusterAddresses {
+    let nodes = cache.with(|o| {
+        o.nodes.objects().flat_map(crate::services::from_k8s::node_object_addresses).collect::<BTreeSet<_>>()
+    });
+    let kubernetes = ServiceName::new("default", "kubernetes");
+    let api_server =
+        catalog.slices_of(&kubernetes).into_iter().flat_map(|s| s.endpoints.iter().map(|e| e.addr)).collect();
+    ClusterAddresses { nodes, api_server }
 }
 
 /// How a sync changed which Service owns each programmed frontend (for the metrics' labels).
@@ -632,6 +655,8 @@ pub struct ServicesFromApi {
     generation: u64,
     /// The changes of the Nodes seen so far (their addresses are refused as externalIPs).
     node_generation: u64,
+    /// The VIPs for the BGP speaker, from the same catalog (when it advertises Services).
+    vips: Option<VipPublisher>,
 }
 
 impl ServicesFromApi {
@@ -647,29 +672,33 @@ impl ServicesFromApi {
             node_addresses,
             generation: 0,
             node_generation: 0,
+            vips: None,
         }
+    }
+
+    /// Also publishes the Service VIPs the BGP speaker advertises.
+    pub fn with_vips(mut self, publisher: VipPublisher) -> Self {
+        self.vips = Some(publisher);
+        self
     }
 
     /// Every Node's addresses and the API server's endpoints: refused as externalIPs. The
     /// checkpoint restores them with the Services, so a restart never lets a refused address in.
     fn follow_cluster_addresses(&mut self) {
-        let nodes = self.cache.with(|o| {
-            o.nodes.objects().flat_map(crate::services::from_k8s::node_object_addresses).collect::<BTreeSet<_>>()
-        });
-        let kubernetes = ServiceName::new("default", "kubernetes");
-        let api_server = self
-            .catalog
-            .state
-            .slices
-            .values()
-            .filter(|s| s.service == kubernetes)
-            .flat_map(|s| s.endpoints.iter().map(|e| e.addr))
-            .collect();
-        let now = ClusterAddresses { nodes, api_server };
+        let now = cluster_addresses(&self.cache, &self.catalog);
         if now != self.controller.cluster_addresses {
             tracing::info!(nodes = ?now.nodes, api_server = ?now.api_server, "addresses no Service may claim");
             self.controller.cluster_addresses = now;
         }
+    }
+
+    /// The VIPs of the Services changed in this run, judged on the node as the last compile
+    /// saw it: what it refuses or cannot serve is not advertised.
+    fn publish_vips(&mut self, changed: Option<Changed>) {
+        let (Some(vips), Some(changed)) = (self.vips.as_mut(), changed) else { return };
+        let node = self.controller.last_node.clone().unwrap_or_else(|| self.controller.node_context());
+        let settings = vips.settings(&node.name, node.external_ips, node.unavailable_families);
+        vips.update(&self.catalog, &changed, &settings);
     }
 
     /// Only this node's zone matters to the Services; other Node changes do not.
@@ -725,13 +754,15 @@ impl Controller for ServicesFromApi {
         }) else {
             return Ok(Action::AwaitChange);
         };
-        self.changed.merge(listing.objects);
         self.dirty = false;
         self.follow_cluster_addresses();
+        let changed_now = self.vips.is_some().then(|| listing.objects.clone());
+        self.changed.merge(listing.objects);
         let complete = listing.completeness == Completeness::Complete;
         let restored_as_of = self.cache.restored_as_of();
         if !complete && self.controller.stamp.keeps_maps_over_checkpoint(restored_as_of, &self.controller.metrics) {
             // Programming the checkpoint would take the maps back to an older state.
+            self.publish_vips(changed_now);
             return Ok(Action::AwaitChange);
         }
         let changed = std::mem::take(&mut self.changed);
@@ -739,6 +770,8 @@ impl Controller for ServicesFromApi {
             self.controller.stamp.begin_write(&self.controller.metrics);
         }
         let failed = self.controller.apply(&self.catalog, changed, complete);
+        // After the writes: a VIP is announced once the datapath serves it.
+        self.publish_vips(changed_now);
         if failed > 0 {
             // The maps hold less than planned: the next run syncs again, even unchanged.
             self.dirty = true;

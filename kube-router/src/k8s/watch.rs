@@ -305,10 +305,11 @@ pub enum Kind {
 /// Every watched object, as last seen. Pods, Namespaces, Nodes and NetworkPolicies are kept
 /// (and checkpointed) for the policy and BGP controllers; the service proxy reads the first two.
 /// EndpointSlices, the bulk of them (10 endpoints: 5.5 KiB decoded, 1 KiB of JSON), are kept
-/// packed: only the changed ones are decoded, for the catalog, and the BGP speaker's few.
+/// packed: only the changed ones are decoded, for the catalog.
 ///
 /// Each store's change set ([`ObjectStore::take_changed`]) has exactly one consumer: Services
-/// and EndpointSlices the services controller ([`Self::update_catalog`]); Pods, Namespaces and
+/// and EndpointSlices the services controller ([`Self::update_catalog`]), or without the proxy
+/// the service-view controller (the BGP speaker's VIPs); Pods, Namespaces and
 /// NetworkPolicies the policy controller. Every other reader reads the objects themselves.
 #[derive(Default)]
 pub struct ClusterObjects {

@@ -29,6 +29,9 @@ pub const SKIP_LB_IPS_ANNOTATION: &str = "kube-router.io/service.skiplbips";
 pub const SCHEDFLAGS_ANNOTATION: &str = "kube-router.io/service.schedflags";
 /// kube-router's direct server return annotation; `tunnel` (IPIP) is the one mode.
 pub const DSR_ANNOTATION: &str = "kube-router.io/service.dsr";
+/// kube-router's per-Service BGP switches: `<prefix><kind>: "true" | "false"`, kind one of
+/// `clusterip`, `externalip`, `loadbalancerip`.
+pub const ADVERTISE_ANNOTATION_PREFIX: &str = "kube-router.io/service.advertise.";
 const DEFAULT_AFFINITY_TIMEOUT_SECS: u32 = 10_800;
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -306,9 +309,26 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
             source_ranges,
             maglev: maglev(object),
             dsr: dsr(object, &mut warnings),
+            advertise: advertise_annotations(object),
         },
         warnings,
     ))
+}
+
+/// The Service's `kube-router.io/service.advertise.*` annotations; a value other than "true"
+/// or "false" leaves that kind to the flags, as upstream reads them.
+fn advertise_annotations(object: &core::Service) -> AdvertiseAnnotations {
+    let annotations = object.metadata.annotations.as_ref();
+    let switch = |kind: &str| match annotations?.get(&format!("{ADVERTISE_ANNOTATION_PREFIX}{kind}"))?.trim() {
+        "true" => Some(true),
+        "false" => Some(false),
+        _ => None,
+    };
+    AdvertiseAnnotations {
+        cluster_ip: switch("clusterip"),
+        external_ip: switch("externalip"),
+        load_balancer_ip: switch("loadbalancerip"),
+    }
 }
 
 /// `Some(hash the port too)` for a Service scheduled by Maglev hashing (`mh`) or by source

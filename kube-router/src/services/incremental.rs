@@ -603,6 +603,7 @@ mod tests {
                 _ => None,
             },
             dsr: k(12) % 5 == 0,
+            advertise: Default::default(),
         }
     }
 

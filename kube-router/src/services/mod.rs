@@ -9,6 +9,7 @@ pub mod maglev;
 pub mod model;
 pub mod source;
 pub mod sync;
+pub mod vips;
 
 #[cfg(test)]
 mod tests;

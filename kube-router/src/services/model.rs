@@ -119,6 +119,20 @@ pub struct Service {
     /// directly), and for the NodePorts.
     #[serde(default)]
     pub dsr: bool,
+    /// `kube-router.io/service.advertise.<kind>`: this Service's word on which of its addresses
+    /// the BGP speaker advertises (`services::vips`).
+    #[serde(default)]
+    pub advertise: AdvertiseAnnotations,
+}
+
+/// A Service's `kube-router.io/service.advertise.{clusterip,externalip,loadbalancerip}`
+/// annotations: `Some(false)` keeps that kind of address from BGP, `Some(true)` asks for it
+/// (granted with `--service-advertise-annotations-override`), `None` leaves it to the flags.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdvertiseAnnotations {
+    pub cluster_ip: Option<bool>,
+    pub external_ip: Option<bool>,
+    pub load_balancer_ip: Option<bool>,
 }
 
 impl Service {
@@ -141,6 +155,7 @@ impl Service {
             source_ranges: None,
             maglev: None,
             dsr: false,
+            advertise: AdvertiseAnnotations::default(),
         }
     }
 
