@@ -16,7 +16,7 @@ use std::{
 
 use kube_router_tests::{
     apiserver::{FakeApiServer, FakeApiServerConfig, FaultMode},
-    netprobe_bin, remove_bpf_root, veth, Agent, Netns, NetnsRuntime,
+    netprobe_bin, remove_bpf_root, veth, wait_until, Agent, Netns, NetnsRuntime,
 };
 use serde_json::{json, Value};
 
@@ -149,6 +149,12 @@ impl Cluster {
             HEALTH_PORT,
         ];
         Agent::start(&self.node, std::path::Path::new(BPF_ROOT), &args).unwrap()
+    }
+
+    /// The body of the agent's /healthz (what it knows of the API).
+    fn health(&self) -> String {
+        let address = format!("127.0.0.1:{HEALTH_PORT}");
+        self.node.run(&[netprobe_bin().to_str().unwrap(), "http", &address, "/healthz"]).unwrap_or_default()
     }
 
     fn set_mode(&self, mode: FaultMode) {
@@ -452,9 +458,12 @@ fn the_policy_truth_tables_hold_with_real_connections_and_survive_outage_restart
     agent.wait_for_log("NetworkPolicy rejected", 1, Duration::from_secs(15)).unwrap();
     let before = check(&cluster, "union + a policy with an invalid CIDR (rejected)", xa_union_y_and_zc);
 
-    // The API black-holed: enforcement unchanged.
+    // The API black-holed, and the agent knows it: enforcement unchanged.
     cluster.set_mode(FaultMode::BlackHole);
-    thread::sleep(Duration::from_secs(12));
+    wait_until("the agent to report the API unreachable", Duration::from_secs(30), || {
+        Ok(cluster.health().contains("\"api\":\"unreachable\""))
+    })
+    .unwrap();
     assert_eq!(check(&cluster, "API black-holed", xa_union_y_and_zc), before);
 
     // The agent killed: the pinned programs and maps keep enforcing.
