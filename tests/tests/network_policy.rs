@@ -174,24 +174,28 @@ impl Cluster {
         }
     }
 
-    /// allowed[(src, dst, port)] from real connections over one address family.
+    /// allowed[(src, dst, port)] from real connections over one address family. Every source
+    /// at once: a denied probe waits out its 500 ms, once per matrix rather than once per pod.
     fn probe(&self, ipv6: bool) -> BTreeMap<(usize, usize, usize), bool> {
-        let handles: Vec<_> = self
-            .pods
-            .iter()
-            .map(|(src, ns)| {
-                let targets: Vec<String> = self
-                    .pods
-                    .iter()
-                    .filter(|(dst, _)| dst != src)
-                    .flat_map(|(dst, _)| PORTS.iter().map(move |p| p.target(&dst.addr(ipv6))))
-                    .collect();
-                let mut args = vec![netprobe_bin().to_string_lossy().into_owned(), "matrix".into(), "500".into()];
-                args.extend(targets);
-                let output = ns.run(&args.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
-                (src.index, output)
-            })
-            .collect();
+        let handles: Vec<(usize, String)> = thread::scope(|scope| {
+            let running: Vec<_> = self
+                .pods
+                .iter()
+                .map(|(src, ns)| {
+                    let targets: Vec<String> = self
+                        .pods
+                        .iter()
+                        .filter(|(dst, _)| dst != src)
+                        .flat_map(|(dst, _)| PORTS.iter().map(move |p| p.target(&dst.addr(ipv6))))
+                        .collect();
+                    let mut args = vec![netprobe_bin().to_string_lossy().into_owned(), "matrix".into(), "500".into()];
+                    args.extend(targets);
+                    let probe = scope.spawn(move || ns.run(&args.iter().map(String::as_str).collect::<Vec<_>>()));
+                    (src.index, probe)
+                })
+                .collect();
+            running.into_iter().map(|(src, probe)| (src, probe.join().unwrap().unwrap())).collect()
+        });
         let mut result = BTreeMap::new();
         for (src, output) in handles {
             for line in output.lines() {
