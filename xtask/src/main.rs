@@ -107,10 +107,10 @@ fn test() -> Result<()> {
         println!("== the attach, adopt and detach tests again with KUBE_ROUTER_TC_MODE=classic");
         let (classic_passed, classic_failed) = cargo_test(&args, &[("KUBE_ROUTER_TC_MODE", "classic")])?;
         let listed = CLASSIC_TC_PASS.iter().map(|(_, tests)| tests.len() as u64).sum::<u64>();
-        if classic_passed + classic_failed != listed {
+        // (cargo stops at the first failing binary: count only a run that failed nothing.)
+        if classic_failed == 0 && classic_passed != listed {
             bail!(
-                "the classic tc pass ran {} tests where CLASSIC_TC_PASS lists {listed}: one was renamed or removed",
-                classic_passed + classic_failed
+                "the classic tc pass ran {classic_passed} tests where CLASSIC_TC_PASS lists {listed}: one was renamed or removed"
             );
         }
         passed += classic_passed;
