@@ -104,14 +104,30 @@ pub fn cni_template(data_dir: &Path) -> Value {
 
 /// Waits until the agent has written the node's CNI configuration (its pod ranges filled in).
 fn wait_conflist(path: &Path) -> Result<Value> {
-    let deadline = Instant::now() + Duration::from_secs(30);
+    wait_conflist_or_errors(path, || 0.0)
+}
+
+/// [`wait_conflist`], giving up 5 s after `errors` (the agent's CNI error count) turns nonzero
+/// rather than after 30 s: the retry after a transient error has come by then.
+fn wait_conflist_or_errors(path: &Path, mut errors: impl FnMut() -> f64) -> Result<Value> {
+    let mut deadline = Instant::now() + Duration::from_secs(30);
+    let mut counted = false;
+    let mut next_scrape = Instant::now();
     loop {
         let written: Option<Value> = fs::read(path).ok().and_then(|b| serde_json::from_slice(&b).ok());
         if let Some(conflist) = written.filter(|c| c["plugins"][0]["ipam"]["ranges"].is_array()) {
             return Ok(conflist);
         }
         if Instant::now() > deadline {
-            bail!("the agent did not write its CNI configuration to {}", path.display());
+            let reported = if counted { " (it counts CNI configuration errors)" } else { "" };
+            bail!("the agent did not write its CNI configuration to {}{reported}", path.display());
+        }
+        if !counted && Instant::now() >= next_scrape {
+            next_scrape = Instant::now() + Duration::from_millis(500);
+            if errors() > 0.0 {
+                counted = true;
+                deadline = deadline.min(Instant::now() + Duration::from_secs(5));
+            }
         }
         thread::sleep(Duration::from_millis(50));
     }
@@ -776,7 +792,9 @@ impl Cluster {
         // Pods are wired with the configuration each agent wrote from its Node object.
         let mut cluster = cluster;
         for (i, node) in cluster.nodes.iter().enumerate() {
-            let conflist = wait_conflist(&node.cni_conf_file())?;
+            let conflist = wait_conflist_or_errors(&node.cni_conf_file(), || {
+                node.metric("kube_router_cni_config_errors_total", "")
+            })?;
             for j in 0..b.pods_per_node {
                 let pod = Self::new_pod(p, node, &conflist, i, j)?;
                 full_checksums(&pod.ns)?;

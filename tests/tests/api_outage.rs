@@ -125,9 +125,10 @@ fn assert_all_ok(replies: &[String]) {
 }
 
 fn outage_secs() -> u64 {
-    // Longest client-side timeout in the agent: 30 s (read timeout, and the watcher's backoff
-    // cap); the outage lasts three times that.
-    std::env::var("KRT_OUTAGE_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(95)
+    // Longest client-side timeout in the agent: 30 s (the read timeout; a black-holed server
+    // accepts and never answers, so every request ends there). 65 s: every watch times out,
+    // backs off and times out again. `KRT_OUTAGE_SECS=N` holds it longer.
+    std::env::var("KRT_OUTAGE_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(65)
 }
 
 #[test]

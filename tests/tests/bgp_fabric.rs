@@ -347,11 +347,14 @@ fn bfd_takes_a_black_holed_session_down_within_a_second() {
 
 /// A peer sends 10,000 prefixes whose next hop the node cannot reach (a third-party next hop
 /// off every connected subnet). None of them reaches the kernel (RFC 4271 §9.1.2: they do not
-/// compete), the session stays up, they are counted per peer, and from the first UPDATE to 2
-/// minutes later the agent logs a handful of lines (the condition once), not one per route.
+/// compete), the session stays up, they are counted per peer, and from the first UPDATE to
+/// [`QUIET_FOR`] later the agent logs a handful of lines (the condition once), not one per route.
 #[test]
 fn ten_thousand_routes_with_an_unreachable_next_hop_cost_a_handful_of_log_lines() {
     const PREFIXES: usize = 10_000;
+    // Two of the route reconciler's periodic 30 s passes and seven 9 s hold times: whatever
+    // runs on a timer and could repeat the condition or drop the session has run.
+    const QUIET_FOR: Duration = Duration::from_secs(65);
     let node = Node::new("krt-fab3-node", "/tmp/krt-fab3");
     let peer = Netns::new("krt-fab3-peer").unwrap();
     veth(&node.ns, "to-peer", "10.77.0.1/24", &peer, "eth0", "10.77.0.3/24").unwrap();
@@ -382,15 +385,15 @@ fn ten_thousand_routes_with_an_unreachable_next_hop_cost_a_handful_of_log_lines(
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", node.scrape()));
     let started = std::time::Instant::now();
-    while started.elapsed() < Duration::from_secs(120) {
-        thread::sleep(Duration::from_secs(10));
+    while started.elapsed() < QUIET_FOR {
+        thread::sleep(Duration::from_secs(5));
         assert_eq!(node.our_routes(), "", "a route over an unreachable next hop was installed");
     }
     let lines: Vec<String> = agent.log.lock().unwrap()[lines_before..].to_vec();
-    println!("{PREFIXES} unusable routes, received and then 120 s: {} log lines", lines.len());
-    assert!(lines.len() < 10, "{} log lines in 2 minutes:\n{}", lines.len(), lines.join("\n"));
+    println!("{PREFIXES} unusable routes, received and then {QUIET_FOR:?}: {} log lines", lines.len());
+    assert!(lines.len() < 10, "{} log lines in {QUIET_FOR:?}:\n{}", lines.len(), lines.join("\n"));
     assert_eq!(agent.log_count("next hop this node cannot reach"), 1, "said once: {lines:?}");
-    assert!(node.uptime("10.77.0.3").is_some_and(|up| up >= 120), "{}", node.bgp());
+    assert!(node.uptime("10.77.0.3").is_some_and(|up| up >= QUIET_FOR.as_secs()), "{}", node.bgp());
     assert!(!raw.kinds().contains(&NOTIFICATION), "the session was reset");
 }
 

@@ -393,8 +393,13 @@ fn assert_routes_exchanged(lab: &Lab, daemon: &dyn PeerDaemon) {
 fn interop(prefix: &str, daemon: &dyn PeerDaemon) {
     let mut lab = Lab::new(prefix);
     daemon.start(&mut lab);
-    let mut agent = lab.start_agent(&[]);
-    agent.wait_for_log("starting BGP speaker", 1, Duration::from_secs(30)).unwrap();
+    let agent = lab.start_agent(&[]);
+    // The speaker's own status (not its log text): running, with both peers configured.
+    wait_until("the speaker to list both peers", Duration::from_secs(30), || {
+        let bgp = lab.agent_bgp();
+        Ok([PEER_V4, PEER_V6].iter().all(|peer| bgp.lines().any(|l| l.starts_with(peer))))
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", lab.agent_bgp()));
     assert_routes_exchanged(&lab, daemon);
     // Only our protocol's routes are ours: the connected routes are untouched.
     assert!(lab.node.run(&["ip", "route", "show", "proto", "kernel"]).unwrap().contains("10.77.0.0/24"));

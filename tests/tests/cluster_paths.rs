@@ -222,7 +222,9 @@ fn an_api_outage_changes_nothing_on_any_path() {
     let maps = c.agent_maps();
     let routes = c.routes();
 
-    let outage = Duration::from_secs(std::env::var("KRT_OUTAGE_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(60));
+    // Past the agents' longest client timeout (30 s, the API read timeout): every watch has
+    // failed and is retrying. api_outage.rs holds its outage through a second timeout.
+    let outage = Duration::from_secs(std::env::var("KRT_OUTAGE_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(40));
     c.set_api(FaultMode::BlackHole);
     let started = Instant::now();
     while started.elapsed() < outage {

@@ -205,12 +205,23 @@ fn an_isolated_pod_is_unreachable_over_ipv6_by_a_denied_peer_and_reachable_by_an
     }
     c.server.apply(ingress_policy("only-pod-2-0", &target.name, Some(&allowed.name))).unwrap();
     wait_denied(&denied_remote.ns, &target4).unwrap();
-    for (peer, open) in [(allowed, true), (denied_remote, false), (denied_local, false)] {
-        for (proto, addr) in [("tcp", &target6), ("udp", &v6(target.ip6.as_deref().unwrap(), 5353)), ("tcp", &target4)]
-        {
-            let outcome = netprobe(&peer.ns, &["timed", proto, addr]);
-            assert_eq!(outcome.starts_with("OK"), open, "{} -> {proto} {addr}: {outcome}", peer.name);
-        }
+    // All at once: each denied exchange waits out netprobe's 2 s timeout.
+    let udp6 = v6(target.ip6.as_deref().unwrap(), 5353);
+    let cases: Vec<_> = [(allowed, true), (denied_remote, false), (denied_local, false)]
+        .into_iter()
+        .flat_map(|(peer, open)| {
+            [("tcp", &target6), ("udp", &udp6), ("tcp", &target4)].map(|(proto, addr)| (peer, open, proto, addr))
+        })
+        .collect();
+    let outcomes: Vec<String> = thread::scope(|s| {
+        let probes: Vec<_> = cases
+            .iter()
+            .map(|(peer, _, proto, addr)| s.spawn(move || netprobe(&peer.ns, &["timed", proto, addr])))
+            .collect();
+        probes.into_iter().map(|p| p.join().unwrap()).collect()
+    });
+    for ((peer, open, proto, addr), outcome) in cases.iter().zip(&outcomes) {
+        assert_eq!(outcome.starts_with("OK"), *open, "{} -> {proto} {addr}: {outcome}", peer.name);
     }
     // The allowed peer is seen with its own IPv6 address.
     let who = netprobe(&allowed.ns, &["ask", "tcp", &target6, "who"]);

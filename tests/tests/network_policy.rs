@@ -16,7 +16,7 @@ use std::{
 
 use kube_router_tests::{
     apiserver::{FakeApiServer, FakeApiServerConfig, FaultMode},
-    netprobe_bin, remove_bpf_root, veth, Agent, Netns, NetnsRuntime,
+    netprobe_bin, remove_bpf_root, veth, wait_until, Agent, Netns, NetnsRuntime,
 };
 use serde_json::{json, Value};
 
@@ -151,6 +151,12 @@ impl Cluster {
         Agent::start(&self.node, std::path::Path::new(BPF_ROOT), &args).unwrap()
     }
 
+    /// The body of the agent's /healthz (what it knows of the API).
+    fn health(&self) -> String {
+        let address = format!("127.0.0.1:{HEALTH_PORT}");
+        self.node.run(&[netprobe_bin().to_str().unwrap(), "http", &address, "/healthz"]).unwrap_or_default()
+    }
+
     fn set_mode(&self, mode: FaultMode) {
         let server = self.server.clone();
         self.runtime.run(async move { server.set_mode(mode).await.unwrap() });
@@ -168,24 +174,28 @@ impl Cluster {
         }
     }
 
-    /// allowed[(src, dst, port)] from real connections over one address family.
+    /// allowed[(src, dst, port)] from real connections over one address family. Every source
+    /// at once: a denied probe waits out its 500 ms, once per matrix rather than once per pod.
     fn probe(&self, ipv6: bool) -> BTreeMap<(usize, usize, usize), bool> {
-        let handles: Vec<_> = self
-            .pods
-            .iter()
-            .map(|(src, ns)| {
-                let targets: Vec<String> = self
-                    .pods
-                    .iter()
-                    .filter(|(dst, _)| dst != src)
-                    .flat_map(|(dst, _)| PORTS.iter().map(move |p| p.target(&dst.addr(ipv6))))
-                    .collect();
-                let mut args = vec![netprobe_bin().to_string_lossy().into_owned(), "matrix".into(), "500".into()];
-                args.extend(targets);
-                let output = ns.run(&args.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
-                (src.index, output)
-            })
-            .collect();
+        let handles: Vec<(usize, String)> = thread::scope(|scope| {
+            let running: Vec<_> = self
+                .pods
+                .iter()
+                .map(|(src, ns)| {
+                    let targets: Vec<String> = self
+                        .pods
+                        .iter()
+                        .filter(|(dst, _)| dst != src)
+                        .flat_map(|(dst, _)| PORTS.iter().map(move |p| p.target(&dst.addr(ipv6))))
+                        .collect();
+                    let mut args = vec![netprobe_bin().to_string_lossy().into_owned(), "matrix".into(), "500".into()];
+                    args.extend(targets);
+                    let probe = scope.spawn(move || ns.run(&args.iter().map(String::as_str).collect::<Vec<_>>()));
+                    (src.index, probe)
+                })
+                .collect();
+            running.into_iter().map(|(src, probe)| (src, probe.join().unwrap().unwrap())).collect()
+        });
         let mut result = BTreeMap::new();
         for (src, output) in handles {
             for line in output.lines() {
@@ -452,9 +462,12 @@ fn the_policy_truth_tables_hold_with_real_connections_and_survive_outage_restart
     agent.wait_for_log("NetworkPolicy rejected", 1, Duration::from_secs(15)).unwrap();
     let before = check(&cluster, "union + a policy with an invalid CIDR (rejected)", xa_union_y_and_zc);
 
-    // The API black-holed: enforcement unchanged.
+    // The API black-holed, and the agent knows it: enforcement unchanged.
     cluster.set_mode(FaultMode::BlackHole);
-    thread::sleep(Duration::from_secs(12));
+    wait_until("the agent to report the API unreachable", Duration::from_secs(30), || {
+        Ok(cluster.health().contains("\"api\":\"unreachable\""))
+    })
+    .unwrap();
     assert_eq!(check(&cluster, "API black-holed", xa_union_y_and_zc), before);
 
     // The agent killed: the pinned programs and maps keep enforcing.
