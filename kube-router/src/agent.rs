@@ -84,6 +84,9 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
         socket_lb::apply(interfaces.datapath(), &config.socket_lb, &metrics);
         // The links run our programs now: an upgrade from the previous map layout can complete.
         interfaces.datapath().finish_upgrade().context("finishing the upgrade of the pinned maps")?;
+        if config.run_service_proxy {
+            open_lb_gate(&config.pin_dir);
+        }
         Some(interfaces)
     } else {
         None
@@ -356,4 +359,20 @@ pub fn read_programmed(pin_dir: &Path) -> Result<crate::services::compile::MapCo
 pub fn read_programmed_v6(pin_dir: &Path) -> Result<crate::services::compile::MapContents<V6>> {
     use crate::services::sync::ServiceMaps;
     Ok(BpfServiceMapsV6::open_pinned(pin_dir)?.read_all()?)
+}
+
+/// Opens the load balancer's gate (`bpf::gate`) now that every link runs our programs.
+/// `KUBE_ROUTER_LB_GATE=off` keeps it closed: every packet takes the conntrack lookup, as before
+/// the gate (for benchmarks comparing the two in one run). A failure leaves it closed.
+fn open_lb_gate(pin_dir: &std::path::Path) {
+    if std::env::var("KUBE_ROUTER_LB_GATE").is_ok_and(|v| v == "off") {
+        tracing::info!("load balancer gate kept closed (KUBE_ROUTER_LB_GATE=off)");
+        return;
+    }
+    match crate::bpf::gate::open(pin_dir) {
+        Ok(recorded) => tracing::info!(recorded, "load balancer gate open"),
+        Err(e) => {
+            tracing::error!(error = format!("{e:#}"), "cannot open the load balancer gate; every packet is looked up")
+        }
+    }
 }
