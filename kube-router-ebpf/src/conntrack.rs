@@ -173,6 +173,7 @@ fn entries<F: Family>(
 /// endpoint already recorded.
 // Inlined, the keys built in map memory: a frame of its own would exceed the 512-byte stack
 // under DSR's `deliver` for IPv6.
+#[allow(clippy::needless_borrows_for_generic_args)] // keys by reference: see `create`
 #[inline(always)]
 pub fn record_endpoints<F: Family>(flow: &LbFlow<F::Addr>, backend: &(F::Addr, u16), now: u64) -> Result<(), i64> {
     let scratch = F::ct_scratch().get_ptr_mut(0).ok_or(-1i64)?;

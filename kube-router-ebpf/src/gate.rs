@@ -34,6 +34,7 @@ use crate::{
 /// is scratch for the keys (map memory: they would crowd the BPF stack of the new-flow path).
 // Not inlined: its prefix key and node address would push `lb::ingress`'s IPv6 frame past the
 // 512-byte stack along the new-flow path.
+#[allow(clippy::needless_borrows_for_generic_args)] // keys by reference, from map memory
 #[inline(never)]
 pub fn may_be_tracked<F: Family>(flow: &LbFlow<F::Addr>, hook: Hook, endpoint: &mut ServiceKey<F::Addr>) -> bool {
     if META.get(META_LB_GATE).is_none_or(|open| *open == 0) {
