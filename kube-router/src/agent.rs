@@ -65,6 +65,10 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
     // The object holds every program; loading it creates (or re-adopts) every pinned map.
     let interfaces = if config.run_service_proxy || config.run_firewall {
         let mut datapath = Datapath::load_sized(&config.pin_dir, config.attach_mode, Some(config.map_sizes))?;
+        // Closed until every link runs these programs and the entries found have their endpoints
+        // recorded (`open_lb_gate`): an older release's programs record none. Not in the loader:
+        // the overlay loads the object again later, which must leave an open gate open.
+        crate::bpf::gate::close(&config.pin_dir).context("closing the load balancer's gate")?;
         datapath.set_pod_mode(config.pod_attach_mode);
         let mut interfaces = InterfacesController::start(
             datapath,

@@ -296,9 +296,6 @@ impl Datapath {
             unavailable,
         };
         datapath.record_layout_version()?;
-        // Closed until every link runs these programs and the entries found have their endpoints
-        // recorded (`gate::open`): an older release's programs record none.
-        super::gate::close(pin_dir).context("closing the load balancer's gate")?;
         datapath.upgrade = migrate::start(pin_dir)?;
         Ok(datapath)
     }
