@@ -61,6 +61,8 @@ pub mod map_names {
     pub const XDP_STATS: &str = "xdp_stats";
     pub const DSR_STATS: &str = "dsr_stats";
     pub const POLICY_GUARD_STATS: &str = "pol_guard_stats";
+    pub const CT_GATE: &str = "ct_gate_v4";
+    pub const CT_GATE_V6: &str = "ct_gate_v6";
 }
 
 pub const SERVICES_MAX_ENTRIES: u32 = 65_536;
@@ -72,6 +74,10 @@ pub const META_MAX_ENTRIES: u32 = 4;
 pub const FRAGMENTS_MAX_ENTRIES: u32 = 8_192;
 pub const CLUSTER_NETS_MAX_ENTRIES: u32 = 16_384;
 pub const SOURCE_RANGES_MAX_ENTRIES: u32 = 65_536;
+/// `ct_gate_v4/v6`: the (address, port, protocol) endpoints of Service flows, each frontend and
+/// backend once however many flows use it. An LRU: an endpoint no packet has touched for longest
+/// goes first when it is full.
+pub const CT_GATE_MAX_ENTRIES: u32 = 65_536;
 
 /// `cluster_nets_v4` values (LPM over addresses; the longest match decides): what a prefix is
 /// inside the cluster. Pod egress to an address with no match at all is masqueraded.
@@ -87,6 +93,11 @@ pub const META_LAYOUT_VERSION: u32 = 0;
 pub const META_SERVICES_AS_OF: u32 = 1;
 /// The same for the policy maps.
 pub const META_POLICY_AS_OF: u32 = 2;
+/// Index in the `meta` array: nonzero once the load balancer may let a packet that touches no
+/// `ct_gate_v4/v6` endpoint, frontend or node address pass without a conntrack lookup. The agent
+/// writes 0 before it attaches its programs and sets it once every conntrack entry it found (some
+/// perhaps written by an older release, which records no endpoints) has its endpoints recorded.
+pub const META_LB_GATE: u32 = 3;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;

@@ -167,12 +167,37 @@ fn entries<F: Family>(
     Some(scratch)
 }
 
-/// Records a new flow. The reverse entry goes in first: once the forward entry exists, replies
-/// must already be translatable.
+/// Records a Service flow's frontend (the forward key's destination) and backend (the reverse
+/// key's source) in `ct_gate_v4/v6`, before its entries: from then on the gate sends every
+/// packet of the flow, either way, to the conntrack lookup (see `gate`). One lookup each for an
+/// endpoint already recorded.
+// Inlined, the keys built in map memory: a frame of its own would exceed the 512-byte stack
+// under DSR's `deliver` for IPv6.
+#[allow(clippy::needless_borrows_for_generic_args)] // keys by reference: see `create`
+#[inline(always)]
+pub fn record_endpoints<F: Family>(flow: &LbFlow<F::Addr>, backend: &(F::Addr, u16), now: u64) -> Result<(), i64> {
+    let scratch = F::ct_scratch().get_ptr_mut(0).ok_or(-1i64)?;
+    // SAFETY: per-CPU map memory, used only within this program run on this CPU.
+    let endpoint = unsafe { &mut (*scratch).endpoint };
+    let gate = F::ct_gate();
+    *endpoint = ServiceKey { addr: flow.dst_addr, port: flow.dst_port, proto: flow.proto, pad: 0 };
+    if gate.get_ptr(&*endpoint).is_none() {
+        gate.insert(&*endpoint, &now, 0)?;
+    }
+    *endpoint = ServiceKey { addr: backend.0, port: backend.1, proto: flow.proto, pad: 0 };
+    if gate.get_ptr(&*endpoint).is_none() {
+        gate.insert(&*endpoint, &now, 0)?;
+    }
+    Ok(())
+}
+
+/// Records a new Service flow. The reverse entry goes in first: once the forward entry exists,
+/// replies must already be translatable.
 // By reference on purpose: by value would copy the scratch entries back onto the stack.
 #[allow(clippy::needless_borrows_for_generic_args)]
 #[inline(always)]
 pub fn create<F: Family>(flow: &LbFlow<F::Addr>, new: &NewFlow<F::Addr>, now: u64) -> Result<(), i64> {
+    record_endpoints::<F>(flow, &new.nat_dst, now)?;
     let s = entries::<F>(flow, new, now).ok_or(-1i64)?;
     F::conntrack().insert(&s.reverse_key, &s.reverse, 0).map_err(|e| e as i64)?;
     F::conntrack().insert(&s.forward_key, &s.forward, 0).map_err(|e| e as i64)
@@ -183,6 +208,7 @@ pub fn create<F: Family>(flow: &LbFlow<F::Addr>, new: &NewFlow<F::Addr>, now: u6
 #[allow(clippy::needless_borrows_for_generic_args)] // see `create`
 #[inline(always)]
 pub fn create_forward<F: Family>(flow: &LbFlow<F::Addr>, new: &NewFlow<F::Addr>, now: u64) -> Result<(), i64> {
+    record_endpoints::<F>(flow, &new.nat_dst, now)?;
     let s = entries::<F>(flow, new, now).ok_or(-1i64)?;
     F::conntrack().insert(&s.forward_key, &s.forward, 0).map_err(|e| e as i64)
 }

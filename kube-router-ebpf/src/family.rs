@@ -24,6 +24,8 @@ pub trait Family: 'static {
     fn slots() -> &'static HashMap<BackendSlotKey, BackendSlotValue>;
     fn backends() -> &'static HashMap<u32, Backend<Self::Addr>>;
     fn conntrack() -> &'static LruHashMap<CtKey<Self::Addr>, CtValue<Self::Addr>>;
+    /// `ct_gate_v4/v6`: the endpoints of Service flows (see `gate`).
+    fn ct_gate() -> &'static LruHashMap<ServiceKey<Self::Addr>, u64>;
     fn affinity() -> &'static LruHashMap<AffinityKey<Self::Addr>, AffinityValue>;
     fn fragments() -> &'static LruHashMap<FragKey<Self::Addr>, FragPorts>;
     fn ct_scratch() -> &'static PerCpuArray<CtScratch<Self::Addr>>;
@@ -73,6 +75,9 @@ impl Family for V4 {
     }
     fn backends() -> &'static HashMap<u32, BackendV4> {
         &BACKENDS
+    }
+    fn ct_gate() -> &'static LruHashMap<ServiceKeyV4, u64> {
+        &CT_GATE
     }
     fn conntrack() -> &'static LruHashMap<CtKeyV4, CtValueV4> {
         &CONNTRACK
@@ -155,6 +160,9 @@ impl Family for V6 {
     }
     fn backends() -> &'static HashMap<u32, BackendV6> {
         &BACKENDS_V6
+    }
+    fn ct_gate() -> &'static LruHashMap<ServiceKeyV6, u64> {
+        &CT_GATE_V6
     }
     fn conntrack() -> &'static LruHashMap<CtKeyV6, CtValueV6> {
         &CONNTRACK_V6

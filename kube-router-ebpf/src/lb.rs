@@ -19,7 +19,7 @@ use crate::{
     conntrack::{self, NewFlow, SnatError},
     dsr, events,
     family::{Family, V4, V6},
-    frag,
+    frag, gate,
     icmp::{self, Hook},
     maps::{count, Work, FORWARDED_SLOTS, LB_CONFIG},
     nat::Tuple,
@@ -146,6 +146,12 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
         Ok(flow) => flow,
         Err(verdict) => return verdict,
     };
+    // No frontend, Service endpoint, node address or (with masquerade) outside source: no entry
+    // can hold it and no flow starts here. Its egress decides for itself (no "no entry" note).
+    if !gate::may_be_tracked::<F>(flow, Hook::Ingress, &mut work.endpoint) {
+        count(lb_stat::NO_SERVICE);
+        return TC_ACT_UNSPEC;
+    }
     let now = unsafe { bpf_ktime_get_ns() };
     work.key = conntrack::key_of(flow);
     if let Some(entry) = conntrack::lookup::<F>(&work.key, flow.tcp_flags, now) {
@@ -410,6 +416,9 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
     if was_forwarded::<F>(&work.key) && !masquerade_candidate::<F>(flow) {
         return TC_ACT_UNSPEC;
     }
+    if !gate::may_be_tracked::<F>(flow, Hook::Egress, &mut work.endpoint) {
+        return TC_ACT_UNSPEC;
+    }
     let now = unsafe { bpf_ktime_get_ns() };
     match conntrack::lookup::<F>(&work.key, flow.tcp_flags, now) {
         // A pod's reply to an outside client that connected to it directly: leaves as it is.
@@ -566,6 +575,11 @@ pub(crate) fn new_flow<F: Family>(
                 new.nat_src.0 = flow.dst_addr;
                 new.forward_flags = CT_FLAG_FULL_NAT | nodeport;
             }
+        }
+        // Before the entries (`gate`); a masqueraded pod flow (`masquerade`) records none.
+        if conntrack::record_endpoints::<F>(flow, &new.nat_dst, now).is_err() {
+            count(lb_stat::CT_INSERT_FAILED);
+            return NewFlowVerdict::DROP;
         }
         match conntrack::create_snat::<F>(flow, new, (config.snat_port_min, config.snat_port_max), now) {
             Ok(()) => count(lb_stat::SNAT_NEW_FLOW),

@@ -27,6 +27,7 @@ mod dsr;
 mod events;
 mod family;
 mod frag;
+mod gate;
 mod icmp;
 mod lb;
 mod maps;

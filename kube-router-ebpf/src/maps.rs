@@ -55,6 +55,14 @@ pub static FRAGMENTS_V6: LruHashMap<FragKeyV6, FragPorts> = LruHashMap::pinned(F
 #[map(name = "cluster_nets_v6")]
 pub static CLUSTER_NETS_V6: LpmTrie<Ipv6Words, u32> = LpmTrie::pinned(CLUSTER_NETS_MAX_ENTRIES, 0);
 
+// The endpoints of Service flows: the gate in front of the conntrack lookup (see `gate`). The
+// value is when the datapath first recorded it (ns, `bpf_ktime_get_ns`), for inspection only.
+#[map(name = "ct_gate_v4")]
+pub static CT_GATE: LruHashMap<ServiceKeyV4, u64> = LruHashMap::pinned(CT_GATE_MAX_ENTRIES, 0);
+
+#[map(name = "ct_gate_v6")]
+pub static CT_GATE_V6: LruHashMap<ServiceKeyV6, u64> = LruHashMap::pinned(CT_GATE_MAX_ENTRIES, 0);
+
 #[map(name = "lb_src_v4")]
 pub static SOURCE_RANGES: LpmTrie<SourceRangeKeyV4, u8> = LpmTrie::pinned(SOURCE_RANGES_MAX_ENTRIES, 0);
 
@@ -71,6 +79,8 @@ pub struct CtScratch<A> {
     pub reverse_key: CtKey<A>,
     /// The other key of a stale flow holding `reverse_key` (see `conntrack::reclaim_stale`).
     pub stale_key: CtKey<A>,
+    /// A new Service flow's endpoint being recorded (see `conntrack::record_endpoints`).
+    pub endpoint: ServiceKey<A>,
 }
 
 /// The packet being handled and what it becomes, in map memory for the same reason.
@@ -78,6 +88,8 @@ pub struct CtScratch<A> {
 pub struct Work<A> {
     pub parsed: LbParsed<A>,
     pub key: CtKey<A>,
+    /// An endpoint of the packet the gate looks up (see `gate`).
+    pub endpoint: ServiceKey<A>,
     pub to: Tuple<A>,
     pub new: NewFlow<A>,
     /// A new flow's frontend and chosen backend (see `lb::choose`).

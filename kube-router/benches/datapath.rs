@@ -37,6 +37,9 @@ fn peak_rss_mib() -> f64 {
     usage.ru_maxrss as f64 / 1024.0
 }
 
+/// Rounds of each gate setting, alternated (the machine may be shared).
+const GATE_ROUNDS: u16 = 3;
+
 fn main() {
     let pin_dir = Path::new("/sys/fs/bpf/krt-bench");
     let _ = datapath::remove_all(pin_dir);
@@ -236,6 +239,55 @@ fn main() {
     v6_row("ingress, new flow", new_flow6, new_flow);
     v6_row("egress, reverse NAT", reverse6, reverse);
     v6_row("ingress, NodePort to another node, new flow", snat_new6, snat_new);
+
+    // The gate in front of the conntrack lookup (bpf::gate), closed (every packet looked up, as
+    // before it) and open, on the same packets in alternating rounds; min-max of the rounds.
+    println!(
+        "\n== the load balancer's gate: closed (every packet looked up) vs open, {GATE_ROUNDS} rounds each, min-max"
+    );
+    let mut closed: Vec<[f64; 6]> = Vec::new();
+    let mut open: Vec<[f64; 6]> = Vec::new();
+    for round in 0..GATE_ROUNDS * 2 {
+        let is_open = round % 2 == 1;
+        if is_open {
+            kube_router::bpf::gate::open(pin_dir).expect("open the gate");
+        } else {
+            kube_router::bpf::gate::close(pin_dir).expect("close the gate");
+        }
+        // New flows: a client address of its own per round, a distinct port per packet.
+        let fresh = Ipv4Addr::new(10, 1, 100 + round as u8, 7);
+        let figures = [
+            avg(ingress, &|_| tcp(client, (Ipv4Addr::new(10, 200, 0, 1), 80), packet::TCP_ACK)),
+            avg(egress, &|_| tcp((Ipv4Addr::new(10, 200, 0, 1), 80), client, packet::TCP_ACK)),
+            avg(ingress, &|_| tcp6(client6, (Ipv6Addr::new(0xfd00, 0x200, 0, 0, 0, 0, 0, 1), 80), packet::TCP_ACK)),
+            avg(ingress, &|_| tcp(client, vip, packet::TCP_ACK)),
+            avg(egress, &|_| tcp(backend, client, packet::TCP_ACK)),
+            avg(ingress, &|i| tcp((fresh, 1000 + i), vip, packet::TCP_SYN)),
+        ];
+        if is_open {
+            open.push(figures)
+        } else {
+            closed.push(figures)
+        }
+    }
+    let range = |rounds: &[[f64; 6]], i: usize| {
+        let values = rounds.iter().map(|r| r[i]);
+        (values.clone().fold(f64::MAX, f64::min), values.fold(0.0, f64::max))
+    };
+    for (i, what) in [
+        "ingress, not a service (IPv4)",
+        "egress, not a service (IPv4)",
+        "ingress, not a service (IPv6)",
+        "ingress, conntrack hit + DNAT",
+        "egress, reverse NAT",
+        "ingress, new flow",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let ((c0, c1), (o0, o1)) = (range(&closed, i), range(&open, i));
+        println!("{what:<40} closed {c0:>6.1}-{c1:<6.1} open {o0:>6.1}-{o1:<6.1} ns/pkt");
+    }
     drop(node);
     drop(datapath);
     let _ = datapath::remove_all(pin_dir);

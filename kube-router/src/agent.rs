@@ -73,6 +73,10 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
     // The object holds every program; loading it creates (or re-adopts) every pinned map.
     let interfaces = if config.run_service_proxy || config.run_firewall {
         let mut datapath = Datapath::load_sized(&config.pin_dir, config.attach_mode, Some(config.map_sizes))?;
+        // Closed until every link runs these programs and the entries found have their endpoints
+        // recorded (`open_lb_gate`): an older release's programs record none. Not in the loader:
+        // the overlay loads the object again later, which must leave an open gate open.
+        crate::bpf::gate::close(&config.pin_dir).context("closing the load balancer's gate")?;
         datapath.set_pod_mode(config.pod_attach_mode);
         let mut interfaces = InterfacesController::start(
             datapath,
@@ -92,6 +96,9 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
         socket_lb::apply(interfaces.datapath(), &config.socket_lb, &metrics);
         // The links run our programs now: an upgrade from the previous map layout can complete.
         interfaces.datapath().finish_upgrade().context("finishing the upgrade of the pinned maps")?;
+        if config.run_service_proxy {
+            open_lb_gate(&config.pin_dir);
+        }
         Some(interfaces)
     } else {
         None
@@ -394,4 +401,20 @@ pub fn read_programmed(pin_dir: &Path) -> Result<crate::services::compile::MapCo
 pub fn read_programmed_v6(pin_dir: &Path) -> Result<crate::services::compile::MapContents<V6>> {
     use crate::services::sync::ServiceMaps;
     Ok(BpfServiceMapsV6::open_pinned(pin_dir)?.read_all()?)
+}
+
+/// Opens the load balancer's gate (`bpf::gate`) now that every link runs our programs.
+/// `KUBE_ROUTER_LB_GATE=off` keeps it closed: every packet takes the conntrack lookup, as before
+/// the gate (for benchmarks comparing the two in one run). A failure leaves it closed.
+fn open_lb_gate(pin_dir: &std::path::Path) {
+    if std::env::var("KUBE_ROUTER_LB_GATE").is_ok_and(|v| v == "off") {
+        tracing::info!("load balancer gate kept closed (KUBE_ROUTER_LB_GATE=off)");
+        return;
+    }
+    match crate::bpf::gate::open(pin_dir) {
+        Ok(recorded) => tracing::info!(recorded, "load balancer gate open"),
+        Err(e) => {
+            tracing::error!(error = format!("{e:#}"), "cannot open the load balancer gate; every packet is looked up")
+        }
+    }
 }

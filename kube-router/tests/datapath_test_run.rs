@@ -409,3 +409,82 @@ fn each_frontend_counts_its_connections_packets_and_bytes_and_a_new_service_star
     let fresh = ServiceStats { connections: 1, packets_in: 1, bytes_in: ip_len(&new_syn), ..Default::default() };
     assert_eq!(stats.read_all().unwrap().get(&http), Some(&fresh), "counted from zero");
 }
+
+/// A conntrack entry as an older release leaves it: the flow (client -> 10.96.0.99:80) is
+/// translated to 10.0.0.1:8080, and no endpoint of it is recorded in `ct_gate_v4`.
+fn plant_unrecorded_flow(pin_dir: &std::path::Path) {
+    use aya::maps::{HashMap, Map, MapData};
+    use kube_router_common::*;
+    let data = MapData::from_pin(kube_router::bpf::pinned_map(pin_dir, map_names::CONNTRACK)).unwrap();
+    let mut ct: HashMap<MapData, CtKeyV4, CtValueV4> = HashMap::try_from(Map::LruHashMap(data)).unwrap();
+    let be = |a: Ipv4Addr| u32::from(a).to_be();
+    let key = CtKey {
+        src_addr: be(CLIENT),
+        dst_addr: be(Ipv4Addr::new(10, 96, 0, 99)),
+        src_port: 7000u16.to_be(),
+        dst_port: 80u16.to_be(),
+        proto: IPPROTO_TCP,
+        pad: [0; 3],
+    };
+    let value = CtValue {
+        last_seen_ns: kube_router::bpf::conntrack_gc::monotonic_now_ns(),
+        nat_src_addr: key.src_addr,
+        nat_dst_addr: be(Ipv4Addr::new(10, 0, 0, 1)),
+        nat_src_port: key.src_port,
+        nat_dst_port: 8080u16.to_be(),
+        flags: CT_FLAG_FORWARD | CT_FLAG_SEEN_REPLY,
+        pad: 0,
+        service_id: 7,
+        backend_id: 1,
+    };
+    ct.insert(key, value, 0).unwrap();
+}
+
+fn set_gate_flag(pin_dir: &std::path::Path, open: u32) {
+    use aya::maps::{Array, Map, MapData};
+    let data = MapData::from_pin(kube_router::bpf::pinned_map(pin_dir, kube_router_common::map_names::META)).unwrap();
+    let mut meta: Array<MapData, u32> = Array::try_from(Map::Array(data)).unwrap();
+    meta.set(kube_router_common::META_LB_GATE, open, 0).unwrap();
+}
+
+#[test]
+fn the_gate_skips_the_lookup_only_for_packets_no_entry_can_hold() {
+    let loaded = load("gate", &services_yaml(&["10.0.0.1"], false));
+    let (ingress, egress) =
+        (loaded.datapath.program_fd(Hook::Ingress).unwrap(), loaded.datapath.program_fd(Hook::Egress).unwrap());
+    let unrecorded =
+        packet::ipv4(packet::TCP, (CLIENT, 7000), (Ipv4Addr::new(10, 96, 0, 99), 80), packet::TCP_ACK, b"");
+    let translated = ((CLIENT, 7000), (Ipv4Addr::new(10, 0, 0, 1), 8080));
+    plant_unrecorded_flow(&loaded.pin_dir);
+    // Closed (as loaded): every packet is looked up.
+    assert_eq!(packet::endpoints(&run(ingress, &unrecorded, 1).unwrap().packet), translated);
+    // Open with nothing recorded: the packet touches no frontend, endpoint or node address and
+    // passes without a lookup (this is what an agent opening it too early would break).
+    set_gate_flag(&loaded.pin_dir, 1);
+    assert_eq!(run(ingress, &unrecorded, 1).unwrap().packet, unrecorded, "gated: no lookup");
+    // Opened by the agent: the entries it finds get their endpoints first.
+    set_gate_flag(&loaded.pin_dir, 0);
+    assert!(kube_router::bpf::gate::open(&loaded.pin_dir).unwrap() >= 2);
+    assert_eq!(packet::endpoints(&run(ingress, &unrecorded, 1).unwrap().packet), translated);
+
+    // A flow the datapath opens records its frontend and backend, so it keeps its translation
+    // both ways after its Service is gone.
+    let syn = packet::ipv4(packet::TCP, (CLIENT, 41000), (VIP, 80), packet::TCP_SYN, b"");
+    let backend = packet::endpoints(&run(ingress, &syn, 1).unwrap().packet).1;
+    let reply = packet::ipv4(packet::TCP, backend, (CLIENT, 41000), packet::TCP_ACK, b"");
+    assert_eq!(packet::endpoints(&run(egress, &reply, 1).unwrap().packet), ((VIP, 80), (CLIENT, 41000)));
+    program(&loaded.pin_dir, &services_yaml(&[], false).replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.0.12"));
+    let more = packet::ipv4(packet::TCP, (CLIENT, 41000), (VIP, 80), packet::TCP_ACK, b"more");
+    assert_eq!(packet::endpoints(&run(ingress, &more, 1).unwrap().packet).1, backend, "forward after removal");
+    assert_eq!(
+        packet::endpoints(&run(egress, &reply, 1).unwrap().packet),
+        ((VIP, 80), (CLIENT, 41000)),
+        "reply after removal"
+    );
+    // Pod to pod, no Service anywhere: untouched, counted as no service.
+    let before = read_lb_stats(&loaded.pin_dir).unwrap()[lb_stat::NO_SERVICE as usize];
+    let direct = packet::ipv4(packet::UDP, (CLIENT, 9000), (Ipv4Addr::new(10, 1, 0, 8), 9000), 0, b"x");
+    assert_eq!(run(ingress, &direct, 1).unwrap().packet, direct);
+    assert_eq!(run(egress, &direct, 1).unwrap().packet, direct);
+    assert_eq!(read_lb_stats(&loaded.pin_dir).unwrap()[lb_stat::NO_SERVICE as usize], before + 1);
+}

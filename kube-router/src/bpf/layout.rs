@@ -17,7 +17,7 @@ const fn spec<K, V>(name: &'static str, map_type: MapType, max_entries: u32) -> 
     MapSpec { name, map_type, key_size: size_of::<K>() as u32, value_size: size_of::<V>() as u32, max_entries }
 }
 
-pub const SERVICE_MAPS: [MapSpec; 21] = [
+pub const SERVICE_MAPS: [MapSpec; 23] = [
     spec::<ServiceKeyV4, ServiceValue>(map_names::SERVICES, MapType::Hash, SERVICES_MAX_ENTRIES),
     spec::<BackendSlotKey, BackendSlotValue>(map_names::BACKEND_SLOTS, MapType::Hash, BACKEND_SLOTS_MAX_ENTRIES),
     spec::<u32, BackendV4>(map_names::BACKENDS, MapType::Hash, BACKENDS_MAX_ENTRIES),
@@ -39,6 +39,8 @@ pub const SERVICE_MAPS: [MapSpec; 21] = [
     spec::<Key<SourceRangeKeyV6>, u8>(map_names::SOURCE_RANGES_V6, MapType::LpmTrie, SOURCE_RANGES_MAX_ENTRIES),
     spec::<ServiceKeyV4, ServiceStats>(svc_stats_map_names::SVC_STATS, MapType::PerCpuHash, SVC_STATS_MAX_ENTRIES),
     spec::<ServiceKeyV6, ServiceStats>(svc_stats_map_names::SVC_STATS_V6, MapType::PerCpuHash, SVC_STATS_MAX_ENTRIES),
+    spec::<ServiceKeyV4, u64>(map_names::CT_GATE, MapType::LruHash, CT_GATE_MAX_ENTRIES),
+    spec::<ServiceKeyV6, u64>(map_names::CT_GATE_V6, MapType::LruHash, CT_GATE_MAX_ENTRIES),
 ];
 
 /// The NetworkPolicy maps. `pol_ports` and `pol_peers_v4/v6` keys are aya's LPM `Key` (u32 prefix

@@ -2,6 +2,7 @@
 pub mod conntrack_gc;
 pub mod counters;
 pub mod datapath;
+pub mod gate;
 pub mod layout;
 pub mod migrate;
 pub mod pod_sources;
