@@ -21,6 +21,7 @@ pub mod metrics;
 pub mod monitor;
 pub mod netif;
 pub mod overlay;
+pub mod pod_cidrs;
 pub mod policy;
 pub mod router;
 pub mod runtime;
