@@ -4,6 +4,7 @@ pub mod bgp;
 pub mod bpf;
 pub mod cli;
 pub mod cni;
+pub mod cni_install;
 pub mod config;
 pub mod controllers;
 pub mod egress;

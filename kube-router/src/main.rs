@@ -551,6 +551,22 @@ enum Command {
         #[arg(short = 'o', long = "output", default_value = "text", value_parser = ["text", "json"])]
         output: String,
     },
+    /// Install the CNI plugins (bridge, host-local, portmap, loopback) from this image into the
+    /// host's plugin directory where missing, and kube-router's CNI configuration at
+    /// --cni-conf-file where there is none: the DaemonSet's init container (upstream's
+    /// install-cni). Nothing already there is replaced.
+    InstallCni {
+        /// The host's CNI plugin directory.
+        #[arg(long, default_value = kube_router::cni_install::DEFAULT_BIN_DIR)]
+        cni_bin_dir: PathBuf,
+        /// Where the plugins to install are (the image's copy).
+        #[arg(long, default_value = kube_router::cni_install::IMAGE_PLUGIN_DIR)]
+        plugin_source: PathBuf,
+    },
+    /// Parse and check the flags (and KUBE_ROUTER_* variables) given before it, as the agent
+    /// would at start, and exit: 0 when it would start (warnings printed), 2 when it would refuse
+    /// them. E.g. an upstream DaemonSet's args: `kube-router --run-router=true ... check-flags`.
+    CheckFlags,
     /// Print docs/flags.md, the flag reference, generated from this command line.
     #[command(hide = true)]
     FlagsMarkdown,
@@ -735,6 +751,19 @@ fn main() -> ExitCode {
     let result = match cli.command.as_ref().unwrap_or(&Command::Run) {
         Command::Run if cli.run.cleanup_config => cleanup(&cli),
         Command::Run => run(&cli),
+        Command::InstallCni { cni_bin_dir, plugin_source } => install_cni(&kube_router::cni_install::InstallOptions {
+            plugin_source: plugin_source.clone(),
+            bin_dir: cni_bin_dir.clone(),
+            conf_file: cli.run.cni_conf_file.clone(),
+        }),
+        Command::CheckFlags => {
+            let checked = checked_flags(&cli.run).unwrap_or_else(|message| {
+                Cli::command().error(clap::error::ErrorKind::ValueValidation, message).exit()
+            });
+            checked.warnings.iter().for_each(|w| println!("warning: {w}"));
+            println!("flags accepted ({} external peers)", checked.external_peers.len());
+            Ok(())
+        }
         Command::FlagsMarkdown => {
             print!("{}", kube_router::flags::markdown(&cli_command().0));
             Ok(())
@@ -771,32 +800,51 @@ fn main() -> ExitCode {
     }
 }
 
+/// What the flags say beyond clap's parsing, checked before anything runs.
+struct CheckedFlags {
+    external_peers: Vec<kube_router::bgp::peers::ExternalPeerFlag>,
+    /// Flags without effect here, each said once.
+    warnings: Vec<String>,
+}
+
+/// The checks `run` makes before it touches anything (`check-flags` makes only these): the
+/// external peer lists agree, and no upstream flag asks for what this agent cannot do.
+fn checked_flags(args: &RunArgs) -> Result<CheckedFlags, String> {
+    let passwords = match (&args.peer_router_passwords_file, args.peer_router_passwords.is_empty()) {
+        (Some(path), true) => match std::fs::read_to_string(path) {
+            Ok(text) => kube_router::bgp::peers::parse_passwords_file(&text),
+            Err(e) => return Err(format!("--peer-router-passwords-file {}: {e}", path.display())),
+        },
+        _ => args.peer_router_passwords.clone(),
+    };
+    let external_peers =
+        parse_external_peer_flags(&args.peer_router_ips, &args.peer_router_asns, &passwords, &args.peer_router_ports)
+            .map_err(|e| e.to_string())?;
+    let warnings = args.upstream.check()?;
+    Ok(CheckedFlags { external_peers, warnings })
+}
+
+fn install_cni(options: &kube_router::cni_install::InstallOptions) -> Result<()> {
+    let report = kube_router::cni_install::install(options)?;
+    if !report.shadowing_configs.is_empty() {
+        tracing::warn!(
+            configs = ?report.shadowing_configs,
+            "another CNI configuration sorts before {}: the container runtime uses that one (left as it is)",
+            options.conf_file.display()
+        );
+    }
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
+}
+
 fn run(cli: &Cli) -> Result<()> {
     use clap::CommandFactory;
     let args = &cli.run;
     fn invalid(message: String) -> ! {
         Cli::command().error(clap::error::ErrorKind::ValueValidation, message).exit()
     }
-    let passwords = match (&args.peer_router_passwords_file, args.peer_router_passwords.is_empty()) {
-        (Some(path), true) => match std::fs::read_to_string(path) {
-            Ok(text) => kube_router::bgp::peers::parse_passwords_file(&text),
-            Err(e) => invalid(format!("--peer-router-passwords-file {}: {e}", path.display())),
-        },
-        _ => args.peer_router_passwords.clone(),
-    };
-    let external_peers = match parse_external_peer_flags(
-        &args.peer_router_ips,
-        &args.peer_router_asns,
-        &passwords,
-        &args.peer_router_ports,
-    ) {
-        Ok(peers) => peers,
-        Err(e) => invalid(e.to_string()),
-    };
-    match args.upstream.check() {
-        Ok(warnings) => warnings.iter().for_each(|w| tracing::warn!("{w}")),
-        Err(message) => invalid(message),
-    }
+    let CheckedFlags { external_peers, warnings } = checked_flags(args).unwrap_or_else(|message| invalid(message));
+    warnings.iter().for_each(|w| tracing::warn!("{w}"));
     let node_addresses = netif::node_addresses();
     let mut disabled_families = std::collections::BTreeSet::new();
     for (flag, family, setting) in
