@@ -36,4 +36,4 @@ pub const RUN_LIMITS: [&str; 4] = ["--ulimit", "nofile=10000:10000", "--ulimit",
 /// IMAGE_PLUGIN_DIR}`; `image_smoke` runs `install-cni` from the image, which fails on any
 /// difference).
 pub const CNI_PLUGINS: [&str; 4] = ["bridge", "host-local", "portmap", "loopback"];
-pub const CNI_PLUGIN_DIR: &str = "/usr/lib/cni";
+pub use crate::cluster::CNI_PLUGIN_DIR;
