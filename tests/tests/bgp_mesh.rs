@@ -271,7 +271,12 @@ fn full_mesh_from_node_objects_survives_an_api_outage_and_a_crash_during_it() {
         let url = format!("127.0.0.1:{METRICS_PORT}");
         let scrape = mesh.nodes[0].run(&[netprobe_bin().to_str().unwrap(), "http", &url, "/metrics"]).unwrap();
         let series = "kube_router_rejected_objects_total{kind=\"Node\"}";
-        scrape.lines().any(|l| l.starts_with(series)).then(|| metric(&scrape, series)).unwrap_or(0.0)
+        // Not exported until the first rejection.
+        if scrape.lines().any(|l| l.starts_with(series)) {
+            metric(&scrape, series)
+        } else {
+            0.0
+        }
     };
     let before_rejection = rejected();
     mesh.server.apply(annotated("10.245.1.0/33")).unwrap();
