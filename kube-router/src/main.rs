@@ -1258,49 +1258,23 @@ mod tests {
         }
     }
 
-    // The args lists of upstream's DaemonSets (cloudnativelabs/kube-router, daemonset/*.yaml),
-    // which also set NODE_NAME from spec.nodeName.
+    include!("../tests/data/upstream_daemon_set_args.rs");
 
-    /// daemonset/generic-kuberouter-all-features.yaml
-    const GENERIC_ALL_FEATURES: &[&str] = &[
-        "--run-router=true",
-        "--run-firewall=true",
-        "--run-service-proxy=true",
-        "--bgp-graceful-restart=true",
-        "--kubeconfig=/var/lib/kube-router/kubeconfig",
-    ];
-
-    /// daemonset/kubeadm-kuberouter-all-features-dsr.yaml
-    const KUBEADM_ALL_FEATURES_DSR: &[&str] = &[
-        "--run-router=true",
-        "--run-firewall=true",
-        "--run-service-proxy=true",
-        "--bgp-graceful-restart=true",
-        "--kubeconfig=/var/lib/kube-router/kubeconfig",
-        "--runtime-endpoint=unix:///run/containerd/containerd.sock",
-    ];
-
-    /// daemonset/generic-kuberouter-only-advertise-routes.yaml, its three `<CHANGE ME>` values
-    /// filled in with examples.
-    const GENERIC_ONLY_ADVERTISE_ROUTES: &[&str] = &[
-        "--run-router=true",
-        "--run-firewall=false",
-        "--run-service-proxy=false",
-        "--bgp-graceful-restart=true",
-        "--enable-cni=false",
-        "--enable-ibgp=false",
-        "--enable-overlay=false",
-        "--peer-router-ips=192.0.2.254",
-        "--peer-router-asns=65000",
-        "--cluster-asn=65001",
-        "--advertise-cluster-ip=true",
-        "--advertise-external-ip=true",
-        "--advertise-loadbalancer-ip=true",
-    ];
+    /// The args of the upstream DaemonSet file `file`.
+    fn upstream_args(file: &str) -> &'static [&'static str] {
+        UPSTREAM_DAEMON_SET_ARGS.iter().find(|(files, ..)| files.contains(file)).map(|(_, args, _)| *args).unwrap()
+    }
 
     #[test]
     fn upstream_daemon_sets_run_unchanged() {
-        for args in [GENERIC_ALL_FEATURES, KUBEADM_ALL_FEATURES_DSR] {
+        // Every one is accepted as `run` checks flags at start, with the peers it names.
+        for (files, args, peers) in UPSTREAM_DAEMON_SET_ARGS {
+            let checked = checked_flags(&ok(args).run).unwrap_or_else(|e| panic!("{files}: {e}"));
+            assert_eq!(checked.external_peers.len(), *peers, "{files}");
+        }
+        let generic_all_features = upstream_args("generic-kuberouter-all-features.yaml");
+        let kubeadm_all_features_dsr = upstream_args("kubeadm-kuberouter-all-features-dsr.yaml");
+        for args in [generic_all_features, kubeadm_all_features_dsr] {
             let run = ok(args).run;
             assert!(run.run_router && run.run_firewall && run.run_service_proxy && run.bgp_graceful_restart);
             assert_eq!(run.kubeconfig.as_deref(), Some(std::path::Path::new("/var/lib/kube-router/kubeconfig")));
@@ -1308,14 +1282,14 @@ mod tests {
             assert!(!run.cleanup_config && run.nodeport_bindon_all_ip);
             assert_eq!((run.enable_ipv4, run.enable_ipv6), (None, None));
         }
-        assert_eq!(ok(GENERIC_ALL_FEATURES).run.upstream.check(), Ok(vec![]));
-        let dsr = ok(KUBEADM_ALL_FEATURES_DSR).run;
+        assert_eq!(ok(generic_all_features).run.upstream.check(), Ok(vec![]));
+        let dsr = ok(kubeadm_all_features_dsr).run;
         assert_eq!(dsr.upstream.runtime_endpoint.as_deref(), Some("unix:///run/containerd/containerd.sock"));
         let warnings = dsr.upstream.check().unwrap();
         assert_eq!(warnings.len(), 1);
         assert!(warnings[0].starts_with("--runtime-endpoint has no effect"), "{warnings:?}");
 
-        let run = ok(GENERIC_ONLY_ADVERTISE_ROUTES).run;
+        let run = ok(upstream_args("generic-kuberouter-only-advertise-routes.yaml")).run;
         assert!(run.run_router && !run.run_firewall && !run.run_service_proxy);
         assert!(!run.enable_cni && !run.enable_ibgp && !run.enable_overlay && run.bgp_graceful_restart);
         assert!(run.advertise_cluster_ip && run.advertise_external_ip && run.advertise_loadbalancer_ip);
