@@ -39,10 +39,8 @@ pub fn cluster_nets_of<'a, F: AddressFamily>(
         add(*net, CLUSTER_NET_SERVICE);
     }
     for node in nodes {
-        let spec = node.spec.as_ref();
-        let cidrs = spec.and_then(|s| s.pod_cidrs.clone()).filter(|c| !c.is_empty());
-        let cidrs = cidrs.or_else(|| spec.and_then(|s| s.pod_cidr.clone()).map(|c| vec![c])).unwrap_or_default();
-        for net in cidrs.iter().filter_map(|c| c.parse::<IpNet>().ok()) {
+        // The annotations' ranges and the spec's: inside either way.
+        for net in crate::pod_cidrs::all_node_pod_cidrs(node) {
             add(net, CLUSTER_NET_POD);
         }
         let addresses = node.status.as_ref().and_then(|s| s.addresses.as_ref());

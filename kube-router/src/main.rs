@@ -555,6 +555,22 @@ enum Command {
         #[arg(short = 'o', long = "output", default_value = "text", value_parser = ["text", "json"])]
         output: String,
     },
+    /// Install the CNI plugins (bridge, host-local, portmap, loopback) from this image into the
+    /// host's plugin directory where missing, and kube-router's CNI configuration at
+    /// --cni-conf-file where there is none: the DaemonSet's init container (upstream's
+    /// install-cni). Nothing already there is replaced.
+    InstallCni {
+        /// The host's CNI plugin directory.
+        #[arg(long, default_value = kube_router::cni_install::DEFAULT_BIN_DIR)]
+        cni_bin_dir: PathBuf,
+        /// Where the plugins to install are (the image's copy).
+        #[arg(long, default_value = kube_router::cni_install::IMAGE_PLUGIN_DIR)]
+        plugin_source: PathBuf,
+    },
+    /// Parse and check the flags (and KUBE_ROUTER_* variables) given before it, as the agent
+    /// would at start, and exit: 0 when it would start (warnings printed), 2 when it would refuse
+    /// them. E.g. an upstream DaemonSet's args: `kube-router --run-router=true ... check-flags`.
+    CheckFlags,
     /// Print docs/flags.md, the flag reference, generated from this command line.
     #[command(hide = true)]
     FlagsMarkdown,
@@ -739,6 +755,19 @@ fn main() -> ExitCode {
     let result = match cli.command.as_ref().unwrap_or(&Command::Run) {
         Command::Run if cli.run.cleanup_config => cleanup(&cli),
         Command::Run => run(&cli),
+        Command::InstallCni { cni_bin_dir, plugin_source } => install_cni(&kube_router::cni_install::InstallOptions {
+            plugin_source: plugin_source.clone(),
+            bin_dir: cni_bin_dir.clone(),
+            conf_file: cli.run.cni_conf_file.clone(),
+        }),
+        Command::CheckFlags => {
+            let checked = checked_flags(&cli.run).unwrap_or_else(|message| {
+                Cli::command().error(clap::error::ErrorKind::ValueValidation, message).exit()
+            });
+            checked.warnings.iter().for_each(|w| println!("warning: {w}"));
+            println!("flags accepted ({} external peers)", checked.external_peers.len());
+            Ok(())
+        }
         Command::FlagsMarkdown => {
             print!("{}", kube_router::flags::markdown(&cli_command().0));
             Ok(())
@@ -778,32 +807,51 @@ fn main() -> ExitCode {
     }
 }
 
+/// What the flags say beyond clap's parsing, checked before anything runs.
+struct CheckedFlags {
+    external_peers: Vec<kube_router::bgp::peers::ExternalPeerFlag>,
+    /// Flags without effect here, each said once.
+    warnings: Vec<String>,
+}
+
+/// The checks `run` makes before it touches anything (`check-flags` makes only these): the
+/// external peer lists agree, and no upstream flag asks for what this agent cannot do.
+fn checked_flags(args: &RunArgs) -> Result<CheckedFlags, String> {
+    let passwords = match (&args.peer_router_passwords_file, args.peer_router_passwords.is_empty()) {
+        (Some(path), true) => match std::fs::read_to_string(path) {
+            Ok(text) => kube_router::bgp::peers::parse_passwords_file(&text),
+            Err(e) => return Err(format!("--peer-router-passwords-file {}: {e}", path.display())),
+        },
+        _ => args.peer_router_passwords.clone(),
+    };
+    let external_peers =
+        parse_external_peer_flags(&args.peer_router_ips, &args.peer_router_asns, &passwords, &args.peer_router_ports)
+            .map_err(|e| e.to_string())?;
+    let warnings = args.upstream.check()?;
+    Ok(CheckedFlags { external_peers, warnings })
+}
+
+fn install_cni(options: &kube_router::cni_install::InstallOptions) -> Result<()> {
+    let report = kube_router::cni_install::install(options)?;
+    if !report.shadowing_configs.is_empty() {
+        tracing::warn!(
+            configs = ?report.shadowing_configs,
+            "another CNI configuration sorts before {}: the container runtime uses that one (left as it is)",
+            options.conf_file.display()
+        );
+    }
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
+}
+
 fn run(cli: &Cli) -> Result<()> {
     use clap::CommandFactory;
     let args = &cli.run;
     fn invalid(message: String) -> ! {
         Cli::command().error(clap::error::ErrorKind::ValueValidation, message).exit()
     }
-    let passwords = match (&args.peer_router_passwords_file, args.peer_router_passwords.is_empty()) {
-        (Some(path), true) => match std::fs::read_to_string(path) {
-            Ok(text) => kube_router::bgp::peers::parse_passwords_file(&text),
-            Err(e) => invalid(format!("--peer-router-passwords-file {}: {e}", path.display())),
-        },
-        _ => args.peer_router_passwords.clone(),
-    };
-    let external_peers = match parse_external_peer_flags(
-        &args.peer_router_ips,
-        &args.peer_router_asns,
-        &passwords,
-        &args.peer_router_ports,
-    ) {
-        Ok(peers) => peers,
-        Err(e) => invalid(e.to_string()),
-    };
-    match args.upstream.check() {
-        Ok(warnings) => warnings.iter().for_each(|w| tracing::warn!("{w}")),
-        Err(message) => invalid(message),
-    }
+    let CheckedFlags { external_peers, warnings } = checked_flags(args).unwrap_or_else(|message| invalid(message));
+    warnings.iter().for_each(|w| tracing::warn!("{w}"));
     let node_addresses = netif::node_addresses();
     let mut disabled_families = std::collections::BTreeSet::new();
     for (flag, family, setting) in
@@ -1215,49 +1263,23 @@ mod tests {
         }
     }
 
-    // The args lists of upstream's DaemonSets (cloudnativelabs/kube-router, daemonset/*.yaml),
-    // which also set NODE_NAME from spec.nodeName.
+    include!("../tests/data/upstream_daemon_set_args.rs");
 
-    /// daemonset/generic-kuberouter-all-features.yaml
-    const GENERIC_ALL_FEATURES: &[&str] = &[
-        "--run-router=true",
-        "--run-firewall=true",
-        "--run-service-proxy=true",
-        "--bgp-graceful-restart=true",
-        "--kubeconfig=/var/lib/kube-router/kubeconfig",
-    ];
-
-    /// daemonset/kubeadm-kuberouter-all-features-dsr.yaml
-    const KUBEADM_ALL_FEATURES_DSR: &[&str] = &[
-        "--run-router=true",
-        "--run-firewall=true",
-        "--run-service-proxy=true",
-        "--bgp-graceful-restart=true",
-        "--kubeconfig=/var/lib/kube-router/kubeconfig",
-        "--runtime-endpoint=unix:///run/containerd/containerd.sock",
-    ];
-
-    /// daemonset/generic-kuberouter-only-advertise-routes.yaml, its three `<CHANGE ME>` values
-    /// filled in with examples.
-    const GENERIC_ONLY_ADVERTISE_ROUTES: &[&str] = &[
-        "--run-router=true",
-        "--run-firewall=false",
-        "--run-service-proxy=false",
-        "--bgp-graceful-restart=true",
-        "--enable-cni=false",
-        "--enable-ibgp=false",
-        "--enable-overlay=false",
-        "--peer-router-ips=192.0.2.254",
-        "--peer-router-asns=65000",
-        "--cluster-asn=65001",
-        "--advertise-cluster-ip=true",
-        "--advertise-external-ip=true",
-        "--advertise-loadbalancer-ip=true",
-    ];
+    /// The args of the upstream DaemonSet file `file`.
+    fn upstream_args(file: &str) -> &'static [&'static str] {
+        UPSTREAM_DAEMON_SET_ARGS.iter().find(|(files, ..)| files.contains(file)).map(|(_, args, _)| *args).unwrap()
+    }
 
     #[test]
     fn upstream_daemon_sets_run_unchanged() {
-        for args in [GENERIC_ALL_FEATURES, KUBEADM_ALL_FEATURES_DSR] {
+        // Every one is accepted as `run` checks flags at start, with the peers it names.
+        for (files, args, peers) in UPSTREAM_DAEMON_SET_ARGS {
+            let checked = checked_flags(&ok(args).run).unwrap_or_else(|e| panic!("{files}: {e}"));
+            assert_eq!(checked.external_peers.len(), *peers, "{files}");
+        }
+        let generic_all_features = upstream_args("generic-kuberouter-all-features.yaml");
+        let kubeadm_all_features_dsr = upstream_args("kubeadm-kuberouter-all-features-dsr.yaml");
+        for args in [generic_all_features, kubeadm_all_features_dsr] {
             let run = ok(args).run;
             assert!(run.run_router && run.run_firewall && run.run_service_proxy && run.bgp_graceful_restart);
             assert_eq!(run.kubeconfig.as_deref(), Some(std::path::Path::new("/var/lib/kube-router/kubeconfig")));
@@ -1265,14 +1287,14 @@ mod tests {
             assert!(!run.cleanup_config && run.nodeport_bindon_all_ip);
             assert_eq!((run.enable_ipv4, run.enable_ipv6), (None, None));
         }
-        assert_eq!(ok(GENERIC_ALL_FEATURES).run.upstream.check(), Ok(vec![]));
-        let dsr = ok(KUBEADM_ALL_FEATURES_DSR).run;
+        assert_eq!(ok(generic_all_features).run.upstream.check(), Ok(vec![]));
+        let dsr = ok(kubeadm_all_features_dsr).run;
         assert_eq!(dsr.upstream.runtime_endpoint.as_deref(), Some("unix:///run/containerd/containerd.sock"));
         let warnings = dsr.upstream.check().unwrap();
         assert_eq!(warnings.len(), 1);
         assert!(warnings[0].starts_with("--runtime-endpoint has no effect"), "{warnings:?}");
 
-        let run = ok(GENERIC_ONLY_ADVERTISE_ROUTES).run;
+        let run = ok(upstream_args("generic-kuberouter-only-advertise-routes.yaml")).run;
         assert!(run.run_router && !run.run_firewall && !run.run_service_proxy);
         assert!(!run.enable_cni && !run.enable_ibgp && !run.enable_overlay && run.bgp_graceful_restart);
         assert!(run.advertise_cluster_ip && run.advertise_external_ip && run.advertise_loadbalancer_ip);

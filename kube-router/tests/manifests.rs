@@ -215,10 +215,40 @@ fn every_manifest_is_strictly_valid() {
 fn the_manifests_run_the_image_xtask_builds() {
     let image = format!("localhost/kube-router:{}", env!("CARGO_PKG_VERSION"));
     for m in all() {
-        let container = m.container();
-        assert_eq!(container.image.as_deref(), Some(image.as_str()), "{}", m.file);
-        // localhost/ names cannot be pulled: the image is loaded or pushed under another name.
-        assert_eq!(container.image_pull_policy.as_deref(), Some("IfNotPresent"), "{}", m.file);
+        for container in m.pod().containers.iter().chain(m.pod().init_containers.iter().flatten()) {
+            assert_eq!(container.image.as_deref(), Some(image.as_str()), "{}: {}", m.file, container.name);
+            // localhost/ names cannot be pulled: the image is loaded or pushed under another name.
+            assert_eq!(container.image_pull_policy.as_deref(), Some("IfNotPresent"), "{}", m.file);
+        }
+    }
+}
+
+/// Where the CNI role runs, an init container installs the plugins and the configuration
+/// template on the host, as upstream's install-cni does: the agent's own `install-cni`
+/// subcommand (the image has no shell), into the same host directories the agent uses, with the
+/// agent's flags (the same --cni-conf-file). Without the CNI role there is nothing to install.
+#[test]
+fn the_cni_role_installs_plugins_and_config_from_an_init_container() {
+    for (variant, m) in VARIANTS.iter().zip(all()) {
+        let file = m.file;
+        let init = m.pod().init_containers.clone().unwrap_or_default();
+        if !variant.router {
+            assert!(init.is_empty(), "{file}: no CNI role, no init container");
+            continue;
+        }
+        assert_eq!(m.flag("KUBE_ROUTER_ENABLE_CNI").as_deref().unwrap_or("true"), "true", "{file}");
+        let [install] = init.as_slice() else { panic!("{file}: one init container, install-cni") };
+        assert_eq!(install.name, "install-cni", "{file}");
+        assert_eq!(install.command, None, "{file}: the image's entrypoint is the agent");
+        assert_eq!(install.args.as_deref(), Some(&["install-cni".to_string()][..]), "{file}");
+        assert_eq!(install.env_from, m.container().env_from, "{file}: the agent's flags");
+        for dir in KUBEADM_CNI {
+            let mount = install.volume_mounts.iter().flatten().find(|v| v.mount_path == dir);
+            let mount = mount.unwrap_or_else(|| panic!("{file}: install-cni mounts nothing at {dir}"));
+            let agents = m.container().volume_mounts.iter().flatten().find(|v| v.mount_path == dir);
+            assert_eq!(Some(&mount.name), agents.map(|v| &v.name), "{file}: {dir} is the agent's volume");
+            assert_ne!(mount.read_only, Some(true), "{file}: {dir} is written");
+        }
     }
 }
 
@@ -401,6 +431,30 @@ fn every_flag_in_the_manifests_is_one_the_agent_accepts() {
         assert!(stderr.contains("no checkpoint at"), "{}: the agent refused its flags: {stderr}", m.file);
         assert_eq!(out.status.code(), Some(1), "{}: {stderr}", m.file);
     }
+}
+
+include!("data/upstream_daemon_set_args.rs");
+
+/// An upstream DaemonSet's container, its image swapped for ours, starts: the agent accepts
+/// each of its args as the agent itself checks them at start (`check-flags`: clap's parse,
+/// then the external peer lists and the upstream flags without effect here, which only warn).
+#[test]
+fn upstream_daemon_set_args_are_accepted_unchanged() {
+    let agent = env!("CARGO_BIN_EXE_kube-router");
+    for (files, args, peers) in UPSTREAM_DAEMON_SET_ARGS {
+        let out = Command::new(agent).env_clear().args(*args).arg("check-flags").output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{files}: the agent refused {args:?}: {stderr}");
+        assert!(stdout.contains(&format!("flags accepted ({peers} external peers)")), "{files}: {stdout}");
+    }
+    // The check can fail: peer lists of different lengths are refused, as at start.
+    let out = Command::new(agent)
+        .env_clear()
+        .args(["--peer-router-ips=192.0.2.1,192.0.2.2", "--peer-router-asns=65000", "check-flags"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 /// kubectl decodes each DaemonSet into Kubernetes' own Go types, offline (`set env --local`

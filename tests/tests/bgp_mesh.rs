@@ -15,7 +15,7 @@ use std::{
 
 use kube_router_tests::{
     apiserver::{FakeApiServer, FakeApiServerConfig, FaultMode},
-    kube_router_bin, remove_bpf_root, Agent, Netns, NetnsRuntime,
+    kube_router_bin, metric, netprobe_bin, remove_bpf_root, wait_until, Agent, Netns, NetnsRuntime,
 };
 use serde_json::json;
 
@@ -267,4 +267,40 @@ fn full_mesh_from_node_objects_survives_an_api_outage_and_a_crash_during_it() {
         let bgp = mesh.bgp(i);
         assert!(!bgp.contains(&node_ip(3)), "node-{i} still peers with the removed node:\n{bgp}");
     }
+
+    // Upstream's kube-router.io/pod-cidrs annotation overrides node-1's spec.podCIDRs: node-1
+    // advertises it and node-2 routes it instead.
+    let annotated = |value: &str| {
+        let mut node = node_object(1);
+        node["metadata"]["annotations"] = json!({"kube-router.io/pod-cidrs": value});
+        node
+    };
+    mesh.server.apply(annotated("10.245.1.0/24")).unwrap();
+    let moved = format!("10.245.1.0/24 via {} dev eth0", node_ip(1));
+    wait_until("node-2 routing node-1's annotated pod CIDR", Duration::from_secs(20), || {
+        let routes = mesh.normalized_routes(2);
+        anyhow::ensure!(routes == moved, "node-2 routes:\n{routes}");
+        Ok(true)
+    })
+    .unwrap();
+    // A malformed value is rejected (counted) and withdraws nothing.
+    let rejected = || -> f64 {
+        let url = format!("127.0.0.1:{METRICS_PORT}");
+        let scrape = mesh.nodes[0].run(&[netprobe_bin().to_str().unwrap(), "http", &url, "/metrics"]).unwrap();
+        let series = "kube_router_rejected_objects_total{kind=\"Node\"}";
+        // Not exported until the first rejection.
+        if scrape.lines().any(|l| l.starts_with(series)) {
+            metric(&scrape, series)
+        } else {
+            0.0
+        }
+    };
+    let before_rejection = rejected();
+    mesh.server.apply(annotated("10.245.1.0/33")).unwrap();
+    wait_until("node-1 counting its malformed pod-cidrs annotation", Duration::from_secs(20), || {
+        Ok(rejected() > before_rejection)
+    })
+    .unwrap();
+    thread::sleep(Duration::from_secs(2));
+    assert_eq!(mesh.normalized_routes(2), moved, "a malformed annotation changed node-2's routes");
 }

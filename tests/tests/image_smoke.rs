@@ -1,6 +1,8 @@
 //! The container image end to end: the image `cargo xtask image` built (`cargo xtask test`
 //! builds it first) run by podman with runc, configured as manifests/kube-router.yaml's DaemonSet
-//! configures it, in a node network namespace against the fake API server. As root.
+//! configures it, in a node network namespace against the fake API server, after its
+//! install-cni init container put the CNI plugins and configuration in the test's host
+//! directories. As root.
 use std::{
     collections::BTreeMap,
     fs,
@@ -13,7 +15,7 @@ use anyhow::{bail, Context, Result};
 use k8s_openapi::api::{apps::v1::DaemonSet, core::v1::ConfigMap};
 use kube_router_tests::{
     apiserver::{FakeApiServer, FakeApiServerConfig},
-    image::{image_ref, podman, RUN_LIMITS},
+    image::{image_ref, podman, CNI_PLUGIN_DIR, RUN_LIMITS},
     *,
 };
 use serde::Deserialize;
@@ -30,6 +32,14 @@ struct PodRun {
     image: String,
     env: BTreeMap<String, String>,
     volumes: Vec<String>,
+    args: Vec<String>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Which {
+    Agent,
+    /// The init container.
+    InstallCni,
 }
 
 impl PodRun {
@@ -39,6 +49,17 @@ impl PodRun {
         node: &Netns,
         scratch: &Path,
         cluster_config_maps: BTreeMap<String, BTreeMap<String, String>>,
+    ) -> Result<Self> {
+        Self::container_from_manifest(node, scratch, cluster_config_maps, Which::Agent)
+    }
+
+    /// The same for one of the DaemonSet's containers; hostPath volumes are the same directories
+    /// for each.
+    fn container_from_manifest(
+        node: &Netns,
+        scratch: &Path,
+        cluster_config_maps: BTreeMap<String, BTreeMap<String, String>>,
+        which: Which,
     ) -> Result<Self> {
         let text = fs::read_to_string(MANIFEST)?;
         let mut config_maps = cluster_config_maps;
@@ -56,7 +77,10 @@ impl PodRun {
         }
         let pod = daemon_set.context("no DaemonSet")?.spec.context("spec")?.template.spec.context("pod spec")?;
         assert_eq!(pod.host_network, Some(true), "the agent runs in the node's network namespace");
-        let container = &pod.containers[0];
+        let container = match which {
+            Which::Agent => &pod.containers[0],
+            Which::InstallCni => pod.init_containers.iter().flatten().next().context("no init container")?,
+        };
         let config_map =
             |name: &str| config_maps.get(name).with_context(|| format!("ConfigMap {name} not in the manifest"));
 
@@ -120,8 +144,15 @@ impl PodRun {
         fs::write(account.join("ca.crt"), first_pem_certificate("/etc/ssl/certs/ca-certificates.crt")?)?;
         volumes.push(format!("{}:{SERVICE_ACCOUNT_DIR}:ro", account.display()));
 
-        assert_eq!(container.security_context.as_ref().and_then(|s| s.privileged), Some(true));
-        Ok(Self { image: container.image.clone().context("image")?, env, volumes })
+        if which == Which::Agent {
+            assert_eq!(container.security_context.as_ref().and_then(|s| s.privileged), Some(true));
+        }
+        Ok(Self {
+            image: container.image.clone().context("image")?,
+            env,
+            volumes,
+            args: container.args.clone().unwrap_or_default(),
+        })
     }
 }
 
@@ -186,6 +217,19 @@ impl Drop for Container {
         }
         let _ = podman().args(["rm", "--force", "--time", "0", &self.name]).output();
     }
+}
+
+/// Runs `pod` to completion, as the kubelet runs an init container (no network needed).
+fn run_to_completion(pod: &PodRun) -> Result<String> {
+    let mut cmd = podman();
+    cmd.args(["run", "--rm", "--network", "none"]).args(RUN_LIMITS);
+    for (key, value) in &pod.env {
+        cmd.arg("--env").arg(format!("{key}={value}"));
+    }
+    for volume in &pod.volumes {
+        cmd.arg("--volume").arg(volume);
+    }
+    output(cmd.arg(&pod.image).args(&pod.args))
 }
 
 fn output(cmd: &mut std::process::Command) -> Result<String> {
@@ -325,6 +369,7 @@ fn the_image_runs_as_the_manifest_describes_and_a_restart_writes_nothing() {
         "kube-proxy".to_string(),
         BTreeMap::from([("kubeconfig.conf".to_string(), kube_proxy_kubeconfig)]),
     )]);
+    install_cni_as_the_init_container_does(&lab, cluster.clone());
     let pod = PodRun::from_manifest(&lab.topo.node, &lab.scratch, cluster).unwrap();
     assert_eq!(pod.image, image_ref(), "the manifest runs the image `cargo xtask image` builds");
     let mut env = pod.env.clone();
@@ -360,6 +405,44 @@ fn the_image_runs_as_the_manifest_describes_and_a_restart_writes_nothing() {
     let replies = lab.topo.request("tcp", &format!("{VIP}:80"), 30).unwrap();
     assert!(replies.iter().all(|r| r == "backend-1" || r == "backend-2"), "{replies:?}");
     assert_eq!(agent.stop().unwrap(), 0);
+}
+
+/// The manifest's init container, run from the image on the node's (the test's) CNI directories:
+/// it installs the image's plugins (Debian's, byte for byte) where missing, keeps the host's own,
+/// writes kube-router's configuration and leaves another CNI's alone; run again, it changes
+/// nothing.
+fn install_cni_as_the_init_container_does(lab: &Lab, cluster: BTreeMap<String, BTreeMap<String, String>>) {
+    let init = PodRun::container_from_manifest(&lab.topo.node, &lab.scratch, cluster, Which::InstallCni).unwrap();
+    let host_dir = |mount: &str| {
+        let volume = init.volumes.iter().find(|v| v.ends_with(&format!(":{mount}"))).expect(mount);
+        PathBuf::from(volume.split(':').next().unwrap())
+    };
+    let (bin, conf) = (host_dir("/opt/cni/bin"), host_dir("/etc/cni/net.d"));
+    assert!(bin.starts_with(&lab.scratch) && conf.starts_with(&lab.scratch), "the test's own directories");
+    fs::write(bin.join("loopback"), "#!/bin/sh\n# the host's own\n").unwrap();
+    fs::set_permissions(bin.join("loopback"), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    fs::write(conf.join("05-other.conflist"), "another CNI's").unwrap();
+
+    let report = run_to_completion(&init).unwrap();
+    let report: serde_json::Value = serde_json::from_str(report.lines().last().unwrap_or_default()).unwrap();
+    assert_eq!(report["installed"], serde_json::json!(["bridge", "host-local", "portmap"]), "{report}");
+    assert_eq!(report["kept"], serde_json::json!(["loopback"]), "{report}");
+    assert_eq!(report["shadowing_configs"], serde_json::json!(["05-other.conflist"]), "{report}");
+    for plugin in ["bridge", "host-local", "portmap"] {
+        let installed = fs::read(bin.join(plugin)).unwrap();
+        assert!(installed == fs::read(Path::new(CNI_PLUGIN_DIR).join(plugin)).unwrap(), "{plugin} differs");
+        let mode = std::os::unix::fs::PermissionsExt::mode(&fs::metadata(bin.join(plugin)).unwrap().permissions());
+        assert_eq!(mode & 0o777, 0o755, "{plugin}");
+    }
+    assert_eq!(fs::read_to_string(bin.join("loopback")).unwrap(), "#!/bin/sh\n# the host's own\n");
+    assert_eq!(fs::read_to_string(conf.join("05-other.conflist")).unwrap(), "another CNI's");
+    let config: serde_json::Value =
+        serde_json::from_slice(&fs::read(conf.join("10-kuberouter.conflist")).unwrap()).unwrap();
+    assert_eq!(config["plugins"][0]["type"], "bridge", "{config}");
+    assert_eq!(config["plugins"][0]["bridge"], "kube-bridge", "{config}");
+
+    let again = run_to_completion(&init).unwrap();
+    assert!(again.contains("\"installed\":[]") && again.contains("\"config_written\":false"), "{again}");
 }
 
 /// `--master` alone, no kubeconfig: kube-rs then builds its TLS connector from the system trust

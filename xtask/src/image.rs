@@ -2,8 +2,12 @@
 //! a container daemon. buildah (vfs storage) commits it to local containers storage as
 //! `localhost/kube-router:<version>` and writes the same image to target/image/kube-router.oci.tar.
 //!
-//! The image holds two files: /usr/local/bin/kube-router (static, musl; the eBPF object is
-//! embedded) and /etc/ssl/certs/ca-certificates.crt. The CA bundle is there because kube-rs
+//! The image holds /usr/local/bin/kube-router (static, musl; the eBPF object is embedded),
+//! /etc/ssl/certs/ca-certificates.crt and the CNI plugins `kube-router install-cni` copies onto
+//! the host (/usr/lib/cni/{bridge,host-local,portmap,loopback}, Debian's
+//! containernetworking-plugins from the build machine). Those plugins run on the host, never in
+//! the image: Debian builds them against glibc (2.34 or later), so a host without one keeps its
+//! own plugins (install-cni replaces none). The CA bundle is there because kube-rs
 //! builds its TLS connector from the system trust store whenever the API config carries no CA of
 //! its own (`--master` without a kubeconfig, even for http://) and fails without one; the
 //! in-cluster config and the manifests' kubeconfig bring the cluster CA and do not use it. No
@@ -24,6 +28,8 @@ const TARGET: &str = "x86_64-unknown-linux-musl";
 const PROFILE: &str = "image";
 /// Debian's ca-certificates bundle on the build machine.
 const CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+/// Debian's containernetworking-plugins on the build machine; the same path in the image.
+use kube_router_tests::image::CNI_PLUGIN_DIR;
 const WORKING_CONTAINER: &str = "kube-router-image-build";
 
 pub fn archive_path() -> PathBuf {
@@ -36,6 +42,10 @@ pub fn build() -> Result<()> {
     let binary = workspace_root().join("target").join(TARGET).join(PROFILE).join("kube-router");
     ensure_static(&binary)?;
     ensure!(Path::new(CA_BUNDLE).exists(), "{CA_BUNDLE} missing: install ca-certificates (scripts/setup.sh)");
+    for plugin in kube_router_tests::image::CNI_PLUGINS {
+        let path = Path::new(CNI_PLUGIN_DIR).join(plugin);
+        ensure!(path.exists(), "{} missing: install containernetworking-plugins (scripts/setup.sh)", path.display());
+    }
     let compiled = started.elapsed();
 
     let name = image_ref();
@@ -81,6 +91,10 @@ fn assemble(binary: &Path, name: &str) -> Result<()> {
     let c = WORKING_CONTAINER;
     run(buildah().args(["copy", "--quiet", "--chmod", "0755", c]).arg(binary).arg("/usr/local/bin/kube-router"))?;
     run(buildah().args(["copy", "--quiet", "--chmod", "0644", c, CA_BUNDLE, CA_BUNDLE]))?;
+    for plugin in kube_router_tests::image::CNI_PLUGINS {
+        let path = format!("{CNI_PLUGIN_DIR}/{plugin}");
+        run(buildah().args(["copy", "--quiet", "--chmod", "0755", c, &path, &path]))?;
+    }
     let version = env!("CARGO_PKG_VERSION");
     run(buildah().args(["config", "--entrypoint", r#"["/usr/local/bin/kube-router"]"#]).args([
         "--env",

@@ -323,6 +323,8 @@ pub enum PeerConfigError {
         "node {node:?} has no {NODE_ASN_ANNOTATION} annotation; with --nodes-full-mesh=false every node needs its ASN there"
     )]
     MissingLocalAsn { node: String },
+    #[error("{0}; BGP configuration left as it was")]
+    InvalidPodCidrAnnotation(#[from] crate::pod_cidrs::PodCidrAnnotationError),
     #[error("invalid peer port 0 in settings")]
     InvalidPeerPort,
     #[error(
@@ -348,7 +350,7 @@ pub enum PeerConfigWarning {
     ConflictingRrAnnotations { node: String },
     /// This node's router-id annotation is not an IPv4 address; the node IP is used instead.
     InvalidRouterIdAnnotation { node: String, value: String },
-    /// This node has an unparsable pod CIDR; it is not advertised.
+    /// This node has an unparsable `spec.podCIDRs` entry; it is not advertised.
     InvalidPodCidr { node: String, value: String },
     /// This node's per-node peer annotations are broken; all per-node peers are skipped.
     InvalidPeerAnnotations { node: String, reason: String },
@@ -959,7 +961,13 @@ pub fn node_bgp_config(nodes: &[Node], settings: &GlobalSettings) -> Result<Node
         PeerConfigError::InvalidRrClusterId { node: my_name.to_string(), annotation, value }
     })?;
 
-    let pod_cidrs = if settings.advertise_pod_cidr { pod_cidrs(me, &mut warnings) } else { Vec::new() };
+    // A malformed pod-cidr annotation fails the whole configuration: the routes stay as they
+    // were rather than the node withdrawing its pods' prefix.
+    let pod_cidrs = match (settings.advertise_pod_cidr, crate::pod_cidrs::annotated_pod_cidrs(me)) {
+        (false, _) => Vec::new(),
+        (true, Some(annotated)) => annotated?,
+        (true, None) => pod_cidrs(me, &mut warnings),
+    };
 
     let own_ips = all_node_ips(me);
     let local_address = node_ip(me);
@@ -1838,6 +1846,22 @@ mod tests {
             cfg.warnings,
             vec![PeerConfigWarning::InvalidPodCidr { node: "node-1".into(), value: "garbage".into() }]
         );
+    }
+
+    #[test]
+    fn pod_cidr_annotations_override_the_spec_and_a_malformed_one_changes_nothing() {
+        let me = node(
+            "node-1",
+            "10.0.0.1",
+            &[("kube-router.io/pod-cidrs", "10.50.1.0/24,fd00:50:1::/64")],
+            Some("10.244.1.0/24"),
+        );
+        let cfg = node_bgp_config(&[me], &settings("node-1")).unwrap();
+        assert_eq!(cfg.pod_cidrs, vec!["10.50.1.0/24".parse::<IpNet>().unwrap(), "fd00:50:1::/64".parse().unwrap()]);
+        let me = node("node-1", "10.0.0.1", &[("kube-router.io/pod-cidr", "10.50.1.0/33")], Some("10.244.1.0/24"));
+        let error = node_bgp_config(&[me], &settings("node-1")).unwrap_err();
+        assert!(matches!(error, PeerConfigError::InvalidPodCidrAnnotation(_)), "{error}");
+        assert!(error.to_string().contains("kube-router.io/pod-cidr=\"10.50.1.0/33\""), "{error}");
     }
 
     #[test]

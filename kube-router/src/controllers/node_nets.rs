@@ -107,13 +107,8 @@ impl CniWriter {
         let node = nodes
             .find(|n| n.metadata.name.as_deref() == Some(self.node_name.as_str()))
             .with_context(|| format!("no Node object named {:?}", self.node_name))?;
-        let spec = node.spec.as_ref();
-        let raw = spec.and_then(|s| s.pod_cidrs.clone()).filter(|c| !c.is_empty());
-        let raw = raw.or_else(|| spec.and_then(|s| s.pod_cidr.clone()).map(|c| vec![c])).unwrap_or_default();
-        let pod_cidrs = raw
-            .iter()
-            .map(|c| c.parse::<ipnet::IpNet>().with_context(|| format!("Node podCIDR {c:?} is not a CIDR")))
-            .collect::<Result<Vec<_>>>()?;
+        // A malformed kube-router.io/pod-cidr(s) annotation leaves the file as it was.
+        let pod_cidrs = crate::pod_cidrs::node_pod_cidrs(node)?;
         let mtu = if self.options.auto_mtu { self.snat_addr.and_then(netif::mtu_of_address) } else { None };
         let template = crate::cni::template_at(&self.options.conf_file);
         let conflist = crate::cni::conflist(&template, &pod_cidrs, mtu)?;

@@ -310,17 +310,10 @@ pub async fn cleanup(node_pod_cidrs: &BTreeSet<IpNet>) -> Result<Report> {
     Ok(report)
 }
 
-/// Every Node's pod CIDRs (`spec.podCIDRs`, else `spec.podCIDR`).
+/// Every Node's pod CIDRs: its `kube-router.io/pod-cidr(s)` annotations' (upstream routed
+/// those) and its spec's.
 fn pod_cidrs_of(nodes: &[k8s_openapi::api::core::v1::Node]) -> BTreeSet<IpNet> {
-    nodes
-        .iter()
-        .filter_map(|n| n.spec.as_ref())
-        .flat_map(|spec| match spec.pod_cidrs.as_ref().filter(|v| !v.is_empty()) {
-            Some(list) => list.clone(),
-            None => spec.pod_cidr.clone().into_iter().collect(),
-        })
-        .filter_map(|c| c.trim().parse::<IpNet>().ok().map(|n| n.trunc()))
-        .collect()
+    nodes.iter().flat_map(crate::pod_cidrs::all_node_pod_cidrs).collect()
 }
 
 /// The cluster's node pod CIDRs: listed from the API server (bounded: `timeout`), else read from

@@ -178,7 +178,11 @@ pub fn plan_service<F: AddressFamily>(
         let internal = set(service.internal_traffic_local);
         let external = set(service.external_traffic_local);
         let local_flag = |local: bool| if local { SVC_FLAG_LOCAL_ONLY } else { 0 };
+        // --hairpin-mode: every frontend. The annotations as upstream's: the ClusterIPs and
+        // NodePorts, the external addresses only with service.hairpin.externalips.
         let hairpin = if service.hairpin || node.hairpin_all { SVC_FLAG_HAIRPIN } else { 0 };
+        let external_hairpin =
+            if node.hairpin_all || (service.hairpin && service.hairpin_external_ips) { SVC_FLAG_HAIRPIN } else { 0 };
         let maglev = match service.maglev.or(node.maglev_all.then_some(true)) {
             Some(true) => SVC_FLAG_MAGLEV | SVC_FLAG_MAGLEV_PORT,
             Some(false) => SVC_FLAG_MAGLEV,
@@ -188,13 +192,13 @@ pub fn plan_service<F: AddressFamily>(
             plan.maglev_sets.insert(internal.clone());
             plan.maglev_sets.insert(external.clone());
         }
-        let affinity_flags = affinity_flags | hairpin | maglev;
+        let affinity_flags = affinity_flags | maglev;
 
         let mut frontends = Vec::new();
         for ip in of_family(&service.cluster_ips) {
             frontends.push((
                 key_of::<F>(ip, port.port, port.protocol),
-                affinity_flags | local_flag(internal.local_only),
+                affinity_flags | hairpin | local_flag(internal.local_only),
                 internal.clone(),
             ));
         }
@@ -220,7 +224,7 @@ pub fn plan_service<F: AddressFamily>(
             }
             frontends.push((
                 key_of::<F>(ip, port.port, port.protocol),
-                affinity_flags | local_flag(external.local_only) | SVC_FLAG_EXTERNAL | guarded | dsr,
+                affinity_flags | external_hairpin | local_flag(external.local_only) | SVC_FLAG_EXTERNAL | guarded | dsr,
                 external.clone(),
             ));
         }
@@ -228,7 +232,12 @@ pub fn plan_service<F: AddressFamily>(
             for ip in node.node_port_frontend_addrs::<F>() {
                 frontends.push((
                     key_of::<F>(ip, node_port, port.protocol),
-                    affinity_flags | local_flag(external.local_only) | SVC_FLAG_EXTERNAL | SVC_FLAG_NODEPORT | dsr,
+                    affinity_flags
+                        | hairpin
+                        | local_flag(external.local_only)
+                        | SVC_FLAG_EXTERNAL
+                        | SVC_FLAG_NODEPORT
+                        | dsr,
                     external.clone(),
                 ));
             }

@@ -13,6 +13,8 @@ use super::{family::IpFamily, model::*};
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 /// kube-router's per-Service hairpin switch (its presence turns hairpin on).
 pub const HAIRPIN_ANNOTATION: &str = "kube-router.io/service.hairpin";
+/// With it, hairpin for the externalIPs (and LoadBalancer IPs) too (presence).
+pub const HAIRPIN_EXTERNAL_IPS_ANNOTATION: &str = "kube-router.io/service.hairpin.externalips";
 /// The pre-1.x form of `spec.loadBalancerSourceRanges`, still read by kube-proxy.
 pub const SOURCE_RANGES_ANNOTATION: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
 /// kube-router's IPVS scheduler annotation; `mh` (Maglev hashing) and `sh` (source hashing, as
@@ -288,6 +290,7 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
             .and_then(|t| u32::try_from(t).ok())
             .unwrap_or(DEFAULT_AFFINITY_TIMEOUT_SECS)
     });
+    let has_annotation = |key: &str| object.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(key));
     Ok(ServiceOutcome::Service(
         Service {
             name,
@@ -300,7 +303,8 @@ pub fn service(object: &core::Service) -> Result<ServiceOutcome, ObjectError> {
             external_traffic_local,
             internal_traffic_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
             publish_not_ready: spec.publish_not_ready_addresses.unwrap_or(false),
-            hairpin: object.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(HAIRPIN_ANNOTATION)),
+            hairpin: has_annotation(HAIRPIN_ANNOTATION),
+            hairpin_external_ips: has_annotation(HAIRPIN_EXTERNAL_IPS_ANNOTATION),
             health_check_node_port: spec
                 .health_check_node_port
                 .filter(|_| spec.external_traffic_policy.as_deref() == Some("Local"))

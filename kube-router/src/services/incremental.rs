@@ -595,6 +595,7 @@ mod tests {
             internal_traffic_local: k(8) % 4 == 0,
             publish_not_ready: k(9) % 4 == 0,
             hairpin: false,
+            hairpin_external_ips: false,
             health_check_node_port: None,
             source_ranges: (k(10) % 2 == 0).then(|| vec!["192.0.2.0/24".parse().unwrap()]),
             maglev: match k(11) % 4 {

@@ -100,6 +100,10 @@ pub struct Service {
     /// `kube-router.io/service.hairpin`: a backend may reach itself through the service.
     #[serde(default)]
     pub hairpin: bool,
+    /// `kube-router.io/service.hairpin.externalips`: with `hairpin`, the externalIPs and
+    /// LoadBalancer IPs hairpin too (`hairpin` alone: the ClusterIPs and NodePorts, as upstream).
+    #[serde(default)]
+    pub hairpin_external_ips: bool,
     /// `spec.healthCheckNodePort` (externalTrafficPolicy Local): where the node answers load
     /// balancers' health checks with its count of local ready endpoints.
     #[serde(default)]
@@ -151,6 +155,7 @@ impl Service {
             internal_traffic_local: false,
             publish_not_ready: false,
             hairpin: false,
+            hairpin_external_ips: false,
             health_check_node_port: None,
             source_ranges: None,
             maglev: None,

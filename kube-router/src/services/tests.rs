@@ -119,6 +119,40 @@ fn hairpin_follows_the_flag_and_the_annotation() {
     assert_ne!(flags(&annotated, false) & SVC_FLAG_HAIRPIN, 0);
 }
 
+/// The annotations as upstream's: `service.hairpin` covers the ClusterIP and the NodePorts;
+/// the externalIPs and LoadBalancer IPs also with `service.hairpin.externalips`. `--hairpin-mode`
+/// covers every frontend.
+#[test]
+fn hairpin_externalips_extends_the_annotation_to_the_external_addresses() {
+    let cluster_ip = frontend_key(Ipv4Addr::new(10, 96, 0, 10), 80, Protocol::Tcp);
+    let external_ip = frontend_key(Ipv4Addr::new(203, 0, 113, 7), 80, Protocol::Tcp);
+    let lb_ip = frontend_key(Ipv4Addr::new(198, 51, 100, 9), 80, Protocol::Tcp);
+    let node_port = frontend_key(Ipv4Addr::new(192, 0, 2, 1), 30080, Protocol::Tcp);
+    let hairpinned = |annotations: &str, hairpin_all: bool| -> Vec<bool> {
+        let text = OBJECTS
+            .replacen("name: web}", &format!("name: web, annotations: {{{annotations}}}}}"), 1)
+            .replacen("  clusterIP: 10.96.0.10\n", "  clusterIP: 10.96.0.10\n  externalIPs: [203.0.113.7]\n", 1)
+            .replacen("---\n", "status: {loadBalancer: {ingress: [{ip: 198.51.100.9}]}}\n---\n", 1);
+        let builder = parse_objects(&text).expect("parse");
+        let node = NodeContext { hairpin_all, ..node() };
+        let contents = assign_ids(&plan(&builder.state, &node, Limits::default()), &MapContents::default());
+        [cluster_ip, node_port, external_ip, lb_ip]
+            .iter()
+            .map(|key| {
+                contents.services.get(key).unwrap_or_else(|| panic!("{key:?} in {text}")).flags & SVC_FLAG_HAIRPIN != 0
+            })
+            .collect()
+    };
+    let hairpin = r#"kube-router.io/service.hairpin: """#;
+    let external_ips = r#"kube-router.io/service.hairpin.externalips: """#;
+    assert_eq!(hairpinned("", false), [false, false, false, false]);
+    assert_eq!(hairpinned(hairpin, false), [true, true, false, false]);
+    assert_eq!(hairpinned(&format!("{hairpin}, {external_ips}"), false), [true, true, true, true]);
+    // Without service.hairpin it does nothing (as upstream).
+    assert_eq!(hairpinned(external_ips, false), [false, false, false, false]);
+    assert_eq!(hairpinned("", true), [true, true, true, true]);
+}
+
 #[test]
 fn dsr_tunnel_marks_the_external_and_node_port_frontends_and_another_value_is_reported() {
     let with_dsr = |value: &str| {
