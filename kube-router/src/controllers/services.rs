@@ -124,10 +124,17 @@ impl ServiceController {
         report_catalog_problems(catalog, &self.reported, &mut current, &self.metrics);
         let node = self.node_context();
         // NodePorts, zone hints, families and flags follow the node: a change recompiles all.
-        let node_changed = self.last_node.as_ref() != Some(&node);
-        self.last_node = Some(node.clone());
+        // Not so the addresses no Service may claim (every Node's, the API server's), which
+        // move whenever a node joins or leaves a large cluster: only a Service naming a moved
+        // address can compile differently.
+        let last_node = self.last_node.replace(node.clone());
+        let moved = last_node.as_ref().and_then(|last| claimed_addresses_moved(last, &node));
+        let node_changed = last_node.as_ref() != Some(&node) && moved.is_none();
         let changed = match changed {
-            Changed::Services(names) if complete && !node_changed && !self.full_compile_only => Some(names),
+            Changed::Services(mut names) if complete && !node_changed && !self.full_compile_only => {
+                names.extend(catalog.state.naming(&moved.unwrap_or_default()));
+                Some(names)
+            }
             _ => None,
         };
         let limits = self.limits;
@@ -429,6 +436,14 @@ fn purge_refused<F: AddressFamily>(
     }
     tracing::warn!(frontends = ops.len(), "removing refused external frontends found in the maps");
     sync.write(maps, ops)
+}
+
+/// The addresses that became or stopped being a node's or the API server's, when nothing
+/// else of the node context changed (`None`: something else did).
+fn claimed_addresses_moved(last: &NodeContext, now: &NodeContext) -> Option<BTreeSet<IpAddr>> {
+    let moved = last.external_ips.claimed_moved(&now.external_ips)?;
+    let rest_same = NodeContext { external_ips: now.external_ips.clone(), ..last.clone() } == *now;
+    rest_same.then_some(moved)
 }
 
 /// Brings one family's maps to the desired state: only the `changed` Services' entries when
@@ -972,6 +987,27 @@ mod tests {
             builder.state.services.insert(name, service);
         }
         ServiceCatalog::from_builder(builder)
+    }
+
+    #[test]
+    fn only_the_services_naming_a_moved_node_address_are_compiled_again() {
+        let node = |nodes: &[&str], hairpin_all: bool| NodeContext {
+            external_ips: ExternalIpPolicy {
+                node_addresses: nodes.iter().map(|a| a.parse().unwrap()).collect(),
+                ..Default::default()
+            },
+            hairpin_all,
+            ..Default::default()
+        };
+        let last = node(&["192.0.2.1", "192.0.2.2"], false);
+        let moved = claimed_addresses_moved(&last, &node(&["192.0.2.2", "192.0.2.3"], false));
+        let expected: BTreeSet<IpAddr> = ["192.0.2.1".parse().unwrap(), "192.0.2.3".parse().unwrap()].into();
+        assert_eq!(moved, Some(expected.clone()));
+        assert_eq!(claimed_addresses_moved(&last, &node(&["192.0.2.2", "192.0.2.3"], true)), None, "a flag too");
+        let mut catalog = catalog(&[("a", 1), ("b", 2)]);
+        let a = ServiceName::new("ns", "a");
+        catalog.state.services.get_mut(&a).unwrap().external_ips = vec!["::ffff:192.0.2.3".parse().unwrap()];
+        assert_eq!(catalog.state.naming(&expected), [a].into());
     }
 
     #[test]

@@ -216,6 +216,22 @@ pub struct ServiceState {
     pub rejected: BTreeMap<ServiceName, RejectedService>,
 }
 
+impl ServiceState {
+    /// The Services with one of `addresses` as an externalIP or LoadBalancer IP: the only ones
+    /// a change of the cluster's claimed addresses can judge differently.
+    pub fn naming(&self, addresses: &BTreeSet<IpAddr>) -> BTreeSet<ServiceName> {
+        if addresses.is_empty() {
+            return BTreeSet::new();
+        }
+        let named = |ip: &IpAddr| addresses.contains(&ip.to_canonical()) || addresses.contains(ip);
+        let services = self.services.iter();
+        services
+            .filter(|(_, service)| service.external_ips.iter().chain(&service.load_balancer_ips).any(named))
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RejectedService {
     pub reason: String,
@@ -284,6 +300,27 @@ pub struct ExternalIpRefusal {
 }
 
 impl ExternalIpPolicy {
+    /// The addresses that became or stopped being claimed by the cluster (a node's, the API
+    /// server's) from `self` to `now`; `None` when the rest of the policy changed too.
+    pub fn claimed_moved(&self, now: &Self) -> Option<BTreeSet<IpAddr>> {
+        let ExternalIpPolicy {
+            external_ip_ranges,
+            strict,
+            load_balancer_ranges,
+            forbidden,
+            node_addresses,
+            api_server_addresses,
+        } = self;
+        let rest_same = *external_ip_ranges == now.external_ip_ranges
+            && *strict == now.strict
+            && *load_balancer_ranges == now.load_balancer_ranges
+            && *forbidden == now.forbidden;
+        rest_same.then(|| {
+            let nodes = node_addresses.symmetric_difference(&now.node_addresses);
+            nodes.chain(api_server_addresses.symmetric_difference(&now.api_server_addresses)).copied().collect()
+        })
+    }
+
     /// This policy with the cluster's own addresses added: `nodes` (every Node's), `api_server`
     /// (the endpoints of `default/kubernetes`).
     pub fn with_cluster_addresses(

@@ -70,6 +70,17 @@ pub struct VipSettings {
     pub unavailable_families: BTreeSet<IpFamily>,
 }
 
+impl VipSettings {
+    /// The claimed addresses that moved from `self` to `now`, when nothing else did.
+    fn claimed_moved(&self, now: &Self) -> Option<BTreeSet<IpAddr>> {
+        let VipSettings { advertise, node_name, external_ips, unavailable_families } = self;
+        let rest_same = *advertise == now.advertise
+            && *node_name == now.node_name
+            && *unavailable_families == now.unavailable_families;
+        rest_same.then(|| external_ips.claimed_moved(&now.external_ips)).flatten()
+    }
+}
+
 /// One Service's share of the view.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ServiceShare {
@@ -160,13 +171,16 @@ impl VipView {
         changed: &Changed,
         settings: &VipSettings,
     ) -> (bool, Vec<(ServiceName, ExternalIpRefusal)>) {
-        let settings_changed = self.settings.as_ref() != Some(settings);
-        if settings_changed {
-            self.settings = Some(settings.clone());
-        }
+        // A node joining or leaving moves only the addresses no Service may claim: the
+        // Services naming one of them are judged again, not all.
+        let moved = self.settings.as_ref().and_then(|last| last.claimed_moved(settings));
+        let settings_changed = self.settings.as_ref() != Some(settings) && moved.is_none();
+        self.settings = Some(settings.clone());
         let everything = settings_changed || matches!(changed, Changed::All);
         let names: BTreeSet<ServiceName> = match changed {
-            Changed::Services(names) if !everything => names.clone(),
+            Changed::Services(names) if !everything => {
+                names.iter().cloned().chain(catalog.state.naming(&moved.unwrap_or_default())).collect()
+            }
             _ => self.shares.keys().chain(catalog.state.services.keys()).cloned().collect(),
         };
         let mut moved = false;
@@ -450,6 +464,34 @@ mod tests {
             assert!(vips.all.contains(&external_ip));
             assert!(vips.advertised.contains(&"10.96.0.10/32".parse().unwrap()), "the ClusterIP is not local");
         }
+    }
+
+    #[test]
+    fn a_node_address_moving_judges_again_only_the_services_naming_it() {
+        let with_nodes = |nodes: &[&str]| {
+            let policy = ExternalIpPolicy {
+                node_addresses: nodes.iter().map(|a| a.parse().unwrap()).collect(),
+                ..Default::default()
+            };
+            settings(ALL, policy)
+        };
+        let named = service("a", json!({"spec": {"clusterIP": "10.96.0.1", "externalIPs": ["192.0.2.7"]}}));
+        let other = service("b", json!({"spec": {"clusterIP": "10.96.0.2", "externalIPs": ["192.0.2.8"]}}));
+        let catalog = catalog(&[named, other], &[slice("a", "node-1", true), slice("b", "node-1", true)]);
+        let mut view = VipView::default();
+        view.update(&catalog, &Changed::All, &with_nodes(&["192.0.2.100"]));
+        let claimed: IpNet = "192.0.2.7/32".parse().unwrap();
+        assert!(view.vips().advertised.contains(&claimed));
+        // A node joins with a's externalIP as its address: a is judged again although no
+        // Service changed, and the address is withdrawn; the view equals a full recompute.
+        let joined = with_nodes(&["192.0.2.100", "192.0.2.7"]);
+        let none_changed = Changed::Services(BTreeSet::new());
+        assert!(view.update(&catalog, &none_changed, &joined).0);
+        assert!(!view.vips().advertised.contains(&claimed));
+        assert_eq!(view.vips(), self::view(&catalog, &joined));
+        // The node leaves again: back.
+        assert!(view.update(&catalog, &none_changed, &with_nodes(&["192.0.2.100"])).0);
+        assert!(view.vips().advertised.contains(&claimed));
     }
 
     #[test]
