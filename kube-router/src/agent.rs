@@ -50,6 +50,14 @@ use crate::{
 /// they are woken: a burst arriving meanwhile is taken by the next run.
 const AT_ONCE: RunOptions =
     RunOptions { debounce: Duration::ZERO, retry_initial: Duration::from_secs(1), retry_max: Duration::from_secs(30) };
+/// For the controllers whose pass walks every Node (routing, the node networks): in a large
+/// cluster Nodes change many times a second, and one pass per 200 ms bounds their cost at any
+/// rate of change, for a route that follows a Node at most that much later.
+const NODE_PACED: RunOptions = RunOptions {
+    debounce: Duration::from_millis(200),
+    retry_initial: Duration::from_secs(1),
+    retry_max: Duration::from_secs(30),
+};
 
 pub async fn run(mut config: AgentConfig) -> Result<()> {
     let metrics = Metrics::default();
@@ -200,7 +208,7 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
         if config.run_service_proxy || cni.is_some() {
             let egress = config.run_service_proxy.then(|| egress.clone());
             let nets = NodeNetsController::new(cache.clone(), egress, cni, metrics.clone());
-            tasks.add(runtime::spawn(nets, cache.subscribe(NODE_KINDS), RunOptions::default(), stop.clone()));
+            tasks.add(runtime::spawn(nets, cache.subscribe(NODE_KINDS), NODE_PACED, stop.clone()));
         }
         if let Some(publisher) = vip_publisher.take() {
             let view = ServiceViewController::new(
@@ -227,7 +235,7 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
             Some(cache) => runtime::spawn(
                 router,
                 (cache.subscribe(routing::ROUTING_KINDS), vips),
-                RunOptions::default(),
+                NODE_PACED,
                 stop.clone(),
             ),
             None => runtime::spawn(router, NoTrigger, RunOptions::default(), stop.clone()),
