@@ -184,6 +184,28 @@ pub fn write_lb_config(pin_dir: &Path, config: &LbConfig) -> Result<()> {
     Ok(())
 }
 
+/// Writes the load balancer conntrack's lifetimes (`ct_cfg`), only if they differ. The pinned
+/// entry follows the running agent's flags: all zero (the built-in defaults) when none is given.
+pub fn write_ct_lifetimes(pin_dir: &Path, lifetimes: &CtLifetimes) -> Result<()> {
+    let mut map: aya::maps::Array<MapData, CtLifetimes> =
+        aya::maps::Array::try_from(Map::Array(open(pin_dir, map_names::CT_LIFETIMES)?))?;
+    if map.get(&0, 0)? != *lifetimes {
+        map.set(0, lifetimes, 0)?;
+    }
+    Ok(())
+}
+
+/// The lifetimes the datapath reads now (`ct_cfg`): `None` when the map is absent (a datapath
+/// from before it), which is the built-in defaults, as in the datapath.
+pub fn read_ct_lifetimes(pin_dir: &Path) -> Result<Option<CtLifetimes>> {
+    if !super::pinned_map(pin_dir, map_names::CT_LIFETIMES).exists() {
+        return Ok(None);
+    }
+    let map: aya::maps::Array<MapData, CtLifetimes> =
+        aya::maps::Array::try_from(Map::Array(open(pin_dir, map_names::CT_LIFETIMES)?))?;
+    Ok(Some(map.get(&0, 0)?))
+}
+
 /// Brings `cluster_nets_v4` to `desired` (prefix -> `CLUSTER_NET_*` flags), writing only the
 /// differences; returns the number of writes.
 pub fn sync_cluster_nets(pin_dir: &Path, desired: &BTreeMap<Ipv4Net, u32>) -> Result<usize> {
@@ -230,6 +252,9 @@ pub fn read_lb_stats(pin_dir: &Path) -> Result<Vec<u64>> {
 /// One family's Service conntrack (`ct_v4` / `ct_v6`).
 pub struct FamilyConntrack<F: AddressFamily> {
     map: HashMap<MapData, CtKey<F::Words>, CtValue<F::Words>>,
+    /// Where `ct_cfg` is read from at each collection, so the GC judges entries by the lifetimes
+    /// the datapath uses now.
+    pin_dir: std::path::PathBuf,
 }
 
 /// One conntrack entry of family `F`.
@@ -246,7 +271,7 @@ where
     CtValue<F::Words>: aya::Pod,
 {
     pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
-        Ok(Self { map: open_hash(pin_dir, F::MAPS.conntrack)? })
+        Ok(Self { map: open_hash(pin_dir, F::MAPS.conntrack)?, pin_dir: pin_dir.to_path_buf() })
     }
 
     pub fn entries(&self) -> Result<Vec<CtEntry<F>>> {
@@ -262,8 +287,9 @@ where
     /// `collect_garbage` as if the clock read `now` (tests: entries older than the machine's
     /// uptime cannot be written otherwise).
     pub fn collect_garbage_at(&mut self, now: u64) -> Result<(usize, usize)> {
+        let lifetimes = read_ct_lifetimes(&self.pin_dir)?;
         Ok(super::conntrack_gc::collect_expired(&mut self.map, now, |key, value, now| {
-            now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(key.proto)
+            now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(key.proto, lifetimes.as_ref())
         }))
     }
 }
