@@ -845,6 +845,37 @@ mod tests {
         assert_eq!(size_of::<ServiceStats>(), 40);
     }
 
+    #[test]
+    fn configured_lifetimes_apply_to_answered_flows_and_zero_is_the_default() {
+        let entry = |flags| CtValueV4 {
+            last_seen_ns: 0,
+            nat_src_addr: 0,
+            nat_dst_addr: 0,
+            nat_src_port: 0,
+            nat_dst_port: 0,
+            flags,
+            pad: 0,
+            service_id: 0,
+            backend_id: 0,
+        };
+        let secs = |flags, proto, l: Option<&CtLifetimes>| entry(flags).lifetime_ns(proto, l) / 1_000_000_000;
+        let set = CtLifetimes { tcp_secs: 900, closing_secs: 120, udp_secs: 300, pad: 0 };
+        let zero = CtLifetimes::default();
+        for (l, tcp, closing, udp) in [
+            (Some(&set), 900, 120, 300),
+            (Some(&zero), CT_LIFETIME_TCP_SECS, CT_LIFETIME_CLOSING_SECS, CT_LIFETIME_NON_TCP_SECS),
+            (None, CT_LIFETIME_TCP_SECS, CT_LIFETIME_CLOSING_SECS, CT_LIFETIME_NON_TCP_SECS),
+        ] {
+            assert_eq!(secs(CT_FLAG_SEEN_REPLY, IPPROTO_TCP, l), tcp);
+            assert_eq!(secs(CT_FLAG_SEEN_REPLY | CT_FLAG_CLOSING, IPPROTO_TCP, l), closing);
+            assert_eq!(secs(CT_FLAG_SEEN_REPLY, IPPROTO_UDP, l), udp);
+            // Not configurable: the unanswered lifetime (issue 26), and protocols other than UDP.
+            assert_eq!(secs(0, IPPROTO_TCP, l), CT_LIFETIME_UNREPLIED_SECS);
+            assert_eq!(secs(0, IPPROTO_UDP, l), CT_LIFETIME_UNREPLIED_SECS);
+            assert_eq!(secs(CT_FLAG_SEEN_REPLY, IPPROTO_ICMP, l), CT_LIFETIME_NON_TCP_SECS);
+        }
+    }
+
     /// The full checksum of `words` (RFC 1071), for checking the incremental updates.
     fn full(words: &[u16]) -> u16 {
         let mut sum: u32 = words.iter().map(|&w| u32::from(w)).sum();

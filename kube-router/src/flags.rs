@@ -518,7 +518,7 @@ mod tests {
         assert_eq!(ok("2.5s"), Duration::from_secs(2), "whole seconds");
         assert_eq!(ok("168h"), MAX_CT_TIMEOUT);
         for (bad, says) in
-            [("500ms", "under a second"), ("1ns", "under a second"), ("169h", "7 days"), ("5x", "duration")]
+            [("500ms", "under a second"), ("1ns", "under a second"), ("169h", "7 days"), ("5x", "unknown unit")]
         {
             let message = parse_ct_timeout(bad).unwrap_err();
             assert!(message.contains(says), "{bad}: {message}");
