@@ -176,10 +176,14 @@ where
 
 /// Writes the node settings the datapath reads (`lb_config`), only if they differ.
 pub fn write_lb_config(pin_dir: &Path, config: &LbConfig) -> Result<()> {
-    let mut map: aya::maps::Array<MapData, LbConfig> =
-        aya::maps::Array::try_from(Map::Array(open(pin_dir, map_names::LB_CONFIG)?))?;
-    if map.get(&0, 0)? != *config {
-        map.set(0, config, 0)?;
+    write_setting(pin_dir, map_names::LB_CONFIG, config)
+}
+
+/// Writes entry 0 of the one-entry array `name`, only if it differs.
+fn write_setting<V: aya::Pod + PartialEq>(pin_dir: &Path, name: &str, value: &V) -> Result<()> {
+    let mut map: aya::maps::Array<MapData, V> = aya::maps::Array::try_from(Map::Array(open(pin_dir, name)?))?;
+    if map.get(&0, 0)? != *value {
+        map.set(0, value, 0)?;
     }
     Ok(())
 }
@@ -187,12 +191,7 @@ pub fn write_lb_config(pin_dir: &Path, config: &LbConfig) -> Result<()> {
 /// Writes the load balancer conntrack's lifetimes (`ct_cfg`), only if they differ. The pinned
 /// entry follows the running agent's flags: all zero (the built-in defaults) when none is given.
 pub fn write_ct_lifetimes(pin_dir: &Path, lifetimes: &CtLifetimes) -> Result<()> {
-    let mut map: aya::maps::Array<MapData, CtLifetimes> =
-        aya::maps::Array::try_from(Map::Array(open(pin_dir, map_names::CT_LIFETIMES)?))?;
-    if map.get(&0, 0)? != *lifetimes {
-        map.set(0, lifetimes, 0)?;
-    }
-    Ok(())
+    write_setting(pin_dir, map_names::CT_LIFETIMES, lifetimes)
 }
 
 /// The lifetimes the datapath reads now (`ct_cfg`): `None` when the map is absent (a datapath
