@@ -63,6 +63,7 @@ pub mod map_names {
     pub const POLICY_GUARD_STATS: &str = "pol_guard_stats";
     pub const CT_GATE: &str = "ct_gate_v4";
     pub const CT_GATE_V6: &str = "ct_gate_v6";
+    pub const CT_LIFETIMES: &str = "ct_cfg";
 }
 
 pub const SERVICES_MAX_ENTRIES: u32 = 65_536;
@@ -340,9 +341,12 @@ pub const CT_FLAG_DSR_DELIVER: u16 = 1 << 8;
 /// its own tuple: the same packets.
 pub const CT_FLAG_UNTRANSLATED: u16 = 1 << 9;
 
-/// An answered TCP flow, idle.
+/// An answered TCP flow, idle (default of `--service-tcp-timeout`, [`CtLifetimes::tcp_secs`]).
 pub const CT_LIFETIME_TCP_SECS: u64 = 6 * 3600;
+/// An answered flow of another protocol, idle (UDP: default of `--service-udp-timeout`,
+/// [`CtLifetimes::udp_secs`]).
 pub const CT_LIFETIME_NON_TCP_SECS: u64 = 60;
+/// After a FIN or RST (default of `--service-tcpfin-timeout`, [`CtLifetimes::closing_secs`]).
 pub const CT_LIFETIME_CLOSING_SECS: u64 = 10;
 /// A flow nothing has answered yet (a SYN flood, a black-holed destination): it must not hold
 /// its entries and its SNAT port for the TCP lifetime.
@@ -370,17 +374,68 @@ pub struct CtValue<A> {
 pub type CtValueV4 = CtValue<u32>;
 pub type CtValueV6 = CtValue<Ipv6Words>;
 
+/// `ct_cfg` (one entry): the load balancer conntrack's lifetimes the operator chose, in seconds
+/// (`--service-tcp-timeout`, `--service-tcpfin-timeout`, `--service-udp-timeout`). A zero field,
+/// or no entry, is the built-in default (`CT_LIFETIME_*`), so a datapath loaded before the agent
+/// wrote it behaves as before the map existed. The unreplied lifetime is not configurable.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CtLifetimes {
+    /// An answered TCP flow, idle; 0: [`CT_LIFETIME_TCP_SECS`].
+    pub tcp_secs: u32,
+    /// After a FIN or RST; 0: [`CT_LIFETIME_CLOSING_SECS`].
+    pub closing_secs: u32,
+    /// An answered UDP flow, idle; 0: [`CT_LIFETIME_NON_TCP_SECS`].
+    pub udp_secs: u32,
+    pub pad: u32,
+}
+
+const fn configured_or(secs: u32, default: u64) -> u64 {
+    if secs == 0 {
+        default
+    } else {
+        secs as u64
+    }
+}
+
+impl CtLifetimes {
+    /// The closing lifetime in seconds, `lifetimes` being the map's entry if any.
+    pub const fn closing_secs_of(lifetimes: Option<&CtLifetimes>) -> u64 {
+        match lifetimes {
+            Some(l) => configured_or(l.closing_secs, CT_LIFETIME_CLOSING_SECS),
+            None => CT_LIFETIME_CLOSING_SECS,
+        }
+    }
+
+    /// The answered TCP lifetime in seconds.
+    pub const fn tcp_secs_of(lifetimes: Option<&CtLifetimes>) -> u64 {
+        match lifetimes {
+            Some(l) => configured_or(l.tcp_secs, CT_LIFETIME_TCP_SECS),
+            None => CT_LIFETIME_TCP_SECS,
+        }
+    }
+
+    /// The answered lifetime of protocol `proto` other than TCP, in seconds (UDP configurable).
+    pub const fn non_tcp_secs_of(lifetimes: Option<&CtLifetimes>, proto: u8) -> u64 {
+        match lifetimes {
+            Some(l) if proto == IPPROTO_UDP => configured_or(l.udp_secs, CT_LIFETIME_NON_TCP_SECS),
+            _ => CT_LIFETIME_NON_TCP_SECS,
+        }
+    }
+}
+
 impl<A: Copy> CtValue<A> {
-    /// How long the entry lives after its last packet.
-    pub const fn lifetime_ns(&self, proto: u8) -> u64 {
+    /// How long the entry lives after its last packet, `lifetimes` being `ct_cfg`'s entry (`None`:
+    /// the built-in defaults).
+    pub const fn lifetime_ns(&self, proto: u8, lifetimes: Option<&CtLifetimes>) -> u64 {
         let secs = if self.flags & CT_FLAG_CLOSING != 0 {
-            CT_LIFETIME_CLOSING_SECS
+            CtLifetimes::closing_secs_of(lifetimes)
         } else if self.flags & CT_FLAG_SEEN_REPLY == 0 {
             CT_LIFETIME_UNREPLIED_SECS
         } else if proto == IPPROTO_TCP {
-            CT_LIFETIME_TCP_SECS
+            CtLifetimes::tcp_secs_of(lifetimes)
         } else {
-            CT_LIFETIME_NON_TCP_SECS
+            CtLifetimes::non_tcp_secs_of(lifetimes, proto)
         };
         secs * 1_000_000_000
     }
@@ -748,6 +803,7 @@ mod user {
     unsafe impl aya::Pod for AffinityKeyV6 {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for LbConfig {}
+    unsafe impl aya::Pod for CtLifetimes {}
     unsafe impl aya::Pod for FragKeyV4 {}
     unsafe impl aya::Pod for FragKeyV6 {}
     unsafe impl aya::Pod for FragPorts {}
@@ -775,6 +831,7 @@ mod tests {
         assert_eq!(size_of::<AffinityKeyV4>(), 8);
         assert_eq!(size_of::<AffinityValue>(), 16);
         assert_eq!(size_of::<LbConfig>(), 32);
+        assert_eq!(size_of::<CtLifetimes>(), 16);
         assert_eq!(size_of::<FragKeyV4>(), 16);
         assert_eq!(size_of::<ServiceKeyV6>(), 20);
         assert_eq!(size_of::<BackendV6>(), 20);
@@ -786,6 +843,37 @@ mod tests {
         assert_eq!(size_of::<OverlayPrefixV4>(), 4);
         assert_eq!(size_of::<OverlayTunnelV4>(), 12);
         assert_eq!(size_of::<ServiceStats>(), 40);
+    }
+
+    #[test]
+    fn configured_lifetimes_apply_to_answered_flows_and_zero_is_the_default() {
+        let entry = |flags| CtValueV4 {
+            last_seen_ns: 0,
+            nat_src_addr: 0,
+            nat_dst_addr: 0,
+            nat_src_port: 0,
+            nat_dst_port: 0,
+            flags,
+            pad: 0,
+            service_id: 0,
+            backend_id: 0,
+        };
+        let secs = |flags, proto, l: Option<&CtLifetimes>| entry(flags).lifetime_ns(proto, l) / 1_000_000_000;
+        let set = CtLifetimes { tcp_secs: 900, closing_secs: 120, udp_secs: 300, pad: 0 };
+        let zero = CtLifetimes::default();
+        for (l, tcp, closing, udp) in [
+            (Some(&set), 900, 120, 300),
+            (Some(&zero), CT_LIFETIME_TCP_SECS, CT_LIFETIME_CLOSING_SECS, CT_LIFETIME_NON_TCP_SECS),
+            (None, CT_LIFETIME_TCP_SECS, CT_LIFETIME_CLOSING_SECS, CT_LIFETIME_NON_TCP_SECS),
+        ] {
+            assert_eq!(secs(CT_FLAG_SEEN_REPLY, IPPROTO_TCP, l), tcp);
+            assert_eq!(secs(CT_FLAG_SEEN_REPLY | CT_FLAG_CLOSING, IPPROTO_TCP, l), closing);
+            assert_eq!(secs(CT_FLAG_SEEN_REPLY, IPPROTO_UDP, l), udp);
+            // Not configurable: the unanswered lifetime (issue 26), and protocols other than UDP.
+            assert_eq!(secs(0, IPPROTO_TCP, l), CT_LIFETIME_UNREPLIED_SECS);
+            assert_eq!(secs(0, IPPROTO_UDP, l), CT_LIFETIME_UNREPLIED_SECS);
+            assert_eq!(secs(CT_FLAG_SEEN_REPLY, IPPROTO_ICMP, l), CT_LIFETIME_NON_TCP_SECS);
+        }
     }
 
     /// The full checksum of `words` (RFC 1071), for checking the incremental updates.

@@ -5,8 +5,8 @@ use kube_router_common::*;
 
 use crate::{
     family::Family,
-    maps::count,
     maps::CtScratch,
+    maps::{count, ct_lifetimes},
     parsing::{LbFlow, TCP_FLAG_ACK, TCP_FLAG_FIN, TCP_FLAG_RST, TCP_FLAG_SYN},
 };
 
@@ -29,13 +29,23 @@ pub fn key_of<A: Copy>(flow: &LbFlow<A>) -> CtKey<A> {
     key((flow.src_addr, flow.src_port), (flow.dst_addr, flow.dst_port), flow.proto)
 }
 
+/// The entry's last packet is longer ago than its lifetime (`ct_cfg`'s, else the built-in one).
+// Not inlined: a leaf with no frame of its own, so reading `ct_cfg` keeps no value of the
+// caller's in a stack slot.
+#[inline(never)]
+fn expired<A: Copy>(entry: &CtValue<A>, proto: u8, now: u64) -> bool {
+    now.saturating_sub(entry.last_seen_ns) > entry.lifetime_ns(proto, ct_lifetimes())
+}
+
 /// A live entry for `key`, refreshed; `None` if absent or expired.
-#[inline(always)]
+// Not inlined: `ingress` -> `new_flow` use the whole 512-byte stack (each frame rounded up to
+// 32 bytes), and the call to `expired` inlined here would spill one more of `ingress`'s values.
+#[inline(never)]
 pub fn lookup<F: Family>(key: &CtKey<F::Addr>, tcp_flags: u8, now: u64) -> Option<&'static mut CtValue<F::Addr>> {
     let entry = F::conntrack().get_ptr_mut(key)?;
     // SAFETY: the pointer comes from a successful map lookup and stays valid for this program run.
     let entry = unsafe { &mut *entry };
-    if now.saturating_sub(entry.last_seen_ns) > entry.lifetime_ns(key.proto) {
+    if expired(entry, key.proto, now) {
         return None;
     }
     if tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST) != 0 {
@@ -103,8 +113,7 @@ pub fn release_reply_tuple<F: Family>(flow: &LbFlow<F::Addr>, now: u64) {
         Some(forward) => forward.flags & CT_FLAG_CLOSING != 0,
         None => true,
     };
-    let expired = now.saturating_sub(entry.last_seen_ns) > entry.lifetime_ns(flow.proto);
-    if expired || forward_closing || entry.flags & CT_FLAG_CLOSING != 0 {
+    if expired(entry, flow.proto, now) || forward_closing || entry.flags & CT_FLAG_CLOSING != 0 {
         forget::<F>(&reply, entry);
         count(lb_stat::CT_TUPLE_REUSED);
     } else {
@@ -253,7 +262,8 @@ pub fn create_untranslated<F: Family>(flow: &LbFlow<F::Addr>, now: u64) {
     s.forward_key = key_of(flow);
     s.reverse_key = s.forward.reverse_key(flow.proto);
     let reply_tuple_ours = F::conntrack().insert(&s.reverse_key, &s.reverse, BPF_NOEXIST as u64).is_ok()
-        || (reclaim_stale::<F>(now) && F::conntrack().insert(&s.reverse_key, &s.reverse, BPF_NOEXIST as u64).is_ok());
+        || (reclaim_stale::<F>(s, now)
+            && F::conntrack().insert(&s.reverse_key, &s.reverse, BPF_NOEXIST as u64).is_ok());
     if !reply_tuple_ours || F::conntrack().insert(&s.forward_key, &s.forward, 0).is_err() {
         count(lb_stat::CT_INSERT_FAILED);
     }
@@ -291,7 +301,7 @@ pub fn create_snat<F: Family>(
         // NOEXIST: the port is ours only if no live flow holds this reverse key. A flow that is
         // over but not yet collected by the agent gives it up first.
         let free = F::conntrack().insert(&s.reverse_key, &s.reverse, BPF_NOEXIST as u64).is_ok()
-            || (reclaim_stale::<F>(now)
+            || (reclaim_stale::<F>(s, now)
                 && F::conntrack().insert(&s.reverse_key, &s.reverse, BPF_NOEXIST as u64).is_ok());
         if free {
             return F::conntrack().insert(&s.forward_key, &s.forward, 0).map_err(|_| SnatError::Insert);
@@ -305,16 +315,17 @@ pub fn create_snat<F: Family>(
 /// lifetime once either saw a FIN or RST (a reset flow's other side never closes its entry,
 /// which would hold the port for the TCP lifetime). Both entries go, so no entry is left
 /// translating to a port that now belongs to another flow. True if the key is free now.
-// Inlined, with the old flow's other key in map memory: `ingress` -> `new_flow` already uses
-// the whole 512-byte stack, so this adds no frame and no key to it.
+// Inlined, with the old flow's other key and the lifetimes in map memory (the caller's scratch):
+// `ingress` -> `new_flow` already uses the whole 512-byte stack, so this adds no frame and no
+// key to it.
 #[allow(clippy::needless_borrows_for_generic_args)] // keys by reference: see `create`
 #[inline(always)]
-fn reclaim_stale<F: Family>(now: u64) -> bool {
-    let Some(s) = F::ct_scratch().get_ptr_mut(0) else {
-        return false;
+fn reclaim_stale<F: Family>(s: &mut CtScratch<F::Addr>, now: u64) -> bool {
+    // Copied into the scratch: no register holds it across the lookups below.
+    s.lifetimes = match ct_lifetimes() {
+        Some(lifetimes) => *lifetimes,
+        None => CtLifetimes { tcp_secs: 0, closing_secs: 0, udp_secs: 0, pad: 0 },
     };
-    // SAFETY: per-CPU map memory, used only within this program run on this CPU.
-    let s = unsafe { &mut *s };
     let proto = s.reverse_key.proto;
     let Some(held) = F::conntrack().get_ptr(&s.reverse_key) else {
         // Gone since the insert failed (collected, evicted): free.
@@ -326,7 +337,11 @@ fn reclaim_stale<F: Family>(now: u64) -> bool {
     // SAFETY: as above.
     let opposite = F::conntrack().get_ptr(&s.stale_key).map(|p| unsafe { &*p });
     let closing = held.flags & CT_FLAG_CLOSING != 0 || opposite.is_some_and(|o| o.flags & CT_FLAG_CLOSING != 0);
-    let lifetime = if closing { CT_LIFETIME_CLOSING_SECS * 1_000_000_000 } else { held.lifetime_ns(proto) };
+    let lifetime = if closing {
+        CtLifetimes::closing_secs_of(Some(&s.lifetimes)) * 1_000_000_000
+    } else {
+        held.lifetime_ns(proto, Some(&s.lifetimes))
+    };
     // An absent opposite entry (evicted, collected) leaves the held one to decide alone. A new
     // flow's reverse entry is never judged without its forward one: it is fresh.
     if now.saturating_sub(held.last_seen_ns) <= lifetime

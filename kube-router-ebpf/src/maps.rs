@@ -63,6 +63,17 @@ pub static CT_GATE: LruHashMap<ServiceKeyV4, u64> = LruHashMap::pinned(CT_GATE_M
 #[map(name = "ct_gate_v6")]
 pub static CT_GATE_V6: LruHashMap<ServiceKeyV6, u64> = LruHashMap::pinned(CT_GATE_MAX_ENTRIES, 0);
 
+// The load balancer conntrack's configured lifetimes (one entry; zero fields and no entry mean
+// the built-in defaults). A map of its own, created when absent: no existing layout changes.
+#[map(name = "ct_cfg")]
+pub static CT_LIFETIMES: Array<CtLifetimes> = Array::pinned(1, 0);
+
+/// `ct_cfg`'s entry, if the agent wrote one.
+#[inline(always)]
+pub fn ct_lifetimes() -> Option<&'static CtLifetimes> {
+    CT_LIFETIMES.get(0)
+}
+
 #[map(name = "lb_src_v4")]
 pub static SOURCE_RANGES: LpmTrie<SourceRangeKeyV4, u8> = LpmTrie::pinned(SOURCE_RANGES_MAX_ENTRIES, 0);
 
@@ -81,6 +92,9 @@ pub struct CtScratch<A> {
     pub stale_key: CtKey<A>,
     /// A new Service flow's endpoint being recorded (see `conntrack::record_endpoints`).
     pub endpoint: ServiceKey<A>,
+    /// `ct_cfg`'s entry (zero: the defaults), copied here so no register holds it across the
+    /// lookups of `conntrack::reclaim_stale`.
+    pub lifetimes: CtLifetimes,
 }
 
 /// The packet being handled and what it becomes, in map memory for the same reason.

@@ -46,6 +46,9 @@ pub struct AgentConfig {
     pub masquerade_all: bool,
     /// `--snat-port-range`, inclusive.
     pub snat_port_range: (u16, u16),
+    /// `--service-tcp-timeout`, `--service-tcpfin-timeout`, `--service-udp-timeout` (zero
+    /// fields: the built-in lifetimes), written to `ct_cfg` at start.
+    pub ct_lifetimes: kube_router_common::CtLifetimes,
     /// `--node-ip`: the address source-NATed flows leave with.
     pub node_ip: Option<Ipv4Addr>,
     /// `--enable-pod-egress`: masquerade pod traffic leaving the cluster.

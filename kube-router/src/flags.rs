@@ -115,9 +115,6 @@ impl Upstream {
 const NO_IPVS: &str = "there is no IPVS here: Services are compiled into eBPF maps on every change";
 const NO_ALLOCATOR: &str = "it belongs to upstream's LoadBalancer address allocator (--run-loadbalancer), \
      which this agent does not have";
-const FIXED_CT: &str = "the datapath's conntrack lifetimes are fixed (TCP idle 6 h, after FIN/RST 10 s, \
-     unanswered 60 s, UDP and others 60 s: CT_LIFETIME_* in kube-router-common); making them \
-     configurable needs a datapath change";
 
 /// What each upstream flag becomes here; `None` for flags upstream does not have.
 pub fn upstream_status(flag: &str) -> Option<Upstream> {
@@ -174,7 +171,6 @@ pub fn upstream_status(flag: &str) -> Option<Upstream> {
             "upstream uses it for the node's iptables input rules; here NodePorts are what the Services \
              say and NetworkPolicy is enforced on pod interfaces only",
         ),
-        "service-tcp-timeout" | "service-tcpfin-timeout" | "service-udp-timeout" => Obsolete(FIXED_CT),
         "use-nftables-for-netpol" => {
             Obsolete("NetworkPolicy is enforced in eBPF; neither iptables nor nftables is used")
         }
@@ -259,6 +255,28 @@ pub const DEFAULT_DIFFERENCES: &[DefaultDifference] = &[
         why: "there is no gRPC API; `kube-router bgp` shows the BGP state",
     },
     DefaultDifference {
+        flag: "service-tcp-timeout",
+        upstream: "0s: IPVS's own, 15m",
+        here: "0s: 6h",
+        why: "an idle connection (a connection pool, a websocket without keepalives) keeps its backend \
+              for hours, as under kube-proxy, whose kernel conntrack keeps established TCP for a day; \
+              the conntrack map is an LRU the agent's GC keeps clear, so long lifetimes cost no drops",
+    },
+    DefaultDifference {
+        flag: "service-tcpfin-timeout",
+        upstream: "0s: IPVS's own, 2m",
+        here: "0s: 10s",
+        why: "a closed flow's entries and its source-NAT port (--snat-port-range) are free again \
+              seconds after the FIN or RST, so a busy NodePort does not run out of ports",
+    },
+    DefaultDifference {
+        flag: "service-udp-timeout",
+        upstream: "0s: IPVS's own, 5m",
+        here: "0s: 60s",
+        why: "request/response UDP (DNS) frees its entries and source-NAT port within a minute; a \
+              flow idle that long is balanced again on its next datagram",
+    },
+    DefaultDifference {
         flag: "v",
         upstream: "0",
         here: "unset: RUST_LOG, else info",
@@ -277,6 +295,32 @@ pub fn parse_go_bool(text: &str) -> Result<bool, String> {
 
 /// A duration: Go's syntax (`1m30s`, `300ms`, `1.5h`, `2h45m`; units ns, us, µs, ms, s, m, h),
 /// or a plain number of seconds (`90`), this agent's earlier form. Not negative.
+/// The longest conntrack lifetime `--service-*-timeout` accepts: a week.
+pub const MAX_CT_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// `--service-tcp-timeout`, `--service-tcpfin-timeout`, `--service-udp-timeout`: a Go duration,
+/// 0 (the built-in lifetime) or from 1 s to [`MAX_CT_TIMEOUT`]. Fractions of a second are
+/// dropped (the datapath counts whole seconds, as IPVS does).
+pub fn parse_ct_timeout(text: &str) -> Result<Duration, String> {
+    let duration = parse_go_duration(text)?;
+    if duration.is_zero() {
+        return Ok(duration);
+    }
+    if duration < Duration::from_secs(1) {
+        return Err(format!("{text:?} is under a second: a conntrack lifetime is 0s (the default) or at least 1s"));
+    }
+    if duration > MAX_CT_TIMEOUT {
+        return Err(format!("{text:?} is longer than the 168h (7 days) a conntrack lifetime may be"));
+    }
+    Ok(Duration::from_secs(duration.as_secs()))
+}
+
+/// The `ct_cfg` entry for the three timeouts ([`parse_ct_timeout`]'s values; 0: the default).
+pub fn ct_lifetimes(tcp: Duration, tcp_fin: Duration, udp: Duration) -> kube_router_common::CtLifetimes {
+    let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX);
+    kube_router_common::CtLifetimes { tcp_secs: secs(tcp), closing_secs: secs(tcp_fin), udp_secs: secs(udp), pad: 0 }
+}
+
 pub fn parse_go_duration(text: &str) -> Result<Duration, String> {
     let bad = || format!("{text:?} is not a duration like 90s, 1m30s, 300ms or 2h");
     let body = text.strip_prefix('+').unwrap_or(text);
@@ -465,6 +509,25 @@ mod tests {
     }
 
     #[test]
+    fn conntrack_timeouts_are_validated_and_zero_is_the_default() {
+        let ok = |t: &str| parse_ct_timeout(t).unwrap();
+        assert_eq!(ok("0s"), Duration::ZERO);
+        assert_eq!(ok("0"), Duration::ZERO);
+        assert_eq!(ok("1s"), Duration::from_secs(1));
+        assert_eq!(ok("15m"), Duration::from_secs(900));
+        assert_eq!(ok("2.5s"), Duration::from_secs(2), "whole seconds");
+        assert_eq!(ok("168h"), MAX_CT_TIMEOUT);
+        for (bad, says) in
+            [("500ms", "under a second"), ("1ns", "under a second"), ("169h", "7 days"), ("5x", "unknown unit")]
+        {
+            let message = parse_ct_timeout(bad).unwrap_err();
+            assert!(message.contains(says), "{bad}: {message}");
+        }
+        let lifetimes = ct_lifetimes(Duration::from_secs(900), Duration::ZERO, Duration::from_secs(5));
+        assert_eq!(lifetimes, kube_router_common::CtLifetimes { tcp_secs: 900, closing_secs: 0, udp_secs: 5, pad: 0 });
+    }
+
+    #[test]
     fn go_bools() {
         for t in ["1", "t", "T", "TRUE", "true", "True"] {
             assert_eq!(parse_go_bool(t), Ok(true));
@@ -517,6 +580,10 @@ mod tests {
             assert!(upstream_status(flag).is_some());
         }
         assert_eq!(UPSTREAM_FLAGS.len(), 79);
+        // Issue 28: the conntrack timeouts set the datapath's lifetimes.
+        for flag in ["service-tcp-timeout", "service-tcpfin-timeout", "service-udp-timeout"] {
+            assert!(matches!(upstream_status(flag), Some(Upstream::Honoured)), "{flag}");
+        }
         for d in DEFAULT_DIFFERENCES {
             assert!(UPSTREAM_FLAGS.contains(&d.flag), "{}", d.flag);
         }

@@ -257,6 +257,18 @@ struct RunArgs {
     /// Keep it clear of the kernel's ephemeral range (net.ipv4.ip_local_port_range) and NodePorts.
     #[arg(long, env = "KUBE_ROUTER_SNAT_PORT_RANGE", default_value = "10000-29999", value_parser = parse_port_range)]
     snat_port_range: (u16, u16),
+    /// How long an answered Service TCP flow lives idle in the datapath's conntrack, in whole
+    /// seconds (1s to 7 days; 0s: 6h). Upstream: the IPVS TCP timeout.
+    #[arg(long, env = "KUBE_ROUTER_SERVICE_TCP_TIMEOUT", default_value = "0s", value_parser = kube_router::flags::parse_ct_timeout)]
+    service_tcp_timeout: Duration,
+    /// How long a Service TCP flow lives after a FIN or RST, in whole seconds (1s to 7 days;
+    /// 0s: 10s). Upstream: the IPVS TCP FIN timeout.
+    #[arg(long, env = "KUBE_ROUTER_SERVICE_TCPFIN_TIMEOUT", default_value = "0s", value_parser = kube_router::flags::parse_ct_timeout)]
+    service_tcpfin_timeout: Duration,
+    /// How long an answered Service UDP flow lives idle, in whole seconds (1s to 7 days; 0s:
+    /// 60s). Upstream: the IPVS UDP timeout.
+    #[arg(long, env = "KUBE_ROUTER_SERVICE_UDP_TIMEOUT", default_value = "0s", value_parser = kube_router::flags::parse_ct_timeout)]
+    service_udp_timeout: Duration,
     /// Address source-NATed flows leave with. Default: the source address of the node's default
     /// route (else its first address).
     #[arg(long, env = "KUBE_ROUTER_NODE_IP")]
@@ -411,15 +423,6 @@ struct UpstreamOnly {
     /// Upstream: the NodePort range its iptables input rules admit.
     #[arg(long)]
     service_node_port_range: Option<String>,
-    /// Upstream: IPVS TCP timeout (0: the system's).
-    #[arg(long, value_parser = parse_go_duration)]
-    service_tcp_timeout: Option<Duration>,
-    /// Upstream: IPVS TCP FIN timeout (0: the system's).
-    #[arg(long, value_parser = parse_go_duration)]
-    service_tcpfin_timeout: Option<Duration>,
-    /// Upstream: IPVS UDP timeout (0: the system's).
-    #[arg(long, value_parser = parse_go_duration)]
-    service_udp_timeout: Option<Duration>,
     /// Upstream: nftables instead of iptables for NetworkPolicy.
     #[arg(long, action = clap::ArgAction::Set)]
     use_nftables_for_netpol: Option<bool>,
@@ -430,7 +433,6 @@ impl UpstreamOnly {
     /// booleans and durations given their "off" value and the gRPC port given 0.
     fn given(&self) -> Vec<&'static str> {
         let on = |b: Option<bool>| b == Some(true);
-        let nonzero = |d: Option<Duration>| d.is_some_and(|d| !d.is_zero());
         [
             ("cache-sync-timeout", self.cache_sync_timeout.is_some()),
             ("disable-source-dest-check", on(self.disable_source_dest_check)),
@@ -451,9 +453,6 @@ impl UpstreamOnly {
             ("run-loadbalancer", on(self.run_loadbalancer)),
             ("runtime-endpoint", self.runtime_endpoint.is_some()),
             ("service-node-port-range", self.service_node_port_range.is_some()),
-            ("service-tcp-timeout", nonzero(self.service_tcp_timeout)),
-            ("service-tcpfin-timeout", nonzero(self.service_tcpfin_timeout)),
-            ("service-udp-timeout", nonzero(self.service_udp_timeout)),
             ("use-nftables-for-netpol", on(self.use_nftables_for_netpol)),
         ]
         .into_iter()
@@ -958,6 +957,11 @@ fn run(cli: &Cli) -> Result<()> {
         masquerade_all: args.masquerade_all,
         maglev_all: args.bpf_lb_algorithm == "maglev",
         snat_port_range: args.snat_port_range,
+        ct_lifetimes: kube_router::flags::ct_lifetimes(
+            args.service_tcp_timeout,
+            args.service_tcpfin_timeout,
+            args.service_udp_timeout,
+        ),
         node_ip: args.node_ip,
         pod_egress: args.enable_pod_egress,
         pod_source_check: args.enable_pod_source_check,
@@ -1255,8 +1259,14 @@ mod tests {
         assert_eq!(warnings.len(), 3, "{warnings:#?}");
         assert!(warnings[0].starts_with("--iptables-sync-period has no effect: "), "{warnings:?}");
         assert!(warnings[2].starts_with("--runtime-endpoint has no effect: "), "{warnings:?}");
-        let udp = ok(&["--service-udp-timeout=5m"]).run.upstream.check().unwrap();
-        assert!(udp[0].contains("conntrack lifetimes are fixed"), "{udp:?}");
+        // Honoured now (issue 28): no warning, and the value reaches the agent's settings.
+        let udp = ok(&["--service-udp-timeout=5m"]);
+        assert!(udp.run.upstream.check().unwrap().is_empty());
+        assert_eq!(udp.run.service_udp_timeout, Duration::from_secs(300));
+        assert_eq!(ok(&[]).run.service_tcp_timeout, Duration::ZERO, "0s: the built-in lifetime");
+        for refused in ["--service-tcp-timeout=100ms", "--service-tcpfin-timeout=169h", "--service-udp-timeout=200h"] {
+            assert!(parse(&[refused]).is_err(), "{refused} accepted");
+        }
         for refused in ["--run-loadbalancer", "--netpol-default-deny=true"] {
             let message = ok(&[refused]).run.upstream.check().unwrap_err();
             assert!(message.starts_with(refused.split('=').next().unwrap()), "{message}");

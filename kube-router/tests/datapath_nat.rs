@@ -850,3 +850,95 @@ fn an_unanswered_flow_expires_after_the_unreplied_lifetime_and_frees_its_snat_po
     }
     assert_pairs_consistent(&ct);
 }
+
+/// Issue 28: `--service-tcp-timeout`, `--service-tcpfin-timeout` and `--service-udp-timeout` set
+/// the lifetimes of answered flows (`ct_cfg`). With short ones configured, a flow idle past its
+/// configured lifetime (though well within the built-in one) is over: its next packet opens a
+/// new flow (balanced again, a new SNAT port), while a flow idle less keeps its entries. The
+/// agent's GC judges entries by the same lifetimes. Guards: `CtValue::lifetime_ns` reading
+/// `ct_cfg` in the datapath, the closing lifetime of `conntrack::reclaim_stale`, and
+/// `FamilyConntrack::collect_garbage_at`.
+#[test]
+fn configured_lifetimes_expire_flows_in_the_datapath_and_the_gc() {
+    use kube_router::bpf::service_maps::write_ct_lifetimes;
+    use kube_router_common::CtLifetimes;
+    let lb = load("lifetimes", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+    let lifetimes = CtLifetimes { tcp_secs: 30, closing_secs: 3, udp_secs: 5, pad: 0 };
+    write_ct_lifetimes(&lb.pin_dir, &lifetimes).unwrap();
+    let mut ct = conntrack_map(&lb.pin_dir);
+    let (tcp, udp) = ((packet::TCP, 30080, 8080), (packet::UDP, 30053, 5353));
+    // Opens an answered flow (the backend's reply passed) and ages both its entries.
+    let open = |lb: &Loaded, (proto, node_port, backend_port): (u8, u16, u16), client_port: u16| {
+        let syn = packet::ipv4(proto, (CLIENT, client_port), (NODE_IP, node_port), packet::TCP_SYN, b"");
+        let (verdict, out) = lb.ingress(&syn);
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+        let flow = Flow { client_port, snat_port: packet::endpoints(&out).0 .1 };
+        let reply = packet::ipv4(proto, (REMOTE_POD, backend_port), (NODE_IP, flow.snat_port), packet::TCP_ACK, b"");
+        lb.ingress(&reply);
+        flow
+    };
+    // (protocol, client port, idle seconds, closing, over): each idle past, or within, its
+    // configured lifetime; every one of them within the built-in lifetime (6 h, 10 s, 60 s).
+    let cases = [
+        (udp, 40000, 6, false, true),
+        (udp, 40001, 3, false, false),
+        (tcp, 40000, 31, false, true),
+        (tcp, 40001, 20, false, false),
+        (tcp, 40002, 4, true, true),
+    ];
+    let flows: Vec<Flow> = cases.iter().map(|&(p, port, ..)| open(&lb, p, port)).collect();
+    for (flow, &(p, _, idle, closing, _)) in flows.iter().zip(&cases) {
+        let forward = ct.get(&flow.forward_key(p.0, p.1), 0).unwrap();
+        assert_eq!(forward.flags & CT_FLAG_SEEN_REPLY, CT_FLAG_SEEN_REPLY, "answered");
+        age(&mut ct, &flow.forward_key(p.0, p.1), idle, closing);
+        age(&mut ct, &flow.reverse_key(p.0, p.2), idle, closing);
+    }
+
+    // The GC, at the same moment, removes exactly the flows that are over, and nothing else.
+    // Its verdicts are checked on a copy of the entries, then the entries are put back so the
+    // datapath judges the same ones.
+    let before: Vec<(CtKeyV4, CtValueV4)> = ct.iter().map(Result::unwrap).collect();
+    let (left, removed) = Conntrack::open_pinned(&lb.pin_dir).unwrap().collect_garbage_at(monotonic_now_ns()).unwrap();
+    assert_eq!((left, removed), (4, 6), "the GC removes the three flows over their configured lifetime");
+    for (flow, &(p, _, _, _, over)) in flows.iter().zip(&cases) {
+        assert_eq!(ct.get(&flow.forward_key(p.0, p.1), 0).is_err(), over, "GC on {:?}", (p.0, flow.client_port));
+    }
+    for (key, value) in &before {
+        ct.insert(key, value, 0).unwrap();
+    }
+
+    // The datapath: the next packet of each flow.
+    let new_flows = lb.lb_stat(lb_stat::SNAT_NEW_FLOW);
+    for (flow, &(p, _, _, _, over)) in flows.iter().zip(&cases) {
+        let flags = if p.0 == packet::TCP && over { packet::TCP_SYN } else { packet::TCP_ACK };
+        let next = packet::ipv4(p.0, (CLIENT, flow.client_port), (NODE_IP, p.1), flags, b"x");
+        let (verdict, _) = lb.ingress(&next);
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+        let entry = ct.get(&flow.forward_key(p.0, p.1), 0).expect("an entry for the flow");
+        assert_eq!(
+            entry.flags & CT_FLAG_SEEN_REPLY == 0,
+            over,
+            "{:?}: over means a new, unanswered flow; within, the answered one kept",
+            (p.0, flow.client_port)
+        );
+    }
+    assert_eq!(lb.lb_stat(lb_stat::SNAT_NEW_FLOW) - new_flows, 3, "the three flows over were balanced again");
+    // The flows over left their reverse entries behind (the new flows took other ports): the GC
+    // takes exactly those, and every flow left is a consistent pair.
+    let (_, removed) = Conntrack::open_pinned(&lb.pin_dir).unwrap().collect_garbage_at(monotonic_now_ns()).unwrap();
+    assert!(removed <= 3, "only the old flows' leftovers: {removed}");
+    assert_pairs_consistent(&ct);
+    assert_eq!(ct.keys().count(), 2 * cases.len());
+
+    // All zero (what the agent writes without the flags) is the built-in lifetimes again: an
+    // answered UDP flow idle 6 s lives on, in the datapath and the GC.
+    write_ct_lifetimes(&lb.pin_dir, &CtLifetimes::default()).unwrap();
+    let flow = open(&lb, udp, 40010);
+    age(&mut ct, &flow.forward_key(udp.0, udp.1), 6, false);
+    age(&mut ct, &flow.reverse_key(udp.0, udp.2), 6, false);
+    let (_, removed) = Conntrack::open_pinned(&lb.pin_dir).unwrap().collect_garbage_at(monotonic_now_ns()).unwrap();
+    assert_eq!(removed, 0);
+    let new_flows = lb.lb_stat(lb_stat::SNAT_NEW_FLOW);
+    lb.ingress(&packet::ipv4(udp.0, (CLIENT, 40010), (NODE_IP, udp.1), 0, b"x"));
+    assert_eq!(lb.lb_stat(lb_stat::SNAT_NEW_FLOW), new_flows, "kept");
+}

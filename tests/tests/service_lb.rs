@@ -600,3 +600,48 @@ fn a_udp_flow_leaves_a_backend_that_left_its_service_but_still_backs_another() {
     drop(agent);
     remove_bpf_root(&root);
 }
+
+/// Issue 28: the conntrack timeout flags reach the datapath's `ct_cfg` when the agent starts, and
+/// an agent restarted without them writes the defaults (zero) back: the pinned state follows the
+/// flags of the agent running, not those of the one before. (What the lifetimes do to flows:
+/// kube-router/tests/datapath_nat.rs, `configured_lifetimes_expire_flows_in_the_datapath_and_the_gc`.)
+#[test]
+fn conntrack_timeout_flags_are_written_at_start_and_follow_a_restart() {
+    let env = Env::new("krt-ctt");
+    let root = env.topo.bpf_root();
+    let map = maps_dir(&root).join("ct_cfg");
+    // (tcp_secs, closing_secs, udp_secs) of `CtLifetimes`, little-endian u32s.
+    let lifetimes = || -> anyhow::Result<(u32, u32, u32)> {
+        let out = sh(&["bpftool", "-j", "map", "lookup", "pinned", map.to_str().unwrap(), "key", "0", "0", "0", "0"])?;
+        let json: serde_json::Value = serde_json::from_str(&out)?;
+        let bytes: Vec<u8> = json["value"]
+            .as_array()
+            .ok_or_else(|| anyhow::anyhow!("no value in {out}"))?
+            .iter()
+            .map(|b| u8::from_str_radix(b.as_str().unwrap_or_default().trim_start_matches("0x"), 16))
+            .collect::<Result<_, _>>()?;
+        let word = |i: usize| u32::from_le_bytes(bytes[i * 4..i * 4 + 4].try_into().unwrap());
+        Ok((word(0), word(1), word(2)))
+    };
+    let file = env.file.arg();
+    let base = ["--service-file", file.as_str(), "--health-port", "0"];
+    let flags = ["--service-tcp-timeout=15m", "--service-tcpfin-timeout=1m30s", "--service-udp-timeout=5m"];
+    let agent = Agent::start(&env.topo.node, &root, &[&base[..], &flags[..]].concat()).unwrap();
+    wait_until("ct_cfg written from the flags", Duration::from_secs(20), || Ok(lifetimes()? == (900, 90, 300)))
+        .unwrap();
+    agent.stop().unwrap();
+    assert_eq!(lifetimes().unwrap(), (900, 90, 300), "kept while no agent runs");
+
+    let agent = Agent::start(&env.topo.node, &root, &base).unwrap();
+    wait_until("ct_cfg back to the defaults", Duration::from_secs(20), || Ok(lifetimes()? == (0, 0, 0))).unwrap();
+    agent.stop().unwrap();
+
+    // A value under a second is refused at start, naming the flag, before anything is touched.
+    let out = std::process::Command::new(kube_router_bin())
+        .args(["--bpf-root", root.to_str().unwrap(), "--service-udp-timeout=500ms", "check-flags"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--service-udp-timeout") && stderr.contains("under a second"), "{stderr}");
+}

@@ -17,7 +17,7 @@ const fn spec<K, V>(name: &'static str, map_type: MapType, max_entries: u32) -> 
     MapSpec { name, map_type, key_size: size_of::<K>() as u32, value_size: size_of::<V>() as u32, max_entries }
 }
 
-pub const SERVICE_MAPS: [MapSpec; 23] = [
+pub const SERVICE_MAPS: [MapSpec; 24] = [
     spec::<ServiceKeyV4, ServiceValue>(map_names::SERVICES, MapType::Hash, SERVICES_MAX_ENTRIES),
     spec::<BackendSlotKey, BackendSlotValue>(map_names::BACKEND_SLOTS, MapType::Hash, BACKEND_SLOTS_MAX_ENTRIES),
     spec::<u32, BackendV4>(map_names::BACKENDS, MapType::Hash, BACKENDS_MAX_ENTRIES),
@@ -41,6 +41,8 @@ pub const SERVICE_MAPS: [MapSpec; 23] = [
     spec::<ServiceKeyV6, ServiceStats>(svc_stats_map_names::SVC_STATS_V6, MapType::PerCpuHash, SVC_STATS_MAX_ENTRIES),
     spec::<ServiceKeyV4, u64>(map_names::CT_GATE, MapType::LruHash, CT_GATE_MAX_ENTRIES),
     spec::<ServiceKeyV6, u64>(map_names::CT_GATE_V6, MapType::LruHash, CT_GATE_MAX_ENTRIES),
+    // A map of its own, created when absent (no layout change): the configured lifetimes.
+    spec::<u32, CtLifetimes>(map_names::CT_LIFETIMES, MapType::Array, 1),
 ];
 
 /// The NetworkPolicy maps. `pol_ports` and `pol_peers_v4/v6` keys are aya's LPM `Key` (u32 prefix

@@ -176,12 +176,33 @@ where
 
 /// Writes the node settings the datapath reads (`lb_config`), only if they differ.
 pub fn write_lb_config(pin_dir: &Path, config: &LbConfig) -> Result<()> {
-    let mut map: aya::maps::Array<MapData, LbConfig> =
-        aya::maps::Array::try_from(Map::Array(open(pin_dir, map_names::LB_CONFIG)?))?;
-    if map.get(&0, 0)? != *config {
-        map.set(0, config, 0)?;
+    write_setting(pin_dir, map_names::LB_CONFIG, config)
+}
+
+/// Writes entry 0 of the one-entry array `name`, only if it differs.
+fn write_setting<V: aya::Pod + PartialEq>(pin_dir: &Path, name: &str, value: &V) -> Result<()> {
+    let mut map: aya::maps::Array<MapData, V> = aya::maps::Array::try_from(Map::Array(open(pin_dir, name)?))?;
+    if map.get(&0, 0)? != *value {
+        map.set(0, value, 0)?;
     }
     Ok(())
+}
+
+/// Writes the load balancer conntrack's lifetimes (`ct_cfg`), only if they differ. The pinned
+/// entry follows the running agent's flags: all zero (the built-in defaults) when none is given.
+pub fn write_ct_lifetimes(pin_dir: &Path, lifetimes: &CtLifetimes) -> Result<()> {
+    write_setting(pin_dir, map_names::CT_LIFETIMES, lifetimes)
+}
+
+/// The lifetimes the datapath reads now (`ct_cfg`): `None` when the map is absent (a datapath
+/// from before it), which is the built-in defaults, as in the datapath.
+pub fn read_ct_lifetimes(pin_dir: &Path) -> Result<Option<CtLifetimes>> {
+    if !super::pinned_map(pin_dir, map_names::CT_LIFETIMES).exists() {
+        return Ok(None);
+    }
+    let map: aya::maps::Array<MapData, CtLifetimes> =
+        aya::maps::Array::try_from(Map::Array(open(pin_dir, map_names::CT_LIFETIMES)?))?;
+    Ok(Some(map.get(&0, 0)?))
 }
 
 /// Brings `cluster_nets_v4` to `desired` (prefix -> `CLUSTER_NET_*` flags), writing only the
@@ -230,6 +251,9 @@ pub fn read_lb_stats(pin_dir: &Path) -> Result<Vec<u64>> {
 /// One family's Service conntrack (`ct_v4` / `ct_v6`).
 pub struct FamilyConntrack<F: AddressFamily> {
     map: HashMap<MapData, CtKey<F::Words>, CtValue<F::Words>>,
+    /// Where `ct_cfg` is read from at each collection, so the GC judges entries by the lifetimes
+    /// the datapath uses now.
+    pin_dir: std::path::PathBuf,
 }
 
 /// One conntrack entry of family `F`.
@@ -246,7 +270,7 @@ where
     CtValue<F::Words>: aya::Pod,
 {
     pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
-        Ok(Self { map: open_hash(pin_dir, F::MAPS.conntrack)? })
+        Ok(Self { map: open_hash(pin_dir, F::MAPS.conntrack)?, pin_dir: pin_dir.to_path_buf() })
     }
 
     pub fn entries(&self) -> Result<Vec<CtEntry<F>>> {
@@ -262,8 +286,9 @@ where
     /// `collect_garbage` as if the clock read `now` (tests: entries older than the machine's
     /// uptime cannot be written otherwise).
     pub fn collect_garbage_at(&mut self, now: u64) -> Result<(usize, usize)> {
+        let lifetimes = read_ct_lifetimes(&self.pin_dir)?;
         Ok(super::conntrack_gc::collect_expired(&mut self.map, now, |key, value, now| {
-            now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(key.proto)
+            now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(key.proto, lifetimes.as_ref())
         }))
     }
 }

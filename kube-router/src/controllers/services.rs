@@ -15,7 +15,10 @@ use tokio::sync::watch;
 
 use crate::{
     bpf::{
-        service_maps::{write_lb_config, BpfServiceMaps, BpfServiceMapsV6, Conntrack, ConntrackV6, FamilyConntrack},
+        service_maps::{
+            write_ct_lifetimes, write_lb_config, BpfServiceMaps, BpfServiceMapsV6, Conntrack, ConntrackV6,
+            FamilyConntrack,
+        },
         stamps::ApiStateStamp,
     },
     config::AgentConfig,
@@ -633,6 +636,8 @@ impl ServiceController {
             pad: 0,
         };
         write_lb_config(&config.pin_dir, &lb_config)?;
+        write_ct_lifetimes(&config.pin_dir, &config.ct_lifetimes)?;
+        tracing::info!(lifetimes = ?config.ct_lifetimes, "conntrack lifetimes configured (0: the default)");
         tracing::info!(snat_address = ?snat_addr, snat_address_v6 = ?snat_addr_v6, ports = ?config.snat_port_range, masquerade_all = config.masquerade_all, "source NAT configured");
         Ok(controller)
     }
