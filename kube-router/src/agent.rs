@@ -232,12 +232,9 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
         // Woken by the Nodes and the VIPs (a channel that never changes when none are advertised).
         let vips = vip_receiver.clone().unwrap_or_else(|| watch::Sender::new(None).subscribe());
         match &cache {
-            Some(cache) => runtime::spawn(
-                router,
-                (cache.subscribe(routing::ROUTING_KINDS), vips),
-                NODE_PACED,
-                stop.clone(),
-            ),
+            Some(cache) => {
+                runtime::spawn(router, (cache.subscribe(routing::ROUTING_KINDS), vips), NODE_PACED, stop.clone())
+            }
             None => runtime::spawn(router, NoTrigger, RunOptions::default(), stop.clone()),
         }
     });
