@@ -131,7 +131,7 @@ impl ServiceController {
         // move whenever a node joins or leaves a large cluster: only a Service naming a moved
         // address can compile differently.
         let last_node = self.last_node.replace(node.clone());
-        let moved = last_node.as_ref().and_then(|last| claimed_addresses_moved(last, &node));
+        let moved = last_node.as_ref().and_then(|last| last.claimed_moved(&node));
         let node_changed = last_node.as_ref() != Some(&node) && moved.is_none();
         let changed = match changed {
             Changed::Services(mut names) if complete && !node_changed && !self.full_compile_only => {
@@ -439,14 +439,6 @@ fn purge_refused<F: AddressFamily>(
     }
     tracing::warn!(frontends = ops.len(), "removing refused external frontends found in the maps");
     sync.write(maps, ops)
-}
-
-/// The addresses that became or stopped being a node's or the API server's, when nothing
-/// else of the node context changed (`None`: something else did).
-fn claimed_addresses_moved(last: &NodeContext, now: &NodeContext) -> Option<BTreeSet<IpAddr>> {
-    let moved = last.external_ips.claimed_moved(&now.external_ips)?;
-    let rest_same = NodeContext { external_ips: now.external_ips.clone(), ..last.clone() } == *now;
-    rest_same.then_some(moved)
 }
 
 /// Brings one family's maps to the desired state: only the `changed` Services' entries when
@@ -1005,10 +997,10 @@ mod tests {
             ..Default::default()
         };
         let last = node(&["192.0.2.1", "192.0.2.2"], false);
-        let moved = claimed_addresses_moved(&last, &node(&["192.0.2.2", "192.0.2.3"], false));
+        let moved = last.claimed_moved(&node(&["192.0.2.2", "192.0.2.3"], false));
         let expected: BTreeSet<IpAddr> = ["192.0.2.1".parse().unwrap(), "192.0.2.3".parse().unwrap()].into();
         assert_eq!(moved, Some(expected.clone()));
-        assert_eq!(claimed_addresses_moved(&last, &node(&["192.0.2.2", "192.0.2.3"], true)), None, "a flag too");
+        assert_eq!(last.claimed_moved(&node(&["192.0.2.2", "192.0.2.3"], true)), None, "a flag too");
         let mut catalog = catalog(&[("a", 1), ("b", 2)]);
         let a = ServiceName::new("ns", "a");
         catalog.state.services.get_mut(&a).unwrap().external_ips = vec!["::ffff:192.0.2.3".parse().unwrap()];

@@ -263,6 +263,29 @@ pub struct NodeContext {
 }
 
 impl NodeContext {
+    /// The addresses that became or stopped being claimed by the cluster from `self` to `now`,
+    /// when nothing else of the node changed (`None`: something else did).
+    pub fn claimed_moved(&self, now: &Self) -> Option<BTreeSet<IpAddr>> {
+        let NodeContext {
+            name,
+            node_port_addrs,
+            unavailable_families,
+            hairpin_all,
+            external_ips,
+            zone,
+            loopback_node_ports,
+            maglev_all,
+        } = self;
+        let rest_same = *name == now.name
+            && *node_port_addrs == now.node_port_addrs
+            && *unavailable_families == now.unavailable_families
+            && *hairpin_all == now.hairpin_all
+            && *zone == now.zone
+            && *loopback_node_ports == now.loopback_node_ports
+            && *maglev_all == now.maglev_all;
+        rest_same.then(|| external_ips.claimed_moved(&now.external_ips)).flatten()
+    }
+
     /// The addresses of `F` a NodePort gets a frontend on.
     pub fn node_port_frontend_addrs<F: AddressFamily>(&self) -> impl Iterator<Item = F::Addr> + '_ {
         let wildcard = self.loopback_node_ports.then_some(F::UNSPECIFIED);

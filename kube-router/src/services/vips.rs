@@ -174,8 +174,11 @@ impl VipView {
         // A node joining or leaving moves only the addresses no Service may claim: the
         // Services naming one of them are judged again, not all.
         let moved = self.settings.as_ref().and_then(|last| last.claimed_moved(settings));
-        let settings_changed = self.settings.as_ref() != Some(settings) && moved.is_none();
-        self.settings = Some(settings.clone());
+        let differs = self.settings.as_ref() != Some(settings);
+        let settings_changed = differs && moved.is_none();
+        if differs {
+            self.settings = Some(settings.clone());
+        }
         let everything = settings_changed || matches!(changed, Changed::All);
         let names: BTreeSet<ServiceName> = match changed {
             Changed::Services(names) if !everything => {
