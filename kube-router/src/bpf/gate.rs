@@ -11,10 +11,7 @@ use anyhow::{Context, Result};
 use aya::maps::{Array, HashMap, Map, MapData};
 use kube_router_common::*;
 
-fn open_map(pin_dir: &Path, name: &str) -> Result<MapData> {
-    let path = super::pinned_map(pin_dir, name);
-    MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))
-}
+use super::open_pinned as open_map;
 
 fn set(pin_dir: &Path, open: bool) -> Result<()> {
     let mut meta: Array<MapData, u32> = Array::try_from(Map::Array(open_map(pin_dir, map_names::META)?))?;

@@ -29,6 +29,13 @@ pub fn pinned_map(pin_dir: &Path, name: &str) -> PathBuf {
     maps_dir(pin_dir).join(name)
 }
 
+/// One of this layout's pinned maps, opened.
+pub fn open_pinned(pin_dir: &Path, name: &str) -> anyhow::Result<aya::maps::MapData> {
+    use anyhow::Context;
+    let path = pinned_map(pin_dir, name);
+    aya::maps::MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))
+}
+
 /// Removes a pinned bpf_link and detaches it at once. Unpinning alone drops the last reference
 /// from a kernel work queue, so the program stays attached for a moment after the pin is gone;
 /// `BPF_LINK_DETACH` takes it off synchronously, so `cleanup` or a mode switch is done when it

@@ -12,7 +12,7 @@ use std::{
     path::Path,
 };
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use aya::maps::{
     lpm_trie::{Key, LpmTrie},
     HashMap, Map, MapData, MapError, PerCpuArray,
@@ -428,10 +428,7 @@ pub fn apply_diff(maps: &mut impl PolicyMaps, diff: &MapDiff, programmed: &MapEn
 
 // ---- the pinned maps ------------------------------------------------------------------------
 
-fn open(pin_dir: &Path, name: &str) -> Result<MapData> {
-    let path = super::pinned_map(pin_dir, name);
-    MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))
-}
+use super::open_pinned as open;
 
 /// The five compiled-policy maps of a pin directory.
 pub struct BpfPolicyMaps {

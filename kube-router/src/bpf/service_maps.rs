@@ -6,7 +6,7 @@ use std::{
 
 use ipnet::Ipv4Net;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use aya::maps::{
     lpm_trie::{Key, LpmTrie},
     HashMap, Map, MapData, MapError,
@@ -21,10 +21,7 @@ use crate::services::{
     sync::{MapWriteError, ServiceMaps},
 };
 
-fn open(pin_dir: &Path, name: &str) -> Result<MapData> {
-    let path = super::pinned_map(pin_dir, name);
-    MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))
-}
+use super::open_pinned as open;
 
 fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
     let data = open(pin_dir, name)?;

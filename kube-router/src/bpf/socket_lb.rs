@@ -367,8 +367,7 @@ fn cgroup_dirs(mountinfo: &str, path: &str) -> Vec<PathBuf> {
 /// Writes `sock_exempt` to hold exactly `own` (with its count kept), or nothing. Returns
 /// whether it changed.
 pub fn write_exempt_cgroups(pin_dir: &Path, own: Option<u64>) -> Result<bool> {
-    let path = super::pinned_map(pin_dir, sock_map_names::SOCK_EXEMPT);
-    let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
+    let data = super::open_pinned(pin_dir, sock_map_names::SOCK_EXEMPT)?;
     let mut exempt: PerCpuHashMap<MapData, u64, u64> = PerCpuHashMap::try_from(Map::PerCpuHashMap(data))?;
     let stale: Vec<u64> = exempt.keys().filter_map(Result::ok).filter(|id| Some(*id) != own).collect();
     for id in &stale {
@@ -432,8 +431,7 @@ fn unescape_octal(text: &str) -> String {
 /// Returns whether it wrote.
 pub fn write_host_netns(pin_dir: &Path) -> Result<bool> {
     let cookie = netns_cookie()?;
-    let path = super::pinned_map(pin_dir, sock_map_names::SOCK_CONFIG);
-    let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
+    let data = super::open_pinned(pin_dir, sock_map_names::SOCK_CONFIG)?;
     let mut config: Array<MapData, SockLbConfig> = Array::try_from(Map::Array(data))?;
     if config.get(&SOCK_CONFIG_INDEX, 0)?.host_netns_cookie == cookie {
         return Ok(false);

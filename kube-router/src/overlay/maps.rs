@@ -18,9 +18,7 @@ pub struct OverlayMaps {
     remotes: HashMap<MapData, u32, OverlayTunnelV4>,
 }
 
-fn open(pin_dir: &Path, name: &str) -> Result<MapData> {
-    MapData::from_pin(crate::bpf::pinned_map(pin_dir, name)).with_context(|| format!("opening pinned map {name}"))
-}
+use crate::bpf::open_pinned as open;
 
 impl OverlayMaps {
     pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
