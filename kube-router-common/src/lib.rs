@@ -3,7 +3,8 @@
 //! Every type here is `#[repr(C)]` with explicit padding so that both sides, and `bpftool map
 //! dump`, agree on the bytes. Addresses and ports are stored in network byte order, exactly as
 //! they appear in packets, so the datapath never converts. `docs/maps.md` documents each map;
-//! changing a layout means bumping [`LAYOUT_VERSION`] and the `_vN` suffix of the map name.
+//! changing a layout means bumping [`LAYOUT_VERSION`] (the maps of layout N are pinned under
+//! `vN/`) and a migration in the agent's `bpf/migrate.rs`.
 #![no_std]
 
 mod policy;

@@ -3,7 +3,7 @@
 //! The core is pure: message model, wire adapter (codec), session FSM, RIBs, graceful restart
 //! and the Node-derived peer configuration (peers) perform no I/O and read no clock. The
 //! speaker feeds them events (bytes, timer expiries, TCP state) and executes their outputs;
-//! it and md5 (TCP_MD5SIG) are the only modules that touch sockets.
+//! it, bfd_io (BFD's UDP sockets) and md5 (TCP_MD5SIG) are the only modules that touch sockets.
 
 pub mod bfd;
 pub mod bfd_io;

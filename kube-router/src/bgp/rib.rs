@@ -356,10 +356,6 @@ impl Rib {
         self.overlay.as_ref()
     }
 
-    pub fn export_policy(&self) -> &ExportPolicy {
-        &self.export
-    }
-
     /// New import policy: every stored path is judged again.
     pub fn set_import_policy(&mut self, import: ImportPolicy) -> Vec<BestPathChange> {
         if self.import == import {

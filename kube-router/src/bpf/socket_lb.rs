@@ -467,13 +467,6 @@ pub fn read_sock_stats(pin_dir: &Path) -> Result<Vec<u64>> {
     super::counters::read_pinned(pin_dir, sock_map_names::SOCK_STATS, sock_stat::COUNT)
 }
 
-/// Refreshes the socket LB counters in the metrics (absent map: the socket LB never ran).
-pub fn refresh_metrics(pin_dir: &Path, metrics: &Metrics) {
-    if let Ok(stats) = read_sock_stats(pin_dir) {
-        metrics.with(|m| m.socket_lb_events = sock_stat::NAMES.iter().copied().zip(stats).collect());
-    }
-}
-
 /// The bpf(2) commands aya 0.14 does not expose for cgroup links.
 mod sys {
     use super::*;

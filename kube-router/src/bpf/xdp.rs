@@ -248,19 +248,6 @@ pub fn detach(pin_dir: &Path, interface: &str) -> Result<bool> {
     Ok(true)
 }
 
-/// Removes every XDP link of ours (`--xdp off`); returns the interfaces it was on.
-pub fn detach_all(pin_dir: &Path) -> Result<Vec<String>> {
-    let mut removed = Vec::new();
-    for entry in fs::read_dir(pin_dir.join("links")).into_iter().flatten().flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if let Some(interface) = interface_of_pin(&name) {
-            super::unpin_link(&entry.path()).with_context(|| format!("removing {}", entry.path().display()))?;
-            removed.push(interface.to_string());
-        }
-    }
-    Ok(removed)
-}
-
 /// The XDP program's fd (for BPF_PROG_TEST_RUN).
 pub fn program_fd(datapath: &mut Datapath) -> Result<std::os::fd::RawFd> {
     Ok(our_program(datapath)?.0)

@@ -3,8 +3,8 @@
 //! (or every node route, with `--overlay-type=full`) carries pod traffic inside an IPIP (or
 //! FOU/GUE) packet to that node, so the underlay routers only ever see node addresses.
 //!
-//! Encapsulation is done by the datapath (`kr_overlay_encap` at TC egress of the interface
-//! towards the tunnel endpoint, `kr_overlay_decap` at TC ingress), not by kernel tunnel
+//! Encapsulation is done by the datapath (`kr_ovl_encap` at TC egress of the interface
+//! towards the tunnel endpoint, `kr_ovl_decap` at TC ingress), not by kernel tunnel
 //! devices: the packets on the wire are the kernel's own IPIP / GUE format, so a node running
 //! kube-router's Go implementation with `tun-*` devices interoperates, but no `ipip`/`fou`
 //! module is needed. The kernel route to a tunnelled pod CIDR points at the underlay next hop

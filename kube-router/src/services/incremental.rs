@@ -80,11 +80,6 @@ impl ServiceCatalog {
         keys.filter_map(|key| self.state.slices.get(key)).collect()
     }
 
-    /// The keys of the EndpointSlices converted for `name`.
-    pub fn slice_keys_of(&self, name: &ServiceName) -> &[SliceKey] {
-        self.slices_of.get(name).map(Vec::as_slice).unwrap_or(&[])
-    }
-
     pub fn problems(&self) -> impl Iterator<Item = &ObjectProblem> {
         self.problems.values().flatten()
     }
