@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 
 mod demo;
 mod image;
+mod test_runner;
 
 #[derive(Parser)]
 #[command(name = "xtask")]
@@ -92,29 +93,53 @@ fn test() -> Result<()> {
     cargo(&["build", "-p", "kube-router", "--bins"])?;
     // The image smoke test (tests/tests/image_smoke.rs) runs the image this builds.
     image::build()?;
-    // Unit, in-kernel and end-to-end tests, one at a time: the kernel-facing ones share bpffs.
-    let (mut passed, mut failed) = cargo_test(&["test", "--lib", "--bins", "--tests", "--", "--test-threads=1"], &[])?;
-    if failed == 0 {
-        // Kernels before 6.6 attach through classic tc: the tests that attach, re-adopt after a
-        // restart and detach, again with every agent forced onto that path (the environment
-        // reaches the agents they start). DEVELOPERS.md says what this covers and why.
-        let mut args = vec!["test", "-p", "kube-router-tests"];
-        for (suite, _) in CLASSIC_TC_PASS {
-            args.extend(["--test", suite]);
+    // Unit, in-kernel and end-to-end tests: each binary in its own mount namespace, several
+    // binaries at once (KRT_TEST_JOBS, default 2), the tests inside one binary one at a time.
+    let root = workspace_root();
+    let mut jobs = test_runner::build_jobs(&root, &["--lib", "--bins", "--tests"])?;
+    // Longest first, so that the last job to finish is a short one (seconds in a run on
+    // 2026-12-06); the rest keep cargo's order.
+    jobs.sort_by_key(|job| LONGEST_FIRST.iter().position(|name| *name == job.name).unwrap_or(LONGEST_FIRST.len()));
+    // Kernels before 6.6 attach through classic tc: the tests that attach, re-adopt after a
+    // restart and detach, again with every agent forced onto that path (the environment
+    // reaches the agents they start). DEVELOPERS.md says what this covers and why.
+    let mut classic = Vec::new();
+    for (suite, tests) in CLASSIC_TC_PASS {
+        let job = jobs
+            .iter()
+            .find(|job| job.target == *suite && job.name.ends_with(&format!("/{suite}")))
+            .with_context(|| format!("CLASSIC_TC_PASS names {suite}, which is no test suite"))?;
+        let mut args = vec!["--exact"];
+        args.extend(tests.iter().copied());
+        classic.push(job.rerun("classic-tc", &args, &[("KUBE_ROUTER_TC_MODE", "classic")]));
+    }
+    jobs.extend(classic);
+    let workers = std::env::var("KRT_TEST_JOBS").ok().and_then(|n| n.parse().ok()).unwrap_or(2);
+    let results = test_runner::run_jobs(&root, jobs, workers)?;
+    let (mut passed, mut failed) = (0, 0);
+    let mut classic_passed = 0;
+    println!("== test binaries by time:");
+    let mut by_time: Vec<_> = results.iter().collect();
+    by_time.sort_by_key(|result| std::cmp::Reverse(result.elapsed));
+    for result in &by_time {
+        let verdict = if result.ok { "ok" } else { "FAILED" };
+        println!(
+            "{:>6.0} s  {verdict:6}  {} ({} passed, {} failed)",
+            result.elapsed.as_secs_f64(),
+            result.name,
+            result.passed,
+            result.failed
+        );
+        passed += result.passed;
+        // A binary that died without a summary (a crash, a timeout) counts as one failure.
+        failed += if result.ok { result.failed } else { result.failed.max(1) };
+        if result.name.ends_with("+classic-tc") {
+            classic_passed += result.passed;
         }
-        args.extend(["--", "--test-threads=1", "--exact"]);
-        args.extend(CLASSIC_TC_PASS.iter().flat_map(|(_, tests)| tests.iter().copied()));
-        println!("== the attach, adopt and detach tests again with KUBE_ROUTER_TC_MODE=classic");
-        let (classic_passed, classic_failed) = cargo_test(&args, &[("KUBE_ROUTER_TC_MODE", "classic")])?;
-        let listed = CLASSIC_TC_PASS.iter().map(|(_, tests)| tests.len() as u64).sum::<u64>();
-        // (cargo stops at the first failing binary: count only a run that failed nothing.)
-        if classic_failed == 0 && classic_passed != listed {
-            bail!(
-                "the classic tc pass ran {classic_passed} tests where CLASSIC_TC_PASS lists {listed}: one was renamed or removed"
-            );
-        }
-        passed += classic_passed;
-        failed += classic_failed;
+    }
+    let listed = CLASSIC_TC_PASS.iter().map(|(_, tests)| tests.len() as u64).sum::<u64>();
+    if failed == 0 && classic_passed != listed {
+        bail!("the classic tc pass ran {classic_passed} tests where CLASSIC_TC_PASS lists {listed}: one was renamed or removed");
     }
     // One closing line for the whole run (cargo prints one per test binary).
     println!("all tests: {passed} passed, {failed} failed");
@@ -123,6 +148,19 @@ fn test() -> Result<()> {
     }
     Ok(())
 }
+
+/// Test binaries that take longest, longest first (`== test binaries by time` at the end of a
+/// run prints the figures to update this from).
+const LONGEST_FIRST: &[&str] = &[
+    "tests/upgrade",
+    "tests/api_outage",
+    "tests/cluster_paths",
+    "tests/dual_stack",
+    "tests/network_policy",
+    "tests/bgp_interop",
+    "kube-router/datapath_nat",
+    "kube-router lib kube_router",
+];
 
 /// The classic tc pass of `cargo xtask test`: per suite, the tests run again with every agent on
 /// classic tc. Pod veths are on classic tc in every mode (`--tc-mode auto`), so this pass is
@@ -148,36 +186,6 @@ const CLASSIC_TC_PASS: &[(&str, &[&str])] = &[
     ("node_integration", &["pods_reach_the_internet_through_the_node_masquerade"]),
     ("dual_stack", &["a_dual_stack_service_answers_on_both_cluster_ips_and_its_ipv6_node_port_from_the_same_backend"]),
 ];
-
-/// Runs cargo test, echoing its output, and adds up its "test result" lines.
-fn cargo_test(args: &[&str], env: &[(&str, &str)]) -> Result<(u64, u64)> {
-    use std::io::{BufRead, BufReader};
-    let mut child = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-        .args(args)
-        .envs(env.iter().copied())
-        .current_dir(workspace_root())
-        .stdout(std::process::Stdio::piped())
-        .spawn()?;
-    let (mut passed, mut failed) = (0, 0);
-    let count = |line: &str, word: &str| -> u64 {
-        line.split(';')
-            .find_map(|part| part.trim().strip_suffix(word)?.trim().rsplit(' ').next()?.parse().ok())
-            .unwrap_or(0)
-    };
-    for line in BufReader::new(child.stdout.take().expect("piped stdout")).lines() {
-        let line = line?;
-        println!("{line}");
-        if line.starts_with("test result:") {
-            passed += count(&line, "passed");
-            failed += count(&line, "failed");
-        }
-    }
-    let status = child.wait()?;
-    if !status.success() && failed == 0 {
-        bail!("cargo test failed with {status}");
-    }
-    Ok((passed, failed))
-}
 
 fn bench() -> Result<()> {
     require_root()?;
