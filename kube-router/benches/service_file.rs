@@ -2,7 +2,7 @@
 //! as YAML documents and as kubectl's JSON List (`kubectl get svc,endpointslices -o json`).
 //!
 //! `parse_objects` against the decode it replaced, rebuilt here as the baseline of the same run
-//! (each YAML document to a `serde_yaml::Value`, then a `serde_json::Value`, then the typed
+//! (each YAML document to a `serde_norway::Value`, then a `serde_json::Value`, then the typed
 //! object through `StateBuilder::add_value`). A counting allocator gives each one's transient
 //! peak of live heap. Numbers from a loaded 2-core VM: read the ratios.
 use std::{
@@ -56,8 +56,8 @@ const BACKEND: &str = "10.0.10.2";
 /// The decode `parse_objects` replaced: every document through two generic values.
 fn baseline(text: &str) -> StateBuilder {
     let mut builder = StateBuilder::default();
-    for document in serde_yaml::Deserializer::from_str(text) {
-        let value = serde_yaml::Value::deserialize(document).unwrap();
+    for document in serde_norway::Deserializer::from_str(text) {
+        let value = serde_norway::Value::deserialize(document).unwrap();
         if value.is_null() {
             continue;
         }

@@ -94,8 +94,8 @@ impl Manifest {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests").join(file);
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let mut m = Manifest { file, ..Default::default() };
-        for doc in serde_yaml::Deserializer::from_str(&text) {
-            let value = serde_json::to_value(serde_yaml::Value::deserialize(doc).unwrap()).unwrap();
+        for doc in serde_norway::Deserializer::from_str(&text) {
+            let value = serde_json::to_value(serde_norway::Value::deserialize(doc).unwrap()).unwrap();
             let kind = value["kind"].as_str().unwrap_or_default().to_string();
             let what = format!("{file}: {kind} {}", value["metadata"]["name"]);
             match kind.as_str() {
@@ -506,8 +506,9 @@ fn monitoring_queries_only_documented_metrics() {
         .iter()
         .flat_map(|p| p["targets"].as_array().unwrap().iter().map(|t| t["expr"].as_str().unwrap().to_string()))
         .collect();
-    let plain: Value = serde_yaml::from_str(&read("manifests/monitoring/kube-router-rules.yaml")).unwrap();
-    let operator: Value = serde_yaml::from_str(&read("manifests/monitoring/kube-router-prometheusrule.yaml")).unwrap();
+    let plain: Value = serde_norway::from_str(&read("manifests/monitoring/kube-router-rules.yaml")).unwrap();
+    let operator: Value =
+        serde_norway::from_str(&read("manifests/monitoring/kube-router-prometheusrule.yaml")).unwrap();
     assert_eq!(operator["kind"], "PrometheusRule");
     assert_eq!(plain["groups"], operator["spec"]["groups"], "the two rule files differ");
     let rules = plain["groups"][0]["rules"].as_array().unwrap();

@@ -104,8 +104,8 @@ fn render_family<F: AddressFamily>(state: &ServiceState, prefix: &str, out: &mut
 fn through_the_api(text: &str) -> ServiceState {
     let mut services = Vec::new();
     let mut slices = Vec::new();
-    for (i, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
-        let mut value = serde_json::to_value(serde_yaml::Value::deserialize(document).unwrap()).unwrap();
+    for (i, document) in serde_norway::Deserializer::from_str(text).enumerate() {
+        let mut value = serde_json::to_value(serde_norway::Value::deserialize(document).unwrap()).unwrap();
         if value.is_null() {
             continue;
         }

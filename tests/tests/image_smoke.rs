@@ -64,8 +64,8 @@ impl PodRun {
         let text = fs::read_to_string(MANIFEST)?;
         let mut config_maps = cluster_config_maps;
         let mut daemon_set = None;
-        for doc in serde_yaml::Deserializer::from_str(&text) {
-            let value = serde_json::to_value(serde_yaml::Value::deserialize(doc)?)?;
+        for doc in serde_norway::Deserializer::from_str(&text) {
+            let value = serde_json::to_value(serde_norway::Value::deserialize(doc)?)?;
             match value["kind"].as_str() {
                 Some("ConfigMap") => {
                     let map: ConfigMap = serde_json::from_value(value)?;

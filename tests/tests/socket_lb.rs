@@ -427,8 +427,8 @@ fn restart_adopts_the_links_and_cleanup_leaves_other_programs_on_the_cgroup() {
 
 /// Applies every document of a YAML stream to the fake API server.
 fn apply(server: &FakeApiServer, yaml: &str) {
-    for doc in serde_yaml::Deserializer::from_str(yaml) {
-        let value = serde_yaml::Value::deserialize(doc).unwrap();
+    for doc in serde_norway::Deserializer::from_str(yaml) {
+        let value = serde_norway::Value::deserialize(doc).unwrap();
         if !value.is_null() {
             server.apply(serde_json::to_value(value).unwrap()).unwrap();
         }

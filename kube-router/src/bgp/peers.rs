@@ -652,7 +652,7 @@ struct BfdEntry {
 /// Parses the `kube-router.io/peers` annotation.
 fn parse_peers_yaml(text: &str) -> Result<Vec<ParsedPeer>, PeerConfigError> {
     let field = PEERS_ANNOTATION;
-    let entries: Vec<PeerEntry> = serde_yaml::from_str(text)
+    let entries: Vec<PeerEntry> = serde_norway::from_str(text)
         .map_err(|e| invalid(field, 0, "<yaml>", format!("expected a YAML list of peers: {e}")))?;
     entries
         .into_iter()

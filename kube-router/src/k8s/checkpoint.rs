@@ -72,14 +72,14 @@ pub fn node_for_checkpoint(node: &Node) -> Node {
     if let Some(annotations) = node.metadata.annotations.as_mut() {
         annotations.remove(PEER_PASSWORDS_ANNOTATION);
         if let Some(peers) = annotations.get_mut(PEERS_ANNOTATION) {
-            match serde_yaml::from_str::<serde_yaml::Value>(peers) {
+            match serde_norway::from_str::<serde_norway::Value>(peers) {
                 Ok(mut value) => {
                     if let Some(list) = value.as_sequence_mut() {
                         for peer in list.iter_mut().filter_map(|p| p.as_mapping_mut()) {
                             peer.remove("password");
                         }
                     }
-                    *peers = serde_yaml::to_string(&value).unwrap_or_default();
+                    *peers = serde_norway::to_string(&value).unwrap_or_default();
                 }
                 // Not YAML: useless to the agent, and it may hold a password.
                 Err(_) => peers.clear(),

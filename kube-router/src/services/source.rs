@@ -157,10 +157,10 @@ pub fn parse_objects(text: &str) -> Result<StateBuilder> {
     parse_yaml(text)
 }
 
-/// Each document goes to a `serde_json::Value` directly, not through a `serde_yaml::Value`.
+/// Each document goes to a `serde_json::Value` directly, not through a `serde_norway::Value`.
 fn parse_yaml(text: &str) -> Result<StateBuilder> {
     let mut builder = StateBuilder::default();
-    for document in serde_yaml::Deserializer::from_str(text) {
+    for document in serde_norway::Deserializer::from_str(text) {
         let value = serde_json::Value::deserialize(document)?;
         if value.is_null() {
             continue;

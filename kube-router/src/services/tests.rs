@@ -318,7 +318,7 @@ fn a_service_that_no_longer_decodes_keeps_everything_programmed_for_it() {
 /// `yaml`'s documents as kubectl prints them (`-o json`: one indented List), as a bare array,
 /// and as a stream of objects.
 fn as_json_files(yaml: &str) -> Vec<String> {
-    let items: Vec<serde_json::Value> = serde_yaml::Deserializer::from_str(yaml)
+    let items: Vec<serde_json::Value> = serde_norway::Deserializer::from_str(yaml)
         .map(|document| serde::Deserialize::deserialize(document).unwrap())
         .filter(|v: &serde_json::Value| !v.is_null())
         .collect();
@@ -356,7 +356,7 @@ fn a_json_file_gives_the_state_and_problems_of_the_same_objects_in_yaml() {
 #[test]
 fn typed_lists_nested_lists_and_stray_values_in_a_json_file_decode_as_in_yaml() {
     let items: Vec<serde_json::Value> =
-        serde_yaml::Deserializer::from_str(OBJECTS).map(|d| serde::Deserialize::deserialize(d).unwrap()).collect();
+        serde_norway::Deserializer::from_str(OBJECTS).map(|d| serde::Deserialize::deserialize(d).unwrap()).collect();
     let json = serde_json::json!({"kind": "List", "items": [
         {"kind": "ServiceList", "items": [items[0].clone()]},
         {"kind": "EndpointSliceList", "items": [items[1].clone()]},

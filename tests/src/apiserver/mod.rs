@@ -209,8 +209,8 @@ impl FakeApiServer {
     /// Applies every document of a multi-document YAML text (empty documents are skipped).
     pub fn apply_yaml(&self, yaml: &str) -> anyhow::Result<()> {
         use serde::Deserialize;
-        for doc in serde_yaml::Deserializer::from_str(yaml) {
-            let value = serde_yaml::Value::deserialize(doc).context("parsing YAML to apply")?;
+        for doc in serde_norway::Deserializer::from_str(yaml) {
+            let value = serde_norway::Value::deserialize(doc).context("parsing YAML to apply")?;
             if !value.is_null() {
                 self.apply(value)?;
             }

@@ -64,7 +64,7 @@ pub fn policy(namespace: &str, name: &str, spec: Value) -> NetworkPolicy {
 }
 
 pub fn policy_yaml(yaml: &str) -> NetworkPolicy {
-    serde_yaml::from_str(yaml).expect("valid NetworkPolicy YAML")
+    serde_norway::from_str(yaml).expect("valid NetworkPolicy YAML")
 }
 
 /// The upstream e2e layout: namespaces x, y, z (label ns=<name>), each with
