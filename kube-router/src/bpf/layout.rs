@@ -1,10 +1,12 @@
 //! The expected layout of every pinned map, checked before the datapath is loaded so that a
 //! layout change is reported instead of the program silently using a map it cannot read.
+//! `layout_tests.rs` holds these specs to the maps the embedded object declares.
 use std::path::Path;
 
 use aya::maps::{lpm_trie::Key, MapInfo, MapType};
 use kube_router_common::*;
 
+#[derive(Clone, Copy, Debug)]
 pub struct MapSpec {
     pub name: &'static str,
     pub map_type: MapType,
@@ -17,7 +19,7 @@ const fn spec<K, V>(name: &'static str, map_type: MapType, max_entries: u32) -> 
     MapSpec { name, map_type, key_size: size_of::<K>() as u32, value_size: size_of::<V>() as u32, max_entries }
 }
 
-pub const SERVICE_MAPS: [MapSpec; 24] = [
+pub const SERVICE_MAPS: &[MapSpec] = &[
     spec::<ServiceKeyV4, ServiceValue>(map_names::SERVICES, MapType::Hash, SERVICES_MAX_ENTRIES),
     spec::<BackendSlotKey, BackendSlotValue>(map_names::BACKEND_SLOTS, MapType::Hash, BACKEND_SLOTS_MAX_ENTRIES),
     spec::<u32, BackendV4>(map_names::BACKENDS, MapType::Hash, BACKENDS_MAX_ENTRIES),
@@ -47,7 +49,7 @@ pub const SERVICE_MAPS: [MapSpec; 24] = [
 
 /// The NetworkPolicy maps. `pol_ports` and `pol_peers_v4/v6` keys are aya's LPM `Key` (u32 prefix
 /// length + data).
-pub const POLICY_MAPS: [MapSpec; 8] = [
+pub const POLICY_MAPS: &[MapSpec] = &[
     spec::<PolicyPodKeyV4, PolicyPodValue>(map_names::POLICY_PODS, MapType::Hash, POLICY_PODS_MAX_ENTRIES),
     spec::<Key<PolicyPortKey>, PolicyPortValue>(map_names::POLICY_PORTS, MapType::LpmTrie, POLICY_PORTS_MAX_ENTRIES),
     spec::<Key<PeerPrefixV4>, u8>(map_names::POLICY_PEERS, MapType::LpmTrie, POLICY_PEERS_MAX_ENTRIES),
@@ -63,7 +65,7 @@ pub const POLICY_MAPS: [MapSpec; 8] = [
 ];
 
 /// The pod overlay's maps. `ovl_routes_v4` keys are aya's LPM `Key` (u32 prefix length + data).
-pub const OVERLAY_MAPS: [MapSpec; 3] = [
+pub const OVERLAY_MAPS: &[MapSpec] = &[
     spec::<Key<OverlayPrefixV4>, OverlayTunnelV4>(
         map_names::OVERLAY_ROUTES,
         MapType::LpmTrie,
@@ -74,7 +76,7 @@ pub const OVERLAY_MAPS: [MapSpec; 3] = [
 ];
 
 /// `kube-router monitor`'s maps (see kube_router_common::monitor).
-pub const MONITOR_MAPS: [MapSpec; 4] = [
+pub const MONITOR_MAPS: &[MapSpec] = &[
     spec::<(), ()>(monitor_map_names::EVENTS, MapType::RingBuf, EVENTS_RING_BYTES),
     spec::<u32, MonitorConfig>(monitor_map_names::EVENTS_CONFIG, MapType::Array, 1),
     spec::<u32, TokenBucket>(monitor_map_names::EVENTS_BUCKET, MapType::PerCpuArray, 1),
@@ -82,7 +84,7 @@ pub const MONITOR_MAPS: [MapSpec; 4] = [
 ];
 
 /// The socket load balancer's own maps (it also reads the service maps).
-pub const SOCK_MAPS: [MapSpec; 4] = [
+pub const SOCK_MAPS: &[MapSpec] = &[
     spec::<SockReverseKeyV4, SockReverseValueV4>(
         sock_map_names::SOCK_REVERSE,
         MapType::LruHash,
@@ -185,39 +187,39 @@ impl MapSizes {
 
 /// The XDP fast path's counters: a map of its own, created beside the others when absent (no
 /// layout change for datapaths from before it).
-pub const XDP_MAPS: [MapSpec; 1] = [spec::<u32, u64>(map_names::XDP_STATS, MapType::PerCpuArray, xdp_stat::COUNT)];
+pub const XDP_MAPS: &[MapSpec] = &[spec::<u32, u64>(map_names::XDP_STATS, MapType::PerCpuArray, xdp_stat::COUNT)];
 
 /// The policy programs' drops before judging a flow: a map of its own so `pol_stats` keeps
 /// its layout.
-pub const POLICY_GUARD_MAPS: [MapSpec; 1] =
-    [spec::<u32, u64>(map_names::POLICY_GUARD_STATS, MapType::PerCpuArray, pol_guard_stat::COUNT)];
+pub const POLICY_GUARD_MAPS: &[MapSpec] =
+    &[spec::<u32, u64>(map_names::POLICY_GUARD_STATS, MapType::PerCpuArray, pol_guard_stat::COUNT)];
 
 /// Direct server return's counters: a map of its own for the same reason.
-pub const DSR_MAPS: [MapSpec; 1] = [spec::<u32, u64>(map_names::DSR_STATS, MapType::PerCpuArray, dsr_stat::COUNT)];
+pub const DSR_MAPS: &[MapSpec] = &[spec::<u32, u64>(map_names::DSR_STATS, MapType::PerCpuArray, dsr_stat::COUNT)];
 
 /// The cgroups the socket load balancer never translates (the agent's own): a map of its own
 /// for the same reason.
-pub const SOCK_EXEMPT_MAPS: [MapSpec; 1] =
-    [spec::<u64, u64>(sock_map_names::SOCK_EXEMPT, MapType::PerCpuHash, SOCK_EXEMPT_MAX_ENTRIES)];
+pub const SOCK_EXEMPT_MAPS: &[MapSpec] =
+    &[spec::<u64, u64>(sock_map_names::SOCK_EXEMPT, MapType::PerCpuHash, SOCK_EXEMPT_MAX_ENTRIES)];
 
 /// Source-address verification on pod veths: maps of their own for the same reason.
-pub const SOURCE_CHECK_MAPS: [MapSpec; 2] = [
+pub const SOURCE_CHECK_MAPS: &[MapSpec] = &[
     spec::<u32, PodSources>(source_check_map_names::POD_SOURCES, MapType::Hash, POD_SOURCES_MAX_ENTRIES),
     spec::<u32, u64>(source_check_map_names::SOURCE_CHECK_STATS, MapType::PerCpuArray, src_stat::COUNT),
 ];
 
-fn all_specs() -> impl Iterator<Item = &'static MapSpec> {
+pub(crate) fn all_specs() -> impl Iterator<Item = &'static MapSpec> {
     SERVICE_MAPS
         .iter()
-        .chain(&POLICY_MAPS)
-        .chain(&OVERLAY_MAPS)
-        .chain(&SOCK_MAPS)
-        .chain(&MONITOR_MAPS)
-        .chain(&XDP_MAPS)
-        .chain(&DSR_MAPS)
-        .chain(&POLICY_GUARD_MAPS)
-        .chain(&SOURCE_CHECK_MAPS)
-        .chain(&SOCK_EXEMPT_MAPS)
+        .chain(POLICY_MAPS)
+        .chain(OVERLAY_MAPS)
+        .chain(SOCK_MAPS)
+        .chain(MONITOR_MAPS)
+        .chain(XDP_MAPS)
+        .chain(DSR_MAPS)
+        .chain(POLICY_GUARD_MAPS)
+        .chain(SOURCE_CHECK_MAPS)
+        .chain(SOCK_EXEMPT_MAPS)
 }
 
 /// What the pinned maps hold against what this agent expects.

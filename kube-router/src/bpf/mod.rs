@@ -4,6 +4,8 @@ pub mod counters;
 pub mod datapath;
 pub mod gate;
 pub mod layout;
+#[cfg(test)]
+mod layout_tests;
 pub mod migrate;
 pub mod pod_sources;
 pub mod policy_maps;
