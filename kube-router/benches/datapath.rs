@@ -1,18 +1,20 @@
 //! Benchmarks (root): per-packet cost of the load-balancer programs with BPF_PROG_TEST_RUN,
 //! and the time to sync 10,000 services x 10 endpoints into the pinned maps. Each figure is
 //! also given as a ratio against a baseline measured in the same run.
+#[path = "../tests/common/test_run.rs"]
+mod test_run;
 use std::{
     net::{Ipv4Addr, Ipv6Addr},
     path::Path,
     time::{Duration, Instant},
 };
+use test_run::{packet, run_on, run_xdp, NodeNetns, XDP_PASS, XDP_TX};
 
 use kube_router::{
     bpf::{
         datapath::{self, Datapath, Hook},
         service_maps::write_lb_config,
         service_maps::{BpfServiceMaps, BpfServiceMapsV6},
-        test_run::{packet, run_on, run_xdp, NodeNetns, XDP_PASS, XDP_TX},
         xdp,
     },
     services::{

@@ -15,6 +15,8 @@
 //! conntrack table, flushed after each measurement: the kernel hashes every namespace's entries
 //! in one table); both connection tables hold 262,144 entries and are full after the warm-up,
 //! so every new flow also evicts one, as under a flood of new flows.
+#[path = "../tests/common/test_run.rs"]
+mod test_run;
 use std::{
     net::Ipv4Addr,
     os::fd::{AsRawFd, OwnedFd},
@@ -22,12 +24,12 @@ use std::{
     process::Command,
     time::Duration,
 };
+use test_run::{packet, run_xdp_live, NodeNetns};
 
 use kube_router::{
     bpf::{
         datapath::{self, Datapath, Hook},
         service_maps::{write_lb_config, BpfServiceMaps, Conntrack},
-        test_run::{packet, run_xdp_live, NodeNetns},
     },
     services::{
         compile::{addr_be, assign_ids, plan, Limits},

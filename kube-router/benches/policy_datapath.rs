@@ -19,11 +19,14 @@
 //!   they are timed one run per packet (distinct source ports), which includes the kernel's
 //!   per-run timing overhead; the "established, one run per packet" line is measured the same way
 //!   and is the fair baseline for them. Deny probes insert nothing and are repeated.
+#[path = "../tests/common/test_run.rs"]
+mod test_run;
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::Path,
     time::Instant,
 };
+use test_run::{packet, run};
 
 use k8s_openapi::api::{
     core::v1::{Namespace, Pod},
@@ -33,7 +36,6 @@ use kube_router::{
     bpf::{
         datapath::{self, Datapath, Hook},
         policy_maps::{apply_diff, BpfPolicyMaps},
-        test_run::{packet, run},
     },
     policy::{
         bpf_maps::{MapEntries, MapFlattener},

@@ -9,18 +9,20 @@
 //! NAPI polls and the contender all run on one CPU (this thread is pinned and the kernel runs
 //! the veth polls in the softirq of the CPU that queued the frames), so the figure is what one
 //! core forwards, generator and veth included. Contenders are interleaved over several rounds.
+#[path = "../tests/common/test_run.rs"]
+mod test_run;
 use std::{
     net::Ipv4Addr,
     os::fd::{AsRawFd, OwnedFd},
     path::{Path, PathBuf},
     time::Duration,
 };
+use test_run::{packet, run_xdp, run_xdp_live, NodeNetns};
 
 use kube_router::{
     bpf::{
         datapath::{self, Datapath, Hook},
         service_maps::{write_lb_config, BpfServiceMaps},
-        test_run::{packet, run_xdp, run_xdp_live, NodeNetns},
         xdp::{self, XdpSetting},
     },
     services::{

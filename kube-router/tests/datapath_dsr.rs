@@ -5,15 +5,11 @@
 //! source-NATs one from inside; the backend's node takes the tunnel apart, delivers the inner
 //! packet to the backend the tunnel names (another node's NodePort through its own) and restores
 //! the reply to the frontend. Needs root. (End to end: tests/tests/cluster_dsr.rs.)
+use common::test_run::{packet, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC};
 use std::{collections::BTreeMap, net::Ipv4Addr};
 
 use kube_router::{
-    bpf::{
-        counters::read_pinned_if_exists,
-        datapath::Hook,
-        service_maps::sync_cluster_nets,
-        test_run::{packet, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC},
-    },
+    bpf::{counters::read_pinned_if_exists, datapath::Hook, service_maps::sync_cluster_nets},
     services::{compile::addr_be, model::NodeContext},
 };
 use kube_router_common::{dsr_stat, lb_stat, map_names, LbConfig, CLUSTER_NET_NODE, CLUSTER_NET_POD};

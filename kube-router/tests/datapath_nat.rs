@@ -5,6 +5,7 @@
 //!
 //! Packets that the program routes (FIB lookup + redirect) are run "arriving" on an interface of
 //! a network namespace made for the test, so the lookup sees that namespace's routes.
+use common::test_run::{packet, run_gso, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC};
 use std::net::Ipv4Addr;
 
 use kube_router::{
@@ -12,7 +13,6 @@ use kube_router::{
         conntrack_gc::monotonic_now_ns,
         datapath::Hook,
         service_maps::{sync_cluster_nets, write_lb_config, Conntrack},
-        test_run::{packet, run_gso, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC},
     },
     services::{compile::addr_be, model::NodeContext},
 };

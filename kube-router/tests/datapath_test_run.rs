@@ -1,12 +1,12 @@
 //! The real load-balancer program, loaded into the kernel and run on crafted packets with
 //! BPF_PROG_TEST_RUN: exact rewrites, valid checksums, conntrack and affinity. Needs root.
+use common::test_run::{packet, run, TC_ACT_REDIRECT, TC_ACT_UNSPEC};
 use std::{net::Ipv4Addr, path::PathBuf};
 
 use kube_router::{
     bpf::{
         datapath::{self, Datapath, Hook},
         service_maps::{read_lb_stats, BpfServiceMaps, Conntrack},
-        test_run::{packet, run, TC_ACT_REDIRECT, TC_ACT_UNSPEC},
     },
     services::{compile::MapContents, model::NodeContext, sync::ServiceSync},
 };

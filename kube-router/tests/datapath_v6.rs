@@ -3,7 +3,10 @@
 //! (TCP RST, ICMPv6 port unreachable), ICMPv6 errors and fragments of translated flows, pod
 //! egress masquerade, extension headers, neighbour discovery passing untouched, and direct
 //! server return in IPv6-in-IPv6. Needs root.
+#[path = "common/test_run.rs"]
+mod test_run;
 use std::{collections::BTreeMap, net::Ipv6Addr, path::PathBuf};
+use test_run::{packet, run_on, NodeNetns, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC};
 
 use aya::maps::{lpm_trie::Key, HashMap, LpmTrie, Map, MapData};
 use kube_router::{
@@ -11,7 +14,6 @@ use kube_router::{
         counters::read_pinned_if_exists,
         datapath::{self, Datapath, Hook},
         service_maps::{read_lb_stats, sync_cluster_nets_of, write_lb_config},
-        test_run::{packet, run_on, NodeNetns, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC},
     },
     services::family::V6,
 };

@@ -3,14 +3,11 @@
 //! to the node, as TC does) and sent back out (XDP_TX) with valid checksums and the next hop's
 //! MAC; their replies are reverse-translated; the conntrack state is TC's own, whichever hook
 //! made it; everything else passes untouched. Needs root.
+use common::test_run::{packet, run_xdp, TC_ACT_REDIRECT, TC_ACT_UNSPEC, XDP_PASS, XDP_TX};
 use std::net::Ipv4Addr;
 
 use kube_router::{
-    bpf::{
-        conntrack_gc::monotonic_now_ns,
-        test_run::{packet, run_xdp, TC_ACT_REDIRECT, TC_ACT_UNSPEC, XDP_PASS, XDP_TX},
-        xdp,
-    },
+    bpf::{conntrack_gc::monotonic_now_ns, xdp},
     services::{compile::addr_be, model::NodeContext},
 };
 use kube_router_common::{

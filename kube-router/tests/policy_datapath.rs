@@ -3,10 +3,13 @@
 //! must equal the compiler's reference decision (`policy::allows`, and `MapEntries::allows` over
 //! the flattened maps) on every probe. Needs root; each test uses its own pin directory under
 //! /sys/fs/bpf/krt-pol-test-*.
+#[path = "common/test_run.rs"]
+mod test_run;
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::PathBuf,
 };
+use test_run::{packet, run, run_forwarded, TC_ACT_SHOT, TC_ACT_UNSPEC};
 
 use k8s_openapi::api::{
     core::v1::{Namespace, Pod},
@@ -16,7 +19,6 @@ use kube_router::{
     bpf::{
         datapath::{self, Datapath, Hook},
         policy_maps::{apply_diff, decode, BpfPolicyMaps, PolicyConntrack, PolicyMaps, PolicyWriteReport},
-        test_run::{packet, run, run_forwarded, TC_ACT_SHOT, TC_ACT_UNSPEC},
     },
     policy::{
         allows,

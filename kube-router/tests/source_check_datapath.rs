@@ -1,11 +1,14 @@
 //! Source-address verification on pod veths (`source_check`), in the kernel: the real programs run
 //! with BPF_PROG_TEST_RUN on crafted frames over `pod_src` entries as the agent writes them. Needs
 //! root; the pin directory is /sys/fs/bpf/krt-src-test.
+#[path = "common/test_run.rs"]
+mod test_run;
 use std::{
     collections::BTreeSet,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::PathBuf,
 };
+use test_run::{packet, run, TC_ACT_SHOT, TC_ACT_UNSPEC};
 
 use aya::maps::{HashMap, Map, MapData};
 use kube_router::bpf::{
@@ -13,7 +16,6 @@ use kube_router::bpf::{
     datapath::{self, Datapath, Hook},
     pinned_map,
     pod_sources::PodAddresses,
-    test_run::{packet, run, TC_ACT_SHOT, TC_ACT_UNSPEC},
 };
 use kube_router_common::{source_check_map_names, src_stat, PodSources, SOURCE_CHECK_BY_LB, SOURCE_CHECK_BY_POLICY};
 

@@ -13,7 +13,6 @@ pub mod service_maps;
 pub mod socket_lb;
 pub mod stamps;
 pub mod svc_stats;
-pub mod test_run;
 pub mod xdp;
 
 /// The datapath object built by build.rs (aya-build) from the kube-router-ebpf crate.

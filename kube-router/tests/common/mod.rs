@@ -8,11 +8,12 @@ use std::{
     path::{Path, PathBuf},
 };
 
+pub mod test_run;
+
 use kube_router::{
     bpf::{
         datapath::{self, Datapath, Hook},
         service_maps::{read_lb_stats, write_lb_config, BpfServiceMaps},
-        test_run::{run_on, NodeNetns},
     },
     services::{
         compile::{assign_ids, plan, Limits},
@@ -22,6 +23,7 @@ use kube_router::{
     },
 };
 use kube_router_common::LbConfig;
+use test_run::{run_on, NodeNetns};
 
 /// This node ("node-a") on the fabric, and a client beyond the fabric's router.
 pub const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 100, 0, 1);

@@ -1,5 +1,7 @@
 //! BPF_PROG_TEST_RUN: runs a loaded program on a crafted packet inside the kernel. Used by the
-//! datapath tests (exact packet rewrites, checksums) and the per-packet benchmark.
+//! datapath tests (exact packet rewrites, checksums) and the per-packet benchmarks, which include
+//! this file (test-only code: not in the agent's library). Each binary uses part of it.
+#![allow(dead_code)]
 use std::{
     io,
     net::{Ipv4Addr, Ipv6Addr},
@@ -264,8 +266,8 @@ pub mod packet {
     /// network order as the datapath keeps them).
     pub fn ct_key_v4(proto: u8, src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)) -> kube_router_common::CtKeyV4 {
         kube_router_common::CtKeyV4 {
-            src_addr: crate::services::compile::addr_be(src.0),
-            dst_addr: crate::services::compile::addr_be(dst.0),
+            src_addr: kube_router::services::compile::addr_be(src.0),
+            dst_addr: kube_router::services::compile::addr_be(dst.0),
             src_port: src.1.to_be(),
             dst_port: dst.1.to_be(),
             proto,
