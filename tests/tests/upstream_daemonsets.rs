@@ -169,10 +169,13 @@ fn restart_gracefully(c: &Cluster, i: usize, more: &[&str]) {
         format!("pod-{}-0 {}", i + 1, c.pod(other, 0).ip)
     );
     c.restart_agent_with(i, more).unwrap();
-    wait_for("the session back, nothing stale", || {
+    // Past wait_for's 15 s: the restarted agent loads (verifies) every program first, which took
+    // 8 s here with the cores shared.
+    let back = || {
         let peer = neighbor(c, other, &address);
-        peer["state"] == "Established" && peer["prefixes_stale"] == 0
-    });
+        Ok(peer["state"] == "Established" && peer["prefixes_stale"] == 0)
+    };
+    kube_router_tests::wait_until("the session back, nothing stale", Duration::from_secs(60), back).unwrap();
     assert!(c.node(other).bgp_routes().contains(&route), "node-{} lost {route}", other + 1);
 }
 
