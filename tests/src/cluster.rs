@@ -21,6 +21,10 @@
 //! each family from the CNI plugins, and Services declared dual-stack get both ClusterIPs and an
 //! EndpointSlice per address type.
 //!
+//! With [`ClusterBuilder::only_agent_args`] the agents run with a given arg list and the
+//! harness's plumbing alone, as a DaemonSet would start them (upstream's, in
+//! `tests/tests/upstream_daemonsets.rs`).
+//!
 //! Everything is torn down on drop. Waits poll real state (routes, pinned maps), never logs.
 use std::{
     collections::BTreeMap,
