@@ -21,6 +21,10 @@
 //! each family from the CNI plugins, and Services declared dual-stack get both ClusterIPs and an
 //! EndpointSlice per address type.
 //!
+//! With [`ClusterBuilder::only_agent_args`] the agents run with a given arg list and the
+//! harness's plumbing alone, as a DaemonSet would start them (upstream's, in
+//! `tests/tests/upstream_daemonsets.rs`).
+//!
 //! Everything is torn down on drop. Waits poll real state (routes, pinned maps), never logs.
 use std::{
     collections::BTreeMap,
@@ -102,13 +106,32 @@ pub fn cni_template(data_dir: &Path) -> Value {
     })
 }
 
-/// Waits until the agent has written the node's CNI configuration (its pod ranges filled in).
-fn wait_conflist(path: &Path) -> Result<Value> {
-    wait_conflist_or_errors(path, || 0.0)
+/// The CNI configuration another CNI would give a node's pods when the agent writes none
+/// (`--enable-cni=false`): the template with the node's pod CIDRs as its ranges.
+fn operator_conflist(node: &ClusterNode, data_dir: &Path) -> Value {
+    let mut conflist = cni_template(data_dir);
+    let cidrs = [Some(&node.pod_cidr), node.pod_cidr6.as_ref()].into_iter().flatten();
+    let ranges: Vec<Value> = cidrs.map(|cidr| json!([{"subnet": cidr}])).collect();
+    conflist["plugins"][0]["ipam"]["ranges"] = json!(ranges);
+    conflist
 }
 
-/// [`wait_conflist`], giving up 5 s after `errors` (the agent's CNI error count) turns nonzero
-/// rather than after 30 s: the retry after a transient error has come by then.
+/// The kubeconfig the cluster named `prefix` writes for its API server (see
+/// [`ClusterBuilder::only_agent_args`]): known before the cluster is built.
+pub fn kubeconfig_path(prefix: &str) -> PathBuf {
+    std::env::temp_dir().join(prefix).join("kubeconfig")
+}
+
+/// `args` turn boolean flag `--<name>` off (`--name=false`, or `--name false`).
+fn flag_off(args: &[String], name: &str) -> bool {
+    let flag = format!("--{name}");
+    let joined = format!("{flag}=false");
+    args.iter().enumerate().any(|(k, a)| *a == joined || (*a == flag && args.get(k + 1).is_some_and(|v| v == "false")))
+}
+
+/// Waits until the agent has written the node's CNI configuration (its pod ranges filled in),
+/// giving up 5 s after `errors` (the agent's CNI error count) turns nonzero rather than after
+/// 30 s: the retry after a transient error has come by then.
 fn wait_conflist_or_errors(path: &Path, mut errors: impl FnMut() -> f64) -> Result<Value> {
     let mut deadline = Instant::now() + Duration::from_secs(30);
     let mut counted = false;
@@ -298,6 +321,16 @@ impl ClusterNode {
             .output()
             .ok()?;
         serde_json::from_slice(&out.stdout).ok()
+    }
+
+    /// `kube-router bgp -o json` on this node (its agent's status socket in `--state-dir`).
+    pub fn bgp_report(&self) -> Value {
+        let out = Command::new(kube_router_bin())
+            .arg("--state-dir")
+            .arg(&self.state_dir)
+            .args(["bgp", "-o", "json"])
+            .output();
+        out.ok().and_then(|o| serde_json::from_slice(&o.stdout).ok()).unwrap_or_default()
     }
 
     /// The datapath counters (`kube-router stats`) by name.
@@ -539,6 +572,8 @@ pub struct ClusterBuilder {
     socket_lb: bool,
     dual_stack: bool,
     full_checksums: bool,
+    plumbing_only: bool,
+    cluster_asn: u32,
 }
 
 /// The top-of-rack BGP speaker's ASN (gobgpd in the fabric, `ClusterBuilder::tor_bgp`).
@@ -583,6 +618,26 @@ impl ClusterBuilder {
         self.agent_args.extend(args.iter().map(|a| a.to_string()));
         self
     }
+    /// Every agent runs with `args` and the harness's plumbing alone: the node's name and where
+    /// its CNI configuration goes as upstream's DaemonSets give them (`NODE_NAME`,
+    /// `KUBE_ROUTER_CNI_CONF_FILE`), its `--state-dir`, `--bpf-root`, the `--metrics-port` the
+    /// harness reads, and where the socket load balancer attaches (never the machine's root
+    /// cgroup: off, or a test cgroup with [`Self::socket_lb`]). Not the flags the harness adds
+    /// for its other tests (`--master`, BGP timers, externalIP ranges, the ToR as a peer): `args`
+    /// reach the API server ([`kubeconfig_path`]) and name the peers themselves. The harness
+    /// waits only for what `args` make the agents do: pod routes with an iBGP mesh, pod source
+    /// addresses with a datapath; with `--enable-cni=false` it wires pods from a configuration of
+    /// its own, as another CNI would, and writes no template for the agent.
+    pub fn only_agent_args(mut self, args: &[&str]) -> Self {
+        self.plumbing_only = true;
+        self.agent_args = args.iter().map(|a| a.to_string()).collect();
+        self
+    }
+    /// The ASN the top-of-rack peer expects the nodes in (their `--cluster-asn`; 64512 unless set).
+    pub fn cluster_asn(mut self, asn: u32) -> Self {
+        self.cluster_asn = asn;
+        self
+    }
     pub fn build(self) -> Result<Cluster> {
         Cluster::build(self)
     }
@@ -604,6 +659,8 @@ pub struct Cluster {
     services: Mutex<BTreeMap<String, Svc>>,
     /// Pods marked not ready (left out of EndpointSlices).
     unready: Mutex<Vec<String>>,
+    /// [`ClusterBuilder::only_agent_args`].
+    plumbing_only: bool,
     pub dir: PathBuf,
 }
 
@@ -626,6 +683,8 @@ impl Cluster {
             socket_lb: false,
             dual_stack: false,
             full_checksums: false,
+            plumbing_only: false,
+            cluster_asn: 64512,
         }
     }
 
@@ -693,9 +752,10 @@ impl Cluster {
             let neighbors: String = (0..b.nodes)
                 .map(|i| {
                     format!(
-                        "\n[[neighbors]]\n  [neighbors.config]\n    neighbor-address = \"{}\"\n    peer-as = 64512\n  \
+                        "\n[[neighbors]]\n  [neighbors.config]\n    neighbor-address = \"{}\"\n    peer-as = {}\n  \
                          [neighbors.timers.config]\n    connect-retry = 1\n    hold-time = 9\n    keepalive-interval = 3\n",
-                        node_ip(i)
+                        node_ip(i),
+                        b.cluster_asn
                     )
                 })
                 .collect();
@@ -703,6 +763,8 @@ impl Cluster {
             let path = dir.join("gobgpd.toml");
             fs::write(&path, config)?;
             fabric.spawn(&["gobgpd", "-f", path.to_str().unwrap(), "--disable-stdlog"])?;
+        }
+        if b.tor && !b.plumbing_only {
             agent_args.extend(
                 ["--peer-router-ips", FABRIC_ADDR, "--peer-router-asns", &TOR_ASN.to_string()].map(String::from),
             );
@@ -713,6 +775,8 @@ impl Cluster {
             ..FakeApiServerConfig::default()
         };
         let server = Arc::new(runtime.run(async { FakeApiServer::spawn(config).await })?);
+        fs::write(kubeconfig_path(p), server.kubeconfig_yaml())?;
+        let agents_write_cni = !flag_off(&agent_args, "enable-cni");
 
         let mut nodes = Vec::new();
         let mut pods = Vec::new();
@@ -753,8 +817,10 @@ impl Cluster {
             };
             remove_bpf_root(&node.bpf_root);
             fs::create_dir_all(&node.cni_dir)?;
-            let template = cni_template(&node_dir.join("ipam"));
-            fs::write(node.cni_conf_file(), serde_json::to_vec_pretty(&template)?)?;
+            if agents_write_cni {
+                let template = cni_template(&node_dir.join("ipam"));
+                fs::write(node.cni_conf_file(), serde_json::to_vec_pretty(&template)?)?;
+            }
             let mut pod_cidrs = vec![node.pod_cidr.clone()];
             let mut addresses = vec![json!({"type": "InternalIP", "address": node.ip})];
             if let (Some(ip6), Some(cidr6)) = (&node.ip6, &node.pod_cidr6) {
@@ -785,6 +851,7 @@ impl Cluster {
             node_agent_args: Mutex::new(vec![Vec::new(); b.nodes]),
             services: Mutex::new(BTreeMap::new()),
             unready: Mutex::new(Vec::new()),
+            plumbing_only: b.plumbing_only,
             dir,
         };
         let agents = (0..cluster.nodes.len()).map(|i| cluster.start_agent(i).map(Some)).collect::<Result<Vec<_>>>()?;
@@ -792,9 +859,7 @@ impl Cluster {
         // Pods are wired with the configuration each agent wrote from its Node object.
         let mut cluster = cluster;
         for (i, node) in cluster.nodes.iter().enumerate() {
-            let conflist = wait_conflist_or_errors(&node.cni_conf_file(), || {
-                node.metric("kube_router_cni_config_errors_total", "")
-            })?;
+            let conflist = cluster.pod_conflist(i, || node.metric("kube_router_cni_config_errors_total", ""))?;
             for j in 0..b.pods_per_node {
                 let pod = Self::new_pod(p, node, &conflist, i, j)?;
                 full_checksums(&pod.ns)?;
@@ -805,19 +870,44 @@ impl Cluster {
         for pod in &cluster.pods {
             cluster.server.apply(cluster.pod_object(pod))?;
         }
-        cluster.wait_routes(Duration::from_secs(60))?;
+        let nodes_peer = (0..cluster.nodes.len())
+            .all(|i| !flag_off(&cluster.args_of(i), "run-router") && !flag_off(&cluster.args_of(i), "enable-ibgp"));
+        if nodes_peer {
+            cluster.wait_routes(Duration::from_secs(60))?;
+        }
         cluster.wait_pod_sources()?;
         Ok(cluster)
+    }
+
+    /// The flags of node `i`'s agent beyond the harness's own: the cluster's, then the node's.
+    fn args_of(&self, i: usize) -> Vec<String> {
+        let node_args = self.node_agent_args.lock().unwrap()[i].clone();
+        self.agent_args.iter().cloned().chain(node_args).collect()
+    }
+
+    /// The CNI configuration node `i`'s pods are wired with: the one its agent wrote (`errors`,
+    /// its CNI error count, ends the wait early), else the harness's own.
+    fn pod_conflist(&self, i: usize, errors: impl FnMut() -> f64) -> Result<Value> {
+        let node = &self.nodes[i];
+        if flag_off(&self.args_of(i), "enable-cni") {
+            return Ok(operator_conflist(node, &self.dir.join(format!("n{}", i + 1)).join("ipam")));
+        }
+        wait_conflist_or_errors(&node.cni_conf_file(), errors)
     }
 
     /// Every agent knows the addresses of its pods (else their traffic is dropped as spoofed
     /// until it does: the source check fails closed).
     pub fn wait_pod_sources(&self) -> Result<()> {
-        let off = "--enable-pod-source-check=false";
-        let node_args = self.node_agent_args.lock().unwrap().clone();
+        let checking: Vec<bool> = (0..self.nodes.len())
+            .map(|i| {
+                let args = self.args_of(i);
+                let datapath = !flag_off(&args, "run-service-proxy") || !flag_off(&args, "run-firewall");
+                datapath && !flag_off(&args, "enable-pod-source-check")
+            })
+            .collect();
         crate::wait_until("every pod veth's source addresses known", Duration::from_secs(20), || {
             Ok(self.nodes.iter().enumerate().all(|(i, n)| {
-                let disabled = self.agent_args.iter().chain(&node_args[i]).any(|a| a == off);
+                let disabled = !checking[i];
                 let pods = self.pods.iter().filter(|p| p.node == i).count() as f64;
                 let metrics = n.metrics();
                 let gauge = |state: &str| {
@@ -834,7 +924,7 @@ impl Cluster {
     pub fn add_pod(&mut self, i: usize) -> Result<&Pod> {
         let j = self.pods.iter().filter(|p| p.node == i).count();
         let node = &self.nodes[i];
-        let conflist = wait_conflist(&node.cni_conf_file())?;
+        let conflist = self.pod_conflist(i, || 0.0)?;
         let pod = Self::new_pod(&self.prefix, node, &conflist, i, j)?;
         self.server.apply(self.pod_object(&pod))?;
         self.pods.push(pod);
@@ -890,6 +980,17 @@ impl Cluster {
         let node = &self.nodes[i];
         let state = node.state_dir.display().to_string();
         let cni_conf = node.cni_conf_file().display().to_string();
+        if self.plumbing_only {
+            let mut args: Vec<&str> = vec!["--state-dir", &state, "--metrics-port", METRICS_PORT];
+            let cgroup = node.cgroup.as_ref().map(|c| c.path.display().to_string());
+            if let Some(cgroup) = &cgroup {
+                args.extend(["--cgroup-root", cgroup]);
+            }
+            let given = self.args_of(i);
+            args.extend(given.iter().map(String::as_str));
+            let env = [("NODE_NAME", node.name.as_str()), ("KUBE_ROUTER_CNI_CONF_FILE", cni_conf.as_str())];
+            return Agent::start_with_env(&node.ns, &node.bpf_root, &args, &env);
+        }
         let master = self.server.url();
         let mut args: Vec<&str> = vec![
             "--master",
@@ -953,7 +1054,7 @@ impl Cluster {
     /// waits). The caller owns it (its namespace goes with it).
     pub fn spawn_pod(&self, i: usize, j: usize) -> Result<Pod> {
         let node = &self.nodes[i];
-        let conflist = wait_conflist(&node.cni_conf_file())?;
+        let conflist = self.pod_conflist(i, || 0.0)?;
         let pod = Self::new_pod(&self.prefix, node, &conflist, i, j)?;
         self.server.apply(self.pod_object(&pod))?;
         Ok(pod)
@@ -1007,10 +1108,15 @@ impl Cluster {
     /// Publishes (or updates) a Service and its EndpointSlice, then waits until every node has
     /// programmed its frontends.
     pub fn add_service(&self, svc: Svc) -> Result<()> {
+        self.publish_service(&svc)?;
+        self.wait_programmed(&format!("{}:{}", svc.cluster_ip, svc.ports[0].2), true)
+    }
+
+    /// Publishes (or updates) a Service and its EndpointSlice, without waiting for any node.
+    pub fn publish_service(&self, svc: &Svc) -> Result<()> {
         self.server.apply(svc.object())?;
         self.services.lock().unwrap().insert(svc.name.clone(), svc.clone());
-        self.publish_endpoints(&svc)?;
-        self.wait_programmed(&format!("{}:{}", svc.cluster_ip, svc.ports[0].2), true)
+        self.publish_endpoints(svc)
     }
 
     fn publish_endpoints(&self, svc: &Svc) -> Result<()> {

@@ -284,16 +284,21 @@ impl Agent {
     /// `--cgroup-root` (or set `--bpf-lb-sock`): its default target is the machine's cgroup v2
     /// root, which a test must never touch.
     pub fn start(ns: &Netns, bpf_root: &Path, args: &[&str]) -> Result<Self> {
-        Self::spawn(ns, None, bpf_root, args)
+        Self::spawn(ns, None, bpf_root, args, &[])
+    }
+
+    /// As [`Agent::start`], with environment variables besides (as a DaemonSet's `env`).
+    pub fn start_with_env(ns: &Netns, bpf_root: &Path, args: &[&str], env: &[(&str, &str)]) -> Result<Self> {
+        Self::spawn(ns, None, bpf_root, args, env)
     }
 
     /// As [`Agent::start`], the agent a process of `cgroup` (a [`TestCgroup`] or a child) from
     /// its first instruction, as a DaemonSet's container is.
     pub fn start_in_cgroup(ns: &Netns, cgroup: &Path, bpf_root: &Path, args: &[&str]) -> Result<Self> {
-        Self::spawn(ns, Some(cgroup), bpf_root, args)
+        Self::spawn(ns, Some(cgroup), bpf_root, args, &[])
     }
 
-    fn spawn(ns: &Netns, cgroup: Option<&Path>, bpf_root: &Path, args: &[&str]) -> Result<Self> {
+    fn spawn(ns: &Netns, cgroup: Option<&Path>, bpf_root: &Path, args: &[&str], env: &[(&str, &str)]) -> Result<Self> {
         let socket_lb_chosen = args.iter().any(|a| a.starts_with("--cgroup-root") || a.starts_with("--bpf-lb-sock"));
         let socket_lb_off: &[&str] = if socket_lb_chosen { &[] } else { &["--bpf-lb-sock", "false"] };
         let mut command = Command::new("nsenter");
@@ -309,6 +314,7 @@ impl Agent {
             .args(socket_lb_off)
             .args(args)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

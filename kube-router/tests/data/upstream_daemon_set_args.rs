@@ -1,4 +1,5 @@
-// Data shared by the agent's flag unit tests (src/main.rs) and tests/manifests.rs, by include!.
+// Data shared by the agent's flag unit tests (src/main.rs), tests/manifests.rs and the end-to-end
+// suite tests/tests/upstream_daemonsets.rs (which starts agents with these args), by include!.
 /// The `args` of upstream kube-router's DaemonSets (cloudnativelabs/kube-router v2.x,
 /// daemonset/*.yaml), as written there; `<CHANGE ME>` placeholders filled with examples. With
 /// the number of external peers each configures.
