@@ -414,6 +414,11 @@ fn render_session_families(out: &mut String, bgp: &SpeakerStatus) {
             "Sessions closed because the peer sent more prefixes than its limit (Cease 1, RFC 4486).",
             3,
         ),
+        (
+            "kube_router_bgp_updates_treated_as_withdraw_total",
+            "UPDATEs with a malformed attribute whose prefixes were treated as withdrawn, the session kept (RFC 7606).",
+            4,
+        ),
     ] {
         family(out, name, "counter", help);
         for p in &bgp.peers {
@@ -422,6 +427,7 @@ fn render_session_families(out: &mut String, bgp: &SpeakerStatus) {
                 p.notifications_received,
                 p.notifications_sent,
                 u64::from(p.max_prefix_violations),
+                p.updates_treated_as_withdraw,
             ][pick];
             let _ = writeln!(out, "{name}{{peer=\"{}\"}} {n}", p.address);
         }
@@ -514,11 +520,13 @@ pub fn render_status(status: Option<&SpeakerStatus>) -> String {
         );
     }
     let _ = writeln!(out, "routes:");
-    for (prefix, next_hop, from) in &status.loc_rib {
+    for route in status.loc_rib.iter() {
         let _ = writeln!(
             out,
-            "  {prefix:<43} via {next_hop:<39} {}",
-            from.map(|f| format!("from {f}")).unwrap_or_else(|| "local".into())
+            "  {:<43} via {:<39} {}",
+            route.prefix,
+            route.next_hop,
+            route.from.map(|f| format!("from {f}")).unwrap_or_else(|| "local".into())
         );
     }
     out

@@ -455,6 +455,19 @@ pub fn wait_until(what: &str, timeout: Duration, mut check: impl FnMut() -> Resu
     }
 }
 
+/// The agent's BGP status as `kube-router bgp -o json` prints it (`bgp/report.rs`), asked
+/// over its metrics port from inside `ns`. `running` is false until the speaker has started.
+pub fn bgp_status(ns: &Netns, metrics_port: &str) -> Result<serde_json::Value> {
+    let out = ns.run(&[kube_router_bin().to_str().unwrap(), "--metrics-port", metrics_port, "bgp", "-o", "json"])?;
+    serde_json::from_str(&out).with_context(|| format!("bgp -o json printed {out:?}"))
+}
+
+/// One neighbor of a [`bgp_status`] report, by address (`Null` if it has none).
+pub fn bgp_neighbor(status: &serde_json::Value, address: &str) -> serde_json::Value {
+    let neighbors = status["neighbors"].as_array().map(Vec::as_slice).unwrap_or_default();
+    neighbors.iter().find(|n| n["address"] == address).cloned().unwrap_or_default()
+}
+
 /// Parses `key=value` out of a log line (values end at whitespace).
 pub fn log_field(line: &str, key: &str) -> Option<u64> {
     let start = line.find(&format!("{key}="))? + key.len() + 1;

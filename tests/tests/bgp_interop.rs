@@ -12,7 +12,7 @@ use std::{
 };
 
 use anyhow::Result;
-use kube_router_tests::{metric, remove_bpf_root, veth, wait_until, Agent, Netns};
+use kube_router_tests::{bgp_neighbor, bgp_status, metric, remove_bpf_root, veth, wait_until, Agent, Netns};
 
 const NODE_V4: &str = "10.77.0.1";
 const PEER_V4: &str = "10.77.0.2";
@@ -118,6 +118,22 @@ impl Lab {
         self.node
             .run(&[kube_router_tests::kube_router_bin().to_str().unwrap(), "--metrics-port", METRICS_PORT, "bgp"])
             .unwrap_or_default()
+    }
+
+    /// The agent's BGP status (`kube-router bgp -o json`).
+    fn agent_status(&self) -> Result<serde_json::Value> {
+        bgp_status(&self.node, METRICS_PORT)
+    }
+
+    fn scrape(&self) -> String {
+        self.node
+            .run(&[
+                kube_router_tests::netprobe_bin().to_str().unwrap(),
+                "http",
+                &format!("127.0.0.1:{METRICS_PORT}"),
+                "/metrics",
+            ])
+            .unwrap()
     }
 }
 
@@ -446,8 +462,11 @@ fn graceful_restart_across_an_agent_crash(prefix: &str, daemon: &dyn PeerDaemon)
     assert!(routes.contains("10.100.0.0/24") && routes.contains("10.101.0.0/24"), "{routes}");
 
     daemon.withdraw_second_prefix(&lab);
-    let mut agent = lab.start_agent(&[]);
-    agent.wait_for_log("BGP graceful restart: restarting", 1, Duration::from_secs(30)).unwrap();
+    let _agent = lab.start_agent(&[]);
+    wait_until("the agent to report a graceful restart", Duration::from_secs(30), || {
+        Ok(lab.agent_status()?["restarted"] == true)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{:?}", lab.agent_status()));
     let started = Instant::now();
     while started.elapsed() < Duration::from_secs(40) {
         let routes = lab.kernel_routes();
@@ -455,17 +474,26 @@ fn graceful_restart_across_an_agent_crash(prefix: &str, daemon: &dyn PeerDaemon)
         let rib = daemon.rib(&lab).unwrap();
         assert!(rib.contains(POD_CIDR_V4), "the peer withdrew our route during the restart:\n{rib}");
         if !routes.contains("10.101.0.0/24") {
+            // The speaker publishes its status before it lets the kernel routes go: read after
+            // the removal, it must say the picture was complete.
+            let status = lab.agent_status().unwrap();
+            assert_eq!(status["routing_complete"], true, "a route removed before End-of-RIB: {status:#}");
             break;
         }
         thread::sleep(Duration::from_millis(100));
     }
     assert!(!lab.kernel_routes().contains("10.101.0.0/24"), "withdrawn route never removed");
-    agent.wait_for_log("initial routing picture complete", 1, Duration::from_secs(30)).unwrap();
-    // The kernel was not touched before the peer's End-of-RIB completed the picture.
-    let log = agent.log.lock().unwrap().clone();
-    let complete = log.iter().position(|l| l.contains("initial routing picture complete")).unwrap();
-    let first_write = log.iter().position(|l| l.contains("updating kernel routes"));
-    assert!(first_write.is_none_or(|w| w > complete), "kernel routes written before End-of-RIB:\n{}", log.join("\n"));
+    wait_until("the initial routing picture complete", Duration::from_secs(30), || {
+        Ok(lab.agent_status()?["routing_complete"] == true)
+    })
+    .unwrap();
+    // The restarted agent wrote nothing but that one deletion: every other route stayed as the
+    // kernel kept it.
+    wait_until("the withdrawn route's deletion counted", Duration::from_secs(5), || {
+        Ok(metric(&lab.scrape(), "kube_router_host_routes_removed ") == 1.0)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", lab.scrape()));
+    assert_eq!(metric(&lab.scrape(), "kube_router_host_routes_added "), 0.0, "kernel routes rewritten");
     assert!(daemon.rib(&lab).unwrap().contains(POD_CIDR_V4));
     assert!(lab.kernel_routes().contains("fd00:100::/64"));
     assert!(ping());
@@ -494,21 +522,23 @@ fn we_keep_a_restarting_peers_routes_as_stale_until_it_refreshes_them() {
     let mut lab = Lab::new("krt-bgp-help");
     lab.peer.run(&["ip", "addr", "add", "10.100.0.1/32", "dev", "lo"]).unwrap();
     GOBGP.start(&mut lab);
-    let mut agent = lab.start_agent(&[]);
+    let agent = lab.start_agent(&[]);
     assert_routes_exchanged(&lab, &GOBGP);
-    let stale = |bgp: &str| -> u64 {
-        bgp.lines()
-            .filter(|l| l.starts_with(PEER_V4))
-            .filter_map(|l| l.split_whitespace().nth(5)?.parse::<u64>().ok())
-            .sum()
+    let stale = |lab: &Lab| -> Result<u64> {
+        let status = lab.agent_status()?;
+        Ok(bgp_neighbor(&status, PEER_V4)["prefixes_stale"].as_u64().unwrap_or(0))
     };
 
     let mut gobgpd = lab.daemon.take().unwrap();
     let _ = gobgpd.kill();
     let _ = gobgpd.wait();
-    wait_until("the agent to mark GoBGP's routes stale", Duration::from_secs(15), || Ok(stale(&lab.agent_bgp()) == 2))
+    // The helper role: the session is gone, its two IPv4 routes kept, marked stale.
+    wait_until("the agent to mark GoBGP's routes stale", Duration::from_secs(15), || Ok(stale(&lab)? == 2))
         .unwrap_or_else(|e| panic!("{e}\n{}", lab.agent_bgp()));
-    agent.wait_for_log("keeping the peer's routes as stale", 1, Duration::from_secs(5)).unwrap();
+    let status = lab.agent_status().unwrap();
+    let gobgp = bgp_neighbor(&status, PEER_V4);
+    assert_ne!(gobgp["state"], "Established", "{status:#}");
+    assert_eq!(gobgp["prefixes_received"], 2, "{status:#}");
     let routes = lab.kernel_routes();
     assert!(routes.contains("10.100.0.0/24") && routes.contains("10.101.0.0/24"), "{routes}");
     assert!(lab.node.run(&["ping", "-c1", "-W1", "-q", "10.100.0.1"]).is_ok(), "traffic while the peer is away");
@@ -525,7 +555,7 @@ fn we_keep_a_restarting_peers_routes_as_stale_until_it_refreshes_them() {
         let routes = lab.kernel_routes();
         assert!(routes.contains("10.100.0.0/24") && routes.contains("10.101.0.0/24"), "route withdrawn: {routes}");
         let bgp = lab.agent_bgp();
-        if stale(&bgp) == 0 && bgp.lines().any(|l| l.starts_with(PEER_V4) && l.contains("Established")) {
+        if stale(&lab).unwrap() == 0 && bgp.lines().any(|l| l.starts_with(PEER_V4) && l.contains("Established")) {
             break;
         }
         assert!(started.elapsed() < Duration::from_secs(60), "stale routes never refreshed:\n{bgp}");
@@ -599,7 +629,7 @@ fn a_misbehaving_peer_is_isolated_and_reported() {
         let r = runtime.clone();
         move || (r.run(async { Peer::accept("10.77.0.3:179", 65003, [10, 77, 0, 3]).await }), runtime)
     });
-    let mut agent = Agent::start(&lab.node, &PathBuf::from("/sys/fs/bpf/krt-bgp-unused"), &refs).unwrap();
+    let agent = Agent::start(&lab.node, &PathBuf::from("/sys/fs/bpf/krt-bgp-unused"), &refs).unwrap();
     let (peer, runtime) = accept.join().unwrap();
     assert_routes_exchanged(&lab, &GOBGP);
     let send = |bytes: Vec<u8>| {
@@ -607,15 +637,10 @@ fn a_misbehaving_peer_is_isolated_and_reported() {
         runtime.run(async move { writer.lock().await.write_all(&bytes).await.unwrap() });
     };
     use tokio::io::AsyncWriteExt;
-    let scrape = || {
-        lab.node
-            .run(&[
-                kube_router_tests::netprobe_bin().to_str().unwrap(),
-                "http",
-                &format!("127.0.0.1:{METRICS_PORT}"),
-                "/metrics",
-            ])
-            .unwrap()
+    let scrape = || lab.scrape();
+    let raw_peer = |field: &str| -> Result<u64> {
+        let status = lab.agent_status()?;
+        Ok(bgp_neighbor(&status, "10.77.0.3")[field].as_u64().unwrap_or(0))
     };
 
     // A good UPDATE first: the raw peer really is a peer.
@@ -636,7 +661,10 @@ fn a_misbehaving_peer_is_isolated_and_reported() {
         Ok(!lab.kernel_routes().contains("10.200.0.0/24"))
     })
     .unwrap();
-    agent.wait_for_log("treated as withdrawn", 1, Duration::from_secs(5)).unwrap();
+    wait_until("the UPDATE counted as treated as withdrawn", Duration::from_secs(5), || {
+        Ok(raw_peer("updates_treated_as_withdraw")? == 1)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{:?}", lab.agent_status()));
     assert!(!peer.kinds().contains(&NOTIFICATION), "treat-as-withdraw must not reset the session");
     wait_until("the malformed message counted", Duration::from_secs(5), || {
         Ok(metric(&scrape(), "kube_router_bgp_malformed_messages_total") == 1.0)
@@ -662,7 +690,10 @@ fn a_misbehaving_peer_is_isolated_and_reported() {
         Ok(!lab.kernel_routes().contains("10.201.0.0/24"))
     })
     .unwrap();
-    agent.wait_for_log("sending BGP NOTIFICATION", 1, Duration::from_secs(5)).unwrap();
+    wait_until("the agent to report the NOTIFICATION it sent", Duration::from_secs(5), || {
+        Ok(raw_peer("notifications_sent")? >= 1)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{:?}", lab.agent_status()));
 
     // The good peer never noticed.
     let routes = lab.kernel_routes();
@@ -676,6 +707,11 @@ fn a_misbehaving_peer_is_isolated_and_reported() {
     assert_eq!(metric(&scrape, &format!("kube_router_bgp_session_established{{peer=\"{PEER_V4}\"")), 1.0);
     assert!(metric(&scrape, "kube_router_bgp_malformed_messages_total") >= 2.0);
     assert!(metric(&scrape, "kube_router_bgp_notifications_sent_total{peer=\"10.77.0.3\"}") >= 1.0);
+    assert_eq!(metric(&scrape, "kube_router_bgp_updates_treated_as_withdraw_total{peer=\"10.77.0.3\"}"), 1.0);
+    assert_eq!(
+        metric(&scrape, &format!("kube_router_bgp_updates_treated_as_withdraw_total{{peer=\"{PEER_V4}\"}}")),
+        0.0
+    );
     drop(peer);
     agent.stop().unwrap();
 }

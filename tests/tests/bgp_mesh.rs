@@ -15,7 +15,7 @@ use std::{
 
 use kube_router_tests::{
     apiserver::{FakeApiServer, FakeApiServerConfig, FaultMode},
-    kube_router_bin, metric, netprobe_bin, remove_bpf_root, wait_until, Agent, Netns, NetnsRuntime,
+    bgp_status, kube_router_bin, metric, netprobe_bin, remove_bpf_root, wait_until, Agent, Netns, NetnsRuntime,
 };
 use serde_json::json;
 
@@ -239,9 +239,11 @@ fn full_mesh_from_node_objects_survives_an_api_outage_and_a_crash_during_it() {
             agents[0].take().unwrap().kill();
             thread::sleep(Duration::from_secs(1));
             assert_eq!(mesh.normalized_routes(2), before[1], "node-2 dropped node-1's route while it restarted");
-            let mut agent = mesh.start_agent(1);
-            agent.wait_for_log("starting BGP speaker", 1, Duration::from_secs(20)).unwrap();
-            agents[0] = Some(agent);
+            agents[0] = Some(mesh.start_agent(1));
+            wait_until("node-1's BGP speaker running again", Duration::from_secs(20), || {
+                Ok(bgp_status(&mesh.nodes[0], METRICS_PORT)?["running"] == true)
+            })
+            .unwrap();
         }
     }
     assert!(crashed);

@@ -18,7 +18,8 @@ use std::{
 
 use kube_router_tests::{
     apiserver::{FakeApiServer, FakeApiServerConfig, FaultMode},
-    dump_maps, kube_router_bin, metric, netprobe_bin, remove_bpf_root, veth, wait_until, Agent, Netns, NetnsRuntime,
+    bgp_status, dump_maps, kube_router_bin, metric, netprobe_bin, remove_bpf_root, veth, wait_until, Agent, Netns,
+    NetnsRuntime,
 };
 use serde_json::json;
 
@@ -250,8 +251,12 @@ fn pods_on_two_subnets_talk_through_the_overlay_through_an_api_outage() {
     }
     let fou = ["--overlay-encap=fou", "--overlay-encap-port=5555"];
     agents = (1..=2).map(|i| lab.start_agent(i, &fou)).collect();
-    for agent in &mut agents {
-        agent.wait_for_log("starting BGP speaker", 1, Duration::from_secs(30)).unwrap();
+    for (i, agent) in (1..=2).zip(&mut agents) {
+        wait_until("the BGP speaker running", Duration::from_secs(30), || {
+            anyhow::ensure!(agent.is_running(), "node-{i}'s agent exited");
+            Ok(bgp_status(&lab.nodes[i - 1], METRICS_PORT)?["running"] == true)
+        })
+        .unwrap();
     }
     wait_until("FOU tunnels (encap 2, port 5555)", Duration::from_secs(60), || {
         Ok((1..=2).all(|i| lab.tunnels(i).contains("02 00 15 b3")))

@@ -14,8 +14,15 @@ pub struct BgpReport {
     pub local_asn: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub router_id: Option<Ipv4Addr>,
+    /// Started as a graceful restart: the previous run's routes were kept (R-bit in the OPENs).
+    pub restarted: bool,
+    /// Restarted and holding our advertisements back until the peers' End-of-RIB.
+    pub restarting: bool,
     /// Holding routes back until the peers' End-of-RIB (after a restart).
     pub deferring: bool,
+    /// The first complete routing picture is in (the peers' End-of-RIB, or the deferral timer):
+    /// kernel routes kept from before it may be removed.
+    pub routing_complete: bool,
     pub neighbors: Vec<Neighbor>,
     /// Loc-RIB prefixes; `routes` lists them unless there are more than 10,000.
     pub routes_total: usize,
@@ -41,6 +48,8 @@ pub struct Neighbor {
     pub updates_received: u64,
     pub notifications_received: u64,
     pub notifications_sent: u64,
+    /// UPDATEs with a malformed attribute treated as withdrawals, the session kept (RFC 7606).
+    pub updates_treated_as_withdraw: u64,
     /// BFD session Up, for peers BFD watches.
     pub bfd_up: Option<bool>,
     /// Why the session is not Established, when known.
@@ -62,7 +71,10 @@ impl BgpReport {
             running: true,
             local_asn: Some(status.local_asn),
             router_id: status.router_id,
+            restarted: status.restarted,
+            restarting: status.restarting,
             deferring: status.deferring,
+            routing_complete: status.routing_complete,
             neighbors: status
                 .peers
                 .iter()
@@ -80,6 +92,7 @@ impl BgpReport {
                     updates_received: p.updates_received,
                     notifications_received: p.notifications_received,
                     notifications_sent: p.notifications_sent,
+                    updates_treated_as_withdraw: p.updates_treated_as_withdraw,
                     bfd_up: p.bfd_up,
                     last_error: p.last_error.clone().filter(|_| p.state != State::Established),
                 })
@@ -88,7 +101,7 @@ impl BgpReport {
             routes: status
                 .loc_rib
                 .iter()
-                .map(|(prefix, next_hop, from)| Route { prefix: prefix.to_string(), next_hop: *next_hop, from: *from })
+                .map(|r| Route { prefix: r.prefix.to_string(), next_hop: r.next_hop, from: r.from })
                 .collect(),
         }
     }
@@ -102,7 +115,7 @@ impl BgpReport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bgp::speaker::PeerStatus;
+    use crate::bgp::speaker::{PeerStatus, StatusRoute};
 
     #[test]
     fn the_report_names_each_neighbor_and_route_as_the_text_page_does() {
@@ -119,6 +132,7 @@ mod tests {
             updates_received: 3,
             notifications_received: 0,
             notifications_sent: 0,
+            updates_treated_as_withdraw: 1,
             max_prefix_violations: 0,
             last_error: Some("connection refused".into()),
             bfd_up: None,
@@ -127,11 +141,12 @@ mod tests {
             local_asn: 64512,
             router_id: Some(Ipv4Addr::new(10, 0, 0, 1)),
             peers: vec![peer("10.0.0.2", 64512, State::Established), peer("192.0.2.1", 65000, State::Active)],
-            loc_rib: vec![(
-                "10.244.2.0/24".parse().unwrap(),
-                "10.0.0.2".parse().unwrap(),
-                Some("10.0.0.2".parse().unwrap()),
-            )],
+            routing_complete: true,
+            loc_rib: std::sync::Arc::new(vec![StatusRoute {
+                prefix: "10.244.2.0/24".parse().unwrap(),
+                next_hop: "10.0.0.2".parse().unwrap(),
+                from: Some("10.0.0.2".parse().unwrap()),
+            }]),
             loc_rib_size: 1,
             ..Default::default()
         };
@@ -144,6 +159,8 @@ mod tests {
         assert_eq!(json["neighbors"][0]["last_error"], serde_json::Value::Null, "an Established session has none");
         assert_eq!(json["neighbors"][1]["type"], "external");
         assert_eq!(json["neighbors"][1]["last_error"], "connection refused");
+        assert_eq!(json["neighbors"][1]["updates_treated_as_withdraw"], 1);
+        assert_eq!((&json["restarted"], &json["routing_complete"]), (&false.into(), &true.into()));
         assert_eq!(json["routes"][0]["prefix"], "10.244.2.0/24");
         assert_eq!(json["routes"][0]["from"], "10.0.0.2");
         let idle: serde_json::Value = serde_json::from_str(&BgpReport::page(None)).unwrap();

@@ -219,6 +219,9 @@ struct PeerEntry {
     adj_rib_in: BTreeMap<Prefix, Route>,
     /// Paths in `adj_rib_in` the import policy refused.
     rejected: usize,
+    /// Paths in `adj_rib_in` kept as stale (graceful restart helper): the status reads it on
+    /// every publish, so it is kept, not counted.
+    stale: usize,
     /// Prefixes in `adj_rib_in` per family (indexed by [`family_slot`]): the prefix limit
     /// is checked on every UPDATE, so it is kept, not counted.
     received: [usize; 2],
@@ -228,21 +231,33 @@ struct PeerEntry {
 
 impl PeerEntry {
     fn new(info: PeerInfo) -> Self {
-        Self { info, adj_rib_in: BTreeMap::new(), rejected: 0, received: [0; 2], adj_rib_out: BTreeMap::new() }
+        Self {
+            info,
+            adj_rib_in: BTreeMap::new(),
+            rejected: 0,
+            stale: 0,
+            received: [0; 2],
+            adj_rib_out: BTreeMap::new(),
+        }
     }
 
     fn insert(&mut self, prefix: Prefix, route: Route) {
-        let added = usize::from(route.rejected.is_some());
+        let (rejected, stale) = (usize::from(route.rejected.is_some()), usize::from(route.stale));
         match self.adj_rib_in.insert(prefix, route) {
-            Some(old) => self.rejected -= usize::from(old.rejected.is_some()),
+            Some(old) => {
+                self.rejected -= usize::from(old.rejected.is_some());
+                self.stale -= usize::from(old.stale);
+            }
             None => self.received[family_slot(prefix.family())] += 1,
         }
-        self.rejected += added;
+        self.rejected += rejected;
+        self.stale += stale;
     }
 
     fn remove(&mut self, prefix: &Prefix) {
         if let Some(old) = self.adj_rib_in.remove(prefix) {
             self.rejected -= usize::from(old.rejected.is_some());
+            self.stale -= usize::from(old.stale);
             self.received[family_slot(prefix.family())] -= 1;
         }
     }
@@ -261,6 +276,8 @@ pub struct Rib {
     peers: BTreeMap<IpAddr, PeerEntry>,
     local: BTreeMap<Prefix, (Route, OriginKind)>,
     loc_rib: BTreeMap<Prefix, BestRoute>,
+    /// Bumped whenever `loc_rib` changes, so readers can keep a copy until it does.
+    loc_rib_version: u64,
     import: ImportPolicy,
     export: ExportPolicy,
     /// The kernel's routes and the node's addresses; None (until the kernel has been read, and
@@ -277,6 +294,7 @@ impl Rib {
             peers: BTreeMap::new(),
             local: BTreeMap::new(),
             loc_rib: BTreeMap::new(),
+            loc_rib_version: 0,
             import: ImportPolicy::default(),
             export: ExportPolicy::default(),
             reach: None,
@@ -291,6 +309,11 @@ impl Rib {
 
     pub fn loc_rib(&self) -> &BTreeMap<Prefix, BestRoute> {
         &self.loc_rib
+    }
+
+    /// Changes whenever the Loc-RIB does (equal versions: the same Loc-RIB).
+    pub fn loc_rib_version(&self) -> u64 {
+        self.loc_rib_version
     }
 
     pub fn best(&self, prefix: &Prefix) -> Option<&BestRoute> {
@@ -450,11 +473,14 @@ impl Rib {
     /// RFC 4724 helper: keep the routes but flag them stale.
     pub fn mark_stale(&mut self, peer: IpAddr, families: &[Family]) {
         if let Some(entry) = self.peers.get_mut(&peer) {
+            let mut stale = 0;
             for (prefix, route) in entry.adj_rib_in.iter_mut() {
                 if families.contains(&prefix.family()) {
                     route.stale = true;
                 }
+                stale += usize::from(route.stale);
             }
+            entry.stale = stale;
         }
     }
 
@@ -464,7 +490,7 @@ impl Rib {
     }
 
     pub fn stale_count(&self, peer: IpAddr) -> usize {
-        self.peers.get(&peer).map_or(0, |e| e.adj_rib_in.values().filter(|r| r.stale).count())
+        self.peers.get(&peer).map_or(0, |e| e.stale)
     }
 
     fn remove_routes_where(&mut self, peer: IpAddr, pred: impl Fn(&Prefix, &Route) -> bool) -> Vec<BestPathChange> {
@@ -603,6 +629,9 @@ impl Rib {
                 }
                 changes.push(change);
             }
+        }
+        if !changes.is_empty() {
+            self.loc_rib_version += 1;
         }
         changes
     }
@@ -1323,6 +1352,8 @@ mod tests {
         Announce { peer: usize, prefix: usize, path_len: usize, local_pref: u32, med: u32 },
         Withdraw { peer: usize, prefix: usize },
         RemovePeer { peer: usize },
+        MarkStale { peer: usize },
+        PurgeStale { peer: usize },
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -1332,6 +1363,8 @@ mod tests {
             ),
             2 => (0..4usize, 0..6usize).prop_map(|(peer, prefix)| Op::Withdraw { peer, prefix }),
             1 => (0..4usize).prop_map(|peer| Op::RemovePeer { peer }),
+            1 => (0..4usize).prop_map(|peer| Op::MarkStale { peer }),
+            1 => (0..4usize).prop_map(|peer| Op::PurgeStale { peer }),
         ]
     }
 
@@ -1357,6 +1390,7 @@ mod tests {
             // Model: (peer index, prefix) -> route, kept independently.
             let mut model: BTreeMap<(usize, Prefix), Route> = BTreeMap::new();
             for op in ops {
+                let (loc_rib_before, version_before) = (rib.loc_rib().clone(), rib.loc_rib_version());
                 let deltas = match op {
                     Op::Announce { peer, prefix, path_len, local_pref, med } => {
                         let p = &peers[peer];
@@ -1390,7 +1424,23 @@ mod tests {
                         model.retain(|(i, _), _| *i != peer);
                         rib.remove_peer(peers[peer].address)
                     }
+                    Op::MarkStale { peer } => {
+                        model.iter_mut().filter(|((i, _), _)| *i == peer).for_each(|(_, r)| r.stale = true);
+                        rib.mark_stale(peers[peer].address, &Family::ALL);
+                        Vec::new()
+                    }
+                    Op::PurgeStale { peer } => {
+                        model.retain(|(i, _), r| *i != peer || !r.stale);
+                        rib.purge_stale(peers[peer].address, &Family::ALL)
+                    }
                 };
+                // The version moves exactly when the Loc-RIB does (readers keep copies by it).
+                prop_assert_eq!(rib.loc_rib_version() != version_before, rib.loc_rib() != &loc_rib_before);
+                // The kept stale counts are what a walk over the Adj-RIB-In finds.
+                for (i, p) in peers.iter().enumerate() {
+                    let walked = model.iter().filter(|((j, _), r)| *j == i && r.stale).count();
+                    prop_assert_eq!(rib.stale_count(p.address), walked);
+                }
                 // Every delta must describe the new Loc-RIB state.
                 for d in &deltas {
                     match d {

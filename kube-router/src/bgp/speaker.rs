@@ -170,6 +170,9 @@ pub struct PeerStatus {
     pub updates_received: u64,
     pub notifications_received: u64,
     pub notifications_sent: u64,
+    /// UPDATEs with a malformed attribute whose prefixes were treated as withdrawn, the
+    /// session kept (RFC 7606).
+    pub updates_treated_as_withdraw: u64,
     /// Sessions closed because the peer exceeded its prefix limit (RFC 4486).
     pub max_prefix_violations: u32,
     pub last_error: Option<String>,
@@ -177,15 +180,35 @@ pub struct PeerStatus {
     pub bfd_up: Option<bool>,
 }
 
+/// One Loc-RIB best path as the status shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StatusRoute {
+    pub prefix: Prefix,
+    pub next_hop: IpAddr,
+    /// The peer it was learned from; None: originated here.
+    pub from: Option<IpAddr>,
+}
+
+/// At most this many Loc-RIB routes are listed in the status (all are counted).
+const STATUS_ROUTES_MAX: usize = 10_000;
+
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SpeakerStatus {
     pub local_asn: u32,
     pub router_id: Option<Ipv4Addr>,
+    /// Started as a graceful restart (the previous run's marker was found; OPENs carry R=1).
+    pub restarted: bool,
+    /// Restarted and still holding our advertisements until the peers' End-of-RIB.
     pub restarting: bool,
     pub deferring: bool,
+    /// The first complete routing picture is in (every graceful-restart peer's End-of-RIB, or
+    /// the deferral timer): routes of ours the kernel kept from before may now be removed.
+    pub routing_complete: bool,
     pub peers: Vec<PeerStatus>,
-    /// prefix, next hop, learned from (None = local).
-    pub loc_rib: Vec<(Prefix, IpAddr, Option<IpAddr>)>,
+    /// The Loc-RIB, unless it has more than [`STATUS_ROUTES_MAX`] routes (then empty). Shared:
+    /// rebuilt only when the Loc-RIB changed, so publishing and reading the status copy no
+    /// routes.
+    pub loc_rib: Arc<Vec<StatusRoute>>,
     pub loc_rib_size: usize,
     pub malformed_messages: u64,
     /// Paths refused by the import policy so far, per peer and reason.
@@ -528,6 +551,7 @@ struct Peer {
     updates_received: u64,
     notifications_received: u64,
     notifications_sent: u64,
+    updates_treated_as_withdraw: u64,
     last_error: Option<String>,
     bfd_up: Option<bool>,
 }
@@ -551,6 +575,8 @@ struct Core {
     fib_deadline: Option<Instant>,
     /// We came back from a restart: hold our advertisements until the deferral completes.
     restarting: bool,
+    /// Started as a restart (`restarting` at start; never cleared).
+    restarted: bool,
     peers: BTreeMap<IpAddr, Peer>,
     prefixes: BTreeMap<Prefix, OriginKind>,
     gr_timers: HashMap<GrTimer, Instant>,
@@ -579,6 +605,8 @@ struct Core {
     /// BFD packets refused for a TTL other than 255 (the BFD task counts).
     bfd_ttl_dropped: Arc<std::sync::atomic::AtomicU64>,
     closing: Vec<JoinHandle<()>>,
+    /// The last published route list and the Loc-RIB version it was built from.
+    status_routes: Option<(u64, Arc<Vec<StatusRoute>>)>,
 }
 
 /// The core's two inboxes: its own timers and tasks (unbounded: they never flood), and socket
@@ -623,6 +651,7 @@ impl Core {
             fib_gate,
             fib_deadline: Some(Instant::now() + deferral),
             restarting,
+            restarted: restarting,
             peers: BTreeMap::new(),
             prefixes: BTreeMap::new(),
             gr_timers: HashMap::new(),
@@ -645,6 +674,7 @@ impl Core {
             bfd: None,
             bfd_ttl_dropped: Arc::default(),
             closing: Vec::new(),
+            status_routes: None,
         };
         if restarting {
             info!("BGP graceful restart: restarting with forwarding state preserved (R-bit set)");
@@ -783,6 +813,9 @@ impl Core {
                     }
                     DecodeOutcome::TreatAsWithdraw { withdrawn, reason } => {
                         self.malformed_messages += 1;
+                        if let Some(p) = self.peers.get_mut(&peer) {
+                            p.updates_treated_as_withdraw += 1;
+                        }
                         warn!(%peer, prefixes = withdrawn.len(), %reason, "malformed UPDATE attribute: its prefixes are treated as withdrawn (RFC 7606)");
                     }
                     DecodeOutcome::PartlyIgnored { ignored, .. } => {
@@ -1313,6 +1346,7 @@ impl Core {
                     updates_received: 0,
                     notifications_received: 0,
                     notifications_sent: 0,
+                    updates_treated_as_withdraw: 0,
                     last_error: None,
                     bfd_up: None,
                 },
@@ -1545,18 +1579,6 @@ impl Core {
             self.unresolved_recount_at = Instant::now() + UNRESOLVED_RECOUNT;
             self.count_unresolved();
         }
-        if self.fib_dirty {
-            self.fib_dirty = false;
-            let target = self.fib_target();
-            self.fib.send_if_modified(|current| {
-                if *current == target {
-                    false
-                } else {
-                    *current = target;
-                    true
-                }
-            });
-        }
         let peers = self
             .peers
             .iter()
@@ -1573,33 +1595,21 @@ impl Core {
                 updates_received: p.updates_received,
                 notifications_received: p.notifications_received,
                 notifications_sent: p.notifications_sent,
+                updates_treated_as_withdraw: p.updates_treated_as_withdraw,
                 max_prefix_violations: p.session.as_ref().map_or(0, Session::max_prefix_violations),
                 last_error: p.last_error.clone(),
                 bfd_up: p.bfd_up.filter(|_| p.config.bfd.is_some()),
             })
             .collect();
-        let loc_rib = if self.rib.loc_rib().len() <= 10_000 {
-            self.rib
-                .loc_rib()
-                .iter()
-                .map(|(prefix, best)| {
-                    let from = match best.source {
-                        RouteSource::Local(_) => None,
-                        RouteSource::Peer(a) => Some(a),
-                    };
-                    (*prefix, best.next_hop.addr(), from)
-                })
-                .collect()
-        } else {
-            Vec::new() // too large to copy on every event; the counts above still report it
-        };
         let status = SpeakerStatus {
             local_asn: self.config.local_asn,
             router_id: Some(self.config.router_id),
+            restarted: self.restarted,
             restarting: self.restarting,
             deferring: self.restart.is_deferring() || self.fib_gate.is_deferring(),
+            routing_complete: self.fib_allow_deletes,
             peers,
-            loc_rib,
+            loc_rib: self.status_routes(),
             loc_rib_size: self.rib.loc_rib().len(),
             malformed_messages: self.malformed_messages,
             rejections: self.rib.rejections().iter().map(|((peer, reason), c)| (*peer, *reason, c.total)).collect(),
@@ -1609,6 +1619,49 @@ impl Core {
             advertisements: self.advertisements,
         };
         *self.status.lock().unwrap_or_else(|p| p.into_inner()) = status;
+        // After the status: what the kernel is told (a deletion allowed by `routing_complete`)
+        // is never seen before the status that explains it.
+        if self.fib_dirty {
+            self.fib_dirty = false;
+            let target = self.fib_target();
+            self.fib.send_if_modified(|current| {
+                if *current == target {
+                    false
+                } else {
+                    *current = target;
+                    true
+                }
+            });
+        }
+    }
+
+    /// The Loc-RIB as the status lists it: the previous list while the Loc-RIB is unchanged.
+    fn status_routes(&mut self) -> Arc<Vec<StatusRoute>> {
+        let version = self.rib.loc_rib_version();
+        if let Some((built_from, routes)) = &self.status_routes {
+            if *built_from == version {
+                return routes.clone();
+            }
+        }
+        let loc_rib = self.rib.loc_rib();
+        let routes: Vec<StatusRoute> = if loc_rib.len() <= STATUS_ROUTES_MAX {
+            loc_rib
+                .iter()
+                .map(|(prefix, best)| StatusRoute {
+                    prefix: *prefix,
+                    next_hop: best.next_hop.addr(),
+                    from: match best.source {
+                        RouteSource::Local(_) => None,
+                        RouteSource::Peer(a) => Some(a),
+                    },
+                })
+                .collect()
+        } else {
+            Vec::new() // too large to list; loc_rib_size still counts it
+        };
+        let routes = Arc::new(routes);
+        self.status_routes = Some((version, routes.clone()));
+        routes
     }
 }
 
@@ -1752,6 +1805,43 @@ fn log_fib_reports(reports: &[Report]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A core with no peers and no sockets: what `publish` makes of its RIB.
+    fn idle_core() -> (Core, Arc<Mutex<SpeakerStatus>>) {
+        let (events, _) = mpsc::unbounded_channel();
+        let (wire, _) = mpsc::channel(1);
+        let (fib, _) = watch::channel(FibTarget::default());
+        let status = Arc::new(Mutex::new(SpeakerStatus::default()));
+        let config = SpeakerConfig::new(64512, Ipv4Addr::new(10, 0, 0, 1));
+        let core = Core::new(config, false, RouteSet::new(), &[], CoreQueues { events, wire }, fib, status.clone());
+        (core, status)
+    }
+
+    #[tokio::test]
+    async fn publishing_reuses_the_route_list_until_the_loc_rib_changes() {
+        let (mut core, status) = idle_core();
+        let published = || status.lock().unwrap().loc_rib.clone();
+        let pod_cidr: Prefix = "10.244.1.0/24".parse().unwrap();
+        core.set_prefixes(vec![(pod_cidr, OriginKind::PodCidr)]);
+        core.publish();
+        let first = published();
+        assert_eq!(*first, vec![StatusRoute { prefix: pod_cidr, next_hop: "10.0.0.1".parse().unwrap(), from: None }]);
+        // Nothing changed in the Loc-RIB: the same list, not a copy of it.
+        core.publish();
+        assert!(Arc::ptr_eq(&first, &published()), "an unchanged Loc-RIB was listed again");
+        // The same prefixes again change nothing either.
+        core.set_prefixes(vec![(pod_cidr, OriginKind::PodCidr)]);
+        core.publish();
+        assert!(Arc::ptr_eq(&first, &published()));
+        // A new route: a new list, with it.
+        let vip: Prefix = "10.96.0.10/32".parse().unwrap();
+        core.set_prefixes(vec![(pod_cidr, OriginKind::PodCidr), (vip, OriginKind::ServiceVip)]);
+        core.publish();
+        let second = published();
+        assert!(!Arc::ptr_eq(&first, &second));
+        assert_eq!(second.iter().map(|r| r.prefix).collect::<Vec<_>>(), vec![vip, pod_cidr]);
+        assert_eq!(status.lock().unwrap().loc_rib_size, 2);
+    }
 
     #[test]
     fn advertisements_count_what_kube_router_counts_by_type() {
