@@ -62,11 +62,18 @@ pub fn restore_upstream_counter_types(text: &mut String) {
 
 /// `metric` under the exported `name` and `help` exactly as given: `Registry::register` would
 /// end the help with a period of its own. Counters' names end in `_total` here, as exported; the
-/// encoder appends that suffix itself. A metric with nothing to show ([`EncodeMetric::is_empty`]:
-/// a family without series, an [`OptionalGauge`] never set) is left out, as the crate does.
+/// encoder appends that suffix itself. Listed even without a series yet (a family nothing was
+/// recorded in), as the agent always has: the crate's registry would leave it out.
 pub fn register(registry: &mut Registry, name: &'static str, help: &'static str, metric: impl Exportable) {
     let name = exported_stem(name, metric.metric_type());
-    registry.register_collector(Box::new(Exported { name, help, metric }));
+    registry.register_collector(Box::new(Exported { name, help, metric, hidden_while_empty: false }));
+}
+
+/// As [`register`], but left out while [`EncodeMetric::is_empty`] (an [`OptionalGauge`] not
+/// set yet).
+pub fn register_optional(registry: &mut Registry, name: &'static str, help: &'static str, metric: impl Exportable) {
+    let name = exported_stem(name, metric.metric_type());
+    registry.register_collector(Box::new(Exported { name, help, metric, hidden_while_empty: true }));
 }
 
 /// What [`register`] takes: any of the crate's metrics, or this module's.
@@ -78,11 +85,12 @@ struct Exported<M> {
     name: &'static str,
     help: &'static str,
     metric: M,
+    hidden_while_empty: bool,
 }
 
 impl<M: Exportable> Collector for Exported<M> {
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
-        if self.metric.is_empty() {
+        if self.hidden_while_empty && self.metric.is_empty() {
             return Ok(());
         }
         let metric = encoder.encode_descriptor(self.name, self.help, None, self.metric.metric_type())?;
@@ -359,6 +367,15 @@ mod tests {
         );
     }
 
+    /// A family nothing was recorded in yet is listed (HELP and TYPE), as the agent always did
+    /// (`hostile_robust` looks for the HTTP servers' refusals before any).
+    #[test]
+    fn a_family_without_series_is_listed() {
+        let mut registry = Registry::default();
+        register(&mut registry, "t_refused_total", "T.", Family::<[(&str, &str); 1], Counter>::default());
+        assert_eq!(encode(&registry), "# HELP t_refused_total T.\n# TYPE t_refused_total counter\n");
+    }
+
     #[test]
     fn a_plain_histogram_encodes_cumulative_buckets() {
         let mut h = Histogram::default();
@@ -375,7 +392,7 @@ mod tests {
     #[test]
     fn an_optional_gauge_is_absent_until_set_and_ages_count_from_it() {
         let (gauge, mut registry) = (OptionalGauge::default(), Registry::default());
-        register(&mut registry, "t_write_seconds", "T.", gauge.clone());
+        register_optional(&mut registry, "t_write_seconds", "T.", gauge.clone());
         register(&mut registry, "t_since", "T.", SecondsSince(gauge.clone()));
         let before = encode(&registry);
         assert!(!before.contains("t_write_seconds") && before.contains("t_since -1"), "{before}");

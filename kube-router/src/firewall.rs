@@ -26,8 +26,8 @@ use k8s_openapi::api::{
 
 use crate::{
     bpf::policy_maps::{apply_diff, decode, BpfPolicyMaps, PolicyMaps},
+    exposition::{register, register_optional, sync_histogram, OptionalGauge},
     k8s::store::ObjectKey,
-    exposition::{register, sync_histogram, OptionalGauge},
     map_writes::MapMetrics,
     metrics::{AgentMetrics, Metrics, Subsystem},
     policy::{
@@ -60,7 +60,7 @@ impl PolicyMetrics {
 
 impl Subsystem for PolicyMetrics {
     fn register(this: &std::sync::Arc<Self>, registry: &mut prometheus_client::registry::Registry) {
-        register(
+        register_optional(
             registry,
             "kube_router_policy_sync_seconds",
             "Duration of the last policy compile and sync.",

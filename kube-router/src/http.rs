@@ -335,7 +335,9 @@ mod tests {
             assert_eq!(n, 0);
         }
         assert!(get(addr, "/x").await.ends_with("\r\n\r\n/x\n"));
-        let rejected = |reason| metrics.of::<HttpMetrics>().rejected.get(&[("server", "test"), ("reason", reason)]).map(|c| c.get());
+        let rejected = |reason| {
+            metrics.of::<HttpMetrics>().rejected.get(&[("server", "test"), ("reason", reason)]).map(|c| c.get())
+        };
         assert_eq!((rejected("local_limit"), rejected("timeout")), (Some(1), Some(4)));
     }
 
@@ -373,7 +375,8 @@ mod tests {
         assert_eq!(calls.len(), 5);
         let waited = calls[4] - calls[0];
         assert!(waited >= Duration::from_millis(140), "backed off between failures, waited {waited:?}");
-        let errors = metrics.of::<HttpMetrics>().accept_errors.get(&[("server", "test"), ("error", "EMFILE")]).map(|c| c.get());
+        let errors =
+            metrics.of::<HttpMetrics>().accept_errors.get(&[("server", "test"), ("error", "EMFILE")]).map(|c| c.get());
         assert_eq!(errors, Some(5));
     }
 }

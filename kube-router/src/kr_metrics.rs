@@ -128,7 +128,9 @@ impl Collector for ServiceCounters {
                 Value::Counter(s.stats.connections)
             }),
             ("service_packets_in", UPSTREAM_COUNTER, "Total incoming packets", |s| Value::Counter(s.stats.packets_in)),
-            ("service_packets_out", UPSTREAM_COUNTER, "Total outgoing packets", |s| Value::Counter(s.stats.packets_out)),
+            ("service_packets_out", UPSTREAM_COUNTER, "Total outgoing packets", |s| {
+                Value::Counter(s.stats.packets_out)
+            }),
             ("service_bytes_in", UPSTREAM_COUNTER, "Total incoming bytes", |s| Value::Counter(s.stats.bytes_in)),
             ("service_bytes_out", UPSTREAM_COUNTER, "Total outgoing bytes", |s| Value::Counter(s.stats.bytes_out)),
             ("service_pps_in", MetricType::Gauge, "Incoming packets per second", |s| Value::Gauge(s.rates.pps_in)),
@@ -282,7 +284,8 @@ pub fn encode_bgp(encoder: &mut DescriptorEncoder, bgp: &crate::bgp::speaker::Sp
     let peers = bgp.peers.iter().map(|p| {
         let kind = if p.asn == bgp.local_asn { "internal" } else { "external" };
         let state = format!("{:?}", p.state).to_lowercase();
-        let labels = [("address", p.address.to_string()), ("type", kind.into()), ("asn", p.asn.to_string()), ("state", state)];
+        let labels =
+            [("address", p.address.to_string()), ("type", kind.into()), ("asn", p.asn.to_string()), ("state", state)];
         (Some(labels), ConstGauge::new(1i64))
     });
     exposition::series(encoder, "kube_router_bgp_peer_info", "BGP peer information", MetricType::Gauge, peers)?;
@@ -295,8 +298,9 @@ pub fn encode_bgp(encoder: &mut DescriptorEncoder, bgp: &crate::bgp::speaker::Sp
         [(None::<[(&str, &str); 0]>, ConstCounter::new(received))],
     )?;
     let sent = &bgp.advertisements;
-    let sent = [("pod-route", sent.pod_route), ("advertise-vip", sent.advertise_vip), ("withdraw-vip", sent.withdraw_vip)]
-        .map(|(kind, n)| (Some([("type", kind)]), ConstCounter::new(n)));
+    let sent =
+        [("pod-route", sent.pod_route), ("advertise-vip", sent.advertise_vip), ("withdraw-vip", sent.withdraw_vip)]
+            .map(|(kind, n)| (Some([("type", kind)]), ConstCounter::new(n)));
     exposition::series(
         encoder,
         "kube_router_controller_bgp_advertisements_sent",
@@ -328,7 +332,10 @@ mod tests {
         m.frontends.insert(key(10, 80), FrontendOwner { namespace: "default".into(), name: forged.into() });
         let out = rendered(m);
         let escaped = "service_name=\"web\\\"} 1\\nkube_router_service_total_connections{svc_namespace=\\\"x\\\\\"";
-        assert!(out.contains(&format!("kube_router_service_total_connections{{svc_namespace=\"default\",{escaped},")), "{out}");
+        assert!(
+            out.contains(&format!("kube_router_service_total_connections{{svc_namespace=\"default\",{escaped},")),
+            "{out}"
+        );
         let samples = out.lines().filter(|l| l.starts_with("kube_router_service_total_connections")).count();
         assert_eq!(samples, 1, "no forged sample line:\n{out}");
     }

@@ -13,7 +13,7 @@ use tokio::net::TcpListener;
 
 pub use crate::exposition::unix_now;
 use crate::{
-    exposition::{self, register, Counter, Family, IntGauge, OptionalGauge, SecondsSince},
+    exposition::{self, register, register_optional, Counter, Family, IntGauge, OptionalGauge, SecondsSince},
     http::Response,
 };
 
@@ -202,7 +202,7 @@ impl Subsystem for AgentMetrics {
             "Checkpoints that could not be written or read.",
             m.checkpoint_errors.clone(),
         );
-        register(
+        register_optional(
             registry,
             "kube_router_checkpoint_write_duration_seconds",
             "How long the last checkpoint write took; the next waits 20 times as long (at least 1 s).",
@@ -299,8 +299,7 @@ mod tests {
         assert!(metrics.render().contains("kube_router_map_writes_total{map=\"svc_v4\",op=\"update\"} 1"));
     }
 
-    /// Every family the agent can export, each rendered at least once (a family without a
-    /// series yet is left out of the text: each gets one).
+    /// Every family the agent can export, each with a series.
     fn every_family() -> BTreeMap<String, String> {
         let metrics = Metrics::default();
         crate::agent::register_metrics(&metrics);
@@ -320,13 +319,19 @@ mod tests {
         agent.checkpoint_write_seconds.set(0.1);
         agent.reject("Service");
         metrics.of::<ServiceMetrics>().external_ip_refused("loopback");
-        metrics.of::<crate::bpf::socket_lb::SocketLbMetrics>().agent_not_exempt.get_or_create(&[("reason", "root_cgroup")]).inc();
+        metrics
+            .of::<crate::bpf::socket_lb::SocketLbMetrics>()
+            .agent_not_exempt
+            .get_or_create(&[("reason", "root_cgroup")])
+            .inc();
         let http = metrics.of::<crate::http::HttpMetrics>();
         http.count_rejected("metrics", "peer_limit");
         http.count_accept_error("metrics", "EMFILE");
-        metrics.register_collector(crate::exposition::FnCollector(|encoder: &mut prometheus_client::encoding::DescriptorEncoder| {
-            crate::router::encode_bgp_families(encoder, &crate::bgp::speaker::SpeakerStatus::default())
-        }));
+        metrics.register_collector(crate::exposition::FnCollector(
+            |encoder: &mut prometheus_client::encoding::DescriptorEncoder| {
+                crate::router::encode_bgp_families(encoder, &crate::bgp::speaker::SpeakerStatus::default())
+            },
+        ));
         let (_, status) = tokio::sync::watch::channel(crate::runtime::Status::default());
         metrics.register_collector(crate::runtime::ControllerMetrics(vec![("services", status)]));
         let text = metrics.render();

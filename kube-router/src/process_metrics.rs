@@ -132,7 +132,7 @@ pub fn encode(encoder: &mut DescriptorEncoder, s: &ProcessSample) -> std::fmt::R
         (
             "process_cpu_seconds_total",
             "Total user and system CPU time spent in seconds.",
-            s.cpu_seconds.map(|seconds| Value::FloatCounter(seconds)),
+            s.cpu_seconds.map(Value::FloatCounter),
         ),
         ("process_open_fds", "Number of open file descriptors.", int(s.open_fds.map(|n| n as u64))),
         ("process_max_fds", "Maximum number of open file descriptors.", int(s.max_fds)),

@@ -458,9 +458,9 @@ fn encode_session_families(encoder: &mut DescriptorEncoder, bgp: &SpeakerStatus)
         "kube_router_bgp_session_state",
         "BGP FSM state of each peer (the current state has value 1).",
         Gauge,
-        bgp.peers
-            .iter()
-            .map(|p| (Some([("peer", p.address.to_string()), ("state", format!("{:?}", p.state))]), Value::IntGauge(1))),
+        bgp.peers.iter().map(|p| {
+            (Some([("peer", p.address.to_string()), ("state", format!("{:?}", p.state))]), Value::IntGauge(1))
+        }),
     )?;
     type Pick = fn(&PeerStatus) -> Value;
     let per_peer: [(&str, &str, prometheus_client::metrics::MetricType, Pick); 10] = [
@@ -537,9 +537,9 @@ fn encode_session_families(encoder: &mut DescriptorEncoder, bgp: &SpeakerStatus)
         "kube_router_bgp_routes_rejected_total",
         "Paths refused by the import policy, per reason.",
         Counter,
-        bgp.rejections
-            .iter()
-            .map(|(peer, reason, n)| (Some([("peer", peer.to_string()), ("reason", reason.label().to_string())]), Value::Counter(*n))),
+        bgp.rejections.iter().map(|(peer, reason, n)| {
+            (Some([("peer", peer.to_string()), ("reason", reason.label().to_string())]), Value::Counter(*n))
+        }),
     )?;
     single(
         encoder,

@@ -158,7 +158,8 @@ impl prometheus_client::collector::Collector for ControllerMetrics {
         use prometheus_client::metrics::MetricType::{Counter, Gauge};
 
         use crate::exposition::{series, Value};
-        let statuses: Vec<(&str, Status)> = self.0.iter().map(|(name, status)| (*name, status.borrow().clone())).collect();
+        let statuses: Vec<(&str, Status)> =
+            self.0.iter().map(|(name, status)| (*name, status.borrow().clone())).collect();
         let reconciles = statuses.iter().flat_map(|(name, status)| {
             [("success", status.successes), ("error", status.runs - status.successes)]
                 .map(|(outcome, n)| (Some([("controller", *name), ("outcome", outcome)]), Value::Counter(n)))

@@ -253,7 +253,8 @@ impl DatapathStatsController {
         if let Ok(stats) = policy.stats.read() {
             let guard = policy.guard_stats.as_ref().and_then(|c| c.read().ok()).unwrap_or_default();
             let guard = pol_guard_stat::NAMES.iter().copied().zip(guard);
-            self.counters.with(|m| m.policy_packets = pol_stat::NAMES.iter().copied().zip(stats).chain(guard).collect());
+            self.counters
+                .with(|m| m.policy_packets = pol_stat::NAMES.iter().copied().zip(stats).chain(guard).collect());
         }
         if gc {
             match policy.conntrack.collect_garbage() {

@@ -8,8 +8,8 @@ use k8s_openapi::api::core::v1::Node;
 use crate::{
     bpf::service_maps::{sync_cluster_nets, sync_cluster_nets_of},
     config::CniOptions,
-    k8s::{cache::Cache, watch::Kind},
     exposition::{register, Counter},
+    k8s::{cache::Cache, watch::Kind},
     metrics::{Metrics, Subsystem},
     netif,
     runtime::{Action, Controller},

@@ -23,11 +23,11 @@ use crate::{
     },
     config::AgentConfig,
     controllers::service_view::VipPublisher,
+    exposition::{register, sync_histogram, Counter, Family, IntGauge, OptionalGauge, SecondsSince, Timestamp},
     k8s::{
         cache::{Cache, Completeness},
         watch::Kind,
     },
-    exposition::{register, sync_histogram, Counter, Family, IntGauge, OptionalGauge, SecondsSince, Timestamp},
     kr_metrics::{FrontendId, FrontendOwner, ServiceCounters},
     map_writes::MapMetrics,
     metrics::{AgentMetrics, Labels, Metrics, Subsystem},

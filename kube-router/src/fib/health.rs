@@ -93,7 +93,13 @@ impl FibStats {
             ("kube_router_host_routes_added", "Total count of host routes added to the system", self.added_total),
             ("kube_router_host_routes_removed", "Total count of host routes removed to the system", self.removed_total),
         ] {
-            crate::exposition::series(encoder, name, help, UPSTREAM_COUNTER, [(None::<[(&str, &str); 0]>, ConstCounter::new(n))])?;
+            crate::exposition::series(
+                encoder,
+                name,
+                help,
+                UPSTREAM_COUNTER,
+                [(None::<[(&str, &str); 0]>, ConstCounter::new(n))],
+            )?;
         }
         single(
             encoder,
