@@ -19,10 +19,7 @@ use prometheus_client::{
     registry::Registry,
 };
 
-pub use prometheus_client::{
-    encoding::EncodeLabelSet as LabelSet,
-    metrics::{counter::Counter, family::Family, gauge::Gauge as IntGauge},
-};
+pub use prometheus_client::metrics::{counter::Counter, family::Family, gauge::Gauge as IntGauge};
 
 /// Upper bounds (seconds) of the sync-duration histogram buckets.
 pub const SYNC_BUCKETS: [f64; 10] = [0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0];

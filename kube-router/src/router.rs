@@ -265,10 +265,6 @@ impl RouterController {
         self.speaker.is_none() && self.failed_start.is_some()
     }
 
-    pub fn metrics(&self) -> &Metrics {
-        &self.metrics
-    }
-
     pub fn routing_metrics(&self) -> &RoutingMetrics {
         &self.routing_metrics
     }
