@@ -684,7 +684,8 @@ fn through_the_controller(
     let metrics = Metrics::default();
     let writes = || {
         use kube_router_common::map_names::POLICY_PODS;
-        metrics.with(|m| ["write", "delete"].iter().filter_map(|op| m.map_writes.get(&(POLICY_PODS, *op))).sum::<u64>())
+        let maps = metrics.of::<kube_router::map_writes::MapMetrics>();
+        ["write", "delete"].iter().filter_map(|op| maps.writes(POLICY_PODS, op)).sum::<u64>()
     };
     let firewall = FirewallController::with_maps(maps, BENCH_NODE, metrics.clone()).expect("adopt the maps");
     let mut controller = PolicyController::new(firewall, cache.clone());

@@ -39,7 +39,7 @@ use crate::{
         checkpoint,
         watch::{self as watchers, ApiOptions, ClusterObjects, WatchUpdate},
     },
-    metrics::{self, Metrics},
+    metrics::{self, AgentMetrics, Metrics},
     netif,
     router::RouterController,
     runtime::{self, NoTrigger, RunOptions, Running, Status},
@@ -61,6 +61,7 @@ const NODE_PACED: RunOptions = RunOptions {
 
 pub async fn run(mut config: AgentConfig) -> Result<()> {
     let metrics = Metrics::default();
+    register_metrics(&metrics);
     serve_http(&config, &metrics).await;
     if let DesiredSource::Api(options) = &config.source {
         config.api_server_addresses = watchers::api_server_addresses(options).await;
@@ -70,11 +71,12 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
     // Until a BGP speaker runs (if ever), /bgp says so.
     metrics.register_page("bgp", Arc::new(|| crate::router::render_status(None)));
     metrics.register_page("bgp.json", Arc::new(|| crate::bgp::report::BgpReport::page(None)));
-    let named = metrics.clone();
-    // Copied under the lock, serialized without it (every controller records under it).
+    let named = metrics.of::<crate::kr_metrics::ServiceCounters>();
+    // Copied under the lock, serialized without it (the services controller names frontends
+    // under it, the datapath counters controller samples them).
     metrics.register_page(
         "frontends",
-        Arc::new(move || crate::kr_metrics::frontends_page(&named.with(|m| m.kr.frontends.clone()))),
+        Arc::new(move || crate::kr_metrics::frontends_page(&named.with(|m| m.frontends.clone()))),
     );
     tokio::spawn(crate::status_socket::serve(config.state_dir.clone(), metrics.clone()));
 
@@ -250,9 +252,8 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
         }
         None => Arc::new(|| true),
     };
-    metrics.with(|m| m.health.clone()).watch(statuses.clone(), synced);
-    metrics
-        .register_families("controllers", Arc::new(move |out: &mut String| runtime::render_families(out, &statuses)));
+    metrics.health_state().watch(statuses.clone(), synced);
+    metrics.register_collector(runtime::ControllerMetrics(statuses));
 
     let mut terminate = signal(SignalKind::terminate())?;
     let mut interrupt = signal(SignalKind::interrupt())?;
@@ -333,25 +334,45 @@ impl Controllers {
     }
 }
 
+/// Every subsystem's metrics, registered before the first scrape (each is also registered by
+/// the first use of [`Metrics::of`]; here so that a part that has not recorded anything yet
+/// still shows its families, as before it ran).
+pub fn register_metrics(metrics: &Metrics) {
+    metrics.of::<crate::kr_metrics::BuildInfo>();
+    metrics.of::<crate::map_writes::MapMetrics>();
+    metrics.of::<crate::controllers::services::ServiceMetrics>();
+    metrics.of::<crate::kr_metrics::ServiceCounters>();
+    metrics.of::<AgentMetrics>();
+    metrics.of::<crate::controllers::datapath_stats::DatapathMetrics>();
+    metrics.of::<crate::controllers::node_nets::CniMetrics>();
+    metrics.of::<crate::firewall::PolicyMetrics>();
+    metrics.of::<crate::router::RoutingMetrics>();
+    metrics.of::<crate::bpf::socket_lb::SocketLbMetrics>();
+    metrics.of::<crate::http::HttpMetrics>();
+    metrics.of::<crate::process_metrics::ProcessMetrics>();
+}
+
 /// The API server's reachability, from what the watchers report.
 fn record_api_contact(update: &WatchUpdate, metrics: &Metrics) {
     match update {
         WatchUpdate::Error { resource, message } => {
             // Reachability is the probe's to say: a 500 is an answer, a timeout is not.
             tracing::warn!(resource, error = %message, "API watch failed; retrying with backoff, datapath unchanged");
-            metrics.with(|m| m.api_errors += 1);
+            metrics.of::<AgentMetrics>().api_errors.inc();
         }
         WatchUpdate::Probe { reachable: false, message } => {
-            if metrics.with(|m| std::mem::replace(&mut m.api_reachable, false)) {
+            let api = metrics.of::<AgentMetrics>();
+            if api.api_reachable.set(0) == 1 {
                 tracing::warn!(error = %message, "API server unreachable; datapath, routes and BGP stay as they are");
             }
-            metrics.with(|m| m.api_errors += 1);
+            api.api_errors.inc();
         }
         update if update.is_api_answer() => {
-            if !metrics.with(|m| std::mem::replace(&mut m.api_reachable, true)) {
+            let api = metrics.of::<AgentMetrics>();
+            if api.api_reachable.set(1) == 0 {
                 tracing::info!("API server reachable");
             }
-            metrics.with(|m| m.last_api_contact_unix = Some(metrics::unix_now()));
+            api.last_api_contact.set(metrics::unix_now());
         }
         _ => {}
     }
@@ -380,7 +401,6 @@ async fn start_api_source(
                 age_secs = age as u64,
                 "restored desired state from checkpoint until the API server lists it"
             );
-            metrics.with(|m| m.checkpoint_age_at_start = Some(age));
             let taken = saved.written_unix;
             objects.restore(saved);
             Some(taken)
@@ -389,7 +409,7 @@ async fn start_api_source(
         Err(e) => {
             // The maps stay as the previous agent left them; the API will tell us the truth.
             tracing::error!(error = %e, "ignoring checkpoint");
-            metrics.with(|m| m.checkpoint_errors += 1);
+            metrics.of::<AgentMetrics>().checkpoint_errors.inc();
             None
         }
     };

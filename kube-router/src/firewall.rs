@@ -26,13 +26,61 @@ use k8s_openapi::api::{
 
 use crate::{
     bpf::policy_maps::{apply_diff, decode, BpfPolicyMaps, PolicyMaps},
+    exposition::{register, register_optional, sync_histogram, OptionalGauge},
     k8s::store::ObjectKey,
-    metrics::Metrics,
+    map_writes::MapMetrics,
+    metrics::{AgentMetrics, Metrics, Subsystem},
     policy::{
         bpf_maps::{MapEntries, MapFlattener},
         Delta, PodRules, PodSetKey, PolicyCompiler,
     },
 };
+
+/// The policy syncs' durations.
+#[derive(Debug)]
+pub struct PolicyMetrics {
+    /// The last policy compile and sync, seconds (absent before the first).
+    last_sync_seconds: OptionalGauge,
+    /// Every one of them (kube-router: iptables sync, policy chains sync).
+    sync_time: prometheus_client::metrics::histogram::Histogram,
+}
+
+impl Default for PolicyMetrics {
+    fn default() -> Self {
+        Self { last_sync_seconds: OptionalGauge::default(), sync_time: sync_histogram() }
+    }
+}
+
+impl PolicyMetrics {
+    pub fn record_sync(&self, took: std::time::Duration) {
+        self.last_sync_seconds.set(took.as_secs_f64());
+        self.sync_time.observe(took.as_secs_f64());
+    }
+}
+
+impl Subsystem for PolicyMetrics {
+    fn register(this: &std::sync::Arc<Self>, registry: &mut prometheus_client::registry::Registry) {
+        register_optional(
+            registry,
+            "kube_router_policy_sync_seconds",
+            "Duration of the last policy compile and sync.",
+            this.last_sync_seconds.clone(),
+        );
+        register(
+            registry,
+            "kube_router_controller_iptables_sync_time",
+            "Time it took for controller to sync iptables",
+            this.sync_time.clone(),
+        );
+        // Our policy sync has no separate chains step: the same observations.
+        register(
+            registry,
+            "kube_router_controller_policy_chains_sync_time",
+            "Time it took for controller to sync policy chains",
+            this.sync_time.clone(),
+        );
+    }
+}
 
 pub struct FirewallController<M: PolicyMaps = BpfPolicyMaps> {
     maps: M,
@@ -303,7 +351,7 @@ impl<M: PolicyMaps> FirewallController<M> {
             let id = format!("{}/{}", error.namespace, error.name);
             if !self.reported.contains(&id) {
                 tracing::error!(policy = %id, error = %error.kind, "NetworkPolicy rejected; other policies unaffected");
-                self.metrics.with(|m| *m.rejected_objects.entry("NetworkPolicy").or_default() += 1);
+                self.metrics.of::<AgentMetrics>().reject("NetworkPolicy");
             }
             broken.insert(id);
         }
@@ -412,18 +460,18 @@ impl<M: PolicyMaps> FirewallController<M> {
             rejected = policy_errors.len(),
             "policy sync complete"
         );
-        self.metrics.record_map_writes(&report.per_map);
-        self.metrics.with(|m| {
+        let maps_metrics = self.metrics.of::<MapMetrics>();
+        maps_metrics.record(&report.per_map);
+        {
             use kube_router_common::map_names as n;
             let V6Counts { pods: pods_v6, peers: peers_v6 } = self.programmed_v6;
-            m.map_entries.insert(n::POLICY_PODS, self.programmed.pod_slots.len() as u64 - pods_v6);
-            m.map_entries.insert(n::POLICY_PODS_V6, pods_v6);
-            m.map_entries.insert(n::POLICY_PORTS, self.programmed.slot_ports.len() as u64);
-            m.map_entries.insert(n::POLICY_PEERS, self.programmed.peer_prefixes.len() as u64 - peers_v6);
-            m.map_entries.insert(n::POLICY_PEERS_V6, peers_v6);
-            m.policy_sync_seconds = Some(started.elapsed().as_secs_f64());
-            m.kr.policy_sync_time.observe(started.elapsed().as_secs_f64());
-        });
+            maps_metrics.set_entries(n::POLICY_PODS, self.programmed.pod_slots.len() as u64 - pods_v6);
+            maps_metrics.set_entries(n::POLICY_PODS_V6, pods_v6);
+            maps_metrics.set_entries(n::POLICY_PORTS, self.programmed.slot_ports.len() as u64);
+            maps_metrics.set_entries(n::POLICY_PEERS, self.programmed.peer_prefixes.len() as u64 - peers_v6);
+            maps_metrics.set_entries(n::POLICY_PEERS_V6, peers_v6);
+        }
+        self.metrics.of::<PolicyMetrics>().record_sync(started.elapsed());
         self.metrics.heartbeat("firewall");
         stats.writes = report.writes() + report.errors;
         self.last_sync = stats;

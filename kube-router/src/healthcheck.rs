@@ -82,7 +82,7 @@ pub async fn serve(mut checks: watch::Receiver<BTreeMap<u16, LocalEndpoints>>, m
                 Err(e) => {
                     if failed.insert(port) {
                         tracing::error!(port, error = %e, "cannot serve a Service health check port");
-                        metrics.with(|m| *m.rejected_objects.entry("HealthCheckNodePort").or_default() += 1);
+                        metrics.of::<crate::metrics::AgentMetrics>().reject("HealthCheckNodePort");
                     }
                 }
             }

@@ -22,7 +22,46 @@ use tokio::{
     sync::{OwnedSemaphorePermit, Semaphore},
 };
 
-use crate::metrics::Metrics;
+use crate::{
+    exposition::{register, Counter, Family},
+    metrics::{Labels, Metrics, Subsystem},
+};
+
+/// Connections refused and failed accepts of every HTTP server of the agent.
+#[derive(Default)]
+pub struct HttpMetrics {
+    /// (server, reason) -> connections closed unanswered: over a limit, or too slow.
+    rejected: Family<Labels<2>, Counter>,
+    /// (server, errno name) -> failed `accept()` calls.
+    accept_errors: Family<Labels<2>, Counter>,
+}
+
+impl HttpMetrics {
+    pub(crate) fn count_rejected(&self, server: &'static str, reason: &'static str) {
+        self.rejected.get_or_create(&[("server", server), ("reason", reason)]).inc();
+    }
+
+    pub(crate) fn count_accept_error(&self, server: &'static str, error: &'static str) {
+        self.accept_errors.get_or_create(&[("server", server), ("error", error)]).inc();
+    }
+}
+
+impl Subsystem for HttpMetrics {
+    fn register(this: &Arc<Self>, registry: &mut prometheus_client::registry::Registry) {
+        register(
+            registry,
+            "kube_router_http_connections_rejected_total",
+            "Connections to the agent's HTTP servers closed unanswered, by server and reason (a limit, or a timeout).",
+            this.rejected.clone(),
+        );
+        register(
+            registry,
+            "kube_router_http_accept_errors_total",
+            "Failed accept() calls of the agent's HTTP servers, by server and error (each followed by a short backoff).",
+            this.accept_errors.clone(),
+        );
+    }
+}
 
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
@@ -95,6 +134,7 @@ pub async fn serve(
     handler: Handler,
 ) {
     let pools = Pools::new(limits);
+    let counted = metrics.of::<HttpMetrics>();
     let mut logged_errors: BTreeSet<&'static str> = BTreeSet::new();
     let mut backoff = ACCEPT_BACKOFF_MIN;
     loop {
@@ -105,7 +145,7 @@ pub async fn serve(
             }
             Err(e) => {
                 let kind = accept_error_kind(&e);
-                metrics.with(|m| *m.http_accept_errors.entry((server, kind)).or_default() += 1);
+                counted.count_accept_error(server, kind);
                 if logged_errors.insert(kind) {
                     tracing::error!(server, error = %e, "accept() failed; backing off (logged once per kind, counted)");
                 }
@@ -118,16 +158,16 @@ pub async fn serve(
         let slot = match pools.admit(peer.ip(), local) {
             Ok(slot) => slot,
             Err(reason) => {
-                metrics.with(|m| *m.http_rejected.entry((server, reason)).or_default() += 1);
+                counted.count_rejected(server, reason);
                 drop(stream);
                 continue;
             }
         };
-        let (handler, metrics) = (handler.clone(), metrics.clone());
+        let (handler, counted) = (handler.clone(), counted.clone());
         tokio::spawn(async move {
             let _slot = slot;
             if !answer(stream, &handler, limits.request_timeout).await {
-                metrics.with(|m| *m.http_rejected.entry((server, "timeout")).or_default() += 1);
+                counted.count_rejected(server, "timeout");
             }
         });
     }
@@ -295,9 +335,10 @@ mod tests {
             assert_eq!(n, 0);
         }
         assert!(get(addr, "/x").await.ends_with("\r\n\r\n/x\n"));
-        let (limited, timeouts) =
-            metrics.with(|m| (m.http_rejected[&("test", "local_limit")], m.http_rejected[&("test", "timeout")]));
-        assert_eq!((limited, timeouts), (1, 4));
+        let rejected = |reason| {
+            metrics.of::<HttpMetrics>().rejected.get(&[("server", "test"), ("reason", reason)]).map(|c| c.get())
+        };
+        assert_eq!((rejected("local_limit"), rejected("timeout")), (Some(1), Some(4)));
     }
 
     /// Fails `errors` accepts with EMFILE, then accepts for real, noting when each call came.
@@ -334,6 +375,8 @@ mod tests {
         assert_eq!(calls.len(), 5);
         let waited = calls[4] - calls[0];
         assert!(waited >= Duration::from_millis(140), "backed off between failures, waited {waited:?}");
-        assert_eq!(metrics.with(|m| m.http_accept_errors[&("test", "EMFILE")]), 5);
+        let errors =
+            metrics.of::<HttpMetrics>().accept_errors.get(&[("server", "test"), ("error", "EMFILE")]).map(|c| c.get());
+        assert_eq!(errors, Some(5));
     }
 }

@@ -2,12 +2,24 @@
 //! info, per-Service counters (from `svc_stats_v4` / `_v6`, kube-router reads them from IPVS), controller
 //! sync times and BGP peers. Our own `kube_router_*` names stay beside them (see docs/metrics.md,
 //! "Metrics").
-use std::{collections::BTreeMap, fmt::Write as _, time::Instant};
+use std::{
+    collections::BTreeMap,
+    fmt,
+    sync::{Arc, Mutex},
+    time::Instant,
+};
 
 use kube_router_common::{ServiceKey, ServiceStats, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeLabelSet},
+    metrics::{counter::ConstCounter, gauge::ConstGauge, histogram::Histogram, MetricType},
+    registry::Registry,
+};
 
 use crate::{
-    metrics::{family, Histogram},
+    exposition::{self, register, single, sync_histogram, Value, UPSTREAM_COUNTER},
+    metrics::Subsystem,
     services::family::AddressFamily,
 };
 
@@ -52,6 +64,7 @@ struct Sample {
     reading: u64,
 }
 
+/// Every frontend's Service and counters.
 #[derive(Clone, Default)]
 pub struct KubeRouterMetrics {
     /// Every programmed frontend and its Service, from the last compile.
@@ -59,14 +72,92 @@ pub struct KubeRouterMetrics {
     samples: BTreeMap<FrontendId, Sample>,
     /// Readings taken so far.
     readings: u64,
-    /// Services sync (kube-router: IPVS services sync).
-    pub services_sync_time: Histogram,
-    /// NetworkPolicy compile + map writes (kube-router: iptables / policy chains sync).
-    pub policy_sync_time: Histogram,
-    /// BGP peers from Node objects (kube-router: internal peers sync).
-    pub bgp_peers_sync_time: Histogram,
+}
+
+/// The per-Service families (the services controller names the frontends, the datapath
+/// counters controller reads their counters every second), and how long that reading takes.
+#[derive(Debug, Default)]
+pub struct ServiceCounters {
+    state: Mutex<KubeRouterMetrics>,
     /// Reading `svc_stats_v4` and `svc_stats_v6` (kube-router: IPVS metrics export).
-    pub stats_export_time: Histogram,
+    pub export_time: ExportTime,
+}
+
+/// [`ServiceCounters::export_time`]'s histogram (a newtype for its `Default`).
+#[derive(Debug, Clone)]
+pub struct ExportTime(pub Histogram);
+
+impl Default for ExportTime {
+    fn default() -> Self {
+        Self(sync_histogram())
+    }
+}
+
+impl fmt::Debug for KubeRouterMetrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KubeRouterMetrics").field("frontends", &self.frontends.len()).finish()
+    }
+}
+
+impl ServiceCounters {
+    pub fn with<R>(&self, f: impl FnOnce(&mut KubeRouterMetrics) -> R) -> R {
+        f(&mut self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+    }
+}
+
+impl Subsystem for ServiceCounters {
+    fn register(this: &Arc<Self>, registry: &mut Registry) {
+        register(
+            registry,
+            "kube_router_controller_ipvs_metrics_export_time",
+            "Time it took to export metrics",
+            this.export_time.0.clone(),
+        );
+        registry.register_collector(Box::new(this.clone()));
+    }
+}
+
+impl Collector for ServiceCounters {
+    /// The series are listed under the lock and encoded without it (10,000 Services are
+    /// 100,000 lines; the datapath counters controller takes a reading every second).
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        let series = self.with(|m| m.series());
+        type Pick = fn(&Sample) -> Value;
+        let families: [(&str, MetricType, &str, Pick); 10] = [
+            ("service_total_connections", UPSTREAM_COUNTER, "Total incoming connections made", |s| {
+                Value::Counter(s.stats.connections)
+            }),
+            ("service_packets_in", UPSTREAM_COUNTER, "Total incoming packets", |s| Value::Counter(s.stats.packets_in)),
+            ("service_packets_out", UPSTREAM_COUNTER, "Total outgoing packets", |s| {
+                Value::Counter(s.stats.packets_out)
+            }),
+            ("service_bytes_in", UPSTREAM_COUNTER, "Total incoming bytes", |s| Value::Counter(s.stats.bytes_in)),
+            ("service_bytes_out", UPSTREAM_COUNTER, "Total outgoing bytes", |s| Value::Counter(s.stats.bytes_out)),
+            ("service_pps_in", MetricType::Gauge, "Incoming packets per second", |s| Value::Gauge(s.rates.pps_in)),
+            ("service_pps_out", MetricType::Gauge, "Outgoing packets per second", |s| Value::Gauge(s.rates.pps_out)),
+            ("service_cps", MetricType::Gauge, "Service connections per second", |s| Value::Gauge(s.rates.cps)),
+            ("service_bps_in", MetricType::Gauge, "Incoming bytes per second", |s| Value::Gauge(s.rates.bps_in)),
+            ("service_bps_out", MetricType::Gauge, "Outgoing bytes per second", |s| Value::Gauge(s.rates.bps_out)),
+        ];
+        for (name, metric_type, help, pick) in families {
+            let name = format!("kube_router_{name}");
+            let of_family = series.iter().map(|(labels, sample)| (Some(exposition::ByRef(labels)), pick(sample)));
+            exposition::series(&mut encoder, &name, help, metric_type, of_family)?;
+        }
+        Ok(())
+    }
+}
+
+/// kube-router's Service labels: `svc_namespace`, `service_name`, `service_vip`, `protocol`
+/// (lower case), `port`. A NodePort's VIP is the node address, as in IPVS. The encoder escapes
+/// the values (a Service's name is user input and must not break or forge a sample line).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ServiceLabels {
+    svc_namespace: String,
+    service_name: String,
+    service_vip: String,
+    protocol: &'static str,
+    port: u16,
 }
 
 /// A counter's increase per second; a counter that went down was reset (a new frontend).
@@ -105,34 +196,14 @@ impl KubeRouterMetrics {
         self.samples.retain(|_, sample| sample.reading == reading);
     }
 
-    /// The per-Service families, one series per programmed frontend (with an owner). One
-    /// without counters has seen no packet yet (the datapath creates them with the first): zero.
-    pub fn render_services(&self, out: &mut String) {
+    /// One series per programmed frontend (with an owner). One without counters has seen no
+    /// packet yet (the datapath creates them with the first): zero.
+    fn series(&self) -> Vec<(ServiceLabels, Sample)> {
         let unseen = Sample { at: Instant::now(), stats: ServiceStats::default(), rates: Rates::default(), reading: 0 };
-        let series: Vec<(String, &Sample)> = self
-            .frontends
+        self.frontends
             .iter()
-            .map(|(key, owner)| (labels(key, owner), self.samples.get(key).unwrap_or(&unseen)))
-            .collect();
-        type Pick = fn(&Sample) -> f64;
-        let families: [(&str, &str, &str, Pick); 10] = [
-            ("service_total_connections", "counter", "Total incoming connections made", |s| s.stats.connections as f64),
-            ("service_packets_in", "counter", "Total incoming packets", |s| s.stats.packets_in as f64),
-            ("service_packets_out", "counter", "Total outgoing packets", |s| s.stats.packets_out as f64),
-            ("service_bytes_in", "counter", "Total incoming bytes", |s| s.stats.bytes_in as f64),
-            ("service_bytes_out", "counter", "Total outgoing bytes", |s| s.stats.bytes_out as f64),
-            ("service_pps_in", "gauge", "Incoming packets per second", |s| s.rates.pps_in),
-            ("service_pps_out", "gauge", "Outgoing packets per second", |s| s.rates.pps_out),
-            ("service_cps", "gauge", "Service connections per second", |s| s.rates.cps),
-            ("service_bps_in", "gauge", "Incoming bytes per second", |s| s.rates.bps_in),
-            ("service_bps_out", "gauge", "Outgoing bytes per second", |s| s.rates.bps_out),
-        ];
-        for (name, kind, help, pick) in families {
-            family(out, &format!("kube_router_{name}"), kind, help);
-            for (labels, sample) in &series {
-                let _ = writeln!(out, "kube_router_{name}{{{labels}}} {}", pick(sample));
-            }
-        }
+            .map(|(key, owner)| (labels(key, owner), *self.samples.get(key).unwrap_or(&unseen)))
+            .collect()
     }
 }
 
@@ -169,128 +240,105 @@ fn protocol_name(proto: u8) -> &'static str {
     }
 }
 
-/// kube-router's Service labels: `svc_namespace`, `service_name`, `service_vip`, `protocol`
-/// (lower case), `port`. A NodePort's VIP is the node address, as in IPVS.
-fn labels(key: &FrontendId, owner: &FrontendOwner) -> String {
-    let vip = key.addr;
-    let protocol = protocol_name(key.proto);
-    format!(
-        "svc_namespace=\"{}\",service_name=\"{}\",service_vip=\"{vip}\",protocol=\"{protocol}\",port=\"{}\"",
-        escape_label_value(&owner.namespace),
-        escape_label_value(&owner.name),
-        key.port
-    )
-}
-
-/// The text format's label-value escaping (`\` → `\\`, `"` → `\"`, newline → `\n`): a Service
-/// name is user input and must not be able to break or forge a sample line.
-pub fn escape_label_value(value: &str) -> std::borrow::Cow<'_, str> {
-    if !value.contains(['\\', '"', '\n']) {
-        return std::borrow::Cow::Borrowed(value);
+fn labels(key: &FrontendId, owner: &FrontendOwner) -> ServiceLabels {
+    ServiceLabels {
+        svc_namespace: owner.namespace.clone(),
+        service_name: owner.name.clone(),
+        service_vip: key.addr.to_string(),
+        protocol: protocol_name(key.proto),
+        port: key.port,
     }
-    let mut out = String::with_capacity(value.len() + 8);
-    for c in value.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '"' => out.push_str("\\\""),
-            '\n' => out.push_str("\\n"),
-            c => out.push(c),
-        }
-    }
-    std::borrow::Cow::Owned(out)
-}
-
-/// A histogram family (kube-router's sync times are histograms in seconds).
-pub fn render_histogram(out: &mut String, name: &str, help: &str, h: &Histogram) {
-    family(out, name, "histogram", help);
-    h.write_samples(out, name);
 }
 
 /// `kube_router_build_info`: kube-router's labels; `goversion` holds the Rust compiler version.
-pub fn render_build_info(out: &mut String) {
-    family(out, "kube_router_build_info", "gauge", "Expose version and other build information");
-    let _ = writeln!(
-        out,
-        "kube_router_build_info{{goversion=\"{}\",version=\"{}\"}} 1",
-        env!("KUBE_ROUTER_RUSTC_VERSION"),
-        env!("CARGO_PKG_VERSION")
-    );
+#[derive(Debug, Default)]
+pub struct BuildInfo;
+
+impl Subsystem for BuildInfo {
+    fn register(this: &Arc<Self>, registry: &mut Registry) {
+        registry.register_collector(Box::new(this.clone()));
+    }
 }
 
-/// kube-router's BGP families that we have an equivalent for.
-pub fn render_bgp(out: &mut String, bgp: &crate::bgp::speaker::SpeakerStatus) {
-    family(out, "kube_router_controller_bgp_peers", "gauge", "BGP peers in the runtime configuration");
-    let _ = writeln!(out, "kube_router_controller_bgp_peers {}", bgp.peers.len());
-    family(out, "kube_router_bgp_peer_info", "gauge", "BGP peer information");
-    for p in &bgp.peers {
+impl Collector for BuildInfo {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        let labels = [("goversion", env!("KUBE_ROUTER_RUSTC_VERSION")), ("version", env!("CARGO_PKG_VERSION"))];
+        exposition::series(
+            &mut encoder,
+            "kube_router_build_info",
+            "Expose version and other build information",
+            MetricType::Gauge,
+            [(Some(labels), ConstGauge::new(1i64))],
+        )
+    }
+}
+
+/// kube-router's BGP families that we have an equivalent for, and the FIB task's host routes.
+pub fn encode_bgp(encoder: &mut DescriptorEncoder, bgp: &crate::bgp::speaker::SpeakerStatus) -> fmt::Result {
+    single(
+        encoder,
+        "kube_router_controller_bgp_peers",
+        "BGP peers in the runtime configuration",
+        &ConstGauge::new(bgp.peers.len() as i64),
+    )?;
+    let peers = bgp.peers.iter().map(|p| {
         let kind = if p.asn == bgp.local_asn { "internal" } else { "external" };
         let state = format!("{:?}", p.state).to_lowercase();
-        let _ = writeln!(
-            out,
-            "kube_router_bgp_peer_info{{address=\"{}\",type=\"{kind}\",asn=\"{}\",state=\"{state}\"}} 1",
-            p.address, p.asn
-        );
-    }
-    family(
-        out,
-        "kube_router_controller_bgp_advertisements_received",
-        "counter",
-        "BGP advertisements received (UPDATE messages, all peers)",
-    );
+        let labels =
+            [("address", p.address.to_string()), ("type", kind.into()), ("asn", p.asn.to_string()), ("state", state)];
+        (Some(labels), ConstGauge::new(1i64))
+    });
+    exposition::series(encoder, "kube_router_bgp_peer_info", "BGP peer information", MetricType::Gauge, peers)?;
     let received: u64 = bgp.peers.iter().map(|p| p.updates_received).sum();
-    let _ = writeln!(out, "kube_router_controller_bgp_advertisements_received {received}");
-    family(out, "kube_router_controller_bgp_advertisements_sent", "counter", "BGP advertisements sent");
+    exposition::series(
+        encoder,
+        "kube_router_controller_bgp_advertisements_received",
+        "BGP advertisements received (UPDATE messages, all peers)",
+        UPSTREAM_COUNTER,
+        [(None::<[(&str, &str); 0]>, ConstCounter::new(received))],
+    )?;
     let sent = &bgp.advertisements;
-    for (kind, n) in
+    let sent =
         [("pod-route", sent.pod_route), ("advertise-vip", sent.advertise_vip), ("withdraw-vip", sent.withdraw_vip)]
-    {
-        let _ = writeln!(out, "kube_router_controller_bgp_advertisements_sent{{type=\"{kind}\"}} {n}");
-    }
-    // kube-router's host routes: the routes learned over BGP that the agent keeps in the kernel
-    // (its injected routes), from the FIB task's passes.
-    let fib = &bgp.fib;
-    crate::exposition::single_samples(
-        out,
-        &[
-            (
-                "kube_router_host_routes_synced",
-                "gauge",
-                "Count of host routes currently synced to the system",
-                fib.installed as u64,
-            ),
-            (
-                "kube_router_host_routes_added",
-                "counter",
-                "Total count of host routes added to the system",
-                fib.added_total,
-            ),
-            (
-                "kube_router_host_routes_removed",
-                "counter",
-                "Total count of host routes removed to the system",
-                fib.removed_total,
-            ),
-        ],
-    );
-    render_histogram(
-        out,
-        "kube_router_host_routes_sync_time",
-        "Time it took for the host routes controller to sync to the system",
-        &fib.pass_time,
-    );
+            .map(|(kind, n)| (Some([("type", kind)]), ConstCounter::new(n)));
+    exposition::series(
+        encoder,
+        "kube_router_controller_bgp_advertisements_sent",
+        "BGP advertisements sent",
+        UPSTREAM_COUNTER,
+        sent,
+    )?;
+    bgp.fib.encode(encoder)
 }
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn label_values_are_escaped_so_a_service_name_cannot_forge_a_sample() {
-        assert_eq!(super::escape_label_value("plain"), "plain");
-        assert_eq!(super::escape_label_value("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
-    }
-
     use std::time::Duration;
 
     use super::*;
+
+    /// The per-Service families of `m`, as scraped.
+    fn rendered(m: KubeRouterMetrics) -> String {
+        let counters = Arc::new(ServiceCounters { state: Mutex::new(m), ..Default::default() });
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(counters));
+        crate::exposition::encode(&registry)
+    }
+
+    #[test]
+    fn label_values_are_escaped_so_a_service_name_cannot_forge_a_sample() {
+        let mut m = KubeRouterMetrics::default();
+        let forged = "web\"} 1\nkube_router_service_total_connections{svc_namespace=\"x\\";
+        m.frontends.insert(key(10, 80), FrontendOwner { namespace: "default".into(), name: forged.into() });
+        let out = rendered(m);
+        let escaped = "service_name=\"web\\\"} 1\\nkube_router_service_total_connections{svc_namespace=\\\"x\\\\\"";
+        assert!(
+            out.contains(&format!("kube_router_service_total_connections{{svc_namespace=\"default\",{escaped},")),
+            "{out}"
+        );
+        let samples = out.lines().filter(|l| l.starts_with("kube_router_service_total_connections")).count();
+        assert_eq!(samples, 1, "no forged sample line:\n{out}");
+    }
 
     fn key(last: u8, port: u16) -> FrontendId {
         FrontendId { addr: [10, 96, 0, last].into(), port, proto: IPPROTO_TCP }
@@ -311,12 +359,12 @@ mod tests {
         // The frontend was removed and programmed again: its counters restarted from zero.
         m.sample(t0 + Duration::from_secs(3), BTreeMap::from([(k, at(4, 0))]));
         assert_eq!(m.samples[&k].rates.cps, 4.0);
-        let mut out = String::new();
-        m.render_services(&mut out);
+        let out = rendered(m);
         let labels =
             "svc_namespace=\"default\",service_name=\"web\",service_vip=\"10.96.0.10\",protocol=\"tcp\",port=\"80\"";
         assert!(out.contains(&format!("kube_router_service_total_connections{{{labels}}} 4\n")), "{out}");
-        assert!(out.contains(&format!("kube_router_service_cps{{{labels}}} 4\n")), "{out}");
+        assert!(out.contains(&format!("kube_router_service_cps{{{labels}}} 4.0\n")), "{out}");
+        assert!(out.contains("# TYPE kube_router_service_total_connections counter\n"), "{out}");
     }
 
     #[test]
@@ -327,14 +375,13 @@ mod tests {
             m.frontends.insert(k, FrontendOwner { namespace: "default".into(), name: "web".into() });
         }
         m.sample(Instant::now(), BTreeMap::from([(seen, ServiceStats { connections: 2, ..Default::default() })]));
-        let mut out = String::new();
-        m.render_services(&mut out);
+        let out = rendered(m);
         let labels = |port| {
             format!("svc_namespace=\"default\",service_name=\"web\",service_vip=\"10.96.0.10\",protocol=\"tcp\",port=\"{port}\"")
         };
         assert!(out.contains(&format!("kube_router_service_total_connections{{{}}} 2\n", labels(80))), "{out}");
         assert!(out.contains(&format!("kube_router_service_total_connections{{{}}} 0\n", labels(443))), "{out}");
-        assert!(out.contains(&format!("kube_router_service_cps{{{}}} 0\n", labels(443))), "{out}");
+        assert!(out.contains(&format!("kube_router_service_cps{{{}}} 0.0\n", labels(443))), "{out}");
     }
 
     #[test]
@@ -344,8 +391,7 @@ mod tests {
             Instant::now(),
             BTreeMap::from([(key(11, 53), ServiceStats { connections: 1, ..Default::default() })]),
         );
-        let mut out = String::new();
-        m.render_services(&mut out);
+        let out = rendered(m);
         assert!(!out.contains("10.96.0.11"), "{out}");
     }
 
@@ -362,8 +408,7 @@ mod tests {
         });
         m.frontends.insert(k, FrontendOwner { namespace: "default".into(), name: "web".into() });
         m.sample(Instant::now(), BTreeMap::from([(k, ServiceStats { connections: 3, ..Default::default() })]));
-        let mut out = String::new();
-        m.render_services(&mut out);
+        let out = rendered(m);
         let labels =
             "svc_namespace=\"default\",service_name=\"web\",service_vip=\"fd00:96::10\",protocol=\"udp\",port=\"80\"";
         assert!(out.contains(&format!("kube_router_service_total_connections{{{labels}}} 3\n")), "{out}");

@@ -5,7 +5,17 @@
 //! [`WriteRules::hold_deletes_after_failure`] no delete follows a failed write (the old entries
 //! a failed new one would replace stay). What failed is left for the next sync: it is still
 //! a difference then.
-use std::collections::{BTreeMap, BTreeSet};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::Arc,
+};
+
+use prometheus_client::registry::Registry;
+
+use crate::{
+    exposition::{register, Counter, Family, IntGauge},
+    metrics::{Labels, Subsystem},
+};
 
 #[derive(Debug, thiserror::Error)]
 #[error("{map}: {message}")]
@@ -140,6 +150,74 @@ pub fn write_ops<O: MapOperation>(
         }
     }
     report
+}
+
+/// The map writes of every writer (services, policy, the maps' stamps) and the maps' fill.
+#[derive(Default)]
+pub struct MapMetrics {
+    writes: Family<Labels<2>, Counter>,
+    entries: Family<Labels<1>, IntGauge>,
+    full: Family<Labels<1>, IntGauge>,
+}
+
+impl MapMetrics {
+    /// Every write of one pass of the map writer, by map and operation.
+    pub fn record(&self, report: &SyncReport) {
+        for (map, c) in &report.per_map {
+            for (op, n) in [
+                ("insert", c.inserts),
+                ("update", c.updates),
+                ("delete", c.deletes),
+                ("error", c.errors),
+                ("full", c.full),
+                ("deferred", c.deferred),
+            ] {
+                if n > 0 {
+                    self.count(map, op, n);
+                }
+            }
+        }
+    }
+
+    pub fn count(&self, map: &'static str, op: &'static str, n: u64) {
+        self.writes.get_or_create(&[("map", map), ("op", op)]).inc_by(n);
+    }
+
+    pub fn writes(&self, map: &'static str, op: &'static str) -> Option<u64> {
+        self.writes.get(&[("map", map), ("op", op)]).map(|c| c.get())
+    }
+
+    /// Entries in `map` as last programmed.
+    pub fn set_entries(&self, map: &'static str, entries: u64) {
+        self.entries.get_or_create(&[("map", map)]).set(entries as i64);
+    }
+
+    pub fn set_full(&self, map: &'static str, full: bool) {
+        self.full.get_or_create(&[("map", map)]).set(i64::from(full));
+    }
+}
+
+impl Subsystem for MapMetrics {
+    fn register(this: &Arc<Self>, registry: &mut Registry) {
+        register(
+            registry,
+            "kube_router_map_writes_total",
+            "Writes to pinned BPF maps by map and operation.",
+            this.writes.clone(),
+        );
+        register(
+            registry,
+            "kube_router_map_full",
+            "1 while a pinned BPF map cannot take every desired entry (existing ones are kept).",
+            this.full.clone(),
+        );
+        register(
+            registry,
+            "kube_router_map_entries",
+            "Entries in each pinned BPF map as last programmed.",
+            this.entries.clone(),
+        );
+    }
 }
 
 #[cfg(test)]

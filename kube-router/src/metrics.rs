@@ -1,444 +1,99 @@
-//! Prometheus text-format metrics and the health endpoints, served over plain HTTP/1.1.
+//! The agent's metrics registry, which every subsystem registers its own metrics with (see
+//! [`Subsystem`]), the metrics and health listeners, and the metrics several subsystems record
+//! into ([`AgentMetrics`]). The text is `prometheus-client`'s encoder's (`exposition`).
 use std::{
-    collections::BTreeMap,
-    fmt::Write as _,
-    sync::{Arc, Mutex},
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    any::{Any, TypeId},
+    collections::{BTreeMap, HashMap},
+    sync::{Arc, Mutex, MutexGuard},
+    time::Instant,
 };
 
+use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 
-use crate::{http::Response, map_writes::SyncReport};
+pub use crate::exposition::unix_now;
+use crate::{
+    exposition::{self, register, register_optional, Counter, Family, IntGauge, OptionalGauge, SecondsSince},
+    http::Response,
+};
 
-pub use crate::exposition::{family, Histogram, SYNC_BUCKETS};
-
-/// Renders metric families into the exposition text.
-pub type Family = Arc<dyn Fn(&mut String) + Send + Sync>;
 /// Renders a status page.
 pub type Page = Arc<dyn Fn() -> String + Send + Sync>;
 
-#[derive(Clone, Default)]
-pub struct MetricsState {
-    /// (map, op) -> count, op in insert/update/delete/error/full.
-    pub map_writes: BTreeMap<(&'static str, &'static str), u64>,
-    pub map_entries: BTreeMap<&'static str, u64>,
-    /// Maps that could not take every desired entry at the last sync.
-    pub map_full: BTreeMap<&'static str, bool>,
-    pub sync_duration: Histogram,
-    pub syncs: u64,
-    pub last_sync_unix: Option<f64>,
-    pub rejected_objects: BTreeMap<&'static str, u64>,
-    /// externalIPs and LoadBalancer IPs refused, by reason (once per Service and address).
-    pub external_ips_refused: BTreeMap<&'static str, u64>,
-    pub dropped_endpoints: u64,
-    pub datapath_packets: Vec<(&'static str, u64)>,
-    /// `xdp_stats`: the XDP fast path's packets by outcome (empty until it ever ran).
-    pub xdp_packets: Vec<(&'static str, u64)>,
-    /// `dsr_stats`: direct server return's packets and flows by event.
-    pub dsr_packets: Vec<(&'static str, u64)>,
-    /// `src_chk_stats`: source-address verification on pod veths, packets by outcome.
-    pub pod_source_packets: Vec<(&'static str, u64)>,
-    /// Pod veths with a `pod_src` entry, and of those the ones whose pod has no address yet.
-    pub pod_source_veths: (usize, usize),
-    pub conntrack_entries: u64,
-    pub conntrack_gc_removed: u64,
-    /// UDP flows whose entries the services controller removed: their backend left the flow's
-    /// frontend while still backing another.
-    pub conntrack_purged_flows: u64,
-    /// Conntrack walks for such flows (one per sync that moved a UDP backend out of a frontend).
-    pub conntrack_purge_scans: u64,
-    pub api_reachable: bool,
-    pub api_errors: u64,
-    pub last_api_contact_unix: Option<f64>,
-    pub checkpoint_errors: u64,
-    /// How long the last checkpoint write took (it sets the wait before the next).
-    pub checkpoint_write_seconds: Option<f64>,
-    /// Restored checkpoints not programmed into a set of maps (`service`, `policy`) that
-    /// already held newer API state.
-    pub checkpoint_superseded: BTreeMap<&'static str, u64>,
-    /// CNI configuration that could not be derived or written (`--enable-cni`).
-    pub cni_errors: u64,
-    pub checkpoint_age_at_start: Option<f64>,
-    /// controller name -> last heartbeat.
-    pub heartbeats: BTreeMap<&'static str, Instant>,
-    /// `pol_stats` counters, summed over CPUs.
-    pub policy_packets: Vec<(&'static str, u64)>,
-    pub policy_conntrack_entries: u64,
-    pub policy_sync_seconds: Option<f64>,
-    /// `sock_stats` counters, summed over CPUs (empty while the socket LB never ran).
-    pub socket_lb_events: Vec<(&'static str, u64)>,
-    /// Failures to attach the socket load balancer.
-    pub socket_lb_errors: u64,
-    /// reason -> starts at which the agent's own cgroup could not be exempted from the socket
-    /// load balancer (`socket_lb::NotExempt`).
-    pub socket_lb_agent_not_exempt: BTreeMap<&'static str, u64>,
-    /// Families rendered by the part of the agent that registered them, fresh on every
-    /// scrape (BGP sessions), by name.
-    pub families: BTreeMap<&'static str, Family>,
-    /// Text pages served at `/<name>` (`/bgp`).
-    pub pages: BTreeMap<&'static str, Page>,
-    /// `ovl_stats` counters, summed over CPUs (once the overlay is in use).
-    pub overlay_packets: Vec<(&'static str, u64)>,
-    /// kube-router's names (per-Service counters, sync times), see `kr_metrics`.
-    pub kr: crate::kr_metrics::KubeRouterMetrics,
-    /// (server, reason) -> connections closed unanswered: over a limit, or too slow.
-    pub http_rejected: BTreeMap<(&'static str, &'static str), u64>,
-    /// (server, errno name) -> failed `accept()` calls.
-    pub http_accept_errors: BTreeMap<(&'static str, &'static str), u64>,
-    /// The controllers' liveness and the agent's readiness.
-    pub health: Arc<crate::health::Health>,
+/// Label values of a family with `N` labels, as (name, value).
+pub type Labels<const N: usize> = [(&'static str, &'static str); N];
+
+/// One part of the agent's metrics: the metrics a subsystem records into, created and registered
+/// the first time it is asked for ([`Metrics::of`]); every later call gets the same instance.
+/// Adding a metric is a field and its line in `register`.
+pub trait Subsystem: Default + Send + Sync + 'static {
+    /// Registers every metric of `this` (metric handles are shared: register clones, or the
+    /// `Arc` itself as a collector).
+    fn register(this: &Arc<Self>, registry: &mut Registry);
 }
 
 #[derive(Clone, Default)]
-pub struct Metrics(pub Arc<Mutex<MetricsState>>);
+pub struct Metrics(Arc<Shared>);
 
-pub fn unix_now() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64()
+#[derive(Default)]
+struct Shared {
+    registry: Mutex<Registry>,
+    subsystems: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
+    /// controller name -> last heartbeat.
+    heartbeats: Mutex<BTreeMap<&'static str, Instant>>,
+    /// Text pages served at `/<name>` (`/bgp`).
+    pages: Mutex<BTreeMap<&'static str, Page>>,
+    /// The controllers' liveness and the agent's readiness.
+    health: Arc<crate::health::Health>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Metrics {
-    pub fn with<R>(&self, f: impl FnOnce(&mut MetricsState) -> R) -> R {
-        let mut state = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        f(&mut state)
+    /// The metrics of subsystem `T`, registered at the first call. Never called from a collector
+    /// (the registry is locked while they encode).
+    pub fn of<T: Subsystem>(&self) -> Arc<T> {
+        let mut subsystems = lock(&self.0.subsystems);
+        if let Some(existing) = subsystems.get(&TypeId::of::<T>()) {
+            return existing.clone().downcast::<T>().expect("keyed by its own type");
+        }
+        let created = Arc::new(T::default());
+        T::register(&created, &mut lock(&self.0.registry));
+        subsystems.insert(TypeId::of::<T>(), created.clone());
+        created
     }
 
-    /// Every write of one pass of the map writer, by map and operation.
-    pub fn record_map_writes(&self, report: &SyncReport) {
-        self.with(|m| {
-            for (map, c) in &report.per_map {
-                for (op, n) in [
-                    ("insert", c.inserts),
-                    ("update", c.updates),
-                    ("delete", c.deletes),
-                    ("error", c.errors),
-                    ("full", c.full),
-                    ("deferred", c.deferred),
-                ] {
-                    if n > 0 {
-                        *m.map_writes.entry((map, op)).or_default() += n;
-                    }
-                }
-            }
-        });
+    /// Families computed on every scrape by a part of the agent that starts later (the BGP
+    /// speaker's, the controllers').
+    pub fn register_collector(&self, collector: impl prometheus_client::collector::Collector) {
+        lock(&self.0.registry).register_collector(Box::new(collector));
     }
 
-    pub fn record_sync(&self, report: &SyncReport, duration: Duration) {
-        self.record_map_writes(report);
-        self.with(|m| {
-            m.sync_duration.observe(duration.as_secs_f64());
-            m.kr.services_sync_time.observe(duration.as_secs_f64());
-            m.syncs += 1;
-            m.last_sync_unix = Some(unix_now());
-        })
+    /// The exposition text. The controllers record into atomics and their own snapshots, never
+    /// under the registry's lock: a scrape (or a slow client's many) does not stall them.
+    pub fn render(&self) -> String {
+        exposition::encode(&lock(&self.0.registry))
     }
 
     pub fn heartbeat(&self, controller: &'static str) {
-        self.with(|m| {
-            m.heartbeats.insert(controller, Instant::now());
-        })
+        lock(&self.0.heartbeats).insert(controller, Instant::now());
     }
 
-    /// The exposition text. The state is copied under the lock and rendered without it: every
-    /// controller records into it, and a scrape (or a slow client's many) must not stall them.
-    pub fn render(&self) -> String {
-        let snapshot = self.with(|m| m.clone());
-        let m = &snapshot;
-        {
-            let mut out = String::new();
-            family(
-                &mut out,
-                "kube_router_map_writes_total",
-                "counter",
-                "Writes to pinned BPF maps by map and operation.",
-            );
-            for ((map, op), n) in &m.map_writes {
-                let _ = writeln!(out, "kube_router_map_writes_total{{map=\"{map}\",op=\"{op}\"}} {n}");
-            }
-            family(
-                &mut out,
-                "kube_router_map_full",
-                "gauge",
-                "1 while a pinned BPF map cannot take every desired entry (existing ones are kept).",
-            );
-            for (map, full) in &m.map_full {
-                let _ = writeln!(out, "kube_router_map_full{{map=\"{map}\"}} {}", u8::from(*full));
-            }
-            family(&mut out, "kube_router_map_entries", "gauge", "Entries in each pinned BPF map as last programmed.");
-            for (map, n) in &m.map_entries {
-                let _ = writeln!(out, "kube_router_map_entries{{map=\"{map}\"}} {n}");
-            }
-            family(
-                &mut out,
-                "kube_router_sync_duration_seconds",
-                "histogram",
-                "Time to compute and apply one service map sync.",
-            );
-            for (bound, n) in SYNC_BUCKETS.iter().zip(m.sync_duration.counts) {
-                let _ = writeln!(out, "kube_router_sync_duration_seconds_bucket{{le=\"{bound}\"}} {n}");
-            }
-            let h = &m.sync_duration;
-            let _ = writeln!(out, "kube_router_sync_duration_seconds_bucket{{le=\"+Inf\"}} {}", h.count);
-            let _ = writeln!(
-                out,
-                "kube_router_sync_duration_seconds_sum {}\nkube_router_sync_duration_seconds_count {}",
-                h.sum, h.count
-            );
-            family(
-                &mut out,
-                "kube_router_last_sync_timestamp_seconds",
-                "gauge",
-                "Unix time of the last successful sync.",
-            );
-            let _ = writeln!(out, "kube_router_last_sync_timestamp_seconds {}", m.last_sync_unix.unwrap_or(0.0));
-            family(
-                &mut out,
-                "kube_router_seconds_since_last_sync",
-                "gauge",
-                "Seconds since the last successful sync (-1 before the first).",
-            );
-            let since = m.last_sync_unix.map(|t| unix_now() - t).unwrap_or(-1.0);
-            let _ = writeln!(out, "kube_router_seconds_since_last_sync {since:.3}");
-            family(
-                &mut out,
-                "kube_router_rejected_objects_total",
-                "counter",
-                "Objects rejected as invalid (their programmed state is kept).",
-            );
-            for (kind, n) in &m.rejected_objects {
-                let _ = writeln!(out, "kube_router_rejected_objects_total{{kind=\"{kind}\"}} {n}");
-            }
-            family(
-                &mut out,
-                "kube_router_service_external_ips_refused_total",
-                "counter",
-                "Service externalIPs and LoadBalancer IPs refused (not programmed, not advertised), by reason.",
-            );
-            for (reason, n) in &m.external_ips_refused {
-                let _ = writeln!(out, "kube_router_service_external_ips_refused_total{{reason=\"{reason}\"}} {n}");
-            }
-            family(
-                &mut out,
-                "kube_router_dropped_endpoints",
-                "gauge",
-                "Endpoints left out because a service exceeded --max-backends-per-service.",
-            );
-            let _ = writeln!(out, "kube_router_dropped_endpoints {}", m.dropped_endpoints);
-            family(
-                &mut out,
-                "kube_router_datapath_packets_total",
-                "counter",
-                "Packets seen by the load-balancer program, by outcome (per-CPU counters summed).",
-            );
-            for (what, n) in &m.datapath_packets {
-                let _ = writeln!(out, "kube_router_datapath_packets_total{{event=\"{what}\"}} {n}");
-            }
-            family(
-                &mut out,
-                "kube_router_xdp_packets_total",
-                "counter",
-                "Packets seen by the XDP fast path on node uplinks, by outcome (per-CPU counters summed).",
-            );
-            for (what, n) in &m.xdp_packets {
-                let _ = writeln!(out, "kube_router_xdp_packets_total{{event=\"{what}\"}} {n}");
-            }
-            family(
-                &mut out,
-                "kube_router_dsr_packets_total",
-                "counter",
-                "Direct server return: packets tunnelled to and received from other nodes, and flows, by event.",
-            );
-            for (what, n) in &m.dsr_packets {
-                let _ = writeln!(out, "kube_router_dsr_packets_total{{event=\"{what}\"}} {n}");
-            }
-            family(
-                &mut out,
-                "kube_router_pod_source_check_packets_total",
-                "counter",
-                "Packets from pod veths by source-address verification outcome (spoofed_*: dropped).",
-            );
-            for (what, n) in &m.pod_source_packets {
-                let _ = writeln!(out, "kube_router_pod_source_check_packets_total{{event=\"{what}\"}} {n}");
-            }
-            family(
-                &mut out,
-                "kube_router_pod_source_veths",
-                "gauge",
-                "Pod veths whose source addresses are checked; unassigned: the pod has no address yet (its IP traffic is dropped).",
-            );
-            let (checked, unassigned) = m.pod_source_veths;
-            let _ = writeln!(out, "kube_router_pod_source_veths{{state=\"checked\"}} {checked}");
-            let _ = writeln!(out, "kube_router_pod_source_veths{{state=\"unassigned\"}} {unassigned}");
-            family(
-                &mut out,
-                "kube_router_conntrack_entries",
-                "gauge",
-                "Entries in ct_v4 after the last garbage collection.",
-            );
-            let _ = writeln!(out, "kube_router_conntrack_entries {}", m.conntrack_entries);
-            family(
-                &mut out,
-                "kube_router_conntrack_gc_removed_total",
-                "counter",
-                "Expired conntrack entries removed by garbage collection.",
-            );
-            let _ = writeln!(out, "kube_router_conntrack_gc_removed_total {}", m.conntrack_gc_removed);
-            family(
-                &mut out,
-                "kube_router_conntrack_purged_flows_total",
-                "counter",
-                "UDP flows whose conntrack entries were removed because their backend left the flow's Service frontend while still backing another; the next datagram is balanced again.",
-            );
-            let _ = writeln!(out, "kube_router_conntrack_purged_flows_total {}", m.conntrack_purged_flows);
-            family(
-                &mut out,
-                "kube_router_conntrack_purge_scans_total",
-                "counter",
-                "Walks of the Service conntrack for those flows: one per sync that took a still-programmed backend out of a UDP frontend.",
-            );
-            let _ = writeln!(out, "kube_router_conntrack_purge_scans_total {}", m.conntrack_purge_scans);
-            family(
-                &mut out,
-                "kube_router_api_reachable",
-                "gauge",
-                "1 while the last API request succeeded, 0 after a failure.",
-            );
-            let _ = writeln!(out, "kube_router_api_reachable {}", u8::from(m.api_reachable));
-            family(
-                &mut out,
-                "kube_router_api_errors_total",
-                "counter",
-                "Failed API list/watch requests (each retried with backoff).",
-            );
-            let _ = writeln!(out, "kube_router_api_errors_total {}", m.api_errors);
-            family(
-                &mut out,
-                "kube_router_seconds_since_api_contact",
-                "gauge",
-                "Seconds since the API server last answered (-1 before it ever did).",
-            );
-            let since = m.last_api_contact_unix.map(|t| unix_now() - t).unwrap_or(-1.0);
-            let _ = writeln!(out, "kube_router_seconds_since_api_contact {since:.3}");
-            family(
-                &mut out,
-                "kube_router_checkpoint_errors_total",
-                "counter",
-                "Checkpoints that could not be written or read.",
-            );
-            let _ = writeln!(out, "kube_router_checkpoint_errors_total {}", m.checkpoint_errors);
-            if let Some(seconds) = m.checkpoint_write_seconds {
-                family(
-                    &mut out,
-                    "kube_router_checkpoint_write_duration_seconds",
-                    "gauge",
-                    "How long the last checkpoint write took; the next waits 20 times as long (at least 1 s).",
-                );
-                let _ = writeln!(out, "kube_router_checkpoint_write_duration_seconds {seconds:.6}");
-            }
-            family(
-                &mut out,
-                "kube_router_checkpoint_superseded_total",
-                "counter",
-                "Restored checkpoints not programmed because the maps already held newer API state (a restart within a second of a change).",
-            );
-            for maps in ["policy", "service"] {
-                let count = m.checkpoint_superseded.get(maps).copied().unwrap_or(0);
-                let _ = writeln!(out, "kube_router_checkpoint_superseded_total{{maps=\"{maps}\"}} {count}");
-            }
-            family(
-                &mut out,
-                "kube_router_cni_config_errors_total",
-                "counter",
-                "CNI configurations that could not be derived from the Node or written (the datapath is unaffected).",
-            );
-            let _ = writeln!(out, "kube_router_cni_config_errors_total {}", m.cni_errors);
-            if !m.overlay_packets.is_empty() {
-                family(
-                    &mut out,
-                    "kube_router_overlay_packets_total",
-                    "counter",
-                    "Pod overlay datapath events (ovl_stats), summed over CPUs.",
-                );
-                for (name, n) in &m.overlay_packets {
-                    let _ = writeln!(out, "kube_router_overlay_packets_total{{event=\"{name}\"}} {n}");
-                }
-            }
-            if !m.policy_packets.is_empty() {
-                family(
-                    &mut out,
-                    "kube_router_policy_packets_total",
-                    "counter",
-                    "NetworkPolicy datapath verdicts, passes and drops before judging (pol_stats, pol_guard_stats), summed over CPUs.",
-                );
-                for (name, n) in &m.policy_packets {
-                    let _ = writeln!(out, "kube_router_policy_packets_total{{result=\"{name}\"}} {n}");
-                }
-                family(
-                    &mut out,
-                    "kube_router_policy_conntrack_entries",
-                    "gauge",
-                    "Entries in pol_ct_v4 after the last GC.",
-                );
-                let _ = writeln!(out, "kube_router_policy_conntrack_entries {}", m.policy_conntrack_entries);
-            }
-            family(
-                &mut out,
-                "kube_router_socket_lb_errors_total",
-                "counter",
-                "Failures to attach the socket load balancer (cgroup programs).",
-            );
-            let _ = writeln!(out, "kube_router_socket_lb_errors_total {}", m.socket_lb_errors);
-            family(
-                &mut out,
-                "kube_router_socket_lb_agent_not_exempt_total",
-                "counter",
-                "Starts at which the agent's own cgroup could not be exempted from the socket load balancer, by reason.",
-            );
-            for (reason, n) in &m.socket_lb_agent_not_exempt {
-                let _ = writeln!(out, "kube_router_socket_lb_agent_not_exempt_total{{reason=\"{reason}\"}} {n}");
-            }
-            if !m.socket_lb_events.is_empty() {
-                family(
-                    &mut out,
-                    "kube_router_socket_lb_events_total",
-                    "counter",
-                    "Socket load balancer calls by outcome (sock_stats), summed over CPUs.",
-                );
-                for (name, n) in &m.socket_lb_events {
-                    let _ = writeln!(out, "kube_router_socket_lb_events_total{{event=\"{name}\"}} {n}");
-                }
-            }
-            if let Some(seconds) = m.policy_sync_seconds {
-                family(
-                    &mut out,
-                    "kube_router_policy_sync_seconds",
-                    "gauge",
-                    "Duration of the last policy compile and sync.",
-                );
-                let _ = writeln!(out, "kube_router_policy_sync_seconds {seconds}");
-            }
-            for render in m.families.values() {
-                render(&mut out);
-            }
-            render_http_families(&mut out, m);
-            render_kube_router_names(&mut out, m);
-            crate::process_metrics::render_own(&mut out);
-            out
-        }
-    }
-
-    /// Adds (or replaces) the families `name` renders on every scrape.
-    pub fn register_families(&self, name: &'static str, render: Family) {
-        self.with(|m| m.families.insert(name, render));
+    /// The controllers' liveness and the agent's readiness.
+    pub fn health_state(&self) -> Arc<crate::health::Health> {
+        self.0.health.clone()
     }
 
     /// Serves the page `render` writes at `/<name>`.
     pub fn register_page(&self, name: &'static str, render: Page) {
-        self.with(|m| m.pages.insert(name, render));
+        lock(&self.0.pages).insert(name, render);
     }
 
     /// The page registered as `name`, rendered now.
     pub fn page(&self, name: &str) -> Option<String> {
-        let render = self.with(|m| m.pages.get(name).cloned())?;
+        let render = lock(&self.0.pages).get(name).cloned()?;
         Some(render())
     }
 
@@ -446,18 +101,18 @@ impl Metrics {
     /// hangs, `/readyz` 503 also until the first complete sync (see `health`). Never because of
     /// the API server: its reachability is reported in the body only.
     pub fn health(&self, readiness: bool) -> (bool, String) {
-        let (health, detail, api, api_contact) = self.with(|m| {
-            let detail: BTreeMap<&str, f64> =
-                m.heartbeats.iter().map(|(k, t)| (*k, t.elapsed().as_secs_f64())).collect();
-            // "unknown" until the API has answered once (or with no API at all, --service-file).
-            let api = match (m.api_reachable, m.last_api_contact_unix) {
-                (true, _) => "reachable",
-                (false, None) => "unknown",
-                (false, Some(_)) => "unreachable",
-            };
-            (m.health.clone(), detail, api, m.last_api_contact_unix.map(|t| (unix_now() - t).round()))
-        });
-        let verdict = health.check();
+        let detail: BTreeMap<&str, f64> =
+            lock(&self.0.heartbeats).iter().map(|(k, t)| (*k, t.elapsed().as_secs_f64())).collect();
+        let agent = self.of::<AgentMetrics>();
+        let last_contact = agent.last_api_contact.get();
+        // "unknown" until the API has answered once (or with no API at all, --service-file).
+        let api = match (agent.api_reachable.get() == 1, last_contact) {
+            (true, _) => "reachable",
+            (false, None) => "unknown",
+            (false, Some(_)) => "unreachable",
+        };
+        let api_contact = last_contact.map(|t| (unix_now() - t).round());
+        let verdict = self.0.health.check();
         let ok = if readiness { verdict.ready } else { verdict.live };
         let status = match (ok, verdict.live) {
             (true, _) => "ok",
@@ -477,67 +132,88 @@ impl Metrics {
     }
 }
 
-/// The agent's HTTP servers' refused connections and failed accepts.
-fn render_http_families(out: &mut String, m: &MetricsState) {
-    family(
-        out,
-        "kube_router_http_connections_rejected_total",
-        "counter",
-        "Connections to the agent's HTTP servers closed unanswered, by server and reason (a limit, or a timeout).",
-    );
-    for ((server, reason), n) in &m.http_rejected {
-        let _ =
-            writeln!(out, "kube_router_http_connections_rejected_total{{server=\"{server}\",reason=\"{reason}\"}} {n}");
+/// What several subsystems record into: objects rejected (Services, EndpointSlices, Nodes,
+/// NetworkPolicies, health check ports), the API server's reachability (the watchers, and the
+/// health endpoints' body), the checkpoint (its writer, the restore at start, the services and
+/// policy controllers that may find it superseded).
+#[derive(Default)]
+pub struct AgentMetrics {
+    rejected_objects: Family<Labels<1>, Counter>,
+    pub api_reachable: IntGauge,
+    pub api_errors: Counter,
+    pub last_api_contact: OptionalGauge,
+    pub checkpoint_errors: Counter,
+    /// How long the last checkpoint write took (it sets the wait before the next).
+    pub checkpoint_write_seconds: OptionalGauge,
+    /// Restored checkpoints not programmed into a set of maps (`service`, `policy`) that
+    /// already held newer API state.
+    checkpoint_superseded: Family<Labels<1>, Counter>,
+}
+
+impl AgentMetrics {
+    /// An object of `kind` rejected as invalid.
+    pub fn reject(&self, kind: &'static str) {
+        self.rejected_objects.get_or_create(&[("kind", kind)]).inc();
     }
-    family(
-        out,
-        "kube_router_http_accept_errors_total",
-        "counter",
-        "Failed accept() calls of the agent's HTTP servers, by server and error (each followed by a short backoff).",
-    );
-    for ((server, error), n) in &m.http_accept_errors {
-        let _ = writeln!(out, "kube_router_http_accept_errors_total{{server=\"{server}\",error=\"{error}\"}} {n}");
+
+    /// A restored checkpoint not programmed into `maps` (`service`, `policy`).
+    pub fn checkpoint_superseded(&self, maps: &'static str) {
+        self.checkpoint_superseded.get_or_create(&[("maps", maps)]).inc();
+    }
+
+    pub fn checkpoint_superseded_count(&self, maps: &'static str) -> u64 {
+        self.checkpoint_superseded.get_or_create(&[("maps", maps)]).get()
     }
 }
 
-/// The families under kube-router's own names (kube-router's dashboard reads these).
-fn render_kube_router_names(out: &mut String, m: &MetricsState) {
-    use crate::kr_metrics::{render_build_info, render_histogram};
-    render_build_info(out);
-    family(out, "kube_router_controller_ipvs_services", "gauge", "Number of ipvs services in the instance");
-    let frontends = m.map_entries.get(kube_router_common::map_names::SERVICES).copied().unwrap_or(0);
-    let _ = writeln!(out, "kube_router_controller_ipvs_services {frontends}");
-    m.kr.render_services(out);
-    for (name, help, h) in [
-        (
-            "kube_router_controller_ipvs_services_sync_time",
-            "Time it took for controller to sync ipvs services",
-            &m.kr.services_sync_time,
-        ),
-        ("kube_router_controller_ipvs_metrics_export_time", "Time it took to export metrics", &m.kr.stats_export_time),
-        (
-            "kube_router_controller_iptables_sync_time",
-            "Time it took for controller to sync iptables",
-            &m.kr.policy_sync_time,
-        ),
-        (
-            "kube_router_controller_policy_chains_sync_time",
-            "Time it took for controller to sync policy chains",
-            &m.kr.policy_sync_time,
-        ),
-        (
-            "kube_router_controller_bgp_internal_peers_sync_time",
-            "Time it took to sync internal bgp peers",
-            &m.kr.bgp_peers_sync_time,
-        ),
-        // One routing sync derives the peers and the routes together.
-        (
-            "kube_router_controller_routes_sync_time",
-            "Time it took for controller to sync routes",
-            &m.kr.bgp_peers_sync_time,
-        ),
-    ] {
-        render_histogram(out, name, help, h);
+impl Subsystem for AgentMetrics {
+    fn register(this: &Arc<Self>, registry: &mut Registry) {
+        for maps in ["policy", "service"] {
+            drop(this.checkpoint_superseded.get_or_create(&[("maps", maps)]));
+        }
+        let m = this.as_ref();
+        register(
+            registry,
+            "kube_router_rejected_objects_total",
+            "Objects rejected as invalid (their programmed state is kept).",
+            m.rejected_objects.clone(),
+        );
+        register(
+            registry,
+            "kube_router_api_reachable",
+            "1 while the last API request succeeded, 0 after a failure.",
+            m.api_reachable.clone(),
+        );
+        register(
+            registry,
+            "kube_router_api_errors_total",
+            "Failed API list/watch requests (each retried with backoff).",
+            m.api_errors.clone(),
+        );
+        register(
+            registry,
+            "kube_router_seconds_since_api_contact",
+            "Seconds since the API server last answered (-1 before it ever did).",
+            SecondsSince(m.last_api_contact.clone()),
+        );
+        register(
+            registry,
+            "kube_router_checkpoint_errors_total",
+            "Checkpoints that could not be written or read.",
+            m.checkpoint_errors.clone(),
+        );
+        register_optional(
+            registry,
+            "kube_router_checkpoint_write_duration_seconds",
+            "How long the last checkpoint write took; the next waits 20 times as long (at least 1 s).",
+            m.checkpoint_write_seconds.clone(),
+        );
+        register(
+            registry,
+            "kube_router_checkpoint_superseded_total",
+            "Restored checkpoints not programmed because the maps already held newer API state (a restart within a second of a change).",
+            m.checkpoint_superseded.clone(),
+        );
     }
 }
 
@@ -564,7 +240,7 @@ pub async fn serve_metrics(metrics: Metrics, listener: TcpListener, path: String
     let state = metrics.clone();
     let handler: crate::http::Handler = Arc::new(move |request| {
         Some(if request == path {
-            Response::new("200 OK", "text/plain; version=0.0.4", state.render())
+            Response::new("200 OK", exposition::CONTENT_TYPE, state.render())
         } else if let Some(text) = state.page(request.trim_start_matches('/')) {
             Response::new("200 OK", "text/plain", text)
         } else {
@@ -576,10 +252,13 @@ pub async fn serve_metrics(metrics: Metrics, listener: TcpListener, path: String
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
+    use std::{collections::BTreeMap, time::Duration};
 
     use super::*;
-    use crate::map_writes::OpCounts;
+    use crate::{
+        controllers::{datapath_stats::DatapathMetrics, services::ServiceMetrics},
+        map_writes::{MapMetrics, OpCounts, SyncReport},
+    };
 
     /// A minimal Prometheus text-format reader: family -> type, and every sample's family.
     fn parse(text: &str) -> (BTreeMap<String, String>, Vec<(String, f64)>) {
@@ -601,9 +280,11 @@ mod tests {
     #[test]
     fn every_sample_belongs_to_a_typed_family_with_the_documented_names() {
         let metrics = Metrics::default();
+        crate::agent::register_metrics(&metrics);
         let mut report = SyncReport::default();
         report.per_map.insert("svc_v4", OpCounts { inserts: 3, updates: 1, ..Default::default() });
-        metrics.record_sync(&report, Duration::from_millis(3));
+        metrics.of::<MapMetrics>().record(&report);
+        metrics.of::<ServiceMetrics>().record_sync(Duration::from_millis(3));
         let (types, samples) = parse(&metrics.render());
         for (name, _) in &samples {
             let family = name.trim_end_matches("_bucket").trim_end_matches("_sum").trim_end_matches("_count");
@@ -618,20 +299,43 @@ mod tests {
         assert!(metrics.render().contains("kube_router_map_writes_total{map=\"svc_v4\",op=\"update\"} 1"));
     }
 
-    /// Every family the agent can export, each rendered at least once.
+    /// Every family the agent can export, each with a series.
     fn every_family() -> BTreeMap<String, String> {
         let metrics = Metrics::default();
-        metrics.with(|m| {
+        crate::agent::register_metrics(&metrics);
+        metrics.of::<DatapathMetrics>().with(|m| {
             m.policy_packets = vec![("allowed", 1)];
             m.socket_lb_events = vec![("connect", 1)];
-            m.overlay_packets = vec![("encapsulated", 1)];
-            m.policy_sync_seconds = Some(0.1);
-            m.checkpoint_write_seconds = Some(0.1);
         });
-        let mut text = metrics.render();
-        crate::router::render_bgp_families(&mut text, &crate::bgp::speaker::SpeakerStatus::default());
+        metrics.of::<crate::router::RoutingMetrics>().set_overlay_packets(vec![("encapsulated", 1)]);
+        let mut report = SyncReport::default();
+        report.per_map.insert("svc_v4", OpCounts { inserts: 1, ..Default::default() });
+        let maps = metrics.of::<MapMetrics>();
+        maps.record(&report);
+        maps.set_entries("svc_v4", 1);
+        maps.set_full("svc_v4", false);
+        metrics.of::<crate::firewall::PolicyMetrics>().record_sync(Duration::from_millis(100));
+        let agent = metrics.of::<AgentMetrics>();
+        agent.checkpoint_write_seconds.set(0.1);
+        agent.reject("Service");
+        metrics.of::<ServiceMetrics>().external_ip_refused("loopback");
+        metrics
+            .of::<crate::bpf::socket_lb::SocketLbMetrics>()
+            .agent_not_exempt
+            .get_or_create(&[("reason", "root_cgroup")])
+            .inc();
+        let http = metrics.of::<crate::http::HttpMetrics>();
+        http.count_rejected("metrics", "peer_limit");
+        http.count_accept_error("metrics", "EMFILE");
+        metrics.register_collector(crate::exposition::FnCollector(
+            |encoder: &mut prometheus_client::encoding::DescriptorEncoder| {
+                crate::router::encode_bgp_families(encoder, &crate::bgp::speaker::SpeakerStatus::default())
+            },
+        ));
         let (_, status) = tokio::sync::watch::channel(crate::runtime::Status::default());
-        crate::runtime::render_families(&mut text, &[("services", status)]);
+        metrics.register_collector(crate::runtime::ControllerMetrics(vec![("services", status)]));
+        let text = metrics.render();
+        assert!(!text.contains(" untyped\n"), "every family has a type:\n{text}");
         parse(&text).0
     }
 
@@ -690,35 +394,32 @@ mod tests {
         }
     }
 
-    /// Rendering works on a copy: a family that records into the metrics while it renders (as
-    /// any controller may at that moment) does not wait for the scrape to end.
+    /// A collector may record into any subsystem while the text is encoded (as any controller
+    /// may at that moment): recording never waits for the registry's lock.
     #[test]
-    fn rendering_does_not_hold_the_lock_the_controllers_record_under() {
+    fn recording_while_the_text_is_encoded_does_not_wait_for_it() {
         let metrics = Metrics::default();
-        let recorder = metrics.clone();
-        metrics.register_families(
-            "records-while-rendering",
-            Arc::new(move |out: &mut String| {
-                let syncs = recorder.with(|m| {
-                    m.syncs += 1;
-                    m.syncs
-                });
-                let _ = writeln!(out, "# recorded {syncs}");
-            }),
-        );
+        let agent = metrics.of::<AgentMetrics>();
+        let recorder = agent.clone();
+        metrics.register_collector(crate::exposition::FnCollector(
+            move |encoder: &mut prometheus_client::encoding::DescriptorEncoder| {
+                recorder.api_errors.inc();
+                crate::exposition::single(encoder, "t_recorded", "T.", &crate::exposition::Value::IntGauge(1))
+            },
+        ));
         let (done, rendered) = std::sync::mpsc::channel();
         std::thread::spawn(move || done.send(metrics.render()).unwrap());
         let text = rendered.recv_timeout(Duration::from_secs(5)).expect("the render finished (no deadlock)");
-        assert!(text.contains("# recorded 1"));
+        assert!(text.contains("\nt_recorded 1\n"), "{text}");
+        assert_eq!(agent.api_errors.get(), 1);
     }
 
     #[test]
     fn health_is_ok_even_when_the_api_is_unreachable() {
         let metrics = Metrics::default();
-        metrics.with(|m| {
-            m.last_api_contact_unix = Some(unix_now() - 100.0);
-            m.api_reachable = false;
-        });
+        let agent = metrics.of::<AgentMetrics>();
+        agent.last_api_contact.set(unix_now() - 100.0);
+        agent.api_reachable.set(0);
         let (live, health) = metrics.health(false);
         assert!(live);
         let health: serde_json::Value = serde_json::from_str(&health).unwrap();

@@ -1,9 +1,14 @@
 //! The `process_*` families the Prometheus Go client exports by default (upstream kube-router
 //! has them), read from `/proc/self` on every scrape, so memory and CPU alerts written against
 //! upstream keep working. Parsing is pure; the files come through [`ProcSource`].
-use std::{fmt::Write as _, path::PathBuf};
+use std::{path::PathBuf, sync::Arc};
 
-use crate::exposition::family;
+use prometheus_client::{collector::Collector, encoding::DescriptorEncoder, registry::Registry};
+
+use crate::{
+    exposition::{single, Value},
+    metrics::Subsystem,
+};
 
 /// What the families are computed from: the text of `/proc/self/stat`, `/proc/self/limits`
 /// and `/proc/stat`, and how many descriptors `/proc/self/fd` lists.
@@ -121,41 +126,46 @@ pub fn sample(source: &impl ProcSource, units: SystemUnits) -> ProcessSample {
 }
 
 /// The families, with the Go client's names, types and help texts.
-pub fn render(out: &mut String, s: &ProcessSample) {
-    let families: [(&str, &str, &str, Option<f64>); 6] = [
-        ("process_cpu_seconds_total", "counter", "Total user and system CPU time spent in seconds.", s.cpu_seconds),
-        ("process_open_fds", "gauge", "Number of open file descriptors.", s.open_fds.map(|n| n as f64)),
-        ("process_max_fds", "gauge", "Maximum number of open file descriptors.", s.max_fds.map(|n| n as f64)),
+pub fn encode(encoder: &mut DescriptorEncoder, s: &ProcessSample) -> std::fmt::Result {
+    let int = |n: Option<u64>| n.map(|n| Value::IntGauge(n as i64));
+    let families: [(&str, &str, Option<Value>); 6] = [
         (
-            "process_virtual_memory_bytes",
-            "gauge",
-            "Virtual memory size in bytes.",
-            s.virtual_memory_bytes.map(|n| n as f64),
+            "process_cpu_seconds_total",
+            "Total user and system CPU time spent in seconds.",
+            s.cpu_seconds.map(Value::FloatCounter),
         ),
-        (
-            "process_resident_memory_bytes",
-            "gauge",
-            "Resident memory size in bytes.",
-            s.resident_memory_bytes.map(|n| n as f64),
-        ),
+        ("process_open_fds", "Number of open file descriptors.", int(s.open_fds.map(|n| n as u64))),
+        ("process_max_fds", "Maximum number of open file descriptors.", int(s.max_fds)),
+        ("process_virtual_memory_bytes", "Virtual memory size in bytes.", int(s.virtual_memory_bytes)),
+        ("process_resident_memory_bytes", "Resident memory size in bytes.", int(s.resident_memory_bytes)),
         (
             "process_start_time_seconds",
-            "gauge",
             "Start time of the process since unix epoch in seconds.",
-            s.start_time_seconds,
+            s.start_time_seconds.map(Value::Gauge),
         ),
     ];
-    for (name, kind, help, value) in families {
+    for (name, help, value) in families {
         if let Some(value) = value {
-            family(out, name, kind, help);
-            let _ = writeln!(out, "{name} {value}");
+            single(encoder, name, help, &value)?;
         }
+    }
+    Ok(())
+}
+
+/// The families of this process, read on every scrape.
+#[derive(Debug, Default)]
+pub struct ProcessMetrics;
+
+impl Subsystem for ProcessMetrics {
+    fn register(this: &Arc<Self>, registry: &mut Registry) {
+        registry.register_collector(Box::new(this.clone()));
     }
 }
 
-/// The families of this process, read now.
-pub fn render_own(out: &mut String) {
-    render(out, &sample(&OwnProc, SystemUnits::of_this_system()));
+impl Collector for ProcessMetrics {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        encode(&mut encoder, &sample(&OwnProc, SystemUnits::of_this_system()))
+    }
 }
 
 #[cfg(test)]
@@ -199,11 +209,10 @@ mod tests {
         assert_eq!(s.start_time_seconds, Some(1_700_000_000.0 + 3600.0));
         assert_eq!(s.open_fds, Some(17));
         assert_eq!(s.max_fds, Some(1024), "the soft limit, as the Go client reports");
-        let mut out = String::new();
-        render(&mut out, &s);
-        assert!(out.contains("# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 4\n"), "{out}");
+        let out = crate::exposition::encode_with(move |encoder| encode(encoder, &s));
+        assert!(out.contains("# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 4.0\n"), "{out}");
         assert!(out.contains("process_resident_memory_bytes 10485760\n"), "{out}");
-        assert!(out.contains("process_start_time_seconds 1700003600\n"), "{out}");
+        assert!(out.contains("process_start_time_seconds 1700003600.0\n"), "{out}");
         assert!(out.contains("process_max_fds 1024\n"), "{out}");
     }
 
@@ -212,8 +221,7 @@ mod tests {
         let units = SystemUnits { ticks_per_second: 100, page_size: 4096 };
         let unlimited = "Max open files            unlimited            unlimited            files     \n";
         let s = sample(&Fake { limits: unlimited, fds: Err(std::io::ErrorKind::PermissionDenied.into()) }, units);
-        let mut out = String::new();
-        render(&mut out, &s);
+        let out = crate::exposition::encode_with(move |encoder| encode(encoder, &s));
         assert!(!out.contains("process_open_fds") && !out.contains("process_max_fds"), "{out}");
         assert!(out.contains("process_virtual_memory_bytes 734003200\n"), "{out}");
         assert_eq!(parse_stat("garbage"), None);

@@ -23,12 +23,15 @@ use crate::{
         message::{Family, Prefix},
         peers::{node_bgp_config, ExternalPeerFlag, GlobalSettings, NodeBgpConfig, PeerConfig, RouterIdSetting},
         policy::{ExportPolicy, ImportPolicy, OriginKind},
-        speaker::{run_fib, GracefulRestartSettings, Originated, Policies, Speaker, SpeakerConfig, SpeakerStatus},
+        speaker::{
+            run_fib, GracefulRestartSettings, Originated, PeerStatus, Policies, Speaker, SpeakerConfig, SpeakerStatus,
+        },
     },
     fib::{netlink::NetlinkRoutes, resolve::Reachability},
-    metrics::{family, Metrics},
+    metrics::{AgentMetrics, Metrics, Subsystem},
     overlay::OverlayConfig,
 };
+use prometheus_client::encoding::DescriptorEncoder;
 
 #[derive(Debug, Clone)]
 pub struct RouterOptions {
@@ -98,6 +101,7 @@ pub struct RouterController {
     last_problem: Option<String>,
     last_warnings: Vec<String>,
     metrics: Metrics,
+    routing_metrics: Arc<RoutingMetrics>,
     /// A speaker that failed to start: how often, and why (logged once per reason).
     failed_start: Option<FailedStart>,
     /// The speaker's families and page are registered with the metrics.
@@ -117,6 +121,7 @@ impl RouterController {
             applied: None,
             last_problem: None,
             last_warnings: Vec::new(),
+            routing_metrics: metrics.of(),
             metrics,
             failed_start: None,
             registered: false,
@@ -209,7 +214,7 @@ impl RouterController {
                 let problem = e.to_string();
                 if self.last_problem.as_ref() != Some(&problem) {
                     tracing::warn!(error = %problem, "BGP configuration from Node objects unavailable; routing left as it is");
-                    self.metrics.with(|m| *m.rejected_objects.entry("Node").or_default() += 1);
+                    self.metrics.of::<AgentMetrics>().reject("Node");
                     self.last_problem = Some(problem);
                 }
                 Ok(())
@@ -260,8 +265,8 @@ impl RouterController {
         self.speaker.is_none() && self.failed_start.is_some()
     }
 
-    pub fn metrics(&self) -> &Metrics {
-        &self.metrics
+    pub fn routing_metrics(&self) -> &RoutingMetrics {
+        &self.routing_metrics
     }
 
     async fn start(&self, config: &NodeBgpConfig, wanted: &Applied) -> Result<Speaker> {
@@ -313,11 +318,7 @@ impl RouterController {
         if let Some(speaker) = &self.speaker {
             if !self.registered {
                 // Read fresh on every scrape and every request of /bgp.
-                let scraped = speaker.clone();
-                self.metrics.register_families(
-                    "bgp",
-                    Arc::new(move |out: &mut String| render_bgp_families(out, &scraped.status())),
-                );
+                self.metrics.register_collector(SpeakerMetrics(speaker.clone()));
                 let shown = speaker.clone();
                 self.metrics.register_page("bgp", Arc::new(move || render_status(Some(&shown.status()))));
                 let reported = speaker.clone();
@@ -332,7 +333,7 @@ impl RouterController {
         if self.options.overlay.is_some() {
             if let Ok(stats) = crate::overlay::maps::read_stats(&self.options.bpf_root) {
                 let names = kube_router_common::ovl_stat::NAMES;
-                self.metrics.with(|m| m.overlay_packets = names.iter().copied().zip(stats).collect());
+                self.routing_metrics.set_overlay_packets(names.iter().copied().zip(stats).collect());
             }
         }
     }
@@ -355,131 +356,199 @@ fn first_global_ipv6() -> Option<Ipv6Addr> {
     })
 }
 
-/// The BGP sessions' metric families, under our names and kube-router's.
-pub fn render_bgp_families(out: &mut String, status: &SpeakerStatus) {
-    render_session_families(out, status);
-    crate::kr_metrics::render_bgp(out, status);
+/// The routing controller's metrics: its sync time, and the overlay's counters. The BGP
+/// speaker's families are a collector of its own ([`SpeakerMetrics`]), registered when it starts.
+#[derive(Debug)]
+pub struct RoutingMetrics {
+    /// BGP peers and routes from Node objects (kube-router: internal peers sync, routes sync).
+    pub sync_time: prometheus_client::metrics::histogram::Histogram,
+    /// `ovl_stats` counters, summed over CPUs (once the overlay is in use).
+    overlay_packets: std::sync::Mutex<Vec<(&'static str, u64)>>,
 }
 
-fn render_session_families(out: &mut String, bgp: &SpeakerStatus) {
-    family(out, "kube_router_bgp_session_established", "gauge", "1 if the BGP session with the peer is Established.");
-    for p in &bgp.peers {
-        let up = u8::from(p.state == State::Established);
-        let _ = writeln!(out, "kube_router_bgp_session_established{{peer=\"{}\",asn=\"{}\"}} {up}", p.address, p.asn);
+impl Default for RoutingMetrics {
+    fn default() -> Self {
+        Self { sync_time: crate::exposition::sync_histogram(), overlay_packets: Default::default() }
     }
-    family(
-        out,
+}
+
+impl RoutingMetrics {
+    pub fn set_overlay_packets(&self, counters: Vec<(&'static str, u64)>) {
+        *self.overlay_packets.lock().unwrap_or_else(|p| p.into_inner()) = counters;
+    }
+}
+
+impl Subsystem for RoutingMetrics {
+    fn register(this: &Arc<Self>, registry: &mut prometheus_client::registry::Registry) {
+        use crate::exposition::register;
+        register(
+            registry,
+            "kube_router_controller_bgp_internal_peers_sync_time",
+            "Time it took to sync internal bgp peers",
+            this.sync_time.clone(),
+        );
+        // One routing sync derives the peers and the routes together.
+        register(
+            registry,
+            "kube_router_controller_routes_sync_time",
+            "Time it took for controller to sync routes",
+            this.sync_time.clone(),
+        );
+        registry.register_collector(Box::new(this.clone()));
+    }
+}
+
+impl prometheus_client::collector::Collector for RoutingMetrics {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let overlay = self.overlay_packets.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if overlay.is_empty() {
+            return Ok(());
+        }
+        crate::exposition::counters_by(
+            &mut encoder,
+            "kube_router_overlay_packets_total",
+            "Pod overlay datapath events (ovl_stats), summed over CPUs.",
+            "event",
+            &overlay,
+        )
+    }
+}
+
+/// The speaker's families, read from its status on every scrape.
+struct SpeakerMetrics(Speaker);
+
+impl std::fmt::Debug for SpeakerMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SpeakerMetrics")
+    }
+}
+
+impl prometheus_client::collector::Collector for SpeakerMetrics {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        encode_bgp_families(&mut encoder, &self.0.status())
+    }
+}
+
+/// The BGP sessions' metric families, under our names and kube-router's, and the FIB task's.
+pub fn encode_bgp_families(encoder: &mut DescriptorEncoder, status: &SpeakerStatus) -> std::fmt::Result {
+    encode_session_families(encoder, status)?;
+    crate::kr_metrics::encode_bgp(encoder, status)
+}
+
+fn encode_session_families(encoder: &mut DescriptorEncoder, bgp: &SpeakerStatus) -> std::fmt::Result {
+    use crate::exposition::{series, single, Value};
+    use prometheus_client::metrics::MetricType::{Counter, Gauge};
+    let peer = |p: &PeerStatus| [("peer", p.address.to_string())];
+    series(
+        encoder,
+        "kube_router_bgp_session_established",
+        "1 if the BGP session with the peer is Established.",
+        Gauge,
+        bgp.peers.iter().map(|p| {
+            let up = i64::from(p.state == State::Established);
+            (Some([("peer", p.address.to_string()), ("asn", p.asn.to_string())]), Value::IntGauge(up))
+        }),
+    )?;
+    series(
+        encoder,
         "kube_router_bgp_session_state",
-        "gauge",
         "BGP FSM state of each peer (the current state has value 1).",
-    );
-    for p in &bgp.peers {
-        let _ = writeln!(out, "kube_router_bgp_session_state{{peer=\"{}\",state=\"{:?}\"}} 1", p.address, p.state);
-    }
-    for (name, help, pick) in [
-        ("kube_router_bgp_prefixes_received", "Prefixes in the peer's Adj-RIB-In.", 0),
-        ("kube_router_bgp_prefixes_stale", "Prefixes kept as stale while the peer restarts.", 1),
-        ("kube_router_bgp_prefixes_advertised", "Prefixes in the peer's Adj-RIB-Out.", 2),
-        ("kube_router_bgp_prefixes_rejected", "Prefixes of the peer the import policy refuses (kept, unused).", 3),
+        Gauge,
+        bgp.peers.iter().map(|p| {
+            (Some([("peer", p.address.to_string()), ("state", format!("{:?}", p.state))]), Value::IntGauge(1))
+        }),
+    )?;
+    type Pick = fn(&PeerStatus) -> Value;
+    let per_peer: [(&str, &str, prometheus_client::metrics::MetricType, Pick); 11] = [
+        ("kube_router_bgp_prefixes_received", "Prefixes in the peer's Adj-RIB-In.", Gauge, |p| {
+            Value::IntGauge(p.prefixes_received as i64)
+        }),
+        ("kube_router_bgp_prefixes_stale", "Prefixes kept as stale while the peer restarts.", Gauge, |p| {
+            Value::IntGauge(p.prefixes_stale as i64)
+        }),
+        ("kube_router_bgp_prefixes_advertised", "Prefixes in the peer's Adj-RIB-Out.", Gauge, |p| {
+            Value::IntGauge(p.prefixes_advertised as i64)
+        }),
+        (
+            "kube_router_bgp_prefixes_rejected",
+            "Prefixes of the peer the import policy refuses (kept, unused).",
+            Gauge,
+            |p| Value::IntGauge(p.prefixes_rejected as i64),
+        ),
         (
             "kube_router_bgp_prefixes_unresolved",
             "Prefixes of the peer whose next hop does not resolve (kept, unused).",
-            4,
+            Gauge,
+            |p| Value::IntGauge(p.prefixes_unresolved as i64),
         ),
-    ] {
-        family(out, name, "gauge", help);
-        for p in &bgp.peers {
-            let n = [
-                p.prefixes_received,
-                p.prefixes_stale,
-                p.prefixes_advertised,
-                p.prefixes_rejected,
-                p.prefixes_unresolved,
-            ][pick];
-            let _ = writeln!(out, "{name}{{peer=\"{}\"}} {n}", p.address);
-        }
-    }
-    family(out, "kube_router_bgp_bfd_up", "gauge", "1 if the BFD session watching the peer is Up (BFD peers only).");
-    for p in &bgp.peers {
-        if let Some(up) = p.bfd_up {
-            let _ = writeln!(out, "kube_router_bgp_bfd_up{{peer=\"{}\"}} {}", p.address, u8::from(up));
-        }
-    }
-    for (name, help, pick) in [
-        ("kube_router_bgp_updates_received_total", "UPDATE messages received.", 0),
-        ("kube_router_bgp_notifications_received_total", "NOTIFICATION messages received.", 1),
-        ("kube_router_bgp_notifications_sent_total", "NOTIFICATION messages sent.", 2),
+        ("kube_router_bgp_updates_received_total", "UPDATE messages received.", Counter, |p| {
+            Value::Counter(p.updates_received)
+        }),
+        ("kube_router_bgp_notifications_received_total", "NOTIFICATION messages received.", Counter, |p| {
+            Value::Counter(p.notifications_received)
+        }),
+        ("kube_router_bgp_notifications_sent_total", "NOTIFICATION messages sent.", Counter, |p| {
+            Value::Counter(p.notifications_sent)
+        }),
         (
             "kube_router_bgp_max_prefixes_exceeded_total",
             "Sessions closed because the peer sent more prefixes than its limit (Cease 1, RFC 4486).",
-            3,
+            Counter,
+            |p| Value::Counter(u64::from(p.max_prefix_violations)),
         ),
         (
             "kube_router_bgp_updates_treated_as_withdraw_total",
             "UPDATEs with a malformed attribute whose prefixes were treated as withdrawn, the session kept (RFC 7606).",
-            4,
+            Counter,
+            |p| Value::Counter(p.updates_treated_as_withdraw),
         ),
-    ] {
-        family(out, name, "counter", help);
-        for p in &bgp.peers {
-            let n = [
-                p.updates_received,
-                p.notifications_received,
-                p.notifications_sent,
-                u64::from(p.max_prefix_violations),
-                p.updates_treated_as_withdraw,
-            ][pick];
-            let _ = writeln!(out, "{name}{{peer=\"{}\"}} {n}", p.address);
-        }
+        (
+            "kube_router_bgp_bfd_up",
+            "1 if the BFD session watching the peer is Up (BFD peers only).",
+            Gauge,
+            // Filtered below: BFD peers only.
+            |p| Value::IntGauge(i64::from(p.bfd_up == Some(true))),
+        ),
+    ];
+    for (name, help, metric_type, pick) in per_peer {
+        let bfd_only = name == "kube_router_bgp_bfd_up";
+        let peers = bgp.peers.iter().filter(|p| !bfd_only || p.bfd_up.is_some());
+        series(encoder, name, help, metric_type, peers.map(|p| (Some(peer(p)), pick(p))))?;
     }
-    family(
-        out,
+    single(
+        encoder,
         "kube_router_bgp_malformed_messages_total",
-        "counter",
         "Malformed BGP messages received (RFC 7606 handling).",
-    );
-    let _ = writeln!(out, "kube_router_bgp_malformed_messages_total {}", bgp.malformed_messages);
-    family(
-        out,
+        &Value::Counter(bgp.malformed_messages),
+    )?;
+    single(
+        encoder,
         "kube_router_bgp_ignored_nlri_total",
-        "counter",
         "UPDATE parts ignored with the session kept: NLRI of families we do not route, unrepresentable prefixes.",
-    );
-    let _ = writeln!(out, "kube_router_bgp_ignored_nlri_total {}", bgp.ignored_nlri);
-    family(
-        out,
+        &Value::Counter(bgp.ignored_nlri),
+    )?;
+    series(
+        encoder,
         "kube_router_bfd_packets_dropped_total",
-        "counter",
         "BFD control packets dropped: reason ttl = IP TTL / hop limit not 255 (not from a directly connected neighbour).",
-    );
-    let _ = writeln!(out, "kube_router_bfd_packets_dropped_total{{reason=\"ttl\"}} {}", bgp.bfd_ttl_dropped);
-    family(out, "kube_router_bgp_routes_rejected_total", "counter", "Paths refused by the import policy, per reason.");
-    for (peer, reason, n) in &bgp.rejections {
-        let _ =
-            writeln!(out, "kube_router_bgp_routes_rejected_total{{peer=\"{peer}\",reason=\"{}\"}} {n}", reason.label());
-    }
-    family(out, "kube_router_bgp_routes", "gauge", "Prefixes in the Loc-RIB (best paths, local and learned).");
-    let _ = writeln!(out, "kube_router_bgp_routes {}", bgp.loc_rib_size);
-    let fib = &bgp.fib;
-    for (name, kind, help, n) in [
-        (
-            "kube_router_bgp_route_conflicts",
-            "gauge",
-            "Learned destinations not installed because another route (not ours) already claims them.",
-            fib.conflicts as u64,
-        ),
-        ("kube_router_bgp_route_conflicts_total", "counter", "Route conflicts seen (each once).", fib.conflicts_total),
-        (
-            "kube_router_bgp_routes_refused",
-            "gauge",
-            "Learned routes the kernel refused, waiting for a retry.",
-            fib.refused as u64,
-        ),
-        ("kube_router_bgp_route_refusals_total", "counter", "Kernel route writes refused.", fib.refusals_total),
-    ] {
-        family(out, name, kind, help);
-        let _ = writeln!(out, "{name} {n}");
-    }
+        Counter,
+        [(Some([("reason", "ttl")]), Value::Counter(bgp.bfd_ttl_dropped))],
+    )?;
+    series(
+        encoder,
+        "kube_router_bgp_routes_rejected_total",
+        "Paths refused by the import policy, per reason.",
+        Counter,
+        bgp.rejections.iter().map(|(peer, reason, n)| {
+            (Some([("peer", peer.to_string()), ("reason", reason.label().to_string())]), Value::Counter(*n))
+        }),
+    )?;
+    single(
+        encoder,
+        "kube_router_bgp_routes",
+        "Prefixes in the Loc-RIB (best paths, local and learned).",
+        &Value::IntGauge(bgp.loc_rib_size as i64),
+    )
 }
 
 /// Human-readable neighbors and routes, served on /bgp and printed by `kube-router bgp`.

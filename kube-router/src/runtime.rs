@@ -144,38 +144,42 @@ impl<C: Send + 'static> Running<C> {
 }
 
 /// The controllers' reconciles by outcome, and how many times in a row each has failed (it is
-/// retrying while that is above 0).
-pub fn render_families(out: &mut String, controllers: &[(&'static str, watch::Receiver<Status>)]) {
-    use std::fmt::Write as _;
-    crate::metrics::family(
-        out,
-        "kube_router_controller_reconciles_total",
-        "counter",
-        "Reconciles run by each controller, by outcome.",
-    );
-    let statuses: Vec<(&str, Status)> =
-        controllers.iter().map(|(name, status)| (*name, status.borrow().clone())).collect();
-    for (name, status) in &statuses {
-        let errors = status.runs - status.successes;
-        let _ = writeln!(
-            out,
-            "kube_router_controller_reconciles_total{{controller=\"{name}\",outcome=\"success\"}} {}",
-            status.successes
-        );
-        let _ = writeln!(
-            out,
-            "kube_router_controller_reconciles_total{{controller=\"{name}\",outcome=\"error\"}} {errors}"
-        );
+/// retrying while that is above 0), read from their statuses on every scrape.
+pub struct ControllerMetrics(pub Vec<(&'static str, watch::Receiver<Status>)>);
+
+impl std::fmt::Debug for ControllerMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.0.iter().map(|(name, _)| name)).finish()
     }
-    crate::metrics::family(
-        out,
-        "kube_router_controller_consecutive_failures",
-        "gauge",
-        "Failed reconciles of each controller since its last success (retried with backoff while above 0).",
-    );
-    for (name, status) in &statuses {
-        let _ =
-            writeln!(out, "kube_router_controller_consecutive_failures{{controller=\"{name}\"}} {}", status.failures);
+}
+
+impl prometheus_client::collector::Collector for ControllerMetrics {
+    fn encode(&self, mut encoder: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
+        use prometheus_client::metrics::MetricType::{Counter, Gauge};
+
+        use crate::exposition::{series, Value};
+        let statuses: Vec<(&str, Status)> =
+            self.0.iter().map(|(name, status)| (*name, status.borrow().clone())).collect();
+        let reconciles = statuses.iter().flat_map(|(name, status)| {
+            [("success", status.successes), ("error", status.runs - status.successes)]
+                .map(|(outcome, n)| (Some([("controller", *name), ("outcome", outcome)]), Value::Counter(n)))
+        });
+        series(
+            &mut encoder,
+            "kube_router_controller_reconciles_total",
+            "Reconciles run by each controller, by outcome.",
+            Counter,
+            reconciles,
+        )?;
+        series(
+            &mut encoder,
+            "kube_router_controller_consecutive_failures",
+            "Failed reconciles of each controller since its last success (retried with backoff while above 0).",
+            Gauge,
+            statuses
+                .iter()
+                .map(|(name, status)| (Some([("controller", *name)]), Value::IntGauge(i64::from(status.failures)))),
+        )
     }
 }
 

@@ -14,20 +14,6 @@ use std::{
 /// can be deleted.
 const ALLOWED_EDGES: &[(&str, &str, &str)] = &[
     (
-        "kr_metrics",
-        "bgp",
-        "render_bgp reads bgp::speaker::SpeakerStatus; closes bgp -> overlay -> bpf -> metrics -> \
-         kr_metrics -> bgp (bgp reaches bpf through the FIB task's overlay map writer). To cut: \
-         the FIB task and overlay/maps.rs out of bgp's reach behind a trait, or the status as \
-         plain data outside bgp/ (metrics migration area)",
-    ),
-    (
-        "kr_metrics",
-        "metrics",
-        "kr_metrics renders from Metrics, which embeds KubeRouterMetrics; the \
-         prometheus-client migration restructures both",
-    ),
-    (
         "metrics",
         "http",
         "metrics.rs serves /metrics and health over http::serve, which counts into Metrics; \

@@ -21,7 +21,36 @@ use aya::{
 use kube_router_common::{sock_map_names, sock_stat, SockLbConfig, SOCK_CONFIG_INDEX};
 
 use super::datapath::{same_program, AttachOutcome, Datapath};
-use crate::metrics::Metrics;
+use crate::{
+    exposition::{register, Counter, Family},
+    metrics::{Labels, Metrics, Subsystem},
+};
+
+/// The socket load balancer's attach failures, and starts at which the agent's own cgroup
+/// could not be exempted from it, by reason (`NotExempt`). Its per-call counters are read
+/// with the datapath's (`controllers/datapath_stats.rs`).
+#[derive(Debug, Default)]
+pub struct SocketLbMetrics {
+    pub errors: Counter,
+    pub agent_not_exempt: Family<Labels<1>, Counter>,
+}
+
+impl Subsystem for SocketLbMetrics {
+    fn register(this: &std::sync::Arc<Self>, registry: &mut prometheus_client::registry::Registry) {
+        register(
+            registry,
+            "kube_router_socket_lb_errors_total",
+            "Failures to attach the socket load balancer (cgroup programs).",
+            this.errors.clone(),
+        );
+        register(
+            registry,
+            "kube_router_socket_lb_agent_not_exempt_total",
+            "Starts at which the agent's own cgroup could not be exempted from the socket load balancer, by reason.",
+            this.agent_not_exempt.clone(),
+        );
+    }
+}
 
 /// One cgroup sock_addr hook and the program that runs there.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -141,7 +170,7 @@ pub fn apply(datapath: &mut Datapath, options: &SocketLbOptions, metrics: &Metri
                 error = format!("{e:#}"),
                 "socket load balancer not attached; the node cannot reach Services"
             );
-            metrics.with(|m| m.socket_lb_errors += 1);
+            metrics.of::<SocketLbMetrics>().errors.inc();
         }
     }
 }
@@ -327,7 +356,7 @@ pub fn exempt_own_cgroup(pin_dir: &Path, metrics: &Metrics) {
         "the agent's own sockets are not exempt from the socket load balancer: a frontend on the API \
          server's address would capture them"
     );
-    metrics.with(|m| *m.socket_lb_agent_not_exempt.entry(why.reason()).or_default() += 1);
+    metrics.of::<SocketLbMetrics>().agent_not_exempt.get_or_create(&[("reason", why.reason())]).inc();
 }
 
 /// The cgroup v2 id of this process: the inode of its directory in a cgroup2 mount (the id

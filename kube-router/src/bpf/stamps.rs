@@ -14,7 +14,10 @@ use anyhow::{Context, Result};
 use aya::maps::{Array, MapData};
 use kube_router_common::map_names::META;
 
-use crate::metrics::Metrics;
+use crate::{
+    map_writes::MapMetrics,
+    metrics::{AgentMetrics, Metrics},
+};
 
 /// A writer's slot in the `meta` map.
 pub struct MapsStamp {
@@ -117,7 +120,7 @@ impl ApiStateStamp {
                     checkpoint_as_of = taken as u64,
                     "the maps hold newer API state than the checkpoint; kept as they are until the API lists everything"
                 );
-                metrics.with(|m| *m.checkpoint_superseded.entry(maps).or_default() += 1);
+                metrics.of::<AgentMetrics>().checkpoint_superseded(maps);
             }
             newer
         })
@@ -146,7 +149,7 @@ impl ApiStateStamp {
             if let Err(e) = update(stamp) {
                 let maps = self.maps;
                 tracing::warn!(maps, error = %e, "cannot stamp the maps; a restart during an outage will apply the checkpoint");
-                metrics.with(|m| *m.map_writes.entry((META, "error")).or_default() += 1);
+                metrics.of::<MapMetrics>().count(META, "error", 1);
                 self.stamp = None;
             }
         }
@@ -183,7 +186,7 @@ mod tests {
         stamp.begin_write(&metrics);
         stamp.finish_write(true, 1_001.0, &metrics);
         assert_eq!(stamp.as_of(), Some(1_001));
-        let errors = |metrics: &Metrics| metrics.with(|m| m.map_writes.get(&(META, "error")).copied());
+        let errors = |metrics: &Metrics| metrics.of::<MapMetrics>().writes(META, "error");
         assert_eq!(errors(&metrics), None, "writes that took count nothing");
 
         stamp.update(|_| Err(anyhow::anyhow!("EPERM")), &metrics);

@@ -10,7 +10,7 @@ use anyhow::Result;
 
 use crate::{
     k8s::{cache::Cache, checkpoint, watch::Kind},
-    metrics::Metrics,
+    metrics::{AgentMetrics, Metrics},
     runtime::{Action, Controller},
 };
 
@@ -63,10 +63,10 @@ impl Controller for CheckpointWriter {
         let written = tokio::task::spawn_blocking(move || checkpoint::write_payload(&state_dir, &snapshot)).await?;
         let took = started.elapsed();
         self.next_write = Some(started + MIN_INTERVAL.max(took * INTERVAL_PER_WRITE_TIME));
-        self.metrics.with(|m| m.checkpoint_write_seconds = Some(took.as_secs_f64()));
+        self.metrics.of::<AgentMetrics>().checkpoint_write_seconds.set(took.as_secs_f64());
         if let Err(e) = written {
             tracing::error!(error = %e, "cannot write checkpoint");
-            self.metrics.with(|m| m.checkpoint_errors += 1);
+            self.metrics.of::<AgentMetrics>().checkpoint_errors.inc();
             return Err(e.into());
         }
         self.written = generation;

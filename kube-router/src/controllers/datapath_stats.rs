@@ -3,6 +3,7 @@
 //! costs a lookup per counter, not an open of every pinned map.
 use std::{
     path::{Path, PathBuf},
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -20,11 +21,134 @@ use crate::{
         socket_lb::ExemptCounts,
         svc_stats::{SvcStatsMap, SvcStatsMapV6},
     },
-    kr_metrics::FrontendId,
-    metrics::{self, Metrics},
+    exposition::{counters_by, single, Value},
+    kr_metrics::{FrontendId, ServiceCounters},
+    metrics::{Metrics, Subsystem},
     runtime::{Action, Controller},
     services::family::{V4, V6},
 };
+
+/// The datapath's counters as last read (every second), and the conntrack maps' fill.
+#[derive(Debug, Default)]
+pub struct DatapathMetrics(Mutex<DatapathCounters>);
+
+#[derive(Clone, Debug, Default)]
+pub struct DatapathCounters {
+    /// `lb_stats`: the load balancer's packets by outcome.
+    pub datapath_packets: Vec<(&'static str, u64)>,
+    /// `xdp_stats`: the XDP fast path's packets by outcome (empty until it ever ran).
+    pub xdp_packets: Vec<(&'static str, u64)>,
+    /// `dsr_stats`: direct server return's packets and flows by event.
+    pub dsr_packets: Vec<(&'static str, u64)>,
+    /// `src_chk_stats`: source-address verification on pod veths, packets by outcome.
+    pub pod_source_packets: Vec<(&'static str, u64)>,
+    /// Pod veths with a `pod_src` entry, and of those the ones whose pod has no address yet.
+    pub pod_source_veths: (usize, usize),
+    pub conntrack_entries: u64,
+    pub conntrack_gc_removed: u64,
+    /// `pol_stats` and `pol_guard_stats` counters (empty without the policy).
+    pub policy_packets: Vec<(&'static str, u64)>,
+    pub policy_conntrack_entries: u64,
+    /// `sock_stats` counters (empty while the socket LB never ran).
+    pub socket_lb_events: Vec<(&'static str, u64)>,
+}
+
+impl DatapathMetrics {
+    pub fn with<R>(&self, f: impl FnOnce(&mut DatapathCounters) -> R) -> R {
+        f(&mut self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+    }
+
+    pub fn set_pod_source_veths(&self, counts: (usize, usize)) {
+        self.with(|m| m.pod_source_veths = counts);
+    }
+}
+
+impl Subsystem for DatapathMetrics {
+    fn register(this: &Arc<Self>, registry: &mut prometheus_client::registry::Registry) {
+        registry.register_collector(Box::new(this.clone()));
+    }
+}
+
+impl prometheus_client::collector::Collector for DatapathMetrics {
+    fn encode(&self, mut encoder: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
+        let m = self.with(|m| m.clone());
+        let e = &mut encoder;
+        counters_by(
+            e,
+            "kube_router_datapath_packets_total",
+            "Packets seen by the load-balancer program, by outcome (per-CPU counters summed).",
+            "event",
+            &m.datapath_packets,
+        )?;
+        counters_by(
+            e,
+            "kube_router_xdp_packets_total",
+            "Packets seen by the XDP fast path on node uplinks, by outcome (per-CPU counters summed).",
+            "event",
+            &m.xdp_packets,
+        )?;
+        counters_by(
+            e,
+            "kube_router_dsr_packets_total",
+            "Direct server return: packets tunnelled to and received from other nodes, and flows, by event.",
+            "event",
+            &m.dsr_packets,
+        )?;
+        counters_by(
+            e,
+            "kube_router_pod_source_check_packets_total",
+            "Packets from pod veths by source-address verification outcome (spoofed_*: dropped).",
+            "event",
+            &m.pod_source_packets,
+        )?;
+        let (checked, unassigned) = m.pod_source_veths;
+        crate::exposition::series(
+            e,
+            "kube_router_pod_source_veths",
+            "Pod veths whose source addresses are checked; unassigned: the pod has no address yet (its IP traffic is dropped).",
+            prometheus_client::metrics::MetricType::Gauge,
+            [("checked", checked), ("unassigned", unassigned)]
+                .map(|(state, n)| (Some([("state", state)]), Value::IntGauge(n as i64))),
+        )?;
+        single(
+            e,
+            "kube_router_conntrack_entries",
+            "Entries in ct_v4 after the last garbage collection.",
+            &Value::IntGauge(m.conntrack_entries as i64),
+        )?;
+        single(
+            e,
+            "kube_router_conntrack_gc_removed_total",
+            "Expired conntrack entries removed by garbage collection.",
+            &Value::Counter(m.conntrack_gc_removed),
+        )?;
+        if !m.policy_packets.is_empty() {
+            counters_by(
+                e,
+                "kube_router_policy_packets_total",
+                "NetworkPolicy datapath verdicts, passes and drops before judging (pol_stats, pol_guard_stats), summed over CPUs.",
+                "result",
+                &m.policy_packets,
+            )?;
+            single(
+                e,
+                "kube_router_policy_conntrack_entries",
+                "Entries in pol_ct_v4 after the last GC.",
+                &Value::IntGauge(m.policy_conntrack_entries as i64),
+            )?;
+        }
+        if !m.socket_lb_events.is_empty() {
+            counters_by(
+                e,
+                "kube_router_socket_lb_events_total",
+                "Socket load balancer calls by outcome (sock_stats), summed over CPUs.",
+                "event",
+                &m.socket_lb_events,
+            )?;
+        }
+        Ok(())
+    }
+}
 
 /// How often the counters are read.
 const REFRESH_INTERVAL: Duration = Duration::from_secs(1);
@@ -49,6 +173,8 @@ struct PolicyMapsRead {
 pub struct DatapathStatsController {
     pin_dir: PathBuf,
     metrics: Metrics,
+    counters: Arc<DatapathMetrics>,
+    service_counters: Arc<ServiceCounters>,
     services: Option<ServiceMapsRead>,
     policy: Option<PolicyMapsRead>,
     /// `None` until the socket load balancer's map exists (it may never).
@@ -100,6 +226,8 @@ impl DatapathStatsController {
         let now = Instant::now();
         Ok(Self {
             pin_dir: pin_dir.to_path_buf(),
+            counters: metrics.of(),
+            service_counters: metrics.of(),
             metrics,
             services,
             policy,
@@ -125,11 +253,12 @@ impl DatapathStatsController {
         if let Ok(stats) = policy.stats.read() {
             let guard = policy.guard_stats.as_ref().and_then(|c| c.read().ok()).unwrap_or_default();
             let guard = pol_guard_stat::NAMES.iter().copied().zip(guard);
-            self.metrics.with(|m| m.policy_packets = pol_stat::NAMES.iter().copied().zip(stats).chain(guard).collect());
+            self.counters
+                .with(|m| m.policy_packets = pol_stat::NAMES.iter().copied().zip(stats).chain(guard).collect());
         }
         if gc {
             match policy.conntrack.collect_garbage() {
-                Ok((left, removed)) => self.metrics.with(|m| {
+                Ok((left, removed)) => self.counters.with(|m| {
                     m.policy_conntrack_entries = left as u64;
                     m.conntrack_gc_removed += removed as u64;
                 }),
@@ -141,7 +270,7 @@ impl DatapathStatsController {
     fn refresh_services(&mut self, gc: bool) {
         let Some(services) = self.services.as_mut() else { return };
         if let Ok(stats) = services.stats.read() {
-            self.metrics.with(|m| m.datapath_packets = lb_stat::NAMES.iter().copied().zip(stats).collect());
+            self.counters.with(|m| m.datapath_packets = lb_stat::NAMES.iter().copied().zip(stats).collect());
         }
         if self.socket_stats.is_none() {
             self.socket_stats = Counters::open_pinned(&self.pin_dir, sock_map_names::SOCK_STATS, sock_stat::COUNT).ok();
@@ -151,27 +280,27 @@ impl DatapathStatsController {
         }
         if let Some(Ok(stats)) = self.socket_stats.as_ref().map(Counters::read) {
             let exempt = self.socket_exempt.as_ref().map(|e| (ExemptCounts::EVENT, e.untranslated()));
-            self.metrics
+            self.counters
                 .with(|m| m.socket_lb_events = sock_stat::NAMES.iter().copied().zip(stats).chain(exempt).collect());
         }
         if self.xdp_stats.is_none() {
             self.xdp_stats = Counters::open_pinned(&self.pin_dir, map_names::XDP_STATS, xdp_stat::COUNT).ok();
         }
         if let Some(Ok(stats)) = self.xdp_stats.as_ref().map(Counters::read) {
-            self.metrics.with(|m| m.xdp_packets = xdp_stat::NAMES.iter().copied().zip(stats).collect());
+            self.counters.with(|m| m.xdp_packets = xdp_stat::NAMES.iter().copied().zip(stats).collect());
         }
         if self.dsr_stats.is_none() {
             self.dsr_stats = Counters::open_pinned(&self.pin_dir, map_names::DSR_STATS, dsr_stat::COUNT).ok();
         }
         if let Some(Ok(stats)) = self.dsr_stats.as_ref().map(Counters::read) {
-            self.metrics.with(|m| m.dsr_packets = dsr_stat::NAMES.iter().copied().zip(stats).collect());
+            self.counters.with(|m| m.dsr_packets = dsr_stat::NAMES.iter().copied().zip(stats).collect());
         }
         if self.source_check_stats.is_none() {
             self.source_check_stats =
                 Counters::open_pinned(&self.pin_dir, source_check_map_names::SOURCE_CHECK_STATS, src_stat::COUNT).ok();
         }
         if let Some(Ok(stats)) = self.source_check_stats.as_ref().map(Counters::read) {
-            self.metrics.with(|m| m.pod_source_packets = src_stat::NAMES.iter().copied().zip(stats).collect());
+            self.counters.with(|m| m.pod_source_packets = src_stat::NAMES.iter().copied().zip(stats).collect());
         }
         let started = Instant::now();
         // Read outside the metrics' lock (tens of thousands of syscalls at 10,000 Services)
@@ -183,16 +312,16 @@ impl DatapathStatsController {
                 services.frontends_v6.for_each(|key, stats| buffer.push((FrontendId::of::<V6>(&key), stats)))
             });
         match read {
-            Ok(()) => self.metrics.with(|m| {
-                m.kr.sample(started, buffer.iter().copied());
-                m.kr.stats_export_time.observe(started.elapsed().as_secs_f64());
-            }),
+            Ok(()) => {
+                self.service_counters.with(|m| m.sample(started, buffer.iter().copied()));
+                self.service_counters.export_time.0.observe(started.elapsed().as_secs_f64());
+            }
             Err(e) => tracing::debug!(error = %e, "cannot read svc_stats_v4/v6"),
         }
         if gc {
             let (v4, v6) = (&mut services.conntrack, &mut services.conntrack_v6);
             match v4.collect_garbage().and_then(|a| Ok((a, v6.collect_garbage()?))) {
-                Ok(((left, removed), (left_v6, removed_v6))) => self.metrics.with(|m| {
+                Ok(((left, removed), (left_v6, removed_v6))) => self.counters.with(|m| {
                     m.conntrack_entries = (left + left_v6) as u64;
                     m.conntrack_gc_removed += (removed + removed_v6) as u64;
                 }),
@@ -204,7 +333,8 @@ impl DatapathStatsController {
 
     fn warn_if_stale(&mut self) {
         let Some(max_stale) = self.max_stale else { return };
-        let stale = self.metrics.with(|m| m.last_sync_unix.map(|t| metrics::unix_now() - t)).unwrap_or(0.0);
+        let last_sync = self.metrics.of::<super::services::ServiceMetrics>().last_sync.get();
+        let stale = last_sync.map(|t| crate::metrics::unix_now() - t).unwrap_or(0.0);
         if stale > max_stale.as_secs_f64() && self.last_stale_warning.elapsed() > Duration::from_secs(60) {
             tracing::warn!(stale_secs = stale as u64, "desired state older than --max-stale; still serving it");
             self.last_stale_warning = Instant::now();

@@ -79,7 +79,7 @@ impl InterfacesController {
     fn publish_pod_sources(&self) {
         if let (Some(sources), Some(metrics)) = (&self.pod_sources, &self.metrics) {
             let counts = sources.counts();
-            metrics.with(|m| m.pod_source_veths = counts);
+            metrics.of::<super::datapath_stats::DatapathMetrics>().set_pod_source_veths(counts);
         }
     }
 

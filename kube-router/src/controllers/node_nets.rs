@@ -8,8 +8,9 @@ use k8s_openapi::api::core::v1::Node;
 use crate::{
     bpf::service_maps::{sync_cluster_nets, sync_cluster_nets_of},
     config::CniOptions,
+    exposition::{register, Counter},
     k8s::{cache::Cache, watch::Kind},
-    metrics::Metrics,
+    metrics::{Metrics, Subsystem},
     netif,
     runtime::{Action, Controller},
     services::family::V6,
@@ -23,6 +24,23 @@ pub struct EgressNets {
     pub pin_dir: PathBuf,
     pub cluster_cidrs: Vec<ipnet::IpNet>,
     pub service_ranges: Vec<ipnet::IpNet>,
+}
+
+/// CNI configurations that could not be derived or written (`--enable-cni`).
+#[derive(Debug, Default)]
+pub struct CniMetrics {
+    pub errors: Counter,
+}
+
+impl Subsystem for CniMetrics {
+    fn register(this: &Arc<Self>, registry: &mut prometheus_client::registry::Registry) {
+        register(
+            registry,
+            "kube_router_cni_config_errors_total",
+            "CNI configurations that could not be derived from the Node or written (the datapath is unaffected).",
+            this.errors.clone(),
+        );
+    }
 }
 
 pub struct NodeNetsController {
@@ -95,7 +113,7 @@ impl CniWriter {
                         error,
                         "cannot configure the pod network (CNI); datapath unaffected"
                     );
-                    metrics.with(|m| m.cni_errors += 1);
+                    metrics.of::<CniMetrics>().errors.inc();
                     self.last_error = Some(error.clone());
                 }
                 Err(anyhow::anyhow!(error))

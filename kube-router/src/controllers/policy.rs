@@ -330,8 +330,9 @@ mod tests {
         let (outcome, older) = restart(f64::from(stamped) - 10.0);
         assert_eq!(outcome, None, "nothing applied from the older checkpoint");
         assert_eq!(older.firewall().maps(), &maps, "the maps stay as the API left them");
-        let superseded = older.firewall().metrics().with(|m| m.checkpoint_superseded.get("policy").copied());
-        assert_eq!(superseded, Some(1));
+        let superseded =
+            older.firewall().metrics().of::<crate::metrics::AgentMetrics>().checkpoint_superseded_count("policy");
+        assert_eq!(superseded, 1);
 
         let (outcome, newer) = restart(f64::from(stamped) + 10.0);
         assert_eq!(outcome, Some(0));

@@ -78,7 +78,7 @@ impl RoutingController {
         self.generation = Some(generation);
         let started = std::time::Instant::now();
         let result = self.router.update_from_nodes(listing.objects.iter().map(|n| &**n), &vips).await;
-        self.router.metrics().with(|m| m.kr.bgp_peers_sync_time.observe(started.elapsed().as_secs_f64()));
+        self.router.routing_metrics().sync_time.observe(started.elapsed().as_secs_f64());
         result
     }
 }

@@ -76,7 +76,7 @@ impl VipPublisher {
             let seen = self.reported.get(&service).is_some_and(|s| s.contains(&refusal.message));
             if !seen {
                 tracing::error!(service = %service, reason = refusal.reason, error = %refusal.message, "external IP refused; not advertised");
-                self.metrics.with(|m| *m.external_ips_refused.entry(refusal.reason).or_default() += 1);
+                self.metrics.of::<super::services::ServiceMetrics>().external_ip_refused(refusal.reason);
             }
             now.entry(service).or_default().insert(refusal.message);
         }

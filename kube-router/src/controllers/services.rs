@@ -23,12 +23,14 @@ use crate::{
     },
     config::AgentConfig,
     controllers::service_view::VipPublisher,
+    exposition::{register, sync_histogram, Counter, Family, IntGauge, OptionalGauge, SecondsSince, Timestamp},
     k8s::{
         cache::{Cache, Completeness},
         watch::Kind,
     },
-    kr_metrics::{FrontendId, FrontendOwner},
-    metrics::Metrics,
+    kr_metrics::{FrontendId, FrontendOwner, ServiceCounters},
+    map_writes::MapMetrics,
+    metrics::{AgentMetrics, Labels, Metrics, Subsystem},
     netif,
     runtime::{self, Action, Controller},
     services::{
@@ -41,6 +43,113 @@ use crate::{
         sync::{ServiceMaps, ServiceSync, SyncReport},
     },
 };
+
+/// The services proxy's syncs and what they left out.
+#[derive(Debug)]
+pub struct ServiceMetrics {
+    pub sync_duration: prometheus_client::metrics::histogram::Histogram,
+    /// The same observations under kube-router's name (IPVS services sync).
+    sync_time: prometheus_client::metrics::histogram::Histogram,
+    /// Unix time of the last sync.
+    pub last_sync: OptionalGauge,
+    /// externalIPs and LoadBalancer IPs refused, by reason (once per Service and address).
+    external_ips_refused: Family<Labels<1>, Counter>,
+    dropped_endpoints: IntGauge,
+    /// UDP flows whose entries were removed: their backend left the flow's frontend while
+    /// still backing another.
+    conntrack_purged_flows: Counter,
+    /// Conntrack walks for such flows (one per sync that moved a UDP backend out of a frontend).
+    conntrack_purge_scans: Counter,
+    /// Frontends in `svc_v4` (kube-router: IPVS services).
+    frontends: IntGauge,
+}
+
+impl Default for ServiceMetrics {
+    fn default() -> Self {
+        Self {
+            sync_duration: sync_histogram(),
+            sync_time: sync_histogram(),
+            last_sync: OptionalGauge::default(),
+            external_ips_refused: Family::default(),
+            dropped_endpoints: IntGauge::default(),
+            conntrack_purged_flows: Counter::default(),
+            conntrack_purge_scans: Counter::default(),
+            frontends: IntGauge::default(),
+        }
+    }
+}
+
+impl ServiceMetrics {
+    pub fn external_ip_refused(&self, reason: &'static str) {
+        self.external_ips_refused.get_or_create(&[("reason", reason)]).inc();
+    }
+
+    pub(crate) fn record_sync(&self, duration: std::time::Duration) {
+        self.sync_duration.observe(duration.as_secs_f64());
+        self.sync_time.observe(duration.as_secs_f64());
+        self.last_sync.set(crate::metrics::unix_now());
+    }
+}
+
+impl Subsystem for ServiceMetrics {
+    fn register(this: &Arc<Self>, registry: &mut prometheus_client::registry::Registry) {
+        let m = this.as_ref();
+        register(
+            registry,
+            "kube_router_sync_duration_seconds",
+            "Time to compute and apply one service map sync.",
+            m.sync_duration.clone(),
+        );
+        register(
+            registry,
+            "kube_router_last_sync_timestamp_seconds",
+            "Unix time of the last successful sync.",
+            Timestamp(m.last_sync.clone()),
+        );
+        register(
+            registry,
+            "kube_router_seconds_since_last_sync",
+            "Seconds since the last successful sync (-1 before the first).",
+            SecondsSince(m.last_sync.clone()),
+        );
+        register(
+            registry,
+            "kube_router_service_external_ips_refused_total",
+            "Service externalIPs and LoadBalancer IPs refused (not programmed, not advertised), by reason.",
+            m.external_ips_refused.clone(),
+        );
+        register(
+            registry,
+            "kube_router_dropped_endpoints",
+            "Endpoints left out because a service exceeded --max-backends-per-service.",
+            m.dropped_endpoints.clone(),
+        );
+        register(
+            registry,
+            "kube_router_conntrack_purged_flows_total",
+            "UDP flows whose conntrack entries were removed because their backend left the flow's Service frontend while still backing another; the next datagram is balanced again.",
+            m.conntrack_purged_flows.clone(),
+        );
+        register(
+            registry,
+            "kube_router_conntrack_purge_scans_total",
+            "Walks of the Service conntrack for those flows: one per sync that took a still-programmed backend out of a UDP frontend.",
+            m.conntrack_purge_scans.clone(),
+        );
+        register(
+            registry,
+            "kube_router_controller_ipvs_services",
+            "Number of ipvs services in the instance",
+            m.frontends.clone(),
+        );
+        register(
+            registry,
+            "kube_router_controller_ipvs_services_sync_time",
+            "Time it took for controller to sync ipvs services",
+            m.sync_time.clone(),
+        );
+    }
+}
 
 /// The health check ports the node serves, by port.
 pub type HealthChecks = watch::Sender<BTreeMap<u16, crate::healthcheck::LocalEndpoints>>;
@@ -179,10 +288,8 @@ impl ServiceController {
                     CompileWarning::EndpointsTruncated { .. } => tracing::warn!(?warning, "too many endpoints"),
                     CompileWarning::ExternalIpRefused { service, refusal } => {
                         tracing::error!(service = %service, reason = refusal.reason, error = %refusal.message, "external IP refused; the rest of the Service is programmed");
-                        self.metrics.with(|m| {
-                            *m.rejected_objects.entry("ExternalIP").or_default() += 1;
-                            *m.external_ips_refused.entry(refusal.reason).or_default() += 1;
-                        });
+                        self.metrics.of::<AgentMetrics>().reject("ExternalIP");
+                        self.metrics.of::<ServiceMetrics>().external_ip_refused(refusal.reason);
                     }
                     CompileWarning::FamilyUnavailable { service, family }
                         if self.disabled_families.contains(family) =>
@@ -191,7 +298,7 @@ impl ServiceController {
                     }
                     CompileWarning::FamilyUnavailable { service, family } => {
                         tracing::warn!(service = %service, ?family, "the node has no address of this family; the Service is not programmed in it");
-                        self.metrics.with(|m| *m.rejected_objects.entry("IPFamily").or_default() += 1);
+                        self.metrics.of::<AgentMetrics>().reject("IPFamily");
                     }
                 }
             }
@@ -221,19 +328,27 @@ impl ServiceController {
             backends = programmed.backends.len() + programmed_v6.backends.len(),
             "service sync complete"
         );
-        self.metrics.record_sync(&report, started.elapsed());
+        let maps_metrics = self.metrics.of::<MapMetrics>();
+        maps_metrics.record(&report);
+        let service_metrics = self.metrics.of::<ServiceMetrics>();
+        service_metrics.record_sync(started.elapsed());
         let dropped_endpoints = self.compiler.dropped_endpoints() + self.compiler_v6.dropped_endpoints();
-        self.metrics.with(|m| {
-            m.dropped_endpoints = dropped_endpoints;
-            m.map_entries.insert(map_names::SERVICES, programmed.services.len() as u64);
-            m.map_entries.insert(map_names::BACKEND_SLOTS, programmed.slots.len() as u64);
-            m.map_entries.insert(map_names::BACKENDS, programmed.backends.len() as u64);
-            m.map_entries.insert(map_names::SERVICES_V6, programmed_v6.services.len() as u64);
-            m.map_entries.insert(map_names::BACKEND_SLOTS_V6, programmed_v6.slots.len() as u64);
-            m.map_entries.insert(map_names::BACKENDS_V6, programmed_v6.backends.len() as u64);
+        service_metrics.dropped_endpoints.set(dropped_endpoints as i64);
+        service_metrics.frontends.set(programmed.services.len() as i64);
+        for (map, entries) in [
+            (map_names::SERVICES, programmed.services.len()),
+            (map_names::BACKEND_SLOTS, programmed.slots.len()),
+            (map_names::BACKENDS, programmed.backends.len()),
+            (map_names::SERVICES_V6, programmed_v6.services.len()),
+            (map_names::BACKEND_SLOTS_V6, programmed_v6.slots.len()),
+            (map_names::BACKENDS_V6, programmed_v6.backends.len()),
+        ] {
+            maps_metrics.set_entries(map, entries as u64);
+        }
+        self.metrics.of::<ServiceCounters>().with(|m| {
             // Label each frontend with its Service; a rejected Service's kept frontends keep theirs.
-            owners.update(&mut m.kr.frontends, programmed);
-            owners_v6.update(&mut m.kr.frontends, programmed_v6);
+            owners.update(&mut m.frontends, programmed);
+            owners_v6.update(&mut m.frontends, programmed_v6);
         });
         self.metrics.heartbeat("services");
         // A full map is retried when the desired state changes (space may free), not on a timer.
@@ -266,10 +381,9 @@ impl ServiceController {
                         map = F::MAPS.conntrack,
                         "UDP flows of backends that left their Service balanced again"
                     );
-                    metrics.with(|m| {
-                        m.conntrack_purge_scans += 1;
-                        m.conntrack_purged_flows += flows as u64;
-                    });
+                    let counted = metrics.of::<ServiceMetrics>();
+                    counted.conntrack_purge_scans.inc();
+                    counted.conntrack_purged_flows.inc_by(flows as u64);
                 }
                 // Not retried: those flows keep their backend until they idle out (60 s), as before.
                 Err(e) => {
@@ -296,11 +410,10 @@ impl ServiceController {
         for map in self.full_maps.difference(&now) {
             tracing::info!(map, "map has room again; every entry is programmed");
         }
-        self.metrics.with(|m| {
-            for map in [V4::MAPS, V6::MAPS].iter().flat_map(|f| [f.services, f.slots, f.backends, f.source_ranges]) {
-                m.map_full.insert(map, now.contains(map));
-            }
-        });
+        let maps_metrics = self.metrics.of::<MapMetrics>();
+        for map in [V4::MAPS, V6::MAPS].iter().flat_map(|f| [f.services, f.slots, f.backends, f.source_ranges]) {
+            maps_metrics.set_full(map, now.contains(map));
+        }
         self.full_maps = now;
         // Other failures: once when a map starts failing and once when it recovers, not per
         // entry and retry (each failed write is counted in kube_router_map_writes_total).
@@ -335,7 +448,7 @@ pub(crate) fn report_catalog_problems(
             } else {
                 tracing::error!(kind, object, error, "rejected object; its programmed state is kept as it was");
             }
-            metrics.with(|m| *m.rejected_objects.entry(kind).or_default() += 1);
+            metrics.of::<AgentMetrics>().reject(kind);
         }
         current.insert(text);
     }
@@ -563,7 +676,7 @@ impl FileSource {
                 if self.last_error.as_ref() != Some(&error) {
                     // An unreadable desired state is not an empty one: keep everything programmed.
                     tracing::error!(error, "cannot read desired state; maps left as they are");
-                    metrics.with(|m| *m.rejected_objects.entry("file").or_default() += 1);
+                    metrics.of::<AgentMetrics>().reject("file");
                     self.last_error = Some(error);
                 }
                 None

@@ -17,6 +17,10 @@ use std::{
 };
 
 use ipnet::IpNet;
+use prometheus_client::{
+    encoding::DescriptorEncoder,
+    metrics::{counter::ConstCounter, gauge::ConstGauge},
+};
 
 use super::{ForeignRoute, KernelRoute, Plan, RouteOp};
 
@@ -71,6 +75,63 @@ pub struct FibStats {
     pub removed_total: u64,
     /// One reconcile pass: listing the kernel's routes and writing the differences.
     pub pass_time: crate::exposition::Histogram,
+}
+
+impl FibStats {
+    /// The FIB task's families: kube-router's host routes, and the routes it could not install.
+    pub fn encode(&self, encoder: &mut DescriptorEncoder) -> std::fmt::Result {
+        use crate::exposition::{single, UPSTREAM_COUNTER};
+        single(
+            encoder,
+            "kube_router_host_routes_synced",
+            "Count of host routes currently synced to the system",
+            &ConstGauge::new(self.installed as i64),
+        )?;
+        // kube-router's host routes: the routes learned over BGP that the agent keeps in the
+        // kernel (its injected routes). Its counters have no `_total`.
+        for (name, help, n) in [
+            ("kube_router_host_routes_added", "Total count of host routes added to the system", self.added_total),
+            ("kube_router_host_routes_removed", "Total count of host routes removed to the system", self.removed_total),
+        ] {
+            crate::exposition::series(
+                encoder,
+                name,
+                help,
+                UPSTREAM_COUNTER,
+                [(None::<[(&str, &str); 0]>, ConstCounter::new(n))],
+            )?;
+        }
+        single(
+            encoder,
+            "kube_router_host_routes_sync_time",
+            "Time it took for the host routes controller to sync to the system",
+            &self.pass_time,
+        )?;
+        single(
+            encoder,
+            "kube_router_bgp_route_conflicts",
+            "Learned destinations not installed because another route (not ours) already claims them.",
+            &ConstGauge::new(self.conflicts as i64),
+        )?;
+        single(
+            encoder,
+            "kube_router_bgp_route_conflicts_total",
+            "Route conflicts seen (each once).",
+            &ConstCounter::new(self.conflicts_total),
+        )?;
+        single(
+            encoder,
+            "kube_router_bgp_routes_refused",
+            "Learned routes the kernel refused, waiting for a retry.",
+            &ConstGauge::new(self.refused as i64),
+        )?;
+        single(
+            encoder,
+            "kube_router_bgp_route_refusals_total",
+            "Kernel route writes refused.",
+            &ConstCounter::new(self.refusals_total),
+        )
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -362,11 +423,7 @@ mod tests {
         health.pass_done(2, Duration::from_millis(1));
         let stats = health.stats();
         assert_eq!((stats.installed, stats.added_total, stats.removed_total), (1, 2, 1));
-        let mut text = String::new();
-        crate::kr_metrics::render_bgp(
-            &mut text,
-            &crate::bgp::speaker::SpeakerStatus { fib: stats, ..Default::default() },
-        );
+        let text = crate::exposition::encode_with(move |encoder| stats.encode(encoder));
         assert!(text.contains("\nkube_router_host_routes_synced 1\n"), "{text}");
         assert!(text.contains("\nkube_router_host_routes_removed 1\n"), "{text}");
         assert!(text.contains("\nkube_router_host_routes_sync_time_count 2\n"), "{text}");
