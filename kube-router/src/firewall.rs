@@ -412,8 +412,9 @@ impl<M: PolicyMaps> FirewallController<M> {
             rejected = policy_errors.len(),
             "policy sync complete"
         );
-        self.metrics.record_map_writes(&report.per_map);
+        // The writes with the sync's other numbers, under one lock: a scrape sees all of it or none.
         self.metrics.with(|m| {
+            m.add_map_writes(&report.per_map);
             use kube_router_common::map_names as n;
             let V6Counts { pods: pods_v6, peers: peers_v6 } = self.programmed_v6;
             m.map_entries.insert(n::POLICY_PODS, self.programmed.pod_slots.len() as u64 - pods_v6);

@@ -26,6 +26,8 @@ pub struct MetricsState {
     pub map_full: BTreeMap<&'static str, bool>,
     pub sync_duration: Histogram,
     pub syncs: u64,
+    /// Service syncs from a complete desired state (every kind listed, or the service file).
+    pub complete_syncs: u64,
     pub last_sync_unix: Option<f64>,
     pub rejected_objects: BTreeMap<&'static str, u64>,
     /// externalIPs and LoadBalancer IPs refused, by reason (once per Service and address).
@@ -89,6 +91,38 @@ pub struct MetricsState {
     pub health: Arc<crate::health::Health>,
 }
 
+impl MetricsState {
+    /// Every write of one pass of the map writer, by map and operation.
+    pub fn add_map_writes(&mut self, report: &SyncReport) {
+        for (map, c) in &report.per_map {
+            for (op, n) in [
+                ("insert", c.inserts),
+                ("update", c.updates),
+                ("delete", c.deletes),
+                ("error", c.errors),
+                ("full", c.full),
+                ("deferred", c.deferred),
+            ] {
+                if n > 0 {
+                    *self.map_writes.entry((map, op)).or_default() += n;
+                }
+            }
+        }
+    }
+
+    /// One Service sync: its writes, its duration and whether it ran from a `complete` desired
+    /// state. Recorded under the caller's one lock with the rest of the sync's numbers, so a
+    /// scrape sees all of a sync or none of it.
+    pub fn record_sync(&mut self, report: &SyncReport, duration: Duration, complete: bool) {
+        self.add_map_writes(report);
+        self.sync_duration.observe(duration.as_secs_f64());
+        self.kr.services_sync_time.observe(duration.as_secs_f64());
+        self.syncs += 1;
+        self.complete_syncs += u64::from(complete);
+        self.last_sync_unix = Some(unix_now());
+    }
+}
+
 #[derive(Clone, Default)]
 pub struct Metrics(pub Arc<Mutex<MetricsState>>);
 
@@ -100,36 +134,6 @@ impl Metrics {
     pub fn with<R>(&self, f: impl FnOnce(&mut MetricsState) -> R) -> R {
         let mut state = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         f(&mut state)
-    }
-
-    /// Every write of one pass of the map writer, by map and operation.
-    pub fn record_map_writes(&self, report: &SyncReport) {
-        self.with(|m| {
-            for (map, c) in &report.per_map {
-                for (op, n) in [
-                    ("insert", c.inserts),
-                    ("update", c.updates),
-                    ("delete", c.deletes),
-                    ("error", c.errors),
-                    ("full", c.full),
-                    ("deferred", c.deferred),
-                ] {
-                    if n > 0 {
-                        *m.map_writes.entry((map, op)).or_default() += n;
-                    }
-                }
-            }
-        });
-    }
-
-    pub fn record_sync(&self, report: &SyncReport, duration: Duration) {
-        self.record_map_writes(report);
-        self.with(|m| {
-            m.sync_duration.observe(duration.as_secs_f64());
-            m.kr.services_sync_time.observe(duration.as_secs_f64());
-            m.syncs += 1;
-            m.last_sync_unix = Some(unix_now());
-        })
     }
 
     pub fn heartbeat(&self, controller: &'static str) {
@@ -198,6 +202,13 @@ impl Metrics {
             );
             let since = m.last_sync_unix.map(|t| unix_now() - t).unwrap_or(-1.0);
             let _ = writeln!(out, "kube_router_seconds_since_last_sync {since:.3}");
+            family(
+                &mut out,
+                "kube_router_service_complete_syncs_total",
+                "counter",
+                "Service syncs from a complete desired state; the others ran from a checkpoint or a partial listing.",
+            );
+            let _ = writeln!(out, "kube_router_service_complete_syncs_total {}", m.complete_syncs);
             family(
                 &mut out,
                 "kube_router_rejected_objects_total",
@@ -603,7 +614,7 @@ mod tests {
         let metrics = Metrics::default();
         let mut report = SyncReport::default();
         report.per_map.insert("svc_v4", OpCounts { inserts: 3, updates: 1, ..Default::default() });
-        metrics.record_sync(&report, Duration::from_millis(3));
+        metrics.with(|m| m.record_sync(&report, Duration::from_millis(3), true));
         let (types, samples) = parse(&metrics.render());
         for (name, _) in &samples {
             let family = name.trim_end_matches("_bucket").trim_end_matches("_sum").trim_end_matches("_count");
@@ -615,6 +626,7 @@ mod tests {
         assert_eq!(types["kube_router_seconds_since_last_sync"], "gauge");
         assert!(samples.contains(&("kube_router_map_writes_total".into(), 3.0)));
         assert!(samples.contains(&("kube_router_sync_duration_seconds_count".into(), 1.0)));
+        assert!(samples.contains(&("kube_router_service_complete_syncs_total".into(), 1.0)));
         assert!(metrics.render().contains("kube_router_map_writes_total{map=\"svc_v4\",op=\"update\"} 1"));
     }
 

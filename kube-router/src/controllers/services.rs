@@ -221,9 +221,10 @@ impl ServiceController {
             backends = programmed.backends.len() + programmed_v6.backends.len(),
             "service sync complete"
         );
-        self.metrics.record_sync(&report, started.elapsed());
         let dropped_endpoints = self.compiler.dropped_endpoints() + self.compiler_v6.dropped_endpoints();
+        let elapsed = started.elapsed();
         self.metrics.with(|m| {
+            m.record_sync(&report, elapsed, complete);
             m.dropped_endpoints = dropped_endpoints;
             m.map_entries.insert(map_names::SERVICES, programmed.services.len() as u64);
             m.map_entries.insert(map_names::BACKEND_SLOTS, programmed.slots.len() as u64);
