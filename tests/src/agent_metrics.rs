@@ -179,7 +179,7 @@ pub struct PolicySyncs {
 /// `GET /metrics` on `127.0.0.1:port` from a thread in the network namespace at `netns`.
 fn scrape_in(netns: &str, port: u16) -> Result<Scrape> {
     let path = netns.to_string();
-    let stream = thread::spawn(move || -> Result<TcpStream> {
+    let mut stream = thread::spawn(move || -> Result<TcpStream> {
         let ns = std::fs::File::open(&path).with_context(|| format!("opening {path}"))?;
         // SAFETY: setns on this short-lived thread only, with a valid namespace fd; the socket
         // it opens stays in that namespace wherever it is used.
@@ -191,7 +191,6 @@ fn scrape_in(netns: &str, port: u16) -> Result<Scrape> {
     })
     .join()
     .map_err(|_| anyhow::anyhow!("scrape thread panicked"))??;
-    let mut stream = stream;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
     stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
     let mut response = String::new();
