@@ -284,7 +284,7 @@ mod tests {
         let mut report = SyncReport::default();
         report.per_map.insert("svc_v4", OpCounts { inserts: 3, updates: 1, ..Default::default() });
         metrics.of::<MapMetrics>().record(&report);
-        metrics.of::<ServiceMetrics>().record_sync(Duration::from_millis(3));
+        metrics.of::<ServiceMetrics>().record_sync(Duration::from_millis(3), true);
         let (types, samples) = parse(&metrics.render());
         for (name, _) in &samples {
             let family = name.trim_end_matches("_bucket").trim_end_matches("_sum").trim_end_matches("_count");
@@ -296,6 +296,7 @@ mod tests {
         assert_eq!(types["kube_router_seconds_since_last_sync"], "gauge");
         assert!(samples.contains(&("kube_router_map_writes_total".into(), 3.0)));
         assert!(samples.contains(&("kube_router_sync_duration_seconds_count".into(), 1.0)));
+        assert!(samples.contains(&("kube_router_service_complete_syncs_total".into(), 1.0)));
         assert!(metrics.render().contains("kube_router_map_writes_total{map=\"svc_v4\",op=\"update\"} 1"));
     }
 

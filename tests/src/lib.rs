@@ -15,6 +15,9 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 
+pub use agent_metrics::{PolicySyncs, Scrape, ServiceSyncs, Writes};
+
+pub mod agent_metrics;
 pub mod apiserver;
 pub mod cluster;
 pub mod gobgp;
@@ -277,6 +280,9 @@ pub fn tally(replies: &[String]) -> BTreeMap<String, usize> {
 pub struct Agent {
     child: Child,
     pub log: Arc<Mutex<Vec<String>>>,
+    /// The network namespace it runs in, and its `--metrics-port` there (`agent_metrics`).
+    netns: String,
+    metrics_port: Option<u16>,
 }
 
 impl Agent {
@@ -331,7 +337,14 @@ impl Agent {
                 sink.lock().unwrap().push(line);
             }
         });
-        Ok(Self { child, log })
+        let metrics_port = args
+            .iter()
+            .zip(args.iter().skip(1))
+            .find_map(|(flag, value)| (*flag == "--metrics-port").then_some(*value))
+            .or_else(|| args.iter().find_map(|a| a.strip_prefix("--metrics-port=")))
+            .and_then(|port| port.parse().ok())
+            .filter(|port| *port != 0);
+        Ok(Self { child, log, netns: ns.path(), metrics_port })
     }
 
     /// Waits until the log has `n` lines containing `needle`; returns the last of them.
@@ -348,43 +361,6 @@ impl Agent {
             }
             if Instant::now() > deadline {
                 bail!("agent did not log {needle:?} {n} time(s) within {timeout:?}");
-            }
-            thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// Sums (inserts, updates, deletes) over the service syncs logged after the first `skip`.
-    pub fn sync_totals_after(&self, skip: usize) -> (u64, u64, u64) {
-        let log = self.log.lock().unwrap();
-        log.iter().filter(|l| l.contains("service sync complete")).skip(skip).fold((0, 0, 0), |acc, line| {
-            let field = |k| log_field(line, k).unwrap_or(0);
-            (acc.0 + field("inserts"), acc.1 + field("updates"), acc.2 + field("deletes"))
-        })
-    }
-
-    /// Waits until the syncs after the first `skip` add up to `expected` writes, then checks
-    /// for a second that nothing more is written. A change can arrive in several syncs (a
-    /// Service and its EndpointSlice are separate watch events); what counts is the total.
-    pub fn wait_for_sync_totals(&mut self, skip: usize, expected: (u64, u64, u64), timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let totals = self.sync_totals_after(skip);
-            if totals == expected {
-                thread::sleep(Duration::from_secs(1));
-                let after = self.sync_totals_after(skip);
-                if after != expected {
-                    bail!("expected {expected:?} (inserts, updates, deletes), then {after:?} were written");
-                }
-                return Ok(());
-            }
-            if totals.0 > expected.0 || totals.1 > expected.1 || totals.2 > expected.2 {
-                bail!("expected {expected:?} (inserts, updates, deletes), {totals:?} were written");
-            }
-            if let Some(status) = self.child.try_wait()? {
-                bail!("agent exited ({status}) while {expected:?} writes were expected, {totals:?} so far");
-            }
-            if Instant::now() > deadline {
-                bail!("only {totals:?} of {expected:?} (inserts, updates, deletes) written within {timeout:?}");
             }
             thread::sleep(Duration::from_millis(50));
         }
@@ -466,12 +442,6 @@ pub fn bgp_status(ns: &Netns, metrics_port: &str) -> Result<serde_json::Value> {
 pub fn bgp_neighbor(status: &serde_json::Value, address: &str) -> serde_json::Value {
     let neighbors = status["neighbors"].as_array().map(Vec::as_slice).unwrap_or_default();
     neighbors.iter().find(|n| n["address"] == address).cloned().unwrap_or_default()
-}
-
-/// Parses `key=value` out of a log line (values end at whitespace).
-pub fn log_field(line: &str, key: &str) -> Option<u64> {
-    let start = line.find(&format!("{key}="))? + key.len() + 1;
-    line[start..].split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
 }
 
 /// Where the agent pins its maps under its bpf root: the map layout's directory.

@@ -14,6 +14,10 @@ use kube_router_tests::{
 
 const HEALTH_PORT: &str = "20244";
 
+/// What `web` losing backend-3 writes: 2 slots deleted (one per port), 6 frontends (ClusterIP
+/// tcp + udp, 4 NodePort addresses) get a new count; the backend stays (sticky still uses it).
+const WEB_LOSES_A_BACKEND: Writes = Writes { inserts: 0, updates: 6, deletes: 2, errors: 0 };
+
 struct Env {
     topo: Topology,
     runtime: NetnsRuntime,
@@ -138,8 +142,8 @@ fn programs_from_the_api_and_applies_changes() {
     let kubeconfig = env.state_dir.with_extension("kubeconfig");
     std::fs::write(&kubeconfig, env.server.kubeconfig_yaml()).unwrap();
     let mut agent = env.agent_with(&["--kubeconfig", kubeconfig.to_str().unwrap()]);
-    let line = agent.wait_for_log("complete=true", 1, Duration::from_secs(30)).unwrap();
-    assert!(log_field(&line, "inserts").unwrap() > 0, "{line}");
+    let synced = agent.wait_for_complete_service_sync(Duration::from_secs(30)).unwrap();
+    assert!(synced.writes.inserts > 0, "{synced:?}");
     let replies = env.topo.request("tcp", &format!("{VIP}:80"), 30).unwrap();
     assert_all_ok(&replies);
     assert_eq!(tally(&replies).len(), 3);
@@ -153,10 +157,9 @@ fn programs_from_the_api_and_applies_changes() {
         assert!(scrape.contains(needle), "metrics lack {needle}:\n{scrape}");
     }
 
+    let before = agent.service_syncs().unwrap();
     env.apply(&web_and_sticky(&backend_addrs(2)));
-    // web loses backend-3 on both ports: 2 slots deleted, 6 frontends (ClusterIP tcp + udp,
-    // 4 NodePort addresses) get a new count; the backend stays (sticky still uses it).
-    agent.wait_for_sync_totals(1, (0, 6, 2), Duration::from_secs(30)).unwrap();
+    agent.wait_for_service_writes(&before, WEB_LOSES_A_BACKEND, Duration::from_secs(30)).unwrap();
     let replies = env.topo.request("tcp", &format!("{VIP}:80"), 30).unwrap();
     assert_all_ok(&replies);
     assert!(!replies.iter().any(|r| r == "backend-3"));
@@ -166,7 +169,7 @@ fn programs_from_the_api_and_applies_changes() {
 fn an_api_outage_changes_nothing_and_recovery_applies_only_the_real_difference() {
     let env = Env::new("krt-out");
     let mut agent = env.agent();
-    agent.wait_for_log("complete=true", 1, Duration::from_secs(30)).unwrap();
+    agent.wait_for_complete_service_sync(Duration::from_secs(30)).unwrap();
     let probes = env.prober();
     thread::sleep(Duration::from_secs(1));
     let maps_before = env.agent_maps();
@@ -190,7 +193,7 @@ fn an_api_outage_changes_nothing_and_recovery_applies_only_the_real_difference()
     assert!(checks as u64 >= outage_secs() / 6, "{checks} checks");
     let (_, body) = env.health();
     assert!(body.contains("\"api\":\"unreachable\""), "health reports the outage: {body}");
-    assert!(agent.log.lock().unwrap().iter().any(|l| l.contains("API watch failed")), "outage logged");
+    assert!(agent.scrape().unwrap().count("kube_router_api_errors_total", &[]) > 0, "outage counted");
     assert_eq!(env.routes(), routes_before);
     let outage_probes = probes.lock().unwrap().clone();
     assert!(outage_probes.len() as u64 >= outage_secs() * 3, "prober ran: {} probes", outage_probes.len());
@@ -201,9 +204,10 @@ fn an_api_outage_changes_nothing_and_recovery_applies_only_the_real_difference()
     );
 
     // The API comes back with one Service changed: exactly that change is applied.
+    let before = agent.service_syncs().unwrap();
     env.apply(&web_and_sticky(&backend_addrs(2)));
     env.set_mode(FaultMode::Normal);
-    agent.wait_for_sync_totals(1, (0, 6, 2), Duration::from_secs(90)).unwrap();
+    agent.wait_for_service_writes(&before, WEB_LOSES_A_BACKEND, Duration::from_secs(90)).unwrap();
     thread::sleep(Duration::from_secs(1));
     let all = probes.lock().unwrap().clone();
     assert!(failures(&all).is_empty(), "connections failed: {:?}", failures(&all));
@@ -215,7 +219,7 @@ fn an_api_outage_changes_nothing_and_recovery_applies_only_the_real_difference()
 fn killed_during_an_outage_the_agent_restarts_from_its_checkpoint() {
     let env = Env::new("krt-ck");
     let mut agent = env.agent();
-    agent.wait_for_log("complete=true", 1, Duration::from_secs(30)).unwrap();
+    agent.wait_for_complete_service_sync(Duration::from_secs(30)).unwrap();
     env.wait_for_checkpoint();
     let probes = env.prober();
     let maps_before = env.agent_maps();
@@ -223,12 +227,10 @@ fn killed_during_an_outage_the_agent_restarts_from_its_checkpoint() {
     env.set_mode(FaultMode::Refuse);
     agent.kill();
     let mut agent = env.agent();
-    agent.wait_for_log("restored desired state from checkpoint", 1, Duration::from_secs(20)).unwrap();
-    let line = agent.wait_for_log("service sync complete", 1, Duration::from_secs(20)).unwrap();
-    assert!(line.contains("complete=false"), "a checkpoint is not a complete listing: {line}");
-    for field in ["inserts", "updates", "deletes", "errors"] {
-        assert_eq!(log_field(&line, field), Some(0), "restore rewrote maps: {line}");
-    }
+    // The API refuses every request: a sync now can only come from the restored checkpoint.
+    let synced = agent.wait_for_service_syncs(1, Duration::from_secs(20)).unwrap();
+    assert_eq!(synced.complete, 0, "a checkpoint is not a complete listing: {synced:?}");
+    assert_eq!(synced.writes, Writes::default(), "restore rewrote maps: {synced:?}");
     // Four interfaces, each with the load balancer's and the network policy's pair of links.
     assert_eq!(agent.log.lock().unwrap().iter().filter(|l| l.contains("ingress=Adopted egress=Adopted")).count(), 8);
     thread::sleep(Duration::from_secs(3));
@@ -245,14 +247,8 @@ fn killed_during_an_outage_the_agent_restarts_from_its_checkpoint() {
     env.set_mode(FaultMode::Errors500);
     thread::sleep(Duration::from_secs(3));
     env.set_mode(FaultMode::Normal);
-    let line = agent.wait_for_log("complete=true", 1, Duration::from_secs(60)).unwrap();
-    assert_eq!(
-        log_field(&line, "inserts").unwrap()
-            + log_field(&line, "updates").unwrap()
-            + log_field(&line, "deletes").unwrap(),
-        0,
-        "{line}"
-    );
+    let synced = agent.wait_for_complete_service_sync(Duration::from_secs(60)).unwrap();
+    assert_eq!(synced.writes, Writes::default(), "nothing changed, nothing written: {synced:?}");
     assert_eq!(env.agent_maps(), maps_before);
     let all = probes.lock().unwrap().clone();
     assert!(all.len() > 20);
@@ -266,7 +262,7 @@ fn killed_during_an_outage_the_agent_restarts_from_its_checkpoint() {
 fn a_checkpoint_older_than_the_maps_does_not_take_them_back() {
     let env = Env::new("krt-cknew");
     let mut agent = env.agent();
-    agent.wait_for_log("complete=true", 1, Duration::from_secs(30)).unwrap();
+    agent.wait_for_complete_service_sync(Duration::from_secs(30)).unwrap();
     env.wait_for_checkpoint();
     // From here on the checkpoint cannot be written (its temporary file is a directory), so
     // it keeps three web backends while the API goes on to two.
@@ -274,8 +270,9 @@ fn a_checkpoint_older_than_the_maps_does_not_take_them_back() {
     // Stamps have whole seconds: the change must be read in a later second than the checkpoint.
     thread::sleep(Duration::from_millis(1100));
     let maps_before_change = env.agent_maps();
+    let before = agent.service_syncs().unwrap();
     env.apply(&web_and_sticky(&backend_addrs(2)));
-    agent.wait_for_sync_totals(1, (0, 6, 2), Duration::from_secs(30)).unwrap();
+    agent.wait_for_service_writes(&before, WEB_LOSES_A_BACKEND, Duration::from_secs(30)).unwrap();
     let maps_after_change = env.agent_maps();
     assert_ne!(maps_after_change, maps_before_change);
     wait_until("the checkpoint writer failing", Duration::from_secs(10), || {
@@ -306,7 +303,7 @@ fn a_checkpoint_older_than_the_maps_does_not_take_them_back() {
 fn a_corrupt_checkpoint_is_rejected_and_the_maps_are_left_alone() {
     let env = Env::new("krt-cc");
     let mut agent = env.agent();
-    agent.wait_for_log("complete=true", 1, Duration::from_secs(30)).unwrap();
+    agent.wait_for_complete_service_sync(Duration::from_secs(30)).unwrap();
     env.wait_for_checkpoint();
     let maps_before = env.agent_maps();
     agent.kill();
@@ -316,19 +313,20 @@ fn a_corrupt_checkpoint_is_rejected_and_the_maps_are_left_alone() {
 
     env.set_mode(FaultMode::Refuse);
     let mut agent = env.agent();
-    agent.wait_for_log("ignoring checkpoint", 1, Duration::from_secs(20)).unwrap();
+    agent
+        .wait_for_metrics("the checkpoint refused", Duration::from_secs(20), |s| {
+            (s.count("kube_router_checkpoint_errors_total", &[]) >= 1).then_some(())
+        })
+        .unwrap();
     thread::sleep(Duration::from_secs(3));
     assert!(agent.is_running());
-    assert!(
-        !agent.log.lock().unwrap().iter().any(|l| l.contains("service sync complete")),
-        "nothing synced from a corrupt checkpoint"
-    );
+    assert_eq!(agent.service_syncs().unwrap().syncs, 0, "nothing synced from a corrupt checkpoint");
     assert_eq!(env.agent_maps(), maps_before);
     assert_all_ok(&env.topo.request("tcp", &format!("{VIP}:80"), 10).unwrap());
 
     env.set_mode(FaultMode::Normal);
-    let line = agent.wait_for_log("complete=true", 1, Duration::from_secs(60)).unwrap();
-    assert_eq!(log_field(&line, "updates"), Some(0), "{line}");
+    let synced = agent.wait_for_complete_service_sync(Duration::from_secs(60)).unwrap();
+    assert_eq!(synced.writes.updates, 0, "{synced:?}");
     assert_eq!(env.agent_maps(), maps_before);
 }
 

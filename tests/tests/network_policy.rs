@@ -16,7 +16,7 @@ use std::{
 
 use kube_router_tests::{
     apiserver::{FakeApiServer, FakeApiServerConfig, FaultMode},
-    netprobe_bin, remove_bpf_root, veth, wait_until, Agent, Netns, NetnsRuntime,
+    netprobe_bin, remove_bpf_root, veth, wait_until, Agent, Netns, NetnsRuntime, Writes,
 };
 use serde_json::{json, Value};
 
@@ -24,6 +24,7 @@ const NAMESPACES: [&str; 3] = ["x", "y", "z"];
 const PODS: [&str; 3] = ["a", "b", "c"];
 const PORTS: [Port; 3] = [Port::Tcp(80), Port::Tcp(81), Port::Udp(53)];
 const HEALTH_PORT: &str = "20263";
+const METRICS_PORT: &str = "20264";
 const BPF_ROOT: &str = "/sys/fs/bpf/krt-np";
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -147,6 +148,8 @@ impl Cluster {
             self.state_dir.to_str().unwrap(),
             "--health-port",
             HEALTH_PORT,
+            "--metrics-port",
+            METRICS_PORT,
         ];
         Agent::start(&self.node, std::path::Path::new(BPF_ROOT), &args).unwrap()
     }
@@ -365,7 +368,7 @@ fn union_policies() -> Vec<Value> {
 fn the_policy_truth_tables_hold_with_real_connections_and_survive_outage_restart_and_bad_input() {
     let cluster = Cluster::new();
     let mut agent = cluster.start_agent();
-    agent.wait_for_log("policy sync complete", 1, Duration::from_secs(30)).unwrap();
+    agent.wait_for_policy_syncs(1, Duration::from_secs(30)).unwrap();
     check(&cluster, "no policies: everything allowed", |_, _, _| true);
 
     let yb = all_pods().into_iter().find(|p| p.is("y/b")).unwrap();
@@ -459,7 +462,7 @@ fn the_policy_truth_tables_hold_with_real_connections_and_survive_outage_restart
         "ingress": [{"from": [{"ipBlock": {"cidr": "10.1.0.0/99"}}]}]}),
     ));
     cluster.set_policies(&with_broken);
-    agent.wait_for_log("NetworkPolicy rejected", 1, Duration::from_secs(15)).unwrap();
+    agent.wait_for_rejected("NetworkPolicy", 1, Duration::from_secs(15)).unwrap();
     let before = check(&cluster, "union + a policy with an invalid CIDR (rejected)", xa_union_y_and_zc);
 
     // The API black-holed, and the agent knows it: enforcement unchanged.
@@ -476,8 +479,8 @@ fn the_policy_truth_tables_hold_with_real_connections_and_survive_outage_restart
 
     // Restarted with the API still down: restores from its checkpoint, writes nothing.
     let mut agent = cluster.start_agent();
-    let line = agent.wait_for_log("policy sync complete", 1, Duration::from_secs(30)).unwrap();
-    assert!(line.contains("writes=0") && line.contains("deletes=0"), "restart rewrote policy: {line}");
+    let synced = agent.wait_for_policy_syncs(1, Duration::from_secs(30)).unwrap();
+    assert_eq!(synced.writes, Writes::default(), "restart rewrote policy: {synced:?}");
     assert_eq!(check(&cluster, "agent restarted from its checkpoint", xa_union_y_and_zc), before);
     cluster.set_mode(FaultMode::Normal);
     agent.stop().unwrap();

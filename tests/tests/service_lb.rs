@@ -4,6 +4,9 @@ use std::{thread, time::Duration};
 
 use kube_router_tests::*;
 
+/// Each test's agent runs in its own node namespace: one port serves them all.
+const METRICS_PORT: &str = "20240";
+
 struct Env {
     topo: Topology,
     file: ServiceFile,
@@ -19,9 +22,9 @@ impl Env {
     }
     fn agent(&self) -> Agent {
         let root = self.topo.bpf_root();
-        let mut agent =
-            Agent::start(&self.topo.node, &root, &["--service-file", &self.file.arg(), "--health-port", "0"]).unwrap();
-        agent.wait_for_log("service sync complete", 1, Duration::from_secs(20)).unwrap();
+        let args = ["--service-file", &self.file.arg(), "--health-port", "0", "--metrics-port", METRICS_PORT];
+        let mut agent = Agent::start(&self.topo.node, &root, &args).unwrap();
+        agent.wait_for_service_syncs(1, Duration::from_secs(20)).unwrap();
         agent
     }
 }
@@ -163,9 +166,10 @@ fn removed_backend_gets_no_new_flows_while_established_flows_keep_working() {
 
     let remaining: Vec<String> =
         backend_addrs(3).into_iter().enumerate().filter(|(i, _)| i + 1 != index).map(|(_, b)| b).collect();
+    let before = agent.service_syncs().unwrap();
     env.file.write(&web_and_sticky(&remaining)).unwrap();
-    let line = agent.wait_for_log("service sync complete", 2, Duration::from_secs(10)).unwrap();
-    assert!(log_field(&line, "deletes").unwrap() > 0, "{line}");
+    let synced = agent.wait_for_service_sync_after(&before, Duration::from_secs(10)).unwrap();
+    assert!(synced.writes.deletes > 0, "{synced:?}");
 
     let replies = topo.request("tcp", &format!("{VIP}:80"), 40).unwrap();
     assert_all_ok(&replies);
@@ -207,11 +211,10 @@ fn restart_reuses_pinned_state_and_traffic_flows_without_the_agent() {
     let service_maps = |d: &std::collections::BTreeMap<String, String>| {
         ["svc_v4", "svc_slots_v4", "backends_v4", "meta"].map(|n| d[n].clone())
     };
+    // `env.agent()` returns after the restarted agent's first sync.
     let mut agent = env.agent();
-    let line = agent.wait_for_log("service sync complete", 1, Duration::from_secs(5)).unwrap();
-    for field in ["inserts", "updates", "deletes", "errors"] {
-        assert_eq!(log_field(&line, field), Some(0), "restart with unchanged state wrote maps: {line}");
-    }
+    let synced = agent.service_syncs().unwrap();
+    assert_eq!(synced.writes, Writes::default(), "restart with unchanged state wrote maps: {synced:?}");
     let adopted = agent.log.lock().unwrap().iter().filter(|l| l.contains("ingress=Adopted egress=Adopted")).count();
     // Four interfaces, each with the load balancer's and the network policy's pair of links.
     assert_eq!(adopted, 8, "every interface's links re-adopted, none re-created");
@@ -241,9 +244,12 @@ fn bad_input_is_contained_to_the_smallest_unit_and_never_removes_what_works() {
     // A Service rewritten with a field of the wrong type (a port as a string) does not decode:
     // it is named, and everything programmed for it stays.
     let before = dump_maps(&topo.bpf_root()).unwrap();
+    let synced = agent.service_syncs().unwrap();
     env.file.write(&good.replacen("port: 80, targetPort: 8080", "port: \"eighty\", targetPort: 8080", 1)).unwrap();
-    let line = agent.wait_for_log("service sync complete", 2, Duration::from_secs(10)).unwrap();
-    assert_eq!((log_field(&line, "deletes"), log_field(&line, "updates")), (Some(0), Some(0)), "{line}");
+    let since = agent.wait_for_service_sync_after(&synced, Duration::from_secs(10)).unwrap();
+    assert_eq!((since.writes.deletes, since.writes.updates), (0, 0), "{since:?}");
+    assert_eq!(agent.scrape().unwrap().rejected("Service"), 1);
+    // The log names the object for the operator.
     assert!(agent.log.lock().unwrap().iter().any(|l| l.contains("rejected object") && l.contains("default/web")));
     assert_eq!(dump_maps(&topo.bpf_root()).unwrap()["svc_v4"], before["svc_v4"]);
     assert_all_ok(&topo.request("tcp", &format!("{VIP}:80"), 10).unwrap());
@@ -251,16 +257,20 @@ fn bad_input_is_contained_to_the_smallest_unit_and_never_removes_what_works() {
 
     // One unreadable address in a slice of three endpoints: the other two keep serving.
     let broken = good.replacen(&format!("\"{}\"", backend_addr(2)), "\"10.0.12.999\"", 1);
+    let synced = agent.service_syncs().unwrap();
     env.file.write(&broken).unwrap();
-    agent.wait_for_log("service sync complete", 3, Duration::from_secs(10)).unwrap();
+    agent.wait_for_service_sync_after(&synced, Duration::from_secs(10)).unwrap();
+    assert_eq!(agent.scrape().unwrap().rejected("EndpointSlice"), 1, "the slice's bad address is counted");
     assert!(web_http().contains("backends=[") && web_http().matches(':').count() == 3, "{}", web_http());
     let replies = topo.request("tcp", &format!("{VIP}:80"), 20).unwrap();
     assert_all_ok(&replies);
     assert!(!replies.iter().any(|r| r == "backend-3"), "{replies:?}");
 
     // A Service with a TCP port and an SCTP port: the TCP port is programmed, the SCTP one left out.
+    let synced = agent.service_syncs().unwrap();
     env.file.write(&good.replacen("protocol: UDP, port: 53", "protocol: SCTP, port: 53", 1)).unwrap();
-    agent.wait_for_log("service sync complete", 4, Duration::from_secs(10)).unwrap();
+    agent.wait_for_service_sync_after(&synced, Duration::from_secs(10)).unwrap();
+    assert_eq!(agent.scrape().unwrap().rejected("Service"), 2, "the SCTP port is counted");
     assert!(agent.log.lock().unwrap().iter().any(|l| l.contains("part of an object left out") && l.contains("SCTP")));
     assert_eq!(frontends(&services()), 1, "only the http ClusterIP is left on the VIP:\n{}", services());
     assert_all_ok(&topo.request("tcp", &format!("{VIP}:80"), 10).unwrap());
@@ -268,7 +278,7 @@ fn bad_input_is_contained_to_the_smallest_unit_and_never_removes_what_works() {
     // A file that is not YAML at all: logged, nothing written.
     let before = dump_maps(&topo.bpf_root()).unwrap()["svc_v4"].clone();
     env.file.write("{{{ not yaml").unwrap();
-    agent.wait_for_log("cannot read desired state", 1, Duration::from_secs(10)).unwrap();
+    agent.wait_for_rejected("file", 1, Duration::from_secs(10)).unwrap();
     assert_eq!(dump_maps(&topo.bpf_root()).unwrap()["svc_v4"], before);
     assert_all_ok(&topo.request("tcp", &format!("{VIP}:80"), 10).unwrap());
     assert!(agent.is_running());
@@ -289,9 +299,18 @@ fn classic_tc_attachment_serves_readopts_and_leaves_other_filters_alone() {
     node.run(&theirs).unwrap();
     let is_theirs = |filters: &str| filters.contains("pref 7 bpf") && filters.contains("bytecode '1,6 0 0 0'");
     let root = topo.bpf_root();
-    let args = ["--service-file", &env.file.arg(), "--health-port", "0", "--tc-mode", "classic"];
+    let args = [
+        "--service-file",
+        &env.file.arg(),
+        "--health-port",
+        "0",
+        "--metrics-port",
+        METRICS_PORT,
+        "--tc-mode",
+        "classic",
+    ];
     let mut agent = Agent::start(node, &root, &args).unwrap();
-    agent.wait_for_log("service sync complete", 1, Duration::from_secs(20)).unwrap();
+    agent.wait_for_service_syncs(1, Duration::from_secs(20)).unwrap();
     let filters = node.run(&["tc", "filter", "show", "dev", "to-client", "ingress"]).unwrap();
     assert!(filters.contains("kr_lb_ingress") && filters.contains("direct-action"), "{filters}");
     assert!(is_theirs(&filters), "the other filter stays: {filters}");
@@ -310,7 +329,7 @@ fn classic_tc_attachment_serves_readopts_and_leaves_other_filters_alone() {
     agent.stop().unwrap();
     assert_all_ok(&topo.request("tcp", &format!("{VIP}:80"), 10).unwrap());
     let mut agent = Agent::start(node, &root, &args).unwrap();
-    agent.wait_for_log("service sync complete", 1, Duration::from_secs(20)).unwrap();
+    agent.wait_for_service_syncs(1, Duration::from_secs(20)).unwrap();
     // A re-attached filter would show a new program id.
     assert_eq!(all_filters(node), every_filter, "every filter re-adopted, none replaced");
     agent.stop().unwrap();
@@ -624,16 +643,19 @@ fn conntrack_timeout_flags_are_written_at_start_and_follow_a_restart() {
         Ok((word(0), word(1), word(2)))
     };
     let file = env.file.arg();
-    let base = ["--service-file", file.as_str(), "--health-port", "0"];
+    let base = ["--service-file", file.as_str(), "--health-port", "0", "--metrics-port", METRICS_PORT];
     let flags = ["--service-tcp-timeout=15m", "--service-tcpfin-timeout=1m30s", "--service-udp-timeout=5m"];
-    let agent = Agent::start(&env.topo.node, &root, &[&base[..], &flags[..]].concat()).unwrap();
+    let mut agent = Agent::start(&env.topo.node, &root, &[&base[..], &flags[..]].concat()).unwrap();
     wait_until("ct_cfg written from the flags", Duration::from_secs(20), || Ok(lifetimes()? == (900, 90, 300)))
         .unwrap();
+    // ct_cfg is written early in the start; a SIGTERM before the agent is up kills it outright.
+    agent.wait_for_service_syncs(1, Duration::from_secs(20)).unwrap();
     agent.stop().unwrap();
     assert_eq!(lifetimes().unwrap(), (900, 90, 300), "kept while no agent runs");
 
-    let agent = Agent::start(&env.topo.node, &root, &base).unwrap();
+    let mut agent = Agent::start(&env.topo.node, &root, &base).unwrap();
     wait_until("ct_cfg back to the defaults", Duration::from_secs(20), || Ok(lifetimes()? == (0, 0, 0))).unwrap();
+    agent.wait_for_service_syncs(1, Duration::from_secs(20)).unwrap();
     agent.stop().unwrap();
 
     // A value under a second is refused at start, naming the flag, before anything is touched.

@@ -54,7 +54,7 @@ impl Env {
             &["--service-file", &self.file.arg(), "--health-port", "0", "--metrics-port", METRICS_PORT],
         )
         .unwrap();
-        agent.wait_for_log("service sync complete", 1, Duration::from_secs(20)).unwrap();
+        agent.wait_for_service_syncs(1, Duration::from_secs(20)).unwrap();
         agent
     }
 }
@@ -174,11 +174,10 @@ fn restart_with_unchanged_state_writes_nothing_and_ipv6_flows_while_the_agent_is
     }
     assert_all_ok(&topo.request("tcp", &format!("[{NODE_ADDR6}]:30080"), 10).unwrap());
 
+    // `env.agent()` returns after the restarted agent's first sync.
     let mut agent = env.agent();
-    let line = agent.wait_for_log("service sync complete", 1, Duration::from_secs(5)).unwrap();
-    for field in ["inserts", "updates", "deletes", "errors"] {
-        assert_eq!(log_field(&line, field), Some(0), "restart with unchanged state wrote maps: {line}");
-    }
+    let synced = agent.service_syncs().unwrap();
+    assert_eq!(synced.writes, Writes::default(), "restart with unchanged state wrote maps: {synced:?}");
     assert_eq!(before, v6_service_maps(), "the service maps of both families are as they were");
     assert_all_ok(&topo.request("udp", &format!("[{VIP6}]:53"), 10).unwrap());
     assert!(agent.is_running());
@@ -190,14 +189,8 @@ fn on_a_node_without_ipv6_the_ipv6_family_is_reported_once_and_ipv4_serves() {
     let topo = &env.topo;
     topo.node.run(&["ip", "-6", "addr", "flush", "scope", "global"]).unwrap();
     let mut agent = env.agent();
-    let url = format!("127.0.0.1:{METRICS_PORT}");
-    let series = "kube_router_rejected_objects_total{kind=\"IPFamily\"}";
-    let scrape = || topo.node.run(&[netprobe_bin().to_str().unwrap(), "http", &url, "/metrics"]);
-    wait_until("the IPv6 family counted as unavailable", Duration::from_secs(10), || {
-        let scrape = scrape()?;
-        Ok(scrape.contains(series) && metric(&scrape, series) == 1.0)
-    })
-    .unwrap();
+    agent.wait_for_rejected("IPFamily", 1, Duration::from_secs(10)).unwrap();
+    assert_eq!(agent.scrape().unwrap().rejected("IPFamily"), 1);
     let listing = cli(&topo.bpf_root(), "services").unwrap();
     assert!(!listing.contains("]:"), "no IPv6 frontend is programmed:\n{listing}");
     for (proto, port) in [("tcp", 80), ("udp", 53)] {
@@ -205,8 +198,8 @@ fn on_a_node_without_ipv6_the_ipv6_family_is_reported_once_and_ipv4_serves() {
     }
 
     // Another sync with the condition unchanged: not counted again.
-    let syncs = agent.log_count("service sync complete");
+    let synced = agent.service_syncs().unwrap();
     env.file.write(&format!("{}\n# touched\n", dual_stack_web())).unwrap();
-    agent.wait_for_log("service sync complete", syncs + 1, Duration::from_secs(10)).unwrap();
-    assert_eq!(metric(&scrape().unwrap(), series), 1.0);
+    agent.wait_for_service_sync_after(&synced, Duration::from_secs(10)).unwrap();
+    assert_eq!(agent.scrape().unwrap().rejected("IPFamily"), 1);
 }

@@ -21,6 +21,8 @@ use serde::Deserialize;
 const EMPTY_VIP: &str = "10.96.0.12";
 /// The `kubernetes` Service's ClusterIP.
 const API_VIP: &str = "10.96.0.1";
+/// The agent's metrics listener, in the node namespace.
+const METRICS_PORT: &str = "20240";
 
 /// `web` (ClusterIP + NodePorts 30080/tcp and 30053/udp), `sticky` (ClientIP affinity) and
 /// `empty` (no endpoints).
@@ -77,7 +79,7 @@ impl Env {
     fn agent_in(&self, own_cgroup: Option<&Path>, extra: &[&str]) -> Agent {
         let cgroup = self.cgroup.path.to_str().unwrap();
         let mut args = vec!["--service-file", self.file.path.to_str().unwrap(), "--health-port", "0"];
-        args.extend(["--cgroup-root", cgroup]);
+        args.extend(["--metrics-port", METRICS_PORT, "--cgroup-root", cgroup]);
         args.extend(extra);
         let agent = match own_cgroup {
             Some(own) => Agent::start_in_cgroup(&self.topo.node, own, &self.root(), &args),
@@ -398,10 +400,8 @@ fn restart_adopts_the_links_and_cleanup_leaves_other_programs_on_the_cgroup() {
     works();
 
     let mut agent = env.agent(&[]);
-    let line = agent.wait_for_log("service sync complete", 1, Duration::from_secs(10)).unwrap();
-    for field in ["inserts", "updates", "deletes", "errors"] {
-        assert_eq!(log_field(&line, field), Some(0), "restart with unchanged state wrote maps: {line}");
-    }
+    let synced = agent.wait_for_service_syncs(1, Duration::from_secs(10)).unwrap();
+    assert_eq!(synced.writes, Writes::default(), "restart with unchanged state wrote maps: {synced:?}");
     assert_eq!(env.cgroup.programs().unwrap(), attached, "links re-adopted: the same programs, in the same order");
     let adopted = "connect4=Adopted sendmsg4=Adopted recvmsg4=Adopted getpeername4=Adopted connect6=Adopted \
                    sendmsg6=Adopted recvmsg6=Adopted getpeername6=Adopted";

@@ -62,6 +62,8 @@ pub struct ServiceMetrics {
     conntrack_purge_scans: Counter,
     /// Frontends in `svc_v4` (kube-router: IPVS services).
     frontends: IntGauge,
+    /// Syncs from a complete desired state (every kind listed, or the service file).
+    complete_syncs: Counter,
 }
 
 impl Default for ServiceMetrics {
@@ -75,6 +77,7 @@ impl Default for ServiceMetrics {
             conntrack_purged_flows: Counter::default(),
             conntrack_purge_scans: Counter::default(),
             frontends: IntGauge::default(),
+            complete_syncs: Counter::default(),
         }
     }
 }
@@ -84,7 +87,12 @@ impl ServiceMetrics {
         self.external_ips_refused.get_or_create(&[("reason", reason)]).inc();
     }
 
-    pub(crate) fn record_sync(&self, duration: std::time::Duration) {
+    /// One sync, after its map writes were recorded: a scrape that sees this sync counted sees
+    /// its writes too (the tests wait on the count, then read the writes).
+    pub(crate) fn record_sync(&self, duration: std::time::Duration, complete: bool) {
+        if complete {
+            self.complete_syncs.inc();
+        }
         self.sync_duration.observe(duration.as_secs_f64());
         self.sync_time.observe(duration.as_secs_f64());
         self.last_sync.set(crate::metrics::unix_now());
@@ -117,6 +125,12 @@ impl Subsystem for ServiceMetrics {
             "kube_router_service_external_ips_refused_total",
             "Service externalIPs and LoadBalancer IPs refused (not programmed, not advertised), by reason.",
             m.external_ips_refused.clone(),
+        );
+        register(
+            registry,
+            "kube_router_service_complete_syncs_total",
+            "Service syncs from a complete desired state; the others ran from a checkpoint or a partial listing.",
+            m.complete_syncs.clone(),
         );
         register(
             registry,
@@ -331,7 +345,7 @@ impl ServiceController {
         let maps_metrics = self.metrics.of::<MapMetrics>();
         maps_metrics.record(&report);
         let service_metrics = self.metrics.of::<ServiceMetrics>();
-        service_metrics.record_sync(started.elapsed());
+        service_metrics.record_sync(started.elapsed(), complete);
         let dropped_endpoints = self.compiler.dropped_endpoints() + self.compiler_v6.dropped_endpoints();
         service_metrics.dropped_endpoints.set(dropped_endpoints as i64);
         service_metrics.frontends.set(programmed.services.len() as i64);
