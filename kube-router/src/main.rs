@@ -278,11 +278,13 @@ struct RunArgs {
     /// node and API server addresses, the cluster's own ranges, link-local, loopback, multicast.
     #[arg(long, env = "KUBE_ROUTER_SERVICE_EXTERNAL_IP_RANGE", value_delimiter = ',')]
     service_external_ip_range: Vec<ipnet::IpNet>,
-    /// Refuse every externalIP when no --service-external-ip-range is configured (kube-router
-    /// 2.8's flag and default); false accepts any address the other checks let through.
+    /// Refuse every externalIP when no --service-external-ip-range is configured, and every
+    /// LoadBalancer ingress IP when no --loadbalancer-ip-range is (kube-router 2.8's flag and
+    /// default); false accepts any address the other checks let through.
     #[arg(long, env = "KUBE_ROUTER_STRICT_EXTERNAL_IP_VALIDATION", default_value_t = true, action = clap::ArgAction::Set)]
     strict_external_ip_validation: bool,
-    /// LoadBalancer ingress IPs must be inside one of these CIDRs (comma-separated).
+    /// LoadBalancer ingress IPs must be inside one of these CIDRs (comma-separated); others are
+    /// refused. Without it, --strict-external-ip-validation decides.
     #[arg(long, env = "KUBE_ROUTER_LOADBALANCER_IP_RANGE", value_delimiter = ',')]
     loadbalancer_ip_range: Vec<ipnet::IpNet>,
     /// Write the node's CNI configuration from its Node object (pod CIDRs) and create the pod

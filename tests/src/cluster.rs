@@ -58,6 +58,8 @@ pub const POD_PORTS: [u16; 2] = [8080, 5353];
 pub const CNI_PLUGIN_DIR: &str = "/usr/lib/cni";
 /// The `--service-external-ip-range` every cluster agent runs with.
 pub const EXTERNAL_IP_RANGES: &str = "192.0.2.0/24,198.51.100.64/28,2001:db8:2::/64";
+/// The `--loadbalancer-ip-range` every cluster agent runs with: the LoadBalancer IPs tests use.
+pub const LOAD_BALANCER_IP_RANGES: &str = "198.51.100.0/24,2001:db8:51::/64";
 const HEALTH_PORT: &str = "20244";
 const METRICS_PORT: &str = "20241";
 
@@ -1009,10 +1011,12 @@ impl Cluster {
             "30s",
             "--cni-conf-file",
             &cni_conf,
-            // The externalIPs tests use, allowed as an operator would (strict validation refuses
-            // every externalIP without a range).
+            // The externalIPs and LoadBalancer IPs tests use, allowed as an operator would
+            // (strict validation refuses every one of them without a range).
             "--service-external-ip-range",
             EXTERNAL_IP_RANGES,
+            "--loadbalancer-ip-range",
+            LOAD_BALANCER_IP_RANGES,
         ];
         let cgroup = node.cgroup.as_ref().map(|c| c.path.display().to_string());
         if let Some(cgroup) = &cgroup {

@@ -20,6 +20,8 @@ const CLUSTER_EXTERNAL_IP: &str = "192.0.2.20/32";
 const LEADING_ZERO_IP: &str = "192.0.2.40/32";
 const OTHER_PROXY_IP: &str = "192.0.2.50/32";
 const PROXY_MODE_LB_IP: &str = "198.51.100.50/32";
+/// Outside the agents' `--loadbalancer-ip-range` (198.51.100.0/25).
+const OUTSIDE_RANGE_LB_IP: &str = "198.51.100.200/32";
 const FORCED_LOCAL_IP: &str = "192.0.2.60/32";
 
 fn node_ip(i: usize) -> String {
@@ -107,6 +109,7 @@ fn local_traffic_policy_vips_come_only_from_nodes_with_a_ready_endpoint() {
     };
     let ip = |prefix: &str| prefix.trim_end_matches("/32").to_string();
     let refused_lb = json!({"loadBalancer": {"ingress": [{"ip": ip(PROXY_MODE_LB_IP), "ipMode": "Proxy"}]}});
+    let outside_range_lb = json!({"loadBalancer": {"ingress": [{"ip": ip(OUTSIDE_RANGE_LB_IP)}]}});
     for (name, metadata, spec, status) in [
         ("legacy", json!({}), json!({"clusterIP": "10.96.0.40", "externalIPs": ["192.0.002.040"]}), json!({})),
         (
@@ -116,6 +119,7 @@ fn local_traffic_policy_vips_come_only_from_nodes_with_a_ready_endpoint() {
             json!({}),
         ),
         ("proxied", json!({}), json!({"type": "LoadBalancer", "clusterIP": "10.96.0.51"}), refused_lb),
+        ("outside", json!({}), json!({"type": "LoadBalancer", "clusterIP": "10.96.0.52"}), outside_range_lb),
         (
             "forced",
             json!({"annotations": {"kube-router.io/service.local": "true"}}),
@@ -148,9 +152,12 @@ fn local_traffic_policy_vips_come_only_from_nodes_with_a_ready_endpoint() {
                 "65100",
                 "--advertise-external-ip=true",
                 "--advertise-loadbalancer-ip=true",
-                // As an operator would: externalIPs are refused without an allowed range.
+                // As an operator would: externalIPs and LoadBalancer IPs are refused without an
+                // allowed range (strict validation, on by default).
                 "--service-external-ip-range",
                 "192.0.2.0/24",
+                "--loadbalancer-ip-range",
+                "198.51.100.0/25",
             ];
             Agent::start(&nodes[i - 1], &bpf_root(i), &args).unwrap()
         })
@@ -186,6 +193,10 @@ fn local_traffic_policy_vips_come_only_from_nodes_with_a_ready_endpoint() {
     // Published with the VIPs above (one view of one listing): refused ones are simply absent.
     assert!(advertisers(OTHER_PROXY_IP).is_empty(), "another proxy's Service is not advertised");
     assert!(advertisers(PROXY_MODE_LB_IP).is_empty(), "an ipMode Proxy LoadBalancer IP is not advertised");
+    assert!(
+        advertisers(OUTSIDE_RANGE_LB_IP).is_empty(),
+        "a LoadBalancer IP outside --loadbalancer-ip-range is not advertised"
+    );
 
     // The endpoint moves to node-2: node-1 withdraws, node-2 announces.
     server.apply(slice("node-2", true)).unwrap();

@@ -17,9 +17,8 @@
 //! the only-advertise args), as an operator of upstream 2.8 or later must:
 //! `--service-external-ip-range` and `--loadbalancer-ip-range` (upstream's
 //! `--strict-external-ip-validation`, on by default, refuses every externalIP and LoadBalancer IP
-//! without them; the manifests predate it). As written, the externalIP is refused here too; a
-//! LoadBalancer IP is not (this agent's strict validation covers externalIPs only, unlike
-//! upstream 2.8's), so the test asserts nothing about it before the ranges are given.
+//! without them; the manifests predate it). As written, both are refused here too, as upstream
+//! refuses them.
 use std::{
     fs, thread,
     time::{Duration, Instant},
@@ -208,22 +207,25 @@ fn all_features_and_dsr_daemon_set_args_run_a_cluster_with_every_promised_path()
     }
     c.add_service(Svc::cluster_ip("cip", "10.96.2.10").select("pod", "pod-2-0")).unwrap();
     c.add_service(Svc::node_port("np", "10.96.2.11", 30211).select("pod", "pod-1-0")).unwrap();
-    // The DSR Service, published now: as written (no --service-external-ip-range), its externalIP
-    // is refused, as upstream's strict validation refuses it.
+    // The DSR Service, published now: as written (no --service-external-ip-range, no
+    // --loadbalancer-ip-range), its externalIP and LoadBalancer IP are refused, as upstream's
+    // strict validation refuses them.
     let dsr_svc = Svc::load_balancer("dsr", "10.96.2.20", 30220, "198.51.100.20")
         .external_ip("192.0.2.20")
         .select("pod", "pod-2-0")
         .annotate(DSR.0, DSR.1);
     c.add_service(dsr_svc).unwrap();
-    wait_for("the externalIP refused without a range", || {
+    wait_for("the externalIP and LoadBalancer IP refused without a range", || {
         c.nodes
             .iter()
-            .all(|n| n.metric("kube_router_service_external_ips_refused_total", "reason=\"no-allowed-range\"") >= 1.0)
+            .all(|n| n.metric("kube_router_service_external_ips_refused_total", "reason=\"no-allowed-range\"") >= 2.0)
     });
-    assert!(
-        c.nodes.iter().all(|n| !n.services().contains(" 192.0.2.20:80 ")),
-        "an externalIP programmed without a range"
-    );
+    for node in &c.nodes {
+        let services = node.services();
+        assert!(!services.contains(" 192.0.2.20:80 "), "an externalIP programmed without a range: {services}");
+        assert!(!services.contains(" 198.51.100.20:80 "), "a LoadBalancer IP programmed without a range: {services}");
+        assert!(services.contains(" 10.96.2.20:80 "), "the rest of the Service is programmed: {services}");
+    }
     assert_all_features_paths(&c, false);
     isolate_and_admit(&c);
     eprintln!("all-features checked after {:?}", started.elapsed());

@@ -81,7 +81,9 @@ fn demo(c: &Cluster) -> Result<()> {
     }
 
     step("Services from real Service/EndpointSlice objects")?;
-    // Both backends on node-2; reached through node-1 from outside.
+    // Both backends on node-2; reached through node-1 from outside. Its externalIP and
+    // LoadBalancer IPs are inside the harness's --service-external-ip-range and
+    // --loadbalancer-ip-range (strict validation refuses any without them).
     let web = Svc::load_balancer("web", "10.96.0.10", 30080, "198.51.100.10")
         .dual_stack("fd00:96::10")
         .select("node", "node-2")

@@ -301,10 +301,11 @@ pub struct ExternalIpPolicy {
     /// `--service-external-ip-range`: externalIPs must be inside one of these.
     pub external_ip_ranges: Vec<ipnet::IpNet>,
     /// `--strict-external-ip-validation`: with no `--service-external-ip-range`, no externalIP
-    /// is accepted (without it, any address the other checks let through is).
+    /// is accepted, with no `--loadbalancer-ip-range` no LoadBalancer IP (without it, any
+    /// address the other checks let through is).
     pub strict: bool,
     /// `--loadbalancer-ip-range`: LoadBalancer ingress IPs must be inside one of these (none:
-    /// any address the other checks let through).
+    /// `strict` decides).
     pub load_balancer_ranges: Vec<ipnet::IpNet>,
     /// The cluster's own ranges (pod CIDRs, Service range): never an externalIP or LoadBalancer IP.
     pub forbidden: Vec<ipnet::IpNet>,
@@ -394,12 +395,13 @@ impl ExternalIpPolicy {
             (&self.external_ip_ranges, "--service-external-ip-range")
         };
         if ranges.is_empty() {
-            if !load_balancer && self.strict {
+            // kube-router 2.8: strict validation without a range refuses every address, for
+            // LoadBalancer IPs as for externalIPs (a tenant able to write status could otherwise
+            // claim any address).
+            if self.strict {
                 return refuse(
                     "no-allowed-range",
-                    format!(
-                        "{ip}: no --service-external-ip-range is configured and --strict-external-ip-validation is on"
-                    ),
+                    format!("{ip}: no {flag} is configured and --strict-external-ip-validation is on"),
                 );
             }
         } else if !ranges.iter().any(|net| net.contains(&ip)) {

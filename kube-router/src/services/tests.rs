@@ -1202,16 +1202,31 @@ fn every_refused_external_ip_class_is_refused_and_ranges_and_the_strict_flag_dec
     }
     assert_eq!(reason("192.0.2.7", false), None, "inside --service-external-ip-range");
     assert_eq!(reason("2001:db8:2::7", false), None);
-    // --loadbalancer-ip-range is unset: any LoadBalancer IP the other checks let through.
-    assert_eq!(reason("198.51.100.7", true), None);
+    // Strict and --loadbalancer-ip-range unset: no LoadBalancer IP at all (kube-router 2.8).
+    assert_eq!(reason("192.0.2.7", true), Some("no-allowed-range"));
+    assert_eq!(reason("198.51.100.7", true), Some("no-allowed-range"));
 
-    // Strict, no range: no externalIP at all; LoadBalancer IPs are not affected.
+    // Strict, no range: no externalIP and no LoadBalancer IP, each refusal naming its flag.
     let strict = ExternalIpPolicy { strict: true, ..Default::default() };
-    assert_eq!(strict.refusal("198.51.100.7".parse().unwrap(), false).unwrap().reason, "no-allowed-range");
-    assert_eq!(strict.refusal("198.51.100.7".parse().unwrap(), true), None);
+    for (load_balancer, flag) in [(false, "--service-external-ip-range"), (true, "--loadbalancer-ip-range")] {
+        let refusal = strict.refusal("198.51.100.7".parse().unwrap(), load_balancer).unwrap();
+        assert_eq!(refusal.reason, "no-allowed-range");
+        assert!(refusal.message.contains(flag), "{}", refusal.message);
+    }
+    let strict_lb_range = ExternalIpPolicy { load_balancer_ranges: vec!["203.0.113.0/24".parse().unwrap()], ..strict };
+    assert_eq!(strict_lb_range.refusal("203.0.113.7".parse().unwrap(), true), None);
+    assert_eq!(strict_lb_range.refusal("198.51.100.7".parse().unwrap(), true).unwrap().reason, "outside-range");
+    assert_eq!(
+        strict_lb_range.refusal("203.0.113.7".parse().unwrap(), false).unwrap().reason,
+        "no-allowed-range",
+        "the LoadBalancer range does not admit externalIPs"
+    );
+    // Not strict, no range: any address the other checks let through.
     let lax = ExternalIpPolicy { strict: false, ..Default::default() };
     assert_eq!(lax.refusal("198.51.100.7".parse().unwrap(), false), None);
+    assert_eq!(lax.refusal("198.51.100.7".parse().unwrap(), true), None);
     assert_eq!(lax.refusal("169.254.169.254".parse().unwrap(), false).unwrap().reason, "link-local");
+    assert_eq!(lax.refusal("169.254.169.254".parse().unwrap(), true).unwrap().reason, "link-local");
     let lb_range = ExternalIpPolicy { load_balancer_ranges: vec!["203.0.113.0/24".parse().unwrap()], ..lax };
     assert_eq!(lb_range.refusal("198.51.100.7".parse().unwrap(), true).unwrap().reason, "outside-range");
     assert_eq!(lb_range.refusal("203.0.113.7".parse().unwrap(), true), None);

@@ -402,6 +402,7 @@ mod tests {
         let policy = ExternalIpPolicy {
             external_ip_ranges: vec!["192.0.2.0/24".parse().unwrap()],
             strict: true,
+            load_balancer_ranges: vec!["203.0.113.0/24".parse().unwrap()],
             forbidden: vec!["10.244.0.0/16".parse().unwrap()],
             ..Default::default()
         };
@@ -429,6 +430,47 @@ mod tests {
         let mut no_v6 = settings(ALL, policy);
         no_v6.unavailable_families.insert(IpFamily::IPv6);
         assert_eq!(self::view(&dual, &no_v6).all, ["10.96.0.20/32".parse::<IpNet>().unwrap()]);
+    }
+
+    #[test]
+    fn strict_validation_without_a_load_balancer_range_neither_serves_nor_advertises_load_balancer_ips() {
+        let services = [service(
+            "shop",
+            json!({"spec": {"clusterIP": "10.96.0.10", "type": "LoadBalancer", "externalIPs": ["192.0.2.7"]},
+            "status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.5"}]}}}),
+        )];
+        let catalog = catalog(&services, &[]);
+        let strict = ExternalIpPolicy {
+            external_ip_ranges: vec!["192.0.2.0/24".parse().unwrap()],
+            strict: true,
+            ..Default::default()
+        };
+        let external = AdvertiseServices { external_ip: true, load_balancer_ip: true, ..Default::default() };
+        let mut view = VipView::default();
+        let (_, refused) = view.update(&catalog, &Changed::All, &settings(external, strict.clone()));
+        let advertised: Vec<String> = view.vips().advertised.iter().map(ToString::to_string).collect();
+        assert_eq!(advertised, ["192.0.2.7/32"], "the LoadBalancer IP is not advertised");
+        let reasons: Vec<&str> = refused.iter().map(|(_, r)| r.reason).collect();
+        assert_eq!(reasons, ["no-allowed-range"]);
+        assert!(refused[0].1.message.contains("--loadbalancer-ip-range"), "{}", refused[0].1.message);
+        let programmed = |policy: &ExternalIpPolicy| -> BTreeSet<IpAddr> {
+            let node = NodeContext { name: "node-1".into(), external_ips: policy.clone(), ..Default::default() };
+            assert_served(&catalog, &self::view(&catalog, &settings(ALL, policy.clone())), &node);
+            plan(&catalog.state, &node, Limits::default())
+                .frontends
+                .keys()
+                .map(|k| V4::addr_from_words(k.addr).into())
+                .collect()
+        };
+        let lb_ip: IpAddr = "203.0.113.5".parse().unwrap();
+        assert!(!programmed(&strict).contains(&lb_ip), "the proxy refuses it too");
+
+        // Without strict validation the LoadBalancer IP is served and advertised, as before.
+        let lax = ExternalIpPolicy { strict: false, ..strict };
+        let advertised: Vec<String> =
+            self::view(&catalog, &settings(external, lax.clone())).advertised.iter().map(ToString::to_string).collect();
+        assert_eq!(advertised, ["192.0.2.7/32", "203.0.113.5/32"]);
+        assert!(programmed(&lax).contains(&lb_ip));
     }
 
     #[test]
