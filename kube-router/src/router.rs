@@ -189,13 +189,9 @@ impl RouterController {
     /// the services catalog has them. A problem (this node not found yet, a broken annotation
     /// on it) is logged once and changes nothing. An error: the speaker could not start (to be
     /// tried again).
-    pub async fn update_from_nodes<'a>(
-        &mut self,
-        nodes: impl Iterator<Item = &'a Node>,
-        vips: &ServiceVips,
-    ) -> Result<()> {
-        let nodes: Vec<Node> = nodes.cloned().collect();
-        match node_bgp_config(&nodes, &self.settings()) {
+    pub async fn update_from_nodes(&mut self, nodes: &[Arc<Node>], vips: &ServiceVips) -> Result<()> {
+        // The shared objects as they are: no copy of every Node on each change.
+        match node_bgp_config(nodes, &self.settings()) {
             Ok(mut config) => {
                 self.last_problem = None;
                 let warnings: Vec<String> = config.warnings.iter().map(ToString::to_string).collect();

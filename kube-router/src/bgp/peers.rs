@@ -901,14 +901,17 @@ impl PeerSet<'_> {
 /// Fails only for problems with this node itself (missing, no router id, invalid own ASN or RR
 /// annotation) or invalid settings; problems with other nodes or with this node's per-node peer
 /// annotations become [`PeerConfigWarning`]s.
-pub fn node_bgp_config(nodes: &[Node], settings: &GlobalSettings) -> Result<NodeBgpConfig, PeerConfigError> {
+pub fn node_bgp_config<N: std::borrow::Borrow<Node>>(
+    nodes: &[N],
+    settings: &GlobalSettings,
+) -> Result<NodeBgpConfig, PeerConfigError> {
     if !(MIN_ASN..=MAX_ASN).contains(&settings.cluster_asn) {
         return Err(PeerConfigError::InvalidClusterAsn(settings.cluster_asn));
     }
     if settings.peer_port == 0 {
         return Err(PeerConfigError::InvalidPeerPort);
     }
-    let me = nodes.iter().find(|n| node_name(n) == settings.node_name).ok_or_else(|| {
+    let me = nodes.iter().map(N::borrow).find(|n| node_name(n) == settings.node_name).ok_or_else(|| {
         PeerConfigError::ThisNodeNotFound { node_name: settings.node_name.clone(), node_count: nodes.len() }
     })?;
     let my_name = settings.node_name.as_str();
@@ -975,7 +978,7 @@ pub fn node_bgp_config(nodes: &[Node], settings: &GlobalSettings) -> Result<Node
 
     if settings.enable_ibgp {
         // Iterate in name order so duplicate-address warnings do not depend on list order.
-        let mut others: Vec<&Node> = nodes.iter().filter(|n| node_name(n) != my_name).collect();
+        let mut others: Vec<&Node> = nodes.iter().map(N::borrow).filter(|n| node_name(n) != my_name).collect();
         others.sort_by(|a, b| node_name(a).cmp(node_name(b)));
         // Note: nodes with metadata.deletionTimestamp set are deliberately still peered with. Deletion can
         // be slow (finalizers) or never complete, and the node may still be forwarding traffic; dropping the

@@ -240,6 +240,28 @@ where
     Ok(writes)
 }
 
+/// Writes `changes` (flags 0: no longer inside) into `cluster_nets_v4` / `cluster_nets_v6`,
+/// without reading the map: for a writer that knows what it holds. Returns the writes.
+pub fn write_cluster_nets_of<F: AddressFamily>(pin_dir: &Path, changes: &BTreeMap<F::Net, u32>) -> Result<usize>
+where
+    F::Words: aya::Pod,
+{
+    use aya::maps::lpm_trie::{Key, LpmTrie};
+    if changes.is_empty() {
+        return Ok(0);
+    }
+    let mut map: LpmTrie<MapData, F::Words, u32> =
+        LpmTrie::try_from(Map::LpmTrie(open(pin_dir, F::MAPS.cluster_nets)?))?;
+    for (net, flags) in changes {
+        let key = Key::new(u32::from(F::net_prefix_len(*net)), F::words(F::net_addr(*net)));
+        match flags {
+            0 => map.remove(&key)?,
+            flags => map.insert(&key, flags, 0)?,
+        }
+    }
+    Ok(changes.len())
+}
+
 /// Sums the per-CPU packet counters of `lb_stats`, in `lb_stat` index order.
 pub fn read_lb_stats(pin_dir: &Path) -> Result<Vec<u64>> {
     super::counters::read_pinned(pin_dir, map_names::LB_STATS, lb_stat::COUNT)

@@ -1,19 +1,27 @@
 //! This node's networks from the Node objects: the cluster prefixes pod egress masquerade
-//! treats as inside, and the CNI configuration with the pod bridge.
-use std::{net::Ipv4Addr, path::PathBuf, sync::Arc};
+//! treats as inside, and the CNI configuration with the pod bridge. Each pass reads only the
+//! Nodes changed since the last one (the store's journal): a Node's change writes its own
+//! prefixes, and the CNI configuration is written again only when this node's Node changed.
+use std::{collections::BTreeMap, net::Ipv4Addr, path::PathBuf, sync::Arc};
 
 use anyhow::{Context, Result};
+use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
 
 use crate::{
-    bpf::service_maps::{sync_cluster_nets, sync_cluster_nets_of},
+    bpf::service_maps::{sync_cluster_nets, sync_cluster_nets_of, write_cluster_nets_of},
     config::CniOptions,
+    egress::ClusterNets,
     exposition::{register, Counter},
-    k8s::{cache::Cache, watch::Kind},
+    k8s::{
+        cache::Cache,
+        store::{Changes, Cursor},
+        watch::Kind,
+    },
     metrics::{Metrics, Subsystem},
     netif,
     runtime::{Action, Controller},
-    services::family::V6,
+    services::family::{AddressFamily, V4, V6},
 };
 
 pub const NODE_KINDS: &[Kind] = &[Kind::Nodes];
@@ -46,15 +54,30 @@ impl Subsystem for CniMetrics {
 pub struct NodeNetsController {
     cache: Arc<Cache>,
     /// With the service proxy.
-    egress: Option<EgressNets>,
+    egress: Option<EgressState>,
     cni: Option<CniWriter>,
     metrics: Metrics,
+    /// The Node changes read so far.
+    cursor: Option<Cursor>,
 }
 
 impl NodeNetsController {
     pub fn new(cache: Arc<Cache>, egress: Option<EgressNets>, cni: Option<CniWriter>, metrics: Metrics) -> Self {
-        Self { cache, egress, cni, metrics }
+        let egress = egress.map(|config| EgressState {
+            nets: ClusterNets::new(&config.cluster_cidrs, &config.service_ranges),
+            config,
+            in_maps: false,
+        });
+        Self { cache, egress, cni, metrics, cursor: None }
     }
+}
+
+/// The Nodes a pass reads.
+enum NodeChanges {
+    /// Every Node (the first pass, or after the store forgot what changed).
+    All(Vec<Arc<Node>>),
+    /// Those changed since the last pass, by name: `None`, gone.
+    Some(Vec<(String, Option<Arc<Node>>)>),
 }
 
 impl Controller for NodeNetsController {
@@ -63,19 +86,97 @@ impl Controller for NodeNetsController {
     }
 
     async fn reconcile(&mut self) -> Result<Action> {
+        let cursor = self.cursor;
+        let own_key = self.cni.as_ref().map(|cni| (String::new(), cni.node_name.clone()));
         // Like the routes: only a complete listing of Nodes (or its checkpoint) counts.
-        let Some(listing) = self.cache.read(NODE_KINDS, |o| o.nodes.snapshot()) else {
+        let Some(listing) = self.cache.read(NODE_KINDS, |o| {
+            let (changes, cursor) = o.nodes.changed_since(cursor);
+            let nodes = match changes {
+                Changes::All => NodeChanges::All(o.nodes.snapshot()),
+                Changes::Keys(keys) => NodeChanges::Some(
+                    keys.into_iter()
+                        .map(|key| {
+                            let node = o.nodes.shared(&key);
+                            (key.1, node)
+                        })
+                        .collect(),
+                ),
+            };
+            (nodes, cursor, own_key.and_then(|key| o.nodes.shared(&key)))
+        }) else {
             return Ok(Action::AwaitChange);
         };
-        let nodes = listing.objects;
-        if let Some(egress) = &self.egress {
-            sync_egress_nets(egress, nodes.iter().map(|n| &**n));
-        }
+        let (nodes, cursor, own) = listing.objects;
+        self.cursor = Some(cursor);
+        let egress = self.egress.as_mut().map(|egress| egress.follow(&nodes)).unwrap_or(Ok(()));
         if let Some(cni) = self.cni.as_mut() {
             // Logged once per reason; retried with backoff (the bridge may need a moment).
-            cni.sync(nodes.iter().map(|n| &**n), &self.metrics).await?;
+            cni.sync(own, &self.metrics).await?;
         }
-        Ok(Action::AwaitChange)
+        // Retried with backoff: the next pass writes the maps whole.
+        egress.map(|()| Action::AwaitChange)
+    }
+}
+
+/// The cluster's prefixes for pod egress, followed Node by Node.
+struct EgressState {
+    config: EgressNets,
+    nets: ClusterNets,
+    /// The maps hold `nets`: what changes is written as it comes, without reading them back.
+    in_maps: bool,
+}
+
+impl EgressState {
+    fn follow(&mut self, nodes: &NodeChanges) -> Result<()> {
+        let mut changes = BTreeMap::new();
+        match nodes {
+            NodeChanges::All(nodes) => {
+                self.nets = ClusterNets::new(&self.config.cluster_cidrs, &self.config.service_ranges);
+                for node in nodes {
+                    self.nets.set_node(node.metadata.name.as_deref().unwrap_or_default(), Some(node));
+                }
+                self.in_maps = false;
+            }
+            NodeChanges::Some(nodes) => {
+                for (name, node) in nodes {
+                    changes.extend(self.nets.set_node(name, node.as_deref()));
+                }
+            }
+        }
+        let pin_dir = &self.config.pin_dir;
+        let written = if self.in_maps {
+            let of_family = |v6: bool| changes.iter().filter(move |(net, _)| matches!(net, IpNet::V6(_)) == v6);
+            let v4 = of_family(false).filter_map(|(net, flags)| V4::net_of(*net).map(|net| (net, *flags))).collect();
+            let v6 = of_family(true).filter_map(|(net, flags)| V6::net_of(*net).map(|net| (net, *flags))).collect();
+            write_cluster_nets_of::<V4>(pin_dir, &v4)
+                .and_then(|v4| Ok(v4 + write_cluster_nets_of::<V6>(pin_dir, &v6)?))
+                .context("cannot write cluster_nets_v4/v6")
+        } else {
+            sync_cluster_nets_of::<V4>(pin_dir, &self.nets.of_family::<V4>())
+                .context("cannot write cluster_nets_v4")
+                .and_then(|v4| {
+                    Ok(v4
+                        + sync_cluster_nets_of::<V6>(pin_dir, &self.nets.of_family::<V6>())
+                            .context("cannot write cluster_nets_v6")?)
+                })
+        };
+        match written {
+            Ok(writes) => {
+                if writes > 0 {
+                    tracing::info!(writes, "cluster prefixes for pod egress updated");
+                }
+                self.in_maps = true;
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(
+                    error = format!("{e:#}"),
+                    "pod egress masquerade may be wrong; will write the maps whole"
+                );
+                self.in_maps = false;
+                Err(e)
+            }
+        }
     }
 }
 
@@ -86,23 +187,30 @@ pub struct CniWriter {
     node_name: String,
     snat_addr: Option<Ipv4Addr>,
     last_error: Option<String>,
+    /// This node's Node as the configuration was last written from: another Node's change
+    /// rewrites nothing.
+    written_from: Option<Arc<Node>>,
 }
 
 impl CniWriter {
     pub fn new(options: CniOptions, node_name: String, snat_addr: Option<Ipv4Addr>) -> Self {
-        Self { options, node_name, snat_addr, last_error: None }
+        Self { options, node_name, snat_addr, last_error: None, written_from: None }
     }
 }
 
 impl CniWriter {
-    async fn sync<'a>(&mut self, nodes: impl Iterator<Item = &'a Node>, metrics: &Metrics) -> Result<()> {
-        let result = self.try_sync(nodes).await;
+    async fn sync(&mut self, node: Option<Arc<Node>>, metrics: &Metrics) -> Result<()> {
+        if node.is_some() && self.written_from == node {
+            return Ok(());
+        }
+        let result = self.try_sync(node.as_deref()).await;
         match result {
             Ok(written) => {
                 if written {
                     tracing::info!(path = %self.options.conf_file.display(), "CNI configuration written");
                 }
                 self.last_error = None;
+                self.written_from = node;
                 Ok(())
             }
             Err(e) => {
@@ -121,10 +229,8 @@ impl CniWriter {
         }
     }
 
-    async fn try_sync<'a>(&self, mut nodes: impl Iterator<Item = &'a Node>) -> Result<bool> {
-        let node = nodes
-            .find(|n| n.metadata.name.as_deref() == Some(self.node_name.as_str()))
-            .with_context(|| format!("no Node object named {:?}", self.node_name))?;
+    async fn try_sync(&self, node: Option<&Node>) -> Result<bool> {
+        let node = node.with_context(|| format!("no Node object named {:?}", self.node_name))?;
         // A malformed kube-router.io/pod-cidr(s) annotation leaves the file as it was.
         let pod_cidrs = crate::pod_cidrs::node_pod_cidrs(node)?;
         let mtu = if self.options.auto_mtu { self.snat_addr.and_then(netif::mtu_of_address) } else { None };

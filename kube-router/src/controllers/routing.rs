@@ -77,7 +77,7 @@ impl RoutingController {
         };
         self.generation = Some(generation);
         let started = std::time::Instant::now();
-        let result = self.router.update_from_nodes(listing.objects.iter().map(|n| &**n), &vips).await;
+        let result = self.router.update_from_nodes(&listing.objects, &vips).await;
         self.router.routing_metrics().sync_time.observe(started.elapsed().as_secs_f64());
         result
     }

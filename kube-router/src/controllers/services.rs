@@ -37,6 +37,7 @@ use crate::{
         compile::{assign_ids, CompileWarning, LbPlan, Limits, MapContents},
         departures::{udp_departures, Departure},
         family::{AddressFamily, IpFamily, V4, V6},
+        from_k8s::TOPOLOGY_ZONE_LABEL,
         incremental::{Changed, FamilyCompiler, ServiceCatalog},
         model::{ExternalIpPolicy, NodeContext, ServiceName},
         source::{load_file, StateBuilder},
@@ -659,8 +660,6 @@ fn add_second_pass(mut report: SyncReport, second: SyncReport) -> SyncReport {
     report
 }
 
-const TOPOLOGY_ZONE_LABEL: &str = "topology.kubernetes.io/zone";
-
 struct FileSource {
     path: PathBuf,
     stamp: Option<SystemTime>,
@@ -792,8 +791,11 @@ pub struct ServicesFromApi {
     node_addresses: watch::Receiver<Vec<IpAddr>>,
     /// The changes of the Services and EndpointSlices seen so far.
     generation: u64,
-    /// The changes of the Nodes seen so far (their addresses are refused as externalIPs).
-    node_generation: u64,
+    /// The changes of the Nodes seen so far (their addresses are refused as externalIPs);
+    /// `None` before the first run (restored Nodes count no change).
+    node_generation: Option<u64>,
+    /// The Nodes changed since their addresses were last collected.
+    nodes_moved: bool,
     /// The VIPs for the BGP speaker, from the same catalog (when it advertises Services).
     vips: Option<VipPublisher>,
 }
@@ -810,7 +812,8 @@ impl ServicesFromApi {
             dirty,
             node_addresses,
             generation: 0,
-            node_generation: 0,
+            node_generation: None,
+            nodes_moved: true,
             vips: None,
         }
     }
@@ -823,10 +826,20 @@ impl ServicesFromApi {
 
     /// Every Node's addresses and the API server's endpoints: refused as externalIPs. The
     /// checkpoint restores them with the Services, so a restart never lets a refused address in.
-    fn follow_cluster_addresses(&mut self) {
+    /// Collected again only when a Node or the API server's endpoints changed: a Service change
+    /// walks no Node.
+    fn follow_cluster_addresses(&mut self, catalog_changed: &Changed) {
+        let api_server_moved = match catalog_changed {
+            Changed::All => true,
+            Changed::Services(names) => names.contains(&ServiceName::new("default", "kubernetes")),
+        };
+        if !self.nodes_moved && !api_server_moved {
+            return;
+        }
+        self.nodes_moved = false;
         let now = cluster_addresses(&self.cache, &self.catalog);
         if now != self.controller.cluster_addresses {
-            tracing::info!(nodes = ?now.nodes, api_server = ?now.api_server, "addresses no Service may claim");
+            tracing::info!(nodes = now.nodes.len(), api_server = ?now.api_server, "addresses no Service may claim");
             self.controller.cluster_addresses = now;
         }
     }
@@ -842,13 +855,10 @@ impl ServicesFromApi {
 
     /// Only this node's zone matters to the Services; other Node changes do not.
     fn follow_zone(&mut self) {
-        let name = self.controller.node_name.as_str();
-        let zone = self.cache.with(|o| {
-            o.nodes
-                .objects()
-                .find(|n| n.metadata.name.as_deref() == Some(name))
-                .and_then(|n| n.metadata.labels.as_ref()?.get(TOPOLOGY_ZONE_LABEL).cloned())
-        });
+        let key = (String::new(), self.controller.node_name.clone());
+        let zone = self
+            .cache
+            .with(|o| o.nodes.get(&key).and_then(|n| n.metadata.labels.as_ref()?.get(TOPOLOGY_ZONE_LABEL).cloned()));
         if zone != self.controller.zone {
             tracing::info!(zone = ?zone, "node zone changed; topology hints follow it");
             self.controller.zone = zone;
@@ -863,10 +873,11 @@ impl Controller for ServicesFromApi {
     }
 
     async fn reconcile(&mut self) -> Result<Action> {
-        self.follow_zone();
         let node_generation = self.cache.generation(&[Kind::Nodes]);
-        if node_generation != self.node_generation {
-            self.node_generation = node_generation;
+        if self.node_generation != Some(node_generation) {
+            self.node_generation = Some(node_generation);
+            self.follow_zone();
+            self.nodes_moved = true;
             self.dirty = true;
         }
         if self.node_addresses.has_changed().unwrap_or(false) {
@@ -894,7 +905,7 @@ impl Controller for ServicesFromApi {
             return Ok(Action::AwaitChange);
         };
         self.dirty = false;
-        self.follow_cluster_addresses();
+        self.follow_cluster_addresses(&listing.objects);
         let changed_now = self.vips.is_some().then(|| listing.objects.clone());
         self.changed.merge(listing.objects);
         let complete = listing.completeness == Completeness::Complete;

@@ -211,4 +211,46 @@ mod tests {
         cache.apply(WatchUpdate::Nodes(Event::InitDone));
         assert!(nodes.changed().await);
     }
+
+    /// A kubelet's Node: `rv` its resourceVersion, `heartbeat` its Ready condition's time (and
+    /// the TTL controller's annotation, which follows the cluster's size).
+    fn kubelet_node(rv: u64, heartbeat: &str, pod_cidr: &str) -> Node {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "node-2", "resourceVersion": rv.to_string(),
+                "annotations": {"node.alpha.kubernetes.io/ttl": (rv * 15).to_string()}},
+            "spec": {"podCIDR": pod_cidr, "podCIDRs": [pod_cidr],
+                "taints": [{"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule", "timeAdded": heartbeat}]},
+            "status": {"addresses": [{"type": "InternalIP", "address": "192.168.0.2"}],
+                "conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": heartbeat}]}
+        }))
+        .unwrap()
+    }
+
+    /// A heartbeat (a new resourceVersion and condition time, nothing a reader uses) is no
+    /// change: no Node reader wakes, no generation moves. A pod CIDR change is one.
+    #[tokio::test]
+    async fn a_node_heartbeat_wakes_no_node_reader() {
+        let cache = Cache::new(ClusterObjects::default(), None);
+        cache.apply(WatchUpdate::Nodes(Event::Init));
+        cache.apply(WatchUpdate::Nodes(Event::InitApply(kubelet_node(1, "2026-12-06T00:00:00Z", "10.0.2.0/24"))));
+        cache.apply(WatchUpdate::Nodes(Event::InitDone));
+        let mut readers = cache.subscribe(&[Kind::Nodes]);
+        let generation = cache.generation(&[Kind::Nodes]);
+        for (rv, heartbeat) in [(2, "2026-12-06T00:00:10Z"), (3, "2026-12-06T00:00:20Z")] {
+            let update = WatchUpdate::Nodes(Event::Apply(kubelet_node(rv, heartbeat, "10.0.2.0/24")));
+            assert_eq!(cache.apply(update), None, "heartbeat {rv} is a change");
+        }
+        assert_eq!(cache.generation(&[Kind::Nodes]), generation);
+        let woke = tokio::time::timeout(std::time::Duration::from_millis(50), readers.changed()).await;
+        assert!(woke.is_err(), "a heartbeat woke a Node reader");
+        // The newest version is kept all the same: a relist bringing it back is no change either.
+        cache.apply(WatchUpdate::Nodes(Event::Init));
+        cache.apply(WatchUpdate::Nodes(Event::InitApply(kubelet_node(3, "2026-12-06T00:00:20Z", "10.0.2.0/24"))));
+        assert_eq!(cache.apply(WatchUpdate::Nodes(Event::InitDone)), None);
+
+        let update = WatchUpdate::Nodes(Event::Apply(kubelet_node(4, "2026-12-06T00:00:20Z", "10.0.3.0/24")));
+        assert_eq!(cache.apply(update), Some(Kind::Nodes));
+        assert!(readers.changed().await);
+        assert_eq!(cache.generation(&[Kind::Nodes]), generation + 1);
+    }
 }

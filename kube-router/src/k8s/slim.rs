@@ -8,12 +8,16 @@
 //!
 //! A field added to a reader must be added here too: `every_field_a_reader_uses_survives`
 //! below holds the list.
+use std::collections::BTreeMap;
+
 use k8s_openapi::api::{
     core::v1::{Container, Namespace, Node, NodeSpec, NodeStatus, Pod, PodSpec, PodStatus, Service},
     discovery::v1::EndpointSlice,
     networking::v1::NetworkPolicy,
 };
 use kube::{api::ObjectMeta, Resource};
+
+use crate::services::from_k8s::TOPOLOGY_ZONE_LABEL;
 
 /// `kubectl apply`'s copy of the whole object, in an annotation: often the largest field.
 const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
@@ -76,15 +80,39 @@ impl Slim for Pod {
     }
 }
 
+/// Every Node annotation the agent reads is kube-router's own (BGP peers, ASN, pod CIDR
+/// overrides): other controllers' annotations on Nodes (TTL, CSI, autoscalers) change at their
+/// own pace and are read by nobody here.
+pub const NODE_ANNOTATION_PREFIX: &str = "kube-router.io/";
+
+/// The entries of `map` that `keep` names; `None` when none is left.
+fn kept(map: Option<BTreeMap<String, String>>, keep: impl Fn(&str) -> bool) -> Option<BTreeMap<String, String>> {
+    let kept: BTreeMap<String, String> = map?.into_iter().filter(|(key, _)| keep(key)).collect();
+    (!kept.is_empty()).then_some(kept)
+}
+
 impl Slim for Node {
-    /// Metadata with annotations (BGP peers, ASN, pod CIDR overrides), the spec (pod CIDRs),
-    /// and of the status only the addresses: conditions, images and the node's info change
-    /// with every kubelet heartbeat and are read by nobody here.
-    fn slim(mut self) -> Self {
-        slim_meta(&mut self.metadata);
+    /// Name, kube-router's annotations, the zone label, the pod CIDRs and the addresses. What
+    /// else changes on a Node — status heartbeats, conditions, images, volumes, taints and
+    /// cordons, other labels and annotations — is read by nobody here, so an update of only
+    /// those compares equal to what the store has and wakes no controller (with 5,000 Nodes
+    /// that is most Node updates).
+    fn slim(self) -> Self {
+        let meta = self.metadata;
         Node {
-            metadata: self.metadata,
-            spec: self.spec.map(|spec| NodeSpec { config_source: None, ..spec }),
+            metadata: ObjectMeta {
+                name: meta.name,
+                uid: meta.uid,
+                resource_version: meta.resource_version,
+                labels: kept(meta.labels, |key| key == TOPOLOGY_ZONE_LABEL),
+                annotations: kept(meta.annotations, |key| key.starts_with(NODE_ANNOTATION_PREFIX)),
+                ..Default::default()
+            },
+            spec: self.spec.map(|spec| NodeSpec {
+                pod_cidr: spec.pod_cidr,
+                pod_cidrs: spec.pod_cidrs,
+                ..Default::default()
+            }),
             status: self.status.map(|status| NodeStatus { addresses: status.addresses, ..Default::default() }),
         }
     }
@@ -168,26 +196,115 @@ mod tests {
         assert_eq!(full_pod(0).slim(), full_pod(3).slim());
     }
 
+    fn full_node(heartbeat: &str, extra: serde_json::Value) -> Node {
+        let mut node = json!({
+            "metadata": {"name": "node-1", "uid": "n1", "resourceVersion": "3",
+                "labels": {"topology.kubernetes.io/zone": "zone-a", "kubernetes.io/hostname": "node-1"},
+                "annotations": {"kube-router.io/node.asn": "64512", "kube-router.io/pod-cidrs": "10.9.0.0/24",
+                    "node.alpha.kubernetes.io/ttl": "0", LAST_APPLIED: "{...}"},
+                "managedFields": [{"manager": "kubelet"}]},
+            "spec": {"podCIDR": "10.0.1.0/24", "podCIDRs": ["10.0.1.0/24", "fd00:1::/64"], "providerID": "aws:///i-1"},
+            "status": {"addresses": [{"type": "InternalIP", "address": "192.168.0.1"},
+                    {"type": "ExternalIP", "address": "198.51.100.1"}, {"type": "Hostname", "address": "node-1"}],
+                "conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": heartbeat}],
+                "images": [{"names": ["registry/app:1"], "sizeBytes": 1000}],
+                "nodeInfo": {"kubeletVersion": "v1.31.0", "machineID": "", "systemUUID": "", "bootID": "",
+                    "kernelVersion": "", "osImage": "", "containerRuntimeVersion": "", "kubeProxyVersion": "",
+                    "operatingSystem": "linux", "architecture": "amd64"}}
+        });
+        json_patch(&mut node, extra);
+        serde_json::from_value(node).unwrap()
+    }
+
+    /// `patch` merged into `target` (objects key by key, anything else replaced).
+    fn json_patch(target: &mut serde_json::Value, patch: serde_json::Value) {
+        match (target, patch) {
+            (serde_json::Value::Object(target), serde_json::Value::Object(patch)) => {
+                for (key, value) in patch {
+                    json_patch(target.entry(key).or_insert(serde_json::Value::Null), value);
+                }
+            }
+            (target, patch) => *target = patch,
+        }
+    }
+
     #[test]
-    fn a_node_keeps_annotations_addresses_and_pod_cidrs_only_of_what_changes() {
-        let node = |heartbeat: &str| -> Node {
-            serde_json::from_value(json!({
-                "metadata": {"name": "node-1", "resourceVersion": "3",
-                    "annotations": {"kube-router.io/node.asn": "64512", LAST_APPLIED: "{...}"}},
-                "spec": {"podCIDR": "10.0.1.0/24", "podCIDRs": ["10.0.1.0/24", "fd00:1::/64"]},
-                "status": {"addresses": [{"type": "InternalIP", "address": "192.168.0.1"}],
-                    "conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": heartbeat}],
-                    "images": [{"names": ["registry/app:1"], "sizeBytes": 1000}]}
-            }))
-            .unwrap()
-        };
-        let slim = node("2026-12-06T00:00:00Z").slim();
-        assert_eq!(slim, node("2026-12-06T00:00:10Z").slim());
-        let annotations = slim.metadata.annotations.as_ref().unwrap();
-        assert_eq!(annotations.len(), 1, "kubectl's last-applied copy is dropped: {annotations:?}");
-        assert_eq!(slim.spec.as_ref().unwrap().pod_cidrs.as_ref().unwrap().len(), 2);
+    fn a_node_keeps_what_its_readers_use() {
+        let full = full_node("2026-12-06T00:00:00Z", json!({}));
+        let slim = full.clone().slim();
+        // What BGP, CNI, egress and the service proxy read gives the same answers.
+        assert_eq!(crate::pod_cidrs::node_pod_cidrs(&slim), crate::pod_cidrs::node_pod_cidrs(&full));
+        assert_eq!(crate::pod_cidrs::all_node_pod_cidrs(&slim), crate::pod_cidrs::all_node_pod_cidrs(&full));
+        assert_eq!(crate::pod_cidrs::spec_pod_cidrs(&slim).len(), 2);
+        let addresses = |n: &Node| crate::services::from_k8s::node_object_addresses(n).collect::<Vec<_>>();
+        assert_eq!(addresses(&slim), addresses(&full));
+        assert_eq!(crate::egress::cluster_nets([&slim], &[], &[]), crate::egress::cluster_nets([&full], &[], &[]));
+        assert_eq!(slim.status.as_ref().unwrap().addresses.as_ref().unwrap().len(), 3);
+        assert_eq!(slim.metadata.labels.as_ref().unwrap()[TOPOLOGY_ZONE_LABEL], "zone-a");
+        let annotations: Vec<&str> = slim.metadata.annotations.as_ref().unwrap().keys().map(String::as_str).collect();
+        assert_eq!(annotations, ["kube-router.io/node.asn", "kube-router.io/pod-cidrs"]);
+        assert_eq!(slim.metadata.resource_version.as_deref(), Some("3"));
+        // Nothing else.
+        assert!(slim.metadata.managed_fields.is_none() && slim.spec.as_ref().unwrap().provider_id.is_none());
         let status = slim.status.as_ref().unwrap();
-        assert_eq!(status.addresses.as_ref().unwrap()[0].address, "192.168.0.1");
-        assert!(status.images.is_none() && status.conditions.is_none());
+        assert!(status.images.is_none() && status.conditions.is_none() && status.node_info.is_none());
+    }
+
+    /// Every Node annotation a reader looks up is one the slimmed Node keeps.
+    #[test]
+    fn every_node_annotation_read_is_kept() {
+        use crate::bgp::peers::*;
+        let read = [
+            NODE_ASN_ANNOTATION,
+            ROUTER_ID_ANNOTATION,
+            RR_SERVER_ANNOTATION,
+            RR_CLIENT_ANNOTATION,
+            PEER_IPS_ANNOTATION,
+            PEER_ASNS_ANNOTATION,
+            PEER_PASSWORDS_ANNOTATION,
+            PEER_PORTS_ANNOTATION,
+            PEER_LOCAL_IPS_ANNOTATION,
+            PEERS_ANNOTATION,
+            LOCAL_ADDRESSES_ANNOTATION,
+            PATH_PREPEND_AS_ANNOTATION,
+            PATH_PREPEND_REPEAT_ANNOTATION,
+            COMMUNITIES_ANNOTATION,
+            CUSTOM_IMPORT_REJECT_ANNOTATION,
+            crate::pod_cidrs::POD_CIDR_ANNOTATION,
+            crate::pod_cidrs::POD_CIDRS_ANNOTATION,
+        ];
+        for annotation in read {
+            assert!(annotation.starts_with(NODE_ANNOTATION_PREFIX), "{annotation} would be dropped");
+        }
+    }
+
+    /// What changes on a Node all day long, none of it read: each slims to the same Node.
+    #[test]
+    fn node_updates_of_nothing_read_slim_to_the_same_node() {
+        let before = full_node("2026-12-06T00:00:00Z", json!({})).slim();
+        let unread = [
+            json!({"status": {"conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": "2026-12-06T00:05:00Z"}]}}),
+            json!({"status": {"conditions": [{"type": "Ready", "status": "False"}], "volumesInUse": ["kubernetes.io/csi/x"]}}),
+            json!({"status": {"images": [{"names": ["registry/app:2"], "sizeBytes": 2000}]}}),
+            json!({"spec": {"taints": [{"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}]}}),
+            json!({"spec": {"unschedulable": true}}),
+            json!({"metadata": {"labels": {"feature.node.kubernetes.io/cpu-avx": "true"}}}),
+            json!({"metadata": {"annotations": {"node.alpha.kubernetes.io/ttl": "15", "csi.volume.kubernetes.io/nodeid": "{}"}}}),
+            json!({"metadata": {"finalizers": ["example.com/drain"], "generation": 4}}),
+        ];
+        for patch in unread {
+            let after = full_node("2026-12-06T00:00:00Z", patch.clone()).slim();
+            assert_eq!(before, after, "{patch}");
+        }
+        let read = [
+            json!({"spec": {"podCIDRs": ["10.0.2.0/24"]}}),
+            json!({"status": {"addresses": [{"type": "InternalIP", "address": "192.168.0.2"}]}}),
+            json!({"metadata": {"labels": {"topology.kubernetes.io/zone": "zone-b"}}}),
+            json!({"metadata": {"annotations": {"kube-router.io/rr.client": "1"}}}),
+        ];
+        for patch in read {
+            let after = full_node("2026-12-06T00:00:00Z", patch.clone()).slim();
+            assert_ne!(before, after, "{patch}");
+        }
     }
 }

@@ -116,12 +116,84 @@ pub struct ObjectStore<K, H = Arc<K>> {
     /// Keys whose object changed since the last [`ObjectStore::take_changed`]; `None` until
     /// someone asks (only the kinds compiled incrementally keep it).
     changed: Option<BTreeSet<ObjectKey>>,
+    /// Every change numbered, for readers that each keep their place ([`ObjectStore::changed_since`]).
+    journal: Journal,
     kind: PhantomData<fn() -> K>,
 }
 
 impl<K, H> Default for ObjectStore<K, H> {
     fn default() -> Self {
-        Self { objects: BTreeMap::new(), relist: None, synced: false, changed: None, kind: PhantomData }
+        Self {
+            objects: BTreeMap::new(),
+            relist: None,
+            synced: false,
+            changed: None,
+            journal: Journal::default(),
+            kind: PhantomData,
+        }
+    }
+}
+
+/// A place in a store's changes: what a reader has seen ([`ObjectStore::changed_since`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Cursor(u64);
+
+/// What changed since a [`Cursor`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Changes {
+    /// The reader has seen nothing yet, or fell behind what the store remembers: read everything.
+    All,
+    /// The keys whose object was added, changed or removed since.
+    Keys(Vec<ObjectKey>),
+}
+
+/// Each key's last change, numbered. Several readers of one kind take what changed since their
+/// own cursor, without a walk of the objects. Keys of deleted objects stay as entries until
+/// there are twice as many entries as objects (at least [`Journal::MIN_KEPT`]); then the oldest
+/// go and a reader from before them reads everything again.
+#[derive(Debug, Default)]
+struct Journal {
+    /// The number of the next change.
+    next: u64,
+    by_key: BTreeMap<ObjectKey, u64>,
+    by_number: BTreeMap<u64, ObjectKey>,
+    /// The changes before it are forgotten.
+    horizon: u64,
+}
+
+impl Journal {
+    const MIN_KEPT: usize = 1024;
+
+    fn record(&mut self, key: ObjectKey, objects: usize) {
+        if let Some(old) = self.by_key.insert(key.clone(), self.next) {
+            self.by_number.remove(&old);
+        }
+        self.by_number.insert(self.next, key);
+        self.next += 1;
+        while self.by_number.len() > 2 * objects.max(Self::MIN_KEPT) {
+            let Some((number, key)) = self.by_number.pop_first() else { break };
+            self.by_key.remove(&key);
+            self.horizon = number + 1;
+        }
+    }
+
+    /// Every reader reads everything next time (the objects were replaced wholesale).
+    fn forget(&mut self) {
+        self.by_key.clear();
+        self.by_number.clear();
+        // A change of its own: a reader that had seen everything before it reads everything.
+        self.next += 1;
+        self.horizon = self.next;
+    }
+
+    fn since(&self, cursor: Option<Cursor>) -> (Changes, Cursor) {
+        let now = Cursor(self.next);
+        match cursor {
+            Some(Cursor(from)) if from >= self.horizon => {
+                (Changes::Keys(self.by_number.range(from..).map(|(_, key)| key.clone()).collect()), now)
+            }
+            _ => (Changes::All, now),
+        }
     }
 }
 
@@ -152,9 +224,14 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
             }
             Event::InitDone => {
                 let listed = self.relist.take().unwrap_or_default();
+                let differs = |key: &&ObjectKey| listed.get(*key) != self.objects.get(*key);
+                let moved: BTreeSet<ObjectKey> =
+                    listed.keys().chain(self.objects.keys()).filter(differs).cloned().collect();
+                for key in &moved {
+                    self.journal.record(key.clone(), listed.len());
+                }
                 if let Some(changed) = self.changed.as_mut() {
-                    let differs = |key: &&ObjectKey| listed.get(*key) != self.objects.get(*key);
-                    changed.extend(listed.keys().chain(self.objects.keys()).filter(differs).cloned());
+                    changed.extend(moved);
                 }
                 // The first complete list always counts: it is what allows deletions at all.
                 let changed = listed != self.objects || !self.synced;
@@ -170,6 +247,9 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
                 }
                 let stale = matches!((self.objects.get(&key).and_then(H::version), version_of(&object)), (Some(have), Some(got)) if got < have);
                 let removed = !stale && self.objects.remove(&key).is_some();
+                if removed {
+                    self.journal.record(key.clone(), self.objects.len());
+                }
                 if let (true, Some(changed)) = (removed, self.changed.as_mut()) {
                     changed.insert(key);
                 }
@@ -203,8 +283,16 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
         if let Some(changed) = self.changed.as_mut() {
             changed.insert(key.clone());
         }
-        self.objects.insert(key, object);
+        self.objects.insert(key.clone(), object);
+        self.journal.record(key, self.objects.len());
         true
+    }
+
+    /// What changed since `cursor` (`None`: the reader has read nothing yet), and the cursor
+    /// to pass next time. Unlike [`Self::take_changed`] it takes nothing away: any number of
+    /// readers each keep their own cursor.
+    pub fn changed_since(&self, cursor: Option<Cursor>) -> (Changes, Cursor) {
+        self.journal.since(cursor)
     }
 
     /// The keys whose object changed (added, modified, removed) since the last call; `None` the
@@ -240,6 +328,7 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
     pub fn restore(&mut self, objects: impl IntoIterator<Item = K>) {
         self.objects = objects.into_iter().map(|o| (key_of(&o), H::hold(o.slim()))).collect();
         self.changed = None;
+        self.journal.forget();
     }
 }
 
@@ -419,5 +508,163 @@ mod tests {
         store.apply(Event::InitApply(svc("a", 1)));
         store.apply(Event::InitDone);
         assert_eq!(names(&store), ["a"]);
+    }
+
+    fn labeled(mut service: Service, colour: &str) -> Service {
+        service.metadata.labels = Some([("colour".to_string(), colour.to_string())].into());
+        service
+    }
+
+    /// A reader's copy kept from [`ObjectStore::changed_since`] alone.
+    #[derive(Default)]
+    struct Follower {
+        cursor: Option<Cursor>,
+        copy: BTreeMap<ObjectKey, Service>,
+        /// Objects read, for the cost of following.
+        read: usize,
+    }
+
+    impl Follower {
+        fn follow(&mut self, store: &ObjectStore<Service>) {
+            let (changes, cursor) = store.changed_since(self.cursor);
+            self.cursor = Some(cursor);
+            match changes {
+                Changes::All => {
+                    self.copy = store.objects().map(|o| (key_of(o), o.clone())).collect();
+                    self.read += self.copy.len();
+                }
+                Changes::Keys(keys) => {
+                    for key in keys {
+                        self.read += 1;
+                        match store.get(&key) {
+                            Some(object) => self.copy.insert(key, object.clone()),
+                            None => self.copy.remove(&key),
+                        };
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn each_reader_takes_the_changes_since_its_own_cursor() {
+        let mut store = ObjectStore::<Service>::default();
+        for e in [Event::Init, Event::InitApply(svc("a", 1)), Event::InitApply(svc("b", 1)), Event::InitDone] {
+            store.apply(e);
+        }
+        let (all, first) = store.changed_since(None);
+        assert_eq!(all, Changes::All);
+        store.apply(Event::Apply(labeled(svc("a", 2), "blue")));
+        let (changes, second) = store.changed_since(Some(first));
+        assert_eq!(changes, Changes::Keys(vec![("default".into(), "a".into())]));
+        // An update of nothing kept is no change; a deletion is one.
+        store.apply(Event::Apply(labeled(svc("a", 3), "blue")));
+        store.apply(Event::Delete(svc("b", 4)));
+        assert_eq!(store.changed_since(Some(second)).0, Changes::Keys(vec![("default".into(), "b".into())]));
+        // The first reader, further behind, sees both, each key once.
+        let keys = |changes| match changes {
+            Changes::Keys(keys) => keys.into_iter().map(|(_, name)| name).collect::<Vec<_>>(),
+            Changes::All => panic!("everything"),
+        };
+        assert_eq!(keys(store.changed_since(Some(first)).0), ["a", "b"]);
+        // A relist that brings back the same objects changes nothing; one that differs names
+        // what differs.
+        let (_, now) = store.changed_since(None);
+        for e in [
+            Event::Init,
+            Event::InitApply(labeled(svc("a", 3), "blue")),
+            Event::InitApply(svc("c", 5)),
+            Event::InitDone,
+        ] {
+            store.apply(e);
+        }
+        assert_eq!(keys(store.changed_since(Some(now)).0), ["c"]);
+        // A restore replaces everything: every reader reads everything.
+        store.restore([svc("z", 1)]);
+        assert_eq!(store.changed_since(Some(now)).0, Changes::All);
+    }
+
+    #[test]
+    fn a_reader_behind_what_the_store_remembers_reads_everything() {
+        let mut store = ObjectStore::<Service>::default();
+        store.apply(Event::InitDone);
+        let (_, behind) = store.changed_since(None);
+        // Objects that come and go leave entries until there are twice as many as objects.
+        for i in 0..=2 * Journal::MIN_KEPT as u64 {
+            store.apply(Event::Apply(svc(&format!("gone-{i}"), 2 * i + 1)));
+            store.apply(Event::Delete(svc(&format!("gone-{i}"), 2 * i + 2)));
+        }
+        assert_eq!(store.changed_since(Some(behind)).0, Changes::All);
+        assert!(store.journal.by_number.len() <= 2 * Journal::MIN_KEPT);
+    }
+
+    /// Readers following at different paces, through updates, deletions, stale copies, relists
+    /// (some broken off) and restores, always hold what the store holds; and following one
+    /// update reads one object.
+    #[test]
+    fn followers_hold_what_the_store_holds() {
+        let mut lcg: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = |n: u64| {
+            lcg = lcg.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            (lcg >> 33) % n
+        };
+        for _ in 0..20 {
+            let mut store = ObjectStore::<Service>::default();
+            let mut followers: Vec<Follower> = (0..3).map(|_| Follower::default()).collect();
+            let mut version = 0;
+            for step in 0..400 {
+                version += 1;
+                let name = format!("s{}", next(12));
+                // Stale copies arrive now and then: a lower version than the store's.
+                let rv = if next(8) == 0 { version / 2 } else { version };
+                let colour = ["red", "green", "blue"][next(3) as usize];
+                let event = match next(20) {
+                    0..=9 => Event::Apply(labeled(svc(&name, rv), colour)),
+                    10..=13 => Event::Delete(svc(&name, rv)),
+                    14 => Event::Init,
+                    15..=17 => Event::InitApply(labeled(svc(&name, rv), colour)),
+                    18 => Event::InitDone,
+                    _ => {
+                        if next(10) == 0 {
+                            store.restore((0..next(5)).map(|i| svc(&format!("s{i}"), version)));
+                        }
+                        continue;
+                    }
+                };
+                store.apply(event);
+                for (i, follower) in followers.iter_mut().enumerate() {
+                    if step % (i + 1) == 0 {
+                        follower.follow(&store);
+                        // An update of nothing but the version is no change to follow.
+                        let versionless = |objects: &mut dyn Iterator<Item = &Service>| {
+                            objects
+                                .map(|o| {
+                                    let mut o = o.clone();
+                                    o.metadata.resource_version = None;
+                                    (key_of(&o), o)
+                                })
+                                .collect::<BTreeMap<_, _>>()
+                        };
+                        assert_eq!(
+                            versionless(&mut follower.copy.values()),
+                            versionless(&mut store.objects()),
+                            "follower {i} at step {step}"
+                        );
+                    }
+                }
+            }
+        }
+        let mut store = ObjectStore::<Service>::default();
+        let mut follower = Follower::default();
+        store.apply(Event::Init);
+        for i in 0..5_000 {
+            store.apply(Event::InitApply(svc(&format!("s{i}"), 1)));
+        }
+        store.apply(Event::InitDone);
+        follower.follow(&store);
+        let read = follower.read;
+        store.apply(Event::Apply(labeled(svc("s42", 2), "red")));
+        follower.follow(&store);
+        assert_eq!(follower.read - read, 1, "one update, one object read of 5,000");
     }
 }
