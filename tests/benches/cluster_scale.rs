@@ -12,8 +12,10 @@
 //! 2. the checkpoint's size; the bpffs wiped and the API down, cold start from the checkpoint;
 //! 3. churn: pods replaced with their EndpointSlices, label changes, readiness flips, nodes
 //!    leaving and joining, at `KRT_SCALE_RATE` changes per second (200) for `KRT_SCALE_CHURN_SECS`
-//!    (300): the agent's CPU share, RSS, and change → map latency (a probe Service whose port
-//!    moves every 100 ms, looked up in the pinned frontend map every 0.2 ms).
+//!    (300), and on top kubelets' Node status heartbeats (`KRT_SCALE_NODE_HEARTBEATS` a second,
+//!    one a node every 10 s; nothing the agent reads changes): the agent's CPU share, RSS, and
+//!    change → map latency (a probe Service whose port moves every 100 ms, looked up in the
+//!    pinned frontend map every 0.2 ms).
 //!
 //! `KRT_SCALE` (default 1.0) scales every object count, e.g. 0.05 for a quick look.
 use std::{
@@ -90,14 +92,22 @@ fn app_of_pod(s: &Sizes, g: usize) -> String {
 }
 
 fn node(i: usize) -> Value {
+    node_at(i, 0)
+}
+
+/// Node `i` as its kubelet reports it at heartbeat `beat`: the Ready condition's times (and the
+/// TTL controller's annotation) move, nothing the agent reads does.
+fn node_at(i: usize, beat: usize) -> Value {
+    let time = format!("2026-12-06T{:02}:{:02}:{:02}Z", beat / 3600 % 24, beat / 60 % 60, beat % 60);
     json!({"apiVersion": "v1", "kind": "Node",
         // With --nodes-full-mesh=false every node names its ASN (kube-router's rule).
-        "metadata": {"name": format!("node-{i}"), "annotations": {"kube-router.io/node.asn": ASN.to_string()}, "labels": {
+        "metadata": {"name": format!("node-{i}"), "annotations": {"kube-router.io/node.asn": ASN.to_string(),
+            "node.alpha.kubernetes.io/ttl": (beat % 2 * 15).to_string()}, "labels": {
             "kubernetes.io/hostname": format!("node-{i}"), "kubernetes.io/os": "linux",
             "node.kubernetes.io/instance-type": "m5.2xlarge", "topology.kubernetes.io/zone": format!("zone-{}", i % 3)}},
         "spec": {"podCIDR": pod_cidr(i), "podCIDRs": [pod_cidr(i)]},
         "status": {"addresses": [{"type": "InternalIP", "address": node_ip(i)}, {"type": "Hostname", "address": format!("node-{i}")}],
-                   "conditions": [{"type": "Ready", "status": "True"}]}})
+                   "conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": time}]}})
 }
 
 const ENVIRONMENTS: [&str; 3] = ["prod", "staging", "dev"];
@@ -361,6 +371,9 @@ fn main() {
         Sizes { nodes: scaled(5_000), namespaces: scaled(5_000), services: scaled(10_000), policies: scaled(2_000) };
     let rate: f64 = env_or("KRT_SCALE_RATE", 200.0);
     let churn_secs: u64 = env_or("KRT_SCALE_CHURN_SECS", 300);
+    // Kubelets' Node status updates, on top of the changes: one a node every 10 s (kubelet's
+    // nodeStatusUpdateFrequency), each of nothing the agent reads.
+    let heartbeat_rate: f64 = env_or("KRT_SCALE_NODE_HEARTBEATS", s.nodes as f64 / 10.0);
 
     let dir = PathBuf::from("/tmp/krt-scale");
     let _ = fs::remove_dir_all(&dir);
@@ -537,7 +550,7 @@ fn main() {
     let mut unready: std::collections::BTreeSet<usize> = Default::default();
     let mut latencies = Vec::new();
     let mut rss_samples = Vec::new();
-    let (mut changes, mut probes) = (0usize, 0usize);
+    let (mut changes, mut probes, mut heartbeats) = (0usize, 0usize, 0usize);
     let mut lcg: u64 = 0x2545_f491_4f6c_dd1d;
     let mut next = |n: usize| {
         lcg = lcg.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
@@ -596,6 +609,12 @@ fn main() {
                 }
             }
         }
+        let due = (churn.elapsed().as_secs_f64() * heartbeat_rate) as usize;
+        while heartbeats < due {
+            heartbeats += 1;
+            let i = 1 + heartbeats % (s.nodes - 1);
+            server.apply(node_at(i, heartbeats / (s.nodes - 1) + 1)).unwrap();
+        }
         if Instant::now() >= next_probe {
             probes += 1;
             let started = Instant::now();
@@ -651,8 +670,9 @@ fn main() {
         routes_in.saturating_sub(established).as_secs_f64()
     );
     println!(
-        "churn: {changes} changes in {churn_time:.0} s ({:.0}/s): agent CPU {:.1} % of one core (goal < 10 %), peak RSS {:.1} MiB, RSS every 5 s {rss_samples:?} MiB",
+        "churn: {changes} changes and {heartbeats} Node heartbeats in {churn_time:.0} s ({:.0}/s, {:.0}/s): agent CPU {:.1} % of one core (goal < 10 %), peak RSS {:.1} MiB, RSS every 5 s {rss_samples:?} MiB",
         changes as f64 / churn_time,
+        heartbeats as f64 / churn_time,
         cpu_share * 100.0,
         mib(peak_rss)
     );

@@ -116,21 +116,15 @@ pub struct ObjectStore<K, H = Arc<K>> {
     /// Keys whose object changed since the last [`ObjectStore::take_changed`]; `None` until
     /// someone asks (only the kinds compiled incrementally keep it).
     changed: Option<BTreeSet<ObjectKey>>,
-    /// Every change numbered, for readers that each keep their place ([`ObjectStore::changed_since`]).
-    journal: Journal,
+    /// Every change numbered, for readers that each keep their place ([`ObjectStore::changed_since`]);
+    /// `None` for the kinds with one reader of changes (it costs two entries per object).
+    journal: Option<Journal>,
     kind: PhantomData<fn() -> K>,
 }
 
 impl<K, H> Default for ObjectStore<K, H> {
     fn default() -> Self {
-        Self {
-            objects: BTreeMap::new(),
-            relist: None,
-            synced: false,
-            changed: None,
-            journal: Journal::default(),
-            kind: PhantomData,
-        }
+        Self { objects: BTreeMap::new(), relist: None, synced: false, changed: None, journal: None, kind: PhantomData }
     }
 }
 
@@ -207,6 +201,13 @@ fn version_of<K: Resource>(object: &K) -> Option<u64> {
     object.meta().resource_version.as_deref().and_then(|v| v.parse().ok())
 }
 
+impl<K, H> ObjectStore<K, H> {
+    /// A store that numbers its changes for several readers ([`Self::changed_since`]).
+    pub fn journaled() -> Self {
+        Self { journal: Some(Journal::default()), ..Self::default() }
+    }
+}
+
 impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
     /// Applies one watcher event; returns whether the visible contents changed.
     pub fn apply(&mut self, event: Event<K>) -> bool {
@@ -224,14 +225,18 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
             }
             Event::InitDone => {
                 let listed = self.relist.take().unwrap_or_default();
-                let differs = |key: &&ObjectKey| listed.get(*key) != self.objects.get(*key);
-                let moved: BTreeSet<ObjectKey> =
-                    listed.keys().chain(self.objects.keys()).filter(differs).cloned().collect();
-                for key in &moved {
-                    self.journal.record(key.clone(), listed.len());
-                }
-                if let Some(changed) = self.changed.as_mut() {
-                    changed.extend(moved);
+                if self.changed.is_some() || self.journal.is_some() {
+                    let differs = |key: &&ObjectKey| listed.get(*key) != self.objects.get(*key);
+                    let moved: BTreeSet<ObjectKey> =
+                        listed.keys().chain(self.objects.keys()).filter(differs).cloned().collect();
+                    if let Some(journal) = self.journal.as_mut() {
+                        for key in &moved {
+                            journal.record(key.clone(), listed.len());
+                        }
+                    }
+                    if let Some(changed) = self.changed.as_mut() {
+                        changed.extend(moved);
+                    }
                 }
                 // The first complete list always counts: it is what allows deletions at all.
                 let changed = listed != self.objects || !self.synced;
@@ -247,8 +252,8 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
                 }
                 let stale = matches!((self.objects.get(&key).and_then(H::version), version_of(&object)), (Some(have), Some(got)) if got < have);
                 let removed = !stale && self.objects.remove(&key).is_some();
-                if removed {
-                    self.journal.record(key.clone(), self.objects.len());
+                if let (true, Some(journal)) = (removed, self.journal.as_mut()) {
+                    journal.record(key.clone(), self.objects.len());
                 }
                 if let (true, Some(changed)) = (removed, self.changed.as_mut()) {
                     changed.insert(key);
@@ -283,16 +288,22 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
         if let Some(changed) = self.changed.as_mut() {
             changed.insert(key.clone());
         }
-        self.objects.insert(key.clone(), object);
-        self.journal.record(key, self.objects.len());
+        if let Some(journal) = self.journal.as_mut() {
+            journal.record(key.clone(), self.objects.len());
+        }
+        self.objects.insert(key, object);
         true
     }
 
     /// What changed since `cursor` (`None`: the reader has read nothing yet), and the cursor
     /// to pass next time. Unlike [`Self::take_changed`] it takes nothing away: any number of
     /// readers each keep their own cursor.
+    /// Without a journal ([`Self::journaled`]) every read is [`Changes::All`].
     pub fn changed_since(&self, cursor: Option<Cursor>) -> (Changes, Cursor) {
-        self.journal.since(cursor)
+        match &self.journal {
+            Some(journal) => journal.since(cursor),
+            None => (Changes::All, Cursor(0)),
+        }
     }
 
     /// The keys whose object changed (added, modified, removed) since the last call; `None` the
@@ -328,7 +339,9 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
     pub fn restore(&mut self, objects: impl IntoIterator<Item = K>) {
         self.objects = objects.into_iter().map(|o| (key_of(&o), H::hold(o.slim()))).collect();
         self.changed = None;
-        self.journal.forget();
+        if let Some(journal) = self.journal.as_mut() {
+            journal.forget();
+        }
     }
 }
 
@@ -548,7 +561,7 @@ mod tests {
 
     #[test]
     fn each_reader_takes_the_changes_since_its_own_cursor() {
-        let mut store = ObjectStore::<Service>::default();
+        let mut store = ObjectStore::<Service>::journaled();
         for e in [Event::Init, Event::InitApply(svc("a", 1)), Event::InitApply(svc("b", 1)), Event::InitDone] {
             store.apply(e);
         }
@@ -586,7 +599,7 @@ mod tests {
 
     #[test]
     fn a_reader_behind_what_the_store_remembers_reads_everything() {
-        let mut store = ObjectStore::<Service>::default();
+        let mut store = ObjectStore::<Service>::journaled();
         store.apply(Event::InitDone);
         let (_, behind) = store.changed_since(None);
         // Objects that come and go leave entries until there are twice as many as objects.
@@ -595,7 +608,7 @@ mod tests {
             store.apply(Event::Delete(svc(&format!("gone-{i}"), 2 * i + 2)));
         }
         assert_eq!(store.changed_since(Some(behind)).0, Changes::All);
-        assert!(store.journal.by_number.len() <= 2 * Journal::MIN_KEPT);
+        assert!(store.journal.as_ref().unwrap().by_number.len() <= 2 * Journal::MIN_KEPT);
     }
 
     /// Readers following at different paces, through updates, deletions, stale copies, relists
@@ -609,7 +622,7 @@ mod tests {
             (lcg >> 33) % n
         };
         for _ in 0..20 {
-            let mut store = ObjectStore::<Service>::default();
+            let mut store = ObjectStore::<Service>::journaled();
             let mut followers: Vec<Follower> = (0..3).map(|_| Follower::default()).collect();
             let mut version = 0;
             for step in 0..400 {
@@ -654,7 +667,7 @@ mod tests {
                 }
             }
         }
-        let mut store = ObjectStore::<Service>::default();
+        let mut store = ObjectStore::<Service>::journaled();
         let mut follower = Follower::default();
         store.apply(Event::Init);
         for i in 0..5_000 {

@@ -310,8 +310,8 @@ pub enum Kind {
 /// Each store's change set ([`ObjectStore::take_changed`]) has exactly one consumer: Services
 /// and EndpointSlices the services controller ([`Self::update_catalog`]), or without the proxy
 /// the service-view controller (the BGP speaker's VIPs); Pods, Namespaces and
-/// NetworkPolicies the policy controller. Every other reader reads the objects themselves.
-#[derive(Default)]
+/// NetworkPolicies the policy controller. Nodes, read by several controllers, are journaled
+/// instead: each reader follows them with its own cursor ([`ObjectStore::changed_since`]).
 pub struct ClusterObjects {
     pub services: ObjectStore<Service>,
     pub endpoint_slices: ObjectStore<EndpointSlice, Packed<EndpointSlice>>,
@@ -319,6 +319,20 @@ pub struct ClusterObjects {
     pub namespaces: ObjectStore<Namespace>,
     pub nodes: ObjectStore<Node>,
     pub network_policies: ObjectStore<NetworkPolicy>,
+}
+
+impl Default for ClusterObjects {
+    fn default() -> Self {
+        Self {
+            services: Default::default(),
+            endpoint_slices: Default::default(),
+            pods: Default::default(),
+            namespaces: Default::default(),
+            // Read by several controllers, each following only what changed.
+            nodes: ObjectStore::journaled(),
+            network_policies: Default::default(),
+        }
+    }
 }
 
 impl ClusterObjects {
