@@ -123,7 +123,7 @@ impl ClusterNets {
     /// Family `F`'s whole map, as [`cluster_nets_of`] gives it for the same Nodes.
     pub fn of_family<F: AddressFamily>(&self) -> BTreeMap<F::Net, u32> {
         let mut nets = BTreeMap::new();
-        for ((net, flag), _) in &self.counts {
+        for (net, flag) in self.counts.keys() {
             if let Some(net) = F::net_of(*net) {
                 *nets.entry(net).or_insert(0) |= flag;
             }
