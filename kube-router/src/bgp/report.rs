@@ -15,13 +15,18 @@ pub struct BgpReport {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub router_id: Option<Ipv4Addr>,
     /// Started as a graceful restart: the previous run's routes were kept (R-bit in the OPENs).
+    /// (`default`: an agent before 2026-12-06 reports no such field; a CLI of another version
+    /// reads its report all the same.)
+    #[serde(default)]
     pub restarted: bool,
     /// Restarted and holding our advertisements back until the peers' End-of-RIB.
+    #[serde(default)]
     pub restarting: bool,
     /// Holding routes back until the peers' End-of-RIB (after a restart).
     pub deferring: bool,
     /// The first complete routing picture is in (the peers' End-of-RIB, or the deferral timer):
     /// kernel routes kept from before it may be removed.
+    #[serde(default)]
     pub routing_complete: bool,
     pub neighbors: Vec<Neighbor>,
     /// Loc-RIB prefixes; `routes` lists them unless there are more than 10,000.
@@ -49,6 +54,7 @@ pub struct Neighbor {
     pub notifications_received: u64,
     pub notifications_sent: u64,
     /// UPDATEs with a malformed attribute treated as withdrawals, the session kept (RFC 7606).
+    #[serde(default)]
     pub updates_treated_as_withdraw: u64,
     /// BFD session Up, for peers BFD watches.
     pub bfd_up: Option<bool>,
