@@ -286,10 +286,7 @@ impl ClusterNode {
 
     /// The agent's /metrics, as text.
     pub fn metrics(&self) -> String {
-        let out = self
-            .ns
-            .run(&[netprobe_bin().to_str().unwrap(), "http", &format!("127.0.0.1:{METRICS_PORT}"), "/metrics"])
-            .unwrap_or_default();
+        let out = self.ns.scrape_metrics(METRICS_PORT).unwrap_or_default();
         out.split_once('\n').map(|(_, body)| body.to_string()).unwrap_or_default()
     }
 

@@ -89,6 +89,11 @@ impl Netns {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
+    /// The agent's `/metrics` text, served on 127.0.0.1:`port` inside the namespace.
+    pub fn scrape_metrics(&self, port: impl std::fmt::Display) -> Result<String> {
+        self.run(&[netprobe_bin().to_str().unwrap(), "http", &format!("127.0.0.1:{port}"), "/metrics"])
+    }
+
     /// Starts a long-running process in the namespace; it is killed when the namespace drops.
     pub fn spawn(&self, args: &[&str]) -> Result<()> {
         let child = self.command(args).stdout(Stdio::null()).stderr(Stdio::null()).spawn()?;

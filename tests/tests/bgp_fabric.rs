@@ -15,7 +15,7 @@ use std::{path::PathBuf, thread, time::Duration};
 use kube_router_tests::{
     bgp_status,
     gobgp::{GoBgpd, Neighbor},
-    kube_router_bin, metric, netprobe_bin,
+    kube_router_bin, metric,
     raw_bgp::{self, announce, attributes, mp_reach, NOTIFICATION},
     remove_bpf_root, veth, wait_until, Agent, Netns, NetnsRuntime,
 };
@@ -96,9 +96,7 @@ impl Node {
     }
 
     fn scrape(&self) -> String {
-        self.ns
-            .run(&[netprobe_bin().to_str().unwrap(), "http", &format!("127.0.0.1:{METRICS_PORT}"), "/metrics"])
-            .unwrap_or_default()
+        self.ns.scrape_metrics(METRICS_PORT).unwrap_or_default()
     }
 
     /// Seconds our session with `peer` has been up, from `kube-router bgp`.

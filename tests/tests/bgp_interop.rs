@@ -126,14 +126,7 @@ impl Lab {
     }
 
     fn scrape(&self) -> String {
-        self.node
-            .run(&[
-                kube_router_tests::netprobe_bin().to_str().unwrap(),
-                "http",
-                &format!("127.0.0.1:{METRICS_PORT}"),
-                "/metrics",
-            ])
-            .unwrap()
+        self.node.scrape_metrics(METRICS_PORT).unwrap()
     }
 }
 

@@ -15,7 +15,7 @@ use std::{
 
 use kube_router_tests::{
     apiserver::{FakeApiServer, FakeApiServerConfig, FaultMode},
-    bgp_status, kube_router_bin, metric, netprobe_bin, remove_bpf_root, wait_until, Agent, Netns, NetnsRuntime,
+    bgp_status, kube_router_bin, metric, remove_bpf_root, wait_until, Agent, Netns, NetnsRuntime,
 };
 use serde_json::json;
 
@@ -287,8 +287,7 @@ fn full_mesh_from_node_objects_survives_an_api_outage_and_a_crash_during_it() {
     .unwrap();
     // A malformed value is rejected (counted) and withdraws nothing.
     let rejected = || -> f64 {
-        let url = format!("127.0.0.1:{METRICS_PORT}");
-        let scrape = mesh.nodes[0].run(&[netprobe_bin().to_str().unwrap(), "http", &url, "/metrics"]).unwrap();
+        let scrape = mesh.nodes[0].scrape_metrics(METRICS_PORT).unwrap();
         let series = "kube_router_rejected_objects_total{kind=\"Node\"}";
         // Not exported until the first rejection.
         if scrape.lines().any(|l| l.starts_with(series)) {

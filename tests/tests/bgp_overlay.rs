@@ -132,9 +132,7 @@ impl Lab {
 
     /// An overlay counter of node `i` (`kube_router_overlay_packets_total{event=...}`).
     fn overlay_stat(&self, i: usize, event: &str) -> f64 {
-        let scrape = self.nodes[i - 1]
-            .run(&[netprobe_bin().to_str().unwrap(), "http", &format!("127.0.0.1:{METRICS_PORT}"), "/metrics"])
-            .unwrap_or_default();
+        let scrape = self.nodes[i - 1].scrape_metrics(METRICS_PORT).unwrap_or_default();
         let series = format!("kube_router_overlay_packets_total{{event=\"{event}\"}}");
         if scrape.contains(&series) {
             metric(&scrape, &series)

@@ -56,9 +56,7 @@ fn a_failing_controller_retries_with_backoff_without_new_input_and_recovers() {
     ];
     let agent = Agent::start(&ns, &PathBuf::from("/sys/fs/bpf/krt-ctl-retry-unused"), &args).unwrap();
     let routing = |series: &str| -> Option<f64> {
-        let scrape = ns
-            .run(&[netprobe_bin().to_str().unwrap(), "http", &format!("127.0.0.1:{METRICS_PORT}"), "/metrics"])
-            .ok()?;
+        let scrape = ns.scrape_metrics(METRICS_PORT).ok()?;
         scrape.contains(series).then(|| metric(&scrape, series))
     };
     let failures = "kube_router_controller_consecutive_failures{controller=\"routing\"}";

@@ -167,14 +167,7 @@ impl Lab {
     }
 
     fn scrape(&self) -> String {
-        self.node
-            .run(&[
-                kube_router_tests::netprobe_bin().to_str().unwrap(),
-                "http",
-                &format!("127.0.0.1:{METRICS_PORT}"),
-                "/metrics",
-            ])
-            .unwrap_or_default()
+        self.node.scrape_metrics(METRICS_PORT).unwrap_or_default()
     }
 
     /// The value of a metric series, 0 when it is not (yet) exported.
