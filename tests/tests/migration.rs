@@ -19,7 +19,7 @@ use std::{
 
 use kube_router_tests::{
     cluster::{netprobe, Cluster, Svc},
-    kube_router_bin, Netns,
+    kube_router_bin, wait_until, Netns,
 };
 
 const VIP: &str = "10.96.0.50";
@@ -325,14 +325,22 @@ fn report_and_check(c: &Cluster, paths: &[Path]) {
 
     // Late leftovers on the running node, removed by the subcommand, reported per kind (node pod
     // CIDRs from the agent's checkpoint); upstream's route beside ours, behind it by metric.
+    let node = c.node(0);
+    let passes = node.metric("kube_router_host_routes_sync_time_count", "");
+    let removed = node.metric("kube_router_host_routes_removed", "");
     node1.run(&["ip", "route", "add", "10.244.2.0/24", "via", NOWHERE, "proto", "17", "metric", "10"]).unwrap();
+    // The route change wakes the FIB; the pass it runs sees a fallback behind ours, not a claim.
+    wait_until("a FIB pass after the foreign route", Duration::from_secs(10), || {
+        Ok(node.metric("kube_router_host_routes_sync_time_count", "") > passes)
+    })
+    .unwrap();
+    assert_eq!(node.metric("kube_router_host_routes_removed", ""), removed, "ours withdrawn for a route behind it");
     node1.run(&["ipset", "create", "kube-router-svip", "hash:ip"]).unwrap();
     restore(
         node1,
         "*filter\n:KUBE-NWPLCY-LATELEFTOVER0001 - [0:0]\n-A FORWARD -j KUBE-NWPLCY-LATELEFTOVER0001\n\
          -A KUBE-NWPLCY-LATELEFTOVER0001 -j DROP\nCOMMIT\n",
     );
-    let node = c.node(0);
     let (root, state) = (node.bpf_root.display().to_string(), node.state_dir.display().to_string());
     let bin = kube_router_bin().display().to_string();
     let out =

@@ -186,15 +186,25 @@ pub struct Plan {
     pub conflicts: Vec<Conflict>,
 }
 
+/// The metric the kernel gives our routes (we set none): 0 for IPv4, `IP6_RT_PRIO_USER` for IPv6.
+pub fn our_metric(destination: &IpNet) -> u32 {
+    match destination {
+        IpNet::V4(_) => 0,
+        IpNet::V6(_) => 1024,
+    }
+}
+
 /// What to write so that our routes in the kernel become `desired`, without ever touching
-/// another route: a desired destination that another route claims is a conflict (and if we
+/// another route: a desired destination that another route claims (one the kernel would prefer
+/// to ours or rank equal with it; a route behind ours by metric is a fallback, not a claim) is
+/// a conflict (and if we
 /// had installed ours before that route appeared, ours is withdrawn in its favour). Without
 /// `allow_deletes` (before the routing state is known to be complete, e.g. during BGP
 /// graceful restart) only additions and changes are made.
 pub fn reconcile(table: &KernelTable, desired: &DesiredSet, allow_deletes: bool) -> Plan {
     let mut plan = Plan::default();
     for (destination, want) in desired {
-        if let Some(foreign) = table.foreign.get(destination) {
+        if let Some(foreign) = table.foreign.get(destination).filter(|f| f.metric <= our_metric(destination)) {
             plan.conflicts.push(Conflict { destination: *destination, foreign: foreign.clone(), peer: want.peer });
             if let Some(ours) = table.ours.get(destination) {
                 plan.ops.push(RouteOp::Delete(*destination, ours.clone()));
@@ -294,6 +304,34 @@ mod tests {
         let plan = reconcile(&table, &desired(&[("0.0.0.0/0", "10.77.0.2")]), false);
         assert_eq!(plan.ops, vec![RouteOp::Delete(net("0.0.0.0/0"), gw("10.77.0.2"))]);
         assert_eq!(plan.conflicts.len(), 1);
+    }
+
+    #[test]
+    fn a_route_behind_ours_by_metric_is_a_fallback_not_a_claim() {
+        let behind = |protocol, metric| ForeignRoute { metric, ..foreign(protocol, Some("192.0.2.254")) };
+        // Upstream's leftover at metric 10 beside our installed route: ours stays.
+        let mut table = ours(&[("10.244.2.0/24", "10.100.0.2")]);
+        table.foreign.insert(net("10.244.2.0/24"), behind(17, 10));
+        // A DHCP default at metric 100 (a fallback) and IPv6 routes around our metric 1024.
+        table.foreign.insert(net("0.0.0.0/0"), behind(16, 100));
+        table.foreign.insert(net("fd00:1::/64"), behind(4, 1024));
+        table.foreign.insert(net("fd00:2::/64"), behind(4, 1025));
+        let want = desired(&[
+            ("10.244.2.0/24", "10.100.0.2"),
+            ("0.0.0.0/0", "10.77.0.2"),
+            ("fd00:1::/64", "fd00::1"),
+            ("fd00:2::/64", "fd00::1"),
+        ]);
+        let plan = reconcile(&table, &want, true);
+        assert_eq!(
+            plan.ops,
+            vec![
+                RouteOp::Create(net("0.0.0.0/0"), gw("10.77.0.2")),
+                RouteOp::Create(net("fd00:2::/64"), gw("fd00::1")),
+            ]
+        );
+        let conflicting: Vec<IpNet> = plan.conflicts.iter().map(|c| c.destination).collect();
+        assert_eq!(conflicting, vec![net("fd00:1::/64")]);
     }
 
     #[test]
