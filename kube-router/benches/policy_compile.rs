@@ -683,9 +683,10 @@ fn through_the_controller(
     let maps = BpfPolicyMaps::open_pinned(pin_dir).expect("policy maps");
     let metrics = Metrics::default();
     let writes = || {
+        use kube_router::map_writes::MapMetrics;
         use kube_router_common::map_names::POLICY_PODS;
-        let maps = metrics.of::<kube_router::map_writes::MapMetrics>();
-        ["write", "delete"].iter().filter_map(|op| maps.writes(POLICY_PODS, op)).sum::<u64>()
+        let maps = metrics.of::<MapMetrics>();
+        MapMetrics::WRITE_OPS.iter().filter_map(|op| maps.writes(POLICY_PODS, op)).sum::<u64>()
     };
     let firewall = FirewallController::with_maps(maps, BENCH_NODE, metrics.clone()).expect("adopt the maps");
     let mut controller = PolicyController::new(firewall, cache.clone());

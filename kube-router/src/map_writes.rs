@@ -161,13 +161,17 @@ pub struct MapMetrics {
 }
 
 impl MapMetrics {
+    /// The `op` labels that are writes into a map (the rest count refusals and deferrals).
+    pub const WRITE_OPS: [&'static str; 3] = ["insert", "update", "delete"];
+
     /// Every write of one pass of the map writer, by map and operation.
     pub fn record(&self, report: &SyncReport) {
         for (map, c) in &report.per_map {
+            let [insert, update, delete] = Self::WRITE_OPS;
             for (op, n) in [
-                ("insert", c.inserts),
-                ("update", c.updates),
-                ("delete", c.deletes),
+                (insert, c.inserts),
+                (update, c.updates),
+                (delete, c.deletes),
                 ("error", c.errors),
                 ("full", c.full),
                 ("deferred", c.deferred),

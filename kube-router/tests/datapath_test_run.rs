@@ -488,3 +488,33 @@ fn the_gate_skips_the_lookup_only_for_packets_no_entry_can_hold() {
     assert_eq!(run(egress, &direct, 1).unwrap().packet, direct);
     assert_eq!(read_lb_stats(&loaded.pin_dir).unwrap()[lb_stat::NO_SERVICE as usize], before + 1);
 }
+
+/// A pinned map of the right type, key, value and size but created with other flags (here a
+/// preallocated `svc_stats_v4`, which the object creates with `BPF_F_NO_PREALLOC`) is a layout
+/// mismatch: the agent refuses to load over it instead of adopting a map that behaves otherwise.
+#[test]
+fn a_pinned_map_with_other_creation_flags_is_refused() {
+    use kube_router::bpf::layout::{self, SERVICE_MAPS};
+    let pin_dir = PathBuf::from("/sys/fs/bpf/krt-unit-flags");
+    let _ = datapath::remove_all(&pin_dir);
+    let spec = SERVICE_MAPS.iter().find(|s| s.name == "svc_stats_v4").expect("svc_stats_v4 spec");
+    assert_eq!(spec.map_flags, layout::BPF_F_NO_PREALLOC);
+    let pin = kube_router::bpf::pinned_map(&pin_dir, spec.name);
+    std::fs::create_dir_all(pin.parent().unwrap()).unwrap();
+    let create = |flags: u32| {
+        let _ = std::fs::remove_file(&pin);
+        let status = std::process::Command::new("bpftool")
+            .args(["map", "create", pin.to_str().unwrap(), "type", "percpu_hash"])
+            .args(["key", &spec.key_size.to_string(), "value", &spec.value_size.to_string()])
+            .args(["entries", &spec.max_entries.to_string(), "name", spec.name, "flags", &flags.to_string()])
+            .status()
+            .expect("bpftool");
+        assert!(status.success(), "bpftool map create");
+    };
+    create(0);
+    let refused = layout::check_pinned(&pin_dir, None).expect_err("a preallocated svc_stats_v4 must be refused");
+    assert!(refused.found.ends_with("flags=0x0") && refused.expected.ends_with("flags=0x1"), "{refused}");
+    create(layout::BPF_F_NO_PREALLOC);
+    assert_eq!(layout::check_pinned(&pin_dir, None).expect("the object's own flags").adopted, 1);
+    let _ = std::fs::remove_dir_all(&pin_dir);
+}

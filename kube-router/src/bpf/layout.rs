@@ -13,10 +13,31 @@ pub struct MapSpec {
     pub key_size: u32,
     pub value_size: u32,
     pub max_entries: u32,
+    /// `BPF_F_*` creation flags: a map re-created with other flags (preallocation, a per-CPU
+    /// LRU) behaves differently though its shape is the same, so they are part of the layout.
+    pub map_flags: u32,
 }
 
+/// `BPF_F_NO_PREALLOC`: entries allocated on insert. LPM tries require it (aya-ebpf sets it on
+/// every trie); hash maps that are mostly empty use it to save their preallocated memory.
+pub const BPF_F_NO_PREALLOC: u32 = 1;
+
 const fn spec<K, V>(name: &'static str, map_type: MapType, max_entries: u32) -> MapSpec {
-    MapSpec { name, map_type, key_size: size_of::<K>() as u32, value_size: size_of::<V>() as u32, max_entries }
+    let map_flags = if matches!(map_type, MapType::LpmTrie) { BPF_F_NO_PREALLOC } else { 0 };
+    MapSpec {
+        name,
+        map_type,
+        key_size: size_of::<K>() as u32,
+        value_size: size_of::<V>() as u32,
+        max_entries,
+        map_flags,
+    }
+}
+
+impl MapSpec {
+    const fn not_preallocated(self) -> MapSpec {
+        MapSpec { map_flags: self.map_flags | BPF_F_NO_PREALLOC, ..self }
+    }
 }
 
 pub const SERVICE_MAPS: &[MapSpec] = &[
@@ -39,8 +60,10 @@ pub const SERVICE_MAPS: &[MapSpec] = &[
     spec::<Key<Ipv6Words>, u32>(map_names::CLUSTER_NETS_V6, MapType::LpmTrie, CLUSTER_NETS_MAX_ENTRIES),
     spec::<Key<SourceRangeKeyV4>, u8>(map_names::SOURCE_RANGES, MapType::LpmTrie, SOURCE_RANGES_MAX_ENTRIES),
     spec::<Key<SourceRangeKeyV6>, u8>(map_names::SOURCE_RANGES_V6, MapType::LpmTrie, SOURCE_RANGES_MAX_ENTRIES),
-    spec::<ServiceKeyV4, ServiceStats>(svc_stats_map_names::SVC_STATS, MapType::PerCpuHash, SVC_STATS_MAX_ENTRIES),
-    spec::<ServiceKeyV6, ServiceStats>(svc_stats_map_names::SVC_STATS_V6, MapType::PerCpuHash, SVC_STATS_MAX_ENTRIES),
+    spec::<ServiceKeyV4, ServiceStats>(svc_stats_map_names::SVC_STATS, MapType::PerCpuHash, SVC_STATS_MAX_ENTRIES)
+        .not_preallocated(),
+    spec::<ServiceKeyV6, ServiceStats>(svc_stats_map_names::SVC_STATS_V6, MapType::PerCpuHash, SVC_STATS_MAX_ENTRIES)
+        .not_preallocated(),
     spec::<ServiceKeyV4, u64>(map_names::CT_GATE, MapType::LruHash, CT_GATE_MAX_ENTRIES),
     spec::<ServiceKeyV6, u64>(map_names::CT_GATE_V6, MapType::LruHash, CT_GATE_MAX_ENTRIES),
     // A map of its own, created when absent (no layout change): the configured lifetimes.
@@ -111,8 +134,8 @@ pub struct LayoutMismatch {
     pub version: u32,
 }
 
-fn describe(map_type: &str, key: u32, value: u32, max: u32) -> String {
-    format!("{map_type} key={key}B value={value}B max_entries={max}")
+fn describe(map_type: &str, key: u32, value: u32, max: u32, flags: u32) -> String {
+    format!("{map_type} key={key}B value={value}B max_entries={max} flags={flags:#x}")
 }
 
 /// Capacities the operator chooses (`--bpf-lb-map-max`, `--bpf-ct-global-max`). A change
@@ -246,16 +269,18 @@ pub fn check_pinned(pin_dir: &Path, sizes: Option<&MapSizes>) -> Result<PinnedLa
         let mismatch = |found: String| LayoutMismatch {
             path: path.display().to_string(),
             found,
-            expected: describe(&format!("{:?}", spec.map_type), spec.key_size, spec.value_size, wanted),
+            expected: describe(&format!("{:?}", spec.map_type), spec.key_size, spec.value_size, wanted, spec.map_flags),
             version: LAYOUT_VERSION,
         };
         let info = MapInfo::from_pin(&path).map_err(|e| mismatch(format!("unreadable ({e})")))?;
         let map_type = info.map_type().map(|t| format!("{t:?}")).unwrap_or_else(|_| "unknown".into());
         let same_shape = map_type == format!("{:?}", spec.map_type)
             && info.key_size() == spec.key_size
-            && info.value_size() == spec.value_size;
+            && info.value_size() == spec.value_size
+            && info.map_flags() == spec.map_flags;
         if !same_shape || (!sized && info.max_entries() != spec.max_entries) {
-            return Err(mismatch(describe(&map_type, info.key_size(), info.value_size(), info.max_entries())));
+            let found = describe(&map_type, info.key_size(), info.value_size(), info.max_entries(), info.map_flags());
+            return Err(mismatch(found));
         }
         if sized && sizes.is_some() && info.max_entries() != wanted {
             layout.resize.push((spec.name, info.max_entries()));

@@ -18,6 +18,7 @@ struct ObjectMap {
     key_size: u32,
     value_size: u32,
     max_entries: u32,
+    map_flags: u32,
     pinned: bool,
 }
 
@@ -35,6 +36,7 @@ fn object_maps() -> BTreeMap<String, ObjectMap> {
                 key_size: map.key_size(),
                 value_size: map.value_size(),
                 max_entries: map.max_entries(),
+                map_flags: map.map_flags(),
                 pinned: map.pinning() == PinningType::ByName,
             };
             (name.clone(), declared)
@@ -89,6 +91,7 @@ fn spec_gaps(object: &BTreeMap<String, ObjectMap>, specs: &[&MapSpec]) -> Vec<St
         differs("key size", spec.key_size.to_string(), map.key_size.to_string());
         differs("value size", spec.value_size.to_string(), map.value_size.to_string());
         differs("max entries", spec.max_entries.to_string(), map.max_entries.to_string());
+        differs("flags", format!("{:#x}", spec.map_flags), format!("{:#x}", map.map_flags));
         // What the loader sizes a map to by default is what the object declares.
         if let Some(sized) = MapSizes::default().max_entries(spec.name) {
             differs("default size (MapSizes)", sized.to_string(), map.max_entries.to_string());
@@ -352,14 +355,17 @@ fn the_contract_checks_name_each_gap_they_are_shown() {
     let object = object_maps();
     let wider = MapSpec { key_size: 9, ..*all_specs().find(|s| s.name == "svc_v4").unwrap() };
     let phantom = MapSpec { name: "svc_v5", ..wider };
-    let mut specs: Vec<&MapSpec> = all_specs().filter(|s| s.name != "svc_v4" && s.name != "ct_v6").collect();
-    specs.extend([&wider, &phantom]);
+    let preallocated = MapSpec { map_flags: 0, ..*all_specs().find(|s| s.name == "svc_stats_v4").unwrap() };
+    let skipped = ["svc_v4", "ct_v6", "svc_stats_v4"];
+    let mut specs: Vec<&MapSpec> = all_specs().filter(|s| !skipped.contains(&s.name)).collect();
+    specs.extend([&wider, &phantom, &preallocated]);
     let gaps = spec_gaps(&object, &specs);
     assert_eq!(
         gaps,
         [
             "layout spec: `svc_v4` key size is 9, the object's 8",
             "layout spec: `svc_v5` names no map in the object",
+            "layout spec: `svc_stats_v4` flags is 0x0, the object's 0x1",
             "layout spec: pinned map `ct_v6` has none (layout::all_specs)",
         ]
         .map(String::from)
