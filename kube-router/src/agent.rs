@@ -303,7 +303,7 @@ async fn serve_http(config: &AgentConfig, metrics: &Metrics) {
         match tokio::net::TcpListener::bind((config.health_addr, config.health_port)).await {
             Ok(listener) => {
                 tracing::info!(addr = %config.health_addr, port = config.health_port, "serving /healthz, /livez and /readyz");
-                tokio::spawn(metrics::serve_health(metrics.clone(), listener));
+                tokio::spawn(crate::http::serve_health(metrics.clone(), listener));
             }
             Err(e) => tracing::error!(port = config.health_port, error = %e, "cannot serve the health endpoints"),
         }
@@ -313,7 +313,7 @@ async fn serve_http(config: &AgentConfig, metrics: &Metrics) {
         match tokio::net::TcpListener::bind(addr).await {
             Ok(listener) => {
                 tracing::info!(%addr, path = config.metrics_path, "serving metrics, /bgp and health");
-                tokio::spawn(metrics::serve_metrics(metrics.clone(), listener, config.metrics_path.clone()));
+                tokio::spawn(crate::http::serve_metrics(metrics.clone(), listener, config.metrics_path.clone()));
             }
             Err(e) => tracing::error!(%addr, error = %e, "cannot serve the metrics"),
         }

@@ -18,7 +18,20 @@ use std::{
 
 use tokio::{sync::watch, time::Instant};
 
-use crate::runtime::Status;
+/// A controller's state as its task last left it: what tests wait on instead of log lines.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Status {
+    /// Reconciles run, successful or not.
+    pub runs: u64,
+    /// Reconciles that succeeded.
+    pub successes: u64,
+    /// Failures since the last success.
+    pub failures: u32,
+    pub last_error: Option<String>,
+    /// When the task last showed it is alive: a reconcile ended, or it waited
+    /// [`HEARTBEAT_INTERVAL`] for work. Stale only while a reconcile hangs, or the task is gone.
+    pub last_beat: Option<Instant>,
+}
 
 /// A controller whose task has not beaten for this long hangs in a reconcile.
 pub const STUCK_AFTER: Duration = Duration::from_secs(180);

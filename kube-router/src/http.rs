@@ -269,6 +269,39 @@ impl Pools {
     }
 }
 
+/// Serves the health endpoints (`/healthz`, `/livez`, `/readyz`) and nothing else: the
+/// kubelet probes them on the node's address, where every pod reaches them too.
+pub async fn serve_health(metrics: Metrics, listener: TcpListener) {
+    let health = metrics.clone();
+    let handler: Handler = Arc::new(move |path| Some(health_response(&health, path)));
+    serve(listener, "health", Limits::default(), metrics, handler).await
+}
+
+fn health_response(metrics: &Metrics, path: &str) -> Response {
+    let readiness = match path {
+        "/healthz" | "/livez" => false,
+        "/readyz" => true,
+        _ => return Response::new("404 Not Found", "text/plain", "not found\n".to_string()),
+    };
+    let (ok, body) = metrics.health(readiness);
+    Response::new(if ok { "200 OK" } else { "503 Service Unavailable" }, "application/json", body)
+}
+
+/// Serves the metrics at `path`, the status pages (`/bgp`) and the health endpoints.
+pub async fn serve_metrics(metrics: Metrics, listener: TcpListener, path: String) {
+    let state = metrics.clone();
+    let handler: Handler = Arc::new(move |request| {
+        Some(if request == path {
+            Response::new("200 OK", crate::exposition::CONTENT_TYPE, state.render())
+        } else if let Some(text) = state.page(request.trim_start_matches('/')) {
+            Response::new("200 OK", "text/plain", text)
+        } else {
+            health_response(&state, request)
+        })
+    });
+    serve(listener, "metrics", Limits::default(), metrics, handler).await
+}
+
 #[cfg(test)]
 mod tests {
     use std::net::Ipv4Addr;

@@ -1,6 +1,6 @@
 //! The agent's metrics registry, which every subsystem registers its own metrics with (see
-//! [`Subsystem`]), the metrics and health listeners, and the metrics several subsystems record
-//! into ([`AgentMetrics`]). The text is `prometheus-client`'s encoder's (`exposition`).
+//! [`Subsystem`]), the health verdict and status pages its listeners serve (`http`), and the
+//! metrics several subsystems record into ([`AgentMetrics`]). The text is `prometheus-client`'s encoder's (`exposition`).
 use std::{
     any::{Any, TypeId},
     collections::{BTreeMap, HashMap},
@@ -9,13 +9,9 @@ use std::{
 };
 
 use prometheus_client::registry::Registry;
-use tokio::net::TcpListener;
 
 pub use crate::exposition::unix_now;
-use crate::{
-    exposition::{self, register, register_optional, Counter, Family, IntGauge, OptionalGauge, SecondsSince},
-    http::Response,
-};
+use crate::exposition::{self, register, register_optional, Counter, Family, IntGauge, OptionalGauge, SecondsSince};
 
 /// Renders a status page.
 pub type Page = Arc<dyn Fn() -> String + Send + Sync>;
@@ -217,39 +213,6 @@ impl Subsystem for AgentMetrics {
     }
 }
 
-/// Serves the health endpoints (`/healthz`, `/livez`, `/readyz`) and nothing else: the
-/// kubelet probes them on the node's address, where every pod reaches them too.
-pub async fn serve_health(metrics: Metrics, listener: TcpListener) {
-    let health = metrics.clone();
-    let handler: crate::http::Handler = Arc::new(move |path| Some(health_response(&health, path)));
-    crate::http::serve(listener, "health", crate::http::Limits::default(), metrics, handler).await
-}
-
-fn health_response(metrics: &Metrics, path: &str) -> Response {
-    let readiness = match path {
-        "/healthz" | "/livez" => false,
-        "/readyz" => true,
-        _ => return Response::new("404 Not Found", "text/plain", "not found\n".to_string()),
-    };
-    let (ok, body) = metrics.health(readiness);
-    Response::new(if ok { "200 OK" } else { "503 Service Unavailable" }, "application/json", body)
-}
-
-/// Serves the metrics at `path`, the status pages (`/bgp`) and the health endpoints.
-pub async fn serve_metrics(metrics: Metrics, listener: TcpListener, path: String) {
-    let state = metrics.clone();
-    let handler: crate::http::Handler = Arc::new(move |request| {
-        Some(if request == path {
-            Response::new("200 OK", exposition::CONTENT_TYPE, state.render())
-        } else if let Some(text) = state.page(request.trim_start_matches('/')) {
-            Response::new("200 OK", "text/plain", text)
-        } else {
-            health_response(&state, request)
-        })
-    });
-    crate::http::serve(listener, "metrics", crate::http::Limits::default(), metrics, handler).await
-}
-
 #[cfg(test)]
 mod tests {
     use std::{collections::BTreeMap, time::Duration};
@@ -333,7 +296,7 @@ mod tests {
                 crate::router::encode_bgp_families(encoder, &crate::bgp::speaker::SpeakerStatus::default())
             },
         ));
-        let (_, status) = tokio::sync::watch::channel(crate::runtime::Status::default());
+        let (_, status) = tokio::sync::watch::channel(crate::health::Status::default());
         metrics.register_collector(crate::runtime::ControllerMetrics(vec![("services", status)]));
         let text = metrics.render();
         assert!(!text.contains(" untyped\n"), "every family has a type:\n{text}");

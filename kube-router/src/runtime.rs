@@ -4,6 +4,8 @@
 //! else re-applying everything.
 use std::{future::Future, time::Duration};
 
+pub use crate::health::Status;
+
 use tokio::{
     sync::watch,
     task::JoinHandle,
@@ -107,21 +109,6 @@ impl Default for RunOptions {
             retry_max: Duration::from_secs(30),
         }
     }
-}
-
-/// A controller's state as its task last left it: what tests wait on instead of log lines.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Status {
-    /// Reconciles run, successful or not.
-    pub runs: u64,
-    /// Reconciles that succeeded.
-    pub successes: u64,
-    /// Failures since the last success.
-    pub failures: u32,
-    pub last_error: Option<String>,
-    /// When the task last showed it is alive: a reconcile ended, or it waited
-    /// [`HEARTBEAT_INTERVAL`] for work. Stale only while a reconcile hangs, or the task is gone.
-    pub last_beat: Option<Instant>,
 }
 
 /// How often a waiting controller task says it is alive.
