@@ -101,8 +101,8 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
                 .copied()
                 .chain(config.router.iter().flat_map(|r| r.external_peers.iter().map(|p| p.address)))
                 .collect(),
-        )
-        .with_metrics(metrics.clone());
+            metrics.clone(),
+        );
         socket_lb::apply(interfaces.datapath(), &config.socket_lb, &metrics);
         // The links run our programs now: an upgrade from the previous map layout can complete.
         interfaces.datapath().finish_upgrade().context("finishing the upgrade of the pinned maps")?;
@@ -348,6 +348,7 @@ pub fn register_metrics(metrics: &Metrics) {
     metrics.of::<crate::firewall::PolicyMetrics>();
     metrics.of::<crate::router::RoutingMetrics>();
     metrics.of::<crate::bpf::socket_lb::SocketLbMetrics>();
+    metrics.of::<crate::bpf::attach_metrics::AttachMetrics>();
     metrics.of::<crate::http::HttpMetrics>();
     metrics.of::<crate::process_metrics::ProcessMetrics>();
 }

@@ -37,6 +37,15 @@ const POLICY_MAPS: [&str; 5] = [
     map_names::POLICY_PEERS_V6,
 ];
 
+/// What the attaches of one attachment point did to its pinned links.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LinkAttaches {
+    /// Found running our program: left as they were.
+    pub adopted: u64,
+    pub updated: u64,
+    pub created: u64,
+}
+
 /// One scrape of `/metrics`.
 pub struct Scrape(pub String);
 
@@ -65,6 +74,14 @@ impl Scrape {
     /// A counter's value as a whole number.
     pub fn count(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
         self.value(name, labels) as u64
+    }
+
+    /// Program links attached at `attachment` (`tc`, `cgroup`, `xdp`) since the agent started.
+    pub fn link_attaches(&self, attachment: &str) -> LinkAttaches {
+        let n = |outcome| {
+            self.count("kube_router_bpf_link_attaches_total", &[("attachment", attachment), ("outcome", outcome)])
+        };
+        LinkAttaches { adopted: n("adopted"), updated: n("updated"), created: n("created") }
     }
 
     /// Writes to `maps`, by operation.

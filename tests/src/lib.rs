@@ -15,7 +15,7 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 
-pub use agent_metrics::{PolicySyncs, Scrape, ServiceSyncs, Writes};
+pub use agent_metrics::{LinkAttaches, PolicySyncs, Scrape, ServiceSyncs, Writes};
 
 pub mod agent_metrics;
 pub mod apiserver;

@@ -232,7 +232,8 @@ fn killed_during_an_outage_the_agent_restarts_from_its_checkpoint() {
     assert_eq!(synced.complete, 0, "a checkpoint is not a complete listing: {synced:?}");
     assert_eq!(synced.writes, Writes::default(), "restore rewrote maps: {synced:?}");
     // Four interfaces, each with the load balancer's and the network policy's pair of links.
-    assert_eq!(agent.log.lock().unwrap().iter().filter(|l| l.contains("ingress=Adopted egress=Adopted")).count(), 8);
+    let links = agent.scrape().unwrap().link_attaches("tc");
+    assert_eq!(links, LinkAttaches { adopted: 16, updated: 0, created: 0 }, "every link re-adopted as it was");
     thread::sleep(Duration::from_secs(3));
     assert_eq!(env.agent_maps(), maps_before);
     assert!(agent.is_running());

@@ -215,9 +215,9 @@ fn restart_reuses_pinned_state_and_traffic_flows_without_the_agent() {
     let mut agent = env.agent();
     let synced = agent.service_syncs().unwrap();
     assert_eq!(synced.writes, Writes::default(), "restart with unchanged state wrote maps: {synced:?}");
-    let adopted = agent.log.lock().unwrap().iter().filter(|l| l.contains("ingress=Adopted egress=Adopted")).count();
     // Four interfaces, each with the load balancer's and the network policy's pair of links.
-    assert_eq!(adopted, 8, "every interface's links re-adopted, none re-created");
+    let links = agent.scrape().unwrap().link_attaches("tc");
+    assert_eq!(links, LinkAttaches { adopted: 16, updated: 0, created: 0 }, "every link re-adopted, none re-created");
     assert_eq!(service_maps(&before), service_maps(&dump()));
     assert_all_ok(&topo.request("tcp", &format!("{VIP}:80"), 10).unwrap());
     assert!(agent.is_running());

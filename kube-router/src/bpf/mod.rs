@@ -1,4 +1,5 @@
 //! The kernel side of the agent: loading the datapath, pinned maps and links, map writes.
+pub mod attach_metrics;
 pub mod conntrack_gc;
 pub mod counters;
 pub mod datapath;

@@ -151,6 +151,7 @@ pub fn apply(datapath: &mut Datapath, options: &SocketLbOptions, metrics: &Metri
     });
     match attached {
         Ok((cgroup, outcomes)) => {
+            metrics.of::<super::attach_metrics::AttachMetrics>().record("cgroup", &outcomes);
             let [connect4, sendmsg4, recvmsg4, getpeername4, connect6, sendmsg6, recvmsg6, getpeername6] = outcomes;
             tracing::info!(
                 cgroup = %cgroup.display(),

@@ -12,6 +12,7 @@ use tokio::sync::watch;
 
 use crate::{
     bpf::{
+        attach_metrics::AttachMetrics,
         datapath::{AttachOutcome, Datapath},
         pod_sources::{self, PodSourceCheck},
         xdp::{self, XdpSetting},
@@ -46,7 +47,7 @@ pub struct InterfacesController {
     /// The API server's and the configured BGP peer routers' addresses: the links the node
     /// reaches them by are uplinks, never pod veths.
     upstreams: Vec<IpAddr>,
-    metrics: Option<Metrics>,
+    metrics: Metrics,
 }
 
 impl InterfacesController {
@@ -60,26 +61,31 @@ impl InterfacesController {
         xdp: XdpSetting,
         pod_source_check: bool,
         upstreams: Vec<IpAddr>,
+        metrics: Metrics,
     ) -> Self {
         let mut attached = BTreeMap::new();
         let mut pod_sources = open_pod_sources(&datapath, pod_source_check, load_balancer);
         let programs = Programs { load_balancer, firewall, xdp };
-        attach_all(&mut datapath, &wanted, &mut attached, programs, || uplinks(&upstreams), pod_sources.as_mut());
+        attach_all(
+            &mut datapath,
+            &wanted,
+            &mut attached,
+            programs,
+            || uplinks(&upstreams),
+            pod_sources.as_mut(),
+            &metrics,
+        );
         let node_addresses = watch::Sender::new(netif::node_addresses());
-        Self { datapath, wanted, attached, programs, node_addresses, pod_sources, upstreams, metrics: None }
+        let controller = Self { datapath, wanted, attached, programs, node_addresses, pod_sources, upstreams, metrics };
+        controller.publish_pod_sources();
+        controller
     }
 
-    /// Where the pod source check's state is shown.
-    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
-        self.metrics = Some(metrics);
-        self.publish_pod_sources();
-        self
-    }
-
+    /// Shows the pod source check's state.
     fn publish_pod_sources(&self) {
-        if let (Some(sources), Some(metrics)) = (&self.pod_sources, &self.metrics) {
+        if let Some(sources) = &self.pod_sources {
             let counts = sources.counts();
-            metrics.of::<super::datapath_stats::DatapathMetrics>().set_pod_source_veths(counts);
+            self.metrics.of::<super::datapath_stats::DatapathMetrics>().set_pod_source_veths(counts);
         }
     }
 
@@ -107,6 +113,7 @@ impl Controller for InterfacesController {
                 self.programs,
                 || uplinks(&self.upstreams),
                 self.pod_sources.as_mut(),
+                &self.metrics,
             );
         }
         // A pod's addresses appear after its veth: read again until they are there (link
@@ -196,6 +203,7 @@ fn attach_all(
     programs: Programs,
     uplinks: impl FnOnce() -> Vec<String>,
     mut pod_sources: Option<&mut PodSourceCheck>,
+    metrics: &Metrics,
 ) {
     let Programs { load_balancer, firewall, xdp } = programs;
     let present: BTreeMap<String, u32> = netif::interfaces_with_index().into_iter().collect();
@@ -249,6 +257,7 @@ fn attach_all(
         for (_, what, attach) in hooks.into_iter().filter(|(enabled, _, _)| *enabled) {
             match attach(datapath, &interface) {
                 Ok([ingress, egress]) => {
+                    metrics.of::<AttachMetrics>().record("tc", &[ingress, egress]);
                     tracing::info!(interface, ?ingress, ?egress, "{what} attached at TC ingress and egress")
                 }
                 Err(e) => {
@@ -260,7 +269,7 @@ fn attach_all(
         // The XDP fast path sits in front of the load balancer on uplinks only (north-south
         // traffic arrives there); a failure leaves TC serving everything, as without it.
         if load_balancer {
-            apply_xdp(datapath, &interface, xdp != XdpSetting::Off && uplinks.contains(&interface), xdp);
+            apply_xdp(datapath, &interface, xdp != XdpSetting::Off && uplinks.contains(&interface), xdp, metrics);
         }
         if ok {
             attached.insert(interface, index);
@@ -294,7 +303,7 @@ fn uplinks(upstreams: &[IpAddr]) -> Vec<String> {
 }
 
 /// Attaches (`wanted`) or removes our XDP link on `interface`; never touches another's.
-fn apply_xdp(datapath: &mut Datapath, interface: &str, wanted: bool, setting: XdpSetting) {
+fn apply_xdp(datapath: &mut Datapath, interface: &str, wanted: bool, setting: XdpSetting, metrics: &Metrics) {
     if !wanted {
         match xdp::detach(datapath.pin_dir(), interface) {
             Ok(true) => tracing::info!(interface, "XDP fast path detached"),
@@ -304,7 +313,10 @@ fn apply_xdp(datapath: &mut Datapath, interface: &str, wanted: bool, setting: Xd
         return;
     }
     match xdp::attach(datapath, interface, setting) {
-        Ok((outcome, mode)) => tracing::info!(interface, ?outcome, ?mode, "XDP fast path attached"),
+        Ok((outcome, mode)) => {
+            metrics.of::<AttachMetrics>().record("xdp", &[outcome]);
+            tracing::info!(interface, ?outcome, ?mode, "XDP fast path attached")
+        }
         // Logged once: the interface is not retried until it is re-created or the agent restarts.
         Err(e) => tracing::error!(interface, error = format!("{e:#}"), "cannot attach the XDP fast path; TC serves it"),
     }
