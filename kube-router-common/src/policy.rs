@@ -1,5 +1,5 @@
 //! Keys and values of the NetworkPolicy maps (`pol_*`), read by `kr_pol_ingress`/`kr_pol_egress`
-//! and written by the agent from `policy::bpf_maps::MapEntries` (see docs/policy-layout.md for
+//! and written by the agent from `policy::flatten::MapEntries` (see docs/policy-layout.md for
 //! what the entries mean, docs/maps.md for the byte layouts).
 //!
 //! The maps that hold addresses come in pairs (`_v4`, `_v6`); `pol_ports` holds no address and

@@ -63,8 +63,9 @@ use kube_router::{
         policy_maps::{apply_diff, BpfPolicyMaps},
     },
     policy::{
-        bpf_maps::{MapEntries, MapFlattener},
-        compile, CompileOutput, Direction, PolicyCompiler,
+        compile,
+        flatten::{MapEntries, MapFlattener},
+        CompileOutput, Direction, PolicyCompiler,
     },
 };
 use kube_router_common::{POLICY_PEERS_MAX_ENTRIES, POLICY_PODS_MAX_ENTRIES, POLICY_PORTS_MAX_ENTRIES};
@@ -656,7 +657,7 @@ fn through_the_controller(
     use kube::runtime::watcher::Event;
     use kube_router::{
         controllers::policy::PolicyController,
-        firewall::FirewallController,
+        firewall::PolicyProgrammer,
         k8s::{
             cache::Cache,
             watch::{ClusterObjects, WatchUpdate},
@@ -688,7 +689,7 @@ fn through_the_controller(
         let maps = metrics.of::<MapMetrics>();
         MapMetrics::WRITE_OPS.iter().filter_map(|op| maps.writes(POLICY_PODS, op)).sum::<u64>()
     };
-    let firewall = FirewallController::with_maps(maps, BENCH_NODE, metrics.clone()).expect("adopt the maps");
+    let firewall = PolicyProgrammer::with_maps(maps, BENCH_NODE, metrics.clone()).expect("adopt the maps");
     let mut controller = PolicyController::new(firewall, cache.clone());
     let runtime = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
     let (first, first_time) = timed(|| runtime.block_on(controller.reconcile()));

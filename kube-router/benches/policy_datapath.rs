@@ -38,8 +38,8 @@ use kube_router::{
         policy_maps::{apply_diff, BpfPolicyMaps},
     },
     policy::{
-        bpf_maps::{MapEntries, MapFlattener},
         compile,
+        flatten::{MapEntries, MapFlattener},
     },
 };
 use serde_json::json;

@@ -11,12 +11,12 @@ use std::{collections::BTreeMap, net::IpAddr, path::Path, sync::Arc, time::Durat
 
 use anyhow::{Context, Result};
 use tokio::{
-    signal::unix::{signal, SignalKind},
+    signal::unix::{signal, Signal, SignalKind},
     sync::{mpsc, watch},
     task::JoinHandle,
 };
 
-pub use crate::config::{AgentConfig, CniOptions, DesiredSource};
+pub use crate::config::{AgentConfig, CniOptions, DesiredSource, ListenerOptions};
 use crate::{
     bpf::{
         datapath::Datapath,
@@ -31,9 +31,9 @@ use crate::{
         policy::{PolicyController, POLICY_KINDS},
         routing::{self, RoutingController},
         service_view::{ServiceViewController, VipPublisher},
-        services::{FileEvents, ServiceController, ServicesFromApi, ServicesFromFile, SERVICE_TRIGGER_KINDS},
+        services::{FileEvents, ServiceProgrammer, ServicesFromApi, ServicesFromFile, SERVICE_TRIGGER_KINDS},
     },
-    firewall::FirewallController,
+    firewall::PolicyProgrammer,
     k8s::{
         cache::Cache,
         checkpoint,
@@ -41,7 +41,7 @@ use crate::{
     },
     metrics::{self, AgentMetrics, Metrics},
     netif,
-    router::RouterController,
+    router::BgpRouter,
     runtime::{self, NoTrigger, RunOptions, Running, Status},
     services::family::V6,
 };
@@ -59,10 +59,60 @@ const NODE_PACED: RunOptions = RunOptions {
     retry_max: Duration::from_secs(30),
 };
 
-pub async fn run(mut config: AgentConfig) -> Result<()> {
+/// SIGTERM and SIGINT, caught from the first moment of the run command
+/// (`launch::run` installs them before it reads anything): one that arrives while the agent
+/// starts stops it there, in order, as one arriving later does. Without them the kernel's
+/// default action would kill the agent mid-start.
+pub struct StopSignals {
+    terminate: Signal,
+    interrupt: Signal,
+}
+
+impl StopSignals {
+    /// Registers the handlers; call it inside the runtime (tokio's driver receives them).
+    pub fn install() -> std::io::Result<Self> {
+        Ok(Self { terminate: signal(SignalKind::terminate())?, interrupt: signal(SignalKind::interrupt())? })
+    }
+
+    /// The first SIGTERM or SIGINT (one that came before this is awaited counts), by name.
+    pub async fn received(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.terminate.recv() => "SIGTERM",
+            _ = self.interrupt.recv() => "SIGINT",
+        }
+    }
+}
+
+/// Starts the agent and runs it until `signals` says stop. A signal while it starts ends the
+/// start at its next wait; one after the start's last wait stops the controllers just spawned,
+/// as a later one does. Either way the pinned maps and links the start created or adopted stay,
+/// and nothing is withdrawn.
+pub async fn run(config: AgentConfig, mut signals: StopSignals) -> Result<()> {
+    let started = tokio::select! {
+        biased;
+        signal = signals.received() => {
+            tracing::info!(signal, "stopped while starting; datapath and routes left in place");
+            return Ok(());
+        }
+        started = start(config) => started?,
+    };
+    started.serve(signals).await
+}
+
+/// A started agent: its controllers run; [`Started::serve`] feeds them until a stop signal.
+struct Started {
+    metrics: Metrics,
+    cache: Option<Arc<Cache>>,
+    updates: Option<mpsc::Receiver<WatchUpdate>>,
+    tasks: Vec<JoinHandle<()>>,
+    stop: watch::Sender<bool>,
+    routing: Option<Running<RoutingController>>,
+}
+
+async fn start(mut config: AgentConfig) -> Result<Started> {
     let metrics = Metrics::default();
     register_metrics(&metrics);
-    serve_http(&config, &metrics).await;
+    serve_http(&config.listeners, &metrics).await;
     if let DesiredSource::Api(options) = &config.source {
         config.api_server_addresses = watchers::api_server_addresses(options).await;
         tracing::info!(addresses = ?config.api_server_addresses, "API server addresses (never a Service's)");
@@ -116,7 +166,7 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
     let (health_checks, health_check_ports) = watch::channel(BTreeMap::new());
     tokio::spawn(crate::healthcheck::serve(health_check_ports, metrics.clone()));
     let services =
-        if config.run_service_proxy { Some(ServiceController::start(&config, &metrics, health_checks)?) } else { None };
+        if config.run_service_proxy { Some(ServiceProgrammer::start(&config, &metrics, health_checks)?) } else { None };
     let egress = EgressNets {
         pin_dir: config.pin_dir.clone(),
         cluster_cidrs: config.cluster_cidrs.clone(),
@@ -126,7 +176,7 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
         sync_egress_nets(&egress, []);
     }
     let firewall = if config.run_firewall {
-        Some(FirewallController::start(&config.pin_dir, &config.node_name, metrics.clone())?)
+        Some(PolicyProgrammer::start(&config.pin_dir, &config.node_name, metrics.clone())?)
     } else {
         None
     };
@@ -229,7 +279,7 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
     // Without the API the configuration comes from flags; with it, from the Node objects (or
     // their checkpoint), as soon as they are known.
     let routing = config.router.clone().map(|options| {
-        let router = RouterController::new(options, metrics.clone());
+        let router = BgpRouter::new(options, metrics.clone());
         let router = RoutingController::new(router, cache.clone(), vip_receiver.clone());
         // Woken by the Nodes and the VIPs (a channel that never changes when none are advertised).
         let vips = vip_receiver.clone().unwrap_or_else(|| watch::Sender::new(None).subscribe());
@@ -255,50 +305,57 @@ pub async fn run(mut config: AgentConfig) -> Result<()> {
     metrics.health_state().watch(statuses.clone(), synced);
     metrics.register_collector(runtime::ControllerMetrics(statuses));
 
-    let mut terminate = signal(SignalKind::terminate())?;
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    let mut updates = api.map(|(_, updates)| updates);
+    let updates = api.map(|(_, updates)| updates);
     tracing::info!("agent running");
-    loop {
-        let update = async {
-            match updates.as_mut() {
-                Some(updates) => updates.recv().await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            _ = terminate.recv() => break,
-            _ = interrupt.recv() => break,
-            Some(update) = update => {
-                let cache = cache.as_ref().expect("updates come from the API source");
-                record_api_contact(&update, &metrics);
-                // Only a real change of a kind wakes its controllers (a relist that starts and
-                // fails, or brings back the same objects, changes nothing).
-                cache.apply(update);
+    Ok(Started { metrics, cache, updates, tasks: tasks.tasks, stop: stop_tx, routing })
+}
+
+impl Started {
+    async fn serve(mut self, mut signals: StopSignals) -> Result<()> {
+        loop {
+            let update = async {
+                match self.updates.as_mut() {
+                    Some(updates) => updates.recv().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                biased;
+                signal = signals.received() => {
+                    tracing::info!(signal, "stop signal");
+                    break;
+                }
+                Some(update) = update => {
+                    let cache = self.cache.as_ref().expect("updates come from the API source");
+                    record_api_contact(&update, &self.metrics);
+                    // Only a real change of a kind wakes its controllers (a relist that starts
+                    // and fails, or brings back the same objects, changes nothing).
+                    cache.apply(update);
+                }
             }
         }
-    }
-    // Leave programs, links, maps and kernel routes exactly as they are: traffic keeps flowing
-    // without us. With graceful restart the BGP sessions close without a Cease, so peers keep
-    // our routes until we are back. Each controller finishes what it is doing (a checkpoint
-    // being written is finished; it is replaced atomically either way).
-    let _ = stop_tx.send(true);
-    for task in tasks.tasks {
-        let _ = task.await;
-    }
-    tracing::info!("stopping; datapath and routes left in place");
-    if let Some(routing) = routing {
-        if let Ok(routing) = routing.task.await {
-            routing.into_router().shutdown().await;
+        // Leave programs, links, maps and kernel routes exactly as they are: traffic keeps
+        // flowing without us. With graceful restart the BGP sessions close without a Cease, so
+        // peers keep our routes until we are back. Each controller finishes what it is doing (a
+        // checkpoint being written is finished; it is replaced atomically either way).
+        let _ = self.stop.send(true);
+        for task in self.tasks {
+            let _ = task.await;
         }
+        tracing::info!("stopping; datapath and routes left in place");
+        if let Some(routing) = self.routing {
+            if let Ok(routing) = routing.task.await {
+                routing.into_router().shutdown().await;
+            }
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 /// The health listener (`--health-addr`, every address by default: the kubelet probes the node's) and the metrics listener
 /// (`--metrics-addr`, the loopback address by default). One that cannot bind is logged; the
 /// agent runs on without it.
-async fn serve_http(config: &AgentConfig, metrics: &Metrics) {
+async fn serve_http(config: &ListenerOptions, metrics: &Metrics) {
     if config.health_port != 0 {
         match tokio::net::TcpListener::bind((config.health_addr, config.health_port)).await {
             Ok(listener) => {

@@ -26,14 +26,8 @@ pub struct AgentConfig {
     pub node_name: String,
     pub nodeport_addresses: Option<Vec<IpAddr>>,
     pub limits: Limits,
-    /// The metrics listener (0: none): metrics at `metrics_path`, `/bgp`, health.
-    pub metrics_port: u16,
-    pub metrics_addr: IpAddr,
-    pub metrics_path: String,
-    /// The health endpoints alone (0: none), on `health_addr` (`--health-addr`; unspecified:
-    /// every address).
-    pub health_port: u16,
-    pub health_addr: IpAddr,
+    /// The metrics and health listeners.
+    pub listeners: ListenerOptions,
     /// Address families whose Services are not programmed (`--enable-ipv4=false`,
     /// `--enable-ipv6=false`).
     pub disabled_families: std::collections::BTreeSet<crate::services::family::IpFamily>,
@@ -87,6 +81,19 @@ pub struct AgentConfig {
     pub socket_lb: SocketLbOptions,
     /// BGP pod routing (`--run-router`), when enabled.
     pub router: Option<RouterOptions>,
+}
+
+/// The agent's HTTP listeners (`--metrics-*`, `--health-*`).
+#[derive(Clone, Debug)]
+pub struct ListenerOptions {
+    /// The metrics listener (0: none): metrics at `metrics_path`, `/bgp`, health.
+    pub metrics_port: u16,
+    pub metrics_addr: IpAddr,
+    pub metrics_path: String,
+    /// The health endpoints alone (0: none), on `health_addr` (`--health-addr`; unspecified:
+    /// every address).
+    pub health_port: u16,
+    pub health_addr: IpAddr,
 }
 
 #[derive(Clone, Debug)]

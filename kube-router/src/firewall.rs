@@ -31,7 +31,7 @@ use crate::{
     map_writes::MapMetrics,
     metrics::{AgentMetrics, Metrics, Subsystem},
     policy::{
-        bpf_maps::{MapEntries, MapFlattener},
+        flatten::{MapEntries, MapFlattener},
         Delta, PodRules, PodSetKey, PolicyCompiler,
     },
 };
@@ -82,7 +82,7 @@ impl Subsystem for PolicyMetrics {
     }
 }
 
-pub struct FirewallController<M: PolicyMaps = BpfPolicyMaps> {
+pub struct PolicyProgrammer<M: PolicyMaps = BpfPolicyMaps> {
     maps: M,
     flattener: MapFlattener,
     /// What the maps hold, as far as we know.
@@ -227,14 +227,14 @@ impl V6Counts {
     }
 }
 
-impl FirewallController {
+impl PolicyProgrammer {
     /// Opens the pinned policy maps and reads what a previous agent left in them.
     pub fn start(pin_dir: &Path, node_name: &str, metrics: Metrics) -> Result<Self> {
         Self::with_maps(BpfPolicyMaps::open_pinned(pin_dir)?, node_name, metrics)
     }
 }
 
-impl<M: PolicyMaps> FirewallController<M> {
+impl<M: PolicyMaps> PolicyProgrammer<M> {
     /// Takes over `maps` with what a previous agent left in them.
     pub fn with_maps(maps: M, node_name: &str, metrics: Metrics) -> Result<Self> {
         let contents = maps.read_all().map_err(|e| anyhow::anyhow!("{}: {}", e.map, e.message))?;

@@ -17,6 +17,7 @@ pub mod healthcheck;
 pub mod http;
 pub mod k8s;
 pub mod kr_metrics;
+pub mod launch;
 pub mod legacy;
 pub mod map_writes;
 pub mod metrics;

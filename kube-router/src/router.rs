@@ -94,7 +94,7 @@ struct Applied {
     policies: Policies,
 }
 
-pub struct RouterController {
+pub struct BgpRouter {
     options: RouterOptions,
     speaker: Option<Speaker>,
     applied: Option<Applied>,
@@ -113,7 +113,7 @@ struct FailedStart {
     error: String,
 }
 
-impl RouterController {
+impl BgpRouter {
     pub fn new(options: RouterOptions, metrics: Metrics) -> Self {
         Self {
             options,

@@ -21,9 +21,9 @@ use kube_router::{
         policy_maps::{apply_diff, decode, BpfPolicyMaps, PolicyConntrack, PolicyMaps, PolicyWriteReport},
     },
     policy::{
-        allows,
-        bpf_maps::{MapEntries, MapFlattener},
-        compile, CompileOutput, Protocol,
+        allows, compile,
+        flatten::{MapEntries, MapFlattener},
+        CompileOutput, Protocol,
     },
 };
 use kube_router_common::{map_names, pol_guard_stat, pol_stat};

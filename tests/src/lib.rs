@@ -395,6 +395,37 @@ impl Agent {
         matches!(self.child.try_wait(), Ok(None))
     }
 
+    /// Whether the agent handles SIGTERM yet (`SigCgt` in its /proc status): before, the
+    /// signal's default action would kill it.
+    pub fn catches_sigterm(&self) -> bool {
+        let status = fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap_or_default();
+        // Until nsenter has executed the agent, the process is nsenter.
+        if status.lines().next() != Some("Name:\tkube-router") {
+            return false;
+        }
+        let caught = status.lines().find_map(|l| l.strip_prefix("SigCgt:")).map(str::trim);
+        caught.and_then(|mask| u64::from_str_radix(mask, 16).ok()).is_some_and(|mask| mask & (1 << (15 - 1)) != 0)
+    }
+
+    /// Sends SIGTERM without waiting ([`Agent::wait_exit`]).
+    pub fn sigterm(&self) -> Result<()> {
+        sh(&["kill", "-TERM", &self.child.id().to_string()]).map(drop)
+    }
+
+    /// Waits at most `timeout` for the agent to exit; its status.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                bail!("agent still running {timeout:?} after it was told to stop");
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// SIGTERM and wait: the graceful stop.
     pub fn stop(mut self) -> Result<()> {
         sh(&["kill", "-TERM", &self.child.id().to_string()])?;

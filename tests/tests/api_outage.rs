@@ -1,6 +1,7 @@
 //! End to end against a fake API server that speaks the real list/watch protocol (the agent
 //! runs the real kube-rs client): programming from the API, an outage that changes nothing,
-//! a crash during the outage, and a 410 relist. As root, in network namespaces.
+//! a crash during the outage, a SIGTERM while starting, and a 410 relist. As root, in network
+//! namespaces.
 use std::{
     sync::Arc,
     thread,
@@ -379,4 +380,67 @@ fn a_410_relist_flushes_nothing() {
     assert_eq!(env.agent_maps(), maps_before);
     assert_eq!(syncs(), syncs_before, "an identical relist syncs nothing");
     assert_all_ok(&env.topo.request("tcp", &format!("{VIP}:80"), 10).unwrap());
+}
+
+/// The agent's programs on its interfaces, as `kube-router interfaces -o json` reports them
+/// (the program ids aside: a restart may load the programs again behind links it keeps).
+fn attachments(env: &Env) -> Vec<serde_json::Value> {
+    let root = env.topo.bpf_root();
+    let out = env
+        .topo
+        .node
+        .run(&[kube_router_bin().to_str().unwrap(), "--bpf-root", root.to_str().unwrap(), "interfaces", "-o", "json"])
+        .unwrap();
+    let mut report: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+    report.iter_mut().for_each(|a| drop(a.as_object_mut().unwrap().remove("program_id")));
+    report
+}
+
+/// A SIGTERM while the agent starts stops it in order: exit status 0, and the maps, links and
+/// routes the previous agent left are as they were (the handler used to be installed last, so a
+/// SIGTERM in the first seconds killed the agent mid-start). Twice, during an outage: at the
+/// first moment the agent handles the signal, and while its start waits on the checkpoint read
+/// (a FIFO in the checkpoint's place holds it there) after it loaded the datapath and took the
+/// links back.
+#[test]
+fn a_sigterm_while_starting_stops_in_order_and_changes_nothing() {
+    let env = Env::new("krt-term");
+    let mut agent = env.agent();
+    agent.wait_for_complete_service_sync(Duration::from_secs(30)).unwrap();
+    env.wait_for_checkpoint();
+    agent.stop().unwrap();
+    let checkpoint_path = env.state_dir.join("checkpoint.json");
+    let checkpoint = std::fs::read(&checkpoint_path).unwrap();
+    let (maps, routes, links) = (env.agent_maps(), env.routes(), attachments(&env));
+    assert!(!links.is_empty() && links.iter().all(|l| l["attached"] == true), "{links:?}");
+    env.set_mode(FaultMode::Refuse);
+
+    let mut agent = env.agent();
+    wait_until("the agent to handle SIGTERM", Duration::from_secs(10), || Ok(agent.catches_sigterm())).unwrap();
+    agent.sigterm().unwrap();
+    let status = agent.wait_exit(Duration::from_secs(30)).unwrap();
+    assert!(status.success(), "SIGTERM at the start: {status}");
+    assert_eq!(env.agent_maps(), maps);
+    assert_eq!(attachments(&env), links);
+    assert_eq!(env.routes(), routes);
+
+    std::fs::remove_file(&checkpoint_path).unwrap();
+    sh(&["mkfifo", "-m", "600", checkpoint_path.to_str().unwrap()]).unwrap();
+    let mut agent = env.agent();
+    // Opening a FIFO to write returns once a reader opened it: the agent, at its checkpoint read.
+    let (opened, reader_came) = std::sync::mpsc::channel();
+    let fifo = checkpoint_path.clone();
+    thread::spawn(move || opened.send(std::fs::OpenOptions::new().write(true).open(fifo)));
+    let mut writer =
+        reader_came.recv_timeout(Duration::from_secs(30)).expect("the agent reads its checkpoint").unwrap();
+    assert!(agent.catches_sigterm(), "the checkpoint is read before the handler is installed");
+    agent.sigterm().unwrap();
+    // Only now may the read end: the signal came while the start was held.
+    let _ = std::io::Write::write_all(&mut writer, &checkpoint);
+    drop(writer);
+    let status = agent.wait_exit(Duration::from_secs(30)).unwrap();
+    assert!(status.success(), "SIGTERM during the start: {status}");
+    assert_eq!(env.agent_maps(), maps);
+    assert_eq!(attachments(&env), links);
+    assert_eq!(env.routes(), routes);
 }

@@ -26,7 +26,7 @@ use kube_router_common::*;
 
 use super::maps_dir;
 use crate::policy::{
-    bpf_maps::{port_index, union_prefixes, MapEntries, PeerPrefixKey, PeerSetId, SlotId, SlotPortKey},
+    flatten::{port_index, union_prefixes, MapEntries, PeerPrefixKey, PeerSetId, SlotId, SlotPortKey},
     PortRange,
 };
 
@@ -177,9 +177,9 @@ pub type Layout2Rules = BTreeMap<(u32, u32), (u32, Option<Vec<PortRange>>)>;
 /// old entry uses. Pure: the datapath decision over the result equals the old one.
 pub fn ports_from_rules(
     rules: &Layout2Rules,
-    peer_prefixes: &BTreeMap<PeerPrefixKey, crate::policy::bpf_maps::PrefixVerdict>,
+    peer_prefixes: &BTreeMap<PeerPrefixKey, crate::policy::flatten::PrefixVerdict>,
 ) -> MapEntries {
-    let mut by_set: BTreeMap<u32, BTreeMap<ipnet::IpNet, crate::policy::bpf_maps::PrefixVerdict>> = BTreeMap::new();
+    let mut by_set: BTreeMap<u32, BTreeMap<ipnet::IpNet, crate::policy::flatten::PrefixVerdict>> = BTreeMap::new();
     for (key, verdict) in peer_prefixes {
         by_set.entry(key.peer_set.0).or_default().insert(key.prefix, *verdict);
     }
@@ -418,7 +418,7 @@ fn copy_entries(from: &MapData, to: &MapData, overwrite: bool) -> Result<(usize,
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::{bpf_maps::PrefixVerdict, Protocol};
+    use crate::policy::{flatten::PrefixVerdict, Protocol};
 
     #[test]
     fn layout_2_rules_become_a_port_index_that_decides_alike() {

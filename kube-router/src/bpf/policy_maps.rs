@@ -24,7 +24,7 @@ use super::service_maps::write_error;
 use crate::{
     map_writes::{write_ops, MapOperation, MapWriteError, SyncReport, WriteRules, WriteTarget},
     policy::{
-        bpf_maps::{
+        flatten::{
             MapDiff, MapEntries, PeerPrefixKey, PeerSetId, PodSlotKey, PodSlotValue, PortPrefix, PrefixVerdict, SlotId,
             SlotPortKey,
         },
@@ -221,7 +221,7 @@ pub fn encode_verdict(verdict: PrefixVerdict) -> u8 {
     }
 }
 
-/// Orders the writes as `bpf_maps::MapDiff` requires: peer prefixes and port entries first
+/// Orders the writes as `flatten::MapDiff` requires: peer prefixes and port entries first
 /// (nothing refers to a new one yet), then pod slots (now pointing at complete entries), then
 /// deletes of pod slots, port entries and peer prefixes (nothing refers to them any more).
 pub fn encode_diff(diff: &MapDiff) -> Vec<PolicyMapOp> {

@@ -1,9 +1,12 @@
-//! The inspection commands (`kube-router services | conntrack | stats | bgp | policy |
-//! interfaces | checkpoint`): each reads real state into a serializable report, then prints it as
+//! The commands besides `run` (`launch`): `cleanup` and `install-cni`, and the inspection
+//! commands (`kube-router services | conntrack | stats | bgp | policy | interfaces |
+//! checkpoint`): each inspection reads real state into a serializable report, then prints it as
 //! text (`-o table`, the default) or JSON (`-o json`, shapes in docs/usage.md).
 pub mod bgp;
 pub mod checkpoint;
+pub mod cleanup;
 pub mod conntrack;
+pub mod install_cni;
 pub mod interfaces;
 pub mod policy;
 pub mod services;

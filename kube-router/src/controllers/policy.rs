@@ -15,7 +15,7 @@ use crate::{
         policy_maps::{BpfPolicyMaps, PolicyMaps},
         stamps::ApiStateStamp,
     },
-    firewall::{FirewallController, PolicyChanges},
+    firewall::{PolicyChanges, PolicyProgrammer},
     k8s::{
         cache::Cache,
         store::{ObjectKey, ObjectStore},
@@ -27,7 +27,7 @@ use crate::{
 pub const POLICY_KINDS: &[Kind] = &[Kind::Pods, Kind::Namespaces, Kind::NetworkPolicies];
 
 pub struct PolicyController<M: PolicyMaps = BpfPolicyMaps> {
-    firewall: FirewallController<M>,
+    firewall: PolicyProgrammer<M>,
     cache: Arc<Cache>,
     /// How new the API state in the policy maps is (see `bpf::stamps`); none without pinned
     /// maps (tests).
@@ -35,7 +35,7 @@ pub struct PolicyController<M: PolicyMaps = BpfPolicyMaps> {
 }
 
 impl<M: PolicyMaps> PolicyController<M> {
-    pub fn new(firewall: FirewallController<M>, cache: Arc<Cache>) -> Self {
+    pub fn new(firewall: PolicyProgrammer<M>, cache: Arc<Cache>) -> Self {
         Self { firewall, cache, stamp: ApiStateStamp::none("policy") }
     }
 
@@ -45,7 +45,7 @@ impl<M: PolicyMaps> PolicyController<M> {
         self
     }
 
-    pub fn firewall(&self) -> &FirewallController<M> {
+    pub fn firewall(&self) -> &PolicyProgrammer<M> {
         &self.firewall
     }
 
@@ -195,7 +195,7 @@ mod tests {
     }
 
     fn controller(cache: &Arc<Cache>) -> PolicyController<PolicyMapContents> {
-        let firewall = FirewallController::with_maps(PolicyMapContents::default(), NODE, Metrics::default()).unwrap();
+        let firewall = PolicyProgrammer::with_maps(PolicyMapContents::default(), NODE, Metrics::default()).unwrap();
         PolicyController::new(firewall, cache.clone())
     }
 
@@ -321,7 +321,7 @@ mod tests {
             let mut restored = ClusterObjects::default();
             restored.restore(objects("db"));
             let cache = Cache::new(restored, Some(checkpoint_unix));
-            let firewall = FirewallController::with_maps(maps.clone(), NODE, Metrics::default()).unwrap();
+            let firewall = PolicyProgrammer::with_maps(maps.clone(), NODE, Metrics::default()).unwrap();
             let mut controller = PolicyController::new(firewall, cache);
             controller.stamp = ApiStateStamp::with("policy", Some(MapsStamp::in_memory(stamped)));
             let outcome = controller.sync();

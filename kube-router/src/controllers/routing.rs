@@ -9,7 +9,7 @@ use anyhow::Result;
 use crate::{
     controllers::service_view::VipReceiver,
     k8s::{cache::Cache, watch::Kind},
-    router::RouterController,
+    router::BgpRouter,
     runtime::{Action, Controller},
 };
 
@@ -20,7 +20,7 @@ pub const ROUTING_KINDS: &[Kind] = &[Kind::Nodes];
 const PUBLISH_INTERVAL: Duration = Duration::from_secs(1);
 
 pub struct RoutingController {
-    router: RouterController,
+    router: BgpRouter,
     /// `None`: configuration from the flags only.
     cache: Option<Arc<Cache>>,
     /// The Service VIPs, when Services are advertised.
@@ -32,12 +32,12 @@ pub struct RoutingController {
 }
 
 impl RoutingController {
-    pub fn new(router: RouterController, cache: Option<Arc<Cache>>, vips: Option<VipReceiver>) -> Self {
+    pub fn new(router: BgpRouter, cache: Option<Arc<Cache>>, vips: Option<VipReceiver>) -> Self {
         Self { router, cache, vips, generation: None, static_config_missing: false }
     }
 
     /// For the ordered shutdown.
-    pub fn into_router(self) -> RouterController {
+    pub fn into_router(self) -> BgpRouter {
         self.router
     }
 

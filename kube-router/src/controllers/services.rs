@@ -169,7 +169,7 @@ impl Subsystem for ServiceMetrics {
 /// The health check ports the node serves, by port.
 pub type HealthChecks = watch::Sender<BTreeMap<u16, crate::healthcheck::LocalEndpoints>>;
 
-pub struct ServiceController {
+pub struct ServiceProgrammer {
     maps: BpfServiceMaps,
     sync: ServiceSync,
     maps_v6: BpfServiceMapsV6,
@@ -212,7 +212,7 @@ pub struct ServiceController {
     last_writes: u64,
 }
 
-impl ServiceController {
+impl ServiceProgrammer {
     fn node_context(&self) -> NodeContext {
         // No node's address (this one's interfaces, every Node object's) and no API server
         // endpoint is ever a Service's to capture.
@@ -698,7 +698,7 @@ impl FileSource {
     }
 }
 
-impl ServiceController {
+impl ServiceProgrammer {
     /// Adopts what the maps hold and configures source NAT.
     pub fn start(config: &AgentConfig, metrics: &Metrics, health_checks: HealthChecks) -> Result<Self> {
         let maps = BpfServiceMaps::open_pinned(&config.pin_dir)?;
@@ -712,7 +712,7 @@ impl ServiceController {
             backends_v6 = sync_v6.programmed().backends.len(),
             "adopted programmed state"
         );
-        let controller = ServiceController {
+        let controller = ServiceProgrammer {
             maps,
             sync,
             maps_v6,
@@ -778,7 +778,7 @@ pub const SERVICE_TRIGGER_KINDS: &[Kind] = &[Kind::Services, Kind::EndpointSlice
 
 /// Services from the API server (or the checkpoint until it lists them).
 pub struct ServicesFromApi {
-    controller: ServiceController,
+    controller: ServiceProgrammer,
     cache: Arc<Cache>,
     /// The Services and EndpointSlices converted, kept up to date object by object.
     catalog: ServiceCatalog,
@@ -801,7 +801,7 @@ pub struct ServicesFromApi {
 }
 
 impl ServicesFromApi {
-    pub fn new(controller: ServiceController, cache: Arc<Cache>, node_addresses: watch::Receiver<Vec<IpAddr>>) -> Self {
+    pub fn new(controller: ServiceProgrammer, cache: Arc<Cache>, node_addresses: watch::Receiver<Vec<IpAddr>>) -> Self {
         // Restored from the checkpoint: applied at once (without deletions).
         let dirty = cache.restored();
         Self {
@@ -940,13 +940,13 @@ impl Controller for ServicesFromApi {
 
 /// Services from a file (`--service-file`), read again when it changes.
 pub struct ServicesFromFile {
-    controller: ServiceController,
+    controller: ServiceProgrammer,
     file: FileSource,
     node_addresses: watch::Receiver<Vec<IpAddr>>,
 }
 
 impl ServicesFromFile {
-    pub fn new(controller: ServiceController, path: PathBuf, node_addresses: watch::Receiver<Vec<IpAddr>>) -> Self {
+    pub fn new(controller: ServiceProgrammer, path: PathBuf, node_addresses: watch::Receiver<Vec<IpAddr>>) -> Self {
         Self { controller, file: FileSource::new(path), node_addresses }
     }
 }
@@ -1055,7 +1055,7 @@ impl Controller for ServicesFromFile {
     }
 }
 
-/// `KUBE_ROUTER_FULL_SERVICE_COMPILE=1`: see [`ServiceController::full_compile_only`].
+/// `KUBE_ROUTER_FULL_SERVICE_COMPILE=1`: see [`ServiceProgrammer::full_compile_only`].
 fn full_compile_only() -> bool {
     std::env::var("KUBE_ROUTER_FULL_SERVICE_COMPILE").is_ok_and(|v| v == "1")
 }

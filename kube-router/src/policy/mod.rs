@@ -3,7 +3,7 @@
 //! Pure and I/O free: feed it `Pod`, `Namespace` and `NetworkPolicy`
 //! objects, get a [`CompiledModel`] keyed by pod IP, with per-direction
 //! [`Isolation`] and rules of (peer set x port ranges), plus a flattening
-//! into BPF-map-shaped entries ([`bpf_maps`], documented in docs/policy-layout.md).
+//! into BPF-map-shaped entries ([`flatten`], documented in docs/policy-layout.md).
 //!
 //! * [`compile`] compiles a full snapshot; [`PolicyCompiler`] does the same
 //!   incrementally from watch events and returns a [`Delta`] per event.
@@ -15,10 +15,10 @@
 //! * Traffic between a pod and its own node, and hostNetwork pods, are outside
 //!   NetworkPolicy; hostNetwork pods are ignored (their IP is the node's).
 
-pub mod bpf_maps;
 mod compile;
 mod error;
 mod eval;
+pub mod flatten;
 mod incremental;
 mod inputs;
 mod model;

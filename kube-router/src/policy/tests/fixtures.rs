@@ -6,7 +6,7 @@ use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use serde_json::{json, Value};
 
-use crate::policy::bpf_maps::MapFlattener;
+use crate::policy::flatten::MapFlattener;
 use crate::policy::{allows, compile, CompileOutput, Protocol};
 
 pub fn ip(text: &str) -> IpAddr {

@@ -3,7 +3,7 @@
 use serde_json::json;
 
 use super::fixtures::{ip, policy, Cluster};
-use crate::policy::bpf_maps::{
+use crate::policy::flatten::{
     port_prefixes, union_prefixes, MapFlattener, PeerPrefixKey, PodSlotKey, PortPrefix, PrefixVerdict,
 };
 use crate::policy::{allows, Direction, PolicyCompiler, Protocol};
@@ -189,7 +189,7 @@ fn released_ids_are_not_reused_in_the_same_flatten() {
     let b = policy("x", "p", json!({"podSelector": {}, "ingress": [{"from": [{"ipBlock": {"cidr": "2.0.0.0/8"}}]}]}));
     let c = policy("x", "p", json!({"podSelector": {}, "ingress": [{"from": [{"ipBlock": {"cidr": "3.0.0.0/8"}}]}]}));
     let mut flattener = MapFlattener::new();
-    let id_of = |maps: &crate::policy::bpf_maps::MapEntries| {
+    let id_of = |maps: &crate::policy::flatten::MapEntries| {
         maps.peer_prefixes.keys().next().map(|k: &PeerPrefixKey| k.peer_set)
     };
     let first = flattener.flatten(&cluster.compile(&[a]).model);

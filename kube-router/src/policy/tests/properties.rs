@@ -247,7 +247,7 @@ proptest! {
     fn incremental_flattening_equals_a_full_flattening(ops in prop::collection::vec(op_strategy(), 1..40)) {
         use std::collections::BTreeSet;
         use std::net::IpAddr;
-        use crate::policy::bpf_maps::{MapEntries, MapFlattener};
+        use crate::policy::flatten::{MapEntries, MapFlattener};
         use crate::policy::Protocol;
         let mut compiler = PolicyCompiler::new();
         let mut flattener = MapFlattener::new();
