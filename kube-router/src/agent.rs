@@ -26,7 +26,7 @@ use crate::{
     controllers::{
         checkpoint::{CheckpointWriter, CHECKPOINT_KINDS},
         datapath_stats::DatapathStatsController,
-        interfaces::{InterfacesController, LinkTrigger, PodsTrigger},
+        interfaces::{InterfacesController, LinkTrigger, PodsTrigger, Programs},
         node_nets::{sync_egress_nets, CniWriter, EgressNets, NodeNetsController, NODE_KINDS},
         policy::{PolicyController, POLICY_KINDS},
         routing::{self, RoutingController},
@@ -141,9 +141,7 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
         let mut interfaces = InterfacesController::start(
             datapath,
             config.interfaces.clone(),
-            config.run_service_proxy,
-            config.run_firewall,
-            config.xdp,
+            Programs { load_balancer: config.run_service_proxy, firewall: config.run_firewall, xdp: config.xdp },
             config.pod_source_check,
             config
                 .api_server_addresses

@@ -27,11 +27,13 @@ const RESCAN_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Which of our programs go on interfaces.
 #[derive(Clone, Copy)]
-struct Programs {
-    load_balancer: bool,
-    firewall: bool,
+pub struct Programs {
+    /// `--run-service-proxy`: the load balancer at TC on every interface.
+    pub load_balancer: bool,
+    /// `--run-firewall`: network policy at TC on pod interfaces.
+    pub firewall: bool,
     /// `--xdp`: the fast path on uplinks.
-    xdp: XdpSetting,
+    pub xdp: XdpSetting,
 }
 
 pub struct InterfacesController {
@@ -56,16 +58,13 @@ impl InterfacesController {
     pub fn start(
         mut datapath: Datapath,
         wanted: Option<Vec<String>>,
-        load_balancer: bool,
-        firewall: bool,
-        xdp: XdpSetting,
+        programs: Programs,
         pod_source_check: bool,
         upstreams: Vec<IpAddr>,
         metrics: Metrics,
     ) -> Self {
         let mut attached = BTreeMap::new();
-        let mut pod_sources = open_pod_sources(&datapath, pod_source_check, load_balancer);
-        let programs = Programs { load_balancer, firewall, xdp };
+        let mut pod_sources = open_pod_sources(&datapath, pod_source_check, programs.load_balancer);
         attach_all(
             &mut datapath,
             &wanted,
