@@ -98,8 +98,7 @@ impl Env {
     }
 
     fn try_scrape(&self) -> Option<String> {
-        let probe = netprobe_bin().display().to_string();
-        self.topo.node.run(&[probe.as_str(), "http", "127.0.0.1:20241", "/metrics"]).ok()
+        self.topo.node.scrape_metrics(20241).ok()
     }
 
     fn scrape(&self) -> String {
@@ -148,7 +147,7 @@ fn programs_from_the_api_and_applies_changes() {
     let replies = env.topo.request("tcp", &format!("{VIP}:80"), 30).unwrap();
     assert_all_ok(&replies);
     assert_eq!(tally(&replies).len(), 3);
-    let scrape = env.topo.node.run(&[netprobe_bin().to_str().unwrap(), "http", "127.0.0.1:20241", "/metrics"]).unwrap();
+    let scrape = env.topo.node.scrape_metrics(20241).unwrap();
     for needle in [
         "kube_router_map_writes_total{map=\"svc_v4\",op=\"insert\"} 8",
         "kube_router_map_entries{map=\"backends_v4\"} 6",

@@ -270,8 +270,7 @@ impl Lab {
     }
 
     fn scrape(&self, port: &str) -> String {
-        let target = format!("127.0.0.1:{port}");
-        self.topo.node.run(&[netprobe_bin().to_str().unwrap(), "http", &target, "/metrics"]).unwrap_or_default()
+        self.topo.node.scrape_metrics(port).unwrap_or_default()
     }
 
     /// Polls the agent's metrics until `ready` holds for them; returns that scrape.

@@ -450,7 +450,7 @@ fn a_full_service_map_is_reported_once_stays_cheap_and_fills_as_space_frees() {
     file.write(&services(0..10, 0)).unwrap();
     let args = ["--service-file", &file.arg(), "--health-port", "0", "--metrics-port", "20243"];
     let agent = Agent::start(&topo.node, &root, &[&args[..], &["--bpf-lb-map-max", "16"]].concat()).unwrap();
-    let scrape = || topo.node.run(&[netprobe_bin().to_str().unwrap(), "http", "127.0.0.1:20243", "/metrics"]).unwrap();
+    let scrape = || topo.node.scrape_metrics(20243).unwrap();
     wait_until("svc_v4 full", Duration::from_secs(20), || {
         Ok(scrape().contains("kube_router_map_full{map=\"svc_v4\"} 1"))
     })
@@ -552,7 +552,7 @@ fn a_udp_flow_leaves_a_backend_that_left_its_service_but_still_backs_another() {
     file.write(&services(&all, &all)).unwrap();
     let args = ["--service-file", &file.arg(), "--health-port", "0", "--metrics-port", "20245"];
     let agent = Agent::start(&topo.node, &root, &args).unwrap();
-    let scrape = || topo.node.run(&[netprobe_bin().to_str().unwrap(), "http", "127.0.0.1:20245", "/metrics"]).unwrap();
+    let scrape = || topo.node.scrape_metrics(20245).unwrap();
     // Each call a new socket on the same port: the same 5-tuple, the same conntrack entries.
     let ask = |port: u16, vip: &str, count: usize| -> Vec<String> {
         let (port, addr, count) = (port.to_string(), format!("{vip}:53"), count.to_string());

@@ -122,9 +122,8 @@ fn a_dual_stack_service_answers_on_both_cluster_ips_from_the_same_backends() {
     let series = format!(
         "kube_router_service_total_connections{{svc_namespace=\"default\",service_name=\"web\",service_vip=\"{VIP6}\",protocol=\"tcp\",port=\"80\"}}"
     );
-    let url = format!("127.0.0.1:{METRICS_PORT}");
     wait_until("IPv6 connections counted", Duration::from_secs(10), || {
-        let scrape = topo.node.run(&[netprobe_bin().to_str().unwrap(), "http", &url, "/metrics"])?;
+        let scrape = topo.node.scrape_metrics(METRICS_PORT)?;
         Ok(scrape.contains(&series) && metric(&scrape, &series) >= 60.0)
     })
     .unwrap();
