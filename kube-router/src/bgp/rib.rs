@@ -853,7 +853,9 @@ pub fn next_hop_resolvable(
     reach: &Reachability,
 ) -> bool {
     match overlay {
-        Some(o) if o.tunnels(role == PeerRole::Node, next_hop, reach) => reach.resolve_underlay(next_hop).is_some(),
+        Some(o) if o.tunnels(role == PeerRole::Node, next_hop, || reach.on_link(next_hop)) => {
+            reach.resolve_underlay(next_hop).is_some()
+        }
         _ => reach.resolve(next_hop).is_some(),
     }
 }

@@ -49,18 +49,15 @@ use super::{
     policy::{ExportPolicy, ImportPolicy, OriginKind, PeerRole, Rejection},
     rib::{BestPathChange, PeerInfo, Rib, RibConfig, RouteSource},
 };
+pub use crate::fib::task::{FibLink, FibTarget};
 use crate::{
     fib::{
-        health::{FibHealth, FibStats, Report},
-        reconcile,
+        health::FibStats,
         resolve::Reachability,
-        Desired, DesiredSet, Gateways, KernelRoute, RouteSet,
+        target::{Learned, NodePeer, PathHop, Planner},
+        Desired, RouteSet,
     },
-    overlay::{
-        maps::OverlayDataplane,
-        plan::{overhead, tunnel, OverlayTarget},
-        OverlayConfig,
-    },
+    overlay::OverlayConfig,
 };
 
 #[derive(Debug, Clone)]
@@ -132,15 +129,6 @@ pub type Originated = (Prefix, OriginKind);
 pub struct Policies {
     pub import: ImportPolicy,
     pub export: ExportPolicy,
-}
-
-/// Routes the kernel should have (our protocol only) and whether stale ones may go yet.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct FibTarget {
-    pub routes: Arc<DesiredSet>,
-    /// Tunnels of the pod overlay (map entries written with the routes that need them).
-    pub overlay: Arc<OverlayTarget>,
-    pub allow_deletes: bool,
 }
 
 /// Events from the sockets (connections, decoded messages) waiting for the core. Bounded, and
@@ -274,24 +262,6 @@ pub struct Speaker {
     fib_stats: Arc<Mutex<FibStats>>,
 }
 
-/// The FIB task's side of the speaker: the routes to install, and where to report what the
-/// kernel's own routing looks like (for next-hop resolution and the import policy).
-pub struct FibLink {
-    pub target: watch::Receiver<FibTarget>,
-    events: mpsc::UnboundedSender<CoreEvent>,
-    stats: Arc<Mutex<FibStats>>,
-}
-
-impl FibLink {
-    fn report_view(&self, view: Reachability) {
-        let _ = self.events.send(CoreEvent::KernelView(view));
-    }
-
-    fn set_stats(&self, stats: FibStats) {
-        *self.stats.lock().unwrap_or_else(|p| p.into_inner()) = stats;
-    }
-}
-
 impl Speaker {
     /// Starts the speaker. `installed` are the routes of our protocol already in the kernel:
     /// they stay until the first complete routing picture says they are gone.
@@ -333,7 +303,14 @@ impl Speaker {
         core.fib_stats = fib_stats.clone();
         core.publish();
         tokio::spawn(core.run(rx, wire_rx));
-        let link = FibLink { target: fib_rx, events: events.clone(), stats: fib_stats.clone() };
+        let views = events.clone();
+        let link = FibLink::new(
+            fib_rx,
+            move |view| {
+                let _ = views.send(CoreEvent::KernelView(view));
+            },
+            fib_stats.clone(),
+        );
         Ok((Self { events, status, fib_stats }, link))
     }
 
@@ -520,17 +497,6 @@ async fn run_connection(
             }
         }
     }
-}
-
-struct PathTunnel {
-    tunnel: kube_router_common::OverlayTunnelV4,
-    interface: Option<String>,
-    mtu: Option<u32>,
-}
-
-struct KernelPath {
-    gateway: IpAddr,
-    tunnel: Option<PathTunnel>,
 }
 
 struct Connection {
@@ -1487,47 +1453,6 @@ impl Core {
         }
     }
 
-    /// How a path from `peer` with `next_hop` goes into the kernel (None: not installable):
-    /// its gateway, and through the overlay its tunnel, the interface towards the tunnel's
-    /// other end and the path MTU left inside the tunnel.
-    fn kernel_path(&self, peer: IpAddr, next_hop: IpAddr) -> Option<KernelPath> {
-        let Some(reach) = self.rib.reachability() else {
-            return Some(KernelPath { gateway: next_hop, tunnel: None });
-        };
-        let role = self.rib.peer(peer).map_or(PeerRole::External, |p| p.role);
-        match (self.rib.overlay(), next_hop) {
-            (Some(overlay), IpAddr::V4(remote)) if overlay.tunnels(role == PeerRole::Node, next_hop, reach) => {
-                let gateway = reach.resolve_underlay(next_hop)?;
-                let link = reach.link_towards(gateway);
-                Some(KernelPath {
-                    gateway,
-                    tunnel: Some(PathTunnel {
-                        tunnel: tunnel(remote, self.tunnel_local(peer), overlay.encap),
-                        interface: link.map(|l| l.name.clone()),
-                        mtu: link.map(|l| l.mtu.saturating_sub(overhead(overlay.encap))),
-                    }),
-                })
-            }
-            _ => Some(KernelPath { gateway: reach.resolve(next_hop)?, tunnel: None }),
-        }
-    }
-
-    /// The tunnels node peers may send us packets through (they see us on another subnet, as
-    /// we see them, or every node with `--overlay-type=full`).
-    fn overlay_remotes(&self, target: &mut OverlayTarget) {
-        let (Some(overlay), Some(reach)) = (self.rib.overlay(), self.rib.reachability()) else { return };
-        for (address, peer) in &self.peers {
-            let IpAddr::V4(remote) = address else { continue };
-            if !matches!(peer.config.kind, PeerKind::Node { .. }) || !overlay.tunnels(true, *address, reach) {
-                continue;
-            }
-            target.maps.remotes.insert(*remote, tunnel(*remote, self.tunnel_local(*address), overlay.encap));
-            if let Some(link) = reach.resolve_underlay(*address).and_then(|g| reach.link_towards(g)) {
-                target.interfaces.insert(link.name.clone());
-            }
-        }
-    }
-
     fn fib_target(&self) -> FibTarget {
         let own: BTreeSet<IpAddr> = self
             .peers
@@ -1535,41 +1460,37 @@ impl Core {
             .filter_map(|p| p.connection.as_ref().and_then(|c| c.local).map(|a| canonical(a.ip())))
             .chain(std::iter::once(IpAddr::V4(self.config.router_id)))
             .collect();
-        let mut routes = DesiredSet::new();
-        let mut overlay = OverlayTarget::default();
-        for (prefix, best) in self.rib.loc_rib() {
-            let RouteSource::Peer(peer) = best.source else { continue };
+        let hop = |peer: IpAddr, next_hop: IpAddr| PathHop {
+            peer,
+            next_hop,
+            from_node: self.rib.peer(peer).is_some_and(|p| p.role == PeerRole::Node),
+            tunnel_local: self.tunnel_local(peer),
+        };
+        let learned = self.rib.loc_rib().iter().filter_map(|(prefix, best)| {
+            let RouteSource::Peer(peer) = best.source else { return None };
             let next_hop = best.next_hop.addr();
             if own.contains(&next_hop) || next_hop.is_unspecified() {
-                continue;
+                return None;
             }
-            let Ok(net) = IpNet::new(prefix.addr(), prefix.prefix_len()) else { continue };
-            let Some(path) = self.kernel_path(peer, next_hop) else { continue };
-            if let (Some(t), IpNet::V4(v4)) = (path.tunnel, net) {
-                overlay.maps.routes.insert(v4, t.tunnel);
-                overlay.interfaces.extend(t.interface);
-                let route = KernelRoute { gateways: Gateways::One(path.gateway), mtu: t.mtu };
-                routes.insert(net, Desired { route, peer: Some(peer) });
-                continue;
+            let destination = IpNet::new(prefix.addr(), prefix.prefix_len()).ok()?;
+            let multipath = best
+                .multipath
+                .iter()
+                .map(|other| self.rib.peers_with_path(prefix, other).map(|p| hop(p, other.addr())).collect())
+                .collect();
+            Some(Learned { destination, best: hop(peer, next_hop), multipath })
+        });
+        let node_peers = self.peers.iter().filter_map(|(address, peer)| match (address, &peer.config.kind) {
+            (IpAddr::V4(v4), PeerKind::Node { .. }) => {
+                Some(NodePeer { address: *v4, tunnel_local: self.tunnel_local(*address) })
             }
-            let mut gateways = vec![path.gateway];
-            // Equal-cost paths become one multipath route, when each resolves on its own (a
-            // tunnelled path is never part of one: the tunnel is chosen per destination).
-            for other in best.multipath.iter() {
-                let gateway = self
-                    .rib
-                    .peers_with_path(prefix, other)
-                    .filter_map(|p| self.kernel_path(p, other.addr()))
-                    .find(|path| path.tunnel.is_none())
-                    .map(|path| path.gateway);
-                gateways.extend(gateway);
-            }
-            if let Some(gateways) = Gateways::new(gateways) {
-                routes.insert(net, Desired { route: KernelRoute { gateways, mtu: None }, peer: Some(peer) });
-            }
-        }
-        self.overlay_remotes(&mut overlay);
-        FibTarget { routes: Arc::new(routes), overlay: Arc::new(overlay), allow_deletes: self.fib_allow_deletes }
+            _ => None,
+        });
+        Planner { reach: self.rib.reachability(), overlay: self.rib.overlay() }.plan(
+            learned,
+            node_peers,
+            self.fib_allow_deletes,
+        )
     }
 
     fn publish(&mut self) {
@@ -1662,143 +1583,6 @@ impl Core {
         let routes = Arc::new(routes);
         self.status_routes = Some((version, routes.clone()));
         routes
-    }
-}
-
-/// Keeps the kernel's routes of our protocol equal to the speaker's target, writing only
-/// differences and never touching a route that is not ours (see [`crate::fib`]). Re-reads the
-/// table when the kernel's own routes, addresses or links change (and every 30 s, so that a
-/// route removed by hand comes back), reports that view to the speaker (next-hop resolution,
-/// the node's own subnets), and retries refused writes with backoff ([`FibHealth`]).
-pub async fn run_fib(routes: crate::fib::netlink::NetlinkRoutes, mut link: FibLink, bpf_root: PathBuf) {
-    const PERIODIC: Duration = Duration::from_secs(30);
-    let mut health = FibHealth::new();
-    let mut overlay = OverlayDataplane::new(bpf_root);
-    let mut overlay_error: Option<String> = None;
-    let mut last_view: Option<Reachability> = None;
-    let mut last_error: Option<String> = None;
-    let protocol = routes.protocol();
-    let mut changes = match crate::fib::netlink::watch_changes() {
-        Ok(rx) => Some(rx),
-        Err(e) => {
-            warn!(error = %e, "cannot watch routing changes; checking every 30 s instead");
-            None
-        }
-    };
-    loop {
-        let wanted = link.target.borrow_and_update().clone();
-        let pass_started = std::time::Instant::now();
-        let listed = async {
-            Ok::<_, anyhow::Error>((routes.list().await?, routes.local_addresses().await?, routes.links().await?))
-        }
-        .await;
-        match listed {
-            Ok((table, local, links)) => {
-                last_error = None;
-                let view = Reachability::new(&table, &local).with_links(links);
-                let table_changed = last_view.as_ref() != Some(&view);
-                if table_changed {
-                    link.report_view(view.clone());
-                    last_view = Some(view);
-                }
-                let mut report_overlay = |result: anyhow::Result<()>| match result {
-                    Ok(()) => overlay_error = None,
-                    Err(e) => {
-                        let text = format!("{e:#}");
-                        if overlay_error.as_ref() != Some(&text) {
-                            warn!(error = %text, "cannot program the overlay; retrying");
-                            overlay_error = Some(text);
-                        }
-                    }
-                };
-                let after = match overlay.prepare(&wanted.overlay, wanted.allow_deletes) {
-                    Ok(after) => after,
-                    Err(e) => {
-                        report_overlay(Err(e));
-                        Vec::new()
-                    }
-                };
-                let plan = reconcile(&table, &wanted.routes, wanted.allow_deletes);
-                let (ops, reports) = health.admit(plan, std::time::Instant::now(), table_changed);
-                log_fib_reports(&reports);
-                if !ops.is_empty() {
-                    info!(changes = ops.len(), routes = wanted.routes.len(), "updating kernel routes");
-                }
-                let mut results = Vec::with_capacity(ops.len());
-                for op in ops {
-                    let result = routes.apply(&op).await;
-                    let peer = wanted.routes.get(&op.destination()).and_then(|d| d.peer);
-                    results.push((op, peer, result));
-                }
-                log_fib_reports(&health.record(results, std::time::Instant::now()));
-                if !after.is_empty() {
-                    report_overlay(overlay.finish(&after));
-                }
-                health.pass_done(table.ours.len(), pass_started.elapsed());
-                link.set_stats(health.stats());
-            }
-            Err(e) => {
-                let text = format!("{e:#}");
-                if last_error.as_ref() != Some(&text) {
-                    warn!(error = %text, "reading kernel routes failed; retrying");
-                    last_error = Some(text);
-                }
-            }
-        }
-        let wake = health
-            .next_retry()
-            .map(|at| Instant::from_std(at).max(Instant::now()))
-            .unwrap_or(Instant::now() + PERIODIC)
-            .min(Instant::now() + PERIODIC);
-        loop {
-            tokio::select! {
-                changed = link.target.changed() => {
-                    if changed.is_err() { return }
-                    break;
-                }
-                _ = sleep_until(wake) => break,
-                message = async { match changes.as_mut() { Some(rx) => rx.recv().await, None => std::future::pending().await } } => {
-                    match message {
-                        // Our own writes echo back: not a change of the kernel's routing.
-                        Some(m) if crate::fib::netlink::route_protocol(&m) == Some(protocol) => continue,
-                        Some(_) => {
-                            // Let a burst (an interface going down takes its routes) settle.
-                            tokio::time::sleep(Duration::from_millis(100)).await;
-                            if let Some(rx) = changes.as_mut() {
-                                while rx.try_recv().is_ok() {}
-                            }
-                            break;
-                        }
-                        None => {
-                            changes = None;
-                            continue;
-                        }
-                    }
-                }
-            }
-        }
-    }
-}
-
-fn log_fib_reports(reports: &[Report]) {
-    for report in reports {
-        match report {
-            Report::Conflicts { count, examples } => {
-                let examples: Vec<String> = examples.iter().map(|(d, why)| format!("{d}: {why}")).collect();
-                warn!(count, examples = %examples.join("; "), "learned routes not installed: the node already routes these destinations itself (left untouched, counted in kube_router_bgp_route_conflicts)");
-            }
-            Report::ConflictsEnded { count } => {
-                info!(count, "route conflicts ended: the other route is gone or ours is no longer wanted");
-            }
-            Report::Refused { peer, error, count, example, retry_in } => {
-                warn!(peer = %peer.map(|p| p.to_string()).unwrap_or_else(|| "-".into()), count, error = %error.describe(),
-                    example = %format!("{} via {}", example.0, example.1), retry_in_secs = retry_in.as_secs(),
-                    "the kernel refused learned routes; retrying with backoff");
-            }
-            Report::MoreRefused { groups, routes } => {
-                warn!(groups, routes, "the kernel refused more learned routes (further peers or reasons)");
-            }
-        }
     }
 }
 
