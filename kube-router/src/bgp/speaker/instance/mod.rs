@@ -4,7 +4,7 @@
 //! (`super::tests`). The tasks in `super::tasks` own the sockets and execute the actions.
 //!
 //! Cut like holo-bgp's instance: this file holds the state, construction, the dispatch of
-//! inputs and what is published; [`events`] has one function per input event, [`outputs`]
+//! inputs and what is published; `events` has one function per input event, `outputs`
 //! applies what the session FSM and graceful restart answer.
 mod events;
 mod outputs;
