@@ -141,3 +141,98 @@ impl Planner<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::{
+        fib::{resolve::Link, ForeignRoute, KernelTable},
+        overlay::{Encap, OverlayType},
+    };
+
+    const LOCAL: Ipv4Addr = Ipv4Addr::new(172, 16, 0, 100);
+
+    fn addr(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    /// This node: 172.16.0.100 on 172.16.0.0/24 (eth0, MTU 1500), a default route via
+    /// 172.16.0.1.
+    fn reach() -> Reachability {
+        let mut table = KernelTable::default();
+        let route = |protocol, gateway| ForeignRoute {
+            protocol,
+            kind: ForeignRoute::UNICAST,
+            gateway,
+            oif: Some(2),
+            metric: 0,
+            linkdown: false,
+        };
+        table.foreign.insert("172.16.0.0/24".parse().unwrap(), route(2, None));
+        table.foreign.insert("0.0.0.0/0".parse().unwrap(), route(4, Some(addr("172.16.0.1"))));
+        let links = BTreeMap::from([(2, Link { name: "eth0".into(), mtu: 1500 })]);
+        Reachability::new(&table, &[IpAddr::V4(LOCAL)].into()).with_links(links)
+    }
+
+    fn hop(peer: &str, from_node: bool) -> PathHop {
+        PathHop { peer: addr(peer), next_hop: addr(peer), from_node, tunnel_local: LOCAL }
+    }
+
+    fn learned(destination: &str, best: PathHop, multipath: Vec<Vec<PathHop>>) -> Learned {
+        Learned { destination: destination.parse().unwrap(), best, multipath }
+    }
+
+    fn node(address: &str) -> NodePeer {
+        NodePeer { address: address.parse().unwrap(), tunnel_local: LOCAL }
+    }
+
+    #[test]
+    fn off_subnet_node_paths_are_tunnelled_the_rest_resolve_through_the_kernel() {
+        let reach = reach();
+        let overlay = OverlayConfig { overlay_type: OverlayType::Subnet, encap: Encap::Ipip };
+        let planner = Planner { reach: Some(&reach), overlay: Some(&overlay) };
+        let routes = [
+            // A node on another subnet: through the tunnel, towards the default gateway.
+            learned("10.244.2.0/24", hop("10.1.0.5", true), vec![]),
+            // A node on our subnet: directly.
+            learned("10.244.3.0/24", hop("172.16.0.7", true), vec![]),
+            // An external peer's path that only the default route would reach: not installed.
+            learned("192.168.50.0/24", hop("10.9.9.9", false), vec![]),
+            // Equal-cost paths: a candidate that would be tunnelled is no multipath member.
+            learned(
+                "198.51.100.0/24",
+                hop("172.16.0.8", false),
+                vec![vec![hop("10.1.0.5", true), hop("172.16.0.9", false)]],
+            ),
+        ];
+        let target = planner.plan(routes, [node("10.1.0.5"), node("172.16.0.7")], true);
+
+        let tunnelled = &target.routes[&"10.244.2.0/24".parse().unwrap()];
+        assert_eq!(tunnelled.route, KernelRoute { gateways: Gateways::One(addr("172.16.0.1")), mtu: Some(1480) });
+        assert_eq!(tunnelled.peer, Some(addr("10.1.0.5")));
+        let tunnel_to_node = tunnel(Ipv4Addr::new(10, 1, 0, 5), LOCAL, Encap::Ipip);
+        assert_eq!(target.overlay.maps.routes, BTreeMap::from([("10.244.2.0/24".parse().unwrap(), tunnel_to_node)]));
+        assert_eq!(target.overlay.maps.remotes, BTreeMap::from([(Ipv4Addr::new(10, 1, 0, 5), tunnel_to_node)]));
+        assert_eq!(target.overlay.interfaces.iter().collect::<Vec<_>>(), ["eth0"]);
+
+        let direct = &target.routes[&"10.244.3.0/24".parse().unwrap()];
+        assert_eq!(direct.route, KernelRoute { gateways: Gateways::One(addr("172.16.0.7")), mtu: None });
+        assert!(!target.routes.contains_key(&"192.168.50.0/24".parse().unwrap()));
+        let multipath = &target.routes[&"198.51.100.0/24".parse().unwrap()];
+        assert_eq!(multipath.route.gateways.as_slice(), [addr("172.16.0.8"), addr("172.16.0.9")]);
+        assert!(target.allow_deletes);
+    }
+
+    #[test]
+    fn before_the_kernel_is_read_next_hops_are_the_gateways_and_nothing_is_tunnelled() {
+        let overlay = OverlayConfig { overlay_type: OverlayType::Full, encap: Encap::Ipip };
+        let planner = Planner { reach: None, overlay: Some(&overlay) };
+        let target = planner.plan([learned("10.244.2.0/24", hop("10.1.0.5", true), vec![])], [node("10.1.0.5")], false);
+        let route = &target.routes[&"10.244.2.0/24".parse().unwrap()].route;
+        assert_eq!(route.gateways, Gateways::One(addr("10.1.0.5")));
+        assert_eq!(*target.overlay, OverlayTarget::default());
+        assert!(!target.allow_deletes);
+    }
+}
