@@ -23,11 +23,9 @@ use crate::{
         message::{Family, Prefix},
         peers::{node_bgp_config, ExternalPeerFlag, GlobalSettings, NodeBgpConfig, PeerConfig, RouterIdSetting},
         policy::{ExportPolicy, ImportPolicy, OriginKind},
-        speaker::{
-            run_fib, GracefulRestartSettings, Originated, PeerStatus, Policies, Speaker, SpeakerConfig, SpeakerStatus,
-        },
+        speaker::{GracefulRestartSettings, Originated, PeerStatus, Policies, Speaker, SpeakerConfig, SpeakerStatus},
     },
-    fib::{netlink::NetlinkRoutes, resolve::Reachability},
+    fib::{netlink::NetlinkRoutes, resolve::Reachability, task::run_fib},
     metrics::{AgentMetrics, Metrics, Subsystem},
     overlay::OverlayConfig,
 };

@@ -31,7 +31,7 @@ pub enum State {
     Established,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum TimerKind {
     ConnectRetry,
     Hold,

@@ -1,6 +1,9 @@
 //! Adj-RIB-In per peer, Loc-RIB with RFC 4271 §9.1 best-path selection, and
 //! Adj-RIB-Out per peer with iBGP split horizon / RFC 4456 route reflection.
 //!
+//! Size (about 860 lines before its tests): selection, the Adj-RIBs and their re-evaluation on
+//! policy or kernel changes share the per-prefix state; kept in one file.
+//!
 //! The Adj-RIB-In is pre-policy: every path a peer sent is kept, with the import policy's
 //! verdict ([`super::policy`]); refused paths, and paths whose next hop does not resolve
 //! (RFC 4271 §9.1.2.1, against the kernel's own routes), never take part in selection. When the
@@ -853,7 +856,9 @@ pub fn next_hop_resolvable(
     reach: &Reachability,
 ) -> bool {
     match overlay {
-        Some(o) if o.tunnels(role == PeerRole::Node, next_hop, reach) => reach.resolve_underlay(next_hop).is_some(),
+        Some(o) if o.tunnels(role == PeerRole::Node, next_hop, || reach.on_link(next_hop)) => {
+            reach.resolve_underlay(next_hop).is_some()
+        }
         _ => reach.resolve(next_hop).is_some(),
     }
 }

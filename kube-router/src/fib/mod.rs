@@ -8,6 +8,8 @@
 pub mod health;
 pub mod netlink;
 pub mod resolve;
+pub mod target;
+pub mod task;
 
 use std::{
     collections::{BTreeMap, BTreeSet},

@@ -15,8 +15,6 @@ pub mod maps;
 pub mod plan;
 use std::net::IpAddr;
 
-use crate::fib::resolve::Reachability;
-
 /// `--overlay-type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OverlayType {
@@ -44,14 +42,15 @@ pub struct OverlayConfig {
 
 impl OverlayConfig {
     /// Whether a route with `next_hop` goes through a tunnel; only routes from node peers
-    /// (`from_node_peer`) ever do. A flag rather than BGP's peer role, so this module does not
-    /// import `bgp` (which imports it).
-    pub fn tunnels(&self, from_node_peer: bool, next_hop: IpAddr, reach: &Reachability) -> bool {
+    /// (`from_node_peer`) ever do. Flags rather than BGP's peer role and the kernel's view
+    /// (`on_link`: is `next_hop` on one of this node's subnets, asked only when it matters),
+    /// so this module imports neither `bgp` nor `fib` (which import it).
+    pub fn tunnels(&self, from_node_peer: bool, next_hop: IpAddr, on_link: impl FnOnce() -> bool) -> bool {
         from_node_peer
             && next_hop.is_ipv4()
             && match self.overlay_type {
                 OverlayType::Full => true,
-                OverlayType::Subnet => !reach.on_link(next_hop),
+                OverlayType::Subnet => !on_link(),
             }
     }
 }
