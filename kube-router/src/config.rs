@@ -114,6 +114,7 @@ impl AgentConfig {
             load_balancer_ranges: self.load_balancer_ip_ranges.clone(),
             forbidden: self.cluster_cidrs.iter().chain(&self.service_ranges).copied().collect(),
             node_addresses: Default::default(),
+            cluster_node_addresses: Default::default(),
             api_server_addresses: self.api_server_addresses.clone(),
         }
     }

@@ -21,11 +21,12 @@ use crate::{
         bfd::BfdConfig,
         fsm::State,
         message::{Family, Prefix},
-        peers::{node_bgp_config, ExternalPeerFlag, GlobalSettings, NodeBgpConfig, PeerConfig, RouterIdSetting},
+        peers::{ExternalPeerFlag, GlobalSettings, NodeBgpConfig, NodeBgpView, PeerConfig, RouterIdSetting},
         policy::{ExportPolicy, ImportPolicy, OriginKind},
         speaker::{GracefulRestartSettings, Originated, PeerStatus, Policies, Speaker, SpeakerConfig, SpeakerStatus},
     },
     fib::{netlink::NetlinkRoutes, resolve::Reachability, task::run_fib},
+    k8s::store::Followed,
     metrics::{AgentMetrics, Metrics, Subsystem},
     overlay::OverlayConfig,
 };
@@ -94,6 +95,8 @@ struct Applied {
 
 pub struct BgpRouter {
     options: RouterOptions,
+    /// The Nodes as far as BGP reads them, followed one change at a time.
+    nodes: NodeBgpView,
     speaker: Option<Speaker>,
     applied: Option<Applied>,
     last_problem: Option<String>,
@@ -114,6 +117,7 @@ struct FailedStart {
 impl BgpRouter {
     pub fn new(options: RouterOptions, metrics: Metrics) -> Self {
         Self {
+            nodes: NodeBgpView::new(settings_of(&options)),
             options,
             speaker: None,
             applied: None,
@@ -123,24 +127,6 @@ impl BgpRouter {
             metrics,
             failed_start: None,
             registered: false,
-        }
-    }
-
-    fn settings(&self) -> GlobalSettings {
-        GlobalSettings {
-            node_name: self.options.node_name.clone(),
-            cluster_asn: self.options.cluster_asn,
-            enable_ibgp: self.options.enable_ibgp,
-            full_mesh: self.options.full_mesh,
-            multihop_ttl: self.options.multihop_ttl,
-            bfd: self.options.bfd,
-            max_prefixes: self.options.max_prefixes,
-            ttl_security: self.options.ttl_security,
-            external_peers: self.options.external_peers.clone(),
-            peer_port: self.options.bgp_port,
-            // Node peers always get the pod CIDRs; --advertise-pod-cidr is export policy.
-            advertise_pod_cidr: true,
-            router_id: self.options.router_id,
         }
     }
 
@@ -165,7 +151,7 @@ impl BgpRouter {
         let RouterIdSetting::Fixed(router_id) = self.options.router_id else {
             anyhow::bail!("an IPv4 or IPv6 --router-id is needed to run BGP without the API server");
         };
-        let settings = self.settings();
+        let settings = settings_of(&self.options);
         let peers = self.options.external_peers.iter().map(|p| p.external_peer_config(&settings)).collect();
         Ok(NodeBgpConfig {
             router_id,
@@ -183,13 +169,21 @@ impl BgpRouter {
         })
     }
 
-    /// Re-derives the configuration from the Node objects we know, with the Service VIPs as
+    /// Follows the Node changes and derives the configuration again, with the Service VIPs as
     /// the services catalog has them. A problem (this node not found yet, a broken annotation
     /// on it) is logged once and changes nothing. An error: the speaker could not start (to be
     /// tried again).
-    pub async fn update_from_nodes(&mut self, nodes: &[Arc<Node>], vips: &ServiceVips) -> Result<()> {
-        // The shared objects as they are: no copy of every Node on each change.
-        match node_bgp_config(nodes, &self.settings()) {
+    pub async fn update_from_nodes(&mut self, nodes: Followed<Node>, vips: &ServiceVips) -> Result<()> {
+        // The shared objects as they are: no copy of any Node, and only the changed ones read.
+        match nodes {
+            Followed::All(nodes) => self.nodes.replace_all(nodes),
+            Followed::Changed(changed) => {
+                for ((_, name), node) in changed {
+                    self.nodes.set_node(&name, node);
+                }
+            }
+        }
+        match self.nodes.config() {
             Ok(mut config) => {
                 self.last_problem = None;
                 let warnings: Vec<String> = config.warnings.iter().map(ToString::to_string).collect();
@@ -337,6 +331,25 @@ impl BgpRouter {
         if let Some(speaker) = &self.speaker {
             speaker.shutdown(self.options.graceful_restart).await;
         }
+    }
+}
+
+/// What the Node-derived configuration takes from the flags.
+fn settings_of(options: &RouterOptions) -> GlobalSettings {
+    GlobalSettings {
+        node_name: options.node_name.clone(),
+        cluster_asn: options.cluster_asn,
+        enable_ibgp: options.enable_ibgp,
+        full_mesh: options.full_mesh,
+        multihop_ttl: options.multihop_ttl,
+        bfd: options.bfd,
+        max_prefixes: options.max_prefixes,
+        ttl_security: options.ttl_security,
+        external_peers: options.external_peers.clone(),
+        peer_port: options.bgp_port,
+        // Node peers always get the pod CIDRs; --advertise-pod-cidr is export policy.
+        advertise_pod_cidr: true,
+        router_id: options.router_id,
     }
 }
 

@@ -904,20 +904,141 @@ impl PeerSet<'_> {
 ///
 /// Fails only for problems with this node itself (missing, no router id, invalid own ASN or RR
 /// annotation) or invalid settings; problems with other nodes or with this node's per-node peer
-/// annotations become [`PeerConfigWarning`]s.
+/// annotations become [`PeerConfigWarning`]s. A caller that follows Node changes one at a time
+/// keeps a [`NodeBgpView`] instead: the same result without a walk of every Node per change.
 pub fn node_bgp_config<N: std::borrow::Borrow<Node>>(
     nodes: &[N],
     settings: &GlobalSettings,
 ) -> Result<NodeBgpConfig, PeerConfigError> {
+    check_settings(settings)?;
+    let me = nodes.iter().map(N::borrow).find(|n| node_name(n) == settings.node_name).ok_or_else(|| {
+        PeerConfigError::ThisNodeNotFound { node_name: settings.node_name.clone(), node_count: nodes.len() }
+    })?;
+    let own = own_part(me, settings)?;
+    // In name order, so that duplicate-address warnings do not depend on list order.
+    let mut others: Vec<&Node> = nodes.iter().map(N::borrow).filter(|n| node_name(n) != settings.node_name).collect();
+    others.sort_by(|a, b| node_name(a).cmp(node_name(b)));
+    let mesh: Vec<(String, MeshEntry)> = others
+        .into_iter()
+        .filter_map(|other| Some((node_name(other).to_string(), mesh_entry(other, own.mesh, settings)?)))
+        .collect();
+    Ok(assemble(me, settings, own, mesh.iter().map(|(name, entry)| (name.as_str(), entry))))
+}
+
+/// This node's BGP configuration kept up to date Node by Node: each other Node's part (the
+/// session with it, its warnings) is derived when that Node changes, so a change costs the
+/// changed Nodes plus the peers and warnings there are, not a walk of every Node. Only a change
+/// of what this node's own Node decides about its peers (its ASN, its route-reflector role)
+/// derives every other Node's part again. [`Self::config`] equals [`node_bgp_config`] of the
+/// same Nodes.
+#[derive(Debug, Clone)]
+pub struct NodeBgpView {
+    settings: GlobalSettings,
+    /// Every Node by name: this one's parts are read on each [`Self::config`], the others' are
+    /// derived again when `context` changes.
+    nodes: BTreeMap<String, std::sync::Arc<Node>>,
+    /// The other Nodes that bring a session or a warning, derived under `context`.
+    mesh: BTreeMap<String, MeshEntry>,
+    /// What `mesh` was derived under (`None`: nothing derived yet).
+    context: Option<MeshContext>,
+}
+
+impl NodeBgpView {
+    pub fn new(settings: GlobalSettings) -> Self {
+        Self { settings, nodes: BTreeMap::new(), mesh: BTreeMap::new(), context: None }
+    }
+
+    /// Replaces every Node (the first listing, a checkpoint restore, a reader that fell behind).
+    pub fn replace_all(&mut self, nodes: impl IntoIterator<Item = std::sync::Arc<Node>>) {
+        self.nodes = nodes.into_iter().map(|node| (node_name(&node).to_string(), node)).collect();
+        self.mesh.clear();
+        self.context = None;
+    }
+
+    /// One Node changed (`None`: it is gone).
+    pub fn set_node(&mut self, name: &str, node: Option<std::sync::Arc<Node>>) {
+        match node {
+            Some(node) => self.nodes.insert(name.to_string(), node),
+            None => self.nodes.remove(name),
+        };
+        // This node's own change may move the context: `config` sees to that.
+        if name == self.settings.node_name {
+            return;
+        }
+        let entry = match (self.context, self.nodes.get(name)) {
+            (Some(context), Some(node)) => mesh_entry(node, context, &self.settings),
+            _ => None,
+        };
+        match entry {
+            Some(entry) => self.mesh.insert(name.to_string(), entry),
+            None => self.mesh.remove(name),
+        };
+    }
+
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// The configuration of this node from the Nodes as they are now.
+    pub fn config(&mut self) -> Result<NodeBgpConfig, PeerConfigError> {
+        let settings = &self.settings;
+        check_settings(settings)?;
+        let me = self.nodes.get(&settings.node_name).ok_or_else(|| PeerConfigError::ThisNodeNotFound {
+            node_name: settings.node_name.clone(),
+            node_count: self.nodes.len(),
+        })?;
+        let own = own_part(me, settings)?;
+        if self.context != Some(own.mesh) {
+            self.mesh = self
+                .nodes
+                .iter()
+                .filter(|(name, _)| **name != settings.node_name)
+                .filter_map(|(name, node)| Some((name.clone(), mesh_entry(node, own.mesh, settings)?)))
+                .collect();
+            self.context = Some(own.mesh);
+        }
+        Ok(assemble(me, settings, own, self.mesh.iter().map(|(name, entry)| (name.as_str(), entry))))
+    }
+}
+
+fn check_settings(settings: &GlobalSettings) -> Result<(), PeerConfigError> {
     if !(MIN_ASN..=MAX_ASN).contains(&settings.cluster_asn) {
         return Err(PeerConfigError::InvalidClusterAsn(settings.cluster_asn));
     }
     if settings.peer_port == 0 {
         return Err(PeerConfigError::InvalidPeerPort);
     }
-    let me = nodes.iter().map(N::borrow).find(|n| node_name(n) == settings.node_name).ok_or_else(|| {
-        PeerConfigError::ThisNodeNotFound { node_name: settings.node_name.clone(), node_count: nodes.len() }
-    })?;
+    Ok(())
+}
+
+/// What of this node decides which other nodes it peers with, and how.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct MeshContext {
+    local_asn: u32,
+    route_reflector: RrRole,
+}
+
+/// What another node brings to this node's configuration: the warnings it raises, in the order
+/// they are raised, and the session with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct MeshEntry {
+    warnings: Vec<PeerConfigWarning>,
+    peer: Option<PeerConfig>,
+}
+
+/// This node's own part of its configuration, from its own Node alone.
+struct OwnPart {
+    router_id: Ipv4Addr,
+    mesh: MeshContext,
+    pod_cidrs: Vec<IpNet>,
+    warnings: Vec<PeerConfigWarning>,
+}
+
+fn own_part(me: &Node, settings: &GlobalSettings) -> Result<OwnPart, PeerConfigError> {
     let my_name = settings.node_name.as_str();
     let mut warnings = Vec::new();
 
@@ -975,65 +1096,85 @@ pub fn node_bgp_config<N: std::borrow::Borrow<Node>>(
         (true, Some(annotated)) => annotated?,
         (true, None) => pod_cidrs(me, &mut warnings),
     };
+    Ok(OwnPart { router_id, mesh: MeshContext { local_asn, route_reflector }, pod_cidrs, warnings })
+}
 
+/// What `other` brings under `context`; `None`: nothing (no session, no warning).
+fn mesh_entry(other: &Node, context: MeshContext, settings: &GlobalSettings) -> Option<MeshEntry> {
+    if !settings.enable_ibgp {
+        return None;
+    }
+    let name = node_name(other).to_string();
+    let mut warnings = Vec::new();
+    let entry = |warnings: Vec<PeerConfigWarning>, peer: Option<PeerConfig>| {
+        (!warnings.is_empty() || peer.is_some()).then_some(MeshEntry { warnings, peer })
+    };
+    if !settings.full_mesh {
+        // kube-router only builds iBGP sessions between nodes of the same ASN; a node
+        // without the annotation is not part of any rack.
+        match annotated_asn(other) {
+            Some((_, Some(asn))) if asn == context.local_asn => {}
+            Some((value, None)) => {
+                warnings.push(PeerConfigWarning::InvalidNodeAsn { node: name, value: value.to_string() });
+                return entry(warnings, None);
+            }
+            _ => return None,
+        }
+    }
+    let role = match rr_role(other, &mut warnings) {
+        Ok(role) => role,
+        Err((annotation, value)) => {
+            warnings.push(PeerConfigWarning::InvalidRrAnnotation { node: name, annotation, value });
+            return entry(warnings, None);
+        }
+    };
+    // Note: nodes with metadata.deletionTimestamp set are deliberately still peered with. Deletion can
+    // be slow (finalizers) or never complete, and the node may still be forwarding traffic; dropping the
+    // session early would withdraw its pod routes while its pods may still be running. The peer goes
+    // away when the Node object does.
+    let Some(route_reflector_client) = rr_peering(context.route_reflector, role) else {
+        return entry(warnings, None);
+    };
+    let Some(address) = node_ip(other) else {
+        warnings.push(PeerConfigWarning::NodeWithoutAddress { node: name });
+        return entry(warnings, None);
+    };
+    let peer = PeerConfig {
+        address,
+        asn: context.local_asn,
+        password: None,
+        port: settings.peer_port,
+        passive: false,
+        route_reflector_client,
+        kind: PeerKind::Node { name },
+        local_address: None,
+        multihop_ttl: None,
+        accept_default: false,
+        bfd: None,
+        max_prefixes: settings.max_prefixes,
+        ttl_security: false,
+    };
+    entry(warnings, Some(peer))
+}
+
+/// The whole configuration: this node's part, the other nodes' (`mesh`, in name order), the
+/// flags' peers and this node's per-node peers.
+fn assemble<'a>(
+    me: &Node,
+    settings: &GlobalSettings,
+    own: OwnPart,
+    mesh: impl Iterator<Item = (&'a str, &'a MeshEntry)>,
+) -> NodeBgpConfig {
+    let my_name = settings.node_name.as_str();
+    let OwnPart { router_id, mesh: MeshContext { local_asn, route_reflector }, pod_cidrs, mut warnings } = own;
     let own_ips = all_node_ips(me);
     let local_address = node_ip(me);
     let mut set = PeerSet { own_ips: &own_ips, peers: BTreeMap::new(), warnings: &mut warnings };
 
-    if settings.enable_ibgp {
-        // Iterate in name order so duplicate-address warnings do not depend on list order.
-        let mut others: Vec<&Node> = nodes.iter().map(N::borrow).filter(|n| node_name(n) != my_name).collect();
-        others.sort_by(|a, b| node_name(a).cmp(node_name(b)));
-        // Note: nodes with metadata.deletionTimestamp set are deliberately still peered with. Deletion can
-        // be slow (finalizers) or never complete, and the node may still be forwarding traffic; dropping the
-        // session early would withdraw its pod routes while its pods may still be running. The peer goes
-        // away when the Node object does.
-        for other in others {
-            let name = node_name(other).to_string();
-            if !settings.full_mesh {
-                // kube-router only builds iBGP sessions between nodes of the same ASN; a node
-                // without the annotation is not part of any rack.
-                match annotated_asn(other) {
-                    Some((_, Some(asn))) if asn == local_asn => {}
-                    Some((value, None)) => {
-                        set.warnings.push(PeerConfigWarning::InvalidNodeAsn { node: name, value: value.to_string() });
-                        continue;
-                    }
-                    _ => continue,
-                }
-            }
-            let role = match rr_role(other, set.warnings) {
-                Ok(role) => role,
-                Err((annotation, value)) => {
-                    set.warnings.push(PeerConfigWarning::InvalidRrAnnotation { node: name, annotation, value });
-                    continue;
-                }
-            };
-            let Some(route_reflector_client) = rr_peering(route_reflector, role) else {
-                continue;
-            };
-            let Some(address) = node_ip(other) else {
-                set.warnings.push(PeerConfigWarning::NodeWithoutAddress { node: name });
-                continue;
-            };
-            set.add(
-                Source::Mesh(name.clone()),
-                PeerConfig {
-                    address,
-                    asn: local_asn,
-                    password: None,
-                    port: settings.peer_port,
-                    passive: false,
-                    route_reflector_client,
-                    kind: PeerKind::Node { name },
-                    local_address: None,
-                    multihop_ttl: None,
-                    accept_default: false,
-                    bfd: None,
-                    max_prefixes: settings.max_prefixes,
-                    ttl_security: false,
-                },
-            );
+    for (name, entry) in mesh {
+        set.warnings.extend(entry.warnings.iter().cloned());
+        if let Some(peer) = &entry.peer {
+            set.add(Source::Mesh(name.to_string()), peer.clone());
         }
     }
 
@@ -1060,7 +1201,7 @@ pub fn node_bgp_config<N: std::borrow::Borrow<Node>>(
     let communities = communities(me, &mut warnings);
     let custom_import_reject = custom_import_reject(me, &mut warnings);
     let ipv6_address = node_ipv6(me);
-    Ok(NodeBgpConfig {
+    NodeBgpConfig {
         router_id,
         local_asn,
         local_address,
@@ -1073,7 +1214,7 @@ pub fn node_bgp_config<N: std::borrow::Borrow<Node>>(
         communities,
         custom_import_reject,
         warnings,
-    })
+    }
 }
 
 fn external_peer(address: IpAddr, asn: u32, password: Option<String>, port: u16) -> PeerConfig {
@@ -1244,6 +1385,89 @@ mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{NodeAddress, NodeSpec, NodeStatus};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+    use proptest::prelude::*;
+
+    /// One Node as a random change leaves it: its rack, route-reflector role and address
+    /// (another's, none or broken included), or gone.
+    fn arb_node(index: usize) -> impl Strategy<Value = Option<Node>> {
+        let asn = prop_oneof![Just(None), Just(Some("65001")), Just(Some("65002")), Just(Some("not-an-asn"))];
+        let rr = prop_oneof![
+            Just(None),
+            Just(Some((RR_SERVER_ANNOTATION, "42"))),
+            Just(Some((RR_CLIENT_ANNOTATION, "42"))),
+            Just(Some((RR_CLIENT_ANNOTATION, "7"))),
+            Just(Some((RR_SERVER_ANNOTATION, "0.0.0.0"))),
+        ];
+        let address = prop_oneof![Just(format!("10.0.0.{index}")), Just("10.0.0.99".to_string()), Just(String::new())];
+        let node = (asn, rr, address, any::<bool>()).prop_map(move |(asn, rr, address, both_rr)| {
+            let mut annotations: Vec<(&str, &str)> = asn.map(|a| (NODE_ASN_ANNOTATION, a)).into_iter().collect();
+            annotations.extend(rr);
+            if both_rr {
+                annotations.push((RR_CLIENT_ANNOTATION, "42"));
+            }
+            node(&format!("node-{index}"), &address, &annotations, Some(&format!("10.244.{index}.0/24")))
+        });
+        prop_oneof![1 => Just(None), 4 => node.prop_map(Some)]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+        /// Following Node changes one at a time gives what a derivation from every Node gives:
+        /// sessions, warnings (their order too) and errors; this node's own changes included.
+        #[test]
+        fn following_node_changes_configures_what_every_node_does(
+            full_mesh in any::<bool>(),
+            enable_ibgp in prop_oneof![4 => Just(true), 1 => Just(false)],
+            batches in proptest::collection::vec(
+                proptest::collection::vec((0usize..8).prop_flat_map(|i| (Just(i), arb_node(i))), 1..4),
+                1..30,
+            ),
+        ) {
+            let settings = GlobalSettings { full_mesh, enable_ibgp, ..settings("node-1") };
+            let mut view = NodeBgpView::new(settings.clone());
+            let mut nodes: BTreeMap<String, Node> = BTreeMap::new();
+            for (round, batch) in batches.into_iter().enumerate() {
+                for (index, node) in batch {
+                    let name = format!("node-{index}");
+                    match node {
+                        Some(node) => nodes.insert(name.clone(), node),
+                        None => nodes.remove(&name),
+                    };
+                    view.set_node(&name, nodes.get(&name).cloned().map(std::sync::Arc::new));
+                }
+                let every: Vec<&Node> = nodes.values().collect();
+                prop_assert_eq!(view.config(), node_bgp_config(&every, &settings), "round {}", round);
+            }
+            // A rebuild from every Node is the same again.
+            let mut rebuilt = NodeBgpView::new(settings.clone());
+            rebuilt.replace_all(nodes.values().cloned().map(std::sync::Arc::new));
+            prop_assert_eq!(rebuilt.config(), view.config());
+        }
+    }
+
+    #[test]
+    fn another_node_leaving_or_moving_moves_its_session_alone() {
+        let mut nodes = three_nodes();
+        nodes.extend(
+            (4..=5_000).map(|i| node(&format!("node-{i}"), &format!("10.1.{}.{}", i / 256, i % 256), &[], None)),
+        );
+        let mut view = NodeBgpView::new(settings("node-1"));
+        view.replace_all(nodes.iter().cloned().map(std::sync::Arc::new));
+        assert_eq!(view.config().unwrap().peers.len(), 4_999);
+        // A node leaves, one comes back under another address: its session alone moves.
+        view.set_node("node-2", None);
+        let moved = node("node-3", "10.0.0.33", &[], None);
+        view.set_node("node-3", Some(std::sync::Arc::new(moved)));
+        let cfg = view.config().unwrap();
+        assert_eq!(cfg.peers.len(), 4_998);
+        assert!(cfg.peers.iter().any(|p| p.address == ip("10.0.0.33")));
+        assert!(!cfg.peers.iter().any(|p| p.address == ip("10.0.0.2") || p.address == ip("10.0.0.3")));
+        // This node becoming a route-reflector client of a cluster with no server: no node
+        // sessions (every other node's part derived again under the new role).
+        let client = node("node-1", "10.0.0.1", &[(RR_CLIENT_ANNOTATION, "42")], None);
+        view.set_node("node-1", Some(std::sync::Arc::new(client)));
+        assert!(view.config().unwrap().peers.is_empty());
+    }
 
     fn b64(s: &str) -> String {
         base64::engine::general_purpose::STANDARD.encode(s)

@@ -15,7 +15,7 @@ use crate::{
     exposition::{register, Counter},
     k8s::{
         cache::Cache,
-        store::{Changes, Cursor},
+        store::{Cursor, Followed},
         watch::Kind,
     },
     metrics::{Metrics, Subsystem},
@@ -72,14 +72,6 @@ impl NodeNetsController {
     }
 }
 
-/// The Nodes a pass reads.
-enum NodeChanges {
-    /// Every Node (the first pass, or after the store forgot what changed).
-    All(Vec<Arc<Node>>),
-    /// Those changed since the last pass, by name: `None`, gone.
-    Some(Vec<(String, Option<Arc<Node>>)>),
-}
-
 impl Controller for NodeNetsController {
     fn name(&self) -> &'static str {
         "node-nets"
@@ -90,18 +82,7 @@ impl Controller for NodeNetsController {
         let own_key = self.cni.as_ref().map(|cni| (String::new(), cni.node_name.clone()));
         // Like the routes: only a complete listing of Nodes (or its checkpoint) counts.
         let Some(listing) = self.cache.read(NODE_KINDS, |o| {
-            let (changes, cursor) = o.nodes.changed_since(cursor);
-            let nodes = match changes {
-                Changes::All => NodeChanges::All(o.nodes.snapshot()),
-                Changes::Keys(keys) => NodeChanges::Some(
-                    keys.into_iter()
-                        .map(|key| {
-                            let node = o.nodes.shared(&key);
-                            (key.1, node)
-                        })
-                        .collect(),
-                ),
-            };
+            let (nodes, cursor) = o.nodes.follow(cursor);
             (nodes, cursor, own_key.and_then(|key| o.nodes.shared(&key)))
         }) else {
             return Ok(Action::AwaitChange);
@@ -127,18 +108,18 @@ struct EgressState {
 }
 
 impl EgressState {
-    fn follow(&mut self, nodes: &NodeChanges) -> Result<()> {
+    fn follow(&mut self, nodes: &Followed<Node>) -> Result<()> {
         let mut changes = BTreeMap::new();
         match nodes {
-            NodeChanges::All(nodes) => {
+            Followed::All(nodes) => {
                 self.nets = ClusterNets::new(&self.config.cluster_cidrs, &self.config.service_ranges);
                 for node in nodes {
                     self.nets.set_node(node.metadata.name.as_deref().unwrap_or_default(), Some(node));
                 }
                 self.in_maps = false;
             }
-            NodeChanges::Some(nodes) => {
-                for (name, node) in nodes {
+            Followed::Changed(nodes) => {
+                for ((_, name), node) in nodes {
                     changes.extend(self.nets.set_node(name, node.as_deref()));
                 }
             }

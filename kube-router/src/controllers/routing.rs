@@ -8,7 +8,7 @@ use anyhow::Result;
 
 use crate::{
     controllers::service_view::VipReceiver,
-    k8s::{cache::Cache, watch::Kind},
+    k8s::{cache::Cache, store::Cursor, watch::Kind},
     router::BgpRouter,
     runtime::{Action, Controller},
 };
@@ -27,13 +27,15 @@ pub struct RoutingController {
     vips: Option<VipReceiver>,
     /// The Node changes, as last applied.
     generation: Option<u64>,
+    /// The Node changes read so far: a pass reads the changed Nodes, not every Node.
+    cursor: Option<Cursor>,
     /// Flags only: the configuration is incomplete (logged once).
     static_config_missing: bool,
 }
 
 impl RoutingController {
     pub fn new(router: BgpRouter, cache: Option<Arc<Cache>>, vips: Option<VipReceiver>) -> Self {
-        Self { router, cache, vips, generation: None, static_config_missing: false }
+        Self { router, cache, vips, generation: None, cursor: None, static_config_missing: false }
     }
 
     /// For the ordered shutdown.
@@ -72,12 +74,15 @@ impl RoutingController {
         };
         // Peers leave the mesh only on a complete listing of Nodes (or its checkpoint), never
         // because a list failed; the cache keeps the last complete one through an outage.
-        let Some(listing) = cache.read(ROUTING_KINDS, |o| o.nodes.snapshot()) else {
+        let cursor = self.cursor;
+        let Some(listing) = cache.read(ROUTING_KINDS, |o| o.nodes.follow(cursor)) else {
             return Ok(());
         };
+        let (nodes, cursor) = listing.objects;
         self.generation = Some(generation);
+        self.cursor = Some(cursor);
         let started = std::time::Instant::now();
-        let result = self.router.update_from_nodes(&listing.objects, &vips).await;
+        let result = self.router.update_from_nodes(nodes, &vips).await;
         self.router.routing_metrics().sync_time.observe(started.elapsed().as_secs_f64());
         result
     }

@@ -11,7 +11,7 @@ use anyhow::Result;
 use tokio::sync::watch;
 
 use crate::{
-    controllers::services::{cluster_addresses, report_catalog_problems, SERVICE_KINDS},
+    controllers::services::{report_catalog_problems, ClusterAddressFollower, SERVICE_KINDS},
     k8s::{cache::Cache, watch::Kind},
     metrics::Metrics,
     runtime::{Action, Controller},
@@ -105,6 +105,8 @@ pub struct ServiceViewController {
     settings: Option<VipSettings>,
     /// The Node changes the policy reflects.
     node_generation: u64,
+    /// Every Node's addresses, followed Node by Node.
+    cluster_addresses: ClusterAddressFollower,
     /// Catalog problems already logged.
     reported: BTreeSet<String>,
     metrics: Metrics,
@@ -126,6 +128,7 @@ impl ServiceViewController {
             external_ips,
             settings: None,
             node_generation: 0,
+            cluster_addresses: ClusterAddressFollower::default(),
             reported: BTreeSet::new(),
             metrics,
         }
@@ -156,8 +159,12 @@ impl Controller for ServiceViewController {
             Some(settings) if !api_server_moved && node_generation == self.node_generation => settings,
             _ => {
                 self.node_generation = node_generation;
-                let cluster = cluster_addresses(&self.cache, &self.catalog);
-                let policy = self.external_ips.with_cluster_addresses(cluster.nodes, cluster.api_server);
+                self.cluster_addresses.follow_nodes(&self.cache);
+                let cluster = self.cluster_addresses.addresses(&self.catalog);
+                let policy = self
+                    .external_ips
+                    .with_cluster_addresses([], cluster.api_server)
+                    .with_cluster_node_addresses(&cluster.nodes);
                 self.publisher.settings(&self.node_name, policy, BTreeSet::new())
             }
         };
@@ -236,5 +243,51 @@ mod tests {
         view.reconcile().await.unwrap();
         assert!(advertised(&vips).is_empty(), "the local endpoint left this node");
         assert_eq!(vips.borrow().as_ref().unwrap().all.len(), 1);
+    }
+
+    fn nodes(event: Event<serde_json::Value>) -> WatchUpdate {
+        WatchUpdate::Nodes(typed(event))
+    }
+
+    fn node(name: &str, version: &str, address: &str) -> serde_json::Value {
+        json!({"metadata": {"name": name, "resourceVersion": version},
+            "status": {"addresses": [{"type": "InternalIP", "address": address}]}})
+    }
+
+    /// A Node taking a Service's externalIP as its address takes the VIP out of what is
+    /// advertised; the Node moving away, or leaving, gives it back. Each step is one Node's
+    /// change, followed from the store's journal.
+    #[tokio::test]
+    async fn a_node_claiming_an_external_ip_withdraws_it_until_the_node_lets_go() {
+        let cache = Cache::new(ClusterObjects::default(), None);
+        let advertise = AdvertiseServices { external_ip: true, ..Default::default() };
+        let (publisher, vips) = VipPublisher::new(advertise, true, Metrics::default());
+        let mut view = ServiceViewController::new(
+            cache.clone(),
+            publisher,
+            "node-1".into(),
+            Default::default(),
+            Metrics::default(),
+        );
+        let web = json!({"metadata": {"namespace": "shop", "name": "web", "resourceVersion": "1"},
+            "spec": {"clusterIP": "10.96.0.10", "externalIPs": ["192.0.2.7"], "ports": [{"port": 80}]}});
+        listed(&cache, services, &[web]);
+        listed(&cache, slices, &[slice("node-1")]);
+        listed(&cache, nodes, &[node("node-1", "1", "192.0.2.1"), node("node-2", "1", "192.0.2.2")]);
+        view.reconcile().await.unwrap();
+        let advertised = |vips: &VipReceiver| vips.borrow().as_ref().unwrap().advertised.clone();
+        let vip: Vec<ipnet::IpNet> = vec!["192.0.2.7/32".parse().unwrap()];
+        assert_eq!(advertised(&vips), vip);
+        cache.apply(nodes(Event::Apply(node("node-2", "2", "192.0.2.7"))));
+        view.reconcile().await.unwrap();
+        assert!(advertised(&vips).is_empty(), "node-2's address now");
+        // A second Node on the same address: the address is claimed until both let go.
+        cache.apply(nodes(Event::Apply(node("node-3", "3", "192.0.2.7"))));
+        cache.apply(nodes(Event::Apply(node("node-2", "4", "192.0.2.2"))));
+        view.reconcile().await.unwrap();
+        assert!(advertised(&vips).is_empty(), "still node-3's");
+        cache.apply(nodes(Event::Delete(node("node-3", "5", "192.0.2.7"))));
+        view.reconcile().await.unwrap();
+        assert_eq!(advertised(&vips), vip, "no Node claims it any more");
     }
 }

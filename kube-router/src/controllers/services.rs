@@ -10,6 +10,8 @@ use std::{
 };
 
 use anyhow::{Context, Result};
+use k8s_openapi::api::core::v1::Node;
+use kube::ResourceExt;
 use kube_router_common::{map_names, LbConfig, LB_CONFIG_MASQUERADE_ALL, LB_CONFIG_POD_EGRESS, META_SERVICES_AS_OF};
 use tokio::sync::watch;
 
@@ -26,6 +28,7 @@ use crate::{
     exposition::{register, sync_histogram, Counter, Family, IntGauge, OptionalGauge, SecondsSince, Timestamp},
     k8s::{
         cache::{Cache, Completeness},
+        store::{Cursor, Followed},
         watch::Kind,
     },
     kr_metrics::{FrontendId, FrontendOwner, ServiceCounters},
@@ -37,9 +40,10 @@ use crate::{
         compile::{assign_ids, CompileWarning, LbPlan, Limits, MapContents},
         departures::{udp_departures, Departure},
         family::{AddressFamily, IpFamily, V4, V6},
-        from_k8s::TOPOLOGY_ZONE_LABEL,
+        from_k8s::{node_object_addresses, TOPOLOGY_ZONE_LABEL},
         incremental::{Changed, FamilyCompiler, ServiceCatalog},
         model::{ExternalIpPolicy, NodeContext, ServiceName},
+        node_addresses::{ClaimedAddresses, NodeAddressIndex},
         source::{load_file, StateBuilder},
         sync::{ServiceMaps, ServiceSync, SyncReport},
     },
@@ -217,10 +221,11 @@ impl ServiceProgrammer {
         // No node's address (this one's interfaces, every Node object's) and no API server
         // endpoint is ever a Service's to capture.
         let node_addresses = netif::node_addresses();
-        let external_ips = self.external_ips.with_cluster_addresses(
-            node_addresses.iter().chain(&self.cluster_addresses.nodes).copied(),
-            self.cluster_addresses.api_server.iter().copied(),
-        );
+        // Every Node's addresses are a shared set: a pointer copied, not 10,000 addresses.
+        let external_ips = self
+            .external_ips
+            .with_cluster_addresses(node_addresses.iter().copied(), self.cluster_addresses.api_server.iter().copied())
+            .with_cluster_node_addresses(&self.cluster_addresses.nodes);
         // IPv6 Services need an IPv6 address on the node to carry their traffic. IPv4 is always
         // served, as kube-proxy serves its primary family: a node whose address is not up yet
         // (or a test namespace with only loopback) must not lose every Service.
@@ -470,15 +475,41 @@ pub(crate) fn report_catalog_problems(
 }
 
 /// Every Node's addresses (from the objects) and the API server's (the endpoints of
-/// `default/kubernetes` in `catalog`): no Service may claim them.
-pub(crate) fn cluster_addresses(cache: &Cache, catalog: &ServiceCatalog) -> ClusterAddresses {
-    let nodes = cache.with(|o| {
-        o.nodes.objects().flat_map(crate::services::from_k8s::node_object_addresses).collect::<BTreeSet<_>>()
-    });
-    let kubernetes = ServiceName::new("default", "kubernetes");
-    let api_server =
-        catalog.slices_of(&kubernetes).into_iter().flat_map(|s| s.endpoints.iter().map(|e| e.addr)).collect();
-    ClusterAddresses { nodes, api_server }
+/// `default/kubernetes`): no Service may claim them. The Nodes are followed with their own
+/// cursor in the store's journal: a pass after one Node changed reads that Node alone.
+#[derive(Debug, Default)]
+pub(crate) struct ClusterAddressFollower {
+    cursor: Option<Cursor>,
+    nodes: NodeAddressIndex,
+}
+
+impl ClusterAddressFollower {
+    /// Reads the Nodes changed since the last call (every Node the first time, after a restore
+    /// or when the store forgot what changed).
+    pub fn follow_nodes(&mut self, cache: &Cache) {
+        let cursor = self.cursor;
+        let (followed, cursor) = cache.with(|o| o.nodes.follow(cursor));
+        self.cursor = Some(cursor);
+        let addresses = |node: &Node| node_object_addresses(node).collect::<BTreeSet<_>>();
+        match followed {
+            Followed::All(nodes) => {
+                self.nodes.replace_all(nodes.iter().map(|node| (node.name_any(), addresses(node))));
+            }
+            Followed::Changed(changed) => {
+                for ((_, name), node) in changed {
+                    self.nodes.set_node(&name, node.as_deref().map(addresses).unwrap_or_default());
+                }
+            }
+        }
+    }
+
+    /// The addresses as followed, with the API server's from `catalog`.
+    pub fn addresses(&self, catalog: &ServiceCatalog) -> ClusterAddresses {
+        let kubernetes = ServiceName::new("default", "kubernetes");
+        let api_server =
+            catalog.slices_of(&kubernetes).into_iter().flat_map(|s| s.endpoints.iter().map(|e| e.addr)).collect();
+        ClusterAddresses { nodes: self.nodes.claimed().clone(), api_server }
+    }
 }
 
 /// How a sync changed which Service owns each programmed frontend (for the metrics' labels).
@@ -765,8 +796,8 @@ impl ServiceProgrammer {
 /// LoadBalancer IP.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ClusterAddresses {
-    /// Every Node's InternalIP and ExternalIP.
-    pub nodes: BTreeSet<IpAddr>,
+    /// Every Node's InternalIP and ExternalIP, shared.
+    pub nodes: ClaimedAddresses,
     /// The endpoints of `default/kubernetes`: the API servers.
     pub api_server: BTreeSet<IpAddr>,
 }
@@ -796,6 +827,8 @@ pub struct ServicesFromApi {
     node_generation: Option<u64>,
     /// The Nodes changed since their addresses were last collected.
     nodes_moved: bool,
+    /// Every Node's addresses, followed Node by Node.
+    cluster_addresses: ClusterAddressFollower,
     /// The VIPs for the BGP speaker, from the same catalog (when it advertises Services).
     vips: Option<VipPublisher>,
 }
@@ -814,6 +847,7 @@ impl ServicesFromApi {
             generation: 0,
             node_generation: None,
             nodes_moved: true,
+            cluster_addresses: ClusterAddressFollower::default(),
             vips: None,
         }
     }
@@ -837,7 +871,8 @@ impl ServicesFromApi {
             return;
         }
         self.nodes_moved = false;
-        let now = cluster_addresses(&self.cache, &self.catalog);
+        self.cluster_addresses.follow_nodes(&self.cache);
+        let now = self.cluster_addresses.addresses(&self.catalog);
         if now != self.controller.cluster_addresses {
             tracing::info!(nodes = now.nodes.len(), api_server = ?now.api_server, "addresses no Service may claim");
             self.controller.cluster_addresses = now;

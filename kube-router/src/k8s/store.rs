@@ -206,6 +206,17 @@ impl<K, H> ObjectStore<K, H> {
     pub fn journaled() -> Self {
         Self { journal: Some(Journal::default()), ..Self::default() }
     }
+
+    /// What changed since `cursor` (`None`: the reader has read nothing yet), and the cursor
+    /// to pass next time. Unlike [`Self::take_changed`] it takes nothing away: any number of
+    /// readers each keep their own cursor.
+    /// Without a journal ([`Self::journaled`]) every read is [`Changes::All`].
+    pub fn changed_since(&self, cursor: Option<Cursor>) -> (Changes, Cursor) {
+        match &self.journal {
+            Some(journal) => journal.since(cursor),
+            None => (Changes::All, Cursor(0)),
+        }
+    }
 }
 
 impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
@@ -295,17 +306,6 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
         true
     }
 
-    /// What changed since `cursor` (`None`: the reader has read nothing yet), and the cursor
-    /// to pass next time. Unlike [`Self::take_changed`] it takes nothing away: any number of
-    /// readers each keep their own cursor.
-    /// Without a journal ([`Self::journaled`]) every read is [`Changes::All`].
-    pub fn changed_since(&self, cursor: Option<Cursor>) -> (Changes, Cursor) {
-        match &self.journal {
-            Some(journal) => journal.since(cursor),
-            None => (Changes::All, Cursor(0)),
-        }
-    }
-
     /// The keys whose object changed (added, modified, removed) since the last call; `None` the
     /// first time (and after a restore): everything may have. A store's change set has one
     /// consumer (see [`super::watch::ClusterObjects`]): a second one would take its changes.
@@ -358,6 +358,33 @@ impl<K> ObjectStore<K, Arc<K>> {
     pub fn shared(&self, key: &ObjectKey) -> Option<Arc<K>> {
         self.objects.get(key).cloned()
     }
+
+    /// What changed since `cursor` ([`Self::changed_since`]) as the objects themselves, shared,
+    /// and the cursor to pass next time.
+    pub fn follow(&self, cursor: Option<Cursor>) -> (Followed<K>, Cursor) {
+        let (changes, cursor) = self.changed_since(cursor);
+        let followed = match changes {
+            Changes::All => Followed::All(self.objects.values().cloned().collect()),
+            Changes::Keys(keys) => Followed::Changed(
+                keys.into_iter()
+                    .map(|key| {
+                        let object = self.shared(&key);
+                        (key, object)
+                    })
+                    .collect(),
+            ),
+        };
+        (followed, cursor)
+    }
+}
+
+/// What a reader following a store with its own cursor reads ([`ObjectStore::follow`]).
+#[derive(Debug, Clone)]
+pub enum Followed<K> {
+    /// Every object: the first read, after a restore, or a reader that fell behind.
+    All(Vec<Arc<K>>),
+    /// The objects changed since the cursor, by key: `None`, gone.
+    Changed(Vec<(ObjectKey, Option<Arc<K>>)>),
 }
 
 impl<K: DeserializeOwned> ObjectStore<K, Packed<K>> {

@@ -7,6 +7,7 @@ pub mod from_k8s;
 pub mod incremental;
 pub mod maglev;
 pub mod model;
+pub mod node_addresses;
 pub mod source;
 pub mod sync;
 pub mod vips;

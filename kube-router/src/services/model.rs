@@ -8,6 +8,7 @@ use std::{
 };
 
 use super::family::{AddressFamily, IpFamily};
+use super::node_addresses::ClaimedAddresses;
 
 use serde::{Deserialize, Serialize};
 
@@ -309,8 +310,11 @@ pub struct ExternalIpPolicy {
     pub load_balancer_ranges: Vec<ipnet::IpNet>,
     /// The cluster's own ranges (pod CIDRs, Service range): never an externalIP or LoadBalancer IP.
     pub forbidden: Vec<ipnet::IpNet>,
-    /// Every node's addresses (this node's interfaces, every Node's InternalIP/ExternalIP).
+    /// This node's addresses (its interfaces), and any given with [`Self::with_cluster_addresses`].
     pub node_addresses: BTreeSet<IpAddr>,
+    /// Every Node object's InternalIP/ExternalIP, shared with the index that follows them
+    /// ([`super::node_addresses::NodeAddressIndex`]): a copy of the policy costs a pointer.
+    pub cluster_node_addresses: ClaimedAddresses,
     /// The API server's addresses (the agent's own kubeconfig/--master, the endpoints of
     /// `default/kubernetes`): a Service on them would cut every node off the API.
     pub api_server_addresses: BTreeSet<IpAddr>,
@@ -333,6 +337,7 @@ impl ExternalIpPolicy {
             load_balancer_ranges,
             forbidden,
             node_addresses,
+            cluster_node_addresses,
             api_server_addresses,
         } = self;
         let rest_same = *external_ip_ranges == now.external_ip_ranges
@@ -340,9 +345,24 @@ impl ExternalIpPolicy {
             && *load_balancer_ranges == now.load_balancer_ranges
             && *forbidden == now.forbidden;
         rest_same.then(|| {
-            let nodes = node_addresses.symmetric_difference(&now.node_addresses);
-            nodes.chain(api_server_addresses.symmetric_difference(&now.api_server_addresses)).copied().collect()
+            let own = node_addresses.symmetric_difference(&now.node_addresses);
+            let api_server = api_server_addresses.symmetric_difference(&now.api_server_addresses);
+            let cluster = cluster_node_addresses.symmetric_difference(&now.cluster_node_addresses);
+            // An address may move from one source to another and stay claimed.
+            own.chain(api_server).chain(cluster).filter(|ip| self.claims(ip) != now.claims(ip)).copied().collect()
         })
+    }
+
+    /// A node's or the API server's address.
+    fn claims(&self, ip: &IpAddr) -> bool {
+        self.node_addresses.contains(ip)
+            || self.cluster_node_addresses.contains(ip)
+            || self.api_server_addresses.contains(ip)
+    }
+
+    /// This policy with every Node object's addresses, shared.
+    pub fn with_cluster_node_addresses(&self, nodes: &ClaimedAddresses) -> Self {
+        Self { cluster_node_addresses: nodes.clone(), ..self.clone() }
     }
 
     /// This policy with the cluster's own addresses added: `nodes` (every Node's), `api_server`
@@ -383,7 +403,7 @@ impl ExternalIpPolicy {
         if self.api_server_addresses.contains(&ip) {
             return refuse("api-server", format!("{ip} is an address of the API server"));
         }
-        if self.node_addresses.contains(&ip) {
+        if self.node_addresses.contains(&ip) || self.cluster_node_addresses.contains(&ip) {
             return refuse("node-address", format!("{ip} is a node's address"));
         }
         if let Some(net) = self.forbidden.iter().find(|net| net.contains(&ip)) {
