@@ -236,7 +236,16 @@ pub(super) struct Driver {
     bfd: Option<mpsc::UnboundedSender<Vec<BfdPeer>>>,
     /// BFD packets refused for a TTL other than 255 (the BFD task counts).
     bfd_ttl_dropped: Arc<AtomicU64>,
+    /// The status is rebuilt (every peer's line) at most once per [`STATUS_INTERVAL`]; events
+    /// in between only mark it stale, and the loop wakes to publish it when the interval ends.
+    status_stale: bool,
+    next_status_at: Instant,
 }
+
+/// How often at most the status is rebuilt while events keep coming. With thousands of peers
+/// (a large cluster's nodes) each rebuild walks them all, and their connect-retry timers alone
+/// bring hundreds of events a second; readers (metrics, `kube-router bgp`, tests) poll.
+const STATUS_INTERVAL: Duration = Duration::from_millis(100);
 
 /// What the driver is built from (see [`Driver::new`]).
 pub(super) struct DriverParts {
@@ -271,6 +280,8 @@ impl Driver {
             closing: Vec::new(),
             bfd: None,
             bfd_ttl_dropped: Arc::default(),
+            status_stale: false,
+            next_status_at: Instant::now(),
         }
     }
 
@@ -278,7 +289,10 @@ impl Driver {
         loop {
             let now = Instant::now();
             let far = now + Duration::from_secs(3600);
-            let deadline = self.instance.next_deadline().map_or(far, |at| Instant::from_std(at).min(far));
+            let mut deadline = self.instance.next_deadline().map_or(far, |at| Instant::from_std(at).min(far));
+            if self.status_stale {
+                deadline = deadline.min(self.next_status_at);
+            }
             let event = tokio::select! {
                 event = rx.recv() => {
                     let Some(event) = event else { return };
@@ -421,7 +435,15 @@ impl Driver {
     /// Publishes the status, then the kernel's target: what the kernel is told (a deletion
     /// allowed by `routing_complete`) is never seen before the status that explains it.
     pub fn publish(&mut self) {
-        let published = self.instance.publish(Instant::now().into_std());
+        let now = Instant::now();
+        // A FIB target always goes out with the status that explains it, at once.
+        if !self.instance.fib_pending() && now < self.next_status_at {
+            self.status_stale = true;
+            return;
+        }
+        self.status_stale = false;
+        self.next_status_at = now + STATUS_INTERVAL;
+        let published = self.instance.publish(now.into_std());
         let mut status = published.status;
         status.bfd_ttl_dropped = self.bfd_ttl_dropped.load(std::sync::atomic::Ordering::Relaxed);
         *self.status.lock().unwrap_or_else(|p| p.into_inner()) = status;

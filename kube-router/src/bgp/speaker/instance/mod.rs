@@ -387,6 +387,11 @@ impl Instance {
     }
 
     /// The status, and the kernel's target when it changed, as of `now`.
+    /// A new FIB target waits for the next [`Self::publish`].
+    pub fn fib_pending(&self) -> bool {
+        self.fib_dirty
+    }
+
     pub fn publish(&mut self, now: Instant) -> Published {
         self.now = now;
         self.recount_unresolved_when_due();
