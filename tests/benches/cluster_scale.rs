@@ -100,8 +100,11 @@ fn node(i: usize) -> Value {
 fn node_at(i: usize, beat: usize) -> Value {
     let time = format!("2026-12-06T{:02}:{:02}:{:02}Z", beat / 3600 % 24, beat / 60 % 60, beat % 60);
     json!({"apiVersion": "v1", "kind": "Node",
-        // With --nodes-full-mesh=false every node names its ASN (kube-router's rule).
+        // With --nodes-full-mesh=false every node names its ASN (kube-router's rule) and, in a
+        // route-reflector topology, its role: every node here is a client of the reflector
+        // (gobgpd, a --peer-router), so it peers with no other node.
         "metadata": {"name": format!("node-{i}"), "annotations": {"kube-router.io/node.asn": ASN.to_string(),
+            "kube-router.io/rr.client": "1",
             "node.alpha.kubernetes.io/ttl": (beat % 2 * 15).to_string()}, "labels": {
             "kubernetes.io/hostname": format!("node-{i}"), "kubernetes.io/os": "linux",
             "node.kubernetes.io/instance-type": "m5.2xlarge", "topology.kubernetes.io/zone": format!("zone-{}", i % 3)}},

@@ -2,7 +2,7 @@
 //! changed, compiles just them when it can, and writes only the differences to the pinned maps.
 //! Deletions need a complete listing; failed writes are retried by the runner with backoff.
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, HashSet},
     net::IpAddr,
     path::PathBuf,
     sync::Arc,
@@ -193,6 +193,9 @@ pub struct ServiceProgrammer {
     cluster_addresses: ClusterAddresses,
     /// Warnings already logged, so one that persists is reported once.
     reported: BTreeSet<String>,
+    /// The compilers' warnings already logged: compared as values, not as text (formatting every
+    /// warning on every pass cost 6 % of a large cluster's churn).
+    reported_warnings: HashSet<CompileWarning>,
     /// Maps that had no room for every entry at the last sync.
     full_maps: BTreeSet<&'static str>,
     /// Maps that refused writes for other reasons at the last sync.
@@ -300,9 +303,9 @@ impl ServiceProgrammer {
         // Only after the writes: a datagram balanced again must not find the backend in a slot.
         self.purge_departed(&departures, &departures_v6);
         let alone = matches!((&owners, &owners_v6), (OwnerUpdate::Some(_), OwnerUpdate::Some(_)));
+        let mut current_warnings = HashSet::with_capacity(self.reported_warnings.len());
         for warning in self.compiler.warnings().chain(self.compiler_v6.warnings()) {
-            let text = format!("{warning:?}");
-            if !self.reported.contains(&text) {
+            if !self.reported_warnings.contains(warning) {
                 match warning {
                     CompileWarning::FrontendConflict { .. } => tracing::error!(?warning, "frontend claimed twice"),
                     CompileWarning::EndpointsTruncated { .. } => tracing::warn!(?warning, "too many endpoints"),
@@ -322,9 +325,10 @@ impl ServiceProgrammer {
                     }
                 }
             }
-            current.insert(text);
+            current_warnings.insert(warning.clone());
         }
         self.reported = current;
+        self.reported_warnings = current_warnings;
         self.health_checks.send_if_modified(|checks| {
             let now = crate::healthcheck::health_checks(&catalog.state, &self.node_name);
             let changed = *checks != now;
@@ -759,6 +763,7 @@ impl ServiceProgrammer {
             external_ips: config.external_ip_policy(),
             cluster_addresses: ClusterAddresses::default(),
             reported: BTreeSet::new(),
+            reported_warnings: HashSet::new(),
             full_maps: BTreeSet::new(),
             failing_maps: BTreeSet::new(),
             zone: None,

@@ -41,7 +41,7 @@ pub struct Frontend {
     pub backend_set: BackendSetKey,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum CompileWarning {
     FrontendConflict {
         /// `address:port/protocol`.
