@@ -65,6 +65,7 @@ pub mod map_names {
     pub const CT_GATE: &str = "ct_gate_v4";
     pub const CT_GATE_V6: &str = "ct_gate_v6";
     pub const CT_LIFETIMES: &str = "ct_cfg";
+    pub const POLICY_CONFIG: &str = "pol_cfg";
 }
 
 pub const SERVICES_MAX_ENTRIES: u32 = 65_536;

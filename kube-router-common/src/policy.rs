@@ -154,6 +154,13 @@ pub const POLICY_CT_UNREPLIED: u8 = 1 << 3;
 /// 120 s).
 pub const POLICY_CT_LIFETIME_UNREPLIED_SECS: u64 = 60;
 
+/// `pol_cfg` (one `u32`, written by the agent) flag: track the flows of every pod in `pol_ct_v4/v6`,
+/// as before the gate. Without it (the default, and an absent map) a pod isolated in neither
+/// direction (no `pol_pods_v4/v6` entry) passes with no policy conntrack lookup and no entry:
+/// only pods some policy isolates are tracked. The flag keeps, for every pod, the flows it had
+/// before its first isolating policy (`KUBE_ROUTER_POLICY_CT_GATE=off`).
+pub const POLICY_CT_TRACK_ALL: u32 = 1 << 0;
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PolicyCtValue {
@@ -189,7 +196,9 @@ pub mod pol_stat {
     pub const FRAGMENT_PASS: u32 = 2;
     /// A live `pol_ct_v4` entry (established connection or its reply): passed.
     pub const CT_ESTABLISHED: u32 = 3;
-    /// New flow, the pod side checked here is not isolated: passed (and tracked).
+    /// New flow, the pod side checked here is not isolated: passed (and tracked if the pod's
+    /// other side is). Also every packet of a pod isolated in neither direction, which passes
+    /// untracked (see [`super::POLICY_CT_TRACK_ALL`]).
     pub const NOT_ISOLATED: u32 = 4;
     /// New flow allowed by a rule (and tracked).
     pub const ALLOWED: u32 = 5;

@@ -177,6 +177,10 @@ pub static POLICY_PEERS_V6: LpmTrie<PeerPrefixV6, u8> = LpmTrie::pinned(POLICY_P
 pub static POLICY_CONNTRACK_V6: LruHashMap<PolicyCtKeyV6, PolicyCtValue> =
     LruHashMap::pinned(POLICY_CONNTRACK_MAX_ENTRIES, 0);
 
+/// Written by the agent only: `POLICY_CT_TRACK_ALL` or 0. A map of its own, created when absent.
+#[map(name = "pol_cfg")]
+pub static POLICY_CONFIG: Array<u32> = Array::pinned(1, 0);
+
 #[map(name = "pol_stats")]
 pub static POLICY_STATS: PerCpuArray<u64> = PerCpuArray::pinned(pol_stat::COUNT, 0);
 

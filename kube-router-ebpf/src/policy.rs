@@ -16,6 +16,12 @@
 //! other hook of the same veth — looks up identically. Until that reply comes, the entry lives
 //! a minute (`POLICY_CT_UNREPLIED`).
 //!
+//! Only pods a policy isolates are tracked: a pod with no `pol_pods_v4/v6` entry in either
+//! direction passes with no conntrack lookup and no entry (the gate in [`judge`]; every packet
+//! of such a pod passed before it too, so the gate drops nothing and passes nothing more). A pod
+//! isolated in one direction is tracked in both, its reply being judged by the other.
+//! `POLICY_CT_TRACK_ALL` in `pol_cfg` tracks every pod, as before the gate.
+//!
 //! Fails closed: every IP protocol is judged (those without ports only by rules without ports),
 //! ICMP errors pass only for a live connection they quote or as ICMP, frames of any ethertype
 //! but IPv4, IPv6 and ARP (VLAN tags included) and packets whose headers cannot be read are
@@ -31,8 +37,9 @@ use kube_router_common::*;
 use crate::{
     events,
     maps::{
-        count_policy as count, count_policy_guard as count_guard, CONNTRACK, CONNTRACK_V6, POLICY_CONNTRACK,
-        POLICY_CONNTRACK_V6, POLICY_PEERS, POLICY_PEERS_V6, POLICY_PODS, POLICY_PODS_V6, POLICY_PORTS,
+        count_policy as count, count_policy_guard as count_guard, CONNTRACK, CONNTRACK_V6, POLICY_CONFIG,
+        POLICY_CONNTRACK, POLICY_CONNTRACK_V6, POLICY_PEERS, POLICY_PEERS_V6, POLICY_PODS, POLICY_PODS_V6,
+        POLICY_PORTS,
     },
     parsing::{parse_for_policy, parse_for_policy_v6, Flow, Parsed, Quoted, TCP_FLAG_FIN, TCP_FLAG_RST},
 };
@@ -249,6 +256,25 @@ fn judge<F: PolicyFamily>(ctx: &TcContext, hook: VethHook, flow: &Flow<F::Addr>)
             pol_stat::DENIED_INGRESS,
         ),
     };
+    // The gate: a pod isolated in neither direction is not tracked. Its packets pass whatever
+    // the entry would say (an entry only passes, and the pod's sides admit everything), so the
+    // lookup, the insert and their cold hash chains are skipped. `here` keeps this direction's
+    // lookup for the new-flow verdict below (`None`: not looked up, the gate closed).
+    let mut here = None;
+    if POLICY_CONFIG.get(0).is_none_or(|flags| *flags & POLICY_CT_TRACK_ALL == 0) {
+        let isolated_here = F::isolated(pod_addr, direction);
+        if isolated_here.is_none()
+            && F::isolated(pod_addr, direction ^ (POLICY_DIR_INGRESS | POLICY_DIR_EGRESS)).is_none()
+        {
+            if matches!(hook, VethHook::ToPod) && sent_by_this_node(ctx) {
+                count(pol_stat::NODE_EXEMPT);
+            } else {
+                count(pol_stat::NOT_ISOLATED);
+            }
+            return Ok(TC_ACT_UNSPEC);
+        }
+        here = Some(isolated_here);
+    }
     let ct_key = F::ct_key(pod_addr, peer_addr, pod_port, peer_port, flow.proto);
     let now = unsafe { bpf_ktime_get_ns() };
     let closing = flow.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST) != 0;
@@ -275,7 +301,11 @@ fn judge<F: PolicyFamily>(ctx: &TcContext, hook: VethHook, flow: &Flow<F::Addr>)
     }
 
     // A new connection: its destination port is this packet's, whichever hook sees it.
-    match F::isolated(pod_addr, direction) {
+    let isolation = match here {
+        Some(isolated_here) => isolated_here,
+        None => F::isolated(pod_addr, direction),
+    };
+    match isolation {
         _ if matches!(hook, VethHook::ToPod) && sent_by_this_node(ctx) => count(pol_stat::NODE_EXEMPT),
         None => count(pol_stat::NOT_ISOLATED),
         Some(pod) => match evaluate::<F>(&pod, peer_addr, flow, u16::from_be(flow.dst_port)) {
@@ -293,8 +323,9 @@ fn judge<F: PolicyFamily>(ctx: &TcContext, hook: VethHook, flow: &Flow<F::Addr>)
             }
         },
     }
-    // Tracked even when not isolated: the reply is judged by the *other* direction of this pod,
-    // which may be isolated (or become so while the connection lives).
+    // Tracked even when this side is not isolated: the reply is judged by the *other* direction
+    // of this pod, which is (or, with `POLICY_CT_TRACK_ALL`, may become so while the connection
+    // lives).
     let flags = origin | POLICY_CT_UNREPLIED | if closing { POLICY_CT_CLOSING } else { 0 };
     let entry = PolicyCtValue { last_seen_ns: now, flags, pad: [0; 7] };
     if F::conntrack().insert(ct_key, entry, 0).is_err() {

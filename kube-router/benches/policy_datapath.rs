@@ -203,7 +203,87 @@ fn measure(label: &str, (objects, last_rule, port): Model, ipv6: bool) -> Figure
     Figures { established_repeat, established_single, deny, allow_new, deny_monitored }
 }
 
+/// The gate in front of policy conntrack (`pol_cfg`): the packets of a pod no policy isolates,
+/// with every pod tracked (as before the gate) and with only isolated pods tracked, rounds
+/// alternated in one run; beside them an isolated pod's established packet, which pays the gate's
+/// `pol_pods` lookups. Model: 200 egress-isolated pods x 50 rules (the "10,000 rules" one), the
+/// unisolated pod an address it does not hold. ns per packet, min-max over the rounds.
+fn gate_section() {
+    use kube_router::bpf::policy_maps::write_policy_ct_gate;
+    const ROUNDS: usize = 3;
+    println!(
+        "== policy conntrack gate: a pod no policy isolates, every pod tracked vs only isolated pods ({ROUNDS} rounds)"
+    );
+    let pin_dir = Path::new("/sys/fs/bpf/krt-pol-bench-gate");
+    let _ = datapath::remove_all(pin_dir);
+    let datapath = Datapath::load(pin_dir).expect("load datapath (root needed)");
+    let ((pods, namespaces, policies), last_rule, port) = rules_model(200, RULES_PER_POD, false);
+    let entries = MapFlattener::new().flatten(&compile(&pods, &namespaces, &policies).model);
+    let mut maps = BpfPolicyMaps::open_pinned(pin_dir).unwrap();
+    let report = apply_diff(&mut maps, &MapEntries::default().diff(&entries), &MapEntries::default());
+    assert_eq!(report.errors, 0, "{report:?}");
+    let (egress, ingress) =
+        (datapath.program_fd(Hook::PolicyIngress).unwrap(), datapath.program_fd(Hook::PolicyEgress).unwrap());
+    let (IpAddr::V4(isolated), IpAddr::V4(peer)) = (pod_ip(0, false), last_rule) else { unreachable!() };
+    let open_pod = Ipv4Addr::new(10, 20, 0, 1);
+    let other_pod = Ipv4Addr::new(10, 20, 0, 2);
+    let tcp =
+        |src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16), flags: u8| packet::ipv4(packet::TCP, src, dst, flags, &[0; 64]);
+    // (label, per round: [tracked all, gated])
+    let mut rows: Vec<(&str, [Vec<f64>; 2])> = vec![
+        ("unisolated pod, established (repeat), from the pod", Default::default()),
+        ("unisolated pod, established (repeat), to the pod", Default::default()),
+        ("unisolated pod, new flow (1/run), from the pod", Default::default()),
+        ("isolated pod, established (repeat), from the pod", Default::default()),
+    ];
+    let mut sport = 30000u16;
+    for round in 0..ROUNDS {
+        for (mode, track_all) in [(0usize, true), (1usize, false)] {
+            write_policy_ct_gate(pin_dir, track_all).unwrap();
+            // Each mode opens its own flows first (tracked or not, as that mode would).
+            sport += 1;
+            let out = tcp((open_pod, sport), (other_pod, port), packet::TCP_SYN);
+            let back = tcp((other_pod, port), (open_pod, sport), packet::TCP_SYN | packet::TCP_ACK);
+            assert_eq!(run(egress, &out, 1).unwrap().retval, -1);
+            assert_eq!(run(ingress, &back, 1).unwrap().retval, -1);
+            let isolated_out = tcp((isolated, sport), (peer, port), packet::TCP_SYN);
+            assert_eq!(run(egress, &isolated_out, 1).unwrap().retval, -1, "the isolated pod's allowed flow");
+            let out_ack = tcp((open_pod, sport), (other_pod, port), packet::TCP_ACK);
+            let back_ack = tcp((other_pod, port), (open_pod, sport), packet::TCP_ACK);
+            let isolated_ack = tcp((isolated, sport), (peer, port), packet::TCP_ACK);
+            rows[0].1[mode].push(run(egress, &out_ack, REPEAT).unwrap().duration_ns as f64);
+            rows[1].1[mode].push(run(ingress, &back_ack, REPEAT).unwrap().duration_ns as f64);
+            // New flows from an unisolated address of their own per round and mode (single_runs
+            // numbers the source ports): none can find an entry an earlier round left.
+            let new_flow_pod = Ipv4Addr::new(10, 21, round as u8, mode as u8);
+            rows[2].1[mode].push(single_runs(egress, |i| tcp((new_flow_pod, i), (other_pod, port), packet::TCP_SYN)));
+            rows[3].1[mode].push(run(egress, &isolated_ack, REPEAT).unwrap().duration_ns as f64);
+        }
+    }
+    let range = |v: &[f64]| {
+        let (lo, hi) = v.iter().fold((f64::MAX, 0.0f64), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
+        (lo, hi)
+    };
+    println!("{:<52} {:>18} {:>18} {:>14}", "ns/pkt", "every pod tracked", "isolated only", "ratio (mid)");
+    for (label, [all, gated]) in &rows {
+        let ((a0, a1), (g0, g1)) = (range(all), range(gated));
+        println!(
+            "{label:<52} {a0:>8.1}-{a1:<8.1} {g0:>8.1}-{g1:<8.1} {:>13.2}x",
+            ((g0 + g1) / 2.0) / ((a0 + a1) / 2.0)
+        );
+    }
+    write_policy_ct_gate(pin_dir, false).unwrap();
+    drop(datapath);
+    let _ = datapath::remove_all(pin_dir);
+}
+
 fn main() {
+    gate_section();
+    // KRT_BENCH_POLICY_GATE_ONLY=1: only the gate's figures above.
+    if std::env::var("KRT_BENCH_POLICY_GATE_ONLY").is_ok_and(|v| v == "1") {
+        return;
+    }
+    println!();
     println!("== kr_pol_ingress per-packet cost, BPF_PROG_TEST_RUN (repeats x {REPEAT}, single runs x {NEW_FLOWS})");
     let models = |ipv6: bool| -> [(&str, usize, Model); 4] {
         [

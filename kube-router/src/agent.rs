@@ -137,6 +137,7 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
         // recorded (`open_lb_gate`): an older release's programs record none. Not in the loader:
         // the overlay loads the object again later, which must leave an open gate open.
         crate::bpf::gate::close(&config.pin_dir).context("closing the load balancer's gate")?;
+        write_policy_ct_gate(&config.pin_dir)?;
         datapath.set_pod_mode(config.pod_attach_mode);
         let mut interfaces = InterfacesController::start(
             datapath,
@@ -482,6 +483,18 @@ pub fn read_programmed(pin_dir: &Path) -> Result<crate::services::compile::MapCo
 pub fn read_programmed_v6(pin_dir: &Path) -> Result<crate::services::compile::MapContents<V6>> {
     use crate::services::sync::ServiceMaps;
     Ok(BpfServiceMapsV6::open_pinned(pin_dir)?.read_all()?)
+}
+
+/// The policy programs track only pods a policy isolates (`pol_cfg`, docs/datapath.md);
+/// `KUBE_ROUTER_POLICY_CT_GATE=off` tracks every pod's flows, as before the gate: a flow a pod
+/// had before its first isolating policy then keeps passing (for benchmarks, and for clusters
+/// that need that more than the per-packet cost).
+fn write_policy_ct_gate(pin_dir: &std::path::Path) -> Result<()> {
+    let track_all = std::env::var("KUBE_ROUTER_POLICY_CT_GATE").is_ok_and(|v| v == "off");
+    if track_all {
+        tracing::info!("policy conntrack gate off: every pod's flows tracked (KUBE_ROUTER_POLICY_CT_GATE=off)");
+    }
+    crate::bpf::policy_maps::write_policy_ct_gate(pin_dir, track_all).context("writing pol_cfg")
 }
 
 /// Opens the load balancer's gate (`bpf::gate`) now that every link runs our programs.

@@ -422,6 +422,107 @@ fn replies_of_an_allowed_connection_pass_both_hooks_through_conntrack() {
     assert_eq!(pods, [client, server].into_iter().collect());
 }
 
+/// The gate in front of policy conntrack: a pod isolated in neither direction is not tracked
+/// (`pol_ct_v4` gets no entry for it, its packets pass as `not_isolated`), a pod isolated in one
+/// direction is tracked in both: the replies of a flow it started through its open side still
+/// pass its isolated one. `POLICY_CT_TRACK_ALL` (`pol_cfg`) brings back tracking for every pod.
+#[test]
+fn only_pods_a_policy_isolates_are_tracked_and_their_replies_pass() {
+    use kube_router::bpf::policy_maps::write_policy_ct_gate;
+    // x/a admits only namespace y (ingress-isolated); its egress, and every other pod, is open.
+    let np = policy(
+        "x",
+        "from-y",
+        json!({"podSelector": {"matchLabels": {"pod": "a"}},
+            "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"ns": "y"}}}]}]}),
+    );
+    let output = Cluster::xyz().compile(&[np]);
+    let mut loaded = load("ct-gate");
+    loaded.program(&output);
+    let addr = |ip: Ipv4Addr| u32::from_ne_bytes(ip.octets());
+    let tracked_pods = |loaded: &Loaded| -> std::collections::BTreeSet<Ipv4Addr> {
+        PolicyConntrack::open_pinned(&loaded.pin_dir)
+            .unwrap()
+            .entries()
+            .unwrap()
+            .into_iter()
+            .map(|(key, _)| Ipv4Addr::from(key.pod_addr.to_ne_bytes()))
+            .collect()
+    };
+    let tcp = |src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16), flags: u8| packet::ipv4(packet::TCP, src, dst, flags, b"");
+
+    // Unisolated pods, a whole exchange: no entry, every hook run counted `not_isolated`.
+    let (yb, zc) = (ip(1, 1), ip(2, 2));
+    let before = loaded.stats();
+    let (sport, opened) = loaded.connect(packet::TCP, yb, zc, 80);
+    assert!(opened);
+    assert!(loaded.send(&tcp((zc, 80), (yb, sport), packet::TCP_SYN | packet::TCP_ACK)));
+    assert!(loaded.send(&tcp((yb, sport), (zc, 80), packet::TCP_ACK)));
+    let after = loaded.stats();
+    let delta = |i: u32| after[i as usize] - before[i as usize];
+    assert_eq!(delta(pol_stat::NOT_ISOLATED), 6, "3 packets x 2 hooks, none tracked");
+    assert_eq!(delta(pol_stat::CT_ESTABLISHED), 0, "no lookup found anything: none was made");
+    assert!(tracked_pods(&loaded).is_empty(), "no pol_ct_v4 entry for unisolated pods: {:?}", tracked_pods(&loaded));
+
+    // The isolated pod's allowed flow (y/a -> x/a): an entry at x/a only, and its reply passes.
+    let (xa, ya) = (ip(0, 0), ip(1, 0));
+    let (sport, opened) = loaded.connect(packet::TCP, ya, xa, 80);
+    assert!(opened);
+    assert!(loaded.send(&tcp((xa, 80), (ya, sport), packet::TCP_SYN | packet::TCP_ACK)), "x/a's reply");
+    assert_eq!(tracked_pods(&loaded), [xa].into_iter().collect());
+
+    // A flow x/a starts through its open egress, to a peer its ingress does not admit: tracked
+    // at x/a (its ingress judges the reply), so the reply passes; another port does not.
+    let before = loaded.stats();
+    let (sport, opened) = loaded.connect(packet::TCP, xa, zc, 443);
+    assert!(opened);
+    assert!(loaded.send(&tcp((zc, 443), (xa, sport), packet::TCP_SYN | packet::TCP_ACK)), "the reply to x/a");
+    assert!(!loaded.send(&tcp((zc, 443), (xa, sport + 1), packet::TCP_ACK)), "not a reply: judged, denied");
+    let after = loaded.stats();
+    let delta = |i: u32| after[i as usize] - before[i as usize];
+    assert_eq!(delta(pol_stat::CT_ESTABLISHED), 1, "the reply, at x/a's veth");
+    assert_eq!(delta(pol_stat::DENIED_INGRESS), 1);
+    let entries = PolicyConntrack::open_pinned(&loaded.pin_dir).unwrap().entries().unwrap();
+    assert!(entries.iter().any(|(k, _)| k.pod_addr == addr(xa) && k.peer_addr == addr(zc)), "{entries:?}");
+    assert!(entries.iter().all(|(k, _)| k.pod_addr == addr(xa)), "only x/a is tracked: {entries:?}");
+
+    // Without the gate (`pol_cfg` = track all), as before it: the unisolated pods' flow is tracked
+    // at both ends, and a flow z/c had before x/a's policy would keep passing.
+    write_policy_ct_gate(&loaded.pin_dir, true).unwrap();
+    let (sport, opened) = loaded.connect(packet::TCP, yb, zc, 80);
+    assert!(opened);
+    let entries = PolicyConntrack::open_pinned(&loaded.pin_dir).unwrap().entries().unwrap();
+    for pod in [yb, zc] {
+        assert!(entries.iter().any(|(k, _)| k.pod_addr == addr(pod) && k.pod_port != 0), "{pod} tracked: {entries:?}");
+    }
+    assert!(entries.iter().any(|(k, _)| k.pod_addr == addr(yb) && k.pod_port == sport.to_be()));
+    write_policy_ct_gate(&loaded.pin_dir, false).unwrap();
+}
+
+/// The gate's one change of behaviour, fail closed: a flow a pod had while no policy isolated
+/// it was never tracked, so once a policy isolates the pod its next packet is judged like a
+/// new flow's (the gate passed nothing the policy would not have passed at the time). With
+/// `POLICY_CT_TRACK_ALL` the flow keeps passing, as before the gate.
+#[test]
+fn a_flow_from_before_the_first_isolating_policy_is_judged_unless_every_pod_is_tracked() {
+    use kube_router::bpf::policy_maps::write_policy_ct_gate;
+    let isolate =
+        policy("x", "deny-in", json!({"podSelector": {"matchLabels": {"pod": "b"}}, "policyTypes": ["Ingress"]}));
+    let cluster = Cluster::xyz();
+    let (xb, zc) = (ip(0, 1), ip(2, 2));
+    for track_all in [false, true] {
+        let mut loaded = load(if track_all { "ct-gate-all" } else { "ct-gate-on" });
+        write_policy_ct_gate(&loaded.pin_dir, track_all).unwrap();
+        loaded.program(&cluster.compile(&[]));
+        let (sport, opened) = loaded.connect(packet::UDP, zc, xb, 53);
+        assert!(opened, "no policy yet");
+        loaded.program(&cluster.compile(std::slice::from_ref(&isolate)));
+        let again = packet::ipv4(packet::UDP, (zc, sport), (xb, 53), 0, b"again");
+        assert_eq!(loaded.send(&again), track_all, "track all {track_all}: the flow's next packet");
+        assert!(!loaded.connect(packet::UDP, zc, xb, 53).1, "a new flow is denied either way");
+    }
+}
+
 #[test]
 fn the_node_reaches_its_isolated_pods_and_their_replies_come_back() {
     // x/a denies every ingress and every egress; its node still probes it (kubelet), as
@@ -776,8 +877,9 @@ fn icmp_errors_pass_for_a_live_connection_and_are_judged_as_icmp_otherwise() {
     assert!(loaded.send(&packet::icmpv6_error(2, 0, router6, ip6(0, 0), &to_z6)), "packet too big");
     let never_sent6 = packet::ipv6(packet::TCP, (ip6(0, 0), 40001), (ip6(2, 0), 443), packet::TCP_ACK, b"big");
     assert!(!loaded.send(&packet::icmpv6_error(2, 0, router6, ip6(0, 0), &never_sent6)));
-    // Each passes both hooks of `send` as related: the pod's and its peer's end of the connection.
-    assert_eq!(guard_stats(&loaded)[pol_guard_stat::ICMP_ERROR_RELATED as usize], 2 * 3);
+    // Each passes x's end of `send` as related; the other end (a router, a pod of y or z) is
+    // isolated in neither direction and not tracked (the gate): it passes `not_isolated`.
+    assert_eq!(guard_stats(&loaded)[pol_guard_stat::ICMP_ERROR_RELATED as usize], 3);
 }
 
 /// Guard: a new flow's policy conntrack entry is marked unreplied and lives a minute

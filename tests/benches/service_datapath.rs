@@ -8,7 +8,11 @@
 //!   `--run-firewall=false`), as kube-proxy is one; and the agent with its NetworkPolicy programs
 //!   as well (the default; no policy selects anything), a row of its own;
 //! * plain routing through the node the agent runs in (the client talks to the backend's own
-//!   address, on ports of its own): what the programs cost traffic that uses no Service;
+//!   address, on ports of its own): what the programs cost traffic that uses no Service; once
+//!   through the Service-proxy-only agent, once through the default one (load balancer and policy
+//!   programs, "ours+pol"). The client and backend are outside the cluster unless
+//!   `KUBE_ROUTER_CLUSTER_CIDR` in the environment makes them pods (pod-to-pod traffic, which
+//!   the load balancer's gate lets pass without a conntrack lookup);
 //! * kube-proxy's iptables mode, its rule shape (KUBE-SERVICES -> KUBE-SVC-* -> KUBE-SEP-* DNAT),
 //!   loaded with iptables-restore through both backends (legacy and nft);
 //! * kube-proxy's nftables mode, its table shape (a `service-ips` verdict map, per-service chains
@@ -17,7 +21,9 @@
 //! Client and servers run on one CPU (`taskset`), the agent wherever the scheduler puts it.
 //! At 1 and at 10,000 Services (two ports each; the measured one generated last): new TCP
 //! connections per second, new UDP flows (a socket per request) per second, one TCP flow's
-//! throughput; two rounds interleaved across the contenders, averaged. Also the time to program
+//! throughput; two rounds (`KRT_BENCH_ROUNDS`) interleaved across the contenders, averaged, and
+//! each row's ratio to plain routing per round, min-max. `KRT_BENCH_PROFILE=<row name>` runs
+//! `perf record -a -g` on the measured CPU during that row in the last round. Also the time to program
 //! the 10,000 Services, from writing the file to the agent's log line for the sync that
 //! programmed them all (`KRT_BENCH_PROGRAMMING_ONLY=1`: only that, and the same objects given
 //! to a second agent as kubectl's JSON). Numbers from a loaded
@@ -163,7 +169,23 @@ fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
         let (topo, agent, programmed_in) = start_agent("krt-sb-pol", n, &yaml, &[]);
         let name = "this datapath + policy programs";
         let (topo, agent) = (Rc::new(topo), Some(agent));
-        list.push(Contender { name, topo, target: vip.clone(), ports: VIP_PORTS, agent, programmed_in });
+        list.push(Contender { name, topo: topo.clone(), target: vip.clone(), ports: VIP_PORTS, agent, programmed_in });
+        // The same, traffic that uses no Service: every program the agent attaches by default
+        // (load balancer and policy) on the way, no policy isolating either end.
+        for port in [PASSING_PORTS.0, PASSING_PORTS.1] {
+            let port = port.to_string();
+            topo.backends[0].spawn(&[netprobe_bin().to_str().unwrap(), "serve", "backend-1", &port]).unwrap();
+        }
+        thread::sleep(Duration::from_millis(300));
+        let name = "plain routing through ours+pol";
+        list.push(Contender {
+            name,
+            topo,
+            target: BACKEND.into(),
+            ports: PASSING_PORTS,
+            agent: None,
+            programmed_in: 0.0,
+        });
     }
 
     for (name, prefix, tool) in [
@@ -285,32 +307,70 @@ fn main() {
             c.topo.client.sysctl("net.ipv4.tcp_tw_reuse", "1").unwrap();
             pin_servers(&c.topo);
         }
+        // KRT_BENCH_ROUNDS=N: rounds interleaved across the contenders (default 2), averaged;
+        // the ratios to plain routing are also given per round, min-max.
+        let rounds: usize = std::env::var("KRT_BENCH_ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(2);
         let mut sums = vec![Figures::default(); list.len()];
-        for _round in 0..2 {
-            for (c, sum) in list.iter().zip(sums.iter_mut()) {
+        let mut per_round: Vec<Vec<Figures>> = vec![Vec::new(); list.len()];
+        // KRT_BENCH_PROFILE=<words of a row's name>: `perf record -a -g` on the measured CPU
+        // while that row is measured in the last round (target/perf-service-datapath.data).
+        let profile = std::env::var("KRT_BENCH_PROFILE").ok();
+        for round in 0..rounds {
+            for ((c, sum), seen) in list.iter().zip(sums.iter_mut()).zip(per_round.iter_mut()) {
+                let perf = profile.as_deref().filter(|row| round + 1 == rounds && c.name == *row).map(|_| {
+                    let out = kube_router_tests::target_dir().join("perf-service-datapath.data");
+                    let child = std::process::Command::new("perf")
+                        .args(["record", "-a", "-g", "-C", CPU, "-o", out.to_str().unwrap()])
+                        .stdout(std::process::Stdio::null())
+                        .stderr(std::process::Stdio::null())
+                        .spawn()
+                        .expect("perf record");
+                    thread::sleep(Duration::from_millis(500));
+                    child
+                });
                 let f = measure(c);
-                sum.tcp_per_s += f.tcp_per_s / 2.0;
-                sum.udp_per_s += f.udp_per_s / 2.0;
-                sum.gbit_per_s += f.gbit_per_s / 2.0;
+                if let Some(mut child) = perf {
+                    let _ = std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status();
+                    let _ = child.wait();
+                }
+                sum.tcp_per_s += f.tcp_per_s / rounds as f64;
+                sum.udp_per_s += f.udp_per_s / rounds as f64;
+                sum.gbit_per_s += f.gbit_per_s / rounds as f64;
+                seen.push(f);
                 thread::sleep(Duration::from_millis(200));
             }
         }
-        let ours = sums[1];
+        let (ours, plain) = (sums[1], sums[0]);
         println!("\n{n} Service(s), two ports each; the measured one generated last:");
         println!(
-            "  {:<30} {:>13} {:>13} {:>10} {:>14}   ours / this: tcp, udp",
+            "  {:<30} {:>13} {:>13} {:>10} {:>14}   ours / this: tcp, udp   this / plain: tcp, udp, Gbit/s",
             "", "TCP conn/s", "UDP flows/s", "Gbit/s", "programmed in"
         );
         for (c, f) in list.iter().zip(&sums) {
             println!(
-                "  {:<30} {:>13.0} {:>13.0} {:>10.2} {:>12.3} s   {:.2}x, {:.2}x",
+                "  {:<30} {:>13.0} {:>13.0} {:>10.2} {:>12.3} s   {:.2}x, {:.2}x            {:.3}x, {:.3}x, {:.3}x",
                 c.name,
                 f.tcp_per_s,
                 f.udp_per_s,
                 f.gbit_per_s,
                 c.programmed_in,
                 ours.tcp_per_s / f.tcp_per_s,
-                ours.udp_per_s / f.udp_per_s
+                ours.udp_per_s / f.udp_per_s,
+                f.tcp_per_s / plain.tcp_per_s,
+                f.udp_per_s / plain.udp_per_s,
+                f.gbit_per_s / plain.gbit_per_s,
+            );
+        }
+        println!("  per round, this / plain routing in the same round (min-max over {rounds} rounds):");
+        let span = |values: Vec<f64>| values.iter().fold((f64::MAX, 0.0f64), |(lo, hi), v| (lo.min(*v), hi.max(*v)));
+        for (c, seen) in list.iter().zip(&per_round).skip(1) {
+            let ratios = |field: fn(&Figures) -> f64| {
+                span(seen.iter().zip(&per_round[0]).map(|(f, p)| field(f) / field(p)).collect())
+            };
+            let (t, u, g) = (ratios(|f| f.tcp_per_s), ratios(|f| f.udp_per_s), ratios(|f| f.gbit_per_s));
+            println!(
+                "  {:<30} tcp {:.3}-{:.3}x  udp {:.3}-{:.3}x  Gbit/s {:.3}-{:.3}x",
+                c.name, t.0, t.1, u.0, u.1, g.0, g.1
             );
         }
         report_programming(&list);

@@ -160,7 +160,9 @@ fn removed_backend_gets_no_new_flows_while_established_flows_keep_working() {
 
     let held =
         topo.client.spawn_collecting(&[netprobe_bin().to_str().unwrap(), "hold", &format!("{VIP}:80"), "100"]).unwrap();
-    thread::sleep(Duration::from_millis(500));
+    // Waits for its first answer: a fixed half-second wait failed on a loaded machine, with
+    // this agent and with builds of main's and another branch's alike.
+    wait_until("held connection answered", Duration::from_secs(10), || Ok(!held.lock().unwrap().is_empty())).unwrap();
     let pinned_to = held.lock().unwrap().first().cloned().expect("held connection answered");
     let index: usize = pinned_to.trim_start_matches("backend-").parse().unwrap();
 

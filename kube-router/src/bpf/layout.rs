@@ -217,6 +217,10 @@ pub const XDP_MAPS: &[MapSpec] = &[spec::<u32, u64>(map_names::XDP_STATS, MapTyp
 pub const POLICY_GUARD_MAPS: &[MapSpec] =
     &[spec::<u32, u64>(map_names::POLICY_GUARD_STATS, MapType::PerCpuArray, pol_guard_stat::COUNT)];
 
+/// The policy conntrack gate's switch (`POLICY_CT_TRACK_ALL`): a map of its own, created when
+/// absent (no layout change; absent, the datapath tracks only isolated pods).
+pub const POLICY_CONFIG_MAPS: &[MapSpec] = &[spec::<u32, u32>(map_names::POLICY_CONFIG, MapType::Array, 1)];
+
 /// Direct server return's counters: a map of its own for the same reason.
 pub const DSR_MAPS: &[MapSpec] = &[spec::<u32, u64>(map_names::DSR_STATS, MapType::PerCpuArray, dsr_stat::COUNT)];
 
@@ -241,6 +245,7 @@ pub(crate) fn all_specs() -> impl Iterator<Item = &'static MapSpec> {
         .chain(XDP_MAPS)
         .chain(DSR_MAPS)
         .chain(POLICY_GUARD_MAPS)
+        .chain(POLICY_CONFIG_MAPS)
         .chain(SOURCE_CHECK_MAPS)
         .chain(SOCK_EXEMPT_MAPS)
 }

@@ -509,6 +509,18 @@ pub fn read_policy_stats(pin_dir: &Path) -> Result<Vec<u64>> {
     (0..pol_stat::COUNT).map(|i| Ok(stats.get(&i, 0)?.iter().sum())).collect()
 }
 
+/// Writes `pol_cfg`, only if it differs: `track_all` sets `POLICY_CT_TRACK_ALL` (every pod's flows
+/// in `pol_ct_v4/v6`, as before the gate); otherwise only pods a policy isolates are tracked.
+pub fn write_policy_ct_gate(pin_dir: &Path, track_all: bool) -> Result<()> {
+    let mut map: aya::maps::Array<MapData, u32> =
+        aya::maps::Array::try_from(Map::Array(open(pin_dir, map_names::POLICY_CONFIG)?))?;
+    let flags = if track_all { POLICY_CT_TRACK_ALL } else { 0 };
+    if map.get(&0, 0)? != flags {
+        map.set(0, flags, 0)?;
+    }
+    Ok(())
+}
+
 /// `pol_ct_v4` and `pol_ct_v6`: allowed connections per local pod, written by the datapath.
 pub struct PolicyConntrack {
     map: HashMap<MapData, PolicyCtKeyV4, PolicyCtValue>,
