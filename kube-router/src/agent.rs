@@ -460,6 +460,7 @@ async fn start_api_source(
             );
             let taken = saved.written_unix;
             objects.restore(saved);
+            metrics.of::<AgentMetrics>().checkpoint_restores.inc();
             Some(taken)
         }
         Err(checkpoint::CheckpointError::Missing(_)) => None,

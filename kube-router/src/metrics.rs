@@ -139,6 +139,8 @@ pub struct AgentMetrics {
     pub api_errors: Counter,
     pub last_api_contact: OptionalGauge,
     pub checkpoint_errors: Counter,
+    /// Starts that took the desired state from the checkpoint until the API server lists it.
+    pub checkpoint_restores: Counter,
     /// How long the last checkpoint write took (it sets the wait before the next).
     pub checkpoint_write_seconds: OptionalGauge,
     /// Restored checkpoints not programmed into a set of maps (`service`, `policy`) that
@@ -197,6 +199,12 @@ impl Subsystem for AgentMetrics {
             "kube_router_checkpoint_errors_total",
             "Checkpoints that could not be written or read.",
             m.checkpoint_errors.clone(),
+        );
+        register(
+            registry,
+            "kube_router_checkpoint_restores_total",
+            "Starts that restored the desired state from the checkpoint until the API server lists it.",
+            m.checkpoint_restores.clone(),
         );
         register_optional(
             registry,

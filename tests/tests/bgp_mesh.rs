@@ -252,7 +252,8 @@ fn full_mesh_from_node_objects_survives_an_api_outage_and_a_crash_during_it() {
         uptime(&bgp2, &node_ip(3)).unwrap_or(0) >= uptime_before + outage.as_secs() - 5,
         "node-2's session with node-3 must not have flapped:\n{bgp2}"
     );
-    assert!(agents[0].as_ref().unwrap().log_count("restored desired state from checkpoint") == 1);
+    let restores = agents[0].as_ref().unwrap().scrape().unwrap().count("kube_router_checkpoint_restores_total", &[]);
+    assert_eq!(restores, 1, "node-1 restarted from its checkpoint");
     mesh.wait_for_mesh(&all, Duration::from_secs(30));
 
     // The API returns with node-3 gone: exactly that changes.
