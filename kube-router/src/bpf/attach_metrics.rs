@@ -11,7 +11,7 @@ use crate::{
 
 /// Where a link attaches: `tc` (load balancer and network policy at TC ingress and egress, one
 /// per direction), `cgroup` (the socket load balancer's eight hooks), `xdp` (the uplinks' fast
-/// path), `overlay` (the tunnel device's TC pair).
+/// path). The overlay's tunnel links are not counted here.
 #[derive(Debug, Default)]
 pub struct AttachMetrics {
     links: Family<Labels<2>, Counter>,
