@@ -118,6 +118,18 @@ fn start_agent(prefix: &str, n: usize, text: &str, extra_args: &[&str]) -> (Topo
     (topo, agent, programmed_in)
 }
 
+/// Traffic straight to the backend through the node an agent runs in: what its programs cost
+/// traffic that uses no Service. Ports of their own: a client port the Service rows used would
+/// match their reverse entries (docs/datapath.md, "A client port reused").
+fn plain_routing_through(name: &'static str, topo: Rc<Topology>) -> Contender {
+    for port in [PASSING_PORTS.0, PASSING_PORTS.1] {
+        let port = port.to_string();
+        topo.backends[0].spawn(&[netprobe_bin().to_str().unwrap(), "serve", "backend-1", &port]).unwrap();
+    }
+    thread::sleep(Duration::from_millis(300));
+    Contender { name, topo, target: BACKEND.into(), ports: PASSING_PORTS, agent: None, programmed_in: 0.0 }
+}
+
 /// `with_packets` false: the contenders are only programmed (no `nft -f`, which takes a minute).
 fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
     let mut list = Vec::new();
@@ -150,42 +162,14 @@ fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
     if with_packets {
         // Plain routing through the node the agent runs in: what the programs cost traffic that
         // uses no Service (pod to pod), with the conntrack table as the Service rows left it.
-        // Ports of their own: a client port the Service rows used would match their reverse
-        // entries (docs/datapath.md, "A client port reused").
-        for port in [PASSING_PORTS.0, PASSING_PORTS.1] {
-            let port = port.to_string();
-            topo.backends[0].spawn(&[netprobe_bin().to_str().unwrap(), "serve", "backend-1", &port]).unwrap();
-        }
-        thread::sleep(Duration::from_millis(300));
-        let name = "plain routing through ours";
-        list.push(Contender {
-            name,
-            topo,
-            target: BACKEND.into(),
-            ports: PASSING_PORTS,
-            agent: None,
-            programmed_in: 0.0,
-        });
+        list.push(plain_routing_through("plain routing through ours", topo));
         let (topo, agent, programmed_in) = start_agent("krt-sb-pol", n, &yaml, &[]);
         let name = "this datapath + policy programs";
         let (topo, agent) = (Rc::new(topo), Some(agent));
         list.push(Contender { name, topo: topo.clone(), target: vip.clone(), ports: VIP_PORTS, agent, programmed_in });
         // The same, traffic that uses no Service: every program the agent attaches by default
         // (load balancer and policy) on the way, no policy isolating either end.
-        for port in [PASSING_PORTS.0, PASSING_PORTS.1] {
-            let port = port.to_string();
-            topo.backends[0].spawn(&[netprobe_bin().to_str().unwrap(), "serve", "backend-1", &port]).unwrap();
-        }
-        thread::sleep(Duration::from_millis(300));
-        let name = "plain routing through ours+pol";
-        list.push(Contender {
-            name,
-            topo,
-            target: BACKEND.into(),
-            ports: PASSING_PORTS,
-            agent: None,
-            programmed_in: 0.0,
-        });
+        list.push(plain_routing_through("plain routing through ours+pol", topo));
     }
 
     for (name, prefix, tool) in [

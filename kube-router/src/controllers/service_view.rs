@@ -215,20 +215,26 @@ mod tests {
             "addressType": "IPv4", "endpoints": [{"addresses": ["10.244.1.5"], "nodeName": node}]})
     }
 
-    /// With the proxy off the VIPs are still computed, from a complete listing only, and a
-    /// slice change moves them.
-    #[tokio::test]
-    async fn without_the_proxy_the_vips_follow_the_catalog() {
+    /// The view of node-1, advertising externalIPs, over an empty cache.
+    fn external_ip_view() -> (Arc<Cache>, ServiceViewController, VipReceiver) {
         let cache = Cache::new(ClusterObjects::default(), None);
         let advertise = AdvertiseServices { external_ip: true, ..Default::default() };
         let (publisher, vips) = VipPublisher::new(advertise, true, Metrics::default());
-        let mut view = ServiceViewController::new(
+        let view = ServiceViewController::new(
             cache.clone(),
             publisher,
             "node-1".into(),
             Default::default(),
             Metrics::default(),
         );
+        (cache, view, vips)
+    }
+
+    /// With the proxy off the VIPs are still computed, from a complete listing only, and a
+    /// slice change moves them.
+    #[tokio::test]
+    async fn without_the_proxy_the_vips_follow_the_catalog() {
+        let (cache, mut view, vips) = external_ip_view();
         let web = json!({"metadata": {"namespace": "shop", "name": "web", "resourceVersion": "1"},
             "spec": {"clusterIP": "10.96.0.10", "externalIPs": ["192.0.2.7"], "externalTrafficPolicy": "Local",
                 "ports": [{"port": 80}]}});
@@ -259,16 +265,7 @@ mod tests {
     /// change, followed from the store's journal.
     #[tokio::test]
     async fn a_node_claiming_an_external_ip_withdraws_it_until_the_node_lets_go() {
-        let cache = Cache::new(ClusterObjects::default(), None);
-        let advertise = AdvertiseServices { external_ip: true, ..Default::default() };
-        let (publisher, vips) = VipPublisher::new(advertise, true, Metrics::default());
-        let mut view = ServiceViewController::new(
-            cache.clone(),
-            publisher,
-            "node-1".into(),
-            Default::default(),
-            Metrics::default(),
-        );
+        let (cache, mut view, vips) = external_ip_view();
         let web = json!({"metadata": {"namespace": "shop", "name": "web", "resourceVersion": "1"},
             "spec": {"clusterIP": "10.96.0.10", "externalIPs": ["192.0.2.7"], "ports": [{"port": 80}]}});
         listed(&cache, services, &[web]);
