@@ -38,6 +38,13 @@ pub fn open_pinned(pin_dir: &Path, name: &str) -> anyhow::Result<aya::maps::MapD
     aya::maps::MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))
 }
 
+/// A failed map operation as the map writer reports it; `full` when the kernel refused for
+/// want of room (E2BIG, ENOMEM), which the writer tries once per pass.
+pub(crate) fn write_error(map: &'static str, error: aya::maps::MapError) -> crate::map_writes::MapWriteError {
+    let full = matches!(&error, aya::maps::MapError::SyscallError(e) if matches!(e.io_error.raw_os_error(), Some(libc::E2BIG) | Some(libc::ENOMEM)));
+    crate::map_writes::MapWriteError { map, message: error.to_string(), full }
+}
+
 /// Removes a pinned bpf_link and detaches it at once. Unpinning alone drops the last reference
 /// from a kernel work queue, so the program stays attached for a moment after the pin is gone;
 /// `BPF_LINK_DETACH` takes it off synchronously, so `cleanup` or a mode switch is done when it

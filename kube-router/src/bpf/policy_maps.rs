@@ -20,7 +20,7 @@ use aya::maps::{
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use kube_router_common::*;
 
-use super::service_maps::write_error;
+use super::write_error;
 use crate::{
     map_writes::{write_ops, MapOperation, MapWriteError, SyncReport, WriteRules, WriteTarget},
     policy::{

@@ -21,7 +21,7 @@ use crate::services::{
     sync::{MapWriteError, ServiceMaps},
 };
 
-use super::open_pinned as open;
+use super::{open_pinned as open, write_error};
 
 fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
     let data = open(pin_dir, name)?;
@@ -105,11 +105,6 @@ where
             }
         }
     }
-}
-
-pub(crate) fn write_error(map: &'static str, error: MapError) -> MapWriteError {
-    let full = matches!(&error, MapError::SyscallError(e) if matches!(e.io_error.raw_os_error(), Some(libc::E2BIG) | Some(libc::ENOMEM)));
-    MapWriteError { map, message: error.to_string(), full }
 }
 
 fn read_hash<K: aya::Pod + Ord, V: aya::Pod>(
