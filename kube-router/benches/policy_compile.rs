@@ -657,12 +657,12 @@ fn through_the_controller(
     use kube::runtime::watcher::Event;
     use kube_router::{
         controllers::policy::PolicyController,
-        firewall::PolicyProgrammer,
         k8s::{
             cache::Cache,
             watch::{ClusterObjects, WatchUpdate},
         },
         metrics::Metrics,
+        policy::engine::PolicyProgrammer,
         runtime::Controller,
     };
     fn here(pod: &Pod) -> Pod {

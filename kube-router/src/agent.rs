@@ -33,15 +33,15 @@ use crate::{
         service_view::{ServiceViewController, VipPublisher},
         services::{FileEvents, ServiceProgrammer, ServicesFromApi, ServicesFromFile, SERVICE_TRIGGER_KINDS},
     },
-    firewall::PolicyProgrammer,
     k8s::{
         cache::Cache,
         checkpoint,
         watch::{self as watchers, ApiOptions, ClusterObjects, WatchUpdate},
     },
     metrics::{self, AgentMetrics, Metrics},
-    netif,
-    router::BgpRouter,
+    node::netif,
+    policy::engine::PolicyProgrammer,
+    routing::router::BgpRouter,
     runtime::{self, NoTrigger, RunOptions, Running, Status},
     services::family::V6,
 };
@@ -119,8 +119,8 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
     }
 
     // Until a BGP speaker runs (if ever), /bgp says so.
-    metrics.register_page("bgp", Arc::new(|| crate::router::render_status(None)));
-    metrics.register_page("bgp.json", Arc::new(|| crate::bgp::report::BgpReport::page(None)));
+    metrics.register_page("bgp", Arc::new(|| crate::routing::router::render_status(None)));
+    metrics.register_page("bgp.json", Arc::new(|| crate::routing::bgp::report::BgpReport::page(None)));
     let named = metrics.of::<crate::kr_metrics::ServiceCounters>();
     // Copied under the lock, serialized without it (the services controller names frontends
     // under it, the datapath counters controller samples them).
@@ -163,7 +163,7 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
         None
     };
     let (health_checks, health_check_ports) = watch::channel(BTreeMap::new());
-    tokio::spawn(crate::healthcheck::serve(health_check_ports, metrics.clone()));
+    tokio::spawn(crate::services::healthcheck::serve(health_check_ports, metrics.clone()));
     let services =
         if config.run_service_proxy { Some(ServiceProgrammer::start(&config, &metrics, health_checks)?) } else { None };
     let egress = EgressNets {
@@ -401,8 +401,8 @@ pub fn register_metrics(metrics: &Metrics) {
     metrics.of::<AgentMetrics>();
     metrics.of::<crate::controllers::datapath_stats::DatapathMetrics>();
     metrics.of::<crate::controllers::node_nets::CniMetrics>();
-    metrics.of::<crate::firewall::PolicyMetrics>();
-    metrics.of::<crate::router::RoutingMetrics>();
+    metrics.of::<crate::policy::engine::PolicyMetrics>();
+    metrics.of::<crate::routing::router::RoutingMetrics>();
     metrics.of::<crate::bpf::socket_lb::SocketLbMetrics>();
     metrics.of::<crate::bpf::attach_metrics::AttachMetrics>();
     metrics.of::<crate::http::HttpMetrics>();

@@ -6,7 +6,7 @@ use std::{
 };
 
 use crate::{
-    bpf::socket_lb::SocketLbOptions, k8s::watch::ApiOptions, router::RouterOptions, services::compile::Limits,
+    bpf::socket_lb::SocketLbOptions, k8s::watch::ApiOptions, routing::router::RouterOptions, services::compile::Limits,
 };
 
 pub enum DesiredSource {

@@ -274,7 +274,7 @@ impl Collector for BuildInfo {
 }
 
 /// kube-router's BGP families that we have an equivalent for, and the FIB task's host routes.
-pub fn encode_bgp(encoder: &mut DescriptorEncoder, bgp: &crate::bgp::speaker::SpeakerStatus) -> fmt::Result {
+pub fn encode_bgp(encoder: &mut DescriptorEncoder, bgp: &crate::routing::bgp::speaker::SpeakerStatus) -> fmt::Result {
     single(
         encoder,
         "kube_router_controller_bgp_peers",

@@ -11,12 +11,12 @@ use anyhow::Result;
 
 use crate::{
     agent::{self, AgentConfig, DesiredSource, StopSignals},
-    bgp::peers::ExternalPeerFlag,
     flags::{
         command_line::{invalid, CheckedFlags, RunArgs},
         routing::RouterContext,
     },
-    netif,
+    node::netif,
+    routing::bgp::peers::ExternalPeerFlag,
 };
 
 /// Runs the agent until SIGTERM or SIGINT. Flags the parser accepted but the node cannot

@@ -1,19 +1,12 @@
 //! kube-router agent library: the pure control-plane logic and the kernel edges it drives.
 pub mod agent;
-pub mod bgp;
 pub mod bpf;
 pub mod cli;
-pub mod cni;
-pub mod cni_install;
 pub mod config;
 pub mod controllers;
-pub mod egress;
 pub mod exposition;
-pub mod fib;
-pub mod firewall;
 pub mod flags;
 pub mod health;
-pub mod healthcheck;
 pub mod http;
 pub mod k8s;
 pub mod kr_metrics;
@@ -22,12 +15,19 @@ pub mod legacy;
 pub mod map_writes;
 pub mod metrics;
 pub mod monitor;
-pub mod netif;
-pub mod overlay;
-pub mod pod_cidrs;
+pub mod node;
 pub mod policy;
 pub mod process_metrics;
-pub mod router;
+pub mod routing;
 pub mod runtime;
 pub mod services;
 pub mod status_socket;
+
+// Old paths of moved modules, still named by files other branches are changing now (`k8s/`,
+// `controllers/services.rs`): delete these once those are merged and their paths rewritten
+// (the sed is in DEVELOPERS.md's Layout). `tests/module_cycles.rs` resolves them to their targets.
+pub(crate) use node::netif;
+#[cfg(test)]
+pub(crate) use node::{egress, pod_cidrs};
+pub(crate) use routing::bgp;
+pub(crate) use services::healthcheck;

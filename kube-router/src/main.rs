@@ -28,7 +28,7 @@ fn main() -> ExitCode {
         Command::Run if run.cleanup_config => cli::cleanup::ours(bpf_root, state_dir, run.routing.route_protocol),
         Command::Run => launch::run(bpf_root, run),
         Command::InstallCni { cni_bin_dir, plugin_source } => {
-            cli::install_cni::run(&kube_router::cni_install::InstallOptions {
+            cli::install_cni::run(&kube_router::node::cni_install::InstallOptions {
                 plugin_source: plugin_source.clone(),
                 bin_dir: cni_bin_dir.clone(),
                 conf_file: run.node.cni_conf_file.clone(),

@@ -279,14 +279,14 @@ mod tests {
             m.policy_packets = vec![("allowed", 1)];
             m.socket_lb_events = vec![("connect", 1)];
         });
-        metrics.of::<crate::router::RoutingMetrics>().set_overlay_packets(vec![("encapsulated", 1)]);
+        metrics.of::<crate::routing::router::RoutingMetrics>().set_overlay_packets(vec![("encapsulated", 1)]);
         let mut report = SyncReport::default();
         report.per_map.insert("svc_v4", OpCounts { inserts: 1, ..Default::default() });
         let maps = metrics.of::<MapMetrics>();
         maps.record(&report);
         maps.set_entries("svc_v4", 1);
         maps.set_full("svc_v4", false);
-        metrics.of::<crate::firewall::PolicyMetrics>().record_sync(Duration::from_millis(100));
+        metrics.of::<crate::policy::engine::PolicyMetrics>().record_sync(Duration::from_millis(100));
         let agent = metrics.of::<AgentMetrics>();
         agent.checkpoint_write_seconds.set(0.1);
         agent.reject("Service");
@@ -301,7 +301,10 @@ mod tests {
         http.count_accept_error("metrics", "EMFILE");
         metrics.register_collector(crate::exposition::FnCollector(
             |encoder: &mut prometheus_client::encoding::DescriptorEncoder| {
-                crate::router::encode_bgp_families(encoder, &crate::bgp::speaker::SpeakerStatus::default())
+                crate::routing::router::encode_bgp_families(
+                    encoder,
+                    &crate::routing::bgp::speaker::SpeakerStatus::default(),
+                )
             },
         ));
         let (_, status) = tokio::sync::watch::channel(crate::health::Status::default());

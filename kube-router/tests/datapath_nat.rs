@@ -579,8 +579,11 @@ fn enable_pod_egress(lb: &Loaded) -> usize {
         ..Default::default()
     };
     write_lb_config(&lb.pin_dir, &config).unwrap();
-    let nets =
-        kube_router::egress::cluster_nets(&[], &["10.244.0.0/16".parse().unwrap()], &["10.96.0.0/12".parse().unwrap()]);
+    let nets = kube_router::node::egress::cluster_nets(
+        &[],
+        &["10.244.0.0/16".parse().unwrap()],
+        &["10.96.0.0/12".parse().unwrap()],
+    );
     sync_cluster_nets(&lb.pin_dir, &nets).unwrap()
 }
 

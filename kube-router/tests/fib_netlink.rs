@@ -4,7 +4,7 @@
 //! read back as what was written. Needs root (run it in scripts/isolated.sh).
 use std::process::Command;
 
-use kube_router::fib::{
+use kube_router::routing::fib::{
     health::KernelError, netlink::NetlinkRoutes, reconcile, Desired, DesiredSet, Gateways, KernelRoute, RouteOp,
     RouteSet,
 };

@@ -1,13 +1,27 @@
-//! No import cycle among `kube-router/src`'s top-level modules: every `crate::X` path (in `use`
-//! items, `crate::{X, Y}` groups and inline paths) outside a file's trailing `#[cfg(test)]`
-//! module is an edge from the file's top-level module to `X`; a strongly connected component of
-//! more than one module is a cycle and fails the test, listing the edges and the file of each.
-//! Pure source reading: no build of the agent, no root.
+//! No import cycle among `kube-router/src`'s modules, at the grain of a room: a top-level module,
+//! or, inside a feature folder ([`FEATURE_FOLDERS`]: `services/`, `policy/`, `routing/`, `node/`),
+//! each of its direct children (`routing::bgp`, `routing::fib`, `policy::engine`, …; the
+//! folder's own `mod.rs` is the room named after the folder). Every `crate::X` and `super::X`
+//! path (in `use` items, nested `{…}` groups and inline paths) outside a file's trailing
+//! `#[cfg(test)]` module is an edge from the file's room to the room it names; a strongly
+//! connected component of more than one room is a cycle and fails the test, listing the edges
+//! and the file of each. Pure source reading: no build of the agent, no root.
+//!
+//! Why a feature folder is not one node: it holds a feature's pure core and its kernel/API edge
+//! side by side (`policy::flatten` and `policy::engine`), and the shared layers (`bpf`, `k8s`,
+//! `kr_metrics`) may use a feature's pure core while the feature's edge uses them. That is a
+//! layering between rooms, which this test holds acyclic; folding a folder into one node would
+//! report those as cycles of the folder with itself. Cycles between two features' rooms, or
+//! through a shared layer (`routing::bgp -> routing::overlay -> bpf -> metrics -> kr_metrics ->
+//! routing::bgp` was one), still fail.
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
     path::Path,
 };
+
+/// Top-level folders whose direct children are rooms of their own.
+const FEATURE_FOLDERS: &[&str] = &["node", "policy", "routing", "services"];
 
 /// Edges that close cycles nobody has cut yet, each with why it is there. Removing an entry
 /// makes the test show the cycle again; an entry whose edge no longer exists is reported so it
@@ -16,48 +30,110 @@ const ALLOWED_EDGES: &[(&str, &str, &str)] = &[];
 
 type Graph = BTreeMap<String, BTreeMap<String, String>>;
 
-/// `crate::X` targets named in `source` (comments and the trailing test module removed).
-fn crate_targets(source: &str) -> BTreeSet<String> {
+/// Module paths (`["routing", "bgp", "peers"]`, items included) named by `crate::`, `super::` and
+/// `self::` paths in `source` (comments and the trailing test module removed), resolved against
+/// `module`, the path of the file's own module.
+fn crate_paths(source: &str, module: &[String]) -> BTreeSet<Vec<String>> {
     let code = match find_test_module(source) {
         Some(at) => &source[..at],
         None => source,
     };
     let code: String = code.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
-    let mut targets = BTreeSet::new();
-    let mut rest = code.as_str();
-    while let Some(at) = rest.find("crate::") {
+    let mut paths = BTreeSet::new();
+    let bytes = code.as_bytes();
+    let mut at = 0;
+    while at < code.len() {
+        let rest = &code[at..];
+        let Some(found) = ["crate::", "super::", "self::"].iter().filter_map(|k| rest.find(k).map(|i| (i, *k))).min()
+        else {
+            break;
+        };
+        let (offset, keyword) = found;
+        let start = at + offset;
+        at = start + keyword.len();
         // `kube_router_common::` and friends end in `crate::` too: only a path that starts here.
-        let before = rest[..at].chars().next_back();
-        rest = &rest[at + "crate::".len()..];
-        if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+        if start > 0
+            && (bytes[start - 1].is_ascii_alphanumeric() || bytes[start - 1] == b'_' || bytes[start - 1] == b':')
+        {
             continue;
         }
-        if let Some(group) = rest.strip_prefix('{') {
-            let mut depth = 1;
-            let mut item = String::new();
-            for c in group.chars() {
-                match c {
-                    '{' => depth += 1,
-                    '}' => depth -= 1,
-                    _ => {}
+        let mut base: Vec<String> = match keyword {
+            "crate::" => Vec::new(),
+            "super::" => module[..module.len().saturating_sub(1)].to_vec(),
+            _ => module.to_vec(),
+        };
+        let mut rest = &code[at..];
+        while let Some(next) = rest.strip_prefix("super::") {
+            base.pop();
+            rest = next;
+        }
+        at = code.len() - rest.len();
+        let (found, used) = parse_tree(rest, &base);
+        paths.extend(found);
+        at += used;
+    }
+    paths.retain(|p| !p.is_empty());
+    paths
+}
+
+/// The paths of one use tree (`a::b`, `a::{b, c::{d, self}}`) after `prefix`, and how many bytes
+/// of `text` it took.
+fn parse_tree(text: &str, prefix: &[String]) -> (Vec<Vec<String>>, usize) {
+    let mut path = prefix.to_vec();
+    let mut at = 0;
+    loop {
+        let rest = &text[at..];
+        let trimmed = rest.trim_start();
+        at += rest.len() - trimmed.len();
+        if let Some(group) = trimmed.strip_prefix('{') {
+            at += 1;
+            let mut out = Vec::new();
+            let mut group = group;
+            loop {
+                let trimmed = group.trim_start();
+                at += group.len() - trimmed.len();
+                if let Some(after) = trimmed.strip_prefix('}') {
+                    at += 1;
+                    let _ = after;
+                    return (out, at);
                 }
-                if depth == 0 {
-                    break;
+                if trimmed.is_empty() {
+                    return (out, at);
                 }
-                if depth == 1 && c == ',' {
-                    targets.insert(first_ident(&item));
-                    item.clear();
+                let (items, used) = parse_tree(trimmed, &path);
+                out.extend(items);
+                at += used;
+                group = &text[at..];
+                let trimmed = group.trim_start();
+                if let Some(after) = trimmed.strip_prefix(',') {
+                    at += group.len() - after.len();
+                    group = after;
                 } else {
-                    item.push(c);
+                    at += group.len() - trimmed.len();
+                    group = trimmed;
+                    if !group.starts_with('}') {
+                        return (out, at);
+                    }
                 }
             }
-            targets.insert(first_ident(&item));
-        } else {
-            targets.insert(first_ident(rest));
+        }
+        let ident = first_ident(trimmed);
+        if ident.is_empty() {
+            return (vec![path], at);
+        }
+        at += ident.len();
+        match ident.as_str() {
+            "self" => {}
+            "super" => {
+                path.pop();
+            }
+            _ => path.push(ident),
+        }
+        match text[at..].strip_prefix("::") {
+            Some(_) => at += 2,
+            None => return (vec![path], at),
         }
     }
-    targets.retain(|t| !t.is_empty() && t != "self");
-    targets
 }
 
 fn first_ident(text: &str) -> String {
@@ -82,31 +158,73 @@ fn find_test_module(source: &str) -> Option<usize> {
     None
 }
 
-fn collect(dir: &Path, src_root: &Path, graph: &mut Graph) {
+/// `lib.rs`'s `use` re-exports (old paths of moved modules): alias -> the path it stands for.
+fn crate_aliases(lib_rs: &str) -> BTreeMap<String, Vec<String>> {
+    let mut aliases = BTreeMap::new();
+    for line in lib_rs.lines() {
+        let Some(tree) = line.trim().strip_prefix("pub(crate) use ").or_else(|| line.trim().strip_prefix("pub use "))
+        else {
+            continue;
+        };
+        for path in parse_tree(tree, &[]).0 {
+            if let Some(last) = path.last() {
+                aliases.insert(last.clone(), path.clone());
+            }
+        }
+    }
+    aliases
+}
+
+/// The room of a module path: its top-level module, or for a feature folder the folder's child
+/// it names (if it is a module, a file or folder under the folder, and not an item of `mod.rs`).
+fn room(path: &[String], src_root: &Path) -> String {
+    let top = &path[0];
+    if FEATURE_FOLDERS.contains(&top.as_str()) {
+        if let Some(child) = path.get(1) {
+            let folder = src_root.join(top);
+            if folder.join(format!("{child}.rs")).is_file() || folder.join(child).is_dir() {
+                return format!("{top}::{child}");
+            }
+        }
+    }
+    top.clone()
+}
+
+/// The module path of a source file (`routing/bgp/mod.rs` -> `routing::bgp`).
+fn module_of(relative: &Path) -> Vec<String> {
+    let mut module: Vec<String> =
+        relative.iter().map(|c| c.to_string_lossy().trim_end_matches(".rs").to_string()).collect();
+    if module.last().is_some_and(|m| m == "mod") {
+        module.pop();
+    }
+    module
+}
+
+fn collect(dir: &Path, src_root: &Path, aliases: &BTreeMap<String, Vec<String>>, graph: &mut Graph) {
     for entry in fs::read_dir(dir).expect("reading the source tree") {
         let path = entry.expect("reading the source tree").path();
         if path.is_dir() {
-            collect(&path, src_root, graph);
+            collect(&path, src_root, aliases, graph);
             continue;
         }
         if path.extension().is_none_or(|e| e != "rs") {
             continue;
         }
         let relative = path.strip_prefix(src_root).expect("under src");
-        // The crate roots: lib.rs only declares modules, main.rs is the binary's own crate.
+        // The crate roots: lib.rs only declares modules (and the aliases), main.rs is the binary's own crate.
         if relative == Path::new("lib.rs") || relative == Path::new("main.rs") {
             continue;
         }
-        let first = relative.components().next().expect("a component").as_os_str().to_string_lossy();
-        let module = first.trim_end_matches(".rs").to_string();
+        let module = module_of(relative);
+        let from = room(&module, src_root);
         let source = fs::read_to_string(&path).expect("reading a source file");
-        for target in crate_targets(&source) {
-            if target != module {
-                graph
-                    .entry(module.clone())
-                    .or_default()
-                    .entry(target)
-                    .or_insert_with(|| relative.display().to_string());
+        for mut target in crate_paths(&source, &module) {
+            if let Some(real) = aliases.get(&target[0]) {
+                target.splice(0..1, real.iter().cloned());
+            }
+            let to = room(&target, src_root);
+            if to != from {
+                graph.entry(from.clone()).or_default().entry(to).or_insert_with(|| relative.display().to_string());
             }
         }
     }
@@ -188,11 +306,15 @@ fn describe(graph: &Graph, component: &[String]) -> String {
 }
 
 #[test]
-fn top_level_modules_import_no_cycle() {
+fn rooms_import_no_cycle() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let aliases = crate_aliases(&fs::read_to_string(src.join("lib.rs")).expect("reading lib.rs"));
     let mut graph = Graph::new();
-    collect(&src, &src, &mut graph);
-    assert!(graph.contains_key("bgp") && graph.contains_key("router"), "the scan found the modules: {graph:?}");
+    collect(&src, &src, &aliases, &mut graph);
+    for room in ["routing::bgp", "routing::router", "policy::engine", "node::egress", "bpf", "k8s"] {
+        assert!(graph.contains_key(room), "the scan found the room {room}: {graph:?}");
+    }
+    assert!(graph["policy::engine"].contains_key("policy::flatten"), "super:: and nested groups are read");
     for (from, to, _) in ALLOWED_EDGES {
         let present = graph.get(*from).is_some_and(|e| e.contains_key(*to));
         if present {
@@ -203,14 +325,21 @@ fn top_level_modules_import_no_cycle() {
     }
     let found = cycles(&graph);
     let report: String = found.iter().map(|c| describe(&graph, c)).collect();
-    assert!(found.is_empty(), "import cycles between top-level modules:\n{report}");
+    assert!(found.is_empty(), "import cycles between rooms:\n{report}");
 }
 
 #[test]
 fn the_scan_sees_every_path_form_and_reports_a_cycle() {
-    let source = "use crate::{a::X, b::{Y, Z}};\nuse crate::c;\nfn f() { crate::d::g(); other_crate::e::h(); }\n// crate::commented\n#[cfg(test)]\nmod tests {\n    use crate::test_only;\n}\n";
-    let targets: Vec<String> = crate_targets(source).into_iter().collect();
-    assert_eq!(targets, ["a", "b", "c", "d"]);
+    let source = "use crate::{a::X, b::{Y, Z}};\nuse crate::c;\nuse super::{sibling::{self, W}, super::up};\nfn f() { crate::d::g(); other_crate::e::h(); self::inner::k(); }\n// crate::commented\n#[cfg(test)]\nmod tests {\n    use crate::test_only;\n}\n";
+    let module = ["f".to_string(), "g".into(), "me".into()];
+    let paths: Vec<String> = crate_paths(source, &module).into_iter().map(|p| p.join("::")).collect();
+    assert_eq!(
+        paths,
+        ["a::X", "b::Y", "b::Z", "c", "d::g", "f::g::me::inner::k", "f::g::sibling", "f::g::sibling::W", "f::up"]
+    );
+    let aliases = crate_aliases("pub mod x;\npub(crate) use node::{egress, netif};\npub(crate) use routing::bgp;\n");
+    assert_eq!(aliases["netif"], ["node", "netif"]);
+    assert_eq!(aliases["bgp"], ["routing", "bgp"]);
 
     let mut graph = Graph::new();
     for (from, to) in [("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")] {
@@ -221,4 +350,15 @@ fn the_scan_sees_every_path_form_and_reports_a_cycle() {
     assert!(describe(&graph, &found[0]).contains("c -> a   (first in src/c.rs)"));
     graph.get_mut("c").expect("c").remove("a");
     assert!(cycles(&graph).is_empty());
+}
+
+#[test]
+fn a_feature_folder_splits_into_rooms_and_other_folders_do_not() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let path = |p: &str| p.split("::").map(String::from).collect::<Vec<_>>();
+    assert_eq!(room(&path("routing::bgp::peers::PEERS_ANNOTATION"), &src), "routing::bgp");
+    assert_eq!(room(&path("policy::engine"), &src), "policy::engine");
+    assert_eq!(room(&path("policy::PortRange"), &src), "policy");
+    assert_eq!(room(&path("bpf::datapath::Datapath"), &src), "bpf");
+    assert_eq!(module_of(Path::new("routing/bgp/mod.rs")), path("routing::bgp"));
 }

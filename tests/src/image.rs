@@ -32,7 +32,7 @@ pub fn podman() -> Command {
 /// fails to start the container. RLIMIT_NPROC is not enforced for root.
 pub const RUN_LIMITS: [&str; 4] = ["--ulimit", "nofile=10000:10000", "--ulimit", "nproc=1000:1000"];
 
-/// The CNI plugins in the image and where (`kube_router::cni_install::{PLUGINS,
+/// The CNI plugins in the image and where (`kube_router::node::cni_install::{PLUGINS,
 /// IMAGE_PLUGIN_DIR}`; `image_smoke` runs `install-cni` from the image, which fails on any
 /// difference).
 pub const CNI_PLUGINS: [&str; 4] = ["bridge", "host-local", "portmap", "loopback"];

@@ -703,7 +703,7 @@ pub fn attachments(pin_dir: &Path) -> Result<Vec<Attachment>> {
         } else {
             // Classic filters are not held by their pin; the pinned program is what we attached.
             let program_id = ProgramInfo::from_pin(entry.path()).ok().map(|p| p.id());
-            let attached = crate::netif::interface_index(interface).is_some();
+            let attached = crate::node::netif::interface_index(interface).is_some();
             Attachment { interface: interface.to_string(), hook, mode: AttachMode::Classic, program_id, attached }
         };
         out.push(attachment);

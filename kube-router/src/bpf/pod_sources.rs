@@ -321,14 +321,14 @@ mod tests {
     #[test]
     fn the_route_to_a_local_address_leaves_by_loopback_and_a_global_one_by_the_default_route() {
         let mut resolver = Resolver::open().unwrap();
-        let lo = crate::netif::interface_index("lo").unwrap();
+        let lo = crate::node::netif::interface_index("lo").unwrap();
         assert_eq!(resolver.route_interface("127.0.0.1".parse().unwrap()).unwrap(), Some(lo));
         assert_eq!(resolver.route_interface("::1".parse().unwrap()).unwrap(), Some(lo));
         // A global address leaves by the default route's interface, if there is one.
         let by_default = resolver.route_interface("192.0.2.1".parse().unwrap()).unwrap();
-        let default_interfaces = crate::netif::default_route_interfaces();
+        let default_interfaces = crate::node::netif::default_route_interfaces();
         match by_default {
-            Some(index) => assert!(default_interfaces.contains(&crate::netif::interface_name(index).unwrap())),
+            Some(index) => assert!(default_interfaces.contains(&crate::node::netif::interface_name(index).unwrap())),
             None => assert!(default_interfaces.is_empty()),
         }
     }

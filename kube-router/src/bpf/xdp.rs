@@ -168,7 +168,7 @@ pub fn attach(
     interface: &str,
     setting: XdpSetting,
 ) -> Result<(AttachOutcome, Option<XdpMode>)> {
-    let ifindex = crate::netif::interface_index(interface).ok_or_else(|| anyhow!("no interface {interface}"))?;
+    let ifindex = crate::node::netif::interface_index(interface).ok_or_else(|| anyhow!("no interface {interface}"))?;
     let path = link_path(datapath.pin_dir(), interface);
     let (prog_fd, ours) = our_program(datapath)?;
     if path.exists() {
@@ -191,7 +191,7 @@ pub fn attach(
         }
     }
     let mut errors = Vec::new();
-    for &mode in setting.modes(crate::netif::driver(interface).as_deref()) {
+    for &mode in setting.modes(crate::node::netif::driver(interface).as_deref()) {
         match link_create(prog_fd, ifindex, mode) {
             Ok(link) => {
                 obj_pin(&link, &path).with_context(|| format!("pinning {}", path.display()))?;

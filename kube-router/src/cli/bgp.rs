@@ -23,7 +23,7 @@ pub fn show(state_dir: &std::path::Path, addr: IpAddr, port: u16, output: super:
             .map_err(|e| e.context("or give the agent's --metrics-port to ask its /bgp page"))?
     };
     if output == super::Output::Json {
-        let report: crate::bgp::report::BgpReport = serde_json::from_str(&text).map_err(|e| {
+        let report: crate::routing::bgp::report::BgpReport = serde_json::from_str(&text).map_err(|e| {
             anyhow::anyhow!("the agent answered no BGP report ({e}; an agent older than `bgp -o json`?): {text:.200}")
         })?;
         return Ok(serde_json::to_string_pretty(&report)? + "\n");

@@ -13,9 +13,9 @@ pub fn ours(bpf_root: &Path, state_dir: &Path, route_protocol: u8) -> Result<()>
     println!("removed {removed} pinned objects from {}", bpf_root.display());
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let routes = runtime.block_on(async {
-        let fib = crate::fib::netlink::NetlinkRoutes::connect(route_protocol, 254)?;
+        let fib = crate::routing::fib::netlink::NetlinkRoutes::connect(route_protocol, 254)?;
         // Reconciling towards nothing deletes exactly our routes (default routes included).
-        let ops = crate::fib::reconcile(&fib.list().await?, &Default::default(), true).ops;
+        let ops = crate::routing::fib::reconcile(&fib.list().await?, &Default::default(), true).ops;
         for op in &ops {
             fib.apply(op).await.map_err(|e| anyhow::anyhow!("deleting {:?}: {}", op, e.describe()))?;
         }

@@ -1,7 +1,7 @@
 //! `install-cni`: the DaemonSets' init container (`cni_install`), its report as JSON.
 use anyhow::Result;
 
-use crate::cni_install::{install, InstallOptions};
+use crate::node::cni_install::{install, InstallOptions};
 
 pub fn run(options: &InstallOptions) -> Result<()> {
     let report = install(options)?;

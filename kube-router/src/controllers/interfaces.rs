@@ -18,7 +18,7 @@ use crate::{
         xdp::{self, XdpSetting},
     },
     metrics::Metrics,
-    netif,
+    node::netif,
     runtime::{Action, Controller, Trigger},
 };
 

@@ -11,7 +11,6 @@ use k8s_openapi::api::core::v1::Node;
 use crate::{
     bpf::service_maps::{sync_cluster_nets, sync_cluster_nets_of, write_cluster_nets_of},
     config::CniOptions,
-    egress::ClusterNets,
     exposition::{register, Counter},
     k8s::{
         cache::Cache,
@@ -19,7 +18,8 @@ use crate::{
         watch::Kind,
     },
     metrics::{Metrics, Subsystem},
-    netif,
+    node::egress::ClusterNets,
+    node::netif,
     runtime::{Action, Controller},
     services::family::{AddressFamily, V4, V6},
 };
@@ -213,12 +213,12 @@ impl CniWriter {
     async fn try_sync(&self, node: Option<&Node>) -> Result<bool> {
         let node = node.with_context(|| format!("no Node object named {:?}", self.node_name))?;
         // A malformed kube-router.io/pod-cidr(s) annotation leaves the file as it was.
-        let pod_cidrs = crate::pod_cidrs::node_pod_cidrs(node)?;
+        let pod_cidrs = crate::node::pod_cidrs::node_pod_cidrs(node)?;
         let mtu = if self.options.auto_mtu { self.snat_addr.and_then(netif::mtu_of_address) } else { None };
-        let template = crate::cni::template_at(&self.options.conf_file);
-        let conflist = crate::cni::conflist(&template, &pod_cidrs, mtu)?;
-        let written = crate::cni::write_if_changed(&self.options.conf_file, &conflist)?;
-        netif::ensure_bridge(crate::cni::BRIDGE, &crate::cni::gateways(&pod_cidrs)).await?;
+        let template = crate::node::cni::template_at(&self.options.conf_file);
+        let conflist = crate::node::cni::conflist(&template, &pod_cidrs, mtu)?;
+        let written = crate::node::cni::write_if_changed(&self.options.conf_file, &conflist)?;
+        netif::ensure_bridge(crate::node::cni::BRIDGE, &crate::node::cni::gateways(&pod_cidrs)).await?;
         Ok(written)
     }
 }
@@ -226,7 +226,7 @@ impl CniWriter {
 /// Brings `cluster_nets_v4` and `cluster_nets_v6` (what pod egress masquerade treats as inside) up to date.
 pub fn sync_egress_nets<'a>(config: &EgressNets, nodes: impl IntoIterator<Item = &'a Node>) {
     let nodes: Vec<&Node> = nodes.into_iter().collect();
-    let nets = crate::egress::cluster_nets(nodes.iter().copied(), &config.cluster_cidrs, &config.service_ranges);
+    let nets = crate::node::egress::cluster_nets(nodes.iter().copied(), &config.cluster_cidrs, &config.service_ranges);
     match sync_cluster_nets(&config.pin_dir, &nets) {
         Ok(0) => {}
         Ok(writes) => tracing::info!(prefixes = nets.len(), writes, "cluster prefixes for pod egress updated"),
@@ -235,7 +235,7 @@ pub fn sync_egress_nets<'a>(config: &EgressNets, nodes: impl IntoIterator<Item =
             "cannot write cluster_nets_v4; pod egress masquerade may be wrong"
         ),
     }
-    let nets = crate::egress::cluster_nets_of::<V6>(nodes, &config.cluster_cidrs, &config.service_ranges);
+    let nets = crate::node::egress::cluster_nets_of::<V6>(nodes, &config.cluster_cidrs, &config.service_ranges);
     match sync_cluster_nets_of::<V6>(&config.pin_dir, &nets) {
         Ok(0) => {}
         Ok(writes) => tracing::info!(prefixes = nets.len(), writes, "IPv6 cluster prefixes for pod egress updated"),

@@ -15,12 +15,12 @@ use crate::{
         policy_maps::{BpfPolicyMaps, PolicyMaps},
         stamps::ApiStateStamp,
     },
-    firewall::{PolicyChanges, PolicyProgrammer},
     k8s::{
         cache::Cache,
         store::{ObjectKey, ObjectStore},
         watch::{ClusterObjects, Kind},
     },
+    policy::engine::{PolicyChanges, PolicyProgrammer},
     runtime::{Action, Controller},
 };
 
@@ -135,9 +135,9 @@ mod tests {
             policy_maps::{decode, PolicyMapContents},
             stamps::MapsStamp,
         },
-        firewall::SyncStats,
         k8s::watch::WatchUpdate,
         metrics::Metrics,
+        policy::engine::SyncStats,
     };
 
     const NODE: &str = "krt-polx-node";

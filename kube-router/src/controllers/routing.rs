@@ -9,7 +9,7 @@ use anyhow::Result;
 use crate::{
     controllers::service_view::VipReceiver,
     k8s::{cache::Cache, store::Cursor, watch::Kind},
-    router::BgpRouter,
+    routing::router::BgpRouter,
     runtime::{Action, Controller},
 };
 

@@ -16,7 +16,7 @@ use super::{
     service_proxy::ServiceProxyFlags,
     upstream_only::UpstreamOnlyFlags,
 };
-use crate::bgp::peers::ExternalPeerFlag;
+use crate::routing::bgp::peers::ExternalPeerFlag;
 
 #[derive(Parser)]
 #[command(
@@ -160,10 +160,10 @@ pub enum Command {
     /// install-cni). Nothing already there is replaced.
     InstallCni {
         /// The host's CNI plugin directory.
-        #[arg(long, default_value = crate::cni_install::DEFAULT_BIN_DIR)]
+        #[arg(long, default_value = crate::node::cni_install::DEFAULT_BIN_DIR)]
         cni_bin_dir: PathBuf,
         /// Where the plugins to install are (the image's copy).
-        #[arg(long, default_value = crate::cni_install::IMAGE_PLUGIN_DIR)]
+        #[arg(long, default_value = crate::node::cni_install::IMAGE_PLUGIN_DIR)]
         plugin_source: PathBuf,
     },
     /// Parse and check the flags (and KUBE_ROUTER_* variables) given before it, as the agent

@@ -4,8 +4,8 @@ use std::{net::Ipv4Addr, time::Duration};
 
 use super::*;
 use crate::{
-    bgp::peers::{parse_external_peer_flags, RouterIdSetting},
     flags::node::{hostname, node_name},
+    routing::bgp::peers::{parse_external_peer_flags, RouterIdSetting},
 };
 
 fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
@@ -298,11 +298,11 @@ fn each_group_converts_into_its_subsystems_options() {
     use std::{collections::BTreeSet, net::IpAddr};
 
     use crate::{
-        bgp::{bfd::BfdConfig, peers::DEFAULT_CLUSTER_ASN},
         bpf::{datapath::AttachMode, socket_lb::SocketLbOptions},
         config::ListenerOptions,
         flags::routing::RouterContext,
-        overlay::{Encap, OverlayConfig, OverlayType},
+        routing::bgp::{bfd::BfdConfig, peers::DEFAULT_CLUSTER_ASN},
+        routing::overlay::{Encap, OverlayConfig, OverlayType},
         services::family::IpFamily,
     };
 

@@ -385,8 +385,8 @@ pub fn parse_go_duration(text: &str) -> Result<Duration, String> {
 }
 
 /// `--router-id`: an IPv4 address, `generate`, or an IPv6 address (hashed to 32 bits).
-pub fn parse_router_id(text: &str) -> Result<crate::bgp::peers::RouterIdSetting, String> {
-    use crate::bgp::peers::RouterIdSetting;
+pub fn parse_router_id(text: &str) -> Result<crate::routing::bgp::peers::RouterIdSetting, String> {
+    use crate::routing::bgp::peers::RouterIdSetting;
     match text {
         // Upstream's default: the node's IPv4 address.
         "" => return Ok(RouterIdSetting::Auto),
@@ -395,7 +395,7 @@ pub fn parse_router_id(text: &str) -> Result<crate::bgp::peers::RouterIdSetting,
     }
     match text.parse::<IpAddr>() {
         Ok(IpAddr::V4(v4)) if !v4.is_unspecified() => Ok(RouterIdSetting::Fixed(v4)),
-        Ok(ip @ IpAddr::V6(_)) => Ok(RouterIdSetting::Fixed(crate::bgp::peers::hashed_router_id(ip))),
+        Ok(ip @ IpAddr::V6(_)) => Ok(RouterIdSetting::Fixed(crate::routing::bgp::peers::hashed_router_id(ip))),
         _ => Err(format!("{text:?} is not a router id: an IPv4 address, an IPv6 address (hashed) or \"generate\"")),
     }
 }
@@ -577,12 +577,12 @@ mod tests {
 
     #[test]
     fn router_ids() {
-        use crate::bgp::peers::RouterIdSetting;
+        use crate::routing::bgp::peers::RouterIdSetting;
         assert_eq!(parse_router_id("10.0.0.1"), Ok(RouterIdSetting::Fixed("10.0.0.1".parse().unwrap())));
         assert_eq!(parse_router_id("generate"), Ok(RouterIdSetting::Generate));
         assert_eq!(parse_router_id(""), Ok(RouterIdSetting::Auto));
         let RouterIdSetting::Fixed(hashed) = parse_router_id("2001:db8::1").unwrap() else { panic!() };
-        assert_eq!(hashed, crate::bgp::peers::hashed_router_id("2001:db8::1".parse().unwrap()));
+        assert_eq!(hashed, crate::routing::bgp::peers::hashed_router_id("2001:db8::1".parse().unwrap()));
         assert!(parse_router_id("0.0.0.0").is_err());
         assert!(parse_router_id("node-1").is_err());
     }

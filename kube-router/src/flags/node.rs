@@ -34,7 +34,7 @@ pub struct NodeFlags {
     #[arg(long, env = "KUBE_ROUTER_ENABLE_CNI", default_value_t = true, action = clap::ArgAction::Set)]
     pub enable_cni: bool,
     /// Where the CNI configuration is written (an existing file there is the template).
-    #[arg(long, env = "KUBE_ROUTER_CNI_CONF_FILE", default_value = crate::cni::DEFAULT_CONF_FILE)]
+    #[arg(long, env = "KUBE_ROUTER_CNI_CONF_FILE", default_value = crate::node::cni::DEFAULT_CONF_FILE)]
     pub cni_conf_file: PathBuf,
     /// Set the pod network's MTU from the node's uplink.
     #[arg(long, env = "KUBE_ROUTER_AUTO_MTU", default_value_t = true, action = clap::ArgAction::Set)]

@@ -4,12 +4,12 @@ use std::{path::PathBuf, time::Duration};
 
 use super::{drop_if_empty, parse_go_duration, path_or_empty};
 use crate::{
-    bgp::{
+    routing::bgp::{
         bfd::BfdConfig,
         peers::{parse_external_peer_flags, ExternalPeerFlag, RouterIdSetting, DEFAULT_CLUSTER_ASN},
     },
-    overlay::{Encap, OverlayConfig, OverlayType},
-    router::{AdvertiseServices, RouterOptions},
+    routing::overlay::{Encap, OverlayConfig, OverlayType},
+    routing::router::{AdvertiseServices, RouterOptions},
 };
 
 /// `--run-router`, the peers, advertisements, graceful restart and kernel routes.
@@ -68,7 +68,7 @@ pub struct RoutingFlags {
     /// Most prefixes per address family a BGP peer may send; one more closes the session
     /// (Cease, RFC 4486) and holds it down for 30 s, doubling per repeat up to 15 min. 0: no
     /// limit. Per peer: `maxprefixes` in the kube-router.io/peers annotation.
-    #[arg(long, env = "KUBE_ROUTER_BGP_MAX_PREFIXES", default_value_t = crate::bgp::peers::DEFAULT_MAX_PREFIXES)]
+    #[arg(long, env = "KUBE_ROUTER_BGP_MAX_PREFIXES", default_value_t = crate::routing::bgp::peers::DEFAULT_MAX_PREFIXES)]
     pub bgp_max_prefixes: u32,
     /// External peers get the session's own address as next hop instead of the node IP.
     #[arg(long, env = "KUBE_ROUTER_OVERRIDE_NEXTHOP", default_value_t = false, action = clap::ArgAction::Set)]
@@ -111,7 +111,7 @@ pub struct RoutingFlags {
     #[arg(long, env = "KUBE_ROUTER_SERVICE_ADVERTISE_ANNOTATIONS_OVERRIDE", default_value_t = false, action = clap::ArgAction::Set)]
     pub service_advertise_annotations_override: bool,
     /// Routing protocol number on the kernel routes we install (`ip route show proto N`).
-    #[arg(long, env = "KUBE_ROUTER_ROUTE_PROTOCOL", default_value_t = crate::fib::DEFAULT_ROUTE_PROTOCOL)]
+    #[arg(long, env = "KUBE_ROUTER_ROUTE_PROTOCOL", default_value_t = crate::routing::fib::DEFAULT_ROUTE_PROTOCOL)]
     pub route_protocol: u8,
 }
 
@@ -170,7 +170,7 @@ impl RoutingFlags {
     pub fn external_peers(&self) -> Result<Vec<ExternalPeerFlag>, String> {
         let passwords = match (&self.peer_router_passwords_file, self.peer_router_passwords.is_empty()) {
             (Some(path), true) => match std::fs::read_to_string(path) {
-                Ok(text) => crate::bgp::peers::parse_passwords_file(&text),
+                Ok(text) => crate::routing::bgp::peers::parse_passwords_file(&text),
                 Err(e) => return Err(format!("--peer-router-passwords-file {}: {e}", path.display())),
             },
             _ => self.peer_router_passwords.clone(),

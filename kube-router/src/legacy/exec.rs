@@ -313,7 +313,7 @@ pub async fn cleanup(node_pod_cidrs: &BTreeSet<IpNet>) -> Result<Report> {
 /// Every Node's pod CIDRs: its `kube-router.io/pod-cidr(s)` annotations' (upstream routed
 /// those) and its spec's.
 fn pod_cidrs_of(nodes: &[k8s_openapi::api::core::v1::Node]) -> BTreeSet<IpNet> {
-    nodes.iter().flat_map(crate::pod_cidrs::all_node_pod_cidrs).collect()
+    nodes.iter().flat_map(crate::node::pod_cidrs::all_node_pod_cidrs).collect()
 }
 
 /// The cluster's node pod CIDRs: listed from the API server (bounded: `timeout`), else read from

@@ -16,6 +16,7 @@
 //!   NetworkPolicy; hostNetwork pods are ignored (their IP is the node's).
 
 mod compile;
+pub mod engine;
 mod error;
 mod eval;
 pub mod flatten;

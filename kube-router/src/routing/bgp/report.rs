@@ -121,7 +121,7 @@ impl BgpReport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bgp::speaker::{PeerStatus, StatusRoute};
+    use crate::routing::bgp::speaker::{PeerStatus, StatusRoute};
 
     #[test]
     fn the_report_names_each_neighbor_and_route_as_the_text_page_does() {

@@ -328,7 +328,7 @@ pub enum PeerConfigError {
     )]
     MissingLocalAsn { node: String },
     #[error("{0}; BGP configuration left as it was")]
-    InvalidPodCidrAnnotation(#[from] crate::pod_cidrs::PodCidrAnnotationError),
+    InvalidPodCidrAnnotation(#[from] crate::node::pod_cidrs::PodCidrAnnotationError),
     #[error("invalid peer port 0 in settings")]
     InvalidPeerPort,
     #[error(
@@ -1091,7 +1091,7 @@ fn own_part(me: &Node, settings: &GlobalSettings) -> Result<OwnPart, PeerConfigE
 
     // A malformed pod-cidr annotation fails the whole configuration: the routes stay as they
     // were rather than the node withdrawing its pods' prefix.
-    let pod_cidrs = match (settings.advertise_pod_cidr, crate::pod_cidrs::annotated_pod_cidrs(me)) {
+    let pod_cidrs = match (settings.advertise_pod_cidr, crate::node::pod_cidrs::annotated_pod_cidrs(me)) {
         (false, _) => Vec::new(),
         (true, Some(annotated)) => annotated?,
         (true, None) => pod_cidrs(me, &mut warnings),

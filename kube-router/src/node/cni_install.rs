@@ -62,7 +62,7 @@ pub fn install(options: &InstallOptions) -> Result<InstallReport> {
         report.installed.push(plugin.to_string());
     }
     if !options.conf_file.exists() {
-        crate::cni::write_if_changed(&options.conf_file, &crate::cni::default_template())?;
+        crate::node::cni::write_if_changed(&options.conf_file, &crate::node::cni::default_template())?;
         report.config_written = true;
     }
     report.shadowing_configs = shadowing_configs(&options.conf_file);
@@ -150,7 +150,7 @@ mod tests {
         let mode = std::fs::metadata(o.bin_dir.join("bridge")).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o755);
         let written: serde_json::Value = serde_json::from_slice(&std::fs::read(&o.conf_file).unwrap()).unwrap();
-        assert_eq!(written, crate::cni::default_template());
+        assert_eq!(written, crate::node::cni::default_template());
 
         // Again: nothing to do; the agent's filled-in configuration is not reset.
         std::fs::write(&o.conf_file, "{\"agent\": \"filled in\"}").unwrap();

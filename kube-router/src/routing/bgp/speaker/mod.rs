@@ -1,13 +1,13 @@
 //! The BGP speaker: TCP sessions, timers and the kernel FIB around the pure core, cut like
 //! holo-bgp:
-//! * `instance`: every [`crate::bgp::fsm::Session`], the [`crate::bgp::rib::Rib`] and both
+//! * `instance`: every [`crate::routing::bgp::fsm::Session`], the [`crate::routing::bgp::rib::Rib`] and both
 //!   graceful-restart roles, one function per input event, the time passed in with each, typed
 //!   actions out (send, connect, close, ...) and the FIB target and status published after a
 //!   burst. No tokio, no fds: `tests` replays whole runs through it.
 //! * `tasks`: the accept loops, connection attempts and one task per connection (each with
-//!   its own [`crate::bgp::codec::WireCodec`]) own the sockets and send typed events; the
+//!   its own [`crate::routing::bgp::codec::WireCodec`]) own the sockets and send typed events; the
 //!   driver feeds them to the instance and executes its actions.
-//! * The kernel routes are written by a separate FIB task ([`crate::fib::task`]) from a
+//! * The kernel routes are written by a separate FIB task ([`crate::routing::fib::task`]) from a
 //!   `watch` of the desired route set, so a slow netlink socket never stalls keepalives.
 //!
 //! What survives what:
@@ -45,10 +45,10 @@ use super::{
     peers::PeerConfig,
     policy::{ExportPolicy, ImportPolicy, OriginKind},
 };
-pub use crate::fib::task::{FibLink, FibTarget};
+pub use crate::routing::fib::task::{FibLink, FibTarget};
 use crate::{
-    fib::{health::FibStats, resolve::Reachability, Desired, RouteSet},
-    overlay::OverlayConfig,
+    routing::fib::{health::FibStats, resolve::Reachability, Desired, RouteSet},
+    routing::overlay::OverlayConfig,
 };
 
 #[derive(Debug, Clone)]

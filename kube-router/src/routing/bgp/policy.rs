@@ -27,7 +27,7 @@ use std::{
 use ipnet::IpNet;
 
 use super::message::{NextHop, Prefix};
-use crate::fib::resolve::Reachability;
+use crate::routing::fib::resolve::Reachability;
 
 /// Which side of the cluster boundary a peer is on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
@@ -269,7 +269,7 @@ pub fn parse_community(text: &str) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fib::{ForeignRoute, KernelTable};
+    use crate::routing::fib::{ForeignRoute, KernelTable};
 
     fn p(s: &str) -> Prefix {
         s.parse().unwrap()

@@ -187,7 +187,7 @@ pub enum Event {
     /// The BFD session with the peer went from Up to Down.
     BfdDown,
     /// An UPDATE would take the peer's prefixes of `family` past `limit` (the driver checks
-    /// with [`crate::bgp::rib::Rib::prefix_limit_exceeded`] before applying it).
+    /// with [`crate::routing::bgp::rib::Rib::prefix_limit_exceeded`] before applying it).
     MaxPrefixesExceeded {
         family: Family,
         limit: u32,
@@ -701,7 +701,7 @@ pub fn resolve_collision(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bgp::message::error_code;
+    use crate::routing::bgp::message::error_code;
 
     const LOCAL_ID: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
     const PEER_ID: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 2);

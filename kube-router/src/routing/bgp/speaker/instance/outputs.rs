@@ -5,7 +5,7 @@ use std::net::{IpAddr, SocketAddr};
 use tracing::{debug, info, warn};
 
 use super::{canonical, Action, ConnId, Connection, Instance};
-use crate::bgp::{
+use crate::routing::bgp::{
     fsm::{Direction, DownReason, Event, GracefulRestartConfig, Negotiated, Output, SessionConfig, State},
     graceful_restart::{RestartOutput, TimerCommand},
     message::{Family, Message, Prefix, Update},

@@ -289,9 +289,11 @@ impl RestartingSpeaker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bgp::fsm::{Event, GracefulRestartConfig, Output, PeerGracefulRestart, Session, SessionConfig, State};
-    use crate::bgp::message::{AsPathSegment, Message, NextHop, Notification, PathAttributes, Update};
-    use crate::bgp::rib::{PeerInfo, RibConfig};
+    use crate::routing::bgp::fsm::{
+        Event, GracefulRestartConfig, Output, PeerGracefulRestart, Session, SessionConfig, State,
+    };
+    use crate::routing::bgp::message::{AsPathSegment, Message, NextHop, Notification, PathAttributes, Update};
+    use crate::routing::bgp::rib::{PeerInfo, RibConfig};
     use std::net::Ipv4Addr;
 
     const LOCAL_ASN: u32 = 64512;
@@ -310,7 +312,7 @@ mod tests {
             local_ipv4: Some(Ipv4Addr::new(192, 168, 0, 1)),
             local_ipv6: None,
             families: vec![Family::Ipv4Unicast, Family::Ipv6Unicast],
-            role: crate::bgp::policy::PeerRole::External,
+            role: crate::routing::bgp::policy::PeerRole::External,
             accept_default: false,
         }
     }
@@ -456,7 +458,7 @@ mod tests {
     }
 
     /// Drive a real FSM session to Established with a given peer OPEN.
-    fn establish(session: Session, peer_open: crate::bgp::message::Open) -> (Session, Vec<Output>) {
+    fn establish(session: Session, peer_open: crate::routing::bgp::message::Open) -> (Session, Vec<Output>) {
         let mut all = Vec::new();
         let mut s = session;
         for e in [

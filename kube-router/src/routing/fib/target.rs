@@ -9,7 +9,7 @@ use std::{
 use ipnet::IpNet;
 
 use super::{resolve::Reachability, task::FibTarget, Desired, DesiredSet, Gateways, KernelRoute};
-use crate::overlay::{
+use crate::routing::overlay::{
     plan::{overhead, tunnel, OverlayTarget},
     OverlayConfig,
 };
@@ -148,8 +148,8 @@ mod tests {
 
     use super::*;
     use crate::{
-        fib::{resolve::Link, ForeignRoute, KernelTable},
-        overlay::{Encap, OverlayType},
+        routing::fib::{resolve::Link, ForeignRoute, KernelTable},
+        routing::overlay::{Encap, OverlayType},
     };
 
     const LOCAL: Ipv4Addr = Ipv4Addr::new(172, 16, 0, 100);

@@ -24,7 +24,7 @@ use super::{
     Originated, Policies, SpeakerConfig,
 };
 use crate::{
-    bgp::{
+    routing::bgp::{
         bfd_io::{BfdEvent, BfdPeer},
         codec::DecodeOutcome,
         fsm::{Direction, Session, State, TimerKind},
@@ -34,7 +34,7 @@ use crate::{
         policy::{OriginKind, PeerRole},
         rib::{Rib, RibConfig, RouteSource},
     },
-    fib::{
+    routing::fib::{
         health::FibStats,
         resolve::Reachability,
         target::{Learned, NodePeer, PathHop, Planner},

@@ -22,7 +22,7 @@ use super::message::{
     Update,
 };
 use super::policy::{ExportPolicy, ImportPolicy, OriginKind, PeerRole, Rejection};
-use crate::{fib::resolve::Reachability, overlay::OverlayConfig};
+use crate::{routing::fib::resolve::Reachability, routing::overlay::OverlayConfig};
 
 /// RFC 4271 §5.1.5: LOCAL_PREF assumed when absent (common default).
 pub const DEFAULT_LOCAL_PREF: u32 = 100;
@@ -866,8 +866,8 @@ pub fn next_hop_resolvable(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bgp::message::Origin;
-    use crate::bgp::policy::ImportPolicy;
+    use crate::routing::bgp::message::Origin;
+    use crate::routing::bgp::policy::ImportPolicy;
     use proptest::prelude::*;
 
     const LOCAL_ASN: u32 = 64512;
@@ -1203,7 +1203,7 @@ mod tests {
     }
 
     fn reach(connected: &[&str], routes: &[(&str, &str)], local: &[&str]) -> Reachability {
-        use crate::fib::{ForeignRoute, KernelTable};
+        use crate::routing::fib::{ForeignRoute, KernelTable};
         let mut table = KernelTable::default();
         let route = |gateway: Option<IpAddr>| ForeignRoute {
             protocol: if gateway.is_some() { 4 } else { 2 },
@@ -1285,7 +1285,7 @@ mod tests {
 
     #[test]
     fn node_routes_behind_the_overlay_resolve_through_the_tunnel_endpoint() {
-        use crate::overlay::{Encap, OverlayConfig, OverlayType};
+        use crate::routing::overlay::{Encap, OverlayConfig, OverlayType};
         let remote_node = PeerInfo { address: IpAddr::V4(Ipv4Addr::new(10, 81, 0, 2)), ..peer(9, LOCAL_ASN) };
         let prefix = pfx("10.244.2.0/24");
         let mut rib = rib_with(std::slice::from_ref(&remote_node));
@@ -1339,7 +1339,7 @@ mod tests {
         rib.set_export_policy(ExportPolicy {
             advertise_pod_cidr: false,
             communities: vec![0xffff_ff01],
-            prepend: Some(crate::bgp::policy::AsPrepend { asn: 65000, repeat: 2 }),
+            prepend: Some(crate::routing::bgp::policy::AsPrepend { asn: 65000, repeat: 2 }),
             override_next_hop: true,
         });
         let out = rib.sync_adj_rib_out(tor.address, None);

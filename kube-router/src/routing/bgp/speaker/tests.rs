@@ -13,7 +13,7 @@ use super::{
     Advertisements, GracefulRestartSettings, SpeakerConfig, StatusRoute,
 };
 use crate::{
-    bgp::{
+    routing::bgp::{
         codec::DecodeOutcome,
         fsm::{GracefulRestartConfig, Session, SessionConfig, State},
         message::{
@@ -22,7 +22,7 @@ use crate::{
         peers::{ExternalPeerFlag, PeerConfig},
         policy::OriginKind,
     },
-    fib::{Gateways, KernelRoute, RouteSet},
+    routing::fib::{Gateways, KernelRoute, RouteSet},
 };
 
 const LOCAL_ASN: u32 = 64512;

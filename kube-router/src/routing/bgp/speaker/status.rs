@@ -6,12 +6,12 @@ use std::{
 };
 
 use crate::{
-    bgp::{
+    routing::bgp::{
         fsm::State,
         message::Prefix,
         policy::{OriginKind, Rejection},
     },
-    fib::health::FibStats,
+    routing::fib::health::FibStats,
 };
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -25,14 +25,14 @@ use super::{
     status::SpeakerStatus,
 };
 use crate::{
-    bgp::{
+    routing::bgp::{
         bfd_io::{run_bfd, BfdPeer},
         codec::{DecodeOutcome, WireCodec},
         md5::{set_min_ttl, set_tcp_md5_key, set_ttl},
         message::Message,
         peers::PeerConfig,
     },
-    fib::task::FibTarget,
+    routing::fib::task::FibTarget,
 };
 
 /// Events for the driver: typed inputs for the core, and the streams the socket tasks hand over.
@@ -502,7 +502,7 @@ mod tests {
 
     #[test]
     fn session_ttl_follows_ebgp_multihop_and_gtsm() {
-        let flag = crate::bgp::peers::ExternalPeerFlag {
+        let flag = crate::routing::bgp::peers::ExternalPeerFlag {
             address: "192.0.2.1".parse().unwrap(),
             asn: 65001,
             password: None,

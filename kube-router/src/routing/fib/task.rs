@@ -18,7 +18,7 @@ use super::{
     resolve::Reachability,
     DesiredSet,
 };
-use crate::overlay::{maps::OverlayDataplane, plan::OverlayTarget};
+use crate::routing::overlay::{maps::OverlayDataplane, plan::OverlayTarget};
 
 /// Routes the kernel should have (our protocol only) and whether stale ones may go yet.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

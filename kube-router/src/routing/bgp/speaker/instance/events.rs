@@ -9,7 +9,7 @@ use tracing::{debug, info, warn};
 
 use super::{Action, ConnId, Instance, Peer};
 use crate::{
-    bgp::{
+    routing::bgp::{
         bfd_io::{BfdEvent, BfdPeer},
         codec::DecodeOutcome,
         fsm::{resolve_collision, Direction, Event, Output, Session, State, TimerKind},
@@ -19,7 +19,7 @@ use crate::{
         policy::OriginKind,
         speaker::{Originated, Policies},
     },
-    fib::resolve::Reachability,
+    routing::fib::resolve::Reachability,
 };
 
 impl Instance {

@@ -17,7 +17,9 @@ use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
 
 use crate::{
-    bgp::{
+    k8s::store::Followed,
+    metrics::{AgentMetrics, Metrics, Subsystem},
+    routing::bgp::{
         bfd::BfdConfig,
         fsm::State,
         message::{Family, Prefix},
@@ -25,10 +27,8 @@ use crate::{
         policy::{ExportPolicy, ImportPolicy, OriginKind},
         speaker::{GracefulRestartSettings, Originated, PeerStatus, Policies, Speaker, SpeakerConfig, SpeakerStatus},
     },
-    fib::{netlink::NetlinkRoutes, resolve::Reachability, task::run_fib},
-    k8s::store::Followed,
-    metrics::{AgentMetrics, Metrics, Subsystem},
-    overlay::OverlayConfig,
+    routing::fib::{netlink::NetlinkRoutes, resolve::Reachability, task::run_fib},
+    routing::overlay::OverlayConfig,
 };
 use prometheus_client::encoding::DescriptorEncoder;
 
@@ -160,7 +160,7 @@ impl BgpRouter {
             ipv6_address: None,
             pod_cidrs: self.options.pod_cidrs.clone().unwrap_or_default(),
             peers,
-            route_reflector: crate::bgp::peers::RrRole::None,
+            route_reflector: crate::routing::bgp::peers::RrRole::None,
             listen_addresses: Vec::new(),
             prepend: None,
             communities: Vec::new(),
@@ -312,14 +312,14 @@ impl BgpRouter {
                 let reported = speaker.clone();
                 self.metrics.register_page(
                     "bgp.json",
-                    Arc::new(move || crate::bgp::report::BgpReport::page(Some(&reported.status()))),
+                    Arc::new(move || crate::routing::bgp::report::BgpReport::page(Some(&reported.status()))),
                 );
                 self.registered = true;
             }
             self.metrics.heartbeat("bgp");
         }
         if self.options.overlay.is_some() {
-            if let Ok(stats) = crate::overlay::maps::read_stats(&self.options.bpf_root) {
+            if let Ok(stats) = crate::routing::overlay::maps::read_stats(&self.options.bpf_root) {
                 let names = kube_router_common::ovl_stat::NAMES;
                 self.routing_metrics.set_overlay_packets(names.iter().copied().zip(stats).collect());
             }

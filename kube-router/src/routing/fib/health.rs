@@ -294,7 +294,7 @@ impl FibHealth {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fib::{reconcile, Desired, DesiredSet, Gateways, KernelTable};
+    use crate::routing::fib::{reconcile, Desired, DesiredSet, Gateways, KernelTable};
 
     fn net(s: &str) -> IpNet {
         s.parse().unwrap()

@@ -52,7 +52,7 @@ fn flag_nets(cluster_cidrs: &[IpNet], service_ranges: &[IpNet]) -> BTreeSet<(IpN
 /// What one Node puts inside the cluster: its pod ranges (the annotations' and the spec's:
 /// inside either way) and its addresses, each once.
 fn node_nets(node: &Node) -> BTreeSet<(IpNet, u32)> {
-    let pods = crate::pod_cidrs::all_node_pod_cidrs(node).into_iter().map(|net| (net.trunc(), CLUSTER_NET_POD));
+    let pods = crate::node::pod_cidrs::all_node_pod_cidrs(node).into_iter().map(|net| (net.trunc(), CLUSTER_NET_POD));
     let addresses = node.status.as_ref().and_then(|s| s.addresses.as_ref()).into_iter().flatten();
     let addresses = addresses
         .filter_map(|address| address.address.parse::<std::net::IpAddr>().ok())

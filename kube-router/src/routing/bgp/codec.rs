@@ -996,7 +996,7 @@ fn update_from_wire(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bgp::message::{cease_subcode, GracefulRestartFamily};
+    use crate::routing::bgp::message::{cease_subcode, GracefulRestartFamily};
 
     fn p(s: &str) -> Prefix {
         s.parse().unwrap()
