@@ -294,7 +294,7 @@ impl BgpRouter {
             kept_routes = table.ours.len(), "starting BGP speaker");
         let (speaker, fib) =
             Speaker::start(speaker_config, wanted.peers.clone(), wanted.prefixes.clone(), table.ours).await?;
-        tokio::spawn(run_fib(routes, fib, o.bpf_root.clone()));
+        tokio::spawn(run_fib(routes, fib, o.bpf_root.clone(), self.metrics.of()));
         Ok(speaker)
     }
 

@@ -18,7 +18,10 @@ use super::{
     resolve::Reachability,
     DesiredSet,
 };
-use crate::routing::overlay::{maps::OverlayDataplane, plan::OverlayTarget};
+use crate::{
+    map_writes::MapMetrics,
+    routing::overlay::{maps::OverlayDataplane, plan::OverlayTarget},
+};
 
 /// Routes the kernel should have (our protocol only) and whether stale ones may go yet.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -59,11 +62,17 @@ impl FibLink {
 /// differences and never touching a route that is not ours (see [`super`]). Re-reads the
 /// table when the kernel's own routes, addresses or links change (and every 30 s, so that a
 /// route removed by hand comes back), reports that view to the speaker (next-hop resolution,
-/// the node's own subnets), and retries refused writes with backoff ([`FibHealth`]).
-pub async fn run_fib(routes: super::netlink::NetlinkRoutes, mut link: FibLink, bpf_root: PathBuf) {
+/// the node's own subnets), and retries refused writes with backoff ([`FibHealth`]). The overlay's
+/// map writes are counted in `map_metrics`.
+pub async fn run_fib(
+    routes: super::netlink::NetlinkRoutes,
+    mut link: FibLink,
+    bpf_root: PathBuf,
+    map_metrics: Arc<MapMetrics>,
+) {
     const PERIODIC: Duration = Duration::from_secs(30);
     let mut health = FibHealth::new();
-    let mut overlay = OverlayDataplane::new(bpf_root);
+    let mut overlay = OverlayDataplane::new(bpf_root, map_metrics);
     let mut overlay_error: Option<String> = None;
     let mut last_view: Option<Reachability> = None;
     let mut last_error: Option<String> = None;

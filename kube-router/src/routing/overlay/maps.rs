@@ -3,6 +3,7 @@ use std::{
     collections::BTreeSet,
     net::Ipv4Addr,
     path::{Path, PathBuf},
+    sync::Arc,
 };
 
 use anyhow::{anyhow, Context, Result};
@@ -11,7 +12,10 @@ use ipnet::Ipv4Net;
 use kube_router_common::{map_names, ovl_stat, OverlayPrefixV4, OverlayTunnelV4};
 
 use super::plan::{diff, MapOp, OverlayMapsState, OverlayTarget};
-use crate::bpf::datapath::{AttachOutcome, Datapath};
+use crate::{
+    bpf::datapath::{AttachOutcome, Datapath},
+    map_writes::MapMetrics,
+};
 
 pub struct OverlayMaps {
     routes: LpmTrie<MapData, OverlayPrefixV4, OverlayTunnelV4>,
@@ -69,17 +73,19 @@ pub fn read_stats(pin_dir: &Path) -> Result<Vec<u64>> {
 
 /// Brings the datapath to an [`OverlayTarget`]: loads the programs the first time a tunnel is
 /// needed (or opens the maps a previous run left), attaches them where tunnels go (pinned
-/// links, re-adopted after a restart) and writes only the map entries that differ.
+/// links, re-adopted after a restart) and writes only the map entries that differ, each counted
+/// in `kube_router_map_writes_total{map="ovl_routes_v4"|"ovl_remotes_v4"}` like every map writer's.
 pub struct OverlayDataplane {
     pin_dir: PathBuf,
     datapath: Option<Datapath>,
     maps: Option<OverlayMaps>,
     attached: BTreeSet<String>,
+    metrics: Arc<MapMetrics>,
 }
 
 impl OverlayDataplane {
-    pub fn new(pin_dir: PathBuf) -> Self {
-        Self { pin_dir, datapath: None, maps: None, attached: BTreeSet::new() }
+    pub fn new(pin_dir: PathBuf, metrics: Arc<MapMetrics>) -> Self {
+        Self { pin_dir, datapath: None, maps: None, attached: BTreeSet::new(), metrics }
     }
 
     /// Attachments and the map entries new routes need; returns the writes to make once the
@@ -110,7 +116,8 @@ impl OverlayDataplane {
             }
         }
         let maps = self.maps.as_mut().expect("opened above");
-        let (before, mut after) = diff(&maps.read()?, &target.maps);
+        let installed = maps.read()?;
+        let (before, mut after) = diff(&installed, &target.maps);
         if !allow_deletes {
             after.clear();
         }
@@ -122,16 +129,26 @@ impl OverlayDataplane {
             );
         }
         for op in &before {
-            maps.apply(op)?;
+            write(maps, &self.metrics, op, &installed)?;
         }
         Ok(after)
     }
 
+    /// The deletes [`Self::prepare`] returned, once the kernel routes no longer need them.
     pub fn finish(&mut self, after: &[MapOp]) -> Result<()> {
         let Some(maps) = self.maps.as_mut() else { return Ok(()) };
+        let installed = maps.read()?;
         for op in after {
-            maps.apply(op)?;
+            write(maps, &self.metrics, op, &installed)?;
         }
         Ok(())
     }
+}
+
+/// One write, counted by map and operation (`error` when the kernel refused it).
+fn write(maps: &mut OverlayMaps, metrics: &MapMetrics, op: &MapOp, installed: &OverlayMapsState) -> Result<()> {
+    let (map, label) = op.labels(installed);
+    let result = maps.apply(op);
+    metrics.count(map, if result.is_ok() { label } else { "error" }, 1);
+    result
 }

@@ -34,6 +34,21 @@ pub enum MapOp {
     DeleteRemote(Ipv4Addr),
 }
 
+impl MapOp {
+    /// The map this op writes and its `op` label in `kube_router_map_writes_total`: a put is an
+    /// `insert` or an `update` by whether `installed` has the key.
+    pub fn labels(&self, installed: &OverlayMapsState) -> (&'static str, &'static str) {
+        use kube_router_common::map_names::{OVERLAY_REMOTES, OVERLAY_ROUTES};
+        let put = |present: bool| if present { "update" } else { "insert" };
+        match self {
+            MapOp::PutRoute(net, _) => (OVERLAY_ROUTES, put(installed.routes.contains_key(net))),
+            MapOp::DeleteRoute(_) => (OVERLAY_ROUTES, "delete"),
+            MapOp::PutRemote(remote, _) => (OVERLAY_REMOTES, put(installed.remotes.contains_key(remote))),
+            MapOp::DeleteRemote(_) => (OVERLAY_REMOTES, "delete"),
+        }
+    }
+}
+
 /// Bytes the encapsulation adds (outer IPv4; for FOU also UDP and GUE).
 pub const fn overhead(encap: Encap) -> u32 {
     match encap {
@@ -114,5 +129,20 @@ mod tests {
         assert_eq!(b.port.to_ne_bytes(), [0x15, 0xb3]);
         assert_eq!(a.remote.to_ne_bytes(), [10, 81, 0, 2]);
         assert_eq!((overhead(Encap::Ipip), overhead(Encap::Fou { port: 1 })), (20, 32));
+    }
+
+    #[test]
+    fn each_write_is_labelled_with_its_map_and_whether_the_key_was_there() {
+        let local = v4("10.80.0.1");
+        let a = tunnel(v4("10.81.0.2"), local, Encap::Ipip);
+        let net = "10.244.2.0/24".parse().unwrap();
+        let installed = OverlayMapsState { routes: [(net, a)].into(), remotes: [(v4("10.81.0.2"), a)].into() };
+        let empty = OverlayMapsState::default();
+        assert_eq!(MapOp::PutRoute(net, a).labels(&installed), ("ovl_routes_v4", "update"));
+        assert_eq!(MapOp::PutRoute(net, a).labels(&empty), ("ovl_routes_v4", "insert"));
+        assert_eq!(MapOp::DeleteRoute(net).labels(&installed), ("ovl_routes_v4", "delete"));
+        assert_eq!(MapOp::PutRemote(v4("10.81.0.2"), a).labels(&installed), ("ovl_remotes_v4", "update"));
+        assert_eq!(MapOp::PutRemote(v4("10.81.0.9"), a).labels(&installed), ("ovl_remotes_v4", "insert"));
+        assert_eq!(MapOp::DeleteRemote(v4("10.81.0.2")).labels(&empty), ("ovl_remotes_v4", "delete"));
     }
 }
