@@ -467,7 +467,7 @@ pub fn wait_until(what: &str, timeout: Duration, mut check: impl FnMut() -> Resu
     }
 }
 
-/// The agent's BGP status as `kube-router bgp -o json` prints it (`bgp/report.rs`), asked
+/// The agent's BGP status as `kube-router bgp -o json` prints it (`routing/bgp/report.rs`), asked
 /// over its metrics port from inside `ns`. `running` is false until the speaker has started.
 pub fn bgp_status(ns: &Netns, metrics_port: &str) -> Result<serde_json::Value> {
     let out = ns.run(&[kube_router_bin().to_str().unwrap(), "--metrics-port", metrics_port, "bgp", "-o", "json"])?;

@@ -2,7 +2,7 @@
 //! shell. It copies the CNI plugins kube-router's configuration uses (from the image) into the
 //! host's plugin directory where they are missing, and writes kube-router's CNI configuration
 //! template where there is none, so the kubelet sees a pod network before the agent fills in the
-//! node's ranges (`cni.rs`).
+//! node's ranges (`node/cni.rs`).
 //!
 //! It never replaces what is there: a plugin already on the host (the distribution's, k3s's) is
 //! kept, as is any file at the configuration path (the agent uses it as its template). Unlike
