@@ -10,11 +10,13 @@ use std::{
 };
 
 use k8s_openapi::api::{
-    core::v1::{Namespace, Node, Pod, Service},
+    core::v1::{Namespace, Node, Service},
     discovery::v1::EndpointSlice,
     networking::v1::NetworkPolicy,
 };
 use serde::{Deserialize, Serialize};
+
+use super::pod::PodFields;
 
 pub const CHECKPOINT_VERSION: u32 = 1;
 pub const FILE_NAME: &str = "checkpoint.json";
@@ -25,7 +27,9 @@ pub struct Checkpoint {
     pub written_unix: f64,
     pub services: Vec<Service>,
     pub endpoint_slices: Vec<EndpointSlice>,
-    pub pods: Vec<Pod>,
+    /// Pods with the fields the agent reads (an earlier agent's, whole `k8s-openapi` Pods slimmed,
+    /// read the same).
+    pub pods: Vec<PodFields>,
     pub namespaces: Vec<Namespace>,
     pub nodes: Vec<Node>,
     pub network_policies: Vec<NetworkPolicy>,
@@ -232,7 +236,7 @@ mod tests {
                 "kube-router.io/peers": "- {remoteip: 192.0.2.2, remoteasn: 65001, password: czNjcmV0LXlhbWw=}\n"}},
         }))
         .unwrap();
-        let pod: Pod = serde_json::from_value(serde_json::json!({
+        let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
             "metadata": {"namespace": "shop", "name": "web-1", "labels": {"app": "web"},
                          "annotations": {"note": "s3cret-annotation"}},
             "spec": {"nodeName": "node-1", "containers": [{"name": "web", "image": "web:1",
@@ -243,7 +247,8 @@ mod tests {
         .unwrap();
         let checkpoint = Checkpoint {
             nodes: vec![node_for_checkpoint(&node)],
-            pods: vec![crate::k8s::slim::Slim::slim(pod.clone())],
+            // As the agent writes its pods.
+            pods: vec![crate::k8s::pod::SlimPod::from(&pod).to_fields()],
             ..Default::default()
         };
         write(&dir, &checkpoint).unwrap();

@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 
 use super::compile::{compile_counting_references, load_inputs, CompileOutput};
@@ -24,6 +24,7 @@ use super::error::PolicyError;
 use super::inputs::Inputs;
 use super::model::{CompiledModel, PodRef, PodRules, PodSetKey};
 use super::parse::{namespace_labels, pod_ref, PodInfo, ValidatedPolicy};
+use crate::k8s::pod::AsSlimPod;
 
 /// How a pod set changed in one operation.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,8 +103,8 @@ impl PolicyCompiler {
     }
 
     /// Starts from a full snapshot (e.g. after the initial informer list).
-    pub fn from_snapshot<'a>(
-        pods: impl IntoIterator<Item = &'a Pod>,
+    pub fn from_snapshot<'a, P: AsSlimPod + 'a>(
+        pods: impl IntoIterator<Item = &'a P>,
         namespaces: impl IntoIterator<Item = &'a Namespace>,
         policies: impl IntoIterator<Item = &'a NetworkPolicy>,
     ) -> PolicyCompiler {
@@ -137,13 +138,14 @@ impl PolicyCompiler {
         CompileOutput { model: self.model.clone(), policy_errors: self.policy_errors() }
     }
 
-    pub fn upsert_pod(&mut self, pod: &Pod) -> Delta {
-        let pod_ref = pod_ref(pod);
-        self.replace_pod(&pod_ref, PodInfo::from_pod(pod))
+    pub fn upsert_pod(&mut self, pod: &impl AsSlimPod) -> Delta {
+        let pod = pod.slim_pod();
+        self.replace_pod(&pod_ref(&pod), PodInfo::from_pod(&pod))
     }
 
     pub fn delete_pod(&mut self, namespace: &str, name: &str) -> Delta {
-        let pod_ref = PodRef { namespace: namespace.to_string(), name: name.to_string() };
+        let namespace = if namespace.is_empty() { "default" } else { namespace };
+        let pod_ref = PodRef { namespace: namespace.into(), name: name.into() };
         self.replace_pod(&pod_ref, None)
     }
 
@@ -153,7 +155,7 @@ impl PolicyCompiler {
             return Delta::default();
         }
         let touched_ips: BTreeSet<IpAddr> =
-            old.iter().chain(new.iter()).flat_map(|info| info.ips.iter().copied()).collect();
+            old.iter().chain(new.iter()).flat_map(|info| info.ips().iter().copied()).collect();
         // A contested IP may change owner, and so whose named ports count.
         let contested_before = touched_ips.iter().any(|ip| self.inputs.is_contested(*ip));
         self.inputs.remove_pod(pod_ref);
