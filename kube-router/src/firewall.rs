@@ -313,7 +313,9 @@ impl<M: PolicyMaps> PolicyProgrammer<M> {
                     let key = (pod.namespace.to_string(), pod.name.to_string());
                     self.local.set(&self.node_name, &key, Some(pod), &mut flipped);
                 }
-                let compiler = PolicyCompiler::from_snapshot(
+                // Entries for this node's pods only: no other pod's rules are written here.
+                let compiler = PolicyCompiler::from_snapshot_on(
+                    Some(&self.node_name),
                     pods.iter(),
                     namespaces.iter().map(|n| &**n),
                     policies.iter().map(|p| &**p),

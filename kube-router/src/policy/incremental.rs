@@ -102,13 +102,32 @@ impl PolicyCompiler {
         PolicyCompiler::default()
     }
 
+    /// A compiler whose model holds the entries of `node`'s pods only (what an agent
+    /// programs); the pod sets are those these entries name, with every member of the cluster.
+    pub fn on_node(node: &str) -> PolicyCompiler {
+        let mut compiler = PolicyCompiler::default();
+        compiler.inputs.set_scope(Some(node));
+        compiler
+    }
+
     /// Starts from a full snapshot (e.g. after the initial informer list).
     pub fn from_snapshot<'a, P: AsSlimPod + 'a>(
         pods: impl IntoIterator<Item = &'a P>,
         namespaces: impl IntoIterator<Item = &'a Namespace>,
         policies: impl IntoIterator<Item = &'a NetworkPolicy>,
     ) -> PolicyCompiler {
-        let inputs = load_inputs(pods, namespaces, policies);
+        Self::from_snapshot_on(None, pods, namespaces, policies)
+    }
+
+    /// [`Self::from_snapshot`], with entries for `node`'s pods only ([`Self::on_node`]).
+    pub fn from_snapshot_on<'a, P: AsSlimPod + 'a>(
+        node: Option<&str>,
+        pods: impl IntoIterator<Item = &'a P>,
+        namespaces: impl IntoIterator<Item = &'a Namespace>,
+        policies: impl IntoIterator<Item = &'a NetworkPolicy>,
+    ) -> PolicyCompiler {
+        let mut inputs = load_inputs(pods, namespaces, policies);
+        inputs.set_scope(node);
         let (output, pod_set_refs) = compile_counting_references(&inputs);
         PolicyCompiler { inputs, model: output.model, pod_set_refs }
     }

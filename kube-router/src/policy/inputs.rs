@@ -28,6 +28,10 @@ pub(crate) struct Inputs {
     /// namespace -> name -> policy.
     policies: BTreeMap<String, BTreeMap<String, ValidatedPolicy>>,
     policy_errors: BTreeMap<(String, String), PolicyError>,
+    /// Only the IPs of this node's pods get compiled entries: the agent programs no other
+    /// pod's rules, and 150,000 pods' rules (and the pod sets only they name) were most of the
+    /// compiler's memory. `None`: every pod's (tests, tools).
+    scope: Option<Arc<str>>,
 }
 
 impl Inputs {
@@ -65,6 +69,20 @@ impl Inputs {
             }
         }
         Some(info)
+    }
+
+    /// Compiles entries only for the IPs of pods on `node` (`None`: every pod).
+    pub fn set_scope(&mut self, node: Option<&str>) {
+        self.scope = node.map(Arc::from);
+    }
+
+    /// Whether `ip`'s entry is compiled: some pod on the scope's node claims it. (Not only its
+    /// owner: a local pod whose IP a remote pod also claims gets the owner's rules, as without
+    /// a scope.)
+    fn in_scope(&self, ip: IpAddr) -> bool {
+        let Some(node) = self.scope.as_deref() else { return true };
+        let on_node = |pod: &PodRef| self.pods.get(pod).is_some_and(|info| info.node() == Some(node));
+        self.ip_claims.get(&ip).is_some_and(|claims| claims.iter().any(on_node))
     }
 
     pub fn set_namespace(&mut self, name: String, labels: Labels) {
@@ -221,9 +239,12 @@ impl Inputs {
             .collect()
     }
 
-    /// Compiles the entry of one IP; `None` if no pod owns it.
+    /// Compiles the entry of one IP; `None` if no pod owns it or it is outside the scope.
     pub fn compute_pod(&self, ip: IpAddr) -> Option<PodRules> {
         let pod = self.owner(ip)?;
+        if !self.in_scope(ip) {
+            return None;
+        }
         let selecting: Vec<&ValidatedPolicy> = self
             .policies
             .get(&*pod.pod.namespace)
@@ -369,6 +390,14 @@ impl Claims {
                 pods.insert(pod);
             }
         }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &PodRef> {
+        let (one, many) = match self {
+            Claims::One(pod) => (Some(pod), None),
+            Claims::Contested(pods) => (None, Some(pods)),
+        };
+        one.into_iter().chain(many.into_iter().flatten())
     }
 
     /// Takes `pod`'s claim away; returns whether none is left.

@@ -25,10 +25,11 @@ pub(crate) struct PodInfo {
     object: Arc<SlimPod>,
 }
 
-/// Equal when the compiler would read the same: names, addresses, labels, named ports.
+/// Equal when the compiler would read the same: names, node, addresses, labels, named ports.
 impl PartialEq for PodInfo {
     fn eq(&self, other: &Self) -> bool {
         self.pod == other.pod
+            && self.object.node_name == other.object.node_name
             && self.object.ips == other.object.ips
             && self.object.labels == other.object.labels
             && self.object.named_ports == other.object.named_ports
@@ -56,6 +57,11 @@ impl PodInfo {
 
     pub fn labels(&self) -> &Labels {
         &self.object.labels
+    }
+
+    /// The node the pod runs on.
+    pub fn node(&self) -> Option<&str> {
+        self.object.node_name.as_deref()
     }
 
     /// Port numbers the named port resolves to for `protocol` on this pod.
