@@ -16,7 +16,7 @@ use k8s_openapi::api::{
 };
 use serde::{Deserialize, Serialize};
 
-use super::pod::PodFields;
+use super::pod::{PodFields, SlimPod};
 
 pub const CHECKPOINT_VERSION: u32 = 1;
 pub const FILE_NAME: &str = "checkpoint.json";
@@ -27,12 +27,32 @@ pub struct Checkpoint {
     pub written_unix: f64,
     pub services: Vec<Service>,
     pub endpoint_slices: Vec<EndpointSlice>,
-    /// Pods with the fields the agent reads (an earlier agent's, whole `k8s-openapi` Pods slimmed,
-    /// read the same).
-    pub pods: Vec<PodFields>,
+    /// Written as Pods with the fields the agent reads; read (an earlier agent's slimmed
+    /// `k8s-openapi` Pods too) one at a time into the form the store keeps, so a restore never
+    /// holds 150,000 decoded Pods besides.
+    #[serde(deserialize_with = "slim_pods")]
+    pub pods: Vec<SlimPod>,
     pub namespaces: Vec<Namespace>,
     pub nodes: Vec<Node>,
     pub network_policies: Vec<NetworkPolicy>,
+}
+
+fn slim_pods<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<SlimPod>, D::Error> {
+    struct Pods;
+    impl<'de> serde::de::Visitor<'de> for Pods {
+        type Value = Vec<SlimPod>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a list of Pods")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            let mut pods = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+            while let Some(pod) = seq.next_element::<PodFields>()? {
+                pods.push(SlimPod::from_fields(pod));
+            }
+            Ok(pods)
+        }
+    }
+    d.deserialize_seq(Pods)
 }
 
 #[derive(Serialize, Deserialize)]
@@ -187,6 +207,8 @@ pub fn read(state_dir: &Path) -> Result<Checkpoint, CheckpointError> {
     let corrupt = |reason: String| CheckpointError::Corrupt { path: path.clone(), reason };
     let envelope: Envelope =
         serde_json::from_str(&text).map_err(|e| corrupt(format!("not a checkpoint envelope: {e}")))?;
+    // The payload is a copy of most of the file: the file's text goes before it is decoded.
+    drop(text);
     if envelope.version != CHECKPOINT_VERSION {
         return Err(CheckpointError::VersionMismatch { path, found: envelope.version });
     }
@@ -248,7 +270,7 @@ mod tests {
         let checkpoint = Checkpoint {
             nodes: vec![node_for_checkpoint(&node)],
             // As the agent writes its pods.
-            pods: vec![crate::k8s::pod::SlimPod::from(&pod).to_fields()],
+            pods: vec![SlimPod::from(&pod)],
             ..Default::default()
         };
         write(&dir, &checkpoint).unwrap();

@@ -337,7 +337,12 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
 
     /// Seeds the store from a checkpoint; it stays unsynced until the API lists it.
     pub fn restore(&mut self, objects: impl IntoIterator<Item = K>) {
-        self.objects = objects.into_iter().map(|o| (key_of(&o), H::hold(o.slim()))).collect();
+        self.restore_held(objects.into_iter().map(|o| (key_of(&o), H::hold(o.slim()))));
+    }
+
+    /// [`Self::restore`] from objects already in the form the store keeps them.
+    pub fn restore_held(&mut self, objects: impl IntoIterator<Item = (ObjectKey, H)>) {
+        self.objects = objects.into_iter().collect();
         self.changed = None;
         if let Some(journal) = self.journal.as_mut() {
             journal.forget();

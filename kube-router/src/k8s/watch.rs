@@ -453,7 +453,7 @@ impl ClusterObjects {
             written_unix: crate::metrics::unix_now(),
             services: self.services.objects().cloned().collect(),
             endpoint_slices: self.endpoint_slices.objects().collect(),
-            pods: self.pods.objects().map(SlimPod::to_fields).collect(),
+            pods: self.pods.objects().cloned().collect(),
             namespaces: self.namespaces.objects().cloned().collect(),
             nodes: self.nodes.objects().map(crate::k8s::checkpoint::node_for_checkpoint).collect(),
             network_policies: self.network_policies.objects().cloned().collect(),
@@ -463,7 +463,10 @@ impl ClusterObjects {
     pub fn restore(&mut self, checkpoint: Checkpoint) {
         self.services.restore(checkpoint.services);
         self.endpoint_slices.restore(checkpoint.endpoint_slices);
-        self.pods.restore(checkpoint.pods);
+        self.pods.restore_held(checkpoint.pods.into_iter().map(|pod| {
+            let key = (pod.namespace.to_string(), pod.name.to_string());
+            (key, Arc::new(pod))
+        }));
         self.namespaces.restore(checkpoint.namespaces);
         self.nodes.restore(checkpoint.nodes);
         self.network_policies.restore(checkpoint.network_policies);
