@@ -38,13 +38,6 @@ impl Labels {
     pub fn same_set(&self, other: &Labels) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
     }
-
-    /// These labels with `key` set to `value`.
-    pub fn with(&self, key: &str, value: &str) -> Labels {
-        let mut pairs: BTreeMap<&str, &str> = self.iter().collect();
-        pairs.insert(key, value);
-        pairs.into_iter().collect()
-    }
 }
 
 impl Default for Labels {
