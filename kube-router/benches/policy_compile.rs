@@ -665,10 +665,10 @@ fn through_the_controller(
         policy::engine::PolicyProgrammer,
         runtime::Controller,
     };
-    fn here(pod: &Pod) -> Pod {
+    fn here(pod: &Pod) -> kube_router::k8s::pod::PodFields {
         let mut pod = pod.clone();
         pod.spec.get_or_insert_default().node_name = Some(BENCH_NODE.into());
-        pod
+        (&pod).into()
     }
     fn list<K: Clone>(cache: &Cache, wrap: fn(Event<K>) -> WatchUpdate, objects: impl IntoIterator<Item = K>) {
         cache.apply(wrap(Event::Init));

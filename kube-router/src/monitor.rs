@@ -69,21 +69,14 @@ impl Names {
         let mut names = Names::default();
         let Ok(saved) = crate::k8s::checkpoint::read(state_dir) else { return names };
         for pod in &saved.pods {
-            let name = format!(
-                "{}/{}",
-                pod.metadata.namespace.as_deref().unwrap_or("default"),
-                pod.metadata.name.as_deref().unwrap_or("?")
-            );
+            let namespace = if pod.namespace.is_empty() { "default" } else { &pod.namespace };
+            let name = format!("{namespace}/{}", if pod.name.is_empty() { "?" } else { &pod.name });
             // hostNetwork pods share the node's address: it is not theirs alone.
-            if pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false) {
+            if pod.host_network {
                 continue;
             }
-            let status = pod.status.as_ref();
-            let ips = status.and_then(|s| s.pod_ips.clone()).unwrap_or_default();
-            for ip in ips.iter().map(|p| p.ip.as_str()).chain(status.and_then(|s| s.pod_ip.as_deref())) {
-                if let Ok(ip) = ip.parse() {
-                    names.pods.insert(ip, name.clone());
-                }
+            for ip in pod.ips.iter() {
+                names.pods.insert(*ip, name.clone());
             }
         }
         for service in &saved.services {

@@ -93,7 +93,10 @@ fn policy_changes(objects: &mut ClusterObjects, compiled: bool) -> PolicyChanges
     }
 }
 
-fn keyed<K>(store: &ObjectStore<K>, keys: impl IntoIterator<Item = ObjectKey>) -> Vec<(ObjectKey, Option<Arc<K>>)> {
+fn keyed<K, T>(
+    store: &ObjectStore<K, Arc<T>>,
+    keys: impl IntoIterator<Item = ObjectKey>,
+) -> Vec<(ObjectKey, Option<Arc<T>>)> {
     keys.into_iter()
         .map(|key| {
             let object = store.shared(&key);
@@ -122,10 +125,7 @@ impl<M: PolicyMaps + Send + 'static> Controller for PolicyController<M> {
 mod tests {
     use std::net::IpAddr;
 
-    use k8s_openapi::api::{
-        core::v1::{Namespace, Pod},
-        networking::v1::NetworkPolicy,
-    };
+    use k8s_openapi::api::{core::v1::Namespace, networking::v1::NetworkPolicy};
     use kube::runtime::watcher::Event;
     use serde_json::json;
 
@@ -135,14 +135,14 @@ mod tests {
             policy_maps::{decode, PolicyMapContents},
             stamps::MapsStamp,
         },
-        k8s::watch::WatchUpdate,
+        k8s::{pod::PodFields, watch::WatchUpdate},
         metrics::Metrics,
         policy::engine::SyncStats,
     };
 
     const NODE: &str = "krt-polx-node";
 
-    fn pod(i: usize, app: &str, version: u64) -> Pod {
+    fn pod(i: usize, app: &str, version: u64) -> PodFields {
         // Even pods run on this node, odd ones elsewhere.
         let node = if i.is_multiple_of(2) { NODE } else { "krt-polx-other" };
         serde_json::from_value(json!({

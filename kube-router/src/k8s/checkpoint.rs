@@ -10,11 +10,13 @@ use std::{
 };
 
 use k8s_openapi::api::{
-    core::v1::{Namespace, Node, Pod, Service},
+    core::v1::{Namespace, Node, Service},
     discovery::v1::EndpointSlice,
     networking::v1::NetworkPolicy,
 };
 use serde::{Deserialize, Serialize};
+
+use super::pod::{PodFields, SlimPod};
 
 pub const CHECKPOINT_VERSION: u32 = 1;
 pub const FILE_NAME: &str = "checkpoint.json";
@@ -25,10 +27,32 @@ pub struct Checkpoint {
     pub written_unix: f64,
     pub services: Vec<Service>,
     pub endpoint_slices: Vec<EndpointSlice>,
-    pub pods: Vec<Pod>,
+    /// Written as Pods with the fields the agent reads; read (an earlier agent's slimmed
+    /// `k8s-openapi` Pods too) one at a time into the form the store keeps, so a restore never
+    /// holds 150,000 decoded Pods besides.
+    #[serde(deserialize_with = "slim_pods")]
+    pub pods: Vec<SlimPod>,
     pub namespaces: Vec<Namespace>,
     pub nodes: Vec<Node>,
     pub network_policies: Vec<NetworkPolicy>,
+}
+
+fn slim_pods<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<SlimPod>, D::Error> {
+    struct Pods;
+    impl<'de> serde::de::Visitor<'de> for Pods {
+        type Value = Vec<SlimPod>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a list of Pods")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            let mut pods = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+            while let Some(pod) = seq.next_element::<PodFields>()? {
+                pods.push(SlimPod::from_fields(pod));
+            }
+            Ok(pods)
+        }
+    }
+    d.deserialize_seq(Pods)
 }
 
 #[derive(Serialize, Deserialize)]
@@ -183,6 +207,8 @@ pub fn read(state_dir: &Path) -> Result<Checkpoint, CheckpointError> {
     let corrupt = |reason: String| CheckpointError::Corrupt { path: path.clone(), reason };
     let envelope: Envelope =
         serde_json::from_str(&text).map_err(|e| corrupt(format!("not a checkpoint envelope: {e}")))?;
+    // The payload is a copy of most of the file: the file's text goes before it is decoded.
+    drop(text);
     if envelope.version != CHECKPOINT_VERSION {
         return Err(CheckpointError::VersionMismatch { path, found: envelope.version });
     }
@@ -232,7 +258,7 @@ mod tests {
                 "kube-router.io/peers": "- {remoteip: 192.0.2.2, remoteasn: 65001, password: czNjcmV0LXlhbWw=}\n"}},
         }))
         .unwrap();
-        let pod: Pod = serde_json::from_value(serde_json::json!({
+        let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
             "metadata": {"namespace": "shop", "name": "web-1", "labels": {"app": "web"},
                          "annotations": {"note": "s3cret-annotation"}},
             "spec": {"nodeName": "node-1", "containers": [{"name": "web", "image": "web:1",
@@ -243,7 +269,8 @@ mod tests {
         .unwrap();
         let checkpoint = Checkpoint {
             nodes: vec![node_for_checkpoint(&node)],
-            pods: vec![crate::k8s::slim::Slim::slim(pod.clone())],
+            // As the agent writes its pods.
+            pods: vec![SlimPod::from(&pod)],
             ..Default::default()
         };
         write(&dir, &checkpoint).unwrap();

@@ -1,17 +1,16 @@
 //! What the stores keep of each object: only the fields some part of the agent reads.
 //!
-//! In a 150,000-pod cluster a full Pod (containers, env, volumes, container statuses) is tens
-//! of KiB and changes with every container restart or probe; the agent reads its names,
-//! labels, node, host network, phase, addresses and container port names. Keeping only those
-//! bounds memory, and an update that touches none of them (a kubelet status heartbeat) compares
-//! equal to what the store has and wakes no controller.
+//! Keeping only those bounds memory, and an update that touches none of them (a kubelet status
+//! heartbeat) compares equal to what the store has and wakes no controller. Pods, most of the
+//! objects, are decoded with only those fields in the first place and kept in a compact form of
+//! their own (k8s/pod.rs).
 //!
-//! A field added to a reader must be added here too: `every_field_a_reader_uses_survives`
-//! below holds the list.
+//! A field added to a reader must be added here too: `a_node_keeps_what_its_readers_use`
+//! below holds the list for Nodes, `every_field_a_reader_uses_survives` in k8s/pod.rs for Pods.
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::{
-    core::v1::{Container, Namespace, Node, NodeSpec, NodeStatus, Pod, PodSpec, PodStatus, Service},
+    core::v1::{Namespace, Node, NodeSpec, NodeStatus, Service},
     discovery::v1::EndpointSlice,
     networking::v1::NetworkPolicy,
 };
@@ -47,36 +46,6 @@ fn identity(meta: ObjectMeta) -> ObjectMeta {
         resource_version: meta.resource_version,
         labels: meta.labels,
         ..Default::default()
-    }
-}
-
-impl Slim for Pod {
-    /// Names, labels, node, host network, phase, addresses, and the containers' ports (named
-    /// ports of NetworkPolicy; init containers with `restartPolicy: Always` serve too).
-    /// Environment, volumes and images (secrets among them) are dropped.
-    fn slim(self) -> Self {
-        let ports_only = |c: Container| Container {
-            name: c.name,
-            ports: c.ports,
-            restart_policy: c.restart_policy,
-            ..Default::default()
-        };
-        Pod {
-            metadata: identity(self.metadata),
-            spec: self.spec.map(|spec| PodSpec {
-                node_name: spec.node_name,
-                host_network: spec.host_network,
-                containers: spec.containers.into_iter().map(ports_only).collect(),
-                init_containers: spec.init_containers.map(|c| c.into_iter().map(ports_only).collect()),
-                ..Default::default()
-            }),
-            status: self.status.map(|status| PodStatus {
-                phase: status.phase,
-                pod_ip: status.pod_ip,
-                pod_ips: status.pod_ips,
-                ..Default::default()
-            }),
-        }
     }
 }
 
@@ -153,48 +122,6 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-
-    fn full_pod(restarts: i32) -> Pod {
-        serde_json::from_value(json!({
-            "metadata": {"name": "web-1", "namespace": "shop", "uid": "u1", "resourceVersion": "7",
-                "labels": {"app": "web"}, "annotations": {"note": "x"},
-                "managedFields": [{"manager": "kubectl"}], "ownerReferences": [{"apiVersion": "apps/v1",
-                "kind": "ReplicaSet", "name": "web", "uid": "r1"}]},
-            "spec": {"nodeName": "node-1", "hostNetwork": false,
-                "containers": [{"name": "app", "image": "web:1", "env": [{"name": "TOKEN", "value": "secret"}],
-                    "ports": [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]}],
-                "initContainers": [{"name": "proxy", "image": "p:1", "restartPolicy": "Always",
-                    "ports": [{"name": "admin", "containerPort": 9901}]}],
-                "volumes": [{"name": "data", "emptyDir": {}}]},
-            "status": {"phase": "Running", "podIP": "10.0.1.5", "podIPs": [{"ip": "10.0.1.5"}, {"ip": "fd00::5"}],
-                "conditions": [{"type": "Ready", "status": "True"}],
-                "containerStatuses": [{"name": "app", "image": "web:1", "imageID": "", "ready": true,
-                    "restartCount": restarts}]}
-        }))
-        .unwrap()
-    }
-
-    #[test]
-    fn every_field_a_reader_uses_survives() {
-        let pod = full_pod(0).slim();
-        // What policy::parse::PodInfo and the firewall's pod-address index read.
-        let info = crate::policy::parse::PodInfo::from_pod(&pod).expect("a running pod with addresses");
-        assert_eq!(info, crate::policy::parse::PodInfo::from_pod(&full_pod(0)).unwrap());
-        assert!(info.has_named_ports());
-        let spec = pod.spec.as_ref().unwrap();
-        assert_eq!(spec.node_name.as_deref(), Some("node-1"));
-        assert_eq!(spec.init_containers.as_ref().unwrap()[0].restart_policy.as_deref(), Some("Always"));
-        assert_eq!(pod.metadata.labels.as_ref().unwrap()["app"], "web");
-        assert_eq!(pod.metadata.resource_version.as_deref(), Some("7"));
-        // And nothing of what no reader uses: secrets in env are never kept.
-        assert!(spec.containers[0].env.is_none() && spec.volumes.is_none());
-        assert!(pod.metadata.managed_fields.is_none() && pod.metadata.owner_references.is_none());
-    }
-
-    #[test]
-    fn a_status_heartbeat_slims_to_the_same_pod() {
-        assert_eq!(full_pod(0).slim(), full_pod(3).slim());
-    }
 
     fn full_node(heartbeat: &str, extra: serde_json::Value) -> Node {
         let mut node = json!({

@@ -337,7 +337,12 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
 
     /// Seeds the store from a checkpoint; it stays unsynced until the API lists it.
     pub fn restore(&mut self, objects: impl IntoIterator<Item = K>) {
-        self.objects = objects.into_iter().map(|o| (key_of(&o), H::hold(o.slim()))).collect();
+        self.restore_held(objects.into_iter().map(|o| (key_of(&o), H::hold(o.slim()))));
+    }
+
+    /// [`Self::restore`] from objects already in the form the store keeps them.
+    pub fn restore_held(&mut self, objects: impl IntoIterator<Item = (ObjectKey, H)>) {
+        self.objects = objects.into_iter().collect();
         self.changed = None;
         if let Some(journal) = self.journal.as_mut() {
             journal.forget();
@@ -345,23 +350,25 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
     }
 }
 
-impl<K> ObjectStore<K, Arc<K>> {
-    pub fn get(&self, key: &ObjectKey) -> Option<&K> {
+/// Stores whose objects are kept decoded and shared: the watched kind itself (`Arc<K>`), or a
+/// compact form of it (`Arc<SlimPod>` for Pods).
+impl<K, T> ObjectStore<K, Arc<T>> {
+    pub fn get(&self, key: &ObjectKey) -> Option<&T> {
         self.objects.get(key).map(|o| &**o)
     }
 
-    pub fn objects(&self) -> impl Iterator<Item = &K> {
+    pub fn objects(&self) -> impl Iterator<Item = &T> {
         self.objects.values().map(|o| &**o)
     }
 
     /// The object, shared: for a reader that uses it outside the lock.
-    pub fn shared(&self, key: &ObjectKey) -> Option<Arc<K>> {
+    pub fn shared(&self, key: &ObjectKey) -> Option<Arc<T>> {
         self.objects.get(key).cloned()
     }
 
     /// What changed since `cursor` ([`Self::changed_since`]) as the objects themselves, shared,
     /// and the cursor to pass next time.
-    pub fn follow(&self, cursor: Option<Cursor>) -> (Followed<K>, Cursor) {
+    pub fn follow(&self, cursor: Option<Cursor>) -> (Followed<T>, Cursor) {
         let (changes, cursor) = self.changed_since(cursor);
         let followed = match changes {
             Changes::All => Followed::All(self.objects.values().cloned().collect()),

@@ -9,7 +9,7 @@ use std::{collections::BTreeSet, path::PathBuf, sync::Arc, time::Duration};
 use anyhow::{Context, Result};
 use futures_util::StreamExt;
 use k8s_openapi::api::{
-    core::v1::{Namespace, Node, Pod, Service},
+    core::v1::{Namespace, Node, Service},
     discovery::v1::EndpointSlice,
     networking::v1::NetworkPolicy,
 };
@@ -22,6 +22,7 @@ use tokio::sync::mpsc;
 
 use super::{
     checkpoint::Checkpoint,
+    pod::{PodFields, SlimPod},
     store::{ObjectStore, Packed},
 };
 use crate::services::{
@@ -107,7 +108,7 @@ pub const WATCHED_RESOURCES: [(&str, &str); 6] = [
 pub enum WatchUpdate {
     Services(watcher::Event<Service>),
     EndpointSlices(watcher::Event<EndpointSlice>),
-    Pods(watcher::Event<Pod>),
+    Pods(watcher::Event<PodFields>),
     Namespaces(watcher::Event<Namespace>),
     Nodes(watcher::Event<Node>),
     NetworkPolicies(watcher::Event<NetworkPolicy>),
@@ -184,7 +185,8 @@ pub fn spawn_watchers(client: Client, updates: mpsc::Sender<WatchUpdate>) {
         "endpointslices",
         WatchUpdate::EndpointSlices,
     );
-    spawn_one(Api::<Pod>::all(client.clone()), config.clone(), updates.clone(), "pods", WatchUpdate::Pods);
+    // Decoded with only the fields some reader uses (k8s/pod.rs): the rest is skipped unparsed.
+    spawn_one(Api::<PodFields>::all(client.clone()), config.clone(), updates.clone(), "pods", WatchUpdate::Pods);
     spawn_one(
         Api::<Namespace>::all(client.clone()),
         config.clone(),
@@ -232,7 +234,7 @@ pub struct CheckpointSnapshot {
     written_unix: f64,
     services: Vec<Arc<Service>>,
     endpoint_slices: Vec<Packed<EndpointSlice>>,
-    pods: Vec<Arc<Pod>>,
+    pods: Vec<Arc<SlimPod>>,
     namespaces: Vec<Arc<Namespace>>,
     nodes: Vec<Arc<Node>>,
     network_policies: Vec<Arc<NetworkPolicy>>,
@@ -252,7 +254,7 @@ impl serde::Serialize for CheckpointSnapshot {
         checkpoint.serialize_field("written_unix", &self.written_unix)?;
         checkpoint.serialize_field("services", &Shared(&self.services))?;
         checkpoint.serialize_field("endpoint_slices", &self.endpoint_slices)?;
-        // Pods are already kept without what the agent does not read (k8s::slim). Nodes lose
+        // Pods are already kept without what the agent does not read (k8s::pod). Nodes lose
         // their BGP passwords on the way to the disk, each copy made as it is written.
         struct Stripped<'a, K>(&'a [Arc<K>], fn(&K) -> K);
         impl<K: serde::Serialize> serde::Serialize for Stripped<'_, K> {
@@ -315,7 +317,7 @@ pub enum Kind {
 pub struct ClusterObjects {
     pub services: ObjectStore<Service>,
     pub endpoint_slices: ObjectStore<EndpointSlice, Packed<EndpointSlice>>,
-    pub pods: ObjectStore<Pod>,
+    pub pods: ObjectStore<PodFields, Arc<SlimPod>>,
     pub namespaces: ObjectStore<Namespace>,
     pub nodes: ObjectStore<Node>,
     pub network_policies: ObjectStore<NetworkPolicy>,
@@ -461,7 +463,10 @@ impl ClusterObjects {
     pub fn restore(&mut self, checkpoint: Checkpoint) {
         self.services.restore(checkpoint.services);
         self.endpoint_slices.restore(checkpoint.endpoint_slices);
-        self.pods.restore(checkpoint.pods);
+        self.pods.restore_held(checkpoint.pods.into_iter().map(|pod| {
+            let key = (pod.namespace.to_string(), pod.name.to_string());
+            (key, Arc::new(pod))
+        }));
         self.namespaces.restore(checkpoint.namespaces);
         self.nodes.restore(checkpoint.nodes);
         self.network_policies.restore(checkpoint.network_policies);

@@ -9,6 +9,7 @@ use super::error::PolicyError;
 use super::inputs::Inputs;
 use super::model::{CompiledModel, PodSetKey};
 use super::parse::{namespace_labels, PodInfo, ValidatedPolicy};
+use crate::k8s::pod::AsSlimPod;
 
 /// Everything a compile produces.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -25,8 +26,8 @@ impl CompileOutput {
 }
 
 /// Loads objects into an input store (later duplicates replace earlier ones).
-pub(crate) fn load_inputs<'a>(
-    pods: impl IntoIterator<Item = &'a Pod>,
+pub(crate) fn load_inputs<'a, P: AsSlimPod + 'a>(
+    pods: impl IntoIterator<Item = &'a P>,
     namespaces: impl IntoIterator<Item = &'a Namespace>,
     policies: impl IntoIterator<Item = &'a NetworkPolicy>,
 ) -> Inputs {
@@ -37,9 +38,9 @@ pub(crate) fn load_inputs<'a>(
         }
     }
     for pod in pods {
-        let pod_ref = super::parse::pod_ref(pod);
-        inputs.remove_pod(&pod_ref);
-        if let Some(info) = PodInfo::from_pod(pod) {
+        let pod = pod.slim_pod();
+        inputs.remove_pod(&super::parse::pod_ref(&pod));
+        if let Some(info) = PodInfo::from_pod(&pod) {
             inputs.insert_pod(info);
         }
     }

@@ -19,15 +19,12 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use k8s_openapi::api::{
-    core::v1::{Namespace, Pod},
-    networking::v1::NetworkPolicy,
-};
+use k8s_openapi::api::{core::v1::Namespace, networking::v1::NetworkPolicy};
 
 use crate::{
     bpf::policy_maps::{apply_diff, decode, BpfPolicyMaps, PolicyMaps},
     exposition::{register, register_optional, sync_histogram, OptionalGauge},
-    k8s::store::ObjectKey,
+    k8s::{pod::SlimPod, store::ObjectKey},
     map_writes::MapMetrics,
     metrics::{AgentMetrics, Metrics, Subsystem},
     policy::{
@@ -126,10 +123,10 @@ pub struct SyncStats {
 /// object stores recorded it.
 pub enum PolicyChanges {
     /// Everything may have (the first sync, after a restore): every object as it is now.
-    All { pods: Vec<Arc<Pod>>, namespaces: Vec<Arc<Namespace>>, policies: Vec<Arc<NetworkPolicy>> },
+    All { pods: Vec<Arc<SlimPod>>, namespaces: Vec<Arc<Namespace>>, policies: Vec<Arc<NetworkPolicy>> },
     /// Only these keys: each with its object now, `None` when it is gone.
     Keys {
-        pods: Vec<(ObjectKey, Option<Arc<Pod>>)>,
+        pods: Vec<(ObjectKey, Option<Arc<SlimPod>>)>,
         namespaces: Vec<(ObjectKey, Option<Arc<Namespace>>)>,
         policies: Vec<(ObjectKey, Option<Arc<NetworkPolicy>>)>,
     },
@@ -154,8 +151,10 @@ impl LocalPods {
 
     /// Records `pod` (now, `None`: gone) under `key`; returns the IPs that became or stopped
     /// being this node's.
-    fn set(&mut self, node_name: &str, key: &ObjectKey, pod: Option<&Pod>, flipped: &mut Vec<IpAddr>) {
-        let now: Vec<IpAddr> = pod.filter(|p| on_node(p, node_name)).map(pod_ips).unwrap_or_default();
+    fn set(&mut self, node_name: &str, key: &ObjectKey, pod: Option<&SlimPod>, flipped: &mut Vec<IpAddr>) {
+        let on_node = |pod: &&SlimPod| pod.node_name.as_deref() == Some(node_name);
+        // Every address the pod claims (podIPs and podIP, as the compiler reads them).
+        let now: Vec<IpAddr> = pod.filter(on_node).map(|pod| pod.ips.to_vec()).unwrap_or_default();
         let before = self.ips_of.remove(key).unwrap_or_default();
         if before == now {
             if !now.is_empty() {
@@ -185,30 +184,8 @@ impl LocalPods {
     }
 }
 
-fn on_node(pod: &Pod, node_name: &str) -> bool {
-    pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node_name)
-}
-
-fn pod_ips(pod: &Pod) -> Vec<IpAddr> {
-    let mut ips: Vec<IpAddr> =
-        // The compiler's reading of the status: every podIP, and podIP.
-        pod.status
-            .iter()
-            .flat_map(|s| s.pod_ips.iter().flatten().map(|i| i.ip.as_str()).chain(s.pod_ip.as_deref()))
-            .filter_map(|ip| ip.trim().parse().ok())
-            .collect();
-    ips.sort();
-    ips.dedup();
-    ips
-}
-
 fn present<K>(changes: Vec<(ObjectKey, Option<Arc<K>>)>) -> Vec<Arc<K>> {
     changes.into_iter().filter_map(|(_, object)| object).collect()
-}
-
-fn namespaced_key<K: kube::Resource>(object: &K) -> ObjectKey {
-    let meta = object.meta();
-    (meta.namespace.clone().unwrap_or_default(), meta.name.clone().unwrap_or_default())
 }
 
 /// IPv6 entries among a set of map entries.
@@ -333,10 +310,13 @@ impl<M: PolicyMaps> PolicyProgrammer<M> {
                 stats.full_compile = true;
                 self.local = LocalPods::default();
                 for pod in &pods {
-                    self.local.set(&self.node_name, &namespaced_key(&**pod), Some(pod), &mut flipped);
+                    let key = (pod.namespace.to_string(), pod.name.to_string());
+                    self.local.set(&self.node_name, &key, Some(pod), &mut flipped);
                 }
-                let compiler = PolicyCompiler::from_snapshot(
-                    pods.iter().map(|p| &**p),
+                // Entries for this node's pods only: no other pod's rules are written here.
+                let compiler = PolicyCompiler::from_snapshot_on(
+                    Some(&self.node_name),
+                    pods.iter(),
                     namespaces.iter().map(|n| &**n),
                     policies.iter().map(|p| &**p),
                 );

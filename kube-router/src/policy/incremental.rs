@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 
 use super::compile::{compile_counting_references, load_inputs, CompileOutput};
@@ -24,6 +24,7 @@ use super::error::PolicyError;
 use super::inputs::Inputs;
 use super::model::{CompiledModel, PodRef, PodRules, PodSetKey};
 use super::parse::{namespace_labels, pod_ref, PodInfo, ValidatedPolicy};
+use crate::k8s::pod::AsSlimPod;
 
 /// How a pod set changed in one operation.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -101,13 +102,32 @@ impl PolicyCompiler {
         PolicyCompiler::default()
     }
 
+    /// A compiler whose model holds the entries of `node`'s pods only (what an agent
+    /// programs); the pod sets are those these entries name, with every member of the cluster.
+    pub fn on_node(node: &str) -> PolicyCompiler {
+        let mut compiler = PolicyCompiler::default();
+        compiler.inputs.set_scope(Some(node));
+        compiler
+    }
+
     /// Starts from a full snapshot (e.g. after the initial informer list).
-    pub fn from_snapshot<'a>(
-        pods: impl IntoIterator<Item = &'a Pod>,
+    pub fn from_snapshot<'a, P: AsSlimPod + 'a>(
+        pods: impl IntoIterator<Item = &'a P>,
         namespaces: impl IntoIterator<Item = &'a Namespace>,
         policies: impl IntoIterator<Item = &'a NetworkPolicy>,
     ) -> PolicyCompiler {
-        let inputs = load_inputs(pods, namespaces, policies);
+        Self::from_snapshot_on(None, pods, namespaces, policies)
+    }
+
+    /// [`Self::from_snapshot`], with entries for `node`'s pods only ([`Self::on_node`]).
+    pub fn from_snapshot_on<'a, P: AsSlimPod + 'a>(
+        node: Option<&str>,
+        pods: impl IntoIterator<Item = &'a P>,
+        namespaces: impl IntoIterator<Item = &'a Namespace>,
+        policies: impl IntoIterator<Item = &'a NetworkPolicy>,
+    ) -> PolicyCompiler {
+        let mut inputs = load_inputs(pods, namespaces, policies);
+        inputs.set_scope(node);
         let (output, pod_set_refs) = compile_counting_references(&inputs);
         PolicyCompiler { inputs, model: output.model, pod_set_refs }
     }
@@ -137,13 +157,14 @@ impl PolicyCompiler {
         CompileOutput { model: self.model.clone(), policy_errors: self.policy_errors() }
     }
 
-    pub fn upsert_pod(&mut self, pod: &Pod) -> Delta {
-        let pod_ref = pod_ref(pod);
-        self.replace_pod(&pod_ref, PodInfo::from_pod(pod))
+    pub fn upsert_pod(&mut self, pod: &impl AsSlimPod) -> Delta {
+        let pod = pod.slim_pod();
+        self.replace_pod(&pod_ref(&pod), PodInfo::from_pod(&pod))
     }
 
     pub fn delete_pod(&mut self, namespace: &str, name: &str) -> Delta {
-        let pod_ref = PodRef { namespace: namespace.to_string(), name: name.to_string() };
+        let namespace = if namespace.is_empty() { "default" } else { namespace };
+        let pod_ref = PodRef { namespace: namespace.into(), name: name.into() };
         self.replace_pod(&pod_ref, None)
     }
 
@@ -153,7 +174,7 @@ impl PolicyCompiler {
             return Delta::default();
         }
         let touched_ips: BTreeSet<IpAddr> =
-            old.iter().chain(new.iter()).flat_map(|info| info.ips.iter().copied()).collect();
+            old.iter().chain(new.iter()).flat_map(|info| info.ips().iter().copied()).collect();
         // A contested IP may change owner, and so whose named ports count.
         let contested_before = touched_ips.iter().any(|ip| self.inputs.is_contested(*ip));
         self.inputs.remove_pod(pod_ref);

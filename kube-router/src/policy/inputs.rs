@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use super::error::PolicyError;
 use super::model::{
@@ -18,23 +19,32 @@ use super::selector::{Labels, Selector};
 pub(crate) struct Inputs {
     pods: BTreeMap<PodRef, PodInfo>,
     /// How many pods each namespace has (its pods are a range of `pods`, ordered by namespace).
-    pods_per_namespace: BTreeMap<String, usize>,
+    pods_per_namespace: BTreeMap<Arc<str>, usize>,
     /// Every pod claiming an IP. The smallest PodRef owns it, so conflicting
     /// claims (stale objects, misbehaving IPAM) resolve deterministically.
-    ip_claims: BTreeMap<IpAddr, BTreeSet<PodRef>>,
+    ip_claims: BTreeMap<IpAddr, Claims>,
     /// Effective labels (including the metadata.name label).
     namespaces: BTreeMap<String, Labels>,
     /// namespace -> name -> policy.
     policies: BTreeMap<String, BTreeMap<String, ValidatedPolicy>>,
     policy_errors: BTreeMap<(String, String), PolicyError>,
+    /// Only the IPs of this node's pods get compiled entries: the agent programs no other
+    /// pod's rules, and 150,000 pods' rules (and the pod sets only they name) were most of the
+    /// compiler's memory. `None`: every pod's (tests, tools).
+    scope: Option<Arc<str>>,
 }
 
 impl Inputs {
     // ---- mutation -------------------------------------------------------
 
     pub fn insert_pod(&mut self, info: PodInfo) {
-        for ip in &info.ips {
-            self.ip_claims.entry(*ip).or_default().insert(info.pod.clone());
+        for ip in info.ips() {
+            match self.ip_claims.get_mut(ip) {
+                Some(claims) => claims.insert(info.pod.clone()),
+                None => {
+                    self.ip_claims.insert(*ip, Claims::One(info.pod.clone()));
+                }
+            }
         }
         // Callers remove a pod before inserting it again: a new key is a new pod.
         let namespace = info.pod.namespace.clone();
@@ -45,10 +55,9 @@ impl Inputs {
 
     pub fn remove_pod(&mut self, pod: &PodRef) -> Option<PodInfo> {
         let info = self.pods.remove(pod)?;
-        for ip in &info.ips {
+        for ip in info.ips() {
             if let Some(claims) = self.ip_claims.get_mut(ip) {
-                claims.remove(pod);
-                if claims.is_empty() {
+                if claims.remove(pod) {
                     self.ip_claims.remove(ip);
                 }
             }
@@ -60,6 +69,20 @@ impl Inputs {
             }
         }
         Some(info)
+    }
+
+    /// Compiles entries only for the IPs of pods on `node` (`None`: every pod).
+    pub fn set_scope(&mut self, node: Option<&str>) {
+        self.scope = node.map(Arc::from);
+    }
+
+    /// Whether `ip`'s entry is compiled: some pod on the scope's node claims it. (Not only its
+    /// owner: a local pod whose IP a remote pod also claims gets the owner's rules, as without
+    /// a scope.)
+    fn in_scope(&self, ip: IpAddr) -> bool {
+        let Some(node) = self.scope.as_deref() else { return true };
+        let on_node = |pod: &PodRef| self.pods.get(pod).is_some_and(|info| info.node() == Some(node));
+        self.ip_claims.get(&ip).is_some_and(|claims| claims.iter().any(on_node))
     }
 
     pub fn set_namespace(&mut self, name: String, labels: Labels) {
@@ -117,17 +140,16 @@ impl Inputs {
     }
 
     pub fn is_contested(&self, ip: IpAddr) -> bool {
-        self.ip_claims.get(&ip).is_some_and(|c| c.len() > 1)
+        matches!(self.ip_claims.get(&ip), Some(Claims::Contested(_)))
     }
 
     pub fn owner(&self, ip: IpAddr) -> Option<&PodInfo> {
-        let owner = self.ip_claims.get(&ip)?.first()?;
-        self.pods.get(owner)
+        self.pods.get(self.ip_claims.get(&ip)?.owner())
     }
 
     /// IPs owned by pods of `namespace`.
     pub fn ips_in_namespace(&self, namespace: &str) -> BTreeSet<IpAddr> {
-        self.pods_of(namespace).flat_map(|info| info.ips.iter().copied()).collect()
+        self.pods_of(namespace).flat_map(|info| info.ips().iter().copied()).collect()
     }
 
     fn namespace_matches(&self, selector: &Selector, namespace: &str) -> bool {
@@ -143,11 +165,11 @@ impl Inputs {
             return false;
         };
         let in_scope = match &key.namespaces {
-            NamespaceScope::Named(ns) => *ns == pod.pod.namespace,
+            NamespaceScope::Named(ns) => **ns == *pod.pod.namespace,
             NamespaceScope::Selected(sel) => self.namespace_matches(sel, &pod.pod.namespace),
         };
         in_scope
-            && key.pods.matches(&pod.labels)
+            && key.pods.matches(pod.labels())
             && key.within.as_ref().is_none_or(|block| block.contains(ip))
             && key
                 .named_port
@@ -157,14 +179,14 @@ impl Inputs {
 
     /// The pods of `namespace`: a range of `pods`, which is ordered by namespace first.
     fn pods_of<'a>(&'a self, namespace: &str) -> impl Iterator<Item = &'a PodInfo> + 'a {
-        let first = PodRef { namespace: namespace.to_string(), name: String::new() };
+        let first = PodRef { namespace: Arc::from(namespace), name: Arc::from("") };
         let namespace = first.namespace.clone();
         self.pods.range(first..).map(|(_, info)| info).take_while(move |info| info.pod.namespace == namespace)
     }
 
     /// Whether `pod` owns `ip` (the smallest of the pods claiming it).
     fn owns(&self, pod: &PodRef, ip: IpAddr) -> bool {
-        self.ip_claims.get(&ip).and_then(|claims| claims.first()) == Some(pod)
+        self.ip_claims.get(&ip).map(Claims::owner) == Some(pod)
     }
 
     /// Every IP in the set `key`: only the pods of the namespaces in its scope are looked at
@@ -174,25 +196,22 @@ impl Inputs {
     pub fn pod_set_members(&self, key: &PodSetKey) -> BTreeSet<IpAddr> {
         let in_scope: Vec<&str> = match &key.namespaces {
             NamespaceScope::Named(ns) => vec![ns.as_str()],
-            NamespaceScope::Selected(sel) => self
-                .pods_per_namespace
-                .keys()
-                .filter(|ns| self.namespace_matches(sel, ns))
-                .map(String::as_str)
-                .collect(),
+            NamespaceScope::Selected(sel) => {
+                self.pods_per_namespace.keys().filter(|ns| self.namespace_matches(sel, ns)).map(|ns| &**ns).collect()
+            }
         };
         let mut members = BTreeSet::new();
         for pod in in_scope.into_iter().flat_map(|ns| self.pods_of(ns)) {
             // Labels and named port are the pod's; ipBlock and ownership each IP's (an IP two
             // pods claim belongs to its owner only).
-            if !key.pods.matches(&pod.labels)
+            if !key.pods.matches(pod.labels())
                 || !key.named_port.as_ref().is_none_or(|filter| {
                     pod.resolve_named_port(&filter.name, filter.protocol).any(|n| n == filter.port)
                 })
             {
                 continue;
             }
-            for ip in &pod.ips {
+            for ip in pod.ips() {
                 if key.within.as_ref().is_none_or(|block| block.contains(*ip)) && self.owns(&pod.pod, *ip) {
                     members.insert(*ip);
                 }
@@ -204,8 +223,8 @@ impl Inputs {
     /// IPs of the pods a policy selects (its targets).
     pub fn policy_targets(&self, policy: &ValidatedPolicy) -> BTreeSet<IpAddr> {
         self.pods_of(&policy.namespace)
-            .filter(|info| policy.pod_selector.matches(&info.labels))
-            .flat_map(|info| info.ips.iter().copied())
+            .filter(|info| policy.pod_selector.matches(info.labels()))
+            .flat_map(|info| info.ips().iter().copied())
             .collect()
     }
 
@@ -220,15 +239,18 @@ impl Inputs {
             .collect()
     }
 
-    /// Compiles the entry of one IP; `None` if no pod owns it.
+    /// Compiles the entry of one IP; `None` if no pod owns it or it is outside the scope.
     pub fn compute_pod(&self, ip: IpAddr) -> Option<PodRules> {
         let pod = self.owner(ip)?;
+        if !self.in_scope(ip) {
+            return None;
+        }
         let selecting: Vec<&ValidatedPolicy> = self
             .policies
-            .get(&pod.pod.namespace)
+            .get(&*pod.pod.namespace)
             .into_iter()
             .flat_map(|by_name| by_name.values())
-            .filter(|p| p.pod_selector.matches(&pod.labels))
+            .filter(|p| p.pod_selector.matches(pod.labels()))
             .collect();
         let ingress = self.compute_isolation(pod, &selecting, Direction::Ingress);
         let egress = self.compute_isolation(pod, &selecting, Direction::Egress);
@@ -342,4 +364,55 @@ fn push_ranges(out: &mut Vec<Rule>, peers: Vec<PeerSet>, mut ranges: Vec<PortRan
     ranges.sort();
     ranges.dedup();
     out.extend(peers.into_iter().map(|peers| Rule { peers, ports: Ports::Ranges(ranges.clone()) }));
+}
+
+/// The pods claiming one IP: almost always one (kept without a set of its own, 150,000 times).
+#[derive(Debug, Clone)]
+enum Claims {
+    One(PodRef),
+    /// Two or more, the smallest first: the owner.
+    Contested(BTreeSet<PodRef>),
+}
+
+impl Claims {
+    fn owner(&self) -> &PodRef {
+        match self {
+            Claims::One(pod) => pod,
+            Claims::Contested(pods) => pods.first().expect("a contested IP has claims"),
+        }
+    }
+
+    fn insert(&mut self, pod: PodRef) {
+        match self {
+            Claims::One(one) if *one == pod => {}
+            Claims::One(one) => *self = Claims::Contested(BTreeSet::from([one.clone(), pod])),
+            Claims::Contested(pods) => {
+                pods.insert(pod);
+            }
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &PodRef> {
+        let (one, many) = match self {
+            Claims::One(pod) => (Some(pod), None),
+            Claims::Contested(pods) => (None, Some(pods)),
+        };
+        one.into_iter().chain(many.into_iter().flatten())
+    }
+
+    /// Takes `pod`'s claim away; returns whether none is left.
+    fn remove(&mut self, pod: &PodRef) -> bool {
+        match self {
+            Claims::One(one) => one == pod,
+            Claims::Contested(pods) => {
+                pods.remove(pod);
+                if pods.len() == 1 {
+                    let last = pods.pop_first().expect("one left");
+                    *self = Claims::One(last);
+                }
+                // Two or more before: one at least is left.
+                false
+            }
+        }
+    }
 }

@@ -8,6 +8,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use ipnet::IpNet;
 
@@ -202,11 +203,12 @@ impl Isolation {
     }
 }
 
-/// Identity of the pod a compiled entry came from (for logs and errors).
+/// Identity of the pod a compiled entry came from (for logs and errors). The strings are the
+/// store's own, shared.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct PodRef {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
 }
 
 impl fmt::Display for PodRef {

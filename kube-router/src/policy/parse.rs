@@ -1,10 +1,10 @@
 //! Turns Kubernetes objects into validated internal inputs.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::networking::v1::{IPBlock, NetworkPolicy, NetworkPolicyPeer, NetworkPolicyPort};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -12,100 +12,85 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use super::error::{PolicyError, PolicyErrorKind};
 use super::model::{CidrBlock, Direction, NamespaceScope, PodRef, PodSetKey, PortRange, Protocol};
 use super::selector::{Labels, Selector};
+use crate::k8s::pod::{AsSlimPod, SlimPod};
 
 /// Label the API server puts on every namespace; synthesised so selectors on
 /// it work even before (or without) the Namespace object being known.
 pub const NAMESPACE_NAME_LABEL: &str = "kubernetes.io/metadata.name";
 
-/// The parts of a Pod the compiler needs.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The parts of a Pod the compiler needs: the store's own [`SlimPod`], shared, not a copy.
+#[derive(Debug, Clone)]
 pub(crate) struct PodInfo {
     pub pod: PodRef,
-    pub ips: BTreeSet<IpAddr>,
-    pub labels: Labels,
-    /// Container port name -> (protocol, number) pairs carrying that name.
-    pub named_ports: BTreeMap<String, BTreeSet<(Protocol, u16)>>,
+    object: Arc<SlimPod>,
 }
+
+/// Equal when the compiler would read the same: names, node, addresses, labels, named ports.
+impl PartialEq for PodInfo {
+    fn eq(&self, other: &Self) -> bool {
+        self.pod == other.pod
+            && self.object.node_name == other.object.node_name
+            && self.object.ips == other.object.ips
+            && self.object.labels == other.object.labels
+            && self.object.named_ports == other.object.named_ports
+    }
+}
+
+impl Eq for PodInfo {}
 
 impl PodInfo {
     /// `None` when the pod takes no part in policy: no parsable IP yet,
     /// terminal phase (its IP may already be reused), or host network (its IP
     /// is the node's and shared; policy does not apply to such pods).
-    pub fn from_pod(pod: &Pod) -> Option<PodInfo> {
-        let status = pod.status.as_ref()?;
-        if matches!(status.phase.as_deref(), Some("Succeeded" | "Failed")) {
+    pub fn from_pod(pod: &impl AsSlimPod) -> Option<PodInfo> {
+        let object = pod.slim_pod();
+        if object.is_terminal() || object.host_network || object.ips.is_empty() {
             return None;
         }
-        let spec = pod.spec.as_ref();
-        if spec.and_then(|s| s.host_network).unwrap_or(false) {
-            return None;
-        }
-        let ips: BTreeSet<IpAddr> = status
-            .pod_ips
-            .iter()
-            .flatten()
-            .map(|p| p.ip.as_str())
-            .chain(status.pod_ip.as_deref())
-            .filter_map(|s| s.trim().parse().ok())
-            .collect();
-        if ips.is_empty() {
-            return None;
-        }
-        let mut named_ports: BTreeMap<String, BTreeSet<(Protocol, u16)>> = BTreeMap::new();
-        if let Some(spec) = spec {
-            // Sidecars (init containers with restartPolicy Always) serve too.
-            let sidecars =
-                spec.init_containers.iter().flatten().filter(|c| c.restart_policy.as_deref() == Some("Always"));
-            for container in spec.containers.iter().chain(sidecars) {
-                for port in container.ports.iter().flatten() {
-                    let (Some(name), Ok(number)) = (port.name.as_ref(), u16::try_from(port.container_port)) else {
-                        continue;
-                    };
-                    let protocol = match port.protocol.as_deref() {
-                        None => Protocol::Tcp,
-                        Some(p) => match Protocol::from_k8s(p) {
-                            Some(p) => p,
-                            None => continue,
-                        },
-                    };
-                    if number != 0 {
-                        named_ports.entry(name.clone()).or_default().insert((protocol, number));
-                    }
-                }
-            }
-        }
-        Some(PodInfo { pod: pod_ref(pod), ips, labels: pod.metadata.labels.clone().unwrap_or_default(), named_ports })
+        Some(PodInfo { pod: pod_ref(&object), object })
+    }
+
+    /// The pod's addresses, sorted, each once.
+    pub fn ips(&self) -> &[IpAddr] {
+        &self.object.ips
+    }
+
+    pub fn labels(&self) -> &Labels {
+        &self.object.labels
+    }
+
+    /// The node the pod runs on.
+    pub fn node(&self) -> Option<&str> {
+        self.object.node_name.as_deref()
     }
 
     /// Port numbers the named port resolves to for `protocol` on this pod.
-    pub fn resolve_named_port(&self, name: &str, protocol: Protocol) -> impl Iterator<Item = u16> + '_ {
-        self.named_ports.get(name).into_iter().flatten().filter(move |(p, _)| *p == protocol).map(|(_, number)| *number)
+    pub fn resolve_named_port<'a>(&'a self, name: &'a str, protocol: Protocol) -> impl Iterator<Item = u16> + 'a {
+        self.object.named_ports.iter().filter(move |p| *p.name == *name && p.protocol == protocol).map(|p| p.port)
     }
 
     pub fn has_named_ports(&self) -> bool {
-        !self.named_ports.is_empty()
+        !self.object.named_ports.is_empty()
     }
 }
 
 /// Namespace/name of a pod; missing namespace means `default`, as kubectl does.
-pub(crate) fn pod_ref(pod: &Pod) -> PodRef {
-    PodRef {
-        namespace: pod.metadata.namespace.clone().unwrap_or_else(|| "default".to_string()),
-        name: pod.metadata.name.clone().unwrap_or_default(),
-    }
+pub(crate) fn pod_ref(pod: &SlimPod) -> PodRef {
+    let namespace = if pod.namespace.is_empty() { Arc::from("default") } else { pod.namespace.clone() };
+    PodRef { namespace, name: pod.name.clone() }
 }
 
 /// Name and effective labels of a namespace, or `None` without a name.
 pub(crate) fn namespace_labels(namespace: &Namespace) -> Option<(String, Labels)> {
     let name = namespace.metadata.name.clone()?;
-    let mut labels = namespace.metadata.labels.clone().unwrap_or_default();
-    labels.insert(NAMESPACE_NAME_LABEL.to_string(), name.clone());
+    let labels = namespace.metadata.labels.iter().flatten().map(|(k, v)| (k.as_str(), v.as_str()));
+    let labels = labels.chain([(NAMESPACE_NAME_LABEL, name.as_str())]).collect();
     Some((name, labels))
 }
 
 /// Labels assumed for a namespace whose object is not (yet) known.
 pub(crate) fn implicit_namespace_labels(name: &str) -> Labels {
-    Labels::from([(NAMESPACE_NAME_LABEL.to_string(), name.to_string())])
+    Labels::from([(NAMESPACE_NAME_LABEL, name)])
 }
 
 /// A destination port spec of a rule, before named-port resolution.

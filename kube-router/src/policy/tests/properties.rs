@@ -63,8 +63,12 @@ fn make_pod(namespace: &str, name: &str, seed: u64) -> Pod {
             status.phase = Some("Succeeded".into());
         }
     }
+    pod.spec.get_or_insert_default().node_name = Some(dice.pick(&[NODE, "node-b"]).to_string());
     pod
 }
+
+/// The node of the compilers scoped to one node's pods.
+const NODE: &str = "node-a";
 
 fn make_namespace(name: &str, seed: u64) -> Namespace {
     let mut dice = Dice(seed);
@@ -289,5 +293,81 @@ proptest! {
         // A full flattening by the same flattener keeps every id: nothing to write.
         let mut again = flattener.clone();
         prop_assert!(programmed.diff(&again.flatten(compiler.model())).is_empty());
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// A compiler scoped to one node's pods (what the agent runs) holds exactly the entries of
+    /// the IPs those pods claim, as an unscoped compiler computes them, and exactly the pod
+    /// sets these entries name, with the same members; its deltas reproduce its model; and it
+    /// ends where a scoped compile of the final inputs does.
+    #[test]
+    fn a_compiler_scoped_to_one_node_holds_that_nodes_part_of_the_whole(ops in prop::collection::vec(op_strategy(), 1..40)) {
+        use std::collections::BTreeSet;
+        use std::net::IpAddr;
+        use crate::policy::parse::PodInfo;
+        let mut whole = PolicyCompiler::new();
+        let mut scoped = PolicyCompiler::on_node(NODE);
+        let mut mirror = scoped.model().clone();
+        let mut pods: BTreeMap<(usize, usize), Pod> = BTreeMap::new();
+        let mut namespaces: BTreeMap<usize, Namespace> = BTreeMap::new();
+        let mut policies: BTreeMap<(usize, usize), NetworkPolicy> = BTreeMap::new();
+        for op in &ops {
+            let delta = match *op {
+                Op::UpsertPod(n, p, seed) => {
+                    let pod = make_pod(NAMESPACES[n], POD_NAMES[p], seed);
+                    pods.insert((n, p), pod.clone());
+                    whole.upsert_pod(&pod);
+                    scoped.upsert_pod(&pod)
+                }
+                Op::DeletePod(n, p) => {
+                    pods.remove(&(n, p));
+                    whole.delete_pod(NAMESPACES[n], POD_NAMES[p]);
+                    scoped.delete_pod(NAMESPACES[n], POD_NAMES[p])
+                }
+                Op::UpsertNamespace(n, seed) => {
+                    let ns = make_namespace(NAMESPACES[n], seed);
+                    namespaces.insert(n, ns.clone());
+                    whole.upsert_namespace(&ns);
+                    scoped.upsert_namespace(&ns)
+                }
+                Op::DeleteNamespace(n) => {
+                    namespaces.remove(&n);
+                    whole.delete_namespace(NAMESPACES[n]);
+                    scoped.delete_namespace(NAMESPACES[n])
+                }
+                Op::UpsertPolicy(n, p, seed) => {
+                    let np = make_policy(NAMESPACES[n], POLICY_NAMES[p], seed);
+                    policies.insert((n, p), np.clone());
+                    whole.upsert_policy(&np);
+                    scoped.upsert_policy(&np)
+                }
+                Op::DeletePolicy(n, p) => {
+                    policies.remove(&(n, p));
+                    whole.delete_policy(NAMESPACES[n], POLICY_NAMES[p]);
+                    scoped.delete_policy(NAMESPACES[n], POLICY_NAMES[p])
+                }
+            };
+            delta.apply_to(&mut mirror);
+            prop_assert_eq!(&mirror, scoped.model(), "deltas diverged after {:?}", op);
+            let local: BTreeSet<IpAddr> = pods
+                .values()
+                .filter_map(PodInfo::from_pod)
+                .filter(|info| info.node() == Some(NODE))
+                .flat_map(|info| info.ips().to_vec())
+                .collect();
+            let mut expected = whole.model().clone();
+            expected.pods.retain(|ip, _| local.contains(ip));
+            let named: BTreeSet<_> = expected.pods.values().flat_map(|rules| rules.referenced_pod_sets()).cloned().collect();
+            expected.pod_sets.retain(|key, _| named.contains(key));
+            prop_assert_eq!(&expected, scoped.model(), "not the node's part after {:?}", op);
+        }
+        let pods: Vec<Pod> = pods.into_values().collect();
+        let namespaces: Vec<Namespace> = namespaces.into_values().collect();
+        let policies: Vec<NetworkPolicy> = policies.into_values().collect();
+        let fresh = PolicyCompiler::from_snapshot_on(Some(NODE), &pods, &namespaces, &policies);
+        prop_assert_eq!(scoped.output(), fresh.output());
     }
 }

@@ -317,7 +317,7 @@ fn conflicting_ip_claims_resolve_to_the_smallest_pod_name() {
     let first = pod("x", "b-new", "10.5.0.1", &[("pod", "b")]);
     let second = pod("x", "a-old", "10.5.0.1", &[("pod", "a")]);
     let out = compile(&[first, second], &[], &[np]);
-    assert_eq!(out.model.pods[&ip("10.5.0.1")].pod.name, "a-old");
+    assert_eq!(&*out.model.pods[&ip("10.5.0.1")].pod.name, "a-old");
     assert_eq!(out.model.pods[&ip("10.5.0.1")].ingress, Isolation::NotIsolated);
 }
 

@@ -1,0 +1,92 @@
+//! Shared copies of the strings and label sets many objects repeat.
+//!
+//! 150,000 Pods name a few thousand namespaces and nodes, and their labels are mostly the same
+//! few keys with values shared by a workload's replicas. Each distinct string (and each
+//! distinct label set) is kept once and shared by reference count; what no object uses any
+//! more is dropped when the table has doubled since it was last swept, so the table stays
+//! proportional to what is alive.
+use std::{
+    collections::HashSet,
+    hash::Hash,
+    sync::{Arc, Mutex},
+};
+
+/// Values kept once: `intern` returns the shared copy of an equal value, or keeps this one.
+struct Table<T: ?Sized> {
+    values: HashSet<Arc<T>>,
+    /// The size after the last sweep: the next sweep comes when the table has doubled.
+    swept_at: usize,
+}
+
+impl<T: ?Sized + Hash + Eq> Table<T> {
+    const MIN_SWEEP: usize = 4096;
+
+    fn new() -> Self {
+        Self { values: HashSet::new(), swept_at: 0 }
+    }
+
+    fn intern<Q>(&mut self, value: &Q, make: impl FnOnce(&Q) -> Arc<T>) -> Arc<T>
+    where
+        Arc<T>: std::borrow::Borrow<Q>,
+        Q: ?Sized + Hash + Eq,
+    {
+        if let Some(shared) = self.values.get(value) {
+            return shared.clone();
+        }
+        if self.values.len() >= (2 * self.swept_at).max(Self::MIN_SWEEP) {
+            // Only this table holds them: nothing alive uses them.
+            self.values.retain(|value| Arc::strong_count(value) > 1);
+            self.swept_at = self.values.len();
+        }
+        let shared = make(value);
+        self.values.insert(shared.clone());
+        shared
+    }
+}
+
+static STRINGS: Mutex<Option<Table<str>>> = Mutex::new(None);
+
+/// The shared copy of `text`.
+pub fn string(text: &str) -> Arc<str> {
+    let mut table = STRINGS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    table.get_or_insert_with(Table::new).intern(text, |text: &str| Arc::from(text))
+}
+
+/// A label set: (key, value) pairs sorted by key, each key once.
+pub type LabelPairs = [(Arc<str>, Arc<str>)];
+
+static LABEL_SETS: Mutex<Option<Table<LabelPairs>>> = Mutex::new(None);
+
+/// The shared copy of a label set (`pairs` sorted by key, keys unique), its strings shared too.
+pub fn label_set(pairs: &[(&str, &str)]) -> Arc<LabelPairs> {
+    // Looked up by content: equal sets of strings are equal sets of shared strings.
+    let owned: Vec<(Arc<str>, Arc<str>)> = pairs.iter().map(|(k, v)| (string(k), string(v))).collect();
+    let mut table = LABEL_SETS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    table.get_or_insert_with(Table::new).intern(owned.as_slice(), |pairs| Arc::from(pairs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_strings_and_sets_are_one_copy_and_unused_ones_go() {
+        let a = string("app");
+        let b = string(&String::from("app"));
+        assert!(Arc::ptr_eq(&a, &b));
+        let one = label_set(&[("app", "web"), ("tier", "db")]);
+        let two = label_set(&[("app", "web"), ("tier", "db")]);
+        assert!(Arc::ptr_eq(&one, &two));
+        assert!(Arc::ptr_eq(&one[0].0, &a), "the set's strings are the shared ones");
+
+        // Strings nobody holds are swept once the table has doubled; held ones stay.
+        let mut table = Table::<str>::new();
+        let make = |text: &str| Arc::from(text);
+        let kept = table.intern("kept", make);
+        for i in 0..3 * Table::<str>::MIN_SWEEP {
+            table.intern(format!("gone-{i}").as_str(), make);
+        }
+        assert!(table.values.len() < 2 * Table::<str>::MIN_SWEEP, "{} left", table.values.len());
+        assert!(Arc::ptr_eq(&table.intern("kept", make), &kept));
+    }
+}
