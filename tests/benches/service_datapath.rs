@@ -10,9 +10,15 @@
 //! * plain routing through the node the agent runs in (the client talks to the backend's own
 //!   address, on ports of its own): what the programs cost traffic that uses no Service; once
 //!   through the Service-proxy-only agent, once through the default one (load balancer and policy
-//!   programs, "ours+pol"). The client and backend are outside the cluster unless
-//!   `KUBE_ROUTER_CLUSTER_CIDR` in the environment makes them pods (pod-to-pod traffic, which
-//!   the load balancer's gate lets pass without a conntrack lookup);
+//!   programs, "ours+pol"). The client and backend are pods (`--cluster-cidr`, [`cluster_cidr`]):
+//!   pod-to-pod traffic, which the load balancer's gate lets pass without a conntrack lookup;
+//! * the socket load balancer (cgroup connect4/sendmsg4/recvmsg4 on a cgroup of the bench's own,
+//!   `--cgroup-root`): the client in a pod's cgroup below it reaches the ClusterIP translated at
+//!   the socket, as a cluster's pods are (the agent attaches to the cgroup v2 root), with an agent
+//!   of its own (Service proxy only) and with the default agent with every program attached (TC
+//!   load balancer, policy, socket load balancer, XDP on an uplink); checked on the agent's
+//!   counters: socket translations, no TC `new_flow`. Through that last agent also plain routing
+//!   from the pod's cgroup ("plain through every program");
 //! * kube-proxy's iptables mode, its rule shape (KUBE-SERVICES -> KUBE-SVC-* -> KUBE-SEP-* DNAT),
 //!   loaded with iptables-restore through both backends (legacy and nft);
 //! * kube-proxy's nftables mode, its table shape (a `service-ips` verdict map, per-service chains
@@ -29,8 +35,9 @@
 //! to a second agent as kubectl's JSON). Numbers from a loaded
 //! 2-core VM: read the ratios.
 use std::{
+    collections::BTreeMap,
     fs,
-    path::Path,
+    path::{Path, PathBuf},
     rc::Rc,
     thread,
     time::{Duration, Instant},
@@ -38,7 +45,8 @@ use std::{
 
 use kube_router_tests::{
     kube_proxy::{self, vip},
-    kube_router_bin, netprobe_bin, remove_bpf_root, wait_until, Agent, ServiceFile, Topology,
+    kube_router_bin, netprobe_bin, remove_bpf_root, sh, wait_until, Agent, ServiceFile, TestCgroup, Topology,
+    CLIENT_ADDR,
 };
 
 const BACKEND: &str = "10.0.10.2";
@@ -66,6 +74,83 @@ struct Contender {
     agent: Option<Agent>,
     /// Seconds to program the Services.
     programmed_in: f64,
+    /// The client runs in this cgroup, below the one the agent attached its socket load
+    /// balancer to (a pod's cgroup under the node's): its connect()/sendmsg() to the ClusterIP
+    /// are translated at the socket. None: the client's processes stay where the bench runs.
+    client_cgroup: Option<PathBuf>,
+    /// Keeps the node's cgroup (and the pod's below it) until the contender is dropped.
+    _cgroup: Option<Rc<TestCgroup>>,
+}
+
+impl Contender {
+    fn new(name: &'static str, topo: Rc<Topology>, target: &str, ports: (u16, u16)) -> Contender {
+        Contender {
+            name,
+            topo,
+            target: target.into(),
+            ports,
+            agent: None,
+            programmed_in: 0.0,
+            client_cgroup: None,
+            _cgroup: None,
+        }
+    }
+
+    /// `args` run in the client's namespace (and cgroup, for a socket-balanced row).
+    fn client_run(&self, args: &[&str]) -> String {
+        match &self.client_cgroup {
+            Some(cgroup) => TestCgroup::run(&self.topo.client, cgroup, args),
+            None => self.topo.client.run(args),
+        }
+        .unwrap_or_else(|e| panic!("{}: {e:#}", self.name))
+    }
+}
+
+/// The prefixes that make the client and the backend pods (`--cluster-cidr`): without them the
+/// agent's `cluster_nets` holds only the Service range and the plain rows measure traffic from
+/// outside the cluster (which the gate sends to the conntrack lookup while pod egress masquerade
+/// is on), not pod-to-pod traffic. `KRT_BENCH_CLUSTER_CIDR=<list>` for others, `none` for that
+/// outside-the-cluster case.
+fn cluster_cidr() -> Option<String> {
+    match std::env::var("KRT_BENCH_CLUSTER_CIDR") {
+        Ok(v) if v == "none" => None,
+        Ok(v) => Some(v),
+        Err(_) => Some(format!("{CLIENT_ADDR}/32,10.0.10.0/24")),
+    }
+}
+
+/// The node's socket load balancer cgroup (`--cgroup-root`) for the agent in `prefix`'s
+/// topology, and a pod's cgroup below it for the client.
+fn node_cgroup(prefix: &str) -> (Rc<TestCgroup>, PathBuf) {
+    let mut cgroup = TestCgroup::new(prefix).unwrap();
+    let pod = cgroup.child("kubepods/client-pod").unwrap();
+    (Rc::new(cgroup), pod)
+}
+
+/// An uplink for the node: an interface carrying the default route (a veth whose peer stays in
+/// the node, no dummy driver on this kernel), where the agent attaches its XDP fast path
+/// (`--xdp auto`: generic on a veth) as on a node's NIC. The bench's client and backend are
+/// pods of this node: their traffic does not cross it.
+fn add_uplink(topo: &Topology) {
+    for cmd in [
+        "ip link add krt-uplink type veth peer name krt-uplink-p",
+        "ip link set krt-uplink-p up",
+        "ip link set krt-uplink up",
+        "ip addr add 192.0.2.1/24 dev krt-uplink",
+        "ip route add default via 192.0.2.254 dev krt-uplink",
+    ] {
+        topo.node.run(&cmd.split(' ').collect::<Vec<_>>()).unwrap();
+    }
+}
+
+/// `kube-router stats` of the agent pinned at `root`: counters by name (socket ones `sock_*`).
+fn stats(root: &Path) -> BTreeMap<String, u64> {
+    sh(&[kube_router_bin().to_str().unwrap(), "--bpf-root", root.to_str().unwrap(), "stats"])
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .filter_map(|(name, n)| Some((name.to_string(), n.parse().ok()?)))
+        .collect()
 }
 
 fn load_rules(topo: &Topology, tool: &str, args: &[&str], rules: &str, dir: &Path) -> f64 {
@@ -81,14 +166,22 @@ fn load_rules(topo: &Topology, tool: &str, args: &[&str], rules: &str, dir: &Pat
 
 /// The agent in a topology of its own, the `n` Services programmed from a file of `text`; also
 /// the seconds from writing the file to the log line of the sync that programmed them all.
-fn start_agent(prefix: &str, n: usize, text: &str, extra_args: &[&str]) -> (Topology, Agent, f64) {
+/// `with_uplink`: the node gets an uplink ([`add_uplink`]) first, where the XDP fast path goes.
+fn start_agent(prefix: &str, n: usize, text: &str, extra_args: &[&str], with_uplink: bool) -> (Topology, Agent, f64) {
     let topo = Topology::new(prefix, 1).unwrap();
+    if with_uplink {
+        add_uplink(&topo);
+    }
     let root = topo.bpf_root();
     remove_bpf_root(&root);
     let file = ServiceFile::new(prefix);
     file.write("").unwrap();
     let file_arg = file.arg();
     let mut args = vec!["--service-file", &file_arg, "--health-port", "0", "--metrics-port", METRICS_PORT];
+    let cidr = cluster_cidr();
+    if let Some(cidr) = &cidr {
+        args.extend(["--cluster-cidr", cidr]);
+    }
     args.extend_from_slice(extra_args);
     let mut agent = Agent::start(&topo.node, &root, &args).unwrap();
     let scrape =
@@ -115,6 +208,9 @@ fn start_agent(prefix: &str, n: usize, text: &str, extra_args: &[&str]) -> (Topo
     let programmed_in = started.elapsed().as_secs_f64();
     let wanted = format!("kube_router_map_entries{{map=\"svc_v4\"}} {}\n", 2 * n);
     wait_until("every frontend programmed", Duration::from_secs(10), || Ok(scrape()?.contains(&wanted))).unwrap();
+    if with_uplink {
+        agent.wait_for_log("XDP fast path attached", 1, Duration::from_secs(20)).unwrap();
+    }
     (topo, agent, programmed_in)
 }
 
@@ -127,7 +223,21 @@ fn plain_routing_through(name: &'static str, topo: Rc<Topology>) -> Contender {
         topo.backends[0].spawn(&[netprobe_bin().to_str().unwrap(), "serve", "backend-1", &port]).unwrap();
     }
     thread::sleep(Duration::from_millis(300));
-    Contender { name, topo, target: BACKEND.into(), ports: PASSING_PORTS, agent: None, programmed_in: 0.0 }
+    Contender::new(name, topo, BACKEND, PASSING_PORTS)
+}
+
+/// The ClusterIP from a client pod whose cgroup is below the agent's `--cgroup-root`, as every
+/// pod's is below the node's cgroup v2 root in a cluster: translated at connect()/sendmsg().
+fn through_the_socket(
+    name: &'static str,
+    topo: Rc<Topology>,
+    vip: &str,
+    cgroup: (Rc<TestCgroup>, PathBuf),
+) -> Contender {
+    let mut c = Contender::new(name, topo, vip, VIP_PORTS);
+    c.client_cgroup = Some(cgroup.1);
+    c._cgroup = Some(cgroup.0);
+    c
 }
 
 /// `with_packets` false: the contenders are only programmed (no `nft -f`, which takes a minute).
@@ -135,41 +245,59 @@ fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
     let mut list = Vec::new();
     let vip = vip(n - 1);
     let plain = Topology::new("krt-sb-plain", 1).unwrap();
-    list.push(Contender {
-        name: "plain routing",
-        topo: Rc::new(plain),
-        target: BACKEND.into(),
-        ports: BACKEND_PORTS,
-        agent: None,
-        programmed_in: 0.0,
-    });
+    list.push(Contender::new("plain routing", Rc::new(plain), BACKEND, BACKEND_PORTS));
 
     // kube-proxy is a Service proxy only: so is the agent compared with it (the "Service proxy
     // only" manifest). The agent as deployed with NetworkPolicy is a row of its own: its policy
     // programs on both pod-facing interfaces, no policy selecting anything.
     let yaml = kube_proxy::service_yaml(n, BACKEND);
-    let (topo, agent, programmed_in) = start_agent("krt-sb-ours", n, &yaml, &["--run-firewall=false"]);
+    let (topo, agent, programmed_in) = start_agent("krt-sb-ours", n, &yaml, &["--run-firewall=false"], false);
     let topo = Rc::new(topo);
-    let agent = Some(agent);
-    list.push(Contender {
-        name: "this datapath (TC)",
-        topo: topo.clone(),
-        target: vip.clone(),
-        ports: VIP_PORTS,
-        agent,
-        programmed_in,
-    });
+    let mut ours = Contender::new("this datapath (TC)", topo.clone(), &vip, VIP_PORTS);
+    ours.agent = Some(agent);
+    ours.programmed_in = programmed_in;
+    list.push(ours);
     if with_packets {
         // Plain routing through the node the agent runs in: what the programs cost traffic that
         // uses no Service (pod to pod), with the conntrack table as the Service rows left it.
         list.push(plain_routing_through("plain routing through ours", topo));
-        let (topo, agent, programmed_in) = start_agent("krt-sb-pol", n, &yaml, &[]);
-        let name = "this datapath + policy programs";
-        let (topo, agent) = (Rc::new(topo), Some(agent));
-        list.push(Contender { name, topo: topo.clone(), target: vip.clone(), ports: VIP_PORTS, agent, programmed_in });
-        // The same, traffic that uses no Service: every program the agent attaches by default
-        // (load balancer and policy) on the way, no policy isolating either end.
+        let (topo, agent, programmed_in) = start_agent("krt-sb-pol", n, &yaml, &[], false);
+        let topo = Rc::new(topo);
+        let mut pol = Contender::new("this datapath + policy programs", topo.clone(), &vip, VIP_PORTS);
+        pol.agent = Some(agent);
+        pol.programmed_in = programmed_in;
+        list.push(pol);
+        // The same, traffic that uses no Service: the load balancer's and the policy's TC
+        // programs on the way, no policy isolating either end.
         list.push(plain_routing_through("plain routing through ours+pol", topo));
+
+        // The socket load balancer, each agent on a cgroup of the bench's own (never the
+        // machine's root), the client in a pod's cgroup below it. Agents of their own: the TC
+        // rows' flows leave reverse entries on nearly every client port (tens of thousands of
+        // flows in 3 s), which a socket-balanced flow on a reused port to the same backend
+        // would match (docs/datapath.md, "A client port reused").
+        let cgroup = node_cgroup("krt-sb-sock");
+        let root = cgroup.0.path.to_str().unwrap().to_string();
+        let args = ["--run-firewall=false", "--cgroup-root", &root];
+        let (topo, agent, _) = start_agent("krt-sb-sock", n, &yaml, &args, false);
+        let mut sock = through_the_socket("this datapath (socket LB)", Rc::new(topo), &vip, cgroup);
+        sock.agent = Some(agent);
+        list.push(sock);
+        // The agent as deployed by default, every program attached: TC load balancer, policy,
+        // socket load balancer, and the XDP fast path on the node's uplink.
+        let cgroup = node_cgroup("krt-sb-all");
+        let root = cgroup.0.path.to_str().unwrap().to_string();
+        let (topo, agent, _) = start_agent("krt-sb-all", n, &yaml, &["--cgroup-root", &root], true);
+        let topo = Rc::new(topo);
+        let mut all = through_the_socket("ours+pol (socket LB)", topo.clone(), &vip, cgroup.clone());
+        all.agent = Some(agent);
+        list.push(all);
+        // Traffic that uses no Service from a pod under every program: connect()/sendmsg() pass
+        // the socket programs (no frontend), the packets the TC ones.
+        let mut plain = plain_routing_through("plain through every program", topo);
+        plain.client_cgroup = Some(cgroup.1);
+        plain._cgroup = Some(cgroup.0);
+        list.push(plain);
     }
 
     for (name, prefix, tool) in [
@@ -177,37 +305,25 @@ fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
         ("kube-proxy iptables (nft)", "krt-sb-ipn", "iptables-nft-restore"),
     ] {
         let topo = Topology::new(prefix, 1).unwrap();
-        let programmed_in = load_rules(&topo, tool, &[], &kube_proxy::iptables_rules(n, BACKEND), dir);
-        list.push(Contender {
-            name,
-            topo: Rc::new(topo),
-            target: vip.clone(),
-            ports: VIP_PORTS,
-            agent: None,
-            programmed_in,
-        });
+        let mut c = Contender::new(name, Rc::new(topo), &vip, VIP_PORTS);
+        c.programmed_in = load_rules(&c.topo, tool, &[], &kube_proxy::iptables_rules(n, BACKEND), dir);
+        list.push(c);
     }
     if !with_packets {
         // A second agent given the same objects as kubectl's JSON, after the baselines (the
         // ratios are against the YAML file's agent).
         let json = kube_proxy::service_json(n, BACKEND);
-        let (topo, agent, programmed_in) = start_agent("krt-sb-json", n, &json, &["--run-firewall=false"]);
-        let name = "this datapath (TC), JSON file";
-        let (topo, agent) = (Rc::new(topo), Some(agent));
-        list.push(Contender { name, topo, target: vip, ports: VIP_PORTS, agent, programmed_in });
+        let (topo, agent, programmed_in) = start_agent("krt-sb-json", n, &json, &["--run-firewall=false"], false);
+        let mut c = Contender::new("this datapath (TC), JSON file", Rc::new(topo), &vip, VIP_PORTS);
+        c.agent = Some(agent);
+        c.programmed_in = programmed_in;
+        list.push(c);
         return list;
     }
     let topo = Topology::new("krt-sb-nft", 1).unwrap();
-    let programmed_in = load_rules(&topo, "nft", &["-f"], &kube_proxy::nftables_rules(n, BACKEND), dir);
-    let topo = Rc::new(topo);
-    list.push(Contender {
-        name: "kube-proxy nftables",
-        topo,
-        target: vip,
-        ports: VIP_PORTS,
-        agent: None,
-        programmed_in,
-    });
+    let mut c = Contender::new("kube-proxy nftables", Rc::new(topo), &vip, VIP_PORTS);
+    c.programmed_in = load_rules(&c.topo, "nft", &["-f"], &kube_proxy::nftables_rules(n, BACKEND), dir);
+    list.push(c);
     list
 }
 
@@ -220,21 +336,13 @@ struct Figures {
 
 fn measure(c: &Contender) -> Figures {
     let probe = netprobe_bin();
+    // A socket row must be translated at the socket, never by TC: checked on the agent's
+    // counters around the row.
+    let socket_balanced = c.client_cgroup.is_some() && c.ports == VIP_PORTS;
+    let before = socket_balanced.then(|| stats(&c.topo.bpf_root()));
     let rate = |proto: &str, port: u16| -> f64 {
-        let out = c
-            .topo
-            .client
-            .run(&[
-                "taskset",
-                "-c",
-                CPU,
-                probe.to_str().unwrap(),
-                "rate",
-                proto,
-                &format!("{}:{port}", c.target),
-                SECONDS,
-            ])
-            .unwrap();
+        let target = format!("{}:{port}", c.target);
+        let out = c.client_run(&["taskset", "-c", CPU, probe.to_str().unwrap(), "rate", proto, &target, SECONDS]);
         let fields: Vec<&str> = out.split_whitespace().collect();
         assert_eq!(fields.get(1), Some(&"0"), "{}: failed exchanges: {out}", c.name);
         fields[2].parse().unwrap()
@@ -243,21 +351,24 @@ fn measure(c: &Contender) -> Figures {
     let tcp_per_s = rate("tcp", tcp_port);
     let udp_per_s = rate("udp", udp_port);
     let started = Instant::now();
-    let out = c
-        .topo
-        .client
-        .run(&[
-            "taskset",
-            "-c",
-            CPU,
-            probe.to_str().unwrap(),
-            "bulk",
-            &format!("{}:{tcp_port}", c.target),
-            &BULK_BYTES.to_string(),
-        ])
-        .unwrap();
+    let bytes = BULK_BYTES.to_string();
+    let target = format!("{}:{tcp_port}", c.target);
+    let out = c.client_run(&["taskset", "-c", CPU, probe.to_str().unwrap(), "bulk", &target, &bytes]);
     assert!(out.starts_with("backend-1"), "{}: bulk transfer failed: {out}", c.name);
     let gbit_per_s = BULK_BYTES as f64 * 8.0 / started.elapsed().as_secs_f64() / 1e9;
+    if let Some(before) = before {
+        let after = stats(&c.topo.bpf_root());
+        let moved = |name: &str| after.get(name).copied().unwrap_or(0) - before.get(name).copied().unwrap_or(0);
+        // Every TCP connection and UDP flow (one exchange each) is one translation at least.
+        let exchanges = ((tcp_per_s + udp_per_s) * SECONDS.parse::<f64>().unwrap()) as u64;
+        assert!(
+            moved("sock_translated") >= exchanges,
+            "{}: {} socket translations for {exchanges} exchanges",
+            c.name,
+            moved("sock_translated")
+        );
+        assert_eq!(moved("new_flow"), 0, "{}: TC translated socket-balanced flows", c.name);
+    }
     Figures { tcp_per_s, udp_per_s, gbit_per_s }
 }
 

@@ -11,6 +11,7 @@ use std::{
 use kube_router_tests::{
     apiserver::FaultMode,
     cluster::{assert_all_from, ingress_policy, netprobe, request, wait_denied, wait_for, Cluster, Svc, CLIENT_ADDR},
+    TestCgroup,
 };
 
 #[test]
@@ -414,6 +415,77 @@ fn the_node_itself_reaches_services_on_both_nodes_through_the_socket_load_balanc
         // The application sees the address it asked for, never a backend's.
         assert!(replies.iter().all(|(_, peer)| peer == target), "{mode} {target}: {replies:?}");
     }
+}
+
+/// A pod's Service traffic through the socket load balancer (its cgroup below the one the
+/// agent attaches to, as every pod's is below the cgroup v2 root): its packets carry the backend's
+/// address from the start, so NetworkPolicy judges the backend's address and port, never the
+/// ClusterIP's (docs/datapath.md, "Pods' own Service traffic takes this path too").
+#[test]
+fn a_pods_service_flow_through_the_socket_load_balancer_is_judged_at_the_backends_address() {
+    let c = Cluster::builder("krt-cp-skpol").socket_lb().pods_per_node(2).build().unwrap();
+    const VIP: &str = "10.96.1.160";
+    c.add_service(Svc::cluster_ip("web", VIP).select("pod", "pod-2-0")).unwrap();
+    let node = c.node(0);
+    let (client, backend, other) = (c.pod(0, 0), c.pod(1, 0), c.pod(1, 1));
+    // pod-1-0's processes in a cgroup below node-1's, removed before the cluster is.
+    struct PodCgroup(std::path::PathBuf);
+    impl Drop for PodCgroup {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir(&self.0);
+        }
+    }
+    let cgroup = PodCgroup(node.cgroup.as_ref().expect("socket_lb").path.join("kubepods-pod-1-0"));
+    std::fs::create_dir(&cgroup.0).unwrap();
+    let netprobe_bin = kube_router_tests::netprobe_bin();
+    let vip = format!("{VIP}:80");
+    let from_the_pod = |count: &str| -> Vec<String> {
+        let out = TestCgroup::run(&client.ns, &cgroup.0, &[netprobe_bin.to_str().unwrap(), "peer", "tcp", &vip, count]);
+        out.unwrap().lines().map(str::to_string).collect()
+    };
+    let stats = || -> std::collections::BTreeMap<String, u64> {
+        let bin = kube_router_tests::kube_router_bin();
+        let root = node.bpf_root.display().to_string();
+        kube_router_tests::sh(&[bin.to_str().unwrap(), "--bpf-root", &root, "stats"])
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.split_once(' '))
+            .filter_map(|(name, n)| Some((name.to_string(), n.parse().ok()?)))
+            .collect()
+    };
+    let egress_only_to = |cidr: &str, port: u16| {
+        serde_json::json!({
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"namespace": "default", "name": "client-egress"},
+            "spec": {"podSelector": {"matchLabels": {"pod": "pod-1-0"}}, "policyTypes": ["Egress"],
+                "egress": [{"to": [{"ipBlock": {"cidr": cidr}}], "ports": [{"protocol": "TCP", "port": port}]}]}
+        })
+    };
+    let other_target = format!("{}:8080", other.ip);
+
+    // Egress admitted only to the Service range on the Service's port: the ClusterIP is never
+    // on the wire, so the socket-balanced flow is denied.
+    c.server.apply(egress_only_to("10.96.0.0/12", 80)).unwrap();
+    wait_denied(&client.ns, &other_target).unwrap();
+    for line in from_the_pod("2") {
+        assert!(line.starts_with("ERR"), "admitted by a rule for the ClusterIP: {line}");
+    }
+
+    // Egress admitted only to the backend pod's address and port: the flow to the ClusterIP passes.
+    let before = stats();
+    c.server.apply(egress_only_to(&format!("{}/32", backend.ip), 8080)).unwrap();
+    wait_for("the socket-balanced flow admitted", || from_the_pod("1").iter().all(|l| l.starts_with("OK ")));
+    let replies = from_the_pod("10");
+    for line in &replies {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(fields.get(..3), Some(&["OK", "pod-2-0", vip.as_str()][..]), "{replies:?}");
+    }
+    // Still isolated otherwise, and balanced at the socket: TC translated none of it.
+    assert!(!netprobe(&client.ns, &["timed", "tcp", &other_target]).starts_with("OK"));
+    let after = stats();
+    let moved = |name: &str| after[name] - before[name];
+    assert!(moved("sock_translated") >= 11, "{before:?} -> {after:?}");
+    assert_eq!(moved("new_flow"), 0, "the TC load balancer translated a socket-balanced flow");
 }
 
 #[test]
