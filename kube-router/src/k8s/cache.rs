@@ -11,26 +11,13 @@ use tokio::sync::watch;
 use super::watch::{ClusterObjects, Kind, WatchUpdate};
 use crate::runtime::Trigger;
 
-const KINDS: usize = 6;
-
-fn index(kind: Kind) -> usize {
-    match kind {
-        Kind::Services => 0,
-        Kind::EndpointSlices => 1,
-        Kind::Pods => 2,
-        Kind::Namespaces => 3,
-        Kind::Nodes => 4,
-        Kind::NetworkPolicies => 5,
-    }
-}
-
 /// How many changes each kind has seen.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Generations([u64; KINDS]);
+pub struct Generations([u64; Kind::ALL.len()]);
 
 impl Generations {
     fn of(&self, kinds: &[Kind]) -> Vec<u64> {
-        kinds.iter().map(|k| self.0[index(*k)]).collect()
+        kinds.iter().map(|k| self.0[k.index()]).collect()
     }
 }
 
@@ -87,7 +74,7 @@ impl Cache {
     /// waking its readers.
     pub fn apply(&self, update: WatchUpdate) -> Option<Kind> {
         let kind = self.objects.write().expect("cache lock").apply_kind(update)?;
-        self.generations.send_modify(|g| g.0[index(kind)] += 1);
+        self.generations.send_modify(|g| g.0[kind.index()] += 1);
         Some(kind)
     }
 
@@ -105,15 +92,7 @@ impl Cache {
     }
 
     fn completeness(&self, objects: &ClusterObjects, kinds: &[Kind]) -> Option<Completeness> {
-        let synced = |kind: &Kind| match kind {
-            Kind::Services => objects.services.synced(),
-            Kind::EndpointSlices => objects.endpoint_slices.synced(),
-            Kind::Pods => objects.pods.synced(),
-            Kind::Namespaces => objects.namespaces.synced(),
-            Kind::Nodes => objects.nodes.synced(),
-            Kind::NetworkPolicies => objects.network_policies.synced(),
-        };
-        if kinds.iter().all(synced) {
+        if kinds.iter().all(|kind| objects.listed(*kind)) {
             Some(Completeness::Complete)
         } else if self.restored.is_some() {
             Some(Completeness::Restored)

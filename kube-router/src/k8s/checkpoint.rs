@@ -9,51 +9,37 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use k8s_openapi::api::{
-    core::v1::{Namespace, Node, Service},
-    discovery::v1::EndpointSlice,
-    networking::v1::NetworkPolicy,
-};
+use k8s_openapi::api::core::v1::Node;
 use serde::{Deserialize, Serialize};
 
-use super::pod::{PodFields, SlimPod};
+use super::{kinds::Watched, watch::Kind};
 
 pub const CHECKPOINT_VERSION: u32 = 1;
 pub const FILE_NAME: &str = "checkpoint.json";
 
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct Checkpoint {
-    /// Unix time of the sync it records.
-    pub written_unix: f64,
-    pub services: Vec<Service>,
-    pub endpoint_slices: Vec<EndpointSlice>,
-    /// Written as Pods with the fields the agent reads; read (an earlier agent's slimmed
-    /// `k8s-openapi` Pods too) one at a time into the form the store keeps, so a restore never
-    /// holds 150,000 decoded Pods besides.
-    #[serde(deserialize_with = "slim_pods")]
-    pub pods: Vec<SlimPod>,
-    pub namespaces: Vec<Namespace>,
-    pub nodes: Vec<Node>,
-    pub network_policies: Vec<NetworkPolicy>,
+/// Generates the checkpoint's contents from [`watched_kinds!`](crate::watched_kinds): one list
+/// per kind, in the kind's checkpoint form ([`Watched::Saved`]).
+macro_rules! checkpoint_contents {
+    ($($variant:ident, $field:ident, $ty:ty;)*) => {
+        #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+        pub struct Checkpoint {
+            /// Unix time of the sync it records.
+            pub written_unix: f64,
+            $(pub $field: Vec<<$ty as Watched>::Saved>,)*
+        }
+
+        impl Checkpoint {
+            /// How many objects of each kind it holds.
+            pub fn count(&self, kind: Kind) -> usize {
+                match kind {
+                    $(Kind::$variant => self.$field.len(),)*
+                }
+            }
+        }
+    };
 }
 
-fn slim_pods<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<SlimPod>, D::Error> {
-    struct Pods;
-    impl<'de> serde::de::Visitor<'de> for Pods {
-        type Value = Vec<SlimPod>;
-        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("a list of Pods")
-        }
-        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-            let mut pods = Vec::with_capacity(seq.size_hint().unwrap_or(0));
-            while let Some(pod) = seq.next_element::<PodFields>()? {
-                pods.push(SlimPod::from_fields(pod));
-            }
-            Ok(pods)
-        }
-    }
-    d.deserialize_seq(Pods)
-}
+crate::watched_kinds!(checkpoint_contents);
 
 #[derive(Serialize, Deserialize)]
 struct Envelope {
@@ -221,7 +207,10 @@ pub fn read(state_dir: &Path) -> Result<Checkpoint, CheckpointError> {
 
 #[cfg(test)]
 mod tests {
+    use k8s_openapi::api::core::v1::Service;
+
     use super::*;
+    use crate::k8s::pod::SlimPod;
 
     fn temp_dir(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("krt-checkpoint-{name}-{}", std::process::id()));

@@ -288,6 +288,13 @@ impl Serialize for SlimPod {
     }
 }
 
+/// Read as a Pod (an earlier agent's slimmed `k8s-openapi` Pod too), keeping only its fields.
+impl<'de> Deserialize<'de> for SlimPod {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        PodFields::deserialize(deserializer).map(SlimPod::from_fields)
+    }
+}
+
 impl Held<PodFields> for Arc<SlimPod> {
     fn hold(object: PodFields) -> Self {
         Arc::new(SlimPod::from_fields(object))

@@ -96,9 +96,19 @@ impl Slim for Namespace {
 
 impl Slim for Service {
     /// Every field of spec and status may be read (ports, IPs, policies, load-balancer
-    /// ingress), and the annotations carry kube-router's per-Service settings.
+    /// ingress), and the annotations carry kube-router's per-Service settings. Decoding leaves
+    /// lists with room to grow (4 → 8 → 16); every object is kept as long as it exists, so its
+    /// lists are cut to their length.
     fn slim(mut self) -> Self {
         slim_meta(&mut self.metadata);
+        if let Some(spec) = self.spec.as_mut() {
+            for list in [&mut spec.cluster_ips, &mut spec.external_ips, &mut spec.ip_families].into_iter().flatten() {
+                list.shrink_to_fit();
+            }
+            if let Some(ports) = spec.ports.as_mut() {
+                ports.shrink_to_fit();
+            }
+        }
         self
     }
 }

@@ -317,6 +317,11 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
         self.objects.keys()
     }
 
+    /// Every object as the store keeps it.
+    pub fn held(&self) -> impl Iterator<Item = &H> {
+        self.objects.values()
+    }
+
     /// Every object, shared: for a copy made elsewhere.
     pub fn snapshot(&self) -> Vec<H> {
         self.objects.values().cloned().collect()

@@ -4,6 +4,7 @@ pub mod departures;
 pub mod diff;
 pub mod family;
 pub mod from_k8s;
+pub mod from_stores;
 pub mod healthcheck;
 pub mod incremental;
 pub mod maglev;

@@ -1,0 +1,168 @@
+//! The watched kinds, each declared once.
+//!
+//! [`watched_kinds!`] lists them; the kind enum ([`Kind`](super::watch::Kind)), the watch
+//! updates, the stores ([`ClusterObjects`](super::watch::ClusterObjects)), the watchers, the
+//! completeness of a reader's kinds, the RBAC list, the checkpoint and its inspection are
+//! generated from that list. What differs between kinds — how the store keeps an object, how
+//! the checkpoint writes and reads it, whether several readers follow its changes — is the
+//! kind's [`Watched`] implementation below. Adding a kind is a line in the list, an
+//! implementation here, and its consumer.
+use std::{fmt::Debug, sync::Arc};
+
+use k8s_openapi::api::{
+    core::v1::{Namespace, Node, Service},
+    discovery::v1::EndpointSlice,
+    networking::v1::NetworkPolicy,
+};
+use kube::{Resource, ResourceExt};
+use serde::{de::DeserializeOwned, Serialize, Serializer};
+
+use super::{
+    pod::{PodFields, SlimPod},
+    slim::Slim,
+    store::{Held, ObjectKey, Packed},
+};
+
+/// Calls `$then!` with every watched kind as `Variant, store_field, WatchedType;`. The order is
+/// the checkpoint's field order and the order of the watchers' start.
+#[macro_export]
+macro_rules! watched_kinds {
+    ($then:ident) => {
+        $then! {
+            Services, services, k8s_openapi::api::core::v1::Service;
+            EndpointSlices, endpoint_slices, k8s_openapi::api::discovery::v1::EndpointSlice;
+            Pods, pods, $crate::k8s::pod::PodFields;
+            Namespaces, namespaces, k8s_openapi::api::core::v1::Namespace;
+            Nodes, nodes, k8s_openapi::api::core::v1::Node;
+            NetworkPolicies, network_policies, k8s_openapi::api::networking::v1::NetworkPolicy;
+        }
+    };
+}
+
+/// A watched kind: what the watcher decodes (`Self`), what the store keeps, what the
+/// checkpoint holds.
+pub trait Watched:
+    Slim + Resource<DynamicType = ()> + k8s_openapi::Resource + DeserializeOwned + Clone + Debug + Send + Sync + 'static
+{
+    /// One object as the store keeps it.
+    type Held: Held<Self> + Send + Sync;
+    /// One object as the checkpoint reads it back.
+    type Saved: Serialize + DeserializeOwned + Clone + Debug + PartialEq;
+    /// Read by several controllers, each following the changes with its own cursor
+    /// ([`ObjectStore::journaled`](super::store::ObjectStore::journaled)).
+    const JOURNALED: bool = false;
+
+    /// A copy of a held object in the checkpoint's form.
+    fn saved(held: &Self::Held) -> Self::Saved;
+    /// A checkpointed object as the store keeps it, with its key.
+    fn restored(saved: Self::Saved) -> (ObjectKey, Self::Held);
+    /// Writes a held object in the checkpoint's form; overridden where no copy is needed.
+    fn write_saved<S: Serializer>(held: &Self::Held, serializer: S) -> Result<S::Ok, S::Error> {
+        Self::saved(held).serialize(serializer)
+    }
+}
+
+fn key_of<K: Resource>(object: &K) -> ObjectKey {
+    (object.namespace().unwrap_or_default(), object.name_any())
+}
+
+/// The common case: kept decoded and shared, checkpointed as it is kept.
+macro_rules! kept_shared {
+    ($ty:ty $(, journaled = $journaled:expr)?) => {
+        impl Watched for $ty {
+            type Held = Arc<$ty>;
+            type Saved = $ty;
+            $(const JOURNALED: bool = $journaled;)?
+            fn saved(held: &Arc<$ty>) -> $ty {
+                (**held).clone()
+            }
+            fn restored(saved: $ty) -> (ObjectKey, Arc<$ty>) {
+                let object = saved.slim();
+                (key_of(&object), Arc::new(object))
+            }
+            fn write_saved<S: Serializer>(held: &Arc<$ty>, serializer: S) -> Result<S::Ok, S::Error> {
+                (**held).serialize(serializer)
+            }
+        }
+    };
+}
+
+kept_shared!(Service);
+kept_shared!(Namespace);
+kept_shared!(NetworkPolicy);
+
+/// The bulk of the objects (10 endpoints: 5.5 KiB decoded, 1 KiB of JSON): kept as their
+/// JSON text, decoded when read; written to the checkpoint as that text.
+impl Watched for EndpointSlice {
+    type Held = Packed<EndpointSlice>;
+    type Saved = EndpointSlice;
+    fn saved(held: &Packed<EndpointSlice>) -> EndpointSlice {
+        held.decode()
+    }
+    fn restored(saved: EndpointSlice) -> (ObjectKey, Packed<EndpointSlice>) {
+        let object = saved.slim();
+        (key_of(&object), Packed::hold(object))
+    }
+    fn write_saved<S: Serializer>(held: &Packed<EndpointSlice>, serializer: S) -> Result<S::Ok, S::Error> {
+        held.serialize(serializer)
+    }
+}
+
+/// Decoded with only the fields a reader uses, kept compact (`k8s::pod`), written as the Pod
+/// JSON of those fields and read back one at a time, so a restore never holds 150,000 decoded
+/// Pods besides.
+impl Watched for PodFields {
+    type Held = Arc<SlimPod>;
+    type Saved = SlimPod;
+    fn saved(held: &Arc<SlimPod>) -> SlimPod {
+        (**held).clone()
+    }
+    fn restored(saved: SlimPod) -> (ObjectKey, Arc<SlimPod>) {
+        ((saved.namespace.to_string(), saved.name.to_string()), Arc::new(saved))
+    }
+    fn write_saved<S: Serializer>(held: &Arc<SlimPod>, serializer: S) -> Result<S::Ok, S::Error> {
+        (**held).serialize(serializer)
+    }
+}
+
+/// Read by the routing, services and node-network controllers, each following the changed
+/// Nodes. The checkpoint keeps them without their BGP passwords, each copy made as it is
+/// written.
+impl Watched for Node {
+    type Held = Arc<Node>;
+    type Saved = Node;
+    const JOURNALED: bool = true;
+    fn saved(held: &Arc<Node>) -> Node {
+        super::checkpoint::node_for_checkpoint(held)
+    }
+    fn restored(saved: Node) -> (ObjectKey, Arc<Node>) {
+        let object = saved.slim();
+        (key_of(&object), Arc::new(object))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::k8s::watch::{Kind, WATCHED_RESOURCES};
+
+    /// The generated lists agree with one another and with what the API calls the kinds.
+    #[test]
+    fn every_kind_is_watched_checkpointed_and_reported_under_its_names() {
+        let resources: Vec<&str> = Kind::ALL.iter().map(|k| k.resource()).collect();
+        assert_eq!(resources, ["services", "endpointslices", "pods", "namespaces", "nodes", "networkpolicies"]);
+        assert_eq!(WATCHED_RESOURCES.map(|(_, r)| r).to_vec(), resources);
+        assert_eq!(WATCHED_RESOURCES[1].0, "discovery.k8s.io");
+        assert_eq!(WATCHED_RESOURCES[5].0, "networking.k8s.io");
+        let fields: Vec<&str> = Kind::ALL.iter().map(|k| k.field()).collect();
+        let checkpoint = serde_json::to_value(crate::k8s::checkpoint::Checkpoint::default()).unwrap();
+        let mut written: Vec<&str> = checkpoint.as_object().unwrap().keys().map(String::as_str).collect();
+        written.retain(|k| *k != "written_unix");
+        written.sort();
+        let mut sorted = fields.clone();
+        sorted.sort();
+        assert_eq!(written, sorted, "the checkpoint holds one list per kind under its field name");
+        for (i, kind) in Kind::ALL.iter().enumerate() {
+            assert_eq!(kind.index(), i);
+        }
+    }
+}
