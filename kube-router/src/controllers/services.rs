@@ -41,7 +41,7 @@ use crate::{
         departures::{udp_departures, Departure},
         family::{AddressFamily, IpFamily, V4, V6},
         from_k8s::{node_object_addresses, TOPOLOGY_ZONE_LABEL},
-        incremental::{Changed, FamilyCompiler, ServiceCatalog},
+        incremental::{Changed, FamilyCompiler, FullCompile, ServiceCatalog},
         model::{ExternalIpPolicy, NodeContext, ServiceName},
         node_addresses::{ClaimedAddresses, NodeAddressIndex},
         source::{load_file, StateBuilder},
@@ -69,6 +69,8 @@ pub struct ServiceMetrics {
     frontends: IntGauge,
     /// Syncs from a complete desired state (every kind listed, or the service file).
     complete_syncs: Counter,
+    /// Syncs that compiled every Service, by why ([`FullCompile`]).
+    full_compiles: Family<Labels<1>, Counter>,
 }
 
 impl Default for ServiceMetrics {
@@ -83,6 +85,7 @@ impl Default for ServiceMetrics {
             conntrack_purge_scans: Counter::default(),
             frontends: IntGauge::default(),
             complete_syncs: Counter::default(),
+            full_compiles: Family::default(),
         }
     }
 }
@@ -94,9 +97,12 @@ impl ServiceMetrics {
 
     /// One sync, after its map writes were recorded: a scrape that sees this sync counted sees
     /// its writes too (the tests wait on the count, then read the writes).
-    pub(crate) fn record_sync(&self, duration: std::time::Duration, complete: bool) {
+    pub(crate) fn record_sync(&self, duration: std::time::Duration, complete: bool, full: Option<FullCompile>) {
         if complete {
             self.complete_syncs.inc();
+        }
+        if let Some(reason) = full {
+            self.full_compiles.get_or_create(&[("reason", reason.label())]).inc();
         }
         self.sync_duration.observe(duration.as_secs_f64());
         self.sync_time.observe(duration.as_secs_f64());
@@ -136,6 +142,12 @@ impl Subsystem for ServiceMetrics {
             "kube_router_service_complete_syncs_total",
             "Service syncs from a complete desired state; the others ran from a checkpoint or a partial listing.",
             m.complete_syncs.clone(),
+        );
+        register(
+            registry,
+            "kube_router_service_full_compiles_total",
+            "Service syncs that compiled every Service instead of the changed ones alone, by reason.",
+            m.full_compiles.clone(),
         );
         register(
             registry,
@@ -266,11 +278,14 @@ impl ServiceProgrammer {
         let moved = last_node.as_ref().and_then(|last| last.claimed_moved(&node));
         let node_changed = last_node.as_ref() != Some(&node) && moved.is_none();
         let changed = match changed {
-            Changed::Services(mut names) if complete && !node_changed && !self.full_compile_only => {
+            _ if self.full_compile_only => Err(FullCompile::Forced),
+            _ if !complete => Err(FullCompile::Partial),
+            Changed::All => Err(FullCompile::AllObjects),
+            Changed::Services(_) if node_changed => Err(FullCompile::Node),
+            Changed::Services(mut names) => {
                 names.extend(catalog.state.naming(&moved.unwrap_or_default()));
-                Some(names)
+                Ok(names)
             }
-            _ => None,
         };
         let limits = self.limits;
         // Before a complete listing nothing is deleted, except what no Service may hold: a
@@ -278,31 +293,31 @@ impl ServiceProgrammer {
         // the pinned maps would cut the agent off the listing that could remove it.
         let mut purged = purge_refused(&mut self.sync, &mut self.maps, &node.external_ips, complete);
         purged.merge(purge_refused(&mut self.sync_v6, &mut self.maps_v6, &node.external_ips, complete));
-        let (mut report, owners, departures) = sync_family(
+        let (mut report, owners, departures, full) = sync_family(
             &mut self.compiler,
             &mut self.sync,
             &mut self.maps,
             catalog,
-            changed.as_ref(),
+            changed.as_ref().map_err(|reason| *reason),
             &node,
             limits,
             complete,
         );
-        let (report_v6, owners_v6, departures_v6) = sync_family(
+        let (report_v6, owners_v6, departures_v6, full_v6) = sync_family(
             &mut self.compiler_v6,
             &mut self.sync_v6,
             &mut self.maps_v6,
             catalog,
-            changed.as_ref(),
+            changed.as_ref().map_err(|reason| *reason),
             &node,
             limits,
             complete,
         );
+        let full = full.or(full_v6);
         report.merge(report_v6);
         report.merge(purged);
         // Only after the writes: a datagram balanced again must not find the backend in a slot.
         self.purge_departed(&departures, &departures_v6);
-        let alone = matches!((&owners, &owners_v6), (OwnerUpdate::Some(_), OwnerUpdate::Some(_)));
         let mut current_warnings = HashSet::with_capacity(self.reported_warnings.len());
         for warning in self.compiler.warnings().chain(self.compiler_v6.warnings()) {
             if !self.reported_warnings.contains(warning) {
@@ -347,7 +362,7 @@ impl ServiceProgrammer {
             deletes = total.deletes,
             errors = total.errors,
             complete,
-            incremental = alone,
+            full = full.map(FullCompile::label),
             services = programmed.services.len() + programmed_v6.services.len(),
             backends = programmed.backends.len() + programmed_v6.backends.len(),
             "service sync complete"
@@ -355,7 +370,7 @@ impl ServiceProgrammer {
         let maps_metrics = self.metrics.of::<MapMetrics>();
         maps_metrics.record(&report);
         let service_metrics = self.metrics.of::<ServiceMetrics>();
-        service_metrics.record_sync(started.elapsed(), complete);
+        service_metrics.record_sync(started.elapsed(), complete, full);
         let dropped_endpoints = self.compiler.dropped_endpoints() + self.compiler_v6.dropped_endpoints();
         service_metrics.dropped_endpoints.set(dropped_endpoints as i64);
         service_metrics.frontends.set(programmed.services.len() as i64);
@@ -604,21 +619,27 @@ fn purge_refused<F: AddressFamily>(
     sync.write(maps, ops)
 }
 
+/// What one family's sync wrote, which frontends changed owner, the UDP backends that left a
+/// frontend, and why every Service was compiled (`None`: the changed ones alone).
+type FamilySynced<F> =
+    (SyncReport, OwnerUpdate<F>, BTreeSet<Departure<<F as AddressFamily>::Words>>, Option<FullCompile>);
+
 /// Brings one family's maps to the desired state: only the `changed` Services' entries when
-/// the compiler can do that, else everything.
+/// the compiler can do that, else everything (`changed` is then why).
 #[allow(clippy::too_many_arguments)]
 fn sync_family<F: AddressFamily>(
     compiler: &mut FamilyCompiler<F>,
     sync: &mut ServiceSync<F>,
     maps: &mut impl ServiceMaps<F>,
     catalog: &ServiceCatalog,
-    changed: Option<&BTreeSet<ServiceName>>,
+    changed: Result<&BTreeSet<ServiceName>, FullCompile>,
     node: &NodeContext,
     limits: Limits,
     complete: bool,
-) -> (SyncReport, OwnerUpdate<F>, BTreeSet<Departure<F::Words>>) {
-    if let Some(changed) = changed {
-        if let Some(increment) = compiler.compile_changed(catalog, changed, node, limits, sync.programmed()) {
+) -> FamilySynced<F> {
+    let changed = changed.and_then(|changed| compiler.compile_changed(catalog, changed, node, limits, sync.programmed()));
+    let full = match changed {
+        Ok(increment) => {
             let report = sync.write(maps, increment.ops.clone());
             compiler.written(&increment, report.total().errors == 0);
             // The changed Services' frontends alone (an increment is only compiled after a
@@ -631,7 +652,8 @@ fn sync_family<F: AddressFamily>(
                 let (second, more) = sync_all(sync, maps, &lb_plan, complete);
                 compiler.adopt(&lb_plan, sync.programmed(), complete && second.total().errors == 0);
                 departures.extend(more);
-                return (add_second_pass(report, second), OwnerUpdate::All(lb_plan), departures);
+                let report = add_second_pass(report, second);
+                return (report, OwnerUpdate::All(lb_plan), departures, Some(FullCompile::FullMap));
             }
             let programmed = sync.programmed();
             let owners = increment
@@ -646,13 +668,14 @@ fn sync_family<F: AddressFamily>(
                     (FrontendId::of::<F>(key), owner.flatten())
                 })
                 .collect();
-            return (report, OwnerUpdate::Some(owners), departures);
+            return (report, OwnerUpdate::Some(owners), departures, None);
         }
-    }
+        Err(reason) => reason,
+    };
     let lb_plan = compiler.plan_all(catalog, node, limits);
     let (report, departures) = sync_all(sync, maps, &lb_plan, complete);
     compiler.adopt(&lb_plan, sync.programmed(), complete && report.total().errors == 0);
-    (report, OwnerUpdate::All(lb_plan), departures)
+    (report, OwnerUpdate::All(lb_plan), departures, Some(full))
 }
 
 /// Brings one family's maps to `lb_plan`. Inserts come before deletes: when a map was full and
@@ -1193,15 +1216,16 @@ mod tests {
         let mut maps = Capped { inner: MapContents::default(), capacity: 2 };
         let mut sync = ServiceSync::adopt(&maps).unwrap();
         let before = catalog(&[("a", 1), ("b", 2)]);
-        sync_family(&mut compiler, &mut sync, &mut maps, &before, None, &node, limits, true);
+        sync_family(&mut compiler, &mut sync, &mut maps, &before, Err(FullCompile::AllObjects), &node, limits, true);
         assert_eq!(maps.inner.services.len(), 2);
 
         // a goes, c comes: c's insert is refused before a's delete makes room.
         let after = catalog(&[("b", 2), ("c", 3)]);
         let changed = [ServiceName::new("ns", "a"), ServiceName::new("ns", "c")].into_iter().collect();
-        let (report, owners, _) =
-            sync_family(&mut compiler, &mut sync, &mut maps, &after, Some(&changed), &node, limits, true);
+        let (report, owners, _, full) =
+            sync_family(&mut compiler, &mut sync, &mut maps, &after, Ok(&changed), &node, limits, true);
         assert!(matches!(owners, OwnerUpdate::All(_)), "followed by a full pass");
+        assert_eq!(full, Some(FullCompile::FullMap));
         assert_eq!(report.total().errors, 0);
         let addrs: Vec<std::net::IpAddr> = maps.inner.services.keys().map(|k| FrontendId::of::<V4>(k).addr).collect();
         let expected: Vec<std::net::IpAddr> =
@@ -1209,9 +1233,10 @@ mod tests {
         assert_eq!(addrs, expected);
 
         // The maps hold the whole plan again: the next change is compiled alone.
-        let (report, owners, _) =
-            sync_family(&mut compiler, &mut sync, &mut maps, &after, Some(&changed), &node, limits, true);
+        let (report, owners, _, full) =
+            sync_family(&mut compiler, &mut sync, &mut maps, &after, Ok(&changed), &node, limits, true);
         assert!(matches!(owners, OwnerUpdate::Some(_)));
+        assert_eq!(full, None);
         assert_eq!(report.total().writes(), 0);
     }
 
@@ -1258,8 +1283,8 @@ mod tests {
             let mut maps = MapContents::<V4>::default();
             let mut sync = ServiceSync::adopt(&maps).unwrap();
             let (catalog, _) = dns_catalog(&[("a", 1, &[1, 2]), ("b", 2, &[1, 2])]);
-            let (_, _, departures) =
-                sync_family(&mut compiler, &mut sync, &mut maps, &catalog, None, &node, limits, true);
+            let (_, _, departures, _) =
+                sync_family(&mut compiler, &mut sync, &mut maps, &catalog, Err(FullCompile::AllObjects), &node, limits, true);
             assert!(departures.is_empty(), "a first sync moves nothing");
             (compiler, maps, sync)
         };
@@ -1272,15 +1297,15 @@ mod tests {
         let changed: BTreeSet<ServiceName> = changed.into_iter().filter(|n| &*n.name == "a").collect();
         for incremental in [true, false] {
             let (mut compiler, mut maps, mut sync) = setup();
-            let changed = incremental.then_some(&changed);
-            let (_, owners, departures) =
+            let changed = if incremental { Ok(&changed) } else { Err(FullCompile::AllObjects) };
+            let (_, owners, departures, _) =
                 sync_family(&mut compiler, &mut sync, &mut maps, &after, changed, &node, limits, true);
             assert_eq!(matches!(owners, OwnerUpdate::Some(_)), incremental);
             assert_eq!(departures, expected, "incremental: {incremental}");
             // Not before a complete listing: a partial state moves no flows.
             let (mut compiler, mut maps, mut sync) = setup();
-            let (_, _, departures) =
-                sync_family(&mut compiler, &mut sync, &mut maps, &after, None, &node, limits, false);
+            let (_, _, departures, _) =
+                sync_family(&mut compiler, &mut sync, &mut maps, &after, Err(FullCompile::Partial), &node, limits, false);
             assert!(departures.is_empty());
         }
         // .1 leaves both: deleted, the datapath moves its flows by itself. .3 added: nothing left.
@@ -1288,8 +1313,8 @@ mod tests {
             let (mut compiler, mut maps, mut sync) = setup();
             let (after, changed) = dns_catalog(&[("a", 1, endpoints.0), ("b", 2, endpoints.1)]);
             let changed: BTreeSet<ServiceName> = changed.into_iter().collect();
-            let (_, owners, departures) =
-                sync_family(&mut compiler, &mut sync, &mut maps, &after, Some(&changed), &node, limits, true);
+            let (_, owners, departures, _) =
+                sync_family(&mut compiler, &mut sync, &mut maps, &after, Ok(&changed), &node, limits, true);
             assert!(matches!(owners, OwnerUpdate::Some(_)));
             assert!(departures.is_empty(), "{endpoints:?}: {departures:?}");
         }

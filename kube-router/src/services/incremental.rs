@@ -49,6 +49,42 @@ impl Changed {
     }
 }
 
+/// Why a sync compiled every Service instead of the changed ones alone (the label of
+/// `kube_router_service_full_compiles_total`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum FullCompile {
+    /// Every object was converted again: the first listing, a restore, a store that forgot
+    /// what changed, a service file.
+    AllObjects,
+    /// Before a complete listing: nothing may be deleted, so nothing is known to be exact.
+    Partial,
+    /// Something of the node every Service depends on moved: its NodePort addresses, families,
+    /// zone or a flag.
+    Node,
+    /// The maps may not hold exactly the last compile (the first sync, a failed write).
+    Inexact,
+    /// A rejected Service keeps its entries from the maps, which only a full compile protects.
+    Rejected,
+    /// A pass freed room in a full map: what waited is programmed in priority order.
+    FullMap,
+    /// `KUBE_ROUTER_FULL_SERVICE_COMPILE=1`.
+    Forced,
+}
+
+impl FullCompile {
+    pub fn label(self) -> &'static str {
+        match self {
+            FullCompile::AllObjects => "all_objects",
+            FullCompile::Partial => "partial",
+            FullCompile::Node => "node",
+            FullCompile::Inexact => "inexact",
+            FullCompile::Rejected => "rejected",
+            FullCompile::FullMap => "full_map",
+            FullCompile::Forced => "forced",
+        }
+    }
+}
+
 /// Key of an object's problems: (kind, namespace, name).
 pub type ProblemKey = (&'static str, String, String);
 
@@ -305,7 +341,7 @@ impl<F: AddressFamily> FamilyCompiler<F> {
 
     /// Compiles the `changed` Services (and those sharing a frontend with them) alone: the
     /// writes that bring their entries to what a full compile would program, given that
-    /// `programmed` is what the maps hold. `None`: a full compile is needed.
+    /// `programmed` is what the maps hold. An error: a full compile is needed, and why.
     pub fn compile_changed(
         &mut self,
         catalog: &ServiceCatalog,
@@ -313,9 +349,12 @@ impl<F: AddressFamily> FamilyCompiler<F> {
         node: &NodeContext,
         limits: Limits,
         programmed: &MapContents<F>,
-    ) -> Option<Increment<F>> {
-        if !self.exact || !catalog.state.rejected.is_empty() {
-            return None;
+    ) -> Result<Increment<F>, FullCompile> {
+        if !self.exact {
+            return Err(FullCompile::Inexact);
+        }
+        if !catalog.state.rejected.is_empty() {
+            return Err(FullCompile::Rejected);
         }
         let mut touched = BTreeSet::new();
         for name in changed {
@@ -371,7 +410,7 @@ impl<F: AddressFamily> FamilyCompiler<F> {
         }
         self.entries.extend(new_entries);
         let ops = diff(&before, &desired, true);
-        Some(Increment { ops, plan, before })
+        Ok(Increment { ops, plan, before })
     }
 
     /// After an increment's writes: `ok` if every one was made; otherwise the maps no longer
@@ -667,7 +706,7 @@ mod tests {
         ) -> bool {
             let limits = Limits { max_backends_per_service: 3 };
             let increment = changed.and_then(|changed| {
-                self.compiler.compile_changed(catalog, changed, node, limits, self.incremental.programmed())
+                self.compiler.compile_changed(catalog, changed, node, limits, self.incremental.programmed()).ok()
             });
             let alone = increment.is_some();
             match increment {
