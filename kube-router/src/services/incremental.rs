@@ -274,6 +274,8 @@ pub struct FamilyCompiler<F: AddressFamily> {
     ids: IdsInUse<F::Words>,
     /// The maps hold exactly the last compile's result: a change may be compiled alone.
     exact: bool,
+    /// The Services the last compile planned again (`None`: every one).
+    replanned: Option<Vec<ServiceName>>,
 }
 
 impl<F: AddressFamily> Default for FamilyCompiler<F> {
@@ -287,6 +289,7 @@ impl<F: AddressFamily> Default for FamilyCompiler<F> {
             dropped: BTreeMap::new(),
             ids: IdsInUse::default(),
             exact: false,
+            replanned: None,
         }
     }
 }
@@ -295,6 +298,22 @@ impl<F: AddressFamily> FamilyCompiler<F> {
     /// The warnings of the last compile, for every Service.
     pub fn warnings(&self) -> impl Iterator<Item = &CompileWarning> {
         self.warnings.values().flatten()
+    }
+
+    /// One Service's warnings of the last compile that planned it.
+    pub fn warnings_of(&self, name: &ServiceName) -> &[CompileWarning] {
+        self.warnings.get(name).map(Vec::as_slice).unwrap_or_default()
+    }
+
+    /// The Services with warnings.
+    pub fn warned_services(&self) -> impl Iterator<Item = &ServiceName> {
+        self.warnings.keys()
+    }
+
+    /// The Services the last compile planned again, whose warnings may have changed: `None`
+    /// after a full compile.
+    pub fn replanned(&self) -> Option<&[ServiceName]> {
+        self.replanned.as_deref()
     }
 
     /// Endpoints left out for the per-service limit, over every Service.
@@ -306,6 +325,7 @@ impl<F: AddressFamily> FamilyCompiler<F> {
     pub fn plan_all(&mut self, catalog: &ServiceCatalog, node: &NodeContext, limits: Limits) -> LbPlan<F> {
         self.fragments.clear();
         self.claims.clear();
+        self.replanned = None;
         self.warnings.clear();
         self.dropped.clear();
         let slices = slices_by_service(&catalog.state);
@@ -367,6 +387,7 @@ impl<F: AddressFamily> FamilyCompiler<F> {
         }
         let affected: Vec<ServiceName> = affected.into_iter().collect();
         let plan = self.plan_of(&affected);
+        self.replanned = Some(affected.clone());
         let mut desired = assign_ids_using(&plan, programmed, &self.ids);
         let new_entries = entries_of(&plan, &desired);
         let old_entries: Vec<Entries<F::Words>> =
@@ -705,10 +726,21 @@ mod tests {
             node: &NodeContext,
         ) -> bool {
             let limits = Limits { max_backends_per_service: 3 };
+            let warnings_before = self.compiler.warnings.clone();
             let increment = changed.and_then(|changed| {
                 self.compiler.compile_changed(catalog, changed, node, limits, self.incremental.programmed()).ok()
             });
             let alone = increment.is_some();
+            if let Some(replanned) = self.compiler.replanned().filter(|_| alone) {
+                // The controller reports the warnings of the Services planned again alone: no
+                // other Service's may have changed.
+                let names: BTreeSet<&ServiceName> =
+                    warnings_before.keys().chain(self.compiler.warned_services()).collect();
+                for name in names.into_iter().filter(|name| !replanned.contains(name)) {
+                    let before = warnings_before.get(name).map(Vec::as_slice).unwrap_or_default();
+                    assert_eq!(self.compiler.warnings_of(name), before, "{name:?} not replanned, its warnings moved");
+                }
+            }
             match increment {
                 Some(increment) => {
                     let whole_before = self.incremental.programmed().clone();

@@ -10,6 +10,7 @@ mod file;
 mod metrics;
 mod pass;
 mod programmer;
+mod warnings;
 
 pub(crate) use api::ClusterAddressFollower;
 pub use api::{ClusterAddresses, ServicesFromApi, SERVICE_KINDS, SERVICE_TRIGGER_KINDS};

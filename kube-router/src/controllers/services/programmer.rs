@@ -1,7 +1,7 @@
 //! One services sync: the node's context, both families' passes, the warnings and problems
 //! reported once, the health check ports and the metrics.
 use std::{
-    collections::{BTreeMap, BTreeSet, HashSet},
+    collections::{BTreeMap, BTreeSet},
     net::IpAddr,
     time::Instant,
 };
@@ -14,6 +14,7 @@ use super::{
     api::ClusterAddresses,
     metrics::ServiceMetrics,
     pass::{purge_refused, sync_family},
+    warnings::ReportedWarnings,
 };
 use crate::{
     bpf::{
@@ -33,7 +34,7 @@ use crate::{
         departures::Departure,
         family::{AddressFamily, IpFamily, V4, V6},
         incremental::{Changed, FamilyCompiler, FullCompile, ServiceCatalog},
-        model::{ExternalIpPolicy, NodeContext},
+        model::{ExternalIpPolicy, NodeContext, ServiceName},
         sync::ServiceSync,
     },
 };
@@ -61,9 +62,9 @@ pub struct ServiceProgrammer {
     pub(super) cluster_addresses: ClusterAddresses,
     /// Warnings already logged, so one that persists is reported once.
     reported: BTreeSet<String>,
-    /// The compilers' warnings already logged: compared as values, not as text (formatting every
-    /// warning on every pass cost 6 % of a large cluster's churn).
-    reported_warnings: HashSet<CompileWarning>,
+    /// The compilers' warnings already logged, by Service: a pass compares those of the
+    /// Services it planned again.
+    reported_warnings: ReportedWarnings,
     /// Maps that had no room for every entry at the last sync.
     full_maps: BTreeSet<&'static str>,
     /// Maps that refused writes for other reasons at the last sync.
@@ -174,32 +175,38 @@ impl ServiceProgrammer {
         report.merge(purged);
         // Only after the writes: a datagram balanced again must not find the backend in a slot.
         self.purge_departed(&departures, &departures_v6);
-        let mut current_warnings = HashSet::with_capacity(self.reported_warnings.len());
-        for warning in self.compiler.warnings().chain(self.compiler_v6.warnings()) {
-            if !self.reported_warnings.contains(warning) {
-                match warning {
-                    CompileWarning::FrontendConflict { .. } => tracing::error!(?warning, "frontend claimed twice"),
-                    CompileWarning::EndpointsTruncated { .. } => tracing::warn!(?warning, "too many endpoints"),
-                    CompileWarning::ExternalIpRefused { service, refusal } => {
-                        tracing::error!(service = %service, reason = refusal.reason, error = %refusal.message, "external IP refused; the rest of the Service is programmed");
-                        self.metrics.of::<AgentMetrics>().reject("ExternalIP");
-                        self.metrics.of::<ServiceMetrics>().external_ip_refused(refusal.reason);
-                    }
-                    CompileWarning::FamilyUnavailable { service, family }
-                        if self.disabled_families.contains(family) =>
-                    {
-                        tracing::info!(service = %service, ?family, "family disabled by --enable-ipv4/--enable-ipv6=false; the Service is not programmed in it");
-                    }
-                    CompileWarning::FamilyUnavailable { service, family } => {
-                        tracing::warn!(service = %service, ?family, "the node has no address of this family; the Service is not programmed in it");
-                        self.metrics.of::<AgentMetrics>().reject("IPFamily");
-                    }
+        let (compiler, compiler_v6) = (&self.compiler, &self.compiler_v6);
+        let now = |name: &ServiceName| [compiler.warnings_of(name), compiler_v6.warnings_of(name)].concat();
+        let new_warnings = match (compiler.replanned(), compiler_v6.replanned()) {
+            (Some(v4), Some(v6)) => {
+                let replanned: BTreeSet<&ServiceName> = v4.iter().chain(v6).collect();
+                self.reported_warnings.update(replanned, now)
+            }
+            _ => {
+                let warned: BTreeSet<&ServiceName> =
+                    compiler.warned_services().chain(compiler_v6.warned_services()).collect();
+                self.reported_warnings.replace_all(warned, now)
+            }
+        };
+        for warning in &new_warnings {
+            match warning {
+                CompileWarning::FrontendConflict { .. } => tracing::error!(?warning, "frontend claimed twice"),
+                CompileWarning::EndpointsTruncated { .. } => tracing::warn!(?warning, "too many endpoints"),
+                CompileWarning::ExternalIpRefused { service, refusal } => {
+                    tracing::error!(service = %service, reason = refusal.reason, error = %refusal.message, "external IP refused; the rest of the Service is programmed");
+                    self.metrics.of::<AgentMetrics>().reject("ExternalIP");
+                    self.metrics.of::<ServiceMetrics>().external_ip_refused(refusal.reason);
+                }
+                CompileWarning::FamilyUnavailable { service, family } if self.disabled_families.contains(family) => {
+                    tracing::info!(service = %service, ?family, "family disabled by --enable-ipv4/--enable-ipv6=false; the Service is not programmed in it");
+                }
+                CompileWarning::FamilyUnavailable { service, family } => {
+                    tracing::warn!(service = %service, ?family, "the node has no address of this family; the Service is not programmed in it");
+                    self.metrics.of::<AgentMetrics>().reject("IPFamily");
                 }
             }
-            current_warnings.insert(warning.clone());
         }
         self.reported = current;
-        self.reported_warnings = current_warnings;
         self.health_checks.send_if_modified(|checks| {
             let now = crate::healthcheck::health_checks(&catalog.state, &self.node_name);
             let changed = *checks != now;
@@ -379,7 +386,7 @@ impl ServiceProgrammer {
             external_ips: config.external_ip_policy(),
             cluster_addresses: ClusterAddresses::default(),
             reported: BTreeSet::new(),
-            reported_warnings: HashSet::new(),
+            reported_warnings: ReportedWarnings::default(),
             full_maps: BTreeSet::new(),
             failing_maps: BTreeSet::new(),
             zone: None,
