@@ -255,7 +255,7 @@ mod tests {
         let mut report = SyncReport::default();
         report.per_map.insert("svc_v4", OpCounts { inserts: 3, updates: 1, ..Default::default() });
         metrics.of::<MapMetrics>().record(&report);
-        metrics.of::<ServiceMetrics>().record_sync(Duration::from_millis(3), true);
+        metrics.of::<ServiceMetrics>().record_sync(Duration::from_millis(3), true, None);
         let (types, samples) = parse(&metrics.render());
         for (name, _) in &samples {
             let family = name.trim_end_matches("_bucket").trim_end_matches("_sum").trim_end_matches("_count");
@@ -291,6 +291,8 @@ mod tests {
         agent.checkpoint_write_seconds.set(0.1);
         agent.reject("Service");
         metrics.of::<ServiceMetrics>().external_ip_refused("loopback");
+        let full = Some(crate::services::incremental::FullCompile::Node);
+        metrics.of::<ServiceMetrics>().record_sync(Duration::from_millis(3), true, full);
         metrics
             .of::<crate::bpf::socket_lb::SocketLbMetrics>()
             .agent_not_exempt

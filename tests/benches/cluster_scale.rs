@@ -512,7 +512,6 @@ fn main() {
     let routes_in = phase.until("every reflected route in the kernel", Duration::from_secs(600), || {
         kernel_routes(&node_ns) >= s.nodes - 1
     });
-    let after_start = scrape(&node_ns);
     eprintln!(
         "cold start {:.2} s, session up at {:.2} s, {} routes in the kernel at {:.2} s",
         api_cold.as_secs_f64(),
@@ -548,6 +547,9 @@ fn main() {
     // 3. Churn at `rate` changes per second, with a probe change every 100 ms.
     let map = frontends(&root).expect("frontend map pinned");
     let pid = agent.pid();
+    // For a profile of the churn from outside (`perf record -p PID`).
+    eprintln!("churn starts: agent pid {pid}");
+    let before_churn = scrape(&node_ns);
     let cpu_before = cpu_seconds(pid);
     let mut generation: BTreeMap<usize, usize> = BTreeMap::new();
     let mut unready: std::collections::BTreeSet<usize> = Default::default();
@@ -686,10 +688,24 @@ fn main() {
         percentile(&latencies, 0.99).as_secs_f64() * 1e3,
         latencies.last().copied().unwrap_or_default().as_secs_f64() * 1e3
     );
+    let during_churn = |series: &str| sample(&end, series) - sample(&before_churn, series);
+    // Every reason a sync compiled every Service, with its count during the churn.
+    let full_compiles: Vec<String> = end
+        .lines()
+        .filter_map(|l| l.strip_prefix("kube_router_service_full_compiles_total{reason=\""))
+        .filter_map(|l| l.split_once('"'))
+        .map(|(reason, _)| {
+            let series = format!("kube_router_service_full_compiles_total{{reason=\"{reason}\"}}");
+            format!("{reason} {:.0}", during_churn(&series))
+        })
+        .collect();
     println!(
-        "service syncs during churn {:.0}, last policy sync {:.3} s, API errors {:.0}",
-        sample(&end, "kube_router_sync_duration_seconds_count")
-            - sample(&after_start, "kube_router_sync_duration_seconds_count"),
+        "service syncs during churn {:.0} ({:.0} complete), of which compiling every Service: {:.0} ({}); \
+         last policy sync {:.3} s, API errors {:.0}",
+        during_churn("kube_router_sync_duration_seconds_count"),
+        during_churn("kube_router_service_complete_syncs_total"),
+        during_churn("kube_router_service_full_compiles_total"),
+        full_compiles.join(", "),
         sample(&end, "kube_router_policy_sync_seconds "),
         sample(&end, "kube_router_api_errors_total")
     );

@@ -49,6 +49,42 @@ impl Changed {
     }
 }
 
+/// Why a sync compiled every Service instead of the changed ones alone (the label of
+/// `kube_router_service_full_compiles_total`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum FullCompile {
+    /// Every object was converted again: the first listing, a restore, a store that forgot
+    /// what changed, a service file.
+    AllObjects,
+    /// Before a complete listing: nothing may be deleted, so nothing is known to be exact.
+    Partial,
+    /// Something of the node every Service depends on moved: its NodePort addresses, families,
+    /// zone or a flag.
+    Node,
+    /// The maps may not hold exactly the last compile (the first sync, a failed write).
+    Inexact,
+    /// A rejected Service keeps its entries from the maps, which only a full compile protects.
+    Rejected,
+    /// A pass freed room in a full map: what waited is programmed in priority order.
+    FullMap,
+    /// `KUBE_ROUTER_FULL_SERVICE_COMPILE=1`.
+    Forced,
+}
+
+impl FullCompile {
+    pub fn label(self) -> &'static str {
+        match self {
+            FullCompile::AllObjects => "all_objects",
+            FullCompile::Partial => "partial",
+            FullCompile::Node => "node",
+            FullCompile::Inexact => "inexact",
+            FullCompile::Rejected => "rejected",
+            FullCompile::FullMap => "full_map",
+            FullCompile::Forced => "forced",
+        }
+    }
+}
+
 /// Key of an object's problems: (kind, namespace, name).
 pub type ProblemKey = (&'static str, String, String);
 
@@ -238,6 +274,8 @@ pub struct FamilyCompiler<F: AddressFamily> {
     ids: IdsInUse<F::Words>,
     /// The maps hold exactly the last compile's result: a change may be compiled alone.
     exact: bool,
+    /// The Services the last compile planned again (`None`: every one).
+    replanned: Option<Vec<ServiceName>>,
 }
 
 impl<F: AddressFamily> Default for FamilyCompiler<F> {
@@ -251,6 +289,7 @@ impl<F: AddressFamily> Default for FamilyCompiler<F> {
             dropped: BTreeMap::new(),
             ids: IdsInUse::default(),
             exact: false,
+            replanned: None,
         }
     }
 }
@@ -259,6 +298,22 @@ impl<F: AddressFamily> FamilyCompiler<F> {
     /// The warnings of the last compile, for every Service.
     pub fn warnings(&self) -> impl Iterator<Item = &CompileWarning> {
         self.warnings.values().flatten()
+    }
+
+    /// One Service's warnings of the last compile that planned it.
+    pub fn warnings_of(&self, name: &ServiceName) -> &[CompileWarning] {
+        self.warnings.get(name).map(Vec::as_slice).unwrap_or_default()
+    }
+
+    /// The Services with warnings.
+    pub fn warned_services(&self) -> impl Iterator<Item = &ServiceName> {
+        self.warnings.keys()
+    }
+
+    /// The Services the last compile planned again, whose warnings may have changed: `None`
+    /// after a full compile.
+    pub fn replanned(&self) -> Option<&[ServiceName]> {
+        self.replanned.as_deref()
     }
 
     /// Endpoints left out for the per-service limit, over every Service.
@@ -270,6 +325,7 @@ impl<F: AddressFamily> FamilyCompiler<F> {
     pub fn plan_all(&mut self, catalog: &ServiceCatalog, node: &NodeContext, limits: Limits) -> LbPlan<F> {
         self.fragments.clear();
         self.claims.clear();
+        self.replanned = None;
         self.warnings.clear();
         self.dropped.clear();
         let slices = slices_by_service(&catalog.state);
@@ -305,7 +361,7 @@ impl<F: AddressFamily> FamilyCompiler<F> {
 
     /// Compiles the `changed` Services (and those sharing a frontend with them) alone: the
     /// writes that bring their entries to what a full compile would program, given that
-    /// `programmed` is what the maps hold. `None`: a full compile is needed.
+    /// `programmed` is what the maps hold. An error: a full compile is needed, and why.
     pub fn compile_changed(
         &mut self,
         catalog: &ServiceCatalog,
@@ -313,9 +369,12 @@ impl<F: AddressFamily> FamilyCompiler<F> {
         node: &NodeContext,
         limits: Limits,
         programmed: &MapContents<F>,
-    ) -> Option<Increment<F>> {
-        if !self.exact || !catalog.state.rejected.is_empty() {
-            return None;
+    ) -> Result<Increment<F>, FullCompile> {
+        if !self.exact {
+            return Err(FullCompile::Inexact);
+        }
+        if !catalog.state.rejected.is_empty() {
+            return Err(FullCompile::Rejected);
         }
         let mut touched = BTreeSet::new();
         for name in changed {
@@ -328,6 +387,7 @@ impl<F: AddressFamily> FamilyCompiler<F> {
         }
         let affected: Vec<ServiceName> = affected.into_iter().collect();
         let plan = self.plan_of(&affected);
+        self.replanned = Some(affected.clone());
         let mut desired = assign_ids_using(&plan, programmed, &self.ids);
         let new_entries = entries_of(&plan, &desired);
         let old_entries: Vec<Entries<F::Words>> =
@@ -371,7 +431,7 @@ impl<F: AddressFamily> FamilyCompiler<F> {
         }
         self.entries.extend(new_entries);
         let ops = diff(&before, &desired, true);
-        Some(Increment { ops, plan, before })
+        Ok(Increment { ops, plan, before })
     }
 
     /// After an increment's writes: `ok` if every one was made; otherwise the maps no longer
@@ -666,10 +726,21 @@ mod tests {
             node: &NodeContext,
         ) -> bool {
             let limits = Limits { max_backends_per_service: 3 };
+            let warnings_before = self.compiler.warnings.clone();
             let increment = changed.and_then(|changed| {
-                self.compiler.compile_changed(catalog, changed, node, limits, self.incremental.programmed())
+                self.compiler.compile_changed(catalog, changed, node, limits, self.incremental.programmed()).ok()
             });
             let alone = increment.is_some();
+            if let Some(replanned) = self.compiler.replanned().filter(|_| alone) {
+                // The controller reports the warnings of the Services planned again alone: no
+                // other Service's may have changed.
+                let names: BTreeSet<&ServiceName> =
+                    warnings_before.keys().chain(self.compiler.warned_services()).collect();
+                for name in names.into_iter().filter(|name| !replanned.contains(name)) {
+                    let before = warnings_before.get(name).map(Vec::as_slice).unwrap_or_default();
+                    assert_eq!(self.compiler.warnings_of(name), before, "{name:?} not replanned, its warnings moved");
+                }
+            }
             match increment {
                 Some(increment) => {
                     let whole_before = self.incremental.programmed().clone();
