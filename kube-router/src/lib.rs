@@ -22,12 +22,3 @@ pub mod routing;
 pub mod runtime;
 pub mod services;
 pub mod status_socket;
-
-// Old paths of moved modules, still named by files other branches are changing now (`k8s/`,
-// `controllers/services.rs`): delete these once those are merged and their paths rewritten
-// (the sed is in DEVELOPERS.md's Layout). `tests/module_cycles.rs` resolves them to their targets.
-pub(crate) use node::netif;
-#[cfg(test)]
-pub(crate) use node::{egress, pod_cidrs};
-pub(crate) use routing::bgp;
-pub(crate) use services::healthcheck;

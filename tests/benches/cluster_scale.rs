@@ -159,6 +159,12 @@ fn cluster_ip(i: usize) -> String {
     format!("10.{}.{}.{}", 96 + (i >> 16), (i >> 8) & 0xff, i & 0xff)
 }
 
+/// Service `i`'s nodePort (4 in every 20 Services have one): each its own, as the API server
+/// allocates them (2,000 at full size, in 30000–31999).
+fn node_port(i: usize) -> usize {
+    30000 + (i / 20) * 4 + (i % 20 - 16)
+}
+
 fn service(s: &Sizes, i: usize) -> Value {
     let namespace = format!("ns-{}", i % s.namespaces);
     let mut spec = json!({"clusterIP": cluster_ip(i), "clusterIPs": [cluster_ip(i)], "selector": {"app": format!("app-{i}")},
@@ -168,11 +174,11 @@ fn service(s: &Sizes, i: usize) -> Value {
         0..=15 => spec["type"] = json!("ClusterIP"),
         16..=18 => {
             spec["type"] = json!("NodePort");
-            spec["ports"][0]["nodePort"] = json!(30000 + i % 2700);
+            spec["ports"][0]["nodePort"] = json!(node_port(i));
         }
         _ => {
             spec["type"] = json!("LoadBalancer");
-            spec["ports"][0]["nodePort"] = json!(30000 + i % 2700);
+            spec["ports"][0]["nodePort"] = json!(node_port(i));
             status = json!({"loadBalancer": {"ingress": [{"ip": format!("198.18.{}.{}", (i >> 8) & 0xff, i & 0xff)}]}});
         }
     }
@@ -503,7 +509,8 @@ fn main() {
     let phase = Phase::begin();
     let agent = Agent::start(&node_ns, &root, &args).unwrap();
     let api_cold = phase.until("cold start from the API", Duration::from_secs(600), || {
-        synced(&scrape(&node_ns)) && frontends(&root).is_some_and(|m| m.contains(&probe_key(0)))
+        // The map first: a scrape renders every Service's series (tens of MiB at full size).
+        frontends(&root).is_some_and(|m| m.contains(&probe_key(0))) && synced(&scrape(&node_ns))
     });
     let api_cold_rss = agent.peak_rss_kib().unwrap_or(0);
     let established = phase.until("the BGP session with the route reflector", Duration::from_secs(600), || {
@@ -532,7 +539,8 @@ fn main() {
     let phase = Phase::begin();
     let agent = Agent::start(&node_ns, &root, &args).unwrap();
     let checkpoint_cold = phase.until("cold start from the checkpoint", Duration::from_secs(600), || {
-        synced(&scrape(&node_ns)) && frontends(&root).is_some_and(|m| m.contains(&probe_key(0)))
+        // The map first: a scrape renders every Service's series (tens of MiB at full size).
+        frontends(&root).is_some_and(|m| m.contains(&probe_key(0))) && synced(&scrape(&node_ns))
     });
     let checkpoint_rss = agent.peak_rss_kib().unwrap_or(0);
     runtime.run({
@@ -541,6 +549,12 @@ fn main() {
     });
     Phase::begin().until("the agent back on the API", Duration::from_secs(120), || {
         sample(&scrape(&node_ns), "kube_router_api_reachable") >= 1.0
+    });
+    // The relist after the outage ends in one complete sync that compiles everything; churn
+    // starts after it, so the churn measures changes, not the catch-up.
+    Phase::begin().until("the first complete services sync after the outage", Duration::from_secs(300), || {
+        thread::sleep(Duration::from_millis(500));
+        sample(&scrape(&node_ns), "kube_router_service_complete_syncs_total") >= 1.0
     });
     thread::sleep(Duration::from_secs(5));
 

@@ -77,7 +77,7 @@ fn fnv1a_from(hash: u64, bytes: &[u8]) -> u64 {
 /// (their sessions cannot come up) until the live Node is read; passwords given by
 /// `--peer-router-passwords-file` are unaffected.
 pub fn node_for_checkpoint(node: &Node) -> Node {
-    use crate::bgp::peers::{PEERS_ANNOTATION, PEER_PASSWORDS_ANNOTATION};
+    use crate::routing::bgp::peers::{PEERS_ANNOTATION, PEER_PASSWORDS_ANNOTATION};
     let mut node = node.clone();
     if let Some(annotations) = node.metadata.annotations.as_mut() {
         annotations.remove(PEER_PASSWORDS_ANNOTATION);

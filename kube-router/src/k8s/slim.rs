@@ -170,12 +170,18 @@ mod tests {
         let full = full_node("2026-12-06T00:00:00Z", json!({}));
         let slim = full.clone().slim();
         // What BGP, CNI, egress and the service proxy read gives the same answers.
-        assert_eq!(crate::pod_cidrs::node_pod_cidrs(&slim), crate::pod_cidrs::node_pod_cidrs(&full));
-        assert_eq!(crate::pod_cidrs::all_node_pod_cidrs(&slim), crate::pod_cidrs::all_node_pod_cidrs(&full));
-        assert_eq!(crate::pod_cidrs::spec_pod_cidrs(&slim).len(), 2);
+        assert_eq!(crate::node::pod_cidrs::node_pod_cidrs(&slim), crate::node::pod_cidrs::node_pod_cidrs(&full));
+        assert_eq!(
+            crate::node::pod_cidrs::all_node_pod_cidrs(&slim),
+            crate::node::pod_cidrs::all_node_pod_cidrs(&full)
+        );
+        assert_eq!(crate::node::pod_cidrs::spec_pod_cidrs(&slim).len(), 2);
         let addresses = |n: &Node| crate::services::from_k8s::node_object_addresses(n).collect::<Vec<_>>();
         assert_eq!(addresses(&slim), addresses(&full));
-        assert_eq!(crate::egress::cluster_nets([&slim], &[], &[]), crate::egress::cluster_nets([&full], &[], &[]));
+        assert_eq!(
+            crate::node::egress::cluster_nets([&slim], &[], &[]),
+            crate::node::egress::cluster_nets([&full], &[], &[])
+        );
         assert_eq!(slim.status.as_ref().unwrap().addresses.as_ref().unwrap().len(), 3);
         assert_eq!(slim.metadata.labels.as_ref().unwrap()[TOPOLOGY_ZONE_LABEL], "zone-a");
         let annotations: Vec<&str> = slim.metadata.annotations.as_ref().unwrap().keys().map(String::as_str).collect();
@@ -190,7 +196,7 @@ mod tests {
     /// Every Node annotation a reader looks up is one the slimmed Node keeps.
     #[test]
     fn every_node_annotation_read_is_kept() {
-        use crate::bgp::peers::*;
+        use crate::routing::bgp::peers::*;
         let read = [
             NODE_ASN_ANNOTATION,
             ROUTER_ID_ANNOTATION,
@@ -207,8 +213,8 @@ mod tests {
             PATH_PREPEND_REPEAT_ANNOTATION,
             COMMUNITIES_ANNOTATION,
             CUSTOM_IMPORT_REJECT_ANNOTATION,
-            crate::pod_cidrs::POD_CIDR_ANNOTATION,
-            crate::pod_cidrs::POD_CIDRS_ANNOTATION,
+            crate::node::pod_cidrs::POD_CIDR_ANNOTATION,
+            crate::node::pod_cidrs::POD_CIDRS_ANNOTATION,
         ];
         for annotation in read {
             assert!(annotation.starts_with(NODE_ANNOTATION_PREFIX), "{annotation} would be dropped");

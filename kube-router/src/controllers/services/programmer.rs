@@ -28,7 +28,7 @@ use crate::{
     kr_metrics::ServiceCounters,
     map_writes::MapMetrics,
     metrics::{AgentMetrics, Metrics},
-    netif,
+    node::netif,
     services::{
         compile::{CompileWarning, Limits},
         departures::Departure,
@@ -40,7 +40,7 @@ use crate::{
 };
 
 /// The health check ports the node serves, by port.
-pub type HealthChecks = watch::Sender<BTreeMap<u16, crate::healthcheck::LocalEndpoints>>;
+pub type HealthChecks = watch::Sender<BTreeMap<u16, crate::services::healthcheck::LocalEndpoints>>;
 
 pub struct ServiceProgrammer {
     maps: BpfServiceMaps,
@@ -72,7 +72,7 @@ pub struct ServiceProgrammer {
     /// This node's `topology.kubernetes.io/zone` (topology-aware routing), from its Node.
     pub(super) zone: Option<String>,
     /// The health check ports the node serves (`spec.healthCheckNodePort`).
-    health_checks: tokio::sync::watch::Sender<BTreeMap<u16, crate::healthcheck::LocalEndpoints>>,
+    health_checks: tokio::sync::watch::Sender<BTreeMap<u16, crate::services::healthcheck::LocalEndpoints>>,
     loopback_node_ports: bool,
     maglev_all: bool,
     compiler: FamilyCompiler<V4>,
@@ -208,7 +208,7 @@ impl ServiceProgrammer {
         }
         self.reported = current;
         self.health_checks.send_if_modified(|checks| {
-            let now = crate::healthcheck::health_checks(&catalog.state, &self.node_name);
+            let now = crate::services::healthcheck::health_checks(&catalog.state, &self.node_name);
             let changed = *checks != now;
             *checks = now;
             changed
