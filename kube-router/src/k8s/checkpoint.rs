@@ -71,13 +71,18 @@ fn fnv1a_from(hash: u64, bytes: &[u8]) -> u64 {
     bytes.iter().fold(hash, |hash, b| (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
 }
 
+/// Per-node external peer passwords (base64): kept from the checkpoint.
+pub const PEER_PASSWORDS_ANNOTATION: &str = "kube-router.io/peer.passwords";
+/// The consolidated per-node peer annotation (YAML); its entries' `password`s are kept from the
+/// checkpoint.
+pub const PEERS_ANNOTATION: &str = "kube-router.io/peers";
+
 /// The Node as the checkpoint keeps it: without its TCP-MD5 peer passwords (the
 /// `kube-router.io/peer.passwords` annotation, `password` in `kube-router.io/peers`). After a
 /// cold start from the checkpoint with the API down, annotation peers run without their key
 /// (their sessions cannot come up) until the live Node is read; passwords given by
 /// `--peer-router-passwords-file` are unaffected.
 pub fn node_for_checkpoint(node: &Node) -> Node {
-    use crate::routing::bgp::peers::{PEERS_ANNOTATION, PEER_PASSWORDS_ANNOTATION};
     let mut node = node.clone();
     if let Some(annotations) = node.metadata.annotations.as_mut() {
         annotations.remove(PEER_PASSWORDS_ANNOTATION);

@@ -59,14 +59,15 @@ pub const RR_CLIENT_ANNOTATION: &str = "kube-router.io/rr.client";
 pub const PEER_IPS_ANNOTATION: &str = "kube-router.io/peer.ips";
 /// Annotation listing per-node external peer ASNs.
 pub const PEER_ASNS_ANNOTATION: &str = "kube-router.io/peer.asns";
-/// Annotation listing per-node external peer passwords (base64).
-pub const PEER_PASSWORDS_ANNOTATION: &str = "kube-router.io/peer.passwords";
+/// Annotation listing per-node external peer passwords (base64). Named where the checkpoint
+/// strips it (the API layer knows which annotations carry secrets).
+pub use crate::k8s::checkpoint::PEER_PASSWORDS_ANNOTATION;
 /// Annotation listing per-node external peer ports.
 pub const PEER_PORTS_ANNOTATION: &str = "kube-router.io/peer.ports";
 /// Annotation listing the local address of each per-node external peer session.
 pub const PEER_LOCAL_IPS_ANNOTATION: &str = "kube-router.io/peer.localips";
 /// The consolidated per-node peer annotation (YAML), kube-router's recommended form.
-pub const PEERS_ANNOTATION: &str = "kube-router.io/peers";
+pub use crate::k8s::checkpoint::PEERS_ANNOTATION;
 /// Addresses the BGP listener binds to.
 pub const LOCAL_ADDRESSES_ANNOTATION: &str = "kube-router.io/bgp-local-addresses";
 /// AS prepended towards external peers...
