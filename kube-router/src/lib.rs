@@ -1,5 +1,6 @@
 //! kube-router agent library: the pure control-plane logic and the kernel edges it drives.
 pub mod agent;
+pub mod allocator;
 pub mod bpf;
 pub mod cli;
 pub mod config;

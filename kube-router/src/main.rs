@@ -10,8 +10,12 @@ use kube_router::{
     launch,
 };
 
+/// See `kube_router::allocator`.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
-    limit_malloc_arenas();
+    kube_router::allocator::configure();
     let cli = command_line::parse_from(std::env::args_os()).unwrap_or_else(|e| e.exit());
     // RUST_LOG wins; upstream's -v only picks the default.
     let default_filter = cli.run.v.map_or("info", kube_router::flags::log_filter_for_verbosity);
@@ -74,19 +78,5 @@ fn main() -> ExitCode {
             tracing::error!("{e:#}");
             ExitCode::FAILURE
         }
-    }
-}
-
-/// glibc gives each thread that allocates under contention an arena of its own (up to 8 per
-/// core) and keeps what is freed in each: the watchers decode objects on tokio's workers, the
-/// agent loop converts and compiles them elsewhere, and the freed memory stays spread over the
-/// arenas. One arena: 10 MiB less peak RSS at 10,000 Services (`api_sync` bench), no change in
-/// its change latency (the agent's allocations are not contended). The image's musl allocator
-/// has no per-thread arenas.
-fn limit_malloc_arenas() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: mallopt only changes malloc's tunables; called before any thread is started.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, 1);
     }
 }
