@@ -190,6 +190,7 @@ fn main() {
     let start_rss = status_kib("VmRSS:");
     let mut objects = ClusterObjects::default();
     let mut catalog = ServiceCatalog::default();
+    let mut feeds = None;
     let node = NodeContext::default();
     let (mut v4, mut v6) = (Family::<V4>::new(), Family::<V6>::new());
 
@@ -205,7 +206,7 @@ fn main() {
         }
         objects.apply(WatchUpdate::EndpointSlices(Event::InitDone));
     });
-    phase("converted catalog", &mut log, || assert_eq!(objects.update_catalog(&mut catalog), Changed::All));
+    phase("converted catalog", &mut log, || assert_eq!(objects.update_catalog(&mut feeds, &mut catalog), Changed::All));
     // The IPv4 full compile step by step: what each step leaves, and its transient peak.
     let mut plan = None;
     let mut desired = None;
@@ -240,7 +241,7 @@ fn main() {
     phase("100 EndpointSlice changes, compiled alone", &mut log, || {
         for change in 1..=100 {
             objects.apply(WatchUpdate::EndpointSlices(Event::Apply(slice(change * 37 % SERVICES, change))));
-            let Changed::Services(changed) = objects.update_catalog(&mut catalog) else { panic!("all") };
+            let Changed::Services(changed) = objects.update_catalog(&mut feeds, &mut catalog) else { panic!("all") };
             v4.changed(&catalog, &changed);
             v6.changed(&catalog, &changed);
         }

@@ -17,7 +17,7 @@ use crate::{
     },
     k8s::{
         cache::Cache,
-        store::{ObjectKey, ObjectStore},
+        store::{Feed, ObjectKey, ObjectStore},
         watch::{ClusterObjects, Kind},
     },
     policy::engine::{PolicyChanges, PolicyProgrammer},
@@ -32,11 +32,13 @@ pub struct PolicyController<M: PolicyMaps = BpfPolicyMaps> {
     /// How new the API state in the policy maps is (see `bpf::stamps`); none without pinned
     /// maps (tests).
     stamp: ApiStateStamp,
+    /// Its own feeds of the policy kinds' changes.
+    feeds: Option<PolicyFeeds>,
 }
 
 impl<M: PolicyMaps> PolicyController<M> {
     pub fn new(firewall: PolicyProgrammer<M>, cache: Arc<Cache>) -> Self {
-        Self { firewall, cache, stamp: ApiStateStamp::none("policy") }
+        Self { firewall, cache, stamp: ApiStateStamp::none("policy"), feeds: None }
     }
 
     /// Stamps the pinned policy maps with the API state written into them.
@@ -61,7 +63,8 @@ impl<M: PolicyMaps> PolicyController<M> {
             return None;
         }
         let compiled = self.firewall.has_compiled();
-        let listing = self.cache.update(POLICY_KINDS, |o| policy_changes(o, compiled))?;
+        let feeds = &mut self.feeds;
+        let listing = self.cache.update(POLICY_KINDS, |o| policy_changes(o, feeds, compiled))?;
         let complete = listing.completeness.is_complete();
         if complete {
             self.stamp.begin_write(&self.firewall.metrics());
@@ -74,11 +77,27 @@ impl<M: PolicyMaps> PolicyController<M> {
     }
 }
 
-/// The changes of the policy kinds since the last call (consuming them); every object when the
-/// compiler has nothing yet or a store does not know what changed.
-fn policy_changes(objects: &mut ClusterObjects, compiled: bool) -> PolicyChanges {
-    let changed =
-        (objects.pods.take_changed(), objects.namespaces.take_changed(), objects.network_policies.take_changed());
+/// The policy controller's own feeds of the Pod, Namespace and NetworkPolicy stores.
+#[derive(Debug, Clone, Copy)]
+struct PolicyFeeds {
+    pods: Feed,
+    namespaces: Feed,
+    policies: Feed,
+}
+
+/// The changes of the policy kinds since the last call with `feeds` (the first subscribes);
+/// every object when the compiler has nothing yet or a store does not know what changed.
+fn policy_changes(objects: &mut ClusterObjects, feeds: &mut Option<PolicyFeeds>, compiled: bool) -> PolicyChanges {
+    let feeds = *feeds.get_or_insert_with(|| PolicyFeeds {
+        pods: objects.pods.subscribe(),
+        namespaces: objects.namespaces.subscribe(),
+        policies: objects.network_policies.subscribe(),
+    });
+    let changed = (
+        objects.pods.take_changes(feeds.pods),
+        objects.namespaces.take_changes(feeds.namespaces),
+        objects.network_policies.take_changes(feeds.policies),
+    );
     match changed {
         (Some(pods), Some(namespaces), Some(policies)) if compiled => PolicyChanges::Keys {
             pods: keyed(&objects.pods, pods),

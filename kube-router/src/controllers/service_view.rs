@@ -96,6 +96,8 @@ impl VipPublisher {
 pub struct ServiceViewController {
     cache: Arc<Cache>,
     catalog: ServiceCatalog,
+    /// The catalog's own feeds of the Service and EndpointSlice stores.
+    feeds: Option<crate::services::from_stores::CatalogFeeds>,
     publisher: VipPublisher,
     node_name: String,
     /// The flags' external IP policy; the cluster's addresses are added as they come.
@@ -123,6 +125,7 @@ impl ServiceViewController {
         Self {
             cache,
             catalog: ServiceCatalog::default(),
+            feeds: None,
             publisher,
             node_name,
             external_ips,
@@ -141,9 +144,9 @@ impl Controller for ServiceViewController {
     }
 
     async fn reconcile(&mut self) -> Result<Action> {
-        let catalog = &mut self.catalog;
+        let (catalog, feeds) = (&mut self.catalog, &mut self.feeds);
         // Nothing before a complete listing or the checkpoint: the last view stays.
-        let Some(listing) = self.cache.update(SERVICE_KINDS, |o| o.update_catalog(catalog)) else {
+        let Some(listing) = self.cache.update(SERVICE_KINDS, |o| o.update_catalog(feeds, catalog)) else {
             return Ok(Action::AwaitChange);
         };
         let mut current = BTreeSet::new();

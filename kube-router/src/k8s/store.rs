@@ -113,9 +113,9 @@ pub struct ObjectStore<K, H = Arc<K>> {
     objects: BTreeMap<ObjectKey, H>,
     relist: Option<BTreeMap<ObjectKey, H>>,
     synced: bool,
-    /// Keys whose object changed since the last [`ObjectStore::take_changed`]; `None` until
-    /// someone asks (only the kinds compiled incrementally keep it).
-    changed: Option<BTreeSet<ObjectKey>>,
+    /// Each subscriber's keys whose object changed since it last took them
+    /// ([`ObjectStore::take_changes`]); `None`: that reader reads everything next time.
+    feeds: Vec<Option<BTreeSet<ObjectKey>>>,
     /// Every change numbered, for readers that each keep their place ([`ObjectStore::changed_since`]);
     /// `None` for the kinds with one reader of changes (it costs two entries per object).
     journal: Option<Journal>,
@@ -124,9 +124,22 @@ pub struct ObjectStore<K, H = Arc<K>> {
 
 impl<K, H> Default for ObjectStore<K, H> {
     fn default() -> Self {
-        Self { objects: BTreeMap::new(), relist: None, synced: false, changed: None, journal: None, kind: PhantomData }
+        Self {
+            objects: BTreeMap::new(),
+            relist: None,
+            synced: false,
+            feeds: Vec::new(),
+            journal: None,
+            kind: PhantomData,
+        }
     }
 }
+
+/// One reader's own set of a store's changes ([`ObjectStore::subscribe`]): readers that take
+/// what changed each have theirs, so none takes another's changes (kube-rs's shared reflector
+/// gives each subscriber its own stream in the same way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Feed(usize);
 
 /// A place in a store's changes: what a reader has seen ([`ObjectStore::changed_since`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -208,7 +221,7 @@ impl<K, H> ObjectStore<K, H> {
     }
 
     /// What changed since `cursor` (`None`: the reader has read nothing yet), and the cursor
-    /// to pass next time. Unlike [`Self::take_changed`] it takes nothing away: any number of
+    /// to pass next time. Unlike [`Self::take_changes`] it takes nothing away: any number of
     /// readers each keep their own cursor.
     /// Without a journal ([`Self::journaled`]) every read is [`Changes::All`].
     pub fn changed_since(&self, cursor: Option<Cursor>) -> (Changes, Cursor) {
@@ -236,7 +249,7 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
             }
             Event::InitDone => {
                 let listed = self.relist.take().unwrap_or_default();
-                if self.changed.is_some() || self.journal.is_some() {
+                if self.feeds.iter().any(Option::is_some) || self.journal.is_some() {
                     let differs = |key: &&ObjectKey| listed.get(*key) != self.objects.get(*key);
                     let moved: BTreeSet<ObjectKey> =
                         listed.keys().chain(self.objects.keys()).filter(differs).cloned().collect();
@@ -245,8 +258,8 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
                             journal.record(key.clone(), listed.len());
                         }
                     }
-                    if let Some(changed) = self.changed.as_mut() {
-                        changed.extend(moved);
+                    for changed in self.feeds.iter_mut().flatten() {
+                        changed.extend(moved.iter().cloned());
                     }
                 }
                 // The first complete list always counts: it is what allows deletions at all.
@@ -266,8 +279,10 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
                 if let (true, Some(journal)) = (removed, self.journal.as_mut()) {
                     journal.record(key.clone(), self.objects.len());
                 }
-                if let (true, Some(changed)) = (removed, self.changed.as_mut()) {
-                    changed.insert(key);
+                if removed {
+                    for changed in self.feeds.iter_mut().flatten() {
+                        changed.insert(key.clone());
+                    }
                 }
                 removed
             }
@@ -296,7 +311,7 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
                 return false;
             }
         }
-        if let Some(changed) = self.changed.as_mut() {
+        for changed in self.feeds.iter_mut().flatten() {
             changed.insert(key.clone());
         }
         if let Some(journal) = self.journal.as_mut() {
@@ -306,11 +321,17 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
         true
     }
 
-    /// The keys whose object changed (added, modified, removed) since the last call; `None` the
-    /// first time (and after a restore): everything may have. A store's change set has one
-    /// consumer (see [`super::watch::ClusterObjects`]): a second one would take its changes.
-    pub fn take_changed(&mut self) -> Option<BTreeSet<ObjectKey>> {
-        self.changed.replace(BTreeSet::new())
+    /// A new reader of this store's changes, with its own set of them ([`Self::take_changes`]).
+    pub fn subscribe(&mut self) -> Feed {
+        self.feeds.push(None);
+        Feed(self.feeds.len() - 1)
+    }
+
+    /// The keys whose object changed (added, modified, removed) since `feed` last took them;
+    /// `None` the first time (and after a restore): everything may have. Other feeds keep theirs.
+    /// `feed` must come from this store's [`Self::subscribe`].
+    pub fn take_changes(&mut self, feed: Feed) -> Option<BTreeSet<ObjectKey>> {
+        self.feeds[feed.0].replace(BTreeSet::new())
     }
 
     pub fn keys(&self) -> impl Iterator<Item = &ObjectKey> {
@@ -348,7 +369,7 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
     /// [`Self::restore`] from objects already in the form the store keeps them.
     pub fn restore_held(&mut self, objects: impl IntoIterator<Item = (ObjectKey, H)>) {
         self.objects = objects.into_iter().collect();
-        self.changed = None;
+        self.feeds.iter_mut().for_each(|changed| *changed = None);
         if let Some(journal) = self.journal.as_mut() {
             journal.forget();
         }
@@ -494,14 +515,33 @@ mod tests {
         for e in [Event::Init, Event::InitApply(svc("a", 1)), Event::InitDone] {
             store.apply(e);
         }
-        store.take_changed();
+        let feed = store.subscribe();
+        store.take_changes(feed);
         let mut managed = svc("a", 5);
         managed.metadata.managed_fields = Some(vec![Default::default()]);
         assert!(!store.apply(Event::Apply(managed)), "only the version and dropped fields changed");
-        assert_eq!(store.take_changed(), Some(BTreeSet::new()));
+        assert_eq!(store.take_changes(feed), Some(BTreeSet::new()));
         // The newer version was kept: a delete older than it is stale.
         assert!(!store.apply(Event::Delete(svc("a", 4))));
         assert!(store.apply(Event::Delete(svc("a", 5))));
+    }
+
+    /// Two readers of one store each take their own changes; a restore has both read everything.
+    #[test]
+    fn each_feed_takes_its_own_changes() {
+        let mut store = ObjectStore::<Service>::default();
+        let (first, second) = (store.subscribe(), store.subscribe());
+        assert_eq!(store.take_changes(first), None, "a new reader reads everything");
+        store.apply(Event::Apply(svc("a", 1)));
+        let a: BTreeSet<ObjectKey> = [("default".to_string(), "a".to_string())].into();
+        assert_eq!(store.take_changes(first), Some(a.clone()));
+        assert_eq!(store.take_changes(first), Some(BTreeSet::new()));
+        assert_eq!(store.take_changes(second), None, "the second reader has not read yet");
+        store.apply(Event::Apply(svc("a", 2)));
+        assert_eq!(store.take_changes(second), Some(a.clone()));
+        assert_eq!(store.take_changes(first), Some(a), "taken by the second, still the first's");
+        store.restore([svc("b", 3)]);
+        assert_eq!((store.take_changes(first), store.take_changes(second)), (None, None));
     }
 
     #[test]
@@ -539,11 +579,12 @@ mod tests {
                 Event::Delete(svc("a", 6)),
             ]
         };
-        shared.take_changed();
-        packed.take_changed();
+        let (shared_feed, packed_feed) = (shared.subscribe(), packed.subscribe());
+        shared.take_changes(shared_feed);
+        packed.take_changes(packed_feed);
         for (a, b) in events().into_iter().zip(events()) {
             assert_eq!(shared.apply(a), packed.apply(b));
-            assert_eq!(shared.take_changed(), packed.take_changed());
+            assert_eq!(shared.take_changes(shared_feed), packed.take_changes(packed_feed));
             let decoded: Vec<Service> = packed.objects().collect();
             assert_eq!(shared.objects().cloned().collect::<Vec<_>>(), decoded);
         }

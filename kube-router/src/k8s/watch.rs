@@ -161,11 +161,11 @@ macro_rules! cluster_objects {
         /// Every watched object, as last seen, each kind kept as its [`Watched`] implementation
         /// says (k8s::kinds).
         ///
-        /// Each store's change set ([`ObjectStore::take_changed`]) has exactly one consumer: Services
-        /// and EndpointSlices the services controller (`update_catalog`), or without the proxy
-        /// the service-view controller (the BGP speaker's VIPs); Pods, Namespaces and
-        /// NetworkPolicies the policy controller. The journaled kinds (Nodes), read by several
-        /// controllers, are followed by each reader with its own cursor ([`ObjectStore::changed_since`]).
+        /// Readers that take what changed each have their own feed of a store
+        /// ([`ObjectStore::subscribe`]): the services controller or the service view (Services
+        /// and EndpointSlices), the policy controller (Pods, Namespaces, NetworkPolicies). The
+        /// journaled kinds (Nodes), read under the shared lock by several controllers, are
+        /// followed with a cursor each ([`ObjectStore::changed_since`]).
         pub struct ClusterObjects {
             $(pub $field: ObjectStore<$ty, <$ty as Watched>::Held>,)*
         }

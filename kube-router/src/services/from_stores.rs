@@ -11,7 +11,17 @@ use super::{
     model::ServiceName,
     source::StateBuilder,
 };
-use crate::k8s::watch::{ClusterObjects, Kind, WatchUpdate};
+use crate::k8s::{
+    store::Feed,
+    watch::{ClusterObjects, Kind, WatchUpdate},
+};
+
+/// One catalog's own feeds of the Service and EndpointSlice stores' changes.
+#[derive(Debug, Clone, Copy)]
+pub struct CatalogFeeds {
+    services: Feed,
+    slices: Feed,
+}
 
 impl ClusterObjects {
     /// Applies a watcher update; returns whether the service proxy's desired state may have
@@ -53,10 +63,16 @@ impl ClusterObjects {
         builder
     }
 
-    /// Converts again the Services and EndpointSlices that changed since the last call, into
-    /// `catalog`; returns the Services they concern. The first call converts everything.
-    pub fn update_catalog(&mut self, catalog: &mut ServiceCatalog) -> Changed {
-        let (services, slices, all) = match (self.services.take_changed(), self.endpoint_slices.take_changed()) {
+    /// Converts again the Services and EndpointSlices that changed since the last call with
+    /// `feeds`, into `catalog`; returns the Services they concern. The first call (`feeds`
+    /// `None`: it subscribes) converts everything. Each reader keeps its own `feeds`.
+    pub fn update_catalog(&mut self, feeds: &mut Option<CatalogFeeds>, catalog: &mut ServiceCatalog) -> Changed {
+        let feeds = *feeds.get_or_insert_with(|| CatalogFeeds {
+            services: self.services.subscribe(),
+            slices: self.endpoint_slices.subscribe(),
+        });
+        let changed = (self.services.take_changes(feeds.services), self.endpoint_slices.take_changes(feeds.slices));
+        let (services, slices, all) = match changed {
             (Some(services), Some(slices)) => (services, slices, false),
             // Object by object all the same, so each one's problems are its own to clear.
             _ => {
@@ -200,11 +216,16 @@ mod tests {
     fn the_catalog_follows_each_change_and_names_the_services_it_concerns() {
         let mut objects = ClusterObjects::default();
         let mut catalog = ServiceCatalog::default();
+        let mut feeds = None;
         objects.apply(WatchUpdate::Services(Event::Apply(service("d", "not an address", 1))));
-        assert_eq!(objects.update_catalog(&mut catalog), Changed::All, "the first call converts everything");
+        assert_eq!(
+            objects.update_catalog(&mut feeds, &mut catalog),
+            Changed::All,
+            "the first call converts everything"
+        );
         assert_eq!(catalog.problems().count(), 1);
         objects.apply(WatchUpdate::Services(Event::Delete(service("d", "not an address", 2))));
-        objects.update_catalog(&mut catalog);
+        objects.update_catalog(&mut feeds, &mut catalog);
         assert_eq!(catalog.problems().count(), 0);
         let names = |changed: Changed| match changed {
             Changed::Services(names) => names.into_iter().map(|n| n.name.to_string()).collect::<Vec<_>>(),
@@ -223,31 +244,31 @@ mod tests {
             vec![service("a", "10.96.0.1", 1), service("b", "10.96.0.2", 2)],
             vec![slice("a", "10.0.0.1", 3)],
         );
-        assert_eq!(names(objects.update_catalog(&mut catalog)), ["a", "b"]);
+        assert_eq!(names(objects.update_catalog(&mut feeds, &mut catalog)), ["a", "b"]);
         same_as_a_full_conversion(&objects, &catalog);
 
         objects.apply(WatchUpdate::EndpointSlices(Event::Apply(slice("a", "10.0.0.2", 4))));
-        assert_eq!(names(objects.update_catalog(&mut catalog)), ["a"]);
+        assert_eq!(names(objects.update_catalog(&mut feeds, &mut catalog)), ["a"]);
         same_as_a_full_conversion(&objects, &catalog);
 
         // A broken relist changes nothing; a complete one with a difference names it.
         objects.apply(WatchUpdate::Services(Event::Init));
         objects.apply(WatchUpdate::Services(Event::InitApply(service("a", "10.96.0.1", 1))));
-        assert_eq!(names(objects.update_catalog(&mut catalog)), Vec::<String>::new());
+        assert_eq!(names(objects.update_catalog(&mut feeds, &mut catalog)), Vec::<String>::new());
         objects.apply(WatchUpdate::Services(Event::Init));
         objects.apply(WatchUpdate::Services(Event::InitApply(service("a", "10.96.0.1", 1))));
         objects.apply(WatchUpdate::Services(Event::InitApply(service("c", "10.96.0.3", 5))));
         objects.apply(WatchUpdate::Services(Event::InitDone));
-        assert_eq!(names(objects.update_catalog(&mut catalog)), ["b", "c"]);
+        assert_eq!(names(objects.update_catalog(&mut feeds, &mut catalog)), ["b", "c"]);
         same_as_a_full_conversion(&objects, &catalog);
 
         objects.apply(WatchUpdate::EndpointSlices(Event::Delete(slice("a", "10.0.0.2", 6))));
         objects.apply(WatchUpdate::Services(Event::Apply(service("a", "not an address", 7))));
-        assert_eq!(names(objects.update_catalog(&mut catalog)), ["a"]);
+        assert_eq!(names(objects.update_catalog(&mut feeds, &mut catalog)), ["a"]);
         same_as_a_full_conversion(&objects, &catalog);
         assert_eq!(catalog.problems().count(), 1);
         objects.apply(WatchUpdate::Services(Event::Apply(service("a", "10.96.0.1", 8))));
-        objects.update_catalog(&mut catalog);
+        objects.update_catalog(&mut feeds, &mut catalog);
         assert_eq!(catalog.problems().count(), 0);
     }
 }

@@ -83,6 +83,8 @@ pub struct ServicesFromApi {
     cache: Arc<Cache>,
     /// The Services and EndpointSlices converted, kept up to date object by object.
     catalog: ServiceCatalog,
+    /// The catalog's own feeds of the Service and EndpointSlice stores.
+    feeds: Option<crate::services::from_stores::CatalogFeeds>,
     /// The Services changed since the last sync.
     changed: Changed,
     /// Something other than the objects (the node's zone or addresses, a failed write) asks
@@ -111,6 +113,7 @@ impl ServicesFromApi {
             controller,
             cache,
             catalog: ServiceCatalog::default(),
+            feeds: None,
             changed: Changed::All,
             dirty,
             node_addresses,
@@ -200,12 +203,12 @@ impl Controller for ServicesFromApi {
         // Before the first complete listing only a checkpoint-restored state is applied, and
         // then without deletions.
         let full = self.controller.full_compile_only;
-        let catalog = &mut self.catalog;
+        let (catalog, feeds) = (&mut self.catalog, &mut self.feeds);
         let Some(listing) = self.cache.update(SERVICE_KINDS, |o| {
             if full {
                 *catalog = ServiceCatalog::from_builder(o.state());
             }
-            o.update_catalog(catalog)
+            o.update_catalog(feeds, catalog)
         }) else {
             return Ok(Action::AwaitChange);
         };
