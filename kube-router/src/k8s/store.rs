@@ -537,9 +537,10 @@ mod tests {
         assert_eq!(store.take_changes(first), Some(a.clone()));
         assert_eq!(store.take_changes(first), Some(BTreeSet::new()));
         assert_eq!(store.take_changes(second), None, "the second reader has not read yet");
-        store.apply(Event::Apply(svc("a", 2)));
-        assert_eq!(store.take_changes(second), Some(a.clone()));
-        assert_eq!(store.take_changes(first), Some(a), "taken by the second, still the first's");
+        store.apply(Event::Apply(svc("b", 2)));
+        let b: BTreeSet<ObjectKey> = [("default".to_string(), "b".to_string())].into();
+        assert_eq!(store.take_changes(second), Some(b.clone()));
+        assert_eq!(store.take_changes(first), Some(b), "taken by the second, still the first's");
         store.restore([svc("b", 3)]);
         assert_eq!((store.take_changes(first), store.take_changes(second)), (None, None));
     }
