@@ -10,7 +10,7 @@ use proptest::prelude::*;
 use serde_json::{json, Value};
 
 use super::fixtures::{namespace, pod_with_ports, policy};
-use crate::policy::{compile, PolicyCompiler};
+use crate::policy::{compile, Delta, PolicyCompiler};
 
 const NAMESPACES: [&str; 3] = ["x", "y", "z"];
 const POD_NAMES: [&str; 4] = ["a", "b", "c", "d"];
@@ -190,6 +190,58 @@ fn op_strategy() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// The objects the operations so far leave: what a compile from scratch is given.
+#[derive(Default)]
+struct Inputs {
+    pods: BTreeMap<(usize, usize), Pod>,
+    namespaces: BTreeMap<usize, Namespace>,
+    policies: BTreeMap<(usize, usize), NetworkPolicy>,
+}
+
+impl Inputs {
+    /// Records `op` and applies it to each compiler; returns each compiler's delta.
+    fn apply<const N: usize>(&mut self, op: &Op, compilers: [&mut PolicyCompiler; N]) -> [Delta; N] {
+        match *op {
+            Op::UpsertPod(n, p, seed) => {
+                let pod = make_pod(NAMESPACES[n], POD_NAMES[p], seed);
+                self.pods.insert((n, p), pod.clone());
+                compilers.map(|c| c.upsert_pod(&pod))
+            }
+            Op::DeletePod(n, p) => {
+                self.pods.remove(&(n, p));
+                compilers.map(|c| c.delete_pod(NAMESPACES[n], POD_NAMES[p]))
+            }
+            Op::UpsertNamespace(n, seed) => {
+                let ns = make_namespace(NAMESPACES[n], seed);
+                self.namespaces.insert(n, ns.clone());
+                compilers.map(|c| c.upsert_namespace(&ns))
+            }
+            Op::DeleteNamespace(n) => {
+                self.namespaces.remove(&n);
+                compilers.map(|c| c.delete_namespace(NAMESPACES[n]))
+            }
+            Op::UpsertPolicy(n, p, seed) => {
+                let np = make_policy(NAMESPACES[n], POLICY_NAMES[p], seed);
+                self.policies.insert((n, p), np.clone());
+                compilers.map(|c| c.upsert_policy(&np))
+            }
+            Op::DeletePolicy(n, p) => {
+                self.policies.remove(&(n, p));
+                compilers.map(|c| c.delete_policy(NAMESPACES[n], POLICY_NAMES[p]))
+            }
+        }
+    }
+
+    /// Pods, Namespaces and NetworkPolicies, as lists.
+    fn lists(self) -> (Vec<Pod>, Vec<Namespace>, Vec<NetworkPolicy>) {
+        (
+            self.pods.into_values().collect(),
+            self.namespaces.into_values().collect(),
+            self.policies.into_values().collect(),
+        )
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
@@ -197,45 +249,13 @@ proptest! {
     fn incremental_equals_from_scratch(ops in prop::collection::vec(op_strategy(), 1..40)) {
         let mut compiler = PolicyCompiler::new();
         let mut mirror = compiler.model().clone();
-        let mut pods: BTreeMap<(usize, usize), Pod> = BTreeMap::new();
-        let mut namespaces: BTreeMap<usize, Namespace> = BTreeMap::new();
-        let mut policies: BTreeMap<(usize, usize), NetworkPolicy> = BTreeMap::new();
+        let mut inputs = Inputs::default();
         for op in &ops {
-            let delta = match *op {
-                Op::UpsertPod(n, p, seed) => {
-                    let pod = make_pod(NAMESPACES[n], POD_NAMES[p], seed);
-                    pods.insert((n, p), pod.clone());
-                    compiler.upsert_pod(&pod)
-                }
-                Op::DeletePod(n, p) => {
-                    pods.remove(&(n, p));
-                    compiler.delete_pod(NAMESPACES[n], POD_NAMES[p])
-                }
-                Op::UpsertNamespace(n, seed) => {
-                    let ns = make_namespace(NAMESPACES[n], seed);
-                    namespaces.insert(n, ns.clone());
-                    compiler.upsert_namespace(&ns)
-                }
-                Op::DeleteNamespace(n) => {
-                    namespaces.remove(&n);
-                    compiler.delete_namespace(NAMESPACES[n])
-                }
-                Op::UpsertPolicy(n, p, seed) => {
-                    let np = make_policy(NAMESPACES[n], POLICY_NAMES[p], seed);
-                    policies.insert((n, p), np.clone());
-                    compiler.upsert_policy(&np)
-                }
-                Op::DeletePolicy(n, p) => {
-                    policies.remove(&(n, p));
-                    compiler.delete_policy(NAMESPACES[n], POLICY_NAMES[p])
-                }
-            };
+            let [delta] = inputs.apply(op, [&mut compiler]);
             delta.apply_to(&mut mirror);
             prop_assert_eq!(&mirror, compiler.model(), "deltas diverged after {:?}", op);
         }
-        let pods: Vec<Pod> = pods.into_values().collect();
-        let namespaces: Vec<Namespace> = namespaces.into_values().collect();
-        let policies: Vec<NetworkPolicy> = policies.into_values().collect();
+        let (pods, namespaces, policies) = inputs.lists();
         let expected = compile(&pods, &namespaces, &policies);
         prop_assert_eq!(compiler.output(), expected);
     }
@@ -257,14 +277,7 @@ proptest! {
         let mut flattener = MapFlattener::new();
         let mut programmed = MapEntries::default();
         for op in &ops {
-            let delta = match *op {
-                Op::UpsertPod(n, p, seed) => compiler.upsert_pod(&make_pod(NAMESPACES[n], POD_NAMES[p], seed)),
-                Op::DeletePod(n, p) => compiler.delete_pod(NAMESPACES[n], POD_NAMES[p]),
-                Op::UpsertNamespace(n, seed) => compiler.upsert_namespace(&make_namespace(NAMESPACES[n], seed)),
-                Op::DeleteNamespace(n) => compiler.delete_namespace(NAMESPACES[n]),
-                Op::UpsertPolicy(n, p, seed) => compiler.upsert_policy(&make_policy(NAMESPACES[n], POLICY_NAMES[p], seed)),
-                Op::DeletePolicy(n, p) => compiler.delete_policy(NAMESPACES[n], POLICY_NAMES[p]),
-            };
+            let [delta] = Inputs::default().apply(op, [&mut compiler]);
             let sets: BTreeSet<_> = delta.pod_sets.keys().cloned().collect();
             let diff = flattener.update(compiler.model(), &delta.pods, &sets);
             for key in &diff.pod_slots.deletes { programmed.pod_slots.remove(key); }
@@ -311,48 +324,13 @@ proptest! {
         let mut whole = PolicyCompiler::new();
         let mut scoped = PolicyCompiler::on_node(NODE);
         let mut mirror = scoped.model().clone();
-        let mut pods: BTreeMap<(usize, usize), Pod> = BTreeMap::new();
-        let mut namespaces: BTreeMap<usize, Namespace> = BTreeMap::new();
-        let mut policies: BTreeMap<(usize, usize), NetworkPolicy> = BTreeMap::new();
+        let mut inputs = Inputs::default();
         for op in &ops {
-            let delta = match *op {
-                Op::UpsertPod(n, p, seed) => {
-                    let pod = make_pod(NAMESPACES[n], POD_NAMES[p], seed);
-                    pods.insert((n, p), pod.clone());
-                    whole.upsert_pod(&pod);
-                    scoped.upsert_pod(&pod)
-                }
-                Op::DeletePod(n, p) => {
-                    pods.remove(&(n, p));
-                    whole.delete_pod(NAMESPACES[n], POD_NAMES[p]);
-                    scoped.delete_pod(NAMESPACES[n], POD_NAMES[p])
-                }
-                Op::UpsertNamespace(n, seed) => {
-                    let ns = make_namespace(NAMESPACES[n], seed);
-                    namespaces.insert(n, ns.clone());
-                    whole.upsert_namespace(&ns);
-                    scoped.upsert_namespace(&ns)
-                }
-                Op::DeleteNamespace(n) => {
-                    namespaces.remove(&n);
-                    whole.delete_namespace(NAMESPACES[n]);
-                    scoped.delete_namespace(NAMESPACES[n])
-                }
-                Op::UpsertPolicy(n, p, seed) => {
-                    let np = make_policy(NAMESPACES[n], POLICY_NAMES[p], seed);
-                    policies.insert((n, p), np.clone());
-                    whole.upsert_policy(&np);
-                    scoped.upsert_policy(&np)
-                }
-                Op::DeletePolicy(n, p) => {
-                    policies.remove(&(n, p));
-                    whole.delete_policy(NAMESPACES[n], POLICY_NAMES[p]);
-                    scoped.delete_policy(NAMESPACES[n], POLICY_NAMES[p])
-                }
-            };
+            let [_, delta] = inputs.apply(op, [&mut whole, &mut scoped]);
             delta.apply_to(&mut mirror);
             prop_assert_eq!(&mirror, scoped.model(), "deltas diverged after {:?}", op);
-            let local: BTreeSet<IpAddr> = pods
+            let local: BTreeSet<IpAddr> = inputs
+                .pods
                 .values()
                 .filter_map(PodInfo::from_pod)
                 .filter(|info| info.node() == Some(NODE))
@@ -364,9 +342,7 @@ proptest! {
             expected.pod_sets.retain(|key, _| named.contains(key));
             prop_assert_eq!(&expected, scoped.model(), "not the node's part after {:?}", op);
         }
-        let pods: Vec<Pod> = pods.into_values().collect();
-        let namespaces: Vec<Namespace> = namespaces.into_values().collect();
-        let policies: Vec<NetworkPolicy> = policies.into_values().collect();
+        let (pods, namespaces, policies) = inputs.lists();
         let fresh = PolicyCompiler::from_snapshot_on(Some(NODE), &pods, &namespaces, &policies);
         prop_assert_eq!(scoped.output(), fresh.output());
     }
