@@ -14,13 +14,13 @@ use k8s_openapi::api::{
     discovery::v1::EndpointSlice,
     networking::v1::NetworkPolicy,
 };
-use kube::{Resource, ResourceExt};
+use kube::Resource;
 use serde::{de::DeserializeOwned, Serialize, Serializer};
 
 use super::{
     pod::{PodFields, SlimPod},
     slim::Slim,
-    store::{Held, ObjectKey, Packed},
+    store::{keyed_hold, Held, ObjectKey, Packed},
 };
 
 /// Calls `$then!` with every watched kind as `Variant, store_field, WatchedType;`. The order is
@@ -62,10 +62,6 @@ pub trait Watched:
     }
 }
 
-fn key_of<K: Resource>(object: &K) -> ObjectKey {
-    (object.namespace().unwrap_or_default(), object.name_any())
-}
-
 /// The common case: kept decoded and shared, checkpointed as it is kept.
 macro_rules! kept_shared {
     ($ty:ty $(, journaled = $journaled:expr)?) => {
@@ -77,8 +73,7 @@ macro_rules! kept_shared {
                 (**held).clone()
             }
             fn restored(saved: $ty) -> (ObjectKey, Arc<$ty>) {
-                let object = saved.slim();
-                (key_of(&object), Arc::new(object))
+                keyed_hold(saved)
             }
             fn write_saved<S: Serializer>(held: &Arc<$ty>, serializer: S) -> Result<S::Ok, S::Error> {
                 (**held).serialize(serializer)
@@ -100,8 +95,7 @@ impl Watched for EndpointSlice {
         held.decode()
     }
     fn restored(saved: EndpointSlice) -> (ObjectKey, Packed<EndpointSlice>) {
-        let object = saved.slim();
-        (key_of(&object), Packed::hold(object))
+        keyed_hold(saved)
     }
     fn write_saved<S: Serializer>(held: &Packed<EndpointSlice>, serializer: S) -> Result<S::Ok, S::Error> {
         held.serialize(serializer)
@@ -136,8 +130,7 @@ impl Watched for Node {
         super::checkpoint::node_for_checkpoint(held)
     }
     fn restored(saved: Node) -> (ObjectKey, Arc<Node>) {
-        let object = saved.slim();
-        (key_of(&object), Arc::new(object))
+        keyed_hold(saved)
     }
 }
 

@@ -208,6 +208,12 @@ fn key_of<K: Resource>(object: &K) -> ObjectKey {
     (object.namespace().unwrap_or_default(), object.name_any())
 }
 
+/// An object slimmed and held as a store keeps it, with its key.
+pub fn keyed_hold<K: Slim, H: Held<K>>(object: K) -> (ObjectKey, H) {
+    let object = object.slim();
+    (key_of(&object), H::hold(object))
+}
+
 /// resourceVersions are opaque to clients, but every real API server issues integers
 /// (etcd revisions); comparing them lets us ignore an older copy that arrives late.
 fn version_of<K: Resource>(object: &K) -> Option<u64> {
@@ -345,7 +351,7 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
 
     /// Every object, shared: for a copy made elsewhere.
     pub fn snapshot(&self) -> Vec<H> {
-        self.objects.values().cloned().collect()
+        self.held().cloned().collect()
     }
 
     /// A complete list has been seen at least once.
@@ -363,7 +369,7 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
 
     /// Seeds the store from a checkpoint; it stays unsynced until the API lists it.
     pub fn restore(&mut self, objects: impl IntoIterator<Item = K>) {
-        self.restore_held(objects.into_iter().map(|o| (key_of(&o), H::hold(o.slim()))));
+        self.restore_held(objects.into_iter().map(keyed_hold));
     }
 
     /// [`Self::restore`] from objects already in the form the store keeps them.

@@ -195,13 +195,6 @@ macro_rules! cluster_objects {
                 }
             }
 
-            /// How many objects of `kind` the store holds.
-            pub fn count(&self, kind: Kind) -> usize {
-                match kind {
-                    $(Kind::$variant => self.$field.len(),)*
-                }
-            }
-
             /// Every object, shared, for the checkpoint to be written off the agent's loop.
             pub fn snapshot(&self) -> CheckpointSnapshot {
                 CheckpointSnapshot {
