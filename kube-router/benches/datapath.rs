@@ -10,11 +10,11 @@ use std::{
 };
 use test_run::{packet, run_on, run_xdp, NodeNetns, XDP_PASS, XDP_TX};
 
+use kube_router::services::maps::write_lb_config;
+use kube_router::services::maps::{BpfServiceMaps, BpfServiceMapsV6};
 use kube_router::{
     bpf::{
         datapath::{self, Datapath, Hook},
-        service_maps::write_lb_config,
-        service_maps::{BpfServiceMaps, BpfServiceMapsV6},
         xdp,
     },
     services::{
@@ -242,7 +242,7 @@ fn main() {
     v6_row("egress, reverse NAT", reverse6, reverse);
     v6_row("ingress, NodePort to another node, new flow", snat_new6, snat_new);
 
-    // The gate in front of the conntrack lookup (bpf::gate), closed (every packet looked up, as
+    // The gate in front of the conntrack lookup (services::maps::gate), closed (every packet looked up, as
     // before it) and open, on the same packets in alternating rounds; min-max of the rounds.
     println!(
         "\n== the load balancer's gate: closed (every packet looked up) vs open, {GATE_ROUNDS} rounds each, min-max"
@@ -252,9 +252,9 @@ fn main() {
     for round in 0..GATE_ROUNDS * 2 {
         let is_open = round % 2 == 1;
         if is_open {
-            kube_router::bpf::gate::open(pin_dir).expect("open the gate");
+            kube_router::services::maps::gate::open(pin_dir).expect("open the gate");
         } else {
-            kube_router::bpf::gate::close(pin_dir).expect("close the gate");
+            kube_router::services::maps::gate::close(pin_dir).expect("close the gate");
         }
         // New flows: a client address of its own per round, a distinct port per packet.
         let fresh = Ipv4Addr::new(10, 1, 100 + round as u8, 7);

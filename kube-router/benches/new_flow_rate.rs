@@ -26,11 +26,9 @@ use std::{
 };
 use test_run::{packet, run_xdp_live, NodeNetns};
 
+use kube_router::services::maps::{write_lb_config, BpfServiceMaps, Conntrack};
 use kube_router::{
-    bpf::{
-        datapath::{self, Datapath, Hook},
-        service_maps::{write_lb_config, BpfServiceMaps, Conntrack},
-    },
+    bpf::datapath::{self, Datapath, Hook},
     services::{
         compile::{addr_be, assign_ids, plan, Limits},
         model::NodeContext,
@@ -329,7 +327,7 @@ fn run_stats(datapath: &mut Datapath, hook: Hook) -> (u64, u64) {
 }
 
 fn new_flows(pin_dir: &Path) -> u64 {
-    kube_router::bpf::service_maps::read_lb_stats(pin_dir).unwrap()[lb_stat::NEW_FLOW as usize]
+    kube_router::services::maps::read_lb_stats(pin_dir).unwrap()[lb_stat::NEW_FLOW as usize]
 }
 
 /// Programs `n` Services (the last one's endpoint is [`BACKEND`]) into the pinned maps.

@@ -57,11 +57,9 @@ use k8s_openapi::api::{
     core::v1::{Namespace, Pod},
     networking::v1::NetworkPolicy,
 };
+use kube_router::policy::maps::{apply_diff, BpfPolicyMaps};
 use kube_router::{
-    bpf::{
-        datapath::{self, Datapath},
-        policy_maps::{apply_diff, BpfPolicyMaps},
-    },
+    bpf::datapath::{self, Datapath},
     policy::{
         compile,
         flatten::{MapEntries, MapFlattener},
@@ -622,8 +620,7 @@ fn profile(rounds: usize) {
     for round in 0..rounds {
         let (output, compile_time) = timed(|| compile(&pods, &namespaces, &policies));
         let (entries, flatten_time) = timed(|| MapFlattener::new().flatten(&output.model));
-        let (_, encode_time) =
-            timed(|| kube_router::bpf::policy_maps::encode_diff(&MapEntries::default().diff(&entries)));
+        let (_, encode_time) = timed(|| kube_router::policy::maps::encode_diff(&MapEntries::default().diff(&entries)));
         println!(
             "round {round}: compile {:.1} ms, flatten {:.1} ms, diff+encode {:.1} ms",
             ms(compile_time),

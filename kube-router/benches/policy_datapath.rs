@@ -32,11 +32,9 @@ use k8s_openapi::api::{
     core::v1::{Namespace, Pod},
     networking::v1::NetworkPolicy,
 };
+use kube_router::policy::maps::{apply_diff, BpfPolicyMaps};
 use kube_router::{
-    bpf::{
-        datapath::{self, Datapath, Hook},
-        policy_maps::{apply_diff, BpfPolicyMaps},
-    },
+    bpf::datapath::{self, Datapath, Hook},
     policy::{
         compile,
         flatten::{MapEntries, MapFlattener},
@@ -190,7 +188,7 @@ fn measure(label: &str, (objects, last_rule, port): Model, ipv6: bool) -> Figure
     let allow_new = single_runs(fd, |port| tcp(port, last_rule, packet::TCP_SYN));
     // `kube-router monitor` listening (its default 1,000 events/s per CPU): the same denials.
     let monitor = |until: u64| {
-        let map = aya::maps::MapData::from_pin(kube_router::bpf::pinned_map(pin_dir, "events_cfg")).unwrap();
+        let map = aya::maps::MapData::from_pin(kube_router::pinned::pinned_map(pin_dir, "events_cfg")).unwrap();
         let mut config: aya::maps::Array<_, kube_router_common::MonitorConfig> =
             aya::maps::Array::try_from(aya::maps::Map::Array(map)).unwrap();
         config.set(0, kube_router_common::MonitorConfig { enabled_until_ns: until, rate_per_cpu: 1000 }, 0).unwrap();
@@ -209,7 +207,7 @@ fn measure(label: &str, (objects, last_rule, port): Model, ipv6: bool) -> Figure
 /// `pol_pods` lookups. Model: 200 egress-isolated pods x 50 rules (the "10,000 rules" one), the
 /// unisolated pod an address it does not hold. ns per packet, min-max over the rounds.
 fn gate_section() {
-    use kube_router::bpf::policy_maps::write_policy_ct_gate;
+    use kube_router::policy::maps::write_policy_ct_gate;
     const ROUNDS: usize = 3;
     println!(
         "== policy conntrack gate: a pod no policy isolates, every pod tracked vs only isolated pods ({ROUNDS} rounds)"

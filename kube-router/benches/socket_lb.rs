@@ -14,10 +14,10 @@ use std::{
     time::Instant,
 };
 
+use kube_router::services::maps::BpfServiceMaps;
 use kube_router::{
     bpf::{
         datapath::{self, Datapath},
-        service_maps::BpfServiceMaps,
         socket_lb,
     },
     services::{

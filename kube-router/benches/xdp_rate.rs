@@ -19,10 +19,10 @@ use std::{
 };
 use test_run::{packet, run_xdp, run_xdp_live, NodeNetns};
 
+use kube_router::services::maps::{write_lb_config, BpfServiceMaps};
 use kube_router::{
     bpf::{
         datapath::{self, Datapath, Hook},
-        service_maps::{write_lb_config, BpfServiceMaps},
         xdp::{self, XdpSetting},
     },
     services::{
@@ -292,7 +292,7 @@ fn program_service(pin_dir: &Path) {
 }
 
 fn lb(pin_dir: &Path) -> Vec<u64> {
-    kube_router::bpf::service_maps::read_lb_stats(pin_dir).unwrap()
+    kube_router::services::maps::read_lb_stats(pin_dir).unwrap()
 }
 
 fn xdp_stats(pin_dir: &Path) -> Vec<u64> {

@@ -17,12 +17,9 @@ use tokio::{
 };
 
 pub use crate::config::{AgentConfig, CniOptions, DesiredSource, ListenerOptions};
+use crate::services::maps::{BpfServiceMaps, BpfServiceMapsV6};
 use crate::{
-    bpf::{
-        datapath::Datapath,
-        service_maps::{BpfServiceMaps, BpfServiceMapsV6},
-        socket_lb,
-    },
+    bpf::{datapath::Datapath, socket_lb},
     controllers::{
         checkpoint::{CheckpointWriter, CHECKPOINT_KINDS},
         datapath_stats::DatapathStatsController,
@@ -136,7 +133,7 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
         // Closed until every link runs these programs and the entries found have their endpoints
         // recorded (`open_lb_gate`): an older release's programs record none. Not in the loader:
         // the overlay loads the object again later, which must leave an open gate open.
-        crate::bpf::gate::close(&config.pin_dir).context("closing the load balancer's gate")?;
+        crate::services::maps::gate::close(&config.pin_dir).context("closing the load balancer's gate")?;
         write_policy_ct_gate(&config.pin_dir)?;
         datapath.set_pod_mode(config.pod_attach_mode);
         let mut interfaces = InterfacesController::start(
@@ -495,10 +492,10 @@ fn write_policy_ct_gate(pin_dir: &std::path::Path) -> Result<()> {
     if track_all {
         tracing::info!("policy conntrack gate off: every pod's flows tracked (KUBE_ROUTER_POLICY_CT_GATE=off)");
     }
-    crate::bpf::policy_maps::write_policy_ct_gate(pin_dir, track_all).context("writing pol_cfg")
+    crate::policy::maps::write_policy_ct_gate(pin_dir, track_all).context("writing pol_cfg")
 }
 
-/// Opens the load balancer's gate (`bpf::gate`) now that every link runs our programs.
+/// Opens the load balancer's gate (`services::maps::gate`) now that every link runs our programs.
 /// `KUBE_ROUTER_LB_GATE=off` keeps it closed: every packet takes the conntrack lookup, as before
 /// the gate (for benchmarks comparing the two in one run). A failure leaves it closed.
 fn open_lb_gate(pin_dir: &std::path::Path) {
@@ -506,7 +503,7 @@ fn open_lb_gate(pin_dir: &std::path::Path) {
         tracing::info!("load balancer gate kept closed (KUBE_ROUTER_LB_GATE=off)");
         return;
     }
-    match crate::bpf::gate::open(pin_dir) {
+    match crate::services::maps::gate::open(pin_dir) {
         Ok(recorded) => tracing::info!(recorded, "load balancer gate open"),
         Err(e) => {
             tracing::error!(error = format!("{e:#}"), "cannot open the load balancer gate; every packet is looked up")

@@ -17,6 +17,7 @@ pub mod map_writes;
 pub mod metrics;
 pub mod monitor;
 pub mod node;
+pub mod pinned;
 pub mod policy;
 pub mod process_metrics;
 pub mod routing;

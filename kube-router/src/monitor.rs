@@ -15,7 +15,7 @@ use anyhow::{Context, Result};
 use aya::maps::{Array, Map, MapData, RingBuf};
 use kube_router_common::*;
 
-use crate::bpf::pinned_map;
+use crate::pinned::pinned_map;
 
 const LEASE: Duration = Duration::from_secs(2);
 const RENEW_EVERY: Duration = Duration::from_millis(500);
@@ -205,7 +205,7 @@ pub fn render(event: &MonitorEvent, names: &Names, json: bool, filter: EventFilt
 
 /// The `events_stats` counters summed over CPUs, in [`event_stat::NAMES`] order.
 pub fn read_stats(pin_dir: &Path) -> Result<Vec<u64>> {
-    crate::bpf::counters::read_pinned(pin_dir, monitor_map_names::EVENTS_STATS, event_stat::COUNT)
+    crate::pinned::counters::read_pinned(pin_dir, monitor_map_names::EVENTS_STATS, event_stat::COUNT)
 }
 
 /// Runs until SIGINT or SIGTERM; turns events off on the way out.

@@ -3,12 +3,10 @@
 use std::path::PathBuf;
 
 use aya::maps::{HashMap, Map, MapData};
-use kube_router::bpf::{
-    conntrack_gc::monotonic_now_ns,
-    datapath::{self, Datapath},
-    policy_maps::PolicyConntrack,
-    service_maps::Conntrack,
-};
+use kube_router::bpf::datapath::{self, Datapath};
+use kube_router::pinned::conntrack_gc::monotonic_now_ns;
+use kube_router::policy::maps::PolicyConntrack;
+use kube_router::services::maps::Conntrack;
 use kube_router_common::{
     map_names, CtKeyV4, CtValueV4, PolicyCtKeyV4, PolicyCtValue, CT_FLAG_CLOSING, CT_FLAG_FORWARD, CT_FLAG_SEEN_REPLY,
     CT_LIFETIME_CLOSING_SECS, CT_LIFETIME_NON_TCP_SECS, CT_LIFETIME_TCP_SECS, CT_LIFETIME_UNREPLIED_SECS, IPPROTO_TCP,
@@ -35,7 +33,7 @@ fn load(test: &str) -> Loaded {
 }
 
 fn pinned<K: aya::Pod, V: aya::Pod>(pin_dir: &std::path::Path, name: &str) -> HashMap<MapData, K, V> {
-    let data = MapData::from_pin(kube_router::bpf::pinned_map(pin_dir, name)).unwrap();
+    let data = MapData::from_pin(kube_router::pinned::pinned_map(pin_dir, name)).unwrap();
     HashMap::try_from(Map::LruHashMap(data)).unwrap()
 }
 

@@ -8,8 +8,10 @@
 use common::test_run::{packet, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC};
 use std::{collections::BTreeMap, net::Ipv4Addr};
 
+use kube_router::pinned::counters::read_pinned_if_exists;
+use kube_router::services::maps::sync_cluster_nets;
 use kube_router::{
-    bpf::{counters::read_pinned_if_exists, datapath::Hook, service_maps::sync_cluster_nets},
+    bpf::datapath::Hook,
     services::{compile::addr_be, model::NodeContext},
 };
 use kube_router_common::{dsr_stat, lb_stat, map_names, LbConfig, CLUSTER_NET_NODE, CLUSTER_NET_POD};

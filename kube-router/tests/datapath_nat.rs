@@ -8,12 +8,10 @@
 use common::test_run::{packet, run_gso, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC};
 use std::net::Ipv4Addr;
 
+use kube_router::pinned::conntrack_gc::monotonic_now_ns;
+use kube_router::services::maps::{sync_cluster_nets, write_lb_config, Conntrack};
 use kube_router::{
-    bpf::{
-        conntrack_gc::monotonic_now_ns,
-        datapath::Hook,
-        service_maps::{sync_cluster_nets, write_lb_config, Conntrack},
-    },
+    bpf::datapath::Hook,
     services::{compile::addr_be, model::NodeContext},
 };
 use kube_router_common::{
@@ -288,7 +286,7 @@ fn snat_ports_run_out_new_flows_are_refused_and_existing_ones_kept() {
 
 /// `ct_v4` opened for writing: the tests age entries as time would.
 fn conntrack_map(pin_dir: &std::path::Path) -> aya::maps::HashMap<aya::maps::MapData, CtKeyV4, CtValueV4> {
-    let data = aya::maps::MapData::from_pin(kube_router::bpf::pinned_map(pin_dir, "ct_v4")).unwrap();
+    let data = aya::maps::MapData::from_pin(kube_router::pinned::pinned_map(pin_dir, "ct_v4")).unwrap();
     aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data)).unwrap()
 }
 
@@ -863,7 +861,7 @@ fn an_unanswered_flow_expires_after_the_unreplied_lifetime_and_frees_its_snat_po
 /// `FamilyConntrack::collect_garbage_at`.
 #[test]
 fn configured_lifetimes_expire_flows_in_the_datapath_and_the_gc() {
-    use kube_router::bpf::service_maps::write_ct_lifetimes;
+    use kube_router::services::maps::write_ct_lifetimes;
     use kube_router_common::CtLifetimes;
     let lb = load("lifetimes", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
     let lifetimes = CtLifetimes { tcp_secs: 30, closing_secs: 3, udp_secs: 5, pad: 0 };

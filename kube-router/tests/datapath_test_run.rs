@@ -3,11 +3,9 @@
 use common::test_run::{packet, run, TC_ACT_REDIRECT, TC_ACT_UNSPEC};
 use std::{net::Ipv4Addr, path::PathBuf};
 
+use kube_router::services::maps::{read_lb_stats, BpfServiceMaps, Conntrack};
 use kube_router::{
-    bpf::{
-        datapath::{self, Datapath, Hook},
-        service_maps::{read_lb_stats, BpfServiceMaps, Conntrack},
-    },
+    bpf::datapath::{self, Datapath, Hook},
     services::{compile::MapContents, model::NodeContext, sync::ServiceSync},
 };
 use kube_router_common::lb_stat;
@@ -174,7 +172,7 @@ fn reloading_over_pinned_maps_keeps_their_contents() {
 
 #[test]
 fn resizing_the_maps_keeps_services_and_established_flows() {
-    use kube_router::bpf::{layout::MapSizes, pinned_map};
+    use kube_router::{bpf::layout::MapSizes, pinned::pinned_map};
     let loaded = load("resize", &services_yaml(&["10.0.0.1", "10.0.0.2"], false));
     let fd = loaded.datapath.program_fd(Hook::Ingress).unwrap();
     let syn = packet::ipv4(packet::TCP, (CLIENT, 40000), (VIP, 80), packet::TCP_SYN, b"");
@@ -221,7 +219,7 @@ fn resizing_the_maps_keeps_services_and_established_flows() {
 fn a_pinned_map_with_another_layout_is_reported_and_left_alone() {
     let pin_dir = PathBuf::from("/sys/fs/bpf/krt-unit-layout");
     let _ = datapath::remove_all(&pin_dir);
-    let path = kube_router::bpf::pinned_map(&pin_dir, "svc_v4");
+    let path = kube_router::pinned::pinned_map(&pin_dir, "svc_v4");
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
     // Another layout: 4-byte keys.
     let created = std::process::Command::new("bpftool")
@@ -355,7 +353,7 @@ fn maglev_sends_a_flow_to_the_same_backend_on_every_node() {
 
 #[test]
 fn each_frontend_counts_its_connections_packets_and_bytes_and_a_new_service_starts_from_zero() {
-    use kube_router::bpf::svc_stats::SvcStatsMap;
+    use kube_router::services::maps::stats::SvcStatsMap;
     use kube_router_common::{ServiceKeyV4, ServiceStats};
     let yaml = services_yaml(&["10.0.0.1"], false);
     let loaded = load("svcstats", &yaml);
@@ -415,7 +413,7 @@ fn each_frontend_counts_its_connections_packets_and_bytes_and_a_new_service_star
 fn plant_unrecorded_flow(pin_dir: &std::path::Path) {
     use aya::maps::{HashMap, Map, MapData};
     use kube_router_common::*;
-    let data = MapData::from_pin(kube_router::bpf::pinned_map(pin_dir, map_names::CONNTRACK)).unwrap();
+    let data = MapData::from_pin(kube_router::pinned::pinned_map(pin_dir, map_names::CONNTRACK)).unwrap();
     let mut ct: HashMap<MapData, CtKeyV4, CtValueV4> = HashMap::try_from(Map::LruHashMap(data)).unwrap();
     let be = |a: Ipv4Addr| u32::from(a).to_be();
     let key = CtKey {
@@ -427,7 +425,7 @@ fn plant_unrecorded_flow(pin_dir: &std::path::Path) {
         pad: [0; 3],
     };
     let value = CtValue {
-        last_seen_ns: kube_router::bpf::conntrack_gc::monotonic_now_ns(),
+        last_seen_ns: kube_router::pinned::conntrack_gc::monotonic_now_ns(),
         nat_src_addr: key.src_addr,
         nat_dst_addr: be(Ipv4Addr::new(10, 0, 0, 1)),
         nat_src_port: key.src_port,
@@ -442,7 +440,8 @@ fn plant_unrecorded_flow(pin_dir: &std::path::Path) {
 
 fn set_gate_flag(pin_dir: &std::path::Path, open: u32) {
     use aya::maps::{Array, Map, MapData};
-    let data = MapData::from_pin(kube_router::bpf::pinned_map(pin_dir, kube_router_common::map_names::META)).unwrap();
+    let data =
+        MapData::from_pin(kube_router::pinned::pinned_map(pin_dir, kube_router_common::map_names::META)).unwrap();
     let mut meta: Array<MapData, u32> = Array::try_from(Map::Array(data)).unwrap();
     meta.set(kube_router_common::META_LB_GATE, open, 0).unwrap();
 }
@@ -464,7 +463,7 @@ fn the_gate_skips_the_lookup_only_for_packets_no_entry_can_hold() {
     assert_eq!(run(ingress, &unrecorded, 1).unwrap().packet, unrecorded, "gated: no lookup");
     // Opened by the agent: the entries it finds get their endpoints first.
     set_gate_flag(&loaded.pin_dir, 0);
-    assert!(kube_router::bpf::gate::open(&loaded.pin_dir).unwrap() >= 2);
+    assert!(kube_router::services::maps::gate::open(&loaded.pin_dir).unwrap() >= 2);
     assert_eq!(packet::endpoints(&run(ingress, &unrecorded, 1).unwrap().packet), translated);
 
     // A flow the datapath opens records its frontend and backend, so it keeps its translation
@@ -499,7 +498,7 @@ fn a_pinned_map_with_other_creation_flags_is_refused() {
     let _ = datapath::remove_all(&pin_dir);
     let spec = SERVICE_MAPS.iter().find(|s| s.name == "svc_stats_v4").expect("svc_stats_v4 spec");
     assert_eq!(spec.map_flags, layout::BPF_F_NO_PREALLOC);
-    let pin = kube_router::bpf::pinned_map(&pin_dir, spec.name);
+    let pin = kube_router::pinned::pinned_map(&pin_dir, spec.name);
     std::fs::create_dir_all(pin.parent().unwrap()).unwrap();
     let create = |flags: u32| {
         let _ = std::fs::remove_file(&pin);

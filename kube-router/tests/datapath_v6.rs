@@ -9,12 +9,10 @@ use std::{collections::BTreeMap, net::Ipv6Addr, path::PathBuf};
 use test_run::{packet, run_on, NodeNetns, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC};
 
 use aya::maps::{lpm_trie::Key, HashMap, LpmTrie, Map, MapData};
+use kube_router::pinned::counters::read_pinned_if_exists;
+use kube_router::services::maps::{read_lb_stats, sync_cluster_nets_of, write_lb_config};
 use kube_router::{
-    bpf::{
-        counters::read_pinned_if_exists,
-        datapath::{self, Datapath, Hook},
-        service_maps::{read_lb_stats, sync_cluster_nets_of, write_lb_config},
-    },
+    bpf::datapath::{self, Datapath, Hook},
     services::family::V6,
 };
 use kube_router_common::*;
@@ -59,7 +57,7 @@ fn remote_pod() -> Ipv6Addr {
 }
 
 fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &std::path::Path, name: &str) -> HashMap<MapData, K, V> {
-    HashMap::try_from(Map::HashMap(MapData::from_pin(kube_router::bpf::pinned_map(pin_dir, name)).unwrap())).unwrap()
+    HashMap::try_from(Map::HashMap(MapData::from_pin(kube_router::pinned::pinned_map(pin_dir, name)).unwrap())).unwrap()
 }
 
 impl Lb {
@@ -289,7 +287,7 @@ fn icmpv6_errors_and_fragments_of_translated_flows_are_translated() {
 fn pod_traffic_leaving_the_cluster_is_masqueraded() {
     let lb = Lb::load("egress");
     let mut nets: LpmTrie<MapData, Ipv6Words, u32> = LpmTrie::try_from(Map::LpmTrie(
-        MapData::from_pin(kube_router::bpf::pinned_map(&lb.pin_dir, map_names::CLUSTER_NETS_V6)).unwrap(),
+        MapData::from_pin(kube_router::pinned::pinned_map(&lb.pin_dir, map_names::CLUSTER_NETS_V6)).unwrap(),
     ))
     .unwrap();
     // Every node's pod CIDR lies in fd00:244::/32.

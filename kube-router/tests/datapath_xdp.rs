@@ -6,8 +6,9 @@
 use common::test_run::{packet, run_xdp, TC_ACT_REDIRECT, TC_ACT_UNSPEC, XDP_PASS, XDP_TX};
 use std::net::Ipv4Addr;
 
+use kube_router::pinned::conntrack_gc::monotonic_now_ns;
 use kube_router::{
-    bpf::{conntrack_gc::monotonic_now_ns, xdp},
+    bpf::xdp,
     services::{compile::addr_be, model::NodeContext},
 };
 use kube_router_common::{
@@ -206,7 +207,7 @@ fn local_backends_and_partial_checksums_are_left_to_tc() {
 #[test]
 fn a_new_flow_at_xdp_takes_the_snat_port_of_a_closed_flow() {
     let mut lb = load_named("krt-perf-xdp-reclaim", &[(REMOTE_POD, "node-b")], true);
-    let data = aya::maps::MapData::from_pin(kube_router::bpf::pinned_map(&lb.pin_dir, "ct_v4")).unwrap();
+    let data = aya::maps::MapData::from_pin(kube_router::pinned::pinned_map(&lb.pin_dir, "ct_v4")).unwrap();
     let mut ct: aya::maps::HashMap<_, CtKeyV4, CtValueV4> =
         aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data)).unwrap();
     let closed_at = monotonic_now_ns() - (CT_LIFETIME_CLOSING_SECS + 1) * 1_000_000_000;
@@ -235,7 +236,7 @@ fn a_new_flow_at_xdp_takes_the_snat_port_of_a_closed_flow() {
         ct.insert(packet::ct_key_v4(tcp, backend, snat), entry(node_port, client, CT_FLAG_REVERSE), 0).unwrap();
     }
     let exhausted = |lb: &Loaded| {
-        kube_router::bpf::service_maps::read_lb_stats(&lb.pin_dir).unwrap()[lb_stat::SNAT_PORTS_EXHAUSTED as usize]
+        kube_router::services::maps::read_lb_stats(&lb.pin_dir).unwrap()[lb_stat::SNAT_PORTS_EXHAUSTED as usize]
     };
     assert_eq!(exhausted(&lb), 0);
 

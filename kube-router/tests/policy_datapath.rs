@@ -15,11 +15,9 @@ use k8s_openapi::api::{
     core::v1::{Namespace, Pod},
     networking::v1::NetworkPolicy,
 };
+use kube_router::policy::maps::{apply_diff, decode, BpfPolicyMaps, PolicyConntrack, PolicyMaps, PolicyWriteReport};
 use kube_router::{
-    bpf::{
-        datapath::{self, Datapath, Hook},
-        policy_maps::{apply_diff, decode, BpfPolicyMaps, PolicyConntrack, PolicyMaps, PolicyWriteReport},
-    },
+    bpf::datapath::{self, Datapath, Hook},
     policy::{
         allows, compile,
         flatten::{MapEntries, MapFlattener},
@@ -142,7 +140,7 @@ impl Loaded {
     }
 
     fn stats(&self) -> Vec<u64> {
-        kube_router::bpf::policy_maps::read_policy_stats(&self.pin_dir).unwrap()
+        kube_router::policy::maps::read_policy_stats(&self.pin_dir).unwrap()
     }
 
     fn fd(&self, hook: Hook) -> i32 {
@@ -428,7 +426,7 @@ fn replies_of_an_allowed_connection_pass_both_hooks_through_conntrack() {
 /// pass its isolated one. `POLICY_CT_TRACK_ALL` (`pol_cfg`) brings back tracking for every pod.
 #[test]
 fn only_pods_a_policy_isolates_are_tracked_and_their_replies_pass() {
-    use kube_router::bpf::policy_maps::write_policy_ct_gate;
+    use kube_router::policy::maps::write_policy_ct_gate;
     // x/a admits only namespace y (ingress-isolated); its egress, and every other pod, is open.
     let np = policy(
         "x",
@@ -505,7 +503,7 @@ fn only_pods_a_policy_isolates_are_tracked_and_their_replies_pass() {
 /// `POLICY_CT_TRACK_ALL` the flow keeps passing, as before the gate.
 #[test]
 fn a_flow_from_before_the_first_isolating_policy_is_judged_unless_every_pod_is_tracked() {
-    use kube_router::bpf::policy_maps::write_policy_ct_gate;
+    use kube_router::policy::maps::write_policy_ct_gate;
     let isolate =
         policy("x", "deny-in", json!({"podSelector": {"matchLabels": {"pod": "b"}}, "policyTypes": ["Ingress"]}));
     let cluster = Cluster::xyz();
@@ -721,7 +719,7 @@ fn traffic_that_is_not_judged_passes_and_is_counted() {
 // ---- fail closed: protocols, ethertypes, unreadable headers, ICMP errors ---------------------
 
 fn guard_stats(loaded: &Loaded) -> Vec<u64> {
-    kube_router::bpf::counters::read_pinned(&loaded.pin_dir, map_names::POLICY_GUARD_STATS, pol_guard_stat::COUNT)
+    kube_router::pinned::counters::read_pinned(&loaded.pin_dir, map_names::POLICY_GUARD_STATS, pol_guard_stat::COUNT)
         .unwrap()
 }
 
@@ -887,7 +885,7 @@ fn icmp_errors_pass_for_a_live_connection_and_are_judged_as_icmp_otherwise() {
 /// reply clears the mark and the connection keeps its hours. Clock: the GC's, set by the test.
 #[test]
 fn an_unanswered_flow_is_tracked_for_a_minute_and_an_answered_one_for_hours() {
-    use kube_router::bpf::conntrack_gc::monotonic_now_ns;
+    use kube_router::pinned::conntrack_gc::monotonic_now_ns;
     use kube_router_common::{POLICY_CT_LIFETIME_UNREPLIED_SECS, POLICY_CT_UNREPLIED};
     let mut loaded = load("unreplied");
     loaded.program(&Cluster::xyz().compile(&[policy(
@@ -924,7 +922,7 @@ fn an_unanswered_flow_is_tracked_for_a_minute_and_an_answered_one_for_hours() {
 fn a_policy_map_with_another_layout_is_refused() {
     let pin_dir = PathBuf::from("/sys/fs/bpf/krt-pol-test-layout");
     let _ = datapath::remove_all(&pin_dir);
-    let path = kube_router::bpf::pinned_map(&pin_dir, "pol_pods_v4");
+    let path = kube_router::pinned::pinned_map(&pin_dir, "pol_pods_v4");
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
     let created = std::process::Command::new("bpftool")
         .args(["map", "create", path.to_str().unwrap(), "type", "hash", "key", "8", "value", "40"])

@@ -11,12 +11,10 @@ use std::{
 use test_run::{packet, run, TC_ACT_SHOT, TC_ACT_UNSPEC};
 
 use aya::maps::{HashMap, Map, MapData};
-use kube_router::bpf::{
-    counters::read_pinned,
-    datapath::{self, Datapath, Hook},
-    pinned_map,
-    pod_sources::PodAddresses,
-};
+use kube_router::bpf::datapath::{self, Datapath, Hook};
+use kube_router::node::pod_sources::PodAddresses;
+use kube_router::pinned::counters::read_pinned;
+use kube_router::pinned::pinned_map;
 use kube_router_common::{source_check_map_names, src_stat, PodSources, SOURCE_CHECK_BY_LB, SOURCE_CHECK_BY_POLICY};
 
 /// A test run without an interface arrives on the loopback device, index 1.

@@ -19,7 +19,8 @@ use aya::{
 };
 use kube_router_common::{map_names, LAYOUT_VERSION, META_LAYOUT_VERSION};
 
-use super::{layout, maps_dir, migrate, DATAPATH_OBJECT};
+use super::{layout, migrate, DATAPATH_OBJECT};
+use crate::pinned::maps_dir;
 
 /// A TC hook and the program that runs there.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -265,7 +265,7 @@ pub struct PinnedLayout {
 pub fn check_pinned(pin_dir: &Path, sizes: Option<&MapSizes>) -> Result<PinnedLayout, LayoutMismatch> {
     let mut layout = PinnedLayout::default();
     for spec in all_specs() {
-        let path = super::pinned_map(pin_dir, spec.name);
+        let path = crate::pinned::pinned_map(pin_dir, spec.name);
         if !path.exists() {
             continue;
         }

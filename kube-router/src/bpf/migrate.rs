@@ -24,7 +24,7 @@ use anyhow::{bail, Context, Result};
 use aya::maps::{HashMap, Map, MapData, MapType};
 use kube_router_common::*;
 
-use super::maps_dir;
+use crate::pinned::maps_dir;
 use crate::policy::{
     flatten::{port_index, union_prefixes, MapEntries, PeerPrefixKey, PeerSetId, SlotId, SlotPortKey},
     PortRange,
@@ -214,7 +214,7 @@ pub fn ports_from_rules(
 
 /// Reads layout 2's rules and writes the port index (and merged peer sets) into our maps.
 fn convert_policy_rules(old: &Path, pin_dir: &Path) -> Result<usize> {
-    use super::policy_maps::{decode, encode_diff, protocol_from_number, BpfPolicyMaps, PolicyMaps};
+    use crate::policy::maps::{decode, encode_diff, protocol_from_number, BpfPolicyMaps, PolicyMaps};
     let rules_path = old.join(v2::POLICY_RULES);
     if !rules_path.exists() {
         return Ok(0);

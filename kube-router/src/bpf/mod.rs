@@ -1,49 +1,20 @@
-//! The kernel side of the agent: loading the datapath, pinned maps and links, map writes.
+//! The kernel side of the agent: loading and attaching the datapath (`datapath`, `xdp`,
+//! `socket_lb`), the maps' layout and its checks (`layout`), upgrades of pinned maps (`migrate`).
+//! Reading and writing the maps is each feature's (`services::maps`, `policy::maps`,
+//! `node::pod_sources`, `routing::overlay::maps`), over the helpers in `crate::pinned`.
 pub mod attach_metrics;
-pub mod conntrack_gc;
-pub mod counters;
 pub mod datapath;
-pub mod gate;
 pub mod layout;
 #[cfg(test)]
 mod layout_tests;
 pub mod migrate;
-pub mod pod_sources;
-pub mod policy_maps;
-pub mod service_maps;
 pub mod socket_lb;
-pub mod stamps;
-pub mod svc_stats;
 pub mod xdp;
 
 /// The datapath object built by build.rs (aya-build) from the kube-router-ebpf crate.
 pub static DATAPATH_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/kube-router"));
 
-use std::path::{Path, PathBuf};
-
-/// Where this layout's maps are pinned: `<bpf root>/v<LAYOUT_VERSION>/`.
-pub fn maps_dir(pin_dir: &Path) -> PathBuf {
-    pin_dir.join(format!("v{}", kube_router_common::LAYOUT_VERSION))
-}
-
-/// The pin path of one of this layout's maps.
-pub fn pinned_map(pin_dir: &Path, name: &str) -> PathBuf {
-    maps_dir(pin_dir).join(name)
-}
-
-/// One of this layout's pinned maps, opened.
-pub fn open_pinned(pin_dir: &Path, name: &str) -> anyhow::Result<aya::maps::MapData> {
-    use anyhow::Context;
-    let path = pinned_map(pin_dir, name);
-    aya::maps::MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))
-}
-
-/// A failed map operation as the map writer reports it; `full` when the kernel refused for
-/// want of room (E2BIG, ENOMEM), which the writer tries once per pass.
-pub(crate) fn write_error(map: &'static str, error: aya::maps::MapError) -> crate::map_writes::MapWriteError {
-    let full = matches!(&error, aya::maps::MapError::SyscallError(e) if matches!(e.io_error.raw_os_error(), Some(libc::E2BIG) | Some(libc::ENOMEM)));
-    crate::map_writes::MapWriteError { map, message: error.to_string(), full }
-}
+use std::path::Path;
 
 /// Removes a pinned bpf_link and detaches it at once. Unpinning alone drops the last reference
 /// from a kernel work queue, so the program stays attached for a moment after the pin is gone;

@@ -397,7 +397,7 @@ fn cgroup_dirs(mountinfo: &str, path: &str) -> Vec<PathBuf> {
 /// Writes `sock_exempt` to hold exactly `own` (with its count kept), or nothing. Returns
 /// whether it changed.
 pub fn write_exempt_cgroups(pin_dir: &Path, own: Option<u64>) -> Result<bool> {
-    let data = super::open_pinned(pin_dir, sock_map_names::SOCK_EXEMPT)?;
+    let data = crate::pinned::open_pinned(pin_dir, sock_map_names::SOCK_EXEMPT)?;
     let mut exempt: PerCpuHashMap<MapData, u64, u64> = PerCpuHashMap::try_from(Map::PerCpuHashMap(data))?;
     let stale: Vec<u64> = exempt.keys().filter_map(Result::ok).filter(|id| Some(*id) != own).collect();
     for id in &stale {
@@ -420,7 +420,7 @@ impl ExemptCounts {
 
     /// `None` without the map (the socket LB never ran, or a datapath from before it).
     pub fn open_pinned(pin_dir: &Path) -> Option<Self> {
-        let data = MapData::from_pin(super::pinned_map(pin_dir, sock_map_names::SOCK_EXEMPT)).ok()?;
+        let data = MapData::from_pin(crate::pinned::pinned_map(pin_dir, sock_map_names::SOCK_EXEMPT)).ok()?;
         PerCpuHashMap::try_from(Map::PerCpuHashMap(data)).ok().map(Self)
     }
 
@@ -461,7 +461,7 @@ fn unescape_octal(text: &str) -> String {
 /// Returns whether it wrote.
 pub fn write_host_netns(pin_dir: &Path) -> Result<bool> {
     let cookie = netns_cookie()?;
-    let data = super::open_pinned(pin_dir, sock_map_names::SOCK_CONFIG)?;
+    let data = crate::pinned::open_pinned(pin_dir, sock_map_names::SOCK_CONFIG)?;
     let mut config: Array<MapData, SockLbConfig> = Array::try_from(Map::Array(data))?;
     if config.get(&SOCK_CONFIG_INDEX, 0)?.host_netns_cookie == cookie {
         return Ok(false);
@@ -494,7 +494,7 @@ pub fn netns_cookie() -> Result<u64> {
 
 /// Sums the per-CPU counters of `sock_stats`, in `sock_stat` index order.
 pub fn read_sock_stats(pin_dir: &Path) -> Result<Vec<u64>> {
-    super::counters::read_pinned(pin_dir, sock_map_names::SOCK_STATS, sock_stat::COUNT)
+    crate::pinned::counters::read_pinned(pin_dir, sock_map_names::SOCK_STATS, sock_stat::COUNT)
 }
 
 /// The bpf(2) commands aya 0.14 does not expose for cgroup links.

@@ -256,7 +256,7 @@ pub fn program_fd(datapath: &mut Datapath) -> Result<std::os::fd::RawFd> {
 /// Sums the per-CPU counters of `xdp_stats`, in `xdp_stat` index order; `None` when the map was
 /// never created (a datapath from before the XDP fast path).
 pub fn read_stats(pin_dir: &Path) -> Result<Option<Vec<u64>>> {
-    super::counters::read_pinned_if_exists(pin_dir, map_names::XDP_STATS, xdp_stat::COUNT)
+    crate::pinned::counters::read_pinned_if_exists(pin_dir, map_names::XDP_STATS, xdp_stat::COUNT)
 }
 
 #[cfg(test)]

@@ -7,8 +7,8 @@ use serde::Serialize;
 
 use super::socket_addr;
 use crate::{
-    bpf::service_maps::FamilyConntrack,
     services::family::{AddressFamily, V4, V6},
+    services::maps::FamilyConntrack,
 };
 
 #[derive(Serialize, Debug, Default)]

@@ -5,10 +5,8 @@ use anyhow::Result;
 use kube_router_common::{map_names, pol_guard_stat, pol_stat};
 use serde::Serialize;
 
-use crate::bpf::{
-    counters::read_pinned_if_exists,
-    policy_maps::{decode, read_policy_stats, BpfPolicyMaps, PolicyMaps},
-};
+use crate::pinned::counters::read_pinned_if_exists;
+use crate::policy::maps::{decode, read_policy_stats, BpfPolicyMaps, PolicyMaps};
 
 #[derive(Serialize, Debug, Default)]
 pub struct PolicyReport {

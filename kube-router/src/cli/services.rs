@@ -16,7 +16,7 @@ use serde::Serialize;
 
 use super::{proto_name, socket_addr};
 use crate::{
-    bpf::svc_stats::FamilySvcStats,
+    services::maps::stats::FamilySvcStats,
     services::{
         compile::MapContents,
         family::{AddressFamily, V4, V6},

@@ -5,7 +5,9 @@ use anyhow::Result;
 use kube_router_common::{dsr_stat, event_stat, lb_stat, map_names, source_check_map_names, src_stat, xdp_stat};
 use serde::Serialize;
 
-use crate::bpf::{counters::read_pinned_if_exists, service_maps::read_lb_stats, socket_lb::sock_events, xdp};
+use crate::bpf::{socket_lb::sock_events, xdp};
+use crate::pinned::counters::read_pinned_if_exists;
+use crate::services::maps::read_lb_stats;
 
 /// Counter name (prefixed by its group: `xdp_`, `dsr_`, `src_check_`, `sock_`, `monitor_`; the
 /// load balancer's have no prefix) to its value summed over CPUs.

@@ -13,14 +13,12 @@ use kube_router_common::{
     src_stat, xdp_stat, ServiceStats,
 };
 
+use crate::pinned::counters::Counters;
+use crate::policy::maps::PolicyConntrack;
+use crate::services::maps::stats::{SvcStatsMap, SvcStatsMapV6};
+use crate::services::maps::{Conntrack, ConntrackV6};
 use crate::{
-    bpf::{
-        counters::Counters,
-        policy_maps::PolicyConntrack,
-        service_maps::{Conntrack, ConntrackV6},
-        socket_lb::ExemptCounts,
-        svc_stats::{SvcStatsMap, SvcStatsMapV6},
-    },
+    bpf::socket_lb::ExemptCounts,
     exposition::{counters_by, single, Value},
     kr_metrics::{FrontendId, ServiceCounters},
     metrics::{Metrics, Subsystem},

@@ -10,11 +10,11 @@ use anyhow::Result;
 use kube_router_common::{SOURCE_CHECK_BY_LB, SOURCE_CHECK_BY_POLICY};
 use tokio::sync::watch;
 
+use crate::node::pod_sources::{self, PodSourceCheck};
 use crate::{
     bpf::{
         attach_metrics::AttachMetrics,
         datapath::{AttachOutcome, Datapath},
-        pod_sources::{self, PodSourceCheck},
         xdp::{self, XdpSetting},
     },
     metrics::Metrics,

@@ -9,7 +9,6 @@ use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
 
 use crate::{
-    bpf::service_maps::{sync_cluster_nets, sync_cluster_nets_of, write_cluster_nets_of},
     config::CniOptions,
     exposition::{register, Counter},
     k8s::{
@@ -22,6 +21,7 @@ use crate::{
     node::netif,
     runtime::{Action, Controller},
     services::family::{AddressFamily, V4, V6},
+    services::maps::{sync_cluster_nets, sync_cluster_nets_of, write_cluster_nets_of},
 };
 
 pub const NODE_KINDS: &[Kind] = &[Kind::Nodes];

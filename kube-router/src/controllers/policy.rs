@@ -10,16 +10,14 @@ use std::path::Path;
 use anyhow::Result;
 use kube_router_common::META_POLICY_AS_OF;
 
+use crate::policy::maps::{BpfPolicyMaps, PolicyMaps};
 use crate::{
-    bpf::{
-        policy_maps::{BpfPolicyMaps, PolicyMaps},
-        stamps::ApiStateStamp,
-    },
     k8s::{
         cache::Cache,
         store::{Feed, ObjectKey, ObjectStore},
         watch::{ClusterObjects, Kind},
     },
+    pinned::stamps::ApiStateStamp,
     policy::engine::{PolicyChanges, PolicyProgrammer},
     runtime::{Action, Controller},
 };
@@ -29,7 +27,7 @@ pub const POLICY_KINDS: &[Kind] = &[Kind::Pods, Kind::Namespaces, Kind::NetworkP
 pub struct PolicyController<M: PolicyMaps = BpfPolicyMaps> {
     firewall: PolicyProgrammer<M>,
     cache: Arc<Cache>,
-    /// How new the API state in the policy maps is (see `bpf::stamps`); none without pinned
+    /// How new the API state in the policy maps is (see `pinned::stamps`); none without pinned
     /// maps (tests).
     stamp: ApiStateStamp,
     /// Its own feeds of the policy kinds' changes.
@@ -149,13 +147,11 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+    use crate::policy::maps::{decode, PolicyMapContents};
     use crate::{
-        bpf::{
-            policy_maps::{decode, PolicyMapContents},
-            stamps::MapsStamp,
-        },
         k8s::{pod::PodFields, watch::WatchUpdate},
         metrics::Metrics,
+        pinned::stamps::MapsStamp,
         policy::engine::SyncStats,
     };
 

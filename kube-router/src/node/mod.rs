@@ -6,3 +6,4 @@ pub mod cni_install;
 pub mod egress;
 pub mod netif;
 pub mod pod_cidrs;
+pub mod pod_sources;

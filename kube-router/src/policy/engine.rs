@@ -22,11 +22,11 @@ use anyhow::{Context, Result};
 use k8s_openapi::api::{core::v1::Namespace, networking::v1::NetworkPolicy};
 
 use crate::{
-    bpf::policy_maps::{apply_diff, decode, BpfPolicyMaps, PolicyMaps},
     exposition::{register, register_optional, sync_histogram, OptionalGauge},
     k8s::{pod::SlimPod, store::ObjectKey},
     map_writes::MapMetrics,
     metrics::{AgentMetrics, Metrics, Subsystem},
+    policy::maps::{apply_diff, decode, BpfPolicyMaps, PolicyMaps},
     policy::{
         flatten::{MapEntries, MapFlattener},
         Delta, PodRules, PodSetKey, PolicyCompiler,

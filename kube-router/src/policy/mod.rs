@@ -22,6 +22,7 @@ mod eval;
 pub mod flatten;
 mod incremental;
 mod inputs;
+pub mod maps;
 mod model;
 pub(crate) mod parse;
 mod selector;

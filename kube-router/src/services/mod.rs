@@ -8,6 +8,7 @@ pub mod from_stores;
 pub mod healthcheck;
 pub mod incremental;
 pub mod maglev;
+pub mod maps;
 pub mod model;
 pub mod node_addresses;
 pub mod source;

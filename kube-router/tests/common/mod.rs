@@ -10,11 +10,9 @@ use std::{
 
 pub mod test_run;
 
+use kube_router::services::maps::{read_lb_stats, write_lb_config, BpfServiceMaps};
 use kube_router::{
-    bpf::{
-        datapath::{self, Datapath, Hook},
-        service_maps::{read_lb_stats, write_lb_config, BpfServiceMaps},
-    },
+    bpf::datapath::{self, Datapath, Hook},
     services::{
         compile::{assign_ids, plan, Limits},
         model::NodeContext,

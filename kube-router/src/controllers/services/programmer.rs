@@ -16,19 +16,16 @@ use super::{
     pass::{purge_refused, sync_family},
     warnings::ReportedWarnings,
 };
+use crate::services::maps::{
+    write_ct_lifetimes, write_lb_config, BpfServiceMaps, BpfServiceMapsV6, Conntrack, ConntrackV6, FamilyConntrack,
+};
 use crate::{
-    bpf::{
-        service_maps::{
-            write_ct_lifetimes, write_lb_config, BpfServiceMaps, BpfServiceMapsV6, Conntrack, ConntrackV6,
-            FamilyConntrack,
-        },
-        stamps::ApiStateStamp,
-    },
     config::AgentConfig,
     kr_metrics::ServiceCounters,
     map_writes::MapMetrics,
     metrics::{AgentMetrics, Metrics},
     node::netif,
+    pinned::stamps::ApiStateStamp,
     services::{
         compile::{CompileWarning, Limits},
         departures::Departure,

@@ -1,6 +1,6 @@
 //! Flattens a [`CompiledModel`] into entries shaped like the BPF maps the
 //! datapath reads (see docs/policy-layout.md). Pure: encoding and writing them is
-//! `bpf::policy_maps`'s. The entries:
+//! `policy::maps`'s. The entries:
 //!
 //! * `pod_slots`:     (pod IP, direction)            -> slot
 //! * `slot_ports`:    (slot, protocol, port prefix)  -> peer set id  (LPM trie)

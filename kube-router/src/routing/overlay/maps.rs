@@ -22,7 +22,7 @@ pub struct OverlayMaps {
     remotes: HashMap<MapData, u32, OverlayTunnelV4>,
 }
 
-use crate::bpf::open_pinned as open;
+use crate::pinned::open_pinned as open;
 
 impl OverlayMaps {
     pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
@@ -32,7 +32,7 @@ impl OverlayMaps {
     }
 
     pub fn exist(pin_dir: &Path) -> bool {
-        crate::bpf::pinned_map(pin_dir, map_names::OVERLAY_ROUTES).exists()
+        crate::pinned::pinned_map(pin_dir, map_names::OVERLAY_ROUTES).exists()
     }
 
     pub fn read(&self) -> Result<OverlayMapsState> {
@@ -68,7 +68,7 @@ impl OverlayMaps {
 
 /// Per-counter sums of `ovl_stats` (see [`ovl_stat`]).
 pub fn read_stats(pin_dir: &Path) -> Result<Vec<u64>> {
-    crate::bpf::counters::read_pinned(pin_dir, map_names::OVERLAY_STATS, ovl_stat::COUNT)
+    crate::pinned::counters::read_pinned(pin_dir, map_names::OVERLAY_STATS, ovl_stat::COUNT)
 }
 
 /// Brings the datapath to an [`OverlayTarget`]: loads the programs the first time a tunnel is

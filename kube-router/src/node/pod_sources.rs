@@ -298,7 +298,7 @@ impl PodSourceCheck {
 }
 
 fn open_map(pin_dir: &Path) -> Result<HashMap<MapData, u32, PodSources>> {
-    let path = super::pinned_map(pin_dir, source_check_map_names::POD_SOURCES);
+    let path = crate::pinned::pinned_map(pin_dir, source_check_map_names::POD_SOURCES);
     let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
     Ok(HashMap::try_from(Map::HashMap(data))?)
 }

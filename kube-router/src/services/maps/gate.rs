@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use aya::maps::{Array, HashMap, Map, MapData};
 use kube_router_common::*;
 
-use super::open_pinned as open_map;
+use crate::pinned::open_pinned as open_map;
 
 fn set(pin_dir: &Path, open: bool) -> Result<()> {
     let mut meta: Array<MapData, u32> = Array::try_from(Map::Array(open_map(pin_dir, map_names::META)?))?;
@@ -43,7 +43,7 @@ where
     let entries: HashMap<MapData, CtKey<A>, CtValue<A>> =
         HashMap::try_from(Map::LruHashMap(open_map(pin_dir, conntrack)?))?;
     let mut gate: HashMap<MapData, ServiceKey<A>, u64> = HashMap::try_from(Map::LruHashMap(open_map(pin_dir, gate)?))?;
-    let now = super::conntrack_gc::monotonic_now_ns();
+    let now = crate::pinned::conntrack_gc::monotonic_now_ns();
     let mut added = 0;
     for (key, value) in entries.iter().filter_map(Result::ok) {
         // Masqueraded and untranslated flows (service id 0) are gated by their addresses.

@@ -27,7 +27,7 @@ where
     ServiceKey<F::Words>: aya::Pod,
 {
     pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
-        let path = super::pinned_map(pin_dir, F::MAPS.stats);
+        let path = crate::pinned::pinned_map(pin_dir, F::MAPS.stats);
         let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
         Ok(Self { map: PerCpuHashMap::try_from(Map::PerCpuHashMap(data))? })
     }

@@ -13,6 +13,9 @@ use aya::maps::{
 };
 use kube_router_common::*;
 
+pub mod gate;
+pub mod stats;
+
 use crate::services::{
     compile::{MapContents, SourceRange},
     departures::{departed, Departure},
@@ -21,7 +24,7 @@ use crate::services::{
     sync::{MapWriteError, ServiceMaps},
 };
 
-use super::{open_pinned as open, write_error};
+use crate::pinned::{open_pinned as open, write_error};
 
 fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
     let data = open(pin_dir, name)?;
@@ -44,7 +47,7 @@ where
     slots: HashMap<MapData, BackendSlotKey, BackendSlotValue>,
     backends: HashMap<MapData, u32, Backend<F::Words>>,
     source_ranges: LpmTrie<MapData, SourceRangeKey<F::Words>, u8>,
-    stats: super::svc_stats::FamilySvcStats<F>,
+    stats: stats::FamilySvcStats<F>,
     /// A counter reset failed and was said: once, not for every frontend of every sync (the
     /// counters map fills with the frontends map, whose refusals are logged and counted).
     stats_reset_warned: bool,
@@ -85,7 +88,7 @@ where
             slots: open_hash(pin_dir, F::MAPS.slots)?,
             backends: open_hash(pin_dir, F::MAPS.backends)?,
             source_ranges: LpmTrie::try_from(Map::LpmTrie(open(pin_dir, F::MAPS.source_ranges)?))?,
-            stats: super::svc_stats::FamilySvcStats::open_pinned(pin_dir)?,
+            stats: stats::FamilySvcStats::open_pinned(pin_dir)?,
             stats_reset_warned: false,
         })
     }
@@ -189,7 +192,7 @@ pub fn write_ct_lifetimes(pin_dir: &Path, lifetimes: &CtLifetimes) -> Result<()>
 /// The lifetimes the datapath reads now (`ct_cfg`): `None` when the map is absent (a datapath
 /// from before it), which is the built-in defaults, as in the datapath.
 pub fn read_ct_lifetimes(pin_dir: &Path) -> Result<Option<CtLifetimes>> {
-    if !super::pinned_map(pin_dir, map_names::CT_LIFETIMES).exists() {
+    if !crate::pinned::pinned_map(pin_dir, map_names::CT_LIFETIMES).exists() {
         return Ok(None);
     }
     let map: aya::maps::Array<MapData, CtLifetimes> =
@@ -259,7 +262,7 @@ where
 
 /// Sums the per-CPU packet counters of `lb_stats`, in `lb_stat` index order.
 pub fn read_lb_stats(pin_dir: &Path) -> Result<Vec<u64>> {
-    super::counters::read_pinned(pin_dir, map_names::LB_STATS, lb_stat::COUNT)
+    crate::pinned::counters::read_pinned(pin_dir, map_names::LB_STATS, lb_stat::COUNT)
 }
 
 /// One family's Service conntrack (`ct_v4` / `ct_v6`).
@@ -294,14 +297,14 @@ where
     /// Active GC: removes entries idle past their lifetime, so the LRU never has to evict live
     /// flows to make room for new ones. Returns (entries left, entries removed).
     pub fn collect_garbage(&mut self) -> Result<(usize, usize)> {
-        self.collect_garbage_at(super::conntrack_gc::monotonic_now_ns())
+        self.collect_garbage_at(crate::pinned::conntrack_gc::monotonic_now_ns())
     }
 
     /// `collect_garbage` as if the clock read `now` (tests: entries older than the machine's
     /// uptime cannot be written otherwise).
     pub fn collect_garbage_at(&mut self, now: u64) -> Result<(usize, usize)> {
         let lifetimes = read_ct_lifetimes(&self.pin_dir)?;
-        Ok(super::conntrack_gc::collect_expired(&mut self.map, now, |key, value, now| {
+        Ok(crate::pinned::conntrack_gc::collect_expired(&mut self.map, now, |key, value, now| {
             now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(key.proto, lifetimes.as_ref())
         }))
     }

@@ -3,7 +3,7 @@
 //! a writer that applies a diff in an order that never leaves the datapath following a dangling
 //! id, and readers for dumps, stats and conntrack GC.
 //!
-//! The maps are created and pinned by [`super::datapath::Datapath::load`] (they are part of the
+//! The maps are created and pinned by [`crate::bpf::datapath::Datapath::load`] (they are part of the
 //! datapath object); this module only opens them. Pods and prefixes go to the map of their
 //! address family; port entries are shared.
 use std::{
@@ -20,7 +20,7 @@ use aya::maps::{
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use kube_router_common::*;
 
-use super::write_error;
+use crate::pinned::write_error;
 use crate::{
     map_writes::{write_ops, MapOperation, MapWriteError, SyncReport, WriteRules, WriteTarget},
     policy::{
@@ -428,7 +428,7 @@ pub fn apply_diff(maps: &mut impl PolicyMaps, diff: &MapDiff, programmed: &MapEn
 
 // ---- the pinned maps ------------------------------------------------------------------------
 
-use super::open_pinned as open;
+use crate::pinned::open_pinned as open;
 
 /// The five compiled-policy maps of a pin directory.
 pub struct BpfPolicyMaps {
@@ -547,13 +547,13 @@ impl PolicyConntrack {
     /// connections (whose replies would then be judged as new flows). Returns (left, removed)
     /// over both families.
     pub fn collect_garbage(&mut self) -> Result<(usize, usize)> {
-        self.collect_garbage_at(super::conntrack_gc::monotonic_now_ns())
+        self.collect_garbage_at(crate::pinned::conntrack_gc::monotonic_now_ns())
     }
 
     /// `collect_garbage` as if the clock read `now` (tests: entries older than the machine's
     /// uptime cannot be written otherwise).
     pub fn collect_garbage_at(&mut self, now: u64) -> Result<(usize, usize)> {
-        use super::conntrack_gc::collect_expired;
+        use crate::pinned::conntrack_gc::collect_expired;
         let expired = |proto: u8, value: &PolicyCtValue, now: u64| {
             now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(proto)
         };
