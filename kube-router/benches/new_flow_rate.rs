@@ -26,7 +26,7 @@ use std::{
 };
 use test_run::{packet, run_xdp_live, NodeNetns};
 
-use kube_router::services::maps::{write_lb_config, BpfServiceMaps, Conntrack};
+use kube_router::services::maps::{conntrack::Conntrack, write_lb_config, BpfServiceMaps};
 use kube_router::{
     bpf::datapath::{self, Datapath, Hook},
     services::{

@@ -6,7 +6,7 @@ use aya::maps::{HashMap, Map, MapData};
 use kube_router::bpf::datapath::{self, Datapath};
 use kube_router::pinned::conntrack_gc::monotonic_now_ns;
 use kube_router::policy::maps::PolicyConntrack;
-use kube_router::services::maps::Conntrack;
+use kube_router::services::maps::conntrack::Conntrack;
 use kube_router_common::{
     map_names, CtKeyV4, CtValueV4, PolicyCtKeyV4, PolicyCtValue, CT_FLAG_CLOSING, CT_FLAG_FORWARD, CT_FLAG_SEEN_REPLY,
     CT_LIFETIME_CLOSING_SECS, CT_LIFETIME_NON_TCP_SECS, CT_LIFETIME_TCP_SECS, CT_LIFETIME_UNREPLIED_SECS, IPPROTO_TCP,

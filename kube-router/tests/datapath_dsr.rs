@@ -8,8 +8,8 @@
 use common::test_run::{packet, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC};
 use std::{collections::BTreeMap, net::Ipv4Addr};
 
+use kube_router::node::cluster_nets::sync_cluster_nets;
 use kube_router::pinned::counters::read_pinned_if_exists;
-use kube_router::services::maps::sync_cluster_nets;
 use kube_router::{
     bpf::datapath::Hook,
     services::{compile::addr_be, model::NodeContext},

@@ -9,10 +9,13 @@ use common::test_run::{packet, run_gso, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNS
 use std::net::Ipv4Addr;
 
 use kube_router::pinned::conntrack_gc::monotonic_now_ns;
-use kube_router::services::maps::{sync_cluster_nets, write_lb_config, Conntrack};
 use kube_router::{
     bpf::datapath::Hook,
     services::{compile::addr_be, model::NodeContext},
+};
+use kube_router::{
+    node::cluster_nets::sync_cluster_nets,
+    services::maps::{conntrack::Conntrack, write_lb_config},
 };
 use kube_router_common::{
     lb_stat, CtKeyV4, CtValueV4, LbConfig, CT_FLAG_CLOSING, CT_FLAG_SEEN_REPLY, CT_FLAG_UNTRANSLATED,
@@ -861,7 +864,7 @@ fn an_unanswered_flow_expires_after_the_unreplied_lifetime_and_frees_its_snat_po
 /// `FamilyConntrack::collect_garbage_at`.
 #[test]
 fn configured_lifetimes_expire_flows_in_the_datapath_and_the_gc() {
-    use kube_router::services::maps::write_ct_lifetimes;
+    use kube_router::services::maps::conntrack::write_ct_lifetimes;
     use kube_router_common::CtLifetimes;
     let lb = load("lifetimes", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
     let lifetimes = CtLifetimes { tcp_secs: 30, closing_secs: 3, udp_secs: 5, pad: 0 };

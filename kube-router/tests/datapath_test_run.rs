@@ -3,7 +3,7 @@
 use common::test_run::{packet, run, TC_ACT_REDIRECT, TC_ACT_UNSPEC};
 use std::{net::Ipv4Addr, path::PathBuf};
 
-use kube_router::services::maps::{read_lb_stats, BpfServiceMaps, Conntrack};
+use kube_router::services::maps::{conntrack::Conntrack, read_lb_stats, BpfServiceMaps};
 use kube_router::{
     bpf::datapath::{self, Datapath, Hook},
     services::{compile::MapContents, model::NodeContext, sync::ServiceSync},

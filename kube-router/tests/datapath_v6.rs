@@ -10,10 +10,13 @@ use test_run::{packet, run_on, NodeNetns, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_U
 
 use aya::maps::{lpm_trie::Key, HashMap, LpmTrie, Map, MapData};
 use kube_router::pinned::counters::read_pinned_if_exists;
-use kube_router::services::maps::{read_lb_stats, sync_cluster_nets_of, write_lb_config};
 use kube_router::{
     bpf::datapath::{self, Datapath, Hook},
     services::family::V6,
+};
+use kube_router::{
+    node::cluster_nets::sync_cluster_nets_of,
+    services::maps::{read_lb_stats, write_lb_config},
 };
 use kube_router_common::*;
 

@@ -8,7 +8,7 @@ use serde::Serialize;
 use super::socket_addr;
 use crate::{
     services::family::{AddressFamily, V4, V6},
-    services::maps::FamilyConntrack,
+    services::maps::conntrack::FamilyConntrack,
 };
 
 #[derive(Serialize, Debug, Default)]

@@ -15,8 +15,8 @@ use kube_router_common::{
 
 use crate::pinned::counters::Counters;
 use crate::policy::maps::PolicyConntrack;
+use crate::services::maps::conntrack::{Conntrack, ConntrackV6};
 use crate::services::maps::stats::{SvcStatsMap, SvcStatsMapV6};
-use crate::services::maps::{Conntrack, ConntrackV6};
 use crate::{
     bpf::socket_lb::ExemptCounts,
     exposition::{counters_by, single, Value},

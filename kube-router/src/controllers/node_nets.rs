@@ -17,11 +17,11 @@ use crate::{
         watch::Kind,
     },
     metrics::{Metrics, Subsystem},
+    node::cluster_nets::{sync_cluster_nets, sync_cluster_nets_of, write_cluster_nets_of},
     node::egress::ClusterNets,
     node::netif,
     runtime::{Action, Controller},
     services::family::{AddressFamily, V4, V6},
-    services::maps::{sync_cluster_nets, sync_cluster_nets_of, write_cluster_nets_of},
 };
 
 pub const NODE_KINDS: &[Kind] = &[Kind::Nodes];

@@ -17,7 +17,8 @@ use super::{
     warnings::ReportedWarnings,
 };
 use crate::services::maps::{
-    write_ct_lifetimes, write_lb_config, BpfServiceMaps, BpfServiceMapsV6, Conntrack, ConntrackV6, FamilyConntrack,
+    conntrack::{write_ct_lifetimes, Conntrack, ConntrackV6, FamilyConntrack},
+    write_lb_config, BpfServiceMaps, BpfServiceMapsV6,
 };
 use crate::{
     config::AgentConfig,

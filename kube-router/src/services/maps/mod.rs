@@ -1,10 +1,8 @@
-//! Reading and writing the pinned service, conntrack and stats maps.
-use std::{
-    collections::{BTreeMap, BTreeSet},
-    path::Path,
-};
-
-use ipnet::Ipv4Net;
+//! The load balancer's maps: reading and writing the frontends, backends and source ranges
+//! (`FamilyServiceMaps`), its settings (`lb_config`) and counters (`lb_stats`); its conntrack
+//! (`conntrack`), per-Service counters (`stats`) and the gate in front of the conntrack lookup
+//! (`gate`) each in their own module.
+use std::path::Path;
 
 use anyhow::Result;
 use aya::maps::{
@@ -13,12 +11,12 @@ use aya::maps::{
 };
 use kube_router_common::*;
 
+pub mod conntrack;
 pub mod gate;
 pub mod stats;
 
 use crate::services::{
     compile::{MapContents, SourceRange},
-    departures::{departed, Departure},
     diff::MapOp,
     family::{AddressFamily, V4, V6},
     sync::{MapWriteError, ServiceMaps},
@@ -26,7 +24,7 @@ use crate::services::{
 
 use crate::pinned::{open_pinned as open, write_error};
 
-fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
+pub(super) fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
     let data = open(pin_dir, name)?;
     let map = match name {
         map_names::CONNTRACK | map_names::AFFINITY | map_names::CONNTRACK_V6 | map_names::AFFINITY_V6 => {
@@ -175,7 +173,7 @@ pub fn write_lb_config(pin_dir: &Path, config: &LbConfig) -> Result<()> {
 }
 
 /// Writes entry 0 of the one-entry array `name`, only if it differs.
-fn write_setting<V: aya::Pod + PartialEq>(pin_dir: &Path, name: &str, value: &V) -> Result<()> {
+pub(super) fn write_setting<V: aya::Pod + PartialEq>(pin_dir: &Path, name: &str, value: &V) -> Result<()> {
     let mut map: aya::maps::Array<MapData, V> = aya::maps::Array::try_from(Map::Array(open(pin_dir, name)?))?;
     if map.get(&0, 0)? != *value {
         map.set(0, value, 0)?;
@@ -183,160 +181,7 @@ fn write_setting<V: aya::Pod + PartialEq>(pin_dir: &Path, name: &str, value: &V)
     Ok(())
 }
 
-/// Writes the load balancer conntrack's lifetimes (`ct_cfg`), only if they differ. The pinned
-/// entry follows the running agent's flags: all zero (the built-in defaults) when none is given.
-pub fn write_ct_lifetimes(pin_dir: &Path, lifetimes: &CtLifetimes) -> Result<()> {
-    write_setting(pin_dir, map_names::CT_LIFETIMES, lifetimes)
-}
-
-/// The lifetimes the datapath reads now (`ct_cfg`): `None` when the map is absent (a datapath
-/// from before it), which is the built-in defaults, as in the datapath.
-pub fn read_ct_lifetimes(pin_dir: &Path) -> Result<Option<CtLifetimes>> {
-    if !crate::pinned::pinned_map(pin_dir, map_names::CT_LIFETIMES).exists() {
-        return Ok(None);
-    }
-    let map: aya::maps::Array<MapData, CtLifetimes> =
-        aya::maps::Array::try_from(Map::Array(open(pin_dir, map_names::CT_LIFETIMES)?))?;
-    Ok(Some(map.get(&0, 0)?))
-}
-
-/// Brings `cluster_nets_v4` to `desired` (prefix -> `CLUSTER_NET_*` flags), writing only the
-/// differences; returns the number of writes.
-pub fn sync_cluster_nets(pin_dir: &Path, desired: &BTreeMap<Ipv4Net, u32>) -> Result<usize> {
-    sync_cluster_nets_of::<V4>(pin_dir, desired)
-}
-
-/// [`sync_cluster_nets`] for family `F` (`cluster_nets_v4` / `cluster_nets_v6`).
-pub fn sync_cluster_nets_of<F: AddressFamily>(pin_dir: &Path, desired: &BTreeMap<F::Net, u32>) -> Result<usize>
-where
-    F::Words: aya::Pod,
-{
-    use aya::maps::lpm_trie::{Key, LpmTrie};
-    let mut map: LpmTrie<MapData, F::Words, u32> =
-        LpmTrie::try_from(Map::LpmTrie(open(pin_dir, F::MAPS.cluster_nets)?))?;
-    let key = |net: &F::Net| Key::new(u32::from(F::net_prefix_len(*net)), F::words(F::net_addr(*net)));
-    let current: BTreeMap<F::Net, u32> = map
-        .iter()
-        .filter_map(Result::ok)
-        .filter_map(|(k, v)| {
-            let addr: std::net::IpAddr = F::addr_from_words(k.data()).into();
-            let net = ipnet::IpNet::new(addr, k.prefix_len() as u8).ok()?;
-            F::net_of(net).map(|net| (net, v))
-        })
-        .collect();
-    let mut writes = 0;
-    for (net, flags) in desired {
-        if current.get(net) != Some(flags) {
-            map.insert(&key(net), flags, 0)?;
-            writes += 1;
-        }
-    }
-    for net in current.keys().filter(|net| !desired.contains_key(*net)) {
-        map.remove(&key(net))?;
-        writes += 1;
-    }
-    Ok(writes)
-}
-
-/// Writes `changes` (flags 0: no longer inside) into `cluster_nets_v4` / `cluster_nets_v6`,
-/// without reading the map: for a writer that knows what it holds. Returns the writes.
-pub fn write_cluster_nets_of<F: AddressFamily>(pin_dir: &Path, changes: &BTreeMap<F::Net, u32>) -> Result<usize>
-where
-    F::Words: aya::Pod,
-{
-    use aya::maps::lpm_trie::{Key, LpmTrie};
-    if changes.is_empty() {
-        return Ok(0);
-    }
-    let mut map: LpmTrie<MapData, F::Words, u32> =
-        LpmTrie::try_from(Map::LpmTrie(open(pin_dir, F::MAPS.cluster_nets)?))?;
-    for (net, flags) in changes {
-        let key = Key::new(u32::from(F::net_prefix_len(*net)), F::words(F::net_addr(*net)));
-        match flags {
-            0 => map.remove(&key)?,
-            flags => map.insert(&key, flags, 0)?,
-        }
-    }
-    Ok(changes.len())
-}
-
 /// Sums the per-CPU packet counters of `lb_stats`, in `lb_stat` index order.
 pub fn read_lb_stats(pin_dir: &Path) -> Result<Vec<u64>> {
     crate::pinned::counters::read_pinned(pin_dir, map_names::LB_STATS, lb_stat::COUNT)
-}
-
-/// One family's Service conntrack (`ct_v4` / `ct_v6`).
-pub struct FamilyConntrack<F: AddressFamily> {
-    map: HashMap<MapData, CtKey<F::Words>, CtValue<F::Words>>,
-    /// Where `ct_cfg` is read from at each collection, so the GC judges entries by the lifetimes
-    /// the datapath uses now.
-    pin_dir: std::path::PathBuf,
-}
-
-/// One conntrack entry of family `F`.
-pub type CtEntry<F> = (CtKey<<F as AddressFamily>::Words>, CtValue<<F as AddressFamily>::Words>);
-
-/// The IPv4 Service conntrack.
-pub type Conntrack = FamilyConntrack<V4>;
-/// The IPv6 Service conntrack.
-pub type ConntrackV6 = FamilyConntrack<V6>;
-
-impl<F: AddressFamily> FamilyConntrack<F>
-where
-    CtKey<F::Words>: aya::Pod,
-    CtValue<F::Words>: aya::Pod,
-{
-    pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
-        Ok(Self { map: open_hash(pin_dir, F::MAPS.conntrack)?, pin_dir: pin_dir.to_path_buf() })
-    }
-
-    pub fn entries(&self) -> Result<Vec<CtEntry<F>>> {
-        Ok(self.map.iter().collect::<Result<_, _>>()?)
-    }
-
-    /// Active GC: removes entries idle past their lifetime, so the LRU never has to evict live
-    /// flows to make room for new ones. Returns (entries left, entries removed).
-    pub fn collect_garbage(&mut self) -> Result<(usize, usize)> {
-        self.collect_garbage_at(crate::pinned::conntrack_gc::monotonic_now_ns())
-    }
-
-    /// `collect_garbage` as if the clock read `now` (tests: entries older than the machine's
-    /// uptime cannot be written otherwise).
-    pub fn collect_garbage_at(&mut self, now: u64) -> Result<(usize, usize)> {
-        let lifetimes = read_ct_lifetimes(&self.pin_dir)?;
-        Ok(crate::pinned::conntrack_gc::collect_expired(&mut self.map, now, |key, value, now| {
-            now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(key.proto, lifetimes.as_ref())
-        }))
-    }
-}
-
-impl<F: AddressFamily> FamilyConntrack<F>
-where
-    CtKey<F::Words>: aya::Pod,
-    CtValue<F::Words>: aya::Pod,
-{
-    /// Removes the flows `departures` moves (see `services::departures`): each one's forward
-    /// entry, and its reverse entry when that still belongs to it, so the next datagram is
-    /// balanced again. One walk of the table however many departures. Returns the flows removed.
-    pub fn purge_departed(&mut self, departures: &BTreeSet<Departure<F::Words>>) -> Result<usize> {
-        if departures.is_empty() {
-            return Ok(0);
-        }
-        let flows: Vec<CtEntry<F>> =
-            self.map.iter().filter_map(Result::ok).filter(|(key, value)| departed(key, value, departures)).collect();
-        let mut removed = 0;
-        for (key, value) in &flows {
-            // The reverse first, as the datapath's `conntrack::forget`: a reply never finds an
-            // entry whose forward half is gone. Another flow's entry on that tuple stays.
-            let reverse = value.reverse_key(key.proto);
-            if self.map.get(&reverse, 0).is_ok_and(|r| r.reverse_key(key.proto) == *key) {
-                let _ = self.map.remove(&reverse);
-            }
-            // Gone already (expired, evicted, or the datapath re-balanced it): nothing to count.
-            if self.map.remove(key).is_ok() {
-                removed += 1;
-            }
-        }
-        Ok(removed)
-    }
 }
