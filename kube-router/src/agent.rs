@@ -110,9 +110,9 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
     let metrics = Metrics::default();
     register_metrics(&metrics);
     serve_http(&config.listeners, &metrics).await;
-    if let DesiredSource::Api(options) = &config.source {
-        config.api_server_addresses = watchers::api_server_addresses(options).await;
-        tracing::info!(addresses = ?config.api_server_addresses, "API server addresses (never a Service's)");
+    if let DesiredSource::Api(options) = &config.source.source {
+        config.services.api_server_addresses = watchers::api_server_addresses(options).await;
+        tracing::info!(addresses = ?config.services.api_server_addresses, "API server addresses (never a Service's)");
     }
 
     // Until a BGP speaker runs (if ever), /bgp says so.
@@ -128,20 +128,22 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
     tokio::spawn(crate::status_socket::serve(config.state_dir.clone(), metrics.clone()));
 
     // The object holds every program; loading it creates (or re-adopts) every pinned map.
-    let interfaces = if config.run_service_proxy || config.run_firewall {
-        let mut datapath = Datapath::load_sized(&config.pin_dir, config.attach_mode, Some(config.map_sizes))?;
+    let interfaces = if config.services.run || config.policy.run {
+        let mut datapath =
+            Datapath::load_sized(&config.pin_dir, config.datapath.attach_mode, Some(config.datapath.map_sizes))?;
         // Closed until every link runs these programs and the entries found have their endpoints
         // recorded (`open_lb_gate`): an older release's programs record none. Not in the loader:
         // the overlay loads the object again later, which must leave an open gate open.
         crate::services::maps::gate::close(&config.pin_dir).context("closing the load balancer's gate")?;
         write_policy_ct_gate(&config.pin_dir)?;
-        datapath.set_pod_mode(config.pod_attach_mode);
+        datapath.set_pod_mode(config.datapath.pod_attach_mode);
         let mut interfaces = InterfacesController::start(
             datapath,
-            config.interfaces.clone(),
-            Programs { load_balancer: config.run_service_proxy, firewall: config.run_firewall, xdp: config.xdp },
-            config.pod_source_check,
+            config.datapath.interfaces.clone(),
+            Programs { load_balancer: config.services.run, firewall: config.policy.run, xdp: config.datapath.xdp },
+            config.policy.pod_source_check,
             config
+                .services
                 .api_server_addresses
                 .iter()
                 .copied()
@@ -149,10 +151,10 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
                 .collect(),
             metrics.clone(),
         );
-        socket_lb::apply(interfaces.datapath(), &config.socket_lb, &metrics);
+        socket_lb::apply(interfaces.datapath(), &config.services.socket_lb, &metrics);
         // The links run our programs now: an upgrade from the previous map layout can complete.
         interfaces.datapath().finish_upgrade().context("finishing the upgrade of the pinned maps")?;
-        if config.run_service_proxy {
+        if config.services.run {
             open_lb_gate(&config.pin_dir);
         }
         Some(interfaces)
@@ -162,16 +164,16 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
     let (health_checks, health_check_ports) = watch::channel(BTreeMap::new());
     tokio::spawn(crate::services::healthcheck::serve(health_check_ports, metrics.clone()));
     let services =
-        if config.run_service_proxy { Some(ServiceProgrammer::start(&config, &metrics, health_checks)?) } else { None };
+        if config.services.run { Some(ServiceProgrammer::start(&config, &metrics, health_checks)?) } else { None };
     let egress = EgressNets {
         pin_dir: config.pin_dir.clone(),
-        cluster_cidrs: config.cluster_cidrs.clone(),
-        service_ranges: config.service_ranges.clone(),
+        cluster_cidrs: config.node.cluster_cidrs.clone(),
+        service_ranges: config.node.service_ranges.clone(),
     };
-    if services.is_some() && matches!(config.source, DesiredSource::File(_)) {
+    if services.is_some() && matches!(config.source.source, DesiredSource::File(_)) {
         sync_egress_nets(&egress, []);
     }
-    let firewall = if config.run_firewall {
+    let firewall = if config.policy.run {
         Some(PolicyProgrammer::start(&config.pin_dir, &config.node_name, metrics.clone())?)
     } else {
         None
@@ -179,12 +181,12 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
     let stats = DatapathStatsController::open(
         &config.pin_dir,
         metrics.clone(),
-        config.run_service_proxy,
-        config.run_firewall,
-        config.conntrack_gc_interval,
-        config.max_stale,
+        config.services.run,
+        config.policy.run,
+        config.datapath.conntrack_gc_interval,
+        config.source.max_stale,
     )?;
-    let api = match &config.source {
+    let api = match &config.source.source {
         DesiredSource::File(_) => None,
         DesiredSource::Api(options) => Some(start_api_source(options, &config.state_dir, &metrics).await?),
     };
@@ -199,7 +201,7 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
     };
     if let Some(interfaces) = interfaces {
         // Interfaces are attached the moment they appear; the periodic rescan stays as a safety net.
-        let events = if config.link_events {
+        let events = if config.datapath.link_events {
             netif::LinkEvents::open()
                 .map_err(|e| tracing::warn!(error = %e, "no link events; new interfaces are found by a 5 s rescan"))
                 .ok()
@@ -212,7 +214,7 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
         let pods = PodsTrigger(
             cache
                 .as_ref()
-                .filter(|_| config.pod_source_check)
+                .filter(|_| config.policy.pod_source_check)
                 .map(|cache| cache.subscribe(&[crate::k8s::watch::Kind::Pods])),
         );
         tasks.add(runtime::spawn(interfaces, (LinkTrigger(events), pods), AT_ONCE, stop.clone()));
@@ -228,7 +230,7 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
         None => (None, None),
     };
     if let Some(controller) = services {
-        match (&config.source, &cache) {
+        match (&config.source.source, &cache) {
             (DesiredSource::File(path), _) => {
                 let services = ServicesFromFile::new(controller, path.clone(), node_addresses.clone());
                 let trigger = (node_addresses.clone(), FileEvents::watch(path));
@@ -250,11 +252,11 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
             let policy = PolicyController::new(firewall, cache.clone()).with_stamp(&config.pin_dir);
             tasks.add(runtime::spawn(policy, cache.subscribe(POLICY_KINDS), RunOptions::default(), stop.clone()));
         }
-        let cni = config.cni.clone().map(|options| {
-            CniWriter::new(options, config.node_name.clone(), config.node_ip.or_else(netif::default_route_source))
+        let cni = config.node.cni.clone().map(|options| {
+            CniWriter::new(options, config.node_name.clone(), config.node.node_ip.or_else(netif::default_route_source))
         });
-        if config.run_service_proxy || cni.is_some() {
-            let egress = config.run_service_proxy.then(|| egress.clone());
+        if config.services.run || cni.is_some() {
+            let egress = config.services.run.then(|| egress.clone());
             let nets = NodeNetsController::new(cache.clone(), egress, cni, metrics.clone());
             tasks.add(runtime::spawn(nets, cache.subscribe(NODE_KINDS), NODE_PACED, stop.clone()));
         }

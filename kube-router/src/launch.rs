@@ -52,7 +52,6 @@ pub fn run(bpf_root: &Path, args: &RunArgs) -> Result<()> {
 fn agent_config(bpf_root: &Path, args: &RunArgs, external_peers: Vec<ExternalPeerFlag>) -> Result<AgentConfig> {
     let disabled_families =
         args.node.disabled_families(&netif::node_addresses()).unwrap_or_else(|message| invalid(message));
-    let nodeport_addresses = args.service_proxy.nodeport_addresses(|| node_ips(args.node.node_ip));
     let node_name = args.node.node_name(std::env::var("NODE_NAME").ok());
     let router = args.routing.router_options(
         &args.bfd,
@@ -64,43 +63,17 @@ fn agent_config(bpf_root: &Path, args: &RunArgs, external_peers: Vec<ExternalPee
             external_peers,
         },
     );
-    let service_proxy = &args.service_proxy;
     Ok(AgentConfig {
         pin_dir: bpf_root.to_path_buf(),
-        source: args.api.source(),
         state_dir: args.api.state_dir.clone(),
-        max_stale: args.api.max_stale,
-        interfaces: args.datapath.interfaces.clone(),
         node_name,
-        nodeport_addresses,
-        limits: service_proxy.limits(),
-        listeners: (&args.metrics).into(),
-        disabled_families,
-        conntrack_gc_interval: args.datapath.conntrack_gc_interval,
-        hairpin_mode: service_proxy.hairpin_mode,
-        masquerade_all: service_proxy.masquerade_all,
-        maglev_all: service_proxy.maglev_all(),
-        snat_port_range: service_proxy.snat_port_range,
-        ct_lifetimes: service_proxy.ct_lifetimes(),
-        node_ip: args.node.node_ip,
-        pod_egress: args.node.enable_pod_egress,
-        pod_source_check: args.policy.enable_pod_source_check,
-        attach_mode: args.datapath.attach_mode(),
-        pod_attach_mode: args.datapath.pod_attach_mode(),
-        xdp: args.datapath.xdp().map_err(anyhow::Error::msg)?,
-        link_events: args.datapath.link_events,
-        map_sizes: args.datapath.map_sizes().map_err(anyhow::Error::msg)?,
-        cni: args.node.cni_options(),
-        external_ip_ranges: service_proxy.service_external_ip_range.clone(),
-        load_balancer_ip_ranges: service_proxy.loadbalancer_ip_range.clone(),
-        strict_external_ip_validation: service_proxy.strict_external_ip_validation,
-        api_server_addresses: Default::default(),
-        cluster_cidrs: args.node.cluster_cidr.clone(),
-        service_ranges: args.node.service_cluster_ip_range.clone(),
-        run_service_proxy: service_proxy.run_service_proxy,
-        run_firewall: args.policy.run_firewall,
-        socket_lb: service_proxy.into(),
+        source: (&args.api).into(),
+        node: (&args.node).into(),
+        datapath: (&args.datapath).try_into().map_err(anyhow::Error::msg)?,
+        services: args.service_proxy.service_options(|| node_ips(args.node.node_ip), disabled_families),
+        policy: (&args.policy).into(),
         router,
+        listeners: (&args.metrics).into(),
     })
 }
 
@@ -117,7 +90,7 @@ fn node_ips(node_ip: Option<Ipv4Addr>) -> Vec<IpAddr> {
 /// `--cleanup-legacy-on-start`: never fatal (the agent is what repairs the node), each removal
 /// and failure logged.
 async fn cleanup_legacy_on_start(config: &AgentConfig) {
-    let api = match &config.source {
+    let api = match &config.source.source {
         DesiredSource::Api(options) => Some(options),
         DesiredSource::File(_) => None,
     };

@@ -3,7 +3,10 @@
 use std::{path::PathBuf, time::Duration};
 
 use super::{drop_if_empty, parse_go_duration, path_or_empty};
-use crate::{config::DesiredSource, k8s::watch::ApiOptions};
+use crate::{
+    config::{DesiredSource, SourceOptions},
+    k8s::watch::ApiOptions,
+};
 
 /// `--kubeconfig`, `--master`, `--service-file`, `--state-dir`, `--max-stale`.
 #[derive(clap::Args, Debug, Clone)]
@@ -51,5 +54,11 @@ impl ApiFlags {
     pub(super) fn drop_empty_values(&mut self) {
         drop_if_empty(&mut self.kubeconfig);
         drop_if_empty(&mut self.master);
+    }
+}
+
+impl From<&ApiFlags> for SourceOptions {
+    fn from(flags: &ApiFlags) -> Self {
+        SourceOptions { source: flags.source(), max_stale: flags.max_stale }
     }
 }

@@ -3,7 +3,10 @@
 use std::time::Duration;
 
 use super::parse_go_duration;
-use crate::bpf::{datapath::AttachMode, layout::MapSizes, xdp::XdpSetting};
+use crate::{
+    bpf::{datapath::AttachMode, layout::MapSizes, xdp::XdpSetting},
+    config::DatapathOptions,
+};
 
 /// Interfaces, attach modes, map sizes, conntrack GC.
 #[derive(clap::Args, Debug, Clone)]
@@ -70,6 +73,23 @@ impl DatapathFlags {
 
     pub fn xdp(&self) -> Result<XdpSetting, String> {
         self.xdp.parse()
+    }
+}
+
+/// The flags' values checked: a map size or `--xdp` mode that is not one is the error.
+impl TryFrom<&DatapathFlags> for DatapathOptions {
+    type Error = String;
+
+    fn try_from(flags: &DatapathFlags) -> Result<Self, String> {
+        Ok(DatapathOptions {
+            interfaces: flags.interfaces.clone(),
+            conntrack_gc_interval: flags.conntrack_gc_interval,
+            attach_mode: flags.attach_mode(),
+            pod_attach_mode: flags.pod_attach_mode(),
+            xdp: flags.xdp()?,
+            link_events: flags.link_events,
+            map_sizes: flags.map_sizes()?,
+        })
     }
 }
 

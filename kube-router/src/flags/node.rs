@@ -7,7 +7,10 @@ use std::{
 };
 
 use super::drop_if_empty;
-use crate::{config::CniOptions, services::family::IpFamily};
+use crate::{
+    config::{CniOptions, NodeOptions},
+    services::family::IpFamily,
+};
 
 /// The node's identity and addresses, `--enable-ipv4/6`, the CNI role, pod egress.
 #[derive(clap::Args, Debug, Clone)]
@@ -91,6 +94,18 @@ impl NodeFlags {
 
     pub(super) fn drop_empty_values(&mut self) {
         drop_if_empty(&mut self.hostname_override);
+    }
+}
+
+impl From<&NodeFlags> for NodeOptions {
+    fn from(flags: &NodeFlags) -> Self {
+        NodeOptions {
+            node_ip: flags.node_ip,
+            cluster_cidrs: flags.cluster_cidr.clone(),
+            service_ranges: flags.service_cluster_ip_range.clone(),
+            pod_egress: flags.enable_pod_egress,
+            cni: flags.cni_options(),
+        }
     }
 }
 

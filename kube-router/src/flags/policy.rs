@@ -1,4 +1,5 @@
 //! NetworkPolicy enforcement and the pod source check.
+use crate::config::PolicyOptions;
 
 /// `--run-firewall`, `--enable-pod-source-check`.
 #[derive(clap::Args, Debug, Clone)]
@@ -12,4 +13,10 @@ pub struct PolicyFlags {
     /// interfaces do. Checked on pod veths the agent finds itself (not an --interfaces list).
     #[arg(long, env = "KUBE_ROUTER_ENABLE_POD_SOURCE_CHECK", default_value_t = true, action = clap::ArgAction::Set)]
     pub enable_pod_source_check: bool,
+}
+
+impl From<&PolicyFlags> for PolicyOptions {
+    fn from(flags: &PolicyFlags) -> Self {
+        PolicyOptions { run: flags.run_firewall, pod_source_check: flags.enable_pod_source_check }
+    }
 }

@@ -1,8 +1,12 @@
 //! The service load balancer: which Services and addresses it serves, how flows are balanced,
 //! source-NATed and timed out, and the socket-level load balancer.
-use std::{net::IpAddr, path::PathBuf, time::Duration};
+use std::{collections::BTreeSet, net::IpAddr, path::PathBuf, time::Duration};
 
-use crate::{bpf::socket_lb::SocketLbOptions, services::compile::Limits};
+use crate::{
+    bpf::socket_lb::SocketLbOptions,
+    config::ServiceOptions,
+    services::{compile::Limits, family::IpFamily},
+};
 
 /// `--run-service-proxy` and what the load balancer serves and how.
 #[derive(clap::Args, Debug, Clone)]
@@ -77,6 +81,33 @@ pub struct ServiceProxyFlags {
 }
 
 impl ServiceProxyFlags {
+    /// The load balancer's options. What depends on the node is given: the node IPs
+    /// (`--nodeport-bindon-all-ip=false`) and the families it does not serve (the node flags'
+    /// `--enable-ipv4/6`, judged against its addresses). The API server's addresses are filled in
+    /// at start.
+    pub fn service_options(
+        &self,
+        node_ips: impl FnOnce() -> Vec<IpAddr>,
+        disabled_families: BTreeSet<IpFamily>,
+    ) -> ServiceOptions {
+        ServiceOptions {
+            run: self.run_service_proxy,
+            nodeport_addresses: self.nodeport_addresses(node_ips),
+            limits: self.limits(),
+            disabled_families,
+            hairpin_mode: self.hairpin_mode,
+            maglev_all: self.maglev_all(),
+            masquerade_all: self.masquerade_all,
+            snat_port_range: self.snat_port_range,
+            ct_lifetimes: self.ct_lifetimes(),
+            external_ip_ranges: self.service_external_ip_range.clone(),
+            load_balancer_ip_ranges: self.loadbalancer_ip_range.clone(),
+            strict_external_ip_validation: self.strict_external_ip_validation,
+            api_server_addresses: BTreeSet::new(),
+            socket_lb: self.into(),
+        }
+    }
+
     pub fn limits(&self) -> Limits {
         Limits { max_backends_per_service: self.max_backends_per_service as usize }
     }

@@ -376,11 +376,11 @@ impl ServiceProgrammer {
             conntrack: Conntrack::open_pinned(&config.pin_dir)?,
             conntrack_v6: ConntrackV6::open_pinned(&config.pin_dir)?,
             metrics: metrics.clone(),
-            limits: config.limits,
+            limits: config.services.limits,
             node_name: config.node_name.clone(),
-            nodeport_addresses: config.nodeport_addresses.clone(),
-            disabled_families: config.disabled_families.clone(),
-            hairpin_all: config.hairpin_mode,
+            nodeport_addresses: config.services.nodeport_addresses.clone(),
+            disabled_families: config.services.disabled_families.clone(),
+            hairpin_all: config.services.hairpin_mode,
             external_ips: config.external_ip_policy(),
             cluster_addresses: ClusterAddresses::default(),
             reported: BTreeSet::new(),
@@ -389,8 +389,8 @@ impl ServiceProgrammer {
             failing_maps: BTreeSet::new(),
             zone: None,
             health_checks,
-            loopback_node_ports: config.socket_lb.enabled,
-            maglev_all: config.maglev_all,
+            loopback_node_ports: config.services.socket_lb.enabled,
+            maglev_all: config.services.maglev_all,
             compiler: FamilyCompiler::default(),
             compiler_v6: FamilyCompiler::default(),
             last_node: None,
@@ -398,22 +398,25 @@ impl ServiceProgrammer {
             stamp: ApiStateStamp::open(&config.pin_dir, META_SERVICES_AS_OF, "service"),
             last_writes: 0,
         };
-        let snat_addr =
-            config.node_ip.or_else(netif::default_route_source).or_else(|| netif::ipv4_addresses().first().copied());
+        let snat_addr = config
+            .node
+            .node_ip
+            .or_else(netif::default_route_source)
+            .or_else(|| netif::ipv4_addresses().first().copied());
         let snat_addr_v6 = netif::default_route_source_v6().or_else(|| netif::ipv6_addresses().first().copied());
         let lb_config = LbConfig {
             snat_addr: snat_addr.map(crate::services::compile::addr_be).unwrap_or(0),
             snat_addr_v6: snat_addr_v6.map(V6::words).unwrap_or_default(),
-            snat_port_min: config.snat_port_range.0,
-            snat_port_max: config.snat_port_range.1,
-            flags: if config.masquerade_all { LB_CONFIG_MASQUERADE_ALL } else { 0 }
-                | if config.pod_egress { LB_CONFIG_POD_EGRESS } else { 0 },
+            snat_port_min: config.services.snat_port_range.0,
+            snat_port_max: config.services.snat_port_range.1,
+            flags: if config.services.masquerade_all { LB_CONFIG_MASQUERADE_ALL } else { 0 }
+                | if config.node.pod_egress { LB_CONFIG_POD_EGRESS } else { 0 },
             pad: 0,
         };
         write_lb_config(&config.pin_dir, &lb_config)?;
-        write_ct_lifetimes(&config.pin_dir, &config.ct_lifetimes)?;
-        tracing::info!(lifetimes = ?config.ct_lifetimes, "conntrack lifetimes configured (0: the default)");
-        tracing::info!(snat_address = ?snat_addr, snat_address_v6 = ?snat_addr_v6, ports = ?config.snat_port_range, masquerade_all = config.masquerade_all, "source NAT configured");
+        write_ct_lifetimes(&config.pin_dir, &config.services.ct_lifetimes)?;
+        tracing::info!(lifetimes = ?config.services.ct_lifetimes, "conntrack lifetimes configured (0: the default)");
+        tracing::info!(snat_address = ?snat_addr, snat_address_v6 = ?snat_addr_v6, ports = ?config.services.snat_port_range, masquerade_all = config.services.masquerade_all, "source NAT configured");
         Ok(controller)
     }
 }
