@@ -20,8 +20,12 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::ObjectMeta;
 use serde::{Deserialize, Deserializer, Serialize};
 
-use super::{intern, slim::Slim, store::Held};
-use crate::policy::{Labels, Protocol};
+use super::{
+    intern,
+    labels::{Labels, Protocol},
+    slim::Slim,
+    store::Held,
+};
 
 /// A Pod as the watcher decodes it: only the fields some reader uses. Watched as the core/v1
 /// Pod it is (`Api<PodFields>`); every other field of the JSON is skipped as it is read.

@@ -16,7 +16,7 @@ use k8s_openapi::api::{
 };
 use kube::{api::ObjectMeta, Resource};
 
-use crate::services::from_k8s::TOPOLOGY_ZONE_LABEL;
+use super::TOPOLOGY_ZONE_LABEL;
 
 /// `kubectl apply`'s copy of the whole object, in an annotation: often the largest field.
 const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";

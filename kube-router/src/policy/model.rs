@@ -25,44 +25,8 @@ impl Direction {
     pub const ALL: [Direction; 2] = [Direction::Ingress, Direction::Egress];
 }
 
-/// L4 protocols NetworkPolicy can name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Protocol {
-    Tcp,
-    Udp,
-    Sctp,
-}
-
-impl Protocol {
-    /// Parses the Kubernetes spelling (case-sensitive, as the API server is).
-    pub fn from_k8s(value: &str) -> Option<Protocol> {
-        match value {
-            "TCP" => Some(Protocol::Tcp),
-            "UDP" => Some(Protocol::Udp),
-            "SCTP" => Some(Protocol::Sctp),
-            _ => None,
-        }
-    }
-
-    /// IANA protocol number, as found in the IP header (what the datapath sees).
-    pub fn ip_protocol_number(self) -> u8 {
-        match self {
-            Protocol::Tcp => 6,
-            Protocol::Udp => 17,
-            Protocol::Sctp => 132,
-        }
-    }
-}
-
-impl fmt::Display for Protocol {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Protocol::Tcp => "TCP",
-            Protocol::Udp => "UDP",
-            Protocol::Sctp => "SCTP",
-        })
-    }
-}
+/// L4 protocols NetworkPolicy can name (the API layer's: a Pod's container ports name them too).
+pub use crate::k8s::labels::Protocol;
 
 /// Inclusive destination-port range for one protocol. `0..=65535` means
 /// "every port of this protocol" (a `ports` entry with only `protocol`).

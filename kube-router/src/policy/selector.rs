@@ -1,81 +1,11 @@
 //! Label selectors (matchLabels + matchExpressions), validated and normalised
 //! so that equal selectors compare equal and can key shared peer sets.
 
-use std::{
-    collections::{BTreeMap, BTreeSet},
-    sync::Arc,
-};
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
-use crate::k8s::intern::{self, LabelPairs};
-
-/// Labels of a pod or namespace: pairs sorted by key, shared with every object that has the
-/// same set (a workload's replicas) and their strings shared with every object that has them
-/// (`k8s::intern`). A clone is a reference count.
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct Labels(Arc<LabelPairs>);
-
-impl Labels {
-    pub fn get(&self, key: &str) -> Option<&str> {
-        let found = self.0.binary_search_by(|(k, _)| (**k).cmp(key)).ok()?;
-        Some(&self.0[found].1)
-    }
-
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
-        self.0.iter().map(|(k, v)| (&**k, &**v))
-    }
-
-    pub fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    /// Both are the one shared copy of their set.
-    pub fn same_set(&self, other: &Labels) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
-}
-
-impl Default for Labels {
-    fn default() -> Self {
-        Labels::from_iter(std::iter::empty::<(&str, &str)>())
-    }
-}
-
-impl std::fmt::Debug for Labels {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_map().entries(self.iter()).finish()
-    }
-}
-
-/// Later pairs win over earlier ones with the same key.
-impl<K: AsRef<str>, V: AsRef<str>> FromIterator<(K, V)> for Labels {
-    fn from_iter<I: IntoIterator<Item = (K, V)>>(pairs: I) -> Self {
-        let pairs: Vec<(K, V)> = pairs.into_iter().collect();
-        let mut sorted: BTreeMap<&str, &str> = BTreeMap::new();
-        for (k, v) in &pairs {
-            sorted.insert(k.as_ref(), v.as_ref());
-        }
-        let sorted: Vec<(&str, &str)> = sorted.into_iter().collect();
-        Labels(intern::label_set(&sorted))
-    }
-}
-
-impl<K: AsRef<str>, V: AsRef<str>, const N: usize> From<[(K, V); N]> for Labels {
-    fn from(pairs: [(K, V); N]) -> Self {
-        pairs.into_iter().collect()
-    }
-}
-
-impl From<&BTreeMap<String, String>> for Labels {
-    fn from(map: &BTreeMap<String, String>) -> Self {
-        map.iter().collect()
-    }
-}
+pub use crate::k8s::labels::Labels;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Operator {

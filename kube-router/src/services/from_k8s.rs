@@ -11,8 +11,8 @@ use thiserror::Error;
 use super::{family::IpFamily, model::*};
 
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
-/// A Node's zone: topology-aware routing serves this node's zone's hints.
-pub const TOPOLOGY_ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+/// A Node's zone (declared by the API layer, which keeps it on slimmed Nodes).
+pub use crate::k8s::TOPOLOGY_ZONE_LABEL;
 /// kube-router's per-Service hairpin switch (its presence turns hairpin on).
 pub const HAIRPIN_ANNOTATION: &str = "kube-router.io/service.hairpin";
 /// With it, hairpin for the externalIPs (and LoadBalancer IPs) too (presence).
