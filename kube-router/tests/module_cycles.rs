@@ -362,3 +362,31 @@ fn a_feature_folder_splits_into_rooms_and_other_folders_do_not() {
     assert_eq!(room(&path("bpf::datapath::Datapath"), &src), "bpf");
     assert_eq!(module_of(Path::new("routing/bgp/mod.rs")), path("routing::bgp"));
 }
+
+/// The shared layers stay below the features: the API layer (`k8s`) and the pinned-map helpers
+/// (`pinned`) import no feature folder, and `bpf` (loader, layout, migration, attach) reads no
+/// feature's map I/O but the policy maps its layout-2 upgrade converts (`bpf::migrate`).
+#[test]
+fn shared_layers_import_no_feature_folder() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let aliases = crate_aliases(&fs::read_to_string(src.join("lib.rs")).expect("reading lib.rs"));
+    let mut graph = Graph::new();
+    collect(&src, &src, &aliases, &mut graph);
+    let feature = |room: &str| FEATURE_FOLDERS.iter().any(|f| room == *f || room.starts_with(&format!("{f}::")));
+    let mut wrong = Vec::new();
+    for layer in ["k8s", "pinned"] {
+        for (to, file) in graph.get(layer).into_iter().flatten() {
+            if feature(to) {
+                wrong.push(format!("{layer} -> {to} ({file})"));
+            }
+        }
+    }
+    for (to, file) in graph.get("bpf").into_iter().flatten() {
+        let allowed = to == "policy::maps" && file == "bpf/migrate.rs";
+        if to.ends_with("::maps") && !allowed {
+            wrong.push(format!("bpf -> {to} ({file})"));
+        }
+    }
+    assert!(graph.contains_key("k8s") && graph.contains_key("pinned"), "the scan found both layers: {graph:?}");
+    assert!(wrong.is_empty(), "a shared layer imports a feature:\n{}", wrong.join("\n"));
+}
