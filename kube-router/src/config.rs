@@ -161,3 +161,83 @@ impl AgentConfig {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::flags::command_line::{parse_from, RunArgs};
+
+    fn run(args: &[&str]) -> RunArgs {
+        let args = std::iter::once("kube-router").chain(args.iter().copied()).map(Into::into);
+        parse_from(args).expect("the flags parse").run
+    }
+
+    /// Each subsystem's options carry its own flags, each read once, and the external IP policy
+    /// joins the groups it needs (the node's cluster ranges, the load balancer's).
+    #[test]
+    fn each_subsystem_gets_its_flags_and_the_external_ip_policy_joins_them() {
+        let args = run(&[
+            "--node-ip=192.0.2.7",
+            "--cluster-cidr=10.244.0.0/16",
+            "--service-cluster-ip-range=10.96.0.0/12",
+            "--enable-pod-egress=false",
+            "--enable-cni=false",
+            "--run-firewall=false",
+            "--max-stale=10m",
+            "--service-file=/services.yaml",
+            "--interfaces=eth1,eth2",
+            "--bpf-ct-global-max=300000",
+            "--conntrack-gc-interval=45s",
+            "--run-service-proxy=false",
+            "--masquerade-all",
+            "--snat-port-range=20000-20999",
+            "--service-external-ip-range=198.51.100.0/24",
+            "--strict-external-ip-validation=false",
+        ]);
+        let node = NodeOptions::from(&args.node);
+        assert_eq!(node.node_ip, Some("192.0.2.7".parse().unwrap()));
+        assert_eq!(node.cluster_cidrs, vec!["10.244.0.0/16".parse::<ipnet::IpNet>().unwrap()]);
+        assert_eq!(node.service_ranges, vec!["10.96.0.0/12".parse::<ipnet::IpNet>().unwrap()]);
+        assert!(!node.pod_egress && node.cni.is_none());
+
+        let policy = PolicyOptions::from(&args.policy);
+        assert!(!policy.run && policy.pod_source_check, "the source check is on by default");
+
+        let source = SourceOptions::from(&args.api);
+        assert_eq!(source.max_stale, Some(Duration::from_secs(600)));
+        assert!(matches!(&source.source, DesiredSource::File(path) if path == std::path::Path::new("/services.yaml")));
+
+        let datapath = DatapathOptions::try_from(&args.datapath).unwrap();
+        assert_eq!(datapath.interfaces, Some(vec!["eth1".to_string(), "eth2".to_string()]));
+        assert_eq!((datapath.map_sizes.conntrack, datapath.conntrack_gc_interval), (300_000, Duration::from_secs(45)));
+
+        let services = args.service_proxy.service_options(|| unreachable!("every address by default"), BTreeSet::new());
+        assert!(!services.run && !services.socket_lb.enabled, "no socket load balancer without the service proxy");
+        assert!(services.masquerade_all && services.hairpin_mode, "--hairpin-mode is on by default");
+        assert_eq!(services.snat_port_range, (20000, 20999));
+
+        let config = AgentConfig {
+            pin_dir: "/bpf".into(),
+            state_dir: "/state".into(),
+            node_name: "node-1".into(),
+            source,
+            node,
+            datapath,
+            services,
+            policy,
+            router: None,
+            listeners: (&args.metrics).into(),
+        };
+        let external = config.external_ip_policy();
+        assert_eq!(external.external_ip_ranges, vec!["198.51.100.0/24".parse::<ipnet::IpNet>().unwrap()]);
+        assert!(!external.strict);
+        assert_eq!(external.forbidden.len(), 2, "the cluster and Service ranges: {:?}", external.forbidden);
+    }
+
+    /// A datapath flag the parser takes but its subsystem cannot use is the conversion's error.
+    #[test]
+    fn a_datapath_flag_out_of_range_is_refused_by_the_conversion() {
+        let error = DatapathOptions::try_from(&run(&["--bpf-lb-map-max=1"]).datapath).err().expect("refused");
+        assert!(error.contains("--bpf-lb-map-max"), "{error}");
+    }
+}
