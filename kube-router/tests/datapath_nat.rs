@@ -669,6 +669,62 @@ fn a_reply_is_translated_when_its_tuple_was_noted_without_an_entry_before_the_fl
     assert_eq!(packet::endpoints(&out), ((VIP, 80), (LOCAL_POD, 41000)), "reply restored to the ClusterIP");
 }
 
+/// The agent's conntrack GC walks the table, then removes what the walk found expired. A client
+/// reusing its port meanwhile (a new connection on the tuple of a closed flow not yet collected)
+/// gets its flow's entries written in place of the expired ones, and the removals must leave
+/// them: removed by key, the reverse entry of the new flow went (its replies left untranslated,
+/// answered by the client with a reset), and when its forward entry survived, every later SYN
+/// from that port was translated again towards replies nothing restored (TCP exchanges through
+/// a ClusterIP timing out in the service_datapath bench's TC rows).
+#[test]
+fn a_flow_opened_on_a_reused_tuple_between_the_gcs_walk_and_its_removals_keeps_its_entries() {
+    let lb = load("gc-reuse", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+    stay_on_this_cpu();
+    let mut ct = conntrack_map(&lb.pin_dir);
+    let syn = packet::ipv4(packet::TCP, (LOCAL_POD, 41000), (VIP, 80), packet::TCP_SYN, b"");
+    let syn_ack =
+        packet::ipv4(packet::TCP, (REMOTE_POD, 8080), (LOCAL_POD, 41000), packet::TCP_SYN | packet::TCP_ACK, b"");
+    let (forward, reverse) = (
+        packet::ct_key_v4(packet::TCP, (LOCAL_POD, 41000), (VIP, 80)),
+        packet::ct_key_v4(packet::TCP, (REMOTE_POD, 8080), (LOCAL_POD, 41000)),
+    );
+    // The first connection from port 41000, closed and idle past the closing lifetime.
+    let (_, out) = lb.ingress(&syn);
+    assert_eq!(packet::endpoints(&out).1, (REMOTE_POD, 8080));
+    for key in [&forward, &reverse] {
+        age(&mut ct, key, CT_LIFETIME_CLOSING_SECS + 1, true);
+    }
+    let mut gc = Conntrack::open_pinned(&lb.pin_dir).unwrap();
+    let now = monotonic_now_ns();
+    let (_, walked) = gc.expired_keys_at(now).unwrap();
+    assert_eq!(walked.len(), 2, "the walk finds the closed flow's two entries");
+
+    // Between the walk and the removals the client reuses the port: the datapath finds the
+    // entries expired and writes the new flow's in their place.
+    let new_flows = lb.lb_stat(lb_stat::NEW_FLOW);
+    let (verdict, out) = lb.ingress(&syn);
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    assert_eq!(packet::endpoints(&out).1, (REMOTE_POD, 8080));
+    assert_eq!(lb.lb_stat(lb_stat::NEW_FLOW), new_flows + 1, "a new flow on the expired tuple");
+
+    assert_eq!(gc.remove_expired_at(&walked, now).unwrap(), 0, "nothing the walk saw is expired now");
+    assert!(ct.get(&forward, 0).is_ok() && ct.get(&reverse, 0).is_ok(), "the new flow keeps both entries");
+    assert_pairs_consistent(&ct);
+    // Its SYN-ACK is restored to the ClusterIP.
+    assert_eq!(lb.ingress(&syn_ack), (TC_ACT_UNSPEC, syn_ack.clone()));
+    let (verdict, out) = lb.egress(&syn_ack);
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    assert_eq!(packet::endpoints(&out), ((VIP, 80), (LOCAL_POD, 41000)), "reply restored to the ClusterIP");
+
+    // Once that flow is over too, the GC removes it as before.
+    for key in [&forward, &reverse] {
+        age(&mut ct, key, CT_LIFETIME_CLOSING_SECS + 1, true);
+    }
+    let (_, removed) = gc.collect_garbage_at(monotonic_now_ns()).unwrap();
+    assert_eq!(removed, 2);
+    assert_eq!(ct.keys().count(), 0);
+}
+
 /// A Service whose endpoint is outside the cluster (a Service without a selector, its
 /// EndpointSlice naming an external database): a pod's packets to it are DNATed at TC ingress and
 /// then masqueraded at TC egress, every one of them on the port its flow got first. TC egress
