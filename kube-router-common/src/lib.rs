@@ -549,7 +549,8 @@ pub mod lb_stat {
     pub const REDIRECTED: u32 = 16;
     /// Packets that needed that but had no route (or TTL left): dropped.
     pub const REDIRECT_FAILED: u32 = 17;
-    /// Flows moved off a backend that is gone (UDP, or TCP before the handshake completed).
+    /// Flows balanced again: moved off a backend that is gone (UDP, or TCP before the handshake
+    /// completed), or a retried SYN whose flow had lost its reverse entry.
     pub const CT_RESELECTED: u32 = 18;
     /// New pod flows leaving the cluster, masqueraded to the node address.
     pub const EGRESS_MASQUERADE_NEW_FLOW: u32 = 19;

@@ -24,7 +24,7 @@ use crate::{
     maps::{count, Work, FORWARDED_SLOTS, LB_CONFIG},
     nat::Tuple,
     packet::Packet,
-    parsing::{ip_version, Fragment, IpVersion, LbFlow, LbParsed},
+    parsing::{ip_version, Fragment, IpVersion, LbFlow, LbParsed, TCP_FLAG_ACK, TCP_FLAG_SYN},
     route,
     svc_stats::{self, Way},
 };
@@ -315,6 +315,17 @@ pub(crate) fn known<F: Family>(flow: &LbFlow<F::Addr>, entry: &CtValue<F::Addr>)
             && may_move(entry.flags, flow.proto)
         {
             Known::Reselect
+        } else if flow.proto == IPPROTO_TCP
+            && flow.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN
+            && entry.flags & (CT_FLAG_SEEN_REPLY | CT_FLAG_DSR_ENCAP | CT_FLAG_DSR_DELIVER) == 0
+            && reverse_entry_gone::<F>(entry, flow.proto)
+        {
+            // A client's retried SYN of a flow nothing answered, whose reverse entry is gone
+            // (evicted by the LRU from a full table, or removed): translated by the lone forward
+            // entry, its SYN-ACK would leave untranslated and be reset by the client, on every
+            // retry for as long as the retries keep that entry. Opened again, with both entries.
+            // Not a direct-server-return tunnel's entry (no reverse entry by design).
+            Known::Reselect
         } else {
             Known::Forward
         }
@@ -465,6 +476,13 @@ fn backend_gone<F: Family>(entry: &CtValue<F::Addr>) -> bool {
         Some(backend) => backend.addr != entry.nat_dst_addr || backend.port != entry.nat_dst_port,
         None => true,
     }
+}
+
+/// The entry's opposite (the reverse entry of a forward one) is not in the table.
+// Not inlined: the key lives in this frame, not in `ingress`'s.
+#[inline(never)]
+fn reverse_entry_gone<F: Family>(entry: &CtValue<F::Addr>, proto: u8) -> bool {
+    F::conntrack().get_ptr(&entry.reverse_key(proto)).is_none()
 }
 
 /// A flow may move to another backend while nothing depends on the old one: UDP, or TCP whose

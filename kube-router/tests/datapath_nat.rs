@@ -670,6 +670,105 @@ fn a_reply_is_translated_when_its_tuple_was_noted_without_an_entry_before_the_fl
     assert_eq!(packet::endpoints(&out), ((VIP, 80), (LOCAL_POD, 41000)), "reply restored to the ClusterIP");
 }
 
+/// The agent's conntrack GC walks the table, then removes what the walk found expired. A client
+/// reusing its port meanwhile (a new connection on the tuple of a closed flow not yet collected)
+/// gets its flow's entries written in place of the expired ones, and the removals must leave
+/// them: removed by key, the reverse entry of the new flow went (its replies left untranslated,
+/// answered by the client with a reset), and when its forward entry survived, every later SYN
+/// from that port was translated again towards replies nothing restored (TCP exchanges through
+/// a ClusterIP timing out in the service_datapath bench's TC rows).
+#[test]
+fn a_flow_opened_on_a_reused_tuple_between_the_gcs_walk_and_its_removals_keeps_its_entries() {
+    let lb = load("gc-reuse", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+    stay_on_this_cpu();
+    let mut ct = conntrack_map(&lb.pin_dir);
+    let syn = packet::ipv4(packet::TCP, (LOCAL_POD, 41000), (VIP, 80), packet::TCP_SYN, b"");
+    let syn_ack =
+        packet::ipv4(packet::TCP, (REMOTE_POD, 8080), (LOCAL_POD, 41000), packet::TCP_SYN | packet::TCP_ACK, b"");
+    let (forward, reverse) = (
+        packet::ct_key_v4(packet::TCP, (LOCAL_POD, 41000), (VIP, 80)),
+        packet::ct_key_v4(packet::TCP, (REMOTE_POD, 8080), (LOCAL_POD, 41000)),
+    );
+    // The first connection from port 41000, closed and idle past the closing lifetime.
+    let (_, out) = lb.ingress(&syn);
+    assert_eq!(packet::endpoints(&out).1, (REMOTE_POD, 8080));
+    for key in [&forward, &reverse] {
+        age(&mut ct, key, CT_LIFETIME_CLOSING_SECS + 1, true);
+    }
+    let mut gc = Conntrack::open_pinned(&lb.pin_dir).unwrap();
+    let now = monotonic_now_ns();
+    let (_, walked) = gc.expired_keys_at(now).unwrap();
+    assert_eq!(walked.len(), 2, "the walk finds the closed flow's two entries");
+
+    // Between the walk and the removals the client reuses the port: the datapath finds the
+    // entries expired and writes the new flow's in their place.
+    let new_flows = lb.lb_stat(lb_stat::NEW_FLOW);
+    let (verdict, out) = lb.ingress(&syn);
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    assert_eq!(packet::endpoints(&out).1, (REMOTE_POD, 8080));
+    assert_eq!(lb.lb_stat(lb_stat::NEW_FLOW), new_flows + 1, "a new flow on the expired tuple");
+
+    assert_eq!(gc.remove_expired_at(&walked, now).unwrap(), 0, "nothing the walk saw is expired now");
+    assert!(ct.get(&forward, 0).is_ok() && ct.get(&reverse, 0).is_ok(), "the new flow keeps both entries");
+    assert_pairs_consistent(&ct);
+    // Its SYN-ACK is restored to the ClusterIP.
+    assert_eq!(lb.ingress(&syn_ack), (TC_ACT_UNSPEC, syn_ack.clone()));
+    let (verdict, out) = lb.egress(&syn_ack);
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    assert_eq!(packet::endpoints(&out), ((VIP, 80), (LOCAL_POD, 41000)), "reply restored to the ClusterIP");
+
+    // Once that flow is over too, the GC removes it as before.
+    for key in [&forward, &reverse] {
+        age(&mut ct, key, CT_LIFETIME_CLOSING_SECS + 1, true);
+    }
+    let (_, removed) = gc.collect_garbage_at(monotonic_now_ns()).unwrap();
+    assert_eq!(removed, 2);
+    assert_eq!(ct.keys().count(), 0);
+}
+
+/// A flow nothing has answered yet whose reverse entry is gone (evicted by the LRU from a full
+/// table, or removed): the client's retried SYN opens it again with both entries, so its SYN-ACK
+/// is restored to the ClusterIP. Translated by the lone forward entry, every retry's SYN-ACK
+/// left untranslated and was reset by the client, for as long as the retries kept that entry.
+/// An answered flow's forward entry is used as it is.
+#[test]
+fn a_retried_syn_whose_flow_lost_its_reverse_entry_opens_the_flow_again() {
+    let lb = load("lost-reverse", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
+    stay_on_this_cpu();
+    let mut ct = conntrack_map(&lb.pin_dir);
+    let syn = packet::ipv4(packet::TCP, (LOCAL_POD, 41000), (VIP, 80), packet::TCP_SYN, b"");
+    let syn_ack =
+        packet::ipv4(packet::TCP, (REMOTE_POD, 8080), (LOCAL_POD, 41000), packet::TCP_SYN | packet::TCP_ACK, b"");
+    let (forward, reverse) = (
+        packet::ct_key_v4(packet::TCP, (LOCAL_POD, 41000), (VIP, 80)),
+        packet::ct_key_v4(packet::TCP, (REMOTE_POD, 8080), (LOCAL_POD, 41000)),
+    );
+    lb.ingress(&syn);
+    ct.remove(&reverse).unwrap();
+    let reselected = lb.lb_stat(lb_stat::CT_RESELECTED);
+    let (verdict, out) = lb.ingress(&syn);
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    assert_eq!(packet::endpoints(&out).1, (REMOTE_POD, 8080));
+    assert_eq!(lb.lb_stat(lb_stat::CT_RESELECTED), reselected + 1, "opened again");
+    assert!(ct.get(&forward, 0).is_ok() && ct.get(&reverse, 0).is_ok(), "with both entries");
+    assert_pairs_consistent(&ct);
+    assert_eq!(lb.ingress(&syn_ack), (TC_ACT_UNSPEC, syn_ack.clone()));
+    let (_, out) = lb.egress(&syn_ack);
+    assert_eq!(packet::endpoints(&out), ((VIP, 80), (LOCAL_POD, 41000)), "SYN-ACK restored to the ClusterIP");
+
+    // Answered (the backend's ACK passed), then its reverse entry lost: a segment of the
+    // connection is translated as before, nothing opened again.
+    let ack = packet::ipv4(packet::TCP, (REMOTE_POD, 8080), (LOCAL_POD, 41000), packet::TCP_ACK, b"x");
+    lb.ingress(&ack);
+    lb.egress(&ack);
+    assert_eq!(ct.get(&forward, 0).unwrap().flags & CT_FLAG_SEEN_REPLY, CT_FLAG_SEEN_REPLY);
+    ct.remove(&reverse).unwrap();
+    let data = packet::ipv4(packet::TCP, (LOCAL_POD, 41000), (VIP, 80), packet::TCP_ACK, b"y");
+    let (_, out) = lb.ingress(&data);
+    assert_eq!(packet::endpoints(&out).1, (REMOTE_POD, 8080));
+    assert_eq!(lb.lb_stat(lb_stat::CT_RESELECTED), reselected + 1);
+}
+
 /// A Service whose endpoint is outside the cluster (a Service without a selector, its
 /// EndpointSlice naming an external database): a pod's packets to it are DNATed at TC ingress and
 /// then masqueraded at TC egress, every one of them on the port its flow got first. TC egress

@@ -669,3 +669,46 @@ fn conntrack_timeout_flags_are_written_at_start_and_follow_a_restart() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--service-udp-timeout") && stderr.contains("under a second"), "{stderr}");
 }
+
+/// Short TCP connections through a ClusterIP (the TC path) from 200 client ports in turn, each
+/// reused ~2 s after its last connection closed (`tcp_tw_reuse`), with closed flows living 1 s:
+/// a reused port meets its earlier flow's entries expired, or (when the client is faster)
+/// still closing. Meanwhile the GC runs every second over a table kept large by short UDP flows
+/// (thousands of entries expiring each second), so a port is reused between its walk and its
+/// removals now and then: removed by key, the new flow lost its entries (once, a port whose
+/// every later connection timed out). Every connection must be answered.
+#[test]
+fn client_ports_reused_while_the_gc_collects_get_every_connection_answered() {
+    let env = Env::new("krt-reuse");
+    let root = env.topo.bpf_root();
+    let file = env.file.arg();
+    let args = [
+        "--service-file",
+        file.as_str(),
+        "--health-port",
+        "0",
+        "--metrics-port",
+        METRICS_PORT,
+        "--service-tcpfin-timeout=1s",
+        "--service-udp-timeout=1s",
+        "--conntrack-gc-interval=1s",
+    ];
+    let mut agent = Agent::start(&env.topo.node, &root, &args).unwrap();
+    agent.wait_for_service_syncs(1, Duration::from_secs(20)).unwrap();
+    let client = &env.topo.client;
+    client.sysctl("net.ipv4.tcp_tw_reuse", "1").unwrap();
+    let probe = netprobe_bin();
+    let probe = probe.to_str().unwrap();
+    client.spawn(&[probe, "rate", "udp", &format!("{VIP}:53"), "12"]).unwrap();
+    let out = client.run(&[probe, "rate", "tcp", &format!("{VIP}:80"), "10", "10", "40000", "200"]).unwrap();
+    println!("rate tcp: {out}");
+    let fields: Vec<&str> = out.split_whitespace().collect();
+    let answered: u64 = fields[0].parse().unwrap();
+    assert_eq!(fields[1], "0", "every connection answered: {out}");
+    // At least a quarter of the ports reused (some 600 connections on a quiet machine).
+    assert!(answered > 250, "client ports reused: {out}");
+    let scrape = env.topo.node.scrape_metrics(METRICS_PORT).unwrap();
+    let collected = metric(&scrape, "kube_router_conntrack_gc_removed_total");
+    assert!(collected > 1_000.0, "the GC collected expired flows throughout: {collected}");
+    agent.stop().unwrap();
+}

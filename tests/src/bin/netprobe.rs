@@ -22,8 +22,12 @@
 //!                                           sets an interface offload (the ethtool ioctl: no ethtool binary here)
 //!   krt-netprobe xdp-pass PIN               loads a two-instruction XDP program returning XDP_PASS and pins it
 //!                                           at PIN (for `ip link set dev X xdpdrv pinned PIN`)
-//!   krt-netprobe rate tcp|udp ADDR SECONDS  new flows back to back (a connection or socket per exchange)
-//!                                           for SECONDS; prints "OK FAILED PER-SECOND"
+//!   krt-netprobe rate tcp|udp ADDR SECONDS [PAUSE_MS [FIRST_PORT COUNT]]  new flows back to back (a connection or socket
+//!                                           per exchange, PAUSE_MS apart) for SECONDS; prints "OK FAILED
+//!                                           PER-SECOND", then a line per failure (when, how long it took,
+//!                                           the error and the TCP client port). A connect() that finds no
+//!                                           free local port (EADDRNOTAVAIL) is no exchange: retried 1 ms later.
+//!                                           FIRST_PORT COUNT: TCP from those ports in turn (SO_REUSEADDR)
 //!   krt-netprobe peer tcp|udp|udp-connected ADDR COUNT
 //!                                           COUNT exchanges; prints "OK NAME PEER MICROS" or "ERR ... MICROS"
 //!                                           per line, PEER being what the socket API reports: getpeername
@@ -55,6 +59,8 @@ use std::{
 };
 
 const TIMEOUT: Duration = Duration::from_secs(2);
+/// connect()'s EADDRNOTAVAIL as io::Error displays it.
+const NO_LOCAL_PORT: &str = "(os error 99)";
 
 /// The peer as a client would write it (an IPv4 client of a dual-stack socket is `::ffff:a.b.c.d`).
 fn peer_ip(peer: SocketAddr) -> String {
@@ -191,6 +197,18 @@ fn connect_from(source_port: Option<u16>, addr: SocketAddr) -> Result<TcpStream,
     socket.bind(&any.into()).map_err(|e| format!("bind: {e}"))?;
     socket.connect_timeout(&addr.into(), TIMEOUT).map_err(|e| format!("connect: {e}"))?;
     Ok(socket.into())
+}
+
+/// One TCP exchange from a port the kernel picks; a failure names that port.
+fn tcp_ask_noting_port(addr: SocketAddr) -> Result<String, String> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None).map_err(|e| e.to_string())?;
+    let port = |s: &Socket| s.local_addr().ok().and_then(|a| a.as_socket()).map_or(0, |a| a.port());
+    if let Err(e) = socket.connect_timeout(&addr.into(), TIMEOUT) {
+        return Err(format!("connect from port {}: {e}", port(&socket)));
+    }
+    let from = port(&socket);
+    tcp_exchange(&socket.into(), "hello", TIMEOUT).map_err(|e| format!("from port {from}: {e}"))
 }
 
 /// One TCP exchange from `source_port`.
@@ -737,19 +755,50 @@ fn main() {
             // New flows back to back: a TCP connection (or a UDP socket) per exchange.
             let addr: SocketAddr = arg(2).parse().expect("addr");
             let seconds = Duration::from_secs_f64(arg(3).parse().expect("seconds"));
-            let (started, mut ok, mut failed) = (Instant::now(), 0u64, 0u64);
+            let pause = Duration::from_millis(args.get(4).map_or(0, |p| p.parse().expect("pause")));
+            // FIRST_PORT COUNT: TCP client ports bound in turn, so each is reused COUNT exchanges later.
+            let ports: Option<(u16, u16)> =
+                args.get(5).map(|f| (f.parse().expect("first port"), arg(6).parse().expect("port count")));
+            let mut turn = 0u16;
+            let (started, mut ok, mut failures, mut no_port) = (Instant::now(), 0u64, Vec::new(), 0u64);
             while started.elapsed() < seconds {
+                let attempt = Instant::now();
                 let result = match arg(1).as_str() {
-                    "tcp" => tcp_ask(addr, "hello", TIMEOUT),
+                    "tcp" => match ports {
+                        Some((first, count)) => {
+                            turn = (turn + 1) % count;
+                            tcp_ask_from(first + turn, addr, "hello")
+                                .map_err(|e| format!("from port {}: {e}", first + turn))
+                        }
+                        None => tcp_ask_noting_port(addr),
+                    },
                     _ => udp_socket(addr, 0).and_then(|s| udp_ask(&s, "hello", TIMEOUT)),
                 };
-                if result.is_ok() {
-                    ok += 1;
-                } else {
-                    failed += 1;
+                let took = attempt.elapsed();
+                std::thread::sleep(pause);
+                match result {
+                    Ok(_) => ok += 1,
+                    // Every local port is still in TIME_WAIT towards ADDR (a narrow
+                    // ip_local_port_range): no exchange was tried. Wait for one to free up.
+                    Err(e) if e.contains(NO_LOCAL_PORT) => {
+                        no_port += 1;
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    Err(e) => failures.push(format!(
+                        "ERR at {} ms after {} ms: {e}",
+                        started.elapsed().as_millis(),
+                        took.as_millis()
+                    )),
                 }
             }
-            println!("{ok} {failed} {:.1}", ok as f64 / started.elapsed().as_secs_f64());
+            println!("{ok} {} {:.1}", failures.len(), ok as f64 / started.elapsed().as_secs_f64());
+            // What failed, when and how long it took (a timeout or at once), one line each.
+            for failure in failures {
+                println!("{failure}");
+            }
+            if no_port > 0 {
+                println!("waited {no_port} times for a free local port");
+            }
         }
         "raw-ip" => send_raw_ip(
             arg(1).parse().expect("protocol"),

@@ -21,6 +21,11 @@ pub fn write_ct_lifetimes(pin_dir: &Path, lifetimes: &CtLifetimes) -> Result<()>
     write_setting(pin_dir, map_names::CT_LIFETIMES, lifetimes)
 }
 
+/// The GC's verdict on a Service conntrack entry at `now`: idle past its lifetime.
+fn expired_at<A: Copy>(lifetimes: Option<CtLifetimes>) -> impl Fn(&CtKey<A>, &CtValue<A>, u64) -> bool {
+    move |key, value, now| now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(key.proto, lifetimes.as_ref())
+}
+
 /// The lifetimes the datapath reads now (`ct_cfg`): `None` when the map is absent (a datapath
 /// from before it), which is the built-in defaults, as in the datapath.
 pub fn read_ct_lifetimes(pin_dir: &Path) -> Result<Option<CtLifetimes>> {
@@ -71,9 +76,20 @@ where
     /// uptime cannot be written otherwise).
     pub fn collect_garbage_at(&mut self, now: u64) -> Result<(usize, usize)> {
         let lifetimes = read_ct_lifetimes(&self.pin_dir)?;
-        Ok(crate::pinned::conntrack_gc::collect_expired(&mut self.map, now, |key, value, now| {
-            now.saturating_sub(value.last_seen_ns) > value.lifetime_ns(key.proto, lifetimes.as_ref())
-        }))
+        Ok(crate::pinned::conntrack_gc::collect_expired(&mut self.map, now, expired_at(lifetimes)))
+    }
+
+    /// `collect_garbage_at`'s walk alone: (entries, keys of the expired ones).
+    pub fn expired_keys_at(&self, now: u64) -> Result<(usize, Vec<CtKey<F::Words>>)> {
+        let lifetimes = read_ct_lifetimes(&self.pin_dir)?;
+        Ok(crate::pinned::conntrack_gc::expired_keys(&self.map, now, expired_at(lifetimes)))
+    }
+
+    /// `collect_garbage_at`'s removals alone, of the keys its walk found (`expired_keys_at`):
+    /// those still expired. Returns how many.
+    pub fn remove_expired_at(&mut self, keys: &[CtKey<F::Words>], now: u64) -> Result<usize> {
+        let lifetimes = read_ct_lifetimes(&self.pin_dir)?;
+        Ok(crate::pinned::conntrack_gc::remove_expired(&mut self.map, keys, now, expired_at(lifetimes)))
     }
 }
 
