@@ -152,12 +152,12 @@ impl Trigger for Subscription {
 
 #[cfg(test)]
 mod tests {
-    use k8s_openapi::api::core::v1::Node;
     use kube::runtime::watcher::Event;
 
     use super::*;
+    use crate::k8s::node::NodeFields;
 
-    fn node(name: &str) -> Node {
+    fn node(name: &str) -> NodeFields {
         serde_json::from_value(serde_json::json!({"metadata": {"name": name, "resourceVersion": "1"}})).unwrap()
     }
 
@@ -193,7 +193,7 @@ mod tests {
 
     /// A kubelet's Node: `rv` its resourceVersion, `heartbeat` its Ready condition's time (and
     /// the TTL controller's annotation, which follows the cluster's size).
-    fn kubelet_node(rv: u64, heartbeat: &str, pod_cidr: &str) -> Node {
+    fn kubelet_node(rv: u64, heartbeat: &str, pod_cidr: &str) -> NodeFields {
         serde_json::from_value(serde_json::json!({
             "metadata": {"name": "node-2", "resourceVersion": rv.to_string(),
                 "annotations": {"node.alpha.kubernetes.io/ttl": (rv * 15).to_string()}},

@@ -6,8 +6,8 @@
 //! more is dropped when the table has doubled since it was last swept, so the table stays
 //! proportional to what is alive.
 use std::{
-    collections::HashSet,
-    hash::Hash,
+    collections::{hash_map::RandomState, HashMap, HashSet},
+    hash::{BuildHasher, Hash, Hasher},
     sync::{Arc, Mutex},
 };
 
@@ -55,14 +55,63 @@ pub fn string(text: &str) -> Arc<str> {
 /// A label set: (key, value) pairs sorted by key, each key once.
 pub type LabelPairs = [(Arc<str>, Arc<str>)];
 
-static LABEL_SETS: Mutex<Option<Table<LabelPairs>>> = Mutex::new(None);
+/// Label sets kept once, found by the hash of their text: a set already kept (a replica's,
+/// a pod updated without a label change) is found from the borrowed strings, with no string
+/// looked up, copied or counted; only a new set is made of shared strings.
+struct SetTable {
+    by_hash: HashMap<u64, Vec<Arc<LabelPairs>>>,
+    hasher: RandomState,
+    len: usize,
+    /// The size after the last sweep: the next sweep comes when the table has doubled.
+    swept_at: usize,
+}
+
+impl SetTable {
+    fn new() -> Self {
+        Self { by_hash: HashMap::new(), hasher: RandomState::new(), len: 0, swept_at: 0 }
+    }
+
+    fn hash(&self, pairs: impl Iterator<Item = (impl AsRef<str>, impl AsRef<str>)>) -> u64 {
+        let mut hasher = self.hasher.build_hasher();
+        for (key, value) in pairs {
+            key.as_ref().hash(&mut hasher);
+            value.as_ref().hash(&mut hasher);
+        }
+        hasher.finish()
+    }
+
+    fn intern(&mut self, pairs: &[(&str, &str)]) -> Arc<LabelPairs> {
+        let hash = self.hash(pairs.iter().copied());
+        let same = |set: &&Arc<LabelPairs>| {
+            set.len() == pairs.len()
+                && set.iter().zip(pairs).all(|((k, v), (key, value))| **k == **key && **v == **value)
+        };
+        if let Some(shared) = self.by_hash.get(&hash).and_then(|sets| sets.iter().find(same)) {
+            return shared.clone();
+        }
+        if self.len >= (2 * self.swept_at).max(Table::<str>::MIN_SWEEP) {
+            // Only this table holds them: nothing alive uses them.
+            self.by_hash.retain(|_, sets| {
+                sets.retain(|set| Arc::strong_count(set) > 1);
+                !sets.is_empty()
+            });
+            self.len = self.by_hash.values().map(Vec::len).sum();
+            self.swept_at = self.len;
+        }
+        let owned: Vec<(Arc<str>, Arc<str>)> = pairs.iter().map(|(k, v)| (string(k), string(v))).collect();
+        let shared: Arc<LabelPairs> = Arc::from(owned);
+        self.by_hash.entry(hash).or_default().push(shared.clone());
+        self.len += 1;
+        shared
+    }
+}
+
+static LABEL_SETS: Mutex<Option<SetTable>> = Mutex::new(None);
 
 /// The shared copy of a label set (`pairs` sorted by key, keys unique), its strings shared too.
 pub fn label_set(pairs: &[(&str, &str)]) -> Arc<LabelPairs> {
-    // Looked up by content: equal sets of strings are equal sets of shared strings.
-    let owned: Vec<(Arc<str>, Arc<str>)> = pairs.iter().map(|(k, v)| (string(k), string(v))).collect();
     let mut table = LABEL_SETS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    table.get_or_insert_with(Table::new).intern(owned.as_slice(), |pairs| Arc::from(pairs))
+    table.get_or_insert_with(SetTable::new).intern(pairs)
 }
 
 #[cfg(test)]
@@ -88,5 +137,20 @@ mod tests {
         }
         assert!(table.values.len() < 2 * Table::<str>::MIN_SWEEP, "{} left", table.values.len());
         assert!(Arc::ptr_eq(&table.intern("kept", make), &kept));
+
+        // The same for label sets, found again from their text.
+        let mut sets = SetTable::new();
+        let kept = sets.intern(&[("app", "kept")]);
+        for i in 0..3 * Table::<str>::MIN_SWEEP {
+            sets.intern(&[("app", format!("gone-{i}").as_str())]);
+        }
+        assert!(sets.len < 2 * Table::<str>::MIN_SWEEP, "{} left", sets.len);
+        assert_eq!(sets.len, sets.by_hash.values().map(Vec::len).sum::<usize>());
+        assert!(Arc::ptr_eq(&sets.intern(&[("app", "kept")]), &kept));
+        // Sets that differ only where their strings meet are not one set.
+        let (ab, a_b) = (sets.intern(&[("ab", "")]), sets.intern(&[("a", "b")]));
+        assert!(!Arc::ptr_eq(&ab, &a_b));
+        assert_eq!((&*ab[0].0, &*a_b[0].0), ("ab", "a"));
+        assert!(!Arc::ptr_eq(&sets.intern(&[]), &sets.intern(&[("", "")])));
     }
 }

@@ -18,6 +18,7 @@ use kube::Resource;
 use serde::{de::DeserializeOwned, Serialize, Serializer};
 
 use super::{
+    node::NodeFields,
     pod::{PodFields, SlimPod},
     slim::Slim,
     store::{keyed_hold, Held, ObjectKey, Packed},
@@ -33,7 +34,7 @@ macro_rules! watched_kinds {
             EndpointSlices, endpoint_slices, k8s_openapi::api::discovery::v1::EndpointSlice;
             Pods, pods, $crate::k8s::pod::PodFields;
             Namespaces, namespaces, k8s_openapi::api::core::v1::Namespace;
-            Nodes, nodes, k8s_openapi::api::core::v1::Node;
+            Nodes, nodes, $crate::k8s::node::NodeFields;
             NetworkPolicies, network_policies, k8s_openapi::api::networking::v1::NetworkPolicy;
         }
     };
@@ -119,10 +120,11 @@ impl Watched for PodFields {
     }
 }
 
-/// Read by the routing, services and node-network controllers, each following the changed
-/// Nodes. The checkpoint keeps them without their BGP passwords, each copy made as it is
-/// written.
-impl Watched for Node {
+/// Decoded with only the fields a reader uses (`k8s::node`), kept as the slimmed Node the
+/// readers take. Read by the routing, services and node-network controllers, each following
+/// the changed Nodes. The checkpoint keeps them without their BGP passwords, each copy made as
+/// it is written.
+impl Watched for NodeFields {
     type Held = Arc<Node>;
     type Saved = Node;
     const JOURNALED: bool = true;

@@ -67,7 +67,9 @@ impl<K: AsRef<str>, V: AsRef<str>, const N: usize> From<[(K, V); N]> for Labels 
 
 impl From<&BTreeMap<String, String>> for Labels {
     fn from(map: &BTreeMap<String, String>) -> Self {
-        map.iter().collect()
+        // Sorted by key, each key once already.
+        let pairs: Vec<(&str, &str)> = map.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        Labels(intern::label_set(&pairs))
     }
 }
 

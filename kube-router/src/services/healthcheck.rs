@@ -2,7 +2,10 @@
 //! them: for every Service with `externalTrafficPolicy: Local`, an HTTP endpoint on that port of
 //! the node answers 200 while the node has ready endpoints of the Service, 503 otherwise, so a
 //! cloud load balancer sends traffic only to nodes that can serve it locally.
-use std::{collections::BTreeMap, sync::Arc};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::Arc,
+};
 
 use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
 
@@ -10,7 +13,8 @@ use crate::{
     metrics::Metrics,
     services::{
         family::IpFamily,
-        model::{ServiceName, ServiceState},
+        incremental::ServiceCatalog,
+        model::{EndpointSlice, Service, ServiceName, ServiceState},
     },
 };
 
@@ -24,24 +28,76 @@ pub struct LocalEndpoints {
 
 /// The health check ports this node must serve, with their Services' local ready endpoints.
 pub fn health_checks(state: &ServiceState, node: &str) -> BTreeMap<u16, LocalEndpoints> {
-    let mut checks = BTreeMap::new();
-    for service in state.services.values() {
-        let Some(port) = service.health_check_node_port else { continue };
-        // A dual-stack pod is one endpoint in each family's slice: count one family's, as each
-        // of kube-proxy's per-family proxiers does (its primary family, `ipFamilies[0]`).
-        let family = service.ip_families.first().copied().unwrap_or(IpFamily::IPv4);
-        let mut local = std::collections::BTreeSet::new();
-        for slice in state.slices.values().filter(|s| s.service == service.name) {
-            for endpoint in slice.endpoints.iter().filter(|e| IpFamily::of(&e.addr) == family) {
-                let ready = endpoint.ready || service.publish_not_ready;
-                if ready && endpoint.node_name.as_deref() == Some(node) {
-                    local.insert(endpoint.addr);
-                }
+    let slices = crate::services::compile::slices_by_service(state);
+    let checks = state.services.values().filter_map(|service| {
+        let slices = slices.get(&service.name).map(Vec::as_slice).unwrap_or_default();
+        local_check(service, slices.iter().copied(), node)
+    });
+    // Two Services on one port (the API server never allows it): the last by name answers.
+    checks.collect()
+}
+
+/// `service`'s health check port and its count of ready endpoints on `node`, if it has one.
+fn local_check<'a>(
+    service: &Service,
+    slices: impl IntoIterator<Item = &'a EndpointSlice>,
+    node: &str,
+) -> Option<(u16, LocalEndpoints)> {
+    let port = service.health_check_node_port?;
+    // A dual-stack pod is one endpoint in each family's slice: count one family's, as each
+    // of kube-proxy's per-family proxiers does (its primary family, `ipFamilies[0]`).
+    let family = service.ip_families.first().copied().unwrap_or(IpFamily::IPv4);
+    let mut local = BTreeSet::new();
+    for slice in slices {
+        for endpoint in slice.endpoints.iter().filter(|e| IpFamily::of(&e.addr) == family) {
+            let ready = endpoint.ready || service.publish_not_ready;
+            if ready && endpoint.node_name.as_deref() == Some(node) {
+                local.insert(endpoint.addr);
             }
         }
-        checks.insert(port, LocalEndpoints { service: service.name.clone(), count: local.len() });
     }
-    checks
+    Some((port, LocalEndpoints { service: service.name.clone(), count: local.len() }))
+}
+
+/// [`health_checks`] kept per Service, so that a sync after a change of a few Services counts
+/// again only theirs, not every Service's endpoints.
+#[derive(Debug, Default)]
+pub struct HealthCheckIndex {
+    by_service: BTreeMap<ServiceName, (u16, LocalEndpoints)>,
+}
+
+impl HealthCheckIndex {
+    /// Counts again the Services `changed` names (`None`: every Service); returns whether any
+    /// check changed.
+    pub fn update(&mut self, catalog: &ServiceCatalog, changed: Option<&BTreeSet<ServiceName>>, node: &str) -> bool {
+        let check = |service: &Service| local_check(service, catalog.slices_of(&service.name), node);
+        let Some(changed) = changed else {
+            let now: BTreeMap<ServiceName, (u16, LocalEndpoints)> = catalog
+                .state
+                .services
+                .values()
+                .filter_map(|service| Some((service.name.clone(), check(service)?)))
+                .collect();
+            let moved = now != self.by_service;
+            self.by_service = now;
+            return moved;
+        };
+        let mut moved = false;
+        for name in changed {
+            let now = catalog.state.services.get(name).and_then(check);
+            let before = match &now {
+                Some(now) => self.by_service.insert(name.clone(), now.clone()),
+                None => self.by_service.remove(name),
+            };
+            moved |= before != now;
+        }
+        moved
+    }
+
+    /// The ports to serve, as [`health_checks`] gives them.
+    pub fn checks(&self) -> BTreeMap<u16, LocalEndpoints> {
+        self.by_service.values().cloned().collect()
+    }
 }
 
 /// kube-proxy's response: status line and JSON body.

@@ -651,7 +651,8 @@ mod tests {
             publish_not_ready: k(9) % 4 == 0,
             hairpin: false,
             hairpin_external_ips: false,
-            health_check_node_port: None,
+            // Two Services may share a port here, so the index's order is tested too.
+            health_check_node_port: (k(7) % 3 == 0).then(|| 32000 + u16::from(k(13) % 2)),
             source_ranges: (k(10) % 2 == 0).then(|| vec!["192.0.2.0/24".parse().unwrap()]),
             maglev: match k(11) % 4 {
                 0 => Some(true),
@@ -788,6 +789,7 @@ mod tests {
         ) {
             let mut catalog = ServiceCatalog::default();
             let (mut v4, mut v6) = (Pair::<V4>::new(), Pair::<V6>::new());
+            let mut checks = crate::services::healthcheck::HealthCheckIndex::default();
             let mut node_variant = 0;
             let mut first = true;
             for batch in changes {
@@ -830,6 +832,12 @@ mod tests {
                 let node = node(node_variant);
                 v4.step(&catalog, changed, &node);
                 v6.step(&catalog, changed, &node);
+                // The health checks counted for the changed Services alone are all of them.
+                let before = checks.checks();
+                let moved = checks.update(&catalog, changed, &node.name);
+                let now = crate::services::healthcheck::health_checks(&catalog.state, &node.name);
+                prop_assert_eq!(checks.checks(), now.clone());
+                prop_assert!(moved || before == now, "a check moved unannounced");
             }
         }
     }

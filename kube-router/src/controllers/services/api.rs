@@ -106,7 +106,12 @@ pub struct ServicesFromApi {
 }
 
 impl ServicesFromApi {
-    pub fn new(controller: ServiceProgrammer, cache: Arc<Cache>, node_addresses: watch::Receiver<Vec<IpAddr>>) -> Self {
+    pub fn new(
+        mut controller: ServiceProgrammer,
+        cache: Arc<Cache>,
+        node_addresses: watch::Receiver<Vec<IpAddr>>,
+    ) -> Self {
+        controller.follow_addresses(&node_addresses);
         // Restored from the checkpoint: applied at once (without deletions).
         let dirty = cache.restored();
         Self {

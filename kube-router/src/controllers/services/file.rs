@@ -64,7 +64,8 @@ pub struct ServicesFromFile {
 }
 
 impl ServicesFromFile {
-    pub fn new(controller: ServiceProgrammer, path: PathBuf, node_addresses: watch::Receiver<Vec<IpAddr>>) -> Self {
+    pub fn new(mut controller: ServiceProgrammer, path: PathBuf, node_addresses: watch::Receiver<Vec<IpAddr>>) -> Self {
+        controller.follow_addresses(&node_addresses);
         Self { controller, file: FileSource::new(path), node_addresses }
     }
 }

@@ -31,6 +31,7 @@ use crate::{
         compile::{CompileWarning, Limits},
         departures::Departure,
         family::{AddressFamily, IpFamily, V4, V6},
+        healthcheck::HealthCheckIndex,
         incremental::{Changed, FamilyCompiler, FullCompile, ServiceCatalog},
         model::{ExternalIpPolicy, NodeContext, ServiceName},
         sync::ServiceSync,
@@ -71,6 +72,8 @@ pub struct ServiceProgrammer {
     pub(super) zone: Option<String>,
     /// The health check ports the node serves (`spec.healthCheckNodePort`).
     health_checks: tokio::sync::watch::Sender<BTreeMap<u16, crate::services::healthcheck::LocalEndpoints>>,
+    /// The health checks per Service, counted again for the changed Services alone.
+    health_check_index: HealthCheckIndex,
     loopback_node_ports: bool,
     maglev_all: bool,
     compiler: FamilyCompiler<V4>,
@@ -84,13 +87,21 @@ pub struct ServiceProgrammer {
     pub(super) stamp: ApiStateStamp,
     /// Map writes (attempted) of the last [`Self::apply`].
     pub(super) last_writes: u64,
+    /// The node's addresses as the interfaces controller publishes them; read from the kernel
+    /// each pass without one.
+    published_addresses: Option<watch::Receiver<Vec<IpAddr>>>,
 }
 
 impl ServiceProgrammer {
     pub(super) fn node_context(&self) -> NodeContext {
         // No node's address (this one's interfaces, every Node object's) and no API server
         // endpoint is ever a Service's to capture.
-        let node_addresses = netif::node_addresses();
+        let node_addresses = match &self.published_addresses {
+            // Sent by a live interfaces controller, which follows address events: no dump of
+            // every address each pass.
+            Some(published) if published.has_changed().is_ok() => published.borrow().clone(),
+            _ => netif::node_addresses(),
+        };
         // Every Node's addresses are a shared set: a pointer copied, not 10,000 addresses.
         let external_ips = self
             .external_ips
@@ -205,12 +216,16 @@ impl ServiceProgrammer {
             }
         }
         self.reported = current;
-        self.health_checks.send_if_modified(|checks| {
-            let now = crate::services::healthcheck::health_checks(&catalog.state, &self.node_name);
-            let changed = *checks != now;
-            *checks = now;
-            changed
-        });
+        // Only the changed Services' endpoints are counted again.
+        let recount = changed.as_ref().ok();
+        if self.health_check_index.update(catalog, recount, &self.node_name) {
+            let now = self.health_check_index.checks();
+            self.health_checks.send_if_modified(|checks| {
+                let changed = *checks != now;
+                *checks = now;
+                changed
+            });
+        }
         self.report_full_maps(&report);
         let total = report.total();
         self.last_writes = total.inserts + total.updates + total.deletes + total.errors;
@@ -330,6 +345,14 @@ impl ServiceProgrammer {
     }
 }
 
+impl ServiceProgrammer {
+    /// Reads the node's addresses from `published` (the interfaces controller's) while its
+    /// sender lives.
+    pub(super) fn follow_addresses(&mut self, published: &watch::Receiver<Vec<IpAddr>>) {
+        self.published_addresses = Some(published.clone());
+    }
+}
+
 /// Logs and counts each distinct problem of the catalog's objects once, however often the state
 /// is rebuilt: those not in `reported`; every current one goes into `current`.
 pub(crate) fn report_catalog_problems(
@@ -389,6 +412,7 @@ impl ServiceProgrammer {
             failing_maps: BTreeSet::new(),
             zone: None,
             health_checks,
+            health_check_index: HealthCheckIndex::default(),
             loopback_node_ports: config.services.socket_lb.enabled,
             maglev_all: config.services.maglev_all,
             compiler: FamilyCompiler::default(),
@@ -397,6 +421,7 @@ impl ServiceProgrammer {
             full_compile_only: full_compile_only(),
             stamp: ApiStateStamp::open(&config.pin_dir, META_SERVICES_AS_OF, "service"),
             last_writes: 0,
+            published_addresses: None,
         };
         let snat_addr = config
             .node
