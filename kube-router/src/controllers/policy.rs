@@ -144,7 +144,7 @@ impl<M: PolicyMaps + Send + 'static> Controller for PolicyController<M> {
 mod tests {
     use std::net::IpAddr;
 
-    use k8s_openapi::api::{core::v1::Namespace, networking::v1::NetworkPolicy};
+    use k8s_openapi::api::networking::v1::NetworkPolicy;
     use kube::runtime::watcher::Event;
     use serde_json::json;
 
@@ -154,7 +154,7 @@ mod tests {
             policy_maps::{decode, PolicyMapContents},
             stamps::MapsStamp,
         },
-        k8s::{pod::PodFields, watch::WatchUpdate},
+        k8s::{namespace::NamespaceFields, pod::PodFields, watch::WatchUpdate},
         metrics::Metrics,
         policy::engine::SyncStats,
     };
@@ -177,7 +177,7 @@ mod tests {
         IpAddr::from([10, 1, (i / 250) as u8, (i % 250 + 1) as u8])
     }
 
-    fn namespace(i: usize) -> Namespace {
+    fn namespace(i: usize) -> NamespaceFields {
         serde_json::from_value(json!({"metadata": {"name": format!("ns-{i}"), "resourceVersion": "1",
                                                    "labels": {"team": format!("t{i}")}}}))
         .unwrap()

@@ -3,6 +3,7 @@ pub mod cache;
 pub mod checkpoint;
 pub mod intern;
 pub mod kinds;
+pub mod namespace;
 pub mod pod;
 pub mod slim;
 pub mod store;
