@@ -94,8 +94,14 @@ pub enum Body {
     /// Runs on a blocking thread and gives each piece to its sink as it is made; a sink error
     /// (the client gone or too slow) ends it. The `/metrics` page of 10,000 Services is some
     /// 60 MiB: streamed, a scrape holds a few pieces of it, not the page.
-    Stream(Box<dyn FnOnce(&mut dyn FnMut(String) -> std::fmt::Result) -> std::fmt::Result + Send>),
+    Stream(Producer),
 }
+
+/// Where a streamed body's pieces go: an error means the connection is gone.
+pub type PieceSink<'a> = &'a mut dyn FnMut(String) -> std::fmt::Result;
+
+/// Writes a streamed body into its sink ([`Body::Stream`]).
+pub type Producer = Box<dyn for<'a> FnOnce(PieceSink<'a>) -> std::fmt::Result + Send>;
 
 /// Pieces of a streamed body made ahead of the connection's writes.
 const STREAM_AHEAD: usize = 2;
