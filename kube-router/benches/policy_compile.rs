@@ -675,7 +675,11 @@ fn through_the_controller(
         cache.apply(wrap(Event::InitDone));
     }
     let cache = Cache::new(ClusterObjects::default(), None);
-    list(&cache, WatchUpdate::Namespaces, namespaces.iter().cloned());
+    list(
+        &cache,
+        WatchUpdate::Namespaces,
+        namespaces.iter().map(|n| kube_router::k8s::namespace::NamespaceFields { metadata: n.metadata.clone() }),
+    );
     list(&cache, WatchUpdate::Pods, pods.iter().map(here));
     list(&cache, WatchUpdate::NetworkPolicies, policies.iter().cloned());
     let maps = BpfPolicyMaps::open_pinned(pin_dir).expect("policy maps");

@@ -107,6 +107,13 @@ struct Started {
 }
 
 async fn start(mut config: AgentConfig) -> Result<Started> {
+    // The checkpoint is read and decoded beside the datapath's load: the kernel verifies the
+    // programs on this thread meanwhile (a 150,000-pod checkpoint is some 100 MiB of JSON; each
+    // took about a second, one after the other).
+    let saved = matches!(config.source.source, DesiredSource::Api(_)).then(|| {
+        let state_dir = config.state_dir.clone();
+        tokio::task::spawn_blocking(move || read_checkpoint(&state_dir))
+    });
     let metrics = Metrics::default();
     register_metrics(&metrics);
     serve_http(&config.listeners, &metrics).await;
@@ -188,7 +195,13 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
     )?;
     let api = match &config.source.source {
         DesiredSource::File(_) => None,
-        DesiredSource::Api(options) => Some(start_api_source(options, &config.state_dir, &metrics).await?),
+        DesiredSource::Api(options) => {
+            let saved = match saved {
+                Some(reading) => reading.await.context("reading the checkpoint")?,
+                None => Err(checkpoint::CheckpointError::Missing(checkpoint::path_in(&config.state_dir))),
+            };
+            Some(start_api_source(options, saved, &metrics).await?)
+        }
     };
     let cache = api.as_ref().map(|(cache, _)| cache.clone());
 
@@ -437,18 +450,14 @@ fn record_api_contact(update: &WatchUpdate, metrics: &Metrics) {
 /// Starts the watchers; the cache starts from the checkpoint when there is one.
 async fn start_api_source(
     options: &ApiOptions,
-    state_dir: &Path,
+    saved: Result<checkpoint::Checkpoint, checkpoint::CheckpointError>,
     metrics: &Metrics,
 ) -> Result<(Arc<Cache>, mpsc::Receiver<WatchUpdate>)> {
     let client = watchers::client(options).await?;
     let (sender, updates) = mpsc::channel(1024);
     watchers::spawn_watchers(client, sender);
     let mut objects = ClusterObjects::default();
-    // An older agent left the directory 0755 and the file 0644.
-    if let Err(e) = checkpoint::restrict_permissions(state_dir) {
-        tracing::warn!(error = %e, dir = %state_dir.display(), "cannot make the state directory private");
-    }
-    let restored_from_checkpoint: Option<f64> = match checkpoint::read(state_dir) {
+    let restored_from_checkpoint: Option<f64> = match saved {
         Ok(saved) => {
             let age = metrics::unix_now() - saved.written_unix;
             tracing::info!(
@@ -471,6 +480,15 @@ async fn start_api_source(
         }
     };
     Ok((Cache::new(objects, restored_from_checkpoint), updates))
+}
+
+/// The checkpoint in `state_dir`, its directory and file made private first (an older agent
+/// left them 0755 and 0644).
+fn read_checkpoint(state_dir: &Path) -> Result<checkpoint::Checkpoint, checkpoint::CheckpointError> {
+    if let Err(e) = checkpoint::restrict_permissions(state_dir) {
+        tracing::warn!(error = %e, dir = %state_dir.display(), "cannot make the state directory private");
+    }
+    checkpoint::read(state_dir)
 }
 
 /// Used by tests and tooling: what `ServiceMaps::read_all` sees now.

@@ -298,11 +298,68 @@ impl EncodeMetric for Histogram {
 
 /// The registry's text, as Prometheus scrapes it (text format 0.0.4).
 pub fn encode(registry: &Registry) -> String {
+    encode_all(&[registry])
+}
+
+/// The registries' texts one after the other, whole.
+pub fn encode_all(registries: &[&Registry]) -> String {
     let mut text = String::new();
-    // Writing into a String cannot fail; a collector's error ends the text where it was.
-    let _ = prometheus_client::encoding::prometheus_text::encode(&mut text, registry);
-    restore_upstream_counter_types(&mut text);
+    // Appending to a String cannot fail; a collector's error ends the text where it was.
+    let _ = encode_chunks(registries, usize::MAX, |chunk| {
+        text.push_str(&chunk);
+        Ok(())
+    });
     text
+}
+
+/// Bytes of text a scrape hands to its connection at a time ([`encode_chunks`]).
+pub const CHUNK: usize = 64 * 1024;
+
+/// The registries' texts, in pieces of whole lines of about `chunk` bytes (the last may be
+/// shorter), each given to `sink` as soon as it is complete: a 10,000-Service page is some
+/// 60 MiB, which a scrape then never holds at once. An error of `sink` (the client went away)
+/// or of a collector ends the encoding there.
+pub fn encode_chunks(registries: &[&Registry], chunk: usize, sink: impl FnMut(String) -> fmt::Result) -> fmt::Result {
+    let mut lines = LineChunks { pending: String::new(), chunk, sink };
+    for registry in registries {
+        prometheus_client::encoding::prometheus_text::encode(&mut lines, registry)?;
+    }
+    lines.finish()
+}
+
+/// A `fmt::Write` that hands on whole lines once `chunk` bytes are pending, each piece with
+/// its upstream counters' TYPE lines restored: a piece of whole lines holds each TYPE line
+/// entire, so the rewrite sees what it would see in the whole text.
+struct LineChunks<F> {
+    pending: String,
+    chunk: usize,
+    sink: F,
+}
+
+impl<F: FnMut(String) -> fmt::Result> LineChunks<F> {
+    fn finish(mut self) -> fmt::Result {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let mut last = std::mem::take(&mut self.pending);
+        restore_upstream_counter_types(&mut last);
+        (self.sink)(last)
+    }
+}
+
+impl<F: FnMut(String) -> fmt::Result> fmt::Write for LineChunks<F> {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        self.pending.push_str(s);
+        if self.pending.len() < self.chunk {
+            return Ok(());
+        }
+        let Some(end) = self.pending.rfind('\n') else { return Ok(()) };
+        let rest = self.pending.split_off(end + 1);
+        let mut ready = std::mem::replace(&mut self.pending, String::with_capacity(self.chunk + rest.len()));
+        self.pending.push_str(&rest);
+        restore_upstream_counter_types(&mut ready);
+        (self.sink)(ready)
+    }
 }
 
 pub use prometheus_client::encoding::prometheus_text::CONTENT_TYPE;

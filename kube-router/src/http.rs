@@ -85,23 +85,86 @@ impl Default for Limits {
 pub struct Response {
     pub status: &'static str,
     pub content_type: &'static str,
-    pub body: String,
+    pub body: Body,
 }
+
+/// What an answer carries: a text known whole, or one written piece by piece as it is encoded.
+pub enum Body {
+    Text(String),
+    /// Runs on a blocking thread and gives each piece to its sink as it is made; a sink error
+    /// (the client gone or too slow) ends it. The `/metrics` page of 10,000 Services is some
+    /// 60 MiB: streamed, a scrape holds a few pieces of it, not the page.
+    Stream(Producer),
+}
+
+/// Where a streamed body's pieces go: an error means the connection is gone.
+pub type PieceSink<'a> = &'a mut dyn FnMut(String) -> std::fmt::Result;
+
+/// Writes a streamed body into its sink ([`Body::Stream`]).
+pub type Producer = Box<dyn for<'a> FnOnce(PieceSink<'a>) -> std::fmt::Result + Send>;
+
+/// Pieces of a streamed body made ahead of the connection's writes.
+const STREAM_AHEAD: usize = 2;
 
 impl Response {
     pub fn new(status: &'static str, content_type: &'static str, body: String) -> Self {
-        Self { status, content_type, body }
+        Self { status, content_type, body: Body::Text(body) }
     }
 
-    /// Status line and headers. The body is written after them as it is: a copy of a
-    /// 10,000-Service metrics page beside the page itself was tens of MiB at every scrape.
-    fn head(&self) -> String {
+    /// An answer whose body `produce` writes piece by piece ([`Body::Stream`]).
+    pub fn streamed(
+        status: &'static str,
+        content_type: &'static str,
+        produce: impl FnOnce(&mut dyn FnMut(String) -> std::fmt::Result) -> std::fmt::Result + Send + 'static,
+    ) -> Self {
+        Self { status, content_type, body: Body::Stream(Box::new(produce)) }
+    }
+
+    /// Status line and headers. A text's body is written after them as it is: a copy of a
+    /// 10,000-Service metrics page beside the page itself was tens of MiB at every scrape. A
+    /// streamed body's length is not known up front: chunked to an HTTP/1.1 client (a cut-off
+    /// page then shows as one), delimited by the connection's end to an HTTP/1.0 one.
+    fn head(&self, chunked: bool) -> String {
+        let length = match &self.body {
+            Body::Text(text) => format!("Content-Length: {}\r\n", text.len()),
+            Body::Stream(_) if chunked => "Transfer-Encoding: chunked\r\n".to_string(),
+            Body::Stream(_) => String::new(),
+        };
         format!(
-            "HTTP/1.1 {}\r\nContent-Type: {}\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            self.status,
-            self.content_type,
-            self.body.len(),
+            "HTTP/1.1 {}\r\nContent-Type: {}\r\nX-Content-Type-Options: nosniff\r\n{length}Connection: close\r\n\r\n",
+            self.status, self.content_type,
         )
+    }
+
+    /// Writes the answer; `Err` when the connection failed or a streamed body ended in an error
+    /// (a chunked one is then left without its last chunk).
+    async fn write_to(self, stream: &mut TcpStream, chunked: bool) -> std::io::Result<()> {
+        stream.write_all(self.head(chunked).as_bytes()).await?;
+        let produce = match self.body {
+            Body::Text(text) => return stream.write_all(text.as_bytes()).await,
+            Body::Stream(produce) => produce,
+        };
+        let (pieces, mut received) = tokio::sync::mpsc::channel::<String>(STREAM_AHEAD);
+        let producer = tokio::task::spawn_blocking(move || {
+            produce(&mut |piece| pieces.blocking_send(piece).map_err(|_| std::fmt::Error))
+        });
+        while let Some(piece) = received.recv().await {
+            if piece.is_empty() {
+                continue;
+            }
+            if chunked {
+                stream.write_all(format!("{:x}\r\n", piece.len()).as_bytes()).await?;
+            }
+            stream.write_all(piece.as_bytes()).await?;
+            if chunked {
+                stream.write_all(b"\r\n").await?;
+            }
+        }
+        match producer.await {
+            Ok(Ok(())) if chunked => stream.write_all(b"0\r\n\r\n").await,
+            Ok(Ok(())) => Ok(()),
+            _ => Err(std::io::Error::other("the streamed body ended in an error")),
+        }
     }
 }
 
@@ -192,13 +255,12 @@ async fn answer(mut stream: TcpStream, handler: &Handler, timeout: Duration) -> 
     .await;
     let Ok(len) = read else { return false };
     let request = String::from_utf8_lossy(&buf[..len]);
-    let path = request.split_whitespace().nth(1).unwrap_or("/");
+    let mut request_line = request.split_whitespace();
+    let path = request_line.nth(1).unwrap_or("/");
+    // Chunked only to a client that said it speaks HTTP/1.1 (RFC 9112: never to 1.0).
+    let chunked = request_line.next() == Some("HTTP/1.1");
     let Some(response) = handler(path) else { return true };
-    let write = async {
-        stream.write_all(response.head().as_bytes()).await?;
-        stream.write_all(response.body.as_bytes()).await
-    };
-    tokio::time::timeout(timeout, write).await.is_ok()
+    tokio::time::timeout(timeout, response.write_to(&mut stream, chunked)).await.is_ok()
 }
 
 /// The name of an `accept()` error, for its log line and metric label.
@@ -296,7 +358,10 @@ pub async fn serve_metrics(metrics: Metrics, listener: TcpListener, path: String
     let state = metrics.clone();
     let handler: Handler = Arc::new(move |request| {
         Some(if request == path {
-            Response::new("200 OK", crate::exposition::CONTENT_TYPE, state.render())
+            let page = state.clone();
+            Response::streamed("200 OK", crate::exposition::CONTENT_TYPE, move |sink| {
+                page.render_chunks(crate::exposition::CHUNK, sink)
+            })
         } else if let Some(text) = state.page(request.trim_start_matches('/')) {
             Response::new("200 OK", "text/plain", text)
         } else {
@@ -376,6 +441,112 @@ mod tests {
             metrics.of::<HttpMetrics>().rejected.get(&[("server", "test"), ("reason", reason)]).map(|c| c.get())
         };
         assert_eq!((rejected("local_limit"), rejected("timeout")), (Some(1), Some(4)));
+    }
+
+    /// `GET /metrics` in `version`, the answer's head and its body as sent (chunks undone).
+    async fn scrape(addr: SocketAddr, version: &str) -> (String, String) {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        stream.write_all(format!("GET /metrics {version}\r\nHost: x\r\n\r\n").as_bytes()).await.unwrap();
+        let mut reply = Vec::new();
+        stream.read_to_end(&mut reply).await.unwrap();
+        let reply = String::from_utf8(reply).unwrap();
+        let (head, body) = reply.split_once("\r\n\r\n").unwrap();
+        if !head.contains("Transfer-Encoding: chunked") {
+            return (head.to_string(), body.to_string());
+        }
+        let (mut rest, mut text, mut last_seen) = (body, String::new(), false);
+        while !rest.is_empty() {
+            let (size, after) = rest.split_once("\r\n").expect("chunk size line");
+            let size = usize::from_str_radix(size, 16).expect("hex chunk size");
+            if size == 0 {
+                assert_eq!(after, "\r\n", "nothing after the last chunk");
+                last_seen = true;
+                break;
+            }
+            text.push_str(&after[..size]);
+            rest = after[size..].strip_prefix("\r\n").expect("CRLF after a chunk");
+        }
+        assert!(last_seen, "the page ends with its last (empty) chunk");
+        (head.to_string(), text)
+    }
+
+    /// The `/metrics` page, streamed in pieces (chunked to an HTTP/1.1 client, to the
+    /// connection's end to an HTTP/1.0 one), is byte for byte the page rendered whole as before:
+    /// 3,000 frontends (some 2 MiB, dozens of pieces), names that need escaping, upstream
+    /// counters whose TYPE lines are rewritten in each piece.
+    #[tokio::test]
+    async fn a_streamed_metrics_page_is_the_page_rendered_whole() {
+        use crate::kr_metrics::{FrontendId, FrontendOwner, ServiceCounters};
+        let metrics = Metrics::default();
+        metrics.of::<crate::metrics::AgentMetrics>().reject("Service");
+        metrics.of::<ServiceCounters>().with(|m| {
+            for i in 0..3_000u32 {
+                let addr = std::net::Ipv4Addr::from(0x0a60_0000 + i);
+                let name = if i % 7 == 0 { format!("web\"}} 1\n#{i}\\") } else { format!("svc-{i}") };
+                let key = FrontendId { addr: addr.into(), port: 80, proto: kube_router_common::IPPROTO_TCP };
+                m.frontends.insert(key, FrontendOwner { namespace: format!("ns-{}", i % 50), name });
+            }
+        });
+        metrics.of::<HttpMetrics>();
+        let whole = metrics.render_whole();
+        assert!(whole.len() > 1 << 20 && whole.contains("# TYPE kube_router_service_bytes_in counter\n"));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(serve_metrics(metrics.clone(), listener, "/metrics".into()));
+        let (head, body) = scrape(addr, "HTTP/1.1").await;
+        assert!(head.starts_with("HTTP/1.1 200 OK") && head.contains("Transfer-Encoding: chunked"), "{head}");
+        assert!(!head.contains("Content-Length"), "{head}");
+        assert!(body == whole, "HTTP/1.1: {} bytes streamed, {} rendered whole", body.len(), whole.len());
+        let (head, body) = scrape(addr, "HTTP/1.0").await;
+        assert!(!head.contains("chunked") && !head.contains("Content-Length"), "{head}");
+        assert!(body == whole, "HTTP/1.0: {} bytes streamed, {} rendered whole", body.len(), whole.len());
+        // In pieces of any size, the same text.
+        for chunk in [1, 100, crate::exposition::CHUNK] {
+            let mut pieces = Vec::new();
+            metrics
+                .render_chunks(chunk, |piece| {
+                    pieces.push(piece);
+                    Ok(())
+                })
+                .unwrap();
+            assert!(pieces.iter().all(|p| p.ends_with('\n')), "whole lines");
+            assert!(pieces.concat() == whole, "pieces of {chunk}");
+        }
+    }
+
+    /// A streamed page whose client stops reading is abandoned at the write deadline: the
+    /// encoding stops with it (its sink fails), and the server answers the next request.
+    #[tokio::test]
+    async fn a_streamed_page_to_a_client_that_stops_reading_ends_at_the_deadline() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let produced = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = produced.clone();
+        let handler: Handler = Arc::new(move |path| {
+            let counted = counted.clone();
+            Some(match path {
+                "/endless" => Response::streamed("200 OK", "text/plain", move |sink| loop {
+                    sink("x".repeat(64 * 1024) + "\n")?;
+                    counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }),
+                _ => Response::new("200 OK", "text/plain", "ok\n".into()),
+            })
+        });
+        let limits = Limits { request_timeout: Duration::from_millis(300), ..Limits::default() };
+        let metrics = Metrics::default();
+        tokio::spawn(serve(listener, "test", limits, metrics.clone(), handler));
+        let mut stalled = TcpStream::connect(addr).await.unwrap();
+        stalled.write_all(b"GET /endless HTTP/1.1\r\n\r\n").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        let after_deadline = produced.load(std::sync::atomic::Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(produced.load(std::sync::atomic::Ordering::Relaxed), after_deadline, "stopped");
+        assert!(after_deadline < 1_000, "bounded by the socket's buffers, not the page: {after_deadline}");
+        let timeouts =
+            metrics.of::<HttpMetrics>().rejected.get(&[("server", "test"), ("reason", "timeout")]).map(|c| c.get());
+        assert_eq!(timeouts, Some(1));
+        assert!(get(addr, "/x").await.ends_with("ok\n"));
+        drop(stalled);
     }
 
     /// Fails `errors` accepts with EMFILE, then accepts for real, noting when each call came.

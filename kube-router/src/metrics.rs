@@ -33,7 +33,10 @@ pub struct Metrics(Arc<Shared>);
 
 #[derive(Default)]
 struct Shared {
-    registry: Mutex<Registry>,
+    /// One registry per subsystem and per collector registered, in registration order: a scrape
+    /// takes them (`Arc`s) and encodes without this lock, so a slow client reading a streamed
+    /// page never holds up a registration.
+    registries: Mutex<Vec<Arc<Registry>>>,
     subsystems: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
     /// controller name -> last heartbeat.
     heartbeats: Mutex<BTreeMap<&'static str, Instant>>,
@@ -48,15 +51,17 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Metrics {
-    /// The metrics of subsystem `T`, registered at the first call. Never called from a collector
-    /// (the registry is locked while they encode).
+    /// The metrics of subsystem `T`, registered at the first call (a scrape under way does not
+    /// list it: it took the registries before).
     pub fn of<T: Subsystem>(&self) -> Arc<T> {
         let mut subsystems = lock(&self.0.subsystems);
         if let Some(existing) = subsystems.get(&TypeId::of::<T>()) {
             return existing.clone().downcast::<T>().expect("keyed by its own type");
         }
         let created = Arc::new(T::default());
-        T::register(&created, &mut lock(&self.0.registry));
+        let mut registry = Registry::default();
+        T::register(&created, &mut registry);
+        lock(&self.0.registries).push(Arc::new(registry));
         subsystems.insert(TypeId::of::<T>(), created.clone());
         created
     }
@@ -64,13 +69,39 @@ impl Metrics {
     /// Families computed on every scrape by a part of the agent that starts later (the BGP
     /// speaker's, the controllers').
     pub fn register_collector(&self, collector: impl prometheus_client::collector::Collector) {
-        lock(&self.0.registry).register_collector(Box::new(collector));
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(collector));
+        lock(&self.0.registries).push(Arc::new(registry));
     }
 
     /// The exposition text. The controllers record into atomics and their own snapshots, never
     /// under the registry's lock: a scrape (or a slow client's many) does not stall them.
     pub fn render(&self) -> String {
-        exposition::encode(&lock(&self.0.registry))
+        let registries = self.registries();
+        exposition::encode_all(&registries.iter().map(Arc::as_ref).collect::<Vec<_>>())
+    }
+
+    /// The exposition text in pieces of about `chunk` bytes, each given to `sink` when complete
+    /// (the `/metrics` page streamed into its connection); the pieces together are `render`'s text.
+    pub fn render_chunks(&self, chunk: usize, sink: impl FnMut(String) -> std::fmt::Result) -> std::fmt::Result {
+        let registries = self.registries();
+        exposition::encode_chunks(&registries.iter().map(Arc::as_ref).collect::<Vec<_>>(), chunk, sink)
+    }
+
+    /// The text as it was rendered before it was streamed: every registry into one String, the
+    /// upstream counters' TYPE lines restored over the whole (what a streamed page must equal).
+    #[cfg(test)]
+    pub(crate) fn render_whole(&self) -> String {
+        let mut text = String::new();
+        for registry in self.registries() {
+            prometheus_client::encoding::prometheus_text::encode(&mut text, &registry).unwrap();
+        }
+        exposition::restore_upstream_counter_types(&mut text);
+        text
+    }
+
+    fn registries(&self) -> Vec<Arc<Registry>> {
+        lock(&self.0.registries).clone()
     }
 
     pub fn heartbeat(&self, controller: &'static str) {

@@ -142,14 +142,14 @@ impl<M: PolicyMaps + Send + 'static> Controller for PolicyController<M> {
 mod tests {
     use std::net::IpAddr;
 
-    use k8s_openapi::api::{core::v1::Namespace, networking::v1::NetworkPolicy};
+    use k8s_openapi::api::networking::v1::NetworkPolicy;
     use kube::runtime::watcher::Event;
     use serde_json::json;
 
     use super::*;
     use crate::policy::maps::{decode, PolicyMapContents};
     use crate::{
-        k8s::{pod::PodFields, watch::WatchUpdate},
+        k8s::{namespace::NamespaceFields, pod::PodFields, watch::WatchUpdate},
         metrics::Metrics,
         pinned::stamps::MapsStamp,
         policy::engine::SyncStats,
@@ -173,7 +173,7 @@ mod tests {
         IpAddr::from([10, 1, (i / 250) as u8, (i % 250 + 1) as u8])
     }
 
-    fn namespace(i: usize) -> Namespace {
+    fn namespace(i: usize) -> NamespaceFields {
         serde_json::from_value(json!({"metadata": {"name": format!("ns-{i}"), "resourceVersion": "1",
                                                    "labels": {"team": format!("t{i}")}}}))
         .unwrap()

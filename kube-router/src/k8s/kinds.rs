@@ -10,7 +10,7 @@
 use std::{fmt::Debug, sync::Arc};
 
 use k8s_openapi::api::{
-    core::v1::{Namespace, Node, Service},
+    core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
     networking::v1::NetworkPolicy,
 };
@@ -18,6 +18,7 @@ use kube::Resource;
 use serde::{de::DeserializeOwned, Serialize, Serializer};
 
 use super::{
+    namespace::{NamespaceFields, SlimNamespace},
     node::NodeFields,
     pod::{PodFields, SlimPod},
     slim::Slim,
@@ -33,7 +34,7 @@ macro_rules! watched_kinds {
             Services, services, k8s_openapi::api::core::v1::Service;
             EndpointSlices, endpoint_slices, k8s_openapi::api::discovery::v1::EndpointSlice;
             Pods, pods, $crate::k8s::pod::PodFields;
-            Namespaces, namespaces, k8s_openapi::api::core::v1::Namespace;
+            Namespaces, namespaces, $crate::k8s::namespace::NamespaceFields;
             Nodes, nodes, $crate::k8s::node::NodeFields;
             NetworkPolicies, network_policies, k8s_openapi::api::networking::v1::NetworkPolicy;
         }
@@ -84,7 +85,6 @@ macro_rules! kept_shared {
 }
 
 kept_shared!(Service);
-kept_shared!(Namespace);
 kept_shared!(NetworkPolicy);
 
 /// The bulk of the objects (10 endpoints: 5.5 KiB decoded, 1 KiB of JSON): kept as their
@@ -116,6 +116,21 @@ impl Watched for PodFields {
         ((saved.namespace.to_string(), saved.name.to_string()), Arc::new(saved))
     }
     fn write_saved<S: Serializer>(held: &Arc<SlimPod>, serializer: S) -> Result<S::Ok, S::Error> {
+        (**held).serialize(serializer)
+    }
+}
+
+/// Decoded with only the name, version and labels (`k8s::namespace`), kept compact.
+impl Watched for NamespaceFields {
+    type Held = Arc<SlimNamespace>;
+    type Saved = SlimNamespace;
+    fn saved(held: &Arc<SlimNamespace>) -> SlimNamespace {
+        (**held).clone()
+    }
+    fn restored(saved: SlimNamespace) -> (ObjectKey, Arc<SlimNamespace>) {
+        ((String::new(), saved.name.to_string()), Arc::new(saved))
+    }
+    fn write_saved<S: Serializer>(held: &Arc<SlimNamespace>, serializer: S) -> Result<S::Ok, S::Error> {
         (**held).serialize(serializer)
     }
 }

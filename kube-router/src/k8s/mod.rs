@@ -4,6 +4,7 @@ pub mod checkpoint;
 pub mod intern;
 pub mod kinds;
 pub mod labels;
+pub mod namespace;
 pub mod node;
 pub mod pod;
 pub mod slim;

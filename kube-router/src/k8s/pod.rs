@@ -99,7 +99,7 @@ fn null_as_default<'de, D: Deserializer<'de>, T: Default + Deserialize<'de>>(d: 
 
 /// Identity, labels and version: what the store and the selectors read. The rest of the
 /// metadata (managedFields, annotations, owners) is skipped unparsed.
-fn identity_meta<'de, D: Deserializer<'de>>(d: D) -> Result<ObjectMeta, D::Error> {
+pub(super) fn identity_meta<'de, D: Deserializer<'de>>(d: D) -> Result<ObjectMeta, D::Error> {
     #[derive(Deserialize)]
     #[serde(rename_all = "camelCase")]
     struct Identity {

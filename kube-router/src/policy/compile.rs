@@ -9,7 +9,7 @@ use super::error::PolicyError;
 use super::inputs::Inputs;
 use super::model::{CompiledModel, PodSetKey};
 use super::parse::{namespace_labels, PodInfo, ValidatedPolicy};
-use crate::k8s::pod::AsSlimPod;
+use crate::k8s::{namespace::AsSlimNamespace, pod::AsSlimPod};
 
 /// Everything a compile produces.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -26,9 +26,9 @@ impl CompileOutput {
 }
 
 /// Loads objects into an input store (later duplicates replace earlier ones).
-pub(crate) fn load_inputs<'a, P: AsSlimPod + 'a>(
+pub(crate) fn load_inputs<'a, P: AsSlimPod + 'a, N: AsSlimNamespace + 'a>(
     pods: impl IntoIterator<Item = &'a P>,
-    namespaces: impl IntoIterator<Item = &'a Namespace>,
+    namespaces: impl IntoIterator<Item = &'a N>,
     policies: impl IntoIterator<Item = &'a NetworkPolicy>,
 ) -> Inputs {
     let mut inputs = Inputs::default();

@@ -19,11 +19,11 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use k8s_openapi::api::{core::v1::Namespace, networking::v1::NetworkPolicy};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 
 use crate::{
     exposition::{register, register_optional, sync_histogram, OptionalGauge},
-    k8s::{pod::SlimPod, store::ObjectKey},
+    k8s::{namespace::SlimNamespace, pod::SlimPod, store::ObjectKey},
     map_writes::MapMetrics,
     metrics::{AgentMetrics, Metrics, Subsystem},
     policy::maps::{apply_diff, decode, BpfPolicyMaps, PolicyMaps},
@@ -123,11 +123,11 @@ pub struct SyncStats {
 /// object stores recorded it.
 pub enum PolicyChanges {
     /// Everything may have (the first sync, after a restore): every object as it is now.
-    All { pods: Vec<Arc<SlimPod>>, namespaces: Vec<Arc<Namespace>>, policies: Vec<Arc<NetworkPolicy>> },
+    All { pods: Vec<Arc<SlimPod>>, namespaces: Vec<Arc<SlimNamespace>>, policies: Vec<Arc<NetworkPolicy>> },
     /// Only these keys: each with its object now, `None` when it is gone.
     Keys {
         pods: Vec<(ObjectKey, Option<Arc<SlimPod>>)>,
-        namespaces: Vec<(ObjectKey, Option<Arc<Namespace>>)>,
+        namespaces: Vec<(ObjectKey, Option<Arc<SlimNamespace>>)>,
         policies: Vec<(ObjectKey, Option<Arc<NetworkPolicy>>)>,
     },
 }

@@ -16,7 +16,6 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 
-use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 
 use super::compile::{compile_counting_references, load_inputs, CompileOutput};
@@ -24,7 +23,7 @@ use super::error::PolicyError;
 use super::inputs::Inputs;
 use super::model::{CompiledModel, PodRef, PodRules, PodSetKey};
 use super::parse::{namespace_labels, pod_ref, PodInfo, ValidatedPolicy};
-use crate::k8s::pod::AsSlimPod;
+use crate::k8s::{namespace::AsSlimNamespace, pod::AsSlimPod};
 
 /// How a pod set changed in one operation.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,19 +110,19 @@ impl PolicyCompiler {
     }
 
     /// Starts from a full snapshot (e.g. after the initial informer list).
-    pub fn from_snapshot<'a, P: AsSlimPod + 'a>(
+    pub fn from_snapshot<'a, P: AsSlimPod + 'a, N: AsSlimNamespace + 'a>(
         pods: impl IntoIterator<Item = &'a P>,
-        namespaces: impl IntoIterator<Item = &'a Namespace>,
+        namespaces: impl IntoIterator<Item = &'a N>,
         policies: impl IntoIterator<Item = &'a NetworkPolicy>,
     ) -> PolicyCompiler {
         Self::from_snapshot_on(None, pods, namespaces, policies)
     }
 
     /// [`Self::from_snapshot`], with entries for `node`'s pods only ([`Self::on_node`]).
-    pub fn from_snapshot_on<'a, P: AsSlimPod + 'a>(
+    pub fn from_snapshot_on<'a, P: AsSlimPod + 'a, N: AsSlimNamespace + 'a>(
         node: Option<&str>,
         pods: impl IntoIterator<Item = &'a P>,
-        namespaces: impl IntoIterator<Item = &'a Namespace>,
+        namespaces: impl IntoIterator<Item = &'a N>,
         policies: impl IntoIterator<Item = &'a NetworkPolicy>,
     ) -> PolicyCompiler {
         let mut inputs = load_inputs(pods, namespaces, policies);
@@ -190,7 +189,7 @@ impl PolicyCompiler {
         self.apply(&touched_ips, recompute)
     }
 
-    pub fn upsert_namespace(&mut self, namespace: &Namespace) -> Delta {
+    pub fn upsert_namespace(&mut self, namespace: &impl AsSlimNamespace) -> Delta {
         let Some((name, labels)) = namespace_labels(namespace) else {
             return Delta::default();
         };

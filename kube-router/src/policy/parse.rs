@@ -4,7 +4,6 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::networking::v1::{IPBlock, NetworkPolicy, NetworkPolicyPeer, NetworkPolicyPort};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -12,7 +11,10 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use super::error::{PolicyError, PolicyErrorKind};
 use super::model::{CidrBlock, Direction, NamespaceScope, PodRef, PodSetKey, PortRange, Protocol};
 use super::selector::{Labels, Selector};
-use crate::k8s::pod::{AsSlimPod, SlimPod};
+use crate::k8s::{
+    namespace::AsSlimNamespace,
+    pod::{AsSlimPod, SlimPod},
+};
 
 /// Label the API server puts on every namespace; synthesised so selectors on
 /// it work even before (or without) the Namespace object being known.
@@ -81,10 +83,13 @@ pub(crate) fn pod_ref(pod: &SlimPod) -> PodRef {
 }
 
 /// Name and effective labels of a namespace, or `None` without a name.
-pub(crate) fn namespace_labels(namespace: &Namespace) -> Option<(String, Labels)> {
-    let name = namespace.metadata.name.clone()?;
-    let labels = namespace.metadata.labels.iter().flatten().map(|(k, v)| (k.as_str(), v.as_str()));
-    let labels = labels.chain([(NAMESPACE_NAME_LABEL, name.as_str())]).collect();
+pub(crate) fn namespace_labels(namespace: &impl AsSlimNamespace) -> Option<(String, Labels)> {
+    let namespace = namespace.slim_namespace();
+    if namespace.name.is_empty() {
+        return None;
+    }
+    let name = namespace.name.to_string();
+    let labels = namespace.labels.iter().chain([(NAMESPACE_NAME_LABEL, name.as_str())]).collect();
     Some((name, labels))
 }
 

@@ -147,7 +147,11 @@ fn ip_takeover_by_a_pod_without_named_ports_updates_egress_named_port_rules() {
         json!({"podSelector": {"matchLabels": {"app": "client"}}, "policyTypes": ["Egress"],
                "egress": [{"ports": [{"port": "http"}]}]}),
     );
-    let mut compiler = PolicyCompiler::from_snapshot(&[client.clone(), web.clone()], &[], std::slice::from_ref(&np));
+    let mut compiler = PolicyCompiler::from_snapshot(
+        &[client.clone(), web.clone()],
+        &[] as &[k8s_openapi::api::core::v1::Namespace],
+        std::slice::from_ref(&np),
+    );
     assert!(allows(compiler.model(), ip("10.8.0.9"), ip("10.8.0.1"), Protocol::Tcp, 8080));
     // A pod sorting before z-web claims the same IP and becomes its owner.
     let squatter = pod_with_ports("x", "a-plain", &["10.8.0.1"], &[], json!([]));
