@@ -16,8 +16,8 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::api::ObjectMeta;
 use serde::{Deserialize, Deserializer, Serialize};
 
+use super::labels::Labels;
 use super::{slim::Slim, store::Held};
-use crate::policy::Labels;
 
 /// A Namespace as the watcher decodes it: only the fields some reader uses. Watched as the
 /// core/v1 Namespace it is (`Api<NamespaceFields>`).

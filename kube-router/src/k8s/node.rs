@@ -22,11 +22,11 @@ use serde::{
     Deserialize, Deserializer,
 };
 
+use super::TOPOLOGY_ZONE_LABEL;
 use super::{
     slim::{Slim, NODE_ANNOTATION_PREFIX},
     store::Held,
 };
-use crate::services::from_k8s::TOPOLOGY_ZONE_LABEL;
 
 /// A Node as the watcher decodes it: only the fields some reader uses. Watched as the core/v1
 /// Node it is (`Api<NodeFields>`).
