@@ -23,7 +23,7 @@ use crate::{
     controllers::{
         checkpoint::{CheckpointWriter, CHECKPOINT_KINDS},
         datapath_stats::DatapathStatsController,
-        interfaces::{InterfacesController, LinkTrigger, PodsTrigger, Programs},
+        interfaces::{InterfacesController, LinkTrigger, LocalPodsTrigger, Programs},
         node_nets::{sync_egress_nets, CniWriter, EgressNets, NodeNetsController, NODE_KINDS},
         policy::{PolicyController, POLICY_KINDS},
         routing::{self, RoutingController},
@@ -224,12 +224,10 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
         // A pod's object gets its IPs once the CNI plugin has assigned them: the moment to read
         // its veth's addresses for the source check. Without the check no Pod concerns this
         // controller (in a large cluster Pods change hundreds of times a second).
-        let pods = PodsTrigger(
-            cache
-                .as_ref()
-                .filter(|_| config.policy.pod_source_check)
-                .map(|cache| cache.subscribe(&[crate::k8s::watch::Kind::Pods])),
-        );
+        let pods = cache
+            .as_ref()
+            .filter(|_| config.policy.pod_source_check)
+            .map(|cache| LocalPodsTrigger::new(cache.clone(), config.node_name.clone()));
         tasks.add(runtime::spawn(interfaces, (LinkTrigger(events), pods), AT_ONCE, stop.clone()));
     }
     // The Service VIPs BGP advertises come from the services catalog: the services

@@ -45,6 +45,16 @@ impl Trigger for NoTrigger {
     }
 }
 
+/// An input that may not exist (a feature turned off): none never changes.
+impl<T: Trigger> Trigger for Option<T> {
+    async fn changed(&mut self) -> bool {
+        match self {
+            Some(trigger) => trigger.changed().await,
+            None => false,
+        }
+    }
+}
+
 impl<T: Send + Sync + 'static> Trigger for watch::Receiver<T> {
     async fn changed(&mut self) -> bool {
         watch::Receiver::changed(self).await.is_ok()

@@ -3,6 +3,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
+    sync::Arc,
     time::Duration,
 };
 
@@ -16,6 +17,11 @@ use crate::{
         attach_metrics::AttachMetrics,
         datapath::{AttachOutcome, Datapath},
         xdp::{self, XdpSetting},
+    },
+    k8s::{
+        cache::{Cache, Subscription},
+        store::{Feed, ObjectKey},
+        watch::Kind,
     },
     metrics::Metrics,
     node::netif,
@@ -176,14 +182,67 @@ fn open_pod_sources(datapath: &Datapath, enabled: bool, load_balancer: bool) -> 
     }
 }
 
-/// Changes of Pod objects (none without the API server).
-pub struct PodsTrigger(pub Option<crate::k8s::cache::Subscription>);
+/// Changes of this node's Pod objects (none without the API server). Pods elsewhere in the
+/// cluster change hundreds of times a second in a large one and concern no interface here: the
+/// trigger takes the Pod store's changes on its own feed and wakes only when one of them is a
+/// pod on this node, or one that was (deleted, or rescheduled away).
+pub struct LocalPodsTrigger {
+    cache: Arc<Cache>,
+    changes: Subscription,
+    node_name: String,
+    feed: Option<Feed>,
+    /// The Pods on this node as last seen, so a removal is known to be local.
+    local: BTreeSet<ObjectKey>,
+}
 
-impl Trigger for PodsTrigger {
+impl LocalPodsTrigger {
+    pub fn new(cache: Arc<Cache>, node_name: String) -> Self {
+        let changes = cache.subscribe(&[Kind::Pods]);
+        Self { cache, changes, node_name, feed: None, local: BTreeSet::new() }
+    }
+
+    /// Takes the Pod store's changes since the last call: whether one is on this node or was.
+    /// Before the Pods are listed every change counts (nothing tells them apart yet).
+    fn local_pods_changed(&mut self) -> bool {
+        let (feed, local, node) = (&mut self.feed, &mut self.local, self.node_name.as_str());
+        let on_this_node =
+            |pod: Option<&crate::k8s::pod::SlimPod>| pod.is_some_and(|pod| pod.node_name.as_deref() == Some(node));
+        let listing = self.cache.update(&[Kind::Pods], |objects| {
+            let pods = &mut objects.pods;
+            let feed = *feed.get_or_insert_with(|| pods.subscribe());
+            match pods.take_changes(feed) {
+                // The first read, or after a restore: every Pod may have changed.
+                None => {
+                    *local = pods.keys().filter(|key| on_this_node(pods.get(key))).cloned().collect();
+                    true
+                }
+                Some(keys) => {
+                    let mut changed = false;
+                    for key in keys {
+                        changed |= if on_this_node(pods.get(&key)) {
+                            local.insert(key);
+                            true
+                        } else {
+                            local.remove(&key)
+                        };
+                    }
+                    changed
+                }
+            }
+        });
+        listing.is_none_or(|listing| listing.objects)
+    }
+}
+
+impl Trigger for LocalPodsTrigger {
     async fn changed(&mut self) -> bool {
-        match self.0.as_mut() {
-            Some(pods) => pods.changed().await,
-            None => false,
+        loop {
+            if !self.changes.changed().await {
+                return false;
+            }
+            if self.local_pods_changed() {
+                return true;
+            }
         }
     }
 }
@@ -318,5 +377,58 @@ fn apply_xdp(datapath: &mut Datapath, interface: &str, wanted: bool, setting: Xd
         }
         // Logged once: the interface is not retried until it is re-created or the agent restarts.
         Err(e) => tracing::error!(interface, error = format!("{e:#}"), "cannot attach the XDP fast path; TC serves it"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::runtime::watcher::Event;
+
+    use super::*;
+    use crate::k8s::{pod::PodFields, watch::ClusterObjects, watch::WatchUpdate};
+
+    fn pod(name: &str, node: &str, ip: &str) -> PodFields {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "default", "resourceVersion": "1"},
+            "spec": {"nodeName": node},
+            "status": {"podIP": ip, "podIPs": [{"ip": ip}]}
+        }))
+        .unwrap()
+    }
+
+    /// Pods coming and going on other nodes wake nothing here; this node's own do, their
+    /// removal too, and a pod rescheduled away from it (known only from what was seen before).
+    #[test]
+    fn only_this_nodes_pods_wake_the_interfaces() {
+        let cache = Cache::new(ClusterObjects::default(), None);
+        let mut trigger = LocalPodsTrigger::new(cache.clone(), "node-0".into());
+        assert!(trigger.local_pods_changed(), "before the Pods are listed every change counts");
+        cache.apply(WatchUpdate::Pods(Event::Init));
+        cache.apply(WatchUpdate::Pods(Event::InitApply(pod("here", "node-0", "10.0.0.2"))));
+        cache.apply(WatchUpdate::Pods(Event::InitApply(pod("there", "node-1", "10.0.1.2"))));
+        cache.apply(WatchUpdate::Pods(Event::InitDone));
+        assert!(trigger.local_pods_changed(), "the first read after the listing");
+        assert!(!trigger.local_pods_changed(), "nothing changed since");
+
+        cache.apply(WatchUpdate::Pods(Event::Apply(pod("there", "node-1", "10.0.1.3"))));
+        cache.apply(WatchUpdate::Pods(Event::Apply(pod("new-there", "node-1", "10.0.1.4"))));
+        cache.apply(WatchUpdate::Pods(Event::Delete(pod("there", "node-1", "10.0.1.3"))));
+        assert!(!trigger.local_pods_changed(), "pods of another node woke this one");
+
+        cache.apply(WatchUpdate::Pods(Event::Apply(pod("here", "node-0", "10.0.0.3"))));
+        assert!(trigger.local_pods_changed(), "this node's pod changed");
+        cache.apply(WatchUpdate::Pods(Event::Apply(pod("here", "node-1", "10.0.0.3"))));
+        assert!(trigger.local_pods_changed(), "a pod that left this node");
+        cache.apply(WatchUpdate::Pods(Event::Apply(pod("here", "node-1", "10.0.0.4"))));
+        assert!(!trigger.local_pods_changed(), "once gone, it is another node's");
+        cache.apply(WatchUpdate::Pods(Event::Apply(pod("back", "node-0", "10.0.0.5"))));
+        cache.apply(WatchUpdate::Pods(Event::Delete(pod("back", "node-0", "10.0.0.5"))));
+        // As if it never was: nothing of it is left for the source check (its veth, if it had
+        // one, is gone with a link event of its own).
+        assert!(!trigger.local_pods_changed(), "a pod added and deleted between reads");
+        cache.apply(WatchUpdate::Pods(Event::Apply(pod("gone", "node-0", "10.0.0.6"))));
+        assert!(trigger.local_pods_changed());
+        cache.apply(WatchUpdate::Pods(Event::Delete(pod("gone", "node-0", "10.0.0.6"))));
+        assert!(trigger.local_pods_changed(), "this node's pod deleted");
     }
 }
