@@ -482,7 +482,7 @@ fn backend_gone<F: Family>(entry: &CtValue<F::Addr>) -> bool {
 // Not inlined: the key lives in this frame, not in `ingress`'s.
 #[inline(never)]
 fn reverse_entry_gone<F: Family>(entry: &CtValue<F::Addr>, proto: u8) -> bool {
-    F::conntrack().get_ptr(&entry.reverse_key(proto)).is_none()
+    F::conntrack().get_ptr(entry.reverse_key(proto)).is_none()
 }
 
 /// A flow may move to another backend while nothing depends on the old one: UDP, or TCP whose
