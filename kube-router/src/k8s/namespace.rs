@@ -17,7 +17,7 @@ use kube::api::ObjectMeta;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::labels::Labels;
-use super::{slim::Slim, store::Held};
+use super::store::Held;
 
 /// A Namespace as the watcher decodes it: only the fields some reader uses. Watched as the
 /// core/v1 Namespace it is (`Api<NamespaceFields>`).
@@ -27,31 +27,7 @@ pub struct NamespaceFields {
     pub metadata: ObjectMeta,
 }
 
-impl k8s_openapi::Resource for NamespaceFields {
-    const API_VERSION: &'static str = <Namespace as k8s_openapi::Resource>::API_VERSION;
-    const GROUP: &'static str = <Namespace as k8s_openapi::Resource>::GROUP;
-    const KIND: &'static str = <Namespace as k8s_openapi::Resource>::KIND;
-    const VERSION: &'static str = <Namespace as k8s_openapi::Resource>::VERSION;
-    const URL_PATH_SEGMENT: &'static str = <Namespace as k8s_openapi::Resource>::URL_PATH_SEGMENT;
-    type Scope = <Namespace as k8s_openapi::Resource>::Scope;
-}
-
-impl k8s_openapi::Metadata for NamespaceFields {
-    type Ty = ObjectMeta;
-    fn metadata(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-    fn metadata_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
-
-/// Decoded with only the read fields already.
-impl Slim for NamespaceFields {
-    fn slim(self) -> Self {
-        self
-    }
-}
+super::slim::decoded_as!(NamespaceFields, Namespace);
 
 /// A Namespace as the store keeps it.
 #[derive(Clone, Debug, PartialEq, Eq)]

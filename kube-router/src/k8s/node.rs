@@ -23,10 +23,7 @@ use serde::{
 };
 
 use super::TOPOLOGY_ZONE_LABEL;
-use super::{
-    slim::{Slim, NODE_ANNOTATION_PREFIX},
-    store::Held,
-};
+use super::{slim::NODE_ANNOTATION_PREFIX, store::Held};
 
 /// A Node as the watcher decodes it: only the fields some reader uses. Watched as the core/v1
 /// Node it is (`Api<NodeFields>`).
@@ -175,31 +172,7 @@ impl NodeFields {
     }
 }
 
-impl k8s_openapi::Resource for NodeFields {
-    const API_VERSION: &'static str = <Node as k8s_openapi::Resource>::API_VERSION;
-    const GROUP: &'static str = <Node as k8s_openapi::Resource>::GROUP;
-    const KIND: &'static str = <Node as k8s_openapi::Resource>::KIND;
-    const VERSION: &'static str = <Node as k8s_openapi::Resource>::VERSION;
-    const URL_PATH_SEGMENT: &'static str = <Node as k8s_openapi::Resource>::URL_PATH_SEGMENT;
-    type Scope = <Node as k8s_openapi::Resource>::Scope;
-}
-
-impl k8s_openapi::Metadata for NodeFields {
-    type Ty = ObjectMeta;
-    fn metadata(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-    fn metadata_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
-
-/// Decoded with only the read fields already.
-impl Slim for NodeFields {
-    fn slim(self) -> Self {
-        self
-    }
-}
+super::slim::decoded_as!(NodeFields, Node);
 
 /// The same fields of a `k8s-openapi` Node (tests, tools): through its JSON, so both decode the
 /// same way.
@@ -267,7 +240,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::k8s::{checkpoint::node_for_checkpoint, kinds::Watched};
+    use crate::k8s::{checkpoint::node_for_checkpoint, kinds::Watched, slim::Slim};
 
     /// A Node with the bulk a kubelet's carries.
     fn full_node(heartbeat: &str) -> serde_json::Value {

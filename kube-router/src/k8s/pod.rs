@@ -23,7 +23,6 @@ use serde::{Deserialize, Deserializer, Serialize};
 use super::{
     intern,
     labels::{Labels, Protocol},
-    slim::Slim,
     store::Held,
 };
 
@@ -122,31 +121,7 @@ pub(super) fn identity_meta<'de, D: Deserializer<'de>>(d: D) -> Result<ObjectMet
     })
 }
 
-impl k8s_openapi::Resource for PodFields {
-    const API_VERSION: &'static str = <Pod as k8s_openapi::Resource>::API_VERSION;
-    const GROUP: &'static str = <Pod as k8s_openapi::Resource>::GROUP;
-    const KIND: &'static str = <Pod as k8s_openapi::Resource>::KIND;
-    const VERSION: &'static str = <Pod as k8s_openapi::Resource>::VERSION;
-    const URL_PATH_SEGMENT: &'static str = <Pod as k8s_openapi::Resource>::URL_PATH_SEGMENT;
-    type Scope = <Pod as k8s_openapi::Resource>::Scope;
-}
-
-impl k8s_openapi::Metadata for PodFields {
-    type Ty = ObjectMeta;
-    fn metadata(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-    fn metadata_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
-
-/// Decoded with only the read fields already.
-impl Slim for PodFields {
-    fn slim(self) -> Self {
-        self
-    }
-}
+super::slim::decoded_as!(PodFields, Pod);
 
 /// The same fields of a `k8s-openapi` Pod (tests, tools, the policy compiler's whole-snapshot
 /// entry point): through its JSON, so both decode the same way.

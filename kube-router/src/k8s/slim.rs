@@ -26,6 +26,38 @@ pub trait Slim: Resource + Sized {
     fn slim(self) -> Self;
 }
 
+/// A type that decodes only the fields some reader uses of `$kind`, watched as that kind
+/// (`Api<$fields>`: the same API path and scope) and already slim as decoded.
+macro_rules! decoded_as {
+    ($fields:ty, $kind:ty) => {
+        impl k8s_openapi::Resource for $fields {
+            const API_VERSION: &'static str = <$kind as k8s_openapi::Resource>::API_VERSION;
+            const GROUP: &'static str = <$kind as k8s_openapi::Resource>::GROUP;
+            const KIND: &'static str = <$kind as k8s_openapi::Resource>::KIND;
+            const VERSION: &'static str = <$kind as k8s_openapi::Resource>::VERSION;
+            const URL_PATH_SEGMENT: &'static str = <$kind as k8s_openapi::Resource>::URL_PATH_SEGMENT;
+            type Scope = <$kind as k8s_openapi::Resource>::Scope;
+        }
+
+        impl k8s_openapi::Metadata for $fields {
+            type Ty = kube::api::ObjectMeta;
+            fn metadata(&self) -> &kube::api::ObjectMeta {
+                &self.metadata
+            }
+            fn metadata_mut(&mut self) -> &mut kube::api::ObjectMeta {
+                &mut self.metadata
+            }
+        }
+
+        impl $crate::k8s::slim::Slim for $fields {
+            fn slim(self) -> Self {
+                self
+            }
+        }
+    };
+}
+pub(crate) use decoded_as;
+
 /// Server-side apply bookkeeping and `kubectl apply`'s copy go for every kind.
 fn slim_meta(meta: &mut ObjectMeta) {
     meta.managed_fields = None;
