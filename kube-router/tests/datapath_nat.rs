@@ -670,6 +670,32 @@ fn a_reply_is_translated_when_its_tuple_was_noted_without_an_entry_before_the_fl
     assert_eq!(packet::endpoints(&out), ((VIP, 80), (LOCAL_POD, 41000)), "reply restored to the ClusterIP");
 }
 
+/// A TCP connection from the local pod's `port` to the ClusterIP, balanced to the remote pod:
+/// its SYN, the backend's SYN-ACK, and the keys of its two conntrack entries.
+struct ClusterIpFlow {
+    syn: Vec<u8>,
+    syn_ack: Vec<u8>,
+    forward: CtKeyV4,
+    reverse: CtKeyV4,
+}
+
+impl ClusterIpFlow {
+    fn from_port(port: u16) -> Self {
+        Self {
+            syn: packet::ipv4(packet::TCP, (LOCAL_POD, port), (VIP, 80), packet::TCP_SYN, b""),
+            syn_ack: packet::ipv4(
+                packet::TCP,
+                (REMOTE_POD, 8080),
+                (LOCAL_POD, port),
+                packet::TCP_SYN | packet::TCP_ACK,
+                b"",
+            ),
+            forward: packet::ct_key_v4(packet::TCP, (LOCAL_POD, port), (VIP, 80)),
+            reverse: packet::ct_key_v4(packet::TCP, (REMOTE_POD, 8080), (LOCAL_POD, port)),
+        }
+    }
+}
+
 /// The agent's conntrack GC walks the table, then removes what the walk found expired. A client
 /// reusing its port meanwhile (a new connection on the tuple of a closed flow not yet collected)
 /// gets its flow's entries written in place of the expired ones, and the removals must leave
@@ -682,13 +708,7 @@ fn a_flow_opened_on_a_reused_tuple_between_the_gcs_walk_and_its_removals_keeps_i
     let lb = load("gc-reuse", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
     stay_on_this_cpu();
     let mut ct = conntrack_map(&lb.pin_dir);
-    let syn = packet::ipv4(packet::TCP, (LOCAL_POD, 41000), (VIP, 80), packet::TCP_SYN, b"");
-    let syn_ack =
-        packet::ipv4(packet::TCP, (REMOTE_POD, 8080), (LOCAL_POD, 41000), packet::TCP_SYN | packet::TCP_ACK, b"");
-    let (forward, reverse) = (
-        packet::ct_key_v4(packet::TCP, (LOCAL_POD, 41000), (VIP, 80)),
-        packet::ct_key_v4(packet::TCP, (REMOTE_POD, 8080), (LOCAL_POD, 41000)),
-    );
+    let ClusterIpFlow { syn, syn_ack, forward, reverse } = ClusterIpFlow::from_port(41000);
     // The first connection from port 41000, closed and idle past the closing lifetime.
     let (_, out) = lb.ingress(&syn);
     assert_eq!(packet::endpoints(&out).1, (REMOTE_POD, 8080));
@@ -736,13 +756,7 @@ fn a_retried_syn_whose_flow_lost_its_reverse_entry_opens_the_flow_again() {
     let lb = load("lost-reverse", &service_yaml(&[(REMOTE_POD, "node-b")], ""));
     stay_on_this_cpu();
     let mut ct = conntrack_map(&lb.pin_dir);
-    let syn = packet::ipv4(packet::TCP, (LOCAL_POD, 41000), (VIP, 80), packet::TCP_SYN, b"");
-    let syn_ack =
-        packet::ipv4(packet::TCP, (REMOTE_POD, 8080), (LOCAL_POD, 41000), packet::TCP_SYN | packet::TCP_ACK, b"");
-    let (forward, reverse) = (
-        packet::ct_key_v4(packet::TCP, (LOCAL_POD, 41000), (VIP, 80)),
-        packet::ct_key_v4(packet::TCP, (REMOTE_POD, 8080), (LOCAL_POD, 41000)),
-    );
+    let ClusterIpFlow { syn, syn_ack, forward, reverse } = ClusterIpFlow::from_port(41000);
     lb.ingress(&syn);
     ct.remove(&reverse).unwrap();
     let reselected = lb.lb_stat(lb_stat::CT_RESELECTED);
