@@ -350,6 +350,13 @@ fn cpu_seconds(pid: u32) -> f64 {
     (ticks(11) + ticks(12)) / hz
 }
 
+/// Bytes the process has passed to write(2) and its kin (`wchar` of /proc/PID/io): at the
+/// agent, mostly its checkpoint.
+fn written_bytes(pid: u32) -> f64 {
+    let io = fs::read_to_string(format!("/proc/{pid}/io")).unwrap_or_default();
+    io.lines().find_map(|l| l.strip_prefix("wchar: ")).and_then(|v| v.trim().parse().ok()).unwrap_or(0.0)
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted.get(((sorted.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or_default()
 }
@@ -581,6 +588,7 @@ fn main() {
     eprintln!("churn starts: agent pid {pid}");
     let before_churn = scrape(&node_ns);
     let cpu_before = cpu_seconds(pid);
+    let written_before = written_bytes(pid);
     let mut generation: BTreeMap<usize, usize> = BTreeMap::new();
     let mut unready: std::collections::BTreeSet<usize> = Default::default();
     let mut latencies = Vec::new();
@@ -667,6 +675,8 @@ fn main() {
     }
     let churn_time = churn.elapsed().as_secs_f64();
     let cpu_share = (cpu_seconds(pid) - cpu_before) / churn_time;
+    let written_per_second = (written_bytes(pid) - written_before) / churn_time;
+    let churn_load = fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let peak_rss = agent.peak_rss_kib().unwrap_or(0);
     let end = scrape(&node_ns);
     latencies.sort();
@@ -715,6 +725,12 @@ fn main() {
         heartbeats as f64 / churn_time,
         cpu_share * 100.0,
         mib(peak_rss)
+    );
+    println!(
+        "  agent writes during churn {:.2} MiB/s (mostly the checkpoint), checkpoint on disk after it {:.1} MiB, 1-min load average {}",
+        written_per_second / (1 << 20) as f64,
+        dir_size(&state) as f64 / (1 << 20) as f64,
+        churn_load.split_whitespace().next().unwrap_or("?")
     );
     println!(
         "change -> map ({} probes): p50 {:.1} ms  p99 {:.1} ms  max {:.1} ms   (goal p99 < 10 ms)",
