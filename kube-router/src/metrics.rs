@@ -174,6 +174,10 @@ pub struct AgentMetrics {
     pub checkpoint_restores: Counter,
     /// How long the last checkpoint write took (it sets the wait before the next).
     pub checkpoint_write_seconds: OptionalGauge,
+    /// Bytes written to the checkpoint, by part (`base`, `journal`).
+    checkpoint_written_bytes: Family<Labels<1>, Counter>,
+    /// Bases written in place of a journal grown as large as the base.
+    pub checkpoint_compactions: Counter,
     /// Restored checkpoints not programmed into a set of maps (`service`, `policy`) that
     /// already held newer API state.
     checkpoint_superseded: Family<Labels<1>, Counter>,
@@ -190,6 +194,15 @@ impl AgentMetrics {
         self.checkpoint_superseded.get_or_create(&[("maps", maps)]).inc();
     }
 
+    /// `bytes` written to the checkpoint's `part` (`base`, `journal`).
+    pub fn checkpoint_written(&self, part: &'static str, bytes: u64) {
+        self.checkpoint_written_bytes.get_or_create(&[("part", part)]).inc_by(bytes);
+    }
+
+    pub fn checkpoint_written_bytes(&self, part: &'static str) -> u64 {
+        self.checkpoint_written_bytes.get_or_create(&[("part", part)]).get()
+    }
+
     pub fn checkpoint_superseded_count(&self, maps: &'static str) -> u64 {
         self.checkpoint_superseded.get_or_create(&[("maps", maps)]).get()
     }
@@ -199,6 +212,9 @@ impl Subsystem for AgentMetrics {
     fn register(this: &Arc<Self>, registry: &mut Registry) {
         for maps in ["policy", "service"] {
             drop(this.checkpoint_superseded.get_or_create(&[("maps", maps)]));
+        }
+        for part in ["base", "journal"] {
+            drop(this.checkpoint_written_bytes.get_or_create(&[("part", part)]));
         }
         let m = this.as_ref();
         register(
@@ -242,6 +258,18 @@ impl Subsystem for AgentMetrics {
             "kube_router_checkpoint_write_duration_seconds",
             "How long the last checkpoint write took; the next waits 20 times as long (at least 1 s).",
             m.checkpoint_write_seconds.clone(),
+        );
+        register(
+            registry,
+            "kube_router_checkpoint_written_bytes_total",
+            "Bytes written to the checkpoint: whole bases (part=base) and the journal of changes appended after one (part=journal).",
+            m.checkpoint_written_bytes.clone(),
+        );
+        register(
+            registry,
+            "kube_router_checkpoint_compactions_total",
+            "Checkpoint bases written in place of a journal that had grown as large as its base.",
+            m.checkpoint_compactions.clone(),
         );
         register(
             registry,

@@ -126,6 +126,11 @@ impl Cache {
     pub fn with<R>(&self, read: impl FnOnce(&ClusterObjects) -> R) -> R {
         read(&self.objects.read().expect("cache lock"))
     }
+
+    /// Like [`Self::with`], for the checkpoint writer that takes its feeds of the stores.
+    pub fn with_mut<R>(&self, update: impl FnOnce(&mut ClusterObjects) -> R) -> R {
+        update(&mut self.objects.write().expect("cache lock"))
+    }
 }
 
 /// Wakes when one of its kinds changed.

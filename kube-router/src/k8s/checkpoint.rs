@@ -1,9 +1,19 @@
 //! The last successfully synced desired state, on local disk, so a restarted agent can program
 //! the node while the API server is unreachable.
 //!
-//! Written atomically (temp file, fsync, rename, fsync of the directory) and self-checking: a
-//! truncated, edited or foreign file is rejected with a clear error, never half-applied.
+//! One file: a base (every object) and after it a journal (the objects changed or deleted
+//! since, one record per write), so a write costs what changed, not the cluster. Each record is
+//! framed with its length and CRC-32 (`#B|J <len, 16 hex> <crc, 8 hex>\n<JSON>\n`), the base
+//! first, after a version line. A base is written whole and atomically (temp file, fsync, rename,
+//! fsync of the directory), and again in place of the journal once the journal has grown as large
+//! as the base (the writer's compaction): the amortised cost per change stays bounded. Records
+//! are appended and fsynced one write at a time; a record the agent died writing (the file's
+//! tail cut short, or failing its checksum at the end) is dropped on reading, which leaves the
+//! state of an earlier write. Anything else that does not check out — a truncated or edited base,
+//! a bad record with more after it, a foreign file — is rejected with a clear error, never
+//! half-applied. The version-1 file (one JSON envelope) an earlier agent wrote is still read.
 use std::{
+    collections::BTreeMap,
     fs::{self, File},
     io::Write,
     path::{Path, PathBuf},
@@ -12,10 +22,19 @@ use std::{
 use k8s_openapi::api::core::v1::Node;
 use serde::{Deserialize, Serialize};
 
-use super::{kinds::Watched, watch::Kind};
+use super::{kinds::Watched, store::ObjectKey, watch::Kind};
 
-pub const CHECKPOINT_VERSION: u32 = 1;
+pub const CHECKPOINT_VERSION: u32 = 2;
+/// The earlier format (one JSON envelope, written whole), still read.
+const VERSION_1: u32 = 1;
+/// The file keeps its name across formats: tooling and the upgrade find it where it was.
 pub const FILE_NAME: &str = "checkpoint.json";
+/// The first line of a version-2 file.
+const VERSION_LINE: &[u8] = b"{\"version\":2}\n";
+/// `#K <len> <crc>\n`: a record's kind, its payload's length (16 hex digits) and CRC-32 (8).
+const FRAME_HEADER_LEN: usize = 29;
+const BASE: u8 = b'B';
+const JOURNAL: u8 = b'J';
 
 /// Generates the checkpoint's contents from [`watched_kinds!`](crate::watched_kinds): one list
 /// per kind, in the kind's checkpoint form ([`Watched::Saved`]).
@@ -36,10 +55,78 @@ macro_rules! checkpoint_contents {
                 }
             }
         }
+
+        /// One journal record: the objects of each kind changed since the record before, in
+        /// their checkpoint form, `None` for one deleted (written by
+        /// [`CheckpointChanges`](super::watch::CheckpointChanges)).
+        #[derive(Debug, Default, Deserialize)]
+        pub struct JournalBatch {
+            /// Unix time of the sync it records.
+            pub written_unix: f64,
+            $(#[serde(default)] pub $field: Vec<(ObjectKey, Option<<$ty as Watched>::Saved>)>,)*
+        }
+
+        /// The journal read so far: each changed object's last state.
+        #[derive(Default)]
+        struct Replay {
+            written_unix: Option<f64>,
+            $($field: Latest<<$ty as Watched>::Saved>,)*
+        }
+
+        impl Replay {
+            fn add(&mut self, batch: JournalBatch) {
+                self.written_unix = Some(batch.written_unix);
+                $(for (key, object) in batch.$field {
+                    self.$field.insert(key, object);
+                })*
+            }
+
+            /// The base with the journal's changes in place of its objects.
+            fn apply_to(self, checkpoint: &mut Checkpoint) {
+                let Some(written_unix) = self.written_unix else { return };
+                checkpoint.written_unix = written_unix;
+                $(if !self.$field.is_empty() {
+                    let latest = self.$field;
+                    checkpoint.$field.retain(|saved| {
+                        let (namespace, name) = <$ty as Watched>::saved_key(saved);
+                        !latest.contains(namespace, name)
+                    });
+                    checkpoint.$field.extend(latest.into_present());
+                })*
+            }
+        }
     };
 }
 
 crate::watched_kinds!(checkpoint_contents);
+
+/// Each key's last state in the journal (`None`: deleted), by namespace then name so the base's
+/// objects are looked up with their borrowed key.
+struct Latest<T>(BTreeMap<String, BTreeMap<String, Option<T>>>);
+
+impl<T> Default for Latest<T> {
+    fn default() -> Self {
+        Self(BTreeMap::new())
+    }
+}
+
+impl<T> Latest<T> {
+    fn insert(&mut self, (namespace, name): ObjectKey, object: Option<T>) {
+        self.0.entry(namespace).or_default().insert(name, object);
+    }
+
+    fn contains(&self, namespace: &str, name: &str) -> bool {
+        self.0.get(namespace).is_some_and(|names| names.contains_key(name))
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn into_present(self) -> impl Iterator<Item = T> {
+        self.0.into_values().flat_map(BTreeMap::into_values).flatten()
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -49,18 +136,13 @@ pub enum CheckpointError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("checkpoint {path} is corrupt: {reason}")]
     Corrupt { path: PathBuf, reason: String },
-    #[error("checkpoint {path} has version {found}, this agent reads version {CHECKPOINT_VERSION}")]
+    #[error("checkpoint {path} has version {found}, this agent reads versions {VERSION_1} and {CHECKPOINT_VERSION}")]
     VersionMismatch { path: PathBuf, found: u32 },
 }
 
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-
+/// FNV-1a 64: the version-1 file's checksum.
 fn fnv1a(bytes: &[u8]) -> u64 {
-    fnv1a_from(FNV_OFFSET, bytes)
-}
-
-fn fnv1a_from(hash: u64, bytes: &[u8]) -> u64 {
-    bytes.iter().fold(hash, |hash, b| (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, b| (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// Per-node external peer passwords (base64): kept from the checkpoint.
@@ -113,17 +195,18 @@ pub fn path_in(state_dir: &Path) -> PathBuf {
     state_dir.join(FILE_NAME)
 }
 
-pub fn write(state_dir: &Path, checkpoint: &Checkpoint) -> std::io::Result<()> {
-    write_payload(state_dir, checkpoint)
+/// Writes `checkpoint` as a new base with no journal.
+pub fn write(state_dir: &Path, checkpoint: &Checkpoint) -> std::io::Result<u64> {
+    write_base(state_dir, checkpoint)
 }
 
 /// Writes anything that serialises as a [`Checkpoint`] (the agent's snapshot of shared
-/// objects). The payload is streamed into the file, escaped as the envelope's JSON string and
-/// hashed on the way: no copy of the objects, of their JSON or of the envelope is held (at
-/// 20,000 objects those copies were ~100 MiB of peak memory). The envelope's fields come in
-/// another order than a whole-envelope serialisation gives; JSON readers do not care.
-pub fn write_payload(state_dir: &Path, payload: &impl Serialize) -> std::io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
+/// objects) as a new base, in place of the file and its journal; returns the bytes written.
+/// The payload is streamed into the file and its CRC and length counted on the way, the record's
+/// header written in its place last: no copy of the objects or of their JSON is held (at 150,000
+/// Pods that copy is ~100 MiB of peak memory).
+pub fn write_base(state_dir: &Path, payload: &impl Serialize) -> std::io::Result<u64> {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
     restrict_permissions(state_dir)?;
     let final_path = path_in(state_dir);
     let temp_path = state_dir.join(format!(".{FILE_NAME}.tmp"));
@@ -131,47 +214,57 @@ pub fn write_payload(state_dir: &Path, payload: &impl Serialize) -> std::io::Res
     let _ = fs::remove_file(&temp_path);
     let file = fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&temp_path)?;
     let mut out = std::io::BufWriter::with_capacity(1 << 16, file);
-    write!(out, "{{\"version\":{CHECKPOINT_VERSION},\"payload\":\"")?;
-    let mut escaped = EscapedHashed { out: &mut out, hash: FNV_OFFSET };
-    serde_json::to_writer(&mut escaped, payload)?;
-    let checksum = escaped.hash;
-    write!(out, "\",\"checksum\":\"{checksum:016x}\"}}")?;
+    out.write_all(VERSION_LINE)?;
+    out.write_all(&[b' '; FRAME_HEADER_LEN])?;
+    let mut counted = Counted { out: &mut out, crc: crc32fast::Hasher::new(), len: 0 };
+    serde_json::to_writer(&mut counted, payload)?;
+    let (crc, len) = (counted.crc.finalize(), counted.len);
+    out.write_all(b"\n")?;
     let file = out.into_inner().map_err(|e| e.into_error())?;
+    file.write_all_at(&frame_header(BASE, len, crc), VERSION_LINE.len() as u64)?;
     file.sync_all()?;
     fs::rename(&temp_path, &final_path)?;
     // The rename itself must reach the disk before we call the checkpoint written.
-    File::open(state_dir)?.sync_all()
+    File::open(state_dir)?.sync_all()?;
+    Ok(VERSION_LINE.len() as u64 + FRAME_HEADER_LEN as u64 + len + 1)
 }
 
-/// Passes JSON text on as the contents of a JSON string, and hashes the text (unescaped) with
-/// [`fnv1a`].
-struct EscapedHashed<W> {
+/// Appends one journal record (anything that serialises as a [`JournalBatch`]: the changes
+/// since the last write) to the checkpoint and fsyncs it; returns the bytes written. The file
+/// must hold a base: a journal is nothing without one, so a missing file is an error and the
+/// writer writes a base next.
+pub fn append(state_dir: &Path, batch: &impl Serialize) -> std::io::Result<u64> {
+    let payload = serde_json::to_vec(batch)?;
+    let mut record = Vec::with_capacity(FRAME_HEADER_LEN + payload.len() + 1);
+    record.extend_from_slice(&frame_header(JOURNAL, payload.len() as u64, crc32fast::hash(&payload)));
+    record.extend_from_slice(&payload);
+    record.push(b'\n');
+    let mut file = fs::OpenOptions::new().append(true).open(path_in(state_dir))?;
+    // One write: a record is either whole or a torn tail, dropped on reading.
+    file.write_all(&record)?;
+    file.sync_data()?;
+    Ok(record.len() as u64)
+}
+
+fn frame_header(kind: u8, len: u64, crc: u32) -> [u8; FRAME_HEADER_LEN] {
+    let mut header = [0; FRAME_HEADER_LEN];
+    let text = format!("#{} {len:016x} {crc:08x}\n", kind as char);
+    header.copy_from_slice(text.as_bytes());
+    header
+}
+
+/// Passes bytes on, with their CRC-32 and count.
+struct Counted<W> {
     out: W,
-    hash: u64,
+    crc: crc32fast::Hasher,
+    len: u64,
 }
 
-impl<W: Write> Write for EscapedHashed<W> {
+impl<W: Write> Write for Counted<W> {
     fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.hash = fnv1a_from(self.hash, bytes);
-        let mut plain = 0;
-        for (i, &b) in bytes.iter().enumerate() {
-            let escape: Option<&[u8]> = match b {
-                b'"' => Some(b"\\\""),
-                b'\\' => Some(b"\\\\"),
-                _ => None,
-            };
-            if let Some(escape) = escape {
-                self.out.write_all(&bytes[plain..i])?;
-                self.out.write_all(escape)?;
-                plain = i + 1;
-            } else if b < 0x20 {
-                // serde_json never emits raw control characters; escaped all the same.
-                self.out.write_all(&bytes[plain..i])?;
-                write!(self.out, "\\u{b:04x}")?;
-                plain = i + 1;
-            }
-        }
-        self.out.write_all(&bytes[plain..])?;
+        self.out.write_all(bytes)?;
+        self.crc.update(bytes);
+        self.len += bytes.len() as u64;
         Ok(bytes.len())
     }
 
@@ -180,18 +273,152 @@ impl<W: Write> Write for EscapedHashed<W> {
     }
 }
 
-/// Reads and checks the checkpoint. The file is read once into memory and the payload (a JSON
-/// string in the envelope) unescaped where it lies, then decoded from there: at 150,000 Pods
-/// the file is some 100 MiB, and a second copy of it as the payload's `String` was as much again
-/// at the start's peak.
+/// What [`read`] found besides the objects.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ReadStats {
+    /// Journal records replayed over the base.
+    pub journal_records: usize,
+    /// The journal's last record was cut short or failed its checksum (the agent died writing
+    /// it), and was dropped.
+    pub torn_tail: bool,
+}
+
+/// Reads and checks the checkpoint: the base with its journal replayed (a torn last record
+/// dropped, with a warning), or the version-1 file an earlier agent wrote.
 pub fn read(state_dir: &Path) -> Result<Checkpoint, CheckpointError> {
+    read_with_stats(state_dir).map(|(checkpoint, _)| checkpoint)
+}
+
+/// [`read`], with what it found.
+pub fn read_with_stats(state_dir: &Path) -> Result<(Checkpoint, ReadStats), CheckpointError> {
     let path = path_in(state_dir);
-    let mut bytes = match fs::read(&path) {
+    let bytes = match fs::read(&path) {
         Ok(bytes) => bytes,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(CheckpointError::Missing(path)),
         Err(source) => return Err(CheckpointError::Io { path, source }),
     };
-    let corrupt = |reason: String| CheckpointError::Corrupt { path: path.clone(), reason };
+    if let Some(records) = bytes.strip_prefix(VERSION_LINE) {
+        return read_records(&path, records);
+    }
+    // Another version's line (a newer agent's file), or the version-1 envelope (one line).
+    if let Some(newline) = bytes.iter().position(|b| *b == b'\n') {
+        if let Ok(VersionLine { version }) = serde_json::from_slice(&bytes[..newline]) {
+            return Err(CheckpointError::VersionMismatch { path, found: version });
+        }
+    }
+    read_version_1(&path, bytes).map(|checkpoint| (checkpoint, ReadStats::default()))
+}
+
+/// A checkpoint's first line.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct VersionLine {
+    version: u32,
+}
+
+fn read_records(path: &Path, records: &[u8]) -> Result<(Checkpoint, ReadStats), CheckpointError> {
+    let corrupt = |reason: String| CheckpointError::Corrupt { path: path.to_owned(), reason };
+    let at = |offset: usize| VERSION_LINE.len() + offset;
+    let mut frames = Frames { data: records, offset: 0 };
+    let base = match frames.next() {
+        Frame::Record(BASE, payload) => payload,
+        Frame::Record(..) => return Err(corrupt("its first record is not a base".into())),
+        Frame::End => return Err(corrupt("it holds no base".into())),
+        Frame::Torn(reason) => return Err(corrupt(format!("its base {reason}"))),
+        Frame::Bad(reason) => return Err(corrupt(format!("its base {reason}"))),
+    };
+    let mut checkpoint: Checkpoint =
+        serde_json::from_slice(base).map_err(|e| corrupt(format!("its base does not decode: {e}")))?;
+    let mut replay = Replay::default();
+    let mut stats = ReadStats::default();
+    loop {
+        let offset = frames.offset;
+        match frames.next() {
+            Frame::End => break,
+            Frame::Record(JOURNAL, payload) => {
+                let batch: JournalBatch = serde_json::from_slice(payload)
+                    .map_err(|e| corrupt(format!("journal record at byte {} does not decode: {e}", at(offset))))?;
+                replay.add(batch);
+                stats.journal_records += 1;
+            }
+            Frame::Record(..) => return Err(corrupt(format!("record at byte {} is not a journal record", at(offset)))),
+            Frame::Torn(reason) => {
+                tracing::warn!(path = %path.display(), byte = at(offset), reason, "dropping the checkpoint journal's torn last record (the agent stopped while writing it)");
+                stats.torn_tail = true;
+                break;
+            }
+            Frame::Bad(reason) => return Err(corrupt(format!("journal record at byte {}: {reason}", at(offset)))),
+        }
+    }
+    replay.apply_to(&mut checkpoint);
+    Ok((checkpoint, stats))
+}
+
+enum Frame<'a> {
+    Record(u8, &'a [u8]),
+    End,
+    /// The last record, incomplete: what a crash while appending leaves.
+    Torn(&'static str),
+    /// A record that does not check out with more after it, or malformed.
+    Bad(String),
+}
+
+/// The records of a version-2 file after its version line.
+struct Frames<'a> {
+    data: &'a [u8],
+    offset: usize,
+}
+
+impl<'a> Frames<'a> {
+    fn next(&mut self) -> Frame<'a> {
+        let rest = &self.data[self.offset..];
+        if rest.is_empty() {
+            return Frame::End;
+        }
+        if rest.len() < FRAME_HEADER_LEN {
+            return Frame::Torn("ends within its header");
+        }
+        let Some((kind, len, crc)) = parse_frame_header(&rest[..FRAME_HEADER_LEN]) else {
+            // A file extended but not written before a crash reads as zeros.
+            if rest.iter().all(|b| *b == 0) {
+                return Frame::Torn("is zeros");
+            }
+            return Frame::Bad("has a malformed header".into());
+        };
+        let Some(end) = usize::try_from(len).ok().and_then(|len| len.checked_add(FRAME_HEADER_LEN + 1)) else {
+            return Frame::Bad(format!("has an impossible length {len}"));
+        };
+        if end > rest.len() {
+            return Frame::Torn("is cut short");
+        }
+        let payload = &rest[FRAME_HEADER_LEN..end - 1];
+        let actual = crc32fast::hash(payload);
+        if actual != crc || rest[end - 1] != b'\n' {
+            if end == rest.len() {
+                return Frame::Torn("fails its checksum");
+            }
+            return Frame::Bad(format!("checksum {actual:08x} does not match recorded {crc:08x}"));
+        }
+        self.offset += end;
+        Frame::Record(kind, payload)
+    }
+}
+
+fn parse_frame_header(header: &[u8]) -> Option<(u8, u64, u32)> {
+    let text = std::str::from_utf8(header).ok()?;
+    let (kind, len, crc) = (text.get(1..2)?, text.get(3..19)?, text.get(20..28)?);
+    let well_formed = text.starts_with('#') && &text[2..3] == " " && &text[19..20] == " " && text.ends_with('\n');
+    let hex = |digits: &str| digits.bytes().all(|b| b.is_ascii_hexdigit());
+    if !well_formed || !hex(len) || !hex(crc) {
+        return None;
+    }
+    Some((kind.as_bytes()[0], u64::from_str_radix(len, 16).ok()?, u32::from_str_radix(crc, 16).ok()?))
+}
+
+/// The version-1 file: the payload (a JSON string in the envelope) unescaped where it lies, then
+/// decoded from there: no second copy of ~100 MiB at the start's peak.
+fn read_version_1(path: &Path, mut bytes: Vec<u8>) -> Result<Checkpoint, CheckpointError> {
+    let corrupt = |reason: String| CheckpointError::Corrupt { path: path.to_owned(), reason };
     let (version, checksum, literal) = {
         let envelope: BorrowedEnvelope =
             serde_json::from_slice(&bytes).map_err(|e| corrupt(format!("not a checkpoint envelope: {e}")))?;
@@ -199,8 +426,8 @@ pub fn read(state_dir: &Path) -> Result<Checkpoint, CheckpointError> {
         let start = literal.as_ptr() as usize - bytes.as_ptr() as usize;
         (envelope.version, envelope.checksum, start..start + literal.len())
     };
-    if version != CHECKPOINT_VERSION {
-        return Err(CheckpointError::VersionMismatch { path, found: version });
+    if version != VERSION_1 {
+        return Err(CheckpointError::VersionMismatch { path: path.to_owned(), found: version });
     }
     let payload =
         unescape_in_place(&mut bytes[literal]).ok_or_else(|| corrupt("the payload is not a JSON string".into()))?;
@@ -286,8 +513,13 @@ fn unicode_escape(text: &[u8]) -> Option<(char, usize)> {
 mod tests {
     use k8s_openapi::api::core::v1::Service;
 
+    use kube::runtime::watcher::Event;
+
     use super::*;
-    use crate::k8s::pod::SlimPod;
+    use crate::k8s::{
+        pod::SlimPod,
+        watch::{CheckpointFeeds, ClusterObjects},
+    };
 
     fn temp_dir(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("krt-checkpoint-{name}-{}", std::process::id()));
@@ -386,12 +618,161 @@ mod tests {
         write(&dir, &sample()).unwrap();
         let text = fs::read_to_string(path_in(&dir)).unwrap();
         fs::write(path_in(&dir), &text[..text.len() / 2]).unwrap();
-        assert!(matches!(read(&dir), Err(CheckpointError::Corrupt { .. })));
+        assert!(matches!(read(&dir), Err(CheckpointError::Corrupt { .. })), "a base cut short");
         fs::write(path_in(&dir), text.replace("10.96.0.10", "10.96.0.11")).unwrap();
         let error = read(&dir).unwrap_err();
         assert!(error.to_string().contains("checksum"), "{error}");
-        fs::write(path_in(&dir), text.replace("\"version\":1", "\"version\":7")).unwrap();
+        fs::write(path_in(&dir), text.replace("{\"version\":2}", "{\"version\":7}")).unwrap();
         assert!(matches!(read(&dir), Err(CheckpointError::VersionMismatch { found: 7, .. })));
+        // A version-1 envelope of another version, and no checkpoint at all.
+        let envelope = serde_json::json!({"version": 7, "checksum": "0", "payload": "{}"});
+        fs::write(path_in(&dir), envelope.to_string()).unwrap();
+        assert!(matches!(read(&dir), Err(CheckpointError::VersionMismatch { found: 7, .. })));
+        fs::write(path_in(&dir), "not a checkpoint\n").unwrap();
+        assert!(matches!(read(&dir), Err(CheckpointError::Corrupt { .. })));
+    }
+
+    fn service(name: &str, ip: &str) -> Service {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "default", "name": name, "resourceVersion": "1"},
+            "spec": {"clusterIP": ip, "ports": [{"port": 80}]}
+        }))
+        .unwrap()
+    }
+
+    fn slice(name: &str, ip: &str) -> k8s_openapi::api::discovery::v1::EndpointSlice {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "default", "name": name, "resourceVersion": "1",
+                         "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [ip], "conditions": {"ready": true}}],
+            "ports": [{"port": 8080}]
+        }))
+        .unwrap()
+    }
+
+    fn namespace(name: &str, team: &str) -> crate::k8s::namespace::NamespaceFields {
+        serde_json::from_value(serde_json::json!({"metadata": {"name": name, "labels": {"team": team}}})).unwrap()
+    }
+
+    /// Every kind's objects in key order: a replay appends what changed after the rest.
+    fn in_key_order(mut checkpoint: Checkpoint) -> Checkpoint {
+        macro_rules! sort {
+            ($($variant:ident, $field:ident, $ty:ty;)*) => {
+                $(checkpoint.$field.sort_by(|a, b| <$ty as Watched>::saved_key(a).cmp(&<$ty as Watched>::saved_key(b)));)*
+            };
+        }
+        crate::watched_kinds!(sort);
+        checkpoint.written_unix = 0.0;
+        checkpoint
+    }
+
+    /// Stores listed with three kinds' objects, a base of them written, and the writer's feeds.
+    fn stores_with_a_base(dir: &Path) -> (ClusterObjects, CheckpointFeeds) {
+        let mut objects = ClusterObjects::default();
+        let feeds = objects.subscribe_checkpoint();
+        for name in ["web", "db", "cache"] {
+            objects.services.apply(Event::Apply(service(name, "10.96.0.10")));
+            objects.endpoint_slices.apply(Event::Apply(slice(&format!("{name}-1"), "10.0.0.1")));
+            objects.namespaces.apply(Event::Apply(namespace(name, "a")));
+        }
+        assert!(objects.checkpoint_changes(&feeds).is_none(), "a feed's first take tells nothing");
+        write_base(dir, &objects.snapshot()).unwrap();
+        (objects, feeds)
+    }
+
+    fn append_changes(dir: &Path, objects: &mut ClusterObjects, feeds: &CheckpointFeeds) -> u64 {
+        let changes = objects.checkpoint_changes(feeds).expect("the feeds tell what changed");
+        assert!(!changes.is_empty());
+        append(dir, &changes).unwrap()
+    }
+
+    #[test]
+    fn the_base_with_its_journal_replayed_is_the_stores() {
+        let dir = temp_dir("replay");
+        let (mut objects, feeds) = stores_with_a_base(&dir);
+        objects.services.apply(Event::Apply(service("web", "10.96.0.20")));
+        objects.services.apply(Event::Delete(service("db", "10.96.0.10")));
+        objects.endpoint_slices.apply(Event::Apply(slice("web-1", "10.0.0.2")));
+        objects.namespaces.apply(Event::Apply(namespace("new", "b")));
+        append_changes(&dir, &mut objects, &feeds);
+        // A later record wins over an earlier one; a deleted object comes back.
+        objects.services.apply(Event::Apply(service("web", "10.96.0.30")));
+        objects.services.apply(Event::Apply(service("db", "10.96.0.40")));
+        objects.namespaces.apply(Event::Delete(namespace("cache", "a")));
+        append_changes(&dir, &mut objects, &feeds);
+        let (read, stats) = read_with_stats(&dir).unwrap();
+        assert_eq!(stats, ReadStats { journal_records: 2, torn_tail: false });
+        assert_eq!(in_key_order(read.clone()), in_key_order(objects.checkpoint()));
+        assert!(read.written_unix > 0.0, "the time of the last record");
+        // Restored, then written as a new base: the same objects, no journal.
+        let mut restored = ClusterObjects::default();
+        restored.restore(read);
+        write_base(&dir, &restored.snapshot()).unwrap();
+        let (compacted, stats) = read_with_stats(&dir).unwrap();
+        assert_eq!(stats.journal_records, 0);
+        assert_eq!(in_key_order(compacted), in_key_order(objects.checkpoint()));
+    }
+
+    /// What an agent that died appending leaves — its last record cut short, failing its
+    /// checksum, or zeros — reads as the state of the write before.
+    #[test]
+    fn a_torn_last_record_is_dropped() {
+        let dir = temp_dir("torn");
+        let (mut objects, feeds) = stores_with_a_base(&dir);
+        objects.services.apply(Event::Apply(service("web", "10.96.0.20")));
+        append_changes(&dir, &mut objects, &feeds);
+        let before_last = in_key_order(objects.checkpoint());
+        let whole = fs::read(path_in(&dir)).unwrap();
+        objects.services.apply(Event::Apply(service("web", "10.96.0.30")));
+        let last = append_changes(&dir, &mut objects, &feeds) as usize;
+        let with_last = fs::read(path_in(&dir)).unwrap();
+        assert_eq!(in_key_order(read(&dir).unwrap()), in_key_order(objects.checkpoint()));
+
+        let mut flipped = with_last.clone();
+        let at = flipped.len() - 10;
+        flipped[at] ^= 0x01;
+        let zeros = [whole.clone(), vec![0; 4096]].concat();
+        for (what, bytes) in [
+            ("cut within its payload", with_last[..with_last.len() - last / 2].to_vec()),
+            ("cut within its header", with_last[..whole.len() + 10].to_vec()),
+            ("its newline missing", with_last[..with_last.len() - 1].to_vec()),
+            ("failing its checksum", flipped),
+            ("zeros", zeros),
+        ] {
+            fs::write(path_in(&dir), &bytes).unwrap();
+            let (read, stats) = read_with_stats(&dir).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(stats, ReadStats { journal_records: 1, torn_tail: true }, "{what}");
+            assert_eq!(in_key_order(read), before_last, "{what}");
+        }
+    }
+
+    /// A bad record with more after it, or a bad base, is not what a crash leaves: the file is
+    /// refused whole, never applied up to the damage.
+    #[test]
+    fn a_corrupt_record_or_base_is_rejected() {
+        let dir = temp_dir("corrupt");
+        let (mut objects, feeds) = stores_with_a_base(&dir);
+        let base_len = fs::metadata(path_in(&dir)).unwrap().len() as usize;
+        objects.services.apply(Event::Apply(service("web", "10.96.0.20")));
+        append_changes(&dir, &mut objects, &feeds);
+        objects.services.apply(Event::Apply(service("web", "10.96.0.30")));
+        append_changes(&dir, &mut objects, &feeds);
+        let text = fs::read_to_string(path_in(&dir)).unwrap();
+        let first_record = &text[base_len..];
+        for (what, edited) in [
+            (
+                "a journal record's payload",
+                format!("{}{}", &text[..base_len], first_record.replacen("10.96.0.20", "10.96.0.21", 1)),
+            ),
+            ("a journal record's header", format!("{}#X{}", &text[..base_len], &first_record[2..])),
+            ("the base", text.replacen("10.0.0.1", "10.0.0.9", 1)),
+            ("the base's length", text.replacen("#B 0", "#B 1", 1)),
+        ] {
+            fs::write(path_in(&dir), &edited).unwrap();
+            let error = read(&dir).unwrap_err();
+            assert!(matches!(error, CheckpointError::Corrupt { .. }), "{what}: {error}");
+        }
     }
 
     #[test]

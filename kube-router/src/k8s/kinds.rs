@@ -58,10 +58,20 @@ pub trait Watched:
     fn saved(held: &Self::Held) -> Self::Saved;
     /// A checkpointed object as the store keeps it, with its key.
     fn restored(saved: Self::Saved) -> (ObjectKey, Self::Held);
+    /// The (namespace, name) of a checkpointed object, the key its store keeps it under: what
+    /// the checkpoint's journal replaces or deletes.
+    fn saved_key(saved: &Self::Saved) -> (&str, &str);
     /// Writes a held object in the checkpoint's form; overridden where no copy is needed.
     fn write_saved<S: Serializer>(held: &Self::Held, serializer: S) -> Result<S::Ok, S::Error> {
         Self::saved(held).serialize(serializer)
     }
+}
+
+/// The key a store keeps an API object under (`key_of` in `k8s::store`), borrowed.
+fn resource_key<K: Resource>(object: &K) -> (&str, &str) {
+    let meta = object.meta();
+    let name = meta.name.as_deref().or(meta.generate_name.as_deref()).unwrap_or_default();
+    (meta.namespace.as_deref().unwrap_or_default(), name)
 }
 
 /// The common case: kept decoded and shared, checkpointed as it is kept.
@@ -76,6 +86,9 @@ macro_rules! kept_shared {
             }
             fn restored(saved: $ty) -> (ObjectKey, Arc<$ty>) {
                 keyed_hold(saved)
+            }
+            fn saved_key(saved: &$ty) -> (&str, &str) {
+                resource_key(saved)
             }
             fn write_saved<S: Serializer>(held: &Arc<$ty>, serializer: S) -> Result<S::Ok, S::Error> {
                 (**held).serialize(serializer)
@@ -98,6 +111,9 @@ impl Watched for EndpointSlice {
     fn restored(saved: EndpointSlice) -> (ObjectKey, Packed<EndpointSlice>) {
         keyed_hold(saved)
     }
+    fn saved_key(saved: &EndpointSlice) -> (&str, &str) {
+        resource_key(saved)
+    }
     fn write_saved<S: Serializer>(held: &Packed<EndpointSlice>, serializer: S) -> Result<S::Ok, S::Error> {
         held.serialize(serializer)
     }
@@ -115,6 +131,9 @@ impl Watched for PodFields {
     fn restored(saved: SlimPod) -> (ObjectKey, Arc<SlimPod>) {
         ((saved.namespace.to_string(), saved.name.to_string()), Arc::new(saved))
     }
+    fn saved_key(saved: &SlimPod) -> (&str, &str) {
+        (&saved.namespace, &saved.name)
+    }
     fn write_saved<S: Serializer>(held: &Arc<SlimPod>, serializer: S) -> Result<S::Ok, S::Error> {
         (**held).serialize(serializer)
     }
@@ -129,6 +148,9 @@ impl Watched for NamespaceFields {
     }
     fn restored(saved: SlimNamespace) -> (ObjectKey, Arc<SlimNamespace>) {
         ((String::new(), saved.name.to_string()), Arc::new(saved))
+    }
+    fn saved_key(saved: &SlimNamespace) -> (&str, &str) {
+        ("", &saved.name)
     }
     fn write_saved<S: Serializer>(held: &Arc<SlimNamespace>, serializer: S) -> Result<S::Ok, S::Error> {
         (**held).serialize(serializer)
@@ -148,6 +170,9 @@ impl Watched for NodeFields {
     }
     fn restored(saved: Node) -> (ObjectKey, Arc<Node>) {
         keyed_hold(saved)
+    }
+    fn saved_key(saved: &Node) -> (&str, &str) {
+        resource_key(saved)
     }
 }
 

@@ -366,6 +366,11 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
         self.objects.keys()
     }
 
+    /// One object as the store keeps it.
+    pub fn get_held(&self, key: &ObjectKey) -> Option<&H> {
+        self.objects.get(key)
+    }
+
     /// Every object as the store keeps it.
     pub fn held(&self) -> impl Iterator<Item = &H> {
         self.objects.values()

@@ -15,7 +15,11 @@ use kube::{
 };
 use tokio::sync::mpsc;
 
-use super::{checkpoint::Checkpoint, kinds::Watched, store::ObjectStore};
+use super::{
+    checkpoint::Checkpoint,
+    kinds::Watched,
+    store::{Feed, ObjectKey, ObjectStore},
+};
 
 /// How to reach the API server (kube-router's `--kubeconfig` / `--master`).
 #[derive(Clone, Debug, Default)]
@@ -203,6 +207,36 @@ macro_rules! cluster_objects {
                 }
             }
 
+            /// A feed of every store for the checkpoint's journal ([`Self::checkpoint_changes`]).
+            pub fn subscribe_checkpoint(&mut self) -> CheckpointFeeds {
+                CheckpointFeeds { $($field: self.$field.subscribe(),)* }
+            }
+
+            /// The objects changed since `feeds` were last taken, each shared with its store
+            /// (`None`: deleted). `None` when a feed cannot tell (its first take, or after a
+            /// restore): only a whole snapshot records the state then. Every feed is taken either
+            /// way.
+            pub fn checkpoint_changes(&mut self, feeds: &CheckpointFeeds) -> Option<CheckpointChanges> {
+                let mut told = true;
+                let changes = CheckpointChanges {
+                    written_unix: crate::metrics::unix_now(),
+                    $($field: match self.$field.take_changes(feeds.$field) {
+                        Some(keys) => keys
+                            .into_iter()
+                            .map(|key| {
+                                let held = self.$field.get_held(&key).cloned();
+                                (key, held)
+                            })
+                            .collect(),
+                        None => {
+                            told = false;
+                            Vec::new()
+                        }
+                    },)*
+                };
+                told.then_some(changes)
+            }
+
             /// Every object in the checkpoint's form (a copy: tests and tooling).
             pub fn checkpoint(&self) -> Checkpoint {
                 Checkpoint {
@@ -221,6 +255,40 @@ macro_rules! cluster_objects {
         pub struct CheckpointSnapshot {
             pub(crate) written_unix: f64,
             $($field: Vec<<$ty as Watched>::Held>,)*
+        }
+
+        /// The checkpoint writer's feed of every store.
+        pub struct CheckpointFeeds {
+            $($field: Feed,)*
+        }
+
+        /// What changed between two takes of the [`CheckpointFeeds`], shared with the stores.
+        pub struct CheckpointChanges {
+            pub(crate) written_unix: f64,
+            $($field: Vec<(ObjectKey, Option<<$ty as Watched>::Held>)>,)*
+        }
+
+        impl CheckpointChanges {
+            /// How many objects changed or went.
+            pub fn len(&self) -> usize {
+                0 $(+ self.$field.len())*
+            }
+
+            pub fn is_empty(&self) -> bool {
+                self.len() == 0
+            }
+        }
+
+        /// Serialises as a [`JournalBatch`](super::checkpoint::JournalBatch) of the same
+        /// objects, read in place like [`CheckpointSnapshot`]'s.
+        impl serde::Serialize for CheckpointChanges {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                use serde::ser::SerializeStruct;
+                let mut batch = serializer.serialize_struct("JournalBatch", 1 + Kind::ALL.len())?;
+                batch.serialize_field("written_unix", &self.written_unix)?;
+                $(batch.serialize_field(stringify!($field), &WrittenChanges::<$ty>(&self.$field))?;)*
+                batch.end()
+            }
         }
 
         /// Serialises as the [`Checkpoint`] of the same objects, read in place (no copy of them
@@ -251,6 +319,32 @@ impl<K: Watched> serde::Serialize for Written<'_, K> {
             }
         }
         serializer.collect_seq(self.0.iter().map(One::<K>))
+    }
+}
+
+/// A kind's changed objects, serialised as `[key, object]` pairs in the checkpoint's form
+/// (`null` for a deleted one).
+struct WrittenChanges<'a, K: Watched>(&'a [(ObjectKey, Option<K::Held>)]);
+
+impl<K: Watched> serde::Serialize for WrittenChanges<'_, K> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        struct One<'a, K: Watched>(&'a ObjectKey, Option<&'a K::Held>);
+        impl<K: Watched> serde::Serialize for One<'_, K> {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                use serde::ser::SerializeTuple;
+                struct Object<'a, K: Watched>(&'a K::Held);
+                impl<K: Watched> serde::Serialize for Object<'_, K> {
+                    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                        K::write_saved(self.0, serializer)
+                    }
+                }
+                let mut pair = serializer.serialize_tuple(2)?;
+                pair.serialize_element(self.0)?;
+                pair.serialize_element(&self.1.map(Object::<K>))?;
+                pair.end()
+            }
+        }
+        serializer.collect_seq(self.0.iter().map(|(key, held)| One::<K>(key, held.as_ref())))
     }
 }
 

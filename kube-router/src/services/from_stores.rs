@@ -204,7 +204,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         let snapshot = objects.snapshot();
         let written_unix = snapshot.written_unix;
-        checkpoint::write_payload(&dir, &snapshot).unwrap();
+        checkpoint::write_base(&dir, &snapshot).unwrap();
         let read = checkpoint::read(&dir).unwrap();
         // A float read back from JSON may differ in its last bit.
         assert!((read.written_unix - written_unix).abs() < 1e-3);
