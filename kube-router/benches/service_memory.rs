@@ -235,7 +235,7 @@ fn main() {
     phase("checkpoint written (snapshot, copy, JSON, file)", &mut log, || {
         let dir = std::env::temp_dir().join(format!("krt-rss-memory-{}", std::process::id()));
         let snapshot = objects.snapshot();
-        checkpoint::write_payload(&dir, &snapshot).unwrap();
+        checkpoint::write_base(&dir, &snapshot).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
     });
     phase("100 EndpointSlice changes, compiled alone", &mut log, || {
