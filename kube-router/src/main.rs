@@ -10,11 +10,14 @@ use kube_router::{
     launch,
 };
 
-/// See `kube_router::allocator`.
+/// See `kube_router::allocator`. The `system-alloc` feature leaves glibc's malloc in place, so
+/// heap profilers that hook malloc (heaptrack, valgrind) see every allocation (DEVELOPERS.md).
+#[cfg(not(feature = "system-alloc"))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
+    #[cfg(not(feature = "system-alloc"))]
     kube_router::allocator::configure();
     let cli = command_line::parse_from(std::env::args_os()).unwrap_or_else(|e| e.exit());
     // RUST_LOG wins; upstream's -v only picks the default.

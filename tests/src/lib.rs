@@ -318,6 +318,11 @@ impl Agent {
             // The shell moves itself in, then becomes the agent (same pid).
             command.args(["sh", "-c", "echo $$ > \"$0/cgroup.procs\" && exec \"$@\""]).arg(cgroup);
         }
+        // A profiler's wrapper (`scripts/heaptrack-exec.sh`), which must exec the agent so the
+        // pid, /proc figures and kill stay the agent's.
+        if let Some(wrapper) = std::env::var_os("KRT_AGENT_WRAPPER") {
+            command.arg(wrapper);
+        }
         let mut child = command
             .arg(kube_router_bin())
             .arg("--bpf-root")

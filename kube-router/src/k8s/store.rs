@@ -276,7 +276,17 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
                 false
             }
             Event::InitDone => {
-                let listed = self.relist.take().unwrap_or_default();
+                // Rebuilt at once with full B-tree nodes: inserted one by one in the listing's
+                // (key) order, the nodes split about half full (issue 29, heap profile).
+                let mut listed: BTreeMap<ObjectKey, H> = self.relist.take().unwrap_or_default().into_iter().collect();
+                // An object listed again unchanged stays the copy held: readers that saw no
+                // change (the policy compiler's pods) still share that one, and replacing it
+                // left two copies of every object after each relist (issue 29, heap profile).
+                for (key, object) in listed.iter_mut() {
+                    if let Some(held) = self.objects.get(key).filter(|held| *held == object) {
+                        *object = held.clone();
+                    }
+                }
                 if self.feeds.iter().any(Option::is_some) || self.journal.is_some() {
                     let differs = |key: &&ObjectKey| listed.get(*key) != self.objects.get(*key);
                     let moved: BTreeSet<ObjectKey> =
@@ -571,6 +581,25 @@ mod tests {
             assert!(!store.apply(e));
         }
         assert!(!store.apply(Event::InitDone));
+    }
+
+    /// A reader that saw no change keeps sharing the store's copy: the relisted equal object is
+    /// dropped, not the one held (else every object is held twice after a relist).
+    #[test]
+    fn a_relist_keeps_the_held_copy_of_an_unchanged_object() {
+        let mut store = ObjectStore::<Service>::default();
+        for e in [Event::Init, Event::InitApply(svc("a", 1)), Event::InitApply(svc("b", 1)), Event::InitDone] {
+            store.apply(e);
+        }
+        let before = store.snapshot();
+        for e in [Event::Init, Event::InitApply(svc("a", 1)), Event::InitApply(svc("b", 2))] {
+            store.apply(e);
+        }
+        assert!(store.apply(Event::InitDone), "b moved");
+        let after = store.snapshot();
+        assert!(Arc::ptr_eq(&before[0], &after[0]), "a unchanged: the same copy");
+        assert!(!Arc::ptr_eq(&before[1], &after[1]));
+        assert_eq!(after[1].metadata.resource_version.as_deref(), Some("2"), "b is the listed one");
     }
 
     #[test]

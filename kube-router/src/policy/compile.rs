@@ -49,6 +49,7 @@ pub(crate) fn load_inputs<'a, P: AsSlimPod + 'a, N: AsSlimNamespace + 'a>(
         let name = policy.metadata.name.clone().unwrap_or_default();
         inputs.set_policy(&namespace, &name, ValidatedPolicy::from_k8s(policy));
     }
+    inputs.pack();
     inputs
 }
 

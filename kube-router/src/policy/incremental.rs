@@ -170,6 +170,13 @@ impl PolicyCompiler {
     fn replace_pod(&mut self, pod_ref: &PodRef, new: Option<PodInfo>) -> Delta {
         let old = self.inputs.pod(pod_ref).cloned();
         if old == new {
+            // Nothing the compiler reads moved, but the caller's copy (the store's, e.g. a
+            // newer version, a readiness flip) is held instead of the old one: otherwise the
+            // store and the compiler each keep a copy of such a pod (issue 29, heap profile).
+            if let Some(new) = new.filter(|new| old.as_ref().is_some_and(|old| !old.same_object(new))) {
+                self.inputs.remove_pod(pod_ref);
+                self.inputs.insert_pod(new);
+            }
             return Delta::default();
         }
         let touched_ips: BTreeSet<IpAddr> =

@@ -52,6 +52,11 @@ impl PodInfo {
         Some(PodInfo { pod: pod_ref(&object), object })
     }
 
+    /// Whether both hold the one shared object (not merely equal ones).
+    pub fn same_object(&self, other: &PodInfo) -> bool {
+        Arc::ptr_eq(&self.object, &other.object)
+    }
+
     /// The pod's addresses, sorted, each once.
     pub fn ips(&self) -> &[IpAddr] {
         &self.object.ips

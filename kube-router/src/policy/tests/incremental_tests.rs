@@ -3,6 +3,7 @@
 use serde_json::json;
 
 use super::fixtures::{ip, namespace, pod, policy, Cluster};
+use crate::k8s::pod::SlimPod;
 use crate::policy::{allows, compile, Isolation, PodSetChange, PolicyCompiler, Protocol};
 
 fn compiler_for(cluster: &Cluster, policies: &[k8s_openapi::api::networking::v1::NetworkPolicy]) -> PolicyCompiler {
@@ -23,6 +24,26 @@ fn snapshot_matches_full_compile() {
     let policies = [allow_from_b()];
     let compiler = compiler_for(&cluster, &policies);
     assert_eq!(compiler.output(), cluster.compile(&policies));
+}
+
+/// An update of nothing the compiler reads (a newer version, a readiness flip) changes nothing,
+/// yet the compiler lets go of its old copy for the caller's (the store's): one copy per pod.
+#[test]
+fn an_update_of_nothing_read_changes_nothing_but_shares_the_new_copy() {
+    let cluster = Cluster::xyz();
+    let mut compiler = compiler_for(&cluster, &[allow_from_b()]);
+    let before = compiler.output();
+    let first = std::sync::Arc::new(SlimPod::from(&pod("x", "c", "10.0.1.3", &[("pod", "c")])));
+    compiler.upsert_pod(&first);
+    let mut newer = pod("x", "c", "10.0.1.3", &[("pod", "c")]);
+    newer.metadata.resource_version = Some("7".into());
+    let second = std::sync::Arc::new(SlimPod::from(&newer));
+    let delta = compiler.upsert_pod(&second);
+    assert_eq!(delta.pods_recomputed, 0);
+    assert!(delta.pods.is_empty() && delta.pod_sets.is_empty());
+    assert_eq!(compiler.output(), before);
+    assert_eq!(std::sync::Arc::strong_count(&first), 1, "the old copy let go");
+    assert_eq!(std::sync::Arc::strong_count(&second), 2, "the new copy held");
 }
 
 #[test]
