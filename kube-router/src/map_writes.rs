@@ -95,7 +95,29 @@ pub trait WriteTarget<O> {
     fn write(&mut self, op: &O) -> Result<(), MapWriteError>;
     /// `op` took effect: a model of the maps' contents follows it.
     fn written(&mut self, _op: &O) {}
+    /// `op` may be written in one batch with the writes into the same map around it (a put
+    /// into a map the target writes in batches).
+    fn batches(&self, _op: &O) -> bool {
+        false
+    }
+    /// Writes `ops` (puts into one map, each [`Self::batches`]) in one go, in order: how many
+    /// took effect and the next one's error, as [`Self::write`] would have reported it;
+    /// `None` when the kernel cannot (nothing written: they are written one by one).
+    fn write_batch(&mut self, _ops: &[O]) -> Option<BatchOutcome> {
+        None
+    }
 }
+
+/// What a batch of writes did: the first `done` took effect, and the one after them (if any)
+/// failed with `error`; none after it was tried.
+#[derive(Debug)]
+pub struct BatchOutcome {
+    pub done: usize,
+    pub error: Option<MapWriteError>,
+}
+
+/// The fewest writes worth a batch: below it the one-by-one writes cost no more.
+const MIN_BATCH: usize = 4;
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct WriteRules {
@@ -105,51 +127,101 @@ pub struct WriteRules {
     pub hold_deletes_after_failure: bool,
 }
 
-/// Writes `ops` in order into `target` under `rules`.
+/// Writes `ops` in order into `target` under `rules`. Runs of puts into one map go in batches
+/// where the target can; the counts, the errors and the model come out as one by one.
 pub fn write_ops<O: MapOperation>(
     target: &mut impl WriteTarget<O>,
     ops: impl IntoIterator<Item = O>,
     rules: WriteRules,
 ) -> SyncReport {
+    let ops: Vec<O> = ops.into_iter().collect();
     let mut report = SyncReport::default();
     let mut full: BTreeSet<&'static str> = BTreeSet::new();
     let mut failed = false;
-    for op in ops {
+    // Writes before this index go one by one (a batch the kernel could not take).
+    let mut singly_until = 0;
+    let mut i = 0;
+    while i < ops.len() {
+        let op = &ops[i];
         let map = op.map_name();
+        // A full map's inserts are refused without a try: batches only while it has room.
+        if i >= singly_until && !op.is_delete() && !full.contains(map) && target.batches(op) {
+            let run = ops[i..]
+                .iter()
+                .take_while(|next| next.map_name() == map && !next.is_delete() && target.batches(next))
+                .count();
+            if run >= MIN_BATCH {
+                match target.write_batch(&ops[i..i + run]) {
+                    Some(BatchOutcome { done, error }) => {
+                        let done = done.min(run);
+                        for op in &ops[i..i + done] {
+                            let insert = target.is_insert(op);
+                            count_written(report.per_map.entry(map).or_default(), op, insert);
+                            target.written(op);
+                        }
+                        i += done;
+                        match error {
+                            Some(e) if done < run => {
+                                failed = true;
+                                record_failure(&mut report, &mut full, map, e);
+                                i += 1;
+                            }
+                            // Stopped without an error: the rest one by one.
+                            _ if done < run => singly_until = i + (run - done),
+                            _ => {}
+                        }
+                    }
+                    None => singly_until = i + run,
+                }
+                continue;
+            }
+        }
         let counts = report.per_map.entry(map).or_default();
         if op.is_delete() && failed && rules.hold_deletes_after_failure {
             counts.deferred += 1;
+            i += 1;
             continue;
         }
-        let insert = target.is_insert(&op);
+        let insert = target.is_insert(op);
         if insert && full.contains(map) {
             counts.errors += 1;
             counts.full += 1;
             failed = true;
+            i += 1;
             continue;
         }
-        match target.write(&op) {
+        match target.write(op) {
             Ok(()) => {
-                match () {
-                    _ if op.is_delete() => counts.deletes += 1,
-                    _ if insert => counts.inserts += 1,
-                    _ => counts.updates += 1,
-                }
-                target.written(&op);
+                count_written(counts, op, insert);
+                target.written(op);
             }
             Err(e) => {
                 failed = true;
-                counts.errors += 1;
-                if e.full {
-                    counts.full += 1;
-                    full.insert(map);
-                }
-                // Logged by the caller once per map that starts failing, not per entry.
-                report.first_errors.entry(map).or_insert_with(|| e.message.clone());
+                record_failure(&mut report, &mut full, map, e);
             }
         }
+        i += 1;
     }
     report
+}
+
+fn count_written<O: MapOperation>(counts: &mut OpCounts, op: &O, insert: bool) {
+    match () {
+        _ if op.is_delete() => counts.deletes += 1,
+        _ if insert => counts.inserts += 1,
+        _ => counts.updates += 1,
+    }
+}
+
+fn record_failure(report: &mut SyncReport, full: &mut BTreeSet<&'static str>, map: &'static str, error: MapWriteError) {
+    let counts = report.per_map.entry(map).or_default();
+    counts.errors += 1;
+    if error.full {
+        counts.full += 1;
+        full.insert(map);
+    }
+    // Logged by the caller once per map that starts failing, not per entry.
+    report.first_errors.entry(map).or_insert(error.message);
 }
 
 /// The map writes of every writer (services, policy, the maps' stamps) and the maps' fill.
@@ -245,18 +317,32 @@ mod tests {
         }
     }
 
-    /// Maps of at most `room` keys each; `broken` refuses every write.
+    /// Maps of at most `room` keys each; `broken` refuses every write. With `batches`, puts
+    /// are written in batches that stop at the first refusal, as the kernel's do; with
+    /// `batches_refused`, the kernel has no batch command.
     #[derive(Default)]
     struct Maps {
         keys: BTreeMap<&'static str, BTreeSet<u32>>,
+        /// What the writer knows the maps hold (as the services' model): updated by `written`,
+        /// not by the kernel's writes, so a batch's inserts still count as inserts.
+        model: BTreeMap<&'static str, BTreeSet<u32>>,
         room: usize,
         broken: Option<&'static str>,
         attempts: usize,
+        batches: bool,
+        batches_refused: bool,
+        batch_calls: usize,
     }
 
     impl WriteTarget<Op> for Maps {
         fn is_insert(&self, op: &Op) -> bool {
-            matches!(op, Op::Put(map, key) if !self.keys.get(map).is_some_and(|k| k.contains(key)))
+            matches!(op, Op::Put(map, key) if !self.model.get(map).is_some_and(|k| k.contains(key)))
+        }
+        fn written(&mut self, op: &Op) {
+            match op {
+                Op::Put(map, key) => self.model.entry(map).or_default().insert(*key),
+                Op::Delete(map, key) => self.model.entry(map).or_default().remove(key),
+            };
         }
         fn write(&mut self, op: &Op) -> Result<(), MapWriteError> {
             self.attempts += 1;
@@ -279,12 +365,44 @@ mod tests {
                 }
             }
         }
+        fn batches(&self, op: &Op) -> bool {
+            self.batches && matches!(op, Op::Put(..))
+        }
+        fn write_batch(&mut self, ops: &[Op]) -> Option<BatchOutcome> {
+            self.batch_calls += 1;
+            if self.batches_refused {
+                return None;
+            }
+            for (done, op) in ops.iter().enumerate() {
+                if let Err(e) = self.write(op) {
+                    return Some(BatchOutcome { done, error: Some(e) });
+                }
+            }
+            Some(BatchOutcome { done: ops.len(), error: None })
+        }
     }
 
+    /// Puts and deletes over three maps, one of which runs out of room halfway through a run.
+    fn mixed_ops() -> Vec<Op> {
+        let mut ops: Vec<Op> = (0..8).map(|k| Op::Put("a", k)).collect();
+        ops.extend((0..3).map(|k| Op::Put("b", k)));
+        ops.extend((0..12).map(|k| Op::Put("c", k)));
+        ops.extend([Op::Put("a", 0), Op::Put("a", 20), Op::Delete("a", 1), Op::Delete("c", 3)]);
+        ops.extend((5..10).map(|k| Op::Put("b", k)));
+        ops
+    }
+
+    fn preloaded(room: usize) -> Maps {
+        let mut maps = Maps { room, ..Default::default() };
+        maps.keys.entry("a").or_default().extend([2, 3]);
+        maps.model = maps.keys.clone();
+        maps
+    }
     #[test]
     fn inserts_updates_and_deletes_are_counted_per_map() {
         let mut maps = Maps { room: 10, ..Default::default() };
         maps.keys.entry("a").or_default().insert(1);
+        maps.model = maps.keys.clone();
         let ops = [Op::Put("a", 1), Op::Put("a", 2), Op::Put("b", 1), Op::Delete("a", 1)];
         let report = write_ops(&mut maps, ops, WriteRules::default());
         assert_eq!(report.per_map["a"], OpCounts { inserts: 1, updates: 1, deletes: 1, ..Default::default() });
@@ -308,11 +426,36 @@ mod tests {
     fn held_deletes_wait_for_a_pass_without_failures() {
         let mut maps = Maps { room: 10, broken: Some("b"), ..Default::default() };
         maps.keys.entry("a").or_default().insert(1);
+        maps.model = maps.keys.clone();
         let ops = [Op::Put("b", 1), Op::Put("a", 2), Op::Delete("a", 1)];
         let rules = WriteRules { hold_deletes_after_failure: true };
         let report = write_ops(&mut maps, ops, rules);
         assert_eq!(report.per_map["a"], OpCounts { inserts: 1, deferred: 1, ..Default::default() });
         assert_eq!(report.first_error().map(|(map, _)| map), Some("b"));
         assert!(maps.keys["a"].contains(&1), "the old entry stays");
+    }
+
+    #[test]
+    fn batches_count_fail_and_fill_as_one_by_one() {
+        for rules in [WriteRules::default(), WriteRules { hold_deletes_after_failure: true }] {
+            let mut single = preloaded(10);
+            let expected = write_ops(&mut single, mixed_ops(), rules);
+            let mut batched = Maps { batches: true, ..preloaded(10) };
+            let report = write_ops(&mut batched, mixed_ops(), rules);
+            assert_eq!(report, expected, "{rules:?}");
+            assert_eq!(batched.keys, single.keys);
+            assert_eq!(report.per_map["c"].full, 2, "c has room for 10 of its 12");
+            assert!(batched.batch_calls >= 3, "a, c and b's second run in batches");
+        }
+    }
+
+    #[test]
+    fn a_kernel_without_batches_gets_the_writes_one_by_one() {
+        let mut single = preloaded(10);
+        let expected = write_ops(&mut single, mixed_ops(), WriteRules::default());
+        let mut refused = Maps { batches: true, batches_refused: true, ..preloaded(10) };
+        assert_eq!(write_ops(&mut refused, mixed_ops(), WriteRules::default()), expected);
+        assert_eq!(refused.keys, single.keys);
+        assert_eq!(refused.attempts, single.attempts, "each write tried once");
     }
 }

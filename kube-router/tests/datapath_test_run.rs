@@ -517,3 +517,75 @@ fn a_pinned_map_with_other_creation_flags_is_refused() {
     assert_eq!(layout::check_pinned(&pin_dir, None).expect("the object's own flags").adopted, 1);
     let _ = std::fs::remove_dir_all(&pin_dir);
 }
+
+/// The service maps written in batches hold what the same writes one by one leave, counted
+/// alike, down to maps that run out of room halfway through a batch (sized for 16 frontends:
+/// 64 backends and slots).
+#[test]
+fn batched_service_map_writes_leave_what_writes_one_by_one_leave() {
+    use kube_router::{
+        bpf::layout::MapSizes,
+        pinned::batch::{update_batch, BatchWrite},
+        services::diff::MapOp,
+    };
+    use kube_router_common::{BackendSlotKey, BackendSlotValue, BackendV4, ServiceKeyV4, ServiceValue};
+    let ops = || -> Vec<MapOp> {
+        let backend = |id: u32| {
+            MapOp::PutBackend(id, BackendV4 { addr: (0x0a00_0000 + id).to_be(), port: 8080u16.to_be(), flags: 0 })
+        };
+        let slot = |id: u32| {
+            MapOp::PutSlot(BackendSlotKey { service_id: id / 4, slot: id % 4 }, BackendSlotValue { backend_id: id })
+        };
+        let service = |id: u32| {
+            let key = ServiceKeyV4 { addr: (0x0a60_0000 + id).to_be(), port: 80u16.to_be(), proto: 6, pad: 0 };
+            MapOp::PutService(
+                key,
+                ServiceValue { service_id: id, backend_count: 4, flags: 0, affinity_timeout_secs: 0 },
+            )
+        };
+        // 70 backends and slots (6 past the room), 20 frontends (4 past it), then an update of
+        // an existing backend and more of each.
+        let mut ops: Vec<MapOp> = (1..=70).map(backend).collect();
+        ops.extend((0..70).map(slot));
+        ops.extend((1..=20).map(service));
+        ops.extend([backend(3), slot(200), service(1)]);
+        ops
+    };
+    let sizes = MapSizes { lb_frontends: 16, ..Default::default() };
+    let mut written = Vec::new();
+    for batches in [false, true] {
+        let pin_dir = PathBuf::from(format!("/sys/fs/bpf/krt-unit-batch-{batches}"));
+        let _ = datapath::remove_all(&pin_dir);
+        let datapath = Datapath::load_sized(&pin_dir, datapath::AttachMode::detect(), Some(sizes)).unwrap();
+        let mut maps = BpfServiceMaps::open_pinned(&pin_dir).unwrap().with_batches(batches);
+        let mut sync = ServiceSync::adopt(&maps).unwrap();
+        let report = sync.write(&mut maps, ops());
+        let contents = kube_router::agent::read_programmed(&pin_dir).unwrap();
+        assert_eq!(&contents, sync.programmed(), "the model follows the maps (batches: {batches})");
+        written.push((report.per_map, contents));
+        drop(datapath);
+        let _ = datapath::remove_all(&pin_dir);
+    }
+    let (single, batched) = (&written[0], &written[1]);
+    assert_eq!(batched, single);
+    let backends = &single.0[kube_router_common::map_names::BACKENDS];
+    assert_eq!((backends.inserts, backends.updates, backends.errors, backends.full), (64, 1, 6, 6));
+    assert_eq!(single.1.services.len(), 16);
+
+    // The kernel's own answer to a batch past the room: how many it wrote, and why it stopped.
+    let pin_dir = PathBuf::from("/sys/fs/bpf/krt-unit-batch-raw");
+    let _ = datapath::remove_all(&pin_dir);
+    let datapath = Datapath::load_sized(&pin_dir, datapath::AttachMode::detect(), Some(sizes)).unwrap();
+    let map = kube_router::pinned::open_pinned(&pin_dir, kube_router_common::map_names::BACKENDS).unwrap();
+    let keys: Vec<u32> = (1..=70).collect();
+    let values = vec![BackendV4 { addr: 1, port: 2, flags: 0 }; 70];
+    match update_batch(&map, &keys, &values) {
+        BatchWrite::Written { done, error } => {
+            assert_eq!(done, 64);
+            assert_eq!(error.and_then(|e| e.raw_os_error()), Some(libc::E2BIG));
+        }
+        BatchWrite::Unsupported => panic!("this kernel has BPF_MAP_UPDATE_BATCH (5.6+)"),
+    }
+    drop(datapath);
+    let _ = datapath::remove_all(&pin_dir);
+}

@@ -18,6 +18,9 @@
 //!    pinned frontend map every 0.2 ms).
 //!
 //! `KRT_SCALE` (default 1.0) scales every object count, e.g. 0.05 for a quick look.
+//! `KRT_SCALE_ONLY_API_START=1` stops after 1. (the cold start's figures alone, for an A/B of
+//! the start); `KRT_SCALE_PERF=FILE` records the agent's start from the API with
+//! `perf record -F 499 -g` into FILE.
 use std::{
     collections::BTreeMap,
     fs,
@@ -527,6 +530,13 @@ fn main() {
     let server_cpu_before = cpu_seconds(std::process::id());
     let phase = Phase::begin();
     let agent = Agent::start(&node_ns, &root, &args).unwrap();
+    let perf = std::env::var("KRT_SCALE_PERF").ok().map(|out| {
+        Command::new("perf")
+            .args(["record", "-F", "499", "-g", "-o", &out, "-p", &agent.pid().to_string()])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("perf record")
+    });
     let api_cold = phase.until("cold start from the API", Duration::from_secs(600), || {
         // Cheap checks first: a scrape renders every Service's series (tens of MiB at full size).
         frontends(&root).is_some_and(|m| m.contains(&probe_key(0))) && ready(&node_ns) && synced(&scrape(&node_ns))
@@ -535,6 +545,29 @@ fn main() {
     let (api_cold_agent_cpu, api_cold_server_cpu) =
         (cpu_seconds(agent.pid()), cpu_seconds(std::process::id()) - server_cpu_before);
     let api_cold_load = fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    if let Some(mut perf) = perf {
+        // SAFETY: signals a child of this process.
+        unsafe { libc::kill(perf.id() as i32, libc::SIGINT) };
+        let _ = perf.wait();
+    }
+    if std::env::var_os("KRT_SCALE_ONLY_API_START").is_some() {
+        agent.kill();
+        remove_bpf_root(&root);
+        let _ = gobgpd.kill();
+        let _ = gobgpd.wait();
+        let _ = bird.kill();
+        let _ = bird.wait();
+        println!(
+            "cold start from the API              {:>8.2} s    peak RSS {:>7.1} MiB   (goal < 5 s, < 250 MiB)",
+            api_cold.as_secs_f64(),
+            api_cold_rss as f64 / 1024.0
+        );
+        println!(
+            "  CPU during it: agent {api_cold_agent_cpu:.2} s, API server {api_cold_server_cpu:.2} s (this process; 1-min load average {})",
+            api_cold_load.split_whitespace().next().unwrap_or("?")
+        );
+        return;
+    }
     let established = phase.until("the BGP session with the route reflector", Duration::from_secs(600), || {
         sample(&scrape(&node_ns), "kube_router_bgp_session_established") >= 1.0
     });

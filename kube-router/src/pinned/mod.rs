@@ -2,6 +2,7 @@
 //! (`<bpf root>/v<LAYOUT_VERSION>/<name>`), opening one, a write error as the map writer reports
 //! it, per-CPU counter arrays (`counters`), the one conntrack garbage collector
 //! (`conntrack_gc`) and the API-state stamps in `meta` (`stamps`).
+pub mod batch;
 pub mod conntrack_gc;
 pub mod counters;
 pub mod stamps;

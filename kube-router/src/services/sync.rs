@@ -11,9 +11,17 @@ use crate::map_writes::{write_ops, WriteRules, WriteTarget};
 pub trait ServiceMaps<F: AddressFamily = V4> {
     fn write(&mut self, op: &MapOp<F>) -> Result<(), MapWriteError>;
     fn read_all(&self) -> Result<MapContents<F>, MapWriteError>;
+    /// See [`WriteTarget::batches`].
+    fn batches(&self, _op: &MapOp<F>) -> bool {
+        false
+    }
+    /// See [`WriteTarget::write_batch`]; `programmed` is what the maps hold before it.
+    fn write_batch(&mut self, _ops: &[MapOp<F>], _programmed: &MapContents<F>) -> Option<BatchOutcome> {
+        None
+    }
 }
 
-pub use crate::map_writes::{MapWriteError, OpCounts, SyncReport};
+pub use crate::map_writes::{BatchOutcome, MapWriteError, OpCounts, SyncReport};
 
 impl<F: AddressFamily> MapContents<F> {
     pub fn len(&self) -> usize {
@@ -77,6 +85,12 @@ impl<F: AddressFamily, M: ServiceMaps<F>> WriteTarget<MapOp<F>> for Target<'_, F
     }
     fn written(&mut self, op: &MapOp<F>) {
         self.programmed.apply(op);
+    }
+    fn batches(&self, op: &MapOp<F>) -> bool {
+        self.maps.batches(op)
+    }
+    fn write_batch(&mut self, ops: &[MapOp<F>]) -> Option<BatchOutcome> {
+        self.maps.write_batch(ops, self.programmed)
     }
 }
 

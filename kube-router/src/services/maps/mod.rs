@@ -5,9 +5,12 @@
 use std::path::Path;
 
 use anyhow::Result;
-use aya::maps::{
-    lpm_trie::{Key, LpmTrie},
-    HashMap, Map, MapData, MapError,
+use aya::{
+    maps::{
+        lpm_trie::{Key, LpmTrie},
+        HashMap, IterableMap, Map, MapData, MapError,
+    },
+    sys::SyscallError,
 };
 use kube_router_common::*;
 
@@ -19,10 +22,13 @@ use crate::services::{
     compile::{MapContents, SourceRange},
     diff::MapOp,
     family::{AddressFamily, V4, V6},
-    sync::{MapWriteError, ServiceMaps},
+    sync::{BatchOutcome, MapWriteError, ServiceMaps},
 };
 
-use crate::pinned::{open_pinned as open, write_error};
+use crate::pinned::{
+    batch::{update_batch, BatchWrite},
+    open_pinned as open, write_error,
+};
 
 pub(super) fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
     let data = open(pin_dir, name)?;
@@ -49,6 +55,9 @@ where
     /// A counter reset failed and was said: once, not for every frontend of every sync (the
     /// counters map fills with the frontends map, whose refusals are logged and counted).
     stats_reset_warned: bool,
+    /// Puts into the hash maps go in batches (`KUBE_ROUTER_MAP_BATCHES=off`: one by one, for
+    /// comparisons).
+    batch_writes: bool,
 }
 
 /// The IPv4 service maps.
@@ -88,13 +97,24 @@ where
             source_ranges: LpmTrie::try_from(Map::LpmTrie(open(pin_dir, F::MAPS.source_ranges)?))?,
             stats: stats::FamilySvcStats::open_pinned(pin_dir)?,
             stats_reset_warned: false,
+            batch_writes: std::env::var("KUBE_ROUTER_MAP_BATCHES").map_or(true, |v| v != "off"),
         })
+    }
+
+    /// Puts into the hash maps in batches (`true`, the default) or one by one.
+    pub fn with_batches(mut self, batches: bool) -> Self {
+        self.batch_writes = batches;
+        self
     }
 
     /// Before a frontend is written: a new one, or one handed to another backend set, starts
     /// from zeroed counters. Not fatal: the frontend matters more than its counters.
     fn reset_stats(&mut self, key: &ServiceKey<F::Words>, value: &ServiceValue) {
         let same = self.services.get(key, 0).is_ok_and(|old| old.service_id == value.service_id);
+        self.reset_stats_unless(same, key);
+    }
+
+    fn reset_stats_unless(&mut self, same: bool, key: &ServiceKey<F::Words>) {
         if !same {
             match self.stats.remove(key) {
                 Err(e) if !self.stats_reset_warned => {
@@ -106,6 +126,16 @@ where
             }
         }
     }
+}
+
+/// One batch into `map`, if every one of the `expected` writes was a put into it.
+fn batch_of<K: aya::Pod, V: aya::Pod>(
+    map: &HashMap<MapData, K, V>,
+    keys: &[K],
+    values: &[V],
+    expected: usize,
+) -> Option<BatchWrite> {
+    (keys.len() == expected).then(|| update_batch(IterableMap::map(map), keys, values))
 }
 
 fn read_hash<K: aya::Pod + Ord, V: aya::Pod>(
@@ -148,6 +178,57 @@ where
                 Ok(())
             }
             other => other.map_err(|e| write_error(name, e)),
+        }
+    }
+
+    fn batches(&self, op: &MapOp<F>) -> bool {
+        self.batch_writes && matches!(op, MapOp::PutBackend(..) | MapOp::PutSlot(..) | MapOp::PutService(..))
+    }
+
+    fn write_batch(&mut self, ops: &[MapOp<F>], programmed: &MapContents<F>) -> Option<BatchOutcome> {
+        let name = ops.first()?.map_name();
+        let written = match ops[0] {
+            MapOp::PutBackend(..) => {
+                let (keys, values): (Vec<_>, Vec<_>) = ops
+                    .iter()
+                    .filter_map(|op| if let MapOp::PutBackend(k, v) = op { Some((*k, *v)) } else { None })
+                    .unzip();
+                batch_of(&self.backends, &keys, &values, ops.len())
+            }
+            MapOp::PutSlot(..) => {
+                let (keys, values): (Vec<_>, Vec<_>) = ops
+                    .iter()
+                    .filter_map(|op| if let MapOp::PutSlot(k, v) = op { Some((*k, *v)) } else { None })
+                    .unzip();
+                batch_of(&self.slots, &keys, &values, ops.len())
+            }
+            MapOp::PutService(..) => {
+                let (keys, values): (Vec<_>, Vec<_>) = ops
+                    .iter()
+                    .filter_map(|op| if let MapOp::PutService(k, v) = op { Some((*k, *v)) } else { None })
+                    .unzip();
+                if keys.len() != ops.len() {
+                    return None;
+                }
+                // Each frontend's counters reset before it is written, as one by one (the
+                // model, which is what the map holds, says which are new: no lookup); one the
+                // batch then refuses had its counters zeroed a sync early, nothing more.
+                for (k, v) in keys.iter().zip(&values) {
+                    let same = programmed.services.get(k).is_some_and(|old| old.service_id == v.service_id);
+                    self.reset_stats_unless(same, k);
+                }
+                batch_of(&self.services, &keys, &values, ops.len())
+            }
+            _ => None,
+        }?;
+        match written {
+            BatchWrite::Unsupported => None,
+            BatchWrite::Written { done, error } => Some(BatchOutcome {
+                done,
+                error: error.map(|io_error| {
+                    write_error(name, MapError::SyscallError(SyscallError { call: "bpf_map_update_batch", io_error }))
+                }),
+            }),
         }
     }
 
