@@ -281,7 +281,9 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
             );
             tasks.add(runtime::spawn(view, cache.subscribe(SERVICE_TRIGGER_KINDS), AT_ONCE, stop.clone()));
         }
-        let writer = CheckpointWriter::new(cache.clone(), config.state_dir.clone(), metrics.clone());
+        let health = metrics.health_state();
+        let writer = CheckpointWriter::new(cache.clone(), config.state_dir.clone(), metrics.clone())
+            .first_write_when(Box::new(move || health.check().ready));
         tasks.add(runtime::spawn(writer, cache.subscribe(CHECKPOINT_KINDS), RunOptions::default(), stop.clone()));
     }
     tasks.add(runtime::spawn(stats, NoTrigger, RunOptions::default(), stop.clone()));
