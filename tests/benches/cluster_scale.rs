@@ -301,6 +301,16 @@ fn probe_key(k: usize) -> ServiceKeyV4 {
     }
 }
 
+/// Ends a run: the agent, its pinned state and the BGP peers.
+fn tear_down(agent: Agent, root: &Path, peers: [&mut Child; 2]) {
+    agent.kill();
+    remove_bpf_root(root);
+    for peer in peers {
+        let _ = peer.kill();
+        let _ = peer.wait();
+    }
+}
+
 fn spawn_in(ns: &Netns, args: &[&str], log: &Path) -> Child {
     let file = fs::File::create(log).unwrap();
     Command::new("nsenter")
@@ -551,12 +561,7 @@ fn main() {
         let _ = perf.wait();
     }
     if std::env::var_os("KRT_SCALE_ONLY_API_START").is_some() {
-        agent.kill();
-        remove_bpf_root(&root);
-        let _ = gobgpd.kill();
-        let _ = gobgpd.wait();
-        let _ = bird.kill();
-        let _ = bird.wait();
+        tear_down(agent, &root, [&mut gobgpd, &mut bird]);
         println!(
             "cold start from the API              {:>8.2} s    peak RSS {:>7.1} MiB   (goal < 5 s, < 250 MiB)",
             api_cold.as_secs_f64(),
@@ -713,12 +718,7 @@ fn main() {
     let peak_rss = agent.peak_rss_kib().unwrap_or(0);
     let end = scrape(&node_ns);
     latencies.sort();
-    agent.kill();
-    remove_bpf_root(&root);
-    let _ = gobgpd.kill();
-    let _ = gobgpd.wait();
-    let _ = bird.kill();
-    let _ = bird.wait();
+    tear_down(agent, &root, [&mut gobgpd, &mut bird]);
 
     let mib = |kib: u64| kib as f64 / 1024.0;
     println!(

@@ -129,13 +129,14 @@ where
 }
 
 /// One batch into `map`, if every one of the `expected` writes was a put into it.
-fn batch_of<K: aya::Pod, V: aya::Pod>(
-    map: &HashMap<MapData, K, V>,
-    keys: &[K],
-    values: &[V],
-    expected: usize,
-) -> Option<BatchWrite> {
-    (keys.len() == expected).then(|| update_batch(IterableMap::map(map), keys, values))
+/// The keys and values of a run of puts into one map; `None` if one of `ops` is of another kind.
+fn puts_of<O, K, V>(ops: &[O], put: impl Fn(&O) -> Option<(K, V)>) -> Option<(Vec<K>, Vec<V>)> {
+    let (keys, values): (Vec<K>, Vec<V>) = ops.iter().filter_map(put).unzip();
+    (keys.len() == ops.len()).then_some((keys, values))
+}
+
+fn batch_of<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>, keys: &[K], values: &[V]) -> BatchWrite {
+    update_batch(IterableMap::map(map), keys, values)
 }
 
 fn read_hash<K: aya::Pod + Ord, V: aya::Pod>(
@@ -189,27 +190,18 @@ where
         let name = ops.first()?.map_name();
         let written = match ops[0] {
             MapOp::PutBackend(..) => {
-                let (keys, values): (Vec<_>, Vec<_>) = ops
-                    .iter()
-                    .filter_map(|op| if let MapOp::PutBackend(k, v) = op { Some((*k, *v)) } else { None })
-                    .unzip();
-                batch_of(&self.backends, &keys, &values, ops.len())
+                let (keys, values) =
+                    puts_of(ops, |op| if let MapOp::PutBackend(k, v) = op { Some((*k, *v)) } else { None })?;
+                batch_of(&self.backends, &keys, &values)
             }
             MapOp::PutSlot(..) => {
-                let (keys, values): (Vec<_>, Vec<_>) = ops
-                    .iter()
-                    .filter_map(|op| if let MapOp::PutSlot(k, v) = op { Some((*k, *v)) } else { None })
-                    .unzip();
-                batch_of(&self.slots, &keys, &values, ops.len())
+                let (keys, values) =
+                    puts_of(ops, |op| if let MapOp::PutSlot(k, v) = op { Some((*k, *v)) } else { None })?;
+                batch_of(&self.slots, &keys, &values)
             }
             MapOp::PutService(..) => {
-                let (keys, values): (Vec<_>, Vec<_>) = ops
-                    .iter()
-                    .filter_map(|op| if let MapOp::PutService(k, v) = op { Some((*k, *v)) } else { None })
-                    .unzip();
-                if keys.len() != ops.len() {
-                    return None;
-                }
+                let (keys, values) =
+                    puts_of(ops, |op| if let MapOp::PutService(k, v) = op { Some((*k, *v)) } else { None })?;
                 // Each frontend's counters reset before it is written, as one by one (the
                 // model, which is what the map holds, says which are new: no lookup); one the
                 // batch then refuses had its counters zeroed a sync early, nothing more.
@@ -217,10 +209,10 @@ where
                     let same = programmed.services.get(k).is_some_and(|old| old.service_id == v.service_id);
                     self.reset_stats_unless(same, k);
                 }
-                batch_of(&self.services, &keys, &values, ops.len())
+                batch_of(&self.services, &keys, &values)
             }
-            _ => None,
-        }?;
+            _ => return None,
+        };
         match written {
             BatchWrite::Unsupported => None,
             BatchWrite::Written { done, error } => Some(BatchOutcome {
