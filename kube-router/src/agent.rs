@@ -113,22 +113,6 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
         let state_dir = config.state_dir.clone();
         tokio::task::spawn_blocking(move || read_checkpoint(&state_dir))
     });
-    // The object holds every program; loading it creates (or re-adopts) every pinned map. The
-    // verifier's work (a third of a cold start's CPU at 150,000 pods) needs nothing from the API:
-    // it runs on a blocking thread while the watchers list the cluster.
-    let loading = (config.services.run || config.policy.run).then(|| {
-        let (pin_dir, mode, sizes) = (config.pin_dir.clone(), config.datapath.attach_mode, config.datapath.map_sizes);
-        tokio::task::spawn_blocking(move || -> Result<Datapath> {
-            let datapath = Datapath::load_sized(&pin_dir, mode, Some(sizes))?;
-            // Closed until every link runs these programs and the entries found have their
-            // endpoints recorded (`open_lb_gate`): an older release's programs record none. Not in
-            // the loader: the overlay loads the object again later, which must leave an open gate
-            // open.
-            crate::services::maps::gate::close(&pin_dir).context("closing the load balancer's gate")?;
-            write_policy_ct_gate(&pin_dir)?;
-            Ok(datapath)
-        })
-    });
     let metrics = Metrics::default();
     register_metrics(&metrics);
     serve_http(&config.listeners, &metrics).await;
@@ -149,9 +133,20 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
     );
     tokio::spawn(crate::status_socket::serve(config.state_dir.clone(), metrics.clone()));
 
-    // The watchers list while the programs are verified, and what they deliver is applied to
-    // the cache as it comes (the controllers, started once the maps exist, read it whole at
-    // their first run): the list is most of the start, and the API server's answers the rest.
+    // The object holds every program; loading it creates (or re-adopts) every pinned map. The
+    // programs are then verified (a third of a cold start's CPU at 150,000 pods) on a blocking
+    // thread while the watchers list the cluster: that needs nothing from the API, and changes
+    // nothing pinned, so a stop signal meanwhile leaves everything as it was.
+    let verifying = if config.services.run || config.policy.run {
+        let mut loading =
+            Datapath::open_maps(&config.pin_dir, config.datapath.attach_mode, Some(config.datapath.map_sizes))?;
+        Some(tokio::task::spawn_blocking(move || loading.verify().map(|()| loading)))
+    } else {
+        None
+    };
+    // What the watchers deliver is applied to the cache as it comes (the controllers, started
+    // once the programs are loaded, read it whole at their first run): the list is most of the
+    // start, and the API server's answers the rest.
     let api = match &config.source.source {
         DesiredSource::File(_) => None,
         DesiredSource::Api(options) => {
@@ -164,8 +159,13 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
         }
     };
 
-    let interfaces = if let Some(loading) = loading {
-        let mut datapath = loading.await.context("loading the datapath")??;
+    let interfaces = if let Some(verifying) = verifying {
+        let mut datapath = verifying.await.context("verifying the datapath's programs")??.finish()?;
+        // Closed until every link runs these programs and the entries found have their endpoints
+        // recorded (`open_lb_gate`): an older release's programs record none. Not in the loader:
+        // the overlay loads the object again later, which must leave an open gate open.
+        crate::services::maps::gate::close(&config.pin_dir).context("closing the load balancer's gate")?;
+        write_policy_ct_gate(&config.pin_dir)?;
         datapath.set_pod_mode(config.datapath.pod_attach_mode);
         let mut interfaces = InterfacesController::start(
             datapath,
