@@ -98,9 +98,8 @@ pub async fn run(config: AgentConfig, mut signals: StopSignals) -> Result<()> {
 
 /// A started agent: its controllers run; [`Started::serve`] feeds them until a stop signal.
 struct Started {
-    metrics: Metrics,
-    cache: Option<Arc<Cache>>,
-    updates: Option<mpsc::Receiver<WatchUpdate>>,
+    /// The task applying the watchers' updates to the cache (API source only).
+    applier: Option<JoinHandle<()>>,
     tasks: Vec<JoinHandle<()>>,
     stop: watch::Sender<bool>,
     routing: Option<Running<RoutingController>>,
@@ -108,8 +107,8 @@ struct Started {
 
 async fn start(mut config: AgentConfig) -> Result<Started> {
     // The checkpoint is read and decoded beside the datapath's load: the kernel verifies the
-    // programs on this thread meanwhile (a 150,000-pod checkpoint is some 100 MiB of JSON; each
-    // took about a second, one after the other).
+    // programs on another thread meanwhile (a 150,000-pod checkpoint is some 100 MiB of JSON;
+    // each took about a second, one after the other).
     let saved = matches!(config.source.source, DesiredSource::Api(_)).then(|| {
         let state_dir = config.state_dir.clone();
         tokio::task::spawn_blocking(move || read_checkpoint(&state_dir))
@@ -134,10 +133,34 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
     );
     tokio::spawn(crate::status_socket::serve(config.state_dir.clone(), metrics.clone()));
 
-    // The object holds every program; loading it creates (or re-adopts) every pinned map.
-    let interfaces = if config.services.run || config.policy.run {
-        let mut datapath =
-            Datapath::load_sized(&config.pin_dir, config.datapath.attach_mode, Some(config.datapath.map_sizes))?;
+    // The object holds every program; loading it creates (or re-adopts) every pinned map. The
+    // programs are then verified (a third of a cold start's CPU at 150,000 pods) on a blocking
+    // thread while the watchers list the cluster: that needs nothing from the API, and changes
+    // nothing pinned, so a stop signal meanwhile leaves everything as it was.
+    let verifying = if config.services.run || config.policy.run {
+        let mut loading =
+            Datapath::open_maps(&config.pin_dir, config.datapath.attach_mode, Some(config.datapath.map_sizes))?;
+        Some(tokio::task::spawn_blocking(move || loading.verify().map(|()| loading)))
+    } else {
+        None
+    };
+    // What the watchers deliver is applied to the cache as it comes (the controllers, started
+    // once the programs are loaded, read it whole at their first run): the list is most of the
+    // start, and the API server's answers the rest.
+    let api = match &config.source.source {
+        DesiredSource::File(_) => None,
+        DesiredSource::Api(options) => {
+            let saved = match saved {
+                Some(reading) => reading.await.context("reading the checkpoint")?,
+                None => Err(checkpoint::CheckpointError::Missing(checkpoint::path_in(&config.state_dir))),
+            };
+            let (cache, updates) = start_api_source(options, saved, &metrics).await?;
+            Some((cache.clone(), tokio::spawn(apply_updates(updates, cache, metrics.clone()))))
+        }
+    };
+
+    let interfaces = if let Some(verifying) = verifying {
+        let mut datapath = verifying.await.context("verifying the datapath's programs")??.finish()?;
         // Closed until every link runs these programs and the entries found have their endpoints
         // recorded (`open_lb_gate`): an older release's programs record none. Not in the loader:
         // the overlay loads the object again later, which must leave an open gate open.
@@ -193,16 +216,6 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
         config.datapath.conntrack_gc_interval,
         config.source.max_stale,
     )?;
-    let api = match &config.source.source {
-        DesiredSource::File(_) => None,
-        DesiredSource::Api(options) => {
-            let saved = match saved {
-                Some(reading) => reading.await.context("reading the checkpoint")?,
-                None => Err(checkpoint::CheckpointError::Missing(checkpoint::path_in(&config.state_dir))),
-            };
-            Some(start_api_source(options, saved, &metrics).await?)
-        }
-    };
     let cache = api.as_ref().map(|(cache, _)| cache.clone());
 
     let (stop_tx, stop) = watch::channel(false);
@@ -317,34 +330,29 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
     tokio::spawn(allocator_started(metrics.health_state()));
     metrics.register_collector(runtime::ControllerMetrics(statuses));
 
-    let updates = api.map(|(_, updates)| updates);
+    let applier = api.map(|(_, applier)| applier);
     tracing::info!("agent running");
-    Ok(Started { metrics, cache, updates, tasks: tasks.tasks, stop: stop_tx, routing })
+    Ok(Started { applier, tasks: tasks.tasks, stop: stop_tx, routing })
+}
+
+/// Writes the watchers' updates into the cache, from the start on, until the agent stops.
+async fn apply_updates(mut updates: mpsc::Receiver<WatchUpdate>, cache: Arc<Cache>, metrics: Metrics) {
+    while let Some(update) = updates.recv().await {
+        record_api_contact(&update, &metrics);
+        // Only a real change of a kind wakes its controllers (a relist that starts and fails, or
+        // brings back the same objects, changes nothing).
+        cache.apply(update);
+    }
 }
 
 impl Started {
-    async fn serve(mut self, mut signals: StopSignals) -> Result<()> {
-        loop {
-            let update = async {
-                match self.updates.as_mut() {
-                    Some(updates) => updates.recv().await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                biased;
-                signal = signals.received() => {
-                    tracing::info!(signal, "stop signal");
-                    break;
-                }
-                Some(update) = update => {
-                    let cache = self.cache.as_ref().expect("updates come from the API source");
-                    record_api_contact(&update, &self.metrics);
-                    // Only a real change of a kind wakes its controllers (a relist that starts
-                    // and fails, or brings back the same objects, changes nothing).
-                    cache.apply(update);
-                }
-            }
+    async fn serve(self, mut signals: StopSignals) -> Result<()> {
+        let signal = signals.received().await;
+        tracing::info!(signal, "stop signal");
+        // No update is applied after the signal: the controllers finish on what they have.
+        if let Some(applier) = self.applier {
+            applier.abort();
+            let _ = applier.await;
         }
         // Leave programs, links, maps and kernel routes exactly as they are: traffic keeps
         // flowing without us. With graceful restart the BGP sessions close without a Cease, so

@@ -20,7 +20,8 @@
 //! `KRT_SCALE` (default 1.0) scales every object count, e.g. 0.05 for a quick look.
 //! `KRT_SCALE_ONLY_API_START=1` stops after 1. (the cold start's figures alone, for an A/B of
 //! the start); `KRT_SCALE_PERF=FILE` records the agent's start from the API with
-//! `perf record -F 499 -g` into FILE.
+//! `perf record -F 199 --call-graph dwarf,16384` into FILE (DWARF: the release build has no frame
+//! pointers), `KRT_SCALE_PERF_SERVER=FILE` the API server's (this process) the same way.
 use std::{
     collections::BTreeMap,
     fs,
@@ -540,13 +541,17 @@ fn main() {
     let server_cpu_before = cpu_seconds(std::process::id());
     let phase = Phase::begin();
     let agent = Agent::start(&node_ns, &root, &args).unwrap();
-    let perf = std::env::var("KRT_SCALE_PERF").ok().map(|out| {
+    let record = |out: String, pid: u32| {
         Command::new("perf")
-            .args(["record", "-F", "499", "-g", "-o", &out, "-p", &agent.pid().to_string()])
+            .args(["record", "-F", "199", "--call-graph", "dwarf,16384", "-o", &out, "-p", &pid.to_string()])
             .stdout(Stdio::null())
             .spawn()
             .expect("perf record")
-    });
+    };
+    let perfs: Vec<Child> = [("KRT_SCALE_PERF", agent.pid()), ("KRT_SCALE_PERF_SERVER", std::process::id())]
+        .into_iter()
+        .filter_map(|(variable, pid)| Some(record(std::env::var(variable).ok()?, pid)))
+        .collect();
     let api_cold = phase.until("cold start from the API", Duration::from_secs(600), || {
         // Cheap checks first: a scrape renders every Service's series (tens of MiB at full size).
         frontends(&root).is_some_and(|m| m.contains(&probe_key(0))) && ready(&node_ns) && synced(&scrape(&node_ns))
@@ -555,7 +560,7 @@ fn main() {
     let (api_cold_agent_cpu, api_cold_server_cpu) =
         (cpu_seconds(agent.pid()), cpu_seconds(std::process::id()) - server_cpu_before);
     let api_cold_load = fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    if let Some(mut perf) = perf {
+    for mut perf in perfs {
         // SAFETY: signals a child of this process.
         unsafe { libc::kill(perf.id() as i32, libc::SIGINT) };
         let _ = perf.wait();

@@ -199,6 +199,51 @@ pub struct Datapath {
     unavailable: BTreeMap<String, String>,
 }
 
+/// A datapath whose maps are open and whose programs are yet to be verified
+/// ([`Datapath::open_maps`]). [`Loading::verify`] changes nothing pinned (it may run on another
+/// thread while the agent lists the cluster); [`Loading::finish`] records the layout and starts
+/// an upgrade from the previous one.
+pub struct Loading {
+    ebpf: Ebpf,
+    pin_dir: PathBuf,
+    adopted: usize,
+    resize: Option<migrate::Resize>,
+    mode: AttachMode,
+    unavailable: BTreeMap<String, String>,
+}
+
+impl Loading {
+    /// Loads every program of the object: the kernel verifies each. A TC program the kernel
+    /// refuses is an error; a program of an optional feature (see [`is_optional`]) is left out
+    /// with a warning and reported by [`Datapath::unavailable`], so that feature alone is off.
+    pub fn verify(&mut self) -> Result<()> {
+        for (name, program) in self.ebpf.programs_mut() {
+            if let Err(e) = load_program(program) {
+                let error = anyhow::Error::from(e).context(format!("verifier rejected {name}"));
+                if !is_optional(program) {
+                    return Err(error);
+                }
+                tracing::warn!(program = name, error = format!("{error:#}"), "program not loaded; its feature is off");
+                self.unavailable.insert(name.to_string(), format!("{error:#}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The loaded datapath: the layout version recorded, an upgrade from the previous layout
+    /// started if its maps are pinned (finished by [`Datapath::finish_upgrade`]).
+    pub fn finish(self) -> Result<Datapath> {
+        let Loading { ebpf, pin_dir, adopted, resize, mode, unavailable } = self;
+        tracing::info!(pin_dir = %pin_dir.display(), adopted_maps = adopted, "datapath loaded");
+        let pinned_map_ids = pinned_map_ids(&maps_dir(&pin_dir));
+        let mut datapath =
+            Datapath { ebpf, pin_dir, pinned_map_ids, upgrade: None, pod_mode: mode, resize, mode, unavailable };
+        datapath.record_layout_version()?;
+        datapath.upgrade = migrate::start(&datapath.pin_dir)?;
+        Ok(datapath)
+    }
+}
+
 /// Ids of the maps pinned directly in `pin_dir`.
 fn pinned_map_ids(pin_dir: &Path) -> std::collections::BTreeSet<u32> {
     let Ok(entries) = fs::read_dir(pin_dir) else { return Default::default() };
@@ -259,6 +304,14 @@ impl Datapath {
     /// re-created at it with their entries carried over, completed by [`Self::finish_upgrade`].
     /// Without `sizes`, pinned maps are adopted at whatever size they have.
     pub fn load_sized(pin_dir: &Path, mode: AttachMode, sizes: Option<layout::MapSizes>) -> Result<Self> {
+        let mut loading = Self::open_maps(pin_dir, mode, sizes)?;
+        loading.verify()?;
+        loading.finish()
+    }
+
+    /// The first part of [`Self::load_sized`]: the pinned maps checked, adopted, created or set
+    /// aside for a resize (entries carried over), the programs not loaded yet.
+    pub fn open_maps(pin_dir: &Path, mode: AttachMode, sizes: Option<layout::MapSizes>) -> Result<Loading> {
         migrate::refuse_downgrade(pin_dir)?;
         ensure_bpffs(pin_dir)?;
         let pinned = layout::check_pinned(pin_dir, sizes.as_ref())?;
@@ -269,38 +322,12 @@ impl Datapath {
         for (name, max_entries) in sizes.unwrap_or_default().all() {
             loader.map_max_entries(name, max_entries);
         }
-        let mut ebpf = loader.load(DATAPATH_OBJECT).context("loading the datapath object")?;
+        let ebpf = loader.load(DATAPATH_OBJECT).context("loading the datapath object")?;
         if let Some(resize) = resize.as_mut() {
             resize.copy().context("carrying entries over into the resized maps")?;
         }
-        let mut unavailable = BTreeMap::new();
-        for (name, program) in ebpf.programs_mut() {
-            if let Err(e) = load_program(program) {
-                let error = anyhow::Error::from(e).context(format!("verifier rejected {name}"));
-                if !is_optional(program) {
-                    return Err(error);
-                }
-                tracing::warn!(program = name, error = format!("{error:#}"), "program not loaded; its feature is off");
-                unavailable.insert(name.to_string(), format!("{error:#}"));
-            }
-        }
-        tracing::info!(pin_dir = %pin_dir.display(), adopted_maps = adopted, "datapath loaded");
-        let pinned_map_ids = pinned_map_ids(&maps_dir(pin_dir));
-        let mut datapath = Self {
-            ebpf,
-            pin_dir: pin_dir.to_path_buf(),
-            pinned_map_ids,
-            upgrade: None,
-            pod_mode: mode,
-            resize,
-            mode,
-            unavailable,
-        };
-        datapath.record_layout_version()?;
-        datapath.upgrade = migrate::start(pin_dir)?;
-        Ok(datapath)
+        Ok(Loading { ebpf, pin_dir: pin_dir.to_path_buf(), adopted, resize, mode, unavailable: BTreeMap::new() })
     }
-
     /// Completes an upgrade from the previous layout, once every link has been re-attached to
     /// our programs: copies what the old programs wrote meanwhile and removes the old maps.
     pub fn finish_upgrade(&mut self) -> Result<()> {

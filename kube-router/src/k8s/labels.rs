@@ -73,6 +73,13 @@ impl From<&BTreeMap<String, String>> for Labels {
     }
 }
 
+impl Labels {
+    /// The set of `pairs`, sorted by key and each key once already (a decoded label map's).
+    pub(super) fn from_sorted_pairs(pairs: &[(&str, &str)]) -> Self {
+        Labels(intern::label_set(pairs))
+    }
+}
+
 /// L4 protocols a Kubernetes object can name (a container port, a NetworkPolicy port).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Protocol {

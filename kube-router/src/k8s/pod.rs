@@ -3,18 +3,19 @@
 //! A 150,000-pod cluster's Pods are most of what the agent holds. Kept as `k8s-openapi` Pods,
 //! even stripped of what nobody reads (k8s/slim.rs), each was ~3.5 KiB: a `PodSpec`, a
 //! `PodStatus` and a `Container` are large structs of empty options, labels a `BTreeMap` of
-//! `String`s. So the watcher decodes Pods straight into [`PodFields`] (the fields some reader
-//! uses, everything else in the JSON skipped unparsed: env, volumes, managedFields,
-//! statuses), and the store keeps each as a [`SlimPod`]: names and labels shared with every
-//! other object that has them (`k8s::intern`), addresses parsed, named ports flattened.
+//! `String`s. So the watcher decodes Pods ([`PodFields`]) straight into the [`SlimPod`] the
+//! store keeps: only the fields some reader uses, read in place in the list page (everything
+//! else in the JSON skipped unparsed: env, volumes, managedFields, statuses), names and labels
+//! shared with every other object that has them (`k8s::intern`), addresses parsed, named ports
+//! flattened.
 //!
-//! The checkpoint writes a [`SlimPod`] as the Pod JSON of its [`PodFields`], which is what an
-//! earlier agent wrote (a Pod with fewer fields) and what both read back: the checkpoint's
-//! version does not change.
+//! The checkpoint writes a [`SlimPod`] as the Pod JSON of those fields ([`PodJson`]), which is
+//! what an earlier agent wrote (a Pod with fewer fields) and what both read back: the
+//! checkpoint's version does not change.
 //!
 //! A field added to a reader must be added here too: `every_field_a_reader_uses_survives`
 //! holds the list.
-use std::{collections::BTreeMap, net::IpAddr, sync::Arc};
+use std::{borrow::Cow, collections::BTreeMap, net::IpAddr, sync::Arc};
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::ObjectMeta;
@@ -26,10 +27,170 @@ use super::{
     store::Held,
 };
 
-/// A Pod as the watcher decodes it: only the fields some reader uses. Watched as the core/v1
-/// Pod it is (`Api<PodFields>`); every other field of the JSON is skipped as it is read.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+/// A Pod as the watcher decodes it (`Api<PodFields>`, the core/v1 Pod it is): straight into the
+/// [`SlimPod`] the store keeps, its strings read where they lie in the list page and interned from
+/// there (no owned copy of a label, name or address is made only to be dropped again), every
+/// other field of the JSON skipped as it is read.
+#[derive(Clone, Debug, PartialEq)]
 pub struct PodFields {
+    /// Name, namespace and resourceVersion: what kube-rs's watcher and the store's key read.
+    pub metadata: ObjectMeta,
+    pub pod: SlimPod,
+}
+
+impl<'de> Deserialize<'de> for PodFields {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let read = PodRead::deserialize(deserializer)?;
+        let meta = read.metadata.as_ref();
+        let text = |field: Option<&Text<'_>>| field.map(|text| text.0.to_string());
+        let metadata = ObjectMeta {
+            name: text(meta.and_then(|m| m.name.as_ref())),
+            namespace: text(meta.and_then(|m| m.namespace.as_ref())),
+            resource_version: text(meta.and_then(|m| m.resource_version.as_ref())),
+            ..Default::default()
+        };
+        Ok(PodFields { metadata, pod: SlimPod::from_read(read) })
+    }
+}
+
+impl Default for PodFields {
+    fn default() -> Self {
+        PodFields { metadata: ObjectMeta::default(), pod: SlimPod::from_read(PodRead::default()) }
+    }
+}
+
+/// Written as the Pod JSON of its fields (the checkpoint's form, [`SlimPod::to_json`]).
+impl Serialize for PodFields {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.pod.serialize(serializer)
+    }
+}
+
+/// The fields of a Pod some reader uses, borrowed from the text they are read from where they
+/// need no unescaping. Field by field the types `PodJson` (the written form) had when it was
+/// also what the watcher decoded, so a Pod that decoded then decodes now and one that failed
+/// fails (`decodes_what_the_owned_form_decoded_and_fails_where_it_failed`).
+#[derive(Default, Deserialize)]
+struct PodRead<'a> {
+    #[serde(default, borrow)]
+    metadata: Option<MetaRead<'a>>,
+    #[serde(default, borrow)]
+    spec: Option<SpecRead<'a>>,
+    #[serde(default, borrow)]
+    status: Option<StatusRead<'a>>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct MetaRead<'a> {
+    #[serde(default, borrow)]
+    name: Option<Text<'a>>,
+    #[serde(default, borrow)]
+    namespace: Option<Text<'a>>,
+    #[serde(default, borrow)]
+    resource_version: Option<Text<'a>>,
+    /// Later keys win over earlier equal ones, as in the `BTreeMap` decoded before.
+    #[serde(default, borrow)]
+    labels: Option<BTreeMap<Text<'a>, Text<'a>>>,
+}
+
+/// A string read in place when it needs no unescaping (serde's own `Cow` is a copy always, unless
+/// it is a field's whole type), a copy otherwise.
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
+struct Text<'a>(Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Text<'a> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Read;
+        impl<'de> serde::de::Visitor<'de> for Read {
+            type Value = Text<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E>(self, text: &'de str) -> Result<Text<'de>, E> {
+                Ok(Text(Cow::Borrowed(text)))
+            }
+            fn visit_str<E>(self, text: &str) -> Result<Text<'de>, E> {
+                Ok(Text(Cow::Owned(text.to_owned())))
+            }
+            fn visit_string<E>(self, text: String) -> Result<Text<'de>, E> {
+                Ok(Text(Cow::Owned(text)))
+            }
+        }
+        deserializer.deserialize_str(Read)
+    }
+}
+
+impl Default for Text<'_> {
+    fn default() -> Self {
+        Text(Cow::Borrowed(""))
+    }
+}
+
+impl std::ops::Deref for Text<'_> {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct SpecRead<'a> {
+    #[serde(default, borrow)]
+    node_name: Option<Text<'a>>,
+    #[serde(default)]
+    host_network: Option<bool>,
+    #[serde(default, borrow, deserialize_with = "null_as_default")]
+    containers: Vec<ContainerRead<'a>>,
+    #[serde(default, borrow)]
+    init_containers: Option<Vec<ContainerRead<'a>>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ContainerRead<'a> {
+    /// Read by nobody, but decoded as before: a name that is no string fails the Pod.
+    #[serde(default, borrow, rename = "name")]
+    _name: Text<'a>,
+    #[serde(default, borrow)]
+    ports: Option<Vec<PortRead<'a>>>,
+    #[serde(default, borrow)]
+    restart_policy: Option<Text<'a>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct PortRead<'a> {
+    #[serde(default, borrow)]
+    name: Option<Text<'a>>,
+    #[serde(default)]
+    container_port: i32,
+    #[serde(default, borrow)]
+    protocol: Option<Text<'a>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct StatusRead<'a> {
+    #[serde(default, borrow)]
+    phase: Option<Text<'a>>,
+    #[serde(default, borrow, rename = "podIP")]
+    pod_ip: Option<Text<'a>>,
+    #[serde(default, borrow, rename = "podIPs")]
+    pod_ips: Option<Vec<IpRead<'a>>>,
+}
+
+#[derive(Deserialize)]
+struct IpRead<'a> {
+    #[serde(default, borrow)]
+    ip: Text<'a>,
+}
+
+/// The Pod JSON of a [`SlimPod`]'s fields: what the checkpoint writes (and what an earlier
+/// agent's checkpoint holds, read back through [`PodFields`]).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PodJson {
     #[serde(default, deserialize_with = "identity_meta")]
     pub metadata: ObjectMeta,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -37,7 +198,6 @@ pub struct PodFields {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status: Option<PodStatusFields>,
 }
-
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PodSpecFields {
@@ -158,25 +318,22 @@ pub struct SlimPod {
 }
 
 impl SlimPod {
-    pub fn from_fields(fields: PodFields) -> Self {
-        let meta = fields.metadata;
-        let spec = fields.spec.unwrap_or_default();
-        let status = fields.status.unwrap_or_default();
+    /// The pod of the fields read, interned where it is shared (names, label sets).
+    fn from_read(read: PodRead<'_>) -> Self {
+        let (meta, spec, status) = (read.metadata.unwrap_or_default(), read.spec, read.status);
         let mut ips: Vec<IpAddr> = status
-            .pod_ips
             .iter()
-            .flatten()
-            .map(|p| p.ip.as_str())
-            .chain(status.pod_ip.as_deref())
+            .flat_map(|status| status.pod_ips.iter().flatten().map(|p| &*p.ip).chain(status.pod_ip.as_deref()))
             .filter_map(|ip| ip.trim().parse().ok())
             .collect();
         ips.sort();
         ips.dedup();
-        let sidecars = spec.init_containers.iter().flatten().filter(|c| c.restart_policy.as_deref() == Some("Always"));
-        let mut named_ports: Vec<NamedPort> = spec
-            .containers
-            .iter()
-            .chain(sidecars)
+        let containers = spec.iter().flat_map(|spec| {
+            let sidecars =
+                spec.init_containers.iter().flatten().filter(|c| c.restart_policy.as_deref() == Some("Always"));
+            spec.containers.iter().chain(sidecars)
+        });
+        let mut named_ports: Vec<NamedPort> = containers
             .flat_map(|c| c.ports.iter().flatten())
             .filter_map(|port| {
                 let name = port.name.as_deref()?;
@@ -190,21 +347,26 @@ impl SlimPod {
             .collect();
         named_ports.sort();
         named_ports.dedup();
+        let labels = meta.labels.as_ref().map(|labels| {
+            // Sorted by key, each key once already.
+            let pairs: Vec<(&str, &str)> = labels.iter().map(|(k, v)| (&**k, &**v)).collect();
+            Labels::from_sorted_pairs(&pairs)
+        });
         SlimPod {
             namespace: intern::string(meta.namespace.as_deref().unwrap_or_default()),
             name: Arc::from(meta.name.as_deref().unwrap_or_default()),
             version: meta.resource_version.as_deref().and_then(|v| v.parse().ok()),
-            labels: meta.labels.as_ref().map(Labels::from).unwrap_or_default(),
-            node_name: spec.node_name.as_deref().map(intern::string),
-            host_network: spec.host_network.unwrap_or(false),
-            phase: status.phase.as_deref().map(intern::string),
+            labels: labels.unwrap_or_default(),
+            node_name: spec.as_ref().and_then(|spec| spec.node_name.as_deref()).map(intern::string),
+            host_network: spec.as_ref().and_then(|spec| spec.host_network).unwrap_or(false),
+            phase: status.as_ref().and_then(|status| status.phase.as_deref()).map(intern::string),
             ips: ips.into(),
             named_ports: named_ports.into(),
         }
     }
 
     /// The Pod JSON this pod is written as (the checkpoint), and read back from.
-    pub fn to_fields(&self) -> PodFields {
+    pub fn to_json(&self) -> PodJson {
         let text = |s: &Arc<str>| (!s.is_empty()).then(|| s.to_string());
         // One container holds every named port: readers take them from all containers alike.
         let containers = (!self.named_ports.is_empty())
@@ -224,7 +386,7 @@ impl SlimPod {
             })
             .into_iter()
             .collect();
-        PodFields {
+        PodJson {
             metadata: ObjectMeta {
                 name: text(&self.name),
                 namespace: text(&self.namespace),
@@ -256,27 +418,27 @@ impl SlimPod {
 
 impl From<&Pod> for SlimPod {
     fn from(pod: &Pod) -> Self {
-        SlimPod::from_fields(PodFields::from(pod))
+        PodFields::from(pod).pod
     }
 }
 
-/// Written as its Pod JSON ([`SlimPod::to_fields`]).
+/// Written as its Pod JSON ([`SlimPod::to_json`]).
 impl Serialize for SlimPod {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        self.to_fields().serialize(serializer)
+        self.to_json().serialize(serializer)
     }
 }
 
 /// Read as a Pod (an earlier agent's slimmed `k8s-openapi` Pod too), keeping only its fields.
 impl<'de> Deserialize<'de> for SlimPod {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        PodFields::deserialize(deserializer).map(SlimPod::from_fields)
+        PodRead::deserialize(deserializer).map(SlimPod::from_read)
     }
 }
 
 impl Held<PodFields> for Arc<SlimPod> {
     fn hold(object: PodFields) -> Self {
-        Arc::new(SlimPod::from_fields(object))
+        Arc::new(object.pod)
     }
     fn version(&self) -> Option<u64> {
         self.version
@@ -306,7 +468,7 @@ impl AsSlimPod for SlimPod {
 
 impl AsSlimPod for PodFields {
     fn slim_pod(&self) -> Arc<SlimPod> {
-        Arc::new(SlimPod::from_fields(self.clone()))
+        Arc::new(self.pod.clone())
     }
 }
 
@@ -345,7 +507,7 @@ mod tests {
     }
 
     fn slim(json: serde_json::Value) -> SlimPod {
-        SlimPod::from_fields(serde_json::from_value(json).unwrap())
+        serde_json::from_value::<PodFields>(json).unwrap().pod
     }
 
     #[test]
@@ -417,5 +579,64 @@ mod tests {
             let pod = slim(odd.clone());
             assert!(pod.ips.is_empty() && pod.named_ports.is_empty(), "{odd}");
         }
+    }
+
+    /// The list page's text (strings read in place, escaped ones copied) and a JSON value (every
+    /// string a copy) decode to the same pod, which is what the owned form decoded.
+    #[test]
+    fn text_read_in_place_and_copied_decode_alike() {
+        let text = full_pod(0).to_string();
+        let in_place: PodFields = serde_json::from_str(&text).unwrap();
+        assert_eq!(in_place.pod, slim(full_pod(0)));
+        assert_eq!(
+            (in_place.metadata.name.as_deref(), in_place.metadata.namespace.as_deref()),
+            (Some("web-1"), Some("shop"))
+        );
+        assert_eq!(in_place.metadata.resource_version.as_deref(), Some("7"));
+        // Escaped strings cannot be borrowed: unescaped into copies, the same pod.
+        let escaped = text.replace("\"web-1\"", "\"web\\u002d1\"").replace("\"app\":", "\"\\u0061pp\":");
+        assert_ne!(escaped, text);
+        assert_eq!(serde_json::from_str::<PodFields>(&escaped).unwrap().pod, in_place.pod);
+    }
+
+    /// Decoded in place, a Pod decodes where the owned form (`PodJson`, what the watcher decoded
+    /// before) decoded, and fails where it failed, with serde's message naming the field's type:
+    /// kube-rs reports the list as failed (logged, `kube_router_api_errors_total`) and retries it.
+    #[test]
+    fn decodes_what_the_owned_form_decoded_and_fails_where_it_failed() {
+        let cases = [
+            (r#"{}"#, true),
+            (r#"{"metadata": null, "spec": null, "status": null, "kind": 5}"#, true),
+            (r#"{"metadata": {"labels": {"a": "1", "a": "2"}, "annotations": 5}}"#, true),
+            (r#"{"spec": {"containers": [{"env": 5, "ports": [{"containerPort": 80, "extra": []}]}]}}"#, true),
+            (r#"{"status": {"podIPs": [{}], "conditions": "x"}}"#, true),
+            (r#"{"metadata": {"name": 5}}"#, false),
+            (r#"{"metadata": {"labels": {"app": 1}}}"#, false),
+            (r#"{"metadata": {"labels": ["app"]}}"#, false),
+            (r#"{"metadata": {"resourceVersion": 7}}"#, false),
+            (r#"{"spec": {"hostNetwork": "yes"}}"#, false),
+            (r#"{"spec": {"nodeName": ["node-1"]}}"#, false),
+            (r#"{"spec": {"containers": {}}}"#, false),
+            (r#"{"spec": {"containers": [{"name": 5}]}}"#, false),
+            (r#"{"spec": {"containers": [{"ports": [{"containerPort": "80"}]}]}}"#, false),
+            (r#"{"spec": {"containers": [{"ports": [{"containerPort": null}]}]}}"#, false),
+            (r#"{"spec": {"initContainers": [{"restartPolicy": true}]}}"#, false),
+            (r#"{"status": {"podIP": 10}}"#, false),
+            (r#"{"status": {"podIPs": [{"ip": null}]}}"#, false),
+            (r#"{"status": {"phase": {}}}"#, false),
+            (r#"{"metadata": {"name": "a"}"#, false),
+        ];
+        for (text, decodes) in cases {
+            let owned = serde_json::from_str::<PodJson>(text);
+            let in_place = serde_json::from_str::<PodFields>(text);
+            assert_eq!(owned.is_ok(), decodes, "{text}: the owned form");
+            assert_eq!(in_place.is_ok(), decodes, "{text}: {:?}", in_place.err());
+            if let (Err(owned), Err(in_place)) = (owned, in_place) {
+                assert_eq!(in_place.to_string(), owned.to_string(), "{text}");
+            }
+        }
+        // Later keys win, as in the map decoded before.
+        let pod = serde_json::from_str::<PodFields>(cases[2].0).unwrap().pod;
+        assert_eq!(pod.labels.get("a"), Some("2"));
     }
 }
