@@ -23,7 +23,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 use super::{
     intern,
     labels::{Labels, Protocol},
-    store::Held,
+    store::{Held, ObjectKey},
 };
 
 /// A Pod as the watcher decodes it: only the fields some reader uses. Watched as the core/v1
@@ -277,6 +277,11 @@ impl<'de> Deserialize<'de> for SlimPod {
 impl Held<PodFields> for Arc<SlimPod> {
     fn hold(object: PodFields) -> Self {
         Arc::new(SlimPod::from_fields(object))
+    }
+    /// Keyed by the pod's own (shared) namespace and name.
+    fn keyed(object: PodFields) -> (ObjectKey, Self) {
+        let pod = Self::hold(object);
+        (ObjectKey { namespace: pod.namespace.clone(), name: pod.name.clone() }, pod)
     }
     fn version(&self) -> Option<u64> {
         self.version
