@@ -316,7 +316,13 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
                 false
             }
             Event::InitApply(object) => {
-                let (key, object) = keyed_hold(object);
+                let (mut key, mut object) = keyed_hold::<K, H>(object);
+                // Listed unchanged: the copy held is buffered and the listed one goes now, not
+                // at `InitDone` (every object was held twice until then: the agent's high-water
+                // mark, in the relist after a start from the checkpoint; issue 29).
+                if let Some((held_key, held)) = self.objects.get_key_value(&key).filter(|(_, held)| **held == object) {
+                    (key, object) = (held_key.clone(), held.clone());
+                }
                 let buffer = self.relist.get_or_insert_with(BTreeMap::new);
                 buffer.insert(key, object);
                 false
@@ -676,6 +682,23 @@ mod tests {
         assert!(Arc::ptr_eq(&before[0], &after[0]), "a unchanged: the same copy");
         assert!(!Arc::ptr_eq(&before[1], &after[1]));
         assert_eq!(after[1].metadata.resource_version.as_deref(), Some("2"), "b is the listed one");
+    }
+
+    /// A relisted object equal to the held one is buffered as the held copy as it arrives: the
+    /// listed copy is not kept until the relist completes.
+    #[test]
+    fn a_relist_buffers_the_held_copy_of_an_unchanged_object_as_it_arrives() {
+        let mut store = ObjectStore::<Service>::default();
+        store.restore([svc("a", 1), svc("b", 1)]);
+        let held = store.snapshot();
+        store.apply(Event::Init);
+        store.apply(Event::InitApply(svc("a", 1)));
+        store.apply(Event::InitApply(svc("b", 2)));
+        let buffered: Vec<_> = store.relist.as_ref().unwrap().values().cloned().collect();
+        assert!(Arc::ptr_eq(&buffered[0], &held[0]), "a: the held copy");
+        assert!(!Arc::ptr_eq(&buffered[1], &held[1]), "b moved: the listed copy");
+        assert!(store.apply(Event::InitDone));
+        assert!(Arc::ptr_eq(&store.snapshot()[0], &held[0]));
     }
 
     #[test]
