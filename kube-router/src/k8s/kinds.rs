@@ -102,8 +102,8 @@ kept_shared!(NetworkPolicy);
 /// Kept as their JSON text, decoded when read, written to the checkpoint as that text and read
 /// back packed one at a time ([`SavedPacked`]): the kinds of which the agent keeps many and whose
 /// one reader converts one object at a time (the services catalog, on a change). An
-/// EndpointSlice of 10 endpoints is 5.5 KiB decoded and 1 KiB of JSON; a Service ~1.6 KiB
-/// decoded and ~0.4 KiB of JSON (the heap profile at `KRT_SCALE=0.3`; issue 29).
+/// EndpointSlice of 10 endpoints is 5.5 KiB decoded and 1 KiB of JSON; a Service 1 KiB or more
+/// decoded and ~0.45 KiB of JSON (the heap profile at `KRT_SCALE=0.3`; issue 29).
 macro_rules! kept_packed {
     ($ty:ty) => {
         impl Watched for $ty {
