@@ -79,7 +79,7 @@ impl Names {
                 names.pods.insert(*ip, name.clone());
             }
         }
-        for service in &saved.services {
+        for service in saved.services.iter().map(|service| service.decode()) {
             let name = format!(
                 "{}/{}",
                 service.metadata.namespace.as_deref().unwrap_or("default"),

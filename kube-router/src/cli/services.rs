@@ -262,7 +262,8 @@ pub fn collect(pin_dir: &Path, state_dir: &Path) -> Result<ServicesReport> {
         names = names.from_agent(listed);
     }
     if let Ok(saved) = &checkpoint {
-        names = names.from_checkpoint(&saved.services);
+        let services: Vec<_> = saved.services.iter().map(|service| service.decode()).collect();
+        names = names.from_checkpoint(&services);
     }
     name_frontends(&mut report, &names, || {
         let agent = agent.err().map_or_else(|| "the agent lists no frontends".to_string(), |e| format!("{e:#}"));

@@ -13,7 +13,7 @@ use crate::{
     exposition::{register, Counter},
     k8s::{
         cache::Cache,
-        store::{Cursor, Followed},
+        store::{Cursor, Followed, ObjectKey},
         watch::Kind,
     },
     metrics::{Metrics, Subsystem},
@@ -79,7 +79,7 @@ impl Controller for NodeNetsController {
 
     async fn reconcile(&mut self) -> Result<Action> {
         let cursor = self.cursor;
-        let own_key = self.cni.as_ref().map(|cni| (String::new(), cni.node_name.clone()));
+        let own_key = self.cni.as_ref().map(|cni| ObjectKey::new("", &cni.node_name));
         // Like the routes: only a complete listing of Nodes (or its checkpoint) counts.
         let Some(listing) = self.cache.read(NODE_KINDS, |o| {
             let (nodes, cursor) = o.nodes.follow(cursor);
@@ -119,7 +119,7 @@ impl EgressState {
                 self.in_maps = false;
             }
             Followed::Changed(nodes) => {
-                for ((_, name), node) in nodes {
+                for (ObjectKey { name, .. }, node) in nodes {
                     changes.extend(self.nets.set_node(name, node.as_deref()));
                 }
             }

@@ -17,6 +17,7 @@ use std::{
     fs::{self, File},
     io::Write,
     path::{Path, PathBuf},
+    sync::Arc,
 };
 
 use k8s_openapi::api::core::v1::Node;
@@ -102,7 +103,7 @@ crate::watched_kinds!(checkpoint_contents);
 
 /// Each key's last state in the journal (`None`: deleted), by namespace then name so the base's
 /// objects are looked up with their borrowed key.
-struct Latest<T>(BTreeMap<String, BTreeMap<String, Option<T>>>);
+struct Latest<T>(BTreeMap<Arc<str>, BTreeMap<Arc<str>, Option<T>>>);
 
 impl<T> Default for Latest<T> {
     fn default() -> Self {
@@ -111,7 +112,7 @@ impl<T> Default for Latest<T> {
 }
 
 impl<T> Latest<T> {
-    fn insert(&mut self, (namespace, name): ObjectKey, object: Option<T>) {
+    fn insert(&mut self, ObjectKey { namespace, name }: ObjectKey, object: Option<T>) {
         self.0.entry(namespace).or_default().insert(name, object);
     }
 
@@ -533,7 +534,7 @@ mod tests {
             "spec": {"clusterIP": "10.96.0.10", "ports": [{"port": 80}]}
         }))
         .unwrap();
-        Checkpoint { written_unix: 1.5, services: vec![service], ..Default::default() }
+        Checkpoint { written_unix: 1.5, services: vec![service.into()], ..Default::default() }
     }
 
     #[test]

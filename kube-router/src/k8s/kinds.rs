@@ -15,7 +15,7 @@ use k8s_openapi::api::{
     networking::v1::NetworkPolicy,
 };
 use kube::Resource;
-use serde::{de::DeserializeOwned, Serialize, Serializer};
+use serde::{de::DeserializeOwned, Deserialize, Serialize, Serializer};
 
 use super::{
     namespace::{NamespaceFields, SlimNamespace},
@@ -97,27 +97,78 @@ macro_rules! kept_shared {
     };
 }
 
-kept_shared!(Service);
 kept_shared!(NetworkPolicy);
 
-/// The bulk of the objects (10 endpoints: 5.5 KiB decoded, 1 KiB of JSON): kept as their
-/// JSON text, decoded when read; written to the checkpoint as that text.
-impl Watched for EndpointSlice {
-    type Held = Packed<EndpointSlice>;
-    type Saved = EndpointSlice;
-    fn saved(held: &Packed<EndpointSlice>) -> EndpointSlice {
-        held.decode()
-    }
-    fn restored(saved: EndpointSlice) -> (ObjectKey, Packed<EndpointSlice>) {
-        keyed_hold(saved)
-    }
-    fn saved_key(saved: &EndpointSlice) -> (&str, &str) {
-        resource_key(saved)
-    }
-    fn write_saved<S: Serializer>(held: &Packed<EndpointSlice>, serializer: S) -> Result<S::Ok, S::Error> {
-        held.serialize(serializer)
+/// Kept as their JSON text, decoded when read, written to the checkpoint as that text and read
+/// back packed one at a time ([`SavedPacked`]): the kinds of which the agent keeps many and whose
+/// one reader converts one object at a time (the services catalog, on a change). An
+/// EndpointSlice of 10 endpoints is 5.5 KiB decoded and 1 KiB of JSON; a Service 1 KiB or more
+/// decoded and ~0.45 KiB of JSON (the heap profile at `KRT_SCALE=0.3`; issue 29).
+macro_rules! kept_packed {
+    ($ty:ty) => {
+        impl Watched for $ty {
+            type Held = Packed<$ty>;
+            type Saved = SavedPacked<$ty>;
+            fn saved(held: &Packed<$ty>) -> SavedPacked<$ty> {
+                SavedPacked::from(held.decode())
+            }
+            fn restored(saved: SavedPacked<$ty>) -> (ObjectKey, Packed<$ty>) {
+                (saved.key, saved.held)
+            }
+            fn saved_key(saved: &SavedPacked<$ty>) -> (&str, &str) {
+                (&saved.key.namespace, &saved.key.name)
+            }
+            fn write_saved<S: Serializer>(held: &Packed<$ty>, serializer: S) -> Result<S::Ok, S::Error> {
+                held.serialize(serializer)
+            }
+        }
+    };
+}
+
+/// A packed kind's object as the checkpoint reads it: decoded, slimmed and packed as it is read,
+/// one at a time (as Pods are), so reading the checkpoint never holds every EndpointSlice
+/// decoded: that was a fifth of the start's peak heap (issue 29, heap profile). Written and read
+/// as the object's JSON, as before: the format does not change.
+#[derive(Clone, PartialEq)]
+pub struct SavedPacked<K> {
+    key: ObjectKey,
+    held: Packed<K>,
+}
+
+impl<K: Slim + Serialize> From<K> for SavedPacked<K> {
+    fn from(object: K) -> Self {
+        let (key, held) = keyed_hold(object);
+        Self { key, held }
     }
 }
+
+impl<K: DeserializeOwned> SavedPacked<K> {
+    /// The object, decoded (tools and tests).
+    pub fn decode(&self) -> K {
+        self.held.decode()
+    }
+}
+
+impl<K> Debug for SavedPacked<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SavedPacked").field("key", &self.key).field("json", &self.held.text()).finish()
+    }
+}
+
+impl<K> Serialize for SavedPacked<K> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.held.serialize(serializer)
+    }
+}
+
+impl<'de, K: Slim + Serialize + DeserializeOwned> Deserialize<'de> for SavedPacked<K> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        K::deserialize(deserializer).map(Self::from)
+    }
+}
+
+kept_packed!(Service);
+kept_packed!(EndpointSlice);
 
 /// Decoded with only the fields a reader uses, kept compact (`k8s::pod`), written as the Pod
 /// JSON of those fields and read back one at a time, so a restore never holds 150,000 decoded
@@ -129,7 +180,7 @@ impl Watched for PodFields {
         (**held).clone()
     }
     fn restored(saved: SlimPod) -> (ObjectKey, Arc<SlimPod>) {
-        ((saved.namespace.to_string(), saved.name.to_string()), Arc::new(saved))
+        (ObjectKey { namespace: saved.namespace.clone(), name: saved.name.clone() }, Arc::new(saved))
     }
     fn saved_key(saved: &SlimPod) -> (&str, &str) {
         (&saved.namespace, &saved.name)
@@ -147,7 +198,7 @@ impl Watched for NamespaceFields {
         (**held).clone()
     }
     fn restored(saved: SlimNamespace) -> (ObjectKey, Arc<SlimNamespace>) {
-        ((String::new(), saved.name.to_string()), Arc::new(saved))
+        (ObjectKey { namespace: super::intern::string(""), name: saved.name.clone() }, Arc::new(saved))
     }
     fn saved_key(saved: &SlimNamespace) -> (&str, &str) {
         ("", &saved.name)
@@ -179,6 +230,34 @@ impl Watched for NodeFields {
 #[cfg(test)]
 mod tests {
     use crate::k8s::watch::{Kind, WATCHED_RESOURCES};
+
+    /// A slice read from the checkpoint is packed as it is read: the same key and text as the
+    /// store holds for that slice from the API (so a relist finds it unchanged), written back as
+    /// the same JSON; one an earlier agent wrote with the fields no reader uses is slimmed.
+    #[test]
+    fn a_packed_kind_is_read_from_the_checkpoint_as_the_store_holds_it() {
+        use k8s_openapi::api::discovery::v1::EndpointSlice;
+
+        use super::*;
+        let written = serde_json::json!({
+            "addressType": "IPv4", "metadata": {"name": "web-1", "namespace": "shop", "resourceVersion": "7",
+                "labels": {"kubernetes.io/service-name": "web"}},
+            "endpoints": [{"addresses": ["10.0.0.1"], "conditions": {"ready": true}, "nodeName": "node-1",
+                "targetRef": {"kind": "Pod", "name": "web-1-abc", "namespace": "shop"}}],
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}]});
+        let saved: SavedPacked<EndpointSlice> = serde_json::from_value(written.clone()).unwrap();
+        let from_api: (ObjectKey, Packed<EndpointSlice>) =
+            keyed_hold(serde_json::from_value::<EndpointSlice>(written).unwrap());
+        let (key, held) = <EndpointSlice as Watched>::restored(saved.clone());
+        assert_eq!(key, from_api.0);
+        assert!(held == from_api.1, "{} != {}", held.text(), from_api.1.text());
+        assert_eq!(key, ObjectKey::new("shop", "web-1"));
+        assert_eq!(<EndpointSlice as Watched>::saved_key(&saved), ("shop", "web-1"));
+        let text = serde_json::to_string(&saved).unwrap();
+        assert!(!text.contains("targetRef"), "slimmed: {text}");
+        assert_eq!(serde_json::from_str::<SavedPacked<EndpointSlice>>(&text).unwrap(), saved);
+        assert_eq!(<EndpointSlice as Watched>::saved(&held), saved);
+    }
 
     /// The generated lists agree with one another and with what the API calls the kinds.
     #[test]

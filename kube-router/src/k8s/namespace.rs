@@ -17,7 +17,7 @@ use kube::api::ObjectMeta;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::labels::Labels;
-use super::store::Held;
+use super::store::{Held, ObjectKey};
 
 /// A Namespace as the watcher decodes it: only the fields some reader uses. Watched as the
 /// core/v1 Namespace it is (`Api<NamespaceFields>`).
@@ -118,6 +118,12 @@ impl AsSlimNamespace for Namespace {
 impl Held<NamespaceFields> for Arc<SlimNamespace> {
     fn hold(object: NamespaceFields) -> Self {
         Arc::new(SlimNamespace::from_fields(object))
+    }
+    /// Keyed by the namespace's own (shared) name.
+    fn keyed(object: NamespaceFields) -> (ObjectKey, Self) {
+        let namespace = super::intern::string(object.metadata.namespace.as_deref().unwrap_or_default());
+        let held = Self::hold(object);
+        (ObjectKey { namespace, name: held.name.clone() }, held)
     }
     fn version(&self) -> Option<u64> {
         self.version

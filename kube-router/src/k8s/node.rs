@@ -304,7 +304,7 @@ mod tests {
             // Checkpointed and restored, it is the checkpoint's form of it, as before.
             let (key, restored) = <NodeFields as Watched>::restored(<NodeFields as Watched>::saved(&from_fields));
             assert_eq!(*restored, node_for_checkpoint(&Arc::new(slimmed(json))));
-            assert_eq!(key.1, from_fields.metadata.name.clone().unwrap_or_default());
+            assert_eq!(*key.name, from_fields.metadata.name.clone().unwrap_or_default());
         }
         let node = held(full_node("2026-12-06T00:00:00Z"));
         let annotations: Vec<&str> = node.metadata.annotations.as_ref().unwrap().keys().map(String::as_str).collect();

@@ -24,7 +24,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 use super::{
     intern,
     labels::{Labels, Protocol},
-    store::Held,
+    store::{Held, ObjectKey},
 };
 
 /// A Pod as the watcher decodes it (`Api<PodFields>`, the core/v1 Pod it is): straight into the
@@ -350,7 +350,7 @@ impl SlimPod {
         let labels = meta.labels.as_ref().map(|labels| {
             // Sorted by key, each key once already.
             let pairs: Vec<(&str, &str)> = labels.iter().map(|(k, v)| (&**k, &**v)).collect();
-            Labels::from_sorted_pairs(&pairs)
+            Labels::of_sorted(&pairs)
         });
         SlimPod {
             namespace: intern::string(meta.namespace.as_deref().unwrap_or_default()),
@@ -439,6 +439,11 @@ impl<'de> Deserialize<'de> for SlimPod {
 impl Held<PodFields> for Arc<SlimPod> {
     fn hold(object: PodFields) -> Self {
         Arc::new(object.pod)
+    }
+    /// Keyed by the pod's own (shared) namespace and name.
+    fn keyed(object: PodFields) -> (ObjectKey, Self) {
+        let pod = Self::hold(object);
+        (ObjectKey { namespace: pod.namespace.clone(), name: pod.name.clone() }, pod)
     }
     fn version(&self) -> Option<u64> {
         self.version

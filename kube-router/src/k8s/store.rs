@@ -11,17 +11,52 @@ use std::{
 };
 
 use kube::{runtime::watcher::Event, Resource, ResourceExt};
-use serde::{de::DeserializeOwned, Serialize};
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
-use super::slim::Slim;
+use super::{intern, slim::Slim};
 
-/// (namespace, name); namespace is "" for cluster-scoped kinds.
-pub type ObjectKey = (String, String);
+/// An object's (namespace, name); the namespace is "" for cluster-scoped kinds. Ordered as
+/// that pair. The namespace is the shared copy (`k8s::intern`: a few thousand name 150,000
+/// objects) and a Pod's or Namespace's name is the one its slimmed object holds, so their keys
+/// allocate nothing: two `String`s were 48 bytes and two allocations a key, in the stores, their
+/// feeds and the journal (issue 29).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ObjectKey {
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
+}
+
+impl ObjectKey {
+    pub fn new(namespace: &str, name: &str) -> Self {
+        Self { namespace: intern::string(namespace), name: Arc::from(name) }
+    }
+}
+
+/// As the `[namespace, name]` pair the checkpoint's journal has always written.
+impl Serialize for ObjectKey {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        (&*self.namespace, &*self.name).serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for ObjectKey {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let (namespace, name) = <(String, String)>::deserialize(deserializer)?;
+        Ok(Self::new(&namespace, &name))
+    }
+}
 
 /// How a store keeps its objects: decoded and shared ([`Arc`]), or [`Packed`]. Either way a
 /// snapshot for the checkpoint costs a pointer per object on the agent's loop.
 pub trait Held<K>: Clone + PartialEq {
     fn hold(object: K) -> Self;
+    /// The object held, with its key; overridden where the held form's names can be the key's.
+    fn keyed(object: K) -> (ObjectKey, Self)
+    where
+        K: Resource,
+    {
+        (key_of(&object), Self::hold(object))
+    }
     /// The object's resourceVersion as a number (see [`version_of`]).
     fn version(&self) -> Option<u64>;
     /// Equal but for the resourceVersion: an update of nothing the agent keeps.
@@ -109,6 +144,13 @@ fn differs_beyond(a: &[u8], b: &[u8], room_a: u32, room_b: u32) -> bool {
     wider(a.len() - end, room_a) || wider(b.len() - end, room_b)
 }
 
+impl<K> Packed<K> {
+    /// The JSON text (as `Debug` shows it).
+    pub fn text(&self) -> &str {
+        std::str::from_utf8(&self.json).unwrap_or("<not UTF-8>")
+    }
+}
+
 impl<K: DeserializeOwned> Packed<K> {
     pub fn decode(&self) -> K {
         serde_json::from_slice(&self.json).expect("the text was serialised from this type")
@@ -133,6 +175,11 @@ impl<K> Serialize for Packed<K> {
 
 pub struct ObjectStore<K, H = Arc<K>> {
     objects: BTreeMap<ObjectKey, H>,
+    /// The newer versions of held objects that were updated in nothing but their version (a
+    /// readiness flip, a heartbeat): the store keeps the copy it holds, which readers that saw
+    /// no change share, and only the number, for the staleness checks. Replacing the copy left
+    /// two of every such Pod, the store's and the policy compiler's (issue 29).
+    newer_versions: BTreeMap<ObjectKey, Option<u64>>,
     relist: Option<BTreeMap<ObjectKey, H>>,
     synced: bool,
     /// Each subscriber's keys whose object changed since it last took them
@@ -148,6 +195,7 @@ impl<K, H> Default for ObjectStore<K, H> {
     fn default() -> Self {
         Self {
             objects: BTreeMap::new(),
+            newer_versions: BTreeMap::new(),
             relist: None,
             synced: false,
             feeds: Vec::new(),
@@ -227,13 +275,12 @@ impl Journal {
 }
 
 fn key_of<K: Resource>(object: &K) -> ObjectKey {
-    (object.namespace().unwrap_or_default(), object.name_any())
+    ObjectKey::new(object.meta().namespace.as_deref().unwrap_or_default(), &object.name_any())
 }
 
 /// An object slimmed and held as a store keeps it, with its key.
 pub fn keyed_hold<K: Slim, H: Held<K>>(object: K) -> (ObjectKey, H) {
-    let object = object.slim();
-    (key_of(&object), H::hold(object))
+    H::keyed(object.slim())
 }
 
 /// resourceVersions are opaque to clients, but every real API server issues integers
@@ -269,24 +316,45 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
                 false
             }
             Event::InitApply(object) => {
-                let object = object.slim();
-                let key = key_of(&object);
+                let (mut key, mut object) = keyed_hold::<K, H>(object);
+                // Listed unchanged: the copy held is buffered and the listed one goes now, not
+                // at `InitDone` (every object was held twice until then: the agent's high-water
+                // mark, in the relist after a start from the checkpoint; issue 29).
+                if let Some((held_key, held)) = self.objects.get_key_value(&key).filter(|(_, held)| **held == object) {
+                    (key, object) = (held_key.clone(), held.clone());
+                }
                 let buffer = self.relist.get_or_insert_with(BTreeMap::new);
-                buffer.insert(key, H::hold(object));
+                buffer.insert(key, object);
                 false
             }
             Event::InitDone => {
                 // Rebuilt at once with full B-tree nodes: inserted one by one in the listing's
                 // (key) order, the nodes split about half full (issue 29, heap profile).
-                let mut listed: BTreeMap<ObjectKey, H> = self.relist.take().unwrap_or_default().into_iter().collect();
-                // An object listed again unchanged stays the copy held: readers that saw no
-                // change (the policy compiler's pods) still share that one, and replacing it
-                // left two copies of every object after each relist (issue 29, heap profile).
-                for (key, object) in listed.iter_mut() {
-                    if let Some(held) = self.objects.get(key).filter(|held| *held == object) {
-                        *object = held.clone();
-                    }
-                }
+                // An object listed again unchanged stays the copy held (with its key): readers
+                // that saw no change (the policy compiler's pods) still share that one, and
+                // replacing it left two copies of every object after each relist (issue 29,
+                // heap profile). Unchanged is equal to the held copy, or to it at the newer
+                // version it was last updated to in nothing else.
+                let mut newer_versions = BTreeMap::new();
+                let listed: BTreeMap<ObjectKey, H> = self
+                    .relist
+                    .take()
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(key, object)| {
+                        let Some((held_key, held)) = self.objects.get_key_value(&key) else { return (key, object) };
+                        if *held == object {
+                            return (held_key.clone(), held.clone());
+                        }
+                        match self.newer_versions.get(&key) {
+                            Some(newer) if *newer == object.version() && held.same_apart_from_version(&object) => {
+                                newer_versions.insert(held_key.clone(), *newer);
+                                (held_key.clone(), held.clone())
+                            }
+                            _ => (key, object),
+                        }
+                    })
+                    .collect();
                 if self.feeds.iter().any(Option::is_some) || self.journal.is_some() {
                     let differs = |key: &&ObjectKey| listed.get(*key) != self.objects.get(*key);
                     let moved: BTreeSet<ObjectKey> =
@@ -303,6 +371,7 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
                 // The first complete list always counts: it is what allows deletions at all.
                 let changed = listed != self.objects || !self.synced;
                 self.objects = listed;
+                self.newer_versions = newer_versions;
                 self.synced = true;
                 changed
             }
@@ -312,8 +381,11 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
                 if let Some(buffer) = self.relist.as_mut() {
                     buffer.remove(&key);
                 }
-                let stale = matches!((self.objects.get(&key).and_then(H::version), version_of(&object)), (Some(have), Some(got)) if got < have);
+                let stale = matches!((self.version(&key), version_of(&object)), (Some(have), Some(got)) if got < have);
                 let removed = !stale && self.objects.remove(&key).is_some();
+                if removed {
+                    self.newer_versions.remove(&key);
+                }
                 if let (true, Some(journal)) = (removed, self.journal.as_mut()) {
                     journal.record(key.clone(), self.objects.len());
                 }
@@ -327,28 +399,37 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
         }
     }
 
+    /// The version of the object held under `key`: the newer one it was updated to, if any.
+    fn version(&self, key: &ObjectKey) -> Option<u64> {
+        match self.newer_versions.get(key) {
+            Some(newer) => *newer,
+            None => self.objects.get(key).and_then(H::version),
+        }
+    }
+
     fn upsert(&mut self, object: K) -> bool {
-        let object = object.slim();
-        let key = key_of(&object);
-        let object = H::hold(object);
+        let (key, object) = keyed_hold::<K, H>(object);
         if let Some(buffer) = self.relist.as_mut() {
             buffer.insert(key.clone(), object.clone());
         }
-        if let (Some(have), Some(got)) = (self.objects.get(&key).and_then(H::version), object.version()) {
+        if let (Some(have), Some(got)) = (self.version(&key), object.version()) {
             if got < have {
                 return false;
             }
         }
         if let Some(have) = self.objects.get(&key) {
             if *have == object {
+                // Back to the held copy's own version (a duplicate of what it was).
+                self.newer_versions.remove(&key);
                 return false;
             }
             if have.same_apart_from_version(&object) {
-                // Kept for its newer version (staleness checks), announced to no one.
-                self.objects.insert(key, object);
+                // Its newer version kept (staleness checks), the copy kept, announced to no one.
+                self.newer_versions.insert(key, object.version());
                 return false;
             }
         }
+        self.newer_versions.remove(&key);
         for changed in self.feeds.iter_mut().flatten() {
             changed.insert(key.clone());
         }
@@ -412,6 +493,7 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
     /// [`Self::restore`] from objects already in the form the store keeps them.
     pub fn restore_held(&mut self, objects: impl IntoIterator<Item = (ObjectKey, H)>) {
         self.objects = objects.into_iter().collect();
+        self.newer_versions.clear();
         self.feeds.iter_mut().for_each(|changed| *changed = None);
         if let Some(journal) = self.journal.as_mut() {
             journal.forget();
@@ -602,6 +684,23 @@ mod tests {
         assert_eq!(after[1].metadata.resource_version.as_deref(), Some("2"), "b is the listed one");
     }
 
+    /// A relisted object equal to the held one is buffered as the held copy as it arrives: the
+    /// listed copy is not kept until the relist completes.
+    #[test]
+    fn a_relist_buffers_the_held_copy_of_an_unchanged_object_as_it_arrives() {
+        let mut store = ObjectStore::<Service>::default();
+        store.restore([svc("a", 1), svc("b", 1)]);
+        let held = store.snapshot();
+        store.apply(Event::Init);
+        store.apply(Event::InitApply(svc("a", 1)));
+        store.apply(Event::InitApply(svc("b", 2)));
+        let buffered: Vec<_> = store.relist.as_ref().unwrap().values().cloned().collect();
+        assert!(Arc::ptr_eq(&buffered[0], &held[0]), "a: the held copy");
+        assert!(!Arc::ptr_eq(&buffered[1], &held[1]), "b moved: the listed copy");
+        assert!(store.apply(Event::InitDone));
+        assert!(Arc::ptr_eq(&store.snapshot()[0], &held[0]));
+    }
+
     #[test]
     fn duplicate_and_out_of_order_events_are_ignored() {
         let mut store = ObjectStore::<Service>::default();
@@ -633,6 +732,59 @@ mod tests {
         assert!(store.apply(Event::Delete(svc("a", 5))));
     }
 
+    /// An update of nothing but the version keeps the copy held (readers that saw no change
+    /// share it; a second copy per such Pod is what the heap profile found) and only the newer
+    /// number, which the staleness checks and a relist read as the object's version.
+    #[test]
+    fn an_update_of_nothing_kept_keeps_the_held_copy_and_the_newer_version() {
+        let mut store = ObjectStore::<Service>::default();
+        for e in [Event::Init, Event::InitApply(labeled(svc("a", 1), "red")), Event::InitDone] {
+            store.apply(e);
+        }
+        let feed = store.subscribe();
+        store.take_changes(feed);
+        let held = store.snapshot().remove(0);
+        assert!(!store.apply(Event::Apply(labeled(svc("a", 5), "red"))));
+        assert!(Arc::ptr_eq(&held, &store.snapshot()[0]), "the held copy stays");
+        assert!(!store.apply(Event::Apply(labeled(svc("a", 3), "blue"))), "older than the newer version");
+        assert!(!store.apply(Event::Delete(svc("a", 4))), "a delete older than the newer version");
+        // A relist at the newer version is no change, and keeps the copy.
+        for e in [Event::Init, Event::InitApply(labeled(svc("a", 5), "red"))] {
+            store.apply(e);
+        }
+        assert!(!store.apply(Event::InitDone));
+        assert!(Arc::ptr_eq(&held, &store.snapshot()[0]));
+        assert_eq!(store.take_changes(feed), Some(BTreeSet::new()));
+        assert!(!store.apply(Event::Apply(labeled(svc("a", 4), "blue"))), "still older after the relist");
+        // A relist at another version is the listed object, as a relist always was.
+        for e in [Event::Init, Event::InitApply(labeled(svc("a", 6), "red"))] {
+            store.apply(e);
+        }
+        assert!(store.apply(Event::InitDone));
+        assert_eq!(store.snapshot()[0].metadata.resource_version.as_deref(), Some("6"));
+        // A real change replaces the copy and forgets the number.
+        assert!(!store.apply(Event::Apply(labeled(svc("a", 8), "red"))));
+        assert!(store.apply(Event::Apply(labeled(svc("a", 9), "blue"))));
+        assert!(store.newer_versions.is_empty());
+        assert!(store.apply(Event::Delete(svc("a", 9))));
+    }
+
+    /// A Pod's key is the pod's own shared namespace and name: no allocation of its own.
+    #[test]
+    fn a_pods_key_shares_the_pods_names() {
+        use crate::k8s::pod::{PodFields, SlimPod};
+        let mut store = ObjectStore::<PodFields, Arc<SlimPod>>::default();
+        let pod: PodFields =
+            serde_json::from_value(serde_json::json!({"metadata": {"namespace": "shop", "name": "web-1"}})).unwrap();
+        store.apply(Event::Apply(pod));
+        let key = store.keys().next().unwrap().clone();
+        let held = store.shared(&key).unwrap();
+        assert_eq!(key, ObjectKey::new("shop", "web-1"));
+        assert!(Arc::ptr_eq(&key.namespace, &held.namespace) && Arc::ptr_eq(&key.name, &held.name));
+        assert_eq!(serde_json::to_string(&key).unwrap(), r#"["shop","web-1"]"#, "the journal's form");
+        assert_eq!(serde_json::from_str::<ObjectKey>(r#"["shop","web-1"]"#).unwrap(), key);
+    }
+
     /// Two readers of one store each take their own changes; a restore has both read everything.
     #[test]
     fn each_feed_takes_its_own_changes() {
@@ -640,12 +792,12 @@ mod tests {
         let (first, second) = (store.subscribe(), store.subscribe());
         assert_eq!(store.take_changes(first), None, "a new reader reads everything");
         store.apply(Event::Apply(svc("a", 1)));
-        let a: BTreeSet<ObjectKey> = [("default".to_string(), "a".to_string())].into();
+        let a: BTreeSet<ObjectKey> = [ObjectKey::new("default", "a")].into();
         assert_eq!(store.take_changes(first), Some(a.clone()));
         assert_eq!(store.take_changes(first), Some(BTreeSet::new()));
         assert_eq!(store.take_changes(second), None, "the second reader has not read yet");
         store.apply(Event::Apply(svc("b", 2)));
-        let b: BTreeSet<ObjectKey> = [("default".to_string(), "b".to_string())].into();
+        let b: BTreeSet<ObjectKey> = [ObjectKey::new("default", "b")].into();
         assert_eq!(store.take_changes(second), Some(b.clone()));
         assert_eq!(store.take_changes(first), Some(b), "taken by the second, still the first's");
         store.restore([svc("b", 3)]);
@@ -696,7 +848,7 @@ mod tests {
             let decoded: Vec<Service> = packed.objects().collect();
             assert_eq!(shared.objects().cloned().collect::<Vec<_>>(), decoded);
         }
-        assert_eq!(packed.get(&("default".into(), "c".into())), Some(annotated));
+        assert_eq!(packed.get(&ObjectKey::new("default", "c")), Some(annotated));
     }
 
     #[test]
@@ -757,14 +909,14 @@ mod tests {
         assert_eq!(all, Changes::All);
         store.apply(Event::Apply(labeled(svc("a", 2), "blue")));
         let (changes, second) = store.changed_since(Some(first));
-        assert_eq!(changes, Changes::Keys(vec![("default".into(), "a".into())]));
+        assert_eq!(changes, Changes::Keys(vec![ObjectKey::new("default", "a")]));
         // An update of nothing kept is no change; a deletion is one.
         store.apply(Event::Apply(labeled(svc("a", 3), "blue")));
         store.apply(Event::Delete(svc("b", 4)));
-        assert_eq!(store.changed_since(Some(second)).0, Changes::Keys(vec![("default".into(), "b".into())]));
+        assert_eq!(store.changed_since(Some(second)).0, Changes::Keys(vec![ObjectKey::new("default", "b")]));
         // The first reader, further behind, sees both, each key once.
         let keys = |changes| match changes {
-            Changes::Keys(keys) => keys.into_iter().map(|(_, name)| name).collect::<Vec<_>>(),
+            Changes::Keys(keys) => keys.into_iter().map(|key| key.name.to_string()).collect::<Vec<_>>(),
             Changes::All => panic!("everything"),
         };
         assert_eq!(keys(store.changed_since(Some(first)).0), ["a", "b"]);

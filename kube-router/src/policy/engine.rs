@@ -277,7 +277,7 @@ impl<M: PolicyMaps> PolicyProgrammer<M> {
                     changed_sets.extend(delta.pod_sets.into_keys());
                 };
                 // Namespaces first: pods and policies resolve against their labels.
-                for ((_, name), namespace) in &namespaces {
+                for (ObjectKey { name, .. }, namespace) in &namespaces {
                     take(match namespace {
                         Some(namespace) => compiler.upsert_namespace(namespace),
                         None => compiler.delete_namespace(name),
@@ -287,10 +287,10 @@ impl<M: PolicyMaps> PolicyProgrammer<M> {
                     self.local.set(&self.node_name, key, pod.as_deref(), &mut flipped);
                     take(match pod {
                         Some(pod) => compiler.upsert_pod(pod),
-                        None => compiler.delete_pod(&key.0, &key.1),
+                        None => compiler.delete_pod(&key.namespace, &key.name),
                     });
                 }
-                for ((namespace, name), policy) in &policies {
+                for (ObjectKey { namespace, name }, policy) in &policies {
                     take(match policy {
                         Some(policy) => compiler.upsert_policy(policy),
                         None => compiler.delete_policy(namespace, name),
@@ -310,7 +310,7 @@ impl<M: PolicyMaps> PolicyProgrammer<M> {
                 stats.full_compile = true;
                 self.local = LocalPods::default();
                 for pod in &pods {
-                    let key = (pod.namespace.to_string(), pod.name.to_string());
+                    let key = ObjectKey { namespace: pod.namespace.clone(), name: pod.name.clone() };
                     self.local.set(&self.node_name, &key, Some(pod), &mut flipped);
                 }
                 // Entries for this node's pods only: no other pod's rules are written here.

@@ -17,7 +17,7 @@ use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
 
 use crate::{
-    k8s::store::Followed,
+    k8s::store::{Followed, ObjectKey},
     metrics::{AgentMetrics, Metrics, Subsystem},
     routing::bgp::{
         bfd::BfdConfig,
@@ -178,7 +178,7 @@ impl BgpRouter {
         match nodes {
             Followed::All(nodes) => self.nodes.replace_all(nodes),
             Followed::Changed(changed) => {
-                for ((_, name), node) in changed {
+                for (ObjectKey { name, .. }, node) in changed {
                     self.nodes.set_node(&name, node);
                 }
             }

@@ -397,16 +397,15 @@ impl<W: Ord> Default for IdsInUse<W> {
 }
 
 impl<W: Copy + Ord> IdsInUse<W> {
+    /// Built at once, each map with full B-tree nodes: taken one by one in key order, as the
+    /// maps are read, the nodes split about half full (issue 29, heap profile). A backend held
+    /// under two ids is found under the higher, as when they were taken in order.
     pub fn of<F: AddressFamily<Words = W>>(current: &MapContents<F>) -> Self {
-        let mut ids = Self::default();
-        for (id, backend) in &current.backends {
-            ids.backend_ids.insert(*backend, *id);
-            ids.backends.take(*id);
+        Self {
+            backend_ids: current.backends.iter().map(|(id, backend)| (*backend, *id)).collect(),
+            backends: IdPool::of_taken(current.backends.keys().copied()),
+            services: IdPool::of_taken(current.services.values().map(|value| value.service_id)),
         }
-        for value in current.services.values() {
-            ids.services.take(value.service_id);
-        }
-        ids
     }
 }
 
@@ -426,6 +425,34 @@ impl Default for IdPool {
 }
 
 impl IdPool {
+    /// A pool with `ids` taken, each as often as it comes: what [`Self::take`] of each gives,
+    /// built at once.
+    pub fn of_taken(ids: impl IntoIterator<Item = u32>) -> Self {
+        let mut sorted: Vec<u32> = ids.into_iter().collect();
+        sorted.sort_unstable();
+        let mut counts: Vec<(u32, u32)> = Vec::new();
+        for id in sorted {
+            match counts.last_mut() {
+                Some((last, count)) if *last == id => *count += 1,
+                _ => counts.push((id, 1)),
+            }
+        }
+        // The free ranges are the gaps between taken ids, from 1 on (0 is never free).
+        let mut free: Vec<(u32, u64)> = Vec::new();
+        let mut start = 1u64;
+        for &(id, _) in &counts {
+            let id = u64::from(id);
+            if id > start {
+                free.push((start as u32, id));
+            }
+            start = start.max(id + 1);
+        }
+        if start <= u64::from(u32::MAX) {
+            free.push((start as u32, u64::from(u32::MAX) + 1));
+        }
+        Self { counts: counts.into_iter().collect(), free: free.into_iter().collect() }
+    }
+
     pub fn contains(&self, id: u32) -> bool {
         self.counts.contains_key(&id)
     }

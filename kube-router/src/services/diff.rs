@@ -118,6 +118,17 @@ pub fn frontend_priority(programmed: bool, value: &ServiceValue) -> (bool, bool,
 }
 
 impl<F: AddressFamily> MapContents<F> {
+    /// The same contents with full B-tree nodes.
+    pub fn compact(&mut self) {
+        fn rebuilt<K: Ord, V>(map: &mut BTreeMap<K, V>) {
+            *map = std::mem::take(map).into_iter().collect();
+        }
+        rebuilt(&mut self.services);
+        rebuilt(&mut self.slots);
+        rebuilt(&mut self.backends);
+        rebuilt(&mut self.source_ranges);
+    }
+
     /// Applies one write to an in-memory copy (the model of what the kernel maps hold).
     pub fn apply(&mut self, op: &MapOp<F>) {
         match *op {

@@ -438,7 +438,7 @@ pub fn endpoint_slice(object: &discovery::EndpointSlice) -> Result<Option<Conver
                 ready,
                 serving: conditions.serving.unwrap_or(true),
                 terminating: conditions.terminating.unwrap_or(false),
-                node_name: endpoint.node_name.clone(),
+                node_name: endpoint.node_name.as_deref().map(crate::k8s::intern::string),
                 zone_hints: endpoint
                     .hints
                     .as_ref()

@@ -55,7 +55,7 @@ impl ClusterObjects {
     pub fn state(&self) -> StateBuilder {
         let mut builder = StateBuilder::default();
         for service in self.services.objects() {
-            builder.add_service(service);
+            builder.add_service(&service);
         }
         for slice in self.endpoint_slices.objects() {
             builder.add_endpoint_slice(&slice);
@@ -82,10 +82,10 @@ impl ClusterObjects {
         };
         let mut changed = BTreeSet::new();
         for key in services {
-            let name = ServiceName::new(key.0.clone(), key.1.clone());
+            let name = ServiceName { namespace: key.namespace.clone(), name: key.name.clone() };
             let converted = self.services.get(&key).map(|object| {
                 let mut builder = StateBuilder::default();
-                builder.add_service(object);
+                builder.add_service(&object);
                 builder
             });
             catalog.set_service(&name, converted);
@@ -97,9 +97,10 @@ impl ClusterObjects {
                 builder.add_endpoint_slice(&object);
                 builder
             });
-            changed.extend(catalog.set_slice(&key, converted));
+            changed.extend(catalog.set_slice(&(key.namespace.to_string(), key.name.to_string()), converted));
         }
         if all {
+            catalog.compact();
             return Changed::All;
         }
         Changed::Services(changed)

@@ -57,7 +57,14 @@ impl<F: AddressFamily> ServiceSync<F> {
         allow_deletes: bool,
     ) -> SyncReport {
         let ops = diff(&self.programmed, desired, allow_deletes);
-        self.write(maps, ops)
+        let many = ops.len();
+        let report = self.write(maps, ops);
+        // The model's maps filled in key order (the first sync writes everything) have their
+        // B-tree nodes about half full: rebuilt at once, full (issue 29, heap profile).
+        if many > 0 && many >= self.programmed.len() / 2 {
+            self.programmed.compact();
+        }
+        report
     }
 
     /// Writes `ops`, a difference computed by the caller (the incremental compiler's, over the

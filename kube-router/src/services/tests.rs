@@ -1125,6 +1125,11 @@ fn a_model_written_before_dual_stack_still_reads_as_ipv4() {
     )
     .unwrap();
     assert_eq!(endpoint.addr, std::net::IpAddr::from(Ipv4Addr::new(10, 0, 0, 1)));
+    assert_eq!(endpoint.node_name.as_deref(), Some("node-a"));
+    assert_eq!(serde_json::from_str::<Endpoint>(&serde_json::to_string(&endpoint).unwrap()).unwrap(), endpoint);
+    let without: Endpoint =
+        serde_json::from_str(r#"{"addr":"10.0.0.1","ready":true,"serving":true,"terminating":false}"#).unwrap();
+    assert_eq!(without.node_name, None);
 }
 
 /// In-memory maps whose `backends_v4` refuses every write (not for lack of room).
@@ -1230,4 +1235,19 @@ fn every_refused_external_ip_class_is_refused_and_ranges_and_the_strict_flag_dec
     let lb_range = ExternalIpPolicy { load_balancer_ranges: vec!["203.0.113.0/24".parse().unwrap()], ..lax };
     assert_eq!(lb_range.refusal("198.51.100.7".parse().unwrap(), true).unwrap().reason, "outside-range");
     assert_eq!(lb_range.refusal("203.0.113.7".parse().unwrap(), true), None);
+}
+
+proptest::proptest! {
+    /// A pool built at once from the ids the maps hold is the pool taking them one by one:
+    /// the same counts, the same free ranges (0, the highest id, repeats and gaps included).
+    #[test]
+    fn an_id_pool_built_at_once_is_the_one_taken_id_by_id(
+        ids in proptest::collection::vec(proptest::prop_oneof![0u32..40, Just(u32::MAX), Just(u32::MAX - 1)], 0..30),
+    ) {
+        let mut one_by_one = super::compile::IdPool::default();
+        for id in &ids {
+            one_by_one.take(*id);
+        }
+        proptest::prop_assert_eq!(super::compile::IdPool::of_taken(ids.iter().copied()), one_by_one);
+    }
 }

@@ -12,7 +12,7 @@ use crate::{
     controllers::service_view::VipPublisher,
     k8s::{
         cache::{Cache, Completeness},
-        store::{Cursor, Followed},
+        store::{Cursor, Followed, ObjectKey},
         watch::Kind,
     },
     runtime::{Action, Controller},
@@ -46,7 +46,7 @@ impl ClusterAddressFollower {
                 self.nodes.replace_all(nodes.iter().map(|node| (node.name_any(), addresses(node))));
             }
             Followed::Changed(changed) => {
-                for ((_, name), node) in changed {
+                for (ObjectKey { name, .. }, node) in changed {
                     self.nodes.set_node(&name, node.as_deref().map(addresses).unwrap_or_default());
                 }
             }
@@ -168,7 +168,7 @@ impl ServicesFromApi {
 
     /// Only this node's zone matters to the Services; other Node changes do not.
     fn follow_zone(&mut self) {
-        let key = (String::new(), self.controller.node_name.clone());
+        let key = ObjectKey::new("", &self.controller.node_name);
         let zone = self
             .cache
             .with(|o| o.nodes.get(&key).and_then(|n| n.metadata.labels.as_ref()?.get(TOPOLOGY_ZONE_LABEL).cloned()));
