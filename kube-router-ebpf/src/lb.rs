@@ -411,6 +411,19 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
     let Some(work) = parse_into::<F>(ctx) else {
         return TC_ACT_UNSPEC;
     };
+    egress_parsed::<F>(ctx, work)
+}
+
+/// [`egress_parsed`] in a frame of its own, for a caller whose frame holds more than `egress`'s
+/// (the combined pod veth program, `pod`).
+#[inline(never)]
+pub(crate) fn egress_of_parsed<F: Family>(ctx: &TcContext, work: &mut Work<F::Addr>) -> i32 {
+    egress_parsed::<F>(ctx, work)
+}
+
+/// Egress of a packet [`parse_into`] has read into `work`.
+#[inline(always)]
+fn egress_parsed<F: Family>(ctx: &TcContext, work: &mut Work<F::Addr>) -> i32 {
     let flow = match flow_of::<F>(ctx, &mut work.parsed, Hook::Egress) {
         Ok(flow) => flow,
         Err(verdict) => return verdict,
