@@ -123,7 +123,6 @@ fn main() {
     let report_v6 = sync_v6.sync(&mut maps_v6, &desired_v6, true);
     assert_eq!(report_v6.total().errors, 0, "IPv6 map writes failed: {report_v6:?}");
 
-    println!("\n== per-packet cost, BPF_PROG_TEST_RUN (10,000 services programmed)");
     // One run per packet: a repeated run would keep rewriting the already rewritten packet (the
     // kernel does not restore it between repeats), so the conntrack-hit case would in fact time
     // a miss. Each figure is the kernel-timed average over SAMPLES single runs; that includes the
@@ -160,6 +159,7 @@ fn main() {
         let _ = datapath::remove_all(pin_dir);
         return;
     }
+    println!("\n== per-packet cost, BPF_PROG_TEST_RUN (10,000 services programmed)");
     let ingress = datapath.program_fd(Hook::Ingress).unwrap();
     let egress = datapath.program_fd(Hook::Egress).unwrap();
     let avg = |fd: i32, frame: &dyn Fn(u16) -> Vec<u8>| -> f64 {
@@ -306,6 +306,10 @@ fn main() {
     let _ = datapath::remove_all(pin_dir);
 }
 
+/// A packet of the pod veth comparison: what it is, the pair's two programs (in the order they
+/// run), the combined one, the frame.
+type PodCase = (&'static str, (i32, i32), i32, Vec<u8>);
+
 /// Rounds of the pod veth comparison, each measuring both ways on every packet, alternated.
 const POD_ROUNDS: usize = 5;
 
@@ -343,8 +347,7 @@ fn pod_veth_section(datapath: &Datapath, ifindex: Option<u32>) {
         run_on(lb_in, &packet::ipv4(packet::TCP, (pod, 41000), vip, packet::TCP_SYN, &[]), 1, ifindex).unwrap();
     let backend = packet::endpoints(&opened.packet).1;
     assert_ne!(backend, vip, "the pod's Service flow is translated");
-    // (what, the pair's two programs, the combined one, the packet)
-    let cases: Vec<(&str, (i32, i32), i32, Vec<u8>)> = vec![
+    let cases: Vec<PodCase> = vec![
         (
             "plain TCP, from the pod (ingress)",
             (lb_in, pol_in),
