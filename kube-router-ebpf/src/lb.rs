@@ -136,7 +136,10 @@ pub(crate) fn parse_into<F: Family>(ctx: &TcContext) -> Option<&'static mut Work
     F::parse(ctx, &mut work.parsed).then_some(work)
 }
 
-// Not inlined: one frame per family, so IPv4's and IPv6's stacks are not added up.
+// Not inlined: one frame per family, so IPv4's and IPv6's stacks are not added up. The IPv6
+// new-flow chain through this frame (program 16 + 256 + `new_flow` 240 bytes) is at the
+// verifier's 512 in `kr_lb_ingress` and `kr_pod_ingress` alike: 8 more bytes here and neither
+// loads (docs/benchmarks.md, "One program per pod-veth hook, in the agent").
 #[inline(never)]
 fn ingress<F: Family>(ctx: &TcContext) -> i32 {
     let Some(work) = parse_into::<F>(ctx) else {
