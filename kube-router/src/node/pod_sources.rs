@@ -210,8 +210,29 @@ impl Resolver {
 /// One veth's state: what its entry holds and whether that can still change.
 struct Veth {
     addresses: PodAddresses,
-    /// Read twice alike with an address assigned: the CNI plugin is done with the namespace.
+    /// When `addresses` were first read as they are.
+    since: std::time::Instant,
+    /// Read alike, with an address assigned, [`SETTLE_TIME`] apart: the CNI plugin is done with
+    /// the namespace.
     settled: bool,
+}
+
+/// How long a veth's addresses must stay as they are before it is read no more. A CNI plugin
+/// adds a dual-stack pod's addresses one after the other, milliseconds apart: two reads that
+/// close (its link event, then its Pod's) saw only the IPv4 one, alike, and the pod's IPv6
+/// traffic was dropped until the agent restarted.
+const SETTLE_TIME: std::time::Duration = std::time::Duration::from_secs(2);
+
+impl Veth {
+    /// The state after reading `addresses` at `now`.
+    fn after_read(previous: Option<&Veth>, addresses: PodAddresses, now: std::time::Instant) -> Veth {
+        let since = match previous {
+            Some(previous) if previous.addresses == addresses => previous.since,
+            _ => now,
+        };
+        let settled = addresses.assigned() && now.duration_since(since) >= SETTLE_TIME;
+        Veth { addresses, since, settled }
+    }
 }
 
 /// Writes `pod_src` for the pod veths the interfaces controller attaches to.
@@ -232,7 +253,11 @@ impl PodSourceCheck {
         let veths = map
             .keys()
             .flatten()
-            .map(|ifindex| (ifindex, Veth { addresses: PodAddresses::default(), settled: false }))
+            .map(|ifindex| {
+                let veth =
+                    Veth { addresses: PodAddresses::default(), since: std::time::Instant::now(), settled: false };
+                (ifindex, veth)
+            })
             .collect();
         Ok(Self { map, resolver: Resolver::open()?, checked_by, veths, failed: BTreeSet::new() })
     }
@@ -258,9 +283,8 @@ impl PodSourceCheck {
                 PodAddresses::default()
             }
         };
-        let previous = self.veths.get(&ifindex).map(|v| &v.addresses);
-        let settled = addresses.assigned() && previous == Some(&addresses);
-        if previous != Some(&addresses) {
+        let previous = self.veths.get(&ifindex);
+        if previous.map(|v| &v.addresses) != Some(&addresses) {
             if let Err(e) = self.map.insert(ifindex, addresses.entry(self.checked_by), 0) {
                 tracing::error!(interface, error = %e, "cannot write the pod's source addresses");
                 return;
@@ -268,7 +292,8 @@ impl PodSourceCheck {
             let micros = started.elapsed().as_micros() as u64;
             tracing::info!(interface, addresses = ?addresses.0, micros, "pod source addresses");
         }
-        self.veths.insert(ifindex, Veth { addresses, settled });
+        let veth = Veth::after_read(self.veths.get(&ifindex), addresses, std::time::Instant::now());
+        self.veths.insert(ifindex, veth);
     }
 
     /// Re-reads the veths whose pod may still be getting its addresses.
@@ -316,6 +341,30 @@ pub fn clear(pin_dir: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_veth_settles_only_once_its_addresses_stay_alike_for_the_settle_time() {
+        let addresses = |list: &[&str]| PodAddresses(list.iter().map(|a| a.parse().unwrap()).collect());
+        let start = std::time::Instant::now();
+        let at = |ms: u64| start + std::time::Duration::from_millis(ms);
+        let v4 = addresses(&["10.244.1.2", "fe80::1"]);
+        let dual = addresses(&["10.244.1.2", "fd00:10:244:1::2", "fe80::1"]);
+
+        let first = Veth::after_read(None, v4.clone(), at(0));
+        // The race: read again a few milliseconds later, before the CNI added the IPv6 address.
+        let again = Veth::after_read(Some(&first), v4.clone(), at(3));
+        assert!(!again.settled, "two reads milliseconds apart settled the veth");
+        let grown = Veth::after_read(Some(&again), dual.clone(), at(5));
+        assert!(!grown.settled);
+        assert!(!Veth::after_read(Some(&grown), dual.clone(), at(1_000)).settled);
+        let settled = Veth::after_read(Some(&grown), dual.clone(), at(2_005));
+        assert!(settled.settled, "alike for the settle time");
+        assert_eq!(settled.since, at(5));
+
+        // No global address yet (link-local only): never settled, however long.
+        let bare = Veth::after_read(None, addresses(&["fe80::1"]), at(0));
+        assert!(!Veth::after_read(Some(&bare), addresses(&["fe80::1"]), at(60_000)).settled);
+    }
 
     /// Needs no privilege: route lookups are open to every user.
     #[test]
