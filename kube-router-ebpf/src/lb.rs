@@ -136,10 +136,7 @@ pub(crate) fn parse_into<F: Family>(ctx: &TcContext) -> Option<&'static mut Work
     F::parse(ctx, &mut work.parsed).then_some(work)
 }
 
-// Not inlined: one frame per family, so IPv4's and IPv6's stacks are not added up. The IPv6
-// new-flow chain through this frame (program 16 + 256 + `new_flow` 240 bytes) is at the
-// verifier's 512 in `kr_lb_ingress` and `kr_pod_ingress` alike: 8 more bytes here and neither
-// loads (docs/benchmarks.md, "One program per pod-veth hook, in the agent").
+// Not inlined: one frame per family, so IPv4's and IPv6's stacks are not added up.
 #[inline(never)]
 fn ingress<F: Family>(ctx: &TcContext) -> i32 {
     let Some(work) = parse_into::<F>(ctx) else {
@@ -414,19 +411,6 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
     let Some(work) = parse_into::<F>(ctx) else {
         return TC_ACT_UNSPEC;
     };
-    egress_parsed::<F>(ctx, work)
-}
-
-/// [`egress_parsed`] in a frame of its own, for a caller whose frame holds more than `egress`'s
-/// (the combined pod veth program, `pod`).
-#[inline(never)]
-pub(crate) fn egress_of_parsed<F: Family>(ctx: &TcContext, work: &mut Work<F::Addr>) -> i32 {
-    egress_parsed::<F>(ctx, work)
-}
-
-/// Egress of a packet [`parse_into`] has read into `work`.
-#[inline(always)]
-fn egress_parsed<F: Family>(ctx: &TcContext, work: &mut Work<F::Addr>) -> i32 {
     let flow = match flow_of::<F>(ctx, &mut work.parsed, Hook::Egress) {
         Ok(flow) => flow,
         Err(verdict) => return verdict,

@@ -13,9 +13,6 @@
 //! `kr_pol_ingress` / `kr_pol_egress` enforce NetworkPolicy on the host side of pod veths (see
 //! `policy`): TC ingress there carries the pod's egress traffic, TC egress its ingress traffic.
 //!
-//! `kr_pod_ingress` / `kr_pod_egress` are both of those on a pod veth in one program per
-//! direction (see `pod`); the agent attaches them there when both features are on.
-//!
 //! `kr_ovl_encap` / `kr_ovl_decap` carry pod traffic between nodes on different subnets in
 //! IPIP or FOU/GUE packets (see `overlay`).
 //!
@@ -38,7 +35,6 @@ mod nat;
 mod overlay;
 mod packet;
 mod parsing;
-mod pod;
 mod policy;
 mod reject;
 mod route;
@@ -91,19 +87,6 @@ pub fn kr_pol_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn kr_pol_egress(ctx: TcContext) -> i32 {
     policy::enforce(&ctx, policy::VethHook::ToPod).unwrap_or_else(|_| policy::malformed(&ctx, policy::VethHook::ToPod))
-}
-
-/// Host side of a pod veth, TC ingress, with the load balancer and the policy both on: what
-/// `kr_lb_ingress` then `kr_pol_ingress` do there, on one parse (see `pod`).
-#[classifier]
-pub fn kr_pod_ingress(ctx: TcContext) -> i32 {
-    pod::from_pod(&ctx)
-}
-
-/// Host side of a pod veth, TC egress: `kr_pol_egress` then `kr_lb_egress`, on one parse.
-#[classifier]
-pub fn kr_pod_egress(ctx: TcContext) -> i32 {
-    pod::to_pod(&ctx)
 }
 
 /// TC egress of an interface towards tunnel endpoints: encapsulation.

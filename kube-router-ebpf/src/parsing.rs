@@ -280,29 +280,6 @@ impl<A> LbFlow<A> {
     }
 }
 
-impl<A: Copy + Default> LbFlow<A> {
-    /// What [`parse_for_policy`] (or `_v6`) reads of the packet this flow was parsed from, now
-    /// carrying the tuple `(src, dst)` (the load balancer may have translated it): for a TCP or
-    /// UDP packet with its ports, which the two parsers read alike. `None` for anything else
-    /// (ICMP, later fragments, ...), which the policy parses itself.
-    #[inline(always)]
-    pub fn policy_view(&self, src: (A, u16), dst: (A, u16)) -> Option<Flow<A>> {
-        if (self.proto != IPPROTO_TCP && self.proto != IPPROTO_UDP) || !self.has_l4() {
-            return None;
-        }
-        let nothing = A::default();
-        Some(Flow {
-            src_addr: src.0,
-            dst_addr: dst.0,
-            src_port: src.1,
-            dst_port: dst.1,
-            proto: self.proto,
-            tcp_flags: self.tcp_flags,
-            quoted: Quoted { src_addr: nothing, dst_addr: nothing, src_port: 0, dst_port: 0, proto: 0 },
-        })
-    }
-}
-
 /// An ICMP(v6) error (destination unreachable, packet too big, time exceeded, parameter problem)
 /// quoting a TCP or UDP packet: the quoted packet is the one the error is about, as sent.
 pub struct IcmpError<A> {

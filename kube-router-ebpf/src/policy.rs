@@ -69,7 +69,7 @@ enum Verdict {
 }
 
 /// The per-family maps and keys of the policy check; the logic in [`judge`] is written once.
-pub(crate) trait PolicyFamily {
+trait PolicyFamily {
     type Addr: Copy;
     type CtKey: Copy + 'static;
     const FAMILY: u8;
@@ -83,22 +83,8 @@ pub(crate) trait PolicyFamily {
     fn event_addr(addr: Self::Addr) -> [u32; 4];
 }
 
-pub(crate) struct V4;
-pub(crate) struct V6;
-
-/// The policy family of an address type: how the combined pod veth programs (`pod`), which
-/// hold the load balancer's parse, reach the policy check of the same family.
-pub(crate) trait PolicyAddr: Copy + Sized {
-    type Family: PolicyFamily<Addr = Self>;
-}
-
-impl PolicyAddr for u32 {
-    type Family = V4;
-}
-
-impl PolicyAddr for Ipv6Words {
-    type Family = V6;
-}
+struct V4;
+struct V6;
 
 impl PolicyFamily for V4 {
     type Addr = u32;
@@ -199,22 +185,6 @@ pub fn enforce(ctx: &TcContext, hook: VethHook) -> Result<i32, i64> {
         }
         _ => Ok(drop_frame(ctx, hook, pol_guard_stat::DROP_UNKNOWN_L3, FRAME_DROP_UNKNOWN_L3, ether_type)),
     }
-}
-
-/// [`enforce`] of an IPv4 or IPv6 packet already read as `flow` (see `LbFlow::policy_view`): the
-/// same counters, guard and verdict, without parsing it again. A packet the policy cannot judge
-/// is dropped, as by `kr_pol_*` (see [`malformed`]).
-#[inline(always)]
-pub(crate) fn enforce_flow<A: PolicyAddr>(ctx: &TcContext, hook: VethHook, flow: &Flow<A>) -> i32 {
-    count(pol_stat::PACKETS);
-    // The frame's own ethertype is IPv4 or IPv6 (how it was parsed): only a tag the kernel took
-    // off into the skb is left to refuse (see `enforce`).
-    // SAFETY: reading a field of the context the program was called with.
-    if unsafe { (*ctx.skb.skb).vlan_present } != 0 {
-        let ether_type = if size_of::<A>() == 4 { ETH_P_IP } else { ETH_P_IPV6 };
-        return drop_frame(ctx, hook, pol_guard_stat::DROP_VLAN, FRAME_DROP_VLAN, ether_type);
-    }
-    judge::<A::Family>(ctx, hook, flow).unwrap_or_else(|_| malformed(ctx, hook))
 }
 
 /// The verdict on a packet the policy could not read (a header shorter than it claims): dropped,

@@ -123,6 +123,7 @@ fn main() {
     let report_v6 = sync_v6.sync(&mut maps_v6, &desired_v6, true);
     assert_eq!(report_v6.total().errors, 0, "IPv6 map writes failed: {report_v6:?}");
 
+    println!("\n== per-packet cost, BPF_PROG_TEST_RUN (10,000 services programmed)");
     // One run per packet: a repeated run would keep rewriting the already rewritten packet (the
     // kernel does not restore it between repeats), so the conntrack-hit case would in fact time
     // a miss. Each figure is the kernel-timed average over SAMPLES single runs; that includes the
@@ -150,16 +151,6 @@ fn main() {
     .expect("bench netns");
     let uplink = node.ifindex("up0");
     let ifindex = Some(uplink);
-    // `KRT_BENCH_POD_ONLY=1`: only the pod veth comparison and the load times (a few minutes less).
-    if std::env::var("KRT_BENCH_POD_ONLY").is_ok_and(|v| v == "1") {
-        pod_veth_section(&datapath, ifindex);
-        load_times(pin_dir);
-        drop(node);
-        drop(datapath);
-        let _ = datapath::remove_all(pin_dir);
-        return;
-    }
-    println!("\n== per-packet cost, BPF_PROG_TEST_RUN (10,000 services programmed)");
     let ingress = datapath.program_fd(Hook::Ingress).unwrap();
     let egress = datapath.program_fd(Hook::Egress).unwrap();
     let avg = |fd: i32, frame: &dyn Fn(u16) -> Vec<u8>| -> f64 {
@@ -299,163 +290,7 @@ fn main() {
         let ((c0, c1), (o0, o1)) = (range(&closed, i), range(&open, i));
         println!("{what:<40} closed {c0:>6.1}-{c1:<6.1} open {o0:>6.1}-{o1:<6.1} ns/pkt");
     }
-    pod_veth_section(&datapath, ifindex);
-    load_times(pin_dir);
     drop(node);
     drop(datapath);
     let _ = datapath::remove_all(pin_dir);
-}
-
-/// A packet of the pod veth comparison: what it is, the pair's two programs (in the order they
-/// run), the combined one, the frame.
-type PodCase = (&'static str, (i32, i32), i32, Vec<u8>);
-
-/// Rounds of the pod veth comparison, each measuring both ways on every packet, alternated.
-const POD_ROUNDS: usize = 5;
-
-/// A pod veth with the load balancer and the policy on: the two programs at each hook
-/// (`kr_lb_ingress` then `kr_pol_ingress` from the pod, `kr_pol_egress` then `kr_lb_egress` to
-/// it) against the one that does both (`kr_pod_ingress`, `kr_pod_egress`), on the same packets.
-/// The pair's figure is the sum of its two runs (the second run on what the first left), which
-/// leaves out the second program's dispatch by tc, in the pair's favour. No policy isolates the
-/// pods; the gate is open and 10,000 Services per family are programmed, as on a node.
-fn pod_veth_section(datapath: &Datapath, ifindex: Option<u32>) {
-    let fd = |hook| datapath.program_fd(hook).unwrap();
-    let (lb_in, pol_in, pod_in) = (fd(Hook::Ingress), fd(Hook::PolicyIngress), fd(Hook::PodIngress));
-    let (lb_out, pol_out, pod_out) = (fd(Hook::Egress), fd(Hook::PolicyEgress), fd(Hook::PodEgress));
-    kube_router::services::maps::gate::open(Path::new("/sys/fs/bpf/krt-bench")).expect("open the gate");
-    // The pair on one packet: the first program's run, then the second's on what it left (the
-    // second does not run after a verdict, as in the filter chain). The verdict and packet are
-    // the pair's, to check the combined program against.
-    let pair = |first: i32, second: i32, frame: &[u8]| -> (u64, i32, Vec<u8>) {
-        let one = run_on(first, frame, 1, ifindex).expect("test run");
-        if one.retval != test_run::TC_ACT_UNSPEC {
-            return (u64::from(one.duration_ns), one.retval, one.packet);
-        }
-        let two = run_on(second, &one.packet, 1, ifindex).expect("test run");
-        (u64::from(one.duration_ns) + u64::from(two.duration_ns), two.retval, two.packet)
-    };
-    let pod = Ipv4Addr::new(10, 244, 1, 5);
-    let other_pod = Ipv4Addr::new(10, 244, 2, 7);
-    let vip = (Ipv4Addr::new(10, 96, 19, 136), 80); // svc-5000
-    let pod6 = Ipv6Addr::new(0xfd00, 0x244, 1, 0, 0, 0, 0, 5);
-    let other_pod6 = Ipv6Addr::new(0xfd00, 0x244, 2, 0, 0, 0, 0, 7);
-    let frame4 = |proto, src, dst| packet::ipv4(proto, src, dst, packet::TCP_ACK, &[0; 64]);
-    let frame6 = |proto, src, dst| packet::ipv6(proto, src, dst, packet::TCP_ACK, &[0; 64]);
-    // The Service flow the reverse-NAT case replies on: opened once from the pod.
-    let opened =
-        run_on(lb_in, &packet::ipv4(packet::TCP, (pod, 41000), vip, packet::TCP_SYN, &[]), 1, ifindex).unwrap();
-    let backend = packet::endpoints(&opened.packet).1;
-    assert_ne!(backend, vip, "the pod's Service flow is translated");
-    let cases: Vec<PodCase> = vec![
-        (
-            "plain TCP, from the pod (ingress)",
-            (lb_in, pol_in),
-            pod_in,
-            frame4(packet::TCP, (pod, 40000), (other_pod, 8080)),
-        ),
-        (
-            "plain TCP, to the pod (egress)",
-            (pol_out, lb_out),
-            pod_out,
-            frame4(packet::TCP, (other_pod, 8080), (pod, 40000)),
-        ),
-        (
-            "plain UDP, from the pod (ingress)",
-            (lb_in, pol_in),
-            pod_in,
-            frame4(packet::UDP, (pod, 40000), (other_pod, 53)),
-        ),
-        (
-            "plain UDP, to the pod (egress)",
-            (pol_out, lb_out),
-            pod_out,
-            frame4(packet::UDP, (other_pod, 53), (pod, 40000)),
-        ),
-        (
-            "plain TCP over IPv6, from the pod",
-            (lb_in, pol_in),
-            pod_in,
-            frame6(packet::TCP, (pod6, 40000), (other_pod6, 8080)),
-        ),
-        (
-            "plain TCP over IPv6, to the pod",
-            (pol_out, lb_out),
-            pod_out,
-            frame6(packet::TCP, (other_pod6, 8080), (pod6, 40000)),
-        ),
-        (
-            "Service flow from the pod, conntrack hit + DNAT",
-            (lb_in, pol_in),
-            pod_in,
-            frame4(packet::TCP, (pod, 41000), vip),
-        ),
-        (
-            "Service reply to the pod, reverse NAT",
-            (pol_out, lb_out),
-            pod_out,
-            frame4(packet::TCP, backend, (pod, 41000)),
-        ),
-    ];
-    // Same verdict, same packet: the combined program does what the pair does.
-    for (what, (first, second), combined, frame) in &cases {
-        let (_, verdict, out) = pair(*first, *second, frame);
-        let one = run_on(*combined, frame, 1, ifindex).unwrap();
-        assert_eq!((one.retval, &one.packet), (verdict, &out), "{what}: the combined program differs from the pair");
-    }
-    let mut two: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
-    let mut one: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
-    for round in 0..POD_ROUNDS * 2 {
-        for (i, (_, (first, second), combined, frame)) in cases.iter().enumerate() {
-            let samples = u64::from(SAMPLES);
-            if round % 2 == 0 {
-                let total: u64 = (0..SAMPLES).map(|_| pair(*first, *second, frame).0).sum();
-                two[i].push(total as f64 / samples as f64);
-            } else {
-                let total: u64 =
-                    (0..SAMPLES).map(|_| u64::from(run_on(*combined, frame, 1, ifindex).unwrap().duration_ns)).sum();
-                one[i].push(total as f64 / samples as f64);
-            }
-        }
-    }
-    let min_max = |v: &[f64]| (v.iter().copied().fold(f64::MAX, f64::min), v.iter().copied().fold(0.0, f64::max));
-    println!(
-        "\n== pod veth, load balancer + policy: the pair vs the combined program, ns/pkt, {POD_ROUNDS} alternated rounds of {SAMPLES} single runs, min-max"
-    );
-    for (i, (what, ..)) in cases.iter().enumerate() {
-        let ((t0, t1), (o0, o1)) = (min_max(&two[i]), min_max(&one[i]));
-        println!("{what:<50} pair {t0:>6.1}-{t1:<6.1} combined {o0:>6.1}-{o1:<6.1} ({:.2}-{:.2}x)", o0 / t1, o1 / t0);
-    }
-}
-
-/// The verifier's time for each TC program of the object (thread CPU time of its load), what
-/// an agent's start pays for every program it loads; and the instructions it processed.
-fn load_times(pin_dir: &Path) {
-    let thread_cpu = || {
-        let mut now: libc::timespec = unsafe { std::mem::zeroed() };
-        // SAFETY: clock_gettime fills the struct we pass.
-        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
-        Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
-    };
-    let mut loader = aya::EbpfLoader::new();
-    loader.default_map_pin_directory(kube_router::pinned::maps_dir(pin_dir));
-    let mut ebpf = loader.load(kube_router::bpf::DATAPATH_OBJECT).expect("the object");
-    println!("\n== program load (verification) time, thread CPU, one load each");
-    let mut total = Duration::ZERO;
-    for hook in Hook::ALL {
-        let program: &mut aya::programs::SchedClassifier =
-            ebpf.program_mut(hook.program()).expect("in the object").try_into().expect("a classifier");
-        let started = thread_cpu();
-        program.load().expect("verified");
-        let took = thread_cpu() - started;
-        total += took;
-        let insns = program.info().ok().and_then(|info| info.verified_instruction_count());
-        println!(
-            "{:<16} {:>7.1} ms  {:>8} instructions processed",
-            hook.program(),
-            took.as_secs_f64() * 1e3,
-            insns.unwrap_or(0)
-        );
-    }
-    println!("{:<16} {:>7.1} ms", "all TC programs", total.as_secs_f64() * 1e3);
 }

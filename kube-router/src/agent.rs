@@ -170,12 +170,7 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
         let mut interfaces = InterfacesController::start(
             datapath,
             config.datapath.interfaces.clone(),
-            Programs {
-                load_balancer: config.services.run,
-                firewall: config.policy.run,
-                xdp: config.datapath.xdp,
-                combined_on_pods: combined_pod_programs(),
-            },
+            Programs { load_balancer: config.services.run, firewall: config.policy.run, xdp: config.datapath.xdp },
             config.policy.pod_source_check,
             config
                 .services
@@ -539,20 +534,6 @@ fn write_policy_ct_gate(pin_dir: &std::path::Path) -> Result<()> {
         tracing::info!("policy conntrack gate off: every pod's flows tracked (KUBE_ROUTER_POLICY_CT_GATE=off)");
     }
     crate::policy::maps::write_policy_ct_gate(pin_dir, track_all).context("writing pol_cfg")
-}
-
-/// Pod veths with both the load balancer and the policy get one program per direction doing
-/// both (`kr_pod_*`); `KUBE_ROUTER_POD_PROGRAMS=separate` attaches the two pairs instead, as
-/// agents before them did (for benchmarks comparing the two, and the test of the move from one
-/// to the other).
-fn combined_pod_programs() -> bool {
-    let separate = std::env::var("KUBE_ROUTER_POD_PROGRAMS").is_ok_and(|v| v == "separate");
-    if separate {
-        tracing::info!(
-            "pod veths get the load balancer's and the policy's programs apart (KUBE_ROUTER_POD_PROGRAMS=separate)"
-        );
-    }
-    !separate
 }
 
 /// Opens the load balancer's gate (`services::maps::gate`) now that every link runs our programs.

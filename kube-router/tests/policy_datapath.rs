@@ -113,8 +113,6 @@ struct Loaded {
     flattener: MapFlattener,
     programmed: MapEntries,
     next_port: u16,
-    /// Packets `send` has judged: every other one goes through the pod veth's combined programs.
-    sent: std::cell::Cell<u64>,
 }
 
 impl Drop for Loaded {
@@ -127,14 +125,7 @@ fn load(test: &str) -> Loaded {
     let pin_dir = PathBuf::from(format!("/sys/fs/bpf/krt-pol-test-{test}"));
     let _ = datapath::remove_all(&pin_dir);
     let datapath = Datapath::load(&pin_dir).expect("load datapath (run as root)");
-    Loaded {
-        datapath,
-        pin_dir,
-        flattener: MapFlattener::new(),
-        programmed: MapEntries::default(),
-        next_port: 20000,
-        sent: Default::default(),
-    }
+    Loaded { datapath, pin_dir, flattener: MapFlattener::new(), programmed: MapEntries::default(), next_port: 20000 }
 }
 
 impl Loaded {
@@ -159,22 +150,16 @@ impl Loaded {
     /// The hook verdicts for one packet of a same-node connection: it passes the source pod's
     /// veth at TC ingress (`kr_pol_ingress`), then the destination pod's veth at TC egress
     /// (`kr_pol_egress`), unless the first dropped it. An address outside the cluster has no
-    /// pod and no policy, so its hook passes everything: the same program does for it. Every
-    /// other packet takes the programs a pod veth runs with the load balancer on too
-    /// (`kr_pod_ingress`, `kr_pod_egress`: no Service here, so the load balancer passes
-    /// everything), which must judge exactly as the policy's own.
+    /// pod and no policy, so its hook passes everything: the same program does for it.
     fn send(&self, frame: &[u8]) -> bool {
-        let sent = self.sent.replace(self.sent.get() + 1);
-        let (from, to) =
-            if sent % 2 == 1 { (Hook::PodIngress, Hook::PodEgress) } else { (Hook::PolicyIngress, Hook::PolicyEgress) };
-        let from_pod = run(self.fd(from), frame, 1).unwrap();
+        let from_pod = run(self.fd(Hook::PolicyIngress), frame, 1).unwrap();
         assert!(from_pod.retval == TC_ACT_UNSPEC || from_pod.retval == TC_ACT_SHOT, "{}", from_pod.retval);
         assert_eq!(from_pod.packet, frame, "policy never rewrites packets");
         if from_pod.retval == TC_ACT_SHOT {
             return false;
         }
         // Forwarded to the destination pod (from the source pod's veth, another node, ...).
-        let to_pod = run_forwarded(self.fd(to), frame, 1, 1).unwrap();
+        let to_pod = run_forwarded(self.fd(Hook::PolicyEgress), frame, 1, 1).unwrap();
         assert!(to_pod.retval == TC_ACT_UNSPEC || to_pod.retval == TC_ACT_SHOT, "{}", to_pod.retval);
         to_pod.retval == TC_ACT_UNSPEC
     }
@@ -1004,77 +989,6 @@ fn policy_and_lb_on_one_interface_run_in_the_right_order_whichever_is_attached_f
     }
 }
 
-/// Our programs on `interface`'s classic clsact hook (`tc filter show`), in the order they run.
-fn classic_chain(interface: &str, direction: &str) -> Vec<String> {
-    let out = std::process::Command::new("tc").args(["filter", "show", "dev", interface, direction]).output().unwrap();
-    let listed = String::from_utf8_lossy(&out.stdout).into_owned();
-    // One line per filter: "... pref N bpf chain 0 handle 0x4b52 kr_pod_ingress direct-action ...".
-    listed
-        .lines()
-        .filter(|l| l.contains("handle 0x4b52"))
-        .filter_map(|l| l.split_whitespace().find(|w| w.starts_with("kr_")).map(str::to_string))
-        .collect()
-}
-
-/// A pod veth an older agent left with the four programs (the load balancer's and the policy's
-/// pairs) moves to the two combined ones in place, in either attach mode: in TCX the links
-/// themselves are updated (same link ids, one per direction left), in classic tc the filters
-/// in the pair's first slot are replaced; the others go after, and their pins with them.
-/// Attaching again adopts; a feature turned off moves it back to one pair the same way.
-#[test]
-fn a_pod_veth_with_the_four_programs_moves_to_the_two_combined_ones_in_place() {
-    use aya::programs::TcAttachType::{Egress, Ingress};
-    use datapath::{AttachMode, AttachOutcome};
-    let mut loaded = load("onehook");
-    let pin = |loaded: &Loaded, hook: Hook, name: &str| Datapath::link_path(&loaded.pin_dir, hook, name);
-    let old_four = [Hook::LOAD_BALANCER, Hook::POLICY].concat();
-    for (name, mode) in [("krpodtest0", AttachMode::Tcx), ("krpodtest1", AttachMode::Classic)] {
-        let _interface = VethPair::create(name);
-        loaded.datapath.set_pod_mode(mode);
-        loaded.datapath.attach_pod_hooks(&old_four, name).unwrap();
-        let link_id = |loaded: &Loaded, hook: Hook| {
-            let link: aya::programs::links::FdLink =
-                aya::programs::links::PinnedLink::from_pin(pin(loaded, hook, name)).unwrap().into();
-            link.info().unwrap().id()
-        };
-        let before =
-            (mode == AttachMode::Tcx).then(|| (link_id(&loaded, Hook::Ingress), link_id(&loaded, Hook::PolicyEgress)));
-        let chains = |name: &str| match mode {
-            AttachMode::Tcx => (chain(name, Ingress), chain(name, Egress)),
-            AttachMode::Classic => (classic_chain(name, "ingress"), classic_chain(name, "egress")),
-        };
-        assert_eq!(
-            chains(name),
-            (
-                vec!["kr_lb_ingress".to_string(), "kr_pol_ingress".into()],
-                vec!["kr_pol_egress".to_string(), "kr_lb_egress".into()]
-            ),
-            "{name}: the older agent's four"
-        );
-
-        let moved = loaded.datapath.attach_pod_hooks(&Hook::POD, name).unwrap();
-        assert_eq!(moved, [AttachOutcome::Updated; 2], "{name}: both in place");
-        assert_eq!(chains(name), (vec!["kr_pod_ingress".to_string()], vec!["kr_pod_egress".to_string()]), "{name}");
-        for hook in &old_four {
-            assert!(!pin(&loaded, *hook, name).exists(), "{name}: {hook:?}'s pin is gone");
-        }
-        assert!(pin(&loaded, Hook::PodIngress, name).exists() && pin(&loaded, Hook::PodEgress, name).exists());
-        if let Some((ingress, egress)) = before {
-            assert_eq!(
-                (link_id(&loaded, Hook::PodIngress), link_id(&loaded, Hook::PodEgress)),
-                (ingress, egress),
-                "{name}: the links of the pair's first programs, updated (bpf_link_update), not new ones"
-            );
-        }
-        assert_eq!(loaded.datapath.attach_pod_hooks(&Hook::POD, name).unwrap(), [AttachOutcome::Adopted; 2]);
-
-        // The policy turned off: the load balancer's pair, the combined programs gone.
-        loaded.datapath.attach_pod_hooks(&Hook::LOAD_BALANCER, name).unwrap();
-        assert_eq!(chains(name), (vec!["kr_lb_ingress".to_string()], vec!["kr_lb_egress".to_string()]), "{name}");
-        assert!(!pin(&loaded, Hook::PodIngress, name).exists() && !pin(&loaded, Hook::PodEgress, name).exists());
-    }
-}
-
 #[test]
 fn ipv6_neighbour_discovery_passes_an_isolated_pod_and_extension_headers_are_looked_past() {
     let mut loaded = load("v6-nd");
@@ -1193,7 +1107,6 @@ fn a_layout_2_policy_is_judged_alike_after_the_upgrade() {
         flattener: MapFlattener::new(),
         programmed: MapEntries::default(),
         next_port: 30000,
-        sent: Default::default(),
     };
     let (in_set_3, in_set_4, outside) = (ip(1, 6), ip(2, 0), ip(2, 1));
     assert_eq!(in_set_3, Ipv4Addr::new(10, 0, 2, 7));

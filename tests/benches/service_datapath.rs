@@ -10,8 +10,7 @@
 //! * plain routing through the node the agent runs in (the client talks to the backend's own
 //!   address, on ports of its own): what the programs cost traffic that uses no Service; once
 //!   through the Service-proxy-only agent, once through the default one (load balancer and policy
-//!   programs, "ours+pol"; and once through a default agent told to give each pod veth the two
-//!   programs' pairs, `KUBE_ROUTER_POD_PROGRAMS=separate`, "4 programs"). The client and backend are pods (`--cluster-cidr`, [`cluster_cidr`]):
+//!   programs, "ours+pol"). The client and backend are pods (`--cluster-cidr`, [`cluster_cidr`]):
 //!   pod-to-pod traffic, which the load balancer's gate lets pass without a conntrack lookup;
 //! * the socket load balancer (cgroup connect4/sendmsg4/recvmsg4 on a cgroup of the bench's own,
 //!   `--cgroup-root`): the client in a pod's cgroup below it reaches the ClusterIP translated at
@@ -169,18 +168,6 @@ fn load_rules(topo: &Topology, tool: &str, args: &[&str], rules: &str, dir: &Pat
 /// the seconds from writing the file to the log line of the sync that programmed them all.
 /// `with_uplink`: the node gets an uplink ([`add_uplink`]) first, where the XDP fast path goes.
 fn start_agent(prefix: &str, n: usize, text: &str, extra_args: &[&str], with_uplink: bool) -> (Topology, Agent, f64) {
-    start_agent_with_env(prefix, n, text, extra_args, with_uplink, &[])
-}
-
-/// [`start_agent`] with environment variables for the agent.
-fn start_agent_with_env(
-    prefix: &str,
-    n: usize,
-    text: &str,
-    extra_args: &[&str],
-    with_uplink: bool,
-    env: &[(&str, &str)],
-) -> (Topology, Agent, f64) {
     let topo = Topology::new(prefix, 1).unwrap();
     if with_uplink {
         add_uplink(&topo);
@@ -196,7 +183,7 @@ fn start_agent_with_env(
         args.extend(["--cluster-cidr", cidr]);
     }
     args.extend_from_slice(extra_args);
-    let mut agent = Agent::start_with_env(&topo.node, &root, &args, env).unwrap();
+    let mut agent = Agent::start(&topo.node, &root, &args).unwrap();
     let scrape =
         || topo.node.run(&[netprobe_bin().to_str().unwrap(), "http", &format!("127.0.0.1:{METRICS_PORT}"), "/metrics"]);
     wait_until("agent serving metrics", Duration::from_secs(20), || Ok(scrape().is_ok())).unwrap();
@@ -283,14 +270,6 @@ fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
         // The same, traffic that uses no Service: the load balancer's and the policy's TC
         // programs on the way, no policy isolating either end.
         list.push(plain_routing_through("plain routing through ours+pol", topo));
-        // The same through an agent that gives each pod veth the load balancer's and the
-        // policy's pairs (four program runs per packet on the way, agents before the combined
-        // programs), against the row above's two.
-        let separate = [("KUBE_ROUTER_POD_PROGRAMS", "separate")];
-        let (topo, agent, _) = start_agent_with_env("krt-sb-pol4", n, &yaml, &[], false, &separate);
-        let mut four = plain_routing_through("plain through ours+pol, 4 programs", Rc::new(topo));
-        four.agent = Some(agent);
-        list.push(four);
 
         // The socket load balancer, each agent on a cgroup of the bench's own (never the
         // machine's root), the client in a pod's cgroup below it. Agents of their own: the TC

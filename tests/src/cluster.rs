@@ -573,7 +573,6 @@ pub struct ClusterBuilder {
     full_checksums: bool,
     plumbing_only: bool,
     cluster_asn: u32,
-    agent_env: Vec<(String, String)>,
 }
 
 /// The top-of-rack BGP speaker's ASN (gobgpd in the fabric, `ClusterBuilder::tor_bgp`).
@@ -633,12 +632,6 @@ impl ClusterBuilder {
         self.agent_args = args.iter().map(|a| a.to_string()).collect();
         self
     }
-    /// Environment variables for every agent (the harness's plumbing besides); one node's
-    /// agent may be restarted without them ([`Cluster::restart_agent_with_env`]).
-    pub fn agent_env(mut self, env: &[(&str, &str)]) -> Self {
-        self.agent_env.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
-        self
-    }
     /// The ASN the top-of-rack peer expects the nodes in (their `--cluster-asn`; 64512 unless set).
     pub fn cluster_asn(mut self, asn: u32) -> Self {
         self.cluster_asn = asn;
@@ -662,8 +655,6 @@ pub struct Cluster {
     agent_args: Vec<String>,
     /// Flags of one node's agent beyond `agent_args` (see [`Cluster::restart_agent_with`]).
     node_agent_args: Mutex<Vec<Vec<String>>>,
-    /// Each node's agent's environment variables ([`ClusterBuilder::agent_env`]).
-    node_agent_env: Mutex<Vec<Vec<(String, String)>>>,
     services: Mutex<BTreeMap<String, Svc>>,
     /// Pods marked not ready (left out of EndpointSlices).
     unready: Mutex<Vec<String>>,
@@ -693,7 +684,6 @@ impl Cluster {
             full_checksums: false,
             plumbing_only: false,
             cluster_asn: 64512,
-            agent_env: Vec::new(),
         }
     }
 
@@ -858,7 +848,6 @@ impl Cluster {
             agents: Mutex::new(Vec::new()),
             agent_args,
             node_agent_args: Mutex::new(vec![Vec::new(); b.nodes]),
-            node_agent_env: Mutex::new(vec![b.agent_env.clone(); b.nodes]),
             services: Mutex::new(BTreeMap::new()),
             unready: Mutex::new(Vec::new()),
             plumbing_only: b.plumbing_only,
@@ -1033,16 +1022,7 @@ impl Cluster {
         args.extend(self.agent_args.iter().map(String::as_str));
         let node_args = self.node_agent_args.lock().unwrap()[i].clone();
         args.extend(node_args.iter().map(String::as_str));
-        let env = self.node_agent_env.lock().unwrap()[i].clone();
-        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-        Agent::start_with_env(&node.ns, &node.bpf_root, &args, &env)
-    }
-
-    /// Kills node `i`'s agent and starts it again with the environment `env` (in place of the
-    /// builder's, [`ClusterBuilder::agent_env`]).
-    pub fn restart_agent_with_env(&self, i: usize, env: &[(&str, &str)]) -> Result<()> {
-        self.node_agent_env.lock().unwrap()[i] = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        self.restart_agent(i)
+        Agent::start(&node.ns, &node.bpf_root, &args)
     }
 
     /// Kills node `i`'s agent and starts it again with `args` beyond the cluster's (in place of

@@ -37,35 +37,15 @@ pub enum Hook {
     OverlayEncap,
     /// Pod overlay, TC ingress: decapsulation of tunnelled packets from known nodes.
     OverlayDecap,
-    /// Load balancer and NetworkPolicy in one program, TC ingress of a pod veth's host side:
-    /// what `Ingress` then `PolicyIngress` do there, on one parse.
-    PodIngress,
-    /// Load balancer and NetworkPolicy in one program, TC egress of a pod veth's host side:
-    /// `PolicyEgress` then `Egress`.
-    PodEgress,
 }
 
 impl Hook {
-    /// Every TC program of the object (all are loaded).
-    pub const ALL: [Hook; 8] = [
-        Hook::Ingress,
-        Hook::Egress,
-        Hook::PolicyIngress,
-        Hook::PolicyEgress,
-        Hook::OverlayEncap,
-        Hook::OverlayDecap,
-        Hook::PodIngress,
-        Hook::PodEgress,
-    ];
+    /// Every program of the object (all are loaded).
+    pub const ALL: [Hook; 6] =
+        [Hook::Ingress, Hook::Egress, Hook::PolicyIngress, Hook::PolicyEgress, Hook::OverlayEncap, Hook::OverlayDecap];
     pub const LOAD_BALANCER: [Hook; 2] = [Hook::Ingress, Hook::Egress];
     pub const POLICY: [Hook; 2] = [Hook::PolicyIngress, Hook::PolicyEgress];
     pub const OVERLAY: [Hook; 2] = [Hook::OverlayEncap, Hook::OverlayDecap];
-    /// Both features on a pod veth.
-    pub const POD: [Hook; 2] = [Hook::PodIngress, Hook::PodEgress];
-    /// What may run on a pod veth, from this agent or an earlier one: one feature's pair, both
-    /// pairs (agents before the combined programs), or the combined pair.
-    pub const ON_POD_VETHS: [Hook; 6] =
-        [Hook::Ingress, Hook::Egress, Hook::PolicyIngress, Hook::PolicyEgress, Hook::PodIngress, Hook::PodEgress];
 
     pub fn program(self) -> &'static str {
         match self {
@@ -75,15 +55,13 @@ impl Hook {
             Hook::PolicyEgress => "kr_pol_egress",
             Hook::OverlayEncap => "kr_ovl_encap",
             Hook::OverlayDecap => "kr_ovl_decap",
-            Hook::PodIngress => "kr_pod_ingress",
-            Hook::PodEgress => "kr_pod_egress",
         }
     }
 
     fn attach_type(self) -> TcAttachType {
         match self {
-            Hook::Ingress | Hook::PolicyIngress | Hook::OverlayDecap | Hook::PodIngress => TcAttachType::Ingress,
-            Hook::Egress | Hook::PolicyEgress | Hook::OverlayEncap | Hook::PodEgress => TcAttachType::Egress,
+            Hook::Ingress | Hook::PolicyIngress | Hook::OverlayDecap => TcAttachType::Ingress,
+            Hook::Egress | Hook::PolicyEgress | Hook::OverlayEncap => TcAttachType::Egress,
         }
     }
 
@@ -95,8 +73,6 @@ impl Hook {
             Hook::PolicyEgress => format!("pol_egress_{interface}"),
             Hook::OverlayEncap => format!("ovl_egress_{interface}"),
             Hook::OverlayDecap => format!("ovl_ingress_{interface}"),
-            Hook::PodIngress => format!("pod_ingress_{interface}"),
-            Hook::PodEgress => format!("pod_egress_{interface}"),
         }
     }
 
@@ -106,8 +82,7 @@ impl Hook {
     /// runs before the LB's reverse NAT (whose rewritten source, the frontend, would miss the
     /// policy conntrack entry of the backend connection). The overlay wraps everything: its
     /// decapsulation runs first on ingress (the others see the inner packet) and its
-    /// encapsulation last on egress (after every rewrite). The combined pod programs take the
-    /// place of the first of the pair they stand for. `chain` is what the interface runs
+    /// encapsulation last on egress (after every rewrite). `chain` is what the interface runs
     /// already; re-adopted or updated links keep their place.
     fn order(self, chain: &[aya::programs::ProgramInfo]) -> LinkOrder {
         let find = |hook: Hook| {
@@ -118,12 +93,8 @@ impl Hook {
                 .map(|p| unsafe { aya::programs::ProgramId::new(p.id()) })
         };
         match self {
-            Hook::Ingress | Hook::PodIngress => {
-                find(Hook::OverlayDecap).map_or_else(LinkOrder::first, LinkOrder::after_program_id)
-            }
-            Hook::Egress | Hook::PodEgress => {
-                find(Hook::OverlayEncap).map_or_else(LinkOrder::last, LinkOrder::before_program_id)
-            }
+            Hook::Ingress => find(Hook::OverlayDecap).map_or_else(LinkOrder::first, LinkOrder::after_program_id),
+            Hook::Egress => find(Hook::OverlayEncap).map_or_else(LinkOrder::last, LinkOrder::before_program_id),
             Hook::PolicyEgress => find(Hook::OverlayDecap).map_or_else(LinkOrder::first, LinkOrder::after_program_id),
             Hook::PolicyIngress => find(Hook::OverlayEncap).map_or_else(LinkOrder::last, LinkOrder::before_program_id),
             Hook::OverlayDecap => LinkOrder::first(),
@@ -165,18 +136,10 @@ impl Hook {
         match self {
             // The overlay wraps the rest, as in TCX: decapsulation first, encapsulation last.
             Hook::OverlayDecap => 0x4aff,
-            // The combined programs take the slot of the pair's first program, whose filter
-            // they replace in place when a veth moves to them (see `Datapath::attach_pod_hooks`).
-            Hook::Ingress | Hook::PolicyEgress | Hook::PodIngress | Hook::PodEgress => 0x4b00,
+            Hook::Ingress | Hook::PolicyEgress => 0x4b00,
             Hook::Egress | Hook::PolicyIngress => 0x4b01,
             Hook::OverlayEncap => 0x4b02,
         }
-    }
-
-    /// Both hooks run at the same place of an interface: one classic filter (attach type and
-    /// priority), or in TCX the one link a replacement takes over.
-    fn same_slot(self, other: Hook) -> bool {
-        self.attach_type() == other.attach_type() && self.classic_priority() == other.classic_priority()
     }
 
     /// The hook and interface a pin file in `links/` stands for.
@@ -188,8 +151,6 @@ impl Hook {
             ("pol_egress_", Hook::PolicyEgress),
             ("ovl_egress_", Hook::OverlayEncap),
             ("ovl_ingress_", Hook::OverlayDecap),
-            ("pod_ingress_", Hook::PodIngress),
-            ("pod_egress_", Hook::PodEgress),
         ]
         .into_iter()
         .find_map(|(prefix, hook)| Some((hook, name.strip_prefix(prefix)?)))
@@ -485,66 +446,26 @@ impl Datapath {
         self.pod_mode
     }
 
-    /// Pod veths attached in `mode` by [`Self::attach_pod_hooks`]: classic tc by default,
-    /// because each TCX attachment waits for an RCU grace period in the kernel (12-16 ms here,
-    /// two per pod with the combined programs, four without) while a new pod runs without its
-    /// programs.
+    /// Pod veths attached in `mode` by [`Self::attach_pod`] and [`Self::attach_policy_pod`]:
+    /// classic tc by default, because each TCX attachment waits for an RCU grace period in the
+    /// kernel (12-16 ms here, four per pod) while a new pod runs without its programs.
     pub fn set_pod_mode(&mut self, mode: AttachMode) {
         self.pod_mode = mode;
     }
 
-    /// Attaches `wanted` to a pod veth in the pod mode (one feature's pair, both pairs, or the
-    /// combined programs, `Hook::POD`) and removes whatever else of ours runs there (an older
-    /// agent's four programs, another set of features'), never leaving a packet without the
-    /// work of either: a wanted program takes the place of the one in its slot (classic tc: the
-    /// filter replaced in place; TCX: the link updated, `bpf_link_update`, its pin renamed), and
-    /// the others are removed after. Between the two steps a packet may meet a feature twice
-    /// (the combined program, then the old policy check or reverse NAT), which changes nothing:
-    /// an allowed flow is allowed again, a translated tuple has no entry of its own.
-    pub fn attach_pod_hooks(&mut self, wanted: &[Hook], interface: &str) -> Result<Vec<AttachOutcome>> {
+    /// Both load-balancer programs on a pod's veth, in the pod mode.
+    pub fn attach_pod(&mut self, interface: &str) -> Result<[AttachOutcome; 2]> {
         let mode = self.pod_mode;
-        let mut outcomes = Vec::with_capacity(wanted.len());
-        for &hook in wanted {
-            if mode == AttachMode::Tcx {
-                self.take_over_link(hook, wanted, interface)?;
-            }
-            outcomes.push(self.attach_hook_in(mode, hook, interface)?);
-        }
-        for old in Hook::ON_POD_VETHS.into_iter().filter(|hook| !wanted.contains(hook)) {
-            let path = Self::link_path(&self.pin_dir, old, interface);
-            if !path.exists() {
-                continue;
-            }
-            let replaced_in_place = mode == AttachMode::Classic
-                && pinned_kind(&path) == Some(PinnedKind::Program)
-                && wanted.iter().any(|hook| hook.same_slot(old));
-            if replaced_in_place {
-                // Its filter runs the wanted program now: deleting it would take that one off.
-                fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
-            } else {
-                self.detach_hook(old, interface)?;
-            }
-            tracing::info!(interface, program = old.program(), "replaced on the pod veth");
-        }
-        Ok(outcomes)
+        Ok([self.attach_hook_in(mode, Hook::Ingress, interface)?, self.attach_hook_in(mode, Hook::Egress, interface)?])
     }
 
-    /// TCX: a live link of ours in `hook`'s slot on `interface`, of a hook no longer wanted there,
-    /// becomes `hook`'s (its pin renamed; [`Self::attach_tcx`] then updates its program in place).
-    fn take_over_link(&mut self, hook: Hook, wanted: &[Hook], interface: &str) -> Result<()> {
-        let path = Self::link_path(&self.pin_dir, hook, interface);
-        if path.exists() {
-            return Ok(());
-        }
-        for old in Hook::ON_POD_VETHS.into_iter().filter(|old| !wanted.contains(old) && old.same_slot(hook)) {
-            let old_path = Self::link_path(&self.pin_dir, old, interface);
-            if pinned_kind(&old_path) == Some(PinnedKind::Link) {
-                fs::rename(&old_path, &path)
-                    .with_context(|| format!("renaming {} to {}", old_path.display(), path.display()))?;
-                return Ok(());
-            }
-        }
-        Ok(())
+    /// Both NetworkPolicy programs on a pod's veth, in the pod mode.
+    pub fn attach_policy_pod(&mut self, interface: &str) -> Result<[AttachOutcome; 2]> {
+        let mode = self.pod_mode;
+        Ok([
+            self.attach_hook_in(mode, Hook::PolicyIngress, interface)?,
+            self.attach_hook_in(mode, Hook::PolicyEgress, interface)?,
+        ])
     }
 
     /// Our program ids and pinned map ids, to compare with what is attached.
@@ -817,29 +738,4 @@ pub fn attachments(pin_dir: &Path) -> Result<Vec<Attachment>> {
     }
     out.sort_by(|a, b| (&a.interface, a.hook.program()).cmp(&(&b.interface, b.hook.program())));
     Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_hooks_pin_names_it_back() {
-        for hook in Hook::ALL {
-            assert_eq!(Hook::from_pin_name(&hook.pin_name("veth1a2b")), Some((hook, "veth1a2b")), "{hook:?}");
-        }
-    }
-
-    /// A veth moves between the combined programs and the pairs in place: each combined program
-    /// has the slot of the pair's first program at its hook (classic priority and attach type),
-    /// and only that one, so the move replaces a filter and deletes the pair's second.
-    #[test]
-    fn the_combined_programs_take_the_slot_of_each_pairs_first_program() {
-        let sharing = |hook: Hook| -> Vec<Hook> {
-            Hook::ON_POD_VETHS.into_iter().filter(|other| *other != hook && other.same_slot(hook)).collect()
-        };
-        assert_eq!(sharing(Hook::PodIngress), [Hook::Ingress]);
-        assert_eq!(sharing(Hook::PodEgress), [Hook::PolicyEgress]);
-        assert!(sharing(Hook::PolicyIngress).is_empty() && sharing(Hook::Egress).is_empty());
-    }
 }

@@ -15,7 +15,7 @@ use crate::node::pod_sources::{self, PodSourceCheck};
 use crate::{
     bpf::{
         attach_metrics::AttachMetrics,
-        datapath::{AttachOutcome, Datapath, Hook},
+        datapath::{AttachOutcome, Datapath},
         xdp::{self, XdpSetting},
     },
     k8s::{
@@ -40,8 +40,6 @@ pub struct Programs {
     pub firewall: bool,
     /// `--xdp`: the fast path on uplinks.
     pub xdp: XdpSetting,
-    /// Pod veths with both features get the combined programs (`kr_pod_*`), not both pairs.
-    pub combined_on_pods: bool,
 }
 
 pub struct InterfacesController {
@@ -265,7 +263,7 @@ fn attach_all(
     mut pod_sources: Option<&mut PodSourceCheck>,
     metrics: &Metrics,
 ) {
-    let Programs { load_balancer, firewall, xdp, combined_on_pods } = programs;
+    let Programs { load_balancer, firewall, xdp } = programs;
     let present: BTreeMap<String, u32> = netif::interfaces_with_index().into_iter().collect();
     attached.retain(|name, index| present.get(name) == Some(index));
     if let Some(sources) = pod_sources.as_deref_mut() {
@@ -288,61 +286,41 @@ fn attach_all(
         // Policy on pod veths only (docs/requirements.md), so host and transit flows never
         // fill its conntrack; an explicit --interfaces list gets both everywhere.
         let pod_side = wanted.is_some() || netif::is_pod_interface(&interface, &uplinks);
-        // Pod veths found by the agent itself are attached in the pod mode (fast); an explicit
-        // --interfaces list in the node mode.
-        let pod = wanted.is_none() && pod_side;
-        // The combined programs belong on such pod veths only: elsewhere they would run beside
-        // the load balancer's pair attached below (an interface a previous run took for a pod's).
-        let policy_off_here = firewall && !pod_side;
-        let not_here =
-            Hook::POLICY.into_iter().filter(|_| policy_off_here).chain(Hook::POD.into_iter().filter(|_| !pod));
-        for hook in not_here {
-            match datapath.detach_hook(hook, &interface) {
-                Ok(true) => {
-                    tracing::info!(interface, program = hook.program(), "not a pod interface: program detached")
-                }
-                Ok(false) => {}
-                Err(e) => {
-                    tracing::warn!(interface, program = hook.program(), error = format!("{e:#}"), "cannot detach")
+        if firewall && !pod_side {
+            for hook in crate::bpf::datapath::Hook::POLICY {
+                match datapath.detach_hook(hook, &interface) {
+                    Ok(true) => {
+                        tracing::info!(interface, program = hook.program(), "not a pod interface: policy detached")
+                    }
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(interface, error = format!("{e:#}"), "cannot detach the policy"),
                 }
             }
         }
+        // Pod veths found by the agent itself are attached in the pod mode (fast); an explicit
+        // --interfaces list in the node mode.
+        let pod = wanted.is_none() && pod_side;
         // Before the programs: a pod veth is never attached unchecked.
         if let Some(sources) = pod_sources.as_deref_mut().filter(|_| pod) {
             sources.update(&interface, index);
         }
-        if pod {
-            // A pod veth's programs in one go: what else of ours runs there (an older agent's
-            // four programs, another set of features') is replaced, never leaving a window.
-            let wanted = pod_hooks(load_balancer, firewall, combined_on_pods);
-            if !wanted.is_empty() {
-                match datapath.attach_pod_hooks(&wanted, &interface) {
-                    Ok(outcomes) => {
-                        metrics.of::<AttachMetrics>().record("tc", &outcomes);
-                        let programs: Vec<&str> = wanted.iter().map(|hook| hook.program()).collect();
-                        tracing::info!(interface, ?programs, ?outcomes, "pod veth attached at TC ingress and egress")
-                    }
-                    Err(e) => {
-                        tracing::error!(interface, error = format!("{e:#}"), "cannot attach the pod veth's programs");
-                        ok = false;
-                    }
+        let hooks: [(bool, &str, AttachFn); 2] = [
+            (load_balancer, "load balancer", if pod { Datapath::attach_pod } else { Datapath::attach }),
+            (
+                firewall && pod_side,
+                "network policy",
+                if pod { Datapath::attach_policy_pod } else { Datapath::attach_policy },
+            ),
+        ];
+        for (_, what, attach) in hooks.into_iter().filter(|(enabled, _, _)| *enabled) {
+            match attach(datapath, &interface) {
+                Ok([ingress, egress]) => {
+                    metrics.of::<AttachMetrics>().record("tc", &[ingress, egress]);
+                    tracing::info!(interface, ?ingress, ?egress, "{what} attached at TC ingress and egress")
                 }
-            }
-        } else {
-            let hooks: [(bool, &str, AttachFn); 2] = [
-                (load_balancer, "load balancer", Datapath::attach),
-                (firewall && pod_side, "network policy", Datapath::attach_policy),
-            ];
-            for (_, what, attach) in hooks.into_iter().filter(|(enabled, _, _)| *enabled) {
-                match attach(datapath, &interface) {
-                    Ok([ingress, egress]) => {
-                        metrics.of::<AttachMetrics>().record("tc", &[ingress, egress]);
-                        tracing::info!(interface, ?ingress, ?egress, "{what} attached at TC ingress and egress")
-                    }
-                    Err(e) => {
-                        tracing::error!(interface, error = format!("{e:#}"), "cannot attach the {what}");
-                        ok = false;
-                    }
+                Err(e) => {
+                    tracing::error!(interface, error = format!("{e:#}"), "cannot attach the {what}");
+                    ok = false;
                 }
             }
         }
@@ -354,18 +332,6 @@ fn attach_all(
         if ok {
             attached.insert(interface, index);
         }
-    }
-}
-
-/// The programs a pod veth runs: with both features one per direction doing both (unless
-/// `combined` is off: both pairs, as agents before them), else the one feature's pair.
-fn pod_hooks(load_balancer: bool, firewall: bool, combined: bool) -> Vec<Hook> {
-    match (load_balancer, firewall) {
-        (true, true) if combined => Hook::POD.to_vec(),
-        (true, true) => [Hook::LOAD_BALANCER, Hook::POLICY].concat(),
-        (true, false) => Hook::LOAD_BALANCER.to_vec(),
-        (false, true) => Hook::POLICY.to_vec(),
-        (false, false) => Vec::new(),
     }
 }
 
