@@ -20,6 +20,9 @@ use crate::pinned::pinned_map;
 const LEASE: Duration = Duration::from_secs(2);
 const RENEW_EVERY: Duration = Duration::from_millis(500);
 const NAMES_EVERY: Duration = Duration::from_secs(3);
+/// At most this often when an event names an address the names lack (a Service or pod newer
+/// than the checkpoint last read).
+const NAMES_ON_MISS: Duration = Duration::from_millis(500);
 
 /// Which events to print.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -108,6 +111,19 @@ impl Names {
         self.pods.get(&ip).map(String::as_str)
     }
 
+    /// Every address `event` names is known: a policy drop's two pods, a new flow's Service and
+    /// backend (its client may be outside the cluster).
+    fn names_all_of(&self, event: &MonitorEvent) -> bool {
+        let (src, dst) = (address(event.family, event.src), address(event.family, event.dst));
+        match event.kind {
+            EVENT_POLICY_DROP => self.pods.contains_key(&src) && self.pods.contains_key(&dst),
+            EVENT_SERVICE_NAT => {
+                self.services.contains_key(&dst) && self.pods.contains_key(&address(event.family, event.nat))
+            }
+            _ => true,
+        }
+    }
+
     fn service(&self, ip: IpAddr) -> Option<&str> {
         self.services.get(&ip).map(String::as_str)
     }
@@ -136,6 +152,46 @@ fn endpoint(ip: IpAddr, port_be: u16) -> String {
         IpAddr::V6(v6) => format!("[{v6}]:{}", u16::from_be(port_be)),
         IpAddr::V4(v4) => format!("{v4}:{}", u16::from_be(port_be)),
     }
+}
+
+/// The names, read again from the checkpoint when it has changed: every [`NAMES_EVERY`], and
+/// sooner ([`NAMES_ON_MISS`]) for an event they cannot name. A monitor started just before a
+/// new Service reached the checkpoint named its flows' Service only at the next periodic read.
+struct NameSource<'a> {
+    state_dir: &'a Path,
+    names: Names,
+    read_at: Instant,
+    stamp: Option<(u64, std::time::SystemTime)>,
+}
+
+impl<'a> NameSource<'a> {
+    fn new(state_dir: &'a Path) -> Self {
+        let stamp = checkpoint_stamp(state_dir);
+        Self { state_dir, names: Names::from_checkpoint(state_dir), read_at: Instant::now(), stamp }
+    }
+
+    /// The names for `event` (`None`: a periodic look).
+    fn for_event(&mut self, event: Option<&MonitorEvent>) -> &Names {
+        let due = match event {
+            None => self.read_at.elapsed() >= NAMES_EVERY,
+            Some(event) => !self.names.names_all_of(event) && self.read_at.elapsed() >= NAMES_ON_MISS,
+        };
+        if due {
+            self.read_at = Instant::now();
+            let stamp = checkpoint_stamp(self.state_dir);
+            if stamp != self.stamp {
+                self.stamp = stamp;
+                self.names = Names::from_checkpoint(self.state_dir);
+            }
+        }
+        &self.names
+    }
+}
+
+/// The checkpoint file's size and modification time (a journal append changes both).
+fn checkpoint_stamp(state_dir: &Path) -> Option<(u64, std::time::SystemTime)> {
+    let meta = std::fs::metadata(crate::k8s::checkpoint::path_in(state_dir)).ok()?;
+    Some((meta.len(), meta.modified().ok()?))
 }
 
 /// One event as a line of text or JSON; `None` if the filter leaves it out.
@@ -218,8 +274,8 @@ pub fn run(options: &Options) -> Result<()> {
         libc::signal(libc::SIGINT, request_stop as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, request_stop as *const () as libc::sighandler_t);
     }
-    let mut names = Names::from_checkpoint(&options.state_dir);
-    let (mut renewed, mut named) = (None::<Instant>, Instant::now());
+    let mut names = NameSource::new(&options.state_dir);
+    let mut renewed = None::<Instant>;
     let result = (|| -> Result<()> {
         use std::io::Write;
         let stdout = std::io::stdout();
@@ -232,10 +288,7 @@ pub fn run(options: &Options) -> Result<()> {
                 config.set(0, lease, 0).context("renewing the monitor lease")?;
                 renewed = Some(Instant::now());
             }
-            if named.elapsed() >= NAMES_EVERY {
-                names = Names::from_checkpoint(&options.state_dir);
-                named = Instant::now();
-            }
+            names.for_event(None);
             let mut out = stdout.lock();
             let mut any = false;
             while let Some(item) = ring.next() {
@@ -245,7 +298,7 @@ pub fn run(options: &Options) -> Result<()> {
                 }
                 // SAFETY: the datapath writes whole MonitorEvents; read unaligned from the ring.
                 let event = unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<MonitorEvent>()) };
-                if let Some(line) = render(&event, &names, options.json, options.filter) {
+                if let Some(line) = render(&event, names.for_event(Some(&event)), options.json, options.filter) {
                     writeln!(out, "{line}")?;
                 }
             }
@@ -265,6 +318,35 @@ pub fn run(options: &Options) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_service_that_reaches_the_checkpoint_after_the_monitor_started_is_named() {
+        use crate::k8s::checkpoint::{self, Checkpoint};
+        let dir = std::env::temp_dir().join(format!("krt-monitor-names-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        checkpoint::write(&dir, &Checkpoint::default()).unwrap();
+        let mut source = NameSource::new(&dir);
+        let words = |ip: [u8; 4]| [u32::from_ne_bytes(ip), 0, 0, 0];
+        let nat = MonitorEvent {
+            kind: EVENT_SERVICE_NAT,
+            family: 4,
+            dst: words([10, 96, 1, 140]),
+            nat: words([10, 244, 2, 2]),
+            ..Default::default()
+        };
+        assert_eq!(source.for_event(Some(&nat)).service("10.96.1.140".parse().unwrap()), None);
+
+        let service: k8s_openapi::api::core::v1::Service = serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "default", "name": "web", "resourceVersion": "3"},
+            "spec": {"clusterIP": "10.96.1.140", "clusterIPs": ["10.96.1.140"], "ports": [{"port": 80}]}
+        }))
+        .unwrap();
+        checkpoint::write(&dir, &Checkpoint { services: vec![service.into()], ..Default::default() }).unwrap();
+        std::thread::sleep(NAMES_ON_MISS);
+        assert_eq!(source.for_event(Some(&nat)).service("10.96.1.140".parse().unwrap()), Some("default/web"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn events_are_rendered_with_names_and_filtered() {

@@ -566,6 +566,12 @@ fn the_monitor_names_the_pods_of_a_denied_connection_and_the_service_of_a_new_fl
             .map(|s| s.to_string())
             .collect()
     };
+    // The monitor names from the checkpoint, which the agent writes a moment after a change:
+    // started before the Service reached it, the monitor could not name the Service's flows yet.
+    let checkpoint = node.state_dir.join("checkpoint.json");
+    wait_for("the Service in the agent's checkpoint", || {
+        std::fs::read(&checkpoint).is_ok_and(|text| String::from_utf8_lossy(&text).contains("\"10.96.1.140\""))
+    });
     let monitor = agent_cli(&["monitor", "--json"]);
     let events = node.ns.spawn_collecting(&monitor.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
     // Killed with SIGKILL (no chance to clean up; also when this test fails): the lease must end
