@@ -66,7 +66,8 @@ fn a_syn_flood_at_a_node_port_keeps_established_flows_and_its_snat_ports_free_ag
     // 20,000 ports: a free one is missed with odds of e^-8) takes no port.
     let mut top_ups = 0;
     loop {
-        let (taken, refused) = (node.stats()["snat_new_flow"], node.stats()["snat_ports_exhausted"]);
+        let before = node.stats();
+        let (taken, refused) = (before["snat_new_flow"], before["snat_ports_exhausted"]);
         let burst = netprobe(&c.client, &["synflood", frontend, "192.168.100", "20000", "20"]);
         let stats = node.stats();
         let (took, refusals) = (stats["snat_new_flow"] - taken, stats["snat_ports_exhausted"] - refused);

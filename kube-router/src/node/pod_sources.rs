@@ -253,11 +253,7 @@ impl PodSourceCheck {
         let veths = map
             .keys()
             .flatten()
-            .map(|ifindex| {
-                let veth =
-                    Veth { addresses: PodAddresses::default(), since: std::time::Instant::now(), settled: false };
-                (ifindex, veth)
-            })
+            .map(|ifindex| (ifindex, Veth::after_read(None, PodAddresses::default(), std::time::Instant::now())))
             .collect();
         Ok(Self { map, resolver: Resolver::open()?, checked_by, veths, failed: BTreeSet::new() })
     }
@@ -292,7 +288,7 @@ impl PodSourceCheck {
             let micros = started.elapsed().as_micros() as u64;
             tracing::info!(interface, addresses = ?addresses.0, micros, "pod source addresses");
         }
-        let veth = Veth::after_read(self.veths.get(&ifindex), addresses, std::time::Instant::now());
+        let veth = Veth::after_read(previous, addresses, std::time::Instant::now());
         self.veths.insert(ifindex, veth);
     }
 
