@@ -18,6 +18,11 @@ fn web(c: &Cluster) {
     c.add_service(svc).unwrap();
     // The LoadBalancer IP reaches the cluster through node-1 (the other node).
     c.route_via("198.51.100.20", 0).unwrap();
+    // `add_service` waited for the ClusterIP; the tests count node-1's flows from the first
+    // request on, so its NodePorts and LoadBalancer IP must be there too.
+    for frontend in ["10.100.0.1:30080", "10.100.0.1:30081", "198.51.100.20:80"] {
+        wait_for(frontend, || c.node(0).services().contains(&format!(" {frontend} ")));
+    }
 }
 
 #[test]

@@ -176,7 +176,37 @@ fn run_job(isolated: &Path, log_dir: &Path, job: &TestJob) -> Result<JobResult> 
     }
     // One block per job, printed whole: the log of a run is readable job by job.
     println!("== {} ({:.0} s, {}):\n{}", job.name, elapsed.as_secs_f64(), status, text.trim_end());
+    // The panics once more, after the agents' logs and backtraces that bury them: a reader of
+    // only the end of the output still sees why the job failed.
+    let panics = panic_messages(&text);
+    if !status.success() && !panics.is_empty() {
+        println!("== {} failed at:\n{}", job.name, panics.join("\n"));
+    }
     Ok(JobResult { name: job.name.clone(), passed, failed, ok: status.success(), elapsed })
+}
+
+/// Each panic's "panicked at" line and its message (up to the backtrace or the next blank line),
+/// at most `MAX_PANICS` of them, each cut to `MAX_LINES` lines.
+fn panic_messages(text: &str) -> Vec<String> {
+    const MAX_PANICS: usize = 5;
+    const MAX_LINES: usize = 12;
+    let lines: Vec<&str> = text.lines().collect();
+    let mut found = Vec::new();
+    for (at, _) in lines.iter().enumerate().filter(|(_, l)| l.contains("panicked at ")) {
+        if found.len() == MAX_PANICS {
+            break;
+        }
+        let message = lines[at..]
+            .iter()
+            .take(MAX_LINES)
+            .enumerate()
+            .take_while(|(i, l)| {
+                *i == 0 || !(l.trim().is_empty() || l.starts_with("stack backtrace:") || l.starts_with("note: "))
+            })
+            .map(|(_, l)| l.to_string());
+        found.push(message.collect::<Vec<_>>().join("\n"));
+    }
+    found
 }
 
 /// The number before `word` in a libtest summary ("test result: ok. 3 passed; 0 failed; …").
@@ -189,6 +219,16 @@ fn count(line: &str, word: &str) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_panic_is_found_with_its_message_and_without_its_backtrace() {
+        let log = "agent: noise\nthread 'main' panicked at tests/x.rs:56:5:\nassertion `left == right` failed\n  left: 30\n right: 31\nstack backtrace:\n   0: frame\n";
+        assert_eq!(
+            panic_messages(log),
+            ["thread 'main' panicked at tests/x.rs:56:5:\nassertion `left == right` failed\n  left: 30\n right: 31"]
+        );
+        assert!(panic_messages("test a ... ok\ntest result: ok.").is_empty());
+    }
 
     #[test]
     fn counts_come_from_the_libtest_summary() {

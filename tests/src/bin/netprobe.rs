@@ -4,7 +4,8 @@
 //!                                           datagram with NAME; "who" gets "NAME PEER-ADDRESS", a datagram
 //!                                           "big N" gets N bytes starting with NAME, a TCP line "sink N" followed
 //!                                           by N bytes gets "NAME N"
-//!   krt-netprobe request tcp|udp ADDR COUNT COUNT new connections (or datagrams); prints one reply (or ERR ...) per line
+//!   krt-netprobe request tcp|udp ADDR COUNT COUNT new connections (or datagrams from COUNT distinct source ports);
+//!                                           prints one reply (or ERR ...) per line
 //!   krt-netprobe hold ADDR INTERVAL_MS [SRCPORT]  one TCP connection (from SRCPORT if given), a request
 //!                                           every INTERVAL_MS, prints each reply, forever
 //!   krt-netprobe probe ADDR INTERVAL_MS     a new TCP connection every INTERVAL_MS, prints each reply (or ERR ...), forever
@@ -657,8 +658,20 @@ fn main() {
         "serve" => serve(arg(1), arg(2).parse().expect("port")),
         "request" => {
             let addr: SocketAddr = arg(2).parse().expect("addr");
+            // Each UDP socket stays bound until the last exchange: the kernel picks a UDP source
+            // port at random, and a port freed earlier could come back for a later socket, which
+            // would then be the earlier flow again (tests count the new flows).
+            let mut held = Vec::new();
             for _ in 0..arg(3).parse::<usize>().expect("count") {
-                print_result(ask(&arg(1), addr, "hello"));
+                if arg(1) == "udp" {
+                    print_result(udp_socket(addr, 0).and_then(|socket| {
+                        let reply = udp_ask(&socket, "hello", TIMEOUT);
+                        held.push(socket);
+                        reply
+                    }));
+                } else {
+                    print_result(ask(&arg(1), addr, "hello"));
+                }
             }
         }
         "probe" => {
