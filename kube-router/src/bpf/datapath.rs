@@ -217,7 +217,22 @@ impl Loading {
     /// refuses is an error; a program of an optional feature (see [`is_optional`]) is left out
     /// with a warning and reported by [`Datapath::unavailable`], so that feature alone is off.
     pub fn verify(&mut self) -> Result<()> {
+        self.verify_only(|_| true)
+    }
+
+    /// [`Self::verify`] for the programs `needed` names: the verifier's time is most of a load's,
+    /// and each loaded datapath attaches only its own hooks (the agent's never the overlay's,
+    /// whose own load attaches nothing else). The others stay unloaded, reported as such by
+    /// [`Datapath::program_mut`].
+    pub fn verify_only(&mut self, needed: impl Fn(&str) -> bool) -> Result<()> {
+        let started = std::time::Instant::now();
+        let mut verified = 0;
         for (name, program) in self.ebpf.programs_mut() {
+            if !needed(name) {
+                self.unavailable.insert(name.to_string(), "not loaded by this datapath (not attached by it)".into());
+                continue;
+            }
+            verified += 1;
             if let Err(e) = load_program(program) {
                 let error = anyhow::Error::from(e).context(format!("verifier rejected {name}"));
                 if !is_optional(program) {
@@ -227,6 +242,11 @@ impl Loading {
                 self.unavailable.insert(name.to_string(), format!("{error:#}"));
             }
         }
+        tracing::info!(
+            programs = verified,
+            millis = started.elapsed().as_millis() as u64,
+            "datapath programs verified"
+        );
         Ok(())
     }
 
@@ -306,6 +326,14 @@ impl Datapath {
     pub fn load_sized(pin_dir: &Path, mode: AttachMode, sizes: Option<layout::MapSizes>) -> Result<Self> {
         let mut loading = Self::open_maps(pin_dir, mode, sizes)?;
         loading.verify()?;
+        loading.finish()
+    }
+
+    /// The overlay's own datapath: the maps shared with the agent's, and only the two programs it
+    /// attaches verified (not the whole object a second time, the first time a tunnel is needed).
+    pub fn load_overlay(pin_dir: &Path) -> Result<Self> {
+        let mut loading = Self::open_maps(pin_dir, AttachMode::detect(), None)?;
+        loading.verify_only(|name| Hook::OVERLAY.iter().any(|hook| hook.program() == name))?;
         loading.finish()
     }
 

@@ -97,7 +97,8 @@ impl OverlayDataplane {
             return Ok(Vec::new()); // never used here: nothing to load or clean
         }
         if !empty && self.datapath.is_none() {
-            self.datapath = Some(Datapath::load(&self.pin_dir).context("loading the datapath for the overlay")?);
+            self.datapath =
+                Some(Datapath::load_overlay(&self.pin_dir).context("loading the datapath for the overlay")?);
         }
         if self.maps.is_none() {
             self.maps = Some(OverlayMaps::open_pinned(&self.pin_dir)?);
