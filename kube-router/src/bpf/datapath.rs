@@ -233,7 +233,10 @@ impl Loading {
                 continue;
             }
             verified += 1;
-            if let Err(e) = load_program(program) {
+            let one = std::time::Instant::now();
+            let loaded = load_program(program);
+            tracing::debug!(program = name, micros = one.elapsed().as_micros() as u64, "program verified");
+            if let Err(e) = loaded {
                 let error = anyhow::Error::from(e).context(format!("verifier rejected {name}"));
                 if !is_optional(program) {
                     return Err(error);

@@ -15,7 +15,8 @@ use crate::node::pod_sources::{self, PodSourceCheck};
 use crate::{
     bpf::{
         attach_metrics::AttachMetrics,
-        datapath::{AttachOutcome, Datapath},
+        datapath::{AttachOutcome, Datapath, Hook},
+        socket_lb::SockHook,
         xdp::{self, XdpSetting},
     },
     k8s::{
@@ -40,6 +41,28 @@ pub struct Programs {
     pub firewall: bool,
     /// `--xdp`: the fast path on uplinks.
     pub xdp: XdpSetting,
+}
+
+impl Programs {
+    /// The object's programs an agent with these features (and the socket load balancer, if
+    /// `socket_lb`) attaches: only those are verified at its start. Never the overlay's, which
+    /// its own load verifies where a tunnel is needed.
+    pub fn attached(self, socket_lb: bool) -> Vec<&'static str> {
+        let mut names = Vec::new();
+        if self.load_balancer {
+            names.extend(Hook::LOAD_BALANCER.map(Hook::program));
+            if self.xdp != XdpSetting::Off {
+                names.push(xdp::PROGRAM);
+            }
+        }
+        if self.firewall {
+            names.extend(Hook::POLICY.map(Hook::program));
+        }
+        if socket_lb {
+            names.extend(SockHook::ALL.map(SockHook::program));
+        }
+        names
+    }
 }
 
 pub struct InterfacesController {
@@ -385,6 +408,18 @@ mod tests {
     use kube::runtime::watcher::Event;
 
     use super::*;
+
+    #[test]
+    fn an_agent_verifies_only_the_programs_its_features_attach() {
+        let all = Programs { load_balancer: true, firewall: true, xdp: XdpSetting::Auto };
+        let names = all.attached(true);
+        assert_eq!(names.len(), 13, "{names:?}");
+        assert!(!names.iter().any(|n| n.starts_with("kr_ovl")), "the overlay verifies its own: {names:?}");
+        let firewall_only = Programs { load_balancer: false, firewall: true, xdp: XdpSetting::Auto };
+        assert_eq!(firewall_only.attached(false), ["kr_pol_ingress", "kr_pol_egress"]);
+        let no_xdp = Programs { xdp: XdpSetting::Off, ..all };
+        assert_eq!(no_xdp.attached(false), ["kr_lb_ingress", "kr_lb_egress", "kr_pol_ingress", "kr_pol_egress"]);
+    }
     use crate::k8s::{pod::PodFields, watch::ClusterObjects, watch::WatchUpdate};
 
     fn pod(name: &str, node: &str, ip: &str) -> PodFields {
