@@ -144,8 +144,10 @@ fn serve<F: Forward>(ctx: &XdpContext, work: &mut Work<F::Addr>) -> u32 {
     // it would skew a random choice away from local backends.
     let verdict = new_flow::<F>(flow, &work.service, &work.chosen, now, &mut work.new);
     if verdict == NewFlowVerdict::DROP {
-        // TC tries again and drops it (and counts why).
-        return pass(xdp_stat::PASS_TO_TC);
+        // Refused (no free SNAT port, no room for its entries), counted by `new_flow`. TC would
+        // try the same again, count it a second time and drop it too: under a SYN flood that
+        // doubled the work and the count of every refused SYN.
+        return xdp_action::XDP_DROP;
     }
     count(xdp_stat::NEW_FLOW);
     let verdict = if verdict == NewFlowVerdict::ROUTE {

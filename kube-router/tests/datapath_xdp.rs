@@ -3,7 +3,7 @@
 //! to the node, as TC does) and sent back out (XDP_TX) with valid checksums and the next hop's
 //! MAC; their replies are reverse-translated; the conntrack state is TC's own, whichever hook
 //! made it; everything else passes untouched. Needs root.
-use common::test_run::{packet, run_xdp, TC_ACT_REDIRECT, TC_ACT_UNSPEC, XDP_PASS, XDP_TX};
+use common::test_run::{packet, run_xdp, TC_ACT_REDIRECT, TC_ACT_UNSPEC, XDP_DROP, XDP_PASS, XDP_TX};
 use std::net::Ipv4Addr;
 
 use kube_router::pinned::conntrack_gc::monotonic_now_ns;
@@ -13,7 +13,7 @@ use kube_router::{
 };
 use kube_router_common::{
     lb_stat, xdp_stat, CtKeyV4, CtValueV4, LbConfig, CT_FLAG_CLOSING, CT_FLAG_FORWARD, CT_FLAG_FULL_NAT,
-    CT_FLAG_REDIRECT, CT_FLAG_REVERSE, CT_LIFETIME_CLOSING_SECS,
+    CT_FLAG_REDIRECT, CT_FLAG_REVERSE, CT_FLAG_SEEN_REPLY, CT_LIFETIME_CLOSING_SECS,
 };
 
 mod common;
@@ -255,4 +255,49 @@ fn a_new_flow_at_xdp_takes_the_snat_port_of_a_closed_flow() {
     let range = usize::from(SNAT_PORTS.1 - SNAT_PORTS.0) + 1;
     assert_eq!(ct.keys().count(), 2 * range);
     assert_eq!(lb.xdp_stat(xdp_stat::NEW_FLOW), 1);
+}
+
+/// Every SNAT port held by an open flow: a new flow is refused at XDP itself, counted once
+/// (`snat_ports_exhausted`), not passed to TC to be tried, counted and dropped a second time (a
+/// SYN flood's every packet cost twice the probes).
+#[test]
+fn a_new_flow_refused_for_want_of_snat_ports_is_dropped_at_xdp_and_counted_once() {
+    let mut lb = load_named("krt-perf-xdp-refuse", &[(REMOTE_POD, "node-b")], true);
+    let data = aya::maps::MapData::from_pin(kube_router::pinned::pinned_map(&lb.pin_dir, "ct_v4")).unwrap();
+    let mut ct: aya::maps::HashMap<_, CtKeyV4, CtValueV4> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data)).unwrap();
+    let (tcp, node_port, backend) = (packet::TCP, (NODE_IP, 30080), (REMOTE_POD, 8080));
+    let now = monotonic_now_ns();
+    let entry = |nat_src: (Ipv4Addr, u16), nat_dst: (Ipv4Addr, u16), flags: u16| CtValueV4 {
+        last_seen_ns: now,
+        nat_src_addr: addr_be(nat_src.0),
+        nat_dst_addr: addr_be(nat_dst.0),
+        nat_src_port: nat_src.1.to_be(),
+        nat_dst_port: nat_dst.1.to_be(),
+        flags: flags | CT_FLAG_FULL_NAT | CT_FLAG_REDIRECT | CT_FLAG_SEEN_REPLY,
+        pad: 0,
+        service_id: 1,
+        backend_id: 1,
+    };
+    for port in SNAT_PORTS.0..=SNAT_PORTS.1 {
+        let client = (CLIENT, 30_000 + port - SNAT_PORTS.0);
+        let snat = (NODE_IP, port);
+        ct.insert(packet::ct_key_v4(tcp, client, node_port), entry(snat, backend, CT_FLAG_FORWARD), 0).unwrap();
+        ct.insert(packet::ct_key_v4(tcp, backend, snat), entry(node_port, client, CT_FLAG_REVERSE), 0).unwrap();
+    }
+    let lb_stats = |lb: &Loaded| kube_router::services::maps::read_lb_stats(&lb.pin_dir).unwrap();
+
+    let syn = packet::ipv4(tcp, (CLIENT, 40000), node_port, packet::TCP_SYN, b"");
+    let (verdict, _) = lb.xdp(&syn);
+    assert_eq!(verdict, XDP_DROP, "refused at XDP");
+    assert_eq!(lb_stats(&lb)[lb_stat::SNAT_PORTS_EXHAUSTED as usize], 1);
+    assert_eq!(lb.xdp_stat(xdp_stat::PASS_TO_TC), 0);
+    assert_eq!(lb.xdp_stat(xdp_stat::NEW_FLOW), 0);
+    // Nothing of it was recorded: the held flows are as they were.
+    let range = usize::from(SNAT_PORTS.1 - SNAT_PORTS.0) + 1;
+    assert_eq!(ct.keys().count(), 2 * range);
+    // TC, as before: refused and dropped the same way.
+    let (verdict, _) = lb.ingress(&syn);
+    assert_eq!(verdict, common::test_run::TC_ACT_SHOT);
+    assert_eq!(lb_stats(&lb)[lb_stat::SNAT_PORTS_EXHAUSTED as usize], 2);
 }

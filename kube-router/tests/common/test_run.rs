@@ -15,6 +15,7 @@ pub const TC_ACT_UNSPEC: i32 = -1;
 pub const TC_ACT_SHOT: i32 = 2;
 pub const TC_ACT_REDIRECT: i32 = 7;
 /// What an XDP program returns (the kernel's `XDP_*`).
+pub const XDP_DROP: i32 = 1;
 pub const XDP_PASS: i32 = 2;
 pub const XDP_TX: i32 = 3;
 
