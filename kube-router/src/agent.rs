@@ -479,7 +479,7 @@ fn record_api_contact(update: &WatchUpdate, metrics: &Metrics) {
 /// Starts the watchers; the cache starts from the checkpoint when there is one.
 async fn start_api_source(
     options: &ApiOptions,
-    saved: Result<checkpoint::Checkpoint, checkpoint::CheckpointError>,
+    saved: Result<checkpoint::Restored, checkpoint::CheckpointError>,
     metrics: &Metrics,
 ) -> Result<(Arc<Cache>, mpsc::Receiver<WatchUpdate>)> {
     let client = watchers::client(options).await?;
@@ -496,7 +496,7 @@ async fn start_api_source(
                 "restored desired state from checkpoint until the API server lists it"
             );
             let taken = saved.written_unix;
-            objects.restore(saved);
+            objects.restore_from(saved);
             metrics.of::<AgentMetrics>().checkpoint_restores.inc();
             Some(taken)
         }
@@ -513,11 +513,11 @@ async fn start_api_source(
 
 /// The checkpoint in `state_dir`, its directory and file made private first (an older agent
 /// left them 0755 and 0644).
-fn read_checkpoint(state_dir: &Path) -> Result<checkpoint::Checkpoint, checkpoint::CheckpointError> {
+fn read_checkpoint(state_dir: &Path) -> Result<checkpoint::Restored, checkpoint::CheckpointError> {
     if let Err(e) = checkpoint::restrict_permissions(state_dir) {
         tracing::warn!(error = %e, dir = %state_dir.display(), "cannot make the state directory private");
     }
-    checkpoint::read(state_dir)
+    checkpoint::read_for_restore(state_dir).map(|(restored, _)| restored)
 }
 
 /// Used by tests and tooling: what `ServiceMaps::read_all` sees now.

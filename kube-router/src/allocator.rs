@@ -25,8 +25,27 @@ fn set_purge_delay(ms: std::os::raw::c_long) {
     unsafe { libmimalloc_sys::mi_option_set(PURGE_DELAY, ms) };
 }
 
+/// mimalloc advises transparent huge pages on its arenas (`MADV_HUGEPAGE`), and the kernel
+/// backs them with 2 MiB pages where THP is `madvise` or `always`: a huge page stays resident
+/// while any of it is in use, so mimalloc's purges of freed 64 KiB pieces gave nothing back, and
+/// khugepaged kept collapsing sparse ranges into whole huge pages as the agent ran. At 150,000
+/// pods that was ~25 MiB of the peak and the steady RSS's rise during churn (issue 29;
+/// docs/benchmarks.md). Off for the process unless the operator chose (`MIMALLOC_ALLOW_THP`).
+fn disable_transparent_huge_pages() {
+    if std::env::var_os("MIMALLOC_ALLOW_THP").is_some() {
+        return;
+    }
+    // SAFETY: sets a flag of this process's memory map; no pointers passed.
+    if unsafe { libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0) } != 0 {
+        // Before logging is set up: said once on stderr, the agent runs as before.
+        eprintln!("cannot disable transparent huge pages: {}", std::io::Error::last_os_error());
+    }
+}
+
 /// While starting, freed memory is kept a while for the next allocations; see [`started`].
+/// Transparent huge pages are off ([`disable_transparent_huge_pages`]).
 pub fn configure() {
+    disable_transparent_huge_pages();
     if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
         CHOSEN_BY_OPERATOR.store(true, Ordering::Relaxed);
         return;
@@ -46,6 +65,17 @@ pub fn started() {
 #[cfg(test)]
 mod tests {
     use libmimalloc_sys::{mi_option_get, mi_option_use_numa_nodes};
+
+    /// The process's memory gets no transparent huge pages once configured.
+    #[test]
+    fn transparent_huge_pages_are_off() {
+        // SAFETY: reads a flag of this process's memory map.
+        let disabled = || unsafe { libc::prctl(libc::PR_GET_THP_DISABLE, 0, 0, 0, 0) };
+        if std::env::var_os("MIMALLOC_ALLOW_THP").is_none() {
+            super::disable_transparent_huge_pages();
+            assert_eq!(disabled(), 1);
+        }
+    }
 
     /// The option numbers are the header's: purge delay (default 1,000 ms) comes just before the
     /// NUMA node count, which the bindings name.

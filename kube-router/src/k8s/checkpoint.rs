@@ -12,16 +12,21 @@
 //! state of an earlier write. Anything else that does not check out — a truncated or edited base,
 //! a bad record with more after it, a foreign file — is rejected with a clear error, never
 //! half-applied. The version-1 file (one JSON envelope) an earlier agent wrote is still read.
+//!
+//! A version-2 file is read a record at a time, the base decoded as it is read from the file
+//! (its checksum counted on the way, the result kept only if it matches) and, for the agent's
+//! start, each object put in its store's form as it is decoded ([`read_for_restore`]).
 use std::{
     collections::BTreeMap,
     fs::{self, File},
-    io::Write,
+    io::{Read, Write},
+    os::unix::fs::FileExt,
     path::{Path, PathBuf},
     sync::Arc,
 };
 
 use k8s_openapi::api::core::v1::Node;
-use serde::{Deserialize, Serialize};
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 use super::{kinds::Watched, store::ObjectKey, watch::Kind};
 
@@ -96,6 +101,50 @@ macro_rules! checkpoint_contents {
                 })*
             }
         }
+
+        /// The checkpoint as the stores keep it ([`read_for_restore`]): each kind's objects by
+        /// key, in the form its store holds them.
+        pub struct Restored {
+            /// Unix time of the sync it records.
+            pub written_unix: f64,
+            $(pub $field: BTreeMap<ObjectKey, <$ty as Watched>::Held>,)*
+        }
+
+        impl Restored {
+            /// A checkpoint read whole (the version-1 file), in the stores' form.
+            fn from_checkpoint(checkpoint: Checkpoint) -> Self {
+                Self {
+                    written_unix: checkpoint.written_unix,
+                    $($field: checkpoint.$field.into_iter().map(<$ty as Watched>::restored).collect(),)*
+                }
+            }
+
+            /// One journal record's changes in place of the objects they name; a later record
+            /// wins, as in [`Replay`].
+            fn apply(&mut self, batch: JournalBatch) {
+                self.written_unix = batch.written_unix;
+                $(for (key, object) in batch.$field {
+                    self.$field.remove(&key);
+                    if let Some(saved) = object {
+                        let (key, held) = <$ty as Watched>::restored(saved);
+                        self.$field.insert(key, held);
+                    }
+                })*
+            }
+        }
+
+        /// The base as [`Restored`] reads it: each object restored as it is decoded.
+        #[derive(Deserialize)]
+        struct RestoredBase {
+            written_unix: f64,
+            $($field: RestoredList<$ty>,)*
+        }
+
+        impl From<RestoredBase> for Restored {
+            fn from(base: RestoredBase) -> Self {
+                Self { written_unix: base.written_unix, $($field: base.$field.0.into_iter().collect(),)* }
+            }
+        }
     };
 }
 
@@ -126,6 +175,31 @@ impl<T> Latest<T> {
 
     fn into_present(self) -> impl Iterator<Item = T> {
         self.0.into_values().flat_map(BTreeMap::into_values).flatten()
+    }
+}
+
+/// A kind's list in the base, each object restored (`Watched::restored`) as soon as it is
+/// decoded: the list never holds the checkpoint's form of 150,000 Pods (a `Vec` of them, with
+/// its doubling slack, was ~40 MiB of the start's peak at full size; issue 29).
+struct RestoredList<K: Watched>(Vec<(ObjectKey, K::Held)>);
+
+impl<'de, K: Watched> Deserialize<'de> for RestoredList<K> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Objects<K>(std::marker::PhantomData<K>);
+        impl<'de, K: Watched> serde::de::Visitor<'de> for Objects<K> {
+            type Value = RestoredList<K>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a list of objects")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut restored = Vec::new();
+                while let Some(saved) = seq.next_element::<K::Saved>()? {
+                    restored.push(K::restored(saved));
+                }
+                Ok(RestoredList(restored))
+            }
+        }
+        deserializer.deserialize_seq(Objects(std::marker::PhantomData))
     }
 }
 
@@ -292,22 +366,94 @@ pub fn read(state_dir: &Path) -> Result<Checkpoint, CheckpointError> {
 
 /// [`read`], with what it found.
 pub fn read_with_stats(state_dir: &Path) -> Result<(Checkpoint, ReadStats), CheckpointError> {
+    let (Replaying(mut checkpoint, replay), stats) = read_file::<Replaying>(state_dir)?;
+    replay.apply_to(&mut checkpoint);
+    Ok((checkpoint, stats))
+}
+
+/// [`read_with_stats`] into the stores' form, for the agent's start: each object restored as it
+/// is decoded, the file read a piece at a time. Reading the file whole and decoding it into a
+/// [`Checkpoint`] held the file (~78 MiB at 150,000 Pods) and every object's checkpoint form at
+/// once: most of the start's peak memory (issue 29).
+pub fn read_for_restore(state_dir: &Path) -> Result<(Restored, ReadStats), CheckpointError> {
+    read_file::<Restored>(state_dir)
+}
+
+/// What a checkpoint is read into.
+trait ReadInto: Sized {
+    /// The base's form.
+    type Base: DeserializeOwned;
+    fn base(base: Self::Base) -> Self;
+    fn version_1(checkpoint: Checkpoint) -> Self;
+    /// One journal record, after the base and the records before it.
+    fn journal(&mut self, batch: JournalBatch);
+}
+
+/// A [`Checkpoint`] and the journal read so far, applied at the end.
+struct Replaying(Checkpoint, Replay);
+
+impl ReadInto for Replaying {
+    type Base = Checkpoint;
+    fn base(base: Checkpoint) -> Self {
+        Self(base, Replay::default())
+    }
+    fn version_1(checkpoint: Checkpoint) -> Self {
+        Self::base(checkpoint)
+    }
+    fn journal(&mut self, batch: JournalBatch) {
+        self.1.add(batch);
+    }
+}
+
+impl ReadInto for Restored {
+    type Base = RestoredBase;
+    fn base(base: RestoredBase) -> Self {
+        base.into()
+    }
+    fn version_1(checkpoint: Checkpoint) -> Self {
+        Self::from_checkpoint(checkpoint)
+    }
+    fn journal(&mut self, batch: JournalBatch) {
+        self.apply(batch);
+    }
+}
+
+fn read_file<T: ReadInto>(state_dir: &Path) -> Result<(T, ReadStats), CheckpointError> {
     let path = path_in(state_dir);
-    let bytes = match fs::read(&path) {
-        Ok(bytes) => bytes,
+    let file = match File::open(&path) {
+        Ok(file) => file,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(CheckpointError::Missing(path)),
         Err(source) => return Err(CheckpointError::Io { path, source }),
     };
-    if let Some(records) = bytes.strip_prefix(VERSION_LINE) {
-        return read_records(&path, records);
+    let io = |source| CheckpointError::Io { path: path.clone(), source };
+    let size = file.metadata().map_err(io)?.len();
+    let mut first = [0; VERSION_LINE.len()];
+    if read_at_most(&file, &mut first, 0).map_err(io)? == first.len() && first == VERSION_LINE {
+        return read_records(&path, &file, size);
     }
+    let mut bytes = Vec::new();
+    (&file).read_to_end(&mut bytes).map_err(io)?;
     // Another version's line (a newer agent's file), or the version-1 envelope (one line).
     if let Some(newline) = bytes.iter().position(|b| *b == b'\n') {
         if let Ok(VersionLine { version }) = serde_json::from_slice(&bytes[..newline]) {
             return Err(CheckpointError::VersionMismatch { path, found: version });
         }
     }
-    read_version_1(&path, bytes).map(|checkpoint| (checkpoint, ReadStats::default()))
+    read_version_1(&path, bytes).map(|checkpoint| (T::version_1(checkpoint), ReadStats::default()))
+}
+
+/// Reads into `buf` from `at` until it is full or the file ends; returns the bytes read.
+fn read_at_most(file: &File, buf: &mut [u8], at: u64) -> std::io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match file.read_at(&mut buf[got..], at + got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
 }
 
 /// A checkpoint's first line.
@@ -317,91 +463,189 @@ struct VersionLine {
     version: u32,
 }
 
-fn read_records(path: &Path, records: &[u8]) -> Result<(Checkpoint, ReadStats), CheckpointError> {
+fn read_records<T: ReadInto>(path: &Path, file: &File, size: u64) -> Result<(T, ReadStats), CheckpointError> {
     let corrupt = |reason: String| CheckpointError::Corrupt { path: path.to_owned(), reason };
-    let at = |offset: usize| VERSION_LINE.len() + offset;
-    let mut frames = Frames { data: records, offset: 0 };
-    let base = match frames.next() {
-        Frame::Record(BASE, payload) => payload,
+    let io = |source| CheckpointError::Io { path: path.to_owned(), source };
+    let mut records = Records { file, at: VERSION_LINE.len() as u64, size };
+    let (len, crc) = match records.header().map_err(io)? {
+        Frame::Record(BASE, header) => header,
         Frame::Record(..) => return Err(corrupt("its first record is not a base".into())),
         Frame::End => return Err(corrupt("it holds no base".into())),
         Frame::Torn(reason) => return Err(corrupt(format!("its base {reason}"))),
         Frame::Bad(reason) => return Err(corrupt(format!("its base {reason}"))),
     };
-    let mut checkpoint: Checkpoint =
-        serde_json::from_slice(base).map_err(|e| corrupt(format!("its base does not decode: {e}")))?;
-    let mut replay = Replay::default();
+    let base = match records.decode::<T::Base>(len, crc).map_err(io)? {
+        Frame::Record(_, Ok(base)) => base,
+        Frame::Record(_, Err(e)) => return Err(corrupt(format!("its base does not decode: {e}"))),
+        Frame::Torn(reason) | Frame::Bad(reason) => return Err(corrupt(format!("its base {reason}"))),
+        Frame::End => unreachable!("a payload is a record or fails its checks"),
+    };
+    let mut contents = T::base(base);
     let mut stats = ReadStats::default();
     loop {
-        let offset = frames.offset;
-        match frames.next() {
+        let offset = records.at;
+        let header = match records.header().map_err(io)? {
             Frame::End => break,
-            Frame::Record(JOURNAL, payload) => {
-                let batch: JournalBatch = serde_json::from_slice(payload)
-                    .map_err(|e| corrupt(format!("journal record at byte {} does not decode: {e}", at(offset))))?;
-                replay.add(batch);
+            Frame::Record(JOURNAL, header) => Ok(header),
+            Frame::Record(..) => return Err(corrupt(format!("record at byte {offset} is not a journal record"))),
+            Frame::Torn(reason) => Err(Frame::Torn(reason)),
+            Frame::Bad(reason) => Err(Frame::Bad(reason)),
+        };
+        let payload = match header {
+            Ok((len, crc)) => records.payload(len, crc).map_err(io)?,
+            Err(frame) => frame,
+        };
+        match payload {
+            Frame::Record(_, payload) => {
+                let batch: JournalBatch = serde_json::from_slice(&payload)
+                    .map_err(|e| corrupt(format!("journal record at byte {offset} does not decode: {e}")))?;
+                contents.journal(batch);
                 stats.journal_records += 1;
             }
-            Frame::Record(..) => return Err(corrupt(format!("record at byte {} is not a journal record", at(offset)))),
             Frame::Torn(reason) => {
-                tracing::warn!(path = %path.display(), byte = at(offset), reason, "dropping the checkpoint journal's torn last record (the agent stopped while writing it)");
+                tracing::warn!(path = %path.display(), byte = offset, reason = &*reason, "dropping the checkpoint journal's torn last record (the agent stopped while writing it)");
                 stats.torn_tail = true;
                 break;
             }
-            Frame::Bad(reason) => return Err(corrupt(format!("journal record at byte {}: {reason}", at(offset)))),
+            Frame::Bad(reason) => return Err(corrupt(format!("journal record at byte {offset}: {reason}"))),
+            Frame::End => unreachable!("a payload is a record or fails its checks"),
         }
     }
-    replay.apply_to(&mut checkpoint);
-    Ok((checkpoint, stats))
+    Ok((contents, stats))
 }
 
-enum Frame<'a> {
-    Record(u8, &'a [u8]),
+enum Frame<T> {
+    Record(u8, T),
     End,
     /// The last record, incomplete: what a crash while appending leaves.
-    Torn(&'static str),
+    Torn(String),
     /// A record that does not check out with more after it, or malformed.
     Bad(String),
 }
 
-/// The records of a version-2 file after its version line.
-struct Frames<'a> {
-    data: &'a [u8],
-    offset: usize,
+impl<T> Frame<T> {
+    fn map<U>(self, f: impl FnOnce(T) -> U) -> Frame<U> {
+        match self {
+            Frame::Record(kind, record) => Frame::Record(kind, f(record)),
+            Frame::End => Frame::End,
+            Frame::Torn(reason) => Frame::Torn(reason),
+            Frame::Bad(reason) => Frame::Bad(reason),
+        }
+    }
 }
 
-impl<'a> Frames<'a> {
-    fn next(&mut self) -> Frame<'a> {
-        let rest = &self.data[self.offset..];
-        if rest.is_empty() {
-            return Frame::End;
+/// The records of a version-2 file, read one at a time from `at`.
+struct Records<'a> {
+    file: &'a File,
+    /// Where the next record starts.
+    at: u64,
+    size: u64,
+}
+
+impl Records<'_> {
+    /// The next record's header: its kind, length and checksum, once its length is known to
+    /// fit in the file.
+    fn header(&mut self) -> std::io::Result<Frame<(u64, u32)>> {
+        let rest = self.size.saturating_sub(self.at);
+        if rest == 0 {
+            return Ok(Frame::End);
         }
-        if rest.len() < FRAME_HEADER_LEN {
-            return Frame::Torn("ends within its header");
+        let mut header = [0; FRAME_HEADER_LEN];
+        if read_at_most(self.file, &mut header, self.at)? < FRAME_HEADER_LEN {
+            return Ok(Frame::Torn("ends within its header".into()));
         }
-        let Some((kind, len, crc)) = parse_frame_header(&rest[..FRAME_HEADER_LEN]) else {
+        let Some((kind, len, crc)) = parse_frame_header(&header) else {
             // A file extended but not written before a crash reads as zeros.
-            if rest.iter().all(|b| *b == 0) {
-                return Frame::Torn("is zeros");
+            if self.rest_is_zeros()? {
+                return Ok(Frame::Torn("is zeros".into()));
             }
-            return Frame::Bad("has a malformed header".into());
+            return Ok(Frame::Bad("has a malformed header".into()));
         };
-        let Some(end) = usize::try_from(len).ok().and_then(|len| len.checked_add(FRAME_HEADER_LEN + 1)) else {
-            return Frame::Bad(format!("has an impossible length {len}"));
-        };
-        if end > rest.len() {
-            return Frame::Torn("is cut short");
+        match (FRAME_HEADER_LEN as u64 + 1).checked_add(len) {
+            None => Ok(Frame::Bad(format!("has an impossible length {len}"))),
+            Some(end) if end > rest => Ok(Frame::Torn("is cut short".into())),
+            Some(_) => Ok(Frame::Record(kind, (len, crc))),
         }
-        let payload = &rest[FRAME_HEADER_LEN..end - 1];
-        let actual = crc32fast::hash(payload);
-        if actual != crc || rest[end - 1] != b'\n' {
-            if end == rest.len() {
-                return Frame::Torn("fails its checksum");
+    }
+
+    fn rest_is_zeros(&self) -> std::io::Result<bool> {
+        let mut chunk = vec![0; 1 << 16];
+        let mut at = self.at;
+        loop {
+            let got = read_at_most(self.file, &mut chunk, at)?;
+            if chunk[..got].iter().any(|b| *b != 0) {
+                return Ok(false);
             }
-            return Frame::Bad(format!("checksum {actual:08x} does not match recorded {crc:08x}"));
+            if got < chunk.len() {
+                return Ok(true);
+            }
+            at += got as u64;
         }
-        self.offset += end;
-        Frame::Record(kind, payload)
+    }
+
+    /// The payload of the record whose header [`Self::header`] just read, whole.
+    fn payload(&mut self, len: u64, crc: u32) -> std::io::Result<Frame<Vec<u8>>> {
+        let mut payload = vec![0; len as usize];
+        let got = read_at_most(self.file, &mut payload, self.payload_start())?;
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(&payload[..got]);
+        Ok(self.checked(len, crc, hasher, got as u64)?.map(|()| payload))
+    }
+
+    /// The payload of the record whose header [`Self::header`] just read, decoded as it is read
+    /// (a base is most of the file: it is never held whole), then checked as [`Self::payload`]
+    /// checks it: a decoded payload that fails its checksum is not returned.
+    fn decode<B: DeserializeOwned>(&mut self, len: u64, crc: u32) -> std::io::Result<Frame<serde_json::Result<B>>> {
+        let mut payload =
+            Payload { file: self.file, at: self.payload_start(), left: len, crc: crc32fast::Hasher::new() };
+        let decoded = serde_json::from_reader(std::io::BufReader::with_capacity(1 << 20, &mut payload));
+        // What the decoder left unread (it stops at an error) still counts in the checksum.
+        std::io::copy(&mut payload, &mut std::io::sink())?;
+        let read = len - payload.left;
+        Ok(self.checked(len, crc, payload.crc, read)?.map(|()| decoded))
+    }
+
+    fn payload_start(&self) -> u64 {
+        self.at + FRAME_HEADER_LEN as u64
+    }
+
+    /// Checks a payload of `len` bytes of which `read` were read (fewer: the file shrank while
+    /// being read) against its checksum and the newline after it, and moves past the record.
+    fn checked(&mut self, len: u64, crc: u32, hasher: crc32fast::Hasher, read: u64) -> std::io::Result<Frame<()>> {
+        let end = self.payload_start() + len + 1;
+        let mut newline = [0];
+        let whole = read == len && read_at_most(self.file, &mut newline, end - 1)? == 1;
+        let actual = hasher.finalize();
+        if !whole || actual != crc || newline[0] != b'\n' {
+            if end >= self.size {
+                return Ok(Frame::Torn("fails its checksum".into()));
+            }
+            return Ok(Frame::Bad(format!("checksum {actual:08x} does not match recorded {crc:08x}")));
+        }
+        self.at = end;
+        Ok(Frame::Record(0, ()))
+    }
+}
+
+/// `left` bytes of `file` from `at`, with their CRC-32.
+struct Payload<'a> {
+    file: &'a File,
+    at: u64,
+    left: u64,
+    crc: crc32fast::Hasher,
+}
+
+impl Read for Payload<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let want = buf.len().min(usize::try_from(self.left).unwrap_or(usize::MAX));
+        if want == 0 {
+            return Ok(0);
+        }
+        let got = self.file.read_at(&mut buf[..want], self.at)?;
+        self.crc.update(&buf[..got]);
+        self.at += got as u64;
+        self.left -= got as u64;
+        Ok(got)
     }
 }
 
@@ -688,6 +932,14 @@ mod tests {
         append(dir, &changes).unwrap()
     }
 
+    /// What the agent's start restores ([`read_for_restore`]), as the stores' checkpoint.
+    fn restored_for_the_start(dir: &Path) -> (Checkpoint, ReadStats) {
+        let (restored, stats) = read_for_restore(dir).unwrap();
+        let mut objects = ClusterObjects::default();
+        objects.restore_from(restored);
+        (in_key_order(objects.checkpoint()), stats)
+    }
+
     #[test]
     fn the_base_with_its_journal_replayed_is_the_stores() {
         let dir = temp_dir("replay");
@@ -705,6 +957,7 @@ mod tests {
         let (read, stats) = read_with_stats(&dir).unwrap();
         assert_eq!(stats, ReadStats { journal_records: 2, torn_tail: false });
         assert_eq!(in_key_order(read.clone()), in_key_order(objects.checkpoint()));
+        assert_eq!(restored_for_the_start(&dir), (in_key_order(objects.checkpoint()), stats));
         assert!(read.written_unix > 0.0, "the time of the last record");
         // Restored, then written as a new base: the same objects, no journal.
         let mut restored = ClusterObjects::default();
@@ -745,6 +998,7 @@ mod tests {
             let (read, stats) = read_with_stats(&dir).unwrap_or_else(|e| panic!("{what}: {e}"));
             assert_eq!(stats, ReadStats { journal_records: 1, torn_tail: true }, "{what}");
             assert_eq!(in_key_order(read), before_last, "{what}");
+            assert_eq!(restored_for_the_start(&dir), (before_last.clone(), stats), "{what}");
         }
     }
 
@@ -773,6 +1027,8 @@ mod tests {
             fs::write(path_in(&dir), &edited).unwrap();
             let error = read(&dir).unwrap_err();
             assert!(matches!(error, CheckpointError::Corrupt { .. }), "{what}: {error}");
+            let error = read_for_restore(&dir).err().expect(what);
+            assert!(matches!(error, CheckpointError::Corrupt { .. }), "{what}: {error}");
         }
     }
 
@@ -786,6 +1042,9 @@ mod tests {
         fs::write(path_in(&dir), envelope.to_string()).unwrap();
         let mut objects = crate::k8s::watch::ClusterObjects::default();
         objects.restore(read(&dir).unwrap());
+        let mut for_the_start = crate::k8s::watch::ClusterObjects::default();
+        for_the_start.restore_from(read_for_restore(&dir).unwrap().0);
+        assert_eq!(in_key_order(for_the_start.checkpoint()), in_key_order(objects.checkpoint()));
         let state = objects.state().state;
         let web = &state.services[&crate::services::model::ServiceName::new("default", "web")];
         assert_eq!(web.cluster_ips, [std::net::IpAddr::from([10, 96, 0, 10])]);

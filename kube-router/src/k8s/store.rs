@@ -492,7 +492,12 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
 
     /// [`Self::restore`] from objects already in the form the store keeps them.
     pub fn restore_held(&mut self, objects: impl IntoIterator<Item = (ObjectKey, H)>) {
-        self.objects = objects.into_iter().collect();
+        self.restore_by_key(objects.into_iter().collect());
+    }
+
+    /// [`Self::restore_held`] from objects already by key (the checkpoint read for a restore).
+    pub fn restore_by_key(&mut self, objects: BTreeMap<ObjectKey, H>) {
+        self.objects = objects;
         self.newer_versions.clear();
         self.feeds.iter_mut().for_each(|changed| *changed = None);
         if let Some(journal) = self.journal.as_mut() {

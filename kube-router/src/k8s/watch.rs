@@ -249,6 +249,12 @@ macro_rules! cluster_objects {
             pub fn restore(&mut self, checkpoint: Checkpoint) {
                 $(self.$field.restore_held(checkpoint.$field.into_iter().map(<$ty as Watched>::restored));)*
             }
+
+            /// [`Self::restore`] from a checkpoint read in the stores' form
+            /// ([`read_for_restore`](super::checkpoint::read_for_restore)).
+            pub fn restore_from(&mut self, restored: super::checkpoint::Restored) {
+                $(self.$field.restore_by_key(restored.$field);)*
+            }
         }
 
         /// Every object at one moment, shared with the stores.

@@ -20,17 +20,18 @@ use crate::k8s::{
 /// it work even before (or without) the Namespace object being known.
 pub const NAMESPACE_NAME_LABEL: &str = "kubernetes.io/metadata.name";
 
-/// The parts of a Pod the compiler needs: the store's own [`SlimPod`], shared, not a copy.
+/// The parts of a Pod the compiler needs: the store's own [`SlimPod`], shared, not a copy. Its
+/// names are the object's ([`Self::pod`]): a copy of them beside it was 32 bytes a pod in each of
+/// the compiler's two indexes (issue 29).
 #[derive(Debug, Clone)]
 pub(crate) struct PodInfo {
-    pub pod: PodRef,
     object: Arc<SlimPod>,
 }
 
 /// Equal when the compiler would read the same: names, node, addresses, labels, named ports.
 impl PartialEq for PodInfo {
     fn eq(&self, other: &Self) -> bool {
-        self.pod == other.pod
+        self.is(&other.pod())
             && self.object.node_name == other.object.node_name
             && self.object.ips == other.object.ips
             && self.object.labels == other.object.labels
@@ -49,7 +50,27 @@ impl PodInfo {
         if object.is_terminal() || object.host_network || object.ips.is_empty() {
             return None;
         }
-        Some(PodInfo { pod: pod_ref(&object), object })
+        Some(PodInfo { object })
+    }
+
+    /// Namespace and name (the namespace `default` when the object has none).
+    pub fn pod(&self) -> PodRef {
+        pod_ref(&self.object)
+    }
+
+    /// The pod's namespace, as [`Self::pod`] names it.
+    pub fn namespace(&self) -> &str {
+        namespace_of(&self.object)
+    }
+
+    /// Whether both are the same pod (by name; not necessarily the same object).
+    pub fn same_pod(&self, other: &PodInfo) -> bool {
+        self.object.name == other.object.name && self.namespace() == other.namespace()
+    }
+
+    /// Whether this is the pod `pod` names.
+    pub fn is(&self, pod: &PodRef) -> bool {
+        *self.object.name == *pod.name && self.namespace() == &*pod.namespace
     }
 
     /// Whether both hold the one shared object (not merely equal ones).
@@ -83,8 +104,18 @@ impl PodInfo {
 
 /// Namespace/name of a pod; missing namespace means `default`, as kubectl does.
 pub(crate) fn pod_ref(pod: &SlimPod) -> PodRef {
-    let namespace = if pod.namespace.is_empty() { Arc::from("default") } else { pod.namespace.clone() };
+    let namespace = if pod.namespace.is_empty() { Arc::from(DEFAULT_NAMESPACE) } else { pod.namespace.clone() };
     PodRef { namespace, name: pod.name.clone() }
+}
+
+const DEFAULT_NAMESPACE: &str = "default";
+
+fn namespace_of(pod: &SlimPod) -> &str {
+    if pod.namespace.is_empty() {
+        DEFAULT_NAMESPACE
+    } else {
+        &pod.namespace
+    }
 }
 
 /// Name and effective labels of a namespace, or `None` without a name.
