@@ -226,6 +226,25 @@ fn plain_routing_through(name: &'static str, topo: Rc<Topology>) -> Contender {
     Contender::new(name, topo, BACKEND, PASSING_PORTS)
 }
 
+/// A node with a do-nothing TC program (`TCX_NEXT`) at ingress and egress of both its interfaces,
+/// where the agent puts its load balancer; the links are pinned in a directory of the bench's own
+/// and go with the interfaces.
+fn noop_tc_topology() -> Topology {
+    let topo = Topology::new("krt-sb-noop", 1).unwrap();
+    let pins = PathBuf::from("/sys/fs/bpf/krt-sb-noop");
+    let _ = std::fs::remove_dir_all(&pins);
+    std::fs::create_dir_all(&pins).unwrap();
+    for interface in ["to-client", "to-b1"] {
+        for direction in ["ingress", "egress"] {
+            let pin = pins.join(format!("{interface}-{direction}"));
+            topo.node
+                .run(&[netprobe_bin().to_str().unwrap(), "tc-noop", interface, direction, pin.to_str().unwrap()])
+                .unwrap();
+        }
+    }
+    topo
+}
+
 /// The ClusterIP from a client pod whose cgroup is below the agent's `--cgroup-root`, as every
 /// pod's is below the node's cgroup v2 root in a cluster: translated at connect()/sendmsg().
 fn through_the_socket(
@@ -261,6 +280,9 @@ fn contenders(n: usize, dir: &Path, with_packets: bool) -> Vec<Contender> {
         // Plain routing through the node the agent runs in: what the programs cost traffic that
         // uses no Service (pod to pod), with the conntrack table as the Service rows left it.
         list.push(plain_routing_through("plain routing through ours", topo));
+        // The hooks alone: a program that does nothing at the four places ours run (TCX ingress
+        // and egress of the node's interfaces to the client and the backend).
+        list.push(plain_routing_through("plain routing through no-op TC", Rc::new(noop_tc_topology())));
         let (topo, agent, programmed_in) = start_agent("krt-sb-pol", n, &yaml, &[], false);
         let topo = Rc::new(topo);
         let mut pol = Contender::new("this datapath + policy programs", topo.clone(), &vip, VIP_PORTS);

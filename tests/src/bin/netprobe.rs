@@ -23,6 +23,8 @@
 //!                                           sets an interface offload (the ethtool ioctl: no ethtool binary here)
 //!   krt-netprobe xdp-pass PIN               loads a two-instruction XDP program returning XDP_PASS and pins it
 //!                                           at PIN (for `ip link set dev X xdpdrv pinned PIN`)
+//!   krt-netprobe tc-noop IFACE ingress|egress PIN  attaches a TC program that does nothing (TCX_NEXT)
+//!                                           through a TCX link, pinned at PIN (what the hook alone costs)
 //!   krt-netprobe rate tcp|udp ADDR SECONDS [PAUSE_MS [FIRST_PORT COUNT]]  new flows back to back (a connection or socket
 //!                                           per exchange, PAUSE_MS apart) for SECONDS; prints "OK FAILED
 //!                                           PER-SECOND", then a line per failure (when, how long it took,
@@ -362,6 +364,64 @@ fn pin_xdp_pass(path: &str) -> std::io::Result<()> {
     let mut attr = [0u64; 16];
     attr[0] = path.as_ptr() as u64;
     attr[1] = fd.as_raw_fd() as u64;
+    // SAFETY: as above.
+    if unsafe { libc::syscall(libc::SYS_bpf, 6, attr.as_mut_ptr(), 128u32) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A TC program that does nothing (`TCX_NEXT`) attached through a TCX link at `direction`
+/// ("ingress" / "egress") of `interface`, the link pinned at `path`: what the hook alone costs a
+/// packet, beside what our programs do in it (the `service_datapath` bench).
+fn pin_tcx_noop(interface: &str, direction: &str, path: &str) -> std::io::Result<()> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    // BPF_TCX_INGRESS / BPF_TCX_EGRESS in `enum bpf_attach_type`.
+    let attach_type: u64 = match direction {
+        "ingress" => 46,
+        "egress" => 47,
+        other => return Err(std::io::Error::other(format!("direction {other}: ingress or egress"))),
+    };
+    let name = std::ffi::CString::new(interface).map_err(std::io::Error::other)?;
+    // SAFETY: a NUL-terminated name.
+    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    if ifindex == 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // r0 = -1 (TCX_NEXT); exit.
+    let insns: [u64; 2] =
+        [u64::from_le_bytes([0xb7, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]), u64::from_le_bytes([0x95, 0, 0, 0, 0, 0, 0, 0])];
+    let license = c"GPL";
+    // BPF_PROG_LOAD: prog_type (SCHED_CLS = 3), insn_cnt, insns, license; expected_attach_type
+    // (the u32 at byte 68) as the link's.
+    let mut attr = [0u64; 16];
+    attr[0] = 3 | (insns.len() as u64) << 32;
+    attr[1] = insns.as_ptr() as u64;
+    attr[2] = license.as_ptr() as u64;
+    attr[8] = attach_type << 32;
+    // SAFETY: a valid BPF_PROG_LOAD attribute whose pointers outlive the call.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, 5, attr.as_mut_ptr(), 128u32) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the new program fd is ours.
+    let prog = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // BPF_LINK_CREATE (28): prog_fd, target_ifindex, attach_type, flags 0 (last in the chain).
+    let mut attr = [0u64; 16];
+    attr[0] = prog.as_raw_fd() as u64 | u64::from(ifindex) << 32;
+    attr[1] = attach_type;
+    // SAFETY: as above.
+    let link = unsafe { libc::syscall(libc::SYS_bpf, 28, attr.as_mut_ptr(), 128u32) };
+    if link < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the new link fd is ours.
+    let link = unsafe { OwnedFd::from_raw_fd(link as i32) };
+    let path = std::ffi::CString::new(path).map_err(std::io::Error::other)?;
+    // BPF_OBJ_PIN: pathname, bpf_fd.
+    let mut attr = [0u64; 16];
+    attr[0] = path.as_ptr() as u64;
+    attr[1] = link.as_raw_fd() as u64;
     // SAFETY: as above.
     if unsafe { libc::syscall(libc::SYS_bpf, 6, attr.as_mut_ptr(), 128u32) } < 0 {
         return Err(std::io::Error::last_os_error());
@@ -763,6 +823,7 @@ fn main() {
             set_feature(&arg(1), &arg(2), on).unwrap_or_else(|e| panic!("feature {} {}: {e}", arg(1), arg(2)));
         }
         "xdp-pass" => pin_xdp_pass(&arg(1)).unwrap_or_else(|e| panic!("xdp-pass {}: {e}", arg(1))),
+        "tc-noop" => pin_tcx_noop(&arg(1), &arg(2), &arg(3)).unwrap_or_else(|e| panic!("tc-noop {}: {e}", arg(1))),
         "bulk" => print_result(bulk(arg(1).parse().expect("addr"), arg(2).parse().expect("bytes"))),
         "rate" => {
             // New flows back to back: a TCP connection (or a UDP socket) per exchange.
