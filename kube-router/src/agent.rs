@@ -338,12 +338,12 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
     Ok(Started { applier, tasks: tasks.tasks, stop: stop_tx, routing })
 }
 
-/// Writes the watchers' updates into the cache, from the start on, until the agent stops.
 /// The programs this agent's features put on interfaces.
 fn programs(config: &AgentConfig) -> Programs {
     Programs { load_balancer: config.services.run, firewall: config.policy.run, xdp: config.datapath.xdp }
 }
 
+/// Writes the watchers' updates into the cache, from the start on, until the agent stops.
 async fn apply_updates(mut updates: mpsc::Receiver<WatchUpdate>, cache: Arc<Cache>, metrics: Metrics) {
     while let Some(update) = updates.recv().await {
         record_api_contact(&update, &metrics);

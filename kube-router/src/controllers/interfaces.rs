@@ -408,6 +408,7 @@ mod tests {
     use kube::runtime::watcher::Event;
 
     use super::*;
+    use crate::k8s::{pod::PodFields, watch::ClusterObjects, watch::WatchUpdate};
 
     #[test]
     fn an_agent_verifies_only_the_programs_its_features_attach() {
@@ -420,7 +421,6 @@ mod tests {
         let no_xdp = Programs { xdp: XdpSetting::Off, ..all };
         assert_eq!(no_xdp.attached(false), ["kr_lb_ingress", "kr_lb_egress", "kr_pol_ingress", "kr_pol_egress"]);
     }
-    use crate::k8s::{pod::PodFields, watch::ClusterObjects, watch::WatchUpdate};
 
     fn pod(name: &str, node: &str, ip: &str) -> PodFields {
         serde_json::from_value(serde_json::json!({
