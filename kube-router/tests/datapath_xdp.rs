@@ -201,24 +201,29 @@ fn local_backends_and_partial_checksums_are_left_to_tc() {
     assert_eq!(lb.xdp_stat(xdp_stat::PASS_CHECKSUM_PARTIAL), 1);
 }
 
-/// The XDP fast path allocates SNAT ports with TC's code: every port held by a closed NodePort
-/// flow past its closing lifetime (entries as TC or XDP leave them, not yet collected), a new
-/// flow served at XDP takes one, and the old flow's entries go.
-#[test]
-fn a_new_flow_at_xdp_takes_the_snat_port_of_a_closed_flow() {
-    let mut lb = load_named("krt-perf-xdp-reclaim", &[(REMOTE_POD, "node-b")], true);
+/// The NodePort of `service_yaml` and its backend on the other node.
+const NODE_PORT: (Ipv4Addr, u16) = (NODE_IP, 30080);
+const BACKEND: (Ipv4Addr, u16) = (REMOTE_POD, 8080);
+
+/// Every port of `SNAT_PORTS` held by a TCP flow to [`NODE_PORT`] source-NATed towards
+/// [`BACKEND`] (client port 30,000 + the port's place in the range), as TC or XDP make one: both
+/// entries full NAT and routed by the program, last seen at `last_seen_ns`, with `flags` on both
+/// and `forward_flags` on the forward one. Returns `ct_v4`.
+fn hold_every_snat_port(
+    lb: &Loaded,
+    last_seen_ns: u64,
+    flags: u16,
+    forward_flags: u16,
+) -> aya::maps::HashMap<aya::maps::MapData, CtKeyV4, CtValueV4> {
     let data = aya::maps::MapData::from_pin(kube_router::pinned::pinned_map(&lb.pin_dir, "ct_v4")).unwrap();
-    let mut ct: aya::maps::HashMap<_, CtKeyV4, CtValueV4> =
-        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data)).unwrap();
-    let closed_at = monotonic_now_ns() - (CT_LIFETIME_CLOSING_SECS + 1) * 1_000_000_000;
-    let (tcp, node_port, backend) = (packet::TCP, (NODE_IP, 30080), (REMOTE_POD, 8080));
-    let entry = |nat_src: (Ipv4Addr, u16), nat_dst: (Ipv4Addr, u16), flags: u16| CtValueV4 {
-        last_seen_ns: closed_at,
+    let mut ct = aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data)).unwrap();
+    let entry = |nat_src: (Ipv4Addr, u16), nat_dst: (Ipv4Addr, u16), direction: u16| CtValueV4 {
+        last_seen_ns,
         nat_src_addr: addr_be(nat_src.0),
         nat_dst_addr: addr_be(nat_dst.0),
         nat_src_port: nat_src.1.to_be(),
         nat_dst_port: nat_dst.1.to_be(),
-        flags: flags | CT_FLAG_FULL_NAT | CT_FLAG_REDIRECT,
+        flags: direction | flags | CT_FLAG_FULL_NAT | CT_FLAG_REDIRECT,
         pad: 0,
         service_id: 1,
         backend_id: 1,
@@ -226,15 +231,23 @@ fn a_new_flow_at_xdp_takes_the_snat_port_of_a_closed_flow() {
     for port in SNAT_PORTS.0..=SNAT_PORTS.1 {
         let client = (CLIENT, 30_000 + port - SNAT_PORTS.0);
         let snat = (NODE_IP, port);
-        // The client's FIN or RST: its forward entry is closing; the reverse one is not.
-        ct.insert(
-            packet::ct_key_v4(tcp, client, node_port),
-            entry(snat, backend, CT_FLAG_FORWARD | CT_FLAG_CLOSING),
-            0,
-        )
-        .unwrap();
-        ct.insert(packet::ct_key_v4(tcp, backend, snat), entry(node_port, client, CT_FLAG_REVERSE), 0).unwrap();
+        let forward = entry(snat, BACKEND, CT_FLAG_FORWARD | forward_flags);
+        ct.insert(packet::ct_key_v4(packet::TCP, client, NODE_PORT), forward, 0).unwrap();
+        ct.insert(packet::ct_key_v4(packet::TCP, BACKEND, snat), entry(NODE_PORT, client, CT_FLAG_REVERSE), 0).unwrap();
     }
+    ct
+}
+
+/// The XDP fast path allocates SNAT ports with TC's code: every port held by a closed NodePort
+/// flow past its closing lifetime (entries as TC or XDP leave them, not yet collected), a new
+/// flow served at XDP takes one, and the old flow's entries go.
+#[test]
+fn a_new_flow_at_xdp_takes_the_snat_port_of_a_closed_flow() {
+    let mut lb = load_named("krt-perf-xdp-reclaim", &[(REMOTE_POD, "node-b")], true);
+    let closed_at = monotonic_now_ns() - (CT_LIFETIME_CLOSING_SECS + 1) * 1_000_000_000;
+    // The client's FIN or RST: its forward entry is closing; the reverse one is not.
+    let ct = hold_every_snat_port(&lb, closed_at, 0, CT_FLAG_CLOSING);
+    let (tcp, node_port, backend) = (packet::TCP, NODE_PORT, BACKEND);
     let exhausted = |lb: &Loaded| {
         kube_router::services::maps::read_lb_stats(&lb.pin_dir).unwrap()[lb_stat::SNAT_PORTS_EXHAUSTED as usize]
     };
@@ -263,28 +276,9 @@ fn a_new_flow_at_xdp_takes_the_snat_port_of_a_closed_flow() {
 #[test]
 fn a_new_flow_refused_for_want_of_snat_ports_is_dropped_at_xdp_and_counted_once() {
     let mut lb = load_named("krt-perf-xdp-refuse", &[(REMOTE_POD, "node-b")], true);
-    let data = aya::maps::MapData::from_pin(kube_router::pinned::pinned_map(&lb.pin_dir, "ct_v4")).unwrap();
-    let mut ct: aya::maps::HashMap<_, CtKeyV4, CtValueV4> =
-        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data)).unwrap();
-    let (tcp, node_port, backend) = (packet::TCP, (NODE_IP, 30080), (REMOTE_POD, 8080));
-    let now = monotonic_now_ns();
-    let entry = |nat_src: (Ipv4Addr, u16), nat_dst: (Ipv4Addr, u16), flags: u16| CtValueV4 {
-        last_seen_ns: now,
-        nat_src_addr: addr_be(nat_src.0),
-        nat_dst_addr: addr_be(nat_dst.0),
-        nat_src_port: nat_src.1.to_be(),
-        nat_dst_port: nat_dst.1.to_be(),
-        flags: flags | CT_FLAG_FULL_NAT | CT_FLAG_REDIRECT | CT_FLAG_SEEN_REPLY,
-        pad: 0,
-        service_id: 1,
-        backend_id: 1,
-    };
-    for port in SNAT_PORTS.0..=SNAT_PORTS.1 {
-        let client = (CLIENT, 30_000 + port - SNAT_PORTS.0);
-        let snat = (NODE_IP, port);
-        ct.insert(packet::ct_key_v4(tcp, client, node_port), entry(snat, backend, CT_FLAG_FORWARD), 0).unwrap();
-        ct.insert(packet::ct_key_v4(tcp, backend, snat), entry(node_port, client, CT_FLAG_REVERSE), 0).unwrap();
-    }
+    // Answered and open: nothing to reclaim.
+    let ct = hold_every_snat_port(&lb, monotonic_now_ns(), CT_FLAG_SEEN_REPLY, 0);
+    let (tcp, node_port) = (packet::TCP, NODE_PORT);
     let lb_stats = |lb: &Loaded| kube_router::services::maps::read_lb_stats(&lb.pin_dir).unwrap();
 
     let syn = packet::ipv4(tcp, (CLIENT, 40000), node_port, packet::TCP_SYN, b"");

@@ -343,32 +343,9 @@ fn flood(addr: SocketAddr, count: usize) -> ! {
 
 /// `r0 = XDP_PASS; exit`, loaded and pinned at `path`.
 fn pin_xdp_pass(path: &str) -> std::io::Result<()> {
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-    let insns: [u64; 2] =
-        [u64::from_le_bytes([0xb7, 0, 0, 0, 2, 0, 0, 0]), u64::from_le_bytes([0x95, 0, 0, 0, 0, 0, 0, 0])];
-    let license = c"GPL";
-    // union bpf_attr, BPF_PROG_LOAD: prog_type (XDP = 6), insn_cnt, insns, license.
-    let mut attr = [0u64; 16];
-    attr[0] = 6 | (insns.len() as u64) << 32;
-    attr[1] = insns.as_ptr() as u64;
-    attr[2] = license.as_ptr() as u64;
-    // SAFETY: a valid BPF_PROG_LOAD attribute whose pointers outlive the call.
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, 5, attr.as_mut_ptr(), 128u32) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: the new program fd is ours.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    let path = std::ffi::CString::new(path).map_err(std::io::Error::other)?;
-    // BPF_OBJ_PIN: pathname, bpf_fd.
-    let mut attr = [0u64; 16];
-    attr[0] = path.as_ptr() as u64;
-    attr[1] = fd.as_raw_fd() as u64;
-    // SAFETY: as above.
-    if unsafe { libc::syscall(libc::SYS_bpf, 6, attr.as_mut_ptr(), 128u32) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    // r0 = XDP_PASS (2); exit. BPF_PROG_TYPE_XDP = 6.
+    let program = load_two_instructions(6, 2, 0)?;
+    bpf_obj_pin(&program, path)
 }
 
 /// A TC program that does nothing (`TCX_NEXT`) attached through a TCX link at `direction`
@@ -377,7 +354,7 @@ fn pin_xdp_pass(path: &str) -> std::io::Result<()> {
 fn pin_tcx_noop(interface: &str, direction: &str, path: &str) -> std::io::Result<()> {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     // BPF_TCX_INGRESS / BPF_TCX_EGRESS in `enum bpf_attach_type`.
-    let attach_type: u64 = match direction {
+    let attach_type: u32 = match direction {
         "ingress" => 46,
         "egress" => 47,
         other => return Err(std::io::Error::other(format!("direction {other}: ingress or egress"))),
@@ -388,41 +365,58 @@ fn pin_tcx_noop(interface: &str, direction: &str, path: &str) -> std::io::Result
     if ifindex == 0 {
         return Err(std::io::Error::last_os_error());
     }
-    // r0 = -1 (TCX_NEXT); exit.
-    let insns: [u64; 2] =
-        [u64::from_le_bytes([0xb7, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]), u64::from_le_bytes([0x95, 0, 0, 0, 0, 0, 0, 0])];
-    let license = c"GPL";
-    // BPF_PROG_LOAD: prog_type (SCHED_CLS = 3), insn_cnt, insns, license; expected_attach_type
-    // (the u32 at byte 68) as the link's.
+    // r0 = TCX_NEXT (-1); exit. BPF_PROG_TYPE_SCHED_CLS = 3.
+    let program = load_two_instructions(3, -1, attach_type)?;
+    // BPF_LINK_CREATE (28): prog_fd, target_ifindex, attach_type, flags 0 (last in the chain).
     let mut attr = [0u64; 16];
-    attr[0] = 3 | (insns.len() as u64) << 32;
+    attr[0] = program.as_raw_fd() as u64 | u64::from(ifindex) << 32;
+    attr[1] = u64::from(attach_type);
+    // SAFETY: a valid BPF_LINK_CREATE attribute.
+    let link = unsafe { libc::syscall(libc::SYS_bpf, 28, attr.as_mut_ptr(), 128u32) };
+    if link < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the new link fd is ours.
+    bpf_obj_pin(&unsafe { OwnedFd::from_raw_fd(link as i32) }, path)
+}
+
+/// A program of `prog_type` that returns `verdict` (`r0 = verdict; exit`), loaded (BPF_PROG_LOAD)
+/// with `expected_attach_type`.
+fn load_two_instructions(
+    prog_type: u32,
+    verdict: i32,
+    expected_attach_type: u32,
+) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    let [a, b, c, d] = verdict.to_le_bytes();
+    let insns: [u64; 2] =
+        [u64::from_le_bytes([0xb7, 0, 0, 0, a, b, c, d]), u64::from_le_bytes([0x95, 0, 0, 0, 0, 0, 0, 0])];
+    let license = c"GPL";
+    // union bpf_attr, BPF_PROG_LOAD: prog_type, insn_cnt, insns, license; expected_attach_type is
+    // the u32 at byte 68.
+    let mut attr = [0u64; 16];
+    attr[0] = u64::from(prog_type) | (insns.len() as u64) << 32;
     attr[1] = insns.as_ptr() as u64;
     attr[2] = license.as_ptr() as u64;
-    attr[8] = attach_type << 32;
+    attr[8] = u64::from(expected_attach_type) << 32;
     // SAFETY: a valid BPF_PROG_LOAD attribute whose pointers outlive the call.
     let fd = unsafe { libc::syscall(libc::SYS_bpf, 5, attr.as_mut_ptr(), 128u32) };
     if fd < 0 {
         return Err(std::io::Error::last_os_error());
     }
     // SAFETY: the new program fd is ours.
-    let prog = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    // BPF_LINK_CREATE (28): prog_fd, target_ifindex, attach_type, flags 0 (last in the chain).
-    let mut attr = [0u64; 16];
-    attr[0] = prog.as_raw_fd() as u64 | u64::from(ifindex) << 32;
-    attr[1] = attach_type;
-    // SAFETY: as above.
-    let link = unsafe { libc::syscall(libc::SYS_bpf, 28, attr.as_mut_ptr(), 128u32) };
-    if link < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: the new link fd is ours.
-    let link = unsafe { OwnedFd::from_raw_fd(link as i32) };
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// BPF_OBJ_PIN: `object` (a program or a link) pinned at `path`.
+fn bpf_obj_pin(object: &std::os::fd::OwnedFd, path: &str) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
     let path = std::ffi::CString::new(path).map_err(std::io::Error::other)?;
-    // BPF_OBJ_PIN: pathname, bpf_fd.
+    // pathname, bpf_fd.
     let mut attr = [0u64; 16];
     attr[0] = path.as_ptr() as u64;
-    attr[1] = link.as_raw_fd() as u64;
-    // SAFETY: as above.
+    attr[1] = object.as_raw_fd() as u64;
+    // SAFETY: a valid BPF_OBJ_PIN attribute whose pointer outlives the call.
     if unsafe { libc::syscall(libc::SYS_bpf, 6, attr.as_mut_ptr(), 128u32) } < 0 {
         return Err(std::io::Error::last_os_error());
     }
