@@ -17,15 +17,17 @@
 //! a minute (`POLICY_CT_UNREPLIED`).
 //!
 //! Only pods a policy isolates are tracked: a pod with no `pol_pods_v4/v6` entry in either
-//! direction passes with no conntrack lookup and no entry (the gate in [`judge`]; every packet
-//! of such a pod passed before it too, so the gate drops nothing and passes nothing more). A pod
-//! isolated in one direction is tracked in both, its reply being judged by the other.
-//! `POLICY_CT_TRACK_ALL` in `pol_cfg` tracks every pod, as before the gate.
+//! direction passes with no conntrack lookup and no entry (the gate, [`judged`], which reads the pod's
+//! address straight from the IP header and nothing after it: such a pod admits every packet, so
+//! there is nothing to parse for). A pod isolated in one direction is tracked in both, its reply
+//! being judged by the other. `POLICY_CT_TRACK_ALL` in `pol_cfg` tracks (and parses) every pod,
+//! as before the gate.
 //!
 //! Fails closed: every IP protocol is judged (those without ports only by rules without ports),
 //! ICMP errors pass only for a live connection they quote or as ICMP, frames of any ethertype
-//! but IPv4, IPv6 and ARP (VLAN tags included) and packets whose headers cannot be read are
-//! dropped on every pod veth (`pol_guard_stats`).
+//! but IPv4, IPv6 and ARP (VLAN tags included) and IP headers of the wrong version are dropped
+//! on every pod veth, packets whose headers past the addresses cannot be read at an isolated
+//! pod's hooks (`pol_guard_stats`).
 use aya_ebpf::{
     bindings::{TC_ACT_SHOT, TC_ACT_UNSPEC},
     helpers::bpf_ktime_get_ns,
@@ -41,7 +43,10 @@ use crate::{
         POLICY_CONNTRACK, POLICY_CONNTRACK_V6, POLICY_PEERS, POLICY_PEERS_V6, POLICY_PODS, POLICY_PODS_V6,
         POLICY_PORTS,
     },
-    parsing::{parse_for_policy, parse_for_policy_v6, Flow, Parsed, Quoted, TCP_FLAG_FIN, TCP_FLAG_RST},
+    parsing::{
+        parse_for_policy, parse_for_policy_v6, Flow, Parsed, Quoted, ETH_HDR_LEN, IPV6_DST_OFF, IPV6_SRC_OFF,
+        TCP_FLAG_FIN, TCP_FLAG_RST,
+    },
 };
 
 const REFRESH_INTERVAL_NS: u64 = 1_000_000_000;
@@ -74,6 +79,10 @@ trait PolicyFamily {
     type CtKey: Copy + 'static;
     const FAMILY: u8;
     fn ct_key(pod: Self::Addr, peer: Self::Addr, pod_port: u16, peer_port: u16, proto: u8) -> Self::CtKey;
+    /// The pod's address at this hook read straight from the IP header (the source of a packet
+    /// from the pod, the destination of one to it), before the rest is parsed; `None` if the
+    /// header is not this family's (the full parse then drops it).
+    fn pod_addr(ctx: &TcContext, hook: VethHook) -> Result<Option<Self::Addr>, i64>;
     fn conntrack() -> &'static LruHashMap<Self::CtKey, PolicyCtValue>;
     fn isolated(addr: Self::Addr, direction: u8) -> Option<PolicyPodValue>;
     fn peer_in_set(peer_set: u32, addr: Self::Addr) -> bool;
@@ -94,6 +103,19 @@ impl PolicyFamily for V4 {
     #[inline(always)]
     fn ct_key(pod_addr: u32, peer_addr: u32, pod_port: u16, peer_port: u16, proto: u8) -> PolicyCtKeyV4 {
         PolicyCtKeyV4 { pod_addr, peer_addr, pod_port, peer_port, proto, pad: [0; 3] }
+    }
+    #[inline(always)]
+    fn pod_addr(ctx: &TcContext, hook: VethHook) -> Result<Option<u32>, i64> {
+        // The whole fixed header in one read: version, header length and both addresses.
+        let header = ctx.load::<[u32; 5]>(ETH_HDR_LEN)?;
+        let version_ihl = header[0].to_ne_bytes()[0];
+        if version_ihl >> 4 != 4 || version_ihl & 0x0f < 5 {
+            return Ok(None);
+        }
+        Ok(Some(match hook {
+            VethHook::FromPod => header[3],
+            VethHook::ToPod => header[4],
+        }))
     }
     #[inline(always)]
     fn conntrack() -> &'static LruHashMap<PolicyCtKeyV4, PolicyCtValue> {
@@ -130,6 +152,16 @@ impl PolicyFamily for V6 {
     #[inline(always)]
     fn ct_key(pod_addr: Ipv6Words, peer_addr: Ipv6Words, pod_port: u16, peer_port: u16, proto: u8) -> PolicyCtKeyV6 {
         PolicyCtKeyV6 { pod_addr, peer_addr, pod_port, peer_port, proto, pad: [0; 3] }
+    }
+    #[inline(always)]
+    fn pod_addr(ctx: &TcContext, hook: VethHook) -> Result<Option<Ipv6Words>, i64> {
+        if ctx.load::<u8>(ETH_HDR_LEN)? >> 4 != 6 {
+            return Ok(None);
+        }
+        Ok(Some(ctx.load(match hook {
+            VethHook::FromPod => IPV6_SRC_OFF,
+            VethHook::ToPod => IPV6_DST_OFF,
+        })?))
     }
     #[inline(always)]
     fn conntrack() -> &'static LruHashMap<PolicyCtKeyV6, PolicyCtValue> {
@@ -171,14 +203,24 @@ pub fn enforce(ctx: &TcContext, hook: VethHook) -> Result<i32, i64> {
         return Ok(drop_frame(ctx, hook, pol_guard_stat::DROP_VLAN, FRAME_DROP_VLAN, ether_type));
     }
     match ether_type {
-        ETH_P_IPV6 => match parse_for_policy_v6(ctx)? {
-            Parsed::Flow(flow) => judge::<V6>(ctx, hook, &flow),
-            parsed => Ok(pass_unjudged(ctx, hook, parsed, ether_type)),
-        },
-        ETH_P_IP => match parse_for_policy(ctx)? {
-            Parsed::Flow(flow) => judge::<V4>(ctx, hook, &flow),
-            parsed => Ok(pass_unjudged(ctx, hook, parsed, ether_type)),
-        },
+        ETH_P_IPV6 => {
+            if !judged::<V6>(ctx, hook)? {
+                return Ok(pass_untracked(ctx, hook));
+            }
+            match parse_for_policy_v6(ctx)? {
+                Parsed::Flow(flow) => judge::<V6>(ctx, hook, &flow),
+                parsed => Ok(pass_unjudged(ctx, hook, parsed, ether_type)),
+            }
+        }
+        ETH_P_IP => {
+            if !judged::<V4>(ctx, hook)? {
+                return Ok(pass_untracked(ctx, hook));
+            }
+            match parse_for_policy(ctx)? {
+                Parsed::Flow(flow) => judge::<V4>(ctx, hook, &flow),
+                parsed => Ok(pass_unjudged(ctx, hook, parsed, ether_type)),
+            }
+        }
         ETH_P_ARP => {
             count(pol_stat::NOT_EVALUATED);
             Ok(TC_ACT_UNSPEC)
@@ -234,6 +276,41 @@ fn pass_unjudged<A>(ctx: &TcContext, hook: VethHook, parsed: Parsed<A>, ether_ty
     TC_ACT_UNSPEC
 }
 
+/// The gate, from the pod's address alone: false if the pod is isolated in neither direction.
+/// Such a pod is not tracked, and its packets pass whatever an entry would say (an entry only
+/// passes, and the pod's sides admit everything): nothing past the address is read, no parse,
+/// no conntrack lookup or insert in cold hash chains. True (judged) while every pod is tracked
+/// (`POLICY_CT_TRACK_ALL`) or when the header is not the family's (the parse drops it).
+// The new-flow verdict looks this side's entry up again rather than take it from here: a value
+// carried across the parse is one the verifier cannot follow (an enum the compiler reads
+// unconditionally, "R8 !read_ok"), and only an isolated pod's new flows pay the second lookup.
+#[inline(always)]
+fn judged<F: PolicyFamily>(ctx: &TcContext, hook: VethHook) -> Result<bool, i64> {
+    if POLICY_CONFIG.get(0).is_some_and(|flags| *flags & POLICY_CT_TRACK_ALL != 0) {
+        return Ok(true);
+    }
+    let Some(pod_addr) = F::pod_addr(ctx, hook)? else {
+        return Ok(true);
+    };
+    // This hook's side first: the side the hook judges is the one most often isolated alone.
+    let (here, other) = match hook {
+        VethHook::FromPod => (POLICY_DIR_EGRESS, POLICY_DIR_INGRESS),
+        VethHook::ToPod => (POLICY_DIR_INGRESS, POLICY_DIR_EGRESS),
+    };
+    Ok(F::isolated(pod_addr, here).is_some() || F::isolated(pod_addr, other).is_some())
+}
+
+/// A packet of a pod isolated in neither direction: passed untracked.
+#[inline(always)]
+fn pass_untracked(ctx: &TcContext, hook: VethHook) -> i32 {
+    if matches!(hook, VethHook::ToPod) && sent_by_this_node(ctx) {
+        count(pol_stat::NODE_EXEMPT);
+    } else {
+        count(pol_stat::NOT_ISOLATED);
+    }
+    TC_ACT_UNSPEC
+}
+
 #[inline(always)]
 fn judge<F: PolicyFamily>(ctx: &TcContext, hook: VethHook, flow: &Flow<F::Addr>) -> Result<i32, i64> {
     let (pod_addr, peer_addr, pod_port, peer_port, direction, origin, denied) = match hook {
@@ -256,25 +333,6 @@ fn judge<F: PolicyFamily>(ctx: &TcContext, hook: VethHook, flow: &Flow<F::Addr>)
             pol_stat::DENIED_INGRESS,
         ),
     };
-    // The gate: a pod isolated in neither direction is not tracked. Its packets pass whatever
-    // the entry would say (an entry only passes, and the pod's sides admit everything), so the
-    // lookup, the insert and their cold hash chains are skipped. `here` keeps this direction's
-    // lookup for the new-flow verdict below (`None`: not looked up, the gate closed).
-    let mut here = None;
-    if POLICY_CONFIG.get(0).is_none_or(|flags| *flags & POLICY_CT_TRACK_ALL == 0) {
-        let isolated_here = F::isolated(pod_addr, direction);
-        if isolated_here.is_none()
-            && F::isolated(pod_addr, direction ^ (POLICY_DIR_INGRESS | POLICY_DIR_EGRESS)).is_none()
-        {
-            if matches!(hook, VethHook::ToPod) && sent_by_this_node(ctx) {
-                count(pol_stat::NODE_EXEMPT);
-            } else {
-                count(pol_stat::NOT_ISOLATED);
-            }
-            return Ok(TC_ACT_UNSPEC);
-        }
-        here = Some(isolated_here);
-    }
     let ct_key = F::ct_key(pod_addr, peer_addr, pod_port, peer_port, flow.proto);
     let now = unsafe { bpf_ktime_get_ns() };
     let closing = flow.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST) != 0;
@@ -301,11 +359,7 @@ fn judge<F: PolicyFamily>(ctx: &TcContext, hook: VethHook, flow: &Flow<F::Addr>)
     }
 
     // A new connection: its destination port is this packet's, whichever hook sees it.
-    let isolation = match here {
-        Some(isolated_here) => isolated_here,
-        None => F::isolated(pod_addr, direction),
-    };
-    match isolation {
+    match F::isolated(pod_addr, direction) {
         _ if matches!(hook, VethHook::ToPod) && sent_by_this_node(ctx) => count(pol_stat::NODE_EXEMPT),
         None => count(pol_stat::NOT_ISOLATED),
         Some(pod) => match evaluate::<F>(&pod, peer_addr, flow, u16::from_be(flow.dst_port)) {

@@ -712,7 +712,10 @@ fn traffic_that_is_not_judged_passes_and_is_counted() {
     assert!(!loaded.send(&first));
     let stats = loaded.stats();
     assert_eq!(stats[pol_stat::NOT_EVALUATED as usize], 2, "arp, at both hooks");
-    assert_eq!(stats[pol_stat::FRAGMENT_PASS as usize], 2);
+    // The tail at x's hook; at y's (isolated in neither direction) the two fragments pass
+    // unparsed, as every packet of y does.
+    assert_eq!(stats[pol_stat::FRAGMENT_PASS as usize], 1);
+    assert_eq!(stats[pol_stat::NOT_ISOLATED as usize], 2, "y's hook, both fragments");
     assert_eq!(stats[pol_stat::DENIED_INGRESS as usize], 1);
 }
 
@@ -819,25 +822,43 @@ fn frames_other_than_ip_and_arp_are_dropped_at_both_hooks_isolated_or_not() {
     assert_eq!((guard[pol_guard_stat::DROP_UNKNOWN_L3 as usize], guard[pol_guard_stat::DROP_VLAN as usize]), (2, 4));
 }
 
-/// Guard: a packet whose headers cannot be read is dropped (`policy::malformed`), not handed on
-/// unjudged: a tiny first fragment whose TCP flags are cut off (its later fragments would follow
-/// it through), an IPv4 ethertype over an IPv6 header, an IPv6 TCP header cut short (BPF_PROG_TEST_RUN
-/// itself refuses frames shorter than their IP header).
+/// Guard: a packet whose headers cannot be read is dropped at an isolated pod's hooks
+/// (`policy::malformed`), not handed on unjudged: a tiny first fragment whose TCP flags are cut
+/// off (its later fragments would follow it through), an IPv6 TCP header cut short
+/// (BPF_PROG_TEST_RUN itself refuses frames shorter than their IP header). A pod isolated in
+/// neither direction admits every packet, so its hooks read nothing past the address (the
+/// gate): they pass these. An IP header of the wrong version (an IPv4 ethertype over an IPv6
+/// header) has no address to gate on and is dropped at every pod's hooks.
 #[test]
-fn packets_whose_headers_cannot_be_read_are_dropped() {
+fn packets_whose_headers_cannot_be_read_are_dropped_at_an_isolated_pod() {
     let mut loaded = load("malformed");
     loaded.program(&Cluster::xyz().compile(&[policy("x", "deny", json!({"podSelector": {}}))]));
-    let segment = packet::l4_segment(packet::TCP, (ip(2, 0), 1000), (ip(0, 0), 80), packet::TCP_SYN, b"");
-    let tiny_first_fragment = packet::ipv4_frame(packet::TCP, ip(2, 0), ip(0, 0), 0x2000, &segment[..8]);
-    let mut wrong_version = packet::ipv6(packet::TCP, (ip6(2, 0), 1000), (ip6(0, 0), 80), packet::TCP_SYN, b"");
+    // Between x (isolated both ways) and z (not isolated), each way.
+    let unreadable = |(from, to): (usize, usize)| {
+        let segment = packet::l4_segment(packet::TCP, (ip(from, 0), 1000), (ip(to, 0), 80), packet::TCP_SYN, b"");
+        let tiny_first_fragment = packet::ipv4_frame(packet::TCP, ip(from, 0), ip(to, 0), 0x2000, &segment[..8]);
+        let v6 = packet::ipv6(packet::TCP, (ip6(from, 0), 1000), (ip6(to, 0), 80), packet::TCP_SYN, b"");
+        [tiny_first_fragment, v6[..14 + 40 + 10].to_vec()]
+    };
+    let (x, z) = (0, 2);
+    for frame in unreadable((x, z)) {
+        assert_eq!(run(loaded.fd(Hook::PolicyIngress), &frame, 1).unwrap().retval, TC_ACT_SHOT, "from x");
+        assert_eq!(run_forwarded(loaded.fd(Hook::PolicyEgress), &frame, 1, 1).unwrap().retval, TC_ACT_UNSPEC, "to z");
+    }
+    for frame in unreadable((z, x)) {
+        assert_eq!(run(loaded.fd(Hook::PolicyIngress), &frame, 1).unwrap().retval, TC_ACT_UNSPEC, "from z");
+        assert_eq!(run_forwarded(loaded.fd(Hook::PolicyEgress), &frame, 1, 1).unwrap().retval, TC_ACT_SHOT, "to x");
+    }
+    assert_eq!(guard_stats(&loaded)[pol_guard_stat::DROP_MALFORMED as usize], 4);
+    let mut wrong_version = packet::ipv6(packet::TCP, (ip6(z, 0), 1000), (ip6(x, 0), 80), packet::TCP_SYN, b"");
     wrong_version[12..14].copy_from_slice(&[0x08, 0x00]);
-    let v6 = packet::ipv6(packet::TCP, (ip6(2, 0), 1000), (ip6(0, 0), 80), packet::TCP_SYN, b"");
-    let cut_short = &v6[..14 + 40 + 10];
-    for frame in [&tiny_first_fragment[..], &wrong_version[..], cut_short] {
+    let mut wrong_version_to_z = packet::ipv6(packet::TCP, (ip6(x, 0), 1000), (ip6(z, 0), 80), packet::TCP_SYN, b"");
+    wrong_version_to_z[12..14].copy_from_slice(&[0x08, 0x00]);
+    for frame in [&wrong_version, &wrong_version_to_z] {
         assert_eq!(run(loaded.fd(Hook::PolicyIngress), frame, 1).unwrap().retval, TC_ACT_SHOT);
         assert_eq!(run_forwarded(loaded.fd(Hook::PolicyEgress), frame, 1, 1).unwrap().retval, TC_ACT_SHOT);
     }
-    assert_eq!(guard_stats(&loaded)[pol_guard_stat::DROP_MALFORMED as usize], 6);
+    assert_eq!(guard_stats(&loaded)[pol_guard_stat::DROP_MALFORMED as usize], 4 + 4);
 }
 
 /// Guard: an ICMP error passes an isolated pod when it quotes one of the pod's live connections
@@ -1006,7 +1027,9 @@ fn ipv6_neighbour_discovery_passes_an_isolated_pod_and_extension_headers_are_loo
         assert!(loaded.send(&packet::icmpv6_echo(control, z_a, x_a, 0)), "ICMPv6 type {control}");
     }
     let after = loaded.stats();
-    assert_eq!(after[pol_stat::NOT_EVALUATED as usize] - before[pol_stat::NOT_EVALUATED as usize], 14);
+    // At x's hook; z's (isolated in neither direction) passes them unparsed.
+    assert_eq!(after[pol_stat::NOT_EVALUATED as usize] - before[pol_stat::NOT_EVALUATED as usize], 7);
+    assert_eq!(after[pol_stat::NOT_ISOLATED as usize] - before[pol_stat::NOT_ISOLATED as usize], 7);
     let tracked = PolicyConntrack::open_pinned(&loaded.pin_dir).unwrap().entries_v6().unwrap();
     assert!(tracked.is_empty(), "control messages open no connection: {tracked:?}");
     // Echo is judged like IPv4's: denied from z, and only a rule without ports admits it.
