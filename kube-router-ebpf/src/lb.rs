@@ -23,7 +23,7 @@ use crate::{
     icmp::{self, Hook},
     maps::{count, Work, FORWARDED_SLOTS, LB_CONFIG},
     nat::Tuple,
-    packet::Packet,
+    packet::{Packet, TcDirect},
     parsing::{ip_version, Fragment, IpVersion, LbFlow, LbParsed, TCP_FLAG_ACK, TCP_FLAG_SYN},
     route,
     svc_stats::{self, Way},
@@ -128,12 +128,28 @@ pub fn handle_egress(ctx: &TcContext) -> Result<i32, i64> {
 }
 
 /// The packet parsed into the family's per-CPU work area.
+///
+/// Read in place first (`TcDirect`): the headers are in the skb's linear part for nearly every
+/// packet, and a `bpf_skb_load_bytes` call per field was the largest part of the parse's cost.
+/// Only where that read fails (a header beyond the linear part, or a truncated packet) is the
+/// packet parsed again through the helper, which reads the whole packet. Two instantiations of
+/// the parser, each verified on its own path: not a fallback per field, whose paths the verifier
+/// would have to follow in every combination. No `bpf_skb_pull_data`: it would copy (unclone)
+/// the cloned skbs TCP sends, for every packet.
 #[inline(always)]
 pub(crate) fn parse_into<F: Family>(ctx: &TcContext) -> Option<&'static mut Work<F::Addr>> {
     let work = F::work().get_ptr_mut(0)?;
     // SAFETY: per-CPU map memory, used by this program run only.
     let work = unsafe { &mut *work };
-    F::parse(ctx, &mut work.parsed).then_some(work)
+    parse_either_way::<F>(ctx, &mut work.parsed).then_some(work)
+}
+
+// Not inlined: what the second parse needs, kept across the first, is spilled in a frame of its
+// own. In `ingress::<V6>`'s it took that frame from 256 to 272 bytes, and its deepest chain (to
+// `new_flow`) past the verifier's 512.
+#[inline(never)]
+fn parse_either_way<F: Family>(ctx: &TcContext, parsed: &mut LbParsed<F::Addr>) -> bool {
+    F::parse(TcDirect::of(ctx), parsed) || F::parse(ctx, parsed)
 }
 
 // Not inlined: one frame per family, so IPv4's and IPv6's stacks are not added up.

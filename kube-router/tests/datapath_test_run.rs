@@ -589,3 +589,90 @@ fn batched_service_map_writes_leave_what_writes_one_by_one_leave() {
     drop(datapath);
     let _ = datapath::remove_all(&pin_dir);
 }
+
+/// A tap device (in the calling thread's network namespace, `netns`, up) whose written frames arrive
+/// with only their first written segment in the skb's linear part, the others in page fragments
+/// (`IFF_NAPI_FRAGS`), and with GRO off, which would pull the headers of a TCP packet into the
+/// linear part. BPF_PROG_TEST_RUN cannot make such an skb: it always builds a linear one.
+fn fragmented_tap(netns: &str, name: &str) -> std::fs::File {
+    use std::os::fd::AsRawFd;
+    let tun = std::fs::OpenOptions::new().read(true).write(true).open("/dev/net/tun").expect("/dev/net/tun");
+    // struct ifreq: the name, then the flags (TUNSETIFF) or a data pointer (SIOCETHTOOL).
+    #[repr(C)]
+    struct IfReq {
+        name: [u8; libc::IFNAMSIZ],
+        union: [u64; 3],
+    }
+    let mut request = IfReq { name: [0; libc::IFNAMSIZ], union: [0; 3] };
+    request.name[..name.len()].copy_from_slice(name.as_bytes());
+    let flags = (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_NAPI | libc::IFF_NAPI_FRAGS) as u16;
+    request.union[0] = u64::from(flags);
+    // SAFETY: TUNSETIFF reads and writes the ifreq we pass, valid for the call.
+    assert_eq!(unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETIFF, &mut request) }, 0, "TUNSETIFF");
+    // ETHTOOL_SGRO with `struct ethtool_value { cmd, data }`: GRO off.
+    const ETHTOOL_SGRO: u32 = 0x2c;
+    let mut gro_off = [ETHTOOL_SGRO, 0u32];
+    request.union = [gro_off.as_mut_ptr() as u64, 0, 0];
+    // SAFETY: a plain datagram socket for the ioctl, closed below.
+    let socket = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0) };
+    assert!(socket >= 0, "socket");
+    // SAFETY: SIOCETHTOOL reads the ifreq and the ethtool_value it points at, both alive here.
+    let turned_off = unsafe { libc::ioctl(socket, libc::SIOCETHTOOL, &mut request) };
+    // SAFETY: our own descriptor.
+    unsafe { libc::close(socket) };
+    assert_eq!(turned_off, 0, "GRO off on {name}: {}", std::io::Error::last_os_error());
+    let up = std::process::Command::new("ip").args(["-n", netns, "link", "set", name, "up"]).status().unwrap();
+    assert!(up.success(), "ip link set {name} up");
+    tun
+}
+
+/// Writes `frame` to the tap as two segments: its first `linear` bytes, then the rest.
+fn write_split(tap: &std::fs::File, frame: &[u8], linear: usize) {
+    use std::os::fd::AsRawFd;
+    let (head, rest) = frame.split_at(linear);
+    let segments = [
+        libc::iovec { iov_base: head.as_ptr() as *mut _, iov_len: head.len() },
+        libc::iovec { iov_base: rest.as_ptr() as *mut _, iov_len: rest.len() },
+    ];
+    // SAFETY: both segments point into `frame`, alive for the call; the kernel only reads them.
+    let written = unsafe { libc::writev(tap.as_raw_fd(), segments.as_ptr(), 2) };
+    assert_eq!(written, frame.len() as isize, "writev: {}", std::io::Error::last_os_error());
+}
+
+/// The load balancer reads a packet's headers in place where they are in the skb's linear part,
+/// and through `bpf_skb_load_bytes` where they are not: a Service packet whose IP and TCP
+/// headers sit in a page fragment (only the Ethernet header is linear) is translated like one
+/// whose headers are linear.
+#[test]
+fn headers_outside_the_linear_part_are_read_through_the_helper() {
+    let mut loaded = load("nonlinear", &services_yaml(&["10.0.0.1"], false));
+    let node = common::test_run::NodeNetns::enter("krt-unit-frags", &[]).expect("netns");
+    let tap = fragmented_tap(node.name(), "frags0");
+    loaded.datapath.attach("frags0").expect("attach the load balancer to the tap");
+    let new_flows = || read_lb_stats(&loaded.pin_dir).unwrap()[lb_stat::NEW_FLOW as usize];
+    let translated_to_backend = |port: u16| {
+        let key = packet::ct_key_v4(packet::TCP, (CLIENT, port), (VIP, 80));
+        Conntrack::open_pinned(&loaded.pin_dir).unwrap().entries().unwrap().iter().any(|(k, v)| {
+            *k == key
+                && v.nat_dst_addr == kube_router::services::compile::addr_be(Ipv4Addr::new(10, 0, 0, 1))
+                && v.nat_dst_port == 8080u16.to_be()
+        })
+    };
+    let wait_for = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !done() {
+            assert!(std::time::Instant::now() < deadline, "{what}");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    // Only the Ethernet header linear: the direct read fails at the IP header.
+    let syn = packet::ipv4(packet::TCP, (CLIENT, 42000), (VIP, 80), packet::TCP_SYN, b"payload");
+    write_split(&tap, &syn, 14);
+    wait_for("the non-linear SYN opened its flow", &|| new_flows() == 1 && translated_to_backend(42000));
+    // Headers linear, payload in a fragment: the common case, read in place.
+    let syn = packet::ipv4(packet::TCP, (CLIENT, 42001), (VIP, 80), packet::TCP_SYN, b"payload");
+    write_split(&tap, &syn, 14 + 20 + 20);
+    wait_for("the linear SYN opened its flow", &|| new_flows() == 2 && translated_to_backend(42001));
+    drop(tap);
+    drop(node);
+}
