@@ -41,6 +41,7 @@ use crate::{
     maps::{count as count_lb, LB_CONFIG},
     nat::Tuple,
     overlay::{push_outer_ipv4, OuterSpec, IPPROTO_IPIP, IP_DF, IP_HDR_LEN, OUTER_TTL},
+    packet,
     parsing::{
         ETH_HDR_LEN, IPV6_DST_OFF, IPV6_HDR_LEN, IPV6_PAYLOAD_LEN_OFF, IPV6_SRC_OFF, IP_DST_OFF, IP_SRC_OFF,
         IP_TOT_LEN_OFF,
@@ -130,8 +131,8 @@ fn inner_mtu(verdict: i32, outer: usize) -> i32 {
 /// removed; `None` for any other packet (left untouched).
 #[inline(always)]
 pub fn decap(ctx: &TcContext) -> Option<(u32, u16)> {
-    // The protocol first: it rules out nearly every packet with one read (each is a helper call).
-    if ctx.load::<u8>(ETH_HDR_LEN + 9).ok()? != IPPROTO_IPIP {
+    // The protocol first: it rules out nearly every packet with one read.
+    if packet::load::<u8>(ctx, ETH_HDR_LEN + 9).ok()? != IPPROTO_IPIP {
         return None;
     }
     let version_ihl: u8 = ctx.load(ETH_HDR_LEN).ok()?;
@@ -238,8 +239,8 @@ pub fn receive_v6(ctx: &TcContext) -> i32 {
 
 #[inline(always)]
 fn decap_v6(ctx: &TcContext) -> Option<(Ipv6Words, u16)> {
-    // The next header first: it rules out nearly every packet with one read (a helper call).
-    if ctx.load::<u8>(ETH_HDR_LEN + 6).ok()? != IPPROTO_IPV6 {
+    // The next header first: it rules out nearly every packet with one read.
+    if packet::load::<u8>(ctx, ETH_HDR_LEN + 6).ok()? != IPPROTO_IPV6 {
         return None;
     }
     let first_word = u32::from_be(ctx.load::<u32>(ETH_HDR_LEN).ok()?);

@@ -56,7 +56,7 @@ pub fn handle_ingress(ctx: &TcContext) -> Result<i32, i64> {
     count(lb_stat::PACKETS);
     // A refusal or a "too big" answer is built here, not inside `ingress`: the two frames would
     // not fit on one stack.
-    Ok(match ip_version(ctx)? {
+    Ok(match ip_version(TcDirect::of(ctx)).or_else(|_| ip_version(ctx))? {
         IpVersion::V4 => answer::<V4>(
             ctx,
             dsr::decap(ctx).map(|backend| dsr::deliver::<V4>(ctx, &backend)).unwrap_or_else(|| ingress::<V4>(ctx)),
@@ -120,7 +120,7 @@ fn frag_needed<F: Family>(ctx: &TcContext, mtu: u16) -> i32 {
 /// traffic leaving the cluster masqueraded to the node address.
 #[inline(always)]
 pub fn handle_egress(ctx: &TcContext) -> Result<i32, i64> {
-    Ok(match ip_version(ctx)? {
+    Ok(match ip_version(TcDirect::of(ctx)).or_else(|_| ip_version(ctx))? {
         IpVersion::V4 => egress::<V4>(ctx),
         IpVersion::V6 => egress::<V6>(ctx),
         IpVersion::Neither => TC_ACT_UNSPEC,

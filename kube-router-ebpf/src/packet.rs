@@ -119,6 +119,14 @@ impl Packet for TcDirect {
     }
 }
 
+/// One field of a TC packet: read in place where the linear part holds it, through the helper
+/// otherwise. For the few reads a program makes before (or instead of) a parse: the ethertype,
+/// a gate's address; a parse goes through one view or the other whole (`lb::parse_into`).
+#[inline(always)]
+pub fn load<T>(ctx: &TcContext, offset: usize) -> Result<T, i64> {
+    TcDirect::of(ctx).load(offset).or_else(|_| ctx.load(offset))
+}
+
 impl Packet for XdpContext {
     #[inline(always)]
     fn load<T>(&self, offset: usize) -> Result<T, i64> {

@@ -43,6 +43,7 @@ use crate::{
         POLICY_CONNTRACK, POLICY_CONNTRACK_V6, POLICY_PEERS, POLICY_PEERS_V6, POLICY_PODS, POLICY_PODS_V6,
         POLICY_PORTS,
     },
+    packet,
     parsing::{
         parse_for_policy, parse_for_policy_v6, Flow, Parsed, Quoted, ETH_HDR_LEN, IPV6_DST_OFF, IPV6_SRC_OFF,
         TCP_FLAG_FIN, TCP_FLAG_RST,
@@ -107,7 +108,7 @@ impl PolicyFamily for V4 {
     #[inline(always)]
     fn pod_addr(ctx: &TcContext, hook: VethHook) -> Result<Option<u32>, i64> {
         // The whole fixed header in one read: version, header length and both addresses.
-        let header = ctx.load::<[u32; 5]>(ETH_HDR_LEN)?;
+        let header = packet::load::<[u32; 5]>(ctx, ETH_HDR_LEN)?;
         let version_ihl = header[0].to_ne_bytes()[0];
         if version_ihl >> 4 != 4 || version_ihl & 0x0f < 5 {
             return Ok(None);
@@ -155,13 +156,14 @@ impl PolicyFamily for V6 {
     }
     #[inline(always)]
     fn pod_addr(ctx: &TcContext, hook: VethHook) -> Result<Option<Ipv6Words>, i64> {
-        if ctx.load::<u8>(ETH_HDR_LEN)? >> 4 != 6 {
+        if packet::load::<u8>(ctx, ETH_HDR_LEN)? >> 4 != 6 {
             return Ok(None);
         }
-        Ok(Some(ctx.load(match hook {
+        let offset = match hook {
             VethHook::FromPod => IPV6_SRC_OFF,
             VethHook::ToPod => IPV6_DST_OFF,
-        })?))
+        };
+        Ok(Some(packet::load(ctx, offset)?))
     }
     #[inline(always)]
     fn conntrack() -> &'static LruHashMap<PolicyCtKeyV6, PolicyCtValue> {
@@ -193,7 +195,7 @@ impl PolicyFamily for V6 {
 #[inline(always)]
 pub fn enforce(ctx: &TcContext, hook: VethHook) -> Result<i32, i64> {
     count(pol_stat::PACKETS);
-    let ether_type = u16::from_be(ctx.load::<u16>(12)?);
+    let ether_type = u16::from_be(packet::load::<u16>(ctx, 12)?);
     // A tag the kernel already took off into the skb (it does so before TC ingress) leaves the
     // inner ethertype in the frame: a pod sending 802.1ad + 802.1Q tags with VLAN id 0 around
     // IPv4 would otherwise be judged as its inner tag, i.e. not at all, and the receiving pod's

@@ -13,6 +13,8 @@ use aya_ebpf::{
 };
 use kube_router_common::*;
 
+use crate::packet;
+
 #[map(name = "pod_src")]
 static POD_SOURCES: HashMap<u32, PodSources> = HashMap::pinned(POD_SOURCES_MAX_ENTRIES, 0);
 
@@ -54,7 +56,7 @@ pub fn spoofed(ctx: &TcContext, checker: u8) -> bool {
     }
     count(src_stat::PACKETS);
     // A frame too short for the header it announces cannot be judged: dropped as spoofed.
-    let refused = match ctx.load::<u16>(12).map(u16::from_be) {
+    let refused = match packet::load::<u16>(ctx, 12).map(u16::from_be) {
         Ok(ETH_P_IP) => ipv4_refused(ctx, sources).unwrap_or(Some(src_stat::SPOOFED_V4)),
         Ok(ETH_P_IPV6) => ipv6_refused(ctx, sources).unwrap_or(Some(src_stat::SPOOFED_V6)),
         Ok(ETH_P_ARP) => arp_refused(ctx, sources).unwrap_or(Some(src_stat::SPOOFED_ARP)),
@@ -100,13 +102,13 @@ fn own_v4(sources: &PodSources, addr: u32) -> bool {
 
 #[inline(always)]
 fn ipv4_refused(ctx: &TcContext, sources: &PodSources) -> Result<Option<u32>, i64> {
-    let src = ctx.load::<u32>(IPV4_SRC_OFFSET)?;
+    let src = packet::load::<u32>(ctx, IPV4_SRC_OFFSET)?;
     Ok((!own_v4(sources, src)).then_some(src_stat::SPOOFED_V4))
 }
 
 #[inline(always)]
 fn ipv6_refused(ctx: &TcContext, sources: &PodSources) -> Result<Option<u32>, i64> {
-    let src = Ipv6Words(ctx.load::<[u32; 4]>(IPV6_SRC_OFFSET)?);
+    let src = Ipv6Words(packet::load::<[u32; 4]>(ctx, IPV6_SRC_OFFSET)?);
     let mut i = 0;
     while i < POD_SOURCE_ADDRS {
         if i < sources.v6_count as usize && sources.v6[i] == src {
