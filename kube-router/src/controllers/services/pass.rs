@@ -179,13 +179,13 @@ fn sync_all<F: AddressFamily>(
     // A full compile walks every entry anyway; the desired state stands for the written one (a
     // failed write only makes a flow be balanced again, maybe onto the same backend).
     let mut departures = if complete { udp_departures(sync.programmed(), &desired) } else { BTreeSet::new() };
-    let report = sync.sync(maps, &desired, complete);
+    let report = sync.sync(maps, desired, complete);
     if report.total().full > 0 && report.total().deletes > 0 {
         let desired = assign_ids(lb_plan, sync.programmed());
         if complete {
             departures.extend(udp_departures(sync.programmed(), &desired));
         }
-        let second = sync.sync(maps, &desired, complete);
+        let second = sync.sync(maps, desired, complete);
         return (add_second_pass(report, second), departures);
     }
     (report, departures)
