@@ -65,8 +65,8 @@ fn frontend_owners<F: AddressFamily>(
             let id = FrontendId::of::<F>(key);
             let owner = match lb_plan.frontends.get(key) {
                 Some(f) => FrontendOwner {
-                    namespace: f.backend_set.service.namespace.to_string(),
-                    name: f.backend_set.service.name.to_string(),
+                    namespace: f.backend_set.service.namespace.clone(),
+                    name: f.backend_set.service.name.clone(),
                 },
                 None => previous.remove(&id)?,
             };
@@ -148,8 +148,8 @@ pub(super) fn sync_family<F: AddressFamily>(
                 .map(|key| {
                     let owner = programmed.services.contains_key(key).then(|| {
                         increment.plan.frontends.get(key).map(|f| FrontendOwner {
-                            namespace: f.backend_set.service.namespace.to_string(),
-                            name: f.backend_set.service.name.to_string(),
+                            namespace: f.backend_set.service.namespace.clone(),
+                            name: f.backend_set.service.name.clone(),
                         })
                     });
                     (FrontendId::of::<F>(key), owner.flatten())
