@@ -76,19 +76,20 @@ fn main() {
 
     let mut memory = MapContents::default();
     let mut memory_sync = ServiceSync::adopt(&memory).unwrap();
+    let desired_copy = desired.clone();
     let started = Instant::now();
-    memory_sync.sync(&mut memory, &desired, true);
+    memory_sync.sync(&mut memory, desired_copy, true);
     let memory_time = started.elapsed();
 
     let started = Instant::now();
-    let report = sync.sync(&mut maps, &desired, true);
+    let report = sync.sync(&mut maps, desired, true);
     let kernel_time = started.elapsed();
     let writes = report.total();
     assert_eq!(writes.errors, 0, "map writes failed: {report:?}");
 
     let started = Instant::now();
     let again = assign_ids(&plan(&big, &node, Limits::default()), sync.programmed());
-    let resync = sync.sync(&mut maps, &again, true);
+    let resync = sync.sync(&mut maps, again, true);
     let resync_time = started.elapsed();
     assert_eq!(resync.total().writes(), 0);
 
@@ -96,7 +97,7 @@ fn main() {
     changed.slices.get_mut(&("bench".to_string(), "svc-5000-1".to_string())).unwrap().endpoints.pop();
     let started = Instant::now();
     let one = assign_ids(&plan(&changed, &node, Limits::default()), sync.programmed());
-    let delta = sync.sync(&mut maps, &one, true);
+    let delta = sync.sync(&mut maps, one, true);
     let one_change = started.elapsed();
 
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
@@ -120,7 +121,7 @@ fn main() {
     let mut maps_v6 = BpfServiceMapsV6::open_pinned(pin_dir).expect("v6 maps");
     let mut sync_v6 = ServiceSync::<V6>::adopt(&maps_v6).unwrap();
     let desired_v6 = assign_ids(&plan_for::<V6>(&state_v6(10_000, 10), &node, Limits::default()), sync_v6.programmed());
-    let report_v6 = sync_v6.sync(&mut maps_v6, &desired_v6, true);
+    let report_v6 = sync_v6.sync(&mut maps_v6, desired_v6, true);
     assert_eq!(report_v6.total().errors, 0, "IPv6 map writes failed: {report_v6:?}");
 
     println!("\n== per-packet cost, BPF_PROG_TEST_RUN (10,000 services programmed)");

@@ -337,7 +337,7 @@ fn program_services(pin_dir: &Path, n: usize) {
     let node = NodeContext { name: "node-a".into(), node_port_addrs: vec![NODE_IP.into()], ..Default::default() };
     let builder = parse_objects(&kube_proxy::service_yaml(n, &BACKEND.to_string())).unwrap();
     let desired = assign_ids(&plan(&builder.state, &node, Limits::default()), sync.programmed());
-    assert_eq!(sync.sync(&mut maps, &desired, true).total().errors, 0);
+    assert_eq!(sync.sync(&mut maps, desired, true).total().errors, 0);
     let config =
         LbConfig { snat_addr: addr_be(NODE_IP), snat_port_min: 20_000, snat_port_max: 60_000, ..Default::default() };
     write_lb_config(pin_dir, &config).unwrap();

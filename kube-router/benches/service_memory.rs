@@ -148,7 +148,7 @@ impl<F: AddressFamily> Family<F> {
         // As the agent's full sync does (agent::sync_all).
         let plan = self.compiler.plan_all(catalog, node, Limits::default());
         let desired = assign_ids(&plan, self.sync.programmed());
-        let report = self.sync.sync(&mut Kernel, &desired, true);
+        let report = self.sync.sync(&mut Kernel, desired, true);
         self.compiler.adopt(&plan, self.sync.programmed(), report.total().errors == 0);
     }
 
@@ -216,8 +216,9 @@ fn main() {
     phase("IPv4 full compile: assign ids (desired contents)", &mut log, || {
         desired = Some(assign_ids(plan.as_ref().unwrap(), v4.sync.programmed()))
     });
+    // The sync consumes the desired contents as it writes them (`ServiceSync::sync`).
     phase("IPv4 full compile: diff and write", &mut log, || {
-        let report = v4.sync.sync(&mut Kernel, desired.as_ref().unwrap(), true);
+        let report = v4.sync.sync(&mut Kernel, desired.take().unwrap(), true);
         assert_eq!(report.total().errors, 0);
     });
     phase("IPv4 full compile: compiler adopts the result", &mut log, || {

@@ -132,7 +132,7 @@ fn main() {
     let mut maps = BpfServiceMaps::open_pinned(pin_dir).unwrap();
     let mut sync = ServiceSync::adopt(&maps).unwrap();
     let desired = assign_ids(&plan(&services(), &NodeContext::default(), Limits::default()), sync.programmed());
-    assert_eq!(sync.sync(&mut maps, &desired, true).total().errors, 0);
+    assert_eq!(sync.sync(&mut maps, desired, true).total().errors, 0);
 
     let base = PathBuf::from("/sys/fs/cgroup/unified");
     let with = base.join(format!("krt-bench-sock-{}", std::process::id()));

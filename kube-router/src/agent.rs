@@ -330,7 +330,6 @@ async fn start(mut config: AgentConfig) -> Result<Started> {
         None => Arc::new(|| true),
     };
     metrics.health_state().watch(statuses.clone(), synced);
-    tokio::spawn(allocator_started(metrics.health_state()));
     metrics.register_collector(runtime::ControllerMetrics(statuses));
 
     let applier = api.map(|(_, applier)| applier);
@@ -378,18 +377,6 @@ impl Started {
         }
         Ok(())
     }
-}
-
-/// Ends the allocator's start mode (`allocator::started`) once the agent is ready, or after
-/// `START_AT_MOST` if it never gets there (the API unreachable and no checkpoint): a start that
-/// does not end must not keep freed memory longer for good.
-async fn allocator_started(health: Arc<crate::health::Health>) {
-    const START_AT_MOST: std::time::Duration = std::time::Duration::from_secs(120);
-    let began = tokio::time::Instant::now();
-    while !health.check().ready && began.elapsed() < START_AT_MOST {
-        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
-    }
-    crate::allocator::started();
 }
 
 /// The health listener (`--health-addr`, every address by default: the kubelet probes the node's) and the metrics listener

@@ -4,21 +4,10 @@
 //! allocator's own free-list upkeep (`malloc_consolidate`, `unlink_chunk`); musl's (the image)
 //! is slower still. mimalloc keeps free lists per thread and page and does not coalesce on free
 //! (docs/benchmarks.md, cluster scale).
-use std::sync::atomic::{AtomicBool, Ordering};
 
 /// `mi_option_purge_delay` in mimalloc's `mi_option_t` (v3, the bindings' default build) (the Rust bindings name only some
 /// options; the test below holds the number to the option's documented default).
 const PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
-
-/// The purge delay while the agent starts (ms). Purging at once during the start gave back the
-/// pages a list page's decoding had just freed, and the next page faulted them in again (a
-/// third of the start's CPU in page faults at 150,000 Pods). 100 ms took as little CPU as
-/// 1,000 (docs/benchmarks.md, 2026-12-07 h2-cold).
-const STARTING_PURGE_DELAY_MS: std::os::raw::c_long = 100;
-
-/// Set when the operator chose the delay (`MIMALLOC_PURGE_DELAY`, mimalloc's own variable):
-/// the agent then leaves it alone.
-static CHOSEN_BY_OPERATOR: AtomicBool = AtomicBool::new(false);
 
 fn set_purge_delay(ms: std::os::raw::c_long) {
     // SAFETY: sets one of mimalloc's tunables; valid at any time.
@@ -42,22 +31,17 @@ fn disable_transparent_huge_pages() {
     }
 }
 
-/// While starting, freed memory is kept a while for the next allocations; see [`started`].
-/// Transparent huge pages are off ([`disable_transparent_huge_pages`]).
+/// Memory freed is given back to the OS at once (purge delay 0, mimalloc's default is 1 s),
+/// unless the operator chose the delay (`MIMALLOC_PURGE_DELAY`, mimalloc's own variable): the
+/// agent frees in bursts (the first compiles and syncs, a relist, a checkpoint write) and what a
+/// delay keeps shows as peak RSS, which a DaemonSet's memory limit is set against. The start used
+/// to keep freed memory 100 ms (pages a list page's decoding freed were faulted in again by the
+/// next), but that held ~20 MiB at the start's peak, above the 250 MiB goal at 150,000 Pods, for
+/// 0.4-1.9 s less CPU over a 3-4 s start (docs/benchmarks.md, issue 29, h5-mem). Transparent huge
+/// pages are off ([`disable_transparent_huge_pages`]).
 pub fn configure() {
     disable_transparent_huge_pages();
-    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
-        CHOSEN_BY_OPERATOR.store(true, Ordering::Relaxed);
-        return;
-    }
-    set_purge_delay(STARTING_PURGE_DELAY_MS);
-}
-
-/// Once started, memory freed is given back to the OS at once: the agent then frees in bursts
-/// (a relist, a checkpoint write) and a delay would show as peak RSS, which a DaemonSet's memory
-/// limit is set against.
-pub fn started() {
-    if !CHOSEN_BY_OPERATOR.load(Ordering::Relaxed) {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
         set_purge_delay(0);
     }
 }

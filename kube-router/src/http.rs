@@ -484,7 +484,8 @@ mod tests {
                 let addr = std::net::Ipv4Addr::from(0x0a60_0000 + i);
                 let name = if i % 7 == 0 { format!("web\"}} 1\n#{i}\\") } else { format!("svc-{i}") };
                 let key = FrontendId { addr: addr.into(), port: 80, proto: kube_router_common::IPPROTO_TCP };
-                m.frontends.insert(key, FrontendOwner { namespace: format!("ns-{}", i % 50), name });
+                m.frontends
+                    .insert(key, FrontendOwner { namespace: format!("ns-{}", i % 50).into(), name: name.into() });
             }
         });
         metrics.of::<HttpMetrics>();

@@ -12,7 +12,7 @@ use std::{
 use kube_router_common::{ServiceKey, ServiceStats, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 use prometheus_client::{
     collector::Collector,
-    encoding::{DescriptorEncoder, EncodeLabelSet},
+    encoding::{DescriptorEncoder, EncodeLabelKey, EncodeLabelSet, LabelSetEncoder},
     metrics::{counter::ConstCounter, gauge::ConstGauge, histogram::Histogram, MetricType},
     registry::Registry,
 };
@@ -38,11 +38,13 @@ impl FrontendId {
     }
 }
 
-/// The Service a frontend belongs to.
+/// The Service a frontend belongs to: its names shared with the services catalog's
+/// (`ServiceName`), so the owners of 20,000 frontends, and a scrape's copy of them, are
+/// pointers rather than strings of their own.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FrontendOwner {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
 }
 
 /// Rates between the last two samples, per second.
@@ -119,7 +121,10 @@ impl Subsystem for ServiceCounters {
 
 impl Collector for ServiceCounters {
     /// The series are listed under the lock and encoded without it (10,000 Services are
-    /// 100,000 lines; the datapath counters controller takes a reading every second).
+    /// 100,000 lines; the datapath counters controller takes a reading every second). The list
+    /// holds each frontend's key, shared names and counters; the labels are written from them
+    /// line by line (a list of every frontend's labels as strings was a scrape's ~4 MiB at
+    /// 10,000 Services, issue 29).
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
         let series = self.with(|m| m.series());
         type Pick = fn(&Sample) -> Value;
@@ -141,7 +146,7 @@ impl Collector for ServiceCounters {
         ];
         for (name, metric_type, help, pick) in families {
             let name = format!("kube_router_{name}");
-            let of_family = series.iter().map(|(labels, sample)| (Some(exposition::ByRef(labels)), pick(sample)));
+            let of_family = series.iter().map(|(key, owner, sample)| (Some(labels(key, owner)), pick(sample)));
             exposition::series(&mut encoder, &name, help, metric_type, of_family)?;
         }
         Ok(())
@@ -151,13 +156,32 @@ impl Collector for ServiceCounters {
 /// kube-router's Service labels: `svc_namespace`, `service_name`, `service_vip`, `protocol`
 /// (lower case), `port`. A NodePort's VIP is the node address, as in IPVS. The encoder escapes
 /// the values (a Service's name is user input and must not break or forge a sample line).
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ServiceLabels {
-    svc_namespace: String,
-    service_name: String,
-    service_vip: String,
+struct ServiceLabels<'a> {
+    svc_namespace: &'a str,
+    service_name: &'a str,
+    service_vip: std::net::IpAddr,
     protocol: &'static str,
     port: u16,
+}
+
+/// As `#[derive(EncodeLabelSet)]` writes a struct of these fields, the address written as
+/// text in place (no string of its own per line).
+impl EncodeLabelSet for ServiceLabels<'_> {
+    fn encode(&self, encoder: &mut LabelSetEncoder) -> fmt::Result {
+        fn label(encoder: &mut LabelSetEncoder, key: &str, value: impl fmt::Display) -> fmt::Result {
+            let mut label = encoder.encode_label();
+            let mut key_encoder = label.encode_label_key()?;
+            EncodeLabelKey::encode(&key, &mut key_encoder)?;
+            let mut value_encoder = key_encoder.encode_label_value()?;
+            fmt::Write::write_fmt(&mut value_encoder, format_args!("{value}"))?;
+            value_encoder.finish()
+        }
+        label(encoder, "svc_namespace", self.svc_namespace)?;
+        label(encoder, "service_name", self.service_name)?;
+        label(encoder, "service_vip", self.service_vip)?;
+        label(encoder, "protocol", self.protocol)?;
+        label(encoder, "port", self.port)
+    }
 }
 
 /// A counter's increase per second; a counter that went down was reset (a new frontend).
@@ -198,11 +222,11 @@ impl KubeRouterMetrics {
 
     /// One series per programmed frontend (with an owner). One without counters has seen no
     /// packet yet (the datapath creates them with the first): zero.
-    fn series(&self) -> Vec<(ServiceLabels, Sample)> {
+    fn series(&self) -> Vec<(FrontendId, FrontendOwner, Sample)> {
         let unseen = Sample { at: Instant::now(), stats: ServiceStats::default(), rates: Rates::default(), reading: 0 };
         self.frontends
             .iter()
-            .map(|(key, owner)| (labels(key, owner), *self.samples.get(key).unwrap_or(&unseen)))
+            .map(|(key, owner)| (*key, owner.clone(), *self.samples.get(key).unwrap_or(&unseen)))
             .collect()
     }
 }
@@ -224,8 +248,8 @@ pub fn frontends_page(frontends: &BTreeMap<FrontendId, FrontendOwner>) -> String
         .map(|(key, owner)| NamedFrontend {
             address: std::net::SocketAddr::new(key.addr, key.port),
             protocol: protocol_name(key.proto).to_string(),
-            namespace: owner.namespace.clone(),
-            name: owner.name.clone(),
+            namespace: owner.namespace.to_string(),
+            name: owner.name.to_string(),
         })
         .collect();
     serde_json::to_string(&list).unwrap_or_default()
@@ -240,11 +264,11 @@ fn protocol_name(proto: u8) -> &'static str {
     }
 }
 
-fn labels(key: &FrontendId, owner: &FrontendOwner) -> ServiceLabels {
+fn labels<'a>(key: &FrontendId, owner: &'a FrontendOwner) -> ServiceLabels<'a> {
     ServiceLabels {
-        svc_namespace: owner.namespace.clone(),
-        service_name: owner.name.clone(),
-        service_vip: key.addr.to_string(),
+        svc_namespace: &owner.namespace,
+        service_name: &owner.name,
+        service_vip: key.addr,
         protocol: protocol_name(key.proto),
         port: key.port,
     }

@@ -135,74 +135,101 @@ pub fn write_ops<O: MapOperation>(
     rules: WriteRules,
 ) -> SyncReport {
     let ops: Vec<O> = ops.into_iter().collect();
-    let mut report = SyncReport::default();
-    let mut full: BTreeSet<&'static str> = BTreeSet::new();
-    let mut failed = false;
-    // Writes before this index go one by one (a batch the kernel could not take).
-    let mut singly_until = 0;
-    let mut i = 0;
-    while i < ops.len() {
-        let op = &ops[i];
-        let map = op.map_name();
-        // A full map's inserts are refused without a try: batches only while it has room.
-        if i >= singly_until && !op.is_delete() && !full.contains(map) && target.batches(op) {
-            let run = ops[i..]
-                .iter()
-                .take_while(|next| next.map_name() == map && !next.is_delete() && target.batches(next))
-                .count();
-            if run >= MIN_BATCH {
-                match target.write_batch(&ops[i..i + run]) {
-                    Some(BatchOutcome { done, error }) => {
-                        let done = done.min(run);
-                        for op in &ops[i..i + done] {
-                            let insert = target.is_insert(op);
-                            count_written(report.per_map.entry(map).or_default(), op, insert);
-                            target.written(op);
-                        }
-                        i += done;
-                        match error {
-                            Some(e) if done < run => {
-                                failed = true;
-                                record_failure(&mut report, &mut full, map, e);
-                                i += 1;
+    let mut writer = OpWriter::new(rules);
+    writer.write(target, &ops);
+    writer.finish()
+}
+
+/// [`write_ops`] over a list given a slice at a time, for a writer that computes its writes as
+/// it goes (the services' full sync: the whole list of a first sync beside the desired state and
+/// the model was the start's high-water mark, issue 29). What one pass keeps from write to write
+/// (the full maps, a failure) is kept across slices, so the slices' writes, counts and model are
+/// those of the whole list written at once; only a batch ends where its slice does.
+pub struct OpWriter {
+    rules: WriteRules,
+    report: SyncReport,
+    full: BTreeSet<&'static str>,
+    failed: bool,
+}
+
+impl OpWriter {
+    pub fn new(rules: WriteRules) -> Self {
+        Self { rules, report: SyncReport::default(), full: BTreeSet::new(), failed: false }
+    }
+
+    /// Writes the next `ops` of the pass.
+    pub fn write<O: MapOperation>(&mut self, target: &mut impl WriteTarget<O>, ops: &[O]) {
+        let Self { rules, report, full, failed } = self;
+        // Writes before this index go one by one (a batch the kernel could not take).
+        let mut singly_until = 0;
+        let mut i = 0;
+        while i < ops.len() {
+            let op = &ops[i];
+            let map = op.map_name();
+            // A full map's inserts are refused without a try: batches only while it has room.
+            if i >= singly_until && !op.is_delete() && !full.contains(map) && target.batches(op) {
+                let run = ops[i..]
+                    .iter()
+                    .take_while(|next| next.map_name() == map && !next.is_delete() && target.batches(next))
+                    .count();
+                if run >= MIN_BATCH {
+                    match target.write_batch(&ops[i..i + run]) {
+                        Some(BatchOutcome { done, error }) => {
+                            let done = done.min(run);
+                            for op in &ops[i..i + done] {
+                                let insert = target.is_insert(op);
+                                count_written(report.per_map.entry(map).or_default(), op, insert);
+                                target.written(op);
                             }
-                            // Stopped without an error: the rest one by one.
-                            _ if done < run => singly_until = i + (run - done),
-                            _ => {}
+                            i += done;
+                            match error {
+                                Some(e) if done < run => {
+                                    *failed = true;
+                                    record_failure(report, full, map, e);
+                                    i += 1;
+                                }
+                                // Stopped without an error: the rest one by one.
+                                _ if done < run => singly_until = i + (run - done),
+                                _ => {}
+                            }
                         }
+                        None => singly_until = i + run,
                     }
-                    None => singly_until = i + run,
+                    continue;
                 }
+            }
+            let counts = report.per_map.entry(map).or_default();
+            if op.is_delete() && *failed && rules.hold_deletes_after_failure {
+                counts.deferred += 1;
+                i += 1;
                 continue;
             }
-        }
-        let counts = report.per_map.entry(map).or_default();
-        if op.is_delete() && failed && rules.hold_deletes_after_failure {
-            counts.deferred += 1;
-            i += 1;
-            continue;
-        }
-        let insert = target.is_insert(op);
-        if insert && full.contains(map) {
-            counts.errors += 1;
-            counts.full += 1;
-            failed = true;
-            i += 1;
-            continue;
-        }
-        match target.write(op) {
-            Ok(()) => {
-                count_written(counts, op, insert);
-                target.written(op);
+            let insert = target.is_insert(op);
+            if insert && full.contains(map) {
+                counts.errors += 1;
+                counts.full += 1;
+                *failed = true;
+                i += 1;
+                continue;
             }
-            Err(e) => {
-                failed = true;
-                record_failure(&mut report, &mut full, map, e);
+            match target.write(op) {
+                Ok(()) => {
+                    count_written(counts, op, insert);
+                    target.written(op);
+                }
+                Err(e) => {
+                    *failed = true;
+                    record_failure(report, full, map, e);
+                }
             }
+            i += 1;
         }
-        i += 1;
     }
-    report
+
+    /// What the pass wrote.
+    pub fn finish(self) -> SyncReport {
+        self.report
+    }
 }
 
 fn count_written<O: MapOperation>(counts: &mut OpCounts, op: &O, insert: bool) {
@@ -446,6 +473,29 @@ mod tests {
             assert_eq!(batched.keys, single.keys);
             assert_eq!(report.per_map["c"].full, 2, "c has room for 10 of its 12");
             assert!(batched.batch_calls >= 3, "a, c and b's second run in batches");
+        }
+    }
+
+    /// A pass written a slice at a time writes, counts and models what the whole list written
+    /// at once did, whatever the slices' length: full maps stay full and held deletes held
+    /// across slices.
+    #[test]
+    fn a_pass_in_slices_does_what_the_whole_pass_does() {
+        for rules in [WriteRules::default(), WriteRules { hold_deletes_after_failure: true }] {
+            for batches in [false, true] {
+                let mut whole = Maps { batches, ..preloaded(10) };
+                let expected = write_ops(&mut whole, mixed_ops(), rules);
+                for slice in 1..=mixed_ops().len() {
+                    let mut sliced = Maps { batches, ..preloaded(10) };
+                    let mut writer = OpWriter::new(rules);
+                    for ops in mixed_ops().chunks(slice) {
+                        writer.write(&mut sliced, ops);
+                    }
+                    assert_eq!(writer.finish(), expected, "{rules:?}, batches {batches}, slices of {slice}");
+                    assert_eq!((&sliced.keys, &sliced.model), (&whole.keys, &whole.model));
+                    assert_eq!(sliced.attempts, whole.attempts, "a full map is not tried again");
+                }
+            }
         }
     }
 

@@ -269,7 +269,7 @@ fn a_full_map_is_counted_and_does_not_disturb_what_is_programmed() {
             .services
             .insert(key, ServiceValue { service_id: 9999, backend_count: 0, flags: 0, affinity_timeout_secs: 0 });
     }
-    let report = sync.sync(&mut maps, &desired, true).total();
+    let report = sync.sync(&mut maps, desired, true).total();
     assert_eq!(report.errors, 5, "{report:?}");
     assert_eq!(report.full, 5, "reported as map-full");
     assert_eq!(report.inserts, u64::from(extra - 5));

@@ -1,9 +1,9 @@
 //! What the watchers have seen of each resource kind, built from watcher events alone.
 //!
 //! The store never forgets an object because of an error: only an `Apply`/`Delete` or a
-//! completed relist changes it. A relist (`Init` .. `InitDone`) is buffered and swapped in whole
-//! at `InitDone`, so a list that breaks halfway (API outage) removes nothing — an empty or
-//! failed list is not "no services".
+//! completed relist changes it. A relist (`Init` .. `InitDone`) is noted beside the objects and
+//! applied only at `InitDone`, so a list that breaks halfway (API outage) removes nothing — an
+//! empty or failed list is not "no services".
 use std::{
     collections::{BTreeMap, BTreeSet},
     marker::PhantomData,
@@ -180,7 +180,7 @@ pub struct ObjectStore<K, H = Arc<K>> {
     /// no change share, and only the number, for the staleness checks. Replacing the copy left
     /// two of every such Pod, the store's and the policy compiler's (issue 29).
     newer_versions: BTreeMap<ObjectKey, Option<u64>>,
-    relist: Option<BTreeMap<ObjectKey, H>>,
+    relist: Option<Relist<H>>,
     synced: bool,
     /// Each subscriber's keys whose object changed since it last took them
     /// ([`ObjectStore::take_changes`]); `None`: that reader reads everything next time.
@@ -202,6 +202,75 @@ impl<K, H> Default for ObjectStore<K, H> {
             journal: None,
             kind: PhantomData,
         }
+    }
+}
+
+/// A relist under way (`Init` .. `InitDone`), kept beside the objects rather than as a second
+/// map of everything listed: after a start from the checkpoint nearly every object is listed
+/// unchanged, and a map of 150,000 Pods' keys built in key order (half-full B-tree nodes), then
+/// rebuilt through a `Vec` and a sort, was the agent's high-water mark (issue 29). What the
+/// listing says of a key held, as the whole buffered listing said it before:
+/// * in [`Self::differing`]: listed as that object (new, changed, or applied during the relist);
+/// * else at or before [`Self::furthest`] and not in [`Self::unlisted`]: listed as the copy held;
+/// * else not listed: gone at `InitDone`.
+///
+/// A listing in key order (the API server lists in its storage's key order) leaves `unlisted`
+/// with only what it no longer has; another order puts the keys it skips there until it lists
+/// them.
+struct Relist<H> {
+    differing: BTreeMap<ObjectKey, H>,
+    /// The greatest key listed so far.
+    furthest: Option<ObjectKey>,
+    /// Keys held at or before `furthest` that were not listed (or were deleted since).
+    unlisted: BTreeSet<ObjectKey>,
+}
+
+impl<H> Default for Relist<H> {
+    fn default() -> Self {
+        Self { differing: BTreeMap::new(), furthest: None, unlisted: BTreeSet::new() }
+    }
+}
+
+impl<H: Clone> Relist<H> {
+    /// `key` listed (as the copy held or as an object in `differing`): the held keys between
+    /// the furthest listed and it were skipped.
+    fn listed(&mut self, key: &ObjectKey, objects: &BTreeMap<ObjectKey, H>) {
+        use std::ops::Bound::{Excluded, Unbounded};
+        match &self.furthest {
+            Some(furthest) if key <= furthest => {
+                self.unlisted.remove(key);
+            }
+            furthest => {
+                let from = furthest.as_ref().map_or(Unbounded, Excluded);
+                self.unlisted.extend(objects.range::<ObjectKey, _>((from, Excluded(key))).map(|(k, _)| k.clone()));
+                self.furthest = Some(key.clone());
+            }
+        }
+    }
+
+    /// `key` deleted during the relist: not listed, whatever the listing said of it before.
+    fn deleted(&mut self, key: &ObjectKey) {
+        self.differing.remove(key);
+        if self.furthest.as_ref().is_some_and(|furthest| key <= furthest) {
+            self.unlisted.insert(key.clone());
+        }
+    }
+
+    /// Whether the listing has `key`, held and not in `differing`, as the copy held.
+    fn lists_held(&self, key: &ObjectKey) -> bool {
+        self.furthest.as_ref().is_some_and(|furthest| key <= furthest) && !self.unlisted.contains(key)
+    }
+
+    /// The objects are about to be replaced (a restore): what the listing said by reference to
+    /// the copies held is kept as those copies, and nothing is held any more.
+    fn detach(&mut self, objects: &BTreeMap<ObjectKey, H>) {
+        for (key, held) in objects {
+            if !self.differing.contains_key(key) && self.lists_held(key) {
+                self.differing.insert(key.clone(), held.clone());
+            }
+        }
+        self.furthest = None;
+        self.unlisted.clear();
     }
 }
 
@@ -312,74 +381,27 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
     pub fn apply(&mut self, event: Event<K>) -> bool {
         match event {
             Event::Init => {
-                self.relist = Some(BTreeMap::new());
+                self.relist = Some(Relist::default());
                 false
             }
             Event::InitApply(object) => {
-                let (mut key, mut object) = keyed_hold::<K, H>(object);
-                // Listed unchanged: the copy held is buffered and the listed one goes now, not
-                // at `InitDone` (every object was held twice until then: the agent's high-water
-                // mark, in the relist after a start from the checkpoint; issue 29).
-                if let Some((held_key, held)) = self.objects.get_key_value(&key).filter(|(_, held)| **held == object) {
-                    (key, object) = (held_key.clone(), held.clone());
+                let (key, object) = keyed_hold::<K, H>(object);
+                let relist = self.relist.get_or_insert_with(Relist::default);
+                relist.listed(&key, &self.objects);
+                // Listed unchanged: nothing kept but the mark, and the listed copy goes now.
+                if self.objects.get(&key) == Some(&object) {
+                    relist.differing.remove(&key);
+                } else {
+                    relist.differing.insert(key, object);
                 }
-                let buffer = self.relist.get_or_insert_with(BTreeMap::new);
-                buffer.insert(key, object);
                 false
             }
-            Event::InitDone => {
-                // Rebuilt at once with full B-tree nodes: inserted one by one in the listing's
-                // (key) order, the nodes split about half full (issue 29, heap profile).
-                // An object listed again unchanged stays the copy held (with its key): readers
-                // that saw no change (the policy compiler's pods) still share that one, and
-                // replacing it left two copies of every object after each relist (issue 29,
-                // heap profile). Unchanged is equal to the held copy, or to it at the newer
-                // version it was last updated to in nothing else.
-                let mut newer_versions = BTreeMap::new();
-                let listed: BTreeMap<ObjectKey, H> = self
-                    .relist
-                    .take()
-                    .unwrap_or_default()
-                    .into_iter()
-                    .map(|(key, object)| {
-                        let Some((held_key, held)) = self.objects.get_key_value(&key) else { return (key, object) };
-                        if *held == object {
-                            return (held_key.clone(), held.clone());
-                        }
-                        match self.newer_versions.get(&key) {
-                            Some(newer) if *newer == object.version() && held.same_apart_from_version(&object) => {
-                                newer_versions.insert(held_key.clone(), *newer);
-                                (held_key.clone(), held.clone())
-                            }
-                            _ => (key, object),
-                        }
-                    })
-                    .collect();
-                if self.feeds.iter().any(Option::is_some) || self.journal.is_some() {
-                    let differs = |key: &&ObjectKey| listed.get(*key) != self.objects.get(*key);
-                    let moved: BTreeSet<ObjectKey> =
-                        listed.keys().chain(self.objects.keys()).filter(differs).cloned().collect();
-                    if let Some(journal) = self.journal.as_mut() {
-                        for key in &moved {
-                            journal.record(key.clone(), listed.len());
-                        }
-                    }
-                    for changed in self.feeds.iter_mut().flatten() {
-                        changed.extend(moved.iter().cloned());
-                    }
-                }
-                // The first complete list always counts: it is what allows deletions at all.
-                let changed = listed != self.objects || !self.synced;
-                self.objects = listed;
-                self.newer_versions = newer_versions;
-                self.synced = true;
-                changed
-            }
+            Event::InitDone => self.relisted(),
             Event::Apply(object) => self.upsert(object),
             Event::Delete(object) => {
                 let key = key_of(&object);
-                if let Some(buffer) = self.relist.as_mut() {
-                    buffer.remove(&key);
+                if let Some(relist) = self.relist.as_mut() {
+                    relist.deleted(&key);
                 }
                 let stale = matches!((self.version(&key), version_of(&object)), (Some(have), Some(got)) if got < have);
                 let removed = !stale && self.objects.remove(&key).is_some();
@@ -407,10 +429,83 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
         }
     }
 
+    /// `InitDone`: the listing becomes the store's contents, in place. An object listed again
+    /// unchanged stays the copy held (with its key): readers that saw no change (the policy
+    /// compiler's pods) still share that one, and replacing it left two copies of every object
+    /// after each relist (issue 29, heap profile). Unchanged is equal to the held copy, or to it
+    /// at the newer version it was last updated to in nothing else.
+    fn relisted(&mut self) -> bool {
+        use std::ops::Bound::{Excluded, Unbounded};
+        let relist = self.relist.take().unwrap_or_default();
+        // The keys that moved, for the readers of changes (none before a reader has read).
+        let tracked = self.feeds.iter().any(Option::is_some) || self.journal.is_some();
+        let mut moved = BTreeSet::new();
+        let mut changed = false;
+        let mut newer_versions = BTreeMap::new();
+        if self.objects.is_empty() {
+            // The first list: everything is new. Rebuilt at once with full B-tree nodes: inserted
+            // one by one in the listing's (key) order, the nodes split about half full (issue 29,
+            // heap profile).
+            self.objects = relist.differing.into_iter().collect();
+            changed = !self.objects.is_empty();
+            if tracked {
+                moved.extend(self.objects.keys().cloned());
+            }
+        } else {
+            let unlisted = relist.unlisted.iter();
+            let after = relist.furthest.as_ref().map_or(Unbounded, Excluded);
+            let beyond = self.objects.range::<ObjectKey, _>((after, Unbounded)).map(|(key, _)| key);
+            let gone: Vec<ObjectKey> =
+                unlisted.chain(beyond).filter(|key| !relist.differing.contains_key(*key)).cloned().collect();
+            let mut moves = |key: ObjectKey| {
+                changed = true;
+                if tracked {
+                    moved.insert(key);
+                }
+            };
+            for key in gone {
+                if self.objects.remove(&key).is_some() {
+                    moves(key);
+                }
+            }
+            for (key, object) in relist.differing {
+                if let Some((held_key, held)) = self.objects.get_key_value(&key) {
+                    if *held == object {
+                        continue;
+                    }
+                    match self.newer_versions.get(&key) {
+                        Some(newer) if *newer == object.version() && held.same_apart_from_version(&object) => {
+                            newer_versions.insert(held_key.clone(), *newer);
+                            continue;
+                        }
+                        // The listed object under its own key (a Pod's key is its names).
+                        _ => self.objects.remove(&key),
+                    };
+                }
+                self.objects.insert(key.clone(), object);
+                moves(key);
+            }
+        }
+        if let Some(journal) = self.journal.as_mut() {
+            for key in &moved {
+                journal.record(key.clone(), self.objects.len());
+            }
+        }
+        for feed in self.feeds.iter_mut().flatten() {
+            feed.extend(moved.iter().cloned());
+        }
+        self.newer_versions = newer_versions;
+        // The first complete list always counts: it is what allows deletions at all.
+        let changed = changed || !self.synced;
+        self.synced = true;
+        changed
+    }
+
     fn upsert(&mut self, object: K) -> bool {
         let (key, object) = keyed_hold::<K, H>(object);
-        if let Some(buffer) = self.relist.as_mut() {
-            buffer.insert(key.clone(), object.clone());
+        if let Some(relist) = self.relist.as_mut() {
+            relist.listed(&key, &self.objects);
+            relist.differing.insert(key.clone(), object.clone());
         }
         if let (Some(have), Some(got)) = (self.version(&key), object.version()) {
             if got < have {
@@ -497,6 +592,9 @@ impl<K: Slim, H: Held<K>> ObjectStore<K, H> {
 
     /// [`Self::restore_held`] from objects already by key (the checkpoint read for a restore).
     pub fn restore_by_key(&mut self, objects: BTreeMap<ObjectKey, H>) {
+        if let Some(relist) = self.relist.as_mut() {
+            relist.detach(&self.objects);
+        }
         self.objects = objects;
         self.newer_versions.clear();
         self.feeds.iter_mut().for_each(|changed| *changed = None);
@@ -689,19 +787,20 @@ mod tests {
         assert_eq!(after[1].metadata.resource_version.as_deref(), Some("2"), "b is the listed one");
     }
 
-    /// A relisted object equal to the held one is buffered as the held copy as it arrives: the
-    /// listed copy is not kept until the relist completes.
+    /// A relisted object equal to the held one leaves only its mark as it arrives: the listed
+    /// copy is not kept until the relist completes; a changed one is kept as listed.
     #[test]
-    fn a_relist_buffers_the_held_copy_of_an_unchanged_object_as_it_arrives() {
+    fn a_relist_keeps_nothing_of_an_unchanged_object_as_it_arrives() {
         let mut store = ObjectStore::<Service>::default();
         store.restore([svc("a", 1), svc("b", 1)]);
         let held = store.snapshot();
         store.apply(Event::Init);
         store.apply(Event::InitApply(svc("a", 1)));
         store.apply(Event::InitApply(svc("b", 2)));
-        let buffered: Vec<_> = store.relist.as_ref().unwrap().values().cloned().collect();
-        assert!(Arc::ptr_eq(&buffered[0], &held[0]), "a: the held copy");
-        assert!(!Arc::ptr_eq(&buffered[1], &held[1]), "b moved: the listed copy");
+        let relist = store.relist.as_ref().unwrap();
+        let kept: Vec<_> = relist.differing.keys().map(|key| key.name.to_string()).collect();
+        assert_eq!(kept, ["b"], "a: nothing but the mark; b moved: the listed copy");
+        assert!(relist.unlisted.is_empty());
         assert!(store.apply(Event::InitDone));
         assert!(Arc::ptr_eq(&store.snapshot()[0], &held[0]));
     }
@@ -866,6 +965,251 @@ mod tests {
         store.apply(Event::InitApply(svc("a", 1)));
         store.apply(Event::InitDone);
         assert_eq!(names(&store), ["a"]);
+    }
+
+    /// The relist as it was before it was kept in place: every listed object buffered in a
+    /// second map, the map swapped in at `InitDone`. The reference for the in-place relist.
+    #[derive(Default)]
+    struct BufferedStore {
+        objects: BTreeMap<ObjectKey, Arc<Service>>,
+        newer_versions: BTreeMap<ObjectKey, Option<u64>>,
+        relist: Option<BTreeMap<ObjectKey, Arc<Service>>>,
+        synced: bool,
+        /// The keys that moved since last taken (the store's feed).
+        moved: BTreeSet<ObjectKey>,
+    }
+
+    impl BufferedStore {
+        fn version(&self, key: &ObjectKey) -> Option<u64> {
+            match self.newer_versions.get(key) {
+                Some(newer) => *newer,
+                None => self.objects.get(key).and_then(|o| version_of(&**o)),
+            }
+        }
+
+        fn apply(&mut self, event: Event<Service>) -> bool {
+            match event {
+                Event::Init => {
+                    self.relist = Some(BTreeMap::new());
+                    false
+                }
+                Event::InitApply(object) => {
+                    let (mut key, mut object) = keyed_hold::<Service, Arc<Service>>(object);
+                    if let Some((k, held)) = self.objects.get_key_value(&key).filter(|(_, held)| **held == object) {
+                        (key, object) = (k.clone(), held.clone());
+                    }
+                    self.relist.get_or_insert_with(BTreeMap::new).insert(key, object);
+                    false
+                }
+                Event::InitDone => {
+                    let mut newer_versions = BTreeMap::new();
+                    let listed: BTreeMap<ObjectKey, Arc<Service>> = self
+                        .relist
+                        .take()
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|(key, object)| {
+                            let Some((k, held)) = self.objects.get_key_value(&key) else { return (key, object) };
+                            if *held == object {
+                                return (k.clone(), held.clone());
+                            }
+                            match self.newer_versions.get(&key) {
+                                Some(newer) if *newer == object.version() && held.same_apart_from_version(&object) => {
+                                    newer_versions.insert(k.clone(), *newer);
+                                    (k.clone(), held.clone())
+                                }
+                                _ => (key, object),
+                            }
+                        })
+                        .collect();
+                    let differs = |key: &&ObjectKey| listed.get(*key) != self.objects.get(*key);
+                    let moved: Vec<ObjectKey> =
+                        listed.keys().chain(self.objects.keys()).filter(differs).cloned().collect();
+                    self.moved.extend(moved);
+                    let changed = listed != self.objects || !self.synced;
+                    self.objects = listed;
+                    self.newer_versions = newer_versions;
+                    self.synced = true;
+                    changed
+                }
+                Event::Apply(object) => {
+                    let (key, object) = keyed_hold::<Service, Arc<Service>>(object);
+                    if let Some(buffer) = self.relist.as_mut() {
+                        buffer.insert(key.clone(), object.clone());
+                    }
+                    if let (Some(have), Some(got)) = (self.version(&key), object.version()) {
+                        if got < have {
+                            return false;
+                        }
+                    }
+                    if let Some(have) = self.objects.get(&key) {
+                        if *have == object {
+                            self.newer_versions.remove(&key);
+                            return false;
+                        }
+                        if have.same_apart_from_version(&object) {
+                            self.newer_versions.insert(key, object.version());
+                            return false;
+                        }
+                    }
+                    self.newer_versions.remove(&key);
+                    self.moved.insert(key.clone());
+                    self.objects.insert(key, object);
+                    true
+                }
+                Event::Delete(object) => {
+                    let key = key_of(&object);
+                    if let Some(buffer) = self.relist.as_mut() {
+                        buffer.remove(&key);
+                    }
+                    let stale =
+                        matches!((self.version(&key), version_of(&object)), (Some(have), Some(got)) if got < have);
+                    let removed = !stale && self.objects.remove(&key).is_some();
+                    if removed {
+                        self.newer_versions.remove(&key);
+                        self.moved.insert(key);
+                    }
+                    removed
+                }
+            }
+        }
+
+        fn restore(&mut self, objects: Vec<Service>) {
+            self.objects = objects.into_iter().map(keyed_hold).collect();
+            self.newer_versions.clear();
+        }
+    }
+
+    /// The relist kept in place gives what the buffered one gave, event for event: the objects
+    /// (deletions of what the new list lacks included), their newer versions, what changed and
+    /// for whom, through listings in key order, in reverse, shuffled, with duplicates, with
+    /// updates, deletions (stale ones too) and restores in the middle, and relists broken off.
+    #[test]
+    fn a_relist_in_place_does_what_the_buffered_relist_did() {
+        let mut lcg: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = |n: u64| {
+            lcg = lcg.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            (lcg >> 33) % n
+        };
+        for round in 0..300 {
+            let mut store = ObjectStore::<Service>::journaled();
+            let feed = store.subscribe();
+            store.take_changes(feed);
+            let mut reference = BufferedStore::default();
+            let mut version = 10;
+            let mut cursor = None;
+            let names = 2 + next(14);
+            for step in 0..60 {
+                version += 1;
+                let mut events = Vec::new();
+                let colour = |n: u64| ["red", "green"][(n % 2) as usize];
+                match next(10) {
+                    // A relist: a subset of the names, in some order, maybe cut off.
+                    0..=3 => {
+                        let mut listed: Vec<u64> = (0..names).filter(|_| next(5) != 0).collect();
+                        match next(4) {
+                            0 => listed.reverse(),
+                            1 => {
+                                for i in (1..listed.len()).rev() {
+                                    listed.swap(i, next(i as u64 + 1) as usize);
+                                }
+                            }
+                            _ => {}
+                        }
+                        events.push(Event::Init);
+                        for i in listed {
+                            // Mostly as held (same version and labels), sometimes changed or
+                            // at another version only.
+                            let rv = if next(3) == 0 { version } else { 10 + i };
+                            events.push(Event::InitApply(labeled(svc(&format!("s{i:02}"), rv), colour(next(4) / 3))));
+                            if next(12) == 0 {
+                                let j = next(names);
+                                let event = if next(2) == 0 {
+                                    Event::Apply(labeled(svc(&format!("s{j:02}"), version + next(3)), colour(j)))
+                                } else {
+                                    Event::Delete(svc(&format!("s{j:02}"), version.saturating_sub(next(20))))
+                                };
+                                events.push(event);
+                            }
+                            if next(40) == 0 {
+                                events.push(Event::InitApply(labeled(svc(&format!("s{i:02}"), 10 + i), "red")));
+                            }
+                        }
+                        if next(6) != 0 {
+                            events.push(Event::InitDone);
+                        }
+                    }
+                    4..=6 => {
+                        let j = next(names);
+                        events.push(Event::Apply(labeled(svc(&format!("s{j:02}"), version), colour(next(2)))));
+                    }
+                    7 => {
+                        let j = next(names);
+                        events.push(Event::Delete(svc(&format!("s{j:02}"), version - next(3))));
+                    }
+                    8 => events.push(Event::InitDone),
+                    _ => {
+                        let objects: Vec<Service> = (0..names)
+                            .filter(|_| next(2) == 0)
+                            .map(|i| labeled(svc(&format!("s{i:02}"), 10 + i), "red"))
+                            .collect();
+                        store.restore(objects.clone());
+                        reference.restore(objects);
+                        store.take_changes(feed);
+                        reference.moved.clear();
+                        cursor = None;
+                        continue;
+                    }
+                }
+                for event in events {
+                    let described = format!("{event:?}").chars().take(60).collect::<String>();
+                    let (a, b) = (store.apply(event.clone()), reference.apply(event));
+                    assert_eq!(a, b, "round {round} step {step}: {described}");
+                    assert_eq!(store.objects, reference.objects, "round {round} step {step}: {described}");
+                    assert_eq!(store.newer_versions, reference.newer_versions, "round {round} step {step}");
+                }
+                let moved = std::mem::take(&mut reference.moved);
+                assert_eq!(store.take_changes(feed).unwrap_or_default(), moved, "round {round} step {step}");
+                let (changes, now) = store.changed_since(cursor);
+                if let (Some(_), Changes::Keys(keys)) = (cursor, changes) {
+                    assert_eq!(keys.into_iter().collect::<BTreeSet<_>>(), moved, "journal, round {round} step {step}");
+                }
+                cursor = Some(now);
+            }
+        }
+    }
+
+    /// Objects listed again unchanged stay the copies held, and what the list lacks goes, in
+    /// whatever order the listing comes; a listing that breaks off removes nothing.
+    #[test]
+    fn a_relist_keeps_the_held_copies_and_drops_what_is_not_listed() {
+        let mut store = ObjectStore::<Service>::default();
+        let all = ["a", "b", "c", "d", "e"];
+        store.apply(Event::Init);
+        for name in all {
+            store.apply(Event::InitApply(svc(name, 1)));
+        }
+        assert!(store.apply(Event::InitDone));
+        let held = store.snapshot();
+        for order in [["e", "c", "a"], ["a", "c", "e"], ["c", "a", "e"]] {
+            let mut store = ObjectStore::<Service>::default();
+            store.restore_held(held.iter().map(|o| (key_of(&**o), o.clone())));
+            // Broken off: nothing goes.
+            store.apply(Event::Init);
+            store.apply(Event::InitApply(svc(order[0], 1)));
+            store.apply(Event::Init);
+            for name in order {
+                store.apply(Event::InitApply(svc(name, 1)));
+            }
+            assert_eq!(names(&store), all, "nothing goes before InitDone");
+            assert!(store.apply(Event::InitDone));
+            assert_eq!(names(&store), ["a", "c", "e"], "{order:?}");
+            for (kept, name) in store.snapshot().iter().zip(["a", "c", "e"]) {
+                let before = held.iter().find(|o| o.name_any() == name).unwrap();
+                assert!(Arc::ptr_eq(kept, before), "{name} is the copy held");
+            }
+            assert!(store.relist.is_none());
+        }
     }
 
     fn labeled(mut service: Service, colour: &str) -> Service {

@@ -71,7 +71,25 @@ pub fn diff<F: AddressFamily>(
             }
         }
     }
-    fn deletes<K: Ord + Copy, V, Op>(
+    let mut ops = Vec::new();
+    puts(&current.backends, &desired.backends, MapOp::PutBackend, &mut ops);
+    puts(&current.slots, &desired.slots, MapOp::PutSlot, &mut ops);
+    puts(&current.source_ranges, &desired.source_ranges, |k, _| MapOp::PutSourceRange(k), &mut ops);
+    // Frontends in priority order: when `svc_v4` cannot take them all, the first get the room.
+    let mut services: Vec<(&ServiceKey<F::Words>, &ServiceValue)> =
+        desired.services.iter().filter(|(k, v)| current.services.get(k) != Some(v)).collect();
+    services.sort_by_key(|(key, value)| frontend_priority(current.services.contains_key(key), value));
+    ops.extend(services.into_iter().map(|(k, v)| MapOp::PutService(*k, *v)));
+    if allow_deletes {
+        ops.extend(deletes(current, desired));
+    }
+    ops
+}
+
+/// The deletes of [`diff`]: what `current` holds and `desired` does not, services first, then
+/// slots, backends and source ranges.
+pub fn deletes<F: AddressFamily>(current: &MapContents<F>, desired: &MapContents<F>) -> Vec<MapOp<F>> {
+    fn gone<K: Ord + Copy, V, Op>(
         current: &BTreeMap<K, V>,
         desired: &BTreeMap<K, V>,
         op: impl Fn(K) -> Op,
@@ -84,20 +102,10 @@ pub fn diff<F: AddressFamily>(
         }
     }
     let mut ops = Vec::new();
-    puts(&current.backends, &desired.backends, MapOp::PutBackend, &mut ops);
-    puts(&current.slots, &desired.slots, MapOp::PutSlot, &mut ops);
-    puts(&current.source_ranges, &desired.source_ranges, |k, _| MapOp::PutSourceRange(k), &mut ops);
-    // Frontends in priority order: when `svc_v4` cannot take them all, the first get the room.
-    let mut services: Vec<(&ServiceKey<F::Words>, &ServiceValue)> =
-        desired.services.iter().filter(|(k, v)| current.services.get(k) != Some(v)).collect();
-    services.sort_by_key(|(key, value)| frontend_priority(current.services.contains_key(key), value));
-    ops.extend(services.into_iter().map(|(k, v)| MapOp::PutService(*k, *v)));
-    if allow_deletes {
-        deletes(&current.services, &desired.services, MapOp::DeleteService, &mut ops);
-        deletes(&current.slots, &desired.slots, MapOp::DeleteSlot, &mut ops);
-        deletes(&current.backends, &desired.backends, MapOp::DeleteBackend, &mut ops);
-        deletes(&current.source_ranges, &desired.source_ranges, MapOp::DeleteSourceRange, &mut ops);
-    }
+    gone(&current.services, &desired.services, MapOp::DeleteService, &mut ops);
+    gone(&current.slots, &desired.slots, MapOp::DeleteSlot, &mut ops);
+    gone(&current.backends, &desired.backends, MapOp::DeleteBackend, &mut ops);
+    gone(&current.source_ranges, &desired.source_ranges, MapOp::DeleteSourceRange, &mut ops);
     ops
 }
 

@@ -772,13 +772,13 @@ mod tests {
                 None => {
                     let plan = self.compiler.plan_all(catalog, node, limits);
                     let desired = assign_ids(&plan, self.incremental.programmed());
-                    let report = self.incremental.sync(&mut self.incremental_maps, &desired, true);
+                    let report = self.incremental.sync(&mut self.incremental_maps, desired, true);
                     self.compiler.adopt(&plan, self.incremental.programmed(), report.total().errors == 0);
                 }
             }
             let plan = plan_for::<F>(&catalog.state, node, limits);
             let desired = assign_ids(&plan, self.full.programmed());
-            self.full.sync(&mut self.full_maps, &desired, true);
+            self.full.sync(&mut self.full_maps, desired, true);
 
             assert_eq!(self.incremental_maps, self.full_maps, "incremental and full compiles differ");
             let text = |w: &CompileWarning| format!("{w:?}");

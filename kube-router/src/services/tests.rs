@@ -514,10 +514,10 @@ fn sync_counts_writes_and_a_second_sync_writes_nothing() {
     let desired = compile(OBJECTS, &MapContents::default());
     let mut kernel = MapContents::default();
     let mut sync = ServiceSync::adopt(&kernel).unwrap();
-    let first = sync.sync(&mut kernel, &desired, true).total();
+    let first = sync.sync(&mut kernel, desired.clone(), true).total();
     assert_eq!(first.inserts as usize, desired.len());
     assert_eq!(kernel, desired);
-    let second = sync.sync(&mut kernel, &desired, true).total();
+    let second = sync.sync(&mut kernel, desired, true).total();
     assert_eq!(second.writes(), 0);
 }
 
@@ -559,6 +559,74 @@ fn arb_contents() -> impl Strategy<Value = MapContents> {
             slots: slots.into_iter().collect(),
             backends: backends.into_iter().collect(),
         })
+}
+
+/// Service maps that record every write, with room for `capacity` frontends, optionally
+/// written in batches (stopping at the first refused write, as the kernel's batch does).
+#[derive(Clone, Default)]
+struct Recorded {
+    inner: MapContents,
+    capacity: usize,
+    batches: bool,
+    log: Vec<super::diff::MapOp>,
+}
+
+impl super::sync::ServiceMaps for Recorded {
+    fn write(&mut self, op: &super::diff::MapOp) -> Result<(), super::sync::MapWriteError> {
+        self.log.push(*op);
+        if let super::diff::MapOp::PutService(k, _) = op {
+            if !self.inner.services.contains_key(k) && self.inner.services.len() >= self.capacity {
+                let message = "E2BIG".into();
+                return Err(super::sync::MapWriteError { map: map_names::SERVICES, message, full: true });
+            }
+        }
+        self.inner.apply(op);
+        Ok(())
+    }
+    fn read_all(&self) -> Result<MapContents, super::sync::MapWriteError> {
+        Ok(self.inner.clone())
+    }
+    fn batches(&self, op: &super::diff::MapOp) -> bool {
+        self.batches && !op.is_delete()
+    }
+    fn write_batch(
+        &mut self,
+        ops: &[super::diff::MapOp],
+        _programmed: &MapContents,
+    ) -> Option<super::sync::BatchOutcome> {
+        for (done, op) in ops.iter().enumerate() {
+            if let Err(e) = super::sync::ServiceMaps::write(self, op) {
+                return Some(super::sync::BatchOutcome { done, error: Some(e) });
+            }
+        }
+        Some(super::sync::BatchOutcome { done: ops.len(), error: None })
+    }
+}
+
+proptest! {
+    /// A full sync computed and written a slice at a time makes the writes, in the same order,
+    /// the counts and the model of one difference written whole, a full map included.
+    #[test]
+    fn a_sync_in_slices_writes_what_the_whole_difference_writes(
+        current in arb_contents(),
+        desired in arb_contents(),
+        capacity in 0usize..12,
+        slice in 1usize..6,
+        batches in any::<bool>(),
+        allow_deletes in any::<bool>(),
+    ) {
+        let maps = Recorded { inner: current.clone(), capacity, batches, log: Vec::new() };
+        let (mut whole_maps, mut sliced_maps) = (maps.clone(), maps);
+        let mut whole = ServiceSync::adopt(&whole_maps).unwrap();
+        let mut sliced = ServiceSync::adopt(&sliced_maps).unwrap();
+        let ops = diff(whole.programmed(), &desired, allow_deletes);
+        let expected = whole.write(&mut whole_maps, ops);
+        let report = sliced.sync_in_slices(&mut sliced_maps, desired, allow_deletes, slice);
+        prop_assert_eq!(report, expected);
+        prop_assert_eq!(&sliced_maps.log, &whole_maps.log);
+        prop_assert_eq!(&sliced_maps.inner, &whole_maps.inner);
+        prop_assert_eq!(sliced.programmed(), whole.programmed());
+    }
 }
 
 proptest! {
@@ -696,13 +764,13 @@ fn a_full_map_costs_one_failed_write_per_sync_and_keeps_what_it_has() {
     let mut sync = ServiceSync::adopt(&MapContents::default()).unwrap();
     let desired = compile(OBJECTS, &MapContents::default());
     assert_eq!(desired.services.len(), 3);
-    let report = sync.sync(&mut maps, &desired, true);
+    let report = sync.sync(&mut maps, desired.clone(), true);
     assert_eq!(maps.inner.services.len(), 2);
     let svc = report.per_map[map_names::SERVICES];
     assert_eq!((svc.inserts, svc.full), (2, 1));
     // Again with the map still full: one failed attempt, nothing else written.
     maps.attempts = 0;
-    let report = sync.sync(&mut maps, &desired, true);
+    let report = sync.sync(&mut maps, desired.clone(), true);
     assert_eq!((maps.attempts, report.per_map[map_names::SERVICES].full), (1, 1));
     assert_eq!(maps.inner.services.len(), 2, "what was programmed stays");
 }
@@ -722,16 +790,16 @@ fn when_not_every_frontend_fits_cluster_ips_with_endpoints_come_first() {
     programmed.services.insert(key(1), value(SVC_FLAG_EXTERNAL, 1));
     let mut maps = Capped { inner: programmed.clone(), capacity: 4, attempts: 0 };
     let mut sync = ServiceSync::adopt(&programmed).unwrap();
-    sync.sync(&mut maps, &desired, true);
+    sync.sync(&mut maps, desired.clone(), true);
     let got: Vec<u8> = maps.inner.services.keys().map(|k| u32::from_be(k.addr).to_be_bytes()[3]).collect();
     assert_eq!(got, [1, 2, 4, 5], "the empty ClusterIP waits; the NodePort got the last room");
     assert_eq!(maps.inner.services[&key(1)], value(SVC_FLAG_EXTERNAL, 2));
     // Room frees (the NodePort goes): the waiting frontend is programmed by the next sync.
     desired.services.remove(&key(2));
-    let report = sync.sync(&mut maps, &desired, true);
+    let report = sync.sync(&mut maps, desired.clone(), true);
     let svc = report.per_map[map_names::SERVICES];
     assert_eq!((svc.deletes, svc.full), (1, 1), "inserts come before deletes: one pass still finds it full");
-    sync.sync(&mut maps, &desired, true);
+    sync.sync(&mut maps, desired.clone(), true);
     assert!(maps.inner.services.contains_key(&key(3)));
 }
 
@@ -1156,13 +1224,13 @@ fn a_refused_write_is_reported_once_per_map_with_its_first_error_and_retried() {
     let mut maps = RefusingBackends { inner: MapContents::default() };
     let mut sync = ServiceSync::adopt(&MapContents::default()).unwrap();
     let desired = compile(OBJECTS, &MapContents::default());
-    let report = sync.sync(&mut maps, &desired, true);
+    let report = sync.sync(&mut maps, desired.clone(), true);
     let backends = report.per_map[map_names::BACKENDS];
     assert_eq!((backends.errors, backends.full), (desired.backends.len() as u64, 0));
     assert_eq!(report.first_errors.keys().copied().collect::<Vec<_>>(), [map_names::BACKENDS]);
     assert_eq!(report.first_errors[map_names::BACKENDS], "EINVAL");
     // Left out of the model: the next sync tries them again.
-    let again = sync.sync(&mut maps, &desired, true);
+    let again = sync.sync(&mut maps, desired.clone(), true);
     assert_eq!(again.per_map[map_names::BACKENDS].errors, desired.backends.len() as u64);
 }
 

@@ -70,7 +70,7 @@ pub fn program_services(pin_dir: &Path, yaml: &str, context: &NodeContext) {
     let mut sync = ServiceSync::adopt(&maps).unwrap();
     let builder = parse_objects(yaml).unwrap();
     let desired = assign_ids(&plan(&builder.state, context, Limits::default()), sync.programmed());
-    assert_eq!(sync.sync(&mut maps, &desired, true).total().errors, 0);
+    assert_eq!(sync.sync(&mut maps, desired, true).total().errors, 0);
 }
 
 /// The datapath loaded afresh in network namespace `name` ([`NODE_NETNS`], then

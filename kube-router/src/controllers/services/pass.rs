@@ -65,8 +65,8 @@ fn frontend_owners<F: AddressFamily>(
             let id = FrontendId::of::<F>(key);
             let owner = match lb_plan.frontends.get(key) {
                 Some(f) => FrontendOwner {
-                    namespace: f.backend_set.service.namespace.to_string(),
-                    name: f.backend_set.service.name.to_string(),
+                    namespace: f.backend_set.service.namespace.clone(),
+                    name: f.backend_set.service.name.clone(),
                 },
                 None => previous.remove(&id)?,
             };
@@ -148,8 +148,8 @@ pub(super) fn sync_family<F: AddressFamily>(
                 .map(|key| {
                     let owner = programmed.services.contains_key(key).then(|| {
                         increment.plan.frontends.get(key).map(|f| FrontendOwner {
-                            namespace: f.backend_set.service.namespace.to_string(),
-                            name: f.backend_set.service.name.to_string(),
+                            namespace: f.backend_set.service.namespace.clone(),
+                            name: f.backend_set.service.name.clone(),
                         })
                     });
                     (FrontendId::of::<F>(key), owner.flatten())
@@ -179,13 +179,13 @@ fn sync_all<F: AddressFamily>(
     // A full compile walks every entry anyway; the desired state stands for the written one (a
     // failed write only makes a flow be balanced again, maybe onto the same backend).
     let mut departures = if complete { udp_departures(sync.programmed(), &desired) } else { BTreeSet::new() };
-    let report = sync.sync(maps, &desired, complete);
+    let report = sync.sync(maps, desired, complete);
     if report.total().full > 0 && report.total().deletes > 0 {
         let desired = assign_ids(lb_plan, sync.programmed());
         if complete {
             departures.extend(udp_departures(sync.programmed(), &desired));
         }
-        let second = sync.sync(maps, &desired, complete);
+        let second = sync.sync(maps, desired, complete);
         return (add_second_pass(report, second), departures);
     }
     (report, departures)
