@@ -84,6 +84,8 @@ trait PolicyFamily {
     /// from the pod, the destination of one to it), before the rest is parsed; `None` if the
     /// header is not this family's (the full parse then drops it).
     fn pod_addr(ctx: &TcContext, hook: VethHook) -> Result<Option<Self::Addr>, i64>;
+    /// The policy's view of the packet (`parse_for_policy`, `parse_for_policy_v6`).
+    fn parse(ctx: &TcContext) -> Result<Parsed<Self::Addr>, i64>;
     fn conntrack() -> &'static LruHashMap<Self::CtKey, PolicyCtValue>;
     fn isolated(addr: Self::Addr, direction: u8) -> Option<PolicyPodValue>;
     fn peer_in_set(peer_set: u32, addr: Self::Addr) -> bool;
@@ -104,6 +106,10 @@ impl PolicyFamily for V4 {
     #[inline(always)]
     fn ct_key(pod_addr: u32, peer_addr: u32, pod_port: u16, peer_port: u16, proto: u8) -> PolicyCtKeyV4 {
         PolicyCtKeyV4 { pod_addr, peer_addr, pod_port, peer_port, proto, pad: [0; 3] }
+    }
+    #[inline(always)]
+    fn parse(ctx: &TcContext) -> Result<Parsed, i64> {
+        parse_for_policy(ctx)
     }
     #[inline(always)]
     fn pod_addr(ctx: &TcContext, hook: VethHook) -> Result<Option<u32>, i64> {
@@ -153,6 +159,10 @@ impl PolicyFamily for V6 {
     #[inline(always)]
     fn ct_key(pod_addr: Ipv6Words, peer_addr: Ipv6Words, pod_port: u16, peer_port: u16, proto: u8) -> PolicyCtKeyV6 {
         PolicyCtKeyV6 { pod_addr, peer_addr, pod_port, peer_port, proto, pad: [0; 3] }
+    }
+    #[inline(always)]
+    fn parse(ctx: &TcContext) -> Result<Parsed<Ipv6Words>, i64> {
+        parse_for_policy_v6(ctx)
     }
     #[inline(always)]
     fn pod_addr(ctx: &TcContext, hook: VethHook) -> Result<Option<Ipv6Words>, i64> {
@@ -205,24 +215,8 @@ pub fn enforce(ctx: &TcContext, hook: VethHook) -> Result<i32, i64> {
         return Ok(drop_frame(ctx, hook, pol_guard_stat::DROP_VLAN, FRAME_DROP_VLAN, ether_type));
     }
     match ether_type {
-        ETH_P_IPV6 => {
-            if !judged::<V6>(ctx, hook)? {
-                return Ok(pass_untracked(ctx, hook));
-            }
-            match parse_for_policy_v6(ctx)? {
-                Parsed::Flow(flow) => judge::<V6>(ctx, hook, &flow),
-                parsed => Ok(pass_unjudged(ctx, hook, parsed, ether_type)),
-            }
-        }
-        ETH_P_IP => {
-            if !judged::<V4>(ctx, hook)? {
-                return Ok(pass_untracked(ctx, hook));
-            }
-            match parse_for_policy(ctx)? {
-                Parsed::Flow(flow) => judge::<V4>(ctx, hook, &flow),
-                parsed => Ok(pass_unjudged(ctx, hook, parsed, ether_type)),
-            }
-        }
+        ETH_P_IPV6 => enforce_family::<V6>(ctx, hook, ether_type),
+        ETH_P_IP => enforce_family::<V4>(ctx, hook, ether_type),
         ETH_P_ARP => {
             count(pol_stat::NOT_EVALUATED);
             Ok(TC_ACT_UNSPEC)
@@ -231,10 +225,23 @@ pub fn enforce(ctx: &TcContext, hook: VethHook) -> Result<i32, i64> {
     }
 }
 
-/// The verdict on a packet the policy could not read (a header shorter than it claims): dropped,
-/// for every pod. Whether the pod is isolated cannot be known without its address, and the
-/// receiving stack drops such a packet anyway; a tiny first fragment whose TCP flags are cut
-/// off would otherwise pass unjudged, and its later fragments after it.
+/// An IP packet of family `F`: the gate on the pod's address, then the parse and the judgement.
+#[inline(always)]
+fn enforce_family<F: PolicyFamily>(ctx: &TcContext, hook: VethHook, ether_type: u16) -> Result<i32, i64> {
+    if !judged::<F>(ctx, hook)? {
+        return Ok(pass_untracked(ctx, hook));
+    }
+    match F::parse(ctx)? {
+        Parsed::Flow(flow) => judge::<F>(ctx, hook, &flow),
+        parsed => Ok(pass_unjudged(ctx, hook, parsed, ether_type)),
+    }
+}
+
+/// The verdict on a packet the policy could not read (a header shorter than it claims): dropped.
+/// Reached where the pod's address cannot be read (any pod), or past it at an isolated pod's
+/// hooks (a pod isolated in neither direction is read no further, [`judged`]); the receiving
+/// stack drops such a packet anyway, and a tiny first fragment whose TCP flags are cut off would
+/// otherwise pass an isolated pod unjudged, and its later fragments after it.
 #[inline(always)]
 pub fn malformed(ctx: &TcContext, hook: VethHook) -> i32 {
     let ether_type = ctx.load::<u16>(12).map(u16::from_be).unwrap_or(0);

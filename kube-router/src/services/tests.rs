@@ -561,8 +561,9 @@ fn arb_contents() -> impl Strategy<Value = MapContents> {
         })
 }
 
-/// Service maps that record every write, with room for `capacity` frontends, optionally
-/// written in batches (stopping at the first refused write, as the kernel's batch does).
+/// Service maps that record every write attempt, with room for `capacity` frontends (`svc_v4`),
+/// optionally written in batches (stopping at the first refused write, as the kernel's batch
+/// does).
 #[derive(Clone, Default)]
 struct Recorded {
     inner: MapContents,
@@ -733,34 +734,10 @@ fn load_balancer_source_ranges_guard_only_the_load_balancer_ips() {
     assert!(put_service.unwrap() < first_delete.unwrap(), "{ops:?}");
 }
 
-/// In-memory maps whose `svc_v4` holds at most `capacity` entries, counting write attempts.
-struct Capped {
-    inner: MapContents,
-    capacity: usize,
-    attempts: usize,
-}
-
-impl super::sync::ServiceMaps for Capped {
-    fn write(&mut self, op: &super::diff::MapOp) -> Result<(), super::sync::MapWriteError> {
-        self.attempts += 1;
-        if let super::diff::MapOp::PutService(k, _) = op {
-            if !self.inner.services.contains_key(k) && self.inner.services.len() >= self.capacity {
-                let message = "E2BIG".into();
-                return Err(super::sync::MapWriteError { map: map_names::SERVICES, message, full: true });
-            }
-        }
-        self.inner.apply(op);
-        Ok(())
-    }
-    fn read_all(&self) -> Result<MapContents, super::sync::MapWriteError> {
-        Ok(self.inner.clone())
-    }
-}
-
 #[test]
 fn a_full_map_costs_one_failed_write_per_sync_and_keeps_what_it_has() {
     // Three frontends wanted (ClusterIP http + dns, NodePort http), room for two.
-    let mut maps = Capped { inner: MapContents::default(), capacity: 2, attempts: 0 };
+    let mut maps = Recorded { capacity: 2, ..Default::default() };
     let mut sync = ServiceSync::adopt(&MapContents::default()).unwrap();
     let desired = compile(OBJECTS, &MapContents::default());
     assert_eq!(desired.services.len(), 3);
@@ -769,9 +746,9 @@ fn a_full_map_costs_one_failed_write_per_sync_and_keeps_what_it_has() {
     let svc = report.per_map[map_names::SERVICES];
     assert_eq!((svc.inserts, svc.full), (2, 1));
     // Again with the map still full: one failed attempt, nothing else written.
-    maps.attempts = 0;
+    maps.log.clear();
     let report = sync.sync(&mut maps, desired.clone(), true);
-    assert_eq!((maps.attempts, report.per_map[map_names::SERVICES].full), (1, 1));
+    assert_eq!((maps.log.len(), report.per_map[map_names::SERVICES].full), (1, 1));
     assert_eq!(maps.inner.services.len(), 2, "what was programmed stays");
 }
 
@@ -788,7 +765,7 @@ fn when_not_every_frontend_fits_cluster_ips_with_endpoints_come_first() {
     // One frontend already programmed (its value changes): it keeps its place before any new one.
     let mut programmed = MapContents::default();
     programmed.services.insert(key(1), value(SVC_FLAG_EXTERNAL, 1));
-    let mut maps = Capped { inner: programmed.clone(), capacity: 4, attempts: 0 };
+    let mut maps = Recorded { inner: programmed.clone(), capacity: 4, ..Default::default() };
     let mut sync = ServiceSync::adopt(&programmed).unwrap();
     sync.sync(&mut maps, desired.clone(), true);
     let got: Vec<u8> = maps.inner.services.keys().map(|k| u32::from_be(k.addr).to_be_bytes()[3]).collect();
