@@ -20,6 +20,8 @@ mod monitor;
 pub use monitor::*;
 mod source_check;
 pub use source_check::*;
+mod plain;
+pub use plain::*;
 
 /// Version of the whole map layout. Stored in the `meta` map at index [`META_LAYOUT_VERSION`],
 /// and naming the directory the maps are pinned in (`<bpf root>/v3/`), so an upgrade can create

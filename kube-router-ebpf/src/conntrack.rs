@@ -8,6 +8,7 @@ use crate::{
     maps::CtScratch,
     maps::{count, ct_lifetimes},
     parsing::{LbFlow, TCP_FLAG_ACK, TCP_FLAG_FIN, TCP_FLAG_RST, TCP_FLAG_SYN},
+    plain,
 };
 
 const REFRESH_INTERVAL_NS: u64 = 1_000_000_000;
@@ -190,12 +191,19 @@ pub fn record_endpoints<F: Family>(flow: &LbFlow<F::Addr>, backend: &(F::Addr, u
     let endpoint = unsafe { &mut (*scratch).endpoint };
     let gate = F::ct_gate();
     *endpoint = ServiceKey { addr: flow.dst_addr, port: flow.dst_port, proto: flow.proto, pad: 0 };
+    let mut recorded = false;
     if gate.get_ptr(&*endpoint).is_none() {
         gate.insert(&*endpoint, &now, 0)?;
+        recorded = true;
     }
     *endpoint = ServiceKey { addr: backend.0, port: backend.1, proto: flow.proto, pad: 0 };
     if gate.get_ptr(&*endpoint).is_none() {
         gate.insert(&*endpoint, &now, 0)?;
+        recorded = true;
+    }
+    // A tuple of either endpoint's remembered as plain traffic is not any more (`plain`).
+    if recorded {
+        plain::forget_all(now);
     }
     Ok(())
 }

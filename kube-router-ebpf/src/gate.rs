@@ -27,6 +27,7 @@ use crate::{
     icmp::Hook,
     maps::{LB_CONFIG, META},
     parsing::LbFlow,
+    plain,
 };
 
 /// False if the packet can belong to no flow the load balancer translates or tracks: it needs
@@ -76,4 +77,25 @@ pub fn may_be_tracked<F: Family>(flow: &LbFlow<F::Addr>, hook: Hook, endpoint: &
         *endpoint = dst;
         F::services().get_ptr(&*endpoint).is_some()
     }
+}
+
+/// For a packet `may_be_tracked` found untracked at ingress: the plain-traffic verdicts of its
+/// tuple (`plain::LB_INGRESS`, and `LB_EGRESS` where its way out is untracked too) and of its
+/// reverse, a reply's (`LB_EGRESS`, and `LB_INGRESS` where a reply is untracked at ingress too).
+/// The gate asks the same of a tuple and its reverse (the endpoints, the node's address) but for
+/// the far end pod egress masquerade looks at (the source at ingress, the destination at
+/// egress) and the frontend (ingress only, at the destination).
+#[allow(clippy::needless_borrows_for_generic_args)] // keys by reference, from map memory
+#[inline(never)]
+pub fn plain_both_ways<F: Family>(flow: &LbFlow<F::Addr>, endpoint: &mut ServiceKey<F::Addr>) -> (u32, u32) {
+    let far_end_inside = |addr: &F::Addr| {
+        LB_CONFIG.get(0).is_none_or(|config| config.flags & LB_CONFIG_POD_EGRESS == 0 || F::cluster_net(addr) != 0)
+    };
+    if !far_end_inside(&flow.dst_addr) {
+        return (plain::LB_INGRESS, 0);
+    }
+    *endpoint = ServiceKey { addr: flow.src_addr, port: flow.src_port, proto: flow.proto, pad: 0 };
+    let reply_to_frontend = F::services().get_ptr(&*endpoint).is_some();
+    let both = plain::LB_INGRESS | plain::LB_EGRESS;
+    (both, if reply_to_frontend { plain::LB_EGRESS } else { both })
 }

@@ -25,7 +25,7 @@ use crate::{
     nat::Tuple,
     packet::{Packet, TcDirect},
     parsing::{ip_version, Fragment, IpVersion, LbFlow, LbParsed, TCP_FLAG_ACK, TCP_FLAG_SYN},
-    route,
+    plain, route,
     svc_stats::{self, Way},
 };
 
@@ -73,6 +73,15 @@ pub fn handle_ingress(ctx: &TcContext) -> Result<i32, i64> {
             TC_ACT_UNSPEC
         }
     })
+}
+
+/// A packet the plain-traffic cache knows not tracked at ingress (`plain::LB_INGRESS`): counted
+/// as the judgement would have.
+#[inline(always)]
+pub fn known_plain_ingress() -> i32 {
+    count(lb_stat::PACKETS);
+    count(lb_stat::NO_SERVICE);
+    TC_ACT_UNSPEC
 }
 
 /// `ingress`'s answer for a new flow to a frontend without endpoints (not a TC verdict).
@@ -166,6 +175,11 @@ fn ingress<F: Family>(ctx: &TcContext) -> i32 {
     // can hold it and no flow starts here. Its egress decides for itself (no "no entry" note).
     if !gate::may_be_tracked::<F>(flow, Hook::Ingress, &mut work.endpoint) {
         count(lb_stat::NO_SERVICE);
+        // What the gate found answers the packet's way out of the node and its flow's replies
+        // too, but for the far end masquerade looks at and a frontend at the source.
+        let (forward, reverse) = gate::plain_both_ways::<F>(flow, &mut work.endpoint);
+        plain::remember(forward);
+        plain::remember_reverse(reverse);
         return TC_ACT_UNSPEC;
     }
     let now = unsafe { bpf_ktime_get_ns() };
@@ -444,6 +458,7 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
         return TC_ACT_UNSPEC;
     }
     if !gate::may_be_tracked::<F>(flow, Hook::Egress, &mut work.endpoint) {
+        plain::remember(plain::LB_EGRESS);
         return TC_ACT_UNSPEC;
     }
     let now = unsafe { bpf_ktime_get_ns() };

@@ -35,6 +35,7 @@ mod nat;
 mod overlay;
 mod packet;
 mod parsing;
+mod plain;
 mod policy;
 mod reject;
 mod route;
@@ -53,14 +54,22 @@ use aya_ebpf::{
 // first program checks the source address (`source_check`) before anything rewrites it.
 #[classifier]
 pub fn kr_lb_ingress(ctx: TcContext) -> i32 {
-    if source_check::spoofed(&ctx, kube_router_common::SOURCE_CHECK_BY_LB) {
+    // The source check first, whatever the cache says of the tuple: it is this interface's.
+    plain::probe(&ctx);
+    if source_check::spoofed_unless_known(&ctx, kube_router_common::SOURCE_CHECK_BY_LB) {
         return TC_ACT_SHOT;
+    }
+    if plain::known_again(plain::LB_INGRESS) != 0 {
+        return lb::known_plain_ingress();
     }
     lb::handle_ingress(&ctx).unwrap_or(TC_ACT_UNSPEC)
 }
 
 #[classifier]
 pub fn kr_lb_egress(ctx: TcContext) -> i32 {
+    if plain::known(&ctx, plain::LB_EGRESS) != 0 {
+        return TC_ACT_UNSPEC;
+    }
     lb::handle_egress(&ctx).unwrap_or(TC_ACT_UNSPEC)
 }
 
@@ -76,7 +85,11 @@ pub fn kr_xdp_lb(ctx: XdpContext) -> u32 {
 /// policy cannot read is dropped, not handed on unjudged (see `policy::malformed`).
 #[classifier]
 pub fn kr_pol_ingress(ctx: TcContext) -> i32 {
-    if source_check::spoofed(&ctx, kube_router_common::SOURCE_CHECK_BY_POLICY) {
+    let known = plain::known(&ctx, plain::POLICY_FROM_POD);
+    if known != 0 {
+        return policy::known_plain(&ctx, policy::VethHook::FromPod, known);
+    }
+    if source_check::spoofed_unless_known(&ctx, kube_router_common::SOURCE_CHECK_BY_POLICY) {
         return TC_ACT_SHOT;
     }
     policy::enforce(&ctx, policy::VethHook::FromPod)
@@ -86,6 +99,10 @@ pub fn kr_pol_ingress(ctx: TcContext) -> i32 {
 /// Host side of a pod veth, TC egress: packets to the pod, judged by its ingress policy.
 #[classifier]
 pub fn kr_pol_egress(ctx: TcContext) -> i32 {
+    let known = plain::known(&ctx, plain::POLICY_TO_POD);
+    if known != 0 {
+        return policy::known_plain(&ctx, policy::VethHook::ToPod, known);
+    }
     policy::enforce(&ctx, policy::VethHook::ToPod).unwrap_or_else(|_| policy::malformed(&ctx, policy::VethHook::ToPod))
 }
 

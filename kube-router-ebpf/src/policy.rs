@@ -48,6 +48,7 @@ use crate::{
         parse_for_policy, parse_for_policy_v6, Flow, Parsed, Quoted, ETH_HDR_LEN, IPV6_DST_OFF, IPV6_SRC_OFF,
         TCP_FLAG_FIN, TCP_FLAG_RST,
     },
+    plain, source_check,
 };
 
 const REFRESH_INTERVAL_NS: u64 = 1_000_000_000;
@@ -229,6 +230,10 @@ pub fn enforce(ctx: &TcContext, hook: VethHook) -> Result<i32, i64> {
 #[inline(always)]
 fn enforce_family<F: PolicyFamily>(ctx: &TcContext, hook: VethHook, ether_type: u16) -> Result<i32, i64> {
     if !judged::<F>(ctx, hook)? {
+        plain::remember(match hook {
+            VethHook::FromPod => plain::POLICY_FROM_POD,
+            VethHook::ToPod => plain::POLICY_TO_POD,
+        });
         return Ok(pass_untracked(ctx, hook));
     }
     match F::parse(ctx)? {
@@ -307,6 +312,17 @@ fn judged<F: PolicyFamily>(ctx: &TcContext, hook: VethHook) -> Result<bool, i64>
         VethHook::ToPod => (POLICY_DIR_INGRESS, POLICY_DIR_EGRESS),
     };
     Ok(F::isolated(pod_addr, here).is_some() || F::isolated(pod_addr, other).is_some())
+}
+
+/// A packet the plain-traffic cache knows of a pod isolated in neither direction (`known`: its
+/// verdicts): counted and passed as the judgement would have.
+#[inline(always)]
+pub fn known_plain(ctx: &TcContext, hook: VethHook, known: u32) -> i32 {
+    if known & plain::SOURCE_COUNTED_BY_POLICY != 0 && matches!(hook, VethHook::FromPod) {
+        source_check::count_passed();
+    }
+    count(pol_stat::PACKETS);
+    pass_untracked(ctx, hook)
 }
 
 /// A packet of a pod isolated in neither direction: passed untracked.

@@ -13,7 +13,7 @@ use aya_ebpf::{
 };
 use kube_router_common::*;
 
-use crate::packet;
+use crate::{packet, plain};
 
 #[map(name = "pod_src")]
 static POD_SOURCES: HashMap<u32, PodSources> = HashMap::pinned(POD_SOURCES_MAX_ENTRIES, 0);
@@ -37,6 +37,36 @@ fn count(stat: u32) {
     if let Some(counter) = SOURCE_CHECK_STATS.get_ptr_mut(stat) {
         // Per-CPU slot: no other CPU writes it, a plain add is enough.
         unsafe { *counter += 1 };
+    }
+}
+
+/// `spoofed`, unless the plain-traffic cache knows the packet's source passes this interface's
+/// check (then counted as the check would have).
+#[inline(always)]
+pub fn spoofed_unless_known(ctx: &TcContext, checker: u8) -> bool {
+    let passes = if checker == SOURCE_CHECK_BY_LB { plain::SOURCE_OK_LB } else { plain::SOURCE_OK_POLICY };
+    let known = plain::known_again(passes);
+    if known != 0 {
+        let counted = counted_by(checker);
+        if known & counted != 0 {
+            count_passed();
+            plain::note(counted);
+        }
+        return false;
+    }
+    if spoofed(ctx, checker) {
+        return true;
+    }
+    plain::remember(passes);
+    false
+}
+
+#[inline(always)]
+fn counted_by(checker: u8) -> u32 {
+    if checker == SOURCE_CHECK_BY_LB {
+        plain::SOURCE_COUNTED_BY_LB
+    } else {
+        plain::SOURCE_COUNTED_BY_POLICY
     }
 }
 
@@ -66,6 +96,7 @@ pub fn spoofed(ctx: &TcContext, checker: u8) -> bool {
     match refused {
         None => {
             count(src_stat::PASSED);
+            plain::note(counted_by(checker));
             false
         }
         Some(stat) => {
@@ -74,6 +105,13 @@ pub fn spoofed(ctx: &TcContext, checker: u8) -> bool {
             true
         }
     }
+}
+
+/// A packet the plain-traffic cache knows checked and passed: counted as the check would have.
+#[inline(always)]
+pub fn count_passed() {
+    count(src_stat::PACKETS);
+    count(src_stat::PASSED);
 }
 
 /// Counts a drop of a family whose addresses are not known yet as such too.

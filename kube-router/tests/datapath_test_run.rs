@@ -488,6 +488,50 @@ fn the_gate_skips_the_lookup_only_for_packets_no_entry_can_hold() {
     assert_eq!(read_lb_stats(&loaded.pin_dir).unwrap()[lb_stat::NO_SERVICE as usize], before + 1);
 }
 
+fn plain_hits(pin_dir: &std::path::Path) -> u64 {
+    use kube_router_common::{plain_map_names, plain_stat};
+    let stats = kube_router::pinned::counters::read_pinned(pin_dir, plain_map_names::PLAIN_STATS, plain_stat::COUNT);
+    stats.unwrap()[plain_stat::HIT as usize]
+}
+
+/// The plain-traffic cache: a tuple the gate let pass is remembered, and judged again once
+/// something it rested on changes. A Service flow the datapath opens records its backend, so the
+/// backend's packet to that client, remembered as plain before, is reverse-translated; a
+/// frontend the agent writes at a remembered destination is translated from the next packet.
+#[test]
+fn a_tuple_remembered_as_plain_is_judged_again_once_an_endpoint_or_frontend_appears() {
+    let loaded = load("plain", &services_yaml(&["10.0.0.1"], false));
+    let (ingress, egress) =
+        (loaded.datapath.program_fd(Hook::Ingress).unwrap(), loaded.datapath.program_fd(Hook::Egress).unwrap());
+    kube_router::services::maps::gate::open(&loaded.pin_dir).unwrap();
+    let backend = (Ipv4Addr::new(10, 0, 0, 1), 8080);
+
+    // The backend's packet to a client port, before any flow: plain, then from the cache.
+    let reply = packet::ipv4(packet::TCP, backend, (CLIENT, 43000), packet::TCP_ACK, b"");
+    assert_eq!(run(egress, &reply, 1).unwrap().packet, reply);
+    let hits = plain_hits(&loaded.pin_dir);
+    assert_eq!(run(egress, &reply, 1).unwrap().packet, reply);
+    assert_eq!(plain_hits(&loaded.pin_dir), hits + 1, "remembered");
+    // The client opens a flow through the Service from that port: the backend is recorded.
+    let syn = packet::ipv4(packet::TCP, (CLIENT, 43000), (VIP, 80), packet::TCP_SYN, b"");
+    assert_eq!(packet::endpoints(&run(ingress, &syn, 1).unwrap().packet).1, backend);
+    assert_eq!(
+        packet::endpoints(&run(egress, &reply, 1).unwrap().packet),
+        ((VIP, 80), (CLIENT, 43000)),
+        "the reply is the flow's now"
+    );
+
+    // A destination that is no frontend yet: plain at ingress, then from the cache.
+    let other_vip = Ipv4Addr::new(10, 96, 0, 20);
+    let to_other = packet::ipv4(packet::TCP, (CLIENT, 42000), (other_vip, 80), packet::TCP_SYN, b"");
+    assert_eq!(run(ingress, &to_other, 1).unwrap().packet, to_other);
+    let hits = plain_hits(&loaded.pin_dir);
+    assert_eq!(run(ingress, &to_other, 1).unwrap().packet, to_other);
+    assert_eq!(plain_hits(&loaded.pin_dir), hits + 2, "the source check's and the tuple's verdicts");
+    program(&loaded.pin_dir, &services_yaml(&["10.0.0.1"], false).replace("10.96.0.10", "10.96.0.20"));
+    assert_eq!(packet::endpoints(&run(ingress, &to_other, 1).unwrap().packet).1, backend, "a frontend now");
+}
+
 /// A pinned map of the right type, key, value and size but created with other flags (here a
 /// preallocated `svc_stats_v4`, which the object creates with `BPF_F_NO_PREALLOC`) is a layout
 /// mismatch: the agent refuses to load over it instead of adopting a map that behaves otherwise.

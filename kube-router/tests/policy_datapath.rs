@@ -24,7 +24,7 @@ use kube_router::{
         CompileOutput, Protocol,
     },
 };
-use kube_router_common::{map_names, pol_guard_stat, pol_stat};
+use kube_router_common::{map_names, plain_map_names, plain_stat, pol_guard_stat, pol_stat};
 use serde_json::{json, Value};
 
 const SCTP: u8 = 132;
@@ -141,6 +141,12 @@ impl Loaded {
 
     fn stats(&self) -> Vec<u64> {
         kube_router::policy::maps::read_policy_stats(&self.pin_dir).unwrap()
+    }
+
+    fn plain_hits(&self) -> u64 {
+        let stats =
+            kube_router::pinned::counters::read_pinned(&self.pin_dir, plain_map_names::PLAIN_STATS, plain_stat::COUNT);
+        stats.unwrap()[plain_stat::HIT as usize]
     }
 
     fn fd(&self, hook: Hook) -> i32 {
@@ -514,8 +520,15 @@ fn a_flow_from_before_the_first_isolating_policy_is_judged_unless_every_pod_is_t
         loaded.program(&cluster.compile(&[]));
         let (sport, opened) = loaded.connect(packet::UDP, zc, xb, 53);
         assert!(opened, "no policy yet");
-        loaded.program(&cluster.compile(std::slice::from_ref(&isolate)));
         let again = packet::ipv4(packet::UDP, (zc, sport), (xb, 53), 0, b"again");
+        if !track_all {
+            // Both pods' verdicts are in the plain-traffic cache now: the isolation written
+            // next must still reach the flow's next packet.
+            let hits = loaded.plain_hits();
+            assert!(loaded.send(&again));
+            assert_eq!(loaded.plain_hits(), hits + 2, "z/c's and x/b's verdicts from the cache");
+        }
+        loaded.program(&cluster.compile(std::slice::from_ref(&isolate)));
         assert_eq!(loaded.send(&again), track_all, "track all {track_all}: the flow's next packet");
         assert!(!loaded.connect(packet::UDP, zc, xb, 53).1, "a new flow is denied either way");
     }

@@ -15,7 +15,10 @@ use kube_router::bpf::datapath::{self, Datapath, Hook};
 use kube_router::node::pod_sources::PodAddresses;
 use kube_router::pinned::counters::read_pinned;
 use kube_router::pinned::pinned_map;
-use kube_router_common::{source_check_map_names, src_stat, PodSources, SOURCE_CHECK_BY_LB, SOURCE_CHECK_BY_POLICY};
+use kube_router_common::{
+    plain_map_names, plain_stat, source_check_map_names, src_stat, PodSources, SOURCE_CHECK_BY_LB,
+    SOURCE_CHECK_BY_POLICY,
+};
 
 /// A test run without an interface arrives on the loopback device, index 1.
 const IFINDEX: u32 = 1;
@@ -52,8 +55,19 @@ impl Loaded {
 
     /// The veth's entry as the agent writes it for a pod with `addresses`.
     fn set(&self, addresses: &[IpAddr], checked_by: u8) {
+        self.set_on(IFINDEX, addresses, checked_by);
+    }
+
+    /// Veth `ifindex`'s entry, as the agent writes it: then a change of the plain-traffic
+    /// cache's generation.
+    fn set_on(&self, ifindex: u32, addresses: &[IpAddr], checked_by: u8) {
         let addresses = PodAddresses(addresses.iter().copied().collect::<BTreeSet<_>>());
-        self.sources().insert(IFINDEX, addresses.entry(checked_by), 0).unwrap();
+        self.sources().insert(ifindex, addresses.entry(checked_by), 0).unwrap();
+        kube_router::pinned::plain::forget_all(&self.pin_dir);
+    }
+
+    fn plain_hits(&self) -> u64 {
+        read_pinned(&self.pin_dir, plain_map_names::PLAIN_STATS, plain_stat::COUNT).unwrap()[plain_stat::HIT as usize]
     }
 
     fn verdict(&self, hook: Hook, frame: &[u8]) -> i32 {
@@ -170,4 +184,37 @@ fn the_check_costs_one_lookup() {
     let checked = run(fd, &frame, 100_000).unwrap().duration_ns;
     eprintln!("kr_pol_ingress, genuine UDP: {unchecked} ns unchecked, {checked} ns checked");
     assert!(checked < unchecked + 200, "{checked} ns checked against {unchecked} ns");
+}
+
+/// The plain-traffic cache remembers a source that passed per interface: the same tuple from a
+/// pod on another veth (spoofing the first pod's address) is checked there and dropped, and a
+/// veth whose pod's addresses change is checked against the new ones from its next packet.
+#[test]
+fn a_source_remembered_as_passing_is_the_interface_s_and_forgotten_when_its_addresses_change() {
+    let dp = Loaded::new("plain");
+    let node = test_run::NodeNetns::enter(
+        "krt-src-plain",
+        &[&["link", "add", "krt-pa", "type", "veth", "peer", "name", "krt-pb"]],
+    )
+    .expect("netns");
+    let (a, b) = (node.ifindex("krt-pa"), node.ifindex("krt-pb"));
+    // As the agent runs it: the load balancer's gate open, so plain traffic is remembered.
+    kube_router::services::maps::gate::open(&dp.pin_dir).unwrap();
+    dp.set_on(a, &[POD.into()], SOURCE_CHECK_BY_LB);
+    dp.set_on(b, &[PEER.into()], SOURCE_CHECK_BY_LB);
+    let lb_on = |ifindex: u32, frame: &[u8]| {
+        test_run::run_on(dp.datapath.program_fd(Hook::Ingress).unwrap(), frame, 1, Some(ifindex)).unwrap().retval
+    };
+    let frame = udp(POD);
+    assert_eq!(lb_on(a, &frame), TC_ACT_UNSPEC, "the pod's own address");
+    let hits = dp.plain_hits();
+    assert_eq!(lb_on(a, &frame), TC_ACT_UNSPEC, "again");
+    assert_eq!(dp.plain_hits(), hits + 2, "the source and the tuple found in the cache");
+    assert_eq!(lb_on(b, &frame), TC_ACT_SHOT, "the same tuple from the other veth's pod: spoofed");
+    let stats = dp.stats();
+    assert_eq!(stats[src_stat::PASSED as usize], 2, "counted on the hit as on the check");
+    assert_eq!(stats[src_stat::SPOOFED_V4 as usize], 1);
+    dp.set_on(a, &[PEER.into()], SOURCE_CHECK_BY_LB);
+    assert_eq!(lb_on(a, &frame), TC_ACT_SHOT, "the veth's pod has another address now");
+    drop(node);
 }

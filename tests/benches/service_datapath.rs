@@ -28,7 +28,9 @@
 //! At 1 and at 10,000 Services (two ports each; the measured one generated last): new TCP
 //! connections per second, new UDP flows (a socket per request) per second, one TCP flow's
 //! throughput; two rounds (`KRT_BENCH_ROUNDS`) interleaved across the contenders, averaged, and
-//! each row's ratio to plain routing per round, min-max. `KRT_BENCH_PROFILE=<row name>` runs
+//! each row's ratio to plain routing per round, min-max. `KRT_BENCH_PROGRAM_TIMES=1` gives each
+//! row's nanoseconds per run of each of our programs (the kernel's BPF run-time statistics, on
+//! for the run). `KRT_BENCH_PROFILE=<row name>` runs
 //! `perf record -a -g` on the measured CPU during that row in the last round. Also the time to program
 //! the 10,000 Services, from writing the file to the agent's log line for the sync that
 //! programmed them all (`KRT_BENCH_PROGRAMMING_ONLY=1`: only that, and the same objects given
@@ -432,6 +434,11 @@ fn main() {
         // KRT_BENCH_PROFILE=<words of a row's name>: `perf record -a -g` on the measured CPU
         // while that row is measured in the last round (target/perf-service-datapath.data).
         let profile = std::env::var("KRT_BENCH_PROFILE").ok();
+        // KRT_BENCH_PROGRAM_TIMES=1: the kernel's run-time statistics of our programs on (they
+        // cost every program run two clock reads, so the ratios are lower), each row's average
+        // nanoseconds per run of each program, over every round.
+        let stats_switch = std::env::var("KRT_BENCH_PROGRAM_TIMES").is_ok_and(|v| v == "1").then(BpfStats::on);
+        let mut program_times = stats_switch.as_ref().map(|_| Vec::new());
         for round in 0..rounds {
             for ((c, sum), seen) in list.iter().zip(sums.iter_mut()).zip(per_round.iter_mut()) {
                 let perf = profile.as_deref().filter(|row| round + 1 == rounds && c.name == *row).map(|_| {
@@ -445,7 +452,11 @@ fn main() {
                     thread::sleep(Duration::from_millis(500));
                     child
                 });
+                let times_before = program_times.as_ref().map(|_| program_run_times());
                 let f = measure(c);
+                if let (Some(times), Some(before)) = (program_times.as_mut(), times_before) {
+                    times.push((c.name, before, program_run_times()));
+                }
                 if let Some(mut child) = perf {
                     let _ = std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status();
                     let _ = child.wait();
@@ -478,6 +489,10 @@ fn main() {
                 f.gbit_per_s / plain.gbit_per_s,
             );
         }
+        if let Some(times) = &program_times {
+            report_program_times(times);
+        }
+        drop(stats_switch);
         println!("  per round, this / plain routing in the same round (min-max over {rounds} rounds):");
         let span = |values: Vec<f64>| values.iter().fold((f64::MAX, 0.0f64), |(lo, hi), v| (lo.min(*v), hi.max(*v)));
         for (c, seen) in list.iter().zip(&per_round).skip(1) {
@@ -518,6 +533,72 @@ fn stop_agents(list: Vec<Contender>) {
         if let Some(agent) = c.agent.take() {
             let _ = agent.stop();
             remove_bpf_root(&c.topo.bpf_root());
+        }
+    }
+}
+
+/// `kernel.bpf_stats_enabled` on while it lives, then back to what it was.
+struct BpfStats(String);
+
+impl BpfStats {
+    const PATH: &str = "/proc/sys/kernel/bpf_stats_enabled";
+    fn on() -> BpfStats {
+        let was = fs::read_to_string(Self::PATH).unwrap().trim().to_string();
+        fs::write(Self::PATH, "1").unwrap();
+        BpfStats(was)
+    }
+}
+
+impl Drop for BpfStats {
+    fn drop(&mut self) {
+        let _ = fs::write(Self::PATH, &self.0);
+    }
+}
+
+/// Run counts and nanoseconds by program name.
+type RunTimes = BTreeMap<String, (u64, u64)>;
+
+/// Our programs' (`kr_*`) run counts and run times, summed by name over every one loaded.
+fn program_run_times() -> RunTimes {
+    let out = sh(&["bpftool", "prog", "show", "--json"]).unwrap();
+    let programs: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+    let mut times = BTreeMap::new();
+    for program in programs {
+        let name = program["name"].as_str().unwrap_or_default();
+        if name.starts_with("kr_") {
+            let sum: &mut (u64, u64) = times.entry(name.to_string()).or_default();
+            sum.0 += program["run_cnt"].as_u64().unwrap_or(0);
+            sum.1 += program["run_time_ns"].as_u64().unwrap_or(0);
+        }
+    }
+    times
+}
+
+/// Each row's average nanoseconds per run of each program that ran during it (only the row's
+/// own agent carries traffic then), over every round.
+fn report_program_times(times: &[(&'static str, RunTimes, RunTimes)]) {
+    let mut by_row: BTreeMap<&str, RunTimes> = BTreeMap::new();
+    let mut order = Vec::new();
+    for (row, before, after) in times {
+        if !order.contains(row) {
+            order.push(*row);
+        }
+        for (name, (runs, ns)) in after {
+            let (runs_before, ns_before) = before.get(name).copied().unwrap_or_default();
+            let sum = by_row.entry(row).or_default().entry(name.clone()).or_default();
+            sum.0 += runs - runs_before;
+            sum.1 += ns - ns_before;
+        }
+    }
+    println!("  our programs' run time (kernel.bpf_stats_enabled), ns per run:");
+    for row in order {
+        let programs: Vec<String> = by_row[row]
+            .iter()
+            .filter(|(_, (runs, _))| *runs > 1000)
+            .map(|(name, (runs, ns))| format!("{}={}", name.trim_start_matches("kr_"), ns / runs))
+            .collect();
+        if !programs.is_empty() {
+            println!("    {row:<30} {}", programs.join(" "));
         }
     }
 }

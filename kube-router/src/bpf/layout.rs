@@ -235,6 +235,14 @@ pub const SOURCE_CHECK_MAPS: &[MapSpec] = &[
     spec::<u32, u64>(source_check_map_names::SOURCE_CHECK_STATS, MapType::PerCpuArray, src_stat::COUNT),
 ];
 
+/// The plain-traffic cache's generation and counters (`kube_router_common::plain`): maps of
+/// their own for the same reason. The cache itself is not pinned: what a program remembered is
+/// only good for the programs loaded with it.
+pub const PLAIN_MAPS: &[MapSpec] = &[
+    spec::<u32, u64>(plain_map_names::PLAIN_GENERATION, MapType::Array, 1),
+    spec::<u32, u64>(plain_map_names::PLAIN_STATS, MapType::PerCpuArray, plain_stat::COUNT),
+];
+
 pub(crate) fn all_specs() -> impl Iterator<Item = &'static MapSpec> {
     SERVICE_MAPS
         .iter()
@@ -248,6 +256,7 @@ pub(crate) fn all_specs() -> impl Iterator<Item = &'static MapSpec> {
         .chain(POLICY_CONFIG_MAPS)
         .chain(SOURCE_CHECK_MAPS)
         .chain(SOCK_EXEMPT_MAPS)
+        .chain(PLAIN_MAPS)
 }
 
 /// What the pinned maps hold against what this agent expects.

@@ -2,14 +2,16 @@
 use std::{collections::BTreeMap, path::Path};
 
 use anyhow::Result;
-use kube_router_common::{dsr_stat, event_stat, lb_stat, map_names, source_check_map_names, src_stat, xdp_stat};
+use kube_router_common::{
+    dsr_stat, event_stat, lb_stat, map_names, plain_map_names, plain_stat, source_check_map_names, src_stat, xdp_stat,
+};
 use serde::Serialize;
 
 use crate::bpf::{socket_lb::sock_events, xdp};
 use crate::pinned::counters::read_pinned_if_exists;
 use crate::services::maps::read_lb_stats;
 
-/// Counter name (prefixed by its group: `xdp_`, `dsr_`, `src_check_`, `sock_`, `monitor_`; the
+/// Counter name (prefixed by its group: `xdp_`, `dsr_`, `src_check_`, `plain_cache_`, `sock_`, `monitor_`; the
 /// load balancer's have no prefix) to its value summed over CPUs.
 #[derive(Serialize, Debug, Default)]
 #[serde(transparent)]
@@ -36,6 +38,14 @@ pub fn collect(pin_dir: &Path) -> Result<StatsReport> {
         "src_check_",
         &src_stat::NAMES,
         read_pinned_if_exists(pin_dir, source_check_map_names::SOURCE_CHECK_STATS, src_stat::COUNT)
+            .ok()
+            .flatten()
+            .unwrap_or_default(),
+    );
+    add(
+        "plain_cache_",
+        &plain_stat::NAMES,
+        read_pinned_if_exists(pin_dir, plain_map_names::PLAIN_STATS, plain_stat::COUNT)
             .ok()
             .flatten()
             .unwrap_or_default(),

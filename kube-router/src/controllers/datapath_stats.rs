@@ -9,8 +9,8 @@ use std::{
 
 use anyhow::Result;
 use kube_router_common::{
-    dsr_stat, lb_stat, map_names, pol_guard_stat, pol_stat, sock_map_names, sock_stat, source_check_map_names,
-    src_stat, xdp_stat, ServiceStats,
+    dsr_stat, lb_stat, map_names, plain_map_names, plain_stat, pol_guard_stat, pol_stat, sock_map_names, sock_stat,
+    source_check_map_names, src_stat, xdp_stat, ServiceStats,
 };
 
 use crate::pinned::counters::Counters;
@@ -42,6 +42,8 @@ pub struct DatapathCounters {
     pub pod_source_packets: Vec<(&'static str, u64)>,
     /// Pod veths with a `pod_src` entry, and of those the ones whose pod has no address yet.
     pub pod_source_veths: (usize, usize),
+    /// `plain_stats`: the plain-traffic cache's hits and verdicts remembered.
+    pub plain_cache: Vec<(&'static str, u64)>,
     pub conntrack_entries: u64,
     pub conntrack_gc_removed: u64,
     /// `pol_stats` and `pol_guard_stats` counters (empty without the policy).
@@ -98,6 +100,13 @@ impl prometheus_client::collector::Collector for DatapathMetrics {
             "Packets from pod veths by source-address verification outcome (spoofed_*: dropped).",
             "event",
             &m.pod_source_packets,
+        )?;
+        counters_by(
+            e,
+            "kube_router_plain_cache_total",
+            "The TC programs' plain-traffic cache: hit, a packet judged without lookups; remembered, a verdict written.",
+            "event",
+            &m.plain_cache,
         )?;
         let (checked, unassigned) = m.pod_source_veths;
         crate::exposition::series(
@@ -183,6 +192,7 @@ pub struct DatapathStatsController {
     /// `None` until direct server return's map exists.
     dsr_stats: Option<Counters>,
     source_check_stats: Option<Counters>,
+    plain_stats: Option<Counters>,
     /// Every frontend's counters of the last reading.
     frontend_stats: Vec<(FrontendId, ServiceStats)>,
     gc_interval: Duration,
@@ -234,6 +244,7 @@ impl DatapathStatsController {
             xdp_stats: None,
             dsr_stats: None,
             source_check_stats: None,
+            plain_stats: None,
             frontend_stats: Vec::new(),
             gc_interval,
             last_gc: now,
@@ -299,6 +310,13 @@ impl DatapathStatsController {
         }
         if let Some(Ok(stats)) = self.source_check_stats.as_ref().map(Counters::read) {
             self.counters.with(|m| m.pod_source_packets = src_stat::NAMES.iter().copied().zip(stats).collect());
+        }
+        if self.plain_stats.is_none() {
+            self.plain_stats =
+                Counters::open_pinned(&self.pin_dir, plain_map_names::PLAIN_STATS, plain_stat::COUNT).ok();
+        }
+        if let Some(Ok(stats)) = self.plain_stats.as_ref().map(Counters::read) {
+            self.counters.with(|m| m.plain_cache = plain_stat::NAMES.iter().copied().zip(stats).collect());
         }
         let started = Instant::now();
         // Read outside the metrics' lock (tens of thousands of syscalls at 10,000 Services)

@@ -37,17 +37,25 @@ where
         })
         .collect();
     let mut writes = 0;
-    for (net, flags) in desired {
-        if current.get(net) != Some(flags) {
-            map.insert(&key(net), flags, 0)?;
-            writes += 1;
+    let written = (|| -> Result<()> {
+        for (net, flags) in desired {
+            if current.get(net) != Some(flags) {
+                writes += 1;
+                map.insert(&key(net), flags, 0)?;
+            }
         }
+        for net in current.keys().filter(|net| !desired.contains_key(*net)) {
+            writes += 1;
+            map.remove(&key(net))?;
+        }
+        Ok(())
+    })();
+    // What is inside the cluster decides what the load balancer's gate lets pass, even after a
+    // write that failed part way.
+    if writes > 0 {
+        crate::pinned::plain::forget_all(pin_dir);
     }
-    for net in current.keys().filter(|net| !desired.contains_key(*net)) {
-        map.remove(&key(net))?;
-        writes += 1;
-    }
-    Ok(writes)
+    written.map(|()| writes)
 }
 
 /// Writes `changes` (flags 0: no longer inside) into `cluster_nets_v4` / `cluster_nets_v6`,
@@ -62,12 +70,14 @@ where
     }
     let mut map: LpmTrie<MapData, F::Words, u32> =
         LpmTrie::try_from(Map::LpmTrie(open(pin_dir, F::MAPS.cluster_nets)?))?;
-    for (net, flags) in changes {
+    let written = changes.iter().try_for_each(|(net, flags)| {
         let key = Key::new(u32::from(F::net_prefix_len(*net)), F::words(F::net_addr(*net)));
         match flags {
-            0 => map.remove(&key)?,
-            flags => map.insert(&key, flags, 0)?,
+            0 => map.remove(&key),
+            flags => map.insert(&key, flags, 0),
         }
-    }
+    });
+    crate::pinned::plain::forget_all(pin_dir);
+    written?;
     Ok(changes.len())
 }

@@ -238,6 +238,8 @@ impl Veth {
 /// Writes `pod_src` for the pod veths the interfaces controller attaches to.
 pub struct PodSourceCheck {
     map: HashMap<MapData, u32, PodSources>,
+    /// Changed after every write: a tuple remembered as plain traffic passed the old check.
+    plain: crate::pinned::plain::PlainGeneration,
     resolver: Resolver,
     checked_by: u8,
     veths: BTreeMap<u32, Veth>,
@@ -255,7 +257,8 @@ impl PodSourceCheck {
             .flatten()
             .map(|ifindex| (ifindex, Veth::after_read(None, PodAddresses::default(), std::time::Instant::now())))
             .collect();
-        Ok(Self { map, resolver: Resolver::open()?, checked_by, veths, failed: BTreeSet::new() })
+        let plain = crate::pinned::plain::PlainGeneration::open(pin_dir);
+        Ok(Self { map, plain, resolver: Resolver::open()?, checked_by, veths, failed: BTreeSet::new() })
     }
 
     /// Reads veth `ifindex`'s pod addresses and writes its entry if they changed. Called before
@@ -281,7 +284,9 @@ impl PodSourceCheck {
         };
         let previous = self.veths.get(&ifindex);
         if previous.map(|v| &v.addresses) != Some(&addresses) {
-            if let Err(e) = self.map.insert(ifindex, addresses.entry(self.checked_by), 0) {
+            let written = self.map.insert(ifindex, addresses.entry(self.checked_by), 0);
+            self.plain.forget_all();
+            if let Err(e) = written {
                 tracing::error!(interface, error = %e, "cannot write the pod's source addresses");
                 return;
             }
@@ -309,6 +314,8 @@ impl PodSourceCheck {
             self.veths.remove(&ifindex);
             self.failed.remove(&ifindex);
             let _ = self.map.remove(&ifindex);
+            // Its index may come back on another veth, under another pod's addresses.
+            self.plain.forget_all();
         }
     }
 
@@ -328,10 +335,9 @@ fn open_map(pin_dir: &Path) -> Result<HashMap<MapData, u32, PodSources>> {
 pub fn clear(pin_dir: &Path) -> Result<()> {
     let mut map = open_map(pin_dir)?;
     let keys: Vec<u32> = map.keys().flatten().collect();
-    for key in keys {
-        map.remove(&key)?;
-    }
-    Ok(())
+    let removed = keys.iter().try_for_each(|key| map.remove(key));
+    crate::pinned::plain::forget_all(pin_dir);
+    Ok(removed?)
 }
 
 #[cfg(test)]

@@ -1,10 +1,12 @@
 //! The pinned maps under the bpffs directory, as every feature opens them: their paths
 //! (`<bpf root>/v<LAYOUT_VERSION>/<name>`), opening one, a write error as the map writer reports
 //! it, per-CPU counter arrays (`counters`), the one conntrack garbage collector
-//! (`conntrack_gc`) and the API-state stamps in `meta` (`stamps`).
+//! (`conntrack_gc`), the API-state stamps in `meta` (`stamps`) and the plain-traffic cache's
+//! generation (`plain`).
 pub mod batch;
 pub mod conntrack_gc;
 pub mod counters;
+pub mod plain;
 pub mod stamps;
 
 use std::path::{Path, PathBuf};

@@ -437,6 +437,9 @@ pub struct BpfPolicyMaps {
     peers: LpmTrie<MapData, PeerPrefixV4, u8>,
     pods_v6: HashMap<MapData, PolicyPodKeyV6, PolicyPodValue>,
     peers_v6: LpmTrie<MapData, PeerPrefixV6, u8>,
+    /// Changed after a pod's entry is put: a tuple remembered as plain traffic may be the
+    /// pod's, isolated now.
+    plain: crate::pinned::plain::PlainGeneration,
 }
 
 impl BpfPolicyMaps {
@@ -447,6 +450,7 @@ impl BpfPolicyMaps {
             peers: LpmTrie::try_from(Map::LpmTrie(open(pin_dir, map_names::POLICY_PEERS)?))?,
             pods_v6: HashMap::try_from(Map::HashMap(open(pin_dir, map_names::POLICY_PODS_V6)?))?,
             peers_v6: LpmTrie::try_from(Map::LpmTrie(open(pin_dir, map_names::POLICY_PEERS_V6)?))?,
+            plain: crate::pinned::plain::PlainGeneration::open(pin_dir),
         })
     }
 }
@@ -457,7 +461,11 @@ impl PolicyMaps for BpfPolicyMaps {
             PolicyMapOp::PutPeerPrefix(PeerKey::V4(k), v) => self.peers.insert(&k.to_lpm(), v, 0),
             PolicyMapOp::PutPeerPrefix(PeerKey::V6(k), v) => self.peers_v6.insert(&k.to_lpm(), v, 0),
             PolicyMapOp::PutPort(k, v) => self.ports.insert(&k.to_lpm(), v, 0),
-            PolicyMapOp::PutPod(PodKey::V4(k), v) => self.pods.insert(k, v, 0),
+            PolicyMapOp::PutPod(PodKey::V4(k), v) => {
+                let put = self.pods.insert(k, v, 0);
+                self.plain.forget_all();
+                put
+            }
             PolicyMapOp::PutPod(PodKey::V6(k), v) => self.pods_v6.insert(k, v, 0),
             PolicyMapOp::DeletePod(PodKey::V4(k)) => self.pods.remove(k),
             PolicyMapOp::DeletePod(PodKey::V6(k)) => self.pods_v6.remove(k),
@@ -517,6 +525,8 @@ pub fn write_policy_ct_gate(pin_dir: &Path, track_all: bool) -> Result<()> {
     let flags = if track_all { POLICY_CT_TRACK_ALL } else { 0 };
     if map.get(&0, 0)? != flags {
         map.set(0, flags, 0)?;
+        // Tracking every pod: none is plain to the policy any more.
+        crate::pinned::plain::forget_all(pin_dir);
     }
     Ok(())
 }

@@ -16,6 +16,7 @@ use crate::pinned::open_pinned as open_map;
 fn set(pin_dir: &Path, open: bool) -> Result<()> {
     let mut meta: Array<MapData, u32> = Array::try_from(Map::Array(open_map(pin_dir, map_names::META)?))?;
     meta.set(META_LB_GATE, u32::from(open), 0).context("writing the gate flag in meta")?;
+    crate::pinned::plain::forget_all(pin_dir);
     Ok(())
 }
 

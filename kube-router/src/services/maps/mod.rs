@@ -58,6 +58,8 @@ where
     /// Puts into the hash maps go in batches (`KUBE_ROUTER_MAP_BATCHES=off`: one by one, for
     /// comparisons).
     batch_writes: bool,
+    /// Changed after a frontend is put: a tuple remembered as plain traffic may go to it now.
+    plain: crate::pinned::plain::PlainGeneration,
 }
 
 /// The IPv4 service maps.
@@ -98,6 +100,7 @@ where
             stats: stats::FamilySvcStats::open_pinned(pin_dir)?,
             stats_reset_warned: false,
             batch_writes: std::env::var("KUBE_ROUTER_MAP_BATCHES").map_or(true, |v| v != "off"),
+            plain: crate::pinned::plain::PlainGeneration::open(pin_dir),
         })
     }
 
@@ -159,7 +162,9 @@ where
             MapOp::PutSlot(k, v) => self.slots.insert(k, v, 0),
             MapOp::PutService(k, v) => {
                 self.reset_stats(k, v);
-                self.services.insert(k, v, 0)
+                let put = self.services.insert(k, v, 0);
+                self.plain.forget_all();
+                put
             }
             MapOp::DeleteService(k) => {
                 let removed = self.services.remove(k);
@@ -209,7 +214,9 @@ where
                     let same = programmed.services.get(k).is_some_and(|old| old.service_id == v.service_id);
                     self.reset_stats_unless(same, k);
                 }
-                batch_of(&self.services, &keys, &values)
+                let written = batch_of(&self.services, &keys, &values);
+                self.plain.forget_all();
+                written
             }
             _ => return None,
         };
@@ -250,6 +257,8 @@ pub(super) fn write_setting<V: aya::Pod + PartialEq>(pin_dir: &Path, name: &str,
     let mut map: aya::maps::Array<MapData, V> = aya::maps::Array::try_from(Map::Array(open(pin_dir, name)?))?;
     if map.get(&0, 0)? != *value {
         map.set(0, value, 0)?;
+        // The load balancer's settings decide what its gate lets pass.
+        crate::pinned::plain::forget_all(pin_dir);
     }
     Ok(())
 }
