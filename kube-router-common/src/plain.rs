@@ -15,7 +15,8 @@ pub mod plain_map_names {
 
 /// Indices of the `plain_stats` per-CPU counters.
 pub mod plain_stat {
-    /// Packets whose verdict was found in the cache: no lookup made.
+    /// Verdicts found in the cache, their lookups not made (a packet at the load balancer's
+    /// ingress may find two: its source's and its tuple's).
     pub const HIT: u32 = 0;
     /// Verdicts remembered (a tuple judged plain with the cache missing or out of date).
     pub const REMEMBERED: u32 = 1;
