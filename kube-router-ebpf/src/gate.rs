@@ -62,21 +62,31 @@ pub fn may_be_tracked<F: Family>(flow: &LbFlow<F::Addr>, hook: Hook, endpoint: &
         if F::snat_addr(config).is_some_and(|node| node == flow.dst_addr || node == flow.src_addr) {
             return true;
         }
-        if config.flags & LB_CONFIG_POD_EGRESS != 0 {
-            let far_end = match hook {
-                Hook::Ingress => &flow.src_addr,
-                Hook::Egress => &flow.dst_addr,
-            };
-            if F::cluster_net(far_end) == 0 {
-                return true;
-            }
+        let far_end = match hook {
+            Hook::Ingress => &flow.src_addr,
+            Hook::Egress => &flow.dst_addr,
+        };
+        if masqueraded_far_end::<F>(config, far_end) {
+            return true;
         }
     }
     // Egress creates no Service flow: a frontend matters at ingress only.
-    hook == Hook::Ingress && {
-        *endpoint = dst;
-        F::services().get_ptr(&*endpoint).is_some()
-    }
+    hook == Hook::Ingress && is_frontend::<F>(endpoint, dst)
+}
+
+/// Pod egress masquerade is on and `far_end` is outside the cluster: a flow to or from it may be
+/// masqueraded or recorded untranslated.
+#[inline(always)]
+fn masqueraded_far_end<F: Family>(config: &LbConfig, far_end: &F::Addr) -> bool {
+    config.flags & LB_CONFIG_POD_EGRESS != 0 && F::cluster_net(far_end) == 0
+}
+
+/// `frontend` is in `svc_v4/v6`; `endpoint` is the lookup's key, in map memory.
+#[allow(clippy::needless_borrows_for_generic_args)] // keys by reference, from map memory
+#[inline(always)]
+fn is_frontend<F: Family>(endpoint: &mut ServiceKey<F::Addr>, frontend: ServiceKey<F::Addr>) -> bool {
+    *endpoint = frontend;
+    F::services().get_ptr(&*endpoint).is_some()
 }
 
 /// For a packet `may_be_tracked` found untracked at ingress: the plain-traffic verdicts of its
@@ -85,17 +95,13 @@ pub fn may_be_tracked<F: Family>(flow: &LbFlow<F::Addr>, hook: Hook, endpoint: &
 /// The gate asks the same of a tuple and its reverse (the endpoints, the node's address) but for
 /// the far end pod egress masquerade looks at (the source at ingress, the destination at
 /// egress) and the frontend (ingress only, at the destination).
-#[allow(clippy::needless_borrows_for_generic_args)] // keys by reference, from map memory
 #[inline(never)]
 pub fn plain_both_ways<F: Family>(flow: &LbFlow<F::Addr>, endpoint: &mut ServiceKey<F::Addr>) -> (u32, u32) {
-    let far_end_inside = |addr: &F::Addr| {
-        LB_CONFIG.get(0).is_none_or(|config| config.flags & LB_CONFIG_POD_EGRESS == 0 || F::cluster_net(addr) != 0)
-    };
-    if !far_end_inside(&flow.dst_addr) {
+    if LB_CONFIG.get(0).is_some_and(|config| masqueraded_far_end::<F>(config, &flow.dst_addr)) {
         return (plain::LB_INGRESS, 0);
     }
-    *endpoint = ServiceKey { addr: flow.src_addr, port: flow.src_port, proto: flow.proto, pad: 0 };
-    let reply_to_frontend = F::services().get_ptr(&*endpoint).is_some();
+    let src = ServiceKey { addr: flow.src_addr, port: flow.src_port, proto: flow.proto, pad: 0 };
+    let reply_to_frontend = is_frontend::<F>(endpoint, src);
     let both = plain::LB_INGRESS | plain::LB_EGRESS;
     (both, if reply_to_frontend { plain::LB_EGRESS } else { both })
 }

@@ -74,7 +74,7 @@ fn counted_by(checker: u8) -> u32 {
 // Not inlined: a frame of its own, called before the callers' deep call chains, adds nothing to
 // their combined stack (512 bytes at most).
 #[inline(never)]
-pub fn spoofed(ctx: &TcContext, checker: u8) -> bool {
+fn spoofed(ctx: &TcContext, checker: u8) -> bool {
     // SAFETY: reading a field of the context the program was called with.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
     // SAFETY: the value is only read, in place (the agent replaces entries whole).
