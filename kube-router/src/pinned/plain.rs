@@ -4,17 +4,22 @@
 //! "plain" verdict may rest on is followed by [`PlainGeneration::forget_all`]: a frontend put,
 //! a pod's isolation or source addresses, the load balancer's settings, `cluster_nets`, the
 //! gate flag. What makes traffic *more* plain (a delete) needs none.
-use std::path::Path;
+use std::{
+    path::Path,
+    sync::atomic::{AtomicBool, Ordering},
+};
 
 use aya::maps::{Array, Map, MapData};
 use kube_router_common::plain_map_names;
+
+/// A failed write was said: once per process, whichever writer failed (some open the map per
+/// write).
+static WARNED: AtomicBool = AtomicBool::new(false);
 
 /// The generation, opened once by a writer.
 pub struct PlainGeneration {
     /// Absent: pinned maps of a datapath from before the cache, whose programs remember nothing.
     map: Option<Array<MapData, u64>>,
-    /// A failed write was said: once per writer.
-    warned: bool,
 }
 
 impl PlainGeneration {
@@ -22,24 +27,23 @@ impl PlainGeneration {
         let map = crate::pinned::open_pinned(pin_dir, plain_map_names::PLAIN_GENERATION)
             .ok()
             .and_then(|data| Array::try_from(Map::Array(data)).ok());
-        Self { map, warned: false }
+        Self { map }
     }
 
     /// Every remembered verdict is forgotten: call after the write it may rest on. A failure is
-    /// logged once per writer; the programs then trust their verdicts for at most a second
+    /// logged once; the programs then trust their verdicts for at most a second
     /// (the cache's time bound).
     pub fn forget_all(&mut self) {
         let Some(map) = &mut self.map else {
             return;
         };
         if let Err(e) = map.set(0, fresh_generation(), 0) {
-            if !self.warned {
+            if !WARNED.swap(true, Ordering::Relaxed) {
                 tracing::warn!(
                     error = %e,
                     map = plain_map_names::PLAIN_GENERATION,
                     "cannot change the plain-traffic cache's generation; cached verdicts last up to a second (said once)"
                 );
-                self.warned = true;
             }
         }
     }
