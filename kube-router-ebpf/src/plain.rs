@@ -2,8 +2,8 @@
 //! plain traffic: no Service flow can hold them, their pod is isolated by no policy. Judging one
 //! costs a handful of hash lookups per program (the load balancer's gate, the source check, the
 //! policy's isolation), about 80 % of what the programs cost traffic that uses no Service. Each
-//! program instead asks this per-CPU cache first, a direct-mapped array indexed by a hash of the
-//! IPv4 tuple and the interface: one inlined array access, no helper call.
+//! program instead asks this per-CPU cache first, slots indexed by a hash of the IPv4 tuple (or a
+//! pod's address and interface): one inlined array access, no helper call.
 //!
 //! A verdict is remembered with the generation read before it was found (`probe`), and trusted
 //! while `plain_gen` still holds that generation. Whatever could make a plain tuple one that is
@@ -42,15 +42,21 @@ pub const SOURCE_COUNTED_BY_POLICY: u32 = 1 << 5;
 pub const SOURCE_OK_LB: u32 = 1 << 6;
 pub const SOURCE_OK_POLICY: u32 = 1 << 7;
 
-/// Verdicts on a tuple, whatever the interface; the others are on the pod's address at the interface (the policy's
-/// isolation, the source check), whatever its peer and ports: a pod's next connection finds
-/// them too.
+/// Verdicts on a tuple, whatever the interface; the others are on the pod's address at the
+/// interface (the policy's isolation, the source check), whatever its peer and ports: a pod's
+/// next connection finds them too.
 const TUPLE_VERDICTS: u32 = LB_INGRESS | LB_EGRESS;
 
-/// Slots per CPU (a power of two). A collision only costs the full judgement.
-const SLOTS: u32 = 4096;
+/// Slots per CPU (a power of two). A collision only costs the full judgement. The whole of a
+/// CPU's slots is one per-CPU value, 32 KiB (the most a per-CPU value may be): one contiguous
+/// block a CPU's caches hold, not a slot per allocation. With 4,096 slots, one per-CPU element
+/// each (a pointer to load, then the slot, both on cold lines), reading a slot was the largest
+/// part of our programs' samples in a profile of Service traffic, whose slots always miss.
+const SLOTS: usize = 1024;
+/// Slots a pair of addresses' tuples share (a power of two).
+const WAYS: usize = 4;
 /// At most a second at any HZ a kernel is built with (100 to 1000).
-const TTL_JIFFIES: u64 = 100;
+const TTL_JIFFIES: u32 = 100;
 
 const ETH_P_IP_BE: u16 = 0x0800u16.to_be();
 const IPPROTO_TCP: u8 = 6;
@@ -58,11 +64,11 @@ const IPPROTO_UDP: u8 = 17;
 /// The IPv4 header's fragment field, less the DF bit: more fragments, or an offset.
 const IP_FRAGMENTED: u16 = 0x3fff;
 
+/// What a verdict is remembered under: a tuple's (`TUPLE_VERDICTS`), or a pod's address at an
+/// interface, `{ src: pod, dst: ifindex, ports: 0, proto: 0 }` (no tuple has protocol 0).
 #[repr(C)]
 #[derive(Clone, Copy, PartialEq, Eq)]
 struct Key {
-    ifindex: u32,
-    /// An address verdict's key has the pod's address here, and the rest 0.
     src: u32,
     dst: u32,
     /// Source and destination ports, as in the packet.
@@ -71,31 +77,40 @@ struct Key {
 }
 
 impl Key {
-    /// The key `verdict` is remembered under, from the packet's tuple.
+    /// The key `verdict` is remembered under, from the packet's tuple and interface.
     #[inline(always)]
-    fn for_verdict(&self, verdict: u32) -> Key {
+    fn for_verdict(&self, verdict: u32, ifindex: u32) -> Key {
         // The load balancer's verdicts do not depend on the interface: one remembered at
         // ingress serves the packet's egress from the node too.
         if verdict & TUPLE_VERDICTS != 0 {
-            return Key { ifindex: 0, ..*self };
+            return *self;
         }
         let pod = if verdict & POLICY_TO_POD != 0 { self.dst } else { self.src };
-        Key { ifindex: self.ifindex, src: pod, dst: 0, ports: 0, proto: 0 }
+        Key { src: pod, dst: ifindex, ports: 0, proto: 0 }
     }
 }
 
+/// 32 bytes: two to a cache line.
 #[repr(C)]
 struct Slot {
     key: Key,
     verdicts: u32,
+    /// `bpf_jiffies64` when found, its low half: only `TTL_JIFFIES` apart matters. A slot left
+    /// untouched for 2^32 jiffies (50 days at 1000 HZ) may look fresh again, which only matters
+    /// if the generation is unchanged too, when its verdict still holds.
+    since: u32,
     generation: u64,
-    since: u64,
 }
+
+/// A CPU's slots.
+#[repr(C)]
+struct Slots([Slot; SLOTS]);
 
 /// What this program run's packet is, read before its judgement.
 #[repr(C)]
 struct Probe {
     key: Key,
+    ifindex: u32,
     cacheable: u32,
     generation: u64,
     /// `SOURCE_COUNTED_*` noted during the judgement.
@@ -111,7 +126,7 @@ static STATS: PerCpuArray<u64> = PerCpuArray::pinned(plain_stat::COUNT, 0);
 
 // Not pinned: what a program remembered is only good for the programs loaded with it.
 #[map(name = "plain_cache")]
-static CACHE: PerCpuArray<Slot> = PerCpuArray::with_max_entries(SLOTS, 0);
+static CACHE: PerCpuArray<Slots> = PerCpuArray::with_max_entries(1, 0);
 
 #[map(name = "plain_probe")]
 static PROBE: PerCpuArray<Probe> = PerCpuArray::with_max_entries(1, 0);
@@ -132,9 +147,9 @@ fn generation() -> Option<u64> {
     Some(unsafe { core::ptr::read_volatile(at) })
 }
 
-/// The packet's key, if it is one the cache holds.
+/// The packet's tuple and interface, if it is one the cache holds.
 #[inline(always)]
-fn key_of(ctx: &TcContext) -> Option<Key> {
+fn key_of(ctx: &TcContext) -> Option<(Key, u32)> {
     // SAFETY: reading fields of the context the program was called with.
     let (vlan, ifindex) = unsafe { ((*ctx.skb.skb).vlan_present, (*ctx.skb.skb).ifindex) };
     if vlan != 0 || packet::load::<u16>(ctx, 12).ok()? != ETH_P_IP_BE {
@@ -151,13 +166,20 @@ fn key_of(ctx: &TcContext) -> Option<Key> {
         return None;
     }
     let ports = packet::load::<u32>(ctx, 34).ok()?;
-    Some(Key { ifindex, src: header[3], dst: header[4], ports, proto: proto as u32 })
+    Some((Key { src: header[3], dst: header[4], ports, proto: proto as u32 }, ifindex))
 }
 
+/// This CPU's slot for `key`.
 #[inline(always)]
-fn slot_of(key: &Key) -> u32 {
-    let hash = mix32(mix32(mix32(mix32(key.ifindex, key.src), key.dst), key.ports), key.proto);
-    fmix32(hash) & (SLOTS - 1)
+fn slot_of(key: &Key) -> Option<*mut Slot> {
+    let slots = CACHE.get_ptr_mut(0)?;
+    // The addresses choose a set of `WAYS` adjacent slots, the ports one of them: a pair of
+    // endpoints' flows share two cache lines, warm from its last packet.
+    let set = fmix32(mix32(key.src, key.dst)) as usize * WAYS;
+    let way = fmix32(mix32(key.ports, key.proto)) as usize & (WAYS - 1);
+    let index = (set + way) & (SLOTS - 1);
+    // SAFETY: per-CPU map memory, and `index` < SLOTS.
+    Some(unsafe { (*slots).0.as_mut_ptr().add(index) })
 }
 
 /// The verdicts remembered for this packet if they include `verdict`, else 0. Also the probe a
@@ -183,7 +205,7 @@ pub fn probe(ctx: &TcContext) -> bool {
     let probe = unsafe { &mut *probe };
     probe.cacheable = 0;
     probe.noted = 0;
-    let Some(key) = key_of(ctx) else {
+    let Some((key, ifindex)) = key_of(ctx) else {
         return false;
     };
     // Read before anything the judgement reads: a change after this read, of anything the
@@ -192,6 +214,7 @@ pub fn probe(ctx: &TcContext) -> bool {
         return false;
     };
     probe.key = key;
+    probe.ifindex = ifindex;
     probe.generation = generation;
     probe.cacheable = 1;
     true
@@ -209,12 +232,12 @@ pub fn known_again(verdict: u32) -> u32 {
     if probe.cacheable == 0 {
         return 0;
     }
-    lookup(&probe.key.for_verdict(verdict), probe.generation, verdict)
+    lookup(&probe.key.for_verdict(verdict, probe.ifindex), probe.generation, verdict)
 }
 
 #[inline(always)]
 fn lookup(key: &Key, generation: u64, verdict: u32) -> u32 {
-    let Some(slot) = CACHE.get_ptr(slot_of(key)) else {
+    let Some(slot) = slot_of(key) else {
         return 0;
     };
     // SAFETY: per-CPU map memory; only this CPU's runs write it, one at a time.
@@ -222,11 +245,17 @@ fn lookup(key: &Key, generation: u64, verdict: u32) -> u32 {
     if slot.verdicts & verdict == 0 || slot.key != *key || slot.generation != generation {
         return 0;
     }
-    if unsafe { bpf_jiffies64() }.wrapping_sub(slot.since) >= TTL_JIFFIES {
+    if jiffies().wrapping_sub(slot.since) >= TTL_JIFFIES {
         return 0;
     }
     count(plain_stat::HIT);
     slot.verdicts
+}
+
+/// The low half of `bpf_jiffies64` (see `Slot::since`).
+#[inline(always)]
+fn jiffies() -> u32 {
+    unsafe { bpf_jiffies64() as u32 }
 }
 
 /// Notes `SOURCE_COUNTED_*` for the verdict this run remembers.
@@ -250,13 +279,13 @@ pub fn remember(verdict: u32) {
     if probe.cacheable == 0 {
         return;
     }
-    let key = probe.key.for_verdict(verdict);
-    let Some(slot) = CACHE.get_ptr_mut(slot_of(&key)) else {
+    let key = probe.key.for_verdict(verdict, probe.ifindex);
+    let Some(slot) = slot_of(&key) else {
         return;
     };
     // SAFETY: per-CPU map memory; only this CPU's runs write it, one at a time.
     let slot = unsafe { &mut *slot };
-    let now = unsafe { bpf_jiffies64() };
+    let now = jiffies();
     // What the source check noted belongs to the interface's verdicts, not the tuple's.
     let verdicts = if verdict & TUPLE_VERDICTS != 0 { verdict } else { verdict | probe.noted };
     if slot.key == key && slot.generation == probe.generation && now.wrapping_sub(slot.since) < TTL_JIFFIES {
