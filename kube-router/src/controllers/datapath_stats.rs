@@ -104,7 +104,7 @@ impl prometheus_client::collector::Collector for DatapathMetrics {
         counters_by(
             e,
             "kube_router_plain_cache_total",
-            "The TC programs' plain-traffic cache: hit, a packet judged without lookups; remembered, a verdict written.",
+            "The TC programs' plain-traffic cache: hit, a packet judged without lookups; remembered, a verdict written; generation_write_failed, the agent could not change its generation.",
             "event",
             &m.plain_cache,
         )?;
@@ -316,7 +316,10 @@ impl DatapathStatsController {
                 Counters::open_pinned(&self.pin_dir, plain_map_names::PLAIN_STATS, plain_stat::COUNT).ok();
         }
         if let Some(Ok(stats)) = self.plain_stats.as_ref().map(Counters::read) {
-            self.counters.with(|m| m.plain_cache = plain_stat::NAMES.iter().copied().zip(stats).collect());
+            // The agent's own failed changes of the generation beside the datapath's counters.
+            let failed = (crate::pinned::plain::GENERATION_WRITE_FAILED, crate::pinned::plain::failed_writes());
+            self.counters
+                .with(|m| m.plain_cache = plain_stat::NAMES.iter().copied().zip(stats).chain([failed]).collect());
         }
         let started = Instant::now();
         // Read outside the metrics' lock (tens of thousands of syscalls at 10,000 Services)

@@ -6,7 +6,7 @@
 //! gate flag. What makes traffic *more* plain (a delete) needs none.
 use std::{
     path::Path,
-    sync::atomic::{AtomicBool, Ordering},
+    sync::atomic::{AtomicBool, AtomicU64, Ordering},
 };
 
 use aya::maps::{Array, Map, MapData};
@@ -15,6 +15,18 @@ use kube_router_common::plain_map_names;
 /// A failed write was said: once per process, whichever writer failed (some open the map per
 /// write).
 static WARNED: AtomicBool = AtomicBool::new(false);
+
+/// Failed writes of the generation, every one (`kube_router_plain_cache_total`,
+/// `event="generation_write_failed"`).
+static FAILED_WRITES: AtomicU64 = AtomicU64::new(0);
+
+/// The `kube_router_plain_cache_total` event counting [`failed_writes`].
+pub const GENERATION_WRITE_FAILED: &str = "generation_write_failed";
+
+/// Failed changes of the generation since the agent started.
+pub fn failed_writes() -> u64 {
+    FAILED_WRITES.load(Ordering::Relaxed)
+}
 
 /// The generation, opened once by a writer.
 pub struct PlainGeneration {
@@ -38,11 +50,12 @@ impl PlainGeneration {
             return;
         };
         if let Err(e) = map.set(0, fresh_generation(), 0) {
+            FAILED_WRITES.fetch_add(1, Ordering::Relaxed);
             if !WARNED.swap(true, Ordering::Relaxed) {
                 tracing::warn!(
                     error = %e,
                     map = plain_map_names::PLAIN_GENERATION,
-                    "cannot change the plain-traffic cache's generation; cached verdicts last up to a second (said once)"
+                    "cannot change the plain-traffic cache's generation; cached verdicts last up to a second (said once; counted in kube_router_plain_cache_total{event=\"generation_write_failed\"})"
                 );
             }
         }
