@@ -532,35 +532,49 @@ fn a_tuple_remembered_as_plain_is_judged_again_once_an_endpoint_or_frontend_appe
     assert_eq!(packet::endpoints(&run(ingress, &to_other, 1).unwrap().packet).1, backend, "a frontend now");
 }
 
-/// A generation the agent cannot change (here `plain_gen` created read-only for system calls,
-/// `BPF_F_RDONLY`) is counted at every failed change, for `kube_router_plain_cache_total`'s
+/// A generation the agent cannot change (here a `plain_gen` frozen, `BPF_MAP_FREEZE`: read-only
+/// for system calls) is counted at every failed change, for `kube_router_plain_cache_total`'s
 /// `generation_write_failed`; one it can change is not.
 #[test]
 fn a_failed_change_of_the_plain_generation_is_counted_every_time() {
     use kube_router::pinned::plain::{failed_writes, PlainGeneration};
     use kube_router_common::plain_map_names::PLAIN_GENERATION;
-    const BPF_F_RDONLY: u32 = 1 << 3;
     let pin_dir = PathBuf::from("/sys/fs/bpf/krt-unit-plain-gen");
     let _ = datapath::remove_all(&pin_dir);
     let pin = kube_router::pinned::pinned_map(&pin_dir, PLAIN_GENERATION);
     std::fs::create_dir_all(pin.parent().unwrap()).unwrap();
-    let create = |flags: u32| {
-        let _ = std::fs::remove_file(&pin);
-        let status = std::process::Command::new("bpftool")
-            .args(["map", "create", pin.to_str().unwrap(), "type", "array", "key", "4", "value", "8"])
-            .args(["entries", "1", "name", PLAIN_GENERATION, "flags", &flags.to_string()])
-            .status()
-            .expect("bpftool");
-        assert!(status.success(), "bpftool map create");
+    let bpftool = |args: &[&str]| {
+        let status = std::process::Command::new("bpftool").args(args).status().expect("bpftool");
+        assert!(status.success(), "bpftool {args:?}");
     };
-    create(BPF_F_RDONLY);
+    let path = pin.to_str().unwrap();
+    let create = || {
+        let _ = std::fs::remove_file(&pin);
+        bpftool(&[
+            "map",
+            "create",
+            path,
+            "type",
+            "array",
+            "key",
+            "4",
+            "value",
+            "8",
+            "entries",
+            "1",
+            "name",
+            PLAIN_GENERATION,
+        ]);
+    };
+    create();
+    bpftool(&["map", "freeze", "pinned", path]);
     let before = failed_writes();
     let mut generation = PlainGeneration::open(&pin_dir);
     generation.forget_all();
     generation.forget_all();
     kube_router::pinned::plain::forget_all(&pin_dir);
     assert_eq!(failed_writes() - before, 3, "every failed change is counted");
-    create(0);
+    create();
     let before = failed_writes();
     kube_router::pinned::plain::forget_all(&pin_dir);
     assert_eq!(failed_writes(), before, "a change that succeeds is not");

@@ -55,7 +55,7 @@ impl PlainGeneration {
                 tracing::warn!(
                     error = %e,
                     map = plain_map_names::PLAIN_GENERATION,
-                    "cannot change the plain-traffic cache's generation; cached verdicts last up to a second (said once; counted in kube_router_plain_cache_total{event=\"generation_write_failed\"})"
+                    "cannot change the plain-traffic cache's generation; cached verdicts last up to a second (said once; counted in kube_router_plain_cache_total{{event=\"generation_write_failed\"}})"
                 );
             }
         }
