@@ -59,10 +59,7 @@ static DSR_STATS: PerCpuArray<u64> = PerCpuArray::pinned(dsr_stat::COUNT, 0);
 
 #[inline(always)]
 pub fn count(stat: u32) {
-    if let Some(counter) = DSR_STATS.get_ptr_mut(stat) {
-        // Per-CPU slot: no other CPU writes it, a plain add is enough.
-        unsafe { *counter += 1 };
-    }
+    crate::maps::bump(&DSR_STATS, stat);
 }
 
 /// Tunnels the IPv4 packet as it arrived to `backend` (address, port) from this node's address

@@ -27,10 +27,7 @@ const MAX_RATE: u64 = 1_000_000;
 
 #[inline(always)]
 fn count(stat: u32) {
-    if let Some(counter) = EVENTS_STATS.get_ptr_mut(stat) {
-        // Per-CPU slot: a plain add is enough.
-        unsafe { *counter += 1 };
-    }
+    crate::maps::bump(&EVENTS_STATS, stat);
 }
 
 /// Whether a monitor is listening; the cost of the monitor when off.

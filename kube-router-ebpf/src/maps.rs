@@ -144,12 +144,18 @@ pub static LB_STATS: PerCpuArray<u64> = PerCpuArray::pinned(lb_stat::COUNT, 0);
 #[map(name = "meta")]
 pub static META: Array<u32> = Array::pinned(META_MAX_ENTRIES, 0);
 
+/// Adds one to this CPU's `stat` counter of `counters`.
 #[inline(always)]
-pub fn count(stat: u32) {
-    if let Some(counter) = LB_STATS.get_ptr_mut(stat) {
+pub fn bump(counters: &PerCpuArray<u64>, stat: u32) {
+    if let Some(counter) = counters.get_ptr_mut(stat) {
         // Per-CPU slot: no other CPU writes it, a plain add is enough.
         unsafe { *counter += 1 };
     }
+}
+
+#[inline(always)]
+pub fn count(stat: u32) {
+    bump(&LB_STATS, stat);
 }
 
 // NetworkPolicy (see kube_router_common::policy and docs/policy-layout.md).
@@ -190,18 +196,12 @@ pub static POLICY_GUARD_STATS: PerCpuArray<u64> = PerCpuArray::pinned(pol_guard_
 
 #[inline(always)]
 pub fn count_policy_guard(stat: u32) {
-    if let Some(counter) = POLICY_GUARD_STATS.get_ptr_mut(stat) {
-        // Per-CPU slot: no other CPU writes it, a plain add is enough.
-        unsafe { *counter += 1 };
-    }
+    bump(&POLICY_GUARD_STATS, stat);
 }
 
 #[inline(always)]
 pub fn count_policy(stat: u32) {
-    if let Some(counter) = POLICY_STATS.get_ptr_mut(stat) {
-        // Per-CPU slot: no other CPU writes it, a plain add is enough.
-        unsafe { *counter += 1 };
-    }
+    bump(&POLICY_STATS, stat);
 }
 
 // Pod overlay between nodes (see overlay.rs and kube_router_common::OverlayTunnelV4).
@@ -217,10 +217,7 @@ pub static OVERLAY_STATS: PerCpuArray<u64> = PerCpuArray::pinned(ovl_stat::COUNT
 
 #[inline(always)]
 pub fn count_overlay(stat: u32) {
-    if let Some(counter) = OVERLAY_STATS.get_ptr_mut(stat) {
-        // Per-CPU slot: no other CPU writes it, a plain add is enough.
-        unsafe { *counter += 1 };
-    }
+    bump(&OVERLAY_STATS, stat);
 }
 
 // Socket load balancer (see kube_router_common::sock and docs/maps.md).
@@ -246,8 +243,5 @@ pub static SOCK_STATS: PerCpuArray<u64> = PerCpuArray::pinned(sock_stat::COUNT, 
 
 #[inline(always)]
 pub fn count_sock(stat: u32) {
-    if let Some(counter) = SOCK_STATS.get_ptr_mut(stat) {
-        // Per-CPU slot: no other CPU writes it, a plain add is enough.
-        unsafe { *counter += 1 };
-    }
+    bump(&SOCK_STATS, stat);
 }

@@ -133,10 +133,7 @@ static PROBE: PerCpuArray<Probe> = PerCpuArray::with_max_entries(1, 0);
 
 #[inline(always)]
 fn count(stat: u32) {
-    if let Some(counter) = STATS.get_ptr_mut(stat) {
-        // Per-CPU slot: no other CPU writes it, a plain add is enough.
-        unsafe { *counter += 1 };
-    }
+    crate::maps::bump(&STATS, stat);
 }
 
 #[inline(always)]

@@ -34,10 +34,7 @@ const ARP_SENDER_IP_OFFSET: usize = 14 + 14;
 
 #[inline(always)]
 fn count(stat: u32) {
-    if let Some(counter) = SOURCE_CHECK_STATS.get_ptr_mut(stat) {
-        // Per-CPU slot: no other CPU writes it, a plain add is enough.
-        unsafe { *counter += 1 };
-    }
+    crate::maps::bump(&SOURCE_CHECK_STATS, stat);
 }
 
 /// `spoofed`, unless the plain-traffic cache knows the packet's source passes this interface's

@@ -42,10 +42,7 @@ static FIB_PARAMS: PerCpuArray<FibLookup> = PerCpuArray::with_max_entries(1, 0);
 
 #[inline(always)]
 fn count(stat: u32) {
-    if let Some(counter) = XDP_STATS.get_ptr_mut(stat) {
-        // Per-CPU slot: no other CPU writes it, a plain add is enough.
-        unsafe { *counter += 1 };
-    }
+    crate::maps::bump(&XDP_STATS, stat);
 }
 
 #[inline(always)]
